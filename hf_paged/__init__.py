@@ -1,0 +1,21 @@
+"""hf_paged: vLLM-style paged attention for HuggingFace transformers.
+
+``import hf_paged`` registers ``attn_implementation="hf_paged"``; pass a :class:`PagedAttentionCache` to
+``model.generate`` to run on paged memory.
+"""
+
+from hf_paged.attention.dispatch import available_backends
+from hf_paged.cache import BlockAllocator, OutOfBlocksError, PagedAttentionCache
+from hf_paged.hf.register import ATTN_IMPLEMENTATION, register
+
+register()
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "BlockAllocator",
+    "OutOfBlocksError",
+    "PagedAttentionCache",
+    "available_backends",
+]

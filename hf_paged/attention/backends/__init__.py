@@ -1,0 +1,1 @@
+"""Attention backends, one per file; each registers itself on import (see ``base.py``)."""

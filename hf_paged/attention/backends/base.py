@@ -1,0 +1,115 @@
+"""The backend contract: what a paged-attention backend declares and the three verbs it implements.
+
+A backend lives in one file of this package and registers itself with :func:`register_backend`; the dispatcher
+(:mod:`hf_paged.attention.dispatch`) imports every module here, so adding a backend is a one-file change.
+
+Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim):
+    query:            [T, H, D]
+    key, value (new): [T, Hkv, D]
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    output:           [T, H, D], the dtype of ``query``
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.attention.metadata import PagedMetadata, Phase
+
+
+@dataclass(frozen=True)
+class AttentionCall:
+    """What one layer asks for in one step; a backend serves it or says why not."""
+
+    phase: Phase
+    device_type: str
+    dtype: torch.dtype
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+    block_size: int
+    sliding_window: int | None = None
+    softcap: float | None = None
+    alibi: bool = False
+
+
+@dataclass(frozen=True)
+class AttentionParams:
+    """Per-layer scalars of the attention math.
+
+    ``sliding_window``: a query at position ``i`` sees keys at ``j`` with ``i - j < sliding_window`` (None = all).
+    ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax (None = off).
+    ``alibi_slopes``: ``[H]`` float32; adds ``slope[h] * (j - i)`` to the scores (None = off).
+    """
+
+    scale: float
+    sliding_window: int | None = None
+    softcap: float | None = None
+    alibi_slopes: torch.Tensor | None = None
+
+
+class AttentionBackend(ABC):
+    """One way to run paged attention. Subclasses set ``name`` and ``priority`` (lower is tried first)."""
+
+    name: str = ""
+    priority: int = 100
+
+    @abstractmethod
+    def unsupported_reason(self, call: AttentionCall) -> str | None:
+        """None if this backend can serve ``call``, else a short reason (shown when a pinned backend refuses)."""
+
+    def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+        """None if this backend has its own KV write for such a cache, else why not (the torch one serves)."""
+        return "no KV-write kernel of its own"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedMetadata,
+    ) -> None:
+        """Scatter the new ``key``/``value`` into their slots (``meta.slot_mapping``); -1 slots are skipped."""
+        slots = meta.slot_mapping
+        if meta.has_padding_slots:
+            keep = slots >= 0
+            key, value, slots = key[keep], value[keep], slots[keep]
+        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+
+    @abstractmethod
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedMetadata,
+        params: AttentionParams,
+    ) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its whole context (bottom-right aligned).
+
+        The new tokens' K/V are already in the cache when this runs; ``key``/``value`` are passed too so that a
+        ``Phase.PREFILL`` step can skip reading the cache.
+        """
+
+
+_REGISTRY: dict[str, AttentionBackend] = {}
+
+
+def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
+    """Class decorator: instantiate and register a backend under ``cls.name``."""
+    if not cls.name:
+        raise ValueError(f"{cls.__name__} needs a name")
+    _REGISTRY[cls.name] = cls()
+    return cls
+
+
+def registered_backends() -> list[AttentionBackend]:
+    """All registered backends, in the order the dispatcher tries them."""
+    return sorted(_REGISTRY.values(), key=lambda b: b.priority)

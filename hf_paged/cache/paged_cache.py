@@ -1,0 +1,293 @@
+"""``PagedAttentionCache``: a ``transformers.Cache`` whose KV lives in fixed-size blocks.
+
+::
+
+    model.generate batch (left-padded)         block tables                 KV pool (per layer, shared ids)
+    row 0: . . a b c d e                       row 0: [3, 7]                 block 3: a b c d    (block_size 4)
+    row 1: f g h i j k l       --plan-->       row 1: [0, 1]                 block 7: e _ _ _
+                                                                              block 0: f g h i
+    (. = padding: no slot)                     slot = block * 4 + offset      block 1: j k l _
+
+Each forward, the registered ``"hf_paged"`` mask function asks this cache to *plan* the step: rows get blocks for
+their new real tokens (padding takes none), and the plan's flat tensors (slot mapping, block tables, sequence
+lengths) are built once and handed to every layer as its ``attention_mask``. Each layer's ``update`` packs the new
+K/V of the real tokens; the attention function writes them into their slots and attends through the block tables.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import torch
+from transformers.cache_utils import Cache, CacheLayerMixin
+
+from hf_paged.attention.dispatch import Dispatcher
+from hf_paged.attention.metadata import PagedMetadata, build_metadata
+from hf_paged.cache.batch_tables import BatchTables
+from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
+from hf_paged.hf.support import check_model_supported
+
+logger = logging.getLogger("hf_paged")
+
+
+class _PlanOffset(int):
+    """The query offset ``generate``'s mask code asks the cache for, carrying the cache to the mask function.
+
+    It is an ``int`` (the number of columns seen), so any other reader gets the plain offset.
+    """
+
+    paged_cache: PagedAttentionCache
+
+    def __new__(cls, value: int, cache: PagedAttentionCache):
+        obj = super().__new__(cls, value)
+        obj.paged_cache = cache
+        return obj
+
+
+class PagedLayer(CacheLayerMixin):
+    """One layer's view of the pool, so transformers code that walks ``cache.layers`` finds real tensors."""
+
+    is_compileable = False
+    is_sliding = False
+    supports_early_init = False
+
+    def __init__(self, owner: PagedAttentionCache, layer_idx: int):
+        super().__init__()
+        self.owner, self.layer_idx = owner, layer_idx
+        self.keys, self.values = owner.pool.kv_caches[layer_idx]
+        self.is_initialized = True
+
+    def lazy_initialization(self, key_states, value_states) -> None:
+        return None  # the pool is allocated up front
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        return self.owner.update(key_states, value_states, self.layer_idx)
+
+    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
+        return self.owner.get_mask_sizes(query_length, self.layer_idx)
+
+    def get_seq_length(self) -> int:
+        return self.owner.get_seq_length()
+
+    def get_max_length(self) -> int:
+        return -1
+
+
+class PagedAttentionCache(Cache):
+    """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
+
+    Args:
+        config: the model config (``model.config``).
+        num_blocks: blocks in the pool; or None to size the pool from ``memory_budget``.
+        block_size: tokens per block (1 to 1024; 16 is a good default, flash-attn's paged kernels want 256).
+        device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
+        dtype: KV dtype; must be the model's dtype (float16, bfloat16 or float32).
+        memory_budget: with ``num_blocks=None``: bytes (int) or a fraction of free device memory (float).
+        backend: pin an attention backend by name (see ``hf_paged.available_backends()``); None = automatic.
+
+    Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+    """
+
+    def __init__(
+        self,
+        config,
+        num_blocks: int | None = None,
+        block_size: int = 16,
+        device: str | torch.device | Sequence[str | torch.device] = "cpu",
+        dtype: torch.dtype = torch.float32,
+        memory_budget: int | float | None = None,
+        backend: str | None = None,
+    ):
+        check_model_supported(config)
+        if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
+            raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
+        if dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"dtype {dtype} is not supported for the KV cache; use one of {SUPPORTED_DTYPES}")
+        self.config = config
+        layout = KVLayout.from_config(config)
+        devices = _layer_devices(device, layout.num_layers)
+        if num_blocks is None:
+            if memory_budget is None:
+                raise ValueError("give num_blocks, or memory_budget (bytes, or a fraction of free memory)")
+            num_blocks = blocks_for_budget(layout, block_size, dtype, devices, memory_budget)
+        elif memory_budget is not None:
+            raise ValueError("give either num_blocks or memory_budget, not both")
+        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
+            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
+        self.pool = KVPool(layout, num_blocks, block_size, dtype, devices)
+        self.rows = BatchTables(self.pool)
+        self.dispatcher = Dispatcher(backend)
+        self.dtype = dtype
+        self._plan: PagedMetadata | None = None
+        self._plan_key: tuple | None = None
+        self._layers_written: set[int] = set()
+        self._next_plan: PagedMetadata | None = None
+        super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
+
+    # ----- sizes transformers asks for -------------------------------------------------------------------------
+    @property
+    def block_size(self) -> int:
+        return self.pool.block_size
+
+    @property
+    def num_blocks(self) -> int:
+        return self.pool.num_blocks
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Columns of the ``generate`` batch seen so far (padding included, as transformers counts them)."""
+        return self.rows.num_columns
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.rows.num_columns + query_length, 0
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return _PlanOffset(self.rows.num_columns, self)
+
+    def get_max_length(self, layer_idx: int | None = None) -> int:
+        return -1
+
+    @property
+    def batch_size(self) -> int:
+        return self.rows.num_rows
+
+    @property
+    def is_compileable(self) -> bool:
+        return False
+
+    @property
+    def is_initialized(self) -> bool:
+        return True
+
+    @property
+    def is_croppable(self) -> bool:
+        return True
+
+    # ----- one step --------------------------------------------------------------------------------------------
+    def begin_step(self, meta: PagedMetadata) -> None:
+        """Hand the next forward a plan made elsewhere (the engine plans its own steps)."""
+        self._next_plan = meta
+
+    def plan_step(
+        self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device
+    ) -> PagedMetadata:
+        """Reserve slots for this forward's real tokens and build the step's metadata (once per forward).
+
+        Args:
+            attention_mask: ``[batch, columns + q_len]`` 2D padding mask (1 = real token), or None (all real).
+        """
+        if self._next_plan is not None:
+            self._plan, self._next_plan = self._next_plan, None
+            self._layers_written.clear()
+            return self._plan
+        key = (batch_size, q_len, self.rows.num_columns)
+        # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
+        if self._plan is not None and not self._layers_written and self._plan_key == key:
+            return self._plan
+        if self.rows.num_rows == 0 or self.rows.num_columns == 0:
+            self.rows.start(batch_size)
+        elif batch_size != self.rows.num_rows:
+            raise ValueError(
+                f"this PagedAttentionCache holds {self.rows.num_rows} sequences from an earlier call but the batch "
+                f"has {batch_size}; call cache.reset() (or make a new cache) before generating a new batch"
+            )
+        if attention_mask is None:
+            valid = torch.ones(batch_size, q_len, dtype=torch.bool)
+        else:
+            valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
+        slots = self.rows.append(valid)
+        q_lens = valid.sum(1)
+        all_valid = bool(valid.all())
+        self._plan = build_metadata(
+            q_lens=q_lens,
+            seq_lens_k=torch.tensor(self.rows.num_tokens),
+            block_tables=self.rows.block_table_tensor(),
+            slot_mapping=slots,
+            token_index=None if all_valid else valid.flatten().nonzero().squeeze(1),
+            grid=(batch_size, q_len),
+            block_size=self.block_size,
+            kv_caches=self.pool.kv_caches,
+            dispatcher=self.dispatcher,
+            device=torch.device(device),
+        )
+        self._plan_key = (batch_size, q_len, self.rows.num_columns)
+        self._layers_written.clear()
+        return self._plan
+
+    def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
+        """Pack this layer's new K/V (``[batch, Hkv, q_len, D]``) to the real tokens: returns ``[T, Hkv, D]`` each.
+
+        The attention function writes them into the pool (its backend picks the write kernel) and attends.
+        """
+        plan = self._plan
+        if plan is None:
+            raise RuntimeError(
+                "PagedAttentionCache.update ran before a step was planned: load the model with "
+                'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step'
+            )
+        k_cache = self.pool.kv_caches[layer_idx][0]
+        if key_states.dtype != self.dtype:
+            raise ValueError(
+                f"the model produces {key_states.dtype} keys but the cache holds {self.dtype}; "
+                f"create the cache with dtype=model.dtype"
+            )
+        if key_states.device != k_cache.device:
+            raise ValueError(
+                f"layer {layer_idx} runs on {key_states.device} but its KV cache is on {k_cache.device}; "
+                "create the cache with device=model.device (or one device per layer for a split model)"
+            )
+        self._layers_written.add(layer_idx)
+        return _pack(key_states, plan, k_cache.device), _pack(value_states, plan, k_cache.device)
+
+    # ----- batch edits generate performs -----------------------------------------------------------------------
+    def reset(self) -> None:
+        self.rows.reset()
+        self._plan = None
+
+    def crop(self, max_length: int) -> None:
+        """Keep the first ``max_length`` columns (negative: drop that many from the end)."""
+        if max_length < 0:
+            max_length = self.rows.num_columns - abs(max_length)
+        self.rows.crop(max(max_length, 0))
+        self._plan = None
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        self.rows.select_rows(beam_idx.tolist())
+        self._plan = None
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        self.rows.select_rows([r for r in range(self.rows.num_rows) for _ in range(repeats)])
+        self._plan = None
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.rows.select_rows(torch.as_tensor(indices).tolist())
+        self._plan = None
+
+    # ----- introspection ---------------------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Blocks used and free, tokens stored, internal fragmentation, and which backend served each phase."""
+        return {**self.rows.stats(), "backends": dict(self.dispatcher.served)}
+
+    def __repr__(self) -> str:
+        s = self.rows.stats()
+        return (
+            f"PagedAttentionCache(num_blocks={s['num_blocks']}, block_size={s['block_size']}, "
+            f"used={s['blocks_used']}, rows={self.rows.num_rows}, dtype={self.dtype})"
+        )
+
+
+def _pack(states: torch.Tensor, plan: PagedMetadata, device: torch.device) -> torch.Tensor:
+    """``[batch, H, q_len, D]`` -> ``[T, H, D]`` keeping the real tokens in plan order."""
+    batch, heads, q_len, dim = states.shape
+    flat = states.transpose(1, 2).reshape(batch * q_len, heads, dim)
+    index = plan.on(device).token_index
+    return flat if index is None else flat.index_select(0, index)
+
+
+def _layer_devices(device, num_layers: int) -> list[torch.device]:
+    if isinstance(device, (str, torch.device)):
+        return [torch.device(device)] * num_layers
+    devices = [torch.device(d) for d in device]
+    if len(devices) != num_layers:
+        raise ValueError(f"give one device, or one per decoder layer ({num_layers}); got {len(devices)}")
+    return devices

@@ -1,0 +1,104 @@
+"""The ``"hf_paged"`` attention and mask functions registered with transformers.
+
+With a :class:`~hf_paged.PagedAttentionCache`, the mask function plans the step once per forward and returns
+the plan (a :class:`PagedMetadata`), which transformers hands to every layer as ``attention_mask``. Without one
+(``generate`` made its own ``DynamicCache``), both functions fall back to transformers' SDPA path, which gives the
+same results on a contiguous cache.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
+from transformers.masking_utils import sdpa_mask
+
+from hf_paged.attention.backends.base import AttentionCall, AttentionParams
+from hf_paged.attention.metadata import PagedMetadata
+
+logger = logging.getLogger("hf_paged")
+
+_UNSERVED_KWARGS = {
+    "s_aux": "attention sinks",
+    "position_bias": "additive position bias",
+}
+
+
+def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
+    """Mask function for ``"hf_paged"``: the step plan when a paged cache is in use, else an SDPA mask."""
+    cache = getattr(q_offset, "paged_cache", None)
+    if cache is None:
+        _note_dense_fallback()
+        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
+                         q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
+    device = kwargs.get("device") or cache.pool.kv_caches[0][0].device
+    return cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
+
+
+def paged_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    softcap: float | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
+    """Attention for ``attn_implementation="hf_paged"``.
+
+    Args:
+        query: ``[batch, H, q_len, D]``.
+        key, value: ``[T, Hkv, D]``, the real new tokens packed by ``PagedAttentionCache.update``
+            (``[batch, Hkv, kv_len, D]`` on the dense fallback).
+        attention_mask: the step's :class:`PagedMetadata` (a tensor or None on the dense fallback).
+
+    Returns:
+        ``([batch, q_len, H, D], None)``; padding positions are zero.
+    """
+    if not isinstance(attention_mask, PagedMetadata):
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, sliding_window=sliding_window, softcap=softcap, **kwargs)
+    _check_served(module, dropout, kwargs)
+    batch, num_heads, q_len, head_dim = query.shape
+    meta = attention_mask.on(query.device)
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
+    if meta.token_index is not None:
+        q = q.index_select(0, meta.token_index)
+    call = AttentionCall(
+        phase=meta.phase, device_type=query.device.type, dtype=query.dtype, head_dim=head_dim,
+        num_heads=num_heads, num_kv_heads=k_cache.shape[2], block_size=meta.block_size,
+        sliding_window=sliding_window, softcap=softcap,
+    )
+    backend = meta.dispatcher.select(call)
+    meta.dispatcher.writer(k_cache).write_kv(key, value, k_cache, v_cache, meta)
+    params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling,
+                             sliding_window=sliding_window, softcap=softcap)
+    out = backend.forward(q, key, value, k_cache, v_cache, meta, params)
+    if meta.token_index is None:
+        return out.view(batch, q_len, num_heads, head_dim), None
+    full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, meta.token_index, out)
+    return full.view(batch, q_len, num_heads, head_dim), None
+
+
+@functools.lru_cache(maxsize=1)
+def _note_dense_fallback() -> None:
+    logger.warning(
+        "hf_paged: no PagedAttentionCache in this forward, so attention runs dense through SDPA. Pass "
+        "past_key_values=hf_paged.PagedAttentionCache(...) to generate to use paged memory."
+    )
+
+
+def _check_served(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError("hf_paged serves causal self-attention only (this layer is non-causal)")
+    if dropout and module.training:
+        raise NotImplementedError("hf_paged is an inference path: attention dropout in training is not served")
+    for name, feature in _UNSERVED_KWARGS.items():
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(f"hf_paged does not serve {feature} ({name}); use attn_implementation='eager'")
