@@ -8,6 +8,7 @@ the count reaches 0. The allocator is pure bookkeeping: it never touches KV tens
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from collections.abc import Iterable
 
 
@@ -41,8 +42,9 @@ class BlockAllocator:
         if not isinstance(num_blocks, int) or num_blocks <= 0:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
         self.num_blocks = num_blocks
-        # Pop from the end: low block ids are handed out first, which keeps a short run's blocks together.
-        self._free: list[int] = list(range(num_blocks - 1, -1, -1))
+        # Insertion-ordered: allocation takes the block freed longest ago, so a prefix cache that keeps freed
+        # blocks' contents findable evicts least recently used first; `take` reclaims one such block early.
+        self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._ref: list[int] = [0] * num_blocks
 
     @property
@@ -62,10 +64,20 @@ class BlockAllocator:
             raise ValueError(f"cannot allocate a negative number of blocks ({n})")
         if n > len(self._free):
             raise OutOfBlocksError(n, len(self._free), self.num_blocks)
-        blocks = [self._free.pop() for _ in range(n)]
+        blocks = [self._free.popitem(last=False)[0] for _ in range(n)]
         for b in blocks:
             self._ref[b] = 1
         return blocks
+
+    def is_free(self, block: int) -> bool:
+        return self._ref[block] == 0
+
+    def take(self, block: int) -> None:
+        """Allocate one specific free block (a prefix-cache hit on a block no one holds)."""
+        if self._ref[block] != 0:
+            raise ValueError(f"block {block} is not free")
+        del self._free[block]
+        self._ref[block] = 1
 
     def share(self, blocks: Iterable[int]) -> None:
         """Add one reference to each of ``blocks`` (all must be in use)."""
@@ -85,14 +97,13 @@ class BlockAllocator:
         for b in blocks:
             self._ref[b] -= 1
             if self._ref[b] == 0:
-                self._free.append(b)
+                self._free[b] = None
 
     def ref_count(self, block: int) -> int:
         return self._ref[block]
 
     def check_invariants(self) -> None:
         free = set(self._free)
-        assert len(free) == len(self._free), "a block sits twice on the free list"
         for b, r in enumerate(self._ref):
             assert r >= 0, f"block {b} has negative reference count {r}"
             assert (r == 0) == (b in free), f"block {b}: ref {r} but on free list: {b in free}"
