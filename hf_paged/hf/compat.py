@@ -1,0 +1,30 @@
+"""Differences between transformers 5.x releases, kept in one place.
+
+- The cache keyword of ``forward``/``generate``: ``past_key_values`` (5.17) became ``cache`` in later 5.x releases
+  (the old name still works there, with a deprecation warning).
+- ``Cache.update`` receives the layer's kwargs in later releases (``kwargs=...``); ``PagedAttentionCache.update``
+  accepts and ignores extra arguments, so both call shapes work.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword_of(forward_cls: type) -> str:
+    params = inspect.signature(forward_cls.forward).parameters
+    return "cache" if "cache" in params else "past_key_values"
+
+
+def cache_keyword(model: torch.nn.Module) -> str:
+    """The keyword under which ``model.forward`` (and ``generate``) takes a ``Cache`` object."""
+    return _cache_keyword_of(type(model))
+
+
+def with_cache(model: torch.nn.Module, cache, **kwargs) -> dict:
+    """``kwargs`` plus the cache under the keyword this transformers release expects."""
+    return {**kwargs, cache_keyword(model): cache}
