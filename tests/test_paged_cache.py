@@ -1,0 +1,163 @@
+"""PagedAttentionCache: sizing, bad input, copy-on-write, crop, stats."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from tiny_models import EOS, PAD, left_padded_batch, make_config, make_models
+
+import hf_paged
+from hf_paged.cache.batch_tables import BatchTables
+from hf_paged.cache.kv_pool import KVLayout, KVPool
+from hf_paged.hf.compat import with_cache
+
+GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(num_blocks=0), "num_blocks"),
+        (dict(num_blocks=-4), "num_blocks"),
+        (dict(num_blocks=8, block_size=0), "block_size"),
+        (dict(num_blocks=8, block_size=4096), "block_size"),
+        (dict(num_blocks=8, block_size=2.5), "block_size"),
+        (dict(num_blocks=8, dtype=torch.int8), "dtype"),
+        (dict(), "num_blocks, or memory_budget"),
+        (dict(num_blocks=8, memory_budget=1 << 20), "not both"),
+        (dict(memory_budget=1.5), r"\(0, 1\]"),
+        (dict(memory_budget=10), "holds no block"),
+        (dict(num_blocks=4, device=["cpu"]), "one per decoder layer"),
+        (dict(num_blocks=4, backend="nope"), "unknown attention backend"),
+    ],
+)
+def test_invalid_configuration_raises_at_once(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        hf_paged.PagedAttentionCache(make_config("llama_gqa"), **kwargs)
+
+
+def test_memory_budget_sizes_the_pool():
+    config = make_config("llama_gqa")
+    per_block = KVLayout.from_config(config).bytes_per_block(16, torch.float32)
+    cache = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=10 * per_block + 7)
+    assert cache.num_blocks == 10
+    frac = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=1e-4)
+    assert frac.num_blocks >= 1
+
+
+@pytest.mark.parametrize(
+    "cls, kwargs, feature",
+    [
+        ("T5Config", dict(d_model=32, num_layers=1, num_heads=2, d_kv=16, d_ff=32, vocab_size=64), "encoder-decoder"),
+        ("BloomConfig", dict(hidden_size=32, n_layer=1, n_head=2, vocab_size=64), "ALiBi"),
+        ("GemmaConfig", dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
+                             head_dim=16, intermediate_size=32, vocab_size=64, use_bidirectional_attention=True),
+         "non-causal"),
+    ],
+)
+def test_unservable_architectures_are_named(cls, kwargs, feature):
+    config = getattr(transformers, cls)(**kwargs)
+    with pytest.raises(NotImplementedError, match=feature):
+        hf_paged.PagedAttentionCache(config, num_blocks=4)
+
+
+def test_linear_attention_layers_are_refused():
+    config = make_config("llama_gqa")
+    config.layer_types = ["linear_attention", "full_attention"]
+    with pytest.raises(NotImplementedError, match="linear_attention"):
+        hf_paged.PagedAttentionCache(config, num_blocks=4)
+
+
+def test_dtype_and_device_mismatch_say_what_to_change():
+    _, paged = make_models("llama_gqa")
+    batch = left_padded_batch([4, 6], torch.Generator().manual_seed(0))
+    half = hf_paged.PagedAttentionCache(paged.config, num_blocks=16, block_size=4, dtype=torch.float16)
+    with pytest.raises(ValueError, match="dtype=model.dtype"):
+        paged.generate(**with_cache(paged, half, **batch), max_new_tokens=2, **GREEDY)
+    meta_dev = hf_paged.PagedAttentionCache(paged.config, num_blocks=16, block_size=4, device="meta")
+    with pytest.raises(ValueError, match="device=model.device"):
+        paged.generate(**with_cache(paged, meta_dev, **batch), max_new_tokens=2, **GREEDY)
+
+
+def test_cache_too_small_raises_and_leaks_nothing():
+    _, paged = make_models("llama_gqa")
+    batch = left_padded_batch([30, 30], torch.Generator().manual_seed(1))
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=6, block_size=8)
+    with pytest.raises(hf_paged.OutOfBlocksError, match="8 needed, 6 free"):
+        paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=4, **GREEDY)
+    assert cache.stats()["blocks_used"] == 0
+    cache.pool.allocator.check_invariants()
+
+
+def test_model_without_paged_attention_is_told_to_load_hf_paged():
+    eager, _ = make_models("llama_gqa")
+    batch = left_padded_batch([3], torch.Generator().manual_seed(2))
+    cache = hf_paged.PagedAttentionCache(eager.config, num_blocks=8, block_size=4)
+    with pytest.raises(RuntimeError, match='attn_implementation="hf_paged"'):
+        eager.generate(**with_cache(eager, cache, **batch), max_new_tokens=2, **GREEDY)
+
+
+def _tiny_pool(num_blocks=8, block_size=4) -> KVPool:
+    return KVPool(KVLayout(num_layers=2, num_kv_heads=1, head_dim=2), num_blocks, block_size, torch.float32,
+                  [torch.device("cpu")] * 2)
+
+
+def test_copy_on_write_of_a_shared_partial_block():
+    pool = _tiny_pool()
+    rows = BatchTables(pool)
+    rows.start(1)
+    slots = rows.append(torch.ones(1, 6, dtype=torch.bool))  # 1.5 blocks
+    for k, v in pool.kv_caches:
+        k.view(-1, 1, 2)[slots] = torch.arange(6.0)[:, None, None]
+    rows.select_rows([0, 0])  # two rows share both blocks
+    assert pool.allocator.ref_count(rows.tables[0][1]) == 2
+    new = rows.append(torch.ones(2, 1, dtype=torch.bool))
+    assert rows.tables[0][0] == rows.tables[1][0], "full blocks stay shared"
+    assert rows.tables[0][1] != rows.tables[1][1], "the written partial block was copied"
+    k = pool.kv_caches[1][0].view(-1, 1, 2)
+    for r in range(2):
+        b = rows.tables[r][1]
+        assert torch.equal(k[b * 4 : b * 4 + 2, 0, 0], torch.tensor([4.0, 5.0])), "copy kept the shared tokens"
+    assert new.tolist()[0] // 4 == rows.tables[0][1] and new.tolist()[1] // 4 == rows.tables[1][1]
+    rows.reset()
+    assert pool.allocator.num_free == 8
+    pool.allocator.check_invariants()
+
+
+def test_crop_then_recompute_gives_the_same_logits():
+    eager, paged = make_models("llama_gqa", seed=9)
+    batch = left_padded_batch([5, 11], torch.Generator().manual_seed(9))
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    extra = torch.randint(3, 100, (2, 3))
+    full_mask = torch.cat([mask, torch.ones(2, 3, dtype=mask.dtype)], 1)
+    pos = (full_mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        paged(**with_cache(paged, cache, input_ids=ids, attention_mask=mask, position_ids=pos[:, :11]))
+        step_logits = [
+            paged(**with_cache(paged, cache, input_ids=extra[:, i : i + 1], attention_mask=full_mask[:, : 12 + i],
+                               position_ids=pos[:, 11 + i : 12 + i])).logits[:, -1]
+            for i in range(3)
+        ]
+        before = cache.stats()
+        cache.crop(-3)
+        assert cache.get_seq_length() == 11
+        assert cache.stats()["tokens_stored"] == before["tokens_stored"] - 6
+        chunk = paged(**with_cache(paged, cache, input_ids=extra, attention_mask=full_mask,
+                                   position_ids=pos[:, 11:])).logits  # one 3-token extend step
+        want = eager(input_ids=torch.cat([ids, extra], 1), attention_mask=full_mask).logits[:, -3:]
+    torch.testing.assert_close(chunk, torch.stack(step_logits, 1), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(chunk, want, rtol=1e-4, atol=1e-5)
+    assert cache.stats()["backends"]["extend"] == "torch"
+
+
+def test_stats_count_tokens_blocks_and_fragmentation():
+    _, paged = make_models("llama_gqa")
+    batch = left_padded_batch([5, 8], torch.Generator().manual_seed(3))
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4)
+    with torch.no_grad():
+        paged(**with_cache(paged, cache, **batch))
+    s = cache.stats()
+    assert s["tokens_stored"] == 13 and s["blocks_used"] == 2 + 2 and s["blocks_free"] == 28
+    assert s["internal_fragmentation"] == pytest.approx(1 - 13 / 16)
