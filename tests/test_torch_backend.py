@@ -1,0 +1,103 @@
+"""The torch backend (every other backend's oracle) against a per-query float64 loop written from the math."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hf_paged.attention import AttentionParams, Dispatcher, Phase
+from hf_paged.attention.backends.torch_backend import paged_attention_reference
+from hf_paged.attention.metadata import build_metadata
+
+
+def random_paged_step(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gen, dtype=torch.float32):
+    """Random cache contents plus a scattered block table for sequences with ``ctx_lens`` tokens after the step."""
+    num_blocks = sum(-(-c // block_size) for c in ctx_lens) + 3
+    k_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, block_size, num_kv_heads, head_dim, generator=gen).to(dtype)
+    perm = torch.randperm(num_blocks, generator=gen).tolist()
+    tables, width = [], max(-(-c // block_size) for c in ctx_lens)
+    for c in ctx_lens:
+        n = -(-c // block_size)
+        tables.append(perm[:n] + [0] * (width - n))
+        perm = perm[n:]
+    slots = [tables[b][p // block_size] * block_size + p % block_size
+             for b, (q, c) in enumerate(zip(q_lens, ctx_lens)) for p in range(c - q, c)]
+    meta = build_metadata(
+        q_lens=torch.tensor(q_lens), seq_lens_k=torch.tensor(ctx_lens), block_tables=torch.tensor(tables),
+        slot_mapping=torch.tensor(slots), token_index=None, grid=(1, sum(q_lens)), block_size=block_size,
+        kv_caches=[(k_cache, v_cache)], dispatcher=Dispatcher(), device=torch.device("cpu"),
+    )
+    query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
+    return query, k_cache, v_cache, meta, tables
+
+
+def naive_attention(query, k_cache, v_cache, q_lens, ctx_lens, tables, params):
+    bs, groups = k_cache.shape[1], query.shape[1] // k_cache.shape[2]
+    out, t = torch.zeros(query.shape, dtype=torch.float64), 0
+    for b, (q_len, ctx) in enumerate(zip(q_lens, ctx_lens)):
+        for qi in range(q_len):
+            i = ctx - q_len + qi
+            for h in range(query.shape[1]):
+                scores, values = [], []
+                for j in range(i + 1):
+                    if params.sliding_window is not None and i - j >= params.sliding_window:
+                        continue
+                    blk, off = tables[b][j // bs], j % bs
+                    k = k_cache[blk, off, h // groups].double()
+                    s = float(query[t, h].double() @ k) * params.scale
+                    if params.softcap is not None:
+                        s = params.softcap * math.tanh(s / params.softcap)
+                    if params.alibi_slopes is not None:
+                        s += float(params.alibi_slopes[h]) * (j - i)
+                    scores.append(s)
+                    values.append(v_cache[blk, off, h // groups].double())
+                p = torch.softmax(torch.tensor(scores, dtype=torch.float64), 0)
+                out[t, h] = (p[:, None] * torch.stack(values)).sum(0)
+            t += 1
+    return out
+
+
+CASES = {
+    "prefill": ([5, 1, 9], [5, 1, 9]),
+    "extend": ([3, 1, 6], [10, 4, 6]),
+    "decode": ([1, 1, 1, 1], [1, 7, 16, 23]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+@pytest.mark.parametrize("heads", [(4, 4), (4, 2), (4, 1)])
+@pytest.mark.parametrize("extra", ["plain", "window", "softcap", "alibi"])
+def test_torch_backend_matches_naive_loop(case, heads, extra):
+    q_lens, ctx_lens = CASES[case]
+    gen = torch.Generator().manual_seed(hash((case, heads, extra)) % 10_000)
+    query, k_cache, v_cache, meta, tables = random_paged_step(q_lens, ctx_lens, *heads, 8, 4, gen)
+    assert meta.phase == Phase(case)
+    params = AttentionParams(
+        scale=8**-0.5,
+        sliding_window=3 if extra == "window" else None,
+        softcap=2.0 if extra == "softcap" else None,
+        alibi_slopes=torch.rand(heads[0], generator=gen) if extra == "alibi" else None,
+    )
+    got = paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
+                                     compute_dtype=torch.float64)
+    want = naive_attention(query, k_cache, v_cache, q_lens, ctx_lens, tables, params)
+    torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-10)
+
+
+def test_kv_write_skips_padding_slots():
+    gen = torch.Generator().manual_seed(0)
+    query, k_cache, v_cache, meta, _ = random_paged_step([2, 1], [2, 3], 2, 2, 4, 4, gen)
+    backend = meta.dispatcher.writer(k_cache)
+    before = k_cache.clone()
+    key = torch.randn(3, 2, 4, generator=gen)
+    object.__setattr__(meta, "has_padding_slots", True)
+    meta.slot_mapping[1] = -1
+    backend.write_kv(key, key, k_cache, v_cache, meta)
+    flat = k_cache.view(-1, 2, 4)
+    for t in (0, 2):
+        assert torch.equal(flat[meta.slot_mapping[t]], key[t])
+    changed = (k_cache != before).any(-1).any(-1).sum()
+    assert int(changed) == 2
