@@ -1,0 +1,187 @@
+"""``BlockManager``: per-sequence block tables over the pool's allocator, with a prefix cache.
+
+Prefix cache: once a block is full its content is fixed, so it is keyed by a hash of its tokens chained with the
+key of the block before it (the key names the whole prefix). A new sequence walks its full blocks and reuses every
+leading block whose key is known, prefilling only the rest. A block keeps its key after it is freed: it sits on the
+allocator's free list (so it counts as free) and can still be found; a hit on such a block takes it back with
+``allocator.take``. The allocator hands out the block freed longest ago, so unreferenced cached blocks are evicted
+least recently used first; the stale key is dropped then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hf_paged.cache.block_allocator import BlockAllocator
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.sequence import Sequence
+
+
+class BlockManager:
+    """Hands blocks to sequences; ``copy_blocks(src, dst)`` copies KV for copy-on-write (``KVPool.copy_blocks``)."""
+
+    def __init__(
+        self,
+        allocator: BlockAllocator,
+        block_size: int,
+        tables: BlockTableBuffer,
+        copy_blocks: Callable[[list[int], list[int]], None],
+        enable_prefix_caching: bool = True,
+    ):
+        self.allocator = allocator
+        self.block_size = block_size
+        self.tables = tables
+        self.copy_blocks = copy_blocks
+        self.enable_prefix_caching = enable_prefix_caching
+        self._hash_to_block: dict[int, int] = {}
+        self._block_key: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent, tokens)
+        self.prefix_hit_tokens = 0
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.allocator.num_free
+
+    @property
+    def num_cached_blocks(self) -> int:
+        return len(self._hash_to_block)
+
+    # ----- prefix cache ----------------------------------------------------------------------------------------
+    def find_prefix(self, seq: Sequence) -> list[int]:
+        """Cached blocks matching the leading full blocks of ``seq`` (at least one token is left to compute)."""
+        if not self.enable_prefix_caching:
+            return []
+        bs, hits, parent = self.block_size, [], None
+        for i in range((seq.num_tokens - 1) // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((parent, tokens))
+            block = self._hash_to_block.get(h)
+            if block is None or self._block_key[block][1:] != (parent, tokens):
+                break
+            hits.append(block)
+            parent = h
+        return hits
+
+    def _register_full_blocks(self, seq: Sequence) -> None:
+        bs = self.block_size
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
+            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
+            h = hash((seq.last_block_hash, tokens))
+            block = seq.block_table[i]
+            if h not in self._hash_to_block and block not in self._block_key:
+                self._hash_to_block[h] = block
+                self._block_key[block] = (h, seq.last_block_hash, tokens)
+            seq.last_block_hash, seq.num_hashed_blocks = h, i + 1
+
+    def _allocate(self, n: int) -> list[int]:
+        blocks = self.allocator.allocate(n)
+        for b in blocks:  # these blocks get new content: their old prefix-cache keys are stale
+            key = self._block_key.pop(b, None)
+            if key is not None and self._hash_to_block.get(key[0]) == b:
+                del self._hash_to_block[key[0]]
+        return blocks
+
+    # ----- sizing ----------------------------------------------------------------------------------------------
+    def blocks_needed(self, seq: Sequence, num_new_tokens: int, hits: list[int] | None = None) -> int:
+        """Free blocks that giving ``seq`` room for ``num_new_tokens`` more tokens takes from the free list.
+
+        ``hits`` (a waiting sequence's prefix hits): hits on free blocks take a free block each.
+        """
+        if hits is not None:
+            computed, table_len = len(hits) * self.block_size, len(hits)
+            taken = sum(1 for b in hits if self.allocator.is_free(b))
+        else:
+            computed, table_len, taken = seq.num_computed_tokens, len(seq.block_table), 0
+        grow = max(0, -(-(computed + num_new_tokens) // self.block_size) - table_len)
+        return taken + grow + (1 if hits is None and self._needs_copy(seq) else 0)
+
+    def max_tokens_fitting(self, seq: Sequence, num_tokens: int, hits: list[int] | None = None) -> int:
+        """The most of ``num_tokens`` new tokens (0 to ``num_tokens``) the free blocks can hold for ``seq``."""
+        free = self.allocator.num_free
+        if self.blocks_needed(seq, num_tokens, hits) <= free:
+            return num_tokens
+        fixed = self.blocks_needed(seq, 0, hits)
+        if fixed > free:
+            return 0
+        computed = len(hits) * self.block_size if hits is not None else seq.num_computed_tokens
+        room = (len(hits) if hits is not None else len(seq.block_table)) * self.block_size - computed
+        return min(num_tokens, room + (free - fixed) * self.block_size)
+
+    def _needs_copy(self, seq: Sequence) -> bool:
+        """Whether the next write lands in a block another sequence also holds (a forked copy's shared tail)."""
+        i = seq.num_computed_tokens // self.block_size
+        return i < len(seq.block_table) and self.allocator.ref_count(seq.block_table[i]) > 1
+
+    # ----- changes ---------------------------------------------------------------------------------------------
+    def admit(self, seq: Sequence, hits: list[int]) -> None:
+        """Give a waiting ``seq`` its prefix hits and a block-table row."""
+        assert not seq.block_table and seq.row < 0
+        for b in hits:
+            if self.allocator.is_free(b):
+                self.allocator.take(b)
+            else:
+                self.allocator.share([b])
+        seq.block_table = list(hits)
+        seq.num_computed_tokens = seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens *= self.block_size
+        seq.last_block_hash = self._block_key[hits[-1]][0] if hits else None
+        self.prefix_hit_tokens += seq.num_computed_tokens
+        seq.row = self.tables.acquire()
+        if hits:
+            self.tables.write(seq.row, 0, hits)
+
+    def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
+        """Make room for ``num_new_tokens`` more tokens: copy a shared tail block, append blocks."""
+        assert self.blocks_needed(seq, num_new_tokens) <= self.allocator.num_free
+        if self._needs_copy(seq):
+            i = seq.num_computed_tokens // self.block_size
+            old, (new,) = seq.block_table[i], self._allocate(1)
+            self.copy_blocks([old], [new])
+            self.allocator.free([old])
+            seq.block_table[i] = new
+            self.tables.write(seq.row, i, [new])
+        grow = -(-(seq.num_computed_tokens + num_new_tokens) // self.block_size) - len(seq.block_table)
+        if grow > 0:
+            start = len(seq.block_table)
+            seq.block_table.extend(self._allocate(grow))
+            self.tables.write(seq.row, start, seq.block_table[start:])
+
+    def commit(self, seq: Sequence, num_computed: int) -> None:
+        """Record that ``num_computed`` more tokens of ``seq`` have their KV written."""
+        seq.num_computed_tokens += num_computed
+        if self.enable_prefix_caching:
+            self._register_full_blocks(seq)
+
+    def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:
+        """Let ``child`` share ``parent``'s blocks holding its first ``num_computed`` tokens."""
+        nb = -(-num_computed // self.block_size)
+        child.block_table = parent.block_table[:nb]
+        self.allocator.share(child.block_table)
+        child.num_computed_tokens = num_computed
+        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed // self.block_size)
+        child.last_block_hash = (
+            self._block_key[child.block_table[child.num_hashed_blocks - 1]][0] if child.num_hashed_blocks else None
+        )
+        child.row = self.tables.acquire()
+        self.tables.write(child.row, 0, child.block_table)
+
+    def free(self, seq: Sequence) -> None:
+        """Drop ``seq``'s blocks (tail first, so a prefix outlives its tail in the cache) and its row."""
+        self.allocator.free(reversed(seq.block_table))
+        if seq.row >= 0:
+            self.tables.release(seq.row)
+        seq.block_table, seq.row = [], -1
+        seq.num_computed_tokens = seq.num_hashed_blocks = 0
+        seq.last_block_hash = None
+
+    def check_invariants(self, live: list[Sequence]) -> None:
+        """Reference counts equal the number of live tables holding each block; cache keys point at real blocks."""
+        self.allocator.check_invariants()
+        counts = [0] * self.allocator.num_blocks
+        for seq in live:
+            assert len(seq.block_table) * self.block_size >= seq.num_computed_tokens, seq
+            for b in seq.block_table:
+                counts[b] += 1
+        for b, c in enumerate(counts):
+            assert self.allocator.ref_count(b) == c, f"block {b}: ref {self.allocator.ref_count(b)}, held {c}"
+        for h, b in self._hash_to_block.items():
+            assert self._block_key[b][0] == h

@@ -1,0 +1,267 @@
+"""``Engine``: continuous batching over a :class:`~hf_paged.PagedAttentionCache`.
+
+Requests join and leave the running batch every step; each step schedules (``Scheduler``), plans flat tensors
+(``plan_step``), runs the model once over all scheduled tokens packed in one row (``ModelRunner``), samples on the
+device (``Sampler``) and copies the new tokens back in one transfer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator, Sequence as SequenceType
+
+import torch
+from transformers import GenerationConfig
+
+from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.request_output import RequestOutput, TokenDelta
+from hf_paged.engine.runner import ModelRunner, plan_step
+from hf_paged.engine.sampler import Sampler, SamplingBatch
+from hf_paged.engine.sampling_params import SamplingParams
+from hf_paged.engine.scheduler import Scheduler
+from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.stop_checker import StopChecker
+from hf_paged.engine.stats import EngineStats
+from hf_paged.hf.register import ATTN_IMPLEMENTATION
+
+logger = logging.getLogger("hf_paged")
+
+Prompt = SequenceType[int] | str
+
+
+class Engine:
+    """Continuous-batching generation for a decoder-only transformers model.
+
+    Args:
+        model: a causal LM; its attention is switched to ``"hf_paged"`` if it was loaded with another one.
+        num_blocks: KV blocks in the pool; None sizes the pool from free device memory (``memory_budget``).
+        block_size: tokens per block.
+        max_batch_tokens: token budget of one step (prefill chunks and decodes together).
+        max_num_seqs: most sequences running at once.
+        tokenizer: needed for string prompts, stop strings and ``text`` in outputs.
+        generation_config: default settings of requests added without one (default: the model's).
+        enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
+        backend: pin an attention backend by name (``hf_paged.available_backends()``).
+        memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int | None = 512,
+        block_size: int = 16,
+        max_batch_tokens: int = 2048,
+        max_num_seqs: int = 256,
+        tokenizer=None,
+        generation_config: GenerationConfig | None = None,
+        enable_prefix_caching: bool = True,
+        backend: str | None = None,
+        memory_budget: float = 0.8,
+    ):
+        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        _use_paged_attention(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+        self.device, dtype = model.device, model.dtype
+        max_len = _max_positions(model.config)
+        if num_blocks is None:
+            num_blocks = _blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
+                                             cap=max_num_seqs * -(-max_len // block_size))
+        self.cache = PagedAttentionCache(model.config, num_blocks, block_size, self.device, dtype, backend=backend)
+        tables = BlockTableBuffer(max_num_seqs, min(num_blocks, -(-max_len // block_size)))
+        self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
+                                          self.cache.pool.copy_blocks, enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_num_seqs)
+        self.runner = ModelRunner(model, self.cache, max_batch_tokens, self.device)
+        self.sampler = Sampler()
+        self.stop_checker = StopChecker(tokenizer)
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.counters = EngineStats()
+        self._live: dict[str, Sequence] = {}
+        self._next_id = 0
+
+    # ----- requests --------------------------------------------------------------------------------------------
+    def add_request(
+        self, prompt: Prompt, generation_config: GenerationConfig | None = None, request_id: str | None = None
+    ) -> str:
+        """Queue a prompt (token ids, or a string with a tokenizer); returns its request id.
+
+        Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, invalid sampling values or a
+        duplicate live ``request_id``. A prompt longer than the whole cache finishes with ``finish_reason="error"``.
+        """
+        ids = self._encode(prompt)
+        params = SamplingParams.from_generation_config(
+            generation_config or self.generation_config, len(ids), getattr(self.model, "generation_config", None))
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
+        rid = str(self._next_id) if request_id is None else str(request_id)
+        if rid in self._live or "__child#" in rid:
+            raise ValueError(f"request id {rid!r} is already live (or contains '__child#'); pick another")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
+        seq = Sequence(rid, ids, params, (self._next_id, 0), seed, params.num_return_sequences - 1)
+        self._next_id += 1
+        self._live[rid] = seq
+        self.counters.prompt_tokens += len(ids)
+        bs = self.cache.block_size
+        if -(-len(ids) // bs) > self.cache.num_blocks:
+            seq.finish("error", f"the prompt ({len(ids)} tokens) is longer than the whole KV cache "
+                                f"({self.cache.num_blocks} blocks of {bs}); create the Engine with more num_blocks")
+            self.scheduler.failed.append(seq)
+        else:
+            self.scheduler.add(seq)
+        return rid
+
+    def abort(self, request_id: str) -> None:
+        """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step."""
+        self.scheduler.failed.extend(self.scheduler.abort(request_id))
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    # ----- running ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that finished during it."""
+        return self._step()[0]
+
+    def stream(
+        self, prompts: list[Prompt] | None = None, generation_config: GenerationConfig | None = None
+    ) -> Iterator[TokenDelta]:
+        """Add ``prompts`` (if any) and step until nothing is left, yielding each request's new tokens per step."""
+        for p in prompts or []:
+            self.add_request(p, generation_config)
+        while self.has_unfinished():
+            yield from self._step()[1]
+
+    def generate(
+        self, prompts: list[Prompt], generation_config: GenerationConfig | None = None, progress_bar: bool = False
+    ) -> list[RequestOutput]:
+        """Generate for every prompt; outputs in prompt order (a prompt's ``num_return_sequences`` copies together)."""
+        if self.has_unfinished():
+            raise RuntimeError("generate runs its own batch: finish or abort the requests added with add_request first")
+        ids = [self.add_request(p, generation_config) for p in prompts]
+        done: dict[str, RequestOutput] = {}
+        from tqdm.auto import tqdm
+
+        with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
+            while self.has_unfinished():
+                for out in self.step():
+                    done[out.request_id] = out
+                    bar.update(out.request_id in ids)
+        by_request: dict[str, list[RequestOutput]] = {}
+        for out in done.values():
+            by_request.setdefault(out.request_id.partition("__child#")[0], []).append(out)
+        return [o for rid in ids for o in sorted(by_request[rid], key=_copy_index)]
+
+    def stats(self) -> dict:
+        """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
+        return self.counters.snapshot(self)
+
+    # ----- internals -------------------------------------------------------------------------------------------
+    def _step(self) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        batch = self.scheduler.schedule()
+        finished, touched = list(self.scheduler.failed), []
+        self.scheduler.failed.clear()
+        if not batch.is_empty:
+            self.counters.note_step(self)
+            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
+                             self.cache.block_size)
+            logits = self.runner.forward(plan)
+            sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+            tokens, logprobs = (self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
+                                if sampled else (None, None))
+            self.scheduler.commit(batch)
+            if sampled:
+                token_list = tokens.tolist()  # the step's one device -> host copy
+                lp_list = logprobs.tolist() if logprobs is not None else [None] * len(sampled)
+                for seq, token, lp in zip(sampled, token_list, lp_list):
+                    touched.append(seq)
+                    if self._append(seq, token, lp):
+                        finished.append(seq)
+        for seq in finished:
+            self._live.pop(seq.request_id, None)
+        return [self._output(s) for s in finished], self._deltas(touched, finished)
+
+    def _append(self, seq: Sequence, token: int, logprob: float | None) -> bool:
+        first = seq.num_generated == 0
+        seq.append_token(token, logprob if seq.params.logprobs else None)
+        self.counters.generated_tokens += 1
+        if first and seq.pending_children:
+            self._fork(seq)
+        reason = self.stop_checker.finish_reason(seq)
+        if reason is not None:
+            self.scheduler.finish(seq, reason)
+        return reason is not None
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
+        token (into a private copy of the shared tail block) to draw their own first token."""
+        n, parent.pending_children = parent.pending_children, 0
+        prompt = parent.token_ids[: parent.num_prompt_tokens]
+        for i in range(n):
+            child = Sequence(f"{parent.request_id}__child#{i}", prompt, parent.params, (parent.arrival[0], i + 1),
+                             (parent.seed * 1_000_003 + i + 1) % 2**62)
+            self._live[child.request_id] = child
+            sched = self.scheduler
+            if len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows:
+                self.block_manager.fork(parent, child, len(prompt) - 1)
+                sched.insert_running(child)
+            else:
+                sched.enqueue(child)
+
+    def _output(self, seq: Sequence) -> RequestOutput:
+        out = seq.output_token_ids
+        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason,
+                             seq.error, list(seq.logprobs) if seq.params.logprobs else None, text)
+
+    def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
+        deltas, seen = [], set()
+        for seq in touched + finished:
+            if id(seq) in seen:
+                continue
+            seen.add(id(seq))
+            new = seq.output_token_ids[seq.num_streamed :]
+            seq.num_streamed = seq.num_generated
+            text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
+            deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason, text))
+        return deltas
+
+    def _encode(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("string prompts need a tokenizer: create the Engine with tokenizer=..., or pass ids")
+            prompt = self.tokenizer.encode(prompt)
+        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
+        if not ids:
+            raise ValueError("empty prompt: give at least one token")
+        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
+            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
+        return ids
+
+
+def _copy_index(out: RequestOutput) -> int:
+    _, _, idx = out.request_id.partition("__child#")
+    return int(idx) + 1 if idx else 0
+
+
+def _use_paged_attention(model: torch.nn.Module) -> None:
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        logger.info("hf_paged: switching the model's attention to %r for the engine", ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.training:
+        logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
+
+
+def _max_positions(config) -> int:
+    text = config.get_text_config(decoder=True)
+    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
+
+
+def _blocks_from_memory(config, block_size, dtype, device, budget: float, cap: int) -> int:
+    layout = KVLayout.from_config(config)
+    return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))

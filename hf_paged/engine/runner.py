@@ -1,0 +1,135 @@
+"""The step plan (flat int32 tensors from the scheduler's choice) and the model call that consumes it.
+
+``plan_step`` is pure: it reads the scheduled sequences and the block-table buffer and returns a :class:`StepPlan`,
+built with vectorised tensor ops (per-sequence Python work only, never per token). ``ModelRunner`` copies a plan
+into fixed-capacity device buffers (the layout decode CUDA graphs will capture), hands the attention metadata to the
+cache and runs the model with ``logits_to_keep`` set to the sampled positions only.
+"""
+
+from __future__ import annotations
+
+import inspect
+from dataclasses import dataclass
+from itertools import chain
+
+import torch
+
+from hf_paged.attention.metadata import PagedMetadata, build_metadata
+from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.sequence import Sequence
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step as host tensors (``T`` tokens of ``B`` sequences, ``N`` sampled rows).
+
+    Attributes:
+        input_ids, position_ids: ``[T]`` int32.
+        slot_mapping: ``[T]`` int64 physical slot ``block * block_size + offset``; -1 = padding token (no write).
+        q_lens, seq_lens_k: ``[B]`` int32 new tokens / context length after the step.
+        block_tables: ``[B, max_blocks]`` int32, padded with 0.
+        logits_indices: ``[N]`` int64 position in ``[0, T)`` of each sampled row's last token.
+    """
+
+    input_ids: torch.Tensor
+    position_ids: torch.Tensor
+    slot_mapping: torch.Tensor
+    q_lens: torch.Tensor
+    seq_lens_k: torch.Tensor
+    block_tables: torch.Tensor
+    logits_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.input_ids.numel())
+
+
+def plan_step(
+    seqs: list[Sequence],
+    num_tokens: list[int],
+    sample: list[bool],
+    tables: BlockTableBuffer,
+    block_size: int,
+    pad_decode_to: int | None = None,
+) -> StepPlan:
+    """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
+
+    ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1, context 1) up to this
+    batch size so the step matches a captured graph's shape.
+    """
+    q = torch.tensor(num_tokens, dtype=torch.int32)
+    start = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int32)
+    ids = list(chain.from_iterable(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
+                                   for s, n in zip(seqs, num_tokens)))
+    seq_lens = start + q
+    rows = torch.tensor([s.row for s in seqs], dtype=torch.int64)
+    width = max(1, -(-int(seq_lens.max()) // block_size)) if seqs else 1
+    block_tables = tables.gather(rows, width)
+    cu = torch.cumsum(q, 0, dtype=torch.int32)
+    total = int(cu[-1]) if seqs else 0
+    owner = torch.repeat_interleave(torch.arange(len(seqs)), q.long(), output_size=total)  # [T] sequence of token
+    pos = torch.arange(total, dtype=torch.int32) - (cu - q - start)[owner]
+    slots = block_tables[owner, (pos // block_size).long()].long() * block_size + (pos % block_size).long()
+    logits_indices = (cu.long() - 1)[torch.tensor(sample, dtype=torch.bool)]
+    plan = StepPlan(torch.tensor(ids, dtype=torch.int32), pos, slots, q, seq_lens, block_tables, logits_indices)
+    if pad_decode_to is not None and pad_decode_to > len(seqs) and bool((q == 1).all()):
+        plan = _pad_decode(plan, pad_decode_to - len(seqs))
+    return plan
+
+
+def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
+    ones = torch.ones(extra, dtype=torch.int32)
+    return StepPlan(
+        input_ids=torch.cat([plan.input_ids, torch.zeros(extra, dtype=torch.int32)]),
+        position_ids=torch.cat([plan.position_ids, torch.zeros(extra, dtype=torch.int32)]),
+        slot_mapping=torch.cat([plan.slot_mapping, torch.full((extra,), -1, dtype=torch.int64)]),
+        q_lens=torch.cat([plan.q_lens, ones]),
+        seq_lens_k=torch.cat([plan.seq_lens_k, ones]),
+        block_tables=torch.cat([plan.block_tables, plan.block_tables.new_zeros(extra, plan.block_tables.shape[1])]),
+        logits_indices=plan.logits_indices,
+    )
+
+
+def cache_kwarg(model: torch.nn.Module) -> str:
+    """The keyword the model's forward takes its cache by: ``past_key_values`` (transformers <= 5.17) or ``cache``."""
+    params = inspect.signature(model.forward).parameters
+    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
+
+
+class ModelRunner:
+    """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device."""
+
+    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device):
+        self.model = model
+        self.cache = cache
+        self.device = device
+        self._cache_kwarg = cache_kwarg(model)
+        self._input_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
+        self._position_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
+
+    def metadata(self, plan: StepPlan) -> PagedMetadata:
+        return build_metadata(
+            q_lens=plan.q_lens, seq_lens_k=plan.seq_lens_k, block_tables=plan.block_tables,
+            slot_mapping=plan.slot_mapping, token_index=None, grid=(1, plan.num_tokens),
+            block_size=self.cache.block_size, kv_caches=self.cache.pool.kv_caches,
+            dispatcher=self.cache.dispatcher, device=self.device,
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
+        t = plan.num_tokens
+        if t > self._input_ids.shape[1]:
+            self._input_ids = self._input_ids.new_zeros(1, t)
+            self._position_ids = self._position_ids.new_zeros(1, t)
+        pin = self.device.type == "cuda"
+        self._input_ids[0, :t].copy_(plan.input_ids.pin_memory() if pin else plan.input_ids, non_blocking=pin)
+        self._position_ids[0, :t].copy_(plan.position_ids.pin_memory() if pin else plan.position_ids, non_blocking=pin)
+        keep = plan.logits_indices.to(self.device, non_blocking=pin)
+        self.cache.begin_step(self.metadata(plan))
+        out = self.model(
+            input_ids=self._input_ids[:, :t], position_ids=self._position_ids[:, :t], use_cache=True,
+            logits_to_keep=keep, **{self._cache_kwarg: self.cache},
+        )
+        return out.logits[0]

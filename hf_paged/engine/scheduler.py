@@ -1,0 +1,177 @@
+"""``Scheduler``: continuous batching with mixed prefill + decode steps, chunked prefill and preemption.
+
+Every step spends a token budget (``max_batch_tokens``) over sequences in arrival order:
+
+1. Running sequences first, oldest first: a decode takes 1 token, an unfinished prefill the next chunk. When the
+   free blocks cannot hold a sequence's tokens, the newest running sequence is preempted (its blocks are freed and
+   it goes back to the front of the queue keeping its generated tokens; it is recomputed later, hitting the prefix
+   cache where its blocks survived). The oldest sequence is never preempted for a newer one, so every request
+   finishes (no starvation).
+2. Then waiting sequences, strictly FIFO, while tokens, rows and free blocks remain; a prompt longer than what is
+   left is prefilled in chunks. Nothing is admitted in a step that had to preempt.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass
+
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.sequence import Sequence, SequenceStatus
+
+
+@dataclass(frozen=True)
+class ScheduledBatch:
+    """One step's choice: ``seqs[i]`` computes its next ``num_tokens[i]`` tokens; ``sample[i]``: it then samples."""
+
+    seqs: list[Sequence]
+    num_tokens: list[int]
+    sample: list[bool]
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.seqs
+
+    @property
+    def total_tokens(self) -> int:
+        return sum(self.num_tokens)
+
+
+class Scheduler:
+    """Owns the waiting queue and the running list; the block manager owns their blocks."""
+
+    def __init__(self, block_manager: BlockManager, max_batch_tokens: int, max_num_seqs: int):
+        self.block_manager = block_manager
+        self.max_batch_tokens = max_batch_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []  # sorted by arrival
+        self.num_preemptions = 0
+        self.failed: list[Sequence] = []  # finished outside a step (errors, aborts), reported by the next step
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Put a sequence holding no blocks back in the queue at its arrival place (a preempted one goes first)."""
+        seq.status = SequenceStatus.WAITING
+        self.waiting.insert(bisect.bisect(self.waiting, seq.arrival, key=lambda s: s.arrival), seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running or self.failed)
+
+    @property
+    def live(self) -> list[Sequence]:
+        return list(self.running) + list(self.waiting)
+
+    # ----- one step --------------------------------------------------------------------------------------------
+    def schedule(self) -> ScheduledBatch:
+        budget = self.max_batch_tokens
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        preempted = False
+        i = 0
+        while i < len(self.running) and budget > 0:
+            seq = self.running[i]
+            n = self._fit_running(seq, min(seq.num_uncomputed, budget))
+            if n == 0:
+                preempted = True
+                if seq not in self.running:  # preempted itself or failed: the list shrank to i
+                    break
+                continue  # a newer sequence was preempted; try again
+            self.block_manager.reserve(seq, n)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+            i += 1
+        if not preempted:
+            budget = self._admit(budget, seqs, counts)
+        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
+        return ScheduledBatch(seqs, counts, sample)
+
+    def _fit_running(self, seq: Sequence, n: int) -> int:
+        """Tokens ``seq`` can take now, preempting one newer sequence (returns 0) when none fits."""
+        fit = self.block_manager.max_tokens_fitting(seq, n)
+        if fit > 0:
+            return fit
+        victim = self.running[-1]
+        if victim is not seq:
+            self._preempt(victim)
+        elif len(self.running) > 1:
+            self._preempt(seq)
+        else:
+            self._fail(seq, (
+                f"this sequence needs more KV-cache blocks than the cache holds "
+                f"({self.block_manager.allocator.num_blocks} blocks of {self.block_manager.block_size} tokens "
+                f"for {seq.num_tokens} tokens); create the Engine with more num_blocks or ask for fewer max_new_tokens"
+            ))
+        return 0
+
+    def _admit(self, budget: int, seqs: list[Sequence], counts: list[int]) -> int:
+        bm = self.block_manager
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and bm.tables.num_free_rows:
+            seq = self.waiting[0]
+            hits = bm.find_prefix(seq)
+            n = bm.max_tokens_fitting(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget), hits)
+            if n == 0:
+                break
+            self.waiting.popleft()
+            bm.admit(seq, hits)
+            bm.reserve(seq, n)
+            seq.status = SequenceStatus.RUNNING
+            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            seqs.append(seq)
+            counts.append(n)
+            budget -= n
+        return budget
+
+    def _preempt(self, seq: Sequence) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        self.enqueue(seq)
+        self.num_preemptions += 1
+
+    def _fail(self, seq: Sequence, message: str) -> None:
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish("error", message)
+        self.failed.append(seq)
+
+    # ----- after the forward -----------------------------------------------------------------------------------
+    def commit(self, batch: ScheduledBatch) -> None:
+        """Record the step's computed tokens (their KV is written now)."""
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            self.block_manager.commit(seq, n)
+
+    def finish(self, seq: Sequence, reason: str) -> None:
+        """End a running sequence: its blocks go back (full ones stay findable in the prefix cache)."""
+        self.running.remove(seq)
+        self.block_manager.free(seq)
+        seq.finish(reason)
+
+    def insert_running(self, seq: Sequence) -> None:
+        """Add a sequence that already holds blocks (a forked copy) to the running list."""
+        seq.status = SequenceStatus.RUNNING
+        bisect.insort(self.running, seq, key=lambda s: s.arrival)
+
+    def abort(self, request_id: str) -> list[Sequence]:
+        """Finish every sequence of ``request_id`` with ``"abort"``; returns them."""
+        hit = [s for s in self.live if s.request_id == request_id or s.request_id.startswith(request_id + "__child#")]
+        for seq in hit:
+            if seq.status is SequenceStatus.RUNNING:
+                self.running.remove(seq)
+            else:
+                self.waiting.remove(seq)
+            self.block_manager.free(seq)
+            seq.finish("abort")
+        return hit
+
+    def check_invariants(self) -> None:
+        live = self.live
+        self.block_manager.check_invariants(live)
+        assert all(s.status is SequenceStatus.RUNNING for s in self.running)
+        assert all(s.status is SequenceStatus.WAITING and not s.block_table for s in self.waiting)
+        assert [s.arrival for s in self.running] == sorted(s.arrival for s in self.running)
+        assert [s.arrival for s in self.waiting] == sorted(s.arrival for s in self.waiting)
+        assert len(self.running) <= self.max_num_seqs

@@ -1,0 +1,85 @@
+"""``Sequence``: one stream of tokens the engine generates (a request, or one of its ``num_return_sequences`` copies).
+
+Its KV lives in the blocks of ``block_table``; the first ``num_computed_tokens`` of ``token_ids`` have their KV
+written there. A step computes the next tokens; when every token is computed, the logits of the last one are sampled
+and the new token is appended (its KV is written by the following step).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from hf_paged.engine.sampling_params import SamplingParams
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine."""
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: tuple[int, int],
+        seed: int,
+        pending_children: int = 0,
+    ):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.arrival = arrival  # (request counter, copy index): FIFO order, copies right after their parent
+        self.seed = seed
+        self.pending_children = pending_children  # copies forked once the prompt is computed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.row = -1  # row of the block-table buffer while the sequence holds blocks
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0  # leading full blocks registered with the prefix cache
+        self.last_block_hash: int | None = None  # prefix-cache key of block num_hashed_blocks - 1
+        self.num_streamed = 0  # generated tokens already handed to a stream reader
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )
