@@ -81,12 +81,15 @@ def test_missing_flash_attn_names_the_install_command(monkeypatch: pytest.Monkey
 
 
 # ----- (b) outputs equal the torch oracle -----------------------------------------------------------------------
-def _make_step(
+def make_paged_step(
     prefix_lens: list[int], new_lens: list[int], block_size: int, num_kv_heads: int, head_dim: int,
     dtype: torch.dtype, gen: torch.Generator,
 ) -> tuple[PagedMetadata, torch.Tensor, torch.Tensor]:
-    """A step whose new tokens are already in a shuffled paged cache; returns (meta, key, value) with
-    ``key``/``value`` [T, Hkv, D] the new tokens, read back from their slots."""
+    """A step whose new tokens are already in a shuffled paged cache (on the CPU; also used by the GPU tests).
+
+    Returns ``(meta, key, value)``: ``key``/``value`` [T, Hkv, D] are the new tokens read back from their slots;
+    the cache is ``meta.kv_caches[0]``, [num_blocks, block_size, Hkv, D], ``POISON`` in slots no sequence owns.
+    """
     totals = [p + n for p, n in zip(prefix_lens, new_lens)]
     needed = [max(1, math.ceil(t / block_size)) for t in totals]
     num_blocks = sum(needed) + 2
@@ -141,7 +144,7 @@ def test_flash_matches_torch_reference(double, step, features: dict, heads: tupl
     phase, block_size, prefix_lens, new_lens = step
     num_heads, num_kv_heads, head_dim = heads
     gen = torch.Generator().manual_seed(zlib.crc32(repr((phase.value, block_size, features, heads)).encode()))
-    meta, key, value = _make_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
+    meta, key, value = make_paged_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
     assert meta.phase is phase
     query = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen)
     slopes = torch.rand(num_heads, generator=gen) * 0.3 if features.get("alibi") else None
@@ -159,7 +162,7 @@ def test_flash_matches_torch_reference(double, step, features: dict, heads: tupl
 def test_flash_matches_torch_reference_half(double, step, dtype: torch.dtype):
     phase, block_size, prefix_lens, new_lens = step
     gen = torch.Generator().manual_seed(7)
-    meta, key, value = _make_step(prefix_lens, new_lens, block_size, 2, 32, dtype, gen)
+    meta, key, value = make_paged_step(prefix_lens, new_lens, block_size, 2, 32, dtype, gen)
     query = torch.randn(meta.num_tokens, 8, 32, generator=gen).to(dtype)
     params = AttentionParams(scale=32**-0.5, sliding_window=20)
     k_cache, v_cache = meta.kv_caches[0]
