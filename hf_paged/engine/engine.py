@@ -70,7 +70,7 @@ class Engine:
         self.device, dtype = model.device, model.dtype
         max_len = _max_positions(model.config)
         if num_blocks is None:
-            num_blocks = _blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
+            num_blocks = blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
                                              cap=max_num_seqs * -(-max_len // block_size))
         self.cache = PagedAttentionCache(model.config, num_blocks, block_size, self.device, dtype, backend=backend)
         tables = BlockTableBuffer(max_num_seqs, min(num_blocks, -(-max_len // block_size)))
@@ -262,6 +262,7 @@ def _max_positions(config) -> int:
     return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
 
 
-def _blocks_from_memory(config, block_size, dtype, device, budget: float, cap: int) -> int:
+def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:
+    """Blocks that ``budget`` (a fraction of the free memory of ``device``) holds, at most ``cap``."""
     layout = KVLayout.from_config(config)
     return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))

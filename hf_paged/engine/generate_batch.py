@@ -1,0 +1,109 @@
+"""``generate_batch``: the call shape and result shape of transformers' ``model.generate_batch``, on the engine.
+
+Moving over is two lines::
+
+    import hf_paged
+    results = hf_paged.generate_batch(model, inputs, generation_config)   # was: model.generate_batch(inputs, ...)
+
+Results are ``{request_id: GenerationOutput}`` (transformers' own class) in input order, ids ``"req_0"``,
+``"req_1"``, ... and ``"req_0__child#0"``, ... for the extra ``num_return_sequences`` copies.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import time
+
+import torch
+from transformers import GenerationConfig
+from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
+
+from hf_paged.engine.engine import Engine, blocks_from_memory
+from hf_paged.engine.sampling_params import resolve_generation_config
+
+logger = logging.getLogger("hf_paged")
+
+
+def generate_batch(
+    model: torch.nn.Module,
+    inputs: list[list[int]],
+    generation_config: GenerationConfig | None = None,
+    continuous_batching_config=None,
+    record_timestamps: bool = False,
+    progress_bar: bool = False,
+    persistent_manager: bool = False,
+    warmup: bool = True,
+    **kwargs,
+) -> dict[str, GenerationOutput]:
+    """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
+
+    Reads ``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``,
+    ``return_logprobs``, ``seed`` and ``max_memory_percent`` from ``continuous_batching_config`` when given;
+    ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
+    for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
+    ``record_timestamps``, ``persistent_manager`` and ``warmup`` are accepted for compatibility and ignored.
+    """
+    if not inputs:
+        return {}
+    cbc = continuous_batching_config
+    opt = lambda name, default: default if getattr(cbc, name, None) is None else getattr(cbc, name)
+    gc = copy.deepcopy(generation_config or getattr(model, "generation_config", None) or GenerationConfig())
+    if kwargs.get("max_new_tokens") is not None:
+        gc.max_new_tokens = kwargs.pop("max_new_tokens")
+    if opt("return_logprobs", False):
+        gc.output_logprobs = True
+    block_size = opt("block_size", 16) if cbc is not None and cbc.block_size != 256 else 16
+    num_blocks = opt("num_blocks", None)
+    if num_blocks is None:
+        num_blocks = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
+    engine = Engine(
+        model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
+        max_num_seqs=opt("max_requests_per_batch", 256), enable_prefix_caching=opt("allow_block_sharing", True),
+    )
+    seed = opt("seed", None)
+    start = time.perf_counter()
+    ids = {}
+    for i, prompt in enumerate(inputs):
+        cfg = gc
+        if seed is not None:
+            cfg = copy.deepcopy(gc)
+            cfg.seed = (seed * 1_000_003 + i) % 2**62
+        ids[engine.add_request(prompt, cfg, request_id=f"req_{i}")] = i
+    finished = {}
+    from tqdm.auto import tqdm
+
+    with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests", unit="request") as bar:
+        while engine.has_unfinished():
+            for out in engine.step():
+                finished[out.request_id] = _to_generation_output(out, start)
+                bar.update(out.request_id in ids)
+    failed = [k for k, o in finished.items() if o.error is not None]
+    if failed:
+        logger.error("Requests %s failed during generation.", failed)
+    order = lambda rid: (ids[rid.partition("__child#")[0]], rid)
+    return {rid: finished[rid] for rid in sorted(finished, key=order)}
+
+
+def _to_generation_output(out, start: float) -> GenerationOutput:
+    return GenerationOutput(
+        request_id=out.request_id,
+        prompt_ids=list(out.prompt_token_ids),
+        generated_tokens=list(out.token_ids),
+        logprobs=list(out.logprobs or []),
+        error=out.error,
+        status=RequestStatus.FAILED if out.finish_reason == "error" else RequestStatus.FINISHED,
+        created_time=start,
+        lifespan=(start, time.perf_counter()),
+    )
+
+
+def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memory_fraction: float) -> int:
+    """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
+    resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
+    copies = resolved.num_return_sequences or 1
+    needed = 0
+    for prompt in inputs:
+        new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
+        needed += copies * -(-(len(prompt) + new) // block_size)
+    return max(1, blocks_from_memory(model.config, block_size, model.dtype, model.device, memory_fraction, needed))
