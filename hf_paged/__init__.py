@@ -19,3 +19,8 @@ __all__ = [
     "PagedAttentionCache",
     "available_backends",
 ]
+
+from hf_paged.engine import Engine  # noqa: E402
+from hf_paged.engine.generate_batch import generate_batch  # noqa: E402
+
+__all__ += ["Engine", "generate_batch"]
