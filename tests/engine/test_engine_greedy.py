@@ -1,0 +1,94 @@
+"""Engine greedy output equals ``model.generate`` greedy output (eager attention), prompt by prompt."""
+
+from __future__ import annotations
+
+import pytest
+
+import hf_paged
+from engine_helpers import greedy_config, hf_greedy, models, random_prompts
+
+
+def run_engine(arch: str, prompts, max_new: int, **engine_kwargs):
+    engine = hf_paged.Engine(models(arch)[1], **engine_kwargs)
+    outs = engine.generate(prompts, greedy_config(max_new))
+    stats = engine.stats()
+    assert stats["free_blocks"] == stats["num_blocks"], stats
+    assert not engine.has_unfinished()
+    return outs, stats
+
+
+def assert_matches(outs, refs):
+    for i, (out, ref) in enumerate(zip(outs, refs)):
+        assert out.token_ids == ref, f"prompt {i}: {out.finish_reason} {out.error}"
+        assert out.finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("prefix_caching", [True, False])
+def test_preemption_with_a_small_cache(prefix_caching):
+    prompts = random_prompts(14, 4, 36, seed=1)
+    refs = hf_greedy("llama_gqa", prompts, 10)
+    outs, stats = run_engine("llama_gqa", prompts, 10, num_blocks=14, block_size=4, max_batch_tokens=64,
+                             enable_prefix_caching=prefix_caching)
+    assert stats["preemptions"] >= 3
+    assert_matches(outs, refs)
+
+
+def test_prefix_caching_with_shared_prefixes():
+    prefixes = random_prompts(2, 17, 24, seed=2)
+    first, second = random_prompts(6, 1, 9, 3, prefixes), random_prompts(6, 1, 9, 4, prefixes)
+    refs = hf_greedy("llama_gqa", first + second, 8)
+    engine = hf_paged.Engine(models("llama_gqa")[1], num_blocks=64, block_size=4, max_batch_tokens=32)
+    outs = engine.generate(first, greedy_config(8))
+    hits_first = engine.stats()["prefix_cache_hit_tokens"]
+    outs += engine.generate(second, greedy_config(8))  # finished requests' blocks are free but still cached
+    stats = engine.stats()
+    assert hits_first > 0 and stats["prefix_cache_hit_tokens"] - hits_first >= 6 * 16
+    assert stats["free_blocks"] == stats["num_blocks"]
+    assert_matches(outs, refs)
+
+
+def test_chunked_prefill_under_a_small_token_budget():
+    prompts = random_prompts(8, 12, 40, seed=5)
+    refs = hf_greedy("llama_gqa", prompts, 8)
+    outs, stats = run_engine("llama_gqa", prompts, 8, num_blocks=96, block_size=4, max_batch_tokens=7)
+    assert_matches(outs, refs)
+
+
+def test_requests_added_between_steps_and_one_aborted():
+    prompts = random_prompts(8, 3, 30, seed=6)
+    refs = hf_greedy("llama_gqa", prompts, 12)
+    engine = hf_paged.Engine(models("llama_gqa")[1], num_blocks=40, block_size=4, max_batch_tokens=32)
+    cfg = greedy_config(12)
+    ids = [engine.add_request(p, cfg) for p in prompts[:4]]
+    done = {}
+    for step in range(40):
+        if step == 3:
+            ids += [engine.add_request(p, cfg) for p in prompts[4:]]
+        if step == 5:
+            engine.abort(ids[1])
+        done.update({o.request_id: o for o in engine.step()})
+        if step > 5 and not engine.has_unfinished():
+            break
+    assert not engine.has_unfinished()
+    assert done[ids[1]].finish_reason == "abort"
+    assert done[ids[1]].token_ids == refs[1][: len(done[ids[1]].token_ids)]
+    assert_matches([done[i] for i in ids if i != ids[1]], [r for k, r in enumerate(refs) if k != 1])
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3", "gpt2"])
+def test_architectures(arch):
+    prompts = random_prompts(6, 2, 30, seed=7)
+    refs = hf_greedy(arch, prompts, 8)
+    outs, stats = run_engine(arch, prompts, 8, num_blocks=20, block_size=8, max_batch_tokens=24)
+    assert_matches(outs, refs)
+
+
+def test_generate_batch_matches_generate():
+    prompts = random_prompts(6, 2, 30, seed=8)
+    refs = hf_greedy("qwen3", prompts, 8)
+    results = hf_paged.generate_batch(models("qwen3")[1], prompts, greedy_config(8))
+    assert list(results) == [f"req_{i}" for i in range(len(prompts))]
+    for i, (rid, res) in enumerate(results.items()):
+        assert res.prompt_ids == prompts[i] and res.error is None and res.is_finished()
+        assert res.generated_tokens == refs[i]
