@@ -1,0 +1,45 @@
+"""A stand-in for the KV pool in scheduler tests: each slot remembers which token's KV was written to it."""
+
+from __future__ import annotations
+
+from hf_paged.cache.block_allocator import BlockAllocator
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.sequence import Sequence
+
+
+class FakeKV:
+    def __init__(self, num_blocks: int, block_size: int):
+        self.block_size = block_size
+        self.content: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        for s, d in zip(src, dst):
+            self.content[d] = list(self.content[s])
+
+    def write(self, seq: Sequence, n: int) -> None:
+        """What a forward does: the KV of tokens ``[computed, computed + n)`` lands in their slots."""
+        bs = self.block_size
+        for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
+            self.content[seq.block_table[p // bs]][p % bs] = seq.token_ids[p]
+
+    def check(self, seq: Sequence) -> None:
+        """Every computed token of ``seq`` reads back its own KV through the block table (hits and copies too)."""
+        bs = self.block_size
+        got = [self.content[seq.block_table[p // bs]][p % bs] for p in range(seq.num_computed_tokens)]
+        assert got == seq.token_ids[: seq.num_computed_tokens], seq
+
+
+def make_block_manager(num_blocks: int, block_size: int, max_rows: int, prefix_caching: bool = True):
+    kv = FakeKV(num_blocks, block_size)
+    bm = BlockManager(BlockAllocator(num_blocks), block_size, BlockTableBuffer(max_rows, 2), kv.copy_blocks,
+                      prefix_caching)
+    return bm, kv
+
+
+def check_table_rows(bm: BlockManager, seqs: list[Sequence]) -> None:
+    """The block-table buffer mirrors every live sequence's block table."""
+    for seq in seqs:
+        if seq.row >= 0:
+            row = bm.tables.table[seq.row, : len(seq.block_table)].tolist()
+            assert row == seq.block_table, (row, seq.block_table)
