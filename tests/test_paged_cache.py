@@ -161,3 +161,14 @@ def test_stats_count_tokens_blocks_and_fragmentation():
     s = cache.stats()
     assert s["tokens_stored"] == 13 and s["blocks_used"] == 2 + 2 and s["blocks_free"] == 28
     assert s["internal_fragmentation"] == pytest.approx(1 - 13 / 16)
+
+
+def test_backend_restriction_orders_and_refuses():
+    config = make_config("llama_gqa")
+    cache = hf_paged.PagedAttentionCache(config, num_blocks=4, backend="flash,torch")
+    assert [b.name for b in cache.dispatcher._order] == ["flash", "torch"]
+    only_flash = hf_paged.PagedAttentionCache(config, num_blocks=16, block_size=4, backend=["flash"])
+    _, paged = make_models("llama_gqa")
+    batch = left_padded_batch([3, 5], torch.Generator().manual_seed(4))
+    with pytest.raises(NotImplementedError, match="Allow more backends"):
+        paged.generate(**with_cache(paged, only_flash, **batch), max_new_tokens=2, **GREEDY)

@@ -1,8 +1,9 @@
 """Pick the backend that serves each (phase, layer shape) in the order flash -> cuda -> torch.
 
 The choice is made once per distinct :class:`AttentionCall` and memoised, so a layer pays a dict lookup. A user
-may pin a backend by name (``PagedAttentionCache(..., backend="torch")`` or ``HF_PAGED_BACKEND``); a pinned
-backend that cannot serve a call raises instead of silently falling back.
+may restrict the choice (``PagedAttentionCache(..., backend="torch")``, ``backend=("cuda", "torch")`` or the
+``HF_PAGED_BACKEND`` variable, comma-separated): only the named backends are tried, in the order given, and a call
+none of them can serve raises instead of silently falling back.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import importlib
 import logging
 import os
 import pkgutil
+from collections.abc import Sequence
 
 import torch
 
@@ -27,20 +29,31 @@ def _import_backends() -> None:
 
 
 def available_backends() -> list[str]:
+    """Names of the registered backends, in the default dispatch order."""
     _import_backends()
     return [b.name for b in registered_backends()]
+
+
+def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    backend = backend or os.environ.get("HF_PAGED_BACKEND") or None
+    if backend is None:
+        return None
+    names = tuple(n.strip() for n in backend.split(",")) if isinstance(backend, str) else tuple(backend)
+    known = available_backends()
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown attention backend(s) {unknown or names}; choose from {known}")
+    return names
 
 
 class Dispatcher:
     """Chooses backends and records which one served each phase (``served``: phase name -> backend name)."""
 
-    def __init__(self, pinned: str | None = None):
+    def __init__(self, backend: str | Sequence[str] | None = None):
         _import_backends()
-        pinned = pinned or os.environ.get("HF_PAGED_BACKEND") or None
-        names = [b.name for b in registered_backends()]
-        if pinned is not None and pinned not in names:
-            raise ValueError(f"unknown attention backend {pinned!r}; choose one of {names}")
-        self.pinned = pinned
+        self.allowed = _parse_allowed(backend)
+        by_name = {b.name: b for b in registered_backends()}
+        self._order = registered_backends() if self.allowed is None else [by_name[n] for n in self.allowed]
         self.served: dict[str, str] = {}
         self._choice: dict[AttentionCall, AttentionBackend] = {}
         self._writer: dict[tuple, AttentionBackend] = {}
@@ -55,29 +68,23 @@ class Dispatcher:
         return backend
 
     def writer(self, k_cache: torch.Tensor) -> AttentionBackend:
-        """The backend whose KV-write serves this cache tensor: the pinned one if it has a write of its own, else
-        the first in order that does (the torch backend always does)."""
+        """The backend whose KV write serves this cache tensor: the first allowed one with a write of its own,
+        else the first registered one that has one (the torch backend always does)."""
         key = (k_cache.device.type, k_cache.dtype, k_cache.shape[-1])
         backend = self._writer.get(key)
         if backend is None:
-            order = registered_backends()
-            if self.pinned is not None:
-                order = sorted(order, key=lambda b: b.name != self.pinned)
-            backend = next(b for b in order if b.write_unsupported_reason(*key) is None)
+            candidates = [*self._order, *registered_backends()]
+            backend = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
             self._writer[key] = backend
         self.served["write"] = backend.name
         return backend
 
     def _choose(self, call: AttentionCall) -> AttentionBackend:
         reasons = []
-        for backend in registered_backends():
-            if self.pinned is not None and backend.name != self.pinned:
-                continue
+        for backend in self._order:
             reason = backend.unsupported_reason(call)
             if reason is None:
                 return backend
             reasons.append(f"{backend.name}: {reason}")
-        raise NotImplementedError(
-            f"no attention backend can serve {call}: " + "; ".join(reasons)
-            + ("" if self.pinned is None else f". Unpin the backend (pinned: {self.pinned!r}) to let another serve.")
-        )
+        hint = "" if self.allowed is None else f". Allow more backends (now {list(self.allowed)}) to let another serve."
+        raise NotImplementedError(f"no attention backend can serve {call}: " + "; ".join(reasons) + hint)

@@ -84,7 +84,8 @@ class PagedAttentionCache(Cache):
         device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
         dtype: KV dtype; must be the model's dtype (float16, bfloat16 or float32).
         memory_budget: with ``num_blocks=None``: bytes (int) or a fraction of free device memory (float).
-        backend: pin an attention backend by name (see ``hf_paged.available_backends()``); None = automatic.
+        backend: restrict attention to these backends, tried in the given order: a name, a sequence of names or a
+            comma-separated string (see ``hf_paged.available_backends()``); None = automatic (flash, cuda, torch).
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
     """
@@ -97,7 +98,7 @@ class PagedAttentionCache(Cache):
         device: str | torch.device | Sequence[str | torch.device] = "cpu",
         dtype: torch.dtype = torch.float32,
         memory_budget: int | float | None = None,
-        backend: str | None = None,
+        backend: str | Sequence[str] | None = None,
     ):
         check_model_supported(config)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:

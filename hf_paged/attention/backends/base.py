@@ -59,7 +59,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def unsupported_reason(self, call: AttentionCall) -> str | None:
-        """None if this backend can serve ``call``, else a short reason (shown when a pinned backend refuses)."""
+        """None if this backend can serve ``call``, else a short reason (shown when no allowed backend can serve)."""
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         """None if this backend has its own KV write for such a cache, else why not (the torch one serves)."""
