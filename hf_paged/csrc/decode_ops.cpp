@@ -1,0 +1,190 @@
+// Host side of paged decode: argument checks, the split heuristic, workspace, launch.
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+#include "launch.h"
+#include "ops.h"
+
+namespace hf_paged {
+namespace {
+
+int group_tile_for(int64_t group_size) { return group_size <= 1 ? 1 : group_size <= 2 ? 2 : group_size <= 4 ? 4 : 8; }
+
+DecodeKernel select_kernel(at::ScalarType dtype, int head_dim, int group_tile) {
+  switch (dtype) {
+    case at::kFloat: return decode_kernel_f32(head_dim, group_tile);
+    case at::kHalf: return decode_kernel_f16(head_dim, group_tile);
+    case at::kBFloat16: return decode_kernel_bf16(head_dim, group_tile);
+    default: return DecodeKernel{};
+  }
+}
+
+DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache) {
+  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [batch, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+                    k_cache.sizes());
+  const int64_t heads = query.size(1), kv_heads = k_cache.size(2), head_dim = query.size(2);
+  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "num_heads (", heads,
+                    ") must be a multiple of num_kv_heads (", kv_heads, ")");
+  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
+  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(head_dim), group_tile_for(heads / kv_heads));
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, "paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 "
+                              "or 256; got ", query.scalar_type(), " with head_dim ", head_dim);
+  return k;
+}
+
+// Resident CTAs per SM and SM count, asked once per (device, kernel); shared memory raised to what it needs.
+std::pair<int, int> residency(const DecodeKernel& k, int device) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, std::pair<int, int>> cache;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = cache.find({device, k.fn});
+  if (it != cache.end()) return it->second;
+  int sms = 0, optin = 0, per_sm = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  // A typical block-table slice (256 tokens of 16-token blocks) on top of the ring.
+  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes + 128));
+  return cache[{device, k.fn}] = {std::max(per_sm, 1), sms};
+}
+
+int round_up(int64_t x, int to) { return static_cast<int>((x + to - 1) / to * to); }
+
+// Split length (a multiple of the tile) for `items` independent (sequence, head group) pieces of up to `max_len`
+// tokens. Splitting adds partial-output traffic, so splits stay >= min_split; among split counts, prefer the
+// fewest whose last wave of CTAs fills the GPU within 95% of the best (a half-empty last wave idles SMs).
+int choose_split_len(const DecodeKernel& k, int64_t items, int64_t max_len, int slots) {
+  max_len = std::max<int64_t>(max_len, 1);
+  const int64_t max_splits = std::min<int64_t>(kMaxSplits, (max_len + k.min_split - 1) / k.min_split);
+  std::vector<std::pair<double, int>> options;  // (fill, split_len)
+  for (int64_t s = 1; s <= max_splits; ++s) {
+    const int len = round_up((max_len + s - 1) / s, k.tile);
+    const int64_t ctas = items * ((max_len + len - 1) / len);
+    const int64_t waves = (ctas + slots - 1) / slots;
+    options.emplace_back(static_cast<double>(ctas) / static_cast<double>(waves * slots), len);
+  }
+  double best = 0.0;
+  for (const auto& o : options) best = std::max(best, o.first);
+  for (const auto& o : options)
+    if (o.first >= 0.95 * best) return o.second;
+  return options.front().second;
+}
+
+int split_len_for(const DecodeKernel& k, const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
+  const auto [per_sm, sms] = residency(k, query.get_device());
+  const int64_t group_size = query.size(1) / k_cache.size(2);
+  const int64_t head_groups = (group_size + group_tile_for(group_size) - 1) / group_tile_for(group_size);
+  const int64_t items = query.size(0) * k_cache.size(2) * head_groups;
+  return choose_split_len(k, items, max_seq_len, per_sm * sms);
+}
+
+// Split tickets must start at zero; the kernel leaves them at zero, so one buffer per (device, stream) is
+// allocated once and reused (launches on one stream never overlap; two streams get two buffers).
+at::Tensor counters_for(const at::Device& device, cudaStream_t stream, int64_t needed) {
+  static std::mutex mu;
+  static std::map<std::pair<int, cudaStream_t>, at::Tensor> buffers;
+  const std::lock_guard<std::mutex> lock(mu);
+  at::Tensor& buf = buffers[{device.index(), stream}];
+  if (!buf.defined() || buf.numel() < needed)
+    buf = at::zeros({std::max<int64_t>(needed, 1 << 16)}, at::TensorOptions().dtype(at::kInt).device(device));
+  return buf;
+}
+
+void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                       const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                       int64_t max_seq_len, const std::optional<at::Tensor>& alibi) {
+  const at::Device device = query.device();
+  check_cuda_tensor(out, "out", device), check_cuda_tensor(k_cache, "k_cache", device);
+  check_cuda_tensor(v_cache, "v_cache", device), check_cuda_tensor(block_tables, "block_tables", device);
+  check_cuda_tensor(seq_lens, "seq_lens", device);
+  const int64_t batch = query.size(0), heads = query.size(1), vec = vec_elems(query.scalar_type());
+  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
+                    "k_cache and v_cache must be contiguous tensors of one shape");
+  TORCH_CHECK_VALUE(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type() &&
+                        out.scalar_type() == query.scalar_type(),
+                    "query, out and the caches must share one dtype");
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.is_contiguous() && aligned16(out),
+                    "out must be a contiguous tensor shaped like query ", query.sizes());
+  TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) % vec == 0 && query.stride(0) % vec == 0 &&
+                        aligned16(query) && aligned16(k_cache) && aligned16(v_cache),
+                    "query rows must be contiguous and 16-byte aligned; call .contiguous() first");
+  TORCH_CHECK_VALUE(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == batch &&
+                        seq_lens.is_contiguous(),
+                    "seq_lens must be a contiguous int32 [batch] tensor");
+  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
+                        block_tables.size(0) == batch && block_tables.stride(1) == 1,
+                    "block_tables must be an int32 [batch, max_blocks] tensor with contiguous rows");
+  TORCH_CHECK_VALUE(max_seq_len >= 0 && block_tables.size(1) * k_cache.size(1) >= max_seq_len,
+                    "block_tables has ", block_tables.size(1), " blocks of ", k_cache.size(1),
+                    " tokens per row, too few for max_seq_len ", max_seq_len);
+  TORCH_CHECK_VALUE(batch <= 65535, "paged_decode takes at most 65535 sequences per launch, got ", batch);
+  if (alibi.has_value()) {
+    check_cuda_tensor(*alibi, "alibi_slopes", device);
+    TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == heads &&
+                          alibi->is_contiguous(),
+                      "alibi_slopes must be a contiguous float32 [num_heads] tensor");
+  }
+}
+
+}  // namespace
+
+int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
+  const c10::cuda::CUDAGuard guard(query.device());
+  return split_len_for(kernel_for(query, k_cache), query, k_cache, max_seq_len);
+}
+
+int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len) {
+  const DecodeKernel k = kernel_for(query, k_cache);
+  check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, alibi_slopes);
+  const c10::cuda::CUDAGuard guard(query.device());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_cache.size(2), bs = k_cache.size(1);
+  if (batch == 0) return 0;
+  if (split_len <= 0) split_len = split_len_for(k, query, k_cache, max_seq_len);
+  TORCH_CHECK_VALUE(split_len % k.tile == 0, "split_len must be a multiple of ", k.tile, " here, got ", split_len);
+  const int64_t max_splits = std::max<int64_t>(1, (max_seq_len + split_len - 1) / split_len);
+  TORCH_CHECK_VALUE(max_splits <= kMaxSplits, "split_len ", split_len, " cuts ", max_seq_len, " tokens into more than ",
+                    kMaxSplits, " splits; use a longer split");
+
+  DecodeParams p{};
+  const int group_size = static_cast<int>(heads / kv_heads), tile = group_tile_for(group_size);
+  p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
+  p.num_heads = static_cast<int>(heads), p.num_kv_heads = static_cast<int>(kv_heads);
+  p.group_size = group_size, p.head_groups = (group_size + tile - 1) / tile;
+  p.block_size = static_cast<int>(bs), p.block_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1;
+  p.table_stride = static_cast<int>(block_tables.stride(0));
+  p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * bs, INT32_MAX));
+  p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
+  at::Tensor part_out, part_stats, counters;
+  if (max_splits > 1) {
+    const auto f32 = query.options().dtype(at::kFloat);
+    part_out = at::empty({batch * heads * max_splits * query.size(2)}, f32);
+    part_stats = at::empty({batch * heads * max_splits * 2}, f32);
+    counters = counters_for(query.device(), stream, batch * kv_heads * p.head_groups);
+    p.part_out = part_out.data_ptr<float>(), p.part_stats = part_stats.data_ptr<float>();
+    p.counters = counters.data_ptr<int32_t>();
+  }
+  residency(k, query.get_device());  // raises the kernel's shared-memory limit once per device
+  const int smem = k.smem_bytes + static_cast<int>(((split_len + bs - 1) / bs + 1) * 4);
+  const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(kv_heads * p.head_groups),
+                  static_cast<unsigned>(batch));
+  void* args[] = {&p};
+  C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
+  return split_len;
+}
+
+}  // namespace hf_paged

@@ -1,0 +1,53 @@
+// Plain C++ interface between the torch op layer (ops.cpp) and the CUDA kernels (*.cu).
+// Nothing here includes torch headers, so the .cu files compile quickly with nvcc alone.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hf_paged {
+
+// Upper bound on context splits per sequence; the combine step keeps one weight per split in shared memory.
+constexpr int kMaxSplits = 256;
+
+// Arguments of one paged-decode launch. Shapes: B sequences, H query heads, Hkv kv heads, D head_dim.
+struct DecodeParams {
+  void* out;                  // [B, H, D], query dtype, contiguous
+  const void* query;          // [B, H, D], strides q_stride_b / q_stride_h, last dim contiguous
+  const void* k_cache;        // [num_blocks, block_size, Hkv, D], contiguous
+  const void* v_cache;        // same
+  const int32_t* block_tables;  // [B, table_stride]
+  const int32_t* seq_lens;    // [B] context length including the new token
+  const float* alibi_slopes;  // [H] or nullptr
+  float* part_out;            // [B, H, max_splits, D] unnormalised partial outputs
+  float* part_stats;          // [B, H, max_splits, 2] (running max in log2 units, sum of exp2)
+  int32_t* counters;          // [B, Hkv, head_groups] split tickets; zero on entry, left zero on exit
+  float scale_log2;           // softmax scale * log2(e): the kernel works in base 2
+  int64_t q_stride_b, q_stride_h;
+  int num_heads, num_kv_heads, group_size, head_groups;
+  int block_size, block_shift;  // block_shift = log2(block_size) or -1 when not a power of two
+  int table_stride;
+  int max_context;              // table_stride's blocks * block_size: longer seq_lens are clamped (memory safety)
+  int split_len, max_splits;
+};
+
+// One compiled decode kernel (dtype x head_dim x query heads per kv head) and the constants the host needs.
+struct DecodeKernel {
+  const void* fn = nullptr;  // __global__ void(DecodeParams); nullptr when the shape is not compiled
+  int threads = 0;
+  int tile = 0;              // tokens one CTA consumes per pipeline step; split lengths are multiples of it
+  int min_split = 0;         // shortest split worth its partial-output traffic
+  int smem_bytes = 0;        // dynamic shared memory, without the block-table slice
+};
+
+DecodeKernel decode_kernel_f32(int head_dim, int group_tile);
+DecodeKernel decode_kernel_f16(int head_dim, int group_tile);
+DecodeKernel decode_kernel_bf16(int head_dim, int group_tile);
+
+// Scatter T tokens of K and V (each row `vecs_per_token` 16-byte vectors) into their cache slots.
+cudaError_t launch_write_kv(const void* key, const void* value, void* k_cache, void* v_cache,
+                            const int64_t* slot_mapping, int64_t num_tokens, int vecs_per_token,
+                            int64_t key_row_stride_vecs, int64_t value_row_stride_vecs, cudaStream_t stream);
+
+}  // namespace hf_paged

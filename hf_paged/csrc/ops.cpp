@@ -1,0 +1,77 @@
+// Registers torch.ops.hf_paged.{paged_decode, paged_decode_split_len, write_kv} and holds the KV-write op.
+#include "ops.h"
+
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "launch.h"
+
+namespace hf_paged {
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
+  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
+  TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), " but the other tensors are on ", device);
+}
+
+int vec_elems(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return 4;
+    case at::kHalf:
+    case at::kBFloat16: return 8;
+    default: return 0;
+  }
+}
+
+bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping) {
+  const at::Device device = k_cache.device();
+  check_cuda_tensor(key, "key", device), check_cuda_tensor(value, "value", device);
+  check_cuda_tensor(v_cache, "v_cache", device), check_cuda_tensor(slot_mapping, "slot_mapping", device);
+  TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
+                    "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
+                    k_cache.sizes(), " and ", v_cache.sizes());
+  TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
+  TORCH_CHECK_VALUE(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == k_cache.size(2) &&
+                        key.size(2) == k_cache.size(3),
+                    "key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache ", k_cache.sizes(),
+                    ", got ", key.sizes(), " and ", value.sizes());
+  const auto dtype = k_cache.scalar_type();
+  TORCH_CHECK_VALUE(key.scalar_type() == dtype && value.scalar_type() == dtype && v_cache.scalar_type() == dtype,
+                    "key, value and the caches must share one dtype, got ", key.scalar_type(), ", ",
+                    value.scalar_type(), " and ", dtype);
+  TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
+                        slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
+                    "slot_mapping must be a contiguous int64 [num_tokens] tensor");
+  const int64_t row = key.size(1) * key.size(2), esize = key.element_size();
+  TORCH_CHECK_VALUE(row * esize % 16 == 0, "num_kv_heads * head_dim * itemsize must be a multiple of 16 bytes");
+  TORCH_CHECK_VALUE(aligned16(k_cache) && aligned16(v_cache), "k_cache and v_cache must be 16-byte aligned");
+  for (const at::Tensor* t : {&key, &value}) {
+    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == t->size(2) && (t->stride(0) * esize) % 16 == 0 &&
+                          aligned16(*t),
+                      "key/value rows must be contiguous [num_kv_heads, head_dim] blocks at 16-byte aligned "
+                      "addresses; call .contiguous() first");
+  }
+  const c10::cuda::CUDAGuard guard(device);
+  const int vecs = static_cast<int>(row * esize / 16);
+  C10_CUDA_CHECK(launch_write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                 slot_mapping.data_ptr<int64_t>(), key.size(0), vecs, key.stride(0) * esize / 16,
+                                 value.stride(0) * esize / 16, c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace hf_paged
+
+TORCH_LIBRARY(hf_paged, m) {
+  m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
+        "Tensor seq_lens, int max_seq_len, float scale, Tensor? alibi_slopes, int split_len) -> int");
+  m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len) -> int");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+}
+
+TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
+  m.impl("paged_decode", &hf_paged::paged_decode);
+  m.impl("paged_decode_split_len", &hf_paged::paged_decode_split_len);
+  m.impl("write_kv", &hf_paged::write_kv);
+}

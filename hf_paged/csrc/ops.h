@@ -1,0 +1,27 @@
+// The torch-facing ops (registered as torch.ops.hf_paged.* in ops.cpp).
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <optional>
+
+namespace hf_paged {
+
+// Validates every argument (ValueError / NotImplementedError with what to change) and launches on the current
+// stream. Returns the split length used (tokens of context per CTA).
+int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                     const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len);
+
+// The split length the heuristic picks for such a launch (for benchmarks and tests).
+int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len);
+
+void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+              const at::Tensor& slot_mapping);
+
+// Shared argument checks.
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device);
+int vec_elems(at::ScalarType dtype);  // elements per 16-byte vector; 0 for unsupported dtypes
+bool aligned16(const at::Tensor& t);
+
+}  // namespace hf_paged

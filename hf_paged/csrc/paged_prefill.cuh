@@ -1,0 +1,47 @@
+// Plain C++ interface between the prefill op (prefill_ops.cpp) and the prefill kernels (paged_prefill_*.cu).
+// No torch and no device code here, so the host file includes it cheaply.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+namespace hf_paged {
+
+// One paged varlen prefill launch. T packed new tokens of B sequences, H query heads, Hkv kv heads, D head_dim.
+// Sequence b owns query rows [cu_seqlens_q[b], cu_seqlens_q[b+1]) and a context of seq_lens_k[b] tokens whose last
+// q_len tokens are its new ones (bottom-right causal alignment): new token i sits at position seq_len - q_len + i.
+struct PrefillParams {
+  void* out;                    // [T, H, D] query dtype; strides o_stride_t / o_stride_h, last dim contiguous
+  const void* query;            // [T, H, D] strides q_stride_t / q_stride_h, last dim contiguous
+  const void* k_cache;          // [num_blocks, block_size, Hkv, D], contiguous
+  const void* v_cache;          // same
+  const int32_t* cu_seqlens_q;  // [B + 1]
+  const int32_t* seq_lens_k;    // [B] context length, new tokens included
+  const int32_t* block_tables;  // [B, table_stride]; entries past a sequence's length are never read
+  const float* alibi_slopes;    // [H] or nullptr
+  int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;  // elements
+  int num_kv_heads, group_size;
+  int block_size, block_shift;  // block_shift = log2(block_size), or -1 when block_size is not a power of two
+  int table_stride;
+  int max_context;              // table_stride * block_size: longer seq_lens are clamped (memory safety)
+  float scale_log2;             // softmax scale * log2(e): the kernel exponentiates in base 2
+  float alibi_log2;             // log2(e), so that slope * alibi_log2 puts ALiBi in the same units
+};
+
+// Tile shapes compiled per (dtype, head_dim). kPrefillConfigAuto lets the host pick.
+//   0: 4 warps x 32 query rows (BLOCK_M 128)   1: 4 warps x 16 rows (BLOCK_M 64)   2: 8 warps x 16 rows (BLOCK_M 128)
+constexpr int kPrefillConfigs = 3;
+constexpr int kPrefillConfigAuto = -1;
+
+struct PrefillKernel {
+  const void* fn = nullptr;  // __global__ void(PrefillParams); nullptr when not compiled
+  int threads = 0;
+  int block_m = 0;           // query rows per CTA
+  int smem_bytes = 0;        // dynamic shared memory
+};
+
+PrefillKernel prefill_kernel_f16(int head_dim, int config, bool alibi);
+PrefillKernel prefill_kernel_bf16(int head_dim, int config, bool alibi);
+
+}  // namespace hf_paged

@@ -1,0 +1,11 @@
+// The __nv_bfloat16 instantiations of the paged prefill kernel (one file per dtype so that ninja builds them in
+// parallel).
+#include "paged_prefill_kernel.cuh"
+
+namespace hf_paged {
+
+PrefillKernel prefill_kernel_bf16(int head_dim, int config, bool alibi) {
+  return prefill::select_kernel<__nv_bfloat16>(head_dim, config, alibi);
+}
+
+}  // namespace hf_paged

@@ -1,0 +1,153 @@
+// Paged varlen prefill on tensor cores (FA2-style): one CTA owns BLOCK_M query rows of one (sequence, head) and
+// walks that sequence's K/V in BLOCK_N-token tiles read through the block table.
+//
+// - Each warp owns kMAtoms * 16 query rows; S = Q K^T and O += P V are mma.sync m16n8k16 with fp32 accumulators,
+//   the softmax is online (running max and sum per row, in base 2) and P stays in registers (see the _mma header).
+// - K/V tiles are staged in shared memory by cp.async, two stages deep: tile n+1 is in flight while tile n is used.
+//   A tile's rows may come from several cache blocks (block_size 16 < BLOCK_N), so every row finds its own slot;
+//   the block-table entries for a tile are loaded one tile ahead, so that lookup latency hides behind the MMAs.
+// - Causal masking is only evaluated on the tiles that cross the diagonal; query tiles are scheduled heaviest
+//   (latest rows, longest context) first so that the grid's tail is made of short CTAs.
+#pragma once
+
+#include "paged_prefill.cuh"
+#include "paged_prefill_mma.cuh"
+
+namespace hf_paged {
+namespace prefill {
+
+template <typename T_, int D_, int kWarps_, int kMAtoms_, bool kAlibi_>
+struct Traits {
+  using T = T_;
+  static constexpr int D = D_, kWarps = kWarps_, kMAtoms = kMAtoms_;
+  static constexpr bool kAlibi = kAlibi_;
+  static constexpr int kThreads = kWarps * 32;
+  static constexpr int kBlockN = 64;
+  static constexpr int kWarpRows = kMAtoms * 16;
+  static constexpr int kBlockM = kWarps * kWarpRows;
+  static constexpr int kChunks = D / 8;                              // 16-byte chunks per row
+  static constexpr int kRowStep = kThreads / kChunks;                // rows apart for one thread's loads
+  static constexpr int kKVRows = kBlockN / kRowStep;                 // K (and V) rows one thread copies per tile
+  static constexpr int kQRows = kBlockM / kRowStep;
+  // Q fragments stay in registers when they are small; otherwise they are re-read from shared memory per tile.
+  static constexpr bool kQInRegs = kMAtoms * D <= 128;
+  static constexpr int kTile = kBlockN * D;                          // elements of one K or V stage
+  static constexpr int kSmemBytes = (kBlockM * D + 4 * kTile) * static_cast<int>(sizeof(T));
+  static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0 && kBlockM % kRowStep == 0, "tile mapping");
+};
+
+// Copies this thread's rows of one K/V tile. slot[i] is the cache slot (block * block_size + offset) of row i,
+// or -1 for rows past what this CTA needs (zero-filled).
+template <class C>
+__device__ __forceinline__ void issue_kv_tile(const PrefillParams& p, int64_t head_off, const int (&slot)[C::kKVRows],
+                                              uint32_t k_dst, uint32_t v_dst, int row0, int chunk) {
+  using T = typename C::T;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * C::D;
+#pragma unroll
+  for (int i = 0; i < C::kKVRows; ++i) {
+    const int row = row0 + i * C::kRowStep;
+    const bool valid = slot[i] >= 0;
+    const int64_t off = valid ? slot[i] * row_stride + head_off : 0;
+    const uint32_t dst = static_cast<uint32_t>(swizzle<C::D>(row, chunk) * sizeof(T));
+    cp_async16(k_dst + dst, static_cast<const T*>(p.k_cache) + off, valid);
+    cp_async16(v_dst + dst, static_cast<const T*>(p.v_cache) + off, valid);
+  }
+}
+
+// Block-table entries of this thread's rows of tile `tile` (or -1 past n_end); plain loads, used one tile later.
+template <class C>
+__device__ __forceinline__ void fetch_blocks(const PrefillParams& p, const int* table, int tile, int n_end, int row0,
+                                             int (&blk)[C::kKVRows]) {
+#pragma unroll
+  for (int i = 0; i < C::kKVRows; ++i) {
+    const int tok = tile * C::kBlockN + row0 + i * C::kRowStep;
+    const int idx = p.block_shift >= 0 ? tok >> p.block_shift : tok / p.block_size;
+    blk[i] = tok < n_end ? __ldg(table + idx) : -1;
+  }
+}
+
+template <class C>
+__device__ __forceinline__ void slots_of(const PrefillParams& p, int tile, int row0, const int (&blk)[C::kKVRows],
+                                         int (&slot)[C::kKVRows]) {
+#pragma unroll
+  for (int i = 0; i < C::kKVRows; ++i) {
+    const int tok = tile * C::kBlockN + row0 + i * C::kRowStep;
+    const int off = p.block_shift >= 0 ? tok & (p.block_size - 1) : tok % p.block_size;
+    slot[i] = blk[i] < 0 ? -1 : blk[i] * p.block_size + off;
+  }
+}
+
+// S = Q K^T for this warp's rows over one tile: s[mi][nt] is the 16x8 C fragment of atom mi, key columns 8nt..
+template <class C>
+__device__ __forceinline__ void qk_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
+                                        const uint32_t (&qf)[C::kQInRegs ? C::kMAtoms : 1][C::D / 16][4],
+                                        uint32_t q_smem, uint32_t k_smem, int warp_row0, int lane) {
+  using T = typename C::T;
+#pragma unroll
+  for (int mi = 0; mi < C::kMAtoms; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < C::kBlockN / 8; ++nt) s[mi][nt][0] = s[mi][nt][1] = s[mi][nt][2] = s[mi][nt][3] = 0.f;
+  // ldmatrix.x4 on K: matrices (keys 0-7, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 0-7), (keys 8-15, d 8-15)
+  // give b0/b1 of two adjacent key tiles; lane l addresses row l % 8 of matrix l / 8.
+  const int k_row = (lane & 7) + ((lane >> 4) << 3), k_chunk = (lane >> 3) & 1;
+  // On Q (A operand): matrices (rows 0-7, d 0-7), (rows 8-15, d 0-7), (rows 0-7, d 8-15), (rows 8-15, d 8-15).
+  const int q_row = warp_row0 + (lane & 7) + (((lane >> 3) & 1) << 3), q_chunk = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < C::D / 16; ++kk) {
+    uint32_t a[C::kMAtoms][4];
+#pragma unroll
+    for (int mi = 0; mi < C::kMAtoms; ++mi) {
+      if constexpr (C::kQInRegs) {
+#pragma unroll
+        for (int r = 0; r < 4; ++r) a[mi][r] = qf[mi][kk][r];
+      } else {
+        ldmatrix_x4(a[mi], q_smem + swizzle<C::D>(q_row + mi * 16, 2 * kk + q_chunk) * sizeof(T));
+      }
+    }
+#pragma unroll
+    for (int np = 0; np < C::kBlockN / 16; ++np) {
+      uint32_t b[4];
+      ldmatrix_x4(b, k_smem + swizzle<C::D>(np * 16 + k_row, 2 * kk + k_chunk) * sizeof(T));
+#pragma unroll
+      for (int mi = 0; mi < C::kMAtoms; ++mi) {
+        Mma<T>::run(s[mi][2 * np], a[mi], b[0], b[1]);
+        Mma<T>::run(s[mi][2 * np + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+// O += P V with P taken from the S fragments (already exponentiated) and V read transposed by ldmatrix.trans:
+// matrices (keys 0-7, d 0-7), (keys 8-15, d 0-7), (keys 0-7, d 8-15), (keys 8-15, d 8-15) -> b0/b1 of two d tiles.
+template <class C>
+__device__ __forceinline__ void pv_tile(float (&o)[C::kMAtoms][C::D / 8][4],
+                                        const float (&s)[C::kMAtoms][C::kBlockN / 8][4], uint32_t v_smem, int lane) {
+  using T = typename C::T;
+  const int v_row = (lane & 7) + (((lane >> 3) & 1) << 3), v_chunk = lane >> 4;
+#pragma unroll
+  for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+    uint32_t a[C::kMAtoms][4];
+#pragma unroll
+    for (int mi = 0; mi < C::kMAtoms; ++mi) {
+      a[mi][0] = Mma<T>::pack(s[mi][2 * kk][0], s[mi][2 * kk][1]);
+      a[mi][1] = Mma<T>::pack(s[mi][2 * kk][2], s[mi][2 * kk][3]);
+      a[mi][2] = Mma<T>::pack(s[mi][2 * kk + 1][0], s[mi][2 * kk + 1][1]);
+      a[mi][3] = Mma<T>::pack(s[mi][2 * kk + 1][2], s[mi][2 * kk + 1][3]);
+    }
+#pragma unroll
+    for (int dp = 0; dp < C::D / 16; ++dp) {
+      uint32_t b[4];
+      ldmatrix_x4_trans(b, v_smem + swizzle<C::D>(kk * 16 + v_row, 2 * dp + v_chunk) * sizeof(T));
+#pragma unroll
+      for (int mi = 0; mi < C::kMAtoms; ++mi) {
+        Mma<T>::run(o[mi][2 * dp], a[mi], b[0], b[1]);
+        Mma<T>::run(o[mi][2 * dp + 1], a[mi], b[2], b[3]);
+      }
+    }
+  }
+}
+
+}  // namespace prefill
+}  // namespace hf_paged
+
+#include "paged_prefill_main.cuh"

@@ -1,0 +1,221 @@
+// The prefill kernel's body: online softmax, the pipelined main loop and the epilogue.
+// Included from paged_prefill_kernel.cuh (tile helpers there).
+#pragma once
+
+namespace hf_paged {
+namespace prefill {
+
+// Per thread: the rows g and g + 8 of each of the warp's atoms (index [mi][half]).
+template <class C>
+struct RowState {
+  float m[C::kMAtoms][2];  // running max of the scaled scores (base-2 units)
+  float l[C::kMAtoms][2];  // this thread's share of the running sum (reduced over the quad at the end)
+};
+
+// Scale (and bias, mask) one tile of scores, fold it into the running max / sum, rescale O, and leave
+// exp2(score - max) in s. q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
+template <class C, bool kMask>
+__device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
+                                             float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
+                                             float slope_log2, int q_pos0, int key0, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < C::kMAtoms; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int q_pos = q_pos0 + mi * 16 + half * 8;
+      float mx = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < C::kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[mi][nt][2 * half + e];
+          const int key = key0 + nt * 8 + 2 * t + e;
+          // Without ALiBi the scale is folded into the exponent below (one FFMA per score).
+          if constexpr (C::kAlibi) x = x * scale_log2 + slope_log2 * static_cast<float>(key - q_pos);
+          if (kMask && key > q_pos) x = -INFINITY;
+          mx = fmaxf(mx, x);
+        }
+      }
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+      mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+      const float factor = C::kAlibi ? 1.f : scale_log2;
+      const float m_new = fmaxf(st.m[mi][half], mx);
+      // A row that has seen only masked keys keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
+      const float base = m_new == -INFINITY ? 0.f : m_new * factor;
+      const float corr = exp2f(st.m[mi][half] * factor - base);
+      st.m[mi][half] = m_new;
+      float sum = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < C::kBlockN / 8; ++nt) {
+#pragma unroll
+        for (int e = 0; e < 2; ++e) {
+          float& x = s[mi][nt][2 * half + e];
+          x = exp2f(x * factor - base);
+          sum += x;
+        }
+      }
+      st.l[mi][half] = st.l[mi][half] * corr + sum;
+#pragma unroll
+      for (int dt = 0; dt < C::D / 8; ++dt) o[mi][dt][2 * half] *= corr, o[mi][dt][2 * half + 1] *= corr;
+    }
+  }
+}
+
+// Normalise O, stage the warp's rows in its own (no longer needed) slice of the Q tile, then write 16-byte chunks.
+template <class C>
+__device__ __forceinline__ void store_output(const PrefillParams& p, float (&o)[C::kMAtoms][C::D / 8][4],
+                                             RowState<C>& st, typename C::T* q_tile, int warp_row0, int lane,
+                                             int m0, int q_len, int q_start, int head) {
+  using T = typename C::T;
+  const int g = lane >> 2, t = lane & 3;
+  __syncwarp();
+#pragma unroll
+  for (int mi = 0; mi < C::kMAtoms; ++mi) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      float l = st.l[mi][half];
+      l += __shfl_xor_sync(0xffffffffu, l, 1);
+      l += __shfl_xor_sync(0xffffffffu, l, 2);
+      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const int row = warp_row0 + mi * 16 + half * 8 + g;
+#pragma unroll
+      for (int dt = 0; dt < C::D / 8; ++dt) {
+        *reinterpret_cast<uint32_t*>(q_tile + swizzle<C::D>(row, dt) + 2 * t) =
+            Mma<T>::pack(o[mi][dt][2 * half] * inv, o[mi][dt][2 * half + 1] * inv);
+      }
+    }
+  }
+  __syncwarp();
+#pragma unroll
+  for (int i = 0; i < C::kWarpRows * C::kChunks / 32; ++i) {
+    const int idx = lane + 32 * i, r = idx / C::kChunks, c = idx % C::kChunks;
+    const int q_row = m0 + warp_row0 + r;
+    if (q_row < q_len) {
+      T* dst = static_cast<T*>(p.out) + (q_start + q_row) * p.o_stride_t + head * p.o_stride_h + c * 8;
+      *reinterpret_cast<uint4*>(dst) = *reinterpret_cast<const uint4*>(q_tile + swizzle<C::D>(warp_row0 + r, c));
+    }
+  }
+}
+
+template <class C>
+__global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const PrefillParams p) {
+  using T = typename C::T;
+  extern __shared__ __align__(128) unsigned char smem_raw[];
+  T* q_tile = reinterpret_cast<T*>(smem_raw);
+  const uint32_t q_smem = smem_u32(q_tile);
+  const uint32_t k_smem = q_smem + C::kBlockM * C::D * sizeof(T);  // 2 stages of K, then 2 of V
+  const uint32_t v_smem = k_smem + 2 * C::kTile * sizeof(T);
+
+  const int b = blockIdx.z, head = blockIdx.y;
+  const int q_start = p.cu_seqlens_q[b], q_len = p.cu_seqlens_q[b + 1] - q_start;
+  const int m0 = (gridDim.x - 1 - blockIdx.x) * C::kBlockM;  // heaviest query tiles first
+  if (m0 >= q_len) return;
+  const int k_len = min(p.seq_lens_k[b], p.max_context);
+  const int prefix = max(k_len - q_len, 0);
+  const int n_end = min(k_len, prefix + m0 + C::kBlockM);  // keys the tile's last row may see
+  const int n_tiles = (n_end + C::kBlockN - 1) / C::kBlockN;
+  const int kv_head = head / p.group_size;
+  const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
+
+  const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
+  const int chunk = tid % C::kChunks, row0 = tid / C::kChunks;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + chunk * 8;
+
+  // Q tile (rows past the sequence zero-filled) as its own commit group, then K/V tile 0.
+  {
+    const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + chunk * 8;
+#pragma unroll
+    for (int i = 0; i < C::kQRows; ++i) {
+      const int r = row0 + i * C::kRowStep;
+      const bool valid = m0 + r < q_len;
+      cp_async16(q_smem + swizzle<C::D>(r, chunk) * sizeof(T), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
+                 valid);
+    }
+    cp_async_commit();
+  }
+  int blk[C::kKVRows], slot[C::kKVRows];
+  fetch_blocks<C>(p, table, 0, n_end, row0, blk);
+  slots_of<C>(p, 0, row0, blk, slot);
+  issue_kv_tile<C>(p, head_off, slot, k_smem, v_smem, row0, chunk);
+  cp_async_commit();
+  fetch_blocks<C>(p, table, 1, n_end, row0, blk);
+
+  const int warp_row0 = warp * C::kWarpRows;
+  uint32_t qf[C::kQInRegs ? C::kMAtoms : 1][C::D / 16][4];
+  if constexpr (C::kQInRegs) {
+    cp_async_wait<1>();
+    __syncthreads();
+    const int q_row = warp_row0 + (lane & 7) + (((lane >> 3) & 1) << 3), q_chunk = lane >> 4;
+#pragma unroll
+    for (int mi = 0; mi < C::kMAtoms; ++mi)
+#pragma unroll
+      for (int kk = 0; kk < C::D / 16; ++kk)
+        ldmatrix_x4(qf[mi][kk], q_smem + swizzle<C::D>(q_row + mi * 16, 2 * kk + q_chunk) * sizeof(T));
+  }
+
+  float o[C::kMAtoms][C::D / 8][4];
+  RowState<C> st;
+#pragma unroll
+  for (int mi = 0; mi < C::kMAtoms; ++mi) {
+#pragma unroll
+    for (int dt = 0; dt < C::D / 8; ++dt) o[mi][dt][0] = o[mi][dt][1] = o[mi][dt][2] = o[mi][dt][3] = 0.f;
+    st.m[mi][0] = st.m[mi][1] = -INFINITY;
+    st.l[mi][0] = st.l[mi][1] = 0.f;
+  }
+  const float slope_log2 = C::kAlibi ? p.alibi_slopes[head] * p.alibi_log2 : 0.f;
+  const int q_pos0 = prefix + m0 + warp_row0 + (lane >> 2);  // absolute position of this thread's first row
+  // Tiles from here on hold keys past the first row of the CTA's diagonal.
+  const int first_masked = (prefix + m0 + 1) / C::kBlockN;
+
+  for (int n = 0; n < n_tiles; ++n) {
+    const int stage = n & 1;
+    if (n + 1 < n_tiles) {
+      slots_of<C>(p, n + 1, row0, blk, slot);
+      issue_kv_tile<C>(p, head_off, slot, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
+                       v_smem + (stage ^ 1) * C::kTile * sizeof(T), row0, chunk);
+      if (n + 2 < n_tiles) fetch_blocks<C>(p, table, n + 2, n_end, row0, blk);
+    }
+    cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning "tile n"
+    cp_async_wait<1>();
+    __syncthreads();
+
+    float s[C::kMAtoms][C::kBlockN / 8][4];
+    qk_tile<C>(s, qf, q_smem, k_smem + stage * C::kTile * sizeof(T), warp_row0, lane);
+    if (n >= first_masked)
+      softmax_tile<C, true>(s, o, st, p.scale_log2, slope_log2, q_pos0, n * C::kBlockN, lane);
+    else
+      softmax_tile<C, false>(s, o, st, p.scale_log2, slope_log2, q_pos0, n * C::kBlockN, lane);
+    pv_tile<C>(o, s, v_smem + stage * C::kTile * sizeof(T), lane);
+    __syncthreads();  // the next iteration refills this stage
+  }
+  store_output<C>(p, o, st, q_tile, warp_row0, lane, m0, q_len, q_start, head);
+}
+
+// The kernel and its launch constants for one configuration index (see paged_prefill.cuh).
+template <typename T, int D, bool kAlibi>
+PrefillKernel kernel_for_config(int config) {
+  auto make = [](auto traits) {
+    using C = decltype(traits);
+    return PrefillKernel{reinterpret_cast<const void*>(&paged_prefill_kernel<C>), C::kThreads, C::kBlockM,
+                         C::kSmemBytes};
+  };
+  switch (config) {
+    case 0: return make(Traits<T, D, 4, 2, kAlibi>{});
+    case 1: return make(Traits<T, D, 4, 1, kAlibi>{});
+    case 2: return make(Traits<T, D, 8, 1, kAlibi>{});
+    default: return PrefillKernel{};
+  }
+}
+
+template <typename T>
+PrefillKernel select_kernel(int head_dim, int config, bool alibi) {
+  switch (head_dim) {
+    case 64: return alibi ? kernel_for_config<T, 64, true>(config) : kernel_for_config<T, 64, false>(config);
+    case 128: return alibi ? kernel_for_config<T, 128, true>(config) : kernel_for_config<T, 128, false>(config);
+    default: return PrefillKernel{};
+  }
+}
+
+}  // namespace prefill
+}  // namespace hf_paged

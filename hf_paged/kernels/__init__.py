@@ -1,0 +1,115 @@
+"""hf_paged's own CUDA kernels: KV write and paged decode, built just in time on first use.
+
+Shapes (``B`` sequences, ``H`` query heads, ``Hkv`` kv heads, ``D`` head_dim, ``T`` new tokens) and the cache
+layout shared with every backend: ``k_cache``/``v_cache`` are ``[num_blocks, block_size, Hkv, D]``.
+
+Every function raises :class:`KernelsUnavailable` when the kernels cannot be built here (no GPU, nvcc or ninja);
+:func:`unavailable_reason` asks without raising. Argument errors raise ``ValueError`` (``NotImplementedError`` for
+dtypes / head dims that are not compiled) with what to change.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from hf_paged.kernels.build import KernelsUnavailable, ensure_loaded, load
+
+DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+DECODE_HEAD_DIMS = (64, 128, 256)
+
+__all__ = [
+    "DECODE_DTYPES",
+    "DECODE_HEAD_DIMS",
+    "KernelsUnavailable",
+    "decode_split_len",
+    "paged_decode",
+    "prebuild",
+    "unavailable_reason",
+    "write_kv",
+]
+
+
+def unavailable_reason() -> str | None:
+    """None if the kernels are loaded (building them on first call), else why not (warned about once)."""
+    return ensure_loaded()
+
+
+def prebuild(verbose: bool = True) -> Path:
+    """Build the kernels for the present GPU now (``hf-paged build-kernels``); returns the build folder."""
+    return load(verbose=verbose)
+
+
+def _ops():
+    load()
+    return torch.ops.hf_paged
+
+
+def write_kv(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Scatter new K/V rows into the cache in place.
+
+    Args:
+        key, value: ``[T, Hkv, D]``, the cache's dtype; each token's ``[Hkv, D]`` contiguous.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous.
+        slot_mapping: ``[T]`` int64, ``block * block_size + offset`` per token; ``-1`` rows are skipped. Slots must
+            lie below ``num_blocks * block_size`` (not checked on the device).
+    """
+    if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
+        key = key.contiguous()
+    if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
+        value = value.contiguous()
+    _ops().write_kv(key, value, k_cache, v_cache, slot_mapping)
+
+
+def paged_decode(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    seq_lens: torch.Tensor,
+    scale: float,
+    *,
+    max_seq_len: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    split_len: int = 0,
+) -> torch.Tensor:
+    """Attention of one new query token per sequence over its paged context.
+
+    Args:
+        query: ``[B, H, D]`` float16, bfloat16 or float32 (``D`` in 64, 128, 256; ``H`` a multiple of ``Hkv``).
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, holding every token of each context
+            (the new token's K/V included).
+        block_tables: ``[B, max_blocks]`` int32 physical block ids; entries past a sequence's length are ignored.
+        seq_lens: ``[B]`` int32 context lengths, new token included; the query sits at position ``seq_len - 1``.
+        scale: softmax scale (usually ``D ** -0.5``).
+        max_seq_len: an upper bound of ``seq_lens`` (host int, sizes the split-K grid); None reads it from
+            ``seq_lens`` (a device sync).
+        alibi_slopes: ``[H]`` float32: adds ``slope * (j - i)`` to the score of key ``j`` for the query at ``i``.
+        out: ``[B, H, D]`` contiguous, query's dtype; allocated if None.
+        split_len: context tokens per thread block (a multiple of the kernel's tile); 0 = heuristic.
+
+    Returns:
+        ``[B, H, D]`` in query's dtype. The softmax runs in float32.
+    """
+    if not query.is_cuda:
+        raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
+    if max_seq_len is None:
+        max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, alibi_slopes,
+                        split_len)
+    return out
+
+
+def decode_split_len(query: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> int:
+    """The split length the heuristic picks for :func:`paged_decode` with these shapes (tokens per thread block)."""
+    return int(_ops().paged_decode_split_len(query, k_cache, max_seq_len))

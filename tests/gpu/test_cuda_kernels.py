@@ -1,0 +1,182 @@
+"""hf_paged's CUDA kernels (and every backend that runs here) against the float64 torch oracle, on a GPU.
+
+Decode grid of issue 4: batch 1..256, context lengths 1, block-size multiples and others (sequences end mid-block),
+heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16, ALiBi on/off. Each case
+draws fresh inputs; the cache holds ``POISON`` in slots no sequence owns; outputs are NaN-poisoned first.
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase  # noqa: E402
+from hf_paged.attention.backends.base import registered_backends  # noqa: E402
+from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
+
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+from test_flash_backend import make_paged_step  # noqa: E402
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+HEADS = {"gqa-32/8": (32, 8), "mha-32/32": (32, 32), "mqa-8/1": (8, 1)}
+
+
+def scenarios(gen: torch.Generator) -> dict[str, list[int]]:
+    """Context lengths (new token included) per sequence."""
+    return {
+        "b1-ctx1": [1],
+        "b1-long": [6001],
+        "b7-edges": [1, 16, 17, 255, 256, 257, 1000],
+        "b256-random": torch.randint(1, 400, (256,), generator=gen).tolist(),
+    }
+
+
+def decode_step(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen, alibi: bool):
+    """A decode step on the GPU: (meta, query, key, value, k_cache, v_cache, params)."""
+    meta, key, value = make_paged_step([n - 1 for n in ctx_lens], [1] * len(ctx_lens), block_size, num_kv_heads,
+                                       head_dim, dtype, gen)
+    assert meta.phase is Phase.DECODE or min(ctx_lens) == max(ctx_lens) == 1
+    k_cache, v_cache = (t.to(DEVICE) for t in meta.kv_caches[0])
+    query = torch.randn(len(ctx_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slopes = torch.rand(num_heads, generator=gen).to(DEVICE) * 0.2 if alibi else None
+    params = AttentionParams(scale=head_dim**-0.5, alibi_slopes=slopes)
+    return meta.on(DEVICE), query, key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, params
+
+
+def reference(query, k_cache, v_cache, meta, params) -> torch.Tensor:
+    return paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
+                                     compute_dtype=torch.float64)
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def run_ours(query, k_cache, v_cache, meta, params, split_len: int = 0) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    return kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
+                                max_seq_len=meta.max_seqlen_k, alibi_slopes=params.alibi_slopes, out=out,
+                                split_len=split_len)
+
+
+def runnable_backends(call: AttentionCall):
+    return [b for b in registered_backends() if b.unsupported_reason(call) is None]
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+def test_decode_matches_float64_reference(heads, head_dim: int, block_size: int, dtype: torch.dtype, alibi: bool):
+    num_heads, num_kv_heads = heads
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, head_dim, block_size, dtype, alibi)).encode()))
+    call = AttentionCall(Phase.DECODE, "cuda", dtype, head_dim, num_heads, num_kv_heads, block_size, alibi=alibi)
+    backends = runnable_backends(call)
+    assert "cuda" in [b.name for b in backends]
+    for name, ctx_lens in scenarios(gen).items():
+        meta, query, key, value, k_cache, v_cache, params = decode_step(
+            ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen, alibi)
+        expected = reference(query, k_cache, v_cache, meta, params)
+        results = {"cuda-kernel": run_ours(query, k_cache, v_cache, meta, params)}
+        for backend in backends:
+            results[backend.name] = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+        for who, out in results.items():
+            assert out.shape == query.shape and out.dtype == dtype, (who, name)
+            assert not out.isnan().any(), f"{who} left NaN (unwritten or overflowed) outputs in {name}"
+            rel = relative_error(out, expected)
+            assert rel < TOLERANCE[dtype], f"{who} on {name}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("split_len", [0, 64, 128, 1024])
+@pytest.mark.parametrize("block_size", [8, 16, 48, 256])
+def test_decode_forced_splits(split_len: int, block_size: int):
+    """Many splits per sequence (the last-CTA combine) and block sizes that do not divide the split."""
+    gen = torch.Generator().manual_seed(split_len * 1000 + block_size)
+    lens = [1, 63, 64, 65, 700, 3001, 5000]
+    meta, query, _, _, k_cache, v_cache, params = decode_step(lens, block_size, 32, 8, 128, torch.bfloat16, gen, True)
+    expected = reference(query, k_cache, v_cache, meta, params)
+    for _ in range(2):  # a second launch must find the split tickets reset
+        out = run_ours(query, k_cache, v_cache, meta, params, split_len)
+        assert not out.isnan().any()
+        assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
+
+
+@pytest.mark.parametrize("heads", [(28, 4), (40, 8), (48, 4), (6, 2), (4, 4)], ids=lambda h: f"{h[0]}/{h[1]}")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_decode_other_group_sizes_and_fp32(heads, dtype: torch.dtype, head_dim: int):
+    """Groups of 7, 5, 12 (two head groups), 3, 1 query heads per kv head; fp32 at float32 accuracy."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, dtype, head_dim)).encode()))
+    meta, query, _, _, k_cache, v_cache, params = decode_step([1, 40, 333, 2050], 16, *heads, head_dim, dtype, gen,
+                                                              alibi=heads[0] == 40)
+    out = run_ours(query, k_cache, v_cache, meta, params)
+    assert not out.isnan().any()
+    assert relative_error(out, reference(query, k_cache, v_cache, meta, params)) < TOLERANCE[dtype]
+
+
+def test_decode_reads_max_seq_len_when_not_given():
+    gen = torch.Generator().manual_seed(3)
+    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 900], 16, 32, 8, 128, torch.float16, gen, False)
+    out = kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale)
+    assert relative_error(out, reference(query, k_cache, v_cache, meta, params)) < TOLERANCE[torch.float16]
+
+
+def test_decode_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(4)
+    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 9], 16, 32, 8, 128, torch.float16, gen, False)
+    with pytest.raises(ValueError, match="seq_lens"):
+        kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k.long(), 0.1, max_seq_len=9)
+    with pytest.raises(ValueError, match="dtype"):
+        kernels.paged_decode(query.float(), k_cache, v_cache, meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=9)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        kernels.paged_decode(query[..., :96].contiguous(), k_cache[..., :96].contiguous(),
+                             v_cache[..., :96].contiguous(), meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=9)
+    with pytest.raises(ValueError, match="too few"):
+        kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=10**6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128])
+def test_write_kv_is_exact(dtype: torch.dtype, head_dim: int):
+    gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
+    num_blocks, block_size, kv_heads, tokens = 600, 16, 8, 4096
+    k_cache = torch.randn(num_blocks, block_size, kv_heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+    v_cache = torch.randn_like(k_cache)
+    slots = torch.randperm(num_blocks * block_size, device=DEVICE, generator=gen)[:tokens]
+    slots[torch.rand(tokens, device=DEVICE, generator=gen) < 0.1] = -1
+    # key as a strided view ([T, Hkv, D] out of [Hkv, T, D]), value contiguous
+    key = torch.randn(kv_heads, tokens, head_dim, device=DEVICE, generator=gen).to(dtype).transpose(0, 1)
+    value = torch.randn(tokens, kv_heads, head_dim, device=DEVICE, generator=gen).to(dtype)
+    expected_k, expected_v = k_cache.clone(), v_cache.clone()
+    keep = slots >= 0
+    expected_k.view(-1, kv_heads, head_dim).index_copy_(0, slots[keep], key[keep])
+    expected_v.view(-1, kv_heads, head_dim).index_copy_(0, slots[keep], value[keep])
+    kernels.write_kv(key, value, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expected_k) and torch.equal(v_cache, expected_v)
+
+
+@pytest.mark.parametrize("block_size", [16, 256])
+def test_dispatcher_sends_decode_to_cuda_and_prefill_elsewhere(block_size: int):
+    decode = AttentionCall(Phase.DECODE, "cuda", torch.bfloat16, 128, 32, 8, block_size)
+    prefill = AttentionCall(Phase.PREFILL, "cuda", torch.bfloat16, 128, 32, 8, block_size)
+    chosen = Dispatcher().select(decode).name
+    assert chosen == "cuda" or (chosen == "flash" and block_size == 256)
+    assert Dispatcher().select(prefill).name != "cuda"
+    assert Dispatcher().writer(torch.empty(1, block_size, 8, 128, dtype=torch.bfloat16, device=DEVICE)).name in (
+        "cuda", "flash")
