@@ -1,6 +1,5 @@
 // Host side of paged varlen prefill: argument checks, tile-configuration choice, launch. Registers
 // torch.ops.hf_paged.paged_prefill as a fragment of the library that ops.cpp defines.
-#include <ATen/cuda/CUDAContext.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -28,8 +27,9 @@ PrefillKernel select_prefill(at::ScalarType dtype, int64_t head_dim, int64_t con
 
 // Provisional (to be settled by the benchmark, docs/kernels.md): tiles of 128 query rows, or 64 where 128-row
 // tiles would give the SMs fewer than two CTAs each.
-int64_t auto_config(int64_t batch, int64_t heads, int64_t max_seqlen_q) {
-  const int64_t sms = at::cuda::getCurrentDeviceProperties()->multiProcessorCount;
+int64_t auto_config(int device, int64_t batch, int64_t heads, int64_t max_seqlen_q) {
+  int sms = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t ctas_128 = batch * heads * ((max_seqlen_q + 127) / 128);
   return ctas_128 < 2 * sms ? 1 : 2;
 }
@@ -101,14 +101,14 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   check_prefill_args(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, alibi_slopes, scale);
   const int64_t batch = seq_lens_k.numel(), heads = query.size(1), head_dim = query.size(2);
   const int64_t kv_heads = k_cache.size(2), bs = k_cache.size(1);
-  if (config == kPrefillConfigAuto) config = auto_config(batch, heads, max_seqlen_q);
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (config == kPrefillConfigAuto) config = auto_config(query.get_device(), batch, heads, max_seqlen_q);
   const PrefillKernel k = select_prefill(query.scalar_type(), head_dim, config, alibi_slopes.has_value());
   TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, "paged_prefill serves float16/bfloat16 with head_dim 64 or 128 and "
                               "configs 0..", kPrefillConfigs - 1, "; got ", query.scalar_type(), ", head_dim ",
                               head_dim, ", config ", config);
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0");
   if (batch == 0 || max_seqlen_q == 0 || query.size(0) == 0) return config;
-  const c10::cuda::CUDAGuard guard(query.device());
   allow_smem(k, query.get_device());
 
   PrefillParams p{};
