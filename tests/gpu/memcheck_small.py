@@ -1,0 +1,65 @@
+"""A small grid of the CUDA kernels for compute-sanitizer (memcheck, racecheck): every kernel variant family once.
+
+    PYTORCH_NO_CUDA_MEMORY_CACHING=1 compute-sanitizer --tool memcheck python tests/gpu/memcheck_small.py
+
+(without the caching allocator each tensor is its own allocation, so an out-of-bounds access is caught). Exits 1
+if any output is wrong, so the sanitizer's exit code and ours together say "clean and correct".
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from test_flash_backend import make_paged_step  # noqa: E402
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.attention import AttentionParams  # noqa: E402
+from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
+
+# (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len, alibi)
+CASES = [
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 0, False),
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64, True),
+    (8, 1, 64, 256, torch.float16, [5, 257], 64, False),
+    (32, 32, 64, 8, torch.float16, [3, 100], 64, True),
+    (48, 4, 128, 48, torch.bfloat16, [33, 129], 0, False),
+    (7, 1, 256, 16, torch.float32, [2, 90], 64, False),
+]
+
+
+def main() -> int:
+    gen = torch.Generator().manual_seed(0)
+    failures = 0
+    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len, alibi in CASES:
+        meta, key, value = make_paged_step([n - 1 for n in lens], [1] * len(lens), block_size, kv_heads, head_dim,
+                                           dtype, gen)
+        meta = meta.on(torch.device("cuda"))
+        k_cache, v_cache = (t.cuda() for t in meta.kv_caches[0])
+        query = torch.randn(len(lens), heads, head_dim, generator=gen).to("cuda", dtype)
+        slopes = torch.rand(heads, generator=gen).cuda() * 0.2 if alibi else None
+        params = AttentionParams(scale=head_dim**-0.5, alibi_slopes=slopes)
+        out = kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
+                                   max_seq_len=meta.max_seqlen_k, alibi_slopes=slopes, split_len=split_len)
+        ref = paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
+                                        compute_dtype=torch.float64)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        # write_kv: put the new tokens back where they came from, after clobbering those slots
+        slots = meta.slot_mapping.clone()
+        slots[0] = -1
+        k_copy = k_cache.clone()
+        kernels.write_kv(key.cuda() + 1, value.cuda(), k_copy, v_cache.clone(), slots)
+        wrote = torch.equal(k_copy.view(-1, kv_heads, head_dim)[slots[1:]], key[1:].cuda() + 1)
+        ok = rel < 1e-2 and wrote and not out.isnan().any()
+        failures += not ok
+        print(f"{'ok ' if ok else 'BAD'} heads {heads}/{kv_heads} d{head_dim} bs{block_size} {dtype} lens {lens} "
+              f"split {split_len}: rel {rel:.1e}, write {'exact' if wrote else 'WRONG'}")
+    torch.cuda.synchronize()
+    return 1 if failures else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
