@@ -1,0 +1,74 @@
+"""Paged varlen prefill on tensor cores (``hf_paged/csrc/paged_prefill*``), built with the other kernels.
+
+Shapes: ``T`` packed new tokens of ``B`` sequences, ``H`` query heads, ``Hkv`` kv heads, ``D`` head_dim; the cache
+layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.kernels.build import load
+
+PREFILL_DTYPES = (torch.float16, torch.bfloat16)
+PREFILL_HEAD_DIMS = (64, 128)
+PREFILL_CONFIGS = (0, 1, 2)  # tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
+AUTO_CONFIG = -1
+_loaded = False
+
+
+def paged_prefill(
+    query: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    scale: float,
+    *,
+    max_seqlen_q: int | None = None,
+    alibi_slopes: torch.Tensor | None = None,
+    out: torch.Tensor | None = None,
+    config: int = AUTO_CONFIG,
+) -> torch.Tensor:
+    """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
+
+    Args:
+        query: ``[T, H, D]`` float16 or bfloat16 (``D`` in 64, 128; ``H`` a multiple of ``Hkv``), each row
+            ``[D]`` contiguous and 16-byte aligned.
+        k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, already holding every token of each
+            context (the new tokens included); any ``block_size``.
+        cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the new-token counts.
+        seq_lens_k: ``[B]`` int32 context lengths, new tokens included: new token ``i`` of sequence ``b`` sits at
+            position ``seq_lens_k[b] - q_len[b] + i`` and sees keys ``j <= `` that position.
+        block_tables: ``[B, max_blocks]`` int32 physical block ids; entries past a sequence's length are not read.
+        scale: softmax scale (usually ``D ** -0.5``).
+        max_seqlen_q: an upper bound of the new-token counts (host int, sizes the grid); None reads it from
+            ``cu_seqlens_q`` (a device sync).
+        alibi_slopes: ``[H]`` float32: adds ``slope * (j - i)`` to the score of key ``j`` for the query at ``i``.
+        out: ``[T, H, D]``, query's dtype; allocated if None.
+        config: tile shape index (benchmarks); -1 picks one.
+
+    Returns:
+        ``[T, H, D]`` in query's dtype. The softmax runs in float32.
+    """
+    if not query.is_cuda:
+        raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
+    if max_seqlen_q is None:
+        max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens_k.numel() else 0
+    if query.stride(-1) != 1 or query.stride(-2) % 8 or query.stride(-3) % 8:
+        query = query.contiguous()
+    if out is None:
+        out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    _ensure_built()
+    torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
+                                     max_seqlen_q, scale, alibi_slopes, config)
+    return out
+
+
+def _ensure_built() -> None:
+    # load() hashes the sources and probes nvcc/ninja; once per process is enough (it is in every layer's path).
+    global _loaded
+    if not _loaded:
+        load()
+        _loaded = True

@@ -1,0 +1,174 @@
+"""The paged prefill kernel (``hf_paged/csrc/paged_prefill*``) against the float64 torch oracle, on a GPU.
+
+Grid of issue 5: cached prefixes from 0 to several thousand tokens, new-token runs from 1 to 4096 (block-size
+multiples and ragged tails), block sizes 16/256 (and 48, not a power of two), GQA 32/8, MHA 32/32, MQA 8/1,
+head_dim 64/128, fp16/bf16, ALiBi on/off, every tile configuration. Each case draws fresh inputs; the cache holds
+``POISON`` in slots no sequence owns (a read past a sequence shows up as a large error) and outputs are
+NaN-poisoned first (an unwritten row fails).
+"""
+
+from __future__ import annotations
+
+import sys
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase  # noqa: E402
+from hf_paged.attention.backends.base import registered_backends  # noqa: E402
+from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
+from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill  # noqa: E402
+
+_TESTS_DIR = str(Path(__file__).resolve().parents[1])
+if _TESTS_DIR not in sys.path:
+    sys.path.insert(0, _TESTS_DIR)
+from test_flash_backend import make_paged_step  # noqa: E402
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+HEADS = {"gqa-32/8": (32, 8), "mha-32/32": (32, 32), "mqa-8/1": (8, 1)}
+# cached prefix lengths, new-token counts (length-1 rows, ragged tails, prefixes ending mid-block)
+SCENARIOS = {
+    "one-token": ([0], [1]),
+    "ragged-prefill": ([0, 0, 0, 0, 0, 0], [1, 17, 64, 65, 129, 300]),
+    "extend-mixed": ([0, 5, 1000, 47, 3995], [1, 1, 33, 200, 5]),
+    "long-prefix": ([3000, 0], [700, 1]),
+}
+LONG = {"prefill-4096": ([0], [4096]), "prefix-2048": ([2048, 2500], [2048, 1000])}
+
+
+def prefill_step(prefix_lens, new_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen, alibi: bool):
+    """(meta, query, key, value, k_cache, v_cache, params) on the GPU, new tokens already in the cache."""
+    meta, key, value = make_paged_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache = (t.to(DEVICE) for t in meta.kv_caches[0])
+    query = torch.randn(sum(new_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
+    slopes = torch.rand(num_heads, generator=gen).to(DEVICE) * 0.2 if alibi else None
+    params = AttentionParams(scale=head_dim**-0.5, alibi_slopes=slopes)
+    return meta.on(DEVICE), query, key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, params
+
+
+def reference(query, k_cache, v_cache, meta, params) -> torch.Tensor:
+    return paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
+                                     compute_dtype=torch.float64)
+
+
+def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
+
+
+def run_ours(query, k_cache, v_cache, meta, params, config: int = -1) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                         params.scale, max_seqlen_q=meta.max_seqlen_q, alibi_slopes=params.alibi_slopes, out=out,
+                         config=config)
+
+
+def check(out, expected, dtype, label):
+    assert not out.isnan().any(), f"{label}: NaN left in the output (unwritten rows or overflow)"
+    rel = relative_error(out, expected)
+    assert rel < TOLERANCE[dtype], f"{label}: relative error {rel:.2e}"
+
+
+@pytest.mark.parametrize("dtype, alibi", [(torch.bfloat16, False), (torch.float16, True)], ids=["bf16", "fp16-alibi"])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_prefill_matches_float64_reference(scenario, block_size, heads, head_dim, dtype, alibi):
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((scenario, block_size, heads, head_dim, dtype)).encode()))
+    step = prefill_step(*SCENARIOS[scenario], block_size, *heads, head_dim, dtype, gen, alibi)
+    meta, query, _, _, k_cache, v_cache, params = step
+    check(run_ours(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params), dtype,
+          scenario)
+
+
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("scenario", LONG)
+def test_prefill_long_sequences(scenario, block_size, alibi):
+    """4096 new tokens in one run, and 2048 new tokens after a 2048-token prefix (MQA keeps the oracle small)."""
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((scenario, block_size, alibi)).encode()))
+    head_dim, dtype = (64, torch.float16) if alibi else (128, torch.bfloat16)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step(*LONG[scenario], block_size, 8, 1, head_dim, dtype,
+                                                               gen, alibi)
+    check(run_ours(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params), dtype,
+          scenario)
+
+
+@pytest.mark.parametrize("block_size", [16, 48, 256])
+@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("config", PREFILL_CONFIGS)
+def test_every_tile_config(config, head_dim, block_size):
+    """Each compiled tile shape (the benchmark times all of them), with a block size that is not a power of two."""
+    gen = torch.Generator().manual_seed(config * 1000 + head_dim + block_size)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 70, 0, 999], [130, 1, 63, 257], block_size, 32, 8,
+                                                               head_dim, torch.bfloat16, gen, alibi=config == 1)
+    expected = reference(query, k_cache, v_cache, meta, params)
+    for _ in range(2):  # same inputs twice: a race shows as a moving error
+        check(run_ours(query, k_cache, v_cache, meta, params, config), expected, torch.bfloat16, f"config {config}")
+
+
+def test_small_grid():
+    """Small cases for compute-sanitizer (``-k small_grid``): every dtype, head_dim and config once."""
+    gen = torch.Generator().manual_seed(7)
+    for config in PREFILL_CONFIGS:
+        for head_dim, dtype, block_size in ((64, torch.float16, 16), (128, torch.bfloat16, 48)):
+            meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 30, 3], [1, 40, 90], block_size, 4, 2,
+                                                                       head_dim, dtype, gen, alibi=True)
+            check(run_ours(query, k_cache, v_cache, meta, params, config),
+                  reference(query, k_cache, v_cache, meta, params), dtype, f"config {config} d{head_dim}")
+
+
+def test_strided_query_and_out():
+    """query as a view of a fused QKV projection; out a view of a wider buffer."""
+    gen = torch.Generator().manual_seed(11)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 100], [77, 20], 16, 32, 8, 128, torch.bfloat16, gen,
+                                                               alibi=False)
+    fused = torch.randn(query.shape[0], 48, 128, device=DEVICE, dtype=query.dtype)
+    fused[:, :32] = query
+    wide = torch.full((query.shape[0], 40, 128), float("nan"), device=DEVICE, dtype=query.dtype)
+    out = paged_prefill(fused[:, :32], k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                        params.scale, out=wide[:, 4:36])
+    check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, "strided")
+    assert wide[:, :4].isnan().all() and wide[:, 36:].isnan().all(), "wrote outside out's view"
+
+
+def test_prefill_rejects_bad_arguments():
+    gen = torch.Generator().manual_seed(4)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 3], [5, 9], 16, 32, 8, 128, torch.float16, gen,
+                                                               alibi=False)
+    args = (k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, 0.1)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k.long(), meta.block_tables, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill(query.bfloat16(), *args)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        paged_prefill(query[..., :96].contiguous(), k_cache[..., :96].contiguous(), v_cache[..., :96].contiguous(),
+                      *args[2:])
+
+
+@pytest.mark.parametrize("phase_case", ["prefill", "extend"])
+def test_cuda_backend_serves_prefill_and_extend(phase_case):
+    """Where flash-attn cannot serve (block size 16), the dispatcher picks cuda, and its output is right."""
+    gen = torch.Generator().manual_seed(5)
+    prefix = [0, 0, 0] if phase_case == "prefill" else [0, 40, 300]
+    meta, query, key, value, k_cache, v_cache, params = prefill_step(prefix, [9, 1, 120], 16, 32, 8, 128,
+                                                                     torch.bfloat16, gen, alibi=False)
+    assert meta.phase is Phase(phase_case)
+    call = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16)
+    assert Dispatcher().select(call).name == "cuda"
+    backend = next(b for b in registered_backends() if b.name == "cuda")
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+    check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, phase_case)
+    window = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16, sliding_window=64)
+    assert backend.unsupported_reason(window) is not None
