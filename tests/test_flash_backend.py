@@ -10,7 +10,7 @@ import zlib
 import flash_double
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, LlamaConfig
+from tiny_models import EOS, PAD, left_padded_batch, make_models
 
 import hf_paged
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
@@ -209,34 +209,16 @@ def test_double_causal_mask_is_bottom_right_aligned(seqlen_q: int, seqlen_k: int
 
 
 # ----- (d) end to end: greedy generate equals eager ------------------------------------------------------------
-def _tiny_llama(attn_implementation: str, state: dict | None = None):
-    config = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, vocab_size=128, max_position_embeddings=1024, pad_token_id=0)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
-    if state is not None:
-        model.load_state_dict(state)
-    return model.eval()
-
-
 @pytest.mark.parametrize("block_size, decode_backend", [(256, "flash"), (16, "torch")])
 def test_generate_with_flash_double_equals_eager(double, block_size: int, decode_backend: str):
-    torch.manual_seed(0)
-    eager = _tiny_llama("eager")
-    paged = _tiny_llama(hf_paged.ATTN_IMPLEMENTATION, eager.state_dict())
-    lengths = [250, 1, 9, 17]  # 250 + 12 new tokens crosses a 256-token block
-    width = max(lengths)
-    input_ids = torch.zeros(len(lengths), width, dtype=torch.long)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, n in enumerate(lengths):
-        input_ids[row, width - n:] = torch.randint(3, 128, (n,))
-        attention_mask[row, width - n:] = 1
-    gen_kwargs = dict(input_ids=input_ids, attention_mask=attention_mask, max_new_tokens=12, do_sample=False,
-                      pad_token_id=0)
+    eager, paged = make_models("llama_gqa")  # Llama: hidden 64, 2 layers, 4 heads, 2 KV heads, float32
+    # 250 prompt + 12 new tokens crosses a 256-token block; lengths 1 and 9 sit inside one.
+    batch = left_padded_batch([250, 1, 9, 17], torch.Generator().manual_seed(3))
+    greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=64, block_size=block_size, dtype=torch.float32)
     with torch.no_grad():
-        expected = eager.generate(**gen_kwargs)
-        cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=64, block_size=block_size,
-                                             dtype=torch.float32)
-        out = paged.generate(**with_cache(paged, cache, **gen_kwargs))
+        expected = eager.generate(**batch, **greedy)
+        out = paged.generate(**with_cache(paged, cache, **batch), **greedy)
     assert torch.equal(out, expected)
     backends = cache.stats()["backends"]
     assert backends["prefill"] == "flash"

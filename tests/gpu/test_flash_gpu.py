@@ -6,12 +6,11 @@ prefix/new lengths include 1, block-size multiples and others, so sequences end 
 
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
+from test_flash_backend import make_paged_step  # tests/conftest.py puts tests/ on the path
 
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
 from hf_paged.attention.backends import flash
@@ -23,12 +22,6 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 if flash.load_flash_attn() is None:
     pytest.skip(flash._import_error or "flash-attn unavailable", allow_module_level=True)
-
-# The step builder lives with the CPU tests; make tests/ importable when this directory is run on its own.
-_TESTS_DIR = str(Path(__file__).resolve().parents[1])
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-from test_flash_backend import make_paged_step  # noqa: E402
 
 DEVICE = torch.device("cuda")
 BLOCK_SIZE = 256
