@@ -61,6 +61,13 @@ class BlockManager:
             parent = h
         return hits
 
+    def _chain_hash(self, token_ids: list[int], num_blocks: int) -> int | None:
+        """The prefix-cache key of block ``num_blocks - 1`` of ``token_ids`` (None for no block)."""
+        h, bs = None, self.block_size
+        for i in range(num_blocks):
+            h = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
+        return h
+
     def _register_full_blocks(self, seq: Sequence) -> None:
         bs = self.block_size
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
@@ -158,9 +165,7 @@ class BlockManager:
         self.allocator.share(child.block_table)
         child.num_computed_tokens = num_computed
         child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed // self.block_size)
-        child.last_block_hash = (
-            self._block_key[child.block_table[child.num_hashed_blocks - 1]][0] if child.num_hashed_blocks else None
-        )
+        child.last_block_hash = self._chain_hash(child.token_ids, child.num_hashed_blocks)
         child.row = self.tables.acquire()
         self.tables.write(child.row, 0, child.block_table)
 

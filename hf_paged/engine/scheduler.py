@@ -101,11 +101,7 @@ class Scheduler:
         elif len(self.running) > 1:
             self._preempt(seq)
         else:
-            self._fail(seq, (
-                f"this sequence needs more KV-cache blocks than the cache holds "
-                f"({self.block_manager.allocator.num_blocks} blocks of {self.block_manager.block_size} tokens "
-                f"for {seq.num_tokens} tokens); create the Engine with more num_blocks or ask for fewer max_new_tokens"
-            ))
+            self._fail(seq)
         return 0
 
     def _admit(self, budget: int, seqs: list[Sequence], counts: list[int]) -> int:
@@ -115,6 +111,9 @@ class Scheduler:
             hits = bm.find_prefix(seq)
             n = bm.max_tokens_fitting(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget), hits)
             if n == 0:
+                if not self.running:  # the whole cache cannot hold it
+                    self._fail(seq)
+                    continue
                 break
             self.waiting.popleft()
             bm.admit(seq, hits)
@@ -132,10 +131,16 @@ class Scheduler:
         self.enqueue(seq)
         self.num_preemptions += 1
 
-    def _fail(self, seq: Sequence, message: str) -> None:
-        self.running.remove(seq)
+    def _fail(self, seq: Sequence) -> None:
+        """Finish a sequence that needs more blocks than the whole cache holds."""
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.block_manager.free(seq)
-        seq.finish("error", message)
+        bm = self.block_manager
+        seq.finish("error", (
+            f"this sequence needs more KV-cache blocks than the cache holds ({bm.allocator.num_blocks} blocks of "
+            f"{bm.block_size} tokens for {seq.num_tokens} tokens); create the Engine with more num_blocks or ask "
+            "for fewer max_new_tokens"
+        ))
         self.failed.append(seq)
 
     # ----- after the forward -----------------------------------------------------------------------------------
