@@ -209,9 +209,14 @@ def test_double_causal_mask_is_bottom_right_aligned(seqlen_q: int, seqlen_k: int
 
 
 # ----- (d) end to end: greedy generate equals eager ------------------------------------------------------------
-@pytest.mark.parametrize("block_size, decode_backend", [(256, "flash"), (16, "torch")])
-def test_generate_with_flash_double_equals_eager(double, block_size: int, decode_backend: str):
-    eager, paged = make_models("llama_gqa")  # Llama: hidden 64, 2 layers, 4 heads, 2 KV heads, float32
+@pytest.mark.parametrize(
+    "arch, block_size, decode_backend",
+    [  # llama_gqa: hidden 64, 2 layers, 4 heads, 2 KV heads; mistral adds a sliding window, gemma2 also softcap
+        ("llama_gqa", 256, "flash"), ("llama_gqa", 16, "torch"), ("mistral", 256, "flash"), ("gemma2", 256, "flash"),
+    ],
+)
+def test_generate_with_flash_double_equals_eager(double, arch: str, block_size: int, decode_backend: str):
+    eager, paged = make_models(arch)  # float32
     # 250 prompt + 12 new tokens crosses a 256-token block; lengths 1 and 9 sit inside one.
     batch = left_padded_batch([250, 1, 9, 17], torch.Generator().manual_seed(3))
     greedy = dict(max_new_tokens=12, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
