@@ -115,6 +115,7 @@ def test_copy_on_write_of_a_shared_partial_block():
     new = rows.append(torch.ones(2, 1, dtype=torch.bool))
     assert rows.tables[0][0] == rows.tables[1][0], "full blocks stay shared"
     assert rows.tables[0][1] != rows.tables[1][1], "the written partial block was copied"
+    assert pool.allocator.num_used == 3, "one copy: the last writer keeps the original block"
     k = pool.kv_caches[1][0].view(-1, 1, 2)
     for r in range(2):
         b = rows.tables[r][1]
@@ -172,3 +173,29 @@ def test_backend_restriction_orders_and_refuses():
     batch = left_padded_batch([3, 5], torch.Generator().manual_seed(4))
     with pytest.raises(NotImplementedError, match="Allow more backends"):
         paged.generate(**with_cache(paged, only_flash, **batch), max_new_tokens=2, **GREEDY)
+
+
+def test_repeat_interleave_and_select_share_blocks_and_keep_results():
+    eager, paged = make_models("qwen3", seed=12)
+    batch = left_padded_batch([6, 10], torch.Generator().manual_seed(12))
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4)
+    nxt = torch.tensor([[7], [9]])
+    mask = torch.cat([batch["attention_mask"], torch.ones(2, 1, dtype=torch.long)], 1)
+    pos = (mask.cumsum(1) - 1).clamp(min=0)
+    with torch.no_grad():
+        paged(**with_cache(paged, cache, **batch, position_ids=pos[:, :-1]))
+        used = cache.stats()["blocks_used"]
+        cache.batch_repeat_interleave(2)
+        assert cache.batch_size == 4 and cache.stats()["blocks_used"] == used, "repeats share blocks"
+        got = paged(**with_cache(paged, cache, input_ids=nxt.repeat_interleave(2, 0),
+                                 attention_mask=mask.repeat_interleave(2, 0),
+                                 position_ids=pos[:, -1:].repeat_interleave(2, 0))).logits[:, -1]
+        want = eager(input_ids=torch.cat([batch["input_ids"], nxt], 1), attention_mask=mask,
+                     position_ids=pos).logits[:, -1]
+        torch.testing.assert_close(got, want.repeat_interleave(2, 0), rtol=1e-4, atol=1e-5)
+        cache.batch_select_indices(torch.tensor([3]))
+        assert cache.batch_size == 1
+        assert cache.stats()["tokens_stored"] == 11
+    cache.reset()
+    assert cache.stats()["blocks_used"] == 0
+    cache.pool.allocator.check_invariants()

@@ -53,10 +53,7 @@ class BatchTables:
         n_new = valid.sum(1).tolist()
         bs = self.pool.block_size
         alloc = self.pool.allocator
-        cow = [
-            r for r in range(rows)
-            if n_new[r] and self.num_tokens[r] % bs and alloc.ref_count(self.tables[r][-1]) > 1
-        ]
+        cow = self._rows_to_copy(n_new)
         grow = [self._blocks_for(self.num_tokens[r] + n_new[r]) - len(self.tables[r]) for r in range(rows)]
         needed = len(cow) + sum(grow)
         if needed > alloc.num_free:
@@ -83,6 +80,22 @@ class BatchTables:
             self.num_tokens[r] += n_new[r]
         self._append_valid(valid)
         return slots[valid]
+
+    def _rows_to_copy(self, n_new: list[int]) -> list[int]:
+        """Rows that must copy their shared last (partial) block before writing into it.
+
+        Of ``w`` writers sharing a block held ``c`` times, ``w`` copy if someone else still holds it, else ``w - 1``:
+        the last writer keeps the original.
+        """
+        writers: dict[int, list[int]] = {}
+        for r, n in enumerate(n_new):
+            if n and self.num_tokens[r] % self.pool.block_size:
+                writers.setdefault(self.tables[r][-1], []).append(r)
+        rows = []
+        for block, ws in writers.items():
+            holders = self.pool.allocator.ref_count(block)
+            rows += ws if len(ws) < holders else ws[:-1]
+        return rows
 
     def block_table_tensor(self) -> torch.Tensor:
         """``[rows, max_blocks]`` int32, padded with 0."""
