@@ -44,7 +44,7 @@ class Engine:
         tokenizer: needed for string prompts, stop strings and ``text`` in outputs.
         generation_config: default settings of requests added without one (default: the model's).
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
-        backend: pin an attention backend by name (``hf_paged.available_backends()``).
+        backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
         memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
     """
 
@@ -58,7 +58,7 @@ class Engine:
         tokenizer=None,
         generation_config: GenerationConfig | None = None,
         enable_prefix_caching: bool = True,
-        backend: str | None = None,
+        backend: str | SequenceType[str] | None = None,
         memory_budget: float = 0.8,
     ):
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):

@@ -8,7 +8,6 @@ cache and runs the model with ``logits_to_keep`` set to the sampled positions on
 
 from __future__ import annotations
 
-import inspect
 from dataclasses import dataclass
 from itertools import chain
 
@@ -18,6 +17,7 @@ from hf_paged.attention.metadata import PagedMetadata, build_metadata
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
+from hf_paged.hf.compat import cache_keyword
 
 
 @dataclass(frozen=True)
@@ -91,12 +91,6 @@ def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
     )
 
 
-def cache_kwarg(model: torch.nn.Module) -> str:
-    """The keyword the model's forward takes its cache by: ``past_key_values`` (transformers <= 5.17) or ``cache``."""
-    params = inspect.signature(model.forward).parameters
-    return "cache" if "cache" in params and "past_key_values" not in params else "past_key_values"
-
-
 class ModelRunner:
     """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device."""
 
@@ -104,7 +98,7 @@ class ModelRunner:
         self.model = model
         self.cache = cache
         self.device = device
-        self._cache_kwarg = cache_kwarg(model)
+        self._cache_kwarg = cache_keyword(model)
         self._input_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
         self._position_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
 
