@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 
 import pytest
@@ -32,9 +33,11 @@ def test_declines_cpu_tensors_with_a_reason(no_gpu):
 
 
 @pytest.mark.parametrize("phase", [Phase.PREFILL, Phase.EXTEND])
-def test_declines_prefill_and_extend(no_gpu, phase: Phase):
+def test_prefill_and_extend_need_the_kernels_half_precision_and_head_dim(no_gpu, phase: Phase):
     call = AttentionCall(phase, "cuda", torch.bfloat16, 128, 32, 8, 16)
-    assert "decode" in CudaBackend().unsupported_reason(call)
+    assert "no CUDA GPU" in CudaBackend().unsupported_reason(call)
+    assert "bfloat16" in CudaBackend().unsupported_reason(dataclasses.replace(call, dtype=torch.float32))
+    assert "head_dim" in CudaBackend().unsupported_reason(dataclasses.replace(call, head_dim=256))
 
 
 @pytest.mark.parametrize(

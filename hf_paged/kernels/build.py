@@ -29,6 +29,9 @@ SOURCES = (
     "paged_decode_f32.cu",
     "paged_decode_f16.cu",
     "paged_decode_bf16.cu",
+    "prefill_ops.cpp",
+    "paged_prefill_f16.cu",
+    "paged_prefill_bf16.cu",
 )
 _LIB_NAME = "hf_paged_kernels"
 

@@ -172,11 +172,12 @@ def test_write_kv_is_exact(dtype: torch.dtype, head_dim: int):
 
 
 @pytest.mark.parametrize("block_size", [16, 256])
-def test_dispatcher_sends_decode_to_cuda_and_prefill_elsewhere(block_size: int):
+def test_dispatcher_sends_decode_and_prefill_to_cuda(block_size: int):
     decode = AttentionCall(Phase.DECODE, "cuda", torch.bfloat16, 128, 32, 8, block_size)
     prefill = AttentionCall(Phase.PREFILL, "cuda", torch.bfloat16, 128, 32, 8, block_size)
     chosen = Dispatcher().select(decode).name
     assert chosen == "cuda" or (chosen == "flash" and block_size == 256)
-    assert Dispatcher().select(prefill).name != "cuda"
+    chosen = Dispatcher().select(prefill).name  # the prefill kernel (issue 5) serves where flash-attn cannot
+    assert chosen == "cuda" or (chosen == "flash" and block_size == 256)
     assert Dispatcher().writer(torch.empty(1, block_size, 8, 128, dtype=torch.bfloat16, device=DEVICE)).name in (
         "cuda", "flash")

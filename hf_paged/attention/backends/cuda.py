@@ -1,7 +1,8 @@
-"""The ``cuda`` backend: hf_paged's own kernels (``hf_paged/csrc``) for decode steps and KV writes.
+"""The ``cuda`` backend: hf_paged's own kernels (``hf_paged/csrc``) for every phase and KV writes.
 
-Tried after flash and before torch. It serves ``Phase.DECODE`` (any block size, GQA, ALiBi) and the KV write of
-every phase; prefill and extend keep their current backend until the prefill kernel lands. The kernels are built
+Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
+and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel (float16/bfloat16,
+head_dim 64/128), both at any block size with GQA and ALiBi, and the KV write of every phase. The kernels are built
 on the first CUDA call; if that is impossible (no nvcc, no ninja) this backend declines with the reason and the
 torch backend serves.
 """
@@ -18,6 +19,7 @@ from hf_paged.attention.backends.base import (
     register_backend,
 )
 from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.kernels.prefill import PREFILL_DTYPES, PREFILL_HEAD_DIMS, paged_prefill
 
 
 def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -32,7 +34,7 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
 
 @register_backend
 class CudaBackend(AttentionBackend):
-    """Decode and KV write through hf_paged's CUDA kernels."""
+    """Decode, prefill / extend and KV write through hf_paged's CUDA kernels."""
 
     name = "cuda"
     priority = 10
@@ -41,12 +43,14 @@ class CudaBackend(AttentionBackend):
         reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
         if reason is not None:
             return reason
-        if call.phase is not Phase.DECODE:
-            return f"serves decode steps only, not {call.phase.value} (the prefill kernel is a later issue)"
+        if call.phase is not Phase.DECODE and call.dtype not in PREFILL_DTYPES:
+            return f"the prefill kernel serves float16 and bfloat16, not {call.dtype}"
+        if call.phase is not Phase.DECODE and call.head_dim not in PREFILL_HEAD_DIMS:
+            return f"the prefill kernel serves head_dim 64 and 128, not {call.head_dim}"
         if call.sliding_window is not None:
-            return "sliding-window attention is not implemented in the decode kernel"
+            return "sliding-window attention is not implemented in the cuda kernels"
         if call.softcap is not None:
-            return "logit softcapping is not implemented in the decode kernel"
+            return "logit softcapping is not implemented in the cuda kernels"
         if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
             return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
         # Last, since it may build the kernels (about a minute, once per machine).
@@ -80,10 +84,15 @@ class CudaBackend(AttentionBackend):
         meta: PagedMetadata,
         params: AttentionParams,
     ) -> torch.Tensor:
-        # Decode: query is [B, H, D] (one token per sequence), and meta.max_seqlen_k is a host int, so no sync.
         alibi = params.alibi_slopes
         if alibi is not None:
             alibi = alibi.to(query.device, torch.float32)
+        if meta.phase is not Phase.DECODE:
+            # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
+            # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
+            return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                                 params.scale, max_seqlen_q=meta.max_seqlen_q, alibi_slopes=alibi)
+        # Decode: query is [B, H, D] (one token per sequence), and meta.max_seqlen_k is a host int, so no sync.
         return kernels.paged_decode(
             query,
             k_cache,
