@@ -87,7 +87,7 @@ class SamplingParams:
             seed=getattr(gc, "seed", None),
             eos_token_ids=_eos_tuple(gc.eos_token_id),
             stop_strings=stop,
-            num_return_sequences=gc.num_return_sequences or 1,
+            num_return_sequences=_num(gc.num_return_sequences, 1),
             logprobs=bool(getattr(gc, "output_logprobs", False) or gc.output_scores),
         )
 
