@@ -4,8 +4,9 @@
 // - Each warp owns kMAtoms * 16 query rows; S = Q K^T and O += P V are mma.sync m16n8k16 with fp32 accumulators,
 //   the softmax is online (running max and sum per row, in base 2) and P stays in registers (see the _mma header).
 // - K/V tiles are staged in shared memory by cp.async, two stages deep: tile n+1 is in flight while tile n is used.
-//   A tile's rows may come from several cache blocks (block_size 16 < BLOCK_N), so every row finds its own slot;
-//   the block-table entries for a tile are loaded one tile ahead, so that lookup latency hides behind the MMAs.
+//   A tile's rows may come from several cache blocks (block_size 16 < BLOCK_N), so every row finds its own slot:
+//   one thread per row looks its block up two tiles ahead and leaves the slot in shared memory, so the lookup
+//   latency hides behind the MMAs and the copying threads keep no per-row registers across the loop.
 // - Causal masking is only evaluated on the tiles that cross the diagonal; query tiles are scheduled heaviest
 //   (latest rows, longest context) first so that the grid's tail is made of short CTAs.
 #pragma once
@@ -32,49 +33,39 @@ struct Traits {
   // Q fragments stay in registers when they are small; otherwise they are re-read from shared memory per tile.
   static constexpr bool kQInRegs = kMAtoms * D <= 128;
   static constexpr int kTile = kBlockN * D;                          // elements of one K or V stage
-  static constexpr int kSmemBytes = (kBlockM * D + 4 * kTile) * static_cast<int>(sizeof(T));
+  static constexpr int kSlotsOffset = (kBlockM * D + 4 * kTile) * static_cast<int>(sizeof(T));
+  static constexpr int kSmemBytes = kSlotsOffset + 2 * kBlockN * static_cast<int>(sizeof(int));  // + slots[2][N]
   static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0 && kBlockM % kRowStep == 0, "tile mapping");
 };
 
-// Copies this thread's rows of one K/V tile. slot[i] is the cache slot (block * block_size + offset) of row i,
+// Copies this thread's rows of one K/V tile. slots[r] is the cache slot (block * block_size + offset) of row r,
 // or -1 for rows past what this CTA needs (zero-filled).
 template <class C>
-__device__ __forceinline__ void issue_kv_tile(const PrefillParams& p, int64_t head_off, const int (&slot)[C::kKVRows],
+__device__ __forceinline__ void issue_kv_tile(const PrefillParams& p, int64_t head_off, const int* slots,
                                               uint32_t k_dst, uint32_t v_dst, int row0, int chunk) {
   using T = typename C::T;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * C::D;
 #pragma unroll
   for (int i = 0; i < C::kKVRows; ++i) {
     const int row = row0 + i * C::kRowStep;
-    const bool valid = slot[i] >= 0;
-    const int64_t off = valid ? slot[i] * row_stride + head_off : 0;
+    const int slot = slots[row];
+    const bool valid = slot >= 0;
+    const int64_t off = valid ? slot * row_stride + head_off : 0;
     const uint32_t dst = static_cast<uint32_t>(swizzle<C::D>(row, chunk) * sizeof(T));
     cp_async16(k_dst + dst, static_cast<const T*>(p.k_cache) + off, valid);
     cp_async16(v_dst + dst, static_cast<const T*>(p.v_cache) + off, valid);
   }
 }
 
-// Block-table entries of this thread's rows of tile `tile` (or -1 past n_end); plain loads, used one tile later.
-template <class C>
-__device__ __forceinline__ void fetch_blocks(const PrefillParams& p, const int* table, int tile, int n_end, int row0,
-                                             int (&blk)[C::kKVRows]) {
-#pragma unroll
-  for (int i = 0; i < C::kKVRows; ++i) {
-    const int tok = tile * C::kBlockN + row0 + i * C::kRowStep;
-    const int idx = p.block_shift >= 0 ? tok >> p.block_shift : tok / p.block_size;
-    blk[i] = tok < n_end ? __ldg(table + idx) : -1;
-  }
+// Block id of token `tok` (or -1 from n_end on: nothing past it is needed); a plain load, used a tile later.
+__device__ __forceinline__ int block_of(const PrefillParams& p, const int* table, int tok, int n_end) {
+  if (tok >= n_end) return -1;
+  return __ldg(table + (p.block_shift >= 0 ? tok >> p.block_shift : tok / p.block_size));
 }
 
-template <class C>
-__device__ __forceinline__ void slots_of(const PrefillParams& p, int tile, int row0, const int (&blk)[C::kKVRows],
-                                         int (&slot)[C::kKVRows]) {
-#pragma unroll
-  for (int i = 0; i < C::kKVRows; ++i) {
-    const int tok = tile * C::kBlockN + row0 + i * C::kRowStep;
-    const int off = p.block_shift >= 0 ? tok & (p.block_size - 1) : tok % p.block_size;
-    slot[i] = blk[i] < 0 ? -1 : blk[i] * p.block_size + off;
-  }
+__device__ __forceinline__ int slot_of(const PrefillParams& p, int tok, int blk) {
+  const int off = p.block_shift >= 0 ? tok & (p.block_size - 1) : tok % p.block_size;
+  return blk < 0 ? -1 : blk * p.block_size + off;
 }
 
 // S = Q K^T for this warp's rows over one tile: s[mi][nt] is the 16x8 C fragment of atom mi, key columns 8nt..

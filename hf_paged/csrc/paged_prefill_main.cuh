@@ -12,13 +12,15 @@ struct RowState {
   float l[C::kMAtoms][2];  // this thread's share of the running sum (reduced over the quad at the end)
 };
 
-// Scale (and bias, mask) one tile of scores, fold it into the running max / sum, rescale O, and leave
+// Scale (and bias, mask) one tile of scores, fold it into the running max / sum, rescale O if needed, and leave
 // exp2(score - max) in s. q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
 template <class C, bool kMask>
 __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
                                              float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
                                              float slope_log2, int q_pos0, int key0, int lane) {
   const int t = lane & 3;
+  float corrs[C::kMAtoms][2];
+  bool moved = false;
 #pragma unroll
   for (int mi = 0; mi < C::kMAtoms; ++mi) {
 #pragma unroll
@@ -43,7 +45,9 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
       const float m_new = fmaxf(st.m[mi][half], mx);
       // A row that has seen only masked keys keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
       const float base = m_new == -INFINITY ? 0.f : m_new * factor;
-      const float corr = exp2f(st.m[mi][half] * factor - base);
+      const float corr = fast_exp2(st.m[mi][half] * factor - base);
+      corrs[mi][half] = corr;
+      moved |= m_new != st.m[mi][half];
       st.m[mi][half] = m_new;
       float sum = 0.f;
 #pragma unroll
@@ -51,14 +55,22 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[mi][nt][2 * half + e];
-          x = exp2f(x * factor - base);
+          x = fast_exp2(x * factor - base);
           sum += x;
         }
       }
       st.l[mi][half] = st.l[mi][half] * corr + sum;
-#pragma unroll
-      for (int dt = 0; dt < C::D / 8; ++dt) o[mi][dt][2 * half] *= corr, o[mi][dt][2 * half + 1] *= corr;
     }
+  }
+  // Once the running maxima settle (most tiles of a long row), no row of the warp moves and O needs no rescale.
+  if (__any_sync(0xffffffffu, moved)) {
+#pragma unroll
+    for (int mi = 0; mi < C::kMAtoms; ++mi)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int dt = 0; dt < C::D / 8; ++dt)
+          o[mi][dt][2 * half] *= corrs[mi][half], o[mi][dt][2 * half + 1] *= corrs[mi][half];
   }
 }
 
@@ -134,12 +146,18 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     }
     cp_async_commit();
   }
-  int blk[C::kKVRows], slot[C::kKVRows];
-  fetch_blocks<C>(p, table, 0, n_end, row0, blk);
-  slots_of<C>(p, 0, row0, blk, slot);
-  issue_kv_tile<C>(p, head_off, slot, k_smem, v_smem, row0, chunk);
+  // Slots of tiles 0 and 1; thread r < BLOCK_N then keeps the block id of its row two tiles ahead.
+  int* slots = reinterpret_cast<int*>(smem_raw + C::kSlotsOffset);  // [2][kBlockN], tile n in half n & 1
+  const bool slot_thread = tid < C::kBlockN;
+  int next_blk = -1;
+  if (slot_thread) {
+    slots[tid] = slot_of(p, tid, block_of(p, table, tid, n_end));
+    slots[C::kBlockN + tid] = slot_of(p, C::kBlockN + tid, block_of(p, table, C::kBlockN + tid, n_end));
+    next_blk = block_of(p, table, 2 * C::kBlockN + tid, n_end);
+  }
+  __syncthreads();
+  issue_kv_tile<C>(p, head_off, slots, k_smem, v_smem, row0, chunk);
   cp_async_commit();
-  fetch_blocks<C>(p, table, 1, n_end, row0, blk);
 
   const int warp_row0 = warp * C::kWarpRows;
   uint32_t qf[C::kQInRegs ? C::kMAtoms : 1][C::D / 16][4];
@@ -171,10 +189,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   for (int n = 0; n < n_tiles; ++n) {
     const int stage = n & 1;
     if (n + 1 < n_tiles) {
-      slots_of<C>(p, n + 1, row0, blk, slot);
-      issue_kv_tile<C>(p, head_off, slot, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
+      issue_kv_tile<C>(p, head_off, slots + (stage ^ 1) * C::kBlockN, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
                        v_smem + (stage ^ 1) * C::kTile * sizeof(T), row0, chunk);
-      if (n + 2 < n_tiles) fetch_blocks<C>(p, table, n + 2, n_end, row0, blk);
     }
     cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning "tile n"
     cp_async_wait<1>();
@@ -187,7 +203,12 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     else
       softmax_tile<C, false>(s, o, st, p.scale_log2, slope_log2, q_pos0, n * C::kBlockN, lane);
     pv_tile<C>(o, s, v_smem + stage * C::kTile * sizeof(T), lane);
-    __syncthreads();  // the next iteration refills this stage
+    if (slot_thread) {  // tile n's slots were used when it was issued; this half now takes tile n + 2's
+      const int tok = (n + 2) * C::kBlockN + tid;
+      slots[stage * C::kBlockN + tid] = slot_of(p, tok, next_blk);
+      next_blk = block_of(p, table, tok + C::kBlockN, n_end);
+    }
+    __syncthreads();  // the next iteration refills this stage (and reads the slots just written)
   }
   store_output<C>(p, o, st, q_tile, warp_row0, lane, m0, q_len, q_start, head);
 }

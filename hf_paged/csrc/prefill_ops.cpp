@@ -25,13 +25,13 @@ PrefillKernel select_prefill(at::ScalarType dtype, int64_t head_dim, int64_t con
   }
 }
 
-// Provisional (to be settled by the benchmark, docs/kernels.md): tiles of 128 query rows, or 64 where 128-row
-// tiles would give the SMs fewer than two CTAs each.
+// Measured on H200 (docs/kernels.md, prefill): 4 warps x 32 rows (config 0) is 20% faster than the 16-row-per-warp
+// tiles from 2k tokens up and even at 16 x 512; 64-row tiles (config 1) only where 128-row tiles cannot fill the SMs.
 int64_t auto_config(int device, int64_t batch, int64_t heads, int64_t max_seqlen_q) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t ctas_128 = batch * heads * ((max_seqlen_q + 127) / 128);
-  return ctas_128 < 2 * sms ? 1 : 2;
+  return ctas_128 < sms ? 1 : 0;
 }
 
 // Kernels above 48 KB of shared memory must opt in, once per (device, kernel).
@@ -101,13 +101,17 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   check_prefill_args(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, alibi_slopes, scale);
   const int64_t batch = seq_lens_k.numel(), heads = query.size(1), head_dim = query.size(2);
   const int64_t kv_heads = k_cache.size(2), bs = k_cache.size(1);
+  const bool alibi = alibi_slopes.has_value();
+  // Compiled at all? (asked with config 0, before any device call)
+  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), head_dim, 0, alibi).fn != nullptr,
+                              "paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got ",
+                              query.scalar_type(), " with head_dim ", head_dim);
+  TORCH_CHECK_VALUE(config == kPrefillConfigAuto || (config >= 0 && config < kPrefillConfigs),
+                    "config must be -1 (auto) or a tile configuration index below ", kPrefillConfigs);
+  TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0");
   const c10::cuda::CUDAGuard guard(query.device());
   if (config == kPrefillConfigAuto) config = auto_config(query.get_device(), batch, heads, max_seqlen_q);
-  const PrefillKernel k = select_prefill(query.scalar_type(), head_dim, config, alibi_slopes.has_value());
-  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, "paged_prefill serves float16/bfloat16 with head_dim 64 or 128 and "
-                              "configs 0..", kPrefillConfigs - 1, "; got ", query.scalar_type(), ", head_dim ",
-                              head_dim, ", config ", config);
-  TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0");
+  const PrefillKernel k = select_prefill(query.scalar_type(), head_dim, config, alibi);
   if (batch == 0 || max_seqlen_q == 0 || query.size(0) == 0) return config;
   allow_smem(k, query.get_device());
 
@@ -115,7 +119,7 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>(), p.seq_lens_k = seq_lens_k.data_ptr<int32_t>();
   p.block_tables = block_tables.data_ptr<int32_t>();
-  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
+  p.alibi_slopes = alibi ? alibi_slopes->data_ptr<float>() : nullptr;
   p.q_stride_t = query.stride(0), p.q_stride_h = query.stride(1);
   p.o_stride_t = out.stride(0), p.o_stride_h = out.stride(1);
   p.num_kv_heads = static_cast<int>(kv_heads), p.group_size = static_cast<int>(heads / kv_heads);

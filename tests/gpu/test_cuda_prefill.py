@@ -143,20 +143,6 @@ def test_strided_query_and_out():
     assert wide[:, :4].isnan().all() and wide[:, 36:].isnan().all(), "wrote outside out's view"
 
 
-def test_prefill_rejects_bad_arguments():
-    gen = torch.Generator().manual_seed(4)
-    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 3], [5, 9], 16, 32, 8, 128, torch.float16, gen,
-                                                               alibi=False)
-    args = (k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, 0.1)
-    with pytest.raises(ValueError, match="seq_lens_k"):
-        paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k.long(), meta.block_tables, 0.1)
-    with pytest.raises(ValueError, match="dtype"):
-        paged_prefill(query.bfloat16(), *args)
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        paged_prefill(query[..., :96].contiguous(), k_cache[..., :96].contiguous(), v_cache[..., :96].contiguous(),
-                      *args[2:])
-
-
 @pytest.mark.parametrize("phase_case", ["prefill", "extend"])
 def test_cuda_backend_serves_prefill_and_extend(phase_case):
     """Where flash-attn cannot serve (block size 16), the dispatcher picks cuda, and its output is right."""
@@ -172,3 +158,20 @@ def test_cuda_backend_serves_prefill_and_extend(phase_case):
     check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, phase_case)
     window = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16, sliding_window=64)
     assert backend.unsupported_reason(window) is not None
+
+
+def test_prefill_rejects_bad_arguments():
+    """Last in the file: error paths run after every numeric check."""
+    gen = torch.Generator().manual_seed(4)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 3], [5, 9], 16, 32, 8, 128, torch.float16, gen,
+                                                               alibi=False)
+    args = (k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, 0.1)
+    with pytest.raises(ValueError, match="seq_lens_k"):
+        paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k.long(), meta.block_tables, 0.1)
+    with pytest.raises(ValueError, match="dtype"):
+        paged_prefill(query.bfloat16(), *args)
+    with pytest.raises(ValueError, match="config"):
+        paged_prefill(query, *args, config=7)
+    with pytest.raises(NotImplementedError, match="head_dim"):
+        paged_prefill(query[..., :96].contiguous(), k_cache[..., :96].contiguous(), v_cache[..., :96].contiguous(),
+                      *args[2:])
