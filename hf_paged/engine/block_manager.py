@@ -136,9 +136,19 @@ class BlockManager:
         if hits:
             self.tables.write(seq.row, 0, hits)
 
+    def reserve_up_to(self, seq: Sequence, num_new_tokens: int) -> int:
+        """Reserve room for as many of ``num_new_tokens`` more tokens as the free blocks allow; returns how many."""
+        computed, table, bs = seq.num_computed_tokens, seq.block_table, self.block_size
+        # Fast path (most decode steps): the tokens fit the last block, which only this sequence holds.
+        if computed + num_new_tokens <= len(table) * bs and self.allocator.ref_count(table[computed // bs]) == 1:
+            return num_new_tokens
+        n = self.max_tokens_fitting(seq, num_new_tokens)
+        if n:
+            self.reserve(seq, n)
+        return n
+
     def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more tokens: copy a shared tail block, append blocks."""
-        assert self.blocks_needed(seq, num_new_tokens) <= self.allocator.num_free
         if self._needs_copy(seq):
             i = seq.num_computed_tokens // self.block_size
             old, (new,) = seq.block_table[i], self._allocate(1)
@@ -152,11 +162,13 @@ class BlockManager:
             seq.block_table.extend(self._allocate(grow))
             self.tables.write(seq.row, start, seq.block_table[start:])
 
-    def commit(self, seq: Sequence, num_computed: int) -> None:
-        """Record that ``num_computed`` more tokens of ``seq`` have their KV written."""
-        seq.num_computed_tokens += num_computed
-        if self.enable_prefix_caching:
-            self._register_full_blocks(seq)
+    def commit(self, seqs: list[Sequence], num_computed: list[int]) -> None:
+        """Record that ``num_computed[i]`` more tokens of ``seqs[i]`` have their KV written."""
+        bs, caching = self.block_size, self.enable_prefix_caching
+        for seq, n in zip(seqs, num_computed):
+            seq.num_computed_tokens += n
+            if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+                self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:
         """Let ``child`` share ``parent``'s blocks holding its first ``num_computed`` tokens."""

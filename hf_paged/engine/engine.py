@@ -126,7 +126,7 @@ class Engine:
     # ----- running ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
         """Run one step; returns the outputs of requests that finished during it."""
-        return self._step()[0]
+        return self._step(want_deltas=False)[0]
 
     def stream(
         self, prompts: list[Prompt] | None = None, generation_config: GenerationConfig | None = None
@@ -135,7 +135,7 @@ class Engine:
         for p in prompts or []:
             self.add_request(p, generation_config)
         while self.has_unfinished():
-            yield from self._step()[1]
+            yield from self._step(want_deltas=True)[1]
 
     def generate(
         self, prompts: list[Prompt], generation_config: GenerationConfig | None = None, progress_bar: bool = False
@@ -162,33 +162,41 @@ class Engine:
         return self.counters.snapshot(self)
 
     # ----- internals -------------------------------------------------------------------------------------------
-    def _step(self) -> tuple[list[RequestOutput], list[TokenDelta]]:
+    def _step(self, want_deltas: bool) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        clock = self.counters.clock()
         batch = self.scheduler.schedule()
-        finished, touched = list(self.scheduler.failed), []
+        finished, sampled = list(self.scheduler.failed), []
         self.scheduler.failed.clear()
+        clock("schedule")
         if not batch.is_empty:
             self.counters.note_step(self)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
                              self.cache.block_size)
+            clock("plan")
             logits = self.runner.forward(plan)
+            clock("forward")
             sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
-            tokens, logprobs = (self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
-                                if sampled else (None, None))
-            self.scheduler.commit(batch)
             if sampled:
+                tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
                 token_list = tokens.tolist()  # the step's one device -> host copy
                 lp_list = logprobs.tolist() if logprobs is not None else [None] * len(sampled)
-                for seq, token, lp in zip(sampled, token_list, lp_list):
-                    touched.append(seq)
-                    if self._append(seq, token, lp):
-                        finished.append(seq)
+            clock("sample")
+            self.scheduler.commit(batch)
+            for seq, token, lp in zip(sampled, token_list, lp_list) if sampled else ():
+                if self._append(seq, token, lp):
+                    finished.append(seq)
         for seq in finished:
             self._live.pop(seq.request_id, None)
-        return [self._output(s) for s in finished], self._deltas(touched, finished)
+        deltas = self._deltas(sampled, finished) if want_deltas else []
+        outputs = [self._output(s) for s in finished]
+        clock("update")
+        return outputs, deltas
 
     def _append(self, seq: Sequence, token: int, logprob: float | None) -> bool:
-        first = seq.num_generated == 0
-        seq.append_token(token, logprob if seq.params.logprobs else None)
+        first = len(seq.token_ids) == seq.num_prompt_tokens
+        seq.token_ids.append(token)
+        if logprob is not None and seq.params.logprobs:
+            seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
         if first and seq.pending_children:
             self._fork(seq)
@@ -225,7 +233,7 @@ class Engine:
             if id(seq) in seen:
                 continue
             seen.add(id(seq))
-            new = seq.output_token_ids[seq.num_streamed :]
+            new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed :]
             seq.num_streamed = seq.num_generated
             text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
             deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason, text))

@@ -1,4 +1,4 @@
-"""The step plan (flat int32 tensors from the scheduler's choice) and the model call that consumes it.
+"""The step plan (flat integer tensors from the scheduler's choice) and the model call that consumes it.
 
 ``plan_step`` is pure: it reads the scheduled sequences and the block-table buffer and returns a :class:`StepPlan`,
 built with vectorised tensor ops (per-sequence Python work only, never per token). ``ModelRunner`` copies a plan
@@ -9,7 +9,7 @@ cache and runs the model with ``logits_to_keep`` set to the sampled positions on
 from __future__ import annotations
 
 from dataclasses import dataclass
-from itertools import chain
+from array import array
 
 import torch
 
@@ -24,12 +24,15 @@ from hf_paged.hf.compat import cache_keyword
 class StepPlan:
     """One step as host tensors (``T`` tokens of ``B`` sequences, ``N`` sampled rows).
 
+    Integer tensors are int64 on the host (no conversions while planning); the device copies the attention
+    metadata holds are int32 (``build_metadata``).
+
     Attributes:
-        input_ids, position_ids: ``[T]`` int32.
-        slot_mapping: ``[T]`` int64 physical slot ``block * block_size + offset``; -1 = padding token (no write).
-        q_lens, seq_lens_k: ``[B]`` int32 new tokens / context length after the step.
+        input_ids, position_ids: ``[T]``.
+        slot_mapping: ``[T]`` physical slot ``block * block_size + offset``; -1 = padding token (no write).
+        q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step.
         block_tables: ``[B, max_blocks]`` int32, padded with 0.
-        logits_indices: ``[N]`` int64 position in ``[0, T)`` of each sampled row's last token.
+        logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
     """
 
     input_ids: torch.Tensor
@@ -55,34 +58,39 @@ def plan_step(
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
-    ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1, context 1) up to this
-    batch size so the step matches a captured graph's shape.
+    One pass over the sequences gathers their counters and new token ids into flat arrays; everything else is
+    tensor ops. ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1, context 1)
+    up to this batch size so the step matches a captured graph's shape.
     """
-    q = torch.tensor(num_tokens, dtype=torch.int32)
-    start = torch.tensor([s.num_computed_tokens for s in seqs], dtype=torch.int32)
-    ids = list(chain.from_iterable(s.token_ids[s.num_computed_tokens : s.num_computed_tokens + n]
-                                   for s, n in zip(seqs, num_tokens)))
+    assert seqs, "plan_step needs at least one scheduled sequence"
+    per_seq, ids = array("q"), array("q")
+    for seq, n, smp in zip(seqs, num_tokens, sample):
+        c = seq.num_computed_tokens
+        per_seq.extend((c, n, seq.row, smp))
+        ids.extend(seq.token_ids[c : c + n])
+    start, q, rows, sampled = torch.frombuffer(per_seq, dtype=torch.int64).view(len(seqs), 4).unbind(1)
     seq_lens = start + q
-    rows = torch.tensor([s.row for s in seqs], dtype=torch.int64)
-    width = max(1, -(-int(seq_lens.max()) // block_size)) if seqs else 1
-    block_tables = tables.gather(rows, width)
-    cu = torch.cumsum(q, 0, dtype=torch.int32)
-    total = int(cu[-1]) if seqs else 0
-    owner = torch.repeat_interleave(torch.arange(len(seqs)), q.long(), output_size=total)  # [T] sequence of token
-    pos = torch.arange(total, dtype=torch.int32) - (cu - q - start)[owner]
-    slots = block_tables[owner, (pos // block_size).long()].long() * block_size + (pos % block_size).long()
-    logits_indices = (cu.long() - 1)[torch.tensor(sample, dtype=torch.bool)]
-    plan = StepPlan(torch.tensor(ids, dtype=torch.int32), pos, slots, q, seq_lens, block_tables, logits_indices)
-    if pad_decode_to is not None and pad_decode_to > len(seqs) and bool((q == 1).all()):
+    cu = torch.cumsum(q, 0)
+    if len(ids) == len(seqs):  # decode-only: one token per sequence, at its context's end
+        pos, token_rows = start, rows
+    else:
+        owner = torch.repeat_interleave(torch.arange(len(seqs)), q, output_size=len(ids))  # [T] sequence of token
+        pos = torch.arange(len(ids)) - (cu - q - start)[owner]
+        token_rows = rows[owner]
+    slots = tables.table[token_rows, pos // block_size].long() * block_size + pos % block_size
+    block_tables = tables.gather(rows, -(-int(seq_lens.max()) // block_size))
+    plan = StepPlan(torch.frombuffer(ids, dtype=torch.int64), pos, slots, q, seq_lens, block_tables,
+                    (cu - 1)[sampled.bool()])
+    if pad_decode_to is not None and pad_decode_to > len(seqs) and len(ids) == len(seqs):
         plan = _pad_decode(plan, pad_decode_to - len(seqs))
     return plan
 
 
 def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
-    ones = torch.ones(extra, dtype=torch.int32)
+    ones = torch.ones(extra, dtype=torch.int64)
     return StepPlan(
-        input_ids=torch.cat([plan.input_ids, torch.zeros(extra, dtype=torch.int32)]),
-        position_ids=torch.cat([plan.position_ids, torch.zeros(extra, dtype=torch.int32)]),
+        input_ids=torch.cat([plan.input_ids, torch.zeros(extra, dtype=torch.int64)]),
+        position_ids=torch.cat([plan.position_ids, torch.zeros(extra, dtype=torch.int64)]),
         slot_mapping=torch.cat([plan.slot_mapping, torch.full((extra,), -1, dtype=torch.int64)]),
         q_lens=torch.cat([plan.q_lens, ones]),
         seq_lens_k=torch.cat([plan.seq_lens_k, ones]),

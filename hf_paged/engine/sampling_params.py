@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 from dataclasses import dataclass
 
 from transformers import GenerationConfig
@@ -53,6 +54,12 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return not self.do_sample
+
+    @functools.cached_property
+    def is_plain_greedy(self) -> bool:
+        """Greedy with nothing to adjust the logits: the sampler's one-argmax fast path."""
+        return not self.do_sample and self.repetition_penalty == 1.0 and not (
+            self.min_new_tokens and self.eos_token_ids)
 
     @classmethod
     def from_generation_config(

@@ -71,30 +71,29 @@ class Scheduler:
         seqs: list[Sequence] = []
         counts: list[int] = []
         preempted = False
+        running, reserve_up_to = self.running, self.block_manager.reserve_up_to
         i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
-            n = self._fit_running(seq, min(seq.num_uncomputed, budget))
+        while i < len(running) and budget > 0:
+            seq = running[i]
+            n = reserve_up_to(seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
             if n == 0:
+                self._make_room(seq)
                 preempted = True
-                if seq not in self.running:  # preempted itself or failed: the list shrank to i
+                if seq.status is not SequenceStatus.RUNNING:  # preempted itself or failed: the list shrank to i
                     break
                 continue  # a newer sequence was preempted; try again
-            self.block_manager.reserve(seq, n)
             seqs.append(seq)
             counts.append(n)
             budget -= n
             i += 1
         if not preempted:
             budget = self._admit(budget, seqs, counts)
-        sample = [s.num_computed_tokens + n == s.num_tokens for s, n in zip(seqs, counts)]
+        sample = [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(seqs, counts)]
         return ScheduledBatch(seqs, counts, sample)
 
-    def _fit_running(self, seq: Sequence, n: int) -> int:
-        """Tokens ``seq`` can take now, preempting one newer sequence (returns 0) when none fits."""
-        fit = self.block_manager.max_tokens_fitting(seq, n)
-        if fit > 0:
-            return fit
+    def _make_room(self, seq: Sequence) -> None:
+        """No block is free for ``seq``: preempt the newest sequence (``seq`` itself if it is the newest), or fail
+        ``seq`` if it runs alone and still does not fit."""
         victim = self.running[-1]
         if victim is not seq:
             self._preempt(victim)
@@ -102,7 +101,6 @@ class Scheduler:
             self._preempt(seq)
         else:
             self._fail(seq)
-        return 0
 
     def _admit(self, budget: int, seqs: list[Sequence], counts: list[int]) -> int:
         bm = self.block_manager
@@ -146,8 +144,7 @@ class Scheduler:
     # ----- after the forward -----------------------------------------------------------------------------------
     def commit(self, batch: ScheduledBatch) -> None:
         """Record the step's computed tokens (their KV is written now)."""
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            self.block_manager.commit(seq, n)
+        self.block_manager.commit(batch.seqs, batch.num_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """End a running sequence: its blocks go back (full ones stay findable in the prefix cache)."""

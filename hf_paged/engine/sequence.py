@@ -21,6 +21,12 @@ class SequenceStatus(enum.Enum):
 class Sequence:
     """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine."""
 
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "params", "arrival", "seed", "pending_children", "status",
+        "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
+        "logprobs", "finish_reason", "error",
+    )
+
     def __init__(
         self,
         request_id: str,

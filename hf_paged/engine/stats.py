@@ -2,16 +2,32 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 
 @dataclass
 class EngineStats:
+    """Token and step counters plus host time per step phase (schedule, plan, forward, sample, update)."""
+
     prompt_tokens: int = 0
     generated_tokens: int = 0
-    scheduled_tokens: int = 0
     steps: int = 0
     peak_used_blocks: int = 0
+    phase_seconds: dict[str, float] = field(default_factory=dict)
+
+    def clock(self) -> Callable[[str], None]:
+        """A stopwatch: each call adds the time since the previous one to the named phase."""
+        last = time.perf_counter()
+
+        def lap(phase: str) -> None:
+            nonlocal last
+            now = time.perf_counter()
+            self.phase_seconds[phase] = self.phase_seconds.get(phase, 0.0) + now - last
+            last = now
+
+        return lap
 
     def note_step(self, engine) -> None:
         self.steps += 1
@@ -37,4 +53,5 @@ class EngineStats:
             "prefill_backend": served.get("prefill") or served.get("extend"),
             "decode_backend": served.get("decode"),
             "backends": served,
+            "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()},
         }

@@ -19,7 +19,7 @@ class StopChecker:
             return "stop"
         if params.stop_strings and self._ends_with_stop_string(seq):
             return "stop"
-        if seq.num_generated >= params.max_new_tokens:
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens:
             return "length"
         return None
 

@@ -59,7 +59,7 @@ def test_random_operations_keep_invariants(num_blocks, block_size, ops):
 def _compute(bm, kv, seq, n):
     bm.reserve(seq, n)
     kv.write(seq, n)
-    bm.commit(seq, n)
+    bm.commit([seq], [n])
 
 
 def test_freed_blocks_stay_findable_until_reallocated_least_recently_used_first():
