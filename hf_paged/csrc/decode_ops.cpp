@@ -15,15 +15,17 @@
 namespace hf_paged {
 namespace {
 
-int group_tile_for(int64_t group_size) { return group_size <= 1 ? 1 : group_size <= 2 ? 2 : group_size <= 4 ? 4 : 8; }
-
-DecodeKernel select_kernel(at::ScalarType dtype, int head_dim, int group_tile) {
+DecodeKernel select_kernel(at::ScalarType dtype, int head_dim, int group_size) {
   switch (dtype) {
-    case at::kFloat: return decode_kernel_f32(head_dim, group_tile);
-    case at::kHalf: return decode_kernel_f16(head_dim, group_tile);
-    case at::kBFloat16: return decode_kernel_bf16(head_dim, group_tile);
+    case at::kFloat: return decode_kernel_f32(head_dim, group_size);
+    case at::kHalf: return decode_kernel_f16(head_dim, group_size);
+    case at::kBFloat16: return decode_kernel_bf16(head_dim, group_size);
     default: return DecodeKernel{};
   }
+}
+
+int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
+  return (group_size + k.heads_per_cta - 1) / k.heads_per_cta;
 }
 
 DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache) {
@@ -34,9 +36,9 @@ DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache) {
   TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "num_heads (", heads,
                     ") must be a multiple of num_kv_heads (", kv_heads, ")");
   TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
-  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(head_dim), group_tile_for(heads / kv_heads));
-  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, "paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 "
-                              "or 256; got ", query.scalar_type(), " with head_dim ", head_dim);
+  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(head_dim), static_cast<int>(heads / kv_heads));
+  TORCH_CHECK_VALUE(k.fn != nullptr, "paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 or 256; "
+                    "got ", query.scalar_type(), " with head_dim ", head_dim);
   return k;
 }
 
@@ -50,7 +52,11 @@ std::pair<int, int> residency(const DecodeKernel& k, int device) {
   int sms = 0, optin = 0, per_sm = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, optin));
+  cudaFuncAttributes attrs{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, k.fn));
+  // The opt-in limit covers static plus dynamic shared memory.
+  const int dynamic_max = optin - static_cast<int>(attrs.sharedSizeBytes);
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_max));
   // A typical block-table slice (256 tokens of 16-token blocks) on top of the ring.
   C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes + 128));
   return cache[{device, k.fn}] = {std::max(per_sm, 1), sms};
@@ -80,9 +86,7 @@ int choose_split_len(const DecodeKernel& k, int64_t items, int64_t max_len, int 
 
 int split_len_for(const DecodeKernel& k, const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
   const auto [per_sm, sms] = residency(k, query.get_device());
-  const int64_t group_size = query.size(1) / k_cache.size(2);
-  const int64_t head_groups = (group_size + group_tile_for(group_size) - 1) / group_tile_for(group_size);
-  const int64_t items = query.size(0) * k_cache.size(2) * head_groups;
+  const int64_t items = query.size(0) * k_cache.size(2) * head_groups_of(k, query.size(1) / k_cache.size(2));
   return choose_split_len(k, items, max_seq_len, per_sm * sms);
 }
 
@@ -157,14 +161,14 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                     kMaxSplits, " splits; use a longer split");
 
   DecodeParams p{};
-  const int group_size = static_cast<int>(heads / kv_heads), tile = group_tile_for(group_size);
+  const int group_size = static_cast<int>(heads / kv_heads);
   p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
   p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
   p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
   p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
   p.num_heads = static_cast<int>(heads), p.num_kv_heads = static_cast<int>(kv_heads);
-  p.group_size = group_size, p.head_groups = (group_size + tile - 1) / tile;
+  p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
   p.block_size = static_cast<int>(bs), p.block_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1;
   p.table_stride = static_cast<int>(block_tables.stride(0));
   p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * bs, INT32_MAX));
@@ -180,6 +184,8 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
   residency(k, query.get_device());  // raises the kernel's shared-memory limit once per device
   const int smem = k.smem_bytes + static_cast<int>(((split_len + bs - 1) / bs + 1) * 4);
+  TORCH_CHECK_VALUE(smem <= k.smem_bytes + 64 * 1024, "split_len ", split_len, " over block_size ", bs,
+                    " needs too large a block-table slice; use a longer block_size or a shorter split_len");
   const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(kv_heads * p.head_groups),
                   static_cast<unsigned>(batch));
   void* args[] = {&p};

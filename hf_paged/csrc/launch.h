@@ -39,11 +39,13 @@ struct DecodeKernel {
   int tile = 0;              // tokens one CTA consumes per pipeline step; split lengths are multiples of it
   int min_split = 0;         // shortest split worth its partial-output traffic
   int smem_bytes = 0;        // dynamic shared memory, without the block-table slice
+  int heads_per_cta = 0;     // query heads of one kv head that one CTA serves (more make several head groups)
 };
 
-DecodeKernel decode_kernel_f32(int head_dim, int group_tile);
-DecodeKernel decode_kernel_f16(int head_dim, int group_tile);
-DecodeKernel decode_kernel_bf16(int head_dim, int group_tile);
+// group_size: query heads per kv head. fp16/bf16 kernels run on tensor cores, float32 on CUDA cores.
+DecodeKernel decode_kernel_f32(int head_dim, int group_size);
+DecodeKernel decode_kernel_f16(int head_dim, int group_size);
+DecodeKernel decode_kernel_bf16(int head_dim, int group_size);
 
 // Scatter T tokens of K and V (each row `vecs_per_token` 16-byte vectors) into their cache slots.
 cudaError_t launch_write_kv(const void* key, const void* value, void* k_cache, void* v_cache,

@@ -1,8 +1,10 @@
-// The __half instantiations of the paged-decode kernel (one file per dtype so that ninja compiles them in parallel).
-#include "paged_decode.cuh"
+// The __half paged-decode kernels (tensor cores; one file per dtype so that ninja compiles them in parallel).
+#include "paged_decode_mma_kernel.cuh"
 
 namespace hf_paged {
 
-DecodeKernel decode_kernel_f16(int head_dim, int group_tile) { return decode::select_kernel<__half>(head_dim, group_tile); }
+DecodeKernel decode_kernel_f16(int head_dim, int /*group_size: up to 16 heads share one CTA*/) {
+  return decode::select_mma_kernel<__half>(head_dim);
+}
 
 }  // namespace hf_paged

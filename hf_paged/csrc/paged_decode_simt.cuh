@@ -1,15 +1,11 @@
-// Paged decode: one query token per sequence attends over its paged K/V context.
+// Paged decode on CUDA cores (the float32 path; fp16/bf16 use the tensor-core kernel, paged_decode_mma.cuh).
 //
 // Grid (split, kv_head * head_groups + head_group, sequence); 128 threads. One CTA reads one kv head's K/V over
-// one split of the context, once, for all the query heads that share that kv head (GQA), so the KV bytes leave
-// device memory exactly once. A lane group of `kLanesPerToken` lanes owns one token at a time; each lane holds
-// `kDimsPerLane` dims of q and of the output accumulator for every head of the group, so the scores need only a
-// short butterfly across the lane group. K/V rows stream through a per-lane cp.async ring in shared memory
-// (`kStages` deep) so that enough bytes are in flight without spending registers on them.
-//
-// Split-K (Flash-Decoding): a sequence's context is cut into `split_len` pieces; each CTA leaves an unnormalised
-// partial output and its (max, sum). The last CTA of a (sequence, head group) to finish, found with an atomic
-// ticket, combines them: one launch instead of a separate combine kernel, whose launch gap costs ~10% at B=1.
+// one split of the context, once, for all the query heads that share that kv head (GQA). A lane group of
+// `kLanesPerToken` lanes owns one token at a time; each lane holds `kDimsPerLane` dims of q and of the output
+// accumulator for every head of the group, so the scores need only a short butterfly across the lane group. K/V
+// rows stream through a per-lane cp.async ring in shared memory (`kStages` deep): the ring is private to each
+// lane, so the main loop needs no barrier. The epilogue and the split-K combine are in decode_common.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -18,14 +14,11 @@
 
 #include <cstdint>
 
-#include "launch.h"
-#include "vec.cuh"
+#include "decode_common.cuh"
 
 namespace hf_paged {
 namespace decode {
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
 constexpr int kStages = 3;
 // Scores are in log2 units. The running max only moves (rescaling the accumulators) when a score beats it by
 // more than this, so most tokens skip the rescale; exp2 of at most 2^8 cannot overflow fp32 sums.
@@ -47,9 +40,7 @@ struct Config {
   static constexpr int kMinSplit = cmax(kTile, cmin(512, 64 * GT));
   static constexpr int kStageVecs = kUnroll * 2 * kVecsPerLane;  // 16-byte vectors per lane per stage
   static constexpr int kPipeBytes = kStages * kStageVecs * 16 * kThreads;
-  static constexpr int kReduceBytes = kWarps * GT * (D + 2) * 4;
-  static constexpr int kCombineBytes = GT * (kMaxSplits + 1) * 4;
-  static constexpr int kSmemBytes = cmax(kPipeBytes, cmax(kReduceBytes, kCombineBytes));
+  static constexpr int kSmemBytes = cmax(kPipeBytes, cmax(Reduce<D, GT>::kBytes, combine_bytes<GT>()));
   static_assert(kDimsPerLane % kVec == 0, "a lane owns whole 16-byte vectors");
   static_assert(kLanesPerToken <= 32 && (kLanesPerToken & (kLanesPerToken - 1)) == 0, "lane groups tile a warp");
   static_assert(kMinSplit % kTile == 0, "splits are whole tiles");
@@ -62,18 +53,6 @@ struct State {
   float l[GT];       // sum of exp2(score - m)
   float acc[GT][DL]; // sum of exp2(score - m) * v over this lane's dims
 };
-
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  // Zero-fill when invalid, so masked tokens hold finite V (0 * garbage could be NaN).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
-
-__device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
-  return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
-}
 
 // Issue the cp.async copies of one stage: kUnroll tokens per lane group, K and V, this lane's vectors.
 template <typename T, int D, int GT>
@@ -171,4 +150,4 @@ __device__ __forceinline__ void stage_accumulate(const unsigned char* ring, int 
 }  // namespace decode
 }  // namespace hf_paged
 
-#include "paged_decode_kernel.cuh"
+#include "paged_decode_simt_kernel.cuh"

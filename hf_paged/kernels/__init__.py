@@ -5,7 +5,8 @@ layout shared with every backend: ``k_cache``/``v_cache`` are ``[num_blocks, blo
 
 Every function raises :class:`KernelsUnavailable` when the kernels cannot be built here (no GPU, nvcc or ninja);
 :func:`unavailable_reason` asks without raising. Argument errors raise ``ValueError`` (``NotImplementedError`` for
-dtypes / head dims that are not compiled) with what to change.
+dtypes / head dims that are not compiled) with what to change. fp16/bf16 decode runs on tensor cores, float32 on
+CUDA cores (for tests and float32 models).
 """
 
 from __future__ import annotations
@@ -101,6 +102,11 @@ def paged_decode(
     """
     if not query.is_cuda:
         raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
+    if query.dtype not in DECODE_DTYPES or query.shape[-1] not in DECODE_HEAD_DIMS:
+        raise NotImplementedError(
+            f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {DECODE_HEAD_DIMS}; got {query.dtype} with "
+            f"head_dim {query.shape[-1]} (the torch backend serves other shapes)"
+        )
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     if out is None:

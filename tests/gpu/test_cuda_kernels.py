@@ -18,7 +18,7 @@ pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from hf_paged import kernels  # noqa: E402
+from hf_paged import available_backends, kernels  # noqa: E402
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase  # noqa: E402
 from hf_paged.attention.backends.base import registered_backends  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
@@ -75,6 +75,7 @@ def run_ours(query, k_cache, v_cache, meta, params, split_len: int = 0) -> torch
 
 
 def runnable_backends(call: AttentionCall):
+    available_backends()  # imports (so registers) every backend module
     return [b for b in registered_backends() if b.unsupported_reason(call) is None]
 
 
@@ -117,11 +118,11 @@ def test_decode_forced_splits(split_len: int, block_size: int):
         assert relative_error(out, expected) < TOLERANCE[torch.bfloat16]
 
 
-@pytest.mark.parametrize("heads", [(28, 4), (40, 8), (48, 4), (6, 2), (4, 4)], ids=lambda h: f"{h[0]}/{h[1]}")
+@pytest.mark.parametrize("heads", [(28, 4), (40, 8), (48, 4), (64, 2), (6, 2), (4, 4)], ids=lambda h: f"{h[0]}/{h[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("head_dim", [64, 128, 256])
 def test_decode_other_group_sizes_and_fp32(heads, dtype: torch.dtype, head_dim: int):
-    """Groups of 7, 5, 12 (two head groups), 3, 1 query heads per kv head; fp32 at float32 accuracy."""
+    """Groups of 7, 5, 12, 32 (several CTAs per kv head), 3, 1 query heads per kv head; fp32 at fp32 accuracy."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, dtype, head_dim)).encode()))
     meta, query, _, _, k_cache, v_cache, params = decode_step([1, 40, 333, 2050], 16, *heads, head_dim, dtype, gen,
                                                               alibi=heads[0] == 40)

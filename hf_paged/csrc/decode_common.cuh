@@ -1,0 +1,170 @@
+// What both paged-decode kernels share: the launch shape, cp.async helpers, and the CTA epilogue (merge the
+// warps, write the output or this split's partial, and let the last split of a (sequence, head group) combine).
+//
+// Split-K (Flash-Decoding) bookkeeping: a sequence's context is cut into `split_len` pieces; each CTA leaves an
+// unnormalised partial output and its (max, sum) in base-2 units. The last CTA to finish, found with an atomic
+// ticket, combines them in the same launch: a separate combine kernel's launch gap costs ~10% at B=1.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "launch.h"
+#include "vec.cuh"
+
+namespace hf_paged {
+namespace decode {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr float kLog2e = 1.4426950408889634f;
+
+__host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
+
+__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
+  // Zero-fill when invalid, so masked tokens hold finite V (0 * garbage could be NaN).
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
+  return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
+}
+
+// Where this CTA works: its split of one sequence and its group of query heads (GT heads per CTA).
+struct CtaWork {
+  int b, kvh, head0, valid_heads, seq_len, num_splits, split, t_begin, t_end, blk_first;
+};
+
+// Fills `w` and copies the split's slice of the block table to `table` (so address math never waits on global
+// memory). Returns false for CTAs past their sequence's last split. Ends with a barrier.
+__device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* table, CtaWork& w) {
+  w.split = blockIdx.x, w.b = blockIdx.z;
+  w.kvh = blockIdx.y / p.head_groups;
+  const int hg = blockIdx.y - w.kvh * p.head_groups;
+  w.head0 = w.kvh * p.group_size + hg * gt;
+  w.valid_heads = cmin(gt, p.group_size - hg * gt);
+  w.seq_len = cmin(p.seq_lens[w.b], p.max_context);
+  // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
+  w.num_splits = cmin(cdiv(cmax(w.seq_len, 1), p.split_len), p.max_splits);
+  if (w.split >= w.num_splits) return false;
+  w.t_begin = w.split * p.split_len;
+  w.t_end = cmin(w.seq_len, w.t_begin + p.split_len);
+  w.blk_first = block_of(w.t_begin, p);
+  const int n_blocks = w.t_end > w.t_begin ? block_of(w.t_end - 1, p) - w.blk_first + 1 : 0;
+  for (int i = threadIdx.x; i < n_blocks; i += kThreads)
+    table[i] = p.block_tables[static_cast<int64_t>(w.b) * p.table_stride + w.blk_first + i];
+  __syncthreads();
+  return true;
+}
+
+// Shared-memory layout the kernels leave their per-warp states in before `finish`.
+template <int D, int GT>
+struct Reduce {
+  static constexpr int kBytes = kWarps * GT * (D + 2) * 4;
+  __device__ static float* acc(unsigned char* smem) { return reinterpret_cast<float*>(smem); }  // [W][GT][D]
+  __device__ static float* m(unsigned char* smem) { return acc(smem) + kWarps * GT * D; }       // [W][GT]
+  __device__ static float* l(unsigned char* smem) { return m(smem) + kWarps * GT; }             // [W][GT]
+};
+
+// Merge the warps' (m, l, acc) from shared memory: the final output, or this split's partial.
+template <typename T, int D, int GT>
+__device__ __forceinline__ void write_cta_result(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
+  using R = Reduce<D, GT>;
+  const float *red_acc = R::acc(smem), *red_m = R::m(smem), *red_l = R::l(smem);
+  for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
+    const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
+    float m = -INFINITY;
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_m[k * GT + g]);
+    float l = 0.f;
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int k = 0; k < kWarps; ++k) {
+      const float mk = red_m[k * GT + g];
+      const float f = mk == -INFINITY ? 0.f : exp2f(mk - m);  // a warp that saw no token
+      const float4 a = *reinterpret_cast<const float4*>(red_acc + (k * GT + g) * D + d);
+      l = fmaf(f, red_l[k * GT + g], l);
+      o.x = fmaf(f, a.x, o.x), o.y = fmaf(f, a.y, o.y), o.z = fmaf(f, a.z, o.z), o.w = fmaf(f, a.w, o.w);
+    }
+    const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
+    if (w.num_splits == 1) {
+      const float r = l > 0.f ? 1.f / l : 0.f;  // l == 0 only for an empty context: write zeros
+      Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));
+    } else {
+      const int64_t part = row * p.max_splits + w.split;
+      *reinterpret_cast<float4*>(p.part_out + part * D + d) = o;
+      if (d == 0) *reinterpret_cast<float2*>(p.part_stats + part * 2) = make_float2(m, l);
+    }
+  }
+}
+
+// Last CTA of a (sequence, head group): weight each split by exp2(m_s - M) and normalise by the total sum.
+template <typename T, int D, int GT>
+__device__ void combine_splits(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
+  float* weight = reinterpret_cast<float*>(smem);  // [GT][kMaxSplits]
+  float* inv_sum = weight + GT * kMaxSplits;       // [GT]
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  for (int g = warp; g < w.valid_heads; g += kWarps) {
+    const float* stats = p.part_stats + (static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g) * p.max_splits * 2;
+    float m = -INFINITY;
+    for (int s = lane; s < w.num_splits; s += 32) m = fmaxf(m, __ldcg(stats + 2 * s));
+    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
+    float l = 0.f;
+    for (int s = lane; s < w.num_splits; s += 32) {
+      const float e = exp2f(__ldcg(stats + 2 * s) - m);
+      weight[g * kMaxSplits + s] = e;
+      l += e * __ldcg(stats + 2 * s + 1);
+    }
+    for (int off = 16; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
+    if (lane == 0) inv_sum[g] = 1.f / l;
+  }
+  __syncthreads();
+  for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
+    const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
+    const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
+    const float4* src = reinterpret_cast<const float4*>(p.part_out + row * p.max_splits * D + d);
+    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll 16
+    for (int s = 0; s < w.num_splits; ++s) {  // partials were just written: they are in L2 (__ldcg skips L1)
+      const float4 x = __ldcg(src + s * (D / 4));
+      const float e = weight[g * kMaxSplits + s];
+      o.x = fmaf(e, x.x, o.x), o.y = fmaf(e, x.y, o.y), o.z = fmaf(e, x.z, o.z), o.w = fmaf(e, x.w, o.w);
+    }
+    const float r = inv_sum[g];
+    Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));
+  }
+}
+
+// After the warps' states are in shared memory (Reduce layout, behind a barrier): write this CTA's result, and
+// if it is the last split of its (sequence, head group) to finish, combine all of them.
+template <typename T, int D, int GT>
+__device__ __forceinline__ void finish_cta(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
+  __shared__ int is_last;
+  write_cta_result<T, D, GT>(p, smem, w);
+  if (w.num_splits == 1) return;
+  __threadfence();  // publish this CTA's partial before taking a ticket
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int32_t* counter = p.counters + blockIdx.z * gridDim.y + blockIdx.y;
+    is_last = atomicAdd(counter, 1) == w.num_splits - 1;
+    if (is_last) *counter = 0;  // every other split has taken its ticket: reset for the next launch
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  combine_splits<T, D, GT>(p, smem, w);
+}
+
+template <int GT>
+constexpr int combine_bytes() {
+  return GT * (kMaxSplits + 1) * 4;
+}
+
+}  // namespace decode
+}  // namespace hf_paged

@@ -1,0 +1,139 @@
+// Paged decode on tensor cores (fp16 / bf16): mma.sync m16n8k16 with the query heads of one kv head as the M rows.
+//
+// Grid (split, kv_head * head_groups + head_group, sequence); 128 threads. One CTA reads one kv head's K/V over
+// one split, once, for up to 16 query heads (GQA: the group's heads are the MMA rows; padding rows are zero and
+// never written). Each warp takes every 4th 16-token tile of the split and streams it through its own cp.async
+// ring (`kStages` deep, XOR-swizzled rows so ldmatrix is conflict-free), so warps need only __syncwarp:
+//   S[16 x 16] = Q K^T      (D/16 k-steps x 2 n-tiles; K tile read with ldmatrix)
+//   online softmax in base 2 on the S fragments (row max over the 4-lane quad, lazy rescale)
+//   O[16 x D] += P V        (P re-used from the S registers as the A operand; V read with ldmatrix.trans)
+// The CUDA-core version (paged_decode_simt.cuh) spent ~450 instructions per 4 KB of KV and could not keep the
+// memory busy; this one spends ~160 per 8 KB. The kernel is in paged_decode_mma_kernel.cuh; the epilogue and the
+// split-K combine in decode_common.cuh.
+#pragma once
+
+#include "decode_common.cuh"
+
+namespace hf_paged {
+namespace decode {
+
+// Scores are in log2 units; the running max moves (rescaling O) only when beaten by more than this.
+constexpr float kMmaRescaleThreshold = 8.0f;
+
+template <typename T>
+struct Mma;
+
+template <>
+struct Mma<__half> {
+  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __half2 h = __floats2half2_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+template <>
+struct Mma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&h);
+  }
+};
+
+__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+
+template <int D>
+struct MmaConfig {
+  static constexpr int kRows = 16;       // query heads per CTA: the MMA's M
+  static constexpr int kTokens = 16;     // tokens per warp step: two n-tiles of QK^T, one k-step of PV
+  static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
+  // ~24 KB of ring per warp: 2 CTAs (8 warps) per SM, each warp with (kStages - 1) tiles of K+V in flight.
+  static constexpr int kStages = cmax(2, cmin(6, 24576 / (64 * D)));
+  static constexpr int kTileBytes = kTokens * D * 2;  // one K (or V) tile
+  static constexpr int kWarpRingBytes = kStages * 2 * kTileBytes;
+  static constexpr int kSmemBytes = cmax(kWarps * kWarpRingBytes, cmax(Reduce<D, kRows>::kBytes, combine_bytes<kRows>()));
+  static constexpr int kCtaTile = kWarps * kTokens;  // split lengths are multiples of this
+  static constexpr int kMinSplit = 256;              // partial-output traffic stays near 3% of the KV bytes
+  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks");
+};
+
+// Byte offset of 16-byte chunk `c` of row `r` in a tile: XOR-swizzled so that the 8 rows an ldmatrix reads at
+// one logical chunk land in 8 different bank groups.
+template <int D>
+__device__ __forceinline__ uint32_t swizzle(int r, int c) {
+  return static_cast<uint32_t>(r * D * 2 + ((c ^ (r & 7)) << 4));
+}
+
+// One warp copies one 16-token tile of K and V: lanes l and l+16 share row l, taking alternate chunks, so each
+// copy instruction reads 32 contiguous bytes of each of 16 rows (whole sectors).
+template <typename T, int D>
+__device__ __forceinline__ void issue_tile(const DecodeParams& p, uint32_t k_tile, int t0, const CtaWork& w,
+                                           const int* table, int lane) {
+  using C = MmaConfig<D>;
+  const int row = lane & 15, half = lane >> 4, t = t0 + row;
+  const bool valid = t < w.t_end;
+  const T* k_base = static_cast<const T*>(p.k_cache);
+  const T* v_base = static_cast<const T*>(p.v_cache);
+  int64_t off = 0;
+  if (valid) {
+    const int blk = block_of(t, p);
+    const int64_t slot = static_cast<int64_t>(table[blk - w.blk_first]) * p.block_size + (t - blk * p.block_size);
+    off = (slot * p.num_kv_heads + w.kvh) * D;
+  }
+#pragma unroll
+  for (int i = 0; i < C::kChunks / 2; ++i) {
+    const int c = 2 * i + half;
+    const uint32_t dst = k_tile + swizzle<D>(row, c);
+    cp_async16(dst, valid ? k_base + off + c * 8 : k_base, valid);
+    cp_async16(dst + C::kTileBytes, valid ? v_base + off + c * 8 : v_base, valid);
+  }
+}
+
+// Q as MMA A fragments for every k-step: rows lane/4 and lane/4 + 8, dims 2*(lane%4) (+1, +8, +9).
+template <typename T, int D>
+__device__ __forceinline__ void load_q_fragments(const DecodeParams& p, const CtaWork& w, int lane,
+                                                 uint32_t (&qa)[D / 16][4]) {
+  const T* base = static_cast<const T*>(p.query) + w.b * p.q_stride_b;
+  const int g0 = lane >> 2, kc = 2 * (lane & 3);
+  const bool v0 = g0 < w.valid_heads, v1 = g0 + 8 < w.valid_heads;
+  const T* r0 = base + (w.head0 + g0) * p.q_stride_h + kc;
+  const T* r1 = base + (w.head0 + g0 + 8) * p.q_stride_h + kc;
+#pragma unroll
+  for (int ks = 0; ks < D / 16; ++ks) {
+    qa[ks][0] = v0 ? *reinterpret_cast<const uint32_t*>(r0 + ks * 16) : 0u;
+    qa[ks][1] = v1 ? *reinterpret_cast<const uint32_t*>(r1 + ks * 16) : 0u;
+    qa[ks][2] = v0 ? *reinterpret_cast<const uint32_t*>(r0 + ks * 16 + 8) : 0u;
+    qa[ks][3] = v1 ? *reinterpret_cast<const uint32_t*>(r1 + ks * 16 + 8) : 0u;
+  }
+}
+
+// Per-thread softmax state: rows lane/4 (index 0) and lane/4 + 8 (index 1); O holds this lane's columns.
+template <int D>
+struct MmaState {
+  float o[D / 8][4];
+  float m[2];
+  float l[2];  // partial over this lane's columns; summed over the quad at the end
+};
+
+}  // namespace decode
+}  // namespace hf_paged
