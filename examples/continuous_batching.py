@@ -13,21 +13,16 @@ embedded tiny random-init Llama; pass ``--model PATH`` for a local checkpoint.
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
+from hf_paged.cli.default_model import load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="local HF checkpoint (default: embedded tiny random-init Llama)")
 args = parser.parse_args()
 
-if args.model:
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype="auto").eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-else:
-    model, tokenizer = tiny_llama(), byte_tokenizer()
-model.to("cuda" if torch.cuda.is_available() else "cpu")
+model, tokenizer = load_model(args.model, "cuda" if torch.cuda.is_available() else "cpu")
 
 prompts = ["The capital of France is", "def quicksort(xs):", "Paged attention stores the KV cache in"] * 4
 inputs = [tokenizer.encode(p) for p in prompts]

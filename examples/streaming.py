@@ -6,21 +6,16 @@ Runs on a CPU on the embedded tiny random-init Llama (its text is noise); pass `
 import argparse
 
 import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
+from hf_paged.cli.default_model import load_model
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="local HF checkpoint (default: embedded tiny random-init Llama)")
 args = parser.parse_args()
 
-if args.model:
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype="auto").eval()
-    tokenizer = AutoTokenizer.from_pretrained(args.model)
-else:
-    model, tokenizer = tiny_llama(), byte_tokenizer()
-model.to("cuda" if torch.cuda.is_available() else "cpu")
+model, tokenizer = load_model(args.model, "cuda" if torch.cuda.is_available() else "cpu")
 
 engine = hf_paged.Engine(model, num_blocks=256, block_size=16, max_batch_tokens=512, tokenizer=tokenizer)
 config = GenerationConfig(max_new_tokens=16, do_sample=True, temperature=0.8, top_p=0.95, seed=0)

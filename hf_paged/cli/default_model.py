@@ -1,5 +1,6 @@
-"""The embedded default of ``hf-paged generate``: a tiny random-init Llama and a byte-level tokenizer, both built
-in code so the command runs on a fresh CPU machine with no download. Its text is noise; it exercises the machinery."""
+"""The model ``hf-paged generate`` and the examples run on: a local checkpoint, or the embedded default, a tiny
+random-init Llama and a byte-level tokenizer built in code so they run on a fresh CPU machine with no download
+(its text is noise; it exercises the machinery)."""
 
 from __future__ import annotations
 
@@ -41,3 +42,16 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCau
     )
     torch.manual_seed(seed)
     return LlamaForCausalLM._from_config(config, attn_implementation="hf_paged", dtype=dtype).eval()
+
+
+def load_model(
+    path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0
+):
+    """``(model, tokenizer)``: the checkpoint at ``path`` with ``"hf_paged"`` attention, or the embedded default
+    (random weights from ``seed``)."""
+    if path is None:
+        return tiny_llama(seed, dtype or torch.float32).to(device), byte_tokenizer()
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(path, attn_implementation="hf_paged", dtype=dtype or "auto")
+    return model.to(device).eval(), AutoTokenizer.from_pretrained(path)

@@ -64,15 +64,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def load(args: argparse.Namespace):
+    from hf_paged.cli.default_model import load_model
+
     dtype = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[args.dtype]
-    if args.model is None:
-        from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
-
-        return tiny_llama(args.seed, dtype or torch.float32).to(args.device), byte_tokenizer()
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype=dtype or "auto")
-    return model.to(args.device).eval(), AutoTokenizer.from_pretrained(args.model)
+    return load_model(args.model, args.device, dtype, args.seed)
 
 
 def read_prompts(args: argparse.Namespace) -> list[str]:
