@@ -94,27 +94,37 @@ class Engine:
         Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, invalid sampling values or a
         duplicate live ``request_id``. A prompt longer than the whole cache finishes with ``finish_reason="error"``.
         """
+        return self._enqueue(self._new_sequence(prompt, generation_config, request_id))
+
+    def _new_sequence(
+        self, prompt: Prompt, config: GenerationConfig | None, request_id: str | None, position: int = 0
+    ) -> Sequence:
+        """Validate a request and build its sequence, ``position`` places after the next in the queue; changes
+        nothing in the engine."""
         ids = self._encode(prompt)
         params = SamplingParams.from_generation_config(
-            generation_config or self.generation_config, len(ids), getattr(self.model, "generation_config", None))
+            config or self.generation_config, len(ids), getattr(self.model, "generation_config", None))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
-        rid = str(self._next_id) if request_id is None else str(request_id)
+        arrival = self._next_id + position
+        rid = str(arrival) if request_id is None else str(request_id)
         if rid in self._live or "__child#" in rid:
             raise ValueError(f"request id {rid!r} is already live (or contains '__child#'); pick another")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
-        seq = Sequence(rid, ids, params, (self._next_id, 0), seed, params.num_return_sequences - 1)
-        self._next_id += 1
-        self._live[rid] = seq
-        self.counters.prompt_tokens += len(ids)
-        bs = self.cache.block_size
-        if -(-len(ids) // bs) > self.cache.num_blocks:
-            seq.finish("error", f"the prompt ({len(ids)} tokens) is longer than the whole KV cache "
-                                f"({self.cache.num_blocks} blocks of {bs}); create the Engine with more num_blocks")
+        return Sequence(rid, ids, params, (arrival, 0), seed, params.num_return_sequences - 1)
+
+    def _enqueue(self, seq: Sequence) -> str:
+        self._next_id = seq.arrival[0] + 1
+        self._live[seq.request_id] = seq
+        self.counters.prompt_tokens += seq.num_tokens
+        bs, num_blocks = self.cache.block_size, self.cache.num_blocks
+        if -(-seq.num_tokens // bs) > num_blocks:
+            seq.finish("error", f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache "
+                                f"({num_blocks} blocks of {bs}); create the Engine with more num_blocks")
             self.scheduler.failed.append(seq)
         else:
             self.scheduler.add(seq)
-        return rid
+        return seq.request_id
 
     def abort(self, request_id: str) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step."""
@@ -138,20 +148,28 @@ class Engine:
             yield from self._step(want_deltas=True)[1]
 
     def generate(
-        self, prompts: list[Prompt], generation_config: GenerationConfig | None = None, progress_bar: bool = False
+        self,
+        prompts: list[Prompt],
+        generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+        progress_bar: bool = False,
     ) -> list[RequestOutput]:
-        """Generate for every prompt; outputs in prompt order (a prompt's ``num_return_sequences`` copies together)."""
+        """Generate for every prompt (one config for all, or one per prompt); outputs in prompt order, a prompt's
+        ``num_return_sequences`` copies together. Every prompt is checked before any is queued."""
         if self.has_unfinished():
             raise RuntimeError("generate runs its own batch: finish or abort the requests added with add_request first")
-        ids = [self.add_request(p, generation_config) for p in prompts]
-        done: dict[str, RequestOutput] = {}
+        configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(prompts)
+        if len(configs) != len(prompts):
+            raise ValueError(f"got {len(configs)} generation configs for {len(prompts)} prompts; give one or one each")
+        seqs = [self._new_sequence(p, c, None, position=i) for i, (p, c) in enumerate(zip(prompts, configs))]
+        ids = [self._enqueue(seq) for seq in seqs]
+        wanted, done = set(ids), {}
         from tqdm.auto import tqdm
 
         with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
             while self.has_unfinished():
                 for out in self.step():
                     done[out.request_id] = out
-                    bar.update(out.request_id in ids)
+                    bar.update(out.request_id in wanted)
         by_request: dict[str, list[RequestOutput]] = {}
         for out in done.values():
             by_request.setdefault(out.request_id.partition("__child#")[0], []).append(out)

@@ -157,3 +157,23 @@ def test_seeded_sampling_does_not_depend_on_batch_or_preemption():
     assert tight.stats()["preemptions"] > 0
     assert [o.token_ids for o in together[:2]] == alone
     assert_all_free(tight)
+
+
+def test_one_generation_config_per_prompt_and_nothing_queued_on_a_bad_one():
+    prompts = random_prompts(4, 3, 12, seed=19)
+    refs = hf_greedy(ARCH, prompts, 6)
+    sampled = GenerationConfig(max_new_tokens=9, do_sample=True, temperature=0.9, seed=1)
+    eng = engine()
+    outs = eng.generate(prompts, [greedy_config(6), sampled, greedy_config(6), sampled])
+    assert outs[0].token_ids == refs[0] and outs[2].token_ids == refs[2]
+    assert len(outs[1].token_ids) == len(outs[3].token_ids) == 9
+    with pytest.raises(ValueError):
+        eng.generate(prompts[:2], [greedy_config(6), GenerationConfig(max_new_tokens=3, temperature=-1.0)])
+    assert not eng.has_unfinished()
+    with pytest.raises(ValueError, match="one each"):
+        eng.generate(prompts, [greedy_config(6)])
+
+
+def test_num_blocks_none_sizes_the_pool_from_memory():
+    eng = hf_paged.Engine(models(ARCH)[1], num_blocks=None, block_size=16, max_num_seqs=4)
+    assert eng.stats()["num_blocks"] == 4 * 512 // 16  # free memory holds more: capped at what 4 sequences can use
