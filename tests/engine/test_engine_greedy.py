@@ -76,7 +76,7 @@ def test_requests_added_between_steps_and_one_aborted():
     assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3", "gpt2"])
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3", "gpt2", "mistral", "gemma2"])
 def test_architectures(arch):
     prompts = random_prompts(6, 2, 30, seed=7)
     refs = hf_greedy(arch, prompts, 8)
