@@ -73,7 +73,8 @@ def generate_batch(
     finished = {}
     from tqdm.auto import tqdm
 
-    with tqdm(total=len(inputs), disable=not progress_bar, desc=f"Solving {len(inputs)} requests", unit="request") as bar:
+    desc = f"Solving {len(inputs)} requests"
+    with tqdm(total=len(inputs), disable=not progress_bar, desc=desc, unit="request") as bar:
         while engine.has_unfinished():
             for out in engine.step():
                 finished[out.request_id] = _to_generation_output(out, start)
