@@ -199,3 +199,14 @@ def test_repeat_interleave_and_select_share_blocks_and_keep_results():
     cache.reset()
     assert cache.stats()["blocks_used"] == 0
     cache.pool.allocator.check_invariants()
+
+
+def test_a_given_plan_serves_every_mask_call_of_the_forward():
+    _, paged = make_models("gemma2", seed=13)  # full + sliding masks: two mask calls per forward
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=8, block_size=4)
+    other = hf_paged.PagedAttentionCache(paged.config, num_blocks=8, block_size=4)
+    meta = other.plan_step(None, 1, 5, torch.device("cpu"))  # a plan made elsewhere, as the engine does
+    cache.begin_step(meta)
+    asked = [cache.plan_step(None, 1, 5, torch.device("cpu")) for _ in range(2)]
+    assert cache.stats()["blocks_used"] == 0, "the given plan is used, no rows were planned here"
+    assert asked[0] is meta and asked[1] is meta

@@ -31,6 +31,9 @@ from hf_paged.hf.support import check_model_supported
 logger = logging.getLogger("hf_paged")
 
 
+_GIVEN_PLAN = "given"  # plan key of a plan handed over by begin_step
+
+
 class _PlanOffset(int):
     """The query offset ``generate``'s mask code asks the cache for, carrying the cache to the mask function.
 
@@ -179,11 +182,12 @@ class PagedAttentionCache(Cache):
         """
         if self._next_plan is not None:
             self._plan, self._next_plan = self._next_plan, None
+            self._plan_key = _GIVEN_PLAN
             self._layers_written.clear()
             return self._plan
         key = (batch_size, q_len, self.rows.num_columns)
         # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
-        if self._plan is not None and not self._layers_written and self._plan_key == key:
+        if self._plan is not None and not self._layers_written and self._plan_key in (key, _GIVEN_PLAN):
             return self._plan
         if self.rows.num_rows == 0 or self.rows.num_columns == 0:
             self.rows.start(batch_size)
