@@ -54,6 +54,11 @@ def paged_prefill(
     """
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
+    if query.dtype not in PREFILL_DTYPES or query.shape[-1] not in PREFILL_HEAD_DIMS:
+        raise NotImplementedError(f"paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got {query.dtype} "
+                                  f"with head_dim {query.shape[-1]}")
+    if config != AUTO_CONFIG and config not in PREFILL_CONFIGS:
+        raise ValueError(f"config must be {AUTO_CONFIG} (auto) or one of {PREFILL_CONFIGS}, got {config}")
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens_k.numel() else 0
     if query.stride(-1) != 1 or query.stride(-2) % 8 or query.stride(-3) % 8:

@@ -145,14 +145,16 @@ def test_strided_query_and_out():
 
 @pytest.mark.parametrize("phase_case", ["prefill", "extend"])
 def test_cuda_backend_serves_prefill_and_extend(phase_case):
-    """Where flash-attn cannot serve (block size 16), the dispatcher picks cuda, and its output is right."""
+    """At block size 16 flash-attn can serve a pure prefill (from the new K/V) but not an extend; the dispatcher
+    picks cuda where flash cannot, and the cuda backend's output is right either way."""
     gen = torch.Generator().manual_seed(5)
     prefix = [0, 0, 0] if phase_case == "prefill" else [0, 40, 300]
     meta, query, key, value, k_cache, v_cache, params = prefill_step(prefix, [9, 1, 120], 16, 32, 8, 128,
                                                                      torch.bfloat16, gen, alibi=False)
     assert meta.phase is Phase(phase_case)
     call = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16)
-    assert Dispatcher().select(call).name == "cuda"
+    chosen = Dispatcher().select(call).name
+    assert chosen == "cuda" or (chosen == "flash" and phase_case == "prefill"), chosen
     backend = next(b for b in registered_backends() if b.name == "cuda")
     out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
     check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, phase_case)
@@ -161,7 +163,8 @@ def test_cuda_backend_serves_prefill_and_extend(phase_case):
 
 
 def test_prefill_rejects_bad_arguments():
-    """Last in the file: error paths run after every numeric check."""
+    """Last in the file, and at most two errors thrown from the extension: on the GPU box (torch 2.11) a third C++
+    error in one process crashed the interpreter, in the decode tests too (cause not yet found)."""
     gen = torch.Generator().manual_seed(4)
     meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 3], [5, 9], 16, 32, 8, 128, torch.float16, gen,
                                                                alibi=False)
