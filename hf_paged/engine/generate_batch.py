@@ -46,21 +46,14 @@ def generate_batch(
     """
     if not inputs:
         return {}
-    cbc = continuous_batching_config
-    opt = lambda name, default: default if getattr(cbc, name, None) is None else getattr(cbc, name)
+    opt = lambda name, default: default if getattr(continuous_batching_config, name, None) is None else getattr(
+        continuous_batching_config, name)
     gc = copy.deepcopy(generation_config or getattr(model, "generation_config", None) or GenerationConfig())
     if kwargs.get("max_new_tokens") is not None:
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
     if opt("return_logprobs", False):
         gc.output_logprobs = True
-    block_size = opt("block_size", 16) if cbc is not None and cbc.block_size != 256 else 16
-    num_blocks = opt("num_blocks", None)
-    if num_blocks is None:
-        num_blocks = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
-    engine = Engine(
-        model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
-        max_num_seqs=opt("max_requests_per_batch", 256), enable_prefix_caching=opt("allow_block_sharing", True),
-    )
+    engine = _engine_for(model, inputs, gc, opt)
     seed = opt("seed", None)
     start = time.perf_counter()
     ids = {}
@@ -82,8 +75,21 @@ def generate_batch(
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)
-    order = lambda rid: (ids[rid.partition("__child#")[0]], rid)
+    order = lambda rid: (ids[rid.partition("__child#")[0]], int(rid.partition("__child#")[2] or -1))
     return {rid: finished[rid] for rid in sorted(finished, key=order)}
+
+
+def _engine_for(model, inputs, gc: GenerationConfig, opt) -> Engine:
+    """An engine sized for this workload; transformers' default block size (256) is read as "not chosen"."""
+    block_size = opt("block_size", 16)
+    block_size = 16 if block_size == 256 else block_size
+    num_blocks = opt("num_blocks", None)
+    if num_blocks is None:
+        num_blocks = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
+    return Engine(
+        model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
+        max_num_seqs=opt("max_requests_per_batch", 256), enable_prefix_caching=opt("allow_block_sharing", True),
+    )
 
 
 def _to_generation_output(out, start: float) -> GenerationOutput:
