@@ -130,6 +130,7 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at:
                     "block_tables has ", block_tables.size(1), " blocks of ", k_cache.size(1),
                     " tokens per row, too few for max_seq_len ", max_seq_len);
   TORCH_CHECK_VALUE(batch <= 65535, "paged_decode takes at most 65535 sequences per launch, got ", batch);
+  TORCH_CHECK_VALUE(k_cache.size(0) * k_cache.size(1) <= INT32_MAX, "the cache holds more than 2^31 token slots");
   if (alibi.has_value()) {
     check_cuda_tensor(*alibi, "alibi_slopes", device);
     TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == heads &&

@@ -8,7 +8,7 @@
 //   online softmax in base 2 on the S fragments (row max over the 4-lane quad, lazy rescale)
 //   O[16 x D] += P V        (P re-used from the S registers as the A operand; V read with ldmatrix.trans)
 // The CUDA-core version (paged_decode_simt.cuh) spent ~450 instructions per 4 KB of KV and could not keep the
-// memory busy; this one spends ~160 per 8 KB. The kernel is in paged_decode_mma_kernel.cuh; the epilogue and the
+// memory busy; this one spends ~160 per 8 KB, and copies whole 128-byte lines per instruction. The kernel is in paged_decode_mma_kernel.cuh; the epilogue and the
 // split-K combine in decode_common.cuh.
 #pragma once
 
@@ -84,28 +84,32 @@ __device__ __forceinline__ uint32_t swizzle(int r, int c) {
   return static_cast<uint32_t>(r * D * 2 + ((c ^ (r & 7)) << 4));
 }
 
-// One warp copies one 16-token tile of K and V: lanes l and l+16 share row l, taking alternate chunks, so each
-// copy instruction reads 32 contiguous bytes of each of 16 rows (whole sectors).
+// One warp copies one 16-token tile of K and V. Lanes 0-15 look up one token's slot each; then every copy
+// instruction covers whole rows (2 rows of 256 B at head_dim 128), i.e. whole 128-byte lines, as a streaming
+// copy would: v2 took 32 B of 16 rows per instruction and reached only 74% of the copy bandwidth.
 template <typename T, int D>
 __device__ __forceinline__ void issue_tile(const DecodeParams& p, uint32_t k_tile, int t0, const CtaWork& w,
                                            const int* table, int lane) {
   using C = MmaConfig<D>;
-  const int row = lane & 15, half = lane >> 4, t = t0 + row;
-  const bool valid = t < w.t_end;
+  constexpr int kLanesPerRow = cmin(32, C::kChunks), kRowsPerCopy = 32 / kLanesPerRow;
+  const int t = t0 + (lane & 15);
+  int slot = -1;  // physical token slot (block * block_size + offset); -1 past the split
+  if (lane < 16 && t < w.t_end) {
+    const int blk = block_of(t, p);
+    slot = table[blk - w.blk_first] * p.block_size + (t - blk * p.block_size);
+  }
   const T* k_base = static_cast<const T*>(p.k_cache);
   const T* v_base = static_cast<const T*>(p.v_cache);
-  int64_t off = 0;
-  if (valid) {
-    const int blk = block_of(t, p);
-    const int64_t slot = static_cast<int64_t>(table[blk - w.blk_first]) * p.block_size + (t - blk * p.block_size);
-    off = (slot * p.num_kv_heads + w.kvh) * D;
-  }
+  const int c = lane % kLanesPerRow;
 #pragma unroll
-  for (int i = 0; i < C::kChunks / 2; ++i) {
-    const int c = 2 * i + half;
+  for (int i = 0; i < C::kTokens / kRowsPerCopy; ++i) {
+    const int row = i * kRowsPerCopy + lane / kLanesPerRow;
+    const int s = __shfl_sync(0xffffffffu, slot, row);
+    const bool valid = s >= 0;
+    const int64_t off = (static_cast<int64_t>(s) * p.num_kv_heads + w.kvh) * D + c * 8;
     const uint32_t dst = k_tile + swizzle<D>(row, c);
-    cp_async16(dst, valid ? k_base + off + c * 8 : k_base, valid);
-    cp_async16(dst + C::kTileBytes, valid ? v_base + off + c * 8 : v_base, valid);
+    cp_async16(dst, valid ? k_base + off : k_base, valid);
+    cp_async16(dst + C::kTileBytes, valid ? v_base + off : v_base, valid);
   }
 }
 
