@@ -70,6 +70,7 @@ class Scheduler:
         budget = self.max_batch_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
+        sample: list[bool] = []
         preempted = False
         running, reserve_up_to = self.running, self.block_manager.reserve_up_to
         i = 0
@@ -84,11 +85,11 @@ class Scheduler:
                 continue  # a newer sequence was preempted; try again
             seqs.append(seq)
             counts.append(n)
+            sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
             budget -= n
             i += 1
         if not preempted:
-            budget = self._admit(budget, seqs, counts)
-        sample = [s.num_computed_tokens + n == len(s.token_ids) for s, n in zip(seqs, counts)]
+            self._admit(budget, seqs, counts, sample)
         return ScheduledBatch(seqs, counts, sample)
 
     def _make_room(self, seq: Sequence) -> None:
@@ -102,7 +103,7 @@ class Scheduler:
         else:
             self._fail(seq)
 
-    def _admit(self, budget: int, seqs: list[Sequence], counts: list[int]) -> int:
+    def _admit(self, budget: int, seqs: list[Sequence], counts: list[int], sample: list[bool]) -> None:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and bm.tables.num_free_rows:
             seq = self.waiting[0]
@@ -120,8 +121,8 @@ class Scheduler:
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
             seqs.append(seq)
             counts.append(n)
+            sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
             budget -= n
-        return budget
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
