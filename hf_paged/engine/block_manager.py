@@ -128,8 +128,8 @@ class BlockManager:
             else:
                 self.allocator.share([b])
         seq.block_table = list(hits)
-        seq.num_computed_tokens = seq.num_hashed_blocks = len(hits)
-        seq.num_computed_tokens *= self.block_size
+        seq.num_hashed_blocks = len(hits)
+        seq.num_computed_tokens = len(hits) * self.block_size
         seq.last_block_hash = self._block_key[hits[-1]][0] if hits else None
         self.prefix_hit_tokens += seq.num_computed_tokens
         seq.row = self.tables.acquire()
