@@ -42,23 +42,26 @@ struct CtaWork {
 };
 
 // Fills `w` and copies the split's slice of the block table to `table` (so address math never waits on global
-// memory). Returns false for CTAs past their sequence's last split. Ends with a barrier.
+// memory). The slice a full split could need is loaded together with seq_len, not after it: one dependent round
+// trip less before the first K/V copy (entries past the sequence are row padding, never used). Returns false for
+// CTAs past their sequence's last split (uniformly, before the barrier it ends with).
 __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* table, CtaWork& w) {
   w.split = blockIdx.x, w.b = blockIdx.z;
   w.kvh = blockIdx.y / p.head_groups;
   const int hg = blockIdx.y - w.kvh * p.head_groups;
   w.head0 = w.kvh * p.group_size + hg * gt;
   w.valid_heads = cmin(gt, p.group_size - hg * gt);
-  w.seq_len = cmin(p.seq_lens[w.b], p.max_context);
+  const int seq_len = p.seq_lens[w.b];
+  w.t_begin = w.split * p.split_len;
+  w.blk_first = block_of(w.t_begin, p);
+  const int n_blocks = cmin(cdiv(p.split_len, p.block_size) + 1, p.table_width - w.blk_first);
+  for (int i = threadIdx.x; i < n_blocks; i += kThreads)
+    table[i] = p.block_tables[static_cast<int64_t>(w.b) * p.table_stride + w.blk_first + i];
+  w.seq_len = cmin(seq_len, p.max_context);
   // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
   w.num_splits = cmin(cdiv(cmax(w.seq_len, 1), p.split_len), p.max_splits);
   if (w.split >= w.num_splits) return false;
-  w.t_begin = w.split * p.split_len;
   w.t_end = cmin(w.seq_len, w.t_begin + p.split_len);
-  w.blk_first = block_of(w.t_begin, p);
-  const int n_blocks = w.t_end > w.t_begin ? block_of(w.t_end - 1, p) - w.blk_first + 1 : 0;
-  for (int i = threadIdx.x; i < n_blocks; i += kThreads)
-    table[i] = p.block_tables[static_cast<int64_t>(w.b) * p.table_stride + w.blk_first + i];
   __syncthreads();
   return true;
 }
@@ -104,39 +107,39 @@ __device__ __forceinline__ void write_cta_result(const DecodeParams& p, unsigned
   }
 }
 
-// Last CTA of a (sequence, head group): weight each split by exp2(m_s - M) and normalise by the total sum.
-template <typename T, int D, int GT>
-__device__ void combine_splits(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
-  float* weight = reinterpret_cast<float*>(smem);  // [GT][kMaxSplits]
-  float* inv_sum = weight + GT * kMaxSplits;       // [GT]
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  for (int g = warp; g < w.valid_heads; g += kWarps) {
-    const float* stats = p.part_stats + (static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g) * p.max_splits * 2;
-    float m = -INFINITY;
-    for (int s = lane; s < w.num_splits; s += 32) m = fmaxf(m, __ldcg(stats + 2 * s));
-    for (int off = 16; off > 0; off /= 2) m = fmaxf(m, __shfl_xor_sync(0xffffffffu, m, off));
-    float l = 0.f;
-    for (int s = lane; s < w.num_splits; s += 32) {
-      const float e = exp2f(__ldcg(stats + 2 * s) - m);
-      weight[g * kMaxSplits + s] = e;
-      l += e * __ldcg(stats + 2 * s + 1);
-    }
-    for (int off = 16; off > 0; off /= 2) l += __shfl_xor_sync(0xffffffffu, l, off);
-    if (lane == 0) inv_sum[g] = 1.f / l;
-  }
-  __syncthreads();
+// Last CTA of a (sequence, head group): merge the splits' partials in one pass, with a running max, so that the
+// stats and partial outputs of kBatch splits are in flight together (the tail of a B=1 decode waits on this).
+template <typename T, int D>
+__device__ void combine_splits(const DecodeParams& p, const CtaWork& w) {
+  constexpr int kBatch = 16;
   for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
     const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
     const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
+    const float2* stats = reinterpret_cast<const float2*>(p.part_stats) + row * p.max_splits;
     const float4* src = reinterpret_cast<const float4*>(p.part_out + row * p.max_splits * D + d);
+    float m = -INFINITY, l = 0.f;
     float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll 16
-    for (int s = 0; s < w.num_splits; ++s) {  // partials were just written: they are in L2 (__ldcg skips L1)
-      const float4 x = __ldcg(src + s * (D / 4));
-      const float e = weight[g * kMaxSplits + s];
-      o.x = fmaf(e, x.x, o.x), o.y = fmaf(e, x.y, o.y), o.z = fmaf(e, x.z, o.z), o.w = fmaf(e, x.w, o.w);
+    for (int s0 = 0; s0 < w.num_splits; s0 += kBatch) {
+      float2 st[kBatch];
+      float4 x[kBatch];
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {  // partials were just written: they are in L2 (__ldcg skips L1)
+        const bool in = s0 + j < w.num_splits;
+        st[j] = in ? __ldcg(stats + s0 + j) : make_float2(-INFINITY, 0.f);
+        x[j] = in ? __ldcg(src + (s0 + j) * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
+      }
+#pragma unroll
+      for (int j = 0; j < kBatch; ++j) {
+        if (st[j].x == -INFINITY) continue;
+        const float mn = fmaxf(m, st[j].x);
+        const float a = exp2f(m - mn), c = exp2f(st[j].x - mn);  // a = 0 for the first split (m = -inf)
+        l = fmaf(l, a, st[j].y * c);
+        o.x = fmaf(o.x, a, x[j].x * c), o.y = fmaf(o.y, a, x[j].y * c);
+        o.z = fmaf(o.z, a, x[j].z * c), o.w = fmaf(o.w, a, x[j].w * c);
+        m = mn;
+      }
     }
-    const float r = inv_sum[g];
+    const float r = 1.f / l;
     Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));
   }
 }
@@ -158,12 +161,7 @@ __device__ __forceinline__ void finish_cta(const DecodeParams& p, unsigned char*
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  combine_splits<T, D, GT>(p, smem, w);
-}
-
-template <int GT>
-constexpr int combine_bytes() {
-  return GT * (kMaxSplits + 1) * 4;
+  combine_splits<T, D>(p, w);
 }
 
 }  // namespace decode

@@ -2,6 +2,7 @@
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/core/ScalarType.h>
 
 #include <algorithm>
 #include <map>
@@ -29,16 +30,21 @@ int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
 }
 
 DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache) {
-  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [batch, num_heads, head_dim], got ", query.sizes());
-  TORCH_CHECK_VALUE(k_cache.dim() == 4, "k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], got ",
-                    k_cache.sizes());
+  TORCH_CHECK_VALUE(query.dim() == 3, format("query must be [batch, num_heads, head_dim], got %s",
+                                            shape_of(query).c_str()));
+  TORCH_CHECK_VALUE(k_cache.dim() == 4, format("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
+                                              "got %s", shape_of(k_cache).c_str()));
   const int64_t heads = query.size(1), kv_heads = k_cache.size(2), head_dim = query.size(2);
-  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "num_heads (", heads,
-                    ") must be a multiple of num_kv_heads (", kv_heads, ")");
-  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
+  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0,
+                    format("num_heads (%lld) must be a multiple of num_kv_heads (%lld)", static_cast<long long>(heads),
+                           static_cast<long long>(kv_heads)));
+  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, format("query head_dim %lld != cache head_dim %lld",
+                                                        static_cast<long long>(head_dim),
+                                                        static_cast<long long>(k_cache.size(3))));
   const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(head_dim), static_cast<int>(heads / kv_heads));
-  TORCH_CHECK_VALUE(k.fn != nullptr, "paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 or 256; "
-                    "got ", query.scalar_type(), " with head_dim ", head_dim);
+  TORCH_CHECK_VALUE(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 or "
+                                            "256; got %s with head_dim %lld", c10::toString(query.scalar_type()),
+                                            static_cast<long long>(head_dim)));
   return k;
 }
 
@@ -116,7 +122,7 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at:
                         out.scalar_type() == query.scalar_type(),
                     "query, out and the caches must share one dtype");
   TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.is_contiguous() && aligned16(out),
-                    "out must be a contiguous tensor shaped like query ", query.sizes());
+                    format("out must be a contiguous tensor shaped like query %s", shape_of(query).c_str()));
   TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) % vec == 0 && query.stride(0) % vec == 0 &&
                         aligned16(query) && aligned16(k_cache) && aligned16(v_cache),
                     "query rows must be contiguous and 16-byte aligned; call .contiguous() first");
@@ -127,9 +133,11 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at:
                         block_tables.size(0) == batch && block_tables.stride(1) == 1,
                     "block_tables must be an int32 [batch, max_blocks] tensor with contiguous rows");
   TORCH_CHECK_VALUE(max_seq_len >= 0 && block_tables.size(1) * k_cache.size(1) >= max_seq_len,
-                    "block_tables has ", block_tables.size(1), " blocks of ", k_cache.size(1),
-                    " tokens per row, too few for max_seq_len ", max_seq_len);
-  TORCH_CHECK_VALUE(batch <= 65535, "paged_decode takes at most 65535 sequences per launch, got ", batch);
+                    format("block_tables has %lld blocks of %lld tokens per row, too few for max_seq_len %lld",
+                           static_cast<long long>(block_tables.size(1)), static_cast<long long>(k_cache.size(1)),
+                           static_cast<long long>(max_seq_len)));
+  TORCH_CHECK_VALUE(batch <= 65535, format("paged_decode takes at most 65535 sequences per launch, got %lld",
+                                           static_cast<long long>(batch)));
   TORCH_CHECK_VALUE(k_cache.size(0) * k_cache.size(1) <= INT32_MAX, "the cache holds more than 2^31 token slots");
   if (alibi.has_value()) {
     check_cuda_tensor(*alibi, "alibi_slopes", device);
@@ -156,10 +164,12 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_cache.size(2), bs = k_cache.size(1);
   if (batch == 0) return 0;
   if (split_len <= 0) split_len = split_len_for(k, query, k_cache, max_seq_len);
-  TORCH_CHECK_VALUE(split_len % k.tile == 0, "split_len must be a multiple of ", k.tile, " here, got ", split_len);
+  TORCH_CHECK_VALUE(split_len % k.tile == 0, format("split_len must be a multiple of %d here, got %lld", k.tile,
+                                                   static_cast<long long>(split_len)));
   const int64_t max_splits = std::max<int64_t>(1, (max_seq_len + split_len - 1) / split_len);
-  TORCH_CHECK_VALUE(max_splits <= kMaxSplits, "split_len ", split_len, " cuts ", max_seq_len, " tokens into more than ",
-                    kMaxSplits, " splits; use a longer split");
+  TORCH_CHECK_VALUE(max_splits <= kMaxSplits, format("split_len %lld cuts %lld tokens into more than %d splits; use a "
+                                                     "longer split", static_cast<long long>(split_len),
+                                                     static_cast<long long>(max_seq_len), kMaxSplits));
 
   DecodeParams p{};
   const int group_size = static_cast<int>(heads / kv_heads);
@@ -171,7 +181,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   p.num_heads = static_cast<int>(heads), p.num_kv_heads = static_cast<int>(kv_heads);
   p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
   p.block_size = static_cast<int>(bs), p.block_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1;
-  p.table_stride = static_cast<int>(block_tables.stride(0));
+  p.table_stride = static_cast<int>(block_tables.stride(0)), p.table_width = static_cast<int>(block_tables.size(1));
   p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * bs, INT32_MAX));
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
   at::Tensor part_out, part_stats, counters;
@@ -185,8 +195,10 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
   residency(k, query.get_device());  // raises the kernel's shared-memory limit once per device
   const int smem = k.smem_bytes + static_cast<int>(((split_len + bs - 1) / bs + 1) * 4);
-  TORCH_CHECK_VALUE(smem <= k.smem_bytes + 64 * 1024, "split_len ", split_len, " over block_size ", bs,
-                    " needs too large a block-table slice; use a longer block_size or a shorter split_len");
+  TORCH_CHECK_VALUE(smem <= k.smem_bytes + 64 * 1024,
+                    format("split_len %lld over block_size %lld needs too large a block-table slice; use a longer "
+                           "block_size or a shorter split_len", static_cast<long long>(split_len),
+                           static_cast<long long>(bs)));
   const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(kv_heads * p.head_groups),
                   static_cast<unsigned>(batch));
   void* args[] = {&p};

@@ -8,7 +8,7 @@
 
 namespace hf_paged {
 
-// Upper bound on context splits per sequence; the combine step keeps one weight per split in shared memory.
+// Upper bound on context splits per sequence (sizes the partial-output workspace).
 constexpr int kMaxSplits = 256;
 
 // Arguments of one paged-decode launch. Shapes: B sequences, H query heads, Hkv kv heads, D head_dim.
@@ -27,7 +27,7 @@ struct DecodeParams {
   int64_t q_stride_b, q_stride_h;
   int num_heads, num_kv_heads, group_size, head_groups;
   int block_size, block_shift;  // block_shift = log2(block_size) or -1 when not a power of two
-  int table_stride;
+  int table_stride, table_width;  // block_tables row stride and blocks per row
   int max_context;              // table_stride's blocks * block_size: longer seq_lens are clamped (memory safety)
   int split_len, max_splits;
 };

@@ -2,16 +2,36 @@
 #include "ops.h"
 
 #include <c10/cuda/CUDAGuard.h>
+#include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
+
+#include <cstdarg>
+#include <cstdio>
 
 #include "launch.h"
 
 namespace hf_paged {
 
+std::string format(const char* fmt, ...) {
+  char buf[1024];
+  va_list args;
+  va_start(args, fmt);
+  std::vsnprintf(buf, sizeof(buf), fmt, args);
+  va_end(args);
+  return std::string(buf);
+}
+
+std::string shape_of(const at::Tensor& t) {
+  std::string out = "[";
+  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
+  return out + "]";
+}
+
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.is_cuda(), name, " must be a CUDA tensor, got one on ", t.device());
-  TORCH_CHECK_VALUE(t.device() == device, name, " is on ", t.device(), " but the other tensors are on ", device);
+  TORCH_CHECK_VALUE(t.is_cuda(), format("%s must be a CUDA tensor, got one on %s", name, t.device().str().c_str()));
+  TORCH_CHECK_VALUE(t.device() == device, format("%s is on %s but the other tensors are on %s", name,
+                                                 t.device().str().c_str(), device.str().c_str()));
 }
 
 int vec_elems(at::ScalarType dtype) {
@@ -31,17 +51,17 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   check_cuda_tensor(key, "key", device), check_cuda_tensor(value, "value", device);
   check_cuda_tensor(v_cache, "v_cache", device), check_cuda_tensor(slot_mapping, "slot_mapping", device);
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes(),
-                    "k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got ",
-                    k_cache.sizes(), " and ", v_cache.sizes());
+                    format("k_cache and v_cache must both be [num_blocks, block_size, num_kv_heads, head_dim], got %s "
+                           "and %s", shape_of(k_cache).c_str(), shape_of(v_cache).c_str()));
   TORCH_CHECK_VALUE(k_cache.is_contiguous() && v_cache.is_contiguous(), "k_cache and v_cache must be contiguous");
   TORCH_CHECK_VALUE(key.dim() == 3 && key.sizes() == value.sizes() && key.size(1) == k_cache.size(2) &&
                         key.size(2) == k_cache.size(3),
-                    "key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache ", k_cache.sizes(),
-                    ", got ", key.sizes(), " and ", value.sizes());
+                    format("key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache %s, got %s "
+                           "and %s", shape_of(k_cache).c_str(), shape_of(key).c_str(), shape_of(value).c_str()));
   const auto dtype = k_cache.scalar_type();
   TORCH_CHECK_VALUE(key.scalar_type() == dtype && value.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-                    "key, value and the caches must share one dtype, got ", key.scalar_type(), ", ",
-                    value.scalar_type(), " and ", dtype);
+                    format("key, value and the caches must share one dtype, got %s, %s and %s",
+                           c10::toString(key.scalar_type()), c10::toString(value.scalar_type()), c10::toString(dtype)));
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                         slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
                     "slot_mapping must be a contiguous int64 [num_tokens] tensor");

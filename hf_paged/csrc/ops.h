@@ -4,6 +4,7 @@
 #include <ATen/ATen.h>
 
 #include <optional>
+#include <string>
 
 namespace hf_paged {
 
@@ -18,6 +19,12 @@ int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cach
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
+
+// Error messages: formatted with snprintf and handed to TORCH_CHECK_* as one std::string. On the GPU box
+// (extension built by /opt/gcc g++, torch 2.11) a message that TORCH_CHECK assembled itself from several
+// arguments (c10::str's ostringstream) crashed the process; a single string takes c10's pass-through path.
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string shape_of(const at::Tensor& t);  // "[2, 32, 128]"
 
 // Shared argument checks.
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device);

@@ -71,7 +71,7 @@ struct MmaConfig {
   static constexpr int kStages = cmax(2, cmin(6, 24576 / (64 * D)));
   static constexpr int kTileBytes = kTokens * D * 2;  // one K (or V) tile
   static constexpr int kWarpRingBytes = kStages * 2 * kTileBytes;
-  static constexpr int kSmemBytes = cmax(kWarps * kWarpRingBytes, cmax(Reduce<D, kRows>::kBytes, combine_bytes<kRows>()));
+  static constexpr int kSmemBytes = cmax(kWarps * kWarpRingBytes, Reduce<D, kRows>::kBytes);
   static constexpr int kCtaTile = kWarps * kTokens;  // split lengths are multiples of this
   static constexpr int kMinSplit = 256;              // partial-output traffic stays near 3% of the KV bytes
   static_assert(kChunks >= 8, "the swizzle permutes 8 chunks");

@@ -40,7 +40,7 @@ struct Config {
   static constexpr int kMinSplit = cmax(kTile, cmin(512, 64 * GT));
   static constexpr int kStageVecs = kUnroll * 2 * kVecsPerLane;  // 16-byte vectors per lane per stage
   static constexpr int kPipeBytes = kStages * kStageVecs * 16 * kThreads;
-  static constexpr int kSmemBytes = cmax(kPipeBytes, cmax(Reduce<D, GT>::kBytes, combine_bytes<GT>()));
+  static constexpr int kSmemBytes = cmax(kPipeBytes, Reduce<D, GT>::kBytes);
   static_assert(kDimsPerLane % kVec == 0, "a lane owns whole 16-byte vectors");
   static_assert(kLanesPerToken <= 32 && (kLanesPerToken & (kLanesPerToken - 1)) == 0, "lane groups tile a warp");
   static_assert(kMinSplit % kTile == 0, "splits are whole tiles");
