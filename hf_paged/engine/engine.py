@@ -14,10 +14,11 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.request_output import RequestOutput, TokenDelta
-from hf_paged.engine.runner import EngineCache, ModelRunner, plan_step
+from hf_paged.engine.runner import ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.sampling_params import SamplingParams
 from hf_paged.engine.scheduler import Scheduler
@@ -71,7 +72,7 @@ class Engine:
         if num_blocks is None:
             num_blocks = blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
                                              cap=max_num_seqs * -(-max_len // block_size))
-        self.cache = EngineCache(model.config, num_blocks, block_size, self.device, dtype, backend=backend)
+        self.cache = PagedAttentionCache(model.config, num_blocks, block_size, self.device, dtype, backend=backend)
         tables = BlockTableBuffer(max_num_seqs, min(num_blocks, -(-max_len // block_size)))
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, enable_prefix_caching)

@@ -99,21 +99,6 @@ def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
     )
 
 
-class EngineCache(PagedAttentionCache):
-    """The cache the engine runs on: every mask call of a forward gets the step's plan.
-
-    Models with two mask kinds (full + sliding window, e.g. Gemma2) ask for a plan twice per forward; the base
-    cache hands a ``begin_step`` plan to the first ask only and plans the second from its own batch rows.
-    """
-
-    def begin_step(self, meta: PagedMetadata) -> None:
-        self._engine_plan = meta
-
-    def plan_step(self, *args, **kwargs) -> PagedMetadata:
-        super().begin_step(self._engine_plan)
-        return super().plan_step(*args, **kwargs)
-
-
 class ModelRunner:
     """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device."""
 
