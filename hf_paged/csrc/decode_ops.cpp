@@ -139,12 +139,7 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at:
   TORCH_CHECK_VALUE(batch <= 65535, format("paged_decode takes at most 65535 sequences per launch, got %lld",
                                            static_cast<long long>(batch)));
   TORCH_CHECK_VALUE(k_cache.size(0) * k_cache.size(1) <= INT32_MAX, "the cache holds more than 2^31 token slots");
-  if (alibi.has_value()) {
-    check_cuda_tensor(*alibi, "alibi_slopes", device);
-    TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == heads &&
-                          alibi->is_contiguous(),
-                      "alibi_slopes must be a contiguous float32 [num_heads] tensor");
-  }
+  check_alibi_slopes(alibi, heads, device);
 }
 
 }  // namespace

@@ -45,6 +45,14 @@ int vec_elems(at::ScalarType dtype) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+void check_alibi_slopes(const std::optional<at::Tensor>& alibi, int64_t num_heads, const at::Device& device) {
+  if (!alibi.has_value()) return;
+  check_cuda_tensor(*alibi, "alibi_slopes", device);
+  TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == num_heads &&
+                        alibi->is_contiguous(),
+                    "alibi_slopes must be a contiguous float32 [num_heads] tensor");
+}
+
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
   const at::Device device = k_cache.device();

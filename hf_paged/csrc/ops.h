@@ -30,5 +30,7 @@ std::string shape_of(const at::Tensor& t);  // "[2, 32, 128]"
 void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device);
 int vec_elems(at::ScalarType dtype);  // elements per 16-byte vector; 0 for unsupported dtypes
 bool aligned16(const at::Tensor& t);
+// Optional ALiBi slopes: a contiguous float32 [num_heads] tensor on `device`.
+void check_alibi_slopes(const std::optional<at::Tensor>& alibi, int64_t num_heads, const at::Device& device);
 
 }  // namespace hf_paged
