@@ -43,6 +43,7 @@ class KernelsUnavailable(RuntimeError):
 _lock = threading.Lock()
 _failure: str | None = None
 _loaded = False
+_folder: Path | None = None
 _warned = False
 
 
@@ -101,7 +102,9 @@ def load(verbose: bool = False) -> Path:
     Raises:
         KernelsUnavailable: with the reason, if there is no GPU, nvcc or ninja, or the build fails.
     """
-    global _failure, _loaded
+    global _failure, _loaded, _folder
+    if _folder is not None:  # loaded: every layer calls this, so no probing or hashing past the first call
+        return _folder
     with _lock:
         if _failure is not None:
             raise KernelsUnavailable(_failure)
@@ -113,6 +116,7 @@ def load(verbose: bool = False) -> Path:
         folder = build_dir(arch)
         if not _loaded:
             _loaded = _build_and_load(folder, arch, verbose)
+        _folder = folder
         return folder
 
 
@@ -143,6 +147,8 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
 def ensure_loaded() -> str | None:
     """Load the kernels if possible; None on success, else the reason (warned about once, logger "hf_paged")."""
     global _warned
+    if _folder is not None:
+        return None
     try:
         load()
         return None
@@ -155,6 +161,6 @@ def ensure_loaded() -> str | None:
 
 def _reset_for_tests() -> None:
     """Forget a recorded failure (tests that fake a missing nvcc)."""
-    global _failure, _warned
+    global _failure, _warned, _folder
     with _lock:
-        _failure, _warned = None, False
+        _failure, _warned, _folder = None, False, None
