@@ -51,20 +51,24 @@ void check_prefill_args(const at::Tensor& out, const at::Tensor& query, const at
   check_cuda_tensor(k_cache, "k_cache", device), check_cuda_tensor(v_cache, "v_cache", device);
   check_cuda_tensor(cu_seqlens_q, "cu_seqlens_q", device), check_cuda_tensor(seq_lens_k, "seq_lens_k", device);
   check_cuda_tensor(block_tables, "block_tables", device);
-  TORCH_CHECK_VALUE(query.dim() == 3, "query must be [num_tokens, num_heads, head_dim], got ", query.sizes());
+  TORCH_CHECK_VALUE(query.dim() == 3,
+                    format("query must be [num_tokens, num_heads, head_dim], got %s", shape_of(query).c_str()));
   TORCH_CHECK_VALUE(k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() &&
                         v_cache.is_contiguous(),
-                    "k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] tensors "
-                    "of one shape, got ", k_cache.sizes(), " and ", v_cache.sizes());
+                    format("k_cache and v_cache must be contiguous [num_blocks, block_size, num_kv_heads, head_dim] "
+                           "tensors of one shape, got %s and %s", shape_of(k_cache).c_str(), shape_of(v_cache).c_str()));
   const int64_t heads = query.size(1), kv_heads = k_cache.size(2), head_dim = query.size(2);
-  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, "query head_dim ", head_dim, " != cache head_dim ", k_cache.size(3));
-  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0, "num_heads (", heads,
-                    ") must be a multiple of num_kv_heads (", kv_heads, ")");
+  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, format("query head_dim %lld != cache head_dim %lld",
+                                                        (long long)head_dim, (long long)k_cache.size(3)));
+  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0,
+                    format("num_heads (%lld) must be a multiple of num_kv_heads (%lld)", (long long)heads,
+                           (long long)kv_heads));
   const auto dtype = query.scalar_type();
   TORCH_CHECK_VALUE(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-                    "query, out and the caches must share one dtype, got ", dtype, ", ", out.scalar_type(), " and ",
-                    k_cache.scalar_type());
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), "out must be shaped like query ", query.sizes());
+                    format("query, out and the caches must share one dtype, got %s, %s and %s",
+                           c10::toString(dtype), c10::toString(out.scalar_type()),
+                           c10::toString(k_cache.scalar_type())));
+  TORCH_CHECK_VALUE(out.sizes() == query.sizes(), format("out must be shaped like query %s", shape_of(query).c_str()));
   for (const at::Tensor* t : {&query, &out}) {
     TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) % 8 == 0 && t->stride(0) % 8 == 0 && aligned16(*t),
                       "query and out rows must be contiguous and 16-byte aligned; call .contiguous() first");
@@ -80,16 +84,11 @@ void check_prefill_args(const at::Tensor& out, const at::Tensor& query, const at
                         block_tables.size(0) == batch && block_tables.stride(1) == 1,
                     "block_tables must be an int32 [batch, max_blocks] tensor with contiguous rows");
   TORCH_CHECK_VALUE(batch <= 65535 && heads <= 65535, "paged_prefill takes at most 65535 sequences and heads");
-  TORCH_CHECK_VALUE(scale > 0.0, "scale must be positive, got ", scale);
+  TORCH_CHECK_VALUE(scale > 0.0, format("scale must be positive, got %g", scale));
   TORCH_CHECK_VALUE(query.size(0) < (int64_t{1} << 31) && block_tables.size(1) * k_cache.size(1) < (int64_t{1} << 31) &&
                         k_cache.size(0) * k_cache.size(1) < (int64_t{1} << 31),
                     "token counts and cache slots must fit in int32");
-  if (alibi.has_value()) {
-    check_cuda_tensor(*alibi, "alibi_slopes", device);
-    TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == heads &&
-                          alibi->is_contiguous(),
-                      "alibi_slopes must be a contiguous float32 [num_heads] tensor");
-  }
+  check_alibi_slopes(alibi, heads, device);
 }
 
 }  // namespace
@@ -104,10 +103,10 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   const bool alibi = alibi_slopes.has_value();
   // Compiled at all? (asked with config 0, before any device call)
   TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), head_dim, 0, alibi).fn != nullptr,
-                              "paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got ",
-                              query.scalar_type(), " with head_dim ", head_dim);
+                              format("paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got %s with "
+                                     "head_dim %lld", c10::toString(query.scalar_type()), (long long)head_dim));
   TORCH_CHECK_VALUE(config == kPrefillConfigAuto || (config >= 0 && config < kPrefillConfigs),
-                    "config must be -1 (auto) or a tile configuration index below ", kPrefillConfigs);
+                    format("config must be -1 (auto) or a tile configuration index below %d", (int)kPrefillConfigs));
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0");
   const c10::cuda::CUDAGuard guard(query.device());
   if (config == kPrefillConfigAuto) config = auto_config(query.get_device(), batch, heads, max_seqlen_q);
