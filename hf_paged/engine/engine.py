@@ -77,7 +77,8 @@ class Engine:
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_num_seqs)
-        self.runner = ModelRunner(model, self.cache, max_batch_tokens, self.device)
+        self.runner = ModelRunner(model, self.cache, max_batch_tokens, self.device, max_seqs=max_num_seqs,
+                                  max_blocks_per_seq=tables.table.shape[1])
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size

@@ -13,7 +13,7 @@ from array import array
 
 import torch
 
-from hf_paged.attention.metadata import PagedMetadata, build_metadata
+from hf_paged.attention.metadata import MetadataBuffers, PagedMetadata, build_metadata
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
@@ -102,20 +102,27 @@ def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
 class ModelRunner:
     """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device."""
 
-    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device):
+    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
+                 max_seqs: int = 256, max_blocks_per_seq: int = 256):
         self.model = model
         self.cache = cache
         self.device = device
         self._cache_kwarg = cache_keyword(model)
         self._input_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
         self._position_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
+        # On a GPU the attention metadata lives at fixed addresses too, so a (padded) decode step can be
+        # graph-captured; on the CPU a copy would only add cost.
+        self._meta_buffers = None
+        if torch.device(device).type == "cuda":
+            self._meta_buffers = MetadataBuffers(device)
+            self._meta_buffers.reserve(max(max_tokens, max_seqs), max_seqs, max_blocks_per_seq)
 
     def metadata(self, plan: StepPlan) -> PagedMetadata:
         return build_metadata(
             q_lens=plan.q_lens, seq_lens_k=plan.seq_lens_k, block_tables=plan.block_tables,
             slot_mapping=plan.slot_mapping, token_index=None, grid=(1, plan.num_tokens),
             block_size=self.cache.block_size, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher, device=self.device,
+            dispatcher=self.cache.dispatcher, device=self.device, buffers=self._meta_buffers,
         )
 
     @torch.inference_mode()
