@@ -1,4 +1,4 @@
-"""``hf-paged build-kernels`` and ``hf-paged bench kernels``.
+"""``hf-paged build-kernels`` and ``hf-paged bench kernels`` (decode, KV write and prefill rows).
 
 The entry point in :mod:`hf_paged.cli` calls :func:`add_parsers`; ``python -m hf_paged.cli.kernels build|bench``
 runs the same commands on its own.
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+from pathlib import Path
 
 
 def build_kernels(args: argparse.Namespace) -> int:
@@ -24,19 +25,28 @@ def build_kernels(args: argparse.Namespace) -> int:
 
 
 def bench_kernels(args: argparse.Namespace) -> int:
-    """Time decode and KV write against the copy bandwidth (and flash-attn when it imports); table + JSON."""
-    from hf_paged.bench import kernels as bench
+    """Time decode and KV write against the copy bandwidth (and flash-attn when it imports), then prefill against
+    flash-attn's and torch's varlen kernels; a table and a JSON file for each."""
+    from hf_paged.bench import kernels as decode_bench
+    from hf_paged.bench import prefill as prefill_bench
 
     head_dims = tuple(int(h) for h in args.head_dims.split(","))
-    bench.run(json_path=args.json, head_dims=head_dims, sweep=not args.no_sweep)
+    if args.only in (None, "decode"):
+        decode_bench.run(json_path=args.json, head_dims=head_dims, sweep=not args.no_sweep)
+    if args.only in (None, "prefill"):
+        json_path = Path(args.json)
+        prefill_bench.run(json_path=json_path.with_name(f"{json_path.stem}_prefill{json_path.suffix}"),
+                          head_dims=head_dims, sweep=not args.no_sweep)
     return 0
 
 
 def _add_bench_kernels(subparsers, name: str = "kernels") -> None:
-    p = subparsers.add_parser(name, help="benchmark hf_paged's decode and KV-write kernels")
-    p.add_argument("--json", default="bench_kernels.json", help="where to write the results (JSON)")
+    p = subparsers.add_parser(name, help="benchmark hf_paged's decode, KV-write and prefill kernels")
+    p.add_argument("--json", default="bench_kernels.json",
+                   help="where to write the decode results (JSON); prefill goes beside it as <name>_prefill.json")
     p.add_argument("--head-dims", default="128,64", help="comma-separated head dims (default 128,64)")
-    p.add_argument("--no-sweep", action="store_true", help="skip the split-length sweep")
+    p.add_argument("--no-sweep", action="store_true", help="skip the split-length and tile-configuration sweeps")
+    p.add_argument("--only", choices=["decode", "prefill"], default=None, help="run one half only")
     p.set_defaults(func=bench_kernels)
 
 
