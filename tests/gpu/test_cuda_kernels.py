@@ -7,9 +7,7 @@ draws fresh inputs; the cache holds ``POISON`` in slots no sequence owns; output
 
 from __future__ import annotations
 
-import sys
 import zlib
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,10 +21,7 @@ from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
 from hf_paged.attention.backends.base import registered_backends  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
 
-_TESTS_DIR = str(Path(__file__).resolve().parents[1])
-if _TESTS_DIR not in sys.path:
-    sys.path.insert(0, _TESTS_DIR)
-from test_flash_backend import make_paged_step  # noqa: E402
+from test_flash_backend import make_paged_step  # noqa: E402  (tests/conftest.py puts tests/ on the path)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
