@@ -122,3 +122,11 @@ def test_metadata_buffers_keep_addresses_across_steps():
             assert getattr(kept, name).is_contiguous()
         addresses.add(tuple(getattr(kept, n).data_ptr() for n in ("cu_seqlens_q", "block_tables", "slot_mapping")))
     assert len(addresses) == 1, "every step's metadata sits at the same addresses"
+
+
+def test_metadata_moves_to_another_device_once_per_step():
+    _, _, _, meta, _ = random_paged_step([2, 1], [5, 3], 2, 1, 4, 4, torch.Generator().manual_seed(6))
+    moved = meta.on(torch.device("meta"))
+    assert moved.slot_mapping.device.type == "meta" and moved.block_tables.shape == meta.block_tables.shape
+    assert meta.on("meta") is moved, "a second layer on that device reuses the copy"
+    assert meta.on("cpu") is meta and moved.phase == meta.phase and moved.num_tokens == meta.num_tokens

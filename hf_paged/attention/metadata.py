@@ -7,6 +7,7 @@ are packed into one ``[num_tokens, ...]`` axis in sequence order.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from dataclasses import dataclass, field
 
@@ -82,15 +83,9 @@ class PagedMetadata:
                 name: (None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True))
                 for name in self._TENSOR_FIELDS
             }
-            cached = _replace(self, **moved)
+            cached = dataclasses.replace(self, _per_device={}, **moved)
             self._per_device[device] = cached
         return cached
-
-
-def _replace(meta: PagedMetadata, **changes) -> PagedMetadata:
-    values = {f: getattr(meta, f) for f in meta.__dataclass_fields__ if f != "_per_device"}
-    values.update(changes)
-    return PagedMetadata(**values)
 
 
 class MetadataBuffers:

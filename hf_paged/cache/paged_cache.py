@@ -16,7 +16,6 @@ K/V of the real tokens; the attention function writes them into their slots and 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 
 import torch
@@ -27,8 +26,6 @@ from hf_paged.attention.metadata import PagedMetadata, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
 from hf_paged.hf.support import check_model_supported
-
-logger = logging.getLogger("hf_paged")
 
 
 _GIVEN_PLAN = "given"  # plan key of a plan handed over by begin_step
