@@ -18,6 +18,7 @@ import torch
 
 from hf_paged.attention import backends as _backends_pkg
 from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
+from hf_paged.attention.metadata import Phase
 
 logger = logging.getLogger("hf_paged")
 
@@ -78,6 +79,21 @@ class Dispatcher:
             self._writer[key] = backend
         self.served["write"] = backend.name
         return backend
+
+    def graph_unsupported_reason(self) -> str | None:
+        """After an eager decode step: None if every decode call and KV write it chose may be captured in a CUDA
+        graph, else why not (a backend named, with what to change)."""
+        decode = [(c, b) for c, b in self._choice.items() if c.phase is Phase.DECODE]
+        if not decode:
+            return "no decode step has run yet"
+        for call, backend in decode:
+            reason = backend.graph_unsupported_reason(call)
+            if reason is not None:
+                return f"{reason} ({call})"
+        for backend in self._writer.values():
+            if not backend.capture_safe_write:
+                return f"the {backend.name} backend's KV write is not capture-safe"
+        return None
 
     def _choose(self, call: AttentionCall) -> AttentionBackend:
         reasons = []

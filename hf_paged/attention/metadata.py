@@ -49,6 +49,8 @@ class PagedMetadata:
         has_padding_slots: whether ``slot_mapping`` contains -1 entries (kept on the host to avoid a sync).
         kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         dispatcher: picks the backend of each phase (see :mod:`hf_paged.attention.dispatch`).
+        plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
+            the backend; filled by the first layer that needs it (see ``AttentionBackend``).
     """
 
     num_seqs: int
@@ -67,6 +69,7 @@ class PagedMetadata:
     has_padding_slots: bool
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     dispatcher: object = field(repr=False)
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")

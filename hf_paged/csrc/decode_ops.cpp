@@ -151,7 +151,8 @@ int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cach
 
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len) {
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len,
+                     const std::optional<at::Tensor>& workspace) {
   const DecodeKernel k = kernel_for(query, k_cache);
   check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, alibi_slopes);
   const c10::cuda::CUDAGuard guard(query.device());
@@ -181,11 +182,24 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
   at::Tensor part_out, part_stats, counters;
   if (max_splits > 1) {
-    const auto f32 = query.options().dtype(at::kFloat);
-    part_out = at::empty({batch * heads * max_splits * query.size(2)}, f32);
-    part_stats = at::empty({batch * heads * max_splits * 2}, f32);
+    const int64_t out_elems = batch * heads * max_splits * query.size(2), stats_elems = batch * heads * max_splits * 2;
+    if (workspace.has_value()) {
+      // A workspace fixed by the caller (a per-step plan, or a CUDA graph's buffers): no allocation here.
+      check_cuda_tensor(*workspace, "workspace", query.device());
+      TORCH_CHECK_VALUE(workspace->scalar_type() == at::kFloat && workspace->is_contiguous() &&
+                            workspace->numel() >= out_elems + stats_elems && aligned16(*workspace),
+                        format("workspace must be a contiguous 16-byte aligned float32 tensor of at least %lld "
+                               "elements (batch * num_heads * splits * (head_dim + 2)), got %lld",
+                               static_cast<long long>(out_elems + stats_elems),
+                               static_cast<long long>(workspace->numel())));
+      p.part_out = workspace->data_ptr<float>(), p.part_stats = p.part_out + out_elems;
+    } else {
+      const auto f32 = query.options().dtype(at::kFloat);
+      part_out = at::empty({out_elems}, f32);
+      part_stats = at::empty({stats_elems}, f32);
+      p.part_out = part_out.data_ptr<float>(), p.part_stats = part_stats.data_ptr<float>();
+    }
     counters = counters_for(query.device(), stream, batch * kv_heads * p.head_groups);
-    p.part_out = part_out.data_ptr<float>(), p.part_stats = part_stats.data_ptr<float>();
     p.counters = counters.data_ptr<int32_t>();
   }
   residency(k, query.get_device());  // raises the kernel's shared-memory limit once per device

@@ -9,10 +9,14 @@
 namespace hf_paged {
 
 // Validates every argument (ValueError / NotImplementedError with what to change) and launches on the current
-// stream. Returns the split length used (tokens of context per CTA).
+// stream. Returns the split length used (tokens of context per CTA). `workspace` (float32, at least
+// batch * num_heads * splits * (head_dim + 2) elements) holds the split partials; without it they are allocated.
+// With a fixed split_len, max_seq_len and workspace the launch reads every step-dependent value from device
+// memory, so it can be captured in a CUDA graph and replayed for other sequence lengths up to max_seq_len.
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len);
+                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len,
+                     const std::optional<at::Tensor>& workspace);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len);

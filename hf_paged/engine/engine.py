@@ -17,6 +17,7 @@ from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.request_output import RequestOutput, TokenDelta
 from hf_paged.engine.runner import ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
@@ -46,6 +47,9 @@ class Engine:
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
         backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
         memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
+        cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
+            ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
+            Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
     """
 
     def __init__(
@@ -60,6 +64,7 @@ class Engine:
         enable_prefix_caching: bool = True,
         backend: str | SequenceType[str] | None = None,
         memory_budget: float = 0.8,
+        cuda_graphs: bool | SequenceType[int] = True,
     ):
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
@@ -85,6 +90,18 @@ class Engine:
         self.counters = EngineStats()
         self._live: dict[str, Sequence] = {}
         self._next_id = 0
+        self.graphs = self._capture_graphs(cuda_graphs, tables, max_num_seqs)
+
+    def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
+        if cuda_graphs is False or self.device.type != "cuda":
+            return None
+        sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else [s for s in cuda_graphs if s <= max_num_seqs]
+        graphs = DecodeGraphs(self.model, self.cache, tables, sizes)
+        reason = graphs.capture()
+        if reason is not None:
+            logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
+            return None
+        return graphs
 
     # ----- requests --------------------------------------------------------------------------------------------
     def add_request(
@@ -189,10 +206,7 @@ class Engine:
         clock("schedule")
         if not batch.is_empty:
             self.counters.note_step(self)
-            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.cache.block_size)
-            clock("plan")
-            logits = self.runner.forward(plan)
+            logits = self._forward(batch)
             clock("forward")
             sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
             if sampled:
@@ -210,6 +224,19 @@ class Engine:
         outputs = [self._output(s) for s in finished]
         clock("update")
         return outputs, deltas
+
+    def _forward(self, batch) -> torch.Tensor:
+        """The logits of the step's sampled rows: a captured graph for a decode step it fits, else eager."""
+        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
+        if size is None:
+            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
+                             self.cache.block_size)
+            return self.runner.forward(plan)
+        logits = self.graphs.replay(batch.seqs, size)
+        if all(batch.sample):
+            return logits[: len(batch.seqs)]
+        rows = [i for i, smp in enumerate(batch.sample) if smp]
+        return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _append(self, seq: Sequence, token: int, logprob: float | None) -> bool:
         first = len(seq.token_ids) == seq.num_prompt_tokens

@@ -25,6 +25,7 @@ __all__ = [
     "DECODE_HEAD_DIMS",
     "KernelsUnavailable",
     "decode_split_len",
+    "decode_workspace_numel",
     "paged_decode",
     "prebuild",
     "unavailable_reason",
@@ -81,6 +82,7 @@ def paged_decode(
     alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     split_len: int = 0,
+    workspace: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -96,6 +98,9 @@ def paged_decode(
         alibi_slopes: ``[H]`` float32: adds ``slope * (j - i)`` to the score of key ``j`` for the query at ``i``.
         out: ``[B, H, D]`` contiguous, query's dtype; allocated if None.
         split_len: context tokens per thread block (a multiple of the kernel's tile); 0 = heuristic.
+        workspace: float32 storage for the split partials, at least :func:`decode_workspace_numel` elements;
+            None allocates per call. With ``split_len``, ``max_seq_len`` and ``workspace`` fixed, the launch
+            depends on no host value of the step, so it can be captured in a CUDA graph.
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
@@ -112,8 +117,14 @@ def paged_decode(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, alibi_slopes,
-                        split_len)
+                        split_len, workspace)
     return out
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, max_seq_len: int, split_len: int) -> int:
+    """float32 elements :func:`paged_decode` needs for its split partials (0 when one split covers every context)."""
+    splits = max(1, -(-max_seq_len // split_len))
+    return 0 if splits == 1 else batch * num_heads * splits * (head_dim + 2)
 
 
 def decode_split_len(query: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> int:

@@ -56,10 +56,18 @@ class AttentionBackend(ABC):
 
     name: str = ""
     priority: int = 100
+    #: Whether :meth:`write_kv` may be captured in a CUDA graph (no host sync, no data-dependent shapes).
+    capture_safe_write: bool = False
 
     @abstractmethod
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         """None if this backend can serve ``call``, else a short reason (shown when no allowed backend can serve)."""
+
+    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
+        """None if :meth:`forward` for ``call`` may be captured in a CUDA graph and replayed for later steps of the
+        same shape (every step-dependent value read from device memory or fixed by the step's shapes), else why
+        not. Only decode steps are captured."""
+        return f"the {self.name} backend's {call.phase.value} attention is not capture-safe"
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         """None if this backend has its own KV write for such a cache, else why not (the torch one serves)."""

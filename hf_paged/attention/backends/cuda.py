@@ -9,6 +9,8 @@ torch backend serves.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from hf_paged import kernels
@@ -32,12 +34,54 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
     return None
 
 
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every layer's decode launch of one step shares: the split length and the partials' workspace."""
+
+    split_len: int
+    workspace: torch.Tensor | None
+
+
+# Split partials, one growing float32 buffer per (device, stream): launches on one stream run one after another,
+# so the layers of a step and the steps themselves reuse it. A plan keeps a view of the buffer it was given, so a
+# CUDA graph captured with it keeps its memory even after the buffer grows.
+_workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _workspaces[key] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                                             dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata) -> DecodePlan:
+    """The step's decode plan for layers shaped like ``query`` [B, H, D] over ``k_cache``, made by the first such
+    layer and reused by the others (one split decision and one workspace per step, not per layer)."""
+    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2])
+    plan = meta.plans.get(key)
+    if plan is None:
+        split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k)
+        numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
+                                               split)
+        plan = meta.plans[key] = DecodePlan(split, _workspace(query.device, numel) if numel else None)
+    return plan
+
+
 @register_backend
 class CudaBackend(AttentionBackend):
     """Decode, prefill / extend and KV write through hf_paged's CUDA kernels."""
 
     name = "cuda"
     priority = 10
+    capture_safe_write = True  # the write kernel skips -1 slots on the device
+
+    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
+        if call.phase is not Phase.DECODE:
+            return f"only decode steps are captured, not {call.phase.value}"
+        return None  # split length and workspace are fixed by the step's plan, lengths read on the device
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
@@ -92,7 +136,9 @@ class CudaBackend(AttentionBackend):
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                                  params.scale, max_seqlen_q=meta.max_seqlen_q, alibi_slopes=alibi)
-        # Decode: query is [B, H, D] (one token per sequence), and meta.max_seqlen_k is a host int, so no sync.
+        # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
+        # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
+        plan = plan_decode(query, k_cache, meta)
         return kernels.paged_decode(
             query,
             k_cache,
@@ -102,4 +148,6 @@ class CudaBackend(AttentionBackend):
             params.scale,
             max_seq_len=meta.max_seqlen_k,
             alibi_slopes=alibi,
+            split_len=plan.split_len,
+            workspace=plan.workspace,
         )

@@ -98,6 +98,13 @@ class FlashBackend(AttentionBackend):
             )
         return None
 
+    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
+        if call.phase is not Phase.DECODE:
+            return f"only decode steps are captured, not {call.phase.value}"
+        # flash_attn_with_kvcache sizes its splits from the tensors' shapes (the block table's width), reads
+        # lengths and tables on the device and allocates through torch's allocator (a graph's pool when capturing).
+        return None
+
     def forward(
         self,
         query: torch.Tensor,

@@ -1,0 +1,207 @@
+"""``DecodeGraphs``: whole decode steps (every layer, KV write and attention included) as CUDA graphs.
+
+One graph per padded batch size (``graph_batch_sizes``). A decode step of ``n`` sequences replays the graph of the
+smallest size ``b >= n``; rows ``n..b`` are padding (token 0, slot -1 so nothing is written, context length 1).
+
+Every input a step changes lives in one device buffer of int32, laid out per size ``b`` as::
+
+    [ input ids (b) | positions (b) | slots (b) | context lengths (b) | block tables (b x width) ]
+
+The host fills the same layout in pinned memory and sends it with one copy; the graph itself widens ids,
+positions and slots to int64 and builds the cumulative lengths, so one launch and one copy serve a step. Attention
+metadata that is fixed per size (``max_seqlen_k`` = the table's capacity, which fixes the decode kernel's split
+length and workspace in the backend's step plan) is decided at capture.
+
+The graphs run the same code as :meth:`DecodeGraphs.run_eager` (the same step, padded, without a graph), which is
+what tests compare them with, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from array import array
+from collections.abc import Sequence as SequenceType
+
+import torch
+
+from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.sequence import Sequence
+from hf_paged.hf.compat import cache_keyword
+
+logger = logging.getLogger("hf_paged")
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 16 up to ``max_num_seqs`` (which is always included)."""
+    sizes = [s for s in (1, 2, 4, 8) if s < max_num_seqs] + list(range(16, max_num_seqs, 16))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+class DecodeGraphs:
+    """Captured decode forwards of ``model`` over ``cache``, one per batch size in ``sizes``.
+
+    Args:
+        tables: the engine's block-table buffer; its width at construction is the captured table width.
+        sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
+                 sizes: SequenceType[int]):
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
+        self.model, self.cache, self.tables = model, cache, tables
+        self.sizes = sorted(set(sizes))
+        self.width = tables.table.shape[1]
+        self.device = cache.pool.kv_caches[0][0].device
+        self._cache_kwarg = cache_keyword(model)
+        b_max, w = self.sizes[-1], self.width
+        dev = dict(device=self.device)
+        self._stage = torch.zeros(b_max * (4 + w), dtype=torch.int32, **dev)
+        self._ids = torch.zeros(1, b_max, dtype=torch.int64, **dev)
+        self._pos = torch.zeros(1, b_max, dtype=torch.int64, **dev)
+        self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
+        self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
+        self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
+        # Two pinned host copies of the layout, used in turn, each reused only after its copy has run.
+        self._host = [torch.zeros(b_max * (4 + w), dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._host_done = [torch.cuda.Event(), torch.cuda.Event()]
+        self._turn = 0
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+        self.memory_bytes = 0
+        self.replays = 0
+
+    # ----- which steps a graph serves --------------------------------------------------------------------------
+    def size_for(self, seqs: list[Sequence], num_tokens: list[int]) -> int | None:
+        """The captured size that serves this step, or None when it must run eager: not every sequence brings
+        one token, none has a cached prefix (a prefill), it has more sequences than the largest graph, or a
+        context outgrew the captured table width."""
+        n = len(seqs)
+        if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
+            return None
+        longest, any_prefix = 0, False
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            longest = c if c > longest else longest
+            any_prefix = any_prefix or c > 0
+        if not any_prefix or longest >= self.width * self.cache.block_size:
+            return None
+        return next(s for s in self.sizes if s >= n)
+
+    # ----- capture and replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> str | None:
+        """Capture every size (largest first, sharing one memory pool); None on success, else why graphs are
+        off (logged). An eager warm-up of each size runs first, so lazy initialisation stays out of the graphs."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        self._pool = torch.cuda.graph_pool_handle()
+        for b in reversed(self.sizes):
+            self._stage_padding(b)
+            with torch.cuda.stream(stream):
+                self._forward(b)
+            reason = self.cache.dispatcher.graph_unsupported_reason()
+            if reason is not None:
+                self._graphs.clear()
+                return reason
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                logits = self._forward(b)
+            self._graphs[b] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB",
+                    len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+        return None
+
+    @torch.inference_mode()
+    def replay(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        """Run the step of ``seqs`` (one new token each) in the graph of ``size``; returns ``[size, vocab]`` logits
+        whose first ``len(seqs)`` rows are the sequences' (valid until the next replay)."""
+        self._send(seqs, size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        return logits
+
+    @torch.inference_mode()
+    def run_eager(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        """The same padded step as :meth:`replay`, run without a graph (the oracle of the graph tests)."""
+        self._send(seqs, size)
+        return self._forward(size)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """Everything the graph of size ``b`` records: widen the staged inputs, then the model forward."""
+        w, stage = self.width, self._stage
+        self._ids[0, :b].copy_(stage[:b])
+        self._pos[0, :b].copy_(stage[b : 2 * b])
+        self._slots[:b].copy_(stage[2 * b : 3 * b])
+        seq_lens = stage[3 * b : 4 * b]
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self._cu_k[1 : b + 1])
+        meta = PagedMetadata(
+            num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * self.cache.block_size,
+            block_size=self.cache.block_size, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
+            cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
+            block_tables=stage[4 * b : 4 * b + b * w].view(b, w), slot_mapping=self._slots[:b], token_index=None,
+            grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
+            dispatcher=self.cache.dispatcher,
+        )
+        self.cache.begin_step(meta)
+        out = self.model(input_ids=self._ids[:, :b], position_ids=self._pos[:, :b], use_cache=True,
+                         logits_to_keep=0, **{self._cache_kwarg: self.cache})
+        return out.logits[0]
+
+    def _send(self, seqs: list[Sequence], b: int) -> None:
+        """Lay the step out in pinned memory (padding rows included) and copy it to the device in one go."""
+        n, w, bs = len(seqs), self.width, self.cache.block_size
+        host = self._host[self._turn]
+        self._host_done[self._turn].synchronize()  # its previous copy has left
+        per_seq = array("i")
+        for seq in seqs:
+            c = seq.num_computed_tokens
+            per_seq.extend((seq.token_ids[c], c, seq.row))
+        ids, pos, rows = torch.frombuffer(per_seq, dtype=torch.int32).view(n, 3).unbind(1)
+        rows = rows.long()
+        table = self.tables.table
+        host[:n] = ids
+        host[b : b + n] = pos
+        host[2 * b : 2 * b + n] = table[rows, (pos // bs).long()] * bs + pos % bs
+        host[3 * b : 3 * b + n] = pos + 1
+        torch.index_select(table[:, :w], 0, rows, out=host[4 * b : 4 * b + n * w].view(n, w))
+        if n < b:
+            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1)):
+                host[start + n : start + b] = value
+            host[4 * b + n * w : 4 * b + b * w] = 0
+        length = b * (4 + w)
+        self._stage[:length].copy_(host[:length], non_blocking=True)
+        self._host_done[self._turn].record()
+        self._turn ^= 1
+
+    def _stage_padding(self, b: int) -> None:
+        """A step of ``b`` padding rows (nothing written, nothing real read): what warm-up and capture run on."""
+        w, stage = self.width, self._stage
+        stage[: 2 * b].zero_()
+        stage[2 * b : 3 * b].fill_(-1)
+        stage[3 * b : 4 * b].fill_(1)
+        stage[4 * b : 4 * b + b * w].zero_()
+
+    def stats(self) -> dict:
+        return {
+            "batch_sizes": list(self._graphs and self.sizes),
+            "capture_seconds": round(self.capture_seconds, 3),
+            "memory_bytes": self.memory_bytes,
+            "replays": self.replays,
+        }
+
+
+def _ranges(sizes: list[int]) -> str:
+    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{', '.join(map(str, sizes[:5]))}, ..., {sizes[-1]}"
