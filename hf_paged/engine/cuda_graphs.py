@@ -5,10 +5,11 @@ smallest size ``b >= n``; rows ``n..b`` are padding (token 0, slot -1 so nothing
 
 Every input a step changes lives in one device buffer of int32, laid out per size ``b`` as::
 
-    [ input ids (b) | positions (b) | slots (b) | context lengths (b) | block tables (b x width) ]
+    [ input ids (b) | positions (b) | slots (b) | context lengths (b) | id sources (b) | block tables (b x width) ]
 
 The host fills the same layout in pinned memory and sends it with one copy; the graph itself widens ids,
-positions and slots to int64 and builds the cumulative lengths, so one launch and one copy serve a step. Attention
+positions and slots to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous
+step's sampled tokens and builds the cumulative lengths, so one launch and one copy serve a step. Attention
 metadata that is fixed per size (``max_seqlen_k`` = the table's capacity, which fixes the decode kernel's split
 length and workspace in the backend's step plan) is decided at capture.
 
@@ -45,28 +46,29 @@ class DecodeGraphs:
 
     Args:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
+        last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
-                 sizes: SequenceType[int]):
+                 sizes: SequenceType[int], last_tokens: torch.Tensor):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
-        self.model, self.cache, self.tables = model, cache, tables
+        self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
         self.sizes = sorted(set(sizes))
         self.width = tables.table.shape[1]
         self.device = cache.pool.kv_caches[0][0].device
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._stage = torch.zeros(b_max * (4 + w), dtype=torch.int32, **dev)
+        self._stage = torch.zeros(b_max * (5 + w), dtype=torch.int32, **dev)
         self._ids = torch.zeros(1, b_max, dtype=torch.int64, **dev)
         self._pos = torch.zeros(1, b_max, dtype=torch.int64, **dev)
         self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
         # Two pinned host copies of the layout, used in turn, each reused only after its copy has run.
-        self._host = [torch.zeros(b_max * (4 + w), dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._host = [torch.zeros(b_max * (5 + w), dtype=torch.int32).pin_memory() for _ in range(2)]
         self._host_done = [torch.cuda.Event(), torch.cuda.Event()]
         self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -142,7 +144,9 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         """Everything the graph of size ``b`` records: widen the staged inputs, then the model forward."""
         w, stage = self.width, self._stage
-        self._ids[0, :b].copy_(stage[:b])
+        src = stage[4 * b : 5 * b]
+        self._ids[0, :b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)),
+                                           stage[:b].long()))
         self._pos[0, :b].copy_(stage[b : 2 * b])
         self._slots[:b].copy_(stage[2 * b : 3 * b])
         seq_lens = stage[3 * b : 4 * b]
@@ -151,7 +155,7 @@ class DecodeGraphs:
             num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * self.cache.block_size,
             block_size=self.cache.block_size, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
             cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
-            block_tables=stage[4 * b : 4 * b + b * w].view(b, w), slot_mapping=self._slots[:b], token_index=None,
+            block_tables=stage[5 * b : 5 * b + b * w].view(b, w), slot_mapping=self._slots[:b], token_index=None,
             grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
             dispatcher=self.cache.dispatcher,
         )
@@ -168,20 +172,21 @@ class DecodeGraphs:
         per_seq = array("i")
         for seq in seqs:
             c = seq.num_computed_tokens
-            per_seq.extend((seq.token_ids[c], c, seq.row))
-        ids, pos, rows = torch.frombuffer(per_seq, dtype=torch.int32).view(n, 3).unbind(1)
+            per_seq.extend((seq.token_ids[c], c, seq.row, seq.pending_row))  # one token each: the last one
+        ids, pos, rows, src = torch.frombuffer(per_seq, dtype=torch.int32).view(n, 4).unbind(1)
         rows = rows.long()
         table = self.tables.table
         host[:n] = ids
         host[b : b + n] = pos
         host[2 * b : 2 * b + n] = table[rows, (pos // bs).long()] * bs + pos % bs
         host[3 * b : 3 * b + n] = pos + 1
-        torch.index_select(table[:, :w], 0, rows, out=host[4 * b : 4 * b + n * w].view(n, w))
+        host[4 * b : 4 * b + n] = src
+        torch.index_select(table[:, :w], 0, rows, out=host[5 * b : 5 * b + n * w].view(n, w))
         if n < b:
-            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1)):
+            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1), (4 * b, -1)):
                 host[start + n : start + b] = value
-            host[4 * b + n * w : 4 * b + b * w] = 0
-        length = b * (4 + w)
+            host[5 * b + n * w : 5 * b + b * w] = 0
+        length = b * (5 + w)
         self._stage[:length].copy_(host[:length], non_blocking=True)
         self._host_done[self._turn].record()
         self._turn ^= 1
@@ -192,7 +197,8 @@ class DecodeGraphs:
         stage[: 2 * b].zero_()
         stage[2 * b : 3 * b].fill_(-1)
         stage[3 * b : 4 * b].fill_(1)
-        stage[4 * b : 4 * b + b * w].zero_()
+        stage[4 * b : 5 * b].fill_(-1)
+        stage[5 * b : 5 * b + b * w].zero_()
 
     def stats(self) -> dict:
         return {

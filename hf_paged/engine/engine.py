@@ -22,8 +22,9 @@ from hf_paged.engine.request_output import RequestOutput, TokenDelta
 from hf_paged.engine.runner import ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.inflight import InFlightStep, TokenReceiver
+from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.engine.stats import EngineStats
 from hf_paged.hf.register import ATTN_IMPLEMENTATION
@@ -50,6 +51,9 @@ class Engine:
         cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
             ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
+        async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
+            while the device computes (one step of lag: a sequence that stops computes one token more, which is
+            dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
     """
 
     def __init__(
@@ -65,6 +69,7 @@ class Engine:
         backend: str | SequenceType[str] | None = None,
         memory_budget: float = 0.8,
         cuda_graphs: bool | SequenceType[int] = True,
+        async_scheduling: bool | None = None,
     ):
         for name, value in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
             if not isinstance(value, int) or value < 1:
@@ -90,13 +95,16 @@ class Engine:
         self.counters = EngineStats()
         self._live: dict[str, Sequence] = {}
         self._next_id = 0
+        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
+        self._receiver = TokenReceiver(max_num_seqs, self.device)
+        self._inflight: InFlightStep | None = None
         self.graphs = self._capture_graphs(cuda_graphs, tables, max_num_seqs)
 
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
         if cuda_graphs is False or self.device.type != "cuda":
             return None
         sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else [s for s in cuda_graphs if s <= max_num_seqs]
-        graphs = DecodeGraphs(self.model, self.cache, tables, sizes)
+        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens)
         reason = graphs.capture()
         if reason is not None:
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
@@ -149,7 +157,7 @@ class Engine:
         self.scheduler.failed.extend(self.scheduler.abort(request_id))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or self._inflight is not None
 
     # ----- running ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -199,33 +207,76 @@ class Engine:
 
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
+        the host's bookkeeping runs while the device computes) or of this one (synchronous)."""
         clock = self.counters.clock()
         batch = self.scheduler.schedule()
-        finished, sampled = list(self.scheduler.failed), []
+        finished = list(self.scheduler.failed)
         self.scheduler.failed.clear()
         clock("schedule")
+        resolved: list[Sequence] = []
+        launched = None
+        if not batch.is_empty:
+            if self._inflight is not None and any(s.pending_row >= 0 and s.params.repetition_penalty != 1.0
+                                                  for s in batch.seqs):
+                resolved += self._resolve(finished)  # the penalty reads the tokens themselves
+                batch = _without_finished(batch)
         if not batch.is_empty:
             self.counters.note_step(self)
-            logits = self._forward(batch)
+            launched = self._launch(batch)
             clock("forward")
-            sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
-            if sampled:
-                tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
-                token_list = tokens.tolist()  # the step's one device -> host copy
-                lp_list = logprobs.tolist() if logprobs is not None else [None] * len(sampled)
-            clock("sample")
-            self.scheduler.commit(batch)
-            for seq, token, lp in zip(sampled, token_list, lp_list) if sampled else ():
-                if self._append(seq, token, lp):
-                    finished.append(seq)
+        resolved += self._resolve(finished)
+        clock("sample")
+        if not batch.is_empty:
+            self._commit(batch, launched)
+        if not self.async_scheduling:
+            resolved += self._resolve(finished)
         for seq in finished:
             self._live.pop(seq.request_id, None)
-        deltas = self._deltas(sampled, finished) if want_deltas else []
+        deltas = self._deltas(resolved, finished) if want_deltas else []
         outputs = [self._output(s) for s in finished]
         clock("update")
         return outputs, deltas
 
-    def _forward(self, batch) -> torch.Tensor:
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Forward and sample on the device; the sampled tokens start their copy to the host."""
+        logits = self._forward(batch)
+        sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+        if not sampled:
+            return None
+        tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
+        self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
+        return self._receiver.send(sampled, tokens, logprobs)
+
+    def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
+        """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
+        sequences that finished meanwhile (their step before was their last) are left out."""
+        self.scheduler.commit(_without_finished(batch))
+        if launched is not None:
+            for row, seq in enumerate(launched.seqs):
+                if not seq.is_finished:
+                    seq.token_ids.append(PLACEHOLDER)
+                    seq.pending_row = row
+            self._inflight = launched
+
+    def _resolve(self, finished: list[Sequence]) -> list[Sequence]:
+        """Write the in-flight step's tokens into its sequences and apply stop conditions (waiting for the copy
+        if it has not landed); sequences that finish go to ``finished``. Returns the sequences that got a token."""
+        step, self._inflight = self._inflight, None
+        if step is None:
+            return []
+        tokens, logprobs = step.wait()
+        got = []
+        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+            if seq.pending_row < 0 or seq.is_finished:  # aborted (or failed) while its token was in flight
+                continue
+            seq.token_ids[-1], seq.pending_row = token, -1
+            if self._take_token(seq, logprob):
+                finished.append(seq)
+            got.append(seq)
+        return got
+
+    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
         """The logits of the step's sampled rows: a captured graph for a decode step it fits, else eager."""
         size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
         if size is None:
@@ -238,13 +289,12 @@ class Engine:
         rows = [i for i, smp in enumerate(batch.sample) if smp]
         return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
-    def _append(self, seq: Sequence, token: int, logprob: float | None) -> bool:
-        first = len(seq.token_ids) == seq.num_prompt_tokens
-        seq.token_ids.append(token)
+    def _take_token(self, seq: Sequence, logprob: float | None) -> bool:
+        """Bookkeeping of a sequence's newest token (already in ``token_ids``); True if the sequence finished."""
         if logprob is not None and seq.params.logprobs:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
-        if first and seq.pending_children:
+        if seq.num_generated == 1 and seq.pending_children:
             self._fork(seq)
         reason = self.stop_checker.finish_reason(seq)
         if reason is not None:
@@ -261,7 +311,8 @@ class Engine:
                              (parent.seed * 1_000_003 + i + 1) % 2**62)
             self._live[child.request_id] = child
             sched = self.scheduler
-            if len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows:
+            room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows
+            if room and parent.status is SequenceStatus.RUNNING:  # (preempted meanwhile: nothing to share)
                 self.block_manager.fork(parent, child, len(prompt) - 1)
                 sched.insert_running(child)
             else:
@@ -279,8 +330,8 @@ class Engine:
             if id(seq) in seen:
                 continue
             seen.add(id(seq))
-            new = seq.token_ids[seq.num_prompt_tokens + seq.num_streamed :]
-            seq.num_streamed = seq.num_generated
+            new = seq.output_token_ids[seq.num_streamed :]
+            seq.num_streamed += len(new)
             text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
             deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason, text))
         return deltas
@@ -296,6 +347,14 @@ class Engine:
         if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
             raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
         return ids
+
+
+def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
+    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+    if len(keep) == len(batch.seqs):
+        return batch
+    return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep],
+                          [batch.sample[i] for i in keep])
 
 
 def _copy_index(out: RequestOutput) -> int:

@@ -33,6 +33,8 @@ class StepPlan:
         q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step.
         block_tables: ``[B, max_blocks]`` int32, padded with 0.
         logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
+        token_sources: ``[T]`` for steps with in-flight tokens (``PLACEHOLDER`` ids): the row of the previous
+            step's sampled tokens that holds the token, -1 for ids known on the host; None when there are none.
     """
 
     input_ids: torch.Tensor
@@ -42,6 +44,7 @@ class StepPlan:
     seq_lens_k: torch.Tensor
     block_tables: torch.Tensor
     logits_indices: torch.Tensor
+    token_sources: torch.Tensor | None = None
 
     @property
     def num_tokens(self) -> int:
@@ -66,9 +69,10 @@ def plan_step(
     per_seq, ids = array("q"), array("q")
     for seq, n, smp in zip(seqs, num_tokens, sample):
         c = seq.num_computed_tokens
-        per_seq.extend((c, n, seq.row, smp))
+        # An in-flight token is always a sequence's last one, so a chunk reaching the end brings it.
+        per_seq.extend((c, n, seq.row, smp, seq.pending_row if c + n == len(seq.token_ids) else -1))
         ids.extend(seq.token_ids[c : c + n])
-    start, q, rows, sampled = torch.frombuffer(per_seq, dtype=torch.int64).view(len(seqs), 4).unbind(1)
+    start, q, rows, sampled, pending = torch.frombuffer(per_seq, dtype=torch.int64).view(len(seqs), 5).unbind(1)
     seq_lens = start + q
     cu = torch.cumsum(q, 0)
     if len(ids) == len(seqs):  # decode-only: one token per sequence, at its context's end
@@ -79,8 +83,13 @@ def plan_step(
         token_rows = rows[owner]
     slots = tables.table[token_rows, pos // block_size].long() * block_size + pos % block_size
     block_tables = tables.gather(rows, -(-int(seq_lens.max()) // block_size))
+    sources = None
+    has_pending = pending >= 0
+    if bool(has_pending.any()):
+        sources = torch.full((len(ids),), -1, dtype=torch.int64)
+        sources[(cu - 1)[has_pending]] = pending[has_pending]
     plan = StepPlan(torch.frombuffer(ids, dtype=torch.int64), pos, slots, q, seq_lens, block_tables,
-                    (cu - 1)[sampled.bool()])
+                    (cu - 1)[sampled.bool()], sources)
     if pad_decode_to is not None and pad_decode_to > len(seqs) and len(ids) == len(seqs):
         plan = _pad_decode(plan, pad_decode_to - len(seqs))
     return plan
@@ -96,6 +105,8 @@ def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
         seq_lens_k=torch.cat([plan.seq_lens_k, ones]),
         block_tables=torch.cat([plan.block_tables, plan.block_tables.new_zeros(extra, plan.block_tables.shape[1])]),
         logits_indices=plan.logits_indices,
+        token_sources=None if plan.token_sources is None else torch.cat(
+            [plan.token_sources, torch.full((extra,), -1, dtype=torch.int64)]),
     )
 
 
@@ -108,6 +119,8 @@ class ModelRunner:
         self.cache = cache
         self.device = device
         self._cache_kwarg = cache_keyword(model)
+        # The tokens the last step sampled, at a fixed address: where a step's in-flight ids are read from.
+        self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
         self._input_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
         self._position_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
         # On a GPU the attention metadata lives at fixed addresses too, so a (padded) decode step can be
@@ -135,6 +148,10 @@ class ModelRunner:
         pin = self.device.type == "cuda"
         self._input_ids[0, :t].copy_(plan.input_ids.pin_memory() if pin else plan.input_ids, non_blocking=pin)
         self._position_ids[0, :t].copy_(plan.position_ids.pin_memory() if pin else plan.position_ids, non_blocking=pin)
+        if plan.token_sources is not None:  # in-flight ids: read the previous step's tokens on the device
+            src = plan.token_sources.to(self.device, non_blocking=pin)
+            ids = self._input_ids[0, :t]
+            ids.copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids))
         keep = plan.logits_indices.to(self.device, non_blocking=pin)
         self.cache.begin_step(self.metadata(plan))
         out = self.model(

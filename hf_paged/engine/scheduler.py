@@ -76,6 +76,9 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
+            if seq.num_generated >= seq.params.max_new_tokens:  # its last token is in flight: it is done
+                i += 1
+                continue
             n = reserve_up_to(seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
             if n == 0:
                 self._make_room(seq)
@@ -148,8 +151,9 @@ class Scheduler:
         self.block_manager.commit(batch.seqs, batch.num_tokens)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """End a running sequence: its blocks go back (full ones stay findable in the prefix cache)."""
-        self.running.remove(seq)
+        """End a live sequence: its blocks go back (full ones stay findable in the prefix cache). Under
+        asynchronous scheduling a sequence may learn that it is done while preempted (waiting)."""
+        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.block_manager.free(seq)
         seq.finish(reason)
 

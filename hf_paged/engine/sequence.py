@@ -12,6 +12,11 @@ import enum
 from hf_paged.engine.sampling_params import SamplingParams
 
 
+#: Stands in ``token_ids`` for a token sampled by a step still running on the device (asynchronous scheduling);
+#: the next step reads its value on the device, the host writes it in when the step's tokens arrive.
+PLACEHOLDER = -1
+
+
 class SequenceStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
@@ -24,7 +29,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "params", "arrival", "seed", "pending_children", "status",
         "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
-        "logprobs", "finish_reason", "error",
+        "logprobs", "finish_reason", "error", "pending_row",
     )
 
     def __init__(
@@ -48,11 +53,13 @@ class Sequence:
         self.row = -1  # row of the block-table buffer while the sequence holds blocks
         self.num_computed_tokens = 0
         self.num_hashed_blocks = 0  # leading full blocks registered with the prefix cache
-        self.last_block_hash: int | None = None  # prefix-cache key of block num_hashed_blocks - 1
+        self.last_block_hash: bytes | None = None  # prefix-cache key (SHA-256) of block num_hashed_blocks - 1
         self.num_streamed = 0  # generated tokens already handed to a stream reader
         self.logprobs: list[float] = []
         self.finish_reason: str | None = None
         self.error: str | None = None
+        # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
+        self.pending_row = -1
 
     @property
     def num_tokens(self) -> int:
@@ -68,7 +75,8 @@ class Sequence:
 
     @property
     def output_token_ids(self) -> list[int]:
-        return self.token_ids[self.num_prompt_tokens :]
+        """Generated tokens known on the host (an in-flight placeholder is left out)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - (self.pending_row >= 0)]
 
     @property
     def is_finished(self) -> bool:

@@ -3,7 +3,7 @@
 - Bit for bit: a padded decode step replayed from its graph gives exactly the logits of the same padded step run
   without a graph, for batch sizes on and between the captured sizes.
 - End to end (float32, so that two correct runs cannot pick different tokens by rounding): an engine with graphs
-  gives the tokens of an engine without them, under preemption, prefix-cache hits, aborts, seeded sampling and
+  and asynchronous scheduling gives the tokens of a synchronous engine without graphs, under preemption, prefix-cache hits, aborts, seeded sampling and
   prefill chunks mixed with decodes; and the graphs really served the decode steps.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
@@ -94,8 +94,8 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, nu
         configs[i] = GenerationConfig(max_new_tokens=25, do_sample=True, temperature=0.9, top_p=0.9, seed=100 + i,
                                       eos_token_id=None)
     kwargs = dict(num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_num_seqs=24)
-    ref, ref_engine = _run(f32_model, False, prompts, configs, abort_at={5: 12}, **kwargs)
-    got, engine = _run(f32_model, True, prompts, configs, abort_at={5: 12}, **kwargs)
+    ref, ref_engine = _run(f32_model, False, prompts, configs, abort_at={5: 12}, async_scheduling=False, **kwargs)
+    got, engine = _run(f32_model, True, prompts, configs, abort_at={5: 12}, async_scheduling=True, **kwargs)
     assert engine.graphs is not None and ref_engine.graphs is None
     for a, b in zip(ref, got):
         assert (a.request_id, a.finish_reason, a.token_ids) == (b.request_id, b.finish_reason, b.token_ids)
