@@ -1,20 +1,36 @@
 """``BlockManager``: per-sequence block tables over the pool's allocator, with a prefix cache.
 
-Prefix cache: once a block is full its content is fixed, so it is keyed by a hash of its tokens chained with the
-key of the block before it (the key names the whole prefix). A new sequence walks its full blocks and reuses every
-leading block whose key is known, prefilling only the rest. A block keeps its key after it is freed: it sits on the
-allocator's free list (so it counts as free) and can still be found; a hit on such a block takes it back with
-``allocator.take``. The allocator hands out the block freed longest ago, so unreferenced cached blocks are evicted
-least recently used first; the stale key is dropped then.
+Prefix cache: once a block is full its content is fixed, so it is keyed by ``block_key``, SHA-256 of the key of the
+block before it and the block's token ids: the key names the whole prefix. The digest must resist collisions, since
+a prompt built to collide with another's key would be served that prompt's KV (``hash()`` is easy to collide on
+purpose for int tuples, and differs between processes for strings and ``None``). A hit also compares the block's
+own tokens and its parent's key with the stored ones: two cheap ``bytes`` comparisons that catch a colliding block,
+though not a colliding earlier prefix.
+
+A new sequence walks its full blocks and reuses every leading block whose key is known, prefilling only the rest. A
+block keeps its key after it is freed: it sits on the allocator's free list (so it counts as free) and can still be
+found; a hit on such a block takes it back with ``allocator.take``. The allocator hands out the block freed longest
+ago, so unreferenced cached blocks are evicted least recently used first; the stale key is dropped then.
 """
 
 from __future__ import annotations
 
+import hashlib
+import struct
 from collections.abc import Callable
 
 from hf_paged.cache.block_allocator import BlockAllocator
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
+
+
+def block_key(parent: bytes | None, token_bytes: bytes) -> bytes:
+    """Prefix-cache key of a full block: SHA-256 of its parent's key (None for a first block) and its token ids.
+
+    ``token_bytes``: the block's ``block_size`` token ids as little-endian int64. Every key is 32 bytes, so a first
+    block's message (tokens only) never has the length of a later block's (key + tokens).
+    """
+    return hashlib.sha256(token_bytes if parent is None else parent + token_bytes).digest()
 
 
 class BlockManager:
@@ -33,8 +49,9 @@ class BlockManager:
         self.tables = tables
         self.copy_blocks = copy_blocks
         self.enable_prefix_caching = enable_prefix_caching
-        self._hash_to_block: dict[int, int] = {}
-        self._block_key: dict[int, tuple[int, int | None, tuple[int, ...]]] = {}  # block -> (hash, parent, tokens)
+        self._pack = struct.Struct(f"<{block_size}q").pack
+        self._key_to_block: dict[bytes, int] = {}
+        self._block_key: dict[int, tuple[bytes, bytes | None, bytes]] = {}  # block -> (key, parent key, token bytes)
         self.prefix_hit_tokens = 0
 
     @property
@@ -43,48 +60,50 @@ class BlockManager:
 
     @property
     def num_cached_blocks(self) -> int:
-        return len(self._hash_to_block)
+        return len(self._key_to_block)
 
     # ----- prefix cache ----------------------------------------------------------------------------------------
     def find_prefix(self, seq: Sequence) -> list[int]:
         """Cached blocks matching the leading full blocks of ``seq`` (at least one token is left to compute)."""
         if not self.enable_prefix_caching:
             return []
-        bs, hits, parent = self.block_size, [], None
-        for i in range((seq.num_tokens - 1) // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((parent, tokens))
-            block = self._hash_to_block.get(h)
+        hits, parent = [], None
+        for i in range((seq.num_tokens - 1) // self.block_size):
+            tokens = self._token_bytes(seq.token_ids, i)
+            key = block_key(parent, tokens)
+            block = self._key_to_block.get(key)
             if block is None or self._block_key[block][1:] != (parent, tokens):
                 break
             hits.append(block)
-            parent = h
+            parent = key
         return hits
 
-    def _chain_hash(self, token_ids: list[int], num_blocks: int) -> int | None:
+    def _token_bytes(self, token_ids: list[int], i: int) -> bytes:
+        """The token ids of block ``i`` as ``block_key`` hashes them."""
+        return self._pack(*token_ids[i * self.block_size : (i + 1) * self.block_size])
+
+    def _chain_key(self, token_ids: list[int], num_blocks: int) -> bytes | None:
         """The prefix-cache key of block ``num_blocks - 1`` of ``token_ids`` (None for no block)."""
-        h, bs = None, self.block_size
+        key = None
         for i in range(num_blocks):
-            h = hash((h, tuple(token_ids[i * bs : (i + 1) * bs])))
-        return h
+            key = block_key(key, self._token_bytes(token_ids, i))
+        return key
 
     def _register_full_blocks(self, seq: Sequence) -> None:
-        bs = self.block_size
-        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // bs):
-            tokens = tuple(seq.token_ids[i * bs : (i + 1) * bs])
-            h = hash((seq.last_block_hash, tokens))
-            block = seq.block_table[i]
-            if h not in self._hash_to_block and block not in self._block_key:
-                self._hash_to_block[h] = block
-                self._block_key[block] = (h, seq.last_block_hash, tokens)
-            seq.last_block_hash, seq.num_hashed_blocks = h, i + 1
+        for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
+            parent, tokens = seq.last_block_hash, self._token_bytes(seq.token_ids, i)
+            key, block = block_key(parent, tokens), seq.block_table[i]
+            if key not in self._key_to_block and block not in self._block_key:
+                self._key_to_block[key] = block
+                self._block_key[block] = (key, parent, tokens)
+            seq.last_block_hash, seq.num_hashed_blocks = key, i + 1
 
     def _allocate(self, n: int) -> list[int]:
         blocks = self.allocator.allocate(n)
         for b in blocks:  # these blocks get new content: their old prefix-cache keys are stale
             key = self._block_key.pop(b, None)
-            if key is not None and self._hash_to_block.get(key[0]) == b:
-                del self._hash_to_block[key[0]]
+            if key is not None and self._key_to_block.get(key[0]) == b:
+                del self._key_to_block[key[0]]
         return blocks
 
     # ----- sizing ----------------------------------------------------------------------------------------------
@@ -177,7 +196,8 @@ class BlockManager:
         self.allocator.share(child.block_table)
         child.num_computed_tokens = num_computed
         child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed // self.block_size)
-        child.last_block_hash = self._chain_hash(child.token_ids, child.num_hashed_blocks)
+        child.last_block_hash = (parent.last_block_hash if child.num_hashed_blocks == parent.num_hashed_blocks
+                                 else self._chain_key(child.token_ids, child.num_hashed_blocks))
         child.row = self.tables.acquire()
         self.tables.write(child.row, 0, child.block_table)
 
@@ -200,5 +220,5 @@ class BlockManager:
                 counts[b] += 1
         for b, c in enumerate(counts):
             assert self.allocator.ref_count(b) == c, f"block {b}: ref {self.allocator.ref_count(b)}, held {c}"
-        for h, b in self._hash_to_block.items():
-            assert self._block_key[b][0] == h
+        for key, b in self._key_to_block.items():
+            assert self._block_key[b][0] == key

@@ -1,4 +1,9 @@
-"""A stand-in for the KV pool in scheduler tests: each slot remembers which token's KV was written to it."""
+"""A stand-in for the KV pool in scheduler tests: each slot remembers which tokens its KV was computed from.
+
+A real token's KV depends on every token up to it (attention mixes them from the second layer on), so a slot records
+the whole prefix ending at its token: a prefix-cache hit on a block whose own tokens match but whose earlier tokens
+differ reads back the wrong record.
+"""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ from hf_paged.engine.sequence import Sequence
 class FakeKV:
     def __init__(self, num_blocks: int, block_size: int):
         self.block_size = block_size
-        self.content: list[list[int | None]] = [[None] * block_size for _ in range(num_blocks)]
+        self.content: list[list[tuple[int, ...] | None]] = [[None] * block_size for _ in range(num_blocks)]
 
     def copy_blocks(self, src: list[int], dst: list[int]) -> None:
         for s, d in zip(src, dst):
@@ -21,13 +26,14 @@ class FakeKV:
         """What a forward does: the KV of tokens ``[computed, computed + n)`` lands in their slots."""
         bs = self.block_size
         for p in range(seq.num_computed_tokens, seq.num_computed_tokens + n):
-            self.content[seq.block_table[p // bs]][p % bs] = seq.token_ids[p]
+            self.content[seq.block_table[p // bs]][p % bs] = tuple(seq.token_ids[: p + 1])
 
     def check(self, seq: Sequence) -> None:
         """Every computed token of ``seq`` reads back its own KV through the block table (hits and copies too)."""
         bs = self.block_size
-        got = [self.content[seq.block_table[p // bs]][p % bs] for p in range(seq.num_computed_tokens)]
-        assert got == seq.token_ids[: seq.num_computed_tokens], seq
+        for p in range(seq.num_computed_tokens):
+            got = self.content[seq.block_table[p // bs]][p % bs]
+            assert got == tuple(seq.token_ids[: p + 1]), (seq, p, got)
 
 
 def make_block_manager(num_blocks: int, block_size: int, max_rows: int, prefix_caching: bool = True):
