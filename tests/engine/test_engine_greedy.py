@@ -47,6 +47,28 @@ def test_prefix_caching_with_shared_prefixes():
     assert_matches(outs, refs)
 
 
+def test_a_later_request_reuses_an_earlier_ones_blocks_and_gets_the_same_tokens():
+    first = random_prompts(1, 19, 19, seed=9)[0]  # 4 full blocks of 4, then 3 tokens
+    answer = hf_greedy("llama_gqa", [first], 6)[0]
+    prompts = [
+        first,
+        first,  # the last token is always computed: 4 blocks hit
+        first[:16] + [3, 4, 5],  # the same 4 full blocks, another tail
+        [4 if first[0] == 3 else 3] + first[1:],  # another first block: nothing hits, though later blocks match
+        first + answer + [7],  # the next turn: the first request computed 24 tokens, so 6 blocks hit
+    ]
+    refs = hf_greedy("llama_gqa", prompts, 6)
+    hits = {}
+    for caching in (True, False):
+        engine = hf_paged.Engine(models("llama_gqa")[1], num_blocks=64, block_size=4, enable_prefix_caching=caching)
+        outs, hits[caching] = [], []
+        for p in prompts:  # one at a time: each finds the earlier ones' blocks freed but cached
+            outs += engine.generate([p], greedy_config(6))
+            hits[caching].append(engine.stats()["prefix_cache_hit_tokens"])
+        assert_matches(outs, refs)
+    assert hits == {True: [0, 16, 32, 32, 56], False: [0] * 5}
+
+
 def test_chunked_prefill_under_a_small_token_budget():
     prompts = random_prompts(8, 12, 40, seed=5)
     refs = hf_greedy("llama_gqa", prompts, 8)
