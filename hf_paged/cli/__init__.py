@@ -1,29 +1,70 @@
-"""The ``hf-paged`` command line: ``hf-paged generate`` (the main job) and the kernels engineer's subcommands."""
+"""The ``hf-paged`` command line (also ``python -m hf_paged``): ``generate`` (the main job), ``build-kernels`` and
+``bench kernels``.
+
+Errors: a bad flag, file, checkpoint or request is reported in one line on stderr with exit status 2 (argparse's
+convention); anything else unexpected is one line and status 1, with the traceback under ``--verbose``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import logging
+import traceback
+
+import torch
+
+from hf_paged import __version__
+from hf_paged.cli import generate, kernels
+from hf_paged.cli.arguments import Parser, exit_with, flags_for_parameters
+
+EXIT_STATUS = ("exit status: 0 done; 1 some requests failed, or the run could not complete (one line on stderr; "
+               "--verbose adds the traceback); 2 bad input (a flag, file, checkpoint or prompt), named in one line "
+               "on stderr")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    from hf_paged.cli.generate import add_parser as add_generate
-
-    parser = argparse.ArgumentParser(prog="hf-paged", description="vLLM-style paged attention for transformers")
-    sub = parser.add_subparsers(dest="command", required=True)
-    add_generate(sub)
-    try:
-        kernels = importlib.import_module("hf_paged.cli.kernels")
-    except ImportError:
-        kernels = None
-    if kernels is not None and hasattr(kernels, "add_parsers"):
-        kernels.add_parsers(sub)
+def build_parser(prog: str = "hf-paged") -> Parser:
+    parser = Parser(prog=prog, description="vLLM-style paged attention for transformers", epilog=EXIT_STATUS)
+    parser.add_argument("--version", action="version", version=f"hf-paged {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub, epilog=EXIT_STATUS)
+    kernels.add_parsers(sub, epilog=EXIT_STATUS)
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO if getattr(args, "verbose", False) else logging.WARNING,
-                        format="%(message)s")
-    return int(args.func(args) or 0)
+def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
+    """Run one command; returns its exit status (see :data:`EXIT_STATUS`)."""
+    try:
+        args = build_parser(prog).parse_args(argv)
+    except SystemExit as exc:  # --help, --version, or a bad flag, already reported in one line
+        return exc.code if isinstance(exc.code, int) else 0 if exc.code is None else 2
+    verbose = getattr(args, "verbose", False)
+    logging.basicConfig(level=logging.INFO if verbose else logging.WARNING, format="%(message)s")
+    logger = logging.getLogger("hf_paged")
+    level = logger.level
+    logger.setLevel(logging.DEBUG if verbose else logging.NOTSET)
+    try:
+        return _run(args, verbose)
+    finally:
+        logger.setLevel(level)
+
+
+def _run(args: argparse.Namespace, verbose: bool) -> int:
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, NotImplementedError) as exc:  # what the library refuses to serve: bad input
+        if verbose:
+            traceback.print_exc()
+        return exit_with(args.prog, flags_for_parameters(str(exc), args) if isinstance(exc, ValueError) else exc)
+    except torch.cuda.OutOfMemoryError as exc:
+        if verbose:
+            traceback.print_exc()
+        return exit_with(args.prog, f"out of device memory ({str(exc).splitlines()[0]}); lower --num-blocks or "
+                                    "--max-batch-tokens, or run on a larger device", status=1)
+    except KeyboardInterrupt:
+        return exit_with(args.prog, "interrupted", status=130)
+    except Exception as exc:
+        if verbose:
+            raise
+        return exit_with(args.prog, f"unexpected {type(exc).__name__}: {exc} (run again with --verbose for the "
+                                    "traceback, and please report it)", status=1)
+

@@ -1,14 +1,11 @@
-"""``hf-paged build-kernels`` and ``hf-paged bench kernels`` (decode, KV write and prefill rows).
-
-The entry point in :mod:`hf_paged.cli` calls :func:`add_parsers`; ``python -m hf_paged.cli.kernels build|bench``
-runs the same commands on its own.
-"""
+"""``hf-paged build-kernels`` and ``hf-paged bench kernels`` (decode, KV write and prefill rows)."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 from pathlib import Path
+
+from hf_paged.cli.arguments import exit_with, output_path, positive_ints
 
 
 def build_kernels(args: argparse.Namespace) -> int:
@@ -16,10 +13,9 @@ def build_kernels(args: argparse.Namespace) -> int:
     from hf_paged import kernels
 
     try:
-        folder = kernels.prebuild(verbose=getattr(args, "verbose", False))
+        folder = kernels.prebuild(verbose=args.verbose)
     except kernels.KernelsUnavailable as exc:
-        print(f"hf_paged: cannot build the CUDA kernels here: {exc}")
-        return 1
+        return exit_with(args.prog, f"cannot build the CUDA kernels here: {exc}", status=1)
     print(f"hf_paged: CUDA kernels ready in {folder}")
     return 0
 
@@ -27,55 +23,36 @@ def build_kernels(args: argparse.Namespace) -> int:
 def bench_kernels(args: argparse.Namespace) -> int:
     """Time decode and KV write against the copy bandwidth (and flash-attn when it imports), then prefill against
     flash-attn's and torch's varlen kernels; a table and a JSON file for each."""
+    from hf_paged import kernels
     from hf_paged.bench import kernels as decode_bench
     from hf_paged.bench import prefill as prefill_bench
+    from hf_paged.kernels.build import missing_requirement
 
-    head_dims = tuple(int(h) for h in args.head_dims.split(","))
+    reason = missing_requirement() or kernels.unavailable_reason()
+    if reason is not None:
+        return exit_with(args.prog, f"needs hf_paged's CUDA kernels, which are unavailable here: {reason}", status=1)
     if args.only in (None, "decode"):
-        decode_bench.run(json_path=args.json, head_dims=head_dims, sweep=not args.no_sweep)
+        decode_bench.run(json_path=args.json, head_dims=args.head_dims, sweep=not args.no_sweep)
     if args.only in (None, "prefill"):
         json_path = Path(args.json)
         prefill_bench.run(json_path=json_path.with_name(f"{json_path.stem}_prefill{json_path.suffix}"),
-                          head_dims=head_dims, sweep=not args.no_sweep)
+                          head_dims=args.head_dims, sweep=not args.no_sweep)
     return 0
 
 
-def _add_bench_kernels(subparsers, name: str = "kernels") -> None:
-    p = subparsers.add_parser(name, help="benchmark hf_paged's decode, KV-write and prefill kernels")
-    p.add_argument("--json", default="bench_kernels.json",
-                   help="where to write the decode results (JSON); prefill goes beside it as <name>_prefill.json")
-    p.add_argument("--head-dims", default="128,64", help="comma-separated head dims (default 128,64)")
-    p.add_argument("--no-sweep", action="store_true", help="skip the split-length and tile-configuration sweeps")
-    p.add_argument("--only", choices=["decode", "prefill"], default=None, help="run one half only")
-    p.set_defaults(func=bench_kernels)
-
-
-def add_parsers(subparsers, bench_subparsers=None) -> None:
-    """Add ``build-kernels`` and ``bench kernels`` to an argparse ``subparsers``.
-
-    If the caller already has a ``bench`` command, pass its subparsers as ``bench_subparsers`` and only ``kernels``
-    is added under it.
-    """
-    p = subparsers.add_parser("build-kernels", help="build hf_paged's CUDA kernels for this GPU now")
+def add_parsers(subparsers, epilog: str | None = None) -> None:
+    """Add ``build-kernels`` and ``bench kernels`` to an argparse ``subparsers``."""
+    p = subparsers.add_parser("build-kernels", help="build hf_paged's CUDA kernels for this GPU now", epilog=epilog)
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    p.set_defaults(func=build_kernels)
-    if bench_subparsers is None:
-        bench = subparsers.add_parser("bench", help="benchmarks")
-        bench_subparsers = bench.add_subparsers(dest="bench_target", required=True)
-    _add_bench_kernels(bench_subparsers)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m hf_paged.cli.kernels")
-    sub = parser.add_subparsers(dest="command", required=True)
-    build = sub.add_parser("build", help="build the CUDA kernels for this GPU now")
-    build.add_argument("--verbose", action="store_true", help="show the compiler's output")
-    build.set_defaults(func=build_kernels)
-    _add_bench_kernels(sub, "bench")
-    args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    return args.func(args)
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    p.set_defaults(func=build_kernels, prog=p.prog)
+    bench = subparsers.add_parser("bench", help="benchmarks", epilog=epilog)
+    targets = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
+    p = targets.add_parser("kernels", help="benchmark hf_paged's decode, KV-write and prefill kernels", epilog=epilog)
+    p.add_argument("--json", type=output_path, default="bench_kernels.json",
+                   help="where to write the decode results (JSON); prefill goes beside it as <name>_prefill.json")
+    p.add_argument("--head-dims", type=positive_ints, default=(128, 64), metavar="DIMS",
+                   help="comma-separated head dims")
+    p.add_argument("--no-sweep", action="store_true", help="skip the split-length and tile-configuration sweeps")
+    p.add_argument("--only", choices=["decode", "prefill"], help="run one half only (default: both)")
+    p.add_argument("--verbose", action="store_true", help="show a traceback for any error")
+    p.set_defaults(func=bench_kernels, prog=p.prog)

@@ -1,8 +1,11 @@
-"""``hf-paged generate``: the no-argument default, prompts from a file and stdin, and a local checkpoint."""
+"""``hf-paged generate``: the default run, prompts from a file and stdin, a local checkpoint against HF ``generate``,
+``--ignore-eos``, a prompt that fails alone, and what ``--verbose`` adds."""
 
 from __future__ import annotations
 
 import io
+import logging
+import re
 
 import torch
 
@@ -13,12 +16,22 @@ SUMMARY_ROWS = ["requests:", "generated tokens:", "tokens/s:", "peak blocks in u
                 "prefix-cache hits:", "attention backend:   prefill torch, decode torch"]
 
 
-def test_generate_with_no_arguments_runs_the_embedded_default(capsys):
-    assert main(["generate"]) == 0
+def summary_value(out: str, row: str) -> str:
+    return re.search(rf"^  {re.escape(row)}:\s+(.*)$", out, re.MULTILINE).group(1)
+
+
+def test_generate_with_no_other_arguments_runs_the_embedded_default(capsys):
+    assert main(["generate", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for row in SUMMARY_ROWS:
         assert row in out
-    assert "requests:            32" in out and "generated tokens:    1024" in out
+    # The random model may emit EOS: every request ends by length (32 tokens) or by EOS (1 to 32 tokens).
+    reasons = dict((r, int(n)) for n, r in re.findall(r"(\d+) (\w+)", summary_value(out, "requests").split("(")[1]))
+    assert summary_value(out, "requests").startswith("32 (") and sum(reasons.values()) == 32
+    assert set(reasons) <= {"length", "stop"}
+    generated = int(summary_value(out, "generated tokens"))
+    assert 32 * reasons.get("length", 0) + reasons.get("stop", 0) <= generated <= 1024
+    assert summary_value(out, "peak blocks in use").endswith("of 512 (block size 16)")
 
 
 def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
@@ -26,22 +39,82 @@ def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
     path.write_text("from a file\n\nsecond line\n")
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
     argv = ["generate", "an argument", "-", "--prompts-file", str(path), "--max-new-tokens", "3", "--no-progress",
-            "--show", "4", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8"]
+            "--show", "4", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8", "--device", "cpu"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    for prompt in ["an argument", "from stdin", "from a file", "second line"]:
-        assert repr(prompt) in out
-    assert "requests:            4" in out
+    shown = re.findall(r"^'(.*)' -> ", out, re.MULTILINE)
+    assert shown == ["an argument", "from stdin", "from a file", "second line"]
+    assert summary_value(out, "requests").startswith("4 (")
+
+
+def save_checkpoint(path, eos_token_id: int | None = None):
+    """A tiny checkpoint; with ``eos_token_id``, its generation config makes that token EOS."""
+    model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
+    if eos_token_id is not None:
+        model.generation_config.eos_token_id = eos_token_id
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return model, tokenizer
+
+
+def hf_greedy_ids(model, tokenizer, prompt: str, **kwargs) -> list[int]:
+    ids = torch.tensor([tokenizer.encode(prompt)])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, **kwargs)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def hf_greedy(model, tokenizer, prompt: str, **kwargs) -> str:
+    return tokenizer.decode(hf_greedy_ids(model, tokenizer, prompt, **kwargs), skip_special_tokens=True)
 
 
 def test_a_local_checkpoint(tmp_path, capsys):
-    model, tokenizer = tiny_llama(seed=3), byte_tokenizer()
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
+    model, tokenizer = save_checkpoint(tmp_path)
     argv = ["generate", "abc", "--model", str(tmp_path), "--max-new-tokens", "5", "--no-progress", "--device", "cpu"]
     assert main(argv) == 0
+    assert repr(hf_greedy(model, tokenizer, "abc", max_new_tokens=5)) in capsys.readouterr().out
+
+
+def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
+    # A checkpoint whose EOS is the token it emits first: it stops at once unless EOS is ignored.
+    model, tokenizer = save_checkpoint(tmp_path)
+    [first] = hf_greedy_ids(model, tokenizer, "abc", max_new_tokens=1)
+    model, tokenizer = save_checkpoint(tmp_path, eos_token_id=first)
+    argv = ["generate", "abc", "--model", str(tmp_path), "--max-new-tokens", "6", "--no-progress", "--device", "cpu"]
+
+    assert main(argv) == 0
     out = capsys.readouterr().out
-    ids = torch.tensor([tokenizer.encode("abc")])
-    with torch.no_grad():
-        want = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=5, do_sample=False)
-    assert repr(tokenizer.decode(want[0, 3:], skip_special_tokens=True)) in out
+    assert "[stop]" in out and summary_value(out, "generated tokens") == "1"
+
+    assert main(argv + ["--ignore-eos"]) == 0
+    out = capsys.readouterr().out
+    assert "[length]" in out and summary_value(out, "generated tokens") == "6"
+    want = hf_greedy(model, tokenizer, "abc", max_new_tokens=6, min_new_tokens=6)
+    assert f"'abc' -> {want!r} [length]" in out
+
+
+def test_a_prompt_longer_than_the_cache_fails_alone(capsys):
+    argv = ["generate", "short", "x" * 40, "--num-blocks", "2", "--block-size", "16", "--max-new-tokens", "2",
+            "--no-progress", "--device", "cpu"]
+    assert main(argv) == 1
+    out = capsys.readouterr().out
+    assert "'short' -> " in out and out.count("[length]") == 1 and out.count("[error]") == 1
+    assert summary_value(out, "requests") == "2 (1 error, 1 length)"
+    assert "--num-blocks" in summary_value(out, "first error")
+
+
+def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
+    argv = ["generate", "abc", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--verbose"]
+    with caplog.at_level(logging.DEBUG, logger="hf_paged"):
+        assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert summary_value(out, "attention backend") == "prefill torch, write torch, decode torch"
+    assert summary_value(out, "steps") == "3"  # one prefill step, then one decode step per further token
+    assert "forward" in summary_value(out, "host ms per step")
+    logs = caplog.text
+    assert "prefill attention served by the torch backend" in logs
+    assert "decode attention served by the torch backend" in logs
+    assert "engine 512 KV blocks of 16 tokens" in logs and "1 prompts, up to 3 new tokens each, greedy" in logs
+
+    assert main(argv[:-1]) == 0
+    assert "steps:" not in capsys.readouterr().out

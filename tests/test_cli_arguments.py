@@ -1,0 +1,134 @@
+"""Bad input to ``hf-paged``: one line on stderr naming the flag or the problem, exit status 2, no traceback;
+an unexpected error: one line and status 1, or the traceback under ``--verbose``."""
+
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+
+import hf_paged
+from hf_paged.cli import main
+
+GENERATE = ["generate", "--no-progress", "--device", "cpu", "--max-new-tokens", "2"]
+
+
+def write(path, data: bytes) -> str:
+    path.write_bytes(data)
+    return str(path)
+
+
+BAD_FLAGS = [
+    (["--model", "/no/such/checkpoint"], ["argument --model", "no such directory"]),
+    (["--max-new-tokens", "0"], ["argument --max-new-tokens", "positive integer", "got 0"]),
+    (["--max-new-tokens", "-5"], ["argument --max-new-tokens", "got -5"]),
+    (["--max-new-tokens", "many"], ["argument --max-new-tokens", "expected an integer"]),
+    (["a prompt", ""], ["argument prompts", "empty"]),
+    (["--block-size", "0"], ["argument --block-size", "positive integer"]),
+    (["--num-blocks", "-1"], ["argument --num-blocks", ">= 0"]),
+    (["--top-p", "2"], ["argument --top-p", "(0, 1]"]),
+    (["--top-p", "0"], ["argument --top-p", "(0, 1]"]),
+    (["--top-k", "-1"], ["argument --top-k", ">= 0"]),
+    (["--max-batch-tokens", "0"], ["argument --max-batch-tokens", "positive integer"]),
+    (["--temperature", "-1"], ["argument --temperature", ">= 0"]),
+    (["--temperature", "nan"], ["argument --temperature", "finite"]),
+    (["--seed", "-1"], ["argument --seed", ">= 0"]),
+    (["--show", "-1"], ["argument --show", ">= 0"]),
+    (["--num-prompts", "0"], ["argument --num-prompts", "positive integer"]),
+    (["--backend", "cuda,nonesuch"], ["argument --backend", "'nonesuch'", "torch"]),
+    (["--device", "gpu0"], ["argument --device", "unknown device"]),
+    (["--dtype", "float64"], ["argument --dtype", "invalid choice"]),
+]
+
+
+@pytest.mark.parametrize("argv, wants", BAD_FLAGS, ids=lambda v: " ".join(v) if isinstance(v[0], str) else None)
+def test_a_bad_flag_is_one_line_and_status_2(argv, wants, capsys):
+    assert main(GENERATE + argv) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: ", wants)
+
+
+def assert_one_line_error(capsys, prefix: str, wants: list[str]) -> str:
+    out, err = capsys.readouterr()
+    assert out == "" and "Traceback" not in err
+    assert err.endswith("\n") and err.count("\n") == 1, err
+    assert err.startswith(prefix), err
+    for want in wants:
+        assert want in err, (want, err)
+    return err
+
+
+@pytest.mark.parametrize("name, data, want", [
+    ("binary.bin", b"\x89PNG\r\n\x1a\n\xff\xfe", "not UTF-8 text"),
+    ("nul.txt", b"a prompt\n\x00\x01\x02\n", "NUL bytes"),
+    ("blank.txt", b"\n   \n\n", "holds no prompts"),
+])
+def test_a_prompts_file_that_holds_no_prompts_is_refused(tmp_path, capsys, name, data, want):
+    assert main(GENERATE + ["--prompts-file", write(tmp_path / name, data)]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: argument --prompts-file: ", [name, want])
+
+
+def test_a_missing_prompts_file_is_refused(tmp_path, capsys):
+    assert main(GENERATE + ["--prompts-file", str(tmp_path / "nope.txt")]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: argument --prompts-file: ", ["cannot read", "nope.txt"])
+
+
+@pytest.mark.parametrize("text, want", [("", "holds no prompts"), ("\n\n", "holds no prompts"),
+                                        ("a\0b\n", "NUL bytes")])
+def test_stdin_that_holds_no_prompts_is_refused(monkeypatch, capsys, text, want):
+    monkeypatch.setattr("sys.stdin", io.StringIO(text))
+    assert main(GENERATE + ["-"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: stdin ('-') ", [want])
+
+
+def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
+    assert main(GENERATE + ["--model", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: argument --model: ", ["no config.json"])
+    (tmp_path / "config.json").write_text("{}")
+    assert main(GENERATE + ["--model", str(tmp_path)]) == 2
+    assert_one_line_error(capsys, f"hf-paged generate: error: --model {tmp_path}: cannot load it: ", ["model_type"])
+
+
+def test_cuda_without_cuda_is_refused(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(GENERATE + ["--device", "cuda"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: argument --device: ", ["'cuda' is not available",
+                                                                                     "--device cpu"])
+
+
+def test_a_backend_that_cannot_serve_the_device_is_refused(capsys):
+    assert main(GENERATE + ["abc", "--backend", "cuda"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: --backend cuda: ", ["no attention backend can serve",
+                                                                                 "Allow more backends"])
+
+
+def test_a_value_the_engine_refuses_names_the_flag(capsys):
+    assert main(GENERATE + ["abc", "--block-size", "4096"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: --block-size must be", ["4096"])
+
+
+@pytest.mark.parametrize("argv, prefix, wants", [
+    (["bench", "kernels", "--head-dims", "abc"], "hf-paged bench kernels: error: argument --head-dims: ", ["'abc'"]),
+    (["bench", "kernels", "--head-dims", "128,0"], "hf-paged bench kernels: error: argument --head-dims: ", ["128,0"]),
+    (["bench", "kernels", "--json", "/no/such/folder/k.json"], "hf-paged bench kernels: error: argument --json: ",
+     ["does not exist"]),
+    (["bench"], "hf-paged bench: error: ", ["required", "TARGET"]),
+    ([], "hf-paged: error: ", ["required", "COMMAND"]),
+    (["serve"], "hf-paged: error: ", ["invalid choice: 'serve'"]),
+])
+def test_other_commands_refuse_bad_input_the_same_way(capsys, argv, prefix, wants):
+    assert main(argv) == 2
+    assert_one_line_error(capsys, prefix, wants)
+
+
+def test_an_unexpected_error_is_one_line_and_status_1_or_a_traceback_when_verbose(monkeypatch, capsys):
+    def boom(*args, **kwargs):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(hf_paged.Engine, "generate", boom)
+    assert main(GENERATE + ["abc"]) == 1
+    out, err = capsys.readouterr()
+    assert err == ("hf-paged generate: error: unexpected RuntimeError: boom second line (run again with --verbose "
+                   "for the traceback, and please report it)\n")
+    with pytest.raises(RuntimeError, match="boom"):
+        main(GENERATE + ["abc", "--verbose"])
