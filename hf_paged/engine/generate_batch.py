@@ -42,7 +42,9 @@ def generate_batch(
     ``return_logprobs``, ``seed`` and ``max_memory_percent`` from ``continuous_batching_config`` when given;
     ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
     for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
-    ``record_timestamps``, ``persistent_manager`` and ``warmup`` are accepted for compatibility and ignored.
+    ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
+    call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
+    held until a call without it. ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
     """
     if not inputs:
         return {}
@@ -53,7 +55,7 @@ def generate_batch(
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
     if opt("return_logprobs", False):
         gc.output_logprobs = True
-    engine = _engine_for(model, inputs, gc, opt)
+    engine = _engine_for(model, inputs, gc, opt, persistent_manager)
     seed = opt("seed", None)
     start = time.perf_counter()
     ids = {}
@@ -79,17 +81,30 @@ def generate_batch(
     return {rid: finished[rid] for rid in sorted(finished, key=order)}
 
 
-def _engine_for(model, inputs, gc: GenerationConfig, opt) -> Engine:
+_KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
+
+
+def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool) -> Engine:
     """An engine sized for this workload; transformers' default block size (256) is read as "not chosen"."""
     block_size = opt("block_size", 16)
     block_size = 16 if block_size == 256 else block_size
     num_blocks = opt("num_blocks", None)
     if num_blocks is None:
-        num_blocks = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
-    return Engine(
-        model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
-        max_num_seqs=opt("max_requests_per_batch", 256), enable_prefix_caching=opt("allow_block_sharing", True),
-    )
+        needed = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
+    settings = dict(block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
+                    max_num_seqs=opt("max_requests_per_batch", 256),
+                    enable_prefix_caching=opt("allow_block_sharing", True))
+    kept = model.__dict__.pop(_KEPT, None)
+    if persistent and kept is not None and kept[0] == settings and not kept[1].has_unfinished():
+        fits = kept[1].cache.num_blocks >= needed if num_blocks is None else kept[1].cache.num_blocks == num_blocks
+        if fits:
+            model.__dict__[_KEPT] = kept
+            return kept[1]
+    del kept  # a kept engine that does not fit goes before the new one takes memory
+    engine = Engine(model, num_blocks=needed if num_blocks is None else num_blocks, **settings)
+    if persistent:
+        model.__dict__[_KEPT] = (settings, engine)
+    return engine
 
 
 def _to_generation_output(out, start: float) -> GenerationOutput:

@@ -97,7 +97,11 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, nu
     ref, ref_engine = _run(f32_model, False, prompts, configs, abort_at={5: 12}, async_scheduling=False, **kwargs)
     got, engine = _run(f32_model, True, prompts, configs, abort_at={5: 12}, async_scheduling=True, **kwargs)
     assert engine.graphs is not None and ref_engine.graphs is None
-    for a, b in zip(ref, got):
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if i == 5:  # aborted at the same step; asynchronous scheduling had one more token in flight (dropped)
+            assert a.finish_reason == b.finish_reason == "abort"
+            assert b.token_ids == a.token_ids[: len(b.token_ids)] and len(b.token_ids) >= len(a.token_ids) - 1
+            continue
         assert (a.request_id, a.finish_reason, a.token_ids) == (b.request_id, b.finish_reason, b.token_ids)
     stats = engine.stats()
     assert stats["cuda_graphs"]["replays"] > 20
