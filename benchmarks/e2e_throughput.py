@@ -1,119 +1,231 @@
-"""End-to-end output tokens/s on the GPU: hf_paged's engine against transformers' continuous batching, one run.
+"""End-to-end output tokens/s: hf_paged's ``generate_batch`` against transformers' continuous batching, one run.
 
-The workload of ``shared/gpu/anchors.md``: a random-init bf16 Llama shaped like Llama-3.2-1B (hidden 2048, 16
-layers, 32 heads, 8 kv heads, head_dim 64, intermediate 8192, vocab 128256, tied embeddings); 256 requests with
-prompt lengths uniform in [128, 1024] (random token ids, seed 0); exactly 256 new tokens each; greedy. Time is the
-wall clock of one ``generate_batch`` call after a smaller warm-up call. Baselines run in the same process on the
-same weights.
+Model: a random-init bf16 Llama shaped like Llama-3.2-1B (hidden 2048, 16 layers, 32 heads, 8 kv heads, head_dim
+64, vocab 128256, tied embeddings), the same weights in every system and process (seeded init). Greedy.
 
-    python benchmarks/e2e_throughput.py [--requests 256] [--new-tokens 256] [--baselines sdpa,flash] [--json F]
+Workloads (``--workloads``, in this order by default):
+  anchor   256 requests, prompts uniform in [128, 1024] random tokens (seed 0), exactly 256 new tokens (no EOS)
+  min_new  the anchor with EOS set and min_new_tokens=256 (the sampler's logits-processing path)
+  r64      the first 64 anchor prompts
+  r1024    1024 prompts, same distribution, seed 0
+  latency  batch 1, 512-token prompt: ms per output token of decode alone = (median wall of a 256-new-token call
+           - median wall of a 1-new-token call) / 255, five of each; prefill and per-call setup (graph capture
+           included) cancel out. Where the system records per-token timestamps (transformers), their mean
+           spacing goes in the JSON beside it as a cross-check.
+  profile  hf_paged only: an ``hf_paged.Engine`` on the anchor, stepped past every prefill, then 20 decode steps
+           timed (ms per step at batch 256) and 20 profiled (GPU busy fraction: kernel time, overlaps merged / wall)
+
+Systems (``--systems``, in this order by default):
+  hf_paged          ``hf_paged.generate_batch``, block_size 16
+  transformers      ``model.generate_batch`` of the transformers this process imports, default config but the budget
+                    (model loaded with sdpa; transformers switches to flash attention when flash-attn is installed
+                    and decides CUDA graphs, async batching and compile by itself)
+  transformers_box  the same in a subprocess whose PYTHONPATH drops the entry the imported transformers came from:
+                    under ``HF_TRANSFORMERS=newest`` that is the box's own release (5.17)
+
+Every system gets the same prompts and the same budget: ``--max-batch-tokens`` (default 8192, transformers' own
+default) tokens and ``--max-requests`` (default 256) sequences per step. Time is the wall clock of one call after
+a warm-up call of 16 short requests. A run that fails is reported and the others still run. Progress lines go
+to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
+
+    python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile]
+        [--systems hf_paged,transformers,transformers_box] [--json F] [--engine-kwargs '{"block_size": 16}']
+        [--max-batch-tokens 8192] [--max-requests 256] [--smoke]
+    python benchmarks/e2e_throughput.py --merge a.json b.json [--json merged.json]
+    python benchmarks/plot_e2e.py results.json --out results.png
+
+``--engine-kwargs`` (JSON dict) goes to hf_paged only: set as attributes of the continuous-batching config that
+``hf_paged.generate_batch`` reads its options from by name (those it does not know are ignored there), and passed
+to ``hf_paged.Engine`` for the profile (keys the Engine does not take are listed in the profile row).
+
+``--smoke`` runs every path on a tiny model on the CPU (1/64 of the requests, 1/16 of the prompt lengths, 4 new
+tokens, budget 256 tokens / 16 sequences, transformers' cache capped at 32 blocks); its numbers mean nothing.
 """
 
+from __future__ import annotations
+
 import argparse
+import gc
 import json
+import logging
+import re
+import sys
 import time
+import traceback
+from pathlib import Path
 
-import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
 
-import hf_paged
+import torch  # noqa: E402
+import transformers  # noqa: E402
 
-LLAMA_1B = dict(vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, head_dim=64, max_position_embeddings=4096,
-                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+import hf_paged  # noqa: E402
+from decode_profile import profile_decode  # noqa: E402
+from e2e_report import make_row, print_table, read_rows, write_json  # noqa: E402
+from e2e_systems import Budget, hf_paged_system, timed_latency, timed_throughput, transformers_system  # noqa: E402
+from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model  # noqa: E402
+from other_transformers import run_other_transformers  # noqa: E402
 
-
-def workload(num: int, vocab: int, seed: int = 0) -> list[list[int]]:
-    gen = torch.Generator().manual_seed(seed)
-    lengths = torch.randint(128, 1025, (num,), generator=gen).tolist()
-    return [torch.randint(3, vocab, (n,), generator=gen).tolist() for n in lengths]
-
-
-def load(attn: str, state=None, shape: dict = LLAMA_1B, device: str = "cuda"):
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    model = AutoModelForCausalLM.from_config(LlamaConfig(**shape), attn_implementation=attn, dtype=dtype)
-    model = model.to(device).eval()
-    if state is not None:
-        model.load_state_dict(state)
-    return model
+SYSTEMS = ("hf_paged", "transformers", "transformers_box")
+HF_PAGED_ONLY = ("profile",)
+_DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
 
-def timed(call, prompts, warm_prompts) -> tuple[float, int]:
-    call(warm_prompts)
-    _sync()
-    start = time.perf_counter()
-    out = call(prompts)
-    _sync()
-    elapsed = time.perf_counter() - start
-    return elapsed, sum(len(o.generated_tokens) for o in out.values())
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
+    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    parser.add_argument("--json", help="write every row here (rewritten after each run)")
+    parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge result files into one table (and --json)")
+    parser.add_argument("--engine-kwargs", default="{}", help="JSON dict of hf_paged engine options")
+    parser.add_argument("--max-batch-tokens", type=int, help="tokens per step, every system (default 8192)")
+    parser.add_argument("--max-requests", type=int, help="sequences per step, every system (default 256)")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
+    parser.add_argument("--as-subprocess", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    args.systems = _names(args.systems, SYSTEMS, "--systems")
+    args.engine_kwargs = json.loads(args.engine_kwargs)
+    if not isinstance(args.engine_kwargs, dict):
+        parser.error("--engine-kwargs must be a JSON object, e.g. '{\"block_size\": 32}'")
+    return args
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--new-tokens", type=int, default=256)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--baselines", default="sdpa", help="comma list of transformers CB baselines: sdpa, flash")
-    parser.add_argument("--json")
-    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check the script runs")
-    args = parser.parse_args()
-    shape, device = LLAMA_1B, "cuda"
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.merge:
+        rows = read_rows(args.merge)
+        print_table(rows)
+        if args.json:
+            write_json(args.json, rows, merged_from=[Path(p).name for p in args.merge])
+        return
     if args.smoke:
-        shape = {**LLAMA_1B, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-                 "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "vocab_size": 2000}
-        device = "cpu"
+        torch.set_num_threads(1)  # a tiny model gains nothing from threads, and they thrash on a shared machine
+    # transformers' continuous batching warns on every call that the request has no EOS; errors still show
+    logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
+    workloads = [WORKLOADS[name].smoke() if args.smoke else WORKLOADS[name] for name in args.workloads]
+    budget = Budget(args.max_batch_tokens or (256 if args.smoke else 8192),
+                    args.max_requests or (16 if args.smoke else 256))
+    plan = {s: [w for w in workloads if s == "hf_paged" or w.name not in HF_PAGED_ONLY] for s in args.systems}
+    log = Progress(prefix="  (subprocess) " if args.as_subprocess else "")
+    if not args.as_subprocess:
+        log(f"runs, in order: " + "; ".join(f"{s}: {', '.join(w.name for w in ws)}" for s, ws in plan.items() if ws))
+        log(f"budget: {budget.max_batch_tokens} tokens, {budget.max_requests} sequences per step; "
+            f"engine kwargs {args.engine_kwargs}; torch {torch.__version__}, transformers {transformers.__version__}")
+    rows: list[dict] = []
+    meta = {"systems": args.systems, "workloads": {w.name: w.description for w in workloads}}
 
-    torch.manual_seed(0)
-    prompts, warm = workload(args.requests, shape["vocab_size"]), workload(16, shape["vocab_size"], seed=1)
-    config = GenerationConfig(max_new_tokens=args.new_tokens, min_new_tokens=args.new_tokens, do_sample=False,
-                              eos_token_id=2, pad_token_id=0)
-    warm_config = GenerationConfig(max_new_tokens=16, min_new_tokens=16, do_sample=False, eos_token_id=2,
-                                   pad_token_id=0)
-    rows = []
+    def save() -> None:
+        if args.json:
+            write_json(args.json, rows, **meta)
 
-    model = load("hf_paged", shape=shape, device=device)
-    state = model.state_dict()
-    cb = lambda p: hf_paged.generate_batch(model, p, config if p is prompts else warm_config,
-                                           continuous_batching_config=_cb_config(args.block_size))
-    seconds, tokens = timed(cb, prompts, warm)
-    rows.append(("hf_paged generate_batch", f"block_size {args.block_size}", tokens, seconds))
-    del model
-    torch.cuda.empty_cache()
-
-    for name in filter(None, args.baselines.split(",")):
-        attn = {"sdpa": "paged|sdpa", "flash": "paged|flash_attention_2"}[name]
-        try:
-            base = load(attn, state, shape=shape, device=device)
-            call = lambda p: base.generate_batch(p, config if p is prompts else warm_config, progress_bar=False)
-            seconds, tokens = timed(call, prompts, warm)
-        except (ImportError, ValueError, RuntimeError) as exc:  # e.g. flash-attn missing: report, keep the others
-            print(f"baseline {attn} did not run: {type(exc).__name__}: {str(exc)[:200]}")
+    for system, system_workloads in plan.items():
+        if not system_workloads:
             continue
-        rows.append(("transformers generate_batch", attn, tokens, seconds))
-        del base
+        if system == "transformers_box":
+            rows += run_other_transformers(Path(__file__).resolve(), _child_args(args, budget, system_workloads),
+                                           [w.name for w in system_workloads], log)
+            save()
+            continue
+        for row in run_system(system, system_workloads, args, budget, log):
+            rows.append(row)
+            save()
+    if not args.as_subprocess:
+        print_table(rows)
+
+
+def run_system(system: str, workloads: list[Workload], args: argparse.Namespace, budget: Budget, log):
+    """Load the model once for the system, then yield one row per workload."""
+    shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (LLAMA_1B, "cuda")
+    label = "hf_paged" if system == "hf_paged" else f"transformers {transformers.__version__}"
+    settings = {"budget": vars(budget), "smoke": args.smoke,
+                "engine_kwargs": args.engine_kwargs if system == "hf_paged" else {}}
+    try:
+        model = load_model(shape, device, hf_paged.ATTN_IMPLEMENTATION if system == "hf_paged" else "sdpa")
+    except Exception as exc:  # e.g. out of memory: report, keep the other systems
+        for w in workloads:
+            yield make_row(system, label, w.name, error=_error(exc), **settings)
+        return
+    generate = (hf_paged_system(model, budget, args.engine_kwargs) if system == "hf_paged"
+                else transformers_system(model, budget, num_blocks=32 if args.smoke else None))
+    vocab, warm = shape["vocab_size"], WARM.smoke() if args.smoke else WARM
+    reps, steps = (1, 5) if args.smoke else (5, 20)
+    for w in workloads:
+        log(f"{label} / {w.name}: {w.num_sent} requests, {w.new_tokens} new tokens ...")
+        start = time.perf_counter()
+        try:
+            if w.name == "profile":
+                result = profile_decode(model, w, budget, args.engine_kwargs, vocab, steps=steps)
+            elif w.is_latency:
+                result = timed_latency(model, generate, w, vocab, reps=reps)
+            else:
+                result = timed_throughput(model, generate, w, vocab, warm)
+            row = make_row(system, label, w.name, result, **settings)
+        except Exception as exc:  # a system that cannot run a workload is reported; the others still run
+            traceback.print_exc(limit=-3)
+            row = make_row(system, label, w.name, error=_error(exc), **settings)
+        log(f"{label} / {w.name}: {_summary(row)} (with warm-up {time.perf_counter() - start:.1f} s)")
+        _release()  # the run's KV pool and graphs, before the next one sizes its own from free memory
+        yield row
+    del model, generate
+    _release()
+
+
+class Progress:
+    """Flushed progress lines stamped with the seconds since the start."""
+
+    def __init__(self, prefix: str = ""):
+        self.start, self.prefix = time.perf_counter(), prefix
+
+    def __call__(self, message: str) -> None:
+        print(f"{self.prefix}[{time.perf_counter() - self.start:7.1f} s] {message}", flush=True)
+
+
+def _release() -> None:
+    gc.collect()
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
 
-    card = torch.cuda.get_device_name() if device == "cuda" else "CPU (smoke run)"
-    print(f"\n{card}; {args.requests} requests, prompts 128-1024, "
-          f"{args.new_tokens} new tokens, greedy, bf16 Llama-3.2-1B shape (random init)")
-    print(f"{'system':<28} {'attention':<26} {'tokens':>8} {'seconds':>8} {'tokens/s':>10}")
-    for system, attn, tokens, seconds in rows:
-        print(f"{system:<28} {attn:<26} {tokens:>8} {seconds:>8.2f} {tokens / seconds:>10,.0f}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump([dict(system=s, attention=a, tokens=t, seconds=x) for s, a, t, x in rows], f, indent=1)
+
+def _summary(row: dict) -> str:
+    if row["status"] == "failed":
+        return f"FAILED: {row['error']}"
+    return f"{_result(row)}, attention {row.get('attention') or row.get('decode_backend')}"
 
 
-def _sync() -> None:
-    if torch.cuda.is_available():
-        torch.cuda.synchronize()
+def _result(row: dict) -> str:
+    if row["workload"] == "latency":
+        stamps = row["ms_per_token_timestamps"]
+        stamps = f", {stamps:.2f} ms from its per-token timestamps" if stamps else ""
+        return f"{row['ms_per_token']:.2f} ms per output token{stamps} ({row['status']})"
+    if row["tok_per_s"] is None:
+        return f"{row['tokens']:,} tokens, {row['seconds']:.3f} s: no rate ({row['status']})"
+    text = f"{row['tokens']:,} tokens in {row['seconds']:.2f} s = {row['tok_per_s']:,.0f} tok/s ({row['status']})"
+    if row["workload"] == "profile":
+        busy = row["busy_fraction"]
+        text += f", {row['ms_per_step']:.2f} ms per step at batch {row['batch']}, busy " + (
+            "n/a" if busy is None else f"{busy:.0%}")
+    return text
 
 
-def _cb_config(block_size: int):
-    from types import SimpleNamespace
+def _child_args(args: argparse.Namespace, budget: Budget, workloads: list[Workload]) -> list[str]:
+    child = ["--systems", "transformers", "--workloads", ",".join(w.name for w in workloads),
+             "--max-batch-tokens", str(budget.max_batch_tokens), "--max-requests", str(budget.max_requests)]
+    return child + ["--as-subprocess"] + (["--smoke"] if args.smoke else [])
 
-    return SimpleNamespace(block_size=block_size, num_blocks=None, max_batch_tokens=8192, max_requests_per_batch=256,
-                           allow_block_sharing=True, return_logprobs=False, seed=None, max_memory_percent=0.8)
+
+def _names(text: str, known, flag: str) -> list[str]:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        raise SystemExit(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
+    return names
+
+
+def _error(exc: BaseException) -> str:
+    """The exception in one line, without the machine's directories (the JSON may be committed)."""
+    return f"{type(exc).__name__}: {_DIRECTORIES.sub('', str(exc))[:300]}"
 
 
 if __name__ == "__main__":

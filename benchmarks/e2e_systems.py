@@ -1,0 +1,119 @@
+"""Systems of the end-to-end benchmark and the timed calls: one ``generate_batch`` per (system, workload).
+
+Each system is a function ``generate(prompts, generation_config, **generate_batch_kwargs) -> {request_id:
+GenerationOutput}`` with the model and the scheduling budget bound in; every call gets its own deep copy of the
+generation config (transformers' ``generate_batch`` writes ``eos_token_id=-1`` into the one it is given).
+"""
+
+from __future__ import annotations
+
+import copy
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import SimpleNamespace
+
+import torch
+from transformers import GenerationConfig
+
+import hf_paged
+from e2e_workloads import Workload
+
+Generate = Callable[..., dict]
+
+
+@dataclass(frozen=True)
+class Budget:
+    """What every system may schedule per step: tokens (prefill chunks and decodes together) and sequences."""
+
+    max_batch_tokens: int
+    max_requests: int
+
+
+def hf_paged_system(model: torch.nn.Module, budget: Budget, engine_kwargs: dict) -> Generate:
+    """``hf_paged.generate_batch``; it reads its options by name from the continuous-batching config, so
+    ``engine_kwargs`` (``block_size`` and options the engine may grow) travel as attributes of that config."""
+    options = {"block_size": 16, **engine_kwargs}
+    config = SimpleNamespace(max_batch_tokens=budget.max_batch_tokens, max_requests_per_batch=budget.max_requests,
+                             **options)
+    return lambda prompts, gc, **kwargs: hf_paged.generate_batch(model, prompts, copy.deepcopy(gc),
+                                                                 continuous_batching_config=config, **kwargs)
+
+
+def transformers_system(model: torch.nn.Module, budget: Budget, num_blocks: int | None = None) -> Generate:
+    """transformers' ``model.generate_batch`` with its default config but the budget (attention switch, CUDA graphs,
+    async batching and compile level as transformers decides). ``num_blocks`` (of 256 tokens) caps the cache,
+    which otherwise takes most of the free memory: for the CPU smoke run, where that is the host's RAM."""
+    from transformers.generation.configuration_utils import ContinuousBatchingConfig
+
+    def generate(prompts, gc, **kwargs):
+        config = ContinuousBatchingConfig(max_batch_tokens=budget.max_batch_tokens,
+                                          max_requests_per_batch=budget.max_requests, num_blocks=num_blocks)
+        return model.generate_batch(prompts, generation_config=copy.deepcopy(gc), continuous_batching_config=config,
+                                    progress_bar=False, **kwargs)
+
+    return generate
+
+
+def warm_up(model: torch.nn.Module, generate: Generate, prompts: list[list[int]], gc: GenerationConfig) -> str:
+    """One untimed call; returns the attention implementation the model ran with inside it (transformers switches
+    it for the call and restores the original one after)."""
+    seen = []
+    hook = getattr(model, "model", model).register_forward_pre_hook(
+        lambda *_: seen.append(model.config._attn_implementation))
+    try:
+        generate(prompts, gc)
+    finally:
+        hook.remove()
+    return seen[-1] if seen else "unknown"
+
+
+def timed_throughput(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int,
+                     warm: Workload) -> dict:
+    """Wall clock of one call on the workload, after a warm-up call on ``warm``."""
+    prompts = workload.prompts(vocab)
+    attention = warm_up(model, generate, warm.prompts(vocab), warm.generation_config())
+    seconds, out = _timed_call(generate, prompts, workload.generation_config())
+    return {"tokens": _num_generated(out), "expected_tokens": len(prompts) * workload.new_tokens, "seconds": seconds,
+            "attention": attention}
+
+
+def timed_latency(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int, reps: int = 3) -> dict:
+    """Decode time per output token at batch 1: (median wall of a call for ``new_tokens`` - median wall of a call for
+    one new token) / (new_tokens - 1), so prefill, setup and per-call warm-up cancel out. Where the system records
+    per-token timestamps (transformers' ``record_timestamps``), their mean spacing is reported beside it."""
+    prompts = workload.prompts(vocab)
+    attention = warm_up(model, generate, prompts, workload.generation_config(new_tokens=4))
+    first, full, spacing = [], [], []
+    for _ in range(reps):
+        first.append(_timed_call(generate, prompts, workload.generation_config(new_tokens=1))[0])
+        seconds, out = _timed_call(generate, prompts, workload.generation_config(), record_timestamps=True)
+        full.append(seconds)
+        stamps = getattr(next(iter(out.values())), "timestamps", None) if out else None
+        if stamps and len(stamps) > 1:
+            spacing.append((stamps[-1] - stamps[0]) / (len(stamps) - 1))
+    seconds = statistics.median(full) - statistics.median(first)
+    decoded = workload.new_tokens - 1
+    return {"tokens": _num_generated(out) - 1, "expected_tokens": decoded, "seconds": seconds,
+            "ms_per_token": 1e3 * seconds / decoded, "first_token_call_s": statistics.median(first),
+            "full_call_s": statistics.median(full), "attention": attention,
+            "ms_per_token_timestamps": 1e3 * statistics.median(spacing) if spacing else None}
+
+
+def _timed_call(generate: Generate, prompts: list[list[int]], gc: GenerationConfig, **kwargs) -> tuple[float, dict]:
+    """Wall seconds of one call, and its outputs."""
+    sync()
+    start = time.perf_counter()
+    out = generate(prompts, gc, **kwargs)
+    sync()
+    return time.perf_counter() - start, out
+
+
+def sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _num_generated(out: dict) -> int:
+    return sum(len(o.generated_tokens) for o in out.values())

@@ -1,0 +1,109 @@
+"""The end-to-end benchmark and the engine-overhead benchmark run on the CPU (``--smoke``), and their pieces measure
+what they say: every run does all its work, the decode profile is pure decode, merged files keep one row per
+(system, workload), the busy-time union matches a brute-force count."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import random
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCH))
+
+import e2e_throughput  # noqa: E402
+import engine_overhead  # noqa: E402
+import plot_e2e  # noqa: E402
+from decode_profile import _covered_us  # noqa: E402
+from e2e_report import read_rows  # noqa: E402
+from other_transformers import shadowed_transformers_env  # noqa: E402
+
+
+def _run(main, argv: list[str]) -> str:
+    """``main(argv)`` in this process; its stdout. The smoke mode sets torch's thread count: restored after."""
+    threads, out = torch.get_num_threads(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            main(argv)
+    finally:
+        torch.set_num_threads(threads)
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory) -> tuple[Path, str]:
+    path = tmp_path_factory.mktemp("e2e") / "smoke.json"
+    out = _run(e2e_throughput.main, ["--smoke", "--systems", "hf_paged,transformers",
+                                     "--workloads", "anchor,latency,profile", "--json", str(path)])
+    return path, out
+
+
+def test_e2e_smoke_prints_the_plan_first_and_the_table_last(smoke):
+    lines = smoke[1].splitlines()
+    assert "runs, in order: hf_paged: anchor, latency, profile; transformers: anchor, latency" in lines[0]
+    assert any("hf_paged / transformers" in line for line in lines[-4:])
+
+
+def test_e2e_smoke_every_run_does_all_its_work(smoke):
+    rows = {(r["system"], r["workload"]): r for r in json.loads(smoke[0].read_text())["rows"]}
+    assert set(rows) == {("hf_paged", "anchor"), ("hf_paged", "latency"), ("hf_paged", "profile"),
+                         ("transformers", "anchor"), ("transformers", "latency")}
+    for row in rows.values():
+        assert row["status"] == "ok", row
+        assert row["tokens"] == row["expected_tokens"] > 0
+        assert row["budget"] == {"max_batch_tokens": 256, "max_requests": 16}
+    assert rows["hf_paged", "anchor"]["tokens"] == rows["transformers", "anchor"]["tokens"] == 4 * 4
+    assert rows["hf_paged", "latency"]["tokens"] == 3  # 4 new tokens, the first one is prefill's
+    anchor = rows["hf_paged", "anchor"]
+    assert anchor["tok_per_s"] == pytest.approx(anchor["tokens"] / anchor["seconds"])
+
+
+def test_e2e_smoke_profile_is_steady_decode(smoke):
+    row = next(r for r in json.loads(smoke[0].read_text())["rows"] if r["workload"] == "profile")
+    assert row["pure_decode"] and row["batch"] == 4 and row["tokens"] == row["steps"] * row["batch"]
+    assert 0 < row["busy_fraction"] <= row["busy_fraction_with_copies"] <= 1.0 + 1e-6
+    assert row["ms_per_step"] == pytest.approx(1e3 * row["seconds"] / row["steps"])
+
+
+def test_merge_keeps_one_row_per_label_and_workload_and_plots(smoke, tmp_path):
+    merged = tmp_path / "merged.json"
+    out = _run(e2e_throughput.main, ["--merge", str(smoke[0]), str(smoke[0]), "--json", str(merged)])
+    assert len(read_rows([merged])) == len(read_rows([smoke[0]])) == 5
+    assert "latency" in out and "steady decode, hf_paged" in out
+    pytest.importorskip("matplotlib")
+    plot_e2e.plot(read_rows([merged]), str(tmp_path / "e2e.png"))
+    assert (tmp_path / "e2e.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_busy_time_is_the_union_of_intervals():
+    rng = random.Random(0)
+    for _ in range(50):
+        intervals = [(s, s + rng.randint(0, 30)) for s in (rng.randint(0, 200) for _ in range(rng.randint(0, 12)))]
+        covered = {t for start, end in intervals for t in range(start, end)}
+        assert _covered_us(intervals) == len(covered)
+
+
+def test_no_shadowed_transformers_without_a_pythonpath_entry(monkeypatch):
+    monkeypatch.setenv("PYTHONPATH", "")
+    env, reason = shadowed_transformers_env()
+    assert env is None and "not imported from a PYTHONPATH entry" in reason
+
+
+def test_engine_overhead_smoke():
+    out = _run(engine_overhead.main, ["--requests", "8", "--context", "100", "--steps", "5",
+                                      "--threads", str(torch.get_num_threads())])
+    assert "8 running requests" in out and "engine overhead per decode step: median" in out
+
+
+def test_stub_model_keeps_rows_like_a_causal_lm():
+    stub = engine_overhead.StubModel(vocab=32, max_rows=16)
+    ids = torch.zeros(1, 10, dtype=torch.long)
+    assert stub(ids, logits_to_keep=torch.tensor([2, 5, 9])).logits.shape == (1, 3, 32)
+    assert stub(ids, logits_to_keep=0).logits.shape == (1, 10, 32)
+    assert stub(ids, logits_to_keep=1).logits.shape == (1, 1, 32)
