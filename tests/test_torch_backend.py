@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import zlib
 
 import pytest
 import torch
@@ -72,7 +73,7 @@ CASES = {
 @pytest.mark.parametrize("extra", ["plain", "window", "softcap", "alibi"])
 def test_torch_backend_matches_naive_loop(case, heads, extra):
     q_lens, ctx_lens = CASES[case]
-    gen = torch.Generator().manual_seed(hash((case, heads, extra)) % 10_000)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((case, heads, extra)).encode()))  # not hash(): PYTHONHASHSEED
     query, k_cache, v_cache, meta, tables = random_paged_step(q_lens, ctx_lens, *heads, 8, 4, gen)
     assert meta.phase == Phase(case)
     params = AttentionParams(
