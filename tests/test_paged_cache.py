@@ -107,12 +107,12 @@ def test_copy_on_write_of_a_shared_partial_block():
     pool = _tiny_pool()
     rows = BatchTables(pool)
     rows.start(1)
-    slots = rows.append(torch.ones(1, 6, dtype=torch.bool))  # 1.5 blocks
+    slots = rows.append(6)  # 1.5 blocks
     for k, v in pool.kv_caches:
         k.view(-1, 1, 2)[slots] = torch.arange(6.0)[:, None, None]
     rows.select_rows([0, 0])  # two rows share both blocks
     assert pool.allocator.ref_count(rows.tables[0][1]) == 2
-    new = rows.append(torch.ones(2, 1, dtype=torch.bool))
+    new = rows.append(1)
     assert rows.tables[0][0] == rows.tables[1][0], "full blocks stay shared"
     assert rows.tables[0][1] != rows.tables[1][1], "the written partial block was copied"
     assert pool.allocator.num_used == 3, "one copy: the last writer keeps the original block"
@@ -124,6 +124,35 @@ def test_copy_on_write_of_a_shared_partial_block():
     rows.reset()
     assert pool.allocator.num_free == 8
     pool.allocator.check_invariants()
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_block_table_tensor_follows_the_tables_and_never_changes_a_given_one(seed: int):
+    """Decode steps update the block-table tensor in place of a rebuild; it must equal one built from the lists, and a
+    tensor handed out earlier (a plan keeps it) must keep its values."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = _tiny_pool(num_blocks=256, block_size=3)
+    rows = BatchTables(pool)
+    rows.start(4)
+    rows.append(7, torch.rand(4, 7, generator=gen) < 0.7)
+    handed = []
+    for step in range(40):
+        op = torch.randint(0, 10, (1,), generator=gen).item()
+        if op == 0:  # beam-style reorder: rows share blocks, later writes copy the shared partial block
+            rows.select_rows(torch.randint(0, rows.num_rows, (rows.num_rows,), generator=gen).tolist())
+        elif op == 1:
+            rows.crop(rows.num_columns - 1)
+        else:
+            rows.append(1)
+        table = rows.block_table_tensor()
+        handed.append((table, table.clone()))
+        width = max(len(t) for t in rows.tables)
+        want = torch.tensor([t + [0] * (width - len(t)) for t in rows.tables], dtype=torch.int32)
+        assert torch.equal(table[:, :width], want) and not table[:, width:].any()
+    assert all(torch.equal(t, copy) for t, copy in handed)
+    rows.reset()
+    pool.allocator.check_invariants()
+    assert pool.allocator.num_free == 256
 
 
 def test_crop_then_recompute_gives_the_same_logits():

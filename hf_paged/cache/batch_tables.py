@@ -15,7 +15,8 @@ from hf_paged.cache.kv_pool import KVPool
 
 
 class BatchTables:
-    """Per-row block tables over a :class:`KVPool`, plus the padding history needed to ``crop`` columns."""
+    """Per-row block tables over a :class:`KVPool`, plus the host copy of which columns hold real tokens (the
+    padding history ``crop`` needs), so no step has to read the caller's mask back from the device for it."""
 
     def __init__(self, pool: KVPool):
         self.pool = pool
@@ -23,6 +24,7 @@ class BatchTables:
         self.num_tokens: list[int] = []
         self.num_columns = 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, capacity]: which columns hold real tokens
+        self._table_tensor: torch.Tensor | None = None  # block_table_tensor(), rebuilt only after tables change
 
     @property
     def num_rows(self) -> int:
@@ -36,6 +38,7 @@ class BatchTables:
             self.pool.allocator.free(table)
         self.tables, self.num_tokens, self.num_columns = [], [], 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)
+        self._table_tensor = None
 
     def start(self, num_rows: int) -> None:
         self.reset()
@@ -43,42 +46,86 @@ class BatchTables:
         self.num_tokens = [0] * num_rows
         self._valid = torch.zeros(num_rows, 0, dtype=torch.bool)
 
-    def append(self, valid: torch.Tensor) -> torch.Tensor:
-        """Add one forward's columns. ``valid``: [rows, q_len] bool (host), True where the token is real.
+    def begin_forward(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> torch.Tensor | None:
+        """Start a new batch, or check that this forward continues the held one; returns the host ``[batch, q_len]``
+        bool of the forward's real tokens, or None when all are real.
+
+        ``attention_mask`` is ``[batch, kept + q_len]`` (None: the held columns plus ``q_len`` real ones): the caller
+        says the cache holds the input's first ``kept`` columns. ``kept == 0`` (the whole input, say a second
+        ``model(...)`` call on a used cache) starts afresh; a ``kept`` other than what is held raises.
+        """
+        held = self.num_columns
+        kept = held if attention_mask is None else attention_mask.shape[-1] - q_len
+        if self.num_rows == 0 or held == 0 or kept == 0:
+            self.start(batch_size)
+        elif kept != held or batch_size != self.num_rows:
+            raise ValueError(
+                f"this PagedAttentionCache holds {self.num_rows} sequences of {held} columns, but the input "
+                f"continues {kept} columns of {batch_size} sequences; call cache.reset() (or make a new cache) "
+                "before a new batch, or pass the whole input with its attention mask"
+            )
+        if attention_mask is None:
+            return None
+        if q_len == 1 and self.num_columns > 0:
+            # A decode step (one column more than is held, checked above): generate appends a column of ones every
+            # step, and beam reordering, repeats and crops edit this host copy of the padding along with the rows.
+            # So the mask is read back (one copy) only on a batch's first forward and on multi-token forwards
+            # (chunked prefill, assisted decoding's candidates, a caller's own extend).
+            return None
+        valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
+        return None if bool(valid.all()) else valid
+
+    def append(self, q_len: int, valid: torch.Tensor | None = None) -> torch.Tensor:
+        """Add one forward's ``q_len`` columns. ``valid``: ``[rows, q_len]`` bool (host), True where the token is
+        real; None = every token is real (a decode step of ``generate``).
 
         Reserves blocks for all rows at once (nothing changes if they do not fit), copies shared blocks that will
         be written, and returns the ``[T]`` int64 slot of each real token in row-major order.
         """
-        rows, q_len = valid.shape
-        n_new = valid.sum(1).tolist()
-        bs = self.pool.block_size
+        rows, bs = self.num_rows, self.pool.block_size
+        n_new = [q_len] * rows if valid is None else valid.sum(1).tolist()
         alloc = self.pool.allocator
         cow = self._rows_to_copy(n_new)
-        grow = [self._blocks_for(self.num_tokens[r] + n_new[r]) - len(self.tables[r]) for r in range(rows)]
+        grow = [-(-(n + k) // bs) - len(t) for t, n, k in zip(self.tables, self.num_tokens, n_new)]
         needed = len(cow) + sum(grow)
         if needed > alloc.num_free:
-            raise OutOfBlocksError(
-                needed, alloc.num_free, alloc.num_blocks,
-                hint=f"(this step adds {sum(n_new)} tokens to {rows} rows of {bs}-token blocks)",
-            )
+            hint = f"(this step adds {sum(n_new)} tokens to {rows} rows of {bs}-token blocks)"
+            if alloc.num_used:
+                hint += (f" The cache's sequences still hold {alloc.num_used} blocks: cache.reset() frees them (the "
+                         "next generate call does so itself).")
+            raise OutOfBlocksError(needed, alloc.num_free, alloc.num_blocks, hint=hint)
         if cow:
             fresh = alloc.allocate(len(cow))
             self.pool.copy_blocks([self.tables[r][-1] for r in cow], fresh)
             for r, b in zip(cow, fresh):
                 alloc.free([self.tables[r][-1]])
                 self.tables[r][-1] = b
-        for r in range(rows):
-            if grow[r]:
-                self.tables[r].extend(alloc.allocate(grow[r]))
+        grown = [r for r in range(rows) if grow[r]]
+        for r in grown:
+            self.tables[r].extend(alloc.allocate(grow[r]))
+        if q_len == 1 and self._table_tensor is not None:  # a decode step changes at most each row's last block
+            if cow or grown:
+                self._table_tensor = self._with_last_blocks(cow + grown)
+        else:
+            self._table_tensor = None
+        slots = self._slots(q_len, valid)
+        self.num_tokens = [n + k for n, k in zip(self.num_tokens, n_new)]
+        self._append_valid(q_len, valid)
+        return slots
 
+    def _slots(self, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
+        """Slot of each new real token, before ``num_tokens`` counts them."""
+        bs = self.pool.block_size
+        if valid is None and q_len == 1:  # decode: one token per row, a few host integers
+            return torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.num_tokens)],
+                                dtype=torch.int64)
+        rows = self.num_rows
+        if valid is None:
+            valid = torch.ones(rows, q_len, dtype=torch.bool)
         start = torch.tensor(self.num_tokens, dtype=torch.int64)
-        pos = start[:, None] + valid.long().cumsum(1) - 1  # [rows, q_len] position of each real token
-        table = self.block_table_tensor()
+        pos = (start[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [rows, q_len] position of each token
         row_idx = torch.arange(rows)[:, None].expand(rows, q_len)
-        slots = table[row_idx, pos.clamp(min=0) // bs].long() * bs + pos.clamp(min=0) % bs
-        for r in range(rows):
-            self.num_tokens[r] += n_new[r]
-        self._append_valid(valid)
+        slots = self.block_table_tensor()[row_idx, pos // bs].long() * bs + pos % bs
         return slots[valid]
 
     def _rows_to_copy(self, n_new: list[int]) -> list[int]:
@@ -87,32 +134,42 @@ class BatchTables:
         Of ``w`` writers sharing a block held ``c`` times, ``w`` copy if someone else still holds it, else ``w - 1``:
         the last writer keeps the original.
         """
+        bs, ref_count = self.pool.block_size, self.pool.allocator.ref_count
         writers: dict[int, list[int]] = {}
-        for r, n in enumerate(n_new):
-            if n and self.num_tokens[r] % self.pool.block_size:
-                writers.setdefault(self.tables[r][-1], []).append(r)
+        for r, (table, n, k) in enumerate(zip(self.tables, self.num_tokens, n_new)):
+            if k and n % bs and ref_count(table[-1]) > 1:  # a block held once is its writer's alone
+                writers.setdefault(table[-1], []).append(r)
         rows = []
         for block, ws in writers.items():
-            holders = self.pool.allocator.ref_count(block)
-            rows += ws if len(ws) < holders else ws[:-1]
+            rows += ws if len(ws) < ref_count(block) else ws[:-1]
         return rows
 
     def block_table_tensor(self) -> torch.Tensor:
-        """``[rows, max_blocks]`` int32, padded with 0."""
-        width = max((len(t) for t in self.tables), default=0)
-        out = torch.zeros(self.num_rows, max(width, 1), dtype=torch.int32)
-        for r, t in enumerate(self.tables):
-            out[r, : len(t)] = torch.tensor(t, dtype=torch.int32)
-        return out
+        """``[rows, max_blocks]`` int32, padded with 0. Never changed in place: a plan may keep it."""
+        if self._table_tensor is None:
+            width = max(1, max((len(t) for t in self.tables), default=0))
+            flat = [b for t in self.tables for b in (*t, *[0] * (width - len(t)))]
+            self._table_tensor = torch.tensor(flat, dtype=torch.int32).view(self.num_rows, width)
+        return self._table_tensor
 
-    def _append_valid(self, valid: torch.Tensor) -> None:
-        rows, q_len = valid.shape
+    def _with_last_blocks(self, rows: list[int]) -> torch.Tensor:
+        """The block-table tensor after the last block of each of ``rows`` changed (a new tensor: a plan may keep the
+        old one), in one indexed write instead of a rebuild from the lists."""
+        old = self._table_tensor
+        width = max(old.shape[1], max(len(self.tables[r]) for r in rows))
+        table = old.new_zeros(self.num_rows, width)
+        table[:, : old.shape[1]] = old
+        table[rows, [len(self.tables[r]) - 1 for r in rows]] = torch.tensor([self.tables[r][-1] for r in rows],
+                                                                             dtype=torch.int32)
+        return table
+
+    def _append_valid(self, q_len: int, valid: torch.Tensor | None) -> None:
         need = self.num_columns + q_len
         if need > self._valid.shape[1]:
-            grown = torch.zeros(rows, max(need, 2 * self._valid.shape[1]), dtype=torch.bool)
+            grown = torch.zeros(self.num_rows, max(need, 2 * self._valid.shape[1]), dtype=torch.bool)
             grown[:, : self.num_columns] = self._valid[:, : self.num_columns]
             self._valid = grown
-        self._valid[:, self.num_columns : need] = valid
+        self._valid[:, self.num_columns : need] = True if valid is None else valid
         self.num_columns = need
 
     def select_rows(self, rows: list[int]) -> None:
@@ -125,6 +182,7 @@ class BatchTables:
         self.tables = new_tables
         self.num_tokens = [self.num_tokens[r] for r in rows]
         self._valid = self._valid[torch.tensor(rows, dtype=torch.long)] if rows else self._valid[:0]
+        self._table_tensor = None
 
     def crop(self, max_columns: int) -> None:
         """Keep the first ``max_columns`` columns of every row and free the blocks past them."""
@@ -138,6 +196,7 @@ class BatchTables:
             self.num_tokens[r] = n
         self._valid[:, max_columns:] = False
         self.num_columns = max_columns
+        self._table_tensor = None
 
     def stats(self) -> dict:
         bs = self.pool.block_size

@@ -88,6 +88,12 @@ class PagedAttentionCache(Cache):
             comma-separated string (see ``hf_paged.available_backends()``); None = automatic (flash, cuda, torch).
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Reuse: each ``generate`` call starts from an empty cache (what an earlier call left is freed first), so a cache
+    may serve call after call and always gives the tokens a new cache gives. The cache never sees token ids, so it
+    cannot tell whether a new input continues what it holds; an input that does is recomputed. Direct ``model(...)``
+    calls continue the held batch when the attention mask covers the held columns plus the new ones, start afresh
+    when it covers only the new ones, and raise otherwise (see ``docs/cache.md``).
     """
 
     def __init__(
@@ -124,6 +130,7 @@ class PagedAttentionCache(Cache):
         self._plan_key: tuple | None = None
         self._layers_written: set[int] = set()
         self._next_plan: PagedMetadata | None = None
+        self._passed_to_generate = False
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
@@ -164,6 +171,19 @@ class PagedAttentionCache(Cache):
     def is_croppable(self) -> bool:
         return True
 
+    # generate (transformers 5.17 to 5.24) sets this on a cache the caller passed, once at the start of each call:
+    # the one sign a cache gets that a new call begins, before generate asks get_seq_length() how much of the input
+    # to skip. An empty cache makes it feed the whole input.
+    @property
+    def _is_user_defined(self) -> bool:
+        return self._passed_to_generate
+
+    @_is_user_defined.setter
+    def _is_user_defined(self, value: bool) -> None:
+        self._passed_to_generate = value
+        if value:
+            self.reset()
+
     # ----- one step --------------------------------------------------------------------------------------------
     def begin_step(self, meta: PagedMetadata) -> None:
         """Hand the next forward a plan made elsewhere (the engine plans its own steps)."""
@@ -176,6 +196,8 @@ class PagedAttentionCache(Cache):
 
         Args:
             attention_mask: ``[batch, columns + q_len]`` 2D padding mask (1 = real token), or None (all real).
+                A decode step's mask (``q_len == 1``, one column wider than the cache holds) is not read: its new
+                column is taken as all ones, as ``generate`` makes it, so the step copies nothing to the host.
         """
         if self._next_plan is not None:
             self._plan, self._next_plan = self._next_plan, None
@@ -186,26 +208,14 @@ class PagedAttentionCache(Cache):
         # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
         if self._plan is not None and not self._layers_written and self._plan_key in (key, _GIVEN_PLAN):
             return self._plan
-        if self.rows.num_rows == 0 or self.rows.num_columns == 0:
-            self.rows.start(batch_size)
-        elif batch_size != self.rows.num_rows:
-            raise ValueError(
-                f"this PagedAttentionCache holds {self.rows.num_rows} sequences from an earlier call but the batch "
-                f"has {batch_size}; call cache.reset() (or make a new cache) before generating a new batch"
-            )
-        if attention_mask is None:
-            valid = torch.ones(batch_size, q_len, dtype=torch.bool)
-        else:
-            valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
-        slots = self.rows.append(valid)
-        q_lens = valid.sum(1)
-        all_valid = bool(valid.all())
+        valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
+        slots = self.rows.append(q_len, valid)
         self._plan = build_metadata(
-            q_lens=q_lens,
+            q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
             seq_lens_k=torch.tensor(self.rows.num_tokens),
             block_tables=self.rows.block_table_tensor(),
             slot_mapping=slots,
-            token_index=None if all_valid else valid.flatten().nonzero().squeeze(1),
+            token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
             grid=(batch_size, q_len),
             block_size=self.block_size,
             kv_caches=self.pool.kv_caches,
@@ -239,10 +249,12 @@ class PagedAttentionCache(Cache):
                 "create the cache with device=model.device (or one device per layer for a split model)"
             )
         self._layers_written.add(layer_idx)
-        return _pack(key_states, plan, k_cache.device), _pack(value_states, plan, k_cache.device)
+        index = plan.on(k_cache.device).token_index
+        return _pack(key_states, index), _pack(value_states, index)
 
     # ----- batch edits generate performs -----------------------------------------------------------------------
     def reset(self) -> None:
+        """Free every sequence's blocks (each generate call starts with this)."""
         self.rows.reset()
         self._plan = None
 
@@ -254,6 +266,7 @@ class PagedAttentionCache(Cache):
         self._plan = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        # The block tables live on the host: beam search reads its beam indices back once per step.
         self.rows.select_rows(beam_idx.tolist())
         self._plan = None
 
@@ -278,11 +291,10 @@ class PagedAttentionCache(Cache):
         )
 
 
-def _pack(states: torch.Tensor, plan: PagedMetadata, device: torch.device) -> torch.Tensor:
-    """``[batch, H, q_len, D]`` -> ``[T, H, D]`` keeping the real tokens in plan order."""
+def _pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+    """``[batch, H, q_len, D]`` -> ``[T, H, D]`` keeping the real tokens (``index`` into the grid; None = all)."""
     batch, heads, q_len, dim = states.shape
     flat = states.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    index = plan.on(device).token_index
     return flat if index is None else flat.index_select(0, index)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import weakref
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
@@ -70,20 +71,40 @@ def paged_attention_forward(
     q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
     if meta.token_index is not None:
         q = q.index_select(0, meta.token_index)
-    call = AttentionCall(
-        phase=meta.phase, device_type=query.device.type, dtype=query.dtype, head_dim=head_dim,
-        num_heads=num_heads, num_kv_heads=k_cache.shape[2], block_size=meta.block_size,
-        sliding_window=sliding_window, softcap=softcap,
-    )
-    backend = meta.dispatcher.select(call)
-    meta.dispatcher.writer(k_cache).write_kv(key, value, k_cache, v_cache, meta)
-    params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling,
-                             sliding_window=sliding_window, softcap=softcap)
+    backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
+    writer.write_kv(key, value, k_cache, v_cache, meta)
     out = backend.forward(q, key, value, k_cache, v_cache, meta, params)
     if meta.token_index is None:
         return out.view(batch, q_len, num_heads, head_dim), None
     full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, meta.token_index, out)
     return full.view(batch, q_len, num_heads, head_dim), None
+
+
+# Per dispatcher: (phase, layer shape, scalars) -> (backend, KV writer, params), so that a layer looks up a plain
+# tuple instead of building and hashing an AttentionCall and its params every step (half the glue's host time).
+_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _route(meta: PagedMetadata, query: torch.Tensor, k_cache: torch.Tensor, scaling: float | None,
+           sliding_window: int | None, softcap: float | None) -> tuple:
+    """The backend, KV writer and params serving this layer in this phase (chosen once, then looked up)."""
+    _, num_heads, _, head_dim = query.shape
+    key = (meta.phase, query.dtype, query.device.type, num_heads, head_dim, k_cache.shape[2], meta.block_size,
+           scaling, sliding_window, softcap)
+    routes = _routes.get(meta.dispatcher)
+    if routes is None:
+        routes = _routes[meta.dispatcher] = {}
+    route = routes.get(key)
+    if route is None:
+        call = AttentionCall(
+            phase=meta.phase, device_type=query.device.type, dtype=query.dtype, head_dim=head_dim,
+            num_heads=num_heads, num_kv_heads=k_cache.shape[2], block_size=meta.block_size,
+            sliding_window=sliding_window, softcap=softcap,
+        )
+        params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling,
+                                 sliding_window=sliding_window, softcap=softcap)
+        route = routes[key] = (meta.dispatcher.select(call), meta.dispatcher.writer(k_cache), params)
+    return route
 
 
 @functools.lru_cache(maxsize=1)
