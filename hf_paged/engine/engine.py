@@ -27,6 +27,7 @@ from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.engine.stats import EngineStats
+from hf_paged.engine import validation
 from hf_paged.hf.register import ATTN_IMPLEMENTATION
 
 logger = logging.getLogger("hf_paged")
@@ -78,7 +79,7 @@ class Engine:
         self.model, self.tokenizer = model, tokenizer
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         self.device, dtype = model.device, model.dtype
-        max_len = _max_positions(model.config)
+        self.max_model_len = max_len = validation.position_limit(model.config)
         if num_blocks is None:
             num_blocks = blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
                                              cap=max_num_seqs * -(-max_len // block_size))
@@ -127,15 +128,16 @@ class Engine:
     ) -> Sequence:
         """Validate a request and build its sequence, ``position`` places after the next in the queue; changes
         nothing in the engine."""
-        ids = self._encode(prompt)
+        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
         params = SamplingParams.from_generation_config(
-            config or self.generation_config, len(ids), getattr(self.model, "generation_config", None))
+            validation.generation_config(config) or self.generation_config, len(ids),
+            getattr(self.model, "generation_config", None))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         arrival = self._next_id + position
-        rid = str(arrival) if request_id is None else str(request_id)
-        if rid in self._live or "__child#" in rid:
-            raise ValueError(f"request id {rid!r} is already live (or contains '__child#'); pick another")
+        rid = validation.request_id(request_id) or str(arrival)
+        if rid in self._live:
+            raise ValueError(f"request id {rid!r} is already live; pick another")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
         return Sequence(rid, ids, params, (arrival, 0), seed, params.num_return_sequences - 1)
 
@@ -144,7 +146,10 @@ class Engine:
         self._live[seq.request_id] = seq
         self.counters.prompt_tokens += seq.num_tokens
         bs, num_blocks = self.cache.block_size, self.cache.num_blocks
-        if -(-seq.num_tokens // bs) > num_blocks:
+        if seq.num_tokens >= self.max_model_len:
+            seq.finish("error", validation.past_position_limit(seq.num_tokens, self.max_model_len))
+            self.scheduler.failed.append(seq)
+        elif -(-seq.num_tokens // bs) > num_blocks:
             seq.finish("error", f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache "
                                 f"({num_blocks} blocks of {bs}); create the Engine with more num_blocks")
             self.scheduler.failed.append(seq)
@@ -152,9 +157,10 @@ class Engine:
             self.scheduler.add(seq)
         return seq.request_id
 
-    def abort(self, request_id: str) -> None:
-        """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step."""
-        self.scheduler.failed.extend(self.scheduler.abort(request_id))
+    def abort(self, request_id: str | int) -> None:
+        """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
+        An id that is not live (unknown, or finished already) is ignored."""
+        self.scheduler.failed.extend(self.scheduler.abort(validation.request_id(request_id)))
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished() or self._inflight is not None
@@ -183,9 +189,8 @@ class Engine:
         ``num_return_sequences`` copies together. Every prompt is checked before any is queued."""
         if self.has_unfinished():
             raise RuntimeError("generate runs its own batch: finish or abort the requests added with add_request first")
-        configs = generation_config if isinstance(generation_config, list) else [generation_config] * len(prompts)
-        if len(configs) != len(prompts):
-            raise ValueError(f"got {len(configs)} generation configs for {len(prompts)} prompts; give one or one each")
+        prompts = validation.prompt_list(prompts)
+        configs = validation.generation_configs(generation_config, len(prompts))
         seqs = [self._new_sequence(p, c, None, position=i) for i, (p, c) in enumerate(zip(prompts, configs))]
         ids = [self._enqueue(seq) for seq in seqs]
         wanted, done = set(ids), {}
@@ -296,9 +301,11 @@ class Engine:
         self.counters.generated_tokens += 1
         if seq.num_generated == 1 and seq.pending_children:
             self._fork(seq)
-        reason = self.stop_checker.finish_reason(seq)
+        reason, error = self.stop_checker.finish_reason(seq), None
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
         if reason is not None:
-            self.scheduler.finish(seq, reason)
+            self.scheduler.finish(seq, reason, error)
         return reason is not None
 
     def _fork(self, parent: Sequence) -> None:
@@ -336,18 +343,6 @@ class Engine:
             deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason, text))
         return deltas
 
-    def _encode(self, prompt: Prompt) -> list[int]:
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("string prompts need a tokenizer: create the Engine with tokenizer=..., or pass ids")
-            prompt = self.tokenizer.encode(prompt)
-        ids = prompt.tolist() if hasattr(prompt, "tolist") else list(prompt)
-        if not ids:
-            raise ValueError("empty prompt: give at least one token")
-        if not all(isinstance(t, int) and 0 <= t < self.vocab_size for t in ids):
-            raise ValueError(f"prompt token ids must be integers in [0, {self.vocab_size})")
-        return ids
-
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
     keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
@@ -368,11 +363,6 @@ def _use_paged_attention(model: torch.nn.Module) -> None:
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.training:
         logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
-
-
-def _max_positions(config) -> int:
-    text = config.get_text_config(decoder=True)
-    return getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
 
 
 def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:

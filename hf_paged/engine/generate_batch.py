@@ -19,6 +19,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from hf_paged.engine import validation
 from hf_paged.engine.engine import Engine, blocks_from_memory
 from hf_paged.engine.sampling_params import resolve_generation_config
 
@@ -46,10 +47,17 @@ def generate_batch(
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
     held until a call without it. ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
     """
+    validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
+    if isinstance(continuous_batching_config, dict):
+        raise ValueError("continuous_batching_config must be transformers' ContinuousBatchingConfig (or an object "
+                         "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
+    vocab_size = model.config.get_text_config(decoder=True).vocab_size
+    inputs = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, "generate_batch")]
     if not inputs:
         return {}
     opt = lambda name, default: default if getattr(continuous_batching_config, name, None) is None else getattr(
         continuous_batching_config, name)
+    generation_config = validation.generation_config(generation_config)
     gc = copy.deepcopy(generation_config or getattr(model, "generation_config", None) or GenerationConfig())
     if kwargs.get("max_new_tokens") is not None:
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
@@ -124,8 +132,8 @@ def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memor
     """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
     resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
     copies = resolved.num_return_sequences or 1
-    needed = 0
+    limit, needed = validation.position_limit(model.config), 0
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
-        needed += copies * -(-(len(prompt) + new) // block_size)
+        needed += copies * -(-min(len(prompt) + new, limit) // block_size)
     return max(1, blocks_from_memory(model.config, block_size, model.dtype, model.device, memory_fraction, needed))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import functools
+import math
+import numbers
 from dataclasses import dataclass
 
 from transformers import GenerationConfig
@@ -33,21 +35,28 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        _check(isinstance(self.max_new_tokens, int) and self.max_new_tokens >= 1,
+        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
                f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(isinstance(self.min_new_tokens, int) and 0 <= self.min_new_tokens,
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
                f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+            value = getattr(self, name)
+            _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
+                   f"{name} must be a finite number, got {value!r}")
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(not (self.do_sample and self.temperature == 0),
                "temperature=0 with do_sample=True: use do_sample=False for greedy decoding")
-        _check(isinstance(self.top_k, int) and self.top_k >= 0, f"top_k must be an integer >= 0, got {self.top_k!r}")
+        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**63,
+               f"top_k must be an integer in [0, 2**63), got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(isinstance(self.num_return_sequences, int) and self.num_return_sequences >= 1,
+        _check(_is_int(self.num_return_sequences) and self.num_return_sequences >= 1,
                f"num_return_sequences must be a positive integer, got {self.num_return_sequences!r}")
-        _check(self.seed is None or (isinstance(self.seed, int) and self.seed >= 0),
-               f"seed must be a non-negative integer or None, got {self.seed!r}")
+        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
+               f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
+        _check(all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
+               f"eos_token_id must be non-negative integers, got {list(self.eos_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
 
@@ -70,6 +79,7 @@ class SamplingParams:
         ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
         attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``.
         """
+        _refuse_unserved(config)
         gc = resolve_generation_config(config, model_config)
         max_new = gc.max_new_tokens
         if max_new is None:
@@ -77,24 +87,25 @@ class SamplingParams:
         min_new = gc.min_new_tokens
         if min_new is None:
             min_new = max(0, (gc.min_length or 0) - prompt_len)
-        if (gc.num_beams or 1) > 1:
+        if _as_int(gc.num_beams or 1, "num_beams") > 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
                              "PagedAttentionCache for beam search")
         stop = gc.stop_strings
         stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+        seed = getattr(gc, "seed", None)
         return cls(
-            max_new_tokens=max_new,
-            min_new_tokens=min_new,
+            max_new_tokens=_as_int(max_new, "max_new_tokens"),
+            min_new_tokens=_as_int(min_new, "min_new_tokens"),
             do_sample=bool(gc.do_sample),
-            temperature=_num(gc.temperature, 1.0),
-            top_k=_num(gc.top_k, 0),
-            top_p=_num(gc.top_p, 1.0),
-            min_p=_num(gc.min_p, 0.0),
-            repetition_penalty=_num(gc.repetition_penalty, 1.0),
-            seed=getattr(gc, "seed", None),
+            temperature=_as_real(_num(gc.temperature, 1.0), "temperature"),
+            top_k=_as_int(_num(gc.top_k, 0), "top_k"),
+            top_p=_as_real(_num(gc.top_p, 1.0), "top_p"),
+            min_p=_as_real(_num(gc.min_p, 0.0), "min_p"),
+            repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
+            seed=None if seed is None else _as_int(seed, "seed"),
             eos_token_ids=_eos_tuple(gc.eos_token_id),
             stop_strings=stop,
-            num_return_sequences=_num(gc.num_return_sequences, 1),
+            num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
             logprobs=bool(getattr(gc, "output_logprobs", False) or gc.output_scores),
         )
 
@@ -111,9 +122,51 @@ def resolve_generation_config(config: GenerationConfig | None, model_config: Gen
 def _eos_tuple(eos) -> tuple[int, ...]:
     if eos is None:
         return ()
-    if isinstance(eos, int):
-        return (eos,)
-    return tuple(int(e) for e in (eos.tolist() if hasattr(eos, "tolist") else eos))
+    if isinstance(eos, numbers.Integral):
+        return (_as_int(eos, "eos_token_id"),)
+    if isinstance(eos, str) or not hasattr(eos, "__iter__"):
+        raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
+    return tuple(_as_int(e, "eos_token_id") for e in (eos.tolist() if hasattr(eos, "tolist") else eos))
+
+
+#: GenerationConfig settings that change which tokens ``model.generate`` picks but that the engine does not apply,
+#: with the value that means off: a request setting one is refused rather than served with other tokens.
+_UNSERVED = {
+    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
+    "bad_words_ids": None, "force_words_ids": None, "constraints": None, "sequence_bias": None,
+    "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
+    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "guidance_scale": 1.0,
+    "penalty_alpha": None, "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None,
+    "watermarking_config": None, "max_time": None,
+}
+
+
+def _refuse_unserved(config: GenerationConfig | None) -> None:
+    """Raise for settings of ``config`` (as given, before the model's defaults fill it) the engine ignores."""
+    if config is None:
+        return
+    unserved = [f"{k}={v!r}" for k, off in _UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
+    if unserved:
+        raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
+                         "with a PagedAttentionCache, which applies every generation setting")
+
+
+def _as_real(value, name: str) -> float:
+    """``value`` as a float (numpy scalars taken); the range checks come in ``__post_init__``."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _as_int(value, name: str) -> int:
+    """``value`` as a Python int: numpy and other integral scalars are taken, bools and floats refused."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
 
 
 def _num(value, default):

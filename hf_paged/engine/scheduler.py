@@ -150,12 +150,12 @@ class Scheduler:
         """Record the step's computed tokens (their KV is written now)."""
         self.block_manager.commit(batch.seqs, batch.num_tokens)
 
-    def finish(self, seq: Sequence, reason: str) -> None:
+    def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a live sequence: its blocks go back (full ones stay findable in the prefix cache). Under
         asynchronous scheduling a sequence may learn that it is done while preempted (waiting)."""
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
         self.block_manager.free(seq)
-        seq.finish(reason)
+        seq.finish(reason, error)
 
     def insert_running(self, seq: Sequence) -> None:
         """Add a sequence that already holds blocks (a forked copy) to the running list."""

@@ -1,0 +1,119 @@
+"""Checks at the door: what a request carries is validated completely before it is queued.
+
+A value the engine cannot serve raises ``ValueError`` with one line saying what to pass instead, and nothing is
+queued; no value that passes can make a later step fail (the sampling settings are checked by ``SamplingParams``).
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Sequence as SequenceType
+
+from transformers import GenerationConfig
+
+CHILD_MARK = "__child#"  # copies of num_return_sequences are named "<id>__child#<k>", as in transformers
+
+
+def prompt_token_ids(prompt, vocab_size: int, tokenizer=None) -> list[int]:
+    """``prompt`` (a string, or one sequence of token ids: list, tuple, 1-D tensor or array) as a list of ints in
+    ``[0, vocab_size)``. Numpy and torch integers are taken; bools, floats and nested lists are refused."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("string prompts need a tokenizer: create the Engine with tokenizer=..., or pass ids")
+        prompt = tokenizer.encode(prompt)
+    if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):
+        if prompt.ndim != 1:
+            raise ValueError(f"a prompt is one sequence of token ids, got an array of shape {tuple(prompt.shape)} "
+                             "(for a [1, n] tensor pass ids[0])")
+        ids = prompt.tolist()
+    elif isinstance(prompt, (list, tuple, range)):
+        ids = list(prompt)
+    else:
+        raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
+    if not ids:
+        raise ValueError("empty prompt: give at least one token")
+    if not all(type(t) is int for t in ids):
+        ids = [_token_id(t, vocab_size) for t in ids]
+    if min(ids) < 0 or max(ids) >= vocab_size:
+        bad = next(t for t in ids if not 0 <= t < vocab_size)
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad}")
+    return ids
+
+
+def _token_id(value, vocab_size: int) -> int:
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):  # numpy and torch scalars
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {value!r} "
+                         f"({type(value).__name__})")
+    return int(value)
+
+
+def prompt_list(prompts, what: str = "generate") -> list:
+    """The prompts of ``what``: a list (or tuple, or 2-D array) of prompts, never one prompt alone."""
+    if hasattr(prompts, "ndim") and hasattr(prompts, "tolist") and prompts.ndim == 2:
+        return list(prompts)
+    if not isinstance(prompts, (list, tuple)):
+        raise ValueError(f"{what} takes a list of prompts (strings or token-id lists), got "
+                         f"{type(prompts).__name__}: wrap one prompt in a list")
+    if any(isinstance(p, numbers.Integral) for p in prompts):
+        raise ValueError(f"{what} takes a list of prompts, got one list of token ids: pass [[5, 6, 7]] for the "
+                         "single prompt [5, 6, 7]")
+    return list(prompts)
+
+
+def generation_config(config) -> GenerationConfig | None:
+    """``config`` if it is a ``GenerationConfig`` or None; anything else (a dict, keyword settings) is refused."""
+    if config is None or isinstance(config, GenerationConfig):
+        return config
+    if isinstance(config, dict):
+        raise ValueError("generation_config must be a transformers.GenerationConfig, got a dict: pass "
+                         "GenerationConfig(**settings)")
+    raise ValueError(f"generation_config must be a transformers.GenerationConfig or None, got {type(config).__name__}")
+
+
+def generation_configs(config, num_prompts: int) -> list[GenerationConfig | None]:
+    """One config for every prompt, or a list of one per prompt."""
+    configs = list(config) if isinstance(config, (list, tuple)) else [config] * num_prompts
+    if len(configs) != num_prompts:
+        raise ValueError(f"got {len(configs)} generation configs for {num_prompts} prompts; give one or one each")
+    return [generation_config(c) for c in configs]
+
+
+def request_id(value) -> str | None:
+    """A user's request id as a string (ints are taken: ``abort(7)`` finds ``add_request(..., request_id=7)``)."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
+        raise ValueError(f"request_id must be a string or an integer, got {type(value).__name__}")
+    rid = str(int(value)) if isinstance(value, numbers.Integral) else value
+    if not rid or CHILD_MARK in rid:
+        raise ValueError(f"request_id {rid!r} is empty or contains {CHILD_MARK!r} (reserved for the copies of "
+                         "num_return_sequences); pick another")
+    return rid
+
+
+def position_limit(model_config) -> int:
+    """Most tokens (prompt + generated) one sequence of the model may hold: ``max_position_embeddings`` or
+    ``n_positions``; 4096 when the config names neither."""
+    text = model_config.get_text_config(decoder=True)
+    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
+    return int(limit)
+
+
+def past_position_limit(num_tokens: int, limit: int) -> str:
+    return (f"the prompt ({num_tokens} tokens) leaves no room for a new token within the model's position limit "
+            f"({limit} tokens, max_position_embeddings); shorten the prompt")
+
+
+def reached_position_limit(num_prompt_tokens: int, limit: int) -> str:
+    return (f"reached the model's position limit ({limit} tokens, max_position_embeddings) before max_new_tokens; "
+            f"ask for at most {limit - num_prompt_tokens} new tokens with this prompt")
+
+
+def check_names(given: SequenceType[str], known: SequenceType[str], what: str) -> None:
+    """Refuse keyword arguments outside ``known`` (a typo must not be ignored silently)."""
+    unknown = sorted(set(given) - set(known))
+    if unknown:
+        raise TypeError(f"{what} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        f"accepted: {', '.join(known)}")
