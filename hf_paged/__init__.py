@@ -20,7 +20,7 @@ __all__ = [
     "available_backends",
 ]
 
-from hf_paged.engine import Engine  # noqa: E402
+from hf_paged.engine import Engine, EngineConfig  # noqa: E402
 from hf_paged.engine.generate_batch import generate_batch  # noqa: E402
 
-__all__ += ["Engine", "generate_batch"]
+__all__ += ["Engine", "EngineConfig", "generate_batch"]

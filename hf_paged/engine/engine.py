@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence as SequenceType
+from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig
@@ -17,6 +18,7 @@ from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.request_output import RequestOutput, TokenDelta
 from hf_paged.engine.runner import ModelRunner, plan_step
@@ -55,40 +57,47 @@ class Engine:
         async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
+        config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
     """
 
     def __init__(
         self,
         model: torch.nn.Module,
-        num_blocks: int | None = 512,
-        block_size: int = 16,
-        max_batch_tokens: int = 2048,
-        max_num_seqs: int = 256,
+        num_blocks: int | None = EngineConfig.num_blocks,
+        block_size: int = EngineConfig.block_size,
+        max_batch_tokens: int = EngineConfig.max_batch_tokens,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
         tokenizer=None,
         generation_config: GenerationConfig | None = None,
-        enable_prefix_caching: bool = True,
-        backend: str | SequenceType[str] | None = None,
-        memory_budget: float = 0.8,
-        cuda_graphs: bool | SequenceType[int] = True,
-        async_scheduling: bool | None = None,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+        backend: str | SequenceType[str] | None = EngineConfig.backend,
+        memory_budget: float = EngineConfig.memory_budget,
+        cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
+        async_scheduling: bool | None = EngineConfig.async_scheduling,
+        config: EngineConfig | None = None,
     ):
-        for name, value in (("max_batch_tokens", max_batch_tokens), ("max_num_seqs", max_num_seqs)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be a positive integer, got {value!r}")
+        cfg = _engine_config(config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
+                             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
+                             memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
         _use_paged_attention(model)
         self.model, self.tokenizer = model, tokenizer
-        self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+        self.generation_config = (validation.generation_config(generation_config)
+                                  or getattr(model, "generation_config", None) or GenerationConfig())
         self.device, dtype = model.device, model.dtype
         self.max_model_len = max_len = validation.position_limit(model.config)
-        if num_blocks is None:
-            num_blocks = blocks_from_memory(model.config, block_size, dtype, self.device, memory_budget,
-                                             cap=max_num_seqs * -(-max_len // block_size))
-        self.cache = PagedAttentionCache(model.config, num_blocks, block_size, self.device, dtype, backend=backend)
-        tables = BlockTableBuffer(max_num_seqs, min(num_blocks, -(-max_len // block_size)))
+        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
+        if cfg.num_blocks is None:
+            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.device,
+                                                             cfg.memory_budget,
+                                                             cap=max_num_seqs * -(-max_len // block_size)))
+        self.config = cfg
+        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.device, dtype,
+                                         backend=cfg.backend)
+        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
-                                          self.cache.pool.copy_blocks, enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, max_batch_tokens, max_num_seqs)
-        self.runner = ModelRunner(model, self.cache, max_batch_tokens, self.device, max_seqs=max_num_seqs,
+                                          self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
+        self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1])
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
@@ -96,10 +105,11 @@ class Engine:
         self.counters = EngineStats()
         self._live: dict[str, Sequence] = {}
         self._next_id = 0
-        self.async_scheduling = self.device.type == "cuda" if async_scheduling is None else bool(async_scheduling)
+        auto = cfg.async_scheduling is None
+        self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
-        self.graphs = self._capture_graphs(cuda_graphs, tables, max_num_seqs)
+        self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
 
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
         if cuda_graphs is False or self.device.type != "cuda":
@@ -355,6 +365,20 @@ def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
 def _copy_index(out: RequestOutput) -> int:
     _, _, idx = out.request_id.partition("__child#")
     return int(idx) + 1 if idx else 0
+
+
+def _engine_config(config: EngineConfig | None, **settings) -> EngineConfig:
+    """``config``, or one built from the keyword settings; giving both (a keyword off its default) is refused."""
+    if config is None:
+        return EngineConfig(**settings)
+    if not isinstance(config, EngineConfig):
+        hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
+        raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
+    changed = [k for k, v in settings.items() if v != getattr(EngineConfig, k)]
+    if changed:
+        raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
+                         f"(got config and {', '.join(changed)})")
+    return config
 
 
 def _use_paged_attention(model: torch.nn.Module) -> None:

@@ -14,12 +14,14 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
 from hf_paged.engine import validation
+from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.engine import Engine, blocks_from_memory
 from hf_paged.engine.sampling_params import resolve_generation_config
 
@@ -40,7 +42,8 @@ def generate_batch(
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
 
     Reads ``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``,
-    ``return_logprobs``, ``seed`` and ``max_memory_percent`` from ``continuous_batching_config`` when given;
+    ``return_logprobs``, ``seed`` and ``max_memory_percent`` from ``continuous_batching_config`` when given (an
+    :class:`~hf_paged.EngineConfig` is taken as it is; its ``num_blocks=None`` sizes the pool for the workload);
     ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
     for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
@@ -63,7 +66,7 @@ def generate_batch(
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
     if opt("return_logprobs", False):
         gc.output_logprobs = True
-    engine = _engine_for(model, inputs, gc, opt, persistent_manager)
+    engine = _engine_for(model, inputs, gc, opt, persistent_manager, continuous_batching_config)
     seed = opt("seed", None)
     start = time.perf_counter()
     ids = {}
@@ -92,26 +95,34 @@ def generate_batch(
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
 
 
-def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool) -> Engine:
-    """An engine sized for this workload; transformers' default block size (256) is read as "not chosen"."""
-    block_size = opt("block_size", 16)
-    block_size = 16 if block_size == 256 else block_size
-    num_blocks = opt("num_blocks", None)
-    if num_blocks is None:
-        needed = _workload_blocks(model, inputs, gc, block_size, opt("max_memory_percent", 0.8))
-    settings = dict(block_size=block_size, max_batch_tokens=opt("max_batch_tokens", 2048),
-                    max_num_seqs=opt("max_requests_per_batch", 256),
-                    enable_prefix_caching=opt("allow_block_sharing", True))
+def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, given) -> Engine:
+    """An engine sized for this workload (``given``: an ``EngineConfig`` to use as it is, else the engine settings
+    read from transformers' continuous-batching config); transformers' default block size (256) is read as "not
+    chosen"."""
+    defaults = EngineConfig()
+    block_size = opt("block_size", defaults.block_size)
+    try:
+        config = given if isinstance(given, EngineConfig) else EngineConfig(
+            num_blocks=opt("num_blocks", None), block_size=defaults.block_size if block_size == 256 else block_size,
+            max_batch_tokens=opt("max_batch_tokens", defaults.max_batch_tokens),
+            max_num_seqs=opt("max_requests_per_batch", defaults.max_num_seqs),
+            enable_prefix_caching=opt("allow_block_sharing", defaults.enable_prefix_caching),
+            memory_budget=opt("max_memory_percent", defaults.memory_budget))
+    except ValueError as exc:
+        raise ValueError(f"continuous_batching_config: {exc}") from None
+    if config.num_blocks is None:
+        needed = _workload_blocks(model, inputs, gc, config.block_size, config.memory_budget)
     kept = model.__dict__.pop(_KEPT, None)
-    if persistent and kept is not None and kept[0] == settings and not kept[1].has_unfinished():
-        fits = kept[1].cache.num_blocks >= needed if num_blocks is None else kept[1].cache.num_blocks == num_blocks
-        if fits:
+    key = replace(config, num_blocks=None)
+    if persistent and kept is not None and kept[0] == key and not kept[1].has_unfinished():
+        size = kept[1].cache.num_blocks
+        if size >= needed if config.num_blocks is None else size == config.num_blocks:
             model.__dict__[_KEPT] = kept
             return kept[1]
     del kept  # a kept engine that does not fit goes before the new one takes memory
-    engine = Engine(model, num_blocks=needed if num_blocks is None else num_blocks, **settings)
+    engine = Engine(model, config=config if config.num_blocks is not None else replace(config, num_blocks=needed))
     if persistent:
-        model.__dict__[_KEPT] = (settings, engine)
+        model.__dict__[_KEPT] = (key, engine)
     return engine
 
 

@@ -1,0 +1,66 @@
+"""``EngineConfig``: one validated record of the engine's settings, shared by ``Engine`` (keywords or ``config=``),
+``generate_batch`` and the CLI's defaults."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+from transformers import GenerationConfig
+
+import hf_paged
+from engine_helpers import greedy_config, hf_greedy, models, random_prompts
+from hf_paged import EngineConfig
+
+ARCH = "llama_gqa"
+
+
+@pytest.mark.parametrize("bad", [
+    dict(num_blocks=None, block_size=0), dict(max_num_seqs=True), dict(num_blocks=0), dict(num_blocks=-1),
+    dict(block_size=16.0), dict(max_batch_tokens=0), dict(memory_budget=0), dict(memory_budget=1.5),
+    dict(memory_budget=float("nan")), dict(enable_prefix_caching="yes"), dict(async_scheduling=1),
+    dict(backend="no-such-backend"), dict(backend=[1]), dict(cuda_graphs=[0]), dict(cuda_graphs="yes"),
+], ids=str)
+def test_bad_settings_raise_one_line_from_the_config_and_the_engine(bad):
+    with pytest.raises(ValueError) as err:
+        EngineConfig(**bad)
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError):
+        hf_paged.Engine(models(ARCH)[1], **bad)
+
+
+def test_engine_signature_shows_the_config_defaults():
+    params = inspect.signature(hf_paged.Engine).parameters
+    defaults = EngineConfig()
+    for name in EngineConfig.field_names():
+        assert params[name].default == getattr(defaults, name), name
+
+
+def test_config_and_keywords_build_the_same_engine_and_cannot_be_mixed():
+    model = models(ARCH)[1]
+    prompts = random_prompts(3, 4, 12, seed=1)
+    cfg = EngineConfig(num_blocks=40, block_size=4, max_batch_tokens=16, max_num_seqs=2, backend="torch")
+    by_config = hf_paged.Engine(model, config=cfg)
+    by_keywords = hf_paged.Engine(model, num_blocks=40, block_size=4, max_batch_tokens=16, max_num_seqs=2,
+                                  backend=["torch"])
+    assert by_config.config == by_keywords.config == cfg and cfg.backend == ("torch",)
+    refs = hf_greedy(ARCH, prompts, 5)
+    assert [o.token_ids for o in by_config.generate(prompts, greedy_config(5))] == refs
+    assert by_config.stats()["num_blocks"] == 40 and by_config.scheduler.max_num_seqs == 2
+    with pytest.raises(ValueError, match="not both"):
+        hf_paged.Engine(model, block_size=8, config=cfg)
+    with pytest.raises(ValueError, match="EngineConfig"):
+        hf_paged.Engine(model, config={"block_size": 4})
+    with pytest.raises(ValueError, match="GenerationConfig"):
+        hf_paged.Engine(model, generation_config={"max_new_tokens": 4})
+
+
+def test_generate_batch_takes_an_engine_config_and_checks_transformers_settings():
+    model = models(ARCH)[1]
+    prompts = random_prompts(2, 4, 9, seed=2)
+    refs = hf_greedy(ARCH, prompts, 4)
+    out = hf_paged.generate_batch(model, prompts, greedy_config(4), EngineConfig(num_blocks=None, block_size=4))
+    assert [out[f"req_{i}"].generated_tokens for i in range(2)] == refs
+    bad = type("CBConfig", (), dict(block_size=0))()
+    with pytest.raises(ValueError, match="continuous_batching_config: block_size"):
+        hf_paged.generate_batch(model, prompts, GenerationConfig(max_new_tokens=2), bad)
