@@ -25,6 +25,7 @@ from hf_paged.engine.runner import ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.sampling_params import SamplingParams
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
+from hf_paged.engine.interrupts import InterruptGuard
 from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stop_checker import StopChecker
@@ -109,6 +110,8 @@ class Engine:
         self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
+        self._outbox: list[Sequence] = []  # finished sequences not handed over yet
+        self._interrupts = InterruptGuard()
         self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
 
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
@@ -173,7 +176,8 @@ class Engine:
         self.scheduler.failed.extend(self.scheduler.abort(validation.request_id(request_id)))
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished() or self._inflight is not None
+        """Whether a request is queued, running, in flight, or finished but not handed over yet."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._outbox)
 
     # ----- running ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -222,36 +226,90 @@ class Engine:
 
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """One step, then hand over every finished request waiting in the outbox (and the new tokens of the rest
+        when ``want_deltas``). A Ctrl-C during the step is raised once the state is consistent, before anything
+        is handed over: the outbox then waits for the next call."""
+        with self._interrupts.held():
+            touched = self._advance()
+            self._interrupts.raise_pending()
+            clock = self.counters.clock()
+            finished = list(self._outbox)
+            outputs = [self._output(s) for s in finished]
+            deltas = self._deltas(touched, finished) if want_deltas else []
+            del self._outbox[: len(finished)]
+            for seq in finished:
+                self._live.pop(seq.request_id, None)
+            clock("update")
+        return outputs, deltas
+
+    def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
-        the host's bookkeeping runs while the device computes) or of this one (synchronous)."""
+        the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
+        finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
+        self._collect_failed()
         batch = self.scheduler.schedule()
-        finished = list(self.scheduler.failed)
-        self.scheduler.failed.clear()
+        self._collect_failed()
         clock("schedule")
-        resolved: list[Sequence] = []
-        launched = None
-        if not batch.is_empty:
-            if self._inflight is not None and any(s.pending_row >= 0 and s.params.repetition_penalty != 1.0
-                                                  for s in batch.seqs):
-                resolved += self._resolve(finished)  # the penalty reads the tokens themselves
-                batch = _without_finished(batch)
+        touched: list[Sequence] = []
+        if not batch.is_empty and self._inflight is not None and any(
+                s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
+            touched += self._resolve()  # the penalty reads the tokens themselves
+            batch = _without_finished(batch)
         if not batch.is_empty:
             self.counters.note_step(self)
-            launched = self._launch(batch)
+            try:
+                with self._interrupts.allowed():
+                    launched = self._launch(batch)
+            except BaseException as exc:
+                # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
+                # step before's tokens, which the failed launch may have overwritten on the device, and retry.
+                touched += self._resolve()
+                if not isinstance(exc, Exception):
+                    raise
+                touched += self._run_alone(_without_finished(batch), exc)
+                return touched
             clock("forward")
-        resolved += self._resolve(finished)
-        clock("sample")
-        if not batch.is_empty:
+            touched += self._resolve()
+            clock("sample")
             self._commit(batch, launched)
+        else:
+            touched += self._resolve()
         if not self.async_scheduling:
-            resolved += self._resolve(finished)
-        for seq in finished:
-            self._live.pop(seq.request_id, None)
-        deltas = self._deltas(resolved, finished) if want_deltas else []
-        outputs = [self._output(s) for s in finished]
+            touched += self._resolve()
         clock("update")
-        return outputs, deltas
+        return touched
+
+    def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
+        """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
+        with ``finish_reason="error"`` (the fault is its own), the others go on as if nothing happened."""
+        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
+                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
+        touched = []
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            if seq.is_finished:
+                continue
+            alone = ScheduledBatch([seq], [n], [smp])
+            try:
+                with self._interrupts.allowed():
+                    launched = self._launch(alone)
+            except Exception as err:
+                self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
+                continue
+            self._commit(alone, launched)
+            touched += self._resolve()
+        return touched
+
+    def _collect_failed(self) -> None:
+        """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
+        failed = self.scheduler.failed
+        if failed:
+            self._outbox += failed
+            failed.clear()
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.scheduler.finish(seq, "error", error)
+        self._outbox.append(seq)
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Forward and sample on the device; the sampled tokens start their copy to the host."""
@@ -274,20 +332,20 @@ class Engine:
                     seq.pending_row = row
             self._inflight = launched
 
-    def _resolve(self, finished: list[Sequence]) -> list[Sequence]:
+    def _resolve(self) -> list[Sequence]:
         """Write the in-flight step's tokens into its sequences and apply stop conditions (waiting for the copy
-        if it has not landed); sequences that finish go to ``finished``. Returns the sequences that got a token."""
-        step, self._inflight = self._inflight, None
+        if it has not landed); sequences that finish go to the outbox. Returns the sequences that got a token."""
+        step = self._inflight
         if step is None:
             return []
         tokens, logprobs = step.wait()
+        self._inflight = None
         got = []
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
             if seq.pending_row < 0 or seq.is_finished:  # aborted (or failed) while its token was in flight
                 continue
             seq.token_ids[-1], seq.pending_row = token, -1
-            if self._take_token(seq, logprob):
-                finished.append(seq)
+            self._take_token(seq, logprob)
             got.append(seq)
         return got
 
@@ -304,19 +362,24 @@ class Engine:
         rows = [i for i, smp in enumerate(batch.sample) if smp]
         return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
-    def _take_token(self, seq: Sequence, logprob: float | None) -> bool:
-        """Bookkeeping of a sequence's newest token (already in ``token_ids``); True if the sequence finished."""
+    def _take_token(self, seq: Sequence, logprob: float | None) -> None:
+        """Bookkeeping of a sequence's newest token (already in ``token_ids``); a finished sequence goes to the
+        outbox. A stop check that raises (the tokenizer, on stop strings) ends only this sequence, with an error."""
         if logprob is not None and seq.params.logprobs:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
         if seq.num_generated == 1 and seq.pending_children:
             self._fork(seq)
-        reason, error = self.stop_checker.finish_reason(seq), None
+        error = None
+        try:
+            reason = self.stop_checker.finish_reason(seq)
+        except Exception as exc:
+            reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason, error)
-        return reason is not None
+            self._outbox.append(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
