@@ -130,6 +130,11 @@ class ModelRunner:
             self._meta_buffers = MetadataBuffers(device)
             self._meta_buffers.reserve(max(max_tokens, max_seqs), max_seqs, max_blocks_per_seq)
 
+    def _host(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` in pinned memory on a CUDA machine: a copy from pageable memory may wait for the device's queue,
+        which would stall an asynchronous step behind the one before it."""
+        return t.pin_memory() if self.device.type == "cuda" else t
+
     def metadata(self, plan: StepPlan) -> PagedMetadata:
         return build_metadata(
             q_lens=plan.q_lens, seq_lens_k=plan.seq_lens_k, block_tables=plan.block_tables,
@@ -145,14 +150,13 @@ class ModelRunner:
         if t > self._input_ids.shape[1]:
             self._input_ids = self._input_ids.new_zeros(1, t)
             self._position_ids = self._position_ids.new_zeros(1, t)
-        pin = self.device.type == "cuda"
-        self._input_ids[0, :t].copy_(plan.input_ids.pin_memory() if pin else plan.input_ids, non_blocking=pin)
-        self._position_ids[0, :t].copy_(plan.position_ids.pin_memory() if pin else plan.position_ids, non_blocking=pin)
+        self._input_ids[0, :t].copy_(self._host(plan.input_ids), non_blocking=True)
+        self._position_ids[0, :t].copy_(self._host(plan.position_ids), non_blocking=True)
         if plan.token_sources is not None:  # in-flight ids: read the previous step's tokens on the device
-            src = plan.token_sources.to(self.device, non_blocking=pin)
+            src = self._host(plan.token_sources).to(self.device, non_blocking=True)
             ids = self._input_ids[0, :t]
             ids.copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids))
-        keep = plan.logits_indices.to(self.device, non_blocking=pin)
+        keep = self._host(plan.logits_indices).to(self.device, non_blocking=True)
         self.cache.begin_step(self.metadata(plan))
         out = self.model(
             input_ids=self._input_ids[:, :t], position_ids=self._position_ids[:, :t], use_cache=True,
