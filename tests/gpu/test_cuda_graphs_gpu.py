@@ -49,9 +49,14 @@ def _prompts(n: int, seed: int, lo: int = 5, hi: int = 200, prefix: list[int] | 
     return [(prefix or []) + [rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
 
 
-def test_replay_equals_the_same_step_run_eagerly_bit_for_bit(bf16_model):
-    engine = hf_paged.Engine(bf16_model, num_blocks=512, block_size=16, max_num_seqs=40, cuda_graphs=[1, 2, 8, 16, 40])
-    assert engine.graphs is not None, "graphs should capture with the cuda backend"
+@pytest.mark.parametrize("block_size, backend, decode_backend", [(16, None, "cuda"), (256, "flash,cuda", "flash")])
+def test_replay_equals_the_same_step_run_eagerly_bit_for_bit(bf16_model, block_size, backend, decode_backend):
+    if decode_backend == "flash":
+        pytest.importorskip("flash_attn")
+    engine = hf_paged.Engine(bf16_model, num_blocks=32768 // block_size, block_size=block_size, max_num_seqs=40,
+                             cuda_graphs=[1, 2, 8, 16, 40], backend=backend)
+    assert engine.graphs is not None, f"graphs should capture with the {decode_backend} backend"
+    assert engine.stats()["decode_backend"] == decode_backend
     for p in _prompts(37, seed=1):
         engine.add_request(p, GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
     while engine.scheduler.waiting or any(s.num_generated < 3 for s in engine.scheduler.running):
