@@ -21,6 +21,7 @@ from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.request_output import RequestOutput, TokenDelta
+from hf_paged.engine.request_registry import RequestRegistry, family
 from hf_paged.engine.runner import ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.sampling_params import SamplingParams
@@ -104,13 +105,11 @@ class Engine:
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
         self.counters = EngineStats()
-        self._live: dict[str, Sequence] = {}
-        self._next_id = 0
+        self.requests = RequestRegistry()
         auto = cfg.async_scheduling is None
         self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
-        self._outbox: list[Sequence] = []  # finished sequences not handed over yet
         self._interrupts = InterruptGuard()
         self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
 
@@ -127,19 +126,19 @@ class Engine:
 
     # ----- requests --------------------------------------------------------------------------------------------
     def add_request(
-        self, prompt: Prompt, generation_config: GenerationConfig | None = None, request_id: str | None = None
+        self, prompt: Prompt, generation_config: GenerationConfig | None = None, request_id: str | int | None = None
     ) -> str:
         """Queue a prompt (token ids, or a string with a tokenizer); returns its request id.
 
-        Raises ``ValueError`` for an empty prompt, token ids outside the vocabulary, invalid sampling values or a
-        duplicate live ``request_id``. A prompt longer than the whole cache finishes with ``finish_reason="error"``.
+        Raises ``ValueError`` (one line, nothing queued) for anything the engine cannot serve: an empty prompt,
+        token ids that are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
+        ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
+        model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
-        return self._enqueue(self._new_sequence(prompt, generation_config, request_id))
+        return self._enqueue([self._new_sequence(prompt, generation_config, request_id)])[0]
 
-    def _new_sequence(
-        self, prompt: Prompt, config: GenerationConfig | None, request_id: str | None, position: int = 0
-    ) -> Sequence:
-        """Validate a request and build its sequence, ``position`` places after the next in the queue; changes
+    def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id) -> Sequence:
+        """Validate a request and build its sequence (id and arrival are given when it is queued); changes
         nothing in the engine."""
         ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
         params = SamplingParams.from_generation_config(
@@ -147,51 +146,86 @@ class Engine:
             getattr(self.model, "generation_config", None))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
-        arrival = self._next_id + position
-        rid = validation.request_id(request_id) or str(arrival)
-        if rid in self._live:
-            raise ValueError(f"request id {rid!r} is already live; pick another")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
-        return Sequence(rid, ids, params, (arrival, 0), seed, params.num_return_sequences - 1)
+        return Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
 
-    def _enqueue(self, seq: Sequence) -> str:
-        self._next_id = seq.arrival[0] + 1
-        self._live[seq.request_id] = seq
-        self.counters.prompt_tokens += seq.num_tokens
+    def _enqueue(self, seqs: list[Sequence]) -> list[str]:
+        """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
+        for seq in seqs:
+            seq.request_id, arrival = self.requests.new_id(seq.request_id)
+            seq.arrival = (arrival, 0)
+            self.requests.track(seq)
+            self.counters.prompt_tokens += seq.num_tokens
+            error = self._never_runs(seq)
+            if error is not None:
+                seq.finish("error", error)
+                self.scheduler.failed.append(seq)
+            else:
+                self.scheduler.add(seq)
+        return [seq.request_id for seq in seqs]
+
+    def _never_runs(self, seq: Sequence) -> str | None:
         bs, num_blocks = self.cache.block_size, self.cache.num_blocks
         if seq.num_tokens >= self.max_model_len:
-            seq.finish("error", validation.past_position_limit(seq.num_tokens, self.max_model_len))
-            self.scheduler.failed.append(seq)
-        elif -(-seq.num_tokens // bs) > num_blocks:
-            seq.finish("error", f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache "
-                                f"({num_blocks} blocks of {bs}); create the Engine with more num_blocks")
-            self.scheduler.failed.append(seq)
-        else:
-            self.scheduler.add(seq)
-        return seq.request_id
+            return validation.past_position_limit(seq.num_tokens, self.max_model_len)
+        if -(-seq.num_tokens // bs) > num_blocks:
+            return (f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache ({num_blocks} blocks "
+                    f"of {bs}); create the Engine with more num_blocks")
+        return None
 
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
         An id that is not live (unknown, or finished already) is ignored."""
         self.scheduler.failed.extend(self.scheduler.abort(validation.request_id(request_id)))
 
+    def abort_all(self) -> list[str]:
+        """Abort every live request (as :meth:`abort` does); returns the ids of the sequences stopped."""
+        stopped = []
+        for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
+            stopped += self.scheduler.abort(rid)
+        self.scheduler.failed.extend(stopped)
+        return [s.request_id for s in stopped]
+
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self._outbox)
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self.requests.outbox)
 
     # ----- running ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
-        """Run one step; returns the outputs of requests that finished during it."""
+        """Run one step; returns the outputs of requests that finished (under asynchronous scheduling: whose last
+        token arrived) during it, and of requests that failed or were aborted since the step before."""
         return self._step(want_deltas=False)[0]
 
     def stream(
         self, prompts: list[Prompt] | None = None, generation_config: GenerationConfig | None = None
     ) -> Iterator[TokenDelta]:
-        """Add ``prompts`` (if any) and step until nothing is left, yielding each request's new tokens per step."""
-        for p in prompts or []:
-            self.add_request(p, generation_config)
-        while self.has_unfinished():
-            yield from self._step(want_deltas=True)[1]
+        """Yield each request's new tokens, step by step, as :class:`TokenDelta`.
+
+        With ``prompts``: add them, and stream them (and only them) until they are done; closing the generator
+        early (``break``, ``close()``, garbage collection) aborts those of them still running, and their outputs are
+        dropped with them. Without: stream every request until none is left; closing early aborts nothing.
+        Nothing else is dropped: a delta counts as handed over once it has been yielded, and a finished request
+        that was not yielded yet stays in the engine for the next ``step()`` or ``stream()``.
+        """
+        owned = None
+        if prompts is not None:
+            owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
+        try:
+            while self.requests.any_open(owned) if owned is not None else self.has_unfinished():
+                with self._interrupts.held():
+                    touched = self._advance()
+                for seq in self._stream_order(touched, owned):
+                    delta = self._peek_delta(seq)
+                    if delta is None:
+                        continue
+                    try:
+                        yield delta
+                    finally:  # runs once the consumer has the delta, whether it goes on or closes the stream
+                        with self._interrupts.held():
+                            self._hand_over_delta(seq, delta)
+        finally:
+            if owned:
+                self._cancel(owned)
 
     def generate(
         self,
@@ -200,47 +234,80 @@ class Engine:
         progress_bar: bool = False,
     ) -> list[RequestOutput]:
         """Generate for every prompt (one config for all, or one per prompt); outputs in prompt order, a prompt's
-        ``num_return_sequences`` copies together. Every prompt is checked before any is queued."""
-        if self.has_unfinished():
-            raise RuntimeError("generate runs its own batch: finish or abort the requests added with add_request first")
-        prompts = validation.prompt_list(prompts)
-        configs = validation.generation_configs(generation_config, len(prompts))
-        seqs = [self._new_sequence(p, c, None, position=i) for i, (p, c) in enumerate(zip(prompts, configs))]
-        ids = [self._enqueue(seq) for seq in seqs]
-        wanted, done = set(ids), {}
+        ``num_return_sequences`` copies together. Every prompt is checked before any is queued. Requests added by
+        others meanwhile are stepped too but not reported here (the next ``step()`` does). Interrupted (Ctrl-C, or
+        an exception), it aborts its requests before the exception leaves, so the engine is ready for the next
+        call."""
+        ids = self._enqueue(self._new_sequences(prompts, generation_config, "generate"))
+        owned, done = set(ids), []
         from tqdm.auto import tqdm
 
-        with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
-            while self.has_unfinished():
-                for out in self.step():
-                    done[out.request_id] = out
-                    bar.update(out.request_id in wanted)
+        try:
+            with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
+                while self.requests.any_open(owned):
+                    outs = self._step(want_deltas=False, owned=owned)[0]
+                    done += outs
+                    bar.update(sum(not self.requests.is_open(rid) for rid in {family(o.request_id) for o in outs}))
+        except BaseException:
+            self._cancel(owned)
+            raise
         by_request: dict[str, list[RequestOutput]] = {}
-        for out in done.values():
-            by_request.setdefault(out.request_id.partition("__child#")[0], []).append(out)
+        for out in done:
+            by_request.setdefault(family(out.request_id), []).append(out)
         return [o for rid in ids for o in sorted(by_request[rid], key=_copy_index)]
+
+    def _new_sequences(self, prompts, config, what: str) -> list[Sequence]:
+        """Validate every prompt (and its config) before any is queued."""
+        prompts = validation.prompt_list(prompts, what)
+        configs = validation.generation_configs(config, len(prompts))
+        return [self._new_sequence(p, c, None) for p, c in zip(prompts, configs)]
 
     def stats(self) -> dict:
         """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
         return self.counters.snapshot(self)
 
     # ----- internals -------------------------------------------------------------------------------------------
-    def _step(self, want_deltas: bool) -> tuple[list[RequestOutput], list[TokenDelta]]:
-        """One step, then hand over every finished request waiting in the outbox (and the new tokens of the rest
-        when ``want_deltas``). A Ctrl-C during the step is raised once the state is consistent, before anything
-        is handed over: the outbox then waits for the next call."""
+    def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """One step, then hand over the finished requests of ``owned`` (None: all) waiting in the outbox, and the
+        new tokens of the rest when ``want_deltas``. A Ctrl-C during the step is raised once the state is
+        consistent, before anything is handed over: the outbox then waits for the next call."""
         with self._interrupts.held():
             touched = self._advance()
             self._interrupts.raise_pending()
             clock = self.counters.clock()
-            finished = list(self._outbox)
+            finished = self.requests.take(owned)
             outputs = [self._output(s) for s in finished]
             deltas = self._deltas(touched, finished) if want_deltas else []
-            del self._outbox[: len(finished)]
-            for seq in finished:
-                self._live.pop(seq.request_id, None)
             clock("update")
         return outputs, deltas
+
+    def _stream_order(self, touched: list[Sequence], owned: set[str] | None) -> list[Sequence]:
+        """The sequences a stream hands a delta to after a step: those that got tokens, then the finished ones."""
+        seqs = dict.fromkeys(touched + self.requests.outbox)
+        return [s for s in seqs if owned is None or family(s.request_id) in owned]
+
+    def _peek_delta(self, seq: Sequence) -> TokenDelta | None:
+        """The delta ``seq`` has ready (None: nothing new), changing nothing."""
+        new = seq.output_token_ids[seq.num_streamed :]
+        if not new and not seq.is_finished:
+            return None
+        text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
+        return TokenDelta(seq.request_id, new, seq.finish_reason, text)
+
+    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
+        seq.num_streamed += len(delta.token_ids)
+        if delta.finished:
+            self.requests.outbox.remove(seq)
+            self.requests.untrack(seq)
+
+    def _cancel(self, families: set[str]) -> None:
+        """The reader of ``families`` is gone: stop those still running and drop their outputs."""
+        with self._interrupts.held():
+            for rid in families:
+                if self.requests.is_open(rid):
+                    self.scheduler.abort(rid)
+            self.requests.forget(families)
+            self.scheduler.failed[:] = [s for s in self.scheduler.failed if family(s.request_id) not in families]
 
     def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
@@ -304,12 +371,12 @@ class Engine:
         """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
         failed = self.scheduler.failed
         if failed:
-            self._outbox += failed
+            self.requests.outbox += failed
             failed.clear()
 
     def _fail(self, seq: Sequence, error: str) -> None:
         self.scheduler.finish(seq, "error", error)
-        self._outbox.append(seq)
+        self.requests.outbox.append(seq)
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Forward and sample on the device; the sampled tokens start their copy to the host."""
@@ -379,7 +446,7 @@ class Engine:
             reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason, error)
-            self._outbox.append(seq)
+            self.requests.outbox.append(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
@@ -387,9 +454,9 @@ class Engine:
         n, parent.pending_children = parent.pending_children, 0
         prompt = parent.token_ids[: parent.num_prompt_tokens]
         for i in range(n):
-            child = Sequence(f"{parent.request_id}__child#{i}", prompt, parent.params, (parent.arrival[0], i + 1),
-                             (parent.seed * 1_000_003 + i + 1) % 2**62)
-            self._live[child.request_id] = child
+            child = Sequence(f"{parent.request_id}{validation.CHILD_MARK}{i}", prompt, parent.params,
+                             (parent.arrival[0], i + 1), (parent.seed * 1_000_003 + i + 1) % 2**62)
+            self.requests.track(child)
             sched = self.scheduler
             room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows
             if room and parent.status is SequenceStatus.RUNNING:  # (preempted meanwhile: nothing to share)
@@ -405,15 +472,12 @@ class Engine:
                              seq.error, list(seq.logprobs) if seq.params.logprobs else None, text)
 
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
-        deltas, seen = [], set()
-        for seq in touched + finished:
-            if id(seq) in seen:
-                continue
-            seen.add(id(seq))
-            new = seq.output_token_ids[seq.num_streamed :]
-            seq.num_streamed += len(new)
-            text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
-            deltas.append(TokenDelta(seq.request_id, new, seq.finish_reason, text))
+        deltas = []
+        for seq in dict.fromkeys(touched + finished):
+            delta = self._peek_delta(seq)
+            if delta is not None:
+                seq.num_streamed += len(delta.token_ids)
+                deltas.append(delta)
         return deltas
 
 
@@ -426,7 +490,7 @@ def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
 
 
 def _copy_index(out: RequestOutput) -> int:
-    _, _, idx = out.request_id.partition("__child#")
+    _, _, idx = out.request_id.partition(validation.CHILD_MARK)
     return int(idx) + 1 if idx else 0
 
 

@@ -44,7 +44,7 @@ def check_consistent(engine: hf_paged.Engine, done: dict) -> None:
     engine.scheduler.check_invariants()  # every held block belongs to a live sequence, reference counts match
     alloc = engine.block_manager.allocator
     assert alloc.num_free + alloc.num_used == alloc.num_blocks
-    assert not set(engine._live) & set(done), "a reported request is still live"
+    assert not set(engine.requests.open) & set(done), "a reported request is still live"
 
 
 def drive(engine: hf_paged.Engine, requests, on_step=None) -> tuple[dict, int]:
@@ -63,7 +63,7 @@ def drive(engine: hf_paged.Engine, requests, on_step=None) -> tuple[dict, int]:
         check_consistent(engine, done)
         if on_step is not None:
             on_step(engine, step, ids)
-    assert engine.stats()["used_blocks"] == 0 and not engine._live
+    assert engine.stats()["used_blocks"] == 0 and not engine.requests.open
     return done, interrupts
 
 
