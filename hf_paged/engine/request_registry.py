@@ -21,21 +21,33 @@ def family(request_id: str) -> str:
 
 
 class RequestRegistry:
-    """Open sequences by id, open sequences per family, the outbox and the arrival counter."""
+    """Open sequences by id, open sequences per family, the outbox and the arrival counter.
+
+    Automatic ids are ``"0"``, ``"1"``, ... and never equal an id a user chose (ever, not only while it is open):
+    a number a user took as an id is skipped when the counter reaches it.
+    """
 
     def __init__(self) -> None:
         self.open: dict[str, Sequence] = {}
         self._family_size: dict[str, int] = {}
         self.outbox: list[Sequence] = []
         self.next_arrival = 0
+        self._next_auto = 0
+        self._taken_numbers: set[int] = set()  # user ids that read as automatic ids the counter has not reached
 
     def new_id(self, user_id: str | None) -> tuple[str, int]:
-        """``(request id, arrival number)`` of a new request; raises if a user's id is open already."""
-        arrival = self.next_arrival
-        rid = str(arrival) if user_id is None else user_id
-        if rid in self.open:
-            raise ValueError(f"request id {rid!r} is already live; pick another")
-        return rid, arrival
+        """``(request id, arrival number)`` of a new request, to be tracked next; raises if a user's id is open."""
+        if user_id is None:
+            while self._next_auto in self._taken_numbers:
+                self._taken_numbers.discard(self._next_auto)
+                self._next_auto += 1
+            self._next_auto += 1
+            return str(self._next_auto - 1), self.next_arrival
+        if user_id in self.open:
+            raise ValueError(f"request id {user_id!r} is already live; pick another")
+        if user_id.isascii() and user_id.isdigit() and str(int(user_id)) == user_id and int(user_id) >= self._next_auto:
+            self._taken_numbers.add(int(user_id))
+        return user_id, self.next_arrival
 
     def track(self, seq: Sequence) -> None:
         self.open[seq.request_id] = seq

@@ -146,3 +146,22 @@ def test_abort_takes_the_integer_id_the_request_was_added_with(async_scheduling)
     eng.abort(12345)  # not live: ignored
     done = run(eng)
     assert rid == "7" and done["7"].finish_reason == "abort" and done[other].finish_reason == "length"
+
+
+@ASYNC
+def test_automatic_ids_never_take_an_id_a_user_chose(async_scheduling):
+    prompts = random_prompts(6, 3, 9, seed=6)
+    refs = hf_greedy(ARCH, prompts, 3)
+    eng = engine(async_scheduling=async_scheduling)
+    chosen = [eng.add_request(prompts[0], greedy_config(3), request_id="1"),
+              eng.add_request(prompts[1], greedy_config(3), request_id=3),
+              eng.add_request(prompts[2], greedy_config(3), request_id="007")]
+    first = run(eng)
+    auto = [eng.add_request(p, greedy_config(3)) for p in prompts[3:]]  # "1" is finished: still not reused
+    auto += [o.request_id for o in eng.generate(prompts[:2], greedy_config(3))]
+    assert chosen == ["1", "3", "007"] and auto == ["0", "2", "4", "5", "6"]
+    done = run(eng)
+    assert [first[i].token_ids for i in chosen] == refs[:3] and [done[i].token_ids for i in auto[:3]] == refs[3:]
+    with pytest.raises(ValueError, match="already live"):
+        eng.add_request(prompts[0], greedy_config(3), request_id="x")
+        eng.add_request(prompts[0], greedy_config(3), request_id="x")
