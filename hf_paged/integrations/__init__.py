@@ -1,2 +1,3 @@
-"""Adapters between hf_paged and frameworks other than transformers' model code (installed as
-``hf_paged.integrations``). They import hf_paged; hf_paged never imports them."""
+"""Adapters between hf_paged and frameworks other than transformers' model code (accelerate: ``device_map``
+placement and data parallel). They import hf_paged; hf_paged never imports them, so ``import hf_paged`` stays free
+of their optional dependencies."""
