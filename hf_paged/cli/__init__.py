@@ -1,5 +1,5 @@
-"""The ``hf-paged`` command line (also ``python -m hf_paged``): ``generate`` (the main job), ``build-kernels`` and
-``bench kernels``.
+"""The ``hf-paged`` command line (also ``python -m hf_paged``): ``generate`` (the main job), ``serve`` (an
+OpenAI-compatible server), ``build-kernels`` and ``bench kernels``.
 
 Errors: a bad flag, file, checkpoint or request is reported in one line on stderr with exit status 2 (argparse's
 convention); anything else unexpected is one line and status 1, with the traceback under ``--verbose``.
@@ -14,7 +14,7 @@ import traceback
 import torch
 
 from hf_paged import __version__
-from hf_paged.cli import generate, kernels
+from hf_paged.cli import generate, kernels, serve
 from hf_paged.cli.arguments import Parser, exit_with, flags_for_parameters
 
 EXIT_STATUS = ("exit status: 0 done; 1 some requests failed, or the run could not complete (one line on stderr; "
@@ -27,6 +27,7 @@ def build_parser(prog: str = "hf-paged") -> Parser:
     parser.add_argument("--version", action="version", version=f"hf-paged {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub, epilog=EXIT_STATUS)
+    serve.add_parser(sub, epilog=EXIT_STATUS)
     kernels.add_parsers(sub, epilog=EXIT_STATUS)
     return parser
 

@@ -1,0 +1,27 @@
+"""``hf-paged serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
+
+``create_app(engine, model_name)`` gives the FastAPI application (FastAPI and uvicorn come with
+``pip install 'hf-paged[serve]'``); ``hf-paged serve`` runs it under uvicorn. One thread owns the engine
+(:mod:`~hf_paged.server.engine_loop`); the routes (:mod:`~hf_paged.server.app`) talk to it through queues.
+"""
+
+from __future__ import annotations
+
+INSTALL_HINT = "the server needs FastAPI and uvicorn: pip install 'hf-paged[serve]'"
+
+
+def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_template: str | None = None,
+               shutdown_timeout: float = 30.0):
+    """The OpenAI-compatible app serving ``engine`` as ``model_name``: at most ``engine.config.max_num_seqs +
+    max_queued_requests`` sequences live at once (more get 429); ``chat_template`` (Jinja) overrides the
+    tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted."""
+    try:
+        from hf_paged.server.app import build_app
+    except ImportError as exc:
+        raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    from hf_paged.server.engine_loop import EngineLoop
+    from hf_paged.server.metrics import ServerMetrics
+
+    metrics = ServerMetrics(model_name)
+    loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template)
+    return build_app(loop, metrics, model_name, shutdown_timeout)

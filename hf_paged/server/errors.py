@@ -1,0 +1,28 @@
+"""``ServerError``: a refusal with OpenAI's error shape, ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+#: OpenAI's ``type`` for each status the server answers with.
+ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
+               500: "internal_server_error", 503: "service_unavailable_error"}
+
+
+class ServerError(Exception):
+    """An answer other than 200: ``status`` and a one-line ``message`` saying what to send instead; ``param`` names
+    the request field at fault, ``code`` is a short machine-readable reason (both may be None)."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code = status, message, param, code
+
+    def body(self) -> dict:
+        return error_body(self.status, self.message, self.param, self.code)
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "invalid_request_error"),
+                      "param": param, "code": code}}
+
+
+def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServerError:
+    return ServerError(400, message, param, code)
