@@ -5,9 +5,12 @@ failure into the same error on every rank."""
 from __future__ import annotations
 
 import os
+import pathlib
 import pickle
 import random
 import socket
+import subprocess
+import sys
 import time
 
 import pytest
@@ -21,6 +24,7 @@ import hf_paged.integrations.accelerate as adapter
 from hf_paged.integrations.accelerate import balanced_shares, distributed_generate_batch
 
 WORLD_SIZE = 2
+EXAMPLE = pathlib.Path(__file__).resolve().parents[1] / "examples" / "data_parallel.py"
 DEADLINE_S = 240  # a rank left waiting in a collective shows up as this timeout, not as a stuck test run
 
 
@@ -155,3 +159,15 @@ def test_balanced_shares_cover_every_request_within_the_bound():
         assert shares == balanced_shares(list(costs), world_size)
         best_possible = max(max(costs), sum(costs) / world_size)
         assert max(sum(costs[i] for i in share) for share in shares) <= 4 / 3 * best_possible
+
+
+@pytest.mark.slow
+def test_the_example_under_torchrun_prints_what_one_process_prints(tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parents[1])}
+    run = lambda *launcher: subprocess.run([sys.executable, *launcher, str(EXAMPLE), "--max-new-tokens", "6"],
+                                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
+    alone = run()
+    assert alone.returncode == 0, alone.stderr
+    launched = run("-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}")
+    assert launched.returncode == 0, launched.stderr
+    assert launched.stdout == alone.stdout and "24 requests" in alone.stdout
