@@ -93,7 +93,11 @@ def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None,
     if req.logit_bias:
         raise bad_request("logit_bias is not served; leave it out", "logit_bias")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
-    return Job(chat, prompts, req.n, max_tokens, sampling_settings(req), logprobs, req.stream, include_usage)
+    settings = sampling_settings(req)
+    if req.n > 1 and settings.get("do_sample") is False:
+        raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
+                          "ask for n = 1", "n")
+    return Job(chat, prompts, req.n, max_tokens, settings, logprobs, req.stream, include_usage)
 
 
 def sampling_settings(req: SamplingFields) -> dict:
