@@ -8,7 +8,9 @@ device (``Sampler``) and copies the new tokens back in one transfer.
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Iterator, Sequence as SequenceType
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -111,6 +113,10 @@ class Engine:
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
         self._interrupts = InterruptGuard()
+        self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
+        self._step_running = False
+        self._stepper: int | None = None  # the thread inside a step
+        self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
         self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
 
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
@@ -135,7 +141,8 @@ class Engine:
         ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
         model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
-        return self._enqueue([self._new_sequence(prompt, generation_config, request_id)])[0]
+        seq = self._new_sequence(prompt, generation_config, request_id)
+        return self._enqueue([seq])[0]
 
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id) -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
@@ -151,6 +158,10 @@ class Engine:
 
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
+        with self._lock:
+            return self._enqueue_locked(seqs)
+
+    def _enqueue_locked(self, seqs: list[Sequence]) -> list[str]:
         for seq in seqs:
             seq.request_id, arrival = self.requests.new_id(seq.request_id)
             seq.arrival = (arrival, 0)
@@ -176,14 +187,17 @@ class Engine:
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
         An id that is not live (unknown, or finished already) is ignored."""
-        self.scheduler.failed.extend(self.scheduler.abort(validation.request_id(request_id)))
+        rid = validation.request_id(request_id)
+        with self._lock:
+            self.scheduler.failed.extend(self.scheduler.abort(rid))
 
     def abort_all(self) -> list[str]:
         """Abort every live request (as :meth:`abort` does); returns the ids of the sequences stopped."""
         stopped = []
-        for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
-            stopped += self.scheduler.abort(rid)
-        self.scheduler.failed.extend(stopped)
+        with self._lock:
+            for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
+                stopped += self.scheduler.abort(rid)
+            self.scheduler.failed.extend(stopped)
         return [s.request_id for s in stopped]
 
     def has_unfinished(self) -> bool:
@@ -212,16 +226,18 @@ class Engine:
             owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
         try:
             while self.requests.any_open(owned) if owned is not None else self.has_unfinished():
-                with self._interrupts.held():
+                with self._stepping():
                     touched = self._advance()
-                for seq in self._stream_order(touched, owned):
-                    delta = self._peek_delta(seq)
+                    ready = [(seq, seq in self.requests.outbox) for seq in self._stream_order(touched, owned)]
+                for seq, final in ready:
+                    with self._lock:
+                        delta = self._peek_delta(seq, final)
                     if delta is None:
                         continue
                     try:
                         yield delta
                     finally:  # runs once the consumer has the delta, whether it goes on or closes the stream
-                        with self._interrupts.held():
+                        with self._interrupts.held(), self._lock:
                             self._hand_over_delta(seq, delta)
         finally:
             if owned:
@@ -262,18 +278,31 @@ class Engine:
         configs = validation.generation_configs(config, len(prompts))
         return [self._new_sequence(p, c, None) for p, c in zip(prompts, configs)]
 
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (for tests and debugging): block reference counts match the live
+        sequences' tables, free + used blocks make the pool, every live or finished sequence has an open request."""
+        with self._lock:
+            self.scheduler.check_invariants()
+            alloc = self.block_manager.allocator
+            assert alloc.num_free + alloc.num_used == alloc.num_blocks
+            held = self.scheduler.live + self.scheduler.failed + self.requests.outbox
+            assert all(self.requests.open.get(s.request_id) is s for s in held), "a sequence without its request"
+            assert all(s.is_finished for s in self.requests.outbox + self.scheduler.failed)
+
     def stats(self) -> dict:
         """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
-        return self.counters.snapshot(self)
+        with self._lock:
+            return self.counters.snapshot(self)
 
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
         """One step, then hand over the finished requests of ``owned`` (None: all) waiting in the outbox, and the
         new tokens of the rest when ``want_deltas``. A Ctrl-C during the step is raised once the state is
         consistent, before anything is handed over: the outbox then waits for the next call."""
-        with self._interrupts.held():
+        with self._stepping():
             touched = self._advance()
             self._interrupts.raise_pending()
+            self._apply_cancels()
             clock = self.counters.clock()
             finished = self.requests.take(owned)
             outputs = [self._output(s) for s in finished]
@@ -281,28 +310,52 @@ class Engine:
             clock("update")
         return outputs, deltas
 
+    @contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """Hold the lock (Ctrl-C held back) for a step; steps come from one thread at a time."""
+        with self._interrupts.held(), self._lock:
+            if self._step_running:
+                raise RuntimeError("a step is running in another thread: step(), stream() and generate() must be "
+                                   "called from one thread at a time (add_request and abort from any)")
+            self._step_running, self._stepper = True, threading.get_ident()
+            try:
+                self._apply_cancels()
+                yield
+                self._apply_cancels()
+            finally:
+                self._step_running, self._stepper = False, None
+
     def _stream_order(self, touched: list[Sequence], owned: set[str] | None) -> list[Sequence]:
         """The sequences a stream hands a delta to after a step: those that got tokens, then the finished ones."""
         seqs = dict.fromkeys(touched + self.requests.outbox)
         return [s for s in seqs if owned is None or family(s.request_id) in owned]
 
-    def _peek_delta(self, seq: Sequence) -> TokenDelta | None:
-        """The delta ``seq`` has ready (None: nothing new), changing nothing."""
+    def _peek_delta(self, seq: Sequence, final: bool) -> TokenDelta | None:
+        """The delta ``seq`` has ready (None: nothing new), changing nothing; ``final``: ``seq`` is in the outbox
+        (its finish is reported only then: an abort from another thread reaches the outbox with the next step)."""
         new = seq.output_token_ids[seq.num_streamed :]
-        if not new and not seq.is_finished:
+        if not new and not final:
             return None
         text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
-        return TokenDelta(seq.request_id, new, seq.finish_reason, text)
+        return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
 
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
         seq.num_streamed += len(delta.token_ids)
-        if delta.finished:
+        if delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)
 
     def _cancel(self, families: set[str]) -> None:
-        """The reader of ``families`` is gone: stop those still running and drop their outputs."""
-        with self._interrupts.held():
+        """The reader of ``families`` is gone: stop those still running and drop their outputs. Inside a step of
+        this thread (a stream closed by the garbage collector) it waits for the step's next consistent point."""
+        self._to_cancel.append(set(families))
+        if self._stepper != threading.get_ident():
+            with self._interrupts.held(), self._lock:
+                self._apply_cancels()
+
+    def _apply_cancels(self) -> None:
+        while self._to_cancel:
+            families = self._to_cancel.pop()
             for rid in families:
                 if self.requests.is_open(rid):
                     self.scheduler.abort(rid)
@@ -326,8 +379,7 @@ class Engine:
         if not batch.is_empty:
             self.counters.note_step(self)
             try:
-                with self._interrupts.allowed():
-                    launched = self._launch(batch)
+                launched = self._launch(batch)
             except BaseException as exc:
                 # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
                 # step before's tokens, which the failed launch may have overwritten on the device, and retry.
@@ -358,8 +410,7 @@ class Engine:
                 continue
             alone = ScheduledBatch([seq], [n], [smp])
             try:
-                with self._interrupts.allowed():
-                    launched = self._launch(alone)
+                launched = self._launch(alone)
             except Exception as err:
                 self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
                 continue
@@ -379,14 +430,41 @@ class Engine:
         self.requests.outbox.append(seq)
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
-        """Forward and sample on the device; the sampled tokens start their copy to the host."""
-        logits = self._forward(batch)
+        """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
+        held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
+        sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
+        step commits)."""
         sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
+        if size is None:
+            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
+                             self.cache.block_size)
+            with self._device_work():
+                return self._sample(sampled, self.runner.forward(plan))
+        with self._interrupts.allowed():
+            logits = self.graphs.replay(batch.seqs, size)  # reads the sequences: under the lock
+        if not all(batch.sample):
+            rows = [i for i, smp in enumerate(batch.sample) if smp]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        with self._device_work():
+            return self._sample(sampled, logits[: len(sampled)])
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> InFlightStep | None:
         if not sampled:
             return None
         tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)
+
+    @contextmanager
+    def _device_work(self) -> Iterator[None]:
+        """Release the lock (and let Ctrl-C interrupt) for device work; the lock is taken back with Ctrl-C held."""
+        self._lock.release()
+        try:
+            with self._interrupts.allowed():
+                yield
+        finally:
+            self._lock.acquire()
 
     def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
         """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
@@ -415,19 +493,6 @@ class Engine:
             self._take_token(seq, logprob)
             got.append(seq)
         return got
-
-    def _forward(self, batch: ScheduledBatch) -> torch.Tensor:
-        """The logits of the step's sampled rows: a captured graph for a decode step it fits, else eager."""
-        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
-        if size is None:
-            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.cache.block_size)
-            return self.runner.forward(plan)
-        logits = self.graphs.replay(batch.seqs, size)
-        if all(batch.sample):
-            return logits[: len(batch.seqs)]
-        rows = [i for i, smp in enumerate(batch.sample) if smp]
-        return logits.index_select(0, torch.tensor(rows, device=logits.device))
 
     def _take_token(self, seq: Sequence, logprob: float | None) -> None:
         """Bookkeeping of a sequence's newest token (already in ``token_ids``); a finished sequence goes to the
@@ -472,9 +537,9 @@ class Engine:
                              seq.error, list(seq.logprobs) if seq.params.logprobs else None, text)
 
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
-        deltas = []
+        deltas, final = [], set(map(id, finished))
         for seq in dict.fromkeys(touched + finished):
-            delta = self._peek_delta(seq)
+            delta = self._peek_delta(seq, id(seq) in final)
             if delta is not None:
                 seq.num_streamed += len(delta.token_ids)
                 deltas.append(delta)
