@@ -3,7 +3,8 @@
 Types are checked here (a wrong type is a 400 naming the field); ranges and what the engine can serve are checked
 in :mod:`hf_paged.server.sampling`. Fields OpenAI defines that the engine does not serve are declared so that a
 request setting them is refused rather than silently served otherwise; unknown fields are ignored, as OpenAI does.
-``top_k``, ``min_p`` and ``repetition_penalty`` are extensions (pass them in the client's ``extra_body``).
+``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` (generate exactly ``max_tokens``) are
+extensions (pass them in the client's ``extra_body``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ class SamplingFields(BaseModel):
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
+    ignore_eos: bool = False
 
 
 class CompletionRequest(SamplingFields):

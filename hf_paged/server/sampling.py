@@ -33,10 +33,12 @@ class Job:
     logprobs: bool = False
     stream: bool = False
     include_usage: bool = False
+    ignore_eos: bool = False
 
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
         return GenerationConfig(max_new_tokens=max_new_tokens, num_return_sequences=self.n,
-                                output_logprobs=self.logprobs, **self.settings)
+                                output_logprobs=self.logprobs, min_new_tokens=max_new_tokens if self.ignore_eos else None,
+                                **self.settings)
 
 
 def completion_job(req: CompletionRequest) -> Job:
@@ -97,7 +99,7 @@ def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None,
     if req.n > 1 and settings.get("do_sample") is False:
         raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
                           "ask for n = 1", "n")
-    return Job(chat, prompts, req.n, max_tokens, settings, logprobs, req.stream, include_usage)
+    return Job(chat, prompts, req.n, max_tokens, settings, logprobs, req.stream, include_usage, req.ignore_eos)
 
 
 def sampling_settings(req: SamplingFields) -> dict:

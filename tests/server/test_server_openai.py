@@ -276,3 +276,20 @@ def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
         assert time.monotonic() - start < 10
         reader.join(20)
         assert not reader.is_alive() and seen and seen[-1] != "data: [DONE]"  # cut short, not run to the end
+
+
+def test_serve_bench_smoke(server, tmp_path):
+    import json
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    import serve_bench
+
+    out = tmp_path / "bench.json"
+    argv = ["--url", server, "--smoke", "--vocab-size", "259", "--clients", "4", "--ignore-eos", "--max-tokens", "8",
+            "--json", str(out)]
+    assert serve_bench.main(argv) == 0
+    result = json.loads(out.read_text())
+    assert result["errors"] == 0 and result["output_tokens"] == result["requests"] * 8
+    assert result["ttft_p50_ms"] > 0 and result["tpot_p99_ms"] >= result["tpot_p50_ms"] > 0
