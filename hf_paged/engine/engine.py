@@ -22,6 +22,7 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from hf_paged.engine.detokenizer import Detokenizer
 from hf_paged.engine.request_output import RequestOutput, TokenDelta
 from hf_paged.engine.request_registry import RequestRegistry, family
 from hf_paged.engine.runner import ModelRunner, plan_step
@@ -105,6 +106,7 @@ class Engine:
                                   max_blocks_per_seq=tables.table.shape[1])
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
         self.counters = EngineStats()
         self.requests = RequestRegistry()
@@ -331,17 +333,34 @@ class Engine:
         return [s for s in seqs if owned is None or family(s.request_id) in owned]
 
     def _peek_delta(self, seq: Sequence, final: bool) -> TokenDelta | None:
-        """The delta ``seq`` has ready (None: nothing new), changing nothing; ``final``: ``seq`` is in the outbox
-        (its finish is reported only then: an abort from another thread reaches the outbox with the next step)."""
-        new = seq.output_token_ids[seq.num_streamed :]
-        if not new and not final:
+        """The delta ``seq`` has ready (None: nothing new), handing nothing over; ``final``: ``seq`` is in the
+        outbox (its finish is reported only then: an abort from another thread reaches the outbox with the next
+        step). With a tokenizer, the tokens and text are those the detokenizer lets out (see ``detokenizer.py``)."""
+        tokens, text = seq.output_token_ids, None
+        if self.detokenizer is None:
+            new = tokens[seq.num_streamed :]
+        else:
+            sent = self.detokenizer.state(seq).sent
+            try:
+                if final:
+                    kept, full = self.detokenizer.final(seq)
+                    text = full[sent:]
+                else:
+                    kept, shown = self.detokenizer.ready(seq)
+                    text = self.detokenizer.state(seq).text[sent:shown]
+            except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+                kept, text = len(tokens), None
+            new = tokens[seq.num_streamed : kept]
+        if not new and not text and not final:
             return None
-        text = self.tokenizer.decode(new) if self.tokenizer is not None and new else None
         return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
 
-    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
+    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta, from_outbox: bool = True) -> None:
         seq.num_streamed += len(delta.token_ids)
-        if delta.finished and seq in self.requests.outbox:
+        if delta.text:
+            self.detokenizer.state(seq).sent += len(delta.text)
+        if from_outbox and delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)
 
@@ -531,17 +550,24 @@ class Engine:
                 sched.enqueue(child)
 
     def _output(self, seq: Sequence) -> RequestOutput:
-        out = seq.output_token_ids
-        text = self.tokenizer.decode(out, skip_special_tokens=True) if self.tokenizer is not None else None
+        """The finished sequence's output: its tokens and text cut before a stop string that stopped it."""
+        out, text = seq.output_token_ids, None
+        if self.detokenizer is not None:
+            try:
+                kept, text = self.detokenizer.final(seq)
+                out = out[:kept]
+            except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+        logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
         return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason,
-                             seq.error, list(seq.logprobs) if seq.params.logprobs else None, text)
+                             seq.error, logprobs, text)
 
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
         deltas, final = [], set(map(id, finished))
         for seq in dict.fromkeys(touched + finished):
             delta = self._peek_delta(seq, id(seq) in final)
             if delta is not None:
-                seq.num_streamed += len(delta.token_ids)
+                self._hand_over_delta(seq, delta, from_outbox=False)
                 deltas.append(delta)
         return deltas
 

@@ -29,7 +29,7 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "params", "arrival", "seed", "pending_children", "status",
         "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
-        "logprobs", "finish_reason", "error", "pending_row",
+        "logprobs", "finish_reason", "error", "pending_row", "text_state",
     )
 
     def __init__(
@@ -60,6 +60,7 @@ class Sequence:
         self.error: str | None = None
         # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
         self.pending_row = -1
+        self.text_state = None  # the Detokenizer's TextState, made when the text is first needed
 
     @property
     def num_tokens(self) -> int:
