@@ -114,7 +114,8 @@ def test_a_value_the_engine_refuses_names_the_flag(capsys):
      ["does not exist"]),
     (["bench"], "hf-paged bench: error: ", ["required", "TARGET"]),
     ([], "hf-paged: error: ", ["required", "COMMAND"]),
-    (["serve"], "hf-paged: error: ", ["invalid choice: 'serve'"]),
+    (["no-such-command"], "hf-paged: error: ", ["invalid choice: 'no-such-command'"]),
+    (["serve", "--port", "0"], "hf-paged serve: error: argument --port: ", ["must be a positive integer"]),
 ])
 def test_other_commands_refuse_bad_input_the_same_way(capsys, argv, prefix, wants):
     assert main(argv) == 2
