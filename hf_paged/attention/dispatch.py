@@ -68,6 +68,13 @@ class Dispatcher:
         self.served[call.phase.value] = backend.name
         return backend
 
+    def check_restriction(self, calls: list[AttentionCall]) -> None:
+        """With backends restricted by the user, raise ``NotImplementedError`` now (naming the backends and what to
+        allow) when none of them can serve one of ``calls``, rather than at the first forward."""
+        if self.allowed is not None:
+            for call in calls:
+                self._choice.setdefault(call, self._choose(call))
+
     def writer(self, k_cache: torch.Tensor) -> AttentionBackend:
         """The backend whose KV write serves this cache tensor: the first allowed one with a write of its own,
         else the first registered one that has one (the torch backend always does)."""

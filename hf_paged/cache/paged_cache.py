@@ -21,8 +21,9 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_paged.attention.backends.base import AttentionCall
 from hf_paged.attention.dispatch import Dispatcher
-from hf_paged.attention.metadata import PagedMetadata, build_metadata
+from hf_paged.attention.metadata import PagedMetadata, Phase, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
 from hf_paged.hf.support import check_model_supported
@@ -125,6 +126,7 @@ class PagedAttentionCache(Cache):
         self.pool = KVPool(layout, num_blocks, block_size, dtype, devices)
         self.rows = BatchTables(self.pool)
         self.dispatcher = Dispatcher(backend)
+        self.dispatcher.check_restriction(_basic_calls(config, layout, devices, dtype, block_size))
         self.dtype = dtype
         self._plan: PagedMetadata | None = None
         self._plan_key: tuple | None = None
@@ -305,3 +307,15 @@ def _layer_devices(device, num_layers: int) -> list[torch.device]:
     if len(devices) != num_layers:
         raise ValueError(f"give one device, or one per decoder layer ({num_layers}); got {len(devices)}")
     return devices
+
+
+def _basic_calls(config, layout: KVLayout, devices: list[torch.device], dtype: torch.dtype,
+                 block_size: int) -> list[AttentionCall]:
+    """One call per phase and device type for this model's attention shape (without per-layer extras such as a
+    sliding window): what any backend allowed for it must at least serve."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    return [
+        AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
+                      num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size)
+        for device_type in sorted({d.type for d in devices}) for phase in Phase
+    ]

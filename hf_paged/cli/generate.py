@@ -71,19 +71,7 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
                    help="sample among the likeliest tokens whose probabilities add up to P; 1 = off")
     s.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of the sampler (and of the embedded model's random weights)")
-    e = p.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=non_negative_int, default=ENGINE_DEFAULTS["num_blocks"], metavar="N",
-                   help="KV blocks in the pool; 0 = as many as free device memory allows")
-    e.add_argument("--block-size", type=positive_int, default=ENGINE_DEFAULTS["block_size"], metavar="N",
-                   help="tokens per block")
-    e.add_argument("--max-batch-tokens", type=positive_int, default=ENGINE_DEFAULTS["max_batch_tokens"], metavar="N",
-                   help="tokens one step may run (prefill chunks and decodes together)")
-    e.add_argument("--backend", type=backends, metavar="NAMES",
-                   help="attention backends to allow, in order, e.g. 'cuda,torch' (default: flash, cuda, torch, "
-                        "the first that can serve)")
-    e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
-    e.add_argument("--dtype", choices=list(DTYPES), default="auto",
-                   help="model dtype (auto: the checkpoint's; float32 for the embedded model)")
+    add_engine_arguments(p)
     p.set_defaults(func=run, prog=p.prog)
 
 
@@ -91,16 +79,16 @@ def run(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
     prompts = read_prompts(args)
     model, tokenizer = load(args)
-    engine = Engine(model, num_blocks=args.num_blocks or None, block_size=args.block_size,
-                    max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, backend=args.backend)
-    log_setup(args, model, engine, len(prompts))
-    start = time.perf_counter()
-    try:
-        outputs = engine.generate(prompts, generation_config(args), progress_bar=not args.no_progress)
+    try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
+        engine = Engine(model, num_blocks=args.num_blocks or None, block_size=args.block_size,
+                        max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, backend=args.backend)
     except NotImplementedError as exc:
         if args.backend is None:
             raise
         raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
+    log_setup(args, model, engine, len(prompts))
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, generation_config(args), progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
     for text, out in list(zip(prompts, outputs))[: args.show]:
         print(f"{text!r} -> {out.text!r} [{out.finish_reason}]")
@@ -190,3 +178,22 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
     print("summary:")
     for name, value in rows:
         print(f"  {name + ':':<20} {value}")
+
+def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = False) -> None:
+    """The engine's options (defaults read from ``Engine``'s signature), shared by the subcommands that run one."""
+    e = parser.add_argument_group("engine")
+    e.add_argument("--num-blocks", type=non_negative_int, default=ENGINE_DEFAULTS["num_blocks"], metavar="N",
+                   help="KV blocks in the pool; 0 = as many as free device memory allows")
+    e.add_argument("--block-size", type=positive_int, default=ENGINE_DEFAULTS["block_size"], metavar="N",
+                   help="tokens per block")
+    e.add_argument("--max-batch-tokens", type=positive_int, default=ENGINE_DEFAULTS["max_batch_tokens"], metavar="N",
+                   help="tokens one step may run (prefill chunks and decodes together)")
+    if max_num_seqs:
+        e.add_argument("--max-num-seqs", type=positive_int, default=ENGINE_DEFAULTS["max_num_seqs"], metavar="N",
+                       help="sequences running at once")
+    e.add_argument("--backend", type=backends, metavar="NAMES",
+                   help="attention backends to allow, in order, e.g. 'cuda,torch' (default: flash, cuda, torch, "
+                        "the first that can serve)")
+    e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
+    e.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="model dtype (auto: the checkpoint's; float32 for the embedded model)")

@@ -11,9 +11,8 @@ import argparse
 import logging
 from pathlib import Path
 
-from hf_paged.cli.arguments import (
-    backends, checkpoint_dir, device, exit_with, non_negative_float, non_negative_int, positive_int)
-from hf_paged.cli.generate import DTYPES, ENGINE_DEFAULTS, load
+from hf_paged.cli.arguments import checkpoint_dir, exit_with, non_negative_float, non_negative_int, positive_int
+from hf_paged.cli.generate import add_engine_arguments, load
 
 logger = logging.getLogger("hf_paged")
 DEFAULT_MODEL_NAME = "hf-paged-tiny"
@@ -40,21 +39,7 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of the embedded model's random weights")
     p.add_argument("--verbose", action="store_true", help="log requests and the engine's setup")
-    e = p.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=non_negative_int, default=ENGINE_DEFAULTS["num_blocks"], metavar="N",
-                   help="KV blocks in the pool; 0 = as many as free device memory allows")
-    e.add_argument("--block-size", type=positive_int, default=ENGINE_DEFAULTS["block_size"], metavar="N",
-                   help="tokens per block")
-    e.add_argument("--max-batch-tokens", type=positive_int, default=ENGINE_DEFAULTS["max_batch_tokens"], metavar="N",
-                   help="tokens one step may run (prefill chunks and decodes together)")
-    e.add_argument("--max-num-seqs", type=positive_int, default=ENGINE_DEFAULTS["max_num_seqs"], metavar="N",
-                   help="sequences running at once")
-    e.add_argument("--backend", type=backends, metavar="NAMES",
-                   help="attention backends to allow, in order, e.g. 'cuda,torch' (default: flash, cuda, torch, "
-                        "the first that can serve)")
-    e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
-    e.add_argument("--dtype", choices=list(DTYPES), default="auto",
-                   help="model dtype (auto: the checkpoint's; float32 for the embedded model)")
+    add_engine_arguments(p, max_num_seqs=True)
     p.set_defaults(func=run, prog=p.prog)
 
 
