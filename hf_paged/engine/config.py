@@ -49,6 +49,20 @@ class EngineConfig:
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
 
+    @classmethod
+    def resolve(cls, config: EngineConfig | None, **settings) -> EngineConfig:
+        """``config``, or one built from keyword ``settings``; both (a keyword off its default) is refused."""
+        if config is None:
+            return cls(**settings)
+        if not isinstance(config, EngineConfig):
+            hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
+            raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
+        changed = [k for k, v in settings.items() if v != getattr(cls, k)]
+        if changed:
+            raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
+                             f"(got config and {', '.join(changed)})")
+        return config
+
 
 def _positive_int(name: str, value, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:

@@ -1,8 +1,9 @@
-"""``Engine``: continuous batching over a :class:`~hf_paged.PagedAttentionCache`.
+"""``Engine``: continuous batching over a :class:`~hf_paged.PagedAttentionCache`, for any number of callers.
 
-Requests join and leave the running batch every step; each step schedules (``Scheduler``), plans flat tensors
-(``plan_step``), runs the model once over all scheduled tokens packed in one row (``ModelRunner``), samples on the
-device (``Sampler``) and copies the new tokens back in one transfer.
+Requests join and leave the running batch every step (``EngineCore`` runs the steps). The engine checks requests at
+the door (``validation``), keeps them in a ``RequestRegistry`` until their outputs are handed over, and hands them
+to the right reader: ``step()`` takes every finished request, ``generate`` and ``stream(prompts)`` their own, which
+they abort when their caller stops. ``add_request`` and ``abort`` may come from any thread.
 """
 
 from __future__ import annotations
@@ -11,38 +12,25 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence as SequenceType
 from contextlib import contextmanager
-from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig
 
-from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
-from hf_paged.cache.paged_cache import PagedAttentionCache
-from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.block_table_buffer import BlockTableBuffer
-from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
-from hf_paged.engine.detokenizer import Detokenizer
-from hf_paged.engine.request_output import RequestOutput, TokenDelta
-from hf_paged.engine.request_registry import RequestRegistry, family
-from hf_paged.engine.runner import ModelRunner, plan_step
-from hf_paged.engine.sampler import Sampler, SamplingBatch
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.inflight import InFlightStep, TokenReceiver
-from hf_paged.engine.interrupts import InterruptGuard
-from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
-from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
-from hf_paged.engine.stop_checker import StopChecker
-from hf_paged.engine.stats import EngineStats
 from hf_paged.engine import validation
-from hf_paged.hf.register import ATTN_IMPLEMENTATION
+from hf_paged.engine.config import EngineConfig
+from hf_paged.engine.detokenizer import Detokenizer
+from hf_paged.engine.engine_core import EngineCore
+from hf_paged.engine.request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
+from hf_paged.engine.request_registry import family
+from hf_paged.engine.sampling_params import SamplingParams
+from hf_paged.engine.sequence import Sequence
 
 logger = logging.getLogger("hf_paged")
 
 Prompt = SequenceType[int] | str
 
 
-class Engine:
+class Engine(EngineCore):
     """Continuous-batching generation for a decoder-only transformers model.
 
     Args:
@@ -81,56 +69,17 @@ class Engine:
         async_scheduling: bool | None = EngineConfig.async_scheduling,
         config: EngineConfig | None = None,
     ):
-        cfg = _engine_config(config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
-                             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
-                             memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
-        _use_paged_attention(model)
-        self.model, self.tokenizer = model, tokenizer
-        self.generation_config = (validation.generation_config(generation_config)
-                                  or getattr(model, "generation_config", None) or GenerationConfig())
-        self.device, dtype = model.device, model.dtype
-        self.max_model_len = max_len = validation.position_limit(model.config)
-        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
-        if cfg.num_blocks is None:
-            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.device,
-                                                             cfg.memory_budget,
-                                                             cap=max_num_seqs * -(-max_len // block_size)))
-        self.config = cfg
-        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.device, dtype,
-                                         backend=cfg.backend)
-        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
-        self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
-                                          self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
-        self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
-                                  max_blocks_per_seq=tables.table.shape[1])
-        self.sampler = Sampler()
-        self.stop_checker = StopChecker(tokenizer)
+        cfg = EngineConfig.resolve(config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
+                                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
+                                   backend=backend, memory_budget=memory_budget, cuda_graphs=cuda_graphs,
+                                   async_scheduling=async_scheduling)
+        generation_config = validation.generation_config(generation_config)
+        super().__init__(model, cfg, tokenizer)
+        self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
-        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
-        self.counters = EngineStats()
-        self.requests = RequestRegistry()
-        auto = cfg.async_scheduling is None
-        self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
-        self._receiver = TokenReceiver(max_num_seqs, self.device)
-        self._inflight: InFlightStep | None = None
-        self._interrupts = InterruptGuard()
-        self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self._step_running = False
         self._stepper: int | None = None  # the thread inside a step
         self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
-        self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
-
-    def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
-        if cuda_graphs is False or self.device.type != "cuda":
-            return None
-        sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else [s for s in cuda_graphs if s <= max_num_seqs]
-        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens)
-        reason = graphs.capture()
-        if reason is not None:
-            logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
-            return None
-        return graphs
 
     # ----- requests --------------------------------------------------------------------------------------------
     def add_request(
@@ -213,7 +162,9 @@ class Engine:
         return self._step(want_deltas=False)[0]
 
     def stream(
-        self, prompts: list[Prompt] | None = None, generation_config: GenerationConfig | None = None
+        self,
+        prompts: list[Prompt] | None = None,
+        generation_config: GenerationConfig | list[GenerationConfig] | None = None,
     ) -> Iterator[TokenDelta]:
         """Yield each request's new tokens, step by step, as :class:`TokenDelta`.
 
@@ -233,7 +184,7 @@ class Engine:
                     ready = [(seq, seq in self.requests.outbox) for seq in self._stream_order(touched, owned)]
                 for seq, final in ready:
                     with self._lock:
-                        delta = self._peek_delta(seq, final)
+                        delta = delta_of(seq, self.detokenizer, final)
                     if delta is None:
                         continue
                     try:
@@ -307,7 +258,7 @@ class Engine:
             self._apply_cancels()
             clock = self.counters.clock()
             finished = self.requests.take(owned)
-            outputs = [self._output(s) for s in finished]
+            outputs = [output_of(s, self.detokenizer) for s in finished]
             deltas = self._deltas(touched, finished) if want_deltas else []
             clock("update")
         return outputs, deltas
@@ -332,34 +283,8 @@ class Engine:
         seqs = dict.fromkeys(touched + self.requests.outbox)
         return [s for s in seqs if owned is None or family(s.request_id) in owned]
 
-    def _peek_delta(self, seq: Sequence, final: bool) -> TokenDelta | None:
-        """The delta ``seq`` has ready (None: nothing new), handing nothing over; ``final``: ``seq`` is in the
-        outbox (its finish is reported only then: an abort from another thread reaches the outbox with the next
-        step). With a tokenizer, the tokens and text are those the detokenizer lets out (see ``detokenizer.py``)."""
-        tokens, text = seq.output_token_ids, None
-        if self.detokenizer is None:
-            new = tokens[seq.num_streamed :]
-        else:
-            sent = self.detokenizer.state(seq).sent
-            try:
-                if final:
-                    kept, full = self.detokenizer.final(seq)
-                    text = full[sent:]
-                else:
-                    kept, shown = self.detokenizer.ready(seq)
-                    text = self.detokenizer.state(seq).text[sent:shown]
-            except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-                kept, text = len(tokens), None
-            new = tokens[seq.num_streamed : kept]
-        if not new and not text and not final:
-            return None
-        return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
-
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta, from_outbox: bool = True) -> None:
-        seq.num_streamed += len(delta.token_ids)
-        if delta.text:
-            self.detokenizer.state(seq).sent += len(delta.text)
+        mark_streamed(seq, delta)
         if from_outbox and delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)
@@ -381,233 +306,16 @@ class Engine:
             self.requests.forget(families)
             self.scheduler.failed[:] = [s for s in self.scheduler.failed if family(s.request_id) not in families]
 
-    def _advance(self) -> list[Sequence]:
-        """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
-        the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
-        finish go to the outbox; returns those that got a token."""
-        clock = self.counters.clock()
-        self._collect_failed()
-        batch = self.scheduler.schedule()
-        self._collect_failed()
-        clock("schedule")
-        touched: list[Sequence] = []
-        if not batch.is_empty and self._inflight is not None and any(
-                s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
-            touched += self._resolve()  # the penalty reads the tokens themselves
-            batch = _without_finished(batch)
-        if not batch.is_empty:
-            self.counters.note_step(self)
-            try:
-                launched = self._launch(batch)
-            except BaseException as exc:
-                # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
-                # step before's tokens, which the failed launch may have overwritten on the device, and retry.
-                touched += self._resolve()
-                if not isinstance(exc, Exception):
-                    raise
-                touched += self._run_alone(_without_finished(batch), exc)
-                return touched
-            clock("forward")
-            touched += self._resolve()
-            clock("sample")
-            self._commit(batch, launched)
-        else:
-            touched += self._resolve()
-        if not self.async_scheduling:
-            touched += self._resolve()
-        clock("update")
-        return touched
-
-    def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
-        """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
-        with ``finish_reason="error"`` (the fault is its own), the others go on as if nothing happened."""
-        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
-                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
-        touched = []
-        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
-            if seq.is_finished:
-                continue
-            alone = ScheduledBatch([seq], [n], [smp])
-            try:
-                launched = self._launch(alone)
-            except Exception as err:
-                self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
-                continue
-            self._commit(alone, launched)
-            touched += self._resolve()
-        return touched
-
-    def _collect_failed(self) -> None:
-        """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
-        failed = self.scheduler.failed
-        if failed:
-            self.requests.outbox += failed
-            failed.clear()
-
-    def _fail(self, seq: Sequence, error: str) -> None:
-        self.scheduler.finish(seq, "error", error)
-        self.requests.outbox.append(seq)
-
-    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
-        """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
-        held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
-        sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
-        step commits)."""
-        sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
-        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
-        if size is None:
-            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.cache.block_size)
-            with self._device_work():
-                return self._sample(sampled, self.runner.forward(plan))
-        with self._interrupts.allowed():
-            logits = self.graphs.replay(batch.seqs, size)  # reads the sequences: under the lock
-        if not all(batch.sample):
-            rows = [i for i, smp in enumerate(batch.sample) if smp]
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
-        with self._device_work():
-            return self._sample(sampled, logits[: len(sampled)])
-
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> InFlightStep | None:
-        if not sampled:
-            return None
-        tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
-        self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
-        return self._receiver.send(sampled, tokens, logprobs)
-
-    @contextmanager
-    def _device_work(self) -> Iterator[None]:
-        """Release the lock (and let Ctrl-C interrupt) for device work; the lock is taken back with Ctrl-C held."""
-        self._lock.release()
-        try:
-            with self._interrupts.allowed():
-                yield
-        finally:
-            self._lock.acquire()
-
-    def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
-        """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
-        sequences that finished meanwhile (their step before was their last) are left out."""
-        self.scheduler.commit(_without_finished(batch))
-        if launched is not None:
-            for row, seq in enumerate(launched.seqs):
-                if not seq.is_finished:
-                    seq.token_ids.append(PLACEHOLDER)
-                    seq.pending_row = row
-            self._inflight = launched
-
-    def _resolve(self) -> list[Sequence]:
-        """Write the in-flight step's tokens into its sequences and apply stop conditions (waiting for the copy
-        if it has not landed); sequences that finish go to the outbox. Returns the sequences that got a token."""
-        step = self._inflight
-        if step is None:
-            return []
-        tokens, logprobs = step.wait()
-        self._inflight = None
-        got = []
-        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
-            if seq.pending_row < 0 or seq.is_finished:  # aborted (or failed) while its token was in flight
-                continue
-            seq.token_ids[-1], seq.pending_row = token, -1
-            self._take_token(seq, logprob)
-            got.append(seq)
-        return got
-
-    def _take_token(self, seq: Sequence, logprob: float | None) -> None:
-        """Bookkeeping of a sequence's newest token (already in ``token_ids``); a finished sequence goes to the
-        outbox. A stop check that raises (the tokenizer, on stop strings) ends only this sequence, with an error."""
-        if logprob is not None and seq.params.logprobs:
-            seq.logprobs.append(logprob)
-        self.counters.generated_tokens += 1
-        if seq.num_generated == 1 and seq.pending_children:
-            self._fork(seq)
-        error = None
-        try:
-            reason = self.stop_checker.finish_reason(seq)
-        except Exception as exc:
-            reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
-        if reason is None and seq.num_tokens >= self.max_model_len:
-            reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
-        if reason is not None:
-            self.scheduler.finish(seq, reason, error)
-            self.requests.outbox.append(seq)
-
-    def _fork(self, parent: Sequence) -> None:
-        """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
-        token (into a private copy of the shared tail block) to draw their own first token."""
-        n, parent.pending_children = parent.pending_children, 0
-        prompt = parent.token_ids[: parent.num_prompt_tokens]
-        for i in range(n):
-            child = Sequence(f"{parent.request_id}{validation.CHILD_MARK}{i}", prompt, parent.params,
-                             (parent.arrival[0], i + 1), (parent.seed * 1_000_003 + i + 1) % 2**62)
-            self.requests.track(child)
-            sched = self.scheduler
-            room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows
-            if room and parent.status is SequenceStatus.RUNNING:  # (preempted meanwhile: nothing to share)
-                self.block_manager.fork(parent, child, len(prompt) - 1)
-                sched.insert_running(child)
-            else:
-                sched.enqueue(child)
-
-    def _output(self, seq: Sequence) -> RequestOutput:
-        """The finished sequence's output: its tokens and text cut before a stop string that stopped it."""
-        out, text = seq.output_token_ids, None
-        if self.detokenizer is not None:
-            try:
-                kept, text = self.detokenizer.final(seq)
-                out = out[:kept]
-            except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-        logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
-        return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason,
-                             seq.error, logprobs, text)
-
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
         deltas, final = [], set(map(id, finished))
         for seq in dict.fromkeys(touched + finished):
-            delta = self._peek_delta(seq, id(seq) in final)
+            delta = delta_of(seq, self.detokenizer, id(seq) in final)
             if delta is not None:
                 self._hand_over_delta(seq, delta, from_outbox=False)
                 deltas.append(delta)
         return deltas
 
 
-def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
-    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-    if len(keep) == len(batch.seqs):
-        return batch
-    return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep],
-                          [batch.sample[i] for i in keep])
-
-
 def _copy_index(out: RequestOutput) -> int:
     _, _, idx = out.request_id.partition(validation.CHILD_MARK)
     return int(idx) + 1 if idx else 0
-
-
-def _engine_config(config: EngineConfig | None, **settings) -> EngineConfig:
-    """``config``, or one built from the keyword settings; giving both (a keyword off its default) is refused."""
-    if config is None:
-        return EngineConfig(**settings)
-    if not isinstance(config, EngineConfig):
-        hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
-        raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
-    changed = [k for k, v in settings.items() if v != getattr(EngineConfig, k)]
-    if changed:
-        raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
-                         f"(got config and {', '.join(changed)})")
-    return config
-
-
-def _use_paged_attention(model: torch.nn.Module) -> None:
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        logger.info("hf_paged: switching the model's attention to %r for the engine", ATTN_IMPLEMENTATION)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.training:
-        logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
-
-
-def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:
-    """Blocks that ``budget`` (a fraction of the free memory of ``device``) holds, at most ``cap``."""
-    layout = KVLayout.from_config(config)
-    return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))

@@ -22,7 +22,8 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.engine import Engine, blocks_from_memory
+from hf_paged.engine.engine import Engine
+from hf_paged.engine.engine_core import blocks_from_memory
 from hf_paged.engine.sampling_params import resolve_generation_config
 
 logger = logging.getLogger("hf_paged")

@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
+
+from hf_paged.engine.detokenizer import Detokenizer
+from hf_paged.engine.sequence import Sequence
+
+logger = logging.getLogger("hf_paged")
 
 
 @dataclass(frozen=True)
@@ -43,3 +49,50 @@ class TokenDelta:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
+    """A finished sequence's output: its tokens (and text, with a detokenizer) cut before a stop string that
+    stopped it."""
+    out, text = seq.output_token_ids, None
+    if detokenizer is not None:
+        try:
+            kept, text = detokenizer.final(seq)
+            out = out[:kept]
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+    logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason, seq.error,
+                         logprobs, text)
+
+
+def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> TokenDelta | None:
+    """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
+    the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
+    text come out together (``detokenizer.py`` says what waits)."""
+    tokens, text = seq.output_token_ids, None
+    if detokenizer is None:
+        new = tokens[seq.num_streamed :]
+    else:
+        sent = detokenizer.state(seq).sent
+        try:
+            if final:
+                kept, full = detokenizer.final(seq)
+                text = full[sent:]
+            else:
+                kept, shown = detokenizer.ready(seq)
+                text = detokenizer.state(seq).text[sent:shown]
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+            kept, text = len(tokens), None
+        new = tokens[seq.num_streamed : kept]
+    if not new and not text and not final:
+        return None
+    return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
+
+
+def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:
+    """Record ``delta`` as handed to a stream reader."""
+    seq.num_streamed += len(delta.token_ids)
+    if delta.text:
+        seq.text_state.sent += len(delta.text)

@@ -1,0 +1,278 @@
+"""``EngineCore``: one engine step, from the scheduler's choice to the tokens written into the sequences.
+
+Each step schedules (``Scheduler``), plans flat tensors (``plan_step``), runs the model once over all scheduled
+tokens packed in one row (``ModelRunner``, or a captured CUDA graph for a decode step), samples on the device
+(``Sampler``) and copies the new tokens back in one transfer; with asynchronous scheduling it launches step N+1
+before it takes in step N's tokens. A step commits whole or not at all: a failed launch is dropped and its batch
+rerun one sequence at a time, so that only a faulty request ends with an error.
+
+The requests' state is guarded by ``_lock`` (held by a step except during its device work) and Ctrl-C is held back
+during the bookkeeping (``InterruptGuard``); :class:`~hf_paged.Engine` adds requests and hands outputs over.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine import validation
+from hf_paged.engine.block_manager import BlockManager
+from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.config import EngineConfig
+from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from hf_paged.engine.inflight import InFlightStep, TokenReceiver
+from hf_paged.engine.interrupts import InterruptGuard
+from hf_paged.engine.request_registry import RequestRegistry
+from hf_paged.engine.runner import ModelRunner, plan_step
+from hf_paged.engine.sampler import Sampler, SamplingBatch
+from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from hf_paged.engine.stats import EngineStats
+from hf_paged.engine.stop_checker import StopChecker
+from hf_paged.hf.register import ATTN_IMPLEMENTATION
+
+logger = logging.getLogger("hf_paged")
+
+
+class EngineCore:
+    """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
+
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None):
+        _use_paged_attention(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.device, dtype = model.device, model.dtype
+        self.max_model_len = max_len = validation.position_limit(model.config)
+        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
+        if cfg.num_blocks is None:
+            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.device,
+                                                             cfg.memory_budget,
+                                                             cap=max_num_seqs * -(-max_len // block_size)))
+        self.config = cfg
+        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.device, dtype,
+                                         backend=cfg.backend)
+        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
+        self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
+                                          self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
+        self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
+                                  max_blocks_per_seq=tables.table.shape[1])
+        self.sampler = Sampler()
+        self.stop_checker = StopChecker(tokenizer)
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.counters = EngineStats()
+        self.requests = RequestRegistry()
+        auto = cfg.async_scheduling is None
+        self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
+        self._receiver = TokenReceiver(max_num_seqs, self.device)
+        self._inflight: InFlightStep | None = None
+        self._interrupts = InterruptGuard()
+        self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
+        self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
+
+    def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
+        if cuda_graphs is False or self.device.type != "cuda":
+            return None
+        sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else [s for s in cuda_graphs if s <= max_num_seqs]
+        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens)
+        reason = graphs.capture()
+        if reason is not None:
+            logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
+            return None
+        return graphs
+
+    def _advance(self) -> list[Sequence]:
+        """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
+        the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
+        finish go to the outbox; returns those that got a token."""
+        clock = self.counters.clock()
+        self._collect_failed()
+        batch = self.scheduler.schedule()
+        self._collect_failed()
+        clock("schedule")
+        touched: list[Sequence] = []
+        if not batch.is_empty and self._inflight is not None and any(
+                s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
+            touched += self._resolve()  # the penalty reads the tokens themselves
+            batch = _without_finished(batch)
+        if not batch.is_empty:
+            self.counters.note_step(self)
+            try:
+                launched = self._launch(batch)
+            except BaseException as exc:
+                # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
+                # step before's tokens, which the failed launch may have overwritten on the device, and retry.
+                touched += self._resolve()
+                if not isinstance(exc, Exception):
+                    raise
+                touched += self._run_alone(_without_finished(batch), exc)
+                return touched
+            clock("forward")
+            touched += self._resolve()
+            clock("sample")
+            self._commit(batch, launched)
+        else:
+            touched += self._resolve()
+        if not self.async_scheduling:
+            touched += self._resolve()
+        clock("update")
+        return touched
+
+    def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
+        """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
+        with ``finish_reason="error"`` (the fault is its own), the others go on as if nothing happened."""
+        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
+                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
+        touched = []
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            if seq.is_finished:
+                continue
+            alone = ScheduledBatch([seq], [n], [smp])
+            try:
+                launched = self._launch(alone)
+            except Exception as err:
+                self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
+                continue
+            self._commit(alone, launched)
+            touched += self._resolve()
+        return touched
+
+    def _collect_failed(self) -> None:
+        """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
+        failed = self.scheduler.failed
+        if failed:
+            self.requests.outbox += failed
+            failed.clear()
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.scheduler.finish(seq, "error", error)
+        self.requests.outbox.append(seq)
+
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+        """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
+        held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
+        sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
+        step commits)."""
+        sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
+        if size is None:
+            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
+                             self.cache.block_size)
+            with self._device_work():
+                return self._sample(sampled, self.runner.forward(plan))
+        with self._interrupts.allowed():
+            logits = self.graphs.replay(batch.seqs, size)  # reads the sequences: under the lock
+        if not all(batch.sample):
+            rows = [i for i, smp in enumerate(batch.sample) if smp]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        with self._device_work():
+            return self._sample(sampled, logits[: len(sampled)])
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> InFlightStep | None:
+        if not sampled:
+            return None
+        tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
+        self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
+        return self._receiver.send(sampled, tokens, logprobs)
+
+    @contextmanager
+    def _device_work(self) -> Iterator[None]:
+        """Release the lock (and let Ctrl-C interrupt) for device work; the lock is taken back with Ctrl-C held."""
+        self._lock.release()
+        try:
+            with self._interrupts.allowed():
+                yield
+        finally:
+            self._lock.acquire()
+
+    def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
+        """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
+        sequences that finished meanwhile (their step before was their last) are left out."""
+        self.scheduler.commit(_without_finished(batch))
+        if launched is not None:
+            for row, seq in enumerate(launched.seqs):
+                if not seq.is_finished:
+                    seq.token_ids.append(PLACEHOLDER)
+                    seq.pending_row = row
+            self._inflight = launched
+
+    def _resolve(self) -> list[Sequence]:
+        """Write the in-flight step's tokens into its sequences and apply stop conditions (waiting for the copy
+        if it has not landed); sequences that finish go to the outbox. Returns the sequences that got a token."""
+        step = self._inflight
+        if step is None:
+            return []
+        tokens, logprobs = step.wait()
+        self._inflight = None
+        got = []
+        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
+            if seq.pending_row < 0 or seq.is_finished:  # aborted (or failed) while its token was in flight
+                continue
+            seq.token_ids[-1], seq.pending_row = token, -1
+            self._take_token(seq, logprob)
+            got.append(seq)
+        return got
+
+    def _take_token(self, seq: Sequence, logprob: float | None) -> None:
+        """Bookkeeping of a sequence's newest token (already in ``token_ids``); a finished sequence goes to the
+        outbox. A stop check that raises (the tokenizer, on stop strings) ends only this sequence, with an error."""
+        if logprob is not None and seq.params.logprobs:
+            seq.logprobs.append(logprob)
+        self.counters.generated_tokens += 1
+        if seq.num_generated == 1 and seq.pending_children:
+            self._fork(seq)
+        error = None
+        try:
+            reason = self.stop_checker.finish_reason(seq)
+        except Exception as exc:
+            reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
+        if reason is not None:
+            self.scheduler.finish(seq, reason, error)
+            self.requests.outbox.append(seq)
+
+    def _fork(self, parent: Sequence) -> None:
+        """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
+        token (into a private copy of the shared tail block) to draw their own first token."""
+        n, parent.pending_children = parent.pending_children, 0
+        prompt = parent.token_ids[: parent.num_prompt_tokens]
+        for i in range(n):
+            child = Sequence(f"{parent.request_id}{validation.CHILD_MARK}{i}", prompt, parent.params,
+                             (parent.arrival[0], i + 1), (parent.seed * 1_000_003 + i + 1) % 2**62)
+            self.requests.track(child)
+            sched = self.scheduler
+            room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows
+            if room and parent.status is SequenceStatus.RUNNING:  # (preempted meanwhile: nothing to share)
+                self.block_manager.fork(parent, child, len(prompt) - 1)
+                sched.insert_running(child)
+            else:
+                sched.enqueue(child)
+
+
+def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
+    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+    if len(keep) == len(batch.seqs):
+        return batch
+    return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep],
+                          [batch.sample[i] for i in keep])
+
+
+def _use_paged_attention(model: torch.nn.Module) -> None:
+    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+        logger.info("hf_paged: switching the model's attention to %r for the engine", ATTN_IMPLEMENTATION)
+        model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    if model.training:
+        logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
+
+
+def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:
+    """Blocks that ``budget`` (a fraction of the free memory of ``device``) holds, at most ``cap``."""
+    layout = KVLayout.from_config(config)
+    return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))
