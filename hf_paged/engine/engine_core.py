@@ -225,14 +225,14 @@ class EngineCore:
         if logprob is not None and seq.params.logprobs:
             seq.logprobs.append(logprob)
         self.counters.generated_tokens += 1
-        if seq.num_generated == 1 and seq.pending_children:
+        if seq.pending_children and seq.num_generated == 1:
             self._fork(seq)
         error = None
         try:
             reason = self.stop_checker.finish_reason(seq)
         except Exception as exc:
             reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
-        if reason is None and seq.num_tokens >= self.max_model_len:
+        if reason is None and len(seq.token_ids) >= self.max_model_len:
             reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
         if reason is not None:
             self.scheduler.finish(seq, reason, error)

@@ -20,8 +20,11 @@ class InterruptGuard:
     def __init__(self) -> None:
         self._held = False
         self._pending = False
+        self._interruptible = False  # inside allowed(): a SIGINT raises at once
 
     def _record(self, signum, frame) -> None:
+        if self._interruptible:
+            raise KeyboardInterrupt
         self._pending = True
 
     @contextmanager
@@ -53,8 +56,8 @@ class InterruptGuard:
             yield
             return
         self.raise_pending()
-        signal.signal(signal.SIGINT, signal.default_int_handler)
+        self._interruptible = True
         try:
             yield
         finally:
-            signal.signal(signal.SIGINT, self._record)
+            self._interruptible = False
