@@ -51,6 +51,9 @@ class Engine(EngineCore):
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
+
+    Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
+    thread while one thread runs ``step``, ``stream`` or ``generate``.
     """
 
     def __init__(
@@ -69,10 +72,10 @@ class Engine(EngineCore):
         async_scheduling: bool | None = EngineConfig.async_scheduling,
         config: EngineConfig | None = None,
     ):
-        cfg = EngineConfig.resolve(config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
-                                   max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching,
-                                   backend=backend, memory_budget=memory_budget, cuda_graphs=cuda_graphs,
-                                   async_scheduling=async_scheduling)
+        cfg = EngineConfig.resolve(
+            config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
+            memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

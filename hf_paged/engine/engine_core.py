@@ -79,7 +79,8 @@ class EngineCore:
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
         if cuda_graphs is False or self.device.type != "cuda":
             return None
-        sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else [s for s in cuda_graphs if s <= max_num_seqs]
+        sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
+                 else [s for s in cuda_graphs if s <= max_num_seqs])
         graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens)
         reason = graphs.capture()
         if reason is not None:
