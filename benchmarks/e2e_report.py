@@ -136,6 +136,9 @@ def _negated_version(label: str) -> tuple:
 
 
 def _git_commit() -> str | None:
+    """The checkout's commit; ``HF_PAGED_COMMIT`` overrides it where the tree was copied without its history."""
+    if os.environ.get("HF_PAGED_COMMIT"):
+        return os.environ["HF_PAGED_COMMIT"]
     try:
         out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True)
     except OSError:
