@@ -98,7 +98,9 @@ def test_stop_strings_with_a_tokenizer():
     assert stop
     eng = hf_paged.Engine(model, tokenizer=tok)
     out = eng.generate(["abcdef"], GenerationConfig(max_new_tokens=12, do_sample=False, stop_strings=[stop]))[0]
-    assert out.finish_reason == "stop" and stop in out.text and len(out.token_ids) <= 5
+    free_text = tok.decode(free.token_ids, skip_special_tokens=True)
+    # OpenAI style: the stop string and what follows are cut from the text (and the tokens it begins in)
+    assert out.finish_reason == "stop" and out.text == free_text[: free_text.index(stop)] and len(out.token_ids) <= 5
     assert out.token_ids == free.token_ids[: len(out.token_ids)]
     assert_all_free(eng)
 
