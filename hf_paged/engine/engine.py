@@ -164,6 +164,11 @@ class Engine(EngineCore):
         token arrived) during it, and of requests that failed or were aborted since the step before."""
         return self._step(want_deltas=False)[0]
 
+    def step_with_deltas(self) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """Like :meth:`step`, and also every request's new tokens (and text) since the last hand-over: what a
+        server loop that streams many requests needs from one step."""
+        return self._step(want_deltas=True)
+
     def stream(
         self,
         prompts: list[Prompt] | None = None,

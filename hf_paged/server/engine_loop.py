@@ -33,13 +33,6 @@ logger = logging.getLogger("hf_paged")
 STATS_EVERY_S = 0.05  # how often a busy loop refreshes the stats that /metrics reads
 
 
-def step_with_deltas(engine: Engine) -> tuple[list[RequestOutput], list[TokenDelta]]:
-    """One engine step: the finished outputs and every request's new tokens. The engine's private ``_step`` is
-    what ``Engine.stream`` uses; this is the one place the server reaches for it, until the engine has a public
-    verb for it."""
-    return engine._step(want_deltas=True)
-
-
 @dataclass
 class Submission:
     """A job as the engine thread keeps it while it is live."""
@@ -184,7 +177,7 @@ class EngineLoop:
 
     def _step(self) -> None:
         try:
-            outputs, deltas = step_with_deltas(self.engine)
+            outputs, deltas = self.engine.step_with_deltas()
         except Exception as exc:  # the engine commits a step whole; a step that raises fails what is live
             logger.exception("hf_paged: an engine step failed; failing the live requests")
             self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")

@@ -49,7 +49,7 @@ def _run(async_scheduling: bool, num_blocks: int, abort_at: int | None = None):
     while pending or engine.has_unfinished():
         if pending and step % 2 == 0:
             ids.append(engine.add_request(*pending.pop(0)))
-        for delta in engine._step(want_deltas=True)[1]:
+        for delta in engine.step_with_deltas()[1]:
             assert PLACEHOLDER not in delta.token_ids
             streamed.setdefault(delta.request_id, []).extend(delta.token_ids)
         step += 1

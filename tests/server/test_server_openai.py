@@ -165,11 +165,12 @@ def test_client_disconnect_aborts_and_frees_blocks(server):
 
 def test_full_server_answers_429(server, client):
     wait_idle(server)
-    body = {"model": MODEL, "prompt": "hold", "max_tokens": 1000, "temperature": 1, "stream": True,
+    body = {"model": MODEL, "prompt": "hold", "max_tokens": 100, "temperature": 1, "stream": True, "ignore_eos": True,
             "n": MAX_SEQS + MAX_QUEUED - 2}
     with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=TIMEOUT) as r:
         assert r.status_code == 200
-        next(r.iter_lines())
+        lines = r.iter_lines()  # kept: a dropped iterator closes the response, which the server takes as a disconnect
+        next(lines)
         with pytest.raises(openai.RateLimitError) as err:
             client.completions.create(model=MODEL, prompt="one more", max_tokens=2, n=3, temperature=1)
         assert err.value.status_code == 429 and "full" in err.value.body["message"]
