@@ -12,6 +12,7 @@ import argparse
 import os
 
 import torch
+import torch.distributed as dist
 from transformers import GenerationConfig
 
 from hf_paged.cli.default_model import load_model
@@ -35,3 +36,6 @@ if int(os.environ.get("RANK", 0)) == 0:
     for request_id, output in list(results.items())[:3]:
         print(request_id, repr(tokenizer.decode(output.generated_tokens, skip_special_tokens=True)))
     print(f"{len(results)} requests, {sum(len(o.generated_tokens) for o in results.values())} tokens")
+
+if dist.is_initialized():  # leave the process group before exit: a group torn down at interpreter exit can abort
+    dist.destroy_process_group()
