@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import zlib
+
 import pytest
 import torch
 from tiny_models import ARCHS, EOS, PAD, left_padded_batch, make_models
@@ -21,7 +23,7 @@ def _paged_cache(model, block_size: int, num_blocks: int = 256) -> hf_paged.Page
 @pytest.mark.parametrize("arch", sorted(ARCHS))
 @pytest.mark.parametrize("block_size", [1, 16])
 def test_greedy_matches_eager(arch: str, block_size: int):
-    eager, paged = make_models(arch, seed=hash((arch, block_size)) % 1000)
+    eager, paged = make_models(arch, seed=zlib.crc32(f"{arch}/{block_size}".encode()) % 1000)  # not hash(): PYTHONHASHSEED
     gen = torch.Generator().manual_seed(block_size)
     lengths = [1, 7, 33, 100] if block_size == 16 else [5, 17, 64]
     batch = left_padded_batch(lengths, gen)
