@@ -239,6 +239,13 @@ class PagedAttentionCache(Cache):
                 "PagedAttentionCache.update ran before a step was planned: load the model with "
                 'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step'
             )
+        if layer_idx >= len(self.pool.kv_caches) or key_states.shape[1] != self.pool.layout.num_kv_heads or (
+                key_states.shape[-1] != self.pool.layout.head_dim):
+            raise ValueError(
+                f"this cache was built for another model ({self.pool.layout}) but layer {layer_idx} produces "
+                f"{key_states.shape[1]} KV heads of {key_states.shape[-1]}; build the cache from this model's config "
+                "(PagedAttentionCache(model.config, ...))"
+            )
         k_cache = self.pool.kv_caches[layer_idx][0]
         if key_states.dtype != self.dtype:
             raise ValueError(
