@@ -37,9 +37,9 @@ def test_a_cache_built_for_another_model_is_refused_with_one_line():
     _, paged = make_models("llama_gqa")
     batch = {"input_ids": torch.tensor([[5, 6, 7]]), "attention_mask": torch.ones(1, 3, dtype=torch.long)}
     other = make_config("qwen3")  # other head_dim
-    fewer = make_config("llama_gqa")
-    fewer.num_hidden_layers = 1  # the model has 2 layers
-    for config in (other, fewer):
+    fewer, more = make_config("llama_gqa"), make_config("llama_gqa")
+    fewer.num_hidden_layers, more.num_hidden_layers = 1, 3  # the model has 2 layers
+    for config in (other, fewer, more):
         cache = hf_paged.PagedAttentionCache(config, num_blocks=8, block_size=4)
         with pytest.raises(ValueError, match="this cache was built for another model"):
             paged(**with_cache(paged, cache, **batch))

@@ -126,6 +126,7 @@ class PagedAttentionCache(Cache):
         self.pool = KVPool(layout, num_blocks, block_size, dtype, devices)
         self.rows = BatchTables(self.pool)
         self.dispatcher = Dispatcher(backend)
+        self._checked_config = None
         self.dispatcher.check_restriction(_basic_calls(config, layout, devices, dtype, block_size))
         self.dtype = dtype
         self._plan: PagedMetadata | None = None
@@ -227,6 +228,19 @@ class PagedAttentionCache(Cache):
         self._plan_key = (batch_size, q_len, self.rows.num_columns)
         self._layers_written.clear()
         return self._plan
+
+    def check_model_config(self, config) -> None:
+        """Refuse a model whose decoder has another number of layers than this cache (the mask function passes the
+        model's config each forward; checked once per config object)."""
+        if config is None or config is self._checked_config:
+            return
+        layers = KVLayout.from_config(config).num_layers
+        if layers != self.pool.layout.num_layers:
+            raise ValueError(
+                f"this cache was built for another model ({self.pool.layout}) but this model has {layers} decoder "
+                "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))"
+            )
+        self._checked_config = config
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """Pack this layer's new K/V (``[batch, Hkv, q_len, D]``) to the real tokens: returns ``[T, Hkv, D]`` each.

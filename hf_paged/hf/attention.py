@@ -35,6 +35,7 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         _note_dense_fallback()
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                          q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
+    cache.check_model_config(kwargs.get("config"))
     device = kwargs.get("device") or cache.pool.kv_caches[0][0].device
     return cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
 
