@@ -10,6 +10,7 @@ generates for a share of the prompts balanced by tokens, and every process gets 
 
 from __future__ import annotations
 
+import atexit
 import copy
 import hashlib
 import logging
@@ -142,9 +143,16 @@ def _process_group() -> tuple[int, int]:
             return 1, 0
         # Results travel as Python objects: gloo carries them from host memory whatever the model's device.
         dist.init_process_group(backend="cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo")
+        # The group is ours: leave it before the interpreter exits (a group torn down at exit can abort the process).
+        atexit.register(_leave_process_group)
         logger.info("hf_paged: joined a process group of %d processes from the launcher's environment",
                     dist.get_world_size())
     return dist.get_world_size(), dist.get_rank()
+
+
+def _leave_process_group() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[list[int]], list[int]]:
