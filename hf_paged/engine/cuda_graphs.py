@@ -107,6 +107,21 @@ class DecodeGraphs:
         start = time.perf_counter()
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
+        try:
+            reason = self._capture_all()
+        except Exception as exc:  # e.g. a model whose forward syncs with the host: it runs eager instead
+            self._graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return f"capturing the decode step failed ({type(exc).__name__}: {str(exc)[:300]})"
+        if reason is not None:
+            return reason
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB",
+                    len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+        return None
+
+    def _capture_all(self) -> str | None:
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         self._pool = torch.cuda.graph_pool_handle()
@@ -124,10 +139,6 @@ class DecodeGraphs:
             self._graphs[b] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
-        self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
-        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB",
-                    len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
         return None
 
     @torch.inference_mode()
