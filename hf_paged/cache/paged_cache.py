@@ -19,60 +19,18 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
-from transformers.cache_utils import Cache, CacheLayerMixin
+from transformers.cache_utils import Cache
 
 from hf_paged.attention.backends.base import AttentionCall
 from hf_paged.attention.dispatch import Dispatcher
 from hf_paged.attention.metadata import PagedMetadata, Phase, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
+from hf_paged.cache.paged_layer import PagedLayer, PlanOffset
 from hf_paged.hf.support import check_model_supported
 
 
 _GIVEN_PLAN = "given"  # plan key of a plan handed over by begin_step
-
-
-class _PlanOffset(int):
-    """The query offset ``generate``'s mask code asks the cache for, carrying the cache to the mask function.
-
-    It is an ``int`` (the number of columns seen), so any other reader gets the plain offset.
-    """
-
-    paged_cache: PagedAttentionCache
-
-    def __new__(cls, value: int, cache: PagedAttentionCache):
-        obj = super().__new__(cls, value)
-        obj.paged_cache = cache
-        return obj
-
-
-class PagedLayer(CacheLayerMixin):
-    """One layer's view of the pool, so transformers code that walks ``cache.layers`` finds real tensors."""
-
-    is_compileable = False
-    is_sliding = False
-    supports_early_init = False
-
-    def __init__(self, owner: PagedAttentionCache, layer_idx: int):
-        super().__init__()
-        self.owner, self.layer_idx = owner, layer_idx
-        self.keys, self.values = owner.pool.kv_caches[layer_idx]
-        self.is_initialized = True
-
-    def lazy_initialization(self, key_states, value_states) -> None:
-        return None  # the pool is allocated up front
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        return self.owner.update(key_states, value_states, self.layer_idx)
-
-    def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.owner.get_mask_sizes(query_length, self.layer_idx)
-
-    def get_seq_length(self) -> int:
-        return self.owner.get_seq_length()
-
-    def get_max_length(self) -> int:
-        return -1
 
 
 class PagedAttentionCache(Cache):
@@ -153,7 +111,7 @@ class PagedAttentionCache(Cache):
         return self.rows.num_columns + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        return _PlanOffset(self.rows.num_columns, self)
+        return PlanOffset(self.rows.num_columns, self)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
