@@ -1,4 +1,4 @@
-// What both paged-decode kernels share: the launch shape, cp.async helpers, and the CTA epilogue (merge the
+// What both paged-decode kernels share: the launch shape, the CTA's work, and the CTA epilogue (merge the
 // warps, write the output or this split's partial, and let the last split of a (sequence, head group) combine).
 //
 // Split-K (Flash-Decoding) bookkeeping: a sequence's context is cut into `split_len` pieces; each CTA leaves an
@@ -13,6 +13,7 @@
 #include <cstdint>
 
 #include "launch.h"
+#include "ptx.cuh"
 #include "vec.cuh"
 
 namespace hf_paged {
@@ -20,17 +21,8 @@ namespace decode {
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr float kLog2e = 1.4426950408889634f;
 
 __host__ __device__ constexpr int cdiv(int a, int b) { return (a + b - 1) / b; }
-
-__device__ __forceinline__ void cp_async16(uint32_t smem_addr, const void* gmem, bool valid) {
-  // Zero-fill when invalid, so masked tokens hold finite V (0 * garbage could be NaN).
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(smem_addr), "l"(gmem), "r"(valid ? 16 : 0));
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
-template <int N>
-__device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
 __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;

@@ -10,6 +10,7 @@
 #include <tuple>
 #include <vector>
 
+#include "checks.h"
 #include "launch.h"
 #include "ops.h"
 
@@ -29,22 +30,14 @@ int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
   return (group_size + k.heads_per_cta - 1) / k.heads_per_cta;
 }
 
-DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache) {
-  TORCH_CHECK_VALUE(query.dim() == 3, format("query must be [batch, num_heads, head_dim], got %s",
-                                            shape_of(query).c_str()));
-  TORCH_CHECK_VALUE(k_cache.dim() == 4, format("k_cache must be [num_blocks, block_size, num_kv_heads, head_dim], "
-                                              "got %s", shape_of(k_cache).c_str()));
-  const int64_t heads = query.size(1), kv_heads = k_cache.size(2), head_dim = query.size(2);
-  TORCH_CHECK_VALUE(kv_heads > 0 && heads % kv_heads == 0,
-                    format("num_heads (%lld) must be a multiple of num_kv_heads (%lld)", static_cast<long long>(heads),
-                           static_cast<long long>(kv_heads)));
-  TORCH_CHECK_VALUE(k_cache.size(3) == head_dim, format("query head_dim %lld != cache head_dim %lld",
-                                                        static_cast<long long>(head_dim),
-                                                        static_cast<long long>(k_cache.size(3))));
-  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(head_dim), static_cast<int>(heads / kv_heads));
-  TORCH_CHECK_VALUE(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 64, 128 or "
-                                            "256; got %s with head_dim %lld", c10::toString(query.scalar_type()),
-                                            static_cast<long long>(head_dim)));
+// The compiled kernel for a checked query / cache pair (NotImplementedError when none is).
+DecodeKernel kernel_for(const at::Tensor& query, const AttentionShape& s) {
+  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(s.head_dim),
+                                       static_cast<int>(s.heads / s.kv_heads));
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 64, "
+                                                      "128 or 256; got %s with head_dim %lld",
+                                                      c10::toString(query.scalar_type()),
+                                                      static_cast<long long>(s.head_dim)));
   return k;
 }
 
@@ -108,56 +101,35 @@ at::Tensor counters_for(const at::Device& device, cudaStream_t stream, int64_t n
   return buf;
 }
 
-void check_decode_args(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                       const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                       int64_t max_seq_len, const std::optional<at::Tensor>& alibi) {
-  const at::Device device = query.device();
-  check_cuda_tensor(out, "out", device), check_cuda_tensor(k_cache, "k_cache", device);
-  check_cuda_tensor(v_cache, "v_cache", device), check_cuda_tensor(block_tables, "block_tables", device);
-  check_cuda_tensor(seq_lens, "seq_lens", device);
-  const int64_t batch = query.size(0), heads = query.size(1), vec = vec_elems(query.scalar_type());
-  TORCH_CHECK_VALUE(k_cache.sizes() == v_cache.sizes() && k_cache.is_contiguous() && v_cache.is_contiguous(),
-                    "k_cache and v_cache must be contiguous tensors of one shape");
-  TORCH_CHECK_VALUE(k_cache.scalar_type() == query.scalar_type() && v_cache.scalar_type() == query.scalar_type() &&
-                        out.scalar_type() == query.scalar_type(),
-                    "query, out and the caches must share one dtype");
-  TORCH_CHECK_VALUE(out.sizes() == query.sizes() && out.is_contiguous() && aligned16(out),
-                    format("out must be a contiguous tensor shaped like query %s", shape_of(query).c_str()));
-  TORCH_CHECK_VALUE(query.stride(2) == 1 && query.stride(1) % vec == 0 && query.stride(0) % vec == 0 &&
-                        aligned16(query) && aligned16(k_cache) && aligned16(v_cache),
-                    "query rows must be contiguous and 16-byte aligned; call .contiguous() first");
-  TORCH_CHECK_VALUE(seq_lens.scalar_type() == at::kInt && seq_lens.dim() == 1 && seq_lens.size(0) == batch &&
-                        seq_lens.is_contiguous(),
-                    "seq_lens must be a contiguous int32 [batch] tensor");
-  TORCH_CHECK_VALUE(block_tables.scalar_type() == at::kInt && block_tables.dim() == 2 &&
-                        block_tables.size(0) == batch && block_tables.stride(1) == 1,
-                    "block_tables must be an int32 [batch, max_blocks] tensor with contiguous rows");
+// What decode checks beyond the shared query / cache / table checks.
+void check_decode_args(const at::Tensor& out, const at::Tensor& k_cache, const at::Tensor& block_tables,
+                       int64_t max_seq_len) {
+  TORCH_CHECK_VALUE(out.is_contiguous(), "out must be a contiguous [batch, num_heads, head_dim] tensor");
   TORCH_CHECK_VALUE(max_seq_len >= 0 && block_tables.size(1) * k_cache.size(1) >= max_seq_len,
                     format("block_tables has %lld blocks of %lld tokens per row, too few for max_seq_len %lld",
                            static_cast<long long>(block_tables.size(1)), static_cast<long long>(k_cache.size(1)),
                            static_cast<long long>(max_seq_len)));
-  TORCH_CHECK_VALUE(batch <= 65535, format("paged_decode takes at most 65535 sequences per launch, got %lld",
-                                           static_cast<long long>(batch)));
-  TORCH_CHECK_VALUE(k_cache.size(0) * k_cache.size(1) <= INT32_MAX, "the cache holds more than 2^31 token slots");
-  check_alibi_slopes(alibi, heads, device);
 }
 
 }  // namespace
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
+  const AttentionShape s = check_query_and_cache(query, query, k_cache, k_cache, "batch");
   const c10::cuda::CUDAGuard guard(query.device());
-  return split_len_for(kernel_for(query, k_cache), query, k_cache, max_seq_len);
+  return split_len_for(kernel_for(query, s), query, k_cache, max_seq_len);
 }
 
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len,
-                     const std::optional<at::Tensor>& workspace) {
-  const DecodeKernel k = kernel_for(query, k_cache);
-  check_decode_args(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, alibi_slopes);
+                     int64_t split_len, const std::optional<at::Tensor>& workspace) {
+  const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch");
+  check_lengths_and_tables(seq_lens, "seq_lens", block_tables, s.rows, query.device());
+  check_decode_args(out, k_cache, block_tables, max_seq_len);
+  const float scale_log2 = softmax_scale_log2(scale);
+  const DecodeKernel k = kernel_for(query, s);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t batch = query.size(0), heads = query.size(1), kv_heads = k_cache.size(2), bs = k_cache.size(1);
+  const int64_t batch = s.rows, heads = s.heads, kv_heads = s.kv_heads, bs = s.block_size;
   if (batch == 0) return 0;
   if (split_len <= 0) split_len = split_len_for(k, query, k_cache, max_seq_len);
   TORCH_CHECK_VALUE(split_len % k.tile == 0, format("split_len must be a multiple of %d here, got %lld", k.tile,
@@ -171,18 +143,17 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const int group_size = static_cast<int>(heads / kv_heads);
   p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
   p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.alibi_slopes = alibi_slopes.has_value() ? alibi_slopes->data_ptr<float>() : nullptr;
-  p.scale_log2 = static_cast<float>(scale * 1.4426950408889634);
+  p.scale_log2 = scale_log2;
   p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
   p.num_heads = static_cast<int>(heads), p.num_kv_heads = static_cast<int>(kv_heads);
   p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
-  p.block_size = static_cast<int>(bs), p.block_shift = (bs & (bs - 1)) == 0 ? __builtin_ctzll(bs) : -1;
+  p.block_size = static_cast<int>(bs), p.block_shift = block_shift_of(bs);
   p.table_stride = static_cast<int>(block_tables.stride(0)), p.table_width = static_cast<int>(block_tables.size(1));
   p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * bs, INT32_MAX));
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
   at::Tensor part_out, part_stats, counters;
   if (max_splits > 1) {
-    const int64_t out_elems = batch * heads * max_splits * query.size(2), stats_elems = batch * heads * max_splits * 2;
+    const int64_t out_elems = batch * heads * max_splits * s.head_dim, stats_elems = batch * heads * max_splits * 2;
     if (workspace.has_value()) {
       // A workspace fixed by the caller (a per-step plan, or a CUDA graph's buffers): no allocation here.
       check_cuda_tensor(*workspace, "workspace", query.device());

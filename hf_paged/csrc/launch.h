@@ -19,7 +19,6 @@ struct DecodeParams {
   const void* v_cache;        // same
   const int32_t* block_tables;  // [B, table_stride]
   const int32_t* seq_lens;    // [B] context length including the new token
-  const float* alibi_slopes;  // [H] or nullptr
   float* part_out;            // [B, H, max_splits, D] unnormalised partial outputs
   float* part_stats;          // [B, H, max_splits, 2] (running max in log2 units, sum of exp2)
   int32_t* counters;          // [B, Hkv, head_groups] split tickets; zero on entry, left zero on exit

@@ -6,52 +6,10 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
-#include <cstdarg>
-#include <cstdio>
-
+#include "checks.h"
 #include "launch.h"
 
 namespace hf_paged {
-
-std::string format(const char* fmt, ...) {
-  char buf[1024];
-  va_list args;
-  va_start(args, fmt);
-  std::vsnprintf(buf, sizeof(buf), fmt, args);
-  va_end(args);
-  return std::string(buf);
-}
-
-std::string shape_of(const at::Tensor& t) {
-  std::string out = "[";
-  for (int64_t i = 0; i < t.dim(); ++i) out += (i ? ", " : "") + std::to_string(t.size(i));
-  return out + "]";
-}
-
-void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device) {
-  TORCH_CHECK_VALUE(t.is_cuda(), format("%s must be a CUDA tensor, got one on %s", name, t.device().str().c_str()));
-  TORCH_CHECK_VALUE(t.device() == device, format("%s is on %s but the other tensors are on %s", name,
-                                                 t.device().str().c_str(), device.str().c_str()));
-}
-
-int vec_elems(at::ScalarType dtype) {
-  switch (dtype) {
-    case at::kFloat: return 4;
-    case at::kHalf:
-    case at::kBFloat16: return 8;
-    default: return 0;
-  }
-}
-
-bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
-
-void check_alibi_slopes(const std::optional<at::Tensor>& alibi, int64_t num_heads, const at::Device& device) {
-  if (!alibi.has_value()) return;
-  check_cuda_tensor(*alibi, "alibi_slopes", device);
-  TORCH_CHECK_VALUE(alibi->scalar_type() == at::kFloat && alibi->dim() == 1 && alibi->size(0) == num_heads &&
-                        alibi->is_contiguous(),
-                    "alibi_slopes must be a contiguous float32 [num_heads] tensor");
-}
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping) {
@@ -93,8 +51,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 
 TORCH_LIBRARY(hf_paged, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
-        "Tensor seq_lens, int max_seq_len, float scale, Tensor? alibi_slopes, int split_len, "
-        "Tensor? workspace=None) -> int");
+        "Tensor seq_lens, int max_seq_len, float scale, int split_len, Tensor? workspace=None) -> int");
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len) -> int");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }

@@ -4,7 +4,6 @@
 #include <ATen/ATen.h>
 
 #include <optional>
-#include <string>
 
 namespace hf_paged {
 
@@ -15,26 +14,12 @@ namespace hf_paged {
 // memory, so it can be captured in a CUDA graph and replayed for other sequence lengths up to max_seq_len.
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     const std::optional<at::Tensor>& alibi_slopes, int64_t split_len,
-                     const std::optional<at::Tensor>& workspace);
+                     int64_t split_len, const std::optional<at::Tensor>& workspace);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len);
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
-
-// Error messages: formatted with snprintf and handed to TORCH_CHECK_* as one std::string. On the GPU box
-// (extension built by /opt/gcc g++, torch 2.11) a message that TORCH_CHECK assembled itself from several
-// arguments (c10::str's ostringstream) crashed the process; a single string takes c10's pass-through path.
-std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
-std::string shape_of(const at::Tensor& t);  // "[2, 32, 128]"
-
-// Shared argument checks.
-void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device);
-int vec_elems(at::ScalarType dtype);  // elements per 16-byte vector; 0 for unsupported dtypes
-bool aligned16(const at::Tensor& t);
-// Optional ALiBi slopes: a contiguous float32 [num_heads] tensor on `device`.
-void check_alibi_slopes(const std::optional<at::Tensor>& alibi, int64_t num_heads, const at::Device& device);
 
 }  // namespace hf_paged

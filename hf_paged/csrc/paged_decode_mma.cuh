@@ -3,7 +3,7 @@
 // Grid (split, kv_head * head_groups + head_group, sequence); 128 threads. One CTA reads one kv head's K/V over
 // one split, once, for up to 16 query heads (GQA: the group's heads are the MMA rows; padding rows are zero and
 // never written). Each warp takes every 4th 16-token tile of the split and streams it through its own cp.async
-// ring (`kStages` deep, XOR-swizzled rows so ldmatrix is conflict-free), so warps need only __syncwarp:
+// ring (`kStages` deep, rows swizzled as in ptx.cuh so ldmatrix is conflict-free), so warps need only __syncwarp:
 //   S[16 x 16] = Q K^T      (D/16 k-steps x 2 n-tiles; K tile read with ldmatrix)
 //   online softmax in base 2 on the S fragments (row max over the 4-lane quad, lazy rescale)
 //   O[16 x D] += P V        (P re-used from the S registers as the A operand; V read with ldmatrix.trans)
@@ -20,48 +20,6 @@ namespace decode {
 // Scores are in log2 units; the running max moves (rescaling O) only when beaten by more than this.
 constexpr float kMmaRescaleThreshold = 8.0f;
 
-template <typename T>
-struct Mma;
-
-template <>
-struct Mma<__half> {
-  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __half2 h = __floats2half2_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-template <>
-struct Mma<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&h);
-  }
-};
-
-__device__ __forceinline__ void ldmatrix_x4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-__device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr)
-               : "memory");
-}
-
 template <int D>
 struct MmaConfig {
   static constexpr int kRows = 16;       // query heads per CTA: the MMA's M
@@ -76,15 +34,7 @@ struct MmaConfig {
   // Splits below 512 tokens lost at every batch on the H200 (B=1, ctx 8192: 512 -> 13.9 us, 256 -> 14.6-15.5 us;
   // B=8, ctx 4096: 1024-2048 best): each CTA's fixed prologue and epilogue must be amortised.
   static constexpr int kMinSplit = 512;
-  static_assert(kChunks >= 8, "the swizzle permutes 8 chunks");
 };
-
-// Byte offset of 16-byte chunk `c` of row `r` in a tile: XOR-swizzled so that the 8 rows an ldmatrix reads at
-// one logical chunk land in 8 different bank groups.
-template <int D>
-__device__ __forceinline__ uint32_t swizzle(int r, int c) {
-  return static_cast<uint32_t>(r * D * 2 + ((c ^ (r & 7)) << 4));
-}
 
 // One warp copies one 16-token tile of K and V. Lanes 0-15 look up one token's slot each; then every copy
 // instruction covers whole rows (2 rows of 256 B at head_dim 128), i.e. whole 128-byte lines, as a streaming
@@ -109,7 +59,7 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, uint32_t k_til
     const int s = __shfl_sync(0xffffffffu, slot, row);
     const bool valid = s >= 0;
     const int64_t off = (static_cast<int64_t>(s) * p.num_kv_heads + w.kvh) * D + c * 8;
-    const uint32_t dst = k_tile + swizzle<D>(row, c);
+    const uint32_t dst = swizzled<D>(k_tile, row, c);
     cp_async16(dst, valid ? k_base + off : k_base, valid);
     cp_async16(dst + C::kTileBytes, valid ? v_base + off : v_base, valid);
   }

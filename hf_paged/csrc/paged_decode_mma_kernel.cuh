@@ -7,11 +7,10 @@
 namespace hf_paged {
 namespace decode {
 
-// S = Q K^T for the tile, scaled to log2 units, ALiBi added, tokens past the split masked.
+// S = Q K^T for the tile, scaled to log2 units, tokens past the split masked.
 template <typename T, int D>
 __device__ __forceinline__ void tile_scores(const DecodeParams& p, const CtaWork& w, uint32_t k_tile, int t0, int lane,
-                                           const uint32_t (&qa)[D / 16][4], const float (&slope)[2],
-                                           float (&s)[2][4]) {
+                                           const uint32_t (&qa)[D / 16][4], float (&s)[2][4]) {
   // ldmatrix x4 matrices: (tokens 0-7, dims lo), (0-7, hi), (8-15, lo), (8-15, hi) = B fragments of two n-tiles.
   const int mat = lane >> 3, row = (lane & 7) + (mat >> 1) * 8, half = mat & 1;
 #pragma unroll
@@ -21,7 +20,7 @@ __device__ __forceinline__ void tile_scores(const DecodeParams& p, const CtaWork
 #pragma unroll
   for (int ks = 0; ks < D / 16; ++ks) {
     uint32_t b[4];
-    ldmatrix_x4(b, k_tile + swizzle<D>(row, 2 * ks + half));
+    ldmatrix_x4(b, swizzled<D>(k_tile, row, 2 * ks + half));
     Mma<T>::run(s[0], qa[ks], b[0], b[1]);
     Mma<T>::run(s[1], qa[ks], b[2], b[3]);
   }
@@ -31,8 +30,7 @@ __device__ __forceinline__ void tile_scores(const DecodeParams& p, const CtaWork
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       const int t = t_lane + j * 8 + (e & 1);
-      const float x = fmaf(s[j][e], p.scale_log2, slope[e >> 1] * static_cast<float>(t - (w.seq_len - 1)));
-      s[j][e] = t < w.t_end ? x : -INFINITY;
+      s[j][e] = t < w.t_end ? s[j][e] * p.scale_log2 : -INFINITY;
     }
 }
 
@@ -67,7 +65,7 @@ __device__ __forceinline__ void tile_accumulate(uint32_t v_tile, int lane, float
 #pragma unroll
   for (int nd = 0; nd < D / 16; ++nd) {
     uint32_t b[4];
-    ldmatrix_x4_trans(b, v_tile + swizzle<D>(row, 2 * nd + half));
+    ldmatrix_x4_trans(b, swizzled<D>(v_tile, row, 2 * nd + half));
     Mma<T>::run(st.o[2 * nd], pa, b[0], b[1]);
     Mma<T>::run(st.o[2 * nd + 1], pa, b[2], b[3]);
   }
@@ -105,12 +103,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
 
   uint32_t qa[D / 16][4];
   load_q_fragments<T, D>(p, w, lane, qa);
-  float slope[2];
-#pragma unroll
-  for (int r = 0; r < 2; ++r) {
-    const int g = (lane >> 2) + 8 * r;
-    slope[r] = (p.alibi_slopes != nullptr && g < w.valid_heads) ? p.alibi_slopes[w.head0 + g] * kLog2e : 0.f;
-  }
   MmaState<D> st;
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.f;
@@ -135,7 +127,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
     const uint32_t k_tile = ring + (it % C::kStages) * 2 * C::kTileBytes;
     float s[2][4];
-    tile_scores<T, D>(p, w, k_tile, t_first + it * t_step, lane, qa, slope, s);
+    tile_scores<T, D>(p, w, k_tile, t_first + it * t_step, lane, qa, s);
     tile_accumulate<T, D>(k_tile + C::kTileBytes, lane, s, st);
     __syncwarp();  // the whole warp is done reading this stage before it is refilled
   }

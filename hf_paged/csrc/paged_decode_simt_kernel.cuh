@@ -80,10 +80,6 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
   const int sub = lane % C::kLanesPerToken, group = warp * C::kGroupsPerWarp + lane / C::kLanesPerToken;
   float q[GT][C::kDimsPerLane];
   load_query<T, D, GT>(p, w.b, w.head0, w.valid_heads, sub, q);
-  float slope[GT];
-#pragma unroll
-  for (int g = 0; g < GT; ++g)
-    slope[g] = (p.alibi_slopes != nullptr && g < w.valid_heads) ? p.alibi_slopes[w.head0 + g] * kLog2e : 0.f;
   State<GT, C::kDimsPerLane> st;
 #pragma unroll
   for (int g = 0; g < GT; ++g) {
@@ -112,12 +108,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
     stage_scores<T, D, GT>(smem, stage, q, s);
     bool valid[C::kUnroll];
 #pragma unroll
-    for (int u = 0; u < C::kUnroll; ++u) {
-      const int t = w.t_begin + it * C::kTile + u * C::kGroups + group;
-      valid[u] = t < w.t_end;
-#pragma unroll
-      for (int g = 0; g < GT; ++g) s[u][g] = fmaf(slope[g], static_cast<float>(t - (w.seq_len - 1)), s[u][g]);
-    }
+    for (int u = 0; u < C::kUnroll; ++u) valid[u] = w.t_begin + it * C::kTile + u * C::kGroups + group < w.t_end;
     stage_accumulate<T, D, GT>(smem, stage, valid, s, st);
   }
   cp_async_wait<0>();

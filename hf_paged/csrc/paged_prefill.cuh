@@ -19,14 +19,12 @@ struct PrefillParams {
   const int32_t* cu_seqlens_q;  // [B + 1]
   const int32_t* seq_lens_k;    // [B] context length, new tokens included
   const int32_t* block_tables;  // [B, table_stride]; entries past a sequence's length are never read
-  const float* alibi_slopes;    // [H] or nullptr
   int64_t q_stride_t, q_stride_h, o_stride_t, o_stride_h;  // elements
   int num_kv_heads, group_size;
   int block_size, block_shift;  // block_shift = log2(block_size), or -1 when block_size is not a power of two
   int table_stride;
   int max_context;              // table_stride * block_size: longer seq_lens are clamped (memory safety)
   float scale_log2;             // softmax scale * log2(e): the kernel exponentiates in base 2
-  float alibi_log2;             // log2(e), so that slope * alibi_log2 puts ALiBi in the same units
 };
 
 // Tile shapes compiled per (dtype, head_dim). kPrefillConfigAuto lets the host pick.
@@ -41,7 +39,7 @@ struct PrefillKernel {
   int smem_bytes = 0;        // dynamic shared memory
 };
 
-PrefillKernel prefill_kernel_f16(int head_dim, int config, bool alibi);
-PrefillKernel prefill_kernel_bf16(int head_dim, int config, bool alibi);
+PrefillKernel prefill_kernel_f16(int head_dim, int config);
+PrefillKernel prefill_kernel_bf16(int head_dim, int config);
 
 }  // namespace hf_paged

@@ -4,8 +4,8 @@
 
 namespace hf_paged {
 
-PrefillKernel prefill_kernel_bf16(int head_dim, int config, bool alibi) {
-  return prefill::select_kernel<__nv_bfloat16>(head_dim, config, alibi);
+PrefillKernel prefill_kernel_bf16(int head_dim, int config) {
+  return prefill::select_kernel<__nv_bfloat16>(head_dim, config);
 }
 
 }  // namespace hf_paged

@@ -3,8 +3,8 @@
 
 namespace hf_paged {
 
-PrefillKernel prefill_kernel_f16(int head_dim, int config, bool alibi) {
-  return prefill::select_kernel<__half>(head_dim, config, alibi);
+PrefillKernel prefill_kernel_f16(int head_dim, int config) {
+  return prefill::select_kernel<__half>(head_dim, config);
 }
 
 }  // namespace hf_paged

@@ -2,7 +2,7 @@
 // walks that sequence's K/V in BLOCK_N-token tiles read through the block table.
 //
 // - Each warp owns kMAtoms * 16 query rows; S = Q K^T and O += P V are mma.sync m16n8k16 with fp32 accumulators,
-//   the softmax is online (running max and sum per row, in base 2) and P stays in registers (see the _mma header).
+//   the softmax is online (running max and sum per row, in base 2) and P stays in registers (see ptx.cuh).
 // - K/V tiles are staged in shared memory by cp.async, two stages deep: tile n+1 is in flight while tile n is used.
 //   A tile's rows may come from several cache blocks (block_size 16 < BLOCK_N), so every row finds its own slot:
 //   one thread per row looks its block up two tiles ahead and leaves the slot in shared memory, so the lookup
@@ -12,16 +12,15 @@
 #pragma once
 
 #include "paged_prefill.cuh"
-#include "paged_prefill_mma.cuh"
+#include "ptx.cuh"
 
 namespace hf_paged {
 namespace prefill {
 
-template <typename T_, int D_, int kWarps_, int kMAtoms_, bool kAlibi_>
+template <typename T_, int D_, int kWarps_, int kMAtoms_>
 struct Traits {
   using T = T_;
   static constexpr int D = D_, kWarps = kWarps_, kMAtoms = kMAtoms_;
-  static constexpr bool kAlibi = kAlibi_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 64;
   static constexpr int kWarpRows = kMAtoms * 16;
@@ -92,13 +91,13 @@ __device__ __forceinline__ void qk_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4
 #pragma unroll
         for (int r = 0; r < 4; ++r) a[mi][r] = qf[mi][kk][r];
       } else {
-        ldmatrix_x4(a[mi], q_smem + swizzle<C::D>(q_row + mi * 16, 2 * kk + q_chunk) * sizeof(T));
+        ldmatrix_x4(a[mi], swizzled<C::D>(q_smem, q_row + mi * 16, 2 * kk + q_chunk));
       }
     }
 #pragma unroll
     for (int np = 0; np < C::kBlockN / 16; ++np) {
       uint32_t b[4];
-      ldmatrix_x4(b, k_smem + swizzle<C::D>(np * 16 + k_row, 2 * kk + k_chunk) * sizeof(T));
+      ldmatrix_x4(b, swizzled<C::D>(k_smem, np * 16 + k_row, 2 * kk + k_chunk));
 #pragma unroll
       for (int mi = 0; mi < C::kMAtoms; ++mi) {
         Mma<T>::run(s[mi][2 * np], a[mi], b[0], b[1]);
@@ -128,7 +127,7 @@ __device__ __forceinline__ void pv_tile(float (&o)[C::kMAtoms][C::D / 8][4],
 #pragma unroll
     for (int dp = 0; dp < C::D / 16; ++dp) {
       uint32_t b[4];
-      ldmatrix_x4_trans(b, v_smem + swizzle<C::D>(kk * 16 + v_row, 2 * dp + v_chunk) * sizeof(T));
+      ldmatrix_x4_trans(b, swizzled<C::D>(v_smem, kk * 16 + v_row, 2 * dp + v_chunk));
 #pragma unroll
       for (int mi = 0; mi < C::kMAtoms; ++mi) {
         Mma<T>::run(o[mi][2 * dp], a[mi], b[0], b[1]);

@@ -8,16 +8,16 @@ namespace prefill {
 // Per thread: the rows g and g + 8 of each of the warp's atoms (index [mi][half]).
 template <class C>
 struct RowState {
-  float m[C::kMAtoms][2];  // running max of the scaled scores (base-2 units)
+  float m[C::kMAtoms][2];  // running max of the raw scores (times scale_log2: base-2 units)
   float l[C::kMAtoms][2];  // this thread's share of the running sum (reduced over the quad at the end)
 };
 
-// Scale (and bias, mask) one tile of scores, fold it into the running max / sum, rescale O if needed, and leave
+// Scale (and mask) one tile of scores, fold it into the running max / sum, rescale O if needed, and leave
 // exp2(score - max) in s. q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
 template <class C, bool kMask>
 __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
                                              float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
-                                             float slope_log2, int q_pos0, int key0, int lane) {
+                                             int q_pos0, int key0, int lane) {
   const int t = lane & 3;
   float corrs[C::kMAtoms][2];
   bool moved = false;
@@ -33,19 +33,17 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
         for (int e = 0; e < 2; ++e) {
           float& x = s[mi][nt][2 * half + e];
           const int key = key0 + nt * 8 + 2 * t + e;
-          // Without ALiBi the scale is folded into the exponent below (one FFMA per score).
-          if constexpr (C::kAlibi) x = x * scale_log2 + slope_log2 * static_cast<float>(key - q_pos);
           if (kMask && key > q_pos) x = -INFINITY;
           mx = fmaxf(mx, x);
         }
       }
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
       mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-      const float factor = C::kAlibi ? 1.f : scale_log2;
+      // The max is taken over raw scores; the scale is folded into the exponent (one FFMA per score).
       const float m_new = fmaxf(st.m[mi][half], mx);
       // A row that has seen only masked keys keeps max -inf: subtract 0 instead, so exp2 gives 0, not NaN.
-      const float base = m_new == -INFINITY ? 0.f : m_new * factor;
-      const float corr = fast_exp2(st.m[mi][half] * factor - base);
+      const float base = m_new == -INFINITY ? 0.f : m_new * scale_log2;
+      const float corr = fast_exp2(st.m[mi][half] * scale_log2 - base);
       corrs[mi][half] = corr;
       moved |= m_new != st.m[mi][half];
       st.m[mi][half] = m_new;
@@ -55,7 +53,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
 #pragma unroll
         for (int e = 0; e < 2; ++e) {
           float& x = s[mi][nt][2 * half + e];
-          x = fast_exp2(x * factor - base);
+          x = fast_exp2(x * scale_log2 - base);
           sum += x;
         }
       }
@@ -141,7 +139,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     for (int i = 0; i < C::kQRows; ++i) {
       const int r = row0 + i * C::kRowStep;
       const bool valid = m0 + r < q_len;
-      cp_async16(q_smem + swizzle<C::D>(r, chunk) * sizeof(T), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
+      cp_async16(swizzled<C::D>(q_smem, r, chunk), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
                  valid);
     }
     cp_async_commit();
@@ -169,7 +167,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     for (int mi = 0; mi < C::kMAtoms; ++mi)
 #pragma unroll
       for (int kk = 0; kk < C::D / 16; ++kk)
-        ldmatrix_x4(qf[mi][kk], q_smem + swizzle<C::D>(q_row + mi * 16, 2 * kk + q_chunk) * sizeof(T));
+        ldmatrix_x4(qf[mi][kk], swizzled<C::D>(q_smem, q_row + mi * 16, 2 * kk + q_chunk));
   }
 
   float o[C::kMAtoms][C::D / 8][4];
@@ -181,7 +179,6 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     st.m[mi][0] = st.m[mi][1] = -INFINITY;
     st.l[mi][0] = st.l[mi][1] = 0.f;
   }
-  const float slope_log2 = C::kAlibi ? p.alibi_slopes[head] * p.alibi_log2 : 0.f;
   const int q_pos0 = prefix + m0 + warp_row0 + (lane >> 2);  // absolute position of this thread's first row
   // Tiles from here on hold keys past the first row of the CTA's diagonal.
   const int first_masked = (prefix + m0 + 1) / C::kBlockN;
@@ -199,9 +196,9 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     float s[C::kMAtoms][C::kBlockN / 8][4];
     qk_tile<C>(s, qf, q_smem, k_smem + stage * C::kTile * sizeof(T), warp_row0, lane);
     if (n >= first_masked)
-      softmax_tile<C, true>(s, o, st, p.scale_log2, slope_log2, q_pos0, n * C::kBlockN, lane);
+      softmax_tile<C, true>(s, o, st, p.scale_log2, q_pos0, n * C::kBlockN, lane);
     else
-      softmax_tile<C, false>(s, o, st, p.scale_log2, slope_log2, q_pos0, n * C::kBlockN, lane);
+      softmax_tile<C, false>(s, o, st, p.scale_log2, q_pos0, n * C::kBlockN, lane);
     pv_tile<C>(o, s, v_smem + stage * C::kTile * sizeof(T), lane);
     if (slot_thread) {  // tile n's slots were used when it was issued; this half now takes tile n + 2's
       const int tok = (n + 2) * C::kBlockN + tid;
@@ -214,7 +211,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
 }
 
 // The kernel and its launch constants for one configuration index (see paged_prefill.cuh).
-template <typename T, int D, bool kAlibi>
+template <typename T, int D>
 PrefillKernel kernel_for_config(int config) {
   auto make = [](auto traits) {
     using C = decltype(traits);
@@ -222,18 +219,18 @@ PrefillKernel kernel_for_config(int config) {
                          C::kSmemBytes};
   };
   switch (config) {
-    case 0: return make(Traits<T, D, 4, 2, kAlibi>{});
-    case 1: return make(Traits<T, D, 4, 1, kAlibi>{});
-    case 2: return make(Traits<T, D, 8, 1, kAlibi>{});
+    case 0: return make(Traits<T, D, 4, 2>{});
+    case 1: return make(Traits<T, D, 4, 1>{});
+    case 2: return make(Traits<T, D, 8, 1>{});
     default: return PrefillKernel{};
   }
 }
 
 template <typename T>
-PrefillKernel select_kernel(int head_dim, int config, bool alibi) {
+PrefillKernel select_kernel(int head_dim, int config) {
   switch (head_dim) {
-    case 64: return alibi ? kernel_for_config<T, 64, true>(config) : kernel_for_config<T, 64, false>(config);
-    case 128: return alibi ? kernel_for_config<T, 128, true>(config) : kernel_for_config<T, 128, false>(config);
+    case 64: return kernel_for_config<T, 64>(config);
+    case 128: return kernel_for_config<T, 128>(config);
     default: return PrefillKernel{};
   }
 }

@@ -79,7 +79,6 @@ def paged_decode(
     scale: float,
     *,
     max_seq_len: int | None = None,
-    alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     split_len: int = 0,
     workspace: torch.Tensor | None = None,
@@ -95,7 +94,6 @@ def paged_decode(
         scale: softmax scale (usually ``D ** -0.5``).
         max_seq_len: an upper bound of ``seq_lens`` (host int, sizes the split-K grid); None reads it from
             ``seq_lens`` (a device sync).
-        alibi_slopes: ``[H]`` float32: adds ``slope * (j - i)`` to the score of key ``j`` for the query at ``i``.
         out: ``[B, H, D]`` contiguous, query's dtype; allocated if None.
         split_len: context tokens per thread block (a multiple of the kernel's tile); 0 = heuristic.
         workspace: float32 storage for the split partials, at least :func:`decode_workspace_numel` elements;
@@ -116,8 +114,8 @@ def paged_decode(
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, alibi_slopes,
-                        split_len, workspace)
+    _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, split_len,
+                        workspace)
     return out
 
 

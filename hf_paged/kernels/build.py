@@ -24,6 +24,7 @@ logger = logging.getLogger("hf_paged")
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
 SOURCES = (
     "ops.cpp",
+    "checks.cpp",
     "decode_ops.cpp",
     "write_kv.cu",
     "paged_decode_f32.cu",

@@ -27,7 +27,6 @@ def paged_prefill(
     scale: float,
     *,
     max_seqlen_q: int | None = None,
-    alibi_slopes: torch.Tensor | None = None,
     out: torch.Tensor | None = None,
     config: int = AUTO_CONFIG,
 ) -> torch.Tensor:
@@ -45,7 +44,6 @@ def paged_prefill(
         scale: softmax scale (usually ``D ** -0.5``).
         max_seqlen_q: an upper bound of the new-token counts (host int, sizes the grid); None reads it from
             ``cu_seqlens_q`` (a device sync).
-        alibi_slopes: ``[H]`` float32: adds ``slope * (j - i)`` to the score of key ``j`` for the query at ``i``.
         out: ``[T, H, D]``, query's dtype; allocated if None.
         config: tile shape index (benchmarks); -1 picks one.
 
@@ -67,7 +65,7 @@ def paged_prefill(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ensure_built()
     torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-                                     max_seqlen_q, scale, alibi_slopes, config)
+                                     max_seqlen_q, scale, config)
     return out
 
 

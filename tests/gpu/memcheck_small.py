@@ -20,30 +20,29 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
 
-# (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len, alibi)
+# (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len)
 CASES = [
-    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 0, False),
-    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64, True),
-    (8, 1, 64, 256, torch.float16, [5, 257], 64, False),
-    (32, 32, 64, 8, torch.float16, [3, 100], 64, True),
-    (48, 4, 128, 48, torch.bfloat16, [33, 129], 0, False),
-    (7, 1, 256, 16, torch.float32, [2, 90], 64, False),
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 0),
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64),
+    (8, 1, 64, 256, torch.float16, [5, 257], 64),
+    (32, 32, 64, 8, torch.float16, [3, 100], 64),
+    (48, 4, 128, 48, torch.bfloat16, [33, 129], 0),
+    (7, 1, 256, 16, torch.float32, [2, 90], 64),
 ]
 
 
 def main() -> int:
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len, alibi in CASES:
+    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len in CASES:
         meta, key, value = make_paged_step([n - 1 for n in lens], [1] * len(lens), block_size, kv_heads, head_dim,
                                            dtype, gen)
         meta = meta.on(torch.device("cuda"))
         k_cache, v_cache = (t.cuda() for t in meta.kv_caches[0])
         query = torch.randn(len(lens), heads, head_dim, generator=gen).to("cuda", dtype)
-        slopes = torch.rand(heads, generator=gen).cuda() * 0.2 if alibi else None
-        params = AttentionParams(scale=head_dim**-0.5, alibi_slopes=slopes)
+        params = AttentionParams(scale=head_dim**-0.5)
         out = kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
-                                   max_seq_len=meta.max_seqlen_k, alibi_slopes=slopes, split_len=split_len)
+                                   max_seq_len=meta.max_seqlen_k, split_len=split_len)
         ref = paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
                                         compute_dtype=torch.float64)
         rel = ((out.double() - ref).norm() / ref.norm()).item()

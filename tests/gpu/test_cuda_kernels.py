@@ -1,7 +1,7 @@
 """hf_paged's CUDA kernels (and every backend that runs here) against the float64 torch oracle, on a GPU.
 
 Decode grid of issue 4: batch 1..256, context lengths 1, block-size multiples and others (sequences end mid-block),
-heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16, ALiBi on/off. Each case
+heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16. Each case
 draws fresh inputs; the cache holds ``POISON`` in slots no sequence owns; outputs are NaN-poisoned first.
 """
 
@@ -41,15 +41,14 @@ def scenarios(gen: torch.Generator) -> dict[str, list[int]]:
     }
 
 
-def decode_step(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen, alibi: bool):
+def decode_step(ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen):
     """A decode step on the GPU: (meta, query, key, value, k_cache, v_cache, params)."""
     meta, key, value = make_paged_step([n - 1 for n in ctx_lens], [1] * len(ctx_lens), block_size, num_kv_heads,
                                        head_dim, dtype, gen)
     assert meta.phase is Phase.DECODE or min(ctx_lens) == max(ctx_lens) == 1
     k_cache, v_cache = (t.to(DEVICE) for t in meta.kv_caches[0])
     query = torch.randn(len(ctx_lens), num_heads, head_dim, generator=gen).to(DEVICE, dtype)
-    slopes = torch.rand(num_heads, generator=gen).to(DEVICE) * 0.2 if alibi else None
-    params = AttentionParams(scale=head_dim**-0.5, alibi_slopes=slopes)
+    params = AttentionParams(scale=head_dim**-0.5)
     return meta.on(DEVICE), query, key.to(DEVICE), value.to(DEVICE), k_cache, v_cache, params
 
 
@@ -65,7 +64,7 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
 def run_ours(query, k_cache, v_cache, meta, params, split_len: int = 0) -> torch.Tensor:
     out = torch.full_like(query, float("nan"))  # every element must be written
     return kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
-                                max_seq_len=meta.max_seqlen_k, alibi_slopes=params.alibi_slopes, out=out,
+                                max_seq_len=meta.max_seqlen_k, out=out,
                                 split_len=split_len)
 
 
@@ -74,20 +73,19 @@ def runnable_backends(call: AttentionCall):
     return [b for b in registered_backends() if b.unsupported_reason(call) is None]
 
 
-@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
-def test_decode_matches_float64_reference(heads, head_dim: int, block_size: int, dtype: torch.dtype, alibi: bool):
+def test_decode_matches_float64_reference(heads, head_dim: int, block_size: int, dtype: torch.dtype):
     num_heads, num_kv_heads = heads
-    gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, head_dim, block_size, dtype, alibi)).encode()))
-    call = AttentionCall(Phase.DECODE, "cuda", dtype, head_dim, num_heads, num_kv_heads, block_size, alibi=alibi)
+    gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, head_dim, block_size, dtype)).encode()))
+    call = AttentionCall(Phase.DECODE, "cuda", dtype, head_dim, num_heads, num_kv_heads, block_size)
     backends = runnable_backends(call)
     assert "cuda" in [b.name for b in backends]
     for name, ctx_lens in scenarios(gen).items():
         meta, query, key, value, k_cache, v_cache, params = decode_step(
-            ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen, alibi)
+            ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen)
         expected = reference(query, k_cache, v_cache, meta, params)
         results = {"cuda-kernel": run_ours(query, k_cache, v_cache, meta, params)}
         for backend in backends:
@@ -105,7 +103,7 @@ def test_decode_forced_splits(split_len: int, block_size: int):
     """Many splits per sequence (the last-CTA combine) and block sizes that do not divide the split."""
     gen = torch.Generator().manual_seed(split_len * 1000 + block_size)
     lens = [1, 63, 64, 65, 700, 3001, 5000]
-    meta, query, _, _, k_cache, v_cache, params = decode_step(lens, block_size, 32, 8, 128, torch.bfloat16, gen, True)
+    meta, query, _, _, k_cache, v_cache, params = decode_step(lens, block_size, 32, 8, 128, torch.bfloat16, gen)
     expected = reference(query, k_cache, v_cache, meta, params)
     for _ in range(2):  # a second launch must find the split tickets reset
         out = run_ours(query, k_cache, v_cache, meta, params, split_len)
@@ -119,8 +117,7 @@ def test_decode_forced_splits(split_len: int, block_size: int):
 def test_decode_other_group_sizes_and_fp32(heads, dtype: torch.dtype, head_dim: int):
     """Groups of 7, 5, 12, 32 (several CTAs per kv head), 3, 1 query heads per kv head; fp32 at fp32 accuracy."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, dtype, head_dim)).encode()))
-    meta, query, _, _, k_cache, v_cache, params = decode_step([1, 40, 333, 2050], 16, *heads, head_dim, dtype, gen,
-                                                              alibi=heads[0] == 40)
+    meta, query, _, _, k_cache, v_cache, params = decode_step([1, 40, 333, 2050], 16, *heads, head_dim, dtype, gen)
     out = run_ours(query, k_cache, v_cache, meta, params)
     assert not out.isnan().any()
     assert relative_error(out, reference(query, k_cache, v_cache, meta, params)) < TOLERANCE[dtype]
@@ -128,14 +125,14 @@ def test_decode_other_group_sizes_and_fp32(heads, dtype: torch.dtype, head_dim: 
 
 def test_decode_reads_max_seq_len_when_not_given():
     gen = torch.Generator().manual_seed(3)
-    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 900], 16, 32, 8, 128, torch.float16, gen, False)
+    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 900], 16, 32, 8, 128, torch.float16, gen)
     out = kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale)
     assert relative_error(out, reference(query, k_cache, v_cache, meta, params)) < TOLERANCE[torch.float16]
 
 
 def test_decode_rejects_bad_arguments():
     gen = torch.Generator().manual_seed(4)
-    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 9], 16, 32, 8, 128, torch.float16, gen, False)
+    meta, query, _, _, k_cache, v_cache, params = decode_step([5, 9], 16, 32, 8, 128, torch.float16, gen)
     with pytest.raises(ValueError, match="seq_lens"):
         kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k.long(), 0.1, max_seq_len=9)
     with pytest.raises(ValueError, match="dtype"):

@@ -2,9 +2,9 @@
 
 Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
 and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel (float16/bfloat16,
-head_dim 64/128), both at any block size with GQA and ALiBi, and the KV write of every phase. The kernels are built
-on the first CUDA call; if that is impossible (no nvcc, no ninja) this backend declines with the reason and the
-torch backend serves.
+head_dim 64/128), both at any block size with GQA, and the KV write of every phase. ALiBi is not in the kernels
+(docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible (no nvcc, no ninja)
+this backend declines with the reason and the torch backend serves.
 """
 
 from __future__ import annotations
@@ -95,6 +95,8 @@ class CudaBackend(AttentionBackend):
             return "sliding-window attention is not implemented in the cuda kernels"
         if call.softcap is not None:
             return "logit softcapping is not implemented in the cuda kernels"
+        if call.alibi:
+            return "ALiBi is not implemented in the cuda kernels (no model reaches it through the attention interface)"
         if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
             return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
         # Last, since it may build the kernels (about a minute, once per machine).
@@ -128,14 +130,13 @@ class CudaBackend(AttentionBackend):
         meta: PagedMetadata,
         params: AttentionParams,
     ) -> torch.Tensor:
-        alibi = params.alibi_slopes
-        if alibi is not None:
-            alibi = alibi.to(query.device, torch.float32)
+        if params.alibi_slopes is not None:
+            raise NotImplementedError("ALiBi is not implemented in the cuda kernels; use the torch backend")
         if meta.phase is not Phase.DECODE:
             # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
-                                 params.scale, max_seqlen_q=meta.max_seqlen_q, alibi_slopes=alibi)
+                                 params.scale, max_seqlen_q=meta.max_seqlen_q)
         # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
         # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
         plan = plan_decode(query, k_cache, meta)
@@ -147,7 +148,6 @@ class CudaBackend(AttentionBackend):
             meta.seq_lens_k,
             params.scale,
             max_seq_len=meta.max_seqlen_k,
-            alibi_slopes=alibi,
             split_len=plan.split_len,
             workspace=plan.workspace,
         )

@@ -1,5 +1,5 @@
-// Warp-level building blocks of the prefill kernel: cp.async, ldmatrix, mma.sync m16n8k16 and the swizzled
-// shared-memory tile layout they share.
+// The PTX both attention kernels are built from: cp.async, ldmatrix, mma.sync m16n8k16, the swizzled shared-memory
+// tile layout they share, and a bare ex2. One copy, so decode and prefill cannot drift apart.
 //
 // Fragment layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16"), lane = 4 * g + t:
 //   A 16x16 (row-major): a0 = (row g, cols 2t..2t+1), a1 = (g+8, 2t..), a2 = (g, 2t+8..), a3 = (g+8, 2t+8..)
@@ -7,6 +7,12 @@
 //   C 16x8  fp32:        c0, c1 = (row g, cols 2t, 2t+1), c2, c3 = (row g+8, cols 2t, 2t+1)
 // So the C fragments of two adjacent 8-column tiles, rounded to 16 bits, are exactly the A fragment of one
 // 16-wide k step: P never leaves registers between the two matrix products.
+//
+// `asm volatile` on every statement that touches memory or the tensor cores (as CUTLASS writes them): the compiler
+// keeps their order relative to each other, which the cp.async groups rely on. ldmatrix carries no "memory"
+// clobber: the shared memory it reads is written by cp.async (ordered by the wait_group before it) or by plain
+// stores that other lanes read too, which already sit behind __syncwarp/__syncthreads (compiler barriers). ex2 is
+// a pure function of its operand and stays plain `asm`, free to be scheduled.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -15,15 +21,6 @@
 #include <cstdint>
 
 namespace hf_paged {
-namespace prefill {
-
-// Tiles are [rows][D] with rows of D / 8 16-byte chunks. Chunk c of row r is stored at chunk c ^ (r & 7): the 8
-// row addresses of one ldmatrix 8x8 matrix (8 consecutive rows, one chunk column) then fall in 8 different bank
-// groups instead of all in one, and the 16-byte cp.async writes of a row stay a permutation inside the row.
-template <int D>
-__device__ __forceinline__ int swizzle(int row, int chunk) {
-  return row * D + ((chunk ^ (row & 7)) << 3);
-}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -35,6 +32,7 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0));
 }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+// Wait until at most N of this thread's committed groups are still in flight.
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
 
@@ -49,31 +47,31 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// 2^x as the bare MUFU.EX2: exp2f would add denormal fix-ups around it, and every score takes one exponential.
-// Inputs here are <= 0, so flushing results below 2^-126 to zero changes nothing that matters.
+// Tiles are [rows][D] 16-bit elements, rows of D / 8 16-byte chunks. Chunk c of row r is stored at chunk
+// c ^ (r & 7): the 8 row addresses of one ldmatrix 8x8 matrix (8 consecutive rows, one chunk column) then fall in
+// 8 different bank groups instead of all in one, and the 16-byte cp.async writes of a row stay a permutation
+// inside the row. Returns the element offset; `swizzled` the shared-memory address from a tile's base.
+template <int D>
+__device__ __forceinline__ int swizzle(int row, int chunk) {
+  static_assert(D % 64 == 0, "the swizzle permutes 8 chunks of a row");
+  return row * D + ((chunk ^ (row & 7)) << 3);
+}
+template <int D>
+__device__ __forceinline__ uint32_t swizzled(uint32_t tile, int row, int chunk) {
+  return tile + static_cast<uint32_t>(swizzle<D>(row, chunk)) * 2u;
+}
+
+// 2^x as the bare MUFU.EX2: exp2f would add denormal fix-ups around it. For inputs <= 0 (scores minus their
+// running max) flushing results below 2^-126 to zero changes nothing that matters.
 __device__ __forceinline__ float fast_exp2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
 }
 
+// D += A B for one m16n8k16 tile with fp32 accumulators; `pack` rounds two fp32 values to one A/B register.
 template <typename T>
 struct Mma;
-
-template <>
-struct Mma<__nv_bfloat16> {
-  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-        "{%0, %1, %2, %3};\n"
-        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
-    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-    return *reinterpret_cast<uint32_t*>(&v);
-  }
-};
 
 template <>
 struct Mma<__half> {
@@ -90,5 +88,19 @@ struct Mma<__half> {
   }
 };
 
-}  // namespace prefill
+template <>
+struct Mma<__nv_bfloat16> {
+  __device__ __forceinline__ static void run(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+        "{%0, %1, %2, %3};\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+  __device__ __forceinline__ static uint32_t pack(float lo, float hi) {
+    __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+    return *reinterpret_cast<uint32_t*>(&v);
+  }
+};
+
 }  // namespace hf_paged

@@ -1,0 +1,45 @@
+// Host-side argument checks the torch ops share (write_kv, paged_decode, paged_prefill). Every failure raises
+// ValueError (TORCH_CHECK_VALUE) with one preformatted message saying what to change.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <string>
+
+namespace hf_paged {
+
+// Error messages: formatted with snprintf and handed to TORCH_CHECK_* as one std::string. On the GPU box
+// (extension built by /opt/gcc g++, torch 2.11) a message that TORCH_CHECK assembled itself from several
+// arguments (c10::str's ostringstream) crashed the process; a single string takes c10's pass-through path.
+std::string format(const char* fmt, ...) __attribute__((format(printf, 1, 2)));
+std::string shape_of(const at::Tensor& t);  // "[2, 32, 128]"
+
+void check_cuda_tensor(const at::Tensor& t, const char* name, const at::Device& device);
+int vec_elems(at::ScalarType dtype);  // elements per 16-byte vector; 0 for unsupported dtypes
+bool aligned16(const at::Tensor& t);
+
+// What the attention ops read off query and the cache once their shapes are checked.
+struct AttentionShape {
+  int64_t rows, heads, kv_heads, head_dim, block_size;
+};
+
+// `query` [rows, H, D] (`query_dims` names the rows in messages) over `k_cache`/`v_cache`
+// [num_blocks, block_size, Hkv, D]: one CUDA device and one dtype for all four tensors (`out` shaped like query),
+// H a multiple of Hkv, contiguous 16-byte aligned caches with fewer than 2^31 token slots, query and out rows
+// contiguous and 16-byte aligned (their row strides may be larger than H * D).
+AttentionShape check_query_and_cache(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                                     const at::Tensor& v_cache, const char* query_dims);
+
+// `lens` a contiguous int32 [batch] tensor; `block_tables` an int32 [batch, max_blocks] tensor with contiguous
+// rows; both on `device`. `batch` up to 65535 (a grid dimension).
+void check_lengths_and_tables(const at::Tensor& lens, const char* lens_name, const at::Tensor& block_tables,
+                              int64_t batch, const at::Device& device);
+
+// scale * log2(e) for kernels that exponentiate in base 2; the scale must be positive.
+float softmax_scale_log2(double scale);
+
+// log2(block_size) when it is a power of two, else -1 (the kernels then divide).
+int block_shift_of(int64_t block_size);
+
+}  // namespace hf_paged
