@@ -1,0 +1,113 @@
+"""Per-row checks of attention kernels against the float64 torch oracle, and inputs whose answer is exact.
+
+A relative error over a whole batch dilutes one wrong row among thousands: a token dropped or read twice at a
+block or split boundary moves one row of a long context by ~1/n and passes. Two tools close that gap:
+
+- :func:`row_errors` / :func:`assert_rows_close` judge every (query row, head) on its own.
+- :func:`position_step` builds a step whose keys are zero (every visible key scores the same) and whose values encode
+  their position: ``v[j, h, d] = (-1) ** bit_((d + h) % 16)(j)``. The output is then exactly the mean of the
+  visible keys' values (:func:`exact_position_means`), a small sum over a count, which a kernel reproduces up to
+  its final rounding; one key missing or counted twice moves dimension ``d = -h mod 16`` (bit 0, which flips at
+  every position) by about ``1/n``, four times the allowance :func:`position_allowance` grants.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.attention import PagedMetadata
+
+from test_flash_backend import make_paged_step
+
+# Largest relative rounding error of one output element stored in the dtype (round to nearest), with margin 2.
+ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0**-22}
+# Share of one visible key's weight a structured row may be off by: a dropped or duplicated key moves it by ~1.
+TOKEN_SHARE = 0.25
+
+
+def visible_keys(meta: PagedMetadata) -> torch.Tensor:
+    """``[T]`` int64: how many keys query row ``t`` sees (causal, bottom-right aligned: key positions ``0..pos``)."""
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long().cpu()
+    k_lens = meta.seq_lens_k.long().cpu()
+    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    offset = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
+    return k_lens[seq] - q_lens[seq] + offset + 1
+
+
+def position_values(positions: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+    """``[N, Hkv, D]`` float64 values of keys at ``positions`` [N]: +1 or -1 by one bit of the position."""
+    bits = (torch.arange(head_dim)[None, :] + torch.arange(num_kv_heads)[:, None]) % 16  # [Hkv, D]
+    return 1.0 - 2.0 * ((positions[:, None, None] >> bits[None]) & 1).double()
+
+
+def exact_position_means(meta: PagedMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
+                         drop: dict[int, int] | None = None, repeat: dict[int, int] | None = None) -> torch.Tensor:
+    """``[T, H, D]`` float64: the mean of the position values over each row's visible keys (the exact output for a
+    :func:`position_step`). ``drop`` / ``repeat`` ``{sequence: key position}`` leave one key out or count it twice in
+    that sequence: what a kernel with such a bug would produce (used to test the checks themselves)."""
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long().cpu()
+    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    visible = visible_keys(meta)
+    longest = int(meta.seq_lens_k.max())
+    prefix = torch.cat([torch.zeros(1, num_kv_heads, head_dim, dtype=torch.float64),
+                        position_values(torch.arange(longest), num_kv_heads, head_dim).cumsum(0)])
+    sums, counts = prefix[visible].clone(), visible.double().clone()
+    for changes, sign in ((drop or {}, -1.0), (repeat or {}, 1.0)):
+        for b, pos in changes.items():
+            rows = (seq == b) & (visible > pos)
+            sums[rows] += sign * position_values(torch.tensor([pos]), num_kv_heads, head_dim)[0]
+            counts[rows] += sign
+    # A row left with no key gets zeros, as the kernels write for an empty context.
+    means = sums / counts.clamp_min(1)[:, None, None]
+    return means.repeat_interleave(num_heads // num_kv_heads, dim=1)
+
+
+def position_step(prefix_lens: list[int], new_lens: list[int], block_size: int, num_heads: int, num_kv_heads: int,
+                  head_dim: int, dtype: torch.dtype, gen: torch.Generator):
+    """A step (on the CPU) of :func:`make_paged_step`'s layout whose owned cache slots hold zero keys and position
+    values (unowned slots keep ``POISON``); queries are random. Returns ``(meta, query, key, value)`` like it."""
+    meta, _, _ = make_paged_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, dtype, gen)
+    k_cache, v_cache = meta.kv_caches[0]
+    flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    for b, total in enumerate(meta.seq_lens_k.tolist()):
+        pos = torch.arange(total)
+        slots = meta.block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        flat_k[slots] = 0
+        flat_v[slots] = position_values(pos, num_kv_heads, head_dim).to(dtype)
+    query = torch.randn(int(meta.cu_seqlens_q[-1]), num_heads, head_dim, generator=gen).to(dtype)
+    return meta, query, flat_k[meta.slot_mapping].clone(), flat_v[meta.slot_mapping].clone()
+
+
+def row_errors(out: torch.Tensor, expected: torch.Tensor, allowance: torch.Tensor) -> torch.Tensor:
+    """``[T, H]``: the largest ``|out - expected| / allowance`` over each row's dims; a row fails above 1.
+    ``allowance`` broadcasts against ``[T, H, D]``."""
+    return ((out.double().cpu() - expected.double().cpu()).abs() / allowance.cpu()).amax(dim=-1)
+
+
+def position_allowance(meta: PagedMetadata, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a row of a :func:`position_step` may be off by: the dtype's rounding of the exact mean plus a quarter of
+    one key's weight (``0.25 / visible keys``), far below what one missing or repeated key moves it by."""
+    share = TOKEN_SHARE / visible_keys(meta).double()[:, None, None]
+    return ROUNDING[dtype] * expected.double().cpu().abs() + share
+
+
+def random_allowance(expected: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """For random inputs: ``tolerance`` times each row's rms (floored at a tenth of the batch's rms, so that a row
+    that averages to almost nothing is not judged on noise)."""
+    expected = expected.double().cpu()
+    rms = expected.pow(2).mean(dim=-1, keepdim=True).sqrt()
+    return tolerance * rms.clamp_min(0.1 * expected.pow(2).mean().sqrt().item())
+
+
+def failing_rows(errors: torch.Tensor) -> list[tuple[int, int, float]]:
+    """(row, head, error) of every row whose error exceeds 1, worst first (at most 8)."""
+    bad = (errors > 1).nonzero().tolist()
+    bad.sort(key=lambda rh: -errors[rh[0], rh[1]].item())
+    return [(r, h, round(errors[r, h].item(), 2)) for r, h in bad[:8]]
+
+
+def assert_rows_close(out: torch.Tensor, expected: torch.Tensor, allowance: torch.Tensor, label: str) -> None:
+    """Every (row, head) of ``out`` within ``allowance`` of ``expected`` (NaN fails)."""
+    errors = row_errors(out, expected, allowance).nan_to_num(float("inf"))
+    bad = failing_rows(errors)
+    assert not bad, f"{label}: {int((errors > 1).sum())} rows off, worst (row, head, error/allowance): {bad}"

@@ -1,0 +1,100 @@
+"""The per-row checks the GPU kernel tests rely on (tests/kernel_oracle.py), proven on the CPU: the exact answer of
+position-encoded inputs matches the torch oracle, survives rounding to the kernels' dtypes, and one key dropped or
+counted twice at a block or split boundary is caught in every row that sees it, where a whole-batch relative error
+lets it pass."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.attention import AttentionParams
+from hf_paged.attention.backends.torch_backend import paged_attention_reference
+
+from kernel_oracle import (
+    assert_rows_close,
+    exact_position_means,
+    position_allowance,
+    position_step,
+    random_allowance,
+    row_errors,
+    visible_keys,
+)
+from test_flash_backend import make_paged_step
+
+# (cached prefix lengths, new-token counts): a decode step and an extend step, contexts across many blocks/splits
+STEPS = {"decode": ([0, 15, 16, 63, 200, 300], [1, 1, 1, 1, 1, 1]), "extend": ([0, 47, 130], [70, 33, 64])}
+SPLIT = 64  # a decode split length and the prefill kernel's key tile
+
+
+def oracle(meta, query, num_heads: int, head_dim: int) -> torch.Tensor:
+    k_cache, v_cache = meta.kv_caches[0]
+    return paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta,
+                                     AttentionParams(scale=head_dim**-0.5), compute_dtype=torch.float64)
+
+
+def boundary_positions(seq_len: int, block_size: int) -> list[int]:
+    """Key positions at the edges of blocks and of SPLIT-token splits / tiles."""
+    edges = {p for step in (block_size, SPLIT) for start in range(0, seq_len, step) for p in (start, start - 1)}
+    return sorted(p for p in edges if 0 <= p < seq_len)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("step", STEPS)
+def test_exact_answer_matches_the_oracle_and_passes_after_rounding(step: str, block_size: int, dtype: torch.dtype):
+    gen = torch.Generator().manual_seed(block_size)
+    meta, query, _, _ = position_step(*STEPS[step], block_size, 8, 2, 64, dtype, gen)
+    exact = exact_position_means(meta, 8, 2, 64)
+    assert torch.allclose(oracle(meta, query, 8, 64), exact, rtol=0, atol=1e-12)
+    assert_rows_close(exact.to(dtype), exact, position_allowance(meta, exact, dtype), "rounded exact answer")
+
+
+@pytest.mark.parametrize("fault", ["drop", "repeat"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("step", STEPS)
+def test_one_key_wrong_at_a_boundary_fails_exactly_the_rows_that_see_it(step, block_size, dtype, fault: str):
+    gen = torch.Generator().manual_seed(7)
+    meta, _, _, _ = position_step(*STEPS[step], block_size, 8, 2, 64, dtype, gen)
+    exact = exact_position_means(meta, 8, 2, 64)
+    allowance = position_allowance(meta, exact, dtype)
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
+    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    visible = visible_keys(meta)
+    checked = 0
+    for b, seq_len in enumerate(meta.seq_lens_k.tolist()):
+        for pos in boundary_positions(seq_len, block_size):
+            wrong = exact_position_means(meta, 8, 2, 64, **{fault: {b: pos}}).to(dtype)  # a faulty kernel's output
+            failed = (row_errors(wrong, exact, allowance) > 1).all(dim=1)  # every head of the row fails
+            sees = (seq == b) & (visible > pos)
+            if fault == "repeat":
+                sees &= visible > 1  # the only key counted twice averages to itself: no output can show it
+            assert torch.equal(failed, sees), (b, pos, failed.nonzero().flatten(), sees.nonzero().flatten())
+            checked += 1
+    assert checked > 20
+
+
+def test_a_dropped_key_passes_the_whole_batch_error_but_not_the_rows():
+    """Why per-row checks: one key missing from a 700-token context moves the batch's relative error far less than
+    the bf16 tolerance the grid tests use (1e-2)."""
+    gen = torch.Generator().manual_seed(3)
+    meta, _, _, _ = position_step([699, 40], [1, 1], 16, 8, 2, 64, torch.bfloat16, gen)
+    exact = exact_position_means(meta, 8, 2, 64)
+    wrong = exact_position_means(meta, 8, 2, 64, drop={0: 320}).to(torch.bfloat16)
+    whole = ((wrong.double() - exact).norm() / exact.norm()).item()
+    assert whole < 1e-2
+    assert (row_errors(wrong, exact, position_allowance(meta, exact, torch.bfloat16))[0] > 1).all()
+
+
+def test_random_rows_pass_after_rounding_and_one_bad_row_fails():
+    gen = torch.Generator().manual_seed(5)
+    meta, _, _ = make_paged_step([0, 300, 5], [40, 1, 17], 16, 2, 64, torch.bfloat16, gen)
+    query = torch.randn(int(meta.cu_seqlens_q[-1]), 8, 64, generator=gen).to(torch.bfloat16)
+    expected = oracle(meta, query, 8, 64)
+    allowance = random_allowance(expected, 2e-2)
+    assert_rows_close(expected.to(torch.bfloat16), expected, allowance, "rounded oracle")
+    wrong = expected.clone()
+    wrong[41, 3] *= 1.1  # one row of one head 10% off
+    errors = row_errors(wrong, expected, allowance)
+    assert (errors > 1).nonzero().tolist() == [[41, 3]]
