@@ -58,6 +58,8 @@ class Dispatcher:
         self.served: dict[str, str] = {}
         self._choice: dict[AttentionCall, AttentionBackend] = {}
         self._writer: dict[tuple, AttentionBackend] = {}
+        # The attention function's memo: (phase, layer shape, scalars) -> (backend, KV writer, params).
+        self.routes: dict[tuple, tuple] = {}
 
     def select(self, call: AttentionCall) -> AttentionBackend:
         backend = self._choice.get(call)
@@ -78,14 +80,34 @@ class Dispatcher:
     def writer(self, k_cache: torch.Tensor) -> AttentionBackend:
         """The backend whose KV write serves this cache tensor: the first allowed one with a write of its own,
         else the first registered one that has one (the torch backend always does)."""
-        key = (k_cache.device.type, k_cache.dtype, k_cache.shape[-1])
+        backend = self._writer_for((k_cache.device.type, k_cache.dtype, k_cache.shape[-1]))
+        self.served["write"] = backend.name
+        return backend
+
+    def _writer_for(self, key: tuple) -> AttentionBackend:
         backend = self._writer.get(key)
         if backend is None:
             candidates = [*self._order, *registered_backends()]
             backend = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
             self._writer[key] = backend
-        self.served["write"] = backend.name
         return backend
+
+    def capture_unsupported_reason(self, calls: list[AttentionCall], dtype: torch.dtype) -> str | None:
+        """Before any step: None if the backends that will serve the decode ``calls`` and the KV write of such a
+        cache may be captured in a CUDA graph, else why not (chooses them now, as the first step would)."""
+        for call in calls:
+            try:
+                backend = self._choice.get(call) or self._choose(call)
+            except NotImplementedError as err:
+                return str(err)
+            self._choice[call] = backend
+            reason = backend.graph_unsupported_reason(call)
+            if reason is not None:
+                return f"{reason} ({call})"
+            writer = self._writer_for((call.device_type, dtype, call.head_dim))
+            if not writer.capture_safe_write:
+                return f"the {writer.name} backend's KV write is not capture-safe"
+        return None
 
     def graph_unsupported_reason(self) -> str | None:
         """After an eager decode step: None if every decode call and KV write it chose may be captured in a CUDA

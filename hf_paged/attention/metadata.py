@@ -49,6 +49,8 @@ class PagedMetadata:
         has_padding_slots: whether ``slot_mapping`` contains -1 entries (kept on the host to avoid a sync).
         kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
         dispatcher: picks the backend of each phase (see :mod:`hf_paged.attention.dispatch`).
+        static: a decode step of fixed shapes at fixed addresses (``hf_paged/cache/static_decode.py``), which a
+            compiled forward traces, with the KV write and the attention as custom ops, rather than break around.
         plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
             the backend; filled by the first layer that needs it (see ``AttentionBackend``).
     """
@@ -69,8 +71,14 @@ class PagedMetadata:
     has_padding_slots: bool
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
     dispatcher: object = field(repr=False)
+    static: bool = False
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # A plan handed to a forward as its attention mask (generate prepares the masks of a compileable cache) is asked
+    # for its ``ndim`` by model and mask code: it answers as a prepared 4D mask would, so no one reshapes it as a
+    # padding mask, and the mask function passes it on as it is.
+    ndim = 4
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")
 

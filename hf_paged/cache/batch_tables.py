@@ -25,6 +25,7 @@ class BatchTables:
         self.num_columns = 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, capacity]: which columns hold real tokens
         self._table_tensor: torch.Tensor | None = None  # block_table_tensor(), rebuilt only after tables change
+        self._spare: list[int] = []  # blocks handed to this batch ahead of need (see reserve)
 
     @property
     def num_rows(self) -> int:
@@ -36,6 +37,8 @@ class BatchTables:
     def reset(self) -> None:
         for table in self.tables:
             self.pool.allocator.free(table)
+        self.pool.allocator.free(self._spare)
+        self._spare = []
         self.tables, self.num_tokens, self.num_columns = [], [], 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)
         self._table_tensor = None
@@ -75,6 +78,23 @@ class BatchTables:
         valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
         return None if bool(valid.all()) else valid
 
+    def reserve(self, num_blocks: int, hint: str = "") -> None:
+        """Hand this batch ``num_blocks`` more blocks now, which later growth and copy-on-write take before asking
+        the allocator: a batch that reserved all it will need cannot run out mid-way. All or nothing."""
+        alloc = self.pool.allocator
+        if num_blocks > alloc.num_free:
+            raise OutOfBlocksError(num_blocks, alloc.num_free, alloc.num_blocks, hint=hint)
+        self._spare.extend(alloc.allocate(num_blocks))
+
+    @property
+    def num_reserved(self) -> int:
+        """Blocks reserved by :meth:`reserve` and not yet taken."""
+        return len(self._spare)
+
+    def _take(self, n: int) -> list[int]:
+        taken, self._spare = self._spare[:n], self._spare[n:]
+        return taken + self.pool.allocator.allocate(n - len(taken))
+
     def append(self, q_len: int, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Add one forward's ``q_len`` columns. ``valid``: ``[rows, q_len]`` bool (host), True where the token is
         real; None = every token is real (a decode step of ``generate``).
@@ -88,21 +108,21 @@ class BatchTables:
         cow = self._rows_to_copy(n_new)
         grow = [-(-(n + k) // bs) - len(t) for t, n, k in zip(self.tables, self.num_tokens, n_new)]
         needed = len(cow) + sum(grow)
-        if needed > alloc.num_free:
+        if needed > alloc.num_free + len(self._spare):
             hint = f"(this step adds {sum(n_new)} tokens to {rows} rows of {bs}-token blocks)"
             if alloc.num_used:
                 hint += (f" The cache's sequences still hold {alloc.num_used} blocks: cache.reset() frees them (the "
                          "next generate call does so itself).")
-            raise OutOfBlocksError(needed, alloc.num_free, alloc.num_blocks, hint=hint)
+            raise OutOfBlocksError(needed, alloc.num_free + len(self._spare), alloc.num_blocks, hint=hint)
         if cow:
-            fresh = alloc.allocate(len(cow))
+            fresh = self._take(len(cow))
             self.pool.copy_blocks([self.tables[r][-1] for r in cow], fresh)
             for r, b in zip(cow, fresh):
                 alloc.free([self.tables[r][-1]])
                 self.tables[r][-1] = b
         grown = [r for r in range(rows) if grow[r]]
         for r in grown:
-            self.tables[r].extend(alloc.allocate(grow[r]))
+            self.tables[r].extend(self._take(grow[r]))
         if q_len == 1 and self._table_tensor is not None:  # a decode step changes at most each row's last block
             if cow or grown:
                 self._table_tensor = self._with_last_blocks(cow + grown)
@@ -205,12 +225,13 @@ class BatchTables:
             for i, b in enumerate(table):
                 fill[b] = max(fill.get(b, 0), min(bs, n - i * bs))
         alloc = self.pool.allocator
-        slots = alloc.num_used * bs
+        slots = (alloc.num_used - len(self._spare)) * bs
         return {
             "num_blocks": alloc.num_blocks,
             "block_size": bs,
             "blocks_used": alloc.num_used,
             "blocks_free": alloc.num_free,
+            "blocks_reserved": len(self._spare),
             "tokens_stored": sum(self.num_tokens),
             "internal_fragmentation": 0.0 if slots == 0 else 1.0 - sum(fill.values()) / slots,
         }

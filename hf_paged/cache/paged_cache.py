@@ -27,6 +27,7 @@ from hf_paged.attention.metadata import PagedMetadata, Phase, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
 from hf_paged.cache.paged_layer import PagedLayer, PlanOffset
+from hf_paged.cache.static_decode import CompileMode, blocks_until_done
 from hf_paged.hf.support import check_model_supported
 
 
@@ -45,6 +46,12 @@ class PagedAttentionCache(Cache):
         memory_budget: with ``num_blocks=None``: bytes (int) or a fraction of free device memory (float).
         backend: restrict attention to these backends, tried in the given order: a name, a sequence of names or a
             comma-separated string (see ``hf_paged.available_backends()``); None = automatic (flash, cuda, torch).
+        max_new_tokens: the ``max_new_tokens`` of the ``generate`` calls this cache serves. Given, each batch takes
+            the blocks for its prompts plus that many tokens before its first forward (``OutOfBlocksError`` up
+            front, never mid-decode), and decode steps can have fixed shapes, which ``generate`` may compile.
+        compileable: whether decode steps take fixed shapes so that ``generate`` compiles them (``is_compileable``):
+            None = where transformers compiles (one CUDA device, capture-safe backends; needs ``max_new_tokens``),
+            True = also elsewhere, e.g. on the CPU with a ``compile_config``; False = never.
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -64,6 +71,8 @@ class PagedAttentionCache(Cache):
         dtype: torch.dtype = torch.float32,
         memory_budget: int | float | None = None,
         backend: str | Sequence[str] | None = None,
+        max_new_tokens: int | None = None,
+        compileable: bool | None = None,
     ):
         check_model_supported(config)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
@@ -89,9 +98,12 @@ class PagedAttentionCache(Cache):
         self.dtype = dtype
         self._plan: PagedMetadata | None = None
         self._plan_key: tuple | None = None
-        self._layers_written: set[int] = set()
+        self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
         self._next_plan: PagedMetadata | None = None
         self._passed_to_generate = False
+        self.max_new_tokens = max_new_tokens
+        self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool.kv_caches,
+                                        self.dispatcher, max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
@@ -108,9 +120,13 @@ class PagedAttentionCache(Cache):
         return self.rows.num_columns
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        if torch.compiler.is_compiling():  # unread: the plan is made before a compiled forward (and a step-varying
+            return query_length, 0  # int read while tracing would recompile every step)
         return self.rows.num_columns + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
+        if torch.compiler.is_compiling():
+            return self.compile_mode.traced_query_offset()
         return PlanOffset(self.rows.num_columns, self)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -122,7 +138,9 @@ class PagedAttentionCache(Cache):
 
     @property
     def is_compileable(self) -> bool:
-        return False
+        """Whether decode steps have fixed shapes and no host syncs, so that ``generate`` may compile them (see
+        ``compileable``); when not, the reason is logged once."""
+        return self.compile_mode.enabled
 
     @property
     def is_initialized(self) -> bool:
@@ -163,15 +181,39 @@ class PagedAttentionCache(Cache):
         if self._next_plan is not None:
             self._plan, self._next_plan = self._next_plan, None
             self._plan_key = _GIVEN_PLAN
-            self._layers_written.clear()
+            self._plan_used = False
             return self._plan
         key = (batch_size, q_len, self.rows.num_columns)
         # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
-        if self._plan is not None and not self._layers_written and self._plan_key in (key, _GIVEN_PLAN):
+        if self._plan is not None and not self._plan_used and self._plan_key in (key, _GIVEN_PLAN):
             return self._plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
+        decode = q_len == 1 and valid is None and self.rows.num_columns > 0
+        reserve = self._blocks_until_done(q_len, valid) if self.rows.num_columns == 0 else None
         slots = self.rows.append(q_len, valid)
-        self._plan = build_metadata(
+        if reserve is not None:
+            self.rows.reserve(sum(reserve) - sum(len(t) for t in self.rows.tables))
+        if decode and self.compile_mode.enabled:
+            self._plan = self.compile_mode.static.plan(self.rows, slots)
+        else:
+            self._plan = self._build_plan(batch_size, q_len, valid, slots, device)
+        self._plan_key = (batch_size, q_len, self.rows.num_columns)
+        self._plan_used = False
+        return self._plan
+
+    def _blocks_until_done(self, q_len: int, valid: torch.Tensor | None) -> list[int] | None:
+        """A batch's first forward, with ``max_new_tokens`` given: the blocks each row will need (checked to fit)."""
+        if self.max_new_tokens is None:
+            return None
+        new = [q_len] * self.rows.num_rows if valid is None else valid.sum(1).tolist()
+        per_row = blocks_until_done(self.rows, new, self.max_new_tokens)
+        if self.compile_mode.enabled:
+            self.compile_mode.static.size_for(len(per_row), max(per_row, default=1))
+        return per_row
+
+    def _build_plan(self, batch_size: int, q_len: int, valid: torch.Tensor | None, slots: torch.Tensor,
+                    device: torch.device) -> PagedMetadata:
+        return build_metadata(
             q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
             seq_lens_k=torch.tensor(self.rows.num_tokens),
             block_tables=self.rows.block_table_tensor(),
@@ -183,9 +225,6 @@ class PagedAttentionCache(Cache):
             dispatcher=self.dispatcher,
             device=torch.device(device),
         )
-        self._plan_key = (batch_size, q_len, self.rows.num_columns)
-        self._layers_written.clear()
-        return self._plan
 
     def check_model_config(self, config) -> None:
         """Refuse a model whose decoder has another number of layers than this cache (the mask function passes the
@@ -205,6 +244,14 @@ class PagedAttentionCache(Cache):
 
         The attention function writes them into the pool (its backend picks the write kernel) and attends.
         """
+        if torch.compiler.is_compiling() and self._plan is not None and self._plan.static:
+            self._plan_used = True  # a compiled decode step of fixed shapes: one real token per row, checked eager
+            return _pack(key_states, None), _pack(value_states, None)
+        return self._update(key_states, value_states, layer_idx)
+
+    # Opaque to torch.compile (a compiled layer breaks its graph here; see hf_paged.engine.compiled_layers).
+    @torch.compiler.disable
+    def _update(self, key_states, value_states, layer_idx: int):
         plan = self._plan
         if plan is None:
             raise RuntimeError(
@@ -229,7 +276,7 @@ class PagedAttentionCache(Cache):
                 f"layer {layer_idx} runs on {key_states.device} but its KV cache is on {k_cache.device}; "
                 "create the cache with device=model.device (or one device per layer for a split model)"
             )
-        self._layers_written.add(layer_idx)
+        self._plan_used = True
         index = plan.on(k_cache.device).token_index
         return _pack(key_states, index), _pack(value_states, index)
 

@@ -11,14 +11,14 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-import weakref
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from hf_paged.attention import ops
 from hf_paged.attention.backends.base import AttentionCall, AttentionParams
-from hf_paged.attention.metadata import PagedMetadata
+from hf_paged.attention.metadata import PagedMetadata, Phase
 
 logger = logging.getLogger("hf_paged")
 
@@ -29,7 +29,13 @@ _UNSERVED_KWARGS = {
 
 
 def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
-    """Mask function for ``"hf_paged"``: the step plan when a paged cache is in use, else an SDPA mask."""
+    """Mask function for ``"hf_paged"``: the step plan when a paged cache is in use, else an SDPA mask.
+
+    A forward may be handed its plan ready-made as ``attention_mask`` (``generate`` builds the masks of a
+    compileable cache before calling the, possibly compiled, forward): it is passed on as it is.
+    """
+    if isinstance(kwargs.get("attention_mask"), PagedMetadata):
+        return kwargs["attention_mask"]
     cache = getattr(q_offset, "paged_cache", None)
     if cache is None:
         _note_dense_fallback()
@@ -37,7 +43,10 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                          q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
     cache.check_model_config(kwargs.get("config"))
     device = kwargs.get("device") or cache.pool.kv_caches[0][0].device
-    return cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
+    plan = cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
+    if cache.is_compileable:
+        _prepare_routes(plan)
+    return plan
 
 
 def paged_attention_forward(
@@ -66,6 +75,31 @@ def paged_attention_forward(
     if not isinstance(attention_mask, PagedMetadata):
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
+    if attention_mask.static and torch.compiler.is_compiling():
+        return _static_decode_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
+    return _paged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                            kwargs)
+
+
+def _static_decode_attention(module, query, key, value, meta: PagedMetadata, scaling, sliding_window,
+                             softcap) -> tuple[torch.Tensor, None]:
+    """A decode step of fixed shapes being compiled (``hf_paged/cache/static_decode.py``): traced, with the KV
+    write and the attention as custom ops (opaque to the compiler, the same backends underneath). One real token
+    per row, so no packing; the layer's backend was chosen before the compiled call."""
+    batch, num_heads, _, head_dim = query.shape
+    k_cache, v_cache = meta.kv_caches[module.layer_idx]
+    backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
+    q = query.transpose(1, 2).reshape(batch, num_heads, head_dim)
+    ops.store_kv(key, value, k_cache, v_cache, meta, writer)
+    out = ops.paged_attention(q, key, value, k_cache, v_cache, meta, backend, params)
+    return out.view(batch, 1, num_heads, head_dim), None
+
+
+# Opaque to torch.compile: a compiled layer (the engine's CompiledLayers) breaks its graph here and the KV write and
+# attention run as they do eager, with the step's metadata as it is.
+@torch.compiler.disable
+def _paged_attention(module, query, key, value, attention_mask: PagedMetadata, scaling, dropout, sliding_window,
+                     softcap, kwargs: dict) -> tuple[torch.Tensor, None]:
     _check_served(module, dropout, kwargs)
     batch, num_heads, q_len, head_dim = query.shape
     meta = attention_mask.on(query.device)
@@ -82,31 +116,42 @@ def paged_attention_forward(
     return full.view(batch, q_len, num_heads, head_dim), None
 
 
-# Per dispatcher: (phase, layer shape, scalars) -> (backend, KV writer, params), so that a layer looks up a plain
-# tuple instead of building and hashing an AttentionCall and its params every step (half the glue's host time).
-_routes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
 def _route(meta: PagedMetadata, query: torch.Tensor, k_cache: torch.Tensor, scaling: float | None,
            sliding_window: int | None, softcap: float | None) -> tuple:
-    """The backend, KV writer and params serving this layer in this phase (chosen once, then looked up)."""
+    """The backend, KV writer and params serving this layer in this phase (chosen once, then looked up in the
+    dispatcher's ``routes``: (phase, layer shape, scalars) -> (backend, KV writer, params), so that a layer looks
+    up a plain tuple instead of building and hashing an AttentionCall and its params every step)."""
     _, num_heads, _, head_dim = query.shape
     key = (meta.phase, query.dtype, query.device.type, num_heads, head_dim, k_cache.shape[2], meta.block_size,
            scaling, sliding_window, softcap)
-    routes = _routes.get(meta.dispatcher)
-    if routes is None:
-        routes = _routes[meta.dispatcher] = {}
-    route = routes.get(key)
+    route = meta.dispatcher.routes.get(key)
     if route is None:
-        call = AttentionCall(
-            phase=meta.phase, device_type=query.device.type, dtype=query.dtype, head_dim=head_dim,
-            num_heads=num_heads, num_kv_heads=k_cache.shape[2], block_size=meta.block_size,
-            sliding_window=sliding_window, softcap=softcap,
-        )
-        params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling,
-                                 sliding_window=sliding_window, softcap=softcap)
-        route = routes[key] = (meta.dispatcher.select(call), meta.dispatcher.writer(k_cache), params)
+        if torch.compiler.is_compiling():
+            raise RuntimeError(
+                "hf_paged: a compiled forward met an attention layer whose backend was not chosen beforehand; "
+                "compile decode steps only, after an eager forward of the batch (generate's prefill)")
+        route = meta.dispatcher.routes[key] = _choose_route(key, meta.dispatcher, k_cache)
     return route
+
+
+def _choose_route(key: tuple, dispatcher, k_cache: torch.Tensor) -> tuple:
+    phase, dtype, device_type, num_heads, head_dim, num_kv_heads, block_size, scaling, sliding_window, softcap = key
+    call = AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
+                         num_kv_heads=num_kv_heads, block_size=block_size, sliding_window=sliding_window,
+                         softcap=softcap)
+    params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling, sliding_window=sliding_window,
+                             softcap=softcap)
+    return dispatcher.select(call), dispatcher.writer(k_cache), params
+
+
+def _prepare_routes(plan: PagedMetadata) -> None:
+    """Before a forward that may be compiled: choose the decode backend of every layer shape an eager forward
+    has met, so that compiled layers only look their route up (choosing runs host code a compiler cannot trace)."""
+    routes = plan.dispatcher.routes
+    if plan.phase is Phase.DECODE:
+        for key in [k for k in routes if k[0] is not Phase.DECODE and (Phase.DECODE, *k[1:]) not in routes]:
+            routes[(Phase.DECODE, *key[1:])] = _choose_route((Phase.DECODE, *key[1:]), plan.dispatcher,
+                                                             plan.kv_caches[0][0])
 
 
 def _dense_fallback(module, query, key, value, attention_mask, softcap: float | None = None, **kwargs):

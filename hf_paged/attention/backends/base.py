@@ -118,6 +118,11 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
     return cls
 
 
+def backend_named(name: str) -> AttentionBackend:
+    """The registered backend called ``name`` (how the custom ops in ``hf_paged.attention.ops`` find theirs)."""
+    return _REGISTRY[name]
+
+
 def registered_backends() -> list[AttentionBackend]:
     """All registered backends, in the order the dispatcher tries them."""
     return sorted(_REGISTRY.values(), key=lambda b: b.priority)

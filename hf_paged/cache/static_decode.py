@@ -1,0 +1,203 @@
+"""Decode steps of fixed shape at fixed addresses, so that ``generate`` may compile them.
+
+A compiled decode step (``torch.compile`` with CUDA graphs, as ``generate`` does for a cache whose
+``is_compileable`` is True) replays the same kernels on the same tensors every step: it may read new *values* but
+not new shapes, new addresses or host integers that change. So for a batch of ``B`` rows whose longest row may reach
+``W`` blocks (its prompt plus ``max_new_tokens``), every decode step's metadata is the *same* :class:`PagedMetadata`
+object whose tensors are updated in place before the forward:
+
+::
+
+    cu_seqlens_q [B + 1]   0, 1, ..., B                        fixed
+    seq_lens_k   [B]       tokens of each row after the step    rewritten each step
+    cu_seqlens_k [B + 1]   their prefix sums                    rewritten each step
+    slot_mapping [B]       slot of each row's new token         rewritten each step
+    block_tables [B, W]    each row's blocks, padded with 0      rewritten when a row's table changes
+    max_seqlen_k = W * block_size                               fixed bound: kernels read each row's real length
+
+The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
+plans each step through the mask function before it calls the compiled forward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import torch
+
+from hf_paged.attention.backends.base import AttentionCall
+from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.cache.batch_tables import BatchTables
+from hf_paged.cache.block_allocator import OutOfBlocksError
+
+logger = logging.getLogger("hf_paged")
+
+
+class StaticDecode:
+    """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
+
+    def __init__(self, device: torch.device, block_size: int, kv_caches, dispatcher):
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.kv_caches = kv_caches
+        self.dispatcher = dispatcher
+        self.meta: PagedMetadata | None = None
+        self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
+
+    @property
+    def width(self) -> int:
+        return 0 if self.meta is None else self.meta.block_tables.shape[1]
+
+    def size_for(self, num_rows: int, width: int) -> None:
+        """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
+        if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
+            return
+        if self.meta is not None and self.meta.num_seqs == num_rows:
+            logger.warning(
+                "hf_paged: a row outgrew the decode block table sized from max_new_tokens (%d > %d blocks): the "
+                "table is widened, which recompiles a compiled decode step. Give the cache the max_new_tokens that "
+                "generate is given.", width, self.width)
+        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher)
+        self._uploaded_table = None
+        if not torch.compiler.is_compiling():
+            for name in PagedMetadata._TENSOR_FIELDS:
+                t = getattr(self.meta, name)
+                if t is not None:
+                    # Compiled steps then read these at fixed addresses instead of copying them in (CUDA graphs).
+                    torch._dynamo.mark_static_address(t)
+
+    def plan(self, rows: BatchTables, slots: torch.Tensor) -> PagedMetadata:
+        """The step's metadata after ``rows.append`` gave each row its one new token (``slots``: ``[B]`` host)."""
+        table = rows.block_table_tensor()
+        self.size_for(rows.num_rows, table.shape[1])
+        meta = self.meta
+        seq_lens = torch.tensor(rows.num_tokens, dtype=torch.int32)
+        _upload(meta.seq_lens_k, seq_lens)
+        _upload(meta.cu_seqlens_k[1:], torch.cumsum(seq_lens, 0, dtype=torch.int32))
+        _upload(meta.slot_mapping, slots)
+        if table is not self._uploaded_table:  # a table tensor is never changed in place (BatchTables)
+            _upload(meta.block_tables[:, : table.shape[1]], table)
+            self._uploaded_table = table
+        return meta
+
+
+def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
+    pin = dst.device.type == "cuda"
+    dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
+
+
+def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device, kv_caches,
+                     dispatcher) -> PagedMetadata:
+    def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return PagedMetadata(
+        num_seqs=num_rows, num_tokens=num_rows, max_seqlen_q=1, max_seqlen_k=width * block_size,
+        block_size=block_size, phase=Phase.DECODE,
+        cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+        cu_seqlens_k=zeros(num_rows + 1), seq_lens_k=zeros(num_rows), block_tables=zeros(num_rows, width),
+        slot_mapping=zeros(num_rows, dtype=torch.int64), token_index=None, grid=(num_rows, 1),
+        has_padding_slots=False, kv_caches=kv_caches, dispatcher=dispatcher, static=True,
+    )
+
+
+def blocks_until_done(rows: BatchTables, new_tokens: list[int], max_new_tokens: int) -> list[int]:
+    """Blocks each row needs to hold its ``new_tokens`` (a batch's first forward) plus ``max_new_tokens`` more.
+
+    Raises ``OutOfBlocksError`` (with the number needed) when the pool cannot hold them all, before the forward
+    writes anything, so that a decode step never finds the pool empty.
+    """
+    bs, alloc = rows.pool.block_size, rows.pool.allocator
+    per_row = [-(-(n + max_new_tokens) // bs) for n in new_tokens]
+    needed, free = sum(per_row), alloc.num_free + rows.num_reserved
+    if needed > free:
+        raise OutOfBlocksError(
+            needed, free, alloc.num_blocks,
+            hint=(f"({len(per_row)} rows: their prompts plus max_new_tokens={max_new_tokens} tokens each, in "
+                  f"{bs}-token blocks, are taken before decoding starts.)"))
+    return per_row
+
+
+class CompileMode:
+    """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, and their metadata."""
+
+    def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
+                 kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None):
+        if max_new_tokens is not None and (
+                not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
+        if compileable not in (None, True, False):
+            raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
+        self._inputs = (config, layout, devices, dtype, block_size, dispatcher, max_new_tokens, compileable)
+        self._reason: str | None | object = _UNDECIDED
+        if compileable:
+            reason = self._static_reason()
+            if reason is not None:
+                raise ValueError(f"compileable=True, but {reason}")
+        self.static = StaticDecode(devices[0], block_size, kv_caches, dispatcher)
+
+    @property
+    def enabled(self) -> bool:
+        if self._reason is _UNDECIDED:
+            self._reason = self._find_reason()
+            if self._reason is not None:
+                _note_not_compileable(self._reason, self._inputs[6] is not None)
+        return self._reason is None
+
+    @property
+    def reason(self) -> str | None:
+        """Why decode steps are not compileable (None when they are)."""
+        return None if self.enabled else self._reason
+
+    def traced_query_offset(self) -> int:
+        """The query offset a compiled forward's mask code gets: unread, since the mask function finds the step's
+        plan, made before the call, in ``attention_mask``."""
+        if not self.enabled:
+            raise RuntimeError(f"this PagedAttentionCache's decode steps cannot be compiled: {self._reason}")
+        return 0
+
+    def _static_reason(self) -> str | None:
+        devices, max_new_tokens = self._inputs[2], self._inputs[6]
+        if max_new_tokens is None:
+            return ("the cache was not given max_new_tokens (the generate call's): decode blocks and the width of "
+                    "the decode block table are fixed from it before decoding starts")
+        if len(set(devices)) > 1:
+            return "the KV cache is split over several devices"
+        return None
+
+    def _find_reason(self) -> str | None:
+        config, layout, devices, dtype, block_size, dispatcher, _, compileable = self._inputs
+        if compileable is False:
+            return "the cache was made with compileable=False"
+        reason = self._static_reason()
+        if reason is not None or compileable:
+            return reason
+        if devices[0].type != "cuda":
+            return (f"the KV cache is on {devices[0].type}: transformers compiles generate's decode step on CUDA "
+                    "(give the cache compileable=True to compile elsewhere, with a compile_config)")
+        return dispatcher.capture_unsupported_reason(decode_calls(config, layout, devices[0].type, dtype,
+                                                                  block_size), dtype)
+
+
+_UNDECIDED = object()
+
+
+def decode_calls(config, layout, device_type: str, dtype: torch.dtype, block_size: int) -> list[AttentionCall]:
+    """The decode attention calls a model's layers will make, as far as its config tells (sliding window and
+    logit softcapping included), to choose their backends before the first step."""
+    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    call = AttentionCall(phase=Phase.DECODE, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
+                         num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size)
+    window = getattr(text, "sliding_window", None)
+    softcap = getattr(text, "attn_logit_softcapping", None)
+    if window is None and softcap is None:
+        return [call]
+    return [call, dataclasses.replace(call, sliding_window=window, softcap=softcap)]
+
+
+@functools.lru_cache(maxsize=None)
+def _note_not_compileable(reason: str, asked: bool) -> None:
+    log = logger.warning if asked else logger.info
+    log("hf_paged: PagedAttentionCache.is_compileable is False, so generate runs decode steps eagerly: %s", reason)
