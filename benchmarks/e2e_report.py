@@ -64,9 +64,10 @@ def read_rows(paths: list[str]) -> list[dict]:
 
 
 def labels_in_order(rows: list[dict]) -> list[str]:
-    """hf_paged first, then transformers releases, newest first."""
+    """hf_paged first (then its variants), then transformers releases, newest first."""
     labels = {r["label"] for r in rows}
-    return sorted(labels, key=lambda label: (label != "hf_paged", _negated_version(label), label))
+    return sorted(labels, key=lambda label: (label != "hf_paged", not label.startswith("hf_paged"),
+                                             _negated_version(label), label))
 
 
 def newest_transformers(rows: list[dict]) -> str | None:

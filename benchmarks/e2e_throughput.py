@@ -17,6 +17,8 @@ Workloads (``--workloads``, in this order by default):
 
 Systems (``--systems``, in this order by default):
   hf_paged          ``hf_paged.generate_batch``, block_size 16
+  hf_paged_eager_layers  the same with ``compile_layers=False``: HF's eager modules around the paged attention
+                    (the engine's default compiles them on CUDA)
   transformers      ``model.generate_batch`` of the transformers this process imports, default config but the budget
                     (model loaded with sdpa; transformers switches to flash attention when flash-attn is installed
                     and decides CUDA graphs, async batching and compile by itself)
@@ -66,7 +68,9 @@ from e2e_systems import Budget, hf_paged_system, timed_latency, timed_throughput
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model  # noqa: E402
 from other_transformers import run_other_transformers  # noqa: E402
 
-SYSTEMS = ("hf_paged", "transformers", "transformers_box")
+SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transformers_box")
+# hf_paged variants: the engine options each adds to --engine-kwargs
+HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False}}
 HF_PAGED_ONLY = ("profile",)
 _DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
@@ -107,7 +111,7 @@ def main(argv: list[str] | None = None) -> None:
     workloads = [WORKLOADS[name].smoke() if args.smoke else WORKLOADS[name] for name in args.workloads]
     budget = Budget(args.max_batch_tokens or (256 if args.smoke else 8192),
                     args.max_requests or (16 if args.smoke else 256))
-    plan = {s: [w for w in workloads if s == "hf_paged" or w.name not in HF_PAGED_ONLY] for s in args.systems}
+    plan = {s: [w for w in workloads if s in HF_PAGED_VARIANTS or w.name not in HF_PAGED_ONLY] for s in args.systems}
     log = Progress(prefix="  (subprocess) " if args.as_subprocess else "")
     if not args.as_subprocess:
         log(f"runs, in order: " + "; ".join(f"{s}: {', '.join(w.name for w in ws)}" for s, ws in plan.items() if ws))
@@ -138,16 +142,17 @@ def main(argv: list[str] | None = None) -> None:
 def run_system(system: str, workloads: list[Workload], args: argparse.Namespace, budget: Budget, log):
     """Load the model once for the system, then yield one row per workload."""
     shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (LLAMA_1B, "cuda")
-    label = "hf_paged" if system == "hf_paged" else f"transformers {transformers.__version__}"
-    settings = {"budget": vars(budget), "smoke": args.smoke,
-                "engine_kwargs": args.engine_kwargs if system == "hf_paged" else {}}
+    ours = system in HF_PAGED_VARIANTS
+    engine_kwargs = {**args.engine_kwargs, **HF_PAGED_VARIANTS[system]} if ours else {}
+    label = system if ours else f"transformers {transformers.__version__}"
+    settings = {"budget": vars(budget), "smoke": args.smoke, "engine_kwargs": engine_kwargs}
     try:
-        model = load_model(shape, device, hf_paged.ATTN_IMPLEMENTATION if system == "hf_paged" else "sdpa")
+        model = load_model(shape, device, hf_paged.ATTN_IMPLEMENTATION if ours else "sdpa")
     except Exception as exc:  # e.g. out of memory: report, keep the other systems
         for w in workloads:
             yield make_row(system, label, w.name, error=_error(exc), **settings)
         return
-    generate = (hf_paged_system(model, budget, args.engine_kwargs) if system == "hf_paged"
+    generate = (hf_paged_system(model, budget, engine_kwargs) if ours
                 else transformers_system(model, budget, num_blocks=32 if args.smoke else None))
     vocab, warm = shape["vocab_size"], WARM.smoke() if args.smoke else WARM
     reps, steps = (1, 5) if args.smoke else (5, 20)
@@ -156,7 +161,7 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
         start = time.perf_counter()
         try:
             if w.name == "profile":
-                result = profile_decode(model, w, budget, args.engine_kwargs, vocab, steps=steps)
+                result = profile_decode(model, w, budget, engine_kwargs, vocab, steps=steps)
             elif w.is_latency:
                 result = timed_latency(model, generate, w, vocab, reps=reps)
             else:

@@ -28,6 +28,7 @@ class EngineConfig:
     memory_budget: float = 0.8
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
+    compile_layers: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -36,8 +37,9 @@ class EngineConfig:
             _positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        if self.async_scheduling is not None and not isinstance(self.async_scheduling, bool):
-            raise ValueError(f"async_scheduling must be True, False or None (automatic), got {self.async_scheduling!r}")
+        for name in ("async_scheduling", "compile_layers"):
+            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not (0 < budget <= 1):
             raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, got {budget!r}")

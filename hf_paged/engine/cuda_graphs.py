@@ -23,12 +23,14 @@ import logging
 import time
 from array import array
 from collections.abc import Sequence as SequenceType
+from contextlib import nullcontext
 
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.sequence import Sequence
 from hf_paged.hf.compat import cache_keyword
 
@@ -52,13 +54,15 @@ class DecodeGraphs:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
+        compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
-                 sizes: SequenceType[int], last_tokens: torch.Tensor):
+                 sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
+        self.compiled = compiled
         self.sizes = sorted(set(sizes))
         self.width = tables.table.shape[1]
         self.device = cache.pool.kv_caches[0][0].device
@@ -127,7 +131,9 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             self._stage_padding(b)
-            if b == self.sizes[-1]:
+            # Compiled layers are warmed up at every size: a compile (batch 1 is a shape of its own) must not
+            # happen during a capture.
+            if b == self.sizes[-1] or self.compiled is not None:
                 with torch.cuda.stream(stream):
                     self._forward(b)
                 reason = self.cache.dispatcher.graph_unsupported_reason()
@@ -176,8 +182,9 @@ class DecodeGraphs:
             dispatcher=self.cache.dispatcher,
         )
         self.cache.begin_step(meta)
-        out = self.model(input_ids=self._ids[:, :b], position_ids=self._pos[:, :b], use_cache=True,
-                         logits_to_keep=0, **{self._cache_kwarg: self.cache})
+        with self.compiled.active() if self.compiled is not None else nullcontext():
+            out = self.model(input_ids=self._ids[:, :b], position_ids=self._pos[:, :b], use_cache=True,
+                             logits_to_keep=0, **{self._cache_kwarg: self.cache})
         return out.logits[0]
 
     def _send(self, seqs: list[Sequence], b: int) -> None:

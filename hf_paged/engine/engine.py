@@ -50,6 +50,12 @@ class Engine(EngineCore):
         async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
+        compile_layers: run the model's work outside attention (norms, rotary, MLP, residual adds) compiled with
+            ``torch.compile`` (fused kernels; the paged KV write and attention stay as they are), in eager and
+            graph-captured steps alike. None: on for CUDA models where triton is installed; True also compiles on
+            the CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process;
+            a compiler failure switches back to the eager modules with a warning. Only the engine's own model
+            calls use the compiled code.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
@@ -70,12 +76,14 @@ class Engine(EngineCore):
         memory_budget: float = EngineConfig.memory_budget,
         cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
         async_scheduling: bool | None = EngineConfig.async_scheduling,
+        compile_layers: bool | None = EngineConfig.compile_layers,
         config: EngineConfig | None = None,
     ):
         cfg = EngineConfig.resolve(
             config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
-            memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling)
+            memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+            compile_layers=compile_layers)
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

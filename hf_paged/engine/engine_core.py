@@ -25,6 +25,7 @@ from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.compiled_layers import CompiledLayers, compile_unsupported_reason, compiled_layers
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
@@ -61,8 +62,9 @@ class EngineCore:
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
+        self.compiled = _compiled_layers(model, cfg.compile_layers)
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
-                                  max_blocks_per_seq=tables.table.shape[1])
+                                  max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
@@ -81,7 +83,7 @@ class EngineCore:
             return None
         sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
                  else [s for s in cuda_graphs if s <= max_num_seqs])
-        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens)
+        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens, self.compiled)
         reason = graphs.capture()
         if reason is not None:
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
@@ -277,3 +279,22 @@ def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budg
     """Blocks that ``budget`` (a fraction of the free memory of ``device``) holds, at most ``cap``."""
     layout = KVLayout.from_config(config)
     return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))
+
+
+def _compiled_layers(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:
+    """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
+    if setting is False:
+        return None
+    reason = compile_unsupported_reason(model)
+    if reason is not None and (setting is None or "triton" in reason or "decoder layers" in reason):
+        if setting:
+            raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
+        logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
+        return None
+    layers = compiled_layers(model)
+    if not layers.enabled:
+        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
+                    layers.failure)
+        return None
+    return layers

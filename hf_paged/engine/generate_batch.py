@@ -43,7 +43,8 @@ def generate_batch(
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
 
     Reads ``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``,
-    ``return_logprobs``, ``seed`` and ``max_memory_percent`` from ``continuous_batching_config`` when given (an
+    ``return_logprobs``, ``seed``, ``max_memory_percent`` and hf_paged's own ``cuda_graphs`` and ``compile_layers``
+    from ``continuous_batching_config`` when given (an
     :class:`~hf_paged.EngineConfig` is taken as it is; its ``num_blocks=None`` sizes the pool for the workload);
     ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
     for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
@@ -108,7 +109,9 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
             max_batch_tokens=opt("max_batch_tokens", defaults.max_batch_tokens),
             max_num_seqs=opt("max_requests_per_batch", defaults.max_num_seqs),
             enable_prefix_caching=opt("allow_block_sharing", defaults.enable_prefix_caching),
-            memory_budget=opt("max_memory_percent", defaults.memory_budget))
+            memory_budget=opt("max_memory_percent", defaults.memory_budget),
+            cuda_graphs=opt("cuda_graphs", defaults.cuda_graphs),
+            compile_layers=opt("compile_layers", defaults.compile_layers))
     except ValueError as exc:
         raise ValueError(f"continuous_batching_config: {exc}") from None
     if config.num_blocks is None:

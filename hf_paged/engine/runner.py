@@ -8,13 +8,15 @@ cache and runs the model with ``logits_to_keep`` set to the sampled positions on
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from array import array
+from contextlib import nullcontext
+from dataclasses import dataclass
 
 import torch
 
 from hf_paged.attention.metadata import MetadataBuffers, PagedMetadata, build_metadata
 from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
 from hf_paged.hf.compat import cache_keyword
@@ -111,11 +113,15 @@ def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
 
 
 class ModelRunner:
-    """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device."""
+    """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device.
+
+    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``).
+    """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
-                 max_seqs: int = 256, max_blocks_per_seq: int = 256):
+                 max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None):
         self.model = model
+        self.compiled = compiled
         self.cache = cache
         self.device = device
         self._cache_kwarg = cache_keyword(model)
@@ -158,8 +164,9 @@ class ModelRunner:
             ids.copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids))
         keep = self._host(plan.logits_indices).to(self.device, non_blocking=True)
         self.cache.begin_step(self.metadata(plan))
-        out = self.model(
-            input_ids=self._input_ids[:, :t], position_ids=self._position_ids[:, :t], use_cache=True,
-            logits_to_keep=keep, **{self._cache_kwarg: self.cache},
-        )
+        with self.compiled.active() if self.compiled is not None else nullcontext():
+            out = self.model(
+                input_ids=self._input_ids[:, :t], position_ids=self._position_ids[:, :t], use_cache=True,
+                logits_to_keep=keep, **{self._cache_kwarg: self.cache},
+            )
         return out.logits[0]

@@ -1,0 +1,145 @@
+"""``CompiledLayers``: the model's work outside attention, compiled with ``torch.compile`` for the engine's steps.
+
+HF's eager modules run each layer of a decode step as ~40 small kernels (RMSNorm in ~6, rotary in ~10, SiLU x mul,
+residual adds) around a few matrix products: at batch 1 their launches are most of the step, even inside a CUDA
+graph. Inductor fuses them into a handful per layer. Every decoder layer's ``forward`` and the base model's other
+children (final norm, rotary embedding) are compiled with dynamic shapes; the KV write and attention stay out of the
+compiled graphs: the cache's ``update`` and the ``"hf_paged"`` attention function are opaque to the compiler (graph
+breaks), so the compiled graphs hold only tensor work on hidden states, and the paged kernels run as they do eager.
+
+The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
+(the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the
+eager modules. A failure of the compiler switches the model back to its eager modules for good (warned once) and
+reruns the call eagerly (a layer's forward is pure apart from its KV write, which writes the same values again).
+Errors raised by the model's own code pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+logger = logging.getLogger("hf_paged")
+
+_ATTRIBUTE = "_hf_paged_compiled_layers"
+
+
+def compile_unsupported_reason(model: torch.nn.Module) -> str | None:
+    """None if the engine can compile ``model``'s layers, else why not."""
+    if model.device.type != "cuda":
+        return f"the model is on {model.device.type}; compiled layers serve CUDA models"
+    if importlib.util.find_spec("triton") is None:
+        return "triton is not installed (torch.compile needs it on CUDA)"
+    if _decoder_layers(model) is None:
+        return "no list of decoder layers found on the model"
+    return None
+
+
+def compiled_layers(model: torch.nn.Module) -> CompiledLayers:
+    """The model's :class:`CompiledLayers`, installed on first use and shared by every engine of the model."""
+    layers = getattr(model, _ATTRIBUTE, None)
+    if layers is None:
+        layers = CompiledLayers(model)
+        object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
+    return layers
+
+
+class CompiledLayers:
+    """Compiled forwards of ``model``'s decoder layers and base-model children, serving calls inside ``active()``."""
+
+    def __init__(self, model: torch.nn.Module):
+        layers = _decoder_layers(model)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
+        base = getattr(model, model.base_model_prefix, model)
+        others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]
+        self.enabled = True
+        self.failure: str | None = None
+        self._local = threading.local()
+        self._modules = [*layers, *others]
+        self._recompile_limit = 8 * len(self._modules) + 16
+        for module in self._modules:
+            module.forward = _Switch(self, module.forward)
+
+    @property
+    def is_active(self) -> bool:
+        return self.enabled and getattr(self._local, "depth", 0) > 0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
+
+        Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
+        hence a recompile limit above the compiler's default of 8 for the duration of the call.
+        """
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            if depth == 0:
+                with torch._dynamo.config.patch(recompile_limit=self._recompile_limit,
+                                                accumulated_recompile_limit=max(256, 4 * self._recompile_limit)):
+                    yield
+            else:
+                yield
+        finally:
+            self._local.depth = depth
+
+    def fail(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            logger.warning("hf_paged: compiling the model's layers failed (%s); the engine runs them eagerly",
+                           self.failure)
+
+    def restore(self) -> None:
+        """Put the eager forwards back on the modules (the compiled ones are dropped)."""
+        for module in self._modules:
+            if isinstance(module.__dict__.get("forward"), _Switch):
+                del module.forward
+        self.enabled = False
+
+
+class _Switch:
+    """A module's ``forward``: the compiled one inside ``CompiledLayers.active()``, else the eager one."""
+
+    def __init__(self, owner: CompiledLayers, eager):
+        self.owner, self.eager = owner, eager
+        self.compiled = torch.compile(eager, dynamic=True)
+
+    def __call__(self, *args, **kwargs):
+        if self.owner.is_active:
+            try:
+                return self.compiled(*args, **kwargs)
+            except _COMPILER_ERRORS as exc:
+                self.owner.fail(exc)
+        return self.eager(*args, **kwargs)
+
+
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # older torch
+        pass
+    return tuple(errors)
+
+
+_COMPILER_ERRORS = _compiler_errors()
+
+
+def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
+    """The base model's list of decoder layers: its ``ModuleList`` child with one entry per hidden layer."""
+    base = getattr(model, model.base_model_prefix, model)
+    num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    for child in base.children():
+        if isinstance(child, torch.nn.ModuleList) and len(child) > 0 and (num_layers is None or
+                                                                           len(child) == num_layers):
+            return child
+    return None

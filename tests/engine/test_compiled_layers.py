@@ -1,0 +1,116 @@
+"""``Engine(compile_layers=...)``: the model's non-attention work compiled (torch.compile, inductor's CPU backend here).
+
+The compiled layers must give the engine's tokens, serve only the engine's own calls, and fall back to the eager
+modules when the compiler fails. The GPU tests check the CUDA side (fused kernels inside the captured graphs).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+
+import hf_paged
+from engine_helpers import greedy_config, hf_greedy, random_prompts
+from hf_paged.engine import compiled_layers as cl
+from tiny_models import make_models
+
+
+@pytest.fixture(scope="module")
+def model():
+    """A model of its own: compiled forwards stay installed on a model's modules for the process."""
+    torch.manual_seed(0)
+    return make_models("llama_gqa")[1]
+
+
+def _count_compiled_calls(model, monkeypatch) -> list[int]:
+    """Count calls that reached a compiled forward (any layer or base-model child)."""
+    calls = [0]
+    for module in model.modules():
+        switch = module.__dict__.get("forward")
+        if isinstance(switch, cl._Switch):
+            def counting(*args, _compiled=switch.compiled, **kwargs):
+                calls[0] += 1
+                return _compiled(*args, **kwargs)
+            monkeypatch.setattr(switch, "compiled", counting)
+    return calls
+
+
+def test_compiled_layers_give_the_eager_tokens_and_serve_only_the_engine(model, monkeypatch):
+    prompts = random_prompts(6, 3, 30, seed=3)
+    refs = hf_greedy("llama_gqa", prompts, 8)
+    eager = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=32, compile_layers=False)
+    assert [o.token_ids for o in eager.generate(prompts, greedy_config(8))] == refs
+    assert eager.stats()["compiled_layers"] is False
+
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=32, compile_layers=True)
+    calls = _count_compiled_calls(model, monkeypatch)
+    outs = engine.generate(prompts, greedy_config(8))
+    assert [o.token_ids for o in outs] == refs  # chunked prefill, mixed and decode steps all went through
+    assert engine.stats()["compiled_layers"] is True
+    layers = model.config.num_hidden_layers
+    assert calls[0] >= engine.stats()["steps"] * layers  # every step ran every layer compiled
+
+    # The same model called outside an engine runs its eager modules.
+    calls[0] = 0
+    with torch.no_grad():
+        model(input_ids=torch.tensor([prompts[0]]))
+    assert calls[0] == 0
+    # An engine that does not ask for them does not use them either.
+    outs = hf_paged.Engine(model, num_blocks=64, block_size=4, compile_layers=False).generate(
+        prompts[:2], greedy_config(4))
+    assert calls[0] == 0 and [o.token_ids for o in outs] == [r[:4] for r in refs[:2]]
+
+
+def test_a_compiler_failure_falls_back_to_the_eager_modules(monkeypatch, caplog):
+    torch.manual_seed(0)
+    model = make_models("llama_gqa")[1]
+    prompts = random_prompts(4, 3, 20, seed=5)
+    refs = hf_greedy("llama_gqa", prompts, 6)
+    layers = cl.compiled_layers(model)
+    failures = [0]
+
+    def broken(*args, **kwargs):
+        failures[0] += 1
+        raise torch._dynamo.exc.TorchDynamoException("the compiler broke")
+
+    for switch in (m.__dict__["forward"] for m in model.modules() if isinstance(m.__dict__.get("forward"), cl._Switch)):
+        monkeypatch.setattr(switch, "compiled", broken)
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, compile_layers=True)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        outs = engine.generate(prompts, greedy_config(6))
+    assert [o.token_ids for o in outs] == refs  # the failed call reran eagerly, nothing lost
+    assert failures[0] == 1  # then the compiled forwards were no longer tried
+    assert not layers.enabled and "the compiler broke" in layers.failure
+    assert engine.stats()["compiled_layers"] is False
+    assert "runs them eagerly" in caplog.text
+    # A later engine on the model does not try again.
+    assert hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=None).compiled is None
+
+
+def test_errors_of_the_model_itself_pass_through(model):
+    """An error raised by the model's own code inside a compiled forward is raised as it is, not taken for a
+    compiler failure (which would switch the compiled layers off)."""
+    layers = cl.compiled_layers(model)
+
+    class Boom(ValueError):
+        pass
+
+    def raising(*args, **kwargs):
+        raise Boom("from the model")
+
+    switch = model.model.layers[0].__dict__["forward"]
+    original = switch.compiled
+    switch.compiled = raising
+    try:
+        with layers.active(), pytest.raises(Boom):
+            switch(torch.zeros(1, 1, model.config.hidden_size))
+        assert layers.enabled
+    finally:
+        switch.compiled = original
+
+
+def test_compile_layers_is_validated():
+    with pytest.raises(ValueError, match="compile_layers must be True, False or None"):
+        hf_paged.EngineConfig(compile_layers="yes")
