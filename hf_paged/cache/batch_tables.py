@@ -93,7 +93,7 @@ class BatchTables:
 
     def _take(self, n: int) -> list[int]:
         taken, self._spare = self._spare[:n], self._spare[n:]
-        return taken + self.pool.allocator.allocate(n - len(taken))
+        return taken if len(taken) == n else taken + self.pool.allocator.allocate(n - len(taken))
 
     def append(self, q_len: int, valid: torch.Tensor | None = None) -> torch.Tensor:
         """Add one forward's ``q_len`` columns. ``valid``: ``[rows, q_len]`` bool (host), True where the token is

@@ -28,7 +28,6 @@ class PlanOffset(int):
 class PagedLayer(CacheLayerMixin):
     """One layer's view of the pool, so transformers code that walks ``cache.layers`` finds real tensors."""
 
-    is_compileable = False
     is_sliding = False
     supports_early_init = False
 
@@ -37,6 +36,10 @@ class PagedLayer(CacheLayerMixin):
         self.owner, self.layer_idx = owner, layer_idx
         self.keys, self.values = owner.pool.kv_caches[layer_idx]
         self.is_initialized = True
+
+    @property
+    def is_compileable(self) -> bool:
+        return self.owner.is_compileable
 
     def lazy_initialization(self, key_states, value_states) -> None:
         return None  # the pool is allocated up front

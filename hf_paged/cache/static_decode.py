@@ -61,12 +61,13 @@ class StaticDecode:
                 "generate is given.", width, self.width)
         self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher)
         self._uploaded_table = None
-        if not torch.compiler.is_compiling():
-            for name in PagedMetadata._TENSOR_FIELDS:
-                t = getattr(self.meta, name)
-                if t is not None:
-                    # Compiled steps then read these at fixed addresses instead of copying them in (CUDA graphs).
-                    torch._dynamo.mark_static_address(t)
+        # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
+        # replay on them, and skip a step whose mutated inputs are not marked so.
+        fixed = [getattr(self.meta, name) for name in PagedMetadata._TENSOR_FIELDS] + [
+            t for pair in self.kv_caches for t in pair]
+        for t in fixed:
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
 
     def plan(self, rows: BatchTables, slots: torch.Tensor) -> PagedMetadata:
         """The step's metadata after ``rows.append`` gave each row its one new token (``slots``: ``[B]`` host)."""
