@@ -45,7 +45,6 @@ def test_prefill_and_extend_need_the_kernels_half_precision_and_head_dim(no_gpu,
     [
         ({"sliding_window": 64}, "sliding-window"),
         ({"softcap": 30.0}, "softcap"),
-        ({"alibi": True}, "ALiBi"),
         ({"head_dim": 96}, "head_dim"),
         ({"dtype": torch.float64}, "dtype"),
     ],

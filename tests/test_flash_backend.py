@@ -131,8 +131,7 @@ FEATURES = {
     "window": {"sliding_window": 7},
     "long-window": {"sliding_window": 300},
     "softcap": {"softcap": 2.0},
-    "alibi": {"alibi": True},
-    "all": {"sliding_window": 33, "softcap": 2.0, "alibi": True},
+    "all": {"sliding_window": 33, "softcap": 2.0},
 }
 HEADS = {"gqa-4/2-d16": (4, 2, 16), "mqa-8/1-d64": (8, 1, 64), "mha-3/3-d8": (3, 3, 8)}
 
@@ -147,9 +146,8 @@ def test_flash_matches_torch_reference(double, step, features: dict, heads: tupl
     meta, key, value = make_paged_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, torch.float32, gen)
     assert meta.phase is phase
     query = torch.randn(meta.num_tokens, num_heads, head_dim, generator=gen)
-    slopes = torch.rand(num_heads, generator=gen) * 0.3 if features.get("alibi") else None
     params = AttentionParams(scale=1.3 * head_dim**-0.5, sliding_window=features.get("sliding_window"),
-                             softcap=features.get("softcap"), alibi_slopes=slopes)
+                             softcap=features.get("softcap"))
     k_cache, v_cache = meta.kv_caches[0]
     out = flash.FlashBackend().forward(query, key, value, k_cache, v_cache, meta, params)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, params, compute_dtype=torch.float64)

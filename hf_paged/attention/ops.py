@@ -85,8 +85,6 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     v_cache: torch.Tensor, meta: PagedMetadata, backend: AttentionBackend,
                     params: AttentionParams) -> torch.Tensor:
     """``backend.forward(...)`` through the ``hf_paged::paged_attention`` op; returns ``[T, H, D]``."""
-    if params.alibi_slopes is not None:
-        raise NotImplementedError("ALiBi slopes are not passed through the compiled attention op")
     return torch.ops.hf_paged.paged_attention(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.seq_lens_k,
         meta.block_tables, meta.phase.value, meta.max_seqlen_q, meta.max_seqlen_k, backend.name, params.scale,

@@ -35,7 +35,6 @@ FEATURES = {
     "plain": {},
     "window": {"sliding_window": 100},
     "softcap": {"softcap": 2.0},
-    "alibi": {"alibi": True},
 }
 TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}  # relative (Frobenius) error vs the float64 oracle
 
@@ -58,11 +57,10 @@ def test_flash_matches_float64_reference_on_gpu(step, features: dict, head_dim: 
     k_cache, v_cache = (t.to(DEVICE) for t in meta.kv_caches[0])
     meta, key, value = meta.on(DEVICE), key.to(DEVICE), value.to(DEVICE)
     query = torch.randn(meta.num_tokens, NUM_HEADS, head_dim, generator=gen).to(DEVICE, dtype)
-    slopes = torch.rand(NUM_HEADS, generator=gen).to(DEVICE) * 0.1 if features.get("alibi") else None
     params = AttentionParams(scale=head_dim**-0.5, sliding_window=features.get("sliding_window"),
-                             softcap=features.get("softcap"), alibi_slopes=slopes)
+                             softcap=features.get("softcap"))
     call = AttentionCall(phase, "cuda", dtype, head_dim, NUM_HEADS, NUM_KV_HEADS, BLOCK_SIZE,
-                         params.sliding_window, params.softcap, slopes is not None)
+                         params.sliding_window, params.softcap)
     assert Dispatcher().select(call).name == "flash"
 
     _poison_allocator(query.numel() * query.element_size())

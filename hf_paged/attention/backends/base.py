@@ -33,7 +33,6 @@ class AttentionCall:
     block_size: int
     sliding_window: int | None = None
     softcap: float | None = None
-    alibi: bool = False
 
 
 @dataclass(frozen=True)
@@ -42,13 +41,11 @@ class AttentionParams:
 
     ``sliding_window``: a query at position ``i`` sees keys at ``j`` with ``i - j < sliding_window`` (None = all).
     ``softcap``: scores become ``softcap * tanh(scores / softcap)`` before the softmax (None = off).
-    ``alibi_slopes``: ``[H]`` float32; adds ``slope[h] * (j - i)`` to the scores (None = off).
     """
 
     scale: float
     sliding_window: int | None = None
     softcap: float | None = None
-    alibi_slopes: torch.Tensor | None = None
 
 
 class AttentionBackend(ABC):

@@ -2,7 +2,7 @@
 
 Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
 and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel (float16/bfloat16,
-head_dim 64/128), both at any block size with GQA, and the KV write of every phase. ALiBi is not in the kernels
+head_dim 64/128), both at any block size with GQA, and the KV write of every phase. No backend serves ALiBi
 (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible (no nvcc, no ninja)
 this backend declines with the reason and the torch backend serves.
 """
@@ -95,8 +95,6 @@ class CudaBackend(AttentionBackend):
             return "sliding-window attention is not implemented in the cuda kernels"
         if call.softcap is not None:
             return "logit softcapping is not implemented in the cuda kernels"
-        if call.alibi:
-            return "ALiBi is not implemented in the cuda kernels (no model reaches it through the attention interface)"
         if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
             return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
         # Last, since it may build the kernels (about a minute, once per machine).
@@ -130,8 +128,6 @@ class CudaBackend(AttentionBackend):
         meta: PagedMetadata,
         params: AttentionParams,
     ) -> torch.Tensor:
-        if params.alibi_slopes is not None:
-            raise NotImplementedError("ALiBi is not implemented in the cuda kernels; use the torch backend")
         if meta.phase is not Phase.DECODE:
             # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.

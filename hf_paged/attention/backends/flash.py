@@ -125,7 +125,6 @@ class FlashBackend(AttentionBackend):
             causal=True,
             window_size=window_size(params.sliding_window),
             softcap=0.0 if params.softcap is None else params.softcap,
-            alibi_slopes=params.alibi_slopes,
         )
         if meta.phase is Phase.DECODE:
             # One new token per sequence: [T, H, D] is [B, 1, H, D] with the sequence as the batch.

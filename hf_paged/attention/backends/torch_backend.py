@@ -70,9 +70,6 @@ def paged_attention_reference(
     visible = (rel >= 0) & (k_pos[None, None, :] < k_lens[:, None, None])
     if params.sliding_window is not None:
         visible &= rel < params.sliding_window
-    if params.alibi_slopes is not None:
-        slopes = params.alibi_slopes.to(compute_dtype).view(num_kv_heads, groups)
-        scores = scores - slopes[None, :, :, None, None] * rel[:, None, None].to(compute_dtype)
     scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # padded query rows see nothing
     out = torch.einsum("bhgqk,bkhd->bqhgd", probs, v.to(compute_dtype))
@@ -82,7 +79,7 @@ def paged_attention_reference(
 
 @register_backend
 class TorchBackend(AttentionBackend):
-    """Serves every phase on every device; ALiBi, sliding window and softcap included."""
+    """Serves every phase on every device; sliding window and softcap included."""
 
     name = "torch"
     priority = 100
