@@ -110,4 +110,5 @@ def assert_rows_close(out: torch.Tensor, expected: torch.Tensor, allowance: torc
     """Every (row, head) of ``out`` within ``allowance`` of ``expected`` (NaN fails)."""
     errors = row_errors(out, expected, allowance).nan_to_num(float("inf"))
     bad = failing_rows(errors)
-    assert not bad, f"{label}: {int((errors > 1).sum())} (row, head) pairs off, worst (row, head, error/allowance): {bad}"
+    count = int((errors > 1).sum())
+    assert not bad, f"{label}: {count} (row, head) pairs off, worst (row, head, error/allowance): {bad}"
