@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
+import generate_latency  # noqa: E402
 import plot_e2e  # noqa: E402
 from decode_profile import _covered_us  # noqa: E402
 from e2e_report import read_rows  # noqa: E402
@@ -107,3 +108,18 @@ def test_stub_model_keeps_rows_like_a_causal_lm():
     assert stub(ids, logits_to_keep=torch.tensor([2, 5, 9])).logits.shape == (1, 3, 32)
     assert stub(ids, logits_to_keep=0).logits.shape == (1, 10, 32)
     assert stub(ids, logits_to_keep=1).logits.shape == (1, 1, 32)
+
+
+def test_generate_latency_smoke(tmp_path):
+    """Every system of the plain-generate benchmark runs (flash-attn's skips on the CPU), the compiled ones compile
+    (one graph for the decode step) and every system gives hf_paged eager's tokens on the tiny float32 model."""
+    path = tmp_path / "latency.json"
+    out = _run(generate_latency.main, ["--smoke", "--batches", "2", "--json", str(path)])
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == set(generate_latency.SYSTEMS)
+    assert rows["flash_attention_2"]["status"].startswith("skipped")
+    for name in ("sdpa", "hf_paged", "hf_paged_compiled", "static"):
+        row = rows[name]
+        assert row["status"] == "ok" and row["ms_per_step"] > 0 and row["tokens_match"] == 2, row
+    assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
+    assert "| 2 |" in out.splitlines()[-4] and "[5/5] static, batch 2" in out

@@ -260,3 +260,19 @@ def test_custom_ops_match_the_backend_and_pass_opcheck(phase: str):
     assert torch.equal(k_cache, direct_k) and torch.equal(v_cache, direct_v)
     want = torch_backend.forward(query, key, value, k_cache, v_cache, meta, params)
     assert torch.equal(ops.paged_attention(query, key, value, k_cache, v_cache, meta, torch_backend, params), want)
+
+
+def test_later_calls_and_new_caches_of_the_same_shapes_reuse_the_graph():
+    _, paged = make_models("llama_gqa", seed=39)
+    batch = left_padded_batch([5, 11], torch.Generator().manual_seed(39))
+    kwargs = dict(max_new_tokens=6, **GREEDY)
+    backend = CountingBackend()
+    config = compile_config(backend)
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4, max_new_tokens=6,
+                                         compileable=True)
+    outs = [_generate(paged, cache, batch, kwargs, 0, compile_config=config) for _ in range(2)]
+    other = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4, max_new_tokens=6,
+                                         compileable=True)
+    outs.append(_generate(paged, other, batch, kwargs, 0, compile_config=config))
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert backend.graphs == 1 and backend.calls == 3 * (6 - 1)

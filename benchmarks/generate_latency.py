@@ -1,0 +1,236 @@
+"""Plain ``model.generate`` latency: ms per decode step of each attention / cache setup, in one run.
+
+Model: a random-init bf16 Llama shaped like Llama-3.2-1B (``e2e_workloads.LLAMA_1B``), the same weights in every
+system. Workload: ``--batches`` (default 1, 16, 64) rows of left-padded random prompts, lengths uniform in
+[256, 768] (seed 0), ``--new-tokens`` (default 128) new tokens each (no EOS), greedy.
+
+Systems (``--systems``, in this order by default):
+  sdpa               attn_implementation="sdpa", generate's DynamicCache
+  flash_attention_2  attn_implementation="flash_attention_2", DynamicCache (skipped where flash-attn is missing)
+  hf_paged           attn_implementation="hf_paged", PagedAttentionCache (eager decode)
+  hf_paged_compiled  the same with PagedAttentionCache(max_new_tokens=...): generate compiles its decode step
+  static             sdpa with cache_implementation="static": generate compiles its decode step
+
+ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
+over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
+wall of the first call (compile and CUDA-graph capture included for the compiled systems), ``compile_s`` that
+minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk graph cache is off, so each compiled system compiles from scratch.
+``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
+Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run.
+
+    python benchmarks/generate_latency.py [--batches 1,16,64] [--systems ...] [--new-tokens 128]
+        [--block-size 16] [--repeats 3] [--json F] [--markdown F] [--smoke]
+
+``--smoke`` runs every path on a tiny model on the CPU (batches 1 and 2, prompts of 8 to 24 tokens, 6 new tokens;
+the compiled systems compile with ``--compile-backend``, default "eager" there); its numbers mean nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+import traceback
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
+
+import torch  # noqa: E402
+import torch._inductor.config  # noqa: E402
+from torch._dynamo.utils import counters  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
+
+import hf_paged  # noqa: E402
+from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model  # noqa: E402
+from hf_paged.hf.compat import with_cache  # noqa: E402
+
+SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static")
+ATTN = {"sdpa": "sdpa", "static": "sdpa", "flash_attention_2": "flash_attention_2", "hf_paged": "hf_paged",
+        "hf_paged_compiled": "hf_paged"}
+COMPILED = ("hf_paged_compiled", "static")
+
+
+def prompts(batch: int, lengths: tuple[int, int], vocab: int, device: str, seed: int = 0) -> dict:
+    """``batch`` left-padded random prompts (pad 0), lengths uniform in ``lengths``."""
+    gen = torch.Generator().manual_seed(seed)
+    sizes = torch.randint(lengths[0], lengths[1] + 1, (batch,), generator=gen).tolist()
+    ids = torch.zeros(batch, max(sizes), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, n in enumerate(sizes):
+        ids[row, -n:] = torch.randint(3, vocab, (n,), generator=gen)
+        mask[row, -n:] = 1
+    return {"input_ids": ids.to(device), "attention_mask": mask.to(device)}
+
+
+def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
+    """A function running one ``generate`` of ``k`` new tokens for ``system``; returns its output ids."""
+    device = batch["input_ids"].device
+    compile_config = None
+    if args.compile_backend is not None:
+        compile_config = CompileConfig(backend=args.compile_backend, mode=None if device.type == "cpu" else
+                                       "reduce-overhead")
+        compile_config._compile_all_devices = True  # transformers compiles only on CUDA unless told
+    common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if compile_config is not None and system in COMPILED:
+        common["compile_config"] = compile_config
+    if system == "static":
+        return lambda k: model.generate(**batch, max_new_tokens=k, cache_implementation="static", **common)
+    if system not in ("hf_paged", "hf_paged_compiled"):
+        return lambda k: model.generate(**batch, max_new_tokens=k, **common)
+    rows, width = batch["input_ids"].shape
+    bs = args.block_size
+    cache = hf_paged.PagedAttentionCache(
+        model.config, num_blocks=rows * -(-(width + args.new_tokens) // bs) + 8, block_size=bs, device=device,
+        dtype=model.dtype, max_new_tokens=args.new_tokens if system == "hf_paged_compiled" else None,
+        compileable=(True if device.type == "cpu" else None) if system == "hf_paged_compiled" else False)
+    if system == "hf_paged_compiled" and not cache.is_compileable:
+        raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
+    return lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
+
+
+def timed(call, k: int, sync) -> tuple[float, torch.Tensor]:
+    sync()
+    start = time.perf_counter()
+    out = call(k)
+    sync()
+    return time.perf_counter() - start, out
+
+
+def measure(system: str, model, batch: dict, args: argparse.Namespace, sync) -> dict:
+    """One system at one batch size: first-call time, ms per decode step, the last call's tokens."""
+    torch._dynamo.reset()  # each compiled system compiles from scratch, within the recompile limit
+    call = generate_call(system, model, batch, args)
+    graphs = counters["stats"]["unique_graphs"]
+    first, _ = timed(call, args.new_tokens, sync)
+    graphs = counters["stats"]["unique_graphs"] - graphs
+    full, one, out = [], [], None
+    for _ in range(args.repeats):
+        seconds, out = timed(call, args.new_tokens, sync)
+        full.append(seconds)
+        one.append(timed(call, 1, sync)[0])
+    step_ms = (statistics.median(full) - statistics.median(one)) / (args.new_tokens - 1) * 1e3
+    row = {"status": "ok", "ms_per_step": round(step_ms, 3), "first_call_s": round(first, 3),
+           "warm_call_s": round(statistics.median(full), 3)}
+    if system in COMPILED:
+        row.update(compile_s=round(first - statistics.median(full), 3), graphs=graphs)
+    return {**row, "tokens": out[:, batch["input_ids"].shape[1]:].cpu()}
+
+
+def skip_reason(system: str, device: str) -> str | None:
+    if system != "flash_attention_2":
+        return None
+    if device != "cuda":
+        return "flash-attn runs on CUDA only"
+    try:
+        import flash_attn  # noqa: F401
+    except ImportError as err:
+        return f"flash-attn is not importable ({err})"
+    return None
+
+
+def write_json(args: argparse.Namespace, rows: list[dict], tokens: dict) -> None:
+    """Rows so far, each with how many of its rows' tokens equal hf_paged eager's (once that has run)."""
+    for row in rows:
+        reference, own = tokens.get(("hf_paged", row["batch"])), tokens.get((row["system"], row["batch"]))
+        if reference is not None and own is not None:
+            row["tokens_match"] = int((own == reference).all(1).sum())
+    if args.json is not None:
+        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
+                                        indent=1))
+
+
+def table(rows: list[dict], systems: list[str], batches: list[int]) -> str:
+    """Markdown: ms per decode step per system (columns) and batch (rows), then first-call seconds."""
+    cell = {(r["system"], r["batch"]): r for r in rows}
+
+    def fmt(system: str, batch: int, key: str) -> str:
+        r = cell.get((system, batch))
+        if r is None or r["status"] != "ok":
+            return "-" if r is None else r["status"].split(":")[0]
+        return f"{r[key]:.2f}" if key in r else ""
+
+    lines = ["| batch | " + " | ".join(systems) + " |", "|---" * (len(systems) + 1) + "|"]
+    lines += [f"| {b} | " + " | ".join(fmt(s, b, "ms_per_step") for s in systems) + " |" for b in batches]
+    lines += ["", "first call (s, compile included): | batch | " + " | ".join(systems) + " |"]
+    lines += [f"| {b} | " + " | ".join(fmt(s, b, "first_call_s") for s in systems) + " |" for b in batches]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", default=None, help="comma-separated batch sizes (default 1,16,64)")
+    parser.add_argument("--systems", default=",".join(SYSTEMS))
+    parser.add_argument("--new-tokens", type=int, default=None, help="new tokens per row (default 128)")
+    parser.add_argument("--block-size", type=int, default=16, help="PagedAttentionCache block size")
+    parser.add_argument("--repeats", type=int, default=None, help="timed calls of each length (default 3)")
+    parser.add_argument("--compile-backend", default=None,
+                        help="torch.compile backend of the compiled systems (default: generate's own choice on "
+                             "CUDA, 'eager' with --smoke)")
+    parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument("--markdown", type=Path, default=None, help="write the table here too")
+    parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
+    args = parser.parse_args(argv)
+    smoke = args.smoke
+    args.batches = [int(b) for b in (args.batches or ("1,2" if smoke else "1,16,64")).split(",")]
+    args.systems = [s for s in args.systems.split(",") if s]
+    unknown = set(args.systems) - set(SYSTEMS)
+    if unknown:
+        parser.error(f"unknown systems {sorted(unknown)}; choose from {SYSTEMS}")
+    args.new_tokens = args.new_tokens or (6 if smoke else 128)
+    args.repeats = args.repeats or (1 if smoke else 3)
+    args.lengths = (8, 24) if smoke else (256, 768)
+    if smoke and args.compile_backend is None:
+        args.compile_backend = "eager"
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    device = "cpu" if args.smoke else "cuda"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise SystemExit("needs a CUDA GPU; --smoke runs every path on the CPU")
+    if args.smoke:
+        torch.set_num_threads(min(4, torch.get_num_threads()))
+    torch._inductor.config.fx_graph_cache = False
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    shape = SMOKE_SHAPE if args.smoke else LLAMA_1B
+    where = torch.cuda.get_device_name() if device == "cuda" else "CPU"
+    runs = [(s, b) for b in args.batches for s in args.systems]
+    print(f"generate latency on {where}, torch {torch.__version__}; {len(runs)} runs, in order: "
+          + "; ".join(f"batch {b}: {', '.join(args.systems)}" for b in args.batches), flush=True)
+    rows, models, tokens = [], {}, {}
+    for i, (system, batch_size) in enumerate(runs, 1):
+        print(f"[{i}/{len(runs)}] {system}, batch {batch_size} ...", flush=True)
+        row = {"system": system, "batch": batch_size, "new_tokens": args.new_tokens, "device": where}
+        reason = skip_reason(system, device)
+        if reason is not None:
+            rows.append({**row, "status": f"skipped: {reason}"})
+            print(f"    skipped: {reason}", flush=True)
+            continue
+        try:
+            attn = ATTN[system]
+            if attn not in models:
+                models[attn] = load_model(shape, device, attn)
+            batch = prompts(batch_size, args.lengths, shape["vocab_size"], device)
+            result = measure(system, models[attn], batch, args, sync)
+            tokens[system, batch_size] = result.pop("tokens")
+            row.update(result)
+            print(f"    {row['ms_per_step']:.3f} ms/step, first call {row['first_call_s']:.2f} s", flush=True)
+        except Exception as err:  # noqa: BLE001 - one failing system must not lose the others' numbers
+            traceback.print_exc()
+            row["status"] = f"failed: {type(err).__name__}: {err}"
+            print(f"    {row['status']}", flush=True)
+        rows.append(row)
+        write_json(args, rows, tokens)
+    text = table(rows, args.systems, args.batches)
+    print(f"ms per decode step ({where}, Llama-1B-shaped, prompts {args.lengths[0]}-{args.lengths[1]}, "
+          f"{args.new_tokens} new tokens, greedy)\n{text}")
+    if args.markdown is not None:
+        args.markdown.write_text(text + "\n")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
