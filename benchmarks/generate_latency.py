@@ -14,7 +14,8 @@ Systems (``--systems``, in this order by default):
 ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
 over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
 wall of the first call (compile and CUDA-graph capture included for the compiled systems), ``compile_s`` that
-minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk graph cache is off, so each compiled system compiles from scratch.
+minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk
+graph cache is off, so each compiled system compiles from scratch.
 ``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
 Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run.
 

@@ -276,3 +276,14 @@ def test_later_calls_and_new_caches_of_the_same_shapes_reuse_the_graph():
     outs.append(_generate(paged, other, batch, kwargs, 0, compile_config=config))
     assert all(torch.equal(o, outs[0]) for o in outs)
     assert backend.graphs == 1 and backend.calls == 3 * (6 - 1)
+
+
+def test_a_compiled_forward_without_a_plan_says_what_to_do():
+    """Compiling a forward whose mask is a padding mask (no plan made before the call) fails with the reason, never
+    falls back to dense attention."""
+    _, paged = make_models("llama_gqa", seed=40)
+    batch = left_padded_batch([4, 6], torch.Generator().manual_seed(40))
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4)
+    forward = torch.compile(paged.forward, fullgraph=True, backend="eager")
+    with pytest.raises(Exception, match="must get its step planned beforehand"):
+        forward(**with_cache(paged, cache, **batch))

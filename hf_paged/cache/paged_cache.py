@@ -21,13 +21,13 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache
 
-from hf_paged.attention.backends.base import AttentionCall
 from hf_paged.attention.dispatch import Dispatcher
-from hf_paged.attention.metadata import PagedMetadata, Phase, build_metadata
+from hf_paged.attention.metadata import PagedMetadata, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
+from hf_paged.cache.model_calls import basic_calls
 from hf_paged.cache.paged_layer import PagedLayer, PlanOffset
-from hf_paged.cache.static_decode import CompileMode, blocks_until_done
+from hf_paged.cache.static_decode import CompileMode
 from hf_paged.hf.support import check_model_supported
 
 
@@ -94,7 +94,7 @@ class PagedAttentionCache(Cache):
         self.rows = BatchTables(self.pool)
         self.dispatcher = Dispatcher(backend)
         self._checked_config = None
-        self.dispatcher.check_restriction(_basic_calls(config, layout, devices, dtype, block_size))
+        self.dispatcher.check_restriction(basic_calls(config, layout, devices, dtype, block_size))
         self.dtype = dtype
         self._plan: PagedMetadata | None = None
         self._plan_key: tuple | None = None
@@ -102,6 +102,7 @@ class PagedAttentionCache(Cache):
         self._next_plan: PagedMetadata | None = None
         self._passed_to_generate = False
         self.max_new_tokens = max_new_tokens
+        self._traced_offset = PlanOffset(0, self)  # made here: a compiler cannot construct it while tracing
         self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool.kv_caches,
                                         self.dispatcher, max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
@@ -125,8 +126,8 @@ class PagedAttentionCache(Cache):
         return self.rows.num_columns + query_length, 0
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
-        if torch.compiler.is_compiling():
-            return self.compile_mode.traced_query_offset()
+        if torch.compiler.is_compiling():  # the plan comes in attention_mask; the mask function says so if not
+            return self._traced_offset
         return PlanOffset(self.rows.num_columns, self)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
@@ -189,7 +190,7 @@ class PagedAttentionCache(Cache):
             return self._plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
-        reserve = self._blocks_until_done(q_len, valid) if self.rows.num_columns == 0 else None
+        reserve = self.compile_mode.blocks_until_done(self.rows, q_len, valid) if not self.rows.num_columns else None
         slots = self.rows.append(q_len, valid)
         if reserve is not None:
             self.rows.reserve(sum(reserve) - sum(len(t) for t in self.rows.tables))
@@ -200,16 +201,6 @@ class PagedAttentionCache(Cache):
         self._plan_key = (batch_size, q_len, self.rows.num_columns)
         self._plan_used = False
         return self._plan
-
-    def _blocks_until_done(self, q_len: int, valid: torch.Tensor | None) -> list[int] | None:
-        """A batch's first forward, with ``max_new_tokens`` given: the blocks each row will need (checked to fit)."""
-        if self.max_new_tokens is None:
-            return None
-        new = [q_len] * self.rows.num_rows if valid is None else valid.sum(1).tolist()
-        per_row = blocks_until_done(self.rows, new, self.max_new_tokens)
-        if self.compile_mode.enabled:
-            self.compile_mode.static.size_for(len(per_row), max(per_row, default=1))
-        return per_row
 
     def _build_plan(self, batch_size: int, q_len: int, valid: torch.Tensor | None, slots: torch.Tensor,
                     device: torch.device) -> PagedMetadata:
@@ -333,15 +324,3 @@ def _layer_devices(device, num_layers: int) -> list[torch.device]:
     if len(devices) != num_layers:
         raise ValueError(f"give one device, or one per decoder layer ({num_layers}); got {len(devices)}")
     return devices
-
-
-def _basic_calls(config, layout: KVLayout, devices: list[torch.device], dtype: torch.dtype,
-                 block_size: int) -> list[AttentionCall]:
-    """One call per phase and device type for this model's attention shape (without per-layer extras such as a
-    sliding window): what any backend allowed for it must at least serve."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    return [
-        AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
-                      num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size)
-        for device_type in sorted({d.type for d in devices}) for phase in Phase
-    ]

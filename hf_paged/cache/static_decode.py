@@ -21,16 +21,15 @@ plans each step through the mask function before it calls the compiled forward.
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import logging
 
 import torch
 
-from hf_paged.attention.backends.base import AttentionCall
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.block_allocator import OutOfBlocksError
+from hf_paged.cache.model_calls import decode_calls
 
 logger = logging.getLogger("hf_paged")
 
@@ -54,11 +53,6 @@ class StaticDecode:
         """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
-        if self.meta is not None and self.meta.num_seqs == num_rows:
-            logger.warning(
-                "hf_paged: a row outgrew the decode block table sized from max_new_tokens (%d > %d blocks): the "
-                "table is widened, which recompiles a compiled decode step. Give the cache the max_new_tokens that "
-                "generate is given.", width, self.width)
         self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher)
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
@@ -72,6 +66,11 @@ class StaticDecode:
     def plan(self, rows: BatchTables, slots: torch.Tensor) -> PagedMetadata:
         """The step's metadata after ``rows.append`` gave each row its one new token (``slots``: ``[B]`` host)."""
         table = rows.block_table_tensor()
+        if table.shape[1] > self.width and self.meta is not None and self.meta.num_seqs == rows.num_rows:
+            logger.warning(
+                "hf_paged: a row outgrew the decode block table sized from max_new_tokens (%d > %d blocks): the "
+                "table is widened, which recompiles a compiled decode step. Give the cache the max_new_tokens that "
+                "generate is given.", table.shape[1], self.width)
         self.size_for(rows.num_rows, table.shape[1])
         meta = self.meta
         seq_lens = torch.tensor(rows.num_tokens, dtype=torch.int32)
@@ -122,7 +121,8 @@ def blocks_until_done(rows: BatchTables, new_tokens: list[int], max_new_tokens: 
 
 
 class CompileMode:
-    """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, and their metadata."""
+    """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, their metadata, and the
+    blocks a batch takes ahead (with ``max_new_tokens``)."""
 
     def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
                  kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None):
@@ -131,7 +131,9 @@ class CompileMode:
             raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
         if compileable not in (None, True, False):
             raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
-        self._inputs = (config, layout, devices, dtype, block_size, dispatcher, max_new_tokens, compileable)
+        self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
+        self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
+        self.block_size = block_size
         self._reason: str | None | object = _UNDECIDED
         if compileable:
             reason = self._static_reason()
@@ -143,59 +145,49 @@ class CompileMode:
     def enabled(self) -> bool:
         if self._reason is _UNDECIDED:
             self._reason = self._find_reason()
-            if self._reason is not None:
-                _note_not_compileable(self._reason, self._inputs[6] is not None)
+            if self._reason is not None and not torch.compiler.is_compiling():
+                _note_not_compileable(self._reason, self.max_new_tokens is not None)
         return self._reason is None
+
+    def blocks_until_done(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> list[int] | None:
+        """Before a batch's first forward (``q_len`` columns, ``valid`` its real tokens or None = all): with
+        ``max_new_tokens`` given, the blocks each row will need, checked to fit; sizes the decode metadata."""
+        if self.max_new_tokens is None:
+            return None
+        new = [q_len] * rows.num_rows if valid is None else valid.sum(1).tolist()
+        per_row = blocks_until_done(rows, new, self.max_new_tokens)
+        if self.enabled:
+            self.static.size_for(len(per_row), max(per_row, default=1))
+        return per_row
 
     @property
     def reason(self) -> str | None:
         """Why decode steps are not compileable (None when they are)."""
         return None if self.enabled else self._reason
 
-    def traced_query_offset(self) -> int:
-        """The query offset a compiled forward's mask code gets: unread, since the mask function finds the step's
-        plan, made before the call, in ``attention_mask``."""
-        if not self.enabled:
-            raise RuntimeError(f"this PagedAttentionCache's decode steps cannot be compiled: {self._reason}")
-        return 0
-
     def _static_reason(self) -> str | None:
-        devices, max_new_tokens = self._inputs[2], self._inputs[6]
-        if max_new_tokens is None:
+        if self.max_new_tokens is None:
             return ("the cache was not given max_new_tokens (the generate call's): decode blocks and the width of "
                     "the decode block table are fixed from it before decoding starts")
-        if len(set(devices)) > 1:
+        if len(set(self.devices)) > 1:
             return "the KV cache is split over several devices"
         return None
 
     def _find_reason(self) -> str | None:
-        config, layout, devices, dtype, block_size, dispatcher, _, compileable = self._inputs
-        if compileable is False:
+        if self.compileable is False:
             return "the cache was made with compileable=False"
         reason = self._static_reason()
-        if reason is not None or compileable:
+        if reason is not None or self.compileable:
             return reason
-        if devices[0].type != "cuda":
-            return (f"the KV cache is on {devices[0].type}: transformers compiles generate's decode step on CUDA "
+        device_type = self.devices[0].type
+        if device_type != "cuda":
+            return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
                     "(give the cache compileable=True to compile elsewhere, with a compile_config)")
-        return dispatcher.capture_unsupported_reason(decode_calls(config, layout, devices[0].type, dtype,
-                                                                  block_size), dtype)
+        calls = decode_calls(self.config, self.layout, device_type, self.dtype, self.block_size)
+        return self.dispatcher.capture_unsupported_reason(calls, self.dtype)
 
 
 _UNDECIDED = object()
-
-
-def decode_calls(config, layout, device_type: str, dtype: torch.dtype, block_size: int) -> list[AttentionCall]:
-    """The decode attention calls a model's layers will make, as far as its config tells (sliding window and
-    logit softcapping included), to choose their backends before the first step."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    call = AttentionCall(phase=Phase.DECODE, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
-                         num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size)
-    window = getattr(text, "sliding_window", None)
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if window is None and softcap is None:
-        return [call]
-    return [call, dataclasses.replace(call, sliding_window=window, softcap=softcap)]
 
 
 @functools.lru_cache(maxsize=None)

@@ -41,6 +41,11 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         _note_dense_fallback()
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                          q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
+    if torch.compiler.is_compiling():
+        raise RuntimeError(
+            "hf_paged: a compiled forward on a PagedAttentionCache must get its step planned beforehand, as its "
+            "attention_mask: generate does so for a cache whose is_compileable is True (give the cache "
+            "max_new_tokens=...), and only decode steps may be compiled")
     cache.check_model_config(kwargs.get("config"))
     device = kwargs.get("device") or cache.pool.kv_caches[0][0].device
     plan = cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)

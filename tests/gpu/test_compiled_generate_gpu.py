@@ -1,0 +1,57 @@
+"""On the GPU: ``generate`` compiles its decode step by itself on ``PagedAttentionCache(max_new_tokens=...)``
+(inductor with CUDA graphs, transformers' default compile config), gives eager's greedy tokens up to bf16 rounding
+ties (the rule of ``test_end_to_end_gpu.py``) and skips no CUDA graph. (Its decode plans make no host sync:
+``tests/test_paged_cache_decode.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_end_to_end_gpu import NEW_TOKENS, assert_matches_up_to_ties, batch, eager_run, models  # noqa: F401
+from torch._dynamo.utils import counters
+
+import hf_paged
+from hf_paged.hf.compat import with_cache
+
+pytestmark = pytest.mark.cuda
+
+GREEDY = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+# (allowed backends, block size): the capture-safe decode paths
+RUNS = [(("cuda", "torch"), 16), (("flash", "torch"), 256), (("flash", "cuda", "torch"), 16)]
+
+
+def compileable_cache(model, batch, allowed, block_size) -> hf_paged.PagedAttentionCache:
+    rows, width = batch["input_ids"].shape
+    cache = hf_paged.PagedAttentionCache(
+        model.config, num_blocks=rows * -(-(width + NEW_TOKENS) // block_size) + 4, block_size=block_size,
+        device="cuda", dtype=torch.bfloat16, backend=allowed, max_new_tokens=NEW_TOKENS)
+    if not cache.is_compileable:
+        pytest.skip(f"not compileable here: {cache.compile_mode.reason}")
+    return cache
+
+
+@pytest.mark.parametrize("allowed, block_size", RUNS)
+def test_compiled_generate_matches_eager_with_cuda_graphs(models, batch, eager_run, allowed, block_size):
+    paged = models[1]
+    torch._dynamo.reset()
+    counters.clear()
+    reference = paged.generate(**with_cache(paged, hf_paged.PagedAttentionCache(
+        paged.config, num_blocks=512, block_size=block_size, device="cuda", dtype=torch.bfloat16, backend=allowed),
+        **batch), max_new_tokens=NEW_TOKENS, **GREEDY)
+    cache = compileable_cache(paged, batch, allowed, block_size)
+    outs = [paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=NEW_TOKENS, **GREEDY)
+            for _ in range(2)]
+    label = f"compiled generate {allowed} bs={block_size} backends={cache.stats()['backends']}"
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(outs[0], outs[1]), "a second call (replaying the graphs) gives the first call's tokens"
+    assert_matches_up_to_ties(outs[0][:, width:], *eager_run, label)
+    same = int((outs[0] == reference).all(1).sum())
+    print(f"{label}: {same}/{outs[0].shape[0]} rows equal to eager hf_paged; counters {dict(counters['inductor'])}")
+    assert counters["stats"]["unique_graphs"] == 1, "one graph for every decode step of both calls"
+    assert not counters["inductor"].get("cudagraph_skips"), "CUDA graphs were skipped"
+
+
+def test_the_torch_backend_is_not_compiled_on_cuda(models):
+    cache = hf_paged.PagedAttentionCache(models[1].config, num_blocks=8, block_size=16, device="cuda",
+                                         dtype=torch.bfloat16, backend="torch", max_new_tokens=4)
+    assert not cache.is_compileable and "torch backend" in cache.compile_mode.reason
