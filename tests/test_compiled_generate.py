@@ -287,3 +287,38 @@ def test_a_compiled_forward_without_a_plan_says_what_to_do():
     forward = torch.compile(paged.forward, fullgraph=True, backend="eager")
     with pytest.raises(Exception, match="must get its step planned beforehand"):
         forward(**with_cache(paged, cache, **batch))
+
+
+def test_torch_compile_of_model_forward_in_a_hand_written_decode_loop():
+    """Outside generate: plan each step with transformers' create_masks_for_generate (eager, as generate does for a
+    compileable cache), then call ``torch.compile(model.forward, fullgraph=True)``; greedy tokens equal generate's."""
+    from transformers.masking_utils import create_masks_for_generate
+
+    _, paged = make_models("qwen3", seed=41)
+    batch = left_padded_batch([3, 10, 7], torch.Generator().manual_seed(41))
+    steps = 6
+    want = paged.generate(**with_cache(paged, hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4),
+                                       **batch), max_new_tokens=steps, **GREEDY)
+    cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=32, block_size=4, max_new_tokens=steps,
+                                         compileable=True)
+    backend = CountingBackend()
+    forward = torch.compile(paged.forward, fullgraph=True, backend=backend)
+    ids, mask = batch["input_ids"], batch["attention_mask"]
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    tokens, finished = ids, torch.zeros(ids.shape[0], 1, dtype=torch.bool)
+    with torch.no_grad():
+        for step in range(steps):
+            embeds = torch.empty(ids.shape[0], ids.shape[1], 0)
+            plan = create_masks_for_generate(config=paged.config, inputs_embeds=embeds, attention_mask=mask,
+                                             **with_cache(paged, cache), position_ids=positions)
+            run = paged.forward if step == 0 else forward  # the prefill stays eager
+            logits = run(input_ids=ids, attention_mask=plan, position_ids=positions,
+                         **with_cache(paged, cache)).logits
+            ids = logits[:, -1].argmax(-1, keepdim=True)
+            ids = torch.where(finished, PAD, ids)  # as generate: a row past EOS gets padding
+            finished |= ids == EOS
+            tokens = torch.cat([tokens, ids], 1)
+            mask = torch.cat([mask, torch.ones_like(ids)], 1)
+            positions = positions[:, -1:] + 1
+    assert torch.equal(tokens, want)
+    assert backend.graphs == 1 and backend.calls == steps - 1
