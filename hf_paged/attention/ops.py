@@ -64,9 +64,7 @@ def _paged_attention(
                  max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
                  num_tokens=query.shape[0])
     params = AttentionParams(scale=scale, sliding_window=sliding_window, softcap=softcap)
-    out = backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params)
-    # An op's output may not share storage with its inputs or be a view the caller could resize.
-    return out.contiguous() if out._base is None else out.clone()
+    return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params)
 
 
 @_paged_attention.register_fake
