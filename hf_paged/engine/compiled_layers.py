@@ -23,6 +23,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.fx.experimental._config as _shape_config
 
 logger = logging.getLogger("hf_paged")
 
@@ -75,14 +76,17 @@ class CompiledLayers:
         """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
 
         Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
-        hence a recompile limit above the compiler's default of 8 for the duration of the call.
+        hence a recompile limit above the compiler's default of 8 for the duration of the call. Equal sizes are not
+        taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step whose token
+        count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile again, mid-run.
         """
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
             if depth == 0:
                 with torch._dynamo.config.patch(recompile_limit=self._recompile_limit,
-                                                accumulated_recompile_limit=max(256, 4 * self._recompile_limit)):
+                                                accumulated_recompile_limit=max(256, 4 * self._recompile_limit)), \
+                        _shape_config.patch(use_duck_shape=False):
                     yield
             else:
                 yield

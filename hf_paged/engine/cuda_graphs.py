@@ -70,8 +70,8 @@ class DecodeGraphs:
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
         self._stage = torch.zeros(b_max * (5 + w), dtype=torch.int32, **dev)
-        self._ids = torch.zeros(1, b_max, dtype=torch.int64, **dev)
-        self._pos = torch.zeros(1, b_max, dtype=torch.int64, **dev)
+        self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
+        self._pos = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
@@ -167,9 +167,9 @@ class DecodeGraphs:
         """Everything the graph of size ``b`` records: widen the staged inputs, then the model forward."""
         w, stage = self.width, self._stage
         src = stage[4 * b : 5 * b]
-        self._ids[0, :b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)),
+        self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)),
                                            stage[:b].long()))
-        self._pos[0, :b].copy_(stage[b : 2 * b])
+        self._pos[:b].copy_(stage[b : 2 * b])
         self._slots[:b].copy_(stage[2 * b : 3 * b])
         seq_lens = stage[3 * b : 4 * b]
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self._cu_k[1 : b + 1])
@@ -183,7 +183,7 @@ class DecodeGraphs:
         )
         self.cache.begin_step(meta)
         with self.compiled.active() if self.compiled is not None else nullcontext():
-            out = self.model(input_ids=self._ids[:, :b], position_ids=self._pos[:, :b], use_cache=True,
+            out = self.model(input_ids=self._ids[:b].view(1, b), position_ids=self._pos[:b].view(1, b), use_cache=True,
                              logits_to_keep=0, **{self._cache_kwarg: self.cache})
         return out.logits[0]
 

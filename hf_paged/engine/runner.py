@@ -127,8 +127,9 @@ class ModelRunner:
         self._cache_kwarg = cache_keyword(model)
         # The tokens the last step sampled, at a fixed address: where a step's in-flight ids are read from.
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        self._input_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
-        self._position_ids = torch.zeros(1, max_tokens, dtype=torch.int64, device=device)
+        # Flat, so a step's [1, t] views are contiguous whatever t (as compiled layers expect: no new strides).
+        self._input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._position_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         # On a GPU the attention metadata lives at fixed addresses too, so a (padded) decode step can be
         # graph-captured; on the CPU a copy would only add cost.
         self._meta_buffers = None
@@ -153,20 +154,20 @@ class ModelRunner:
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
         t = plan.num_tokens
-        if t > self._input_ids.shape[1]:
-            self._input_ids = self._input_ids.new_zeros(1, t)
-            self._position_ids = self._position_ids.new_zeros(1, t)
-        self._input_ids[0, :t].copy_(self._host(plan.input_ids), non_blocking=True)
-        self._position_ids[0, :t].copy_(self._host(plan.position_ids), non_blocking=True)
+        if t > self._input_ids.shape[0]:
+            self._input_ids = self._input_ids.new_zeros(t)
+            self._position_ids = self._position_ids.new_zeros(t)
+        self._input_ids[:t].copy_(self._host(plan.input_ids), non_blocking=True)
+        self._position_ids[:t].copy_(self._host(plan.position_ids), non_blocking=True)
         if plan.token_sources is not None:  # in-flight ids: read the previous step's tokens on the device
             src = self._host(plan.token_sources).to(self.device, non_blocking=True)
-            ids = self._input_ids[0, :t]
+            ids = self._input_ids[:t]
             ids.copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids))
         keep = self._host(plan.logits_indices).to(self.device, non_blocking=True)
         self.cache.begin_step(self.metadata(plan))
         with self.compiled.active() if self.compiled is not None else nullcontext():
             out = self.model(
-                input_ids=self._input_ids[:, :t], position_ids=self._position_ids[:, :t], use_cache=True,
-                logits_to_keep=keep, **{self._cache_kwarg: self.cache},
+                input_ids=self._input_ids[:t].view(1, t), position_ids=self._position_ids[:t].view(1, t),
+                use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: self.cache},
             )
         return out.logits[0]

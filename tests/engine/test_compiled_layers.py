@@ -114,3 +114,22 @@ def test_errors_of_the_model_itself_pass_through(model):
 def test_compile_layers_is_validated():
     with pytest.raises(ValueError, match="compile_layers must be True, False or None"):
         hf_paged.EngineConfig(compile_layers="yes")
+
+
+def test_steps_of_new_sizes_do_not_compile_again(model):
+    """Compiled after two steps only, one that fills ``max_batch_tokens`` exactly (its input views as wide as the
+    buffers) and one of a single token (a shape of its own): steps of any other token count, and a second engine,
+    reuse those graphs; nothing compiles mid-run."""
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()  # forget what the other tests compiled
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=16, compile_layers=True)
+    engine.generate(random_prompts(1, 16, 16, seed=7), greedy_config(2))  # a 16-token step, then a 1-token step
+    graphs = counters["stats"]["unique_graphs"]
+    prompts = random_prompts(5, 2, 23, seed=9)
+    refs = hf_greedy("llama_gqa", prompts, 5)
+    outs = engine.generate(prompts, greedy_config(5))
+    other = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=24, compile_layers=True)
+    outs2 = other.generate(prompts, greedy_config(5))
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert [o.token_ids for o in outs] == refs and [o.token_ids for o in outs2] == refs
