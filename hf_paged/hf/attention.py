@@ -81,6 +81,7 @@ def paged_attention_forward(
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
     if attention_mask.static and torch.compiler.is_compiling():
+        _check_served(module, dropout, kwargs)
         return _static_decode_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
     return _paged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                             kwargs)
