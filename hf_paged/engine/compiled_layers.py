@@ -25,6 +25,8 @@ from contextlib import contextmanager
 import torch
 import torch.fx.experimental._config as _shape_config
 
+from hf_paged.hf import attention as paged_attention
+
 logger = logging.getLogger("hf_paged")
 
 _ATTRIBUTE = "_hf_paged_compiled_layers"
@@ -86,7 +88,7 @@ class CompiledLayers:
             if depth == 0:
                 with torch._dynamo.config.patch(recompile_limit=self._recompile_limit,
                                                 accumulated_recompile_limit=max(256, 4 * self._recompile_limit)), \
-                        _shape_config.patch(use_duck_shape=False):
+                        _shape_config.patch(use_duck_shape=False), _opaque_plans():
                     yield
             else:
                 yield
@@ -122,6 +124,16 @@ class _Switch:
             except _COMPILER_ERRORS as exc:
                 self.owner.fail(exc)
         return self.eager(*args, **kwargs)
+
+
+@contextmanager
+def _opaque_plans() -> Iterator[None]:
+    """The attention function hands plans on without the compiler looking into them (``hf_paged.hf.attention``)."""
+    before, paged_attention.opaque_plans = paged_attention.opaque_plans, True
+    try:
+        yield
+    finally:
+        paged_attention.opaque_plans = before
 
 
 def _compiler_errors() -> tuple[type[BaseException], ...]:

@@ -22,6 +22,11 @@ from hf_paged.attention.metadata import PagedMetadata, Phase
 
 logger = logging.getLogger("hf_paged")
 
+# True while the engine's compiled layers run (``hf_paged.engine.compiled_layers``): the traced code then hands the
+# step's plan to the eager path without looking into it. Touching the plan while tracing would make the compiler
+# guard on its fields (the phase, a batch of one sequence), and every new combination would compile again mid-run.
+opaque_plans = False
+
 _UNSERVED_KWARGS = {
     "s_aux": "attention sinks",
     "position_bias": "additive position bias",
@@ -51,7 +56,17 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     plan = cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
     if cache.is_compileable:
         _prepare_routes(plan)
-    return plan
+    return SealedPlan(plan) if opaque_plans else plan
+
+
+class SealedPlan:
+    """A step's plan as the engine's compiled layers hand it from layer to layer: a plain object whose contents the
+    compiler never sees (a dataclass would be taken apart and guarded field by field)."""
+
+    __slots__ = ("plan",)
+
+    def __init__(self, plan: PagedMetadata):
+        self.plan = plan
 
 
 def paged_attention_forward(
@@ -77,6 +92,9 @@ def paged_attention_forward(
     Returns:
         ``([batch, q_len, H, D], None)``; padding positions are zero.
     """
+    if opaque_plans:
+        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                                kwargs)
     if not isinstance(attention_mask, PagedMetadata):
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -99,6 +117,19 @@ def _static_decode_attention(module, query, key, value, meta: PagedMetadata, sca
     ops.store_kv(key, value, k_cache, v_cache, meta, writer)
     out = ops.paged_attention(q, key, value, k_cache, v_cache, meta, backend, params)
     return out.view(batch, 1, num_heads, head_dim), None
+
+
+@torch.compiler.disable
+def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                     kwargs: dict) -> tuple[torch.Tensor, None]:
+    """``paged_attention_forward`` out of the compiler's sight (see ``opaque_plans``)."""
+    if isinstance(attention_mask, SealedPlan):
+        attention_mask = attention_mask.plan
+    if not isinstance(attention_mask, PagedMetadata):
+        return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                               sliding_window=sliding_window, softcap=softcap, **kwargs)
+    return _paged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+                            kwargs)
 
 
 # Opaque to torch.compile: a compiled layer (the engine's CompiledLayers) breaks its graph here and the KV write and
