@@ -63,6 +63,7 @@ class CompiledLayers:
         others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]
         self.enabled = True
         self.failure: str | None = None
+        self.warm_batch_sizes: set[int] = set()  # decode batch sizes run through the compiled code already
         self._local = threading.local()
         self._modules = [*layers, *others]
         self._recompile_limit = 8 * len(self._modules) + 16

@@ -131,11 +131,13 @@ class DecodeGraphs:
         self._pool = torch.cuda.graph_pool_handle()
         for b in reversed(self.sizes):
             self._stage_padding(b)
-            # Compiled layers are warmed up at every size: a compile (batch 1 is a shape of its own) must not
-            # happen during a capture.
-            if b == self.sizes[-1] or self.compiled is not None:
+            # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
+            # compile (batch 1 is a shape of its own) must not happen during a capture.
+            if b == self.sizes[-1] or (self.compiled is not None and b not in self.compiled.warm_batch_sizes):
                 with torch.cuda.stream(stream):
                     self._forward(b)
+                if self.compiled is not None:
+                    self.compiled.warm_batch_sizes.add(b)
                 reason = self.cache.dispatcher.graph_unsupported_reason()
                 if reason is not None:
                     return reason
