@@ -32,14 +32,16 @@ logger = logging.getLogger("hf_paged")
 _ATTRIBUTE = "_hf_paged_compiled_layers"
 
 
-def compile_unsupported_reason(model: torch.nn.Module) -> str | None:
-    """None if the engine can compile ``model``'s layers, else why not."""
-    if model.device.type != "cuda":
-        return f"the model is on {model.device.type}; compiled layers serve CUDA models"
-    if importlib.util.find_spec("triton") is None:
-        return "triton is not installed (torch.compile needs it on CUDA)"
+def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False) -> str | None:
+    """None if the engine can compile ``model``'s layers (on a CUDA device, or on any with ``any_device``), else
+    why not."""
     if _decoder_layers(model) is None:
         return "no list of decoder layers found on the model"
+    device = next(model.parameters()).device
+    if device.type != "cuda" and not any_device:
+        return f"the model is on {device.type}; compiled layers serve CUDA models unless asked for"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "triton is not installed (torch.compile needs it on CUDA)"
     return None
 
 
@@ -59,7 +61,7 @@ class CompiledLayers:
         layers = _decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
-        base = getattr(model, model.base_model_prefix, model)
+        base = _base_model(model)
         others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]
         self.enabled = True
         self.failure: str | None = None
@@ -153,10 +155,17 @@ _COMPILER_ERRORS = _compiler_errors()
 
 def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The base model's list of decoder layers: its ``ModuleList`` child with one entry per hidden layer."""
-    base = getattr(model, model.base_model_prefix, model)
-    num_layers = getattr(model.config.get_text_config(decoder=True), "num_hidden_layers", None)
+    base = _base_model(model)
+    config = getattr(model, "config", None)
+    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    num_layers = getattr(text_config, "num_hidden_layers", None)
     for child in base.children():
         if isinstance(child, torch.nn.ModuleList) and len(child) > 0 and (num_layers is None or
                                                                            len(child) == num_layers):
             return child
     return None
+
+
+def _base_model(model: torch.nn.Module) -> torch.nn.Module:
+    prefix = getattr(model, "base_model_prefix", "")
+    return getattr(model, prefix, model) if prefix else model

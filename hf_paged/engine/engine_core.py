@@ -286,8 +286,8 @@ def _compiled_layers(model: torch.nn.Module, setting: bool | None) -> CompiledLa
     triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
     if setting is False:
         return None
-    reason = compile_unsupported_reason(model)
-    if reason is not None and (setting is None or "triton" in reason or "decoder layers" in reason):
+    reason = compile_unsupported_reason(model, any_device=setting is True)
+    if reason is not None:
         if setting:
             raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
         logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)

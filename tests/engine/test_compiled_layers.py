@@ -133,3 +133,19 @@ def test_steps_of_new_sizes_do_not_compile_again(model):
     outs2 = other.generate(prompts, greedy_config(5))
     assert counters["stats"]["unique_graphs"] == graphs
     assert [o.token_ids for o in outs] == refs and [o.token_ids for o in outs2] == refs
+
+
+def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
+    """A model the engine can serve but whose layers it cannot find (no base model, no list of layers)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    from engine_overhead import StubModel
+
+    stub = StubModel(vocab=300, max_rows=64)
+    assert cl.compile_unsupported_reason(stub, any_device=True) == "no list of decoder layers found on the model"
+    engine = hf_paged.Engine(stub, num_blocks=16, block_size=4)  # automatic: eager, no error
+    assert engine.compiled is None and engine.stats()["compiled_layers"] is False
+    with pytest.raises(ValueError, match="compile_layers=True cannot be served: no list of decoder layers"):
+        hf_paged.Engine(stub, num_blocks=16, block_size=4, compile_layers=True)
