@@ -1,0 +1,116 @@
+"""Host time per decode step of compiled ``generate``, outside the compiled graph, on the CPU.
+
+On a GPU, a compiled decode step replays a CUDA graph; what is left on the host is ``generate``'s own Python
+(inputs, logits processors, stopping criteria), the mask function (for hf_paged: planning the step) and the
+compiled call's guards. That host time bounds the step when the graph is short (batch 1). This script measures it
+on the CPU with a tiny model and the compile backend ``"eager"``: per decode step, the wall of the whole step minus
+the time spent inside the compiled graph, for
+
+  static             sdpa with ``cache_implementation="static"`` (transformers' own compiled path)
+  hf_paged_compiled  hf_paged with ``PagedAttentionCache(max_new_tokens=...)``
+
+It is a CPU host-overhead measurement (the graph's own work, CPU attention included, is subtracted); it says
+nothing about GPU kernels. The same model weights and prompts serve both systems, in one process, one thread.
+
+    python benchmarks/generate_host_overhead.py [--batch 1] [--new-tokens 256] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models
+
+import torch  # noqa: E402
+from tiny_models import PAD, left_padded_batch, make_models  # noqa: E402
+from transformers import CompileConfig  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged.hf.compat import with_cache  # noqa: E402
+
+SYSTEMS = ("static", "hf_paged_compiled")
+
+
+class TimedGraphs:
+    """A torch.compile backend ("eager" underneath) that adds up the wall time spent inside its graphs."""
+
+    def __init__(self):
+        self.seconds, self.calls = 0.0, 0
+
+    def __deepcopy__(self, memo) -> TimedGraphs:
+        return self  # generate deep-copies its compile_config
+
+    def __call__(self, gm: torch.fx.GraphModule, example_inputs):
+        def timed(*args):
+            start = time.perf_counter()
+            try:
+                return gm.forward(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+
+        return timed
+
+
+def generate_call(system: str, models: dict, batch: dict, new_tokens: int, backend: TimedGraphs):
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+    config._compile_all_devices = True  # transformers compiles only on CUDA unless told
+    common = dict(do_sample=False, pad_token_id=PAD, eos_token_id=None, compile_config=config)
+    if system == "static":
+        return lambda k: models["sdpa"].generate(**batch, max_new_tokens=k, cache_implementation="static", **common)
+    model = models["hf_paged"]
+    cache = hf_paged.PagedAttentionCache(model.config, num_blocks=1024, block_size=16, max_new_tokens=new_tokens,
+                                         compileable=True)
+    return lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
+
+
+def measure(system: str, models: dict, batch: dict, args: argparse.Namespace) -> dict:
+    """Median over ``repeats`` calls of (whole call - one-token call) and of the in-graph time, per decode step."""
+    torch._dynamo.reset()
+    backend = TimedGraphs()
+    call = generate_call(system, models, batch, args.new_tokens, backend)
+    call(args.new_tokens)  # compile
+    steps, in_graph = [], []
+    for _ in range(args.repeats):
+        start = time.perf_counter()
+        call(1)
+        one = time.perf_counter() - start
+        backend.seconds, backend.calls = 0.0, 0
+        start = time.perf_counter()
+        call(args.new_tokens)
+        steps.append((time.perf_counter() - start - one) / (args.new_tokens - 1))
+        assert backend.calls == args.new_tokens - 1, f"{system}: a decode step did not run compiled"
+        in_graph.append(backend.seconds / backend.calls)
+    step, graph = statistics.median(steps) * 1e6, statistics.median(in_graph) * 1e6
+    return {"system": system, "us_per_step": step, "us_in_graph": graph, "us_host": step - graph}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--arch", default="llama_gqa", help="a tiny model of tests/tiny_models.py")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    eager, paged = make_models(args.arch, seed=0)
+    eager.set_attn_implementation("sdpa")
+    models = {"sdpa": eager, "hf_paged": paged}
+    gen = torch.Generator().manual_seed(0)
+    batch = left_padded_batch(torch.randint(8, 33, (args.batch,), generator=gen).tolist(), gen)
+    rows = [measure(system, models, batch, args) for system in SYSTEMS]
+    print(f"host us per decode step on the CPU (tiny {args.arch}, batch {args.batch}, {args.new_tokens} new tokens, "
+          f"compile backend eager, torch {torch.__version__})")
+    print("| system | step | in graph | host (step - in graph) |\n|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['system']} | {r['us_per_step']:.0f} | {r['us_in_graph']:.0f} | {r['us_host']:.0f} |")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
