@@ -37,7 +37,10 @@ def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False)
     why not."""
     if _decoder_layers(model) is None:
         return "no list of decoder layers found on the model"
-    device = next(model.parameters()).device
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the model is split over {', '.join(sorted(map(str, devices)))}; compiled layers serve one device"
+    device = next(iter(devices))
     if device.type != "cuda" and not any_device:
         return f"the model is on {device.type}; compiled layers serve CUDA models unless asked for"
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:

@@ -51,12 +51,13 @@ class EngineCore:
         self.device, dtype = model.device, model.dtype
         self.max_model_len = max_len = validation.position_limit(model.config)
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
+        self.kv_devices = kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         if cfg.num_blocks is None:
-            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.device,
+            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.kv_devices,
                                                              cfg.memory_budget,
                                                              cap=max_num_seqs * -(-max_len // block_size)))
         self.config = cfg
-        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.device, dtype,
+        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.kv_devices, dtype,
                                          backend=cfg.backend)
         tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
@@ -80,6 +81,10 @@ class EngineCore:
 
     def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
         if cuda_graphs is False or self.device.type != "cuda":
+            return None
+        split = sorted({str(d) for d in self.kv_devices})
+        if len(split) > 1:
+            logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
             return None
         sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
                  else [s for s in cuda_graphs if s <= max_num_seqs])
@@ -276,9 +281,25 @@ def _use_paged_attention(model: torch.nn.Module) -> None:
 
 
 def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:
-    """Blocks that ``budget`` (a fraction of the free memory of ``device``) holds, at most ``cap``."""
+    """Blocks that ``budget`` (a fraction of the free memory of ``device``, or of each layer's device when given
+    one per layer: the tightest decides) holds, at most ``cap``."""
     layout = KVLayout.from_config(config)
-    return min(cap, blocks_for_budget(layout, block_size, dtype, [torch.device(device)] * layout.num_layers, budget))
+    devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
+    return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))
+
+
+def kv_devices(model: torch.nn.Module) -> list[torch.device]:
+    """The device of each decoder layer (accelerate's ``hf_device_map`` when the model has one), or the model's
+    device for every layer when its layers cannot be told apart."""
+    from hf_paged.integrations.accelerate import _decoder_layers, layer_devices  # they import the engine
+
+    num_layers = KVLayout.from_config(model.config).num_layers
+    try:
+        _decoder_layers(model)
+    except (ValueError, AttributeError):  # no list of layers to place (a stub model): one device
+        return [model.device] * num_layers
+    devices = layer_devices(model)  # raises for a layer the map does not place or puts on disk
+    return devices if len(devices) == num_layers else [model.device] * num_layers
 
 
 def _compiled_layers(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:

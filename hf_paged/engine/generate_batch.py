@@ -23,7 +23,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.engine import Engine
-from hf_paged.engine.engine_core import blocks_from_memory
+from hf_paged.engine.engine_core import blocks_from_memory, kv_devices
 from hf_paged.engine.sampling_params import resolve_generation_config
 
 logger = logging.getLogger("hf_paged")
@@ -151,4 +151,5 @@ def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memor
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
         needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    return max(1, blocks_from_memory(model.config, block_size, model.dtype, model.device, memory_fraction, needed))
+    devices = kv_devices(model)
+    return max(1, blocks_from_memory(model.config, block_size, model.dtype, devices, memory_fraction, needed))

@@ -55,5 +55,5 @@ class TokenReceiver:
         token_buf[:n].copy_(tokens, non_blocking=True)
         if logprobs is not None:
             logprob_buf[:n].copy_(logprobs, non_blocking=True)
-        event.record()
+        event.record(torch.cuda.current_stream(tokens.device))  # the logits' device: the last one of a split model
         return InFlightStep(seqs, token_buf[:n], logprob_buf[:n] if logprobs is not None else None, event)
