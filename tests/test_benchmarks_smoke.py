@@ -123,3 +123,16 @@ def test_generate_latency_smoke(tmp_path):
         assert row["status"] == "ok" and row["ms_per_step"] > 0 and row["tokens_match"] == 2, row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/5] static, batch 2" in out
+
+
+def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
+    import data_parallel
+
+    out = tmp_path / "dp.json"
+    buf = io.StringIO()
+    with contextlib.redirect_stdout(buf):
+        data_parallel.main(["--smoke", "--gpus", "1,2", "--requests", "128", "--json", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["processes"] for r in rows] == [1, 2]
+    assert all(r["status"] == "ok" and r["tokens"] == r["expected_tokens"] > 0 for r in rows), rows
+    assert buf.getvalue().rstrip().splitlines()[-1].split()[0] == "2"  # the table comes last
