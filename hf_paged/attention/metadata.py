@@ -99,6 +99,14 @@ class PagedMetadata:
         return cached
 
 
+def step_phase(num_seqs: int, has_prefix: bool, one_token_each: bool) -> Phase:
+    """The :class:`Phase` of a step: ``has_prefix``, some sequence has a cached prefix (context longer than its
+    new tokens); ``one_token_each``, every sequence brings exactly one new token."""
+    if num_seqs and one_token_each and has_prefix:
+        return Phase.DECODE
+    return Phase.EXTEND if has_prefix else Phase.PREFILL
+
+
 class MetadataBuffers:
     """Device storage that every step's metadata tensors are copied into, at fixed addresses.
 
@@ -165,13 +173,7 @@ def build_metadata(
     num_seqs = int(q_lens.numel())
     max_q = int(q_lens.max()) if num_seqs else 0
     max_k = int(seq_lens_k.max()) if num_seqs else 0
-    has_prefix = bool((seq_lens_k > q_lens).any())
-    if num_seqs and bool((q_lens == 1).all()) and has_prefix:
-        phase = Phase.DECODE
-    elif has_prefix:
-        phase = Phase.EXTEND
-    else:
-        phase = Phase.PREFILL
+    phase = step_phase(num_seqs, bool((seq_lens_k > q_lens).any()), bool((q_lens == 1).all()))
     pin = device.type == "cuda"
 
     def as_dev(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

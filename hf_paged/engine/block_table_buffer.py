@@ -15,6 +15,7 @@ class BlockTableBuffer:
 
     def __init__(self, max_rows: int, width: int):
         self.table = torch.zeros(max_rows, max(width, 1), dtype=torch.int32)
+        self._entries = self.table.numpy()  # the same memory: numpy writes a few entries ~10x faster than torch
         self._free_rows = list(range(max_rows - 1, -1, -1))
 
     @property
@@ -26,7 +27,7 @@ class BlockTableBuffer:
         return self._free_rows.pop()
 
     def release(self, row: int) -> None:
-        self.table[row].zero_()
+        self._entries[row] = 0
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, blocks: list[int]) -> None:
@@ -35,9 +36,9 @@ class BlockTableBuffer:
         if end > self.table.shape[1]:
             grown = torch.zeros(self.table.shape[0], max(end, 2 * self.table.shape[1]), dtype=torch.int32)
             grown[:, : self.table.shape[1]] = self.table
-            self.table = grown
-        self.table[row, start:end] = torch.tensor(blocks, dtype=torch.int32)
+            self.table, self._entries = grown, grown.numpy()
+        self._entries[row, start:end] = blocks
 
-    def gather(self, rows: torch.Tensor, width: int) -> torch.Tensor:
-        """``[len(rows), width]`` int32 tables of ``rows`` (int64 indices)."""
-        return self.table[:, :width].index_select(0, rows)
+    def gather(self, rows: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """The tables of ``rows`` (int32 or int64 indices) into ``out``: ``[len(rows), width]`` int32."""
+        return torch.index_select(self.table[:, : out.shape[1]], 0, rows, out=out)

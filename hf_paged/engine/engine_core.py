@@ -13,6 +13,7 @@ during the bookkeeping (``InterruptGuard``); :class:`~hf_paged.Engine` adds requ
 from __future__ import annotations
 
 import logging
+import operator
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -40,6 +41,7 @@ from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.hf.register import ATTN_IMPLEMENTATION
 
 logger = logging.getLogger("hf_paged")
+_status = operator.attrgetter("status")
 
 
 class EngineCore:
@@ -204,8 +206,9 @@ class EngineCore:
         sequences that finished meanwhile (their step before was their last) are left out."""
         self.scheduler.commit(_without_finished(batch))
         if launched is not None:
+            finished = SequenceStatus.FINISHED
             for row, seq in enumerate(launched.seqs):
-                if not seq.is_finished:
+                if seq.status is not finished:
                     seq.token_ids.append(PLACEHOLDER)
                     seq.pending_row = row
             self._inflight = launched
@@ -219,12 +222,14 @@ class EngineCore:
         tokens, logprobs = step.wait()
         self._inflight = None
         got = []
+        finished, take_token = SequenceStatus.FINISHED, self._take_token
         for seq, token, logprob in zip(step.seqs, tokens, logprobs):
-            if seq.pending_row < 0 or seq.is_finished:  # aborted (or failed) while its token was in flight
+            if seq.pending_row < 0 or seq.status is finished:  # aborted (or failed) while its token was in flight
                 continue
             seq.token_ids[-1], seq.pending_row = token, -1
-            self._take_token(seq, logprob)
+            take_token(seq, logprob)
             got.append(seq)
+        self.counters.generated_tokens += len(got)
         return got
 
     def _take_token(self, seq: Sequence, logprob: float | None) -> None:
@@ -232,7 +237,6 @@ class EngineCore:
         outbox. A stop check that raises (the tokenizer, on stop strings) ends only this sequence, with an error."""
         if logprob is not None and seq.params.logprobs:
             seq.logprobs.append(logprob)
-        self.counters.generated_tokens += 1
         if seq.pending_children and seq.num_generated == 1:
             self._fork(seq)
         error = None
@@ -265,9 +269,9 @@ class EngineCore:
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
-    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
-    if len(keep) == len(batch.seqs):
+    if SequenceStatus.FINISHED not in map(_status, batch.seqs):  # (the usual case, checked at C speed)
         return batch
+    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
     return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep],
                           [batch.sample[i] for i in keep])
 

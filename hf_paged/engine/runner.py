@@ -1,56 +1,83 @@
-"""The step plan (flat integer tensors from the scheduler's choice) and the model call that consumes it.
+"""The step plan (one flat int32 tensor from the scheduler's choice) and the model call that consumes it.
 
-``plan_step`` is pure: it reads the scheduled sequences and the block-table buffer and returns a :class:`StepPlan`,
-built with vectorised tensor ops (per-sequence Python work only, never per token). ``ModelRunner`` copies a plan
-into fixed-capacity device buffers (the layout decode CUDA graphs will capture), hands the attention metadata to the
-cache and runs the model with ``logits_to_keep`` set to the sampled positions only.
+``plan_step`` is pure: it reads the scheduled sequences and the block-table buffer and returns a :class:`StepPlan`
+whose every array (ids, positions, slots, lengths, block tables, sampled rows) lies in one int32 layout, built in
+one pass of per-sequence Python (never per token) and one ``index_select``. ``ModelRunner`` sends that layout to
+the device in one copy, reads the attention metadata as views of it, and runs the model with ``logits_to_keep``
+set to the sampled positions only.
 """
 
 from __future__ import annotations
 
 from array import array
+from itertools import accumulate
 from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 
-from hf_paged.attention.metadata import MetadataBuffers, PagedMetadata, build_metadata
+from hf_paged.attention.metadata import PagedMetadata, Phase, step_phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
+
+
+#: The segments of a plan's layout, in order; each is ``T`` (tokens), ``S`` (sources: ``T`` or 0), ``N`` (sampled
+#: rows), ``B`` (sequences), ``B + 1`` or ``B x W`` (block-table width) int32 values long.
+_SEGMENTS = ("input_ids", "position_ids", "slot_mapping", "token_sources", "logits_indices", "q_lens", "seq_lens_k",
+             "cu_seqlens_q", "cu_seqlens_k", "block_tables")
 
 
 @dataclass(frozen=True)
 class StepPlan:
-    """One step as host tensors (``T`` tokens of ``B`` sequences, ``N`` sampled rows).
+    """One step (``T`` tokens of ``B`` sequences, ``N`` sampled rows) as one flat int32 host tensor, ``layout``::
 
-    Integer tensors are int64 on the host (no conversions while planning); the device copies the attention
-    metadata holds are int32 (``build_metadata``).
+        [ ids (T) | positions (T) | slots (T) | sources (T or 0) | logits indices (N) | q lens (B) |
+          context lengths (B) | cu q (B + 1) | cu k (B + 1) | block tables (B x W) ]
 
-    Attributes:
+    so that a step's inputs reach the device in one copy (``ModelRunner``); the segments are read as views, of the
+    host layout (the properties below) or of its device copy (:meth:`segments`).
+
+    Segments:
         input_ids, position_ids: ``[T]``.
         slot_mapping: ``[T]`` physical slot ``block * block_size + offset``; -1 = padding token (no write).
-        q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step.
-        block_tables: ``[B, max_blocks]`` int32, padded with 0.
-        logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
         token_sources: ``[T]`` for steps with in-flight tokens (``PLACEHOLDER`` ids): the row of the previous
             step's sampled tokens that holds the token, -1 for ids known on the host; None when there are none.
+        logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
+        q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step; cu_seqlens_q/k: ``[B + 1]``.
+        block_tables: ``[B, W]``, padded with 0.
+    Plain fields: the sizes, and what the attention metadata needs on the host (``max_seqlen_q/k``, ``phase``,
+    whether padding rows with slot -1 are present).
     """
 
-    input_ids: torch.Tensor
-    position_ids: torch.Tensor
-    slot_mapping: torch.Tensor
-    q_lens: torch.Tensor
-    seq_lens_k: torch.Tensor
-    block_tables: torch.Tensor
-    logits_indices: torch.Tensor
-    token_sources: torch.Tensor | None = None
+    layout: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    width: int
+    has_sources: bool
+    max_seqlen_q: int
+    max_seqlen_k: int
+    phase: Phase
+    has_padding: bool = False
 
-    @property
-    def num_tokens(self) -> int:
-        return int(self.input_ids.numel())
+    def segments(self, layout: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """The named segments as views of ``layout`` (default: the host one; or its copy on a device)."""
+        t, b = self.num_tokens, self.num_seqs
+        sizes = (t, t, t, t if self.has_sources else 0, self.num_sampled, b, b, b + 1, b + 1, b * self.width)
+        views = dict(zip(_SEGMENTS, (self.layout if layout is None else layout)[: sum(sizes)].split(sizes)))
+        views["block_tables"] = views["block_tables"].view(b, self.width)
+        if not self.has_sources:
+            views["token_sources"] = None
+        return views
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        if name in _SEGMENTS:
+            return self.segments()[name]
+        raise AttributeError(name)
 
 
 def plan_step(
@@ -63,53 +90,86 @@ def plan_step(
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
-    One pass over the sequences gathers their counters and new token ids into flat arrays; everything else is
-    tensor ops. ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1, context 1)
-    up to this batch size so the step matches a captured graph's shape.
+    The sequences' counters and new token ids are gathered into flat arrays (per-sequence Python; a prefill
+    chunk's positions and slots are ranges, extended in C, one per block it touches), the block tables with one
+    ``index_select``. ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1,
+    context 1) up to this batch size so the step matches a captured graph's shape.
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
-    per_seq, ids = array("q"), array("q")
+    if sum(num_tokens) == len(seqs):
+        ids, pos, slots, keep, q, ctx, rows, pending = _decode_columns(seqs, sample, block_size)
+    else:
+        ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
+    t = len(ids)
+    num_seqs = len(seqs)
+    pad = pad_decode_to - num_seqs if pad_decode_to is not None and t == num_seqs else 0
+    if pad > 0:
+        for column, value in ((ids, 0), (pos, 0), (slots, -1), (q, 1), (ctx, 1)):
+            column.extend(array("i", (value,)) * pad)
+        t = num_seqs = num_seqs + pad
+    sources = array("i")
+    if pending:
+        sources = array("i", (-1,)) * t
+        for i, row in pending:
+            sources[i] = row
+    cu_q, cu_k = array("i", accumulate(q, initial=0)), array("i", accumulate(ctx, initial=0))
+    max_k = max(ctx)
+    width = -(-max_k // block_size)
+    head = ids + pos + slots + sources + keep + q + ctx + cu_q + cu_k
+    layout = torch.empty(len(head) + num_seqs * width, dtype=torch.int32)
+    layout[: len(head)].copy_(torch.frombuffer(head, dtype=torch.int32))
+    out = layout[len(head):].view(num_seqs, width)
+    tables.gather(torch.frombuffer(rows, dtype=torch.int32), out[: len(rows)])
+    if pad > 0:
+        out[len(rows):].zero_()
+    return StepPlan(layout, num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
+                    step_phase(num_seqs, cu_k[-1] > t, t == num_seqs), has_padding=pad > 0)
+
+
+def _decode_columns(seqs: list[Sequence], sample: list[bool], bs: int) -> tuple:
+    """The columns of a step of one token per sequence: one list comprehension each (twice as fast as a loop)."""
+    cs = [s.num_computed_tokens for s in seqs]
+    ids = array("i", [s.token_ids[c] for s, c in zip(seqs, cs)])
+    slots = array("i", [s.block_table[c // bs] * bs + c % bs for s, c in zip(seqs, cs)])
+    rows = array("i", [s.row for s in seqs])
+    keep = array("i", range(len(seqs)) if all(sample) else [i for i, smp in enumerate(sample) if smp])
+    pending = [s.pending_row for s in seqs]
+    pending = ([(i, r) for i, (r, smp) in enumerate(zip(pending, sample)) if r >= 0 and smp]
+               if max(pending) >= 0 else [])
+    return ids, array("i", cs), slots, keep, array("i", (1,)) * len(seqs), array("i", [c + 1 for c in cs]), rows, \
+        pending
+
+
+def _chunk_columns(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], bs: int) -> tuple:
+    """The columns of any step: one pass over the sequences; a chunk's positions and slots are ranges."""
+    ids, pos, slots, keep, q, ctx, rows = (array("i") for _ in range(7))
+    pending: list[tuple[int, int]] = []  # (token index, source row) of in-flight tokens
+    t = 0
     for seq, n, smp in zip(seqs, num_tokens, sample):
         c = seq.num_computed_tokens
-        # An in-flight token is always a sequence's last one, so a chunk reaching the end brings it.
-        per_seq.extend((c, n, seq.row, smp, seq.pending_row if c + n == len(seq.token_ids) else -1))
-        ids.extend(seq.token_ids[c : c + n])
-    start, q, rows, sampled, pending = torch.frombuffer(per_seq, dtype=torch.int64).view(len(seqs), 5).unbind(1)
-    seq_lens = start + q
-    cu = torch.cumsum(q, 0)
-    if len(ids) == len(seqs):  # decode-only: one token per sequence, at its context's end
-        pos, token_rows = start, rows
-    else:
-        owner = torch.repeat_interleave(torch.arange(len(seqs)), q, output_size=len(ids))  # [T] sequence of token
-        pos = torch.arange(len(ids)) - (cu - q - start)[owner]
-        token_rows = rows[owner]
-    slots = tables.table[token_rows, pos // block_size].long() * block_size + pos % block_size
-    block_tables = tables.gather(rows, -(-int(seq_lens.max()) // block_size))
-    sources = None
-    has_pending = pending >= 0
-    if bool(has_pending.any()):
-        sources = torch.full((len(ids),), -1, dtype=torch.int64)
-        sources[(cu - 1)[has_pending]] = pending[has_pending]
-    plan = StepPlan(torch.frombuffer(ids, dtype=torch.int64), pos, slots, q, seq_lens, block_tables,
-                    (cu - 1)[sampled.bool()], sources)
-    if pad_decode_to is not None and pad_decode_to > len(seqs) and len(ids) == len(seqs):
-        plan = _pad_decode(plan, pad_decode_to - len(seqs))
-    return plan
+        end = c + n
+        ids.extend(seq.token_ids[c:end])
+        pos.extend(range(c, end))
+        _extend_slots(slots, seq.block_table, c, end, bs)
+        t += n
+        if smp:  # the chunk reaches the end, so it brings the in-flight token (always a sequence's last one)
+            keep.append(t - 1)
+            if seq.pending_row >= 0:
+                pending.append((t - 1, seq.pending_row))
+        q.append(n)
+        ctx.append(end)
+        rows.append(seq.row)
+    return ids, pos, slots, keep, q, ctx, rows, pending
 
 
-def _pad_decode(plan: StepPlan, extra: int) -> StepPlan:
-    ones = torch.ones(extra, dtype=torch.int64)
-    return StepPlan(
-        input_ids=torch.cat([plan.input_ids, torch.zeros(extra, dtype=torch.int64)]),
-        position_ids=torch.cat([plan.position_ids, torch.zeros(extra, dtype=torch.int64)]),
-        slot_mapping=torch.cat([plan.slot_mapping, torch.full((extra,), -1, dtype=torch.int64)]),
-        q_lens=torch.cat([plan.q_lens, ones]),
-        seq_lens_k=torch.cat([plan.seq_lens_k, ones]),
-        block_tables=torch.cat([plan.block_tables, plan.block_tables.new_zeros(extra, plan.block_tables.shape[1])]),
-        logits_indices=plan.logits_indices,
-        token_sources=None if plan.token_sources is None else torch.cat(
-            [plan.token_sources, torch.full((extra,), -1, dtype=torch.int64)]),
-    )
+def _extend_slots(slots: array, table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the slots of positions ``[start, end)``: one range per block they touch."""
+    while start < end:
+        block, offset = divmod(start, block_size)
+        stop = min(end, start - offset + block_size)
+        base = table[block] * block_size - (start - offset)
+        slots.extend(range(base + start, base + stop))
+        start = stop
 
 
 class ModelRunner:
@@ -123,31 +183,38 @@ class ModelRunner:
         self.model = model
         self.compiled = compiled
         self.cache = cache
-        self.device = device
+        self.device = torch.device(device)
         self._cache_kwarg = cache_keyword(model)
         # The tokens the last step sampled, at a fixed address: where a step's in-flight ids are read from.
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        # Flat, so a step's [1, t] views are contiguous whatever t (as compiled layers expect: no new strides).
+        # The plan's int32 ids, positions and slots widened to int64. Flat, so a step's [1, t] views are
+        # contiguous whatever t (as compiled layers expect: no new strides).
         self._input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._position_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        # On a GPU the attention metadata lives at fixed addresses too, so a (padded) decode step can be
-        # graph-captured; on the CPU a copy would only add cost.
-        self._meta_buffers = None
-        if torch.device(device).type == "cuda":
-            self._meta_buffers = MetadataBuffers(device)
-            self._meta_buffers.reserve(max(max_tokens, max_seqs), max_seqs, max_blocks_per_seq)
+        self._slots = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # On a GPU a plan's layout travels in one copy; on the CPU the plan's own tensors serve.
+        self._staging = None
+        if self.device.type == "cuda":
+            self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * max_blocks_per_seq, device)
 
-    def _host(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` in pinned memory on a CUDA machine: a copy from pageable memory may wait for the device's queue,
-        which would stall an asynchronous step behind the one before it."""
-        return t.pin_memory() if self.device.type == "cuda" else t
+    def _to_device(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
+        """The plan's segments on the device: one copy of its layout through pinned memory (none on the CPU)."""
+        if self._staging is None:
+            return plan.segments()
+        n = plan.layout.numel()
+        self._staging.host(n).copy_(plan.layout)
+        return plan.segments(self._staging.send(n))
 
-    def metadata(self, plan: StepPlan) -> PagedMetadata:
-        return build_metadata(
-            q_lens=plan.q_lens, seq_lens_k=plan.seq_lens_k, block_tables=plan.block_tables,
-            slot_mapping=plan.slot_mapping, token_index=None, grid=(1, plan.num_tokens),
-            block_size=self.cache.block_size, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher, device=self.device, buffers=self._meta_buffers,
+    def metadata(self, plan: StepPlan, seg: dict[str, torch.Tensor | None], slots: torch.Tensor) -> PagedMetadata:
+        """The step's attention metadata from its segments on the device (``slots``: int64) and the plan's host
+        fields: no host tensor ops."""
+        return PagedMetadata(
+            num_seqs=plan.num_seqs, num_tokens=plan.num_tokens, max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k, block_size=self.cache.block_size, phase=plan.phase,
+            cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
+            block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
+            has_padding_slots=plan.has_padding, kv_caches=self.cache.pool.kv_caches,
+            dispatcher=self.cache.dispatcher,
         )
 
     @torch.inference_mode()
@@ -155,19 +222,22 @@ class ModelRunner:
         """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
         t = plan.num_tokens
         if t > self._input_ids.shape[0]:
-            self._input_ids = self._input_ids.new_zeros(t)
-            self._position_ids = self._position_ids.new_zeros(t)
-        self._input_ids[:t].copy_(self._host(plan.input_ids), non_blocking=True)
-        self._position_ids[:t].copy_(self._host(plan.position_ids), non_blocking=True)
-        if plan.token_sources is not None:  # in-flight ids: read the previous step's tokens on the device
-            src = self._host(plan.token_sources).to(self.device, non_blocking=True)
-            ids = self._input_ids[:t]
-            ids.copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids))
-        keep = self._host(plan.logits_indices).to(self.device, non_blocking=True)
-        self.cache.begin_step(self.metadata(plan))
+            self._input_ids, self._position_ids, self._slots = (b.new_zeros(t) for b in
+                                                                (self._input_ids, self._position_ids, self._slots))
+        seg = self._to_device(plan)
+        ids = self._input_ids[:t]
+        src = seg["token_sources"]
+        if src is None:
+            ids.copy_(seg["input_ids"])
+        else:  # in-flight ids: read the previous step's tokens on the device
+            torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), seg["input_ids"], out=ids)
+        self._position_ids[:t].copy_(seg["position_ids"])
+        slots = self._slots[:t]
+        slots.copy_(seg["slot_mapping"])
+        self.cache.begin_step(self.metadata(plan, seg, slots))
         with self.compiled.active() if self.compiled is not None else nullcontext():
             out = self.model(
-                input_ids=self._input_ids[:t].view(1, t), position_ids=self._position_ids[:t].view(1, t),
-                use_cache=True, logits_to_keep=keep, **{self._cache_kwarg: self.cache},
+                input_ids=ids.view(1, t), position_ids=self._position_ids[:t].view(1, t), use_cache=True,
+                logits_to_keep=seg["logits_indices"].long(), **{self._cache_kwarg: self.cache},
             )
         return out.logits[0]

@@ -76,10 +76,12 @@ class Scheduler:
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
-            if seq.num_generated >= seq.params.max_new_tokens:  # its last token is in flight: it is done
+            num_tokens = len(seq.token_ids)
+            if num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens:  # its last token is in flight
                 i += 1
                 continue
-            n = reserve_up_to(seq, min(len(seq.token_ids) - seq.num_computed_tokens, budget))
+            n = num_tokens - seq.num_computed_tokens
+            n = reserve_up_to(seq, n if n < budget else budget)
             if n == 0:
                 self._make_room(seq)
                 preempted = True
@@ -88,7 +90,7 @@ class Scheduler:
                 continue  # a newer sequence was preempted; try again
             seqs.append(seq)
             counts.append(n)
-            sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
+            sample.append(seq.num_computed_tokens + n == num_tokens)
             budget -= n
             i += 1
         if not preempted:
