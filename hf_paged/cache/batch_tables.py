@@ -20,34 +20,114 @@ class BatchTables:
 
     def __init__(self, pool: KVPool):
         self.pool = pool
-        self.tables: list[list[int]] = []
-        self.num_tokens: list[int] = []
+        self._tables: list[list[int]] = []
+        self._num_tokens: list[int] = []
         self.num_columns = 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, capacity]: which columns hold real tokens
         self._table_tensor: torch.Tensor | None = None  # block_table_tensor(), rebuilt only after tables change
         self._spare: list[int] = []  # blocks handed to this batch ahead of need (see reserve)
+        self._ahead: list[list[int]] = []  # per row, the reserved blocks it will write next (see arm)
+        self._pending = 0  # decode steps counted by advance, not yet in the lists
+        self._advances_left = 0  # decode steps advance may still count (0: not armed)
+        self._steps_since_edit = 0  # forwards since the rows were last rebuilt (a new batch, a reorder, a crop)
 
     @property
     def num_rows(self) -> int:
-        return len(self.tables)
+        return len(self._tables)
+
+    @property
+    def tables(self) -> list[list[int]]:
+        """Each row's block ids, in order (the blocks it has written into)."""
+        self._materialize()
+        return self._tables
+
+    @property
+    def num_tokens(self) -> list[int]:
+        """Each row's real tokens."""
+        self._materialize()
+        return self._num_tokens
 
     def _blocks_for(self, tokens: int) -> int:
         return -(-tokens // self.pool.block_size)
 
     def reset(self) -> None:
-        for table in self.tables:
+        self._settle()
+        for table in self._tables:
             self.pool.allocator.free(table)
         self.pool.allocator.free(self._spare)
         self._spare = []
-        self.tables, self.num_tokens, self.num_columns = [], [], 0
+        self._tables, self._num_tokens, self._ahead, self.num_columns = [], [], [], 0
         self._valid = torch.zeros(0, 0, dtype=torch.bool)
         self._table_tensor = None
+        self._steps_since_edit = 0
 
     def start(self, num_rows: int) -> None:
         self.reset()
-        self.tables = [[] for _ in range(num_rows)]
-        self.num_tokens = [0] * num_rows
+        self._tables = [[] for _ in range(num_rows)]
+        self._num_tokens = [0] * num_rows
+        self._ahead = [[] for _ in range(num_rows)]
         self._valid = torch.zeros(num_rows, 0, dtype=torch.bool)
+
+    # ----- decode steps without per-row bookkeeping ------------------------------------------------------------
+    def arm(self, max_blocks: int) -> list[list[int]] | None:
+        """Give every row, from the reserve, the blocks of its next ``h`` tokens, ``h`` as large as the reserve and
+        ``max_blocks`` blocks a row allow, so that the next ``h`` decode steps may :meth:`advance`.
+
+        Only for a batch that has run two forwards since it was last rebuilt (a reorder every step, as beam search
+        makes, never arms) and whose rows own their last blocks (no copy-on-write pending). Returns each row's
+        blocks, written and ahead (what a device block table must hold for those steps), or None when not armed.
+        """
+        self._settle()
+        bs, ref_count = self.pool.block_size, self.pool.allocator.ref_count
+        if self._steps_since_edit < 2 or any(
+                n % bs and ref_count(t[-1]) > 1 for t, n in zip(self._tables, self._num_tokens)):
+            return None
+
+        def blocks_needed(h: int) -> list[int]:
+            return [max(0, -(-(n + h) // bs) - len(t)) for t, n in zip(self._tables, self._num_tokens)]
+
+        low, high = 0, max_blocks * bs - max(self._num_tokens, default=0)
+        while low < high:  # the largest h whose blocks the reserve holds
+            mid = (low + high + 1) // 2
+            low, high = (mid, high) if sum(blocks_needed(mid)) <= len(self._spare) else (low, mid - 1)
+        if low == 0:
+            return None
+        self._ahead = [self._take(k) for k in blocks_needed(low)]
+        self._advances_left = low
+        return [t + a for t, a in zip(self._tables, self._ahead)]
+
+    def advance(self) -> bool:
+        """Append one real token to every row (a decode step) by counting it, when armed; False otherwise (then
+        :meth:`append` it)."""
+        if not self._advances_left:
+            return False
+        self._advances_left -= 1
+        self._pending += 1
+        self.num_columns += 1
+        return True
+
+    def _materialize(self) -> None:
+        """Bring the lists up to the steps :meth:`advance` counted (their blocks move from ahead to the tables)."""
+        if not self._pending:
+            return
+        k, self._pending = self._pending, 0
+        bs = self.pool.block_size
+        for table, ahead, n in zip(self._tables, self._ahead, self._num_tokens):
+            grow = -(-(n + k) // bs) - len(table)
+            table.extend(ahead[:grow])
+            del ahead[:grow]
+        self._num_tokens = [n + k for n in self._num_tokens]
+        self._mark_valid(self.num_columns - k, k, None)
+        self._table_tensor = None
+
+    def _settle(self) -> None:
+        """Catch up and disarm: blocks given ahead and not written go back to the reserve."""
+        self._materialize()
+        if self._advances_left or any(self._ahead):
+            for ahead in self._ahead:
+                self._spare.extend(ahead)
+                ahead.clear()
+            self._advances_left = 0
 
     def begin_forward(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> torch.Tensor | None:
         """Start a new batch, or check that this forward continues the held one; returns the host ``[batch, q_len]``
@@ -81,6 +161,7 @@ class BatchTables:
     def reserve(self, num_blocks: int, hint: str = "") -> None:
         """Hand this batch ``num_blocks`` more blocks now, which later growth and copy-on-write take before asking
         the allocator: a batch that reserved all it will need cannot run out mid-way. All or nothing."""
+        self._settle()
         alloc = self.pool.allocator
         if num_blocks > alloc.num_free:
             raise OutOfBlocksError(num_blocks, alloc.num_free, alloc.num_blocks, hint=hint)
@@ -88,8 +169,8 @@ class BatchTables:
 
     @property
     def num_reserved(self) -> int:
-        """Blocks reserved by :meth:`reserve` and not yet taken."""
-        return len(self._spare)
+        """Blocks reserved by :meth:`reserve` and not yet written."""
+        return len(self._spare) + sum(len(a) for a in self._ahead)
 
     def _take(self, n: int) -> list[int]:
         taken, self._spare = self._spare[:n], self._spare[n:]
@@ -102,11 +183,12 @@ class BatchTables:
         Reserves blocks for all rows at once (nothing changes if they do not fit), copies shared blocks that will
         be written, and returns the ``[T]`` int64 slot of each real token in row-major order.
         """
+        self._settle()
         rows, bs = self.num_rows, self.pool.block_size
         n_new = [q_len] * rows if valid is None else valid.sum(1).tolist()
         alloc = self.pool.allocator
         cow = self._rows_to_copy(n_new)
-        grow = [-(-(n + k) // bs) - len(t) for t, n, k in zip(self.tables, self.num_tokens, n_new)]
+        grow = [-(-(n + k) // bs) - len(t) for t, n, k in zip(self._tables, self._num_tokens, n_new)]
         needed = len(cow) + sum(grow)
         if needed > alloc.num_free + len(self._spare):
             hint = f"(this step adds {sum(n_new)} tokens to {rows} rows of {bs}-token blocks)"
@@ -116,33 +198,35 @@ class BatchTables:
             raise OutOfBlocksError(needed, alloc.num_free + len(self._spare), alloc.num_blocks, hint=hint)
         if cow:
             fresh = self._take(len(cow))
-            self.pool.copy_blocks([self.tables[r][-1] for r in cow], fresh)
+            self.pool.copy_blocks([self._tables[r][-1] for r in cow], fresh)
             for r, b in zip(cow, fresh):
-                alloc.free([self.tables[r][-1]])
-                self.tables[r][-1] = b
+                alloc.free([self._tables[r][-1]])
+                self._tables[r][-1] = b
         grown = [r for r in range(rows) if grow[r]]
         for r in grown:
-            self.tables[r].extend(self._take(grow[r]))
+            self._tables[r].extend(self._take(grow[r]))
         if q_len == 1 and self._table_tensor is not None:  # a decode step changes at most each row's last block
             if cow or grown:
                 self._table_tensor = self._with_last_blocks(cow + grown)
         else:
             self._table_tensor = None
         slots = self._slots(q_len, valid)
-        self.num_tokens = [n + k for n, k in zip(self.num_tokens, n_new)]
-        self._append_valid(q_len, valid)
+        self._num_tokens = [n + k for n, k in zip(self._num_tokens, n_new)]
+        self._mark_valid(self.num_columns, q_len, valid)
+        self.num_columns += q_len
+        self._steps_since_edit += 1
         return slots
 
     def _slots(self, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
         """Slot of each new real token, before ``num_tokens`` counts them."""
         bs = self.pool.block_size
         if valid is None and q_len == 1:  # decode: one token per row, a few host integers
-            return torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self.tables, self.num_tokens)],
+            return torch.tensor([t[n // bs] * bs + n % bs for t, n in zip(self._tables, self._num_tokens)],
                                 dtype=torch.int64)
         rows = self.num_rows
         if valid is None:
             valid = torch.ones(rows, q_len, dtype=torch.bool)
-        start = torch.tensor(self.num_tokens, dtype=torch.int64)
+        start = torch.tensor(self._num_tokens, dtype=torch.int64)
         pos = (start[:, None] + valid.long().cumsum(1) - 1).clamp(min=0)  # [rows, q_len] position of each token
         row_idx = torch.arange(rows)[:, None].expand(rows, q_len)
         slots = self.block_table_tensor()[row_idx, pos // bs].long() * bs + pos % bs
@@ -156,7 +240,7 @@ class BatchTables:
         """
         bs, ref_count = self.pool.block_size, self.pool.allocator.ref_count
         writers: dict[int, list[int]] = {}
-        for r, (table, n, k) in enumerate(zip(self.tables, self.num_tokens, n_new)):
+        for r, (table, n, k) in enumerate(zip(self._tables, self._num_tokens, n_new)):
             if k and n % bs and ref_count(table[-1]) > 1:  # a block held once is its writer's alone
                 writers.setdefault(table[-1], []).append(r)
         rows = []
@@ -166,9 +250,10 @@ class BatchTables:
 
     def block_table_tensor(self) -> torch.Tensor:
         """``[rows, max_blocks]`` int32, padded with 0. Never changed in place: a plan may keep it."""
+        self._materialize()
         if self._table_tensor is None:
-            width = max(1, max((len(t) for t in self.tables), default=0))
-            flat = [b for t in self.tables for b in (*t, *[0] * (width - len(t)))]
+            width = max(1, max((len(t) for t in self._tables), default=0))
+            flat = [b for t in self._tables for b in (*t, *[0] * (width - len(t)))]
             self._table_tensor = torch.tensor(flat, dtype=torch.int32).view(self.num_rows, width)
         return self._table_tensor
 
@@ -176,62 +261,68 @@ class BatchTables:
         """The block-table tensor after the last block of each of ``rows`` changed (a new tensor: a plan may keep the
         old one), in one indexed write instead of a rebuild from the lists."""
         old = self._table_tensor
-        width = max(old.shape[1], max(len(self.tables[r]) for r in rows))
+        width = max(old.shape[1], max(len(self._tables[r]) for r in rows))
         table = old.new_zeros(self.num_rows, width)
         table[:, : old.shape[1]] = old
-        table[rows, [len(self.tables[r]) - 1 for r in rows]] = torch.tensor([self.tables[r][-1] for r in rows],
+        table[rows, [len(self._tables[r]) - 1 for r in rows]] = torch.tensor([self._tables[r][-1] for r in rows],
                                                                              dtype=torch.int32)
         return table
 
-    def _append_valid(self, q_len: int, valid: torch.Tensor | None) -> None:
-        need = self.num_columns + q_len
+    def _mark_valid(self, start: int, q_len: int, valid: torch.Tensor | None) -> None:
+        """Record which of columns ``[start, start + q_len)`` hold real tokens (``valid``; None = all)."""
+        need = start + q_len
         if need > self._valid.shape[1]:
             grown = torch.zeros(self.num_rows, max(need, 2 * self._valid.shape[1]), dtype=torch.bool)
-            grown[:, : self.num_columns] = self._valid[:, : self.num_columns]
+            grown[:, :start] = self._valid[:, :start]
             self._valid = grown
-        self._valid[:, self.num_columns : need] = True if valid is None else valid
-        self.num_columns = need
+        self._valid[:, start:need] = True if valid is None else valid
 
     def select_rows(self, rows: list[int]) -> None:
         """Rebuild the batch from ``rows`` (indices into the current rows, repeats allowed), sharing blocks."""
-        new_tables = [list(self.tables[r]) for r in rows]
+        self._settle()
+        new_tables = [list(self._tables[r]) for r in rows]
         for t in new_tables:
             self.pool.allocator.share(t)
-        for t in self.tables:
+        for t in self._tables:
             self.pool.allocator.free(t)
-        self.tables = new_tables
-        self.num_tokens = [self.num_tokens[r] for r in rows]
+        self._tables = new_tables
+        self._num_tokens = [self._num_tokens[r] for r in rows]
+        self._ahead = [[] for _ in rows]
         self._valid = self._valid[torch.tensor(rows, dtype=torch.long)] if rows else self._valid[:0]
         self._table_tensor = None
+        self._steps_since_edit = 0
 
     def crop(self, max_columns: int) -> None:
         """Keep the first ``max_columns`` columns of every row and free the blocks past them."""
         if max_columns >= self.num_columns:
             return
+        self._settle()
         keep = self._valid[:, :max_columns].sum(1).tolist()
         for r, n in enumerate(keep):
             nb = self._blocks_for(n)
-            self.pool.allocator.free(self.tables[r][nb:])
-            del self.tables[r][nb:]
-            self.num_tokens[r] = n
+            self.pool.allocator.free(self._tables[r][nb:])
+            del self._tables[r][nb:]
+            self._num_tokens[r] = n
         self._valid[:, max_columns:] = False
         self.num_columns = max_columns
         self._table_tensor = None
+        self._steps_since_edit = 0
 
     def stats(self) -> dict:
+        self._materialize()
         bs = self.pool.block_size
         fill: dict[int, int] = {}
-        for table, n in zip(self.tables, self.num_tokens):
+        for table, n in zip(self._tables, self._num_tokens):
             for i, b in enumerate(table):
                 fill[b] = max(fill.get(b, 0), min(bs, n - i * bs))
         alloc = self.pool.allocator
-        slots = (alloc.num_used - len(self._spare)) * bs
+        slots = (alloc.num_used - self.num_reserved) * bs
         return {
             "num_blocks": alloc.num_blocks,
             "block_size": bs,
             "blocks_used": alloc.num_used,
             "blocks_free": alloc.num_free,
-            "blocks_reserved": len(self._spare),
-            "tokens_stored": sum(self.num_tokens),
+            "blocks_reserved": self.num_reserved,
+            "tokens_stored": sum(self._num_tokens),
             "internal_fragmentation": 0.0 if slots == 0 else 1.0 - sum(fill.values()) / slots,
         }

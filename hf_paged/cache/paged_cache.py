@@ -190,6 +190,8 @@ class PagedAttentionCache(Cache):
             return self._plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
+        if decode and self.compile_mode.enabled and self.rows.advance():  # armed rows: no host bookkeeping
+            return self._planned(self.compile_mode.static.advance())
         reserve = self.compile_mode.blocks_until_done(self.rows, q_len, valid) if not self.rows.num_columns else None
         slots = self.rows.append(q_len, valid)
         if reserve is not None:
@@ -198,9 +200,11 @@ class PagedAttentionCache(Cache):
             self._plan = self.compile_mode.static.plan(self.rows, slots)
         else:
             self._plan = self._build_plan(batch_size, q_len, valid, slots, device)
-        self._plan_key = (batch_size, q_len, self.rows.num_columns)
-        self._plan_used = False
-        return self._plan
+        return self._planned(self._plan)
+
+    def _planned(self, plan: PagedMetadata) -> PagedMetadata:
+        self._plan, self._plan_key, self._plan_used = plan, (plan.grid[0], plan.grid[1], self.rows.num_columns), False
+        return plan
 
     def _build_plan(self, batch_size: int, q_len: int, valid: torch.Tensor | None, slots: torch.Tensor,
                     device: torch.device) -> PagedMetadata:

@@ -16,7 +16,11 @@ object whose tensors are updated in place before the forward:
     max_seqlen_k = W * block_size                               fixed bound: kernels read each row's real length
 
 The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
-plans each step through the mask function before it calls the compiled forward.
+plans each step through the mask function before it calls the compiled forward. Once a batch has decoded a step
+without being rebuilt, its rows are *armed* (``BatchTables.arm``): each gets the reserved blocks of its next tokens,
+the table holding them is uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
+each later step is :meth:`StaticDecode.advance`: four in-place device ops (lengths, their sums, the position index,
+a gather of the slots), no host list walked, no host-to-device copy, no new tensor.
 """
 
 from __future__ import annotations
@@ -44,6 +48,9 @@ class StaticDecode:
         self.dispatcher = dispatcher
         self.meta: PagedMetadata | None = None
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
+        self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
+        self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
+        self._position: torch.Tensor | None = None  # [B, 1] int64: position of each row's latest token
 
     @property
     def width(self) -> int:
@@ -80,6 +87,30 @@ class StaticDecode:
         if table is not self._uploaded_table:  # a table tensor is never changed in place (BatchTables)
             _upload(meta.block_tables[:, : table.shape[1]], table)
             self._uploaded_table = table
+        armed = rows.arm(self.width)
+        if armed is not None:
+            self._arm(armed, seq_lens)
+        return meta
+
+    def _arm(self, tables: list[list[int]], seq_lens: torch.Tensor) -> None:
+        """Upload the armed rows' blocks (written and ahead) and the slot of every position they cover."""
+        meta, bs, width = self.meta, self.block_size, self.width
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        _upload(meta.block_tables, table)
+        self._uploaded_table = None
+        offsets = torch.arange(bs, device=self.device).repeat(width)
+        self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
+        self._position = (seq_lens.long() - 1)[:, None].to(self.device)
+        self._slot_column = meta.slot_mapping.view(-1, 1)
+
+    def advance(self) -> PagedMetadata:
+        """The next decode step's metadata after ``BatchTables.advance`` counted it: one more token per row, its
+        slot read from the armed table, all in place on the device."""
+        meta = self.meta
+        meta.seq_lens_k.add_(1)
+        meta.cu_seqlens_k.add_(meta.cu_seqlens_q)  # row i's prefix sum grows by i
+        self._position.add_(1)
+        torch.gather(self._slot_of, 1, self._position, out=self._slot_column)
         return meta
 
 
