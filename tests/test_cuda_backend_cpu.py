@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-import dataclasses
 import logging
+import re
 
 import pytest
 import torch
 
+from hf_paged import kernels
 from hf_paged.attention import AttentionCall, Dispatcher, Phase
 from hf_paged.attention.backends.cuda import CudaBackend
 from hf_paged.kernels import build
+from hf_paged.kernels.prefill import PREFILL_CONFIGS, prefill_configs
 
 DECODE_CPU = AttentionCall(Phase.DECODE, "cpu", torch.bfloat16, 128, 32, 8, 16)
 
@@ -32,12 +34,44 @@ def test_declines_cpu_tensors_with_a_reason(no_gpu):
     assert "not a CUDA device" in backend.write_unsupported_reason("cpu", torch.bfloat16, 128)
 
 
-@pytest.mark.parametrize("phase", [Phase.PREFILL, Phase.EXTEND])
-def test_prefill_and_extend_need_the_kernels_half_precision_and_head_dim(no_gpu, phase: Phase):
-    call = AttentionCall(phase, "cuda", torch.bfloat16, 128, 32, 8, 16)
-    assert "no CUDA GPU" in CudaBackend().unsupported_reason(call)
-    assert "bfloat16" in CudaBackend().unsupported_reason(dataclasses.replace(call, dtype=torch.float32))
-    assert "head_dim" in CudaBackend().unsupported_reason(dataclasses.replace(call, head_dim=256))
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32], ids=["fp16", "bf16", "fp32"])
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL, Phase.EXTEND])
+def test_every_compiled_head_size_passes_to_the_kernels(no_gpu, phase: Phase, dtype: torch.dtype):
+    """Each phase, dtype and head size of issue 11's list gets past the shape checks: only the missing GPU refuses."""
+    assert kernels.HEAD_DIMS == (32, 64, 80, 96, 112, 128, 160, 192, 256)
+    for head_dim in kernels.HEAD_DIMS:
+        call = AttentionCall(phase, "cuda", dtype, head_dim, 32, 8, 16)
+        assert "no CUDA GPU" in CudaBackend().unsupported_reason(call), (phase, dtype, head_dim)
+
+
+@pytest.mark.parametrize("head_dim", [8, 16, 40, 48, 72, 120, 136, 224, 320])
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL])
+def test_head_sizes_not_compiled_are_refused_by_name(no_gpu, phase: Phase, head_dim: int):
+    reason = CudaBackend().unsupported_reason(AttentionCall(phase, "cuda", torch.bfloat16, head_dim, 32, 8, 16))
+    assert f"head_dim {head_dim} is not compiled (32, 64, 80, 96, 112, 128, 160, 192, 256 are)" == reason
+    assert "is not compiled" in CudaBackend().write_unsupported_reason("cuda", torch.bfloat16, head_dim)
+
+
+def _compiled_cases(*names: str) -> set[int]:
+    """Head sizes in the `case N:` labels of the kernel-selection switches of these csrc files."""
+    text = "".join((build.CSRC / name).read_text() for name in names)
+    return {int(n) for n in re.findall(r"case (\d+): return (?:make_mma_entry|select_group_tile|prefill::)", text)}
+
+
+def test_head_size_list_matches_the_compiled_switches():
+    """kernels.HEAD_DIMS (what the backend accepts) is exactly what each kernel family compiles."""
+    assert _compiled_cases("paged_decode_mma_kernel.cuh") == set(kernels.HEAD_DIMS)
+    assert _compiled_cases("paged_decode_simt_kernel.cuh") == set(kernels.HEAD_DIMS)
+    for dtype in ("f16", "bf16"):
+        assert _compiled_cases(f"paged_prefill_{dtype}.cu", f"paged_prefill_{dtype}_wide.cu") == set(kernels.HEAD_DIMS)
+    sources = set(build.SOURCES)
+    assert {"paged_prefill_f16_wide.cu", "paged_prefill_bf16_wide.cu"} <= sources
+
+
+def test_prefill_configs_per_head_size():
+    """Config 0 (32 rows per warp) is compiled up to head_dim 128 only; paged_prefill refuses it above, by name."""
+    assert all(prefill_configs(d) == PREFILL_CONFIGS for d in kernels.HEAD_DIMS if d <= 128)
+    assert all(prefill_configs(d) == (1, 2) for d in kernels.HEAD_DIMS if d > 128)
 
 
 @pytest.mark.parametrize(
@@ -45,7 +79,7 @@ def test_prefill_and_extend_need_the_kernels_half_precision_and_head_dim(no_gpu,
     [
         ({"sliding_window": 64}, "sliding-window"),
         ({"softcap": 30.0}, "softcap"),
-        ({"head_dim": 96}, "head_dim"),
+        ({"head_dim": 120}, "head_dim"),
         ({"dtype": torch.float64}, "dtype"),
     ],
 )
@@ -74,8 +108,6 @@ def test_without_a_gpu_cuda_calls_fall_back_with_one_warning(no_gpu, caplog: pyt
 
 
 def test_kernel_entry_points_raise_the_reason(no_gpu):
-    from hf_paged import kernels
-
     with pytest.raises(kernels.KernelsUnavailable, match="no CUDA GPU"):
         kernels.prebuild(verbose=False)
     with pytest.raises(ValueError, match="CUDA"):

@@ -28,27 +28,49 @@ __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
 }
 
-// Where this CTA works: its split of one sequence and its group of query heads (GT heads per CTA).
+// Where this CTA works: its split of one sequence and its group of query heads (GT heads per CTA). `b` is the
+// query / output row; `seq` the block-table row (the same in decode; a prefill row's sequence otherwise).
 struct CtaWork {
-  int b, kvh, head0, valid_heads, seq_len, num_splits, split, t_begin, t_end, blk_first;
+  int b, seq, kvh, head0, valid_heads, seq_len, num_splits, split, t_begin, t_end, blk_first;
 };
+
+// Prefill rows (DecodeParams::cu_seqlens_q): the sequence of query row t and how many keys it sees.
+__device__ __forceinline__ void prefill_row(const DecodeParams& p, int t, int& seq, int& seq_len) {
+  int lo = 0, hi = p.num_seqs - 1;  // the last sequence starting at or before t (empty ones start there too)
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) >> 1;
+    if (p.cu_seqlens_q[mid] <= t) lo = mid; else hi = mid - 1;
+  }
+  seq = lo;
+  const int q0 = p.cu_seqlens_q[seq], q_len = p.cu_seqlens_q[seq + 1] - q0;
+  const int k_len = cmin(p.seq_lens[seq], p.max_context);
+  seq_len = cmin(cmax(k_len - q_len, 0) + (t - q0) + 1, k_len);
+}
 
 // Fills `w` and copies the split's slice of the block table to `table` (so address math never waits on global
 // memory). The slice a full split could need is loaded together with seq_len, not after it: one dependent round
 // trip less before the first K/V copy (entries past the sequence are row padding, never used). Returns false for
-// CTAs past their sequence's last split (uniformly, before the barrier it ends with).
+// CTAs past their sequence's last split (uniformly, before the barrier it ends with). kPrefillRows: the kernel may
+// be launched on prefill rows (float32 only; the tensor-core kernels leave this branch out).
+template <bool kPrefillRows = false>
 __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* table, CtaWork& w) {
-  w.split = blockIdx.x, w.b = blockIdx.z;
+  w.split = blockIdx.x, w.b = w.seq = blockIdx.z;
   w.kvh = blockIdx.y / p.head_groups;
   const int hg = blockIdx.y - w.kvh * p.head_groups;
   w.head0 = w.kvh * p.group_size + hg * gt;
   w.valid_heads = cmin(gt, p.group_size - hg * gt);
-  const int seq_len = p.seq_lens[w.b];
+  int seq_len;
+  if (kPrefillRows && p.cu_seqlens_q != nullptr) {
+    w.b = p.first_row + w.b;
+    prefill_row(p, w.b, w.seq, seq_len);
+  } else {
+    seq_len = p.seq_lens[w.b];
+  }
   w.t_begin = w.split * p.split_len;
   w.blk_first = block_of(w.t_begin, p);
   const int n_blocks = cmin(cdiv(p.split_len, p.block_size) + 1, p.table_width - w.blk_first);
   for (int i = threadIdx.x; i < n_blocks; i += kThreads)
-    table[i] = p.block_tables[static_cast<int64_t>(w.b) * p.table_stride + w.blk_first + i];
+    table[i] = p.block_tables[static_cast<int64_t>(w.seq) * p.table_stride + w.blk_first + i];
   w.seq_len = cmin(seq_len, p.max_context);
   // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
   w.num_splits = cmin(cdiv(cmax(w.seq_len, 1), p.split_len), p.max_splits);

@@ -34,8 +34,8 @@ int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
 DecodeKernel kernel_for(const at::Tensor& query, const AttentionShape& s) {
   const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(s.head_dim),
                                        static_cast<int>(s.heads / s.kv_heads));
-  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 64, "
-                                                      "128 or 256; got %s with head_dim %lld",
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 32, "
+                                                      "64, 80, 96, 112, 128, 160, 192 or 256; got %s with head_dim %lld",
                                                       c10::toString(query.scalar_type()),
                                                       static_cast<long long>(s.head_dim)));
   return k;
@@ -62,6 +62,7 @@ std::pair<int, int> residency(const DecodeKernel& k, int device) {
 }
 
 int round_up(int64_t x, int to) { return static_cast<int>((x + to - 1) / to * to); }
+int cdiv_int(int a, int b) { return (a + b - 1) / b; }
 
 // Split length (a multiple of the tile) for `items` independent (sequence, head group) pieces of up to `max_len`
 // tokens. Splitting adds partial-output traffic, so splits stay >= min_split; among split counts, prefer the
@@ -111,6 +112,41 @@ void check_decode_args(const at::Tensor& out, const at::Tensor& k_cache, const a
                            static_cast<long long>(max_seq_len)));
 }
 
+// The kernel keeps its split's slice of the block table in shared memory, on top of its K/V ring.
+constexpr int kMaxSliceBytes = 64 * 1024;
+bool table_slice_fits(int64_t split_len, int64_t block_size) {
+  return ((split_len + block_size - 1) / block_size + 1) * 4 <= kMaxSliceBytes;
+}
+
+// Everything but the split settings (and, for prefill rows, the row mapping), from checked tensors.
+DecodeParams launch_params(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
+                           const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
+                           const AttentionShape& s, const DecodeKernel& k, float scale_log2) {
+  DecodeParams p{};
+  const int group_size = static_cast<int>(s.heads / s.kv_heads);
+  p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
+  p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
+  p.scale_log2 = scale_log2;
+  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
+  p.num_heads = static_cast<int>(s.heads), p.num_kv_heads = static_cast<int>(s.kv_heads);
+  p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
+  p.block_size = static_cast<int>(s.block_size), p.block_shift = block_shift_of(s.block_size);
+  p.table_stride = static_cast<int>(block_tables.stride(0)), p.table_width = static_cast<int>(block_tables.size(1));
+  p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * s.block_size, INT32_MAX));
+  return p;
+}
+
+// One launch over `rows` query rows (grid z), p's split_len / max_splits splits each.
+void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream) {
+  residency(k, device);  // raises the kernel's shared-memory limit once per device
+  const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
+  const dim3 grid(static_cast<unsigned>(p.max_splits), static_cast<unsigned>(p.num_kv_heads * p.head_groups),
+                  static_cast<unsigned>(rows));
+  DecodeParams arg = p;
+  void* args[] = {&arg};
+  C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
+}
+
 }  // namespace
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
@@ -129,7 +165,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   const DecodeKernel k = kernel_for(query, s);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  const int64_t batch = s.rows, heads = s.heads, kv_heads = s.kv_heads, bs = s.block_size;
+  const int64_t batch = s.rows, heads = s.heads, kv_heads = s.kv_heads;
   if (batch == 0) return 0;
   if (split_len <= 0) split_len = split_len_for(k, query, k_cache, max_seq_len);
   TORCH_CHECK_VALUE(split_len % k.tile == 0, format("split_len must be a multiple of %d here, got %lld", k.tile,
@@ -138,18 +174,12 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   TORCH_CHECK_VALUE(max_splits <= kMaxSplits, format("split_len %lld cuts %lld tokens into more than %d splits; use a "
                                                      "longer split", static_cast<long long>(split_len),
                                                      static_cast<long long>(max_seq_len), kMaxSplits));
+  TORCH_CHECK_VALUE(table_slice_fits(split_len, s.block_size),
+                    format("split_len %lld over block_size %lld needs too large a block-table slice; use a longer "
+                           "block_size or a shorter split_len", static_cast<long long>(split_len),
+                           static_cast<long long>(s.block_size)));
 
-  DecodeParams p{};
-  const int group_size = static_cast<int>(heads / kv_heads);
-  p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
-  p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
-  p.scale_log2 = scale_log2;
-  p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
-  p.num_heads = static_cast<int>(heads), p.num_kv_heads = static_cast<int>(kv_heads);
-  p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
-  p.block_size = static_cast<int>(bs), p.block_shift = block_shift_of(bs);
-  p.table_stride = static_cast<int>(block_tables.stride(0)), p.table_width = static_cast<int>(block_tables.size(1));
-  p.max_context = static_cast<int>(std::min<int64_t>(block_tables.size(1) * bs, INT32_MAX));
+  DecodeParams p = launch_params(out, query, k_cache, v_cache, block_tables, seq_lens, s, k, scale_log2);
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
   at::Tensor part_out, part_stats, counters;
   if (max_splits > 1) {
@@ -173,17 +203,33 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     counters = counters_for(query.device(), stream, batch * kv_heads * p.head_groups);
     p.counters = counters.data_ptr<int32_t>();
   }
-  residency(k, query.get_device());  // raises the kernel's shared-memory limit once per device
-  const int smem = k.smem_bytes + static_cast<int>(((split_len + bs - 1) / bs + 1) * 4);
-  TORCH_CHECK_VALUE(smem <= k.smem_bytes + 64 * 1024,
-                    format("split_len %lld over block_size %lld needs too large a block-table slice; use a longer "
-                           "block_size or a shorter split_len", static_cast<long long>(split_len),
-                           static_cast<long long>(bs)));
-  const dim3 grid(static_cast<unsigned>(max_splits), static_cast<unsigned>(kv_heads * p.head_groups),
-                  static_cast<unsigned>(batch));
-  void* args[] = {&p};
-  C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
+  launch(k, p, batch, query.get_device(), stream);
   return split_len;
+}
+
+void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
+                       float scale_log2, const AttentionShape& s) {
+  const DecodeKernel k = kernel_for(query, s);
+  const int64_t capacity = block_tables.size(1) * s.block_size;  // one split covers any row: no partials
+  const int64_t split_len = std::max<int64_t>(round_up(capacity, k.tile), k.tile);
+  TORCH_CHECK_VALUE(table_slice_fits(split_len, s.block_size),
+                    format("the float32 prefill reads a whole block-table row (%lld blocks) into shared memory; at "
+                           "most %d blocks per row", static_cast<long long>(block_tables.size(1)),
+                           kMaxSliceBytes / 4 - 2));
+  const c10::cuda::CUDAGuard guard(query.device());
+  if (s.rows == 0 || seq_lens_k.numel() == 0) return;
+  // The kernel writes [T, H, D] rows densely; a strided `out` gets them through a copy (float32 only).
+  at::Tensor dst = out.is_contiguous() ? out : at::empty(query.sizes(), query.options());
+  DecodeParams p = launch_params(dst, query, k_cache, v_cache, block_tables, seq_lens_k, s, k, scale_log2);
+  p.split_len = static_cast<int>(split_len), p.max_splits = 1;
+  p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>(), p.num_seqs = static_cast<int>(seq_lens_k.numel());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (int64_t first = 0; first < s.rows; first += 65535) {  // grid z is at most 65535 rows
+    p.first_row = static_cast<int>(first);
+    launch(k, p, std::min<int64_t>(s.rows - first, 65535), query.get_device(), stream);
+  }
+  if (!dst.is_same(out)) out.copy_(dst);
 }
 
 }  // namespace hf_paged

@@ -29,6 +29,12 @@ struct DecodeParams {
   int table_stride, table_width;  // block_tables row stride and blocks per row
   int max_context;              // table_stride's blocks * block_size: longer seq_lens are clamped (memory safety)
   int split_len, max_splits;
+  // float32 prefill through the CUDA-core kernel (paged_prefill's float32 path): when set, the B "sequences" above
+  // are query rows [T, H, D]; row t belongs to the sequence s with cu_seqlens_q[s] <= t < cu_seqlens_q[s + 1] of
+  // num_seqs, reads block_tables row s, and sees keys 0 .. its position (seq_lens[s] - q_len + i for new token i).
+  // nullptr for decode (the tensor-core kernel never reads these).
+  const int32_t* cu_seqlens_q;
+  int num_seqs, first_row;  // this launch's grid z = query rows first_row, first_row + 1, ...
 };
 
 // One compiled decode kernel (dtype x head_dim x query heads per kv head) and the constants the host needs.

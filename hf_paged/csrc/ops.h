@@ -19,6 +19,13 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len);
 
+// paged_prefill's float32 path (prefill_ops.cpp checks the arguments): every query row runs as a decode over the
+// keys it sees, on the CUDA-core decode kernel, one split per row.
+struct AttentionShape;
+void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
+                       float scale_log2, const AttentionShape& s);
+
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);
 

@@ -27,7 +27,7 @@ struct MmaConfig {
   static constexpr int kChunks = D / 8;  // 16-byte chunks per K/V row
   // ~24 KB of ring per warp: 2 CTAs (8 warps) per SM, each warp with (kStages - 1) tiles of K+V in flight.
   static constexpr int kStages = cmax(2, cmin(6, 24576 / (64 * D)));
-  static constexpr int kTileBytes = kTokens * D * 2;  // one K (or V) tile
+  static constexpr int kTileBytes = kTokens * tile_pitch<D>() * 2;  // one K (or V) tile (ptx.cuh's layout)
   static constexpr int kWarpRingBytes = kStages * 2 * kTileBytes;
   static constexpr int kSmemBytes = cmax(kWarps * kWarpRingBytes, Reduce<D, kRows>::kBytes);
   static constexpr int kCtaTile = kWarps * kTokens;  // split lengths are multiples of this
@@ -36,14 +36,15 @@ struct MmaConfig {
   static constexpr int kMinSplit = 512;
 };
 
-// One warp copies one 16-token tile of K and V. Lanes 0-15 look up one token's slot each; then every copy
-// instruction covers whole rows (2 rows of 256 B at head_dim 128), i.e. whole 128-byte lines, as a streaming
-// copy would: v2 took 32 B of 16 rows per instruction and reached only 74% of the copy bandwidth.
+// One warp copies one 16-token tile of K and V. Lanes 0-15 look up one token's slot each; then the warp's copy
+// instructions walk the tile's rows back to back, 32 consecutive 16-byte chunks each (2 rows of 256 B at head_dim
+// 128, 1.6 rows at 80), i.e. whole 128-byte lines, as a streaming copy would: v2 took 32 B of 16 rows per
+// instruction and reached only 74% of the copy bandwidth.
 template <typename T, int D>
 __device__ __forceinline__ void issue_tile(const DecodeParams& p, uint32_t k_tile, int t0, const CtaWork& w,
                                            const int* table, int lane) {
   using C = MmaConfig<D>;
-  constexpr int kLanesPerRow = cmin(32, C::kChunks), kRowsPerCopy = 32 / kLanesPerRow;
+  constexpr int kCopies = C::kTokens * C::kChunks / 32;  // a whole number: D is a multiple of 16
   const int t = t0 + (lane & 15);
   int slot = -1;  // physical token slot (block * block_size + offset); -1 past the split
   if (lane < 16 && t < w.t_end) {
@@ -52,10 +53,16 @@ __device__ __forceinline__ void issue_tile(const DecodeParams& p, uint32_t k_til
   }
   const T* k_base = static_cast<const T*>(p.k_cache);
   const T* v_base = static_cast<const T*>(p.v_cache);
-  const int c = lane % kLanesPerRow;
 #pragma unroll
-  for (int i = 0; i < C::kTokens / kRowsPerCopy; ++i) {
-    const int row = i * kRowsPerCopy + lane / kLanesPerRow;
+  for (int i = 0; i < kCopies; ++i) {
+    int row, c;
+    if constexpr (32 % C::kChunks == 0 || C::kChunks % 32 == 0) {  // whole rows per instruction, or whole lines
+      constexpr int kLanesPerRow = cmin(32, C::kChunks);
+      row = i * (32 / kLanesPerRow) + lane / kLanesPerRow, c = lane % kLanesPerRow;
+    } else {
+      const int idx = i * 32 + lane;
+      row = idx / C::kChunks, c = idx % C::kChunks;
+    }
     const int s = __shfl_sync(0xffffffffu, slot, row);
     const bool valid = s >= 0;
     const int64_t off = (static_cast<int64_t>(s) * p.num_kv_heads + w.kvh) * D + c * 8;

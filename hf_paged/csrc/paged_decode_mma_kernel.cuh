@@ -151,9 +151,15 @@ DecodeKernel make_mma_entry() {
 
 template <typename T>
 DecodeKernel select_mma_kernel(int head_dim) {
-  switch (head_dim) {
+  switch (head_dim) {  // keep in step with hf_paged/kernels/__init__.py's HEAD_DIMS
+    case 32: return make_mma_entry<T, 32>();
     case 64: return make_mma_entry<T, 64>();
+    case 80: return make_mma_entry<T, 80>();
+    case 96: return make_mma_entry<T, 96>();
+    case 112: return make_mma_entry<T, 112>();
     case 128: return make_mma_entry<T, 128>();
+    case 160: return make_mma_entry<T, 160>();
+    case 192: return make_mma_entry<T, 192>();
     case 256: return make_mma_entry<T, 256>();
     default: return DecodeKernel{};
   }

@@ -6,6 +6,10 @@
 // accumulator for every head of the group, so the scores need only a short butterfly across the lane group. K/V
 // rows stream through a per-lane cp.async ring in shared memory (`kStages` deep): the ring is private to each
 // lane, so the main loop needs no barrier. The epilogue and the split-K combine are in decode_common.cuh.
+//
+// Head sizes that are not a power of two (80, 96, 112, 160, 192) run padded to the next one (`kPadded`): the lanes
+// are laid out for the padded row, and the 16-byte vectors past D are zero-filled copies and zero q, so they add
+// nothing to a score and are never stored. Costs idle lanes on a path that serves tests and float32 models.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -24,12 +28,15 @@ constexpr int kStages = 3;
 // more than this, so most tokens skip the rescale; exp2 of at most 2^8 cannot overflow fp32 sums.
 constexpr float kRescaleThreshold = 8.0f;
 
+__host__ __device__ constexpr int next_pow2(int x) { return x <= 1 ? 1 : 2 * next_pow2((x + 1) / 2); }
+
 template <typename T, int D, int GT>
 struct Config {
   static constexpr int kVec = Elem<T>::kVec;
+  static constexpr int kPadded = next_pow2(D);  // the row the lanes are laid out for; dims >= D are zeros
   // q and the accumulator take 2 * GT * kDimsPerLane registers: keep that near 128.
-  static constexpr int kDimsPerLane = cmax(kVec, cmin(D / 2, 64 / GT));
-  static constexpr int kLanesPerToken = D / kDimsPerLane;
+  static constexpr int kDimsPerLane = cmax(kVec, cmin(kPadded / 2, 64 / GT));
+  static constexpr int kLanesPerToken = kPadded / kDimsPerLane;
   static constexpr int kVecsPerLane = kDimsPerLane / kVec;
   static constexpr int kGroupsPerWarp = 32 / kLanesPerToken;
   static constexpr int kGroups = kWarps * kGroupsPerWarp;
@@ -44,6 +51,12 @@ struct Config {
   static_assert(kDimsPerLane % kVec == 0, "a lane owns whole 16-byte vectors");
   static_assert(kLanesPerToken <= 32 && (kLanesPerToken & (kLanesPerToken - 1)) == 0, "lane groups tile a warp");
   static_assert(kMinSplit % kTile == 0, "splits are whole tiles");
+  static_assert(D % kVec == 0, "a 16-byte vector lies wholly inside or wholly past D");
+  // Whether vector v of lane `sub` holds dims below D (always, when D is a power of two).
+  __device__ static bool in_row(int sub, int v) {
+    if constexpr (D == kPadded) return true;
+    return (sub + v * kLanesPerToken) * kVec < D;
+  }
 };
 
 // Per-lane softmax state for GT heads over the tokens this lane group has seen.
@@ -75,8 +88,9 @@ __device__ __forceinline__ void issue_stage(const DecodeParams& p, uint32_t ring
     for (int v = 0; v < C::kVecsPerLane; ++v) {
       const int64_t off = row + v * C::kLanesPerToken * C::kVec;
       const uint32_t dst = ring + ((stage * C::kUnroll + u) * 2 * C::kVecsPerLane + v) * 16 * kThreads;
-      cp_async16(dst, valid ? k_base + off : k_base, valid);
-      cp_async16(dst + C::kVecsPerLane * 16 * kThreads, valid ? v_base + off : v_base, valid);
+      const bool in = valid && C::in_row(sub, v);
+      cp_async16(dst, in ? k_base + off : k_base, in);
+      cp_async16(dst + C::kVecsPerLane * 16 * kThreads, in ? v_base + off : v_base, in);
     }
   }
 }

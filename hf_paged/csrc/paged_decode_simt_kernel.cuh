@@ -16,7 +16,7 @@ __device__ __forceinline__ void load_query(const DecodeParams& p, int b, int hea
     for (int v = 0; v < C::kVecsPerLane; ++v) {
       float x[C::kVec];
       uint4 raw = make_uint4(0, 0, 0, 0);  // padding heads of a partial group score 0 and are never written
-      if (g < valid_heads)
+      if (g < valid_heads && C::in_row(sub, v))
         raw = *reinterpret_cast<const uint4*>(base + (head0 + g) * p.q_stride_h + (sub + v * C::kLanesPerToken) * C::kVec);
       Elem<T>::unpack(raw, x);
 #pragma unroll
@@ -61,7 +61,7 @@ __device__ __forceinline__ void store_state(const State<GT, Config<T, D, GT>::kD
       for (int v = 0; v < C::kVecsPerLane; ++v)
 #pragma unroll
         for (int e = 0; e < C::kVec; ++e)
-          R::acc(smem)[(warp * GT + g) * D + (sub + v * C::kLanesPerToken) * C::kVec + e] = st.acc[g][v * C::kVec + e];
+          if (C::in_row(sub, v)) R::acc(smem)[(warp * GT + g) * D + (sub + v * C::kLanesPerToken) * C::kVec + e] = st.acc[g][v * C::kVec + e];
       if (sub == 0) R::m(smem)[warp * GT + g] = st.m[g], R::l(smem)[warp * GT + g] = st.l[g];
     }
   }
@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
   extern __shared__ __align__(16) unsigned char smem[];
   int* table = reinterpret_cast<int*>(smem + C::kSmemBytes);
   CtaWork w;
-  if (!cta_work(p, GT, table, w)) return;
+  if (!cta_work</*kPrefillRows=*/true>(p, GT, table, w)) return;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane % C::kLanesPerToken, group = warp * C::kGroupsPerWarp + lane / C::kLanesPerToken;
@@ -145,9 +145,15 @@ DecodeKernel select_group_tile(int group_tile) {
 template <typename T>
 DecodeKernel select_simt_kernel(int head_dim, int group_size) {
   const int gt = group_size <= 1 ? 1 : group_size <= 2 ? 2 : group_size <= 4 ? 4 : 8;
-  switch (head_dim) {
+  switch (head_dim) {  // keep in step with hf_paged/kernels/__init__.py's HEAD_DIMS
+    case 32: return select_group_tile<T, 32>(gt);
     case 64: return select_group_tile<T, 64>(gt);
+    case 80: return select_group_tile<T, 80>(gt);
+    case 96: return select_group_tile<T, 96>(gt);
+    case 112: return select_group_tile<T, 112>(gt);
     case 128: return select_group_tile<T, 128>(gt);
+    case 160: return select_group_tile<T, 160>(gt);
+    case 192: return select_group_tile<T, 192>(gt);
     case 256: return select_group_tile<T, 256>(gt);
     default: return DecodeKernel{};
   }

@@ -39,7 +39,13 @@ struct PrefillKernel {
   int smem_bytes = 0;        // dynamic shared memory
 };
 
+// Head sizes 32, 64, 80, 96 (paged_prefill_<dtype>.cu) and 112, 128, 160, 192, 256 (paged_prefill_<dtype>_wide.cu):
+// two files per dtype, so that ninja builds the 24 kernels of each dtype on four cores. Config 0 is compiled up to
+// head_dim 128. A shape that is not compiled returns fn == nullptr.
+constexpr int kPrefillWideHeadDim = 112;  // from here on, the _wide files
 PrefillKernel prefill_kernel_f16(int head_dim, int config);
 PrefillKernel prefill_kernel_bf16(int head_dim, int config);
+PrefillKernel prefill_kernel_f16_wide(int head_dim, int config);
+PrefillKernel prefill_kernel_bf16_wide(int head_dim, int config);
 
 }  // namespace hf_paged

@@ -26,30 +26,49 @@ struct Traits {
   static constexpr int kWarpRows = kMAtoms * 16;
   static constexpr int kBlockM = kWarps * kWarpRows;
   static constexpr int kChunks = D / 8;                              // 16-byte chunks per row
-  static constexpr int kRowStep = kThreads / kChunks;                // rows apart for one thread's loads
-  static constexpr int kKVRows = kBlockN / kRowStep;                 // K (and V) rows one thread copies per tile
-  static constexpr int kQRows = kBlockM / kRowStep;
+  static constexpr int kPitch = tile_pitch<D>();                     // row stride of the shared-memory tiles
+  // Copies: a tile's rows laid end to end, thread `tid` takes chunks tid, tid + kThreads, ... (see copy_slot).
+  static constexpr bool kFixedChunk = kThreads % kChunks == 0;      // a thread keeps one chunk column
+  static constexpr int kKVCopies = (kBlockN * kChunks + kThreads - 1) / kThreads;  // per K (and V) tile
+  static constexpr int kQCopies = (kBlockM * kChunks + kThreads - 1) / kThreads;
   // Q fragments stay in registers when they are small; otherwise they are re-read from shared memory per tile.
   static constexpr bool kQInRegs = kMAtoms * D <= 128;
-  static constexpr int kTile = kBlockN * D;                          // elements of one K or V stage
-  static constexpr int kSlotsOffset = (kBlockM * D + 4 * kTile) * static_cast<int>(sizeof(T));
+  static constexpr int kTile = kBlockN * kPitch;                     // elements of one K or V stage
+  static constexpr int kSlotsOffset = (kBlockM * kPitch + 4 * kTile) * static_cast<int>(sizeof(T));
   static constexpr int kSmemBytes = kSlotsOffset + 2 * kBlockN * static_cast<int>(sizeof(int));  // + slots[2][N]
-  static_assert(kThreads % kChunks == 0 && kBlockN % kRowStep == 0 && kBlockM % kRowStep == 0, "tile mapping");
+  // O takes kMAtoms * D / 2 registers per thread and S kMAtoms * 32: two m atoms per warp fit up to D = 128 only.
+  static_assert(kMAtoms == 1 || D <= 128, "32 rows per warp would spill at this head size");
 };
 
-// Copies this thread's rows of one K/V tile. slots[r] is the cache slot (block * block_size + offset) of row r,
-// or -1 for rows past what this CTA needs (zero-filled).
+// Row and chunk of this thread's i-th 16-byte copy into a tile of `kRows` rows; false past the tile (only when the
+// tile's chunk count is not a multiple of the thread count). When kThreads is a multiple of kChunks (head sizes
+// 32, 64, 128, 256) a thread keeps one chunk column and steps kThreads / kChunks rows.
+template <class C, int kRows>
+__device__ __forceinline__ bool copy_slot(int tid, int i, int& row, int& chunk) {
+  if constexpr (C::kFixedChunk) {
+    row = tid / C::kChunks + i * (C::kThreads / C::kChunks), chunk = tid % C::kChunks;
+  } else {
+    const int idx = tid + i * C::kThreads;
+    row = idx / C::kChunks, chunk = idx % C::kChunks;
+  }
+  return (kRows * C::kChunks) % C::kThreads == 0 || tid + i * C::kThreads < kRows * C::kChunks;
+}
+
+// Copies this thread's chunks of one K/V tile. slots[r] is the cache slot (block * block_size + offset) of row r,
+// or -1 for rows past what this CTA needs (zero-filled). head_off = kv_head * D, plus the thread's chunk * 8 when
+// it keeps one chunk column (kFixedChunk).
 template <class C>
 __device__ __forceinline__ void issue_kv_tile(const PrefillParams& p, int64_t head_off, const int* slots,
-                                              uint32_t k_dst, uint32_t v_dst, int row0, int chunk) {
+                                              uint32_t k_dst, uint32_t v_dst, int tid) {
   using T = typename C::T;
   const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * C::D;
 #pragma unroll
-  for (int i = 0; i < C::kKVRows; ++i) {
-    const int row = row0 + i * C::kRowStep;
+  for (int i = 0; i < C::kKVCopies; ++i) {
+    int row, chunk;
+    if (!copy_slot<C, C::kBlockN>(tid, i, row, chunk)) break;
     const int slot = slots[row];
     const bool valid = slot >= 0;
-    const int64_t off = valid ? slot * row_stride + head_off : 0;
+    const int64_t off = valid ? slot * row_stride + head_off + (C::kFixedChunk ? 0 : chunk * 8) : 0;
     const uint32_t dst = static_cast<uint32_t>(swizzle<C::D>(row, chunk) * sizeof(T));
     cp_async16(k_dst + dst, static_cast<const T*>(p.k_cache) + off, valid);
     cp_async16(v_dst + dst, static_cast<const T*>(p.v_cache) + off, valid);

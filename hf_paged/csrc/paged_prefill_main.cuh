@@ -114,7 +114,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_tile = reinterpret_cast<T*>(smem_raw);
   const uint32_t q_smem = smem_u32(q_tile);
-  const uint32_t k_smem = q_smem + C::kBlockM * C::D * sizeof(T);  // 2 stages of K, then 2 of V
+  const uint32_t k_smem = q_smem + C::kBlockM * C::kPitch * sizeof(T);  // 2 stages of K, then 2 of V
   const uint32_t v_smem = k_smem + 2 * C::kTile * sizeof(T);
 
   const int b = blockIdx.z, head = blockIdx.y;
@@ -129,18 +129,18 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int chunk = tid % C::kChunks, row0 = tid / C::kChunks;
-  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + chunk * 8;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + (C::kFixedChunk ? tid % C::kChunks * 8 : 0);
 
   // Q tile (rows past the sequence zero-filled) as its own commit group, then K/V tile 0.
   {
-    const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + chunk * 8;
+    const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + (C::kFixedChunk ? tid % C::kChunks * 8 : 0);
 #pragma unroll
-    for (int i = 0; i < C::kQRows; ++i) {
-      const int r = row0 + i * C::kRowStep;
+    for (int i = 0; i < C::kQCopies; ++i) {
+      int r, chunk;
+      if (!copy_slot<C, C::kBlockM>(tid, i, r, chunk)) break;
       const bool valid = m0 + r < q_len;
-      cp_async16(swizzled<C::D>(q_smem, r, chunk), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
-                 valid);
+      const T* src = q + (C::kFixedChunk ? 0 : chunk * 8) + (valid ? (q_start + m0 + r) * p.q_stride_t : 0);
+      cp_async16(swizzled<C::D>(q_smem, r, chunk), src, valid);
     }
     cp_async_commit();
   }
@@ -154,7 +154,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     next_blk = block_of(p, table, 2 * C::kBlockN + tid, n_end);
   }
   __syncthreads();
-  issue_kv_tile<C>(p, head_off, slots, k_smem, v_smem, row0, chunk);
+  issue_kv_tile<C>(p, head_off, slots, k_smem, v_smem, tid);
   cp_async_commit();
 
   const int warp_row0 = warp * C::kWarpRows;
@@ -187,7 +187,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     const int stage = n & 1;
     if (n + 1 < n_tiles) {
       issue_kv_tile<C>(p, head_off, slots + (stage ^ 1) * C::kBlockN, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
-                       v_smem + (stage ^ 1) * C::kTile * sizeof(T), row0, chunk);
+                       v_smem + (stage ^ 1) * C::kTile * sizeof(T), tid);
     }
     cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning "tile n"
     cp_async_wait<1>();
@@ -210,7 +210,8 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   store_output<C>(p, o, st, q_tile, warp_row0, lane, m0, q_len, q_start, head);
 }
 
-// The kernel and its launch constants for one configuration index (see paged_prefill.cuh).
+// The kernel and its launch constants for one configuration index (see paged_prefill.cuh). Config 0 (32 rows per
+// warp) only up to head_dim 128: beyond, O and S exceed the register file.
 template <typename T, int D>
 PrefillKernel kernel_for_config(int config) {
   auto make = [](auto traits) {
@@ -219,18 +220,11 @@ PrefillKernel kernel_for_config(int config) {
                          C::kSmemBytes};
   };
   switch (config) {
-    case 0: return make(Traits<T, D, 4, 2>{});
+    case 0:
+      if constexpr (D <= 128) return make(Traits<T, D, 4, 2>{});
+      return PrefillKernel{};
     case 1: return make(Traits<T, D, 4, 1>{});
     case 2: return make(Traits<T, D, 8, 1>{});
-    default: return PrefillKernel{};
-  }
-}
-
-template <typename T>
-PrefillKernel select_kernel(int head_dim, int config) {
-  switch (head_dim) {
-    case 64: return kernel_for_config<T, 64>(config);
-    case 128: return kernel_for_config<T, 128>(config);
     default: return PrefillKernel{};
   }
 }

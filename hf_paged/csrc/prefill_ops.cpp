@@ -11,6 +11,7 @@
 #include <utility>
 
 #include "checks.h"
+#include "ops.h"
 #include "paged_prefill.cuh"
 
 namespace hf_paged {
@@ -18,20 +19,33 @@ namespace {
 
 PrefillKernel select_prefill(at::ScalarType dtype, int64_t head_dim, int64_t config) {
   if (head_dim > 1 << 16 || config < 0 || config >= kPrefillConfigs) return PrefillKernel{};
+  const int d = static_cast<int>(head_dim), c = static_cast<int>(config);
+  const bool wide = d >= kPrefillWideHeadDim;
   switch (dtype) {
-    case at::kHalf: return prefill_kernel_f16(static_cast<int>(head_dim), static_cast<int>(config));
-    case at::kBFloat16: return prefill_kernel_bf16(static_cast<int>(head_dim), static_cast<int>(config));
+    case at::kHalf: return wide ? prefill_kernel_f16_wide(d, c) : prefill_kernel_f16(d, c);
+    case at::kBFloat16: return wide ? prefill_kernel_bf16_wide(d, c) : prefill_kernel_bf16(d, c);
     default: return PrefillKernel{};
   }
 }
 
+int smem_optin(int device) {
+  int optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  return optin;
+}
+
 // Measured on H200 (docs/kernels.md, prefill): 4 warps x 32 rows (config 0) is 20% faster than the 16-row-per-warp
 // tiles from 2k tokens up and even at 16 x 512; 64-row tiles (config 1) only where 128-row tiles cannot fill the SMs.
-int64_t auto_config(int device, int64_t batch, int64_t heads, int64_t max_seqlen_q) {
+// Above head_dim 128 config 0 is not compiled (registers); 8 warps x 16 rows (config 2) keeps its 128-row tiles.
+// A tile whose K/V stages exceed the card's shared memory (head_dim 256 on cards below ~200 KB) drops to config 1.
+int64_t auto_config(at::ScalarType dtype, int device, int64_t batch, int64_t heads, int64_t head_dim,
+                    int64_t max_seqlen_q) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t ctas_128 = batch * heads * ((max_seqlen_q + 127) / 128);
-  return ctas_128 < sms ? 1 : 0;
+  if (ctas_128 < sms) return 1;
+  const int64_t config = head_dim > 128 ? 2 : 0;
+  return select_prefill(dtype, head_dim, config).smem_bytes <= smem_optin(device) ? config : 1;
 }
 
 // Kernels above 48 KB of shared memory must opt in, once per (device, kernel).
@@ -66,18 +80,32 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   check_prefill_args(query, cu_seqlens_q, block_tables, s, batch);
   const float scale_log2 = softmax_scale_log2(scale);
   const int64_t heads = s.heads, head_dim = s.head_dim, kv_heads = s.kv_heads, bs = s.block_size;
-  // Compiled at all? (asked with config 0, before any device call)
-  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), head_dim, 0).fn != nullptr,
-                              format("paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got %s with "
-                                     "head_dim %lld", c10::toString(query.scalar_type()), (long long)head_dim));
   TORCH_CHECK_VALUE(config == kPrefillConfigAuto || (config >= 0 && config < kPrefillConfigs),
                     format("config must be -1 (auto) or a tile configuration index below %d", (int)kPrefillConfigs));
+  if (query.scalar_type() == at::kFloat) {  // CUDA cores: each row a decode over the keys it sees (decode_ops.cpp)
+    paged_prefill_f32(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale_log2, s);
+    return kPrefillConfigAuto;
+  }
+  // Compiled at all? (asked with config 1, compiled for every head size, before any device call)
+  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), head_dim, 1).fn != nullptr,
+                              format("paged_prefill serves float16/bfloat16/float32 with head_dim 32, 64, 80, 96, 112, "
+                                     "128, 160, 192 or 256; got %s with head_dim %lld",
+                                     c10::toString(query.scalar_type()), (long long)head_dim));
   TORCH_CHECK_VALUE(max_seqlen_q >= 0, "max_seqlen_q must be >= 0");
   const c10::cuda::CUDAGuard guard(query.device());
-  if (config == kPrefillConfigAuto) config = auto_config(query.get_device(), batch, heads, max_seqlen_q);
+  const int device = query.get_device();
+  if (config == kPrefillConfigAuto)
+    config = auto_config(query.scalar_type(), device, batch, heads, head_dim, max_seqlen_q);
   const PrefillKernel k = select_prefill(query.scalar_type(), head_dim, config);
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("tile configuration %lld (32 rows per warp) is compiled up to "
+                                                      "head_dim 128, not %lld; use 1, 2 or -1 (auto)",
+                                                      (long long)config, (long long)head_dim));
+  TORCH_CHECK_NOT_IMPLEMENTED(k.smem_bytes <= smem_optin(device),
+                              format("tile configuration %lld at head_dim %lld needs %d bytes of shared memory, this "
+                                     "GPU allows %d per block; use config 1 or -1 (auto)", (long long)config,
+                                     (long long)head_dim, k.smem_bytes, smem_optin(device)));
   if (batch == 0 || max_seqlen_q == 0 || query.size(0) == 0) return config;
-  allow_smem(k, query.get_device());
+  allow_smem(k, device);
 
   PrefillParams p{};
   p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();

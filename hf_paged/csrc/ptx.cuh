@@ -47,14 +47,27 @@ __device__ __forceinline__ void ldmatrix_x4_trans(uint32_t (&r)[4], uint32_t add
                : "r"(addr));
 }
 
-// Tiles are [rows][D] 16-bit elements, rows of D / 8 16-byte chunks. Chunk c of row r is stored at chunk
-// c ^ (r & 7): the 8 row addresses of one ldmatrix 8x8 matrix (8 consecutive rows, one chunk column) then fall in
-// 8 different bank groups instead of all in one, and the 16-byte cp.async writes of a row stay a permutation
-// inside the row. Returns the element offset; `swizzled` the shared-memory address from a tile's base.
+// Tiles are [rows][D] 16-bit elements, rows of D / 8 16-byte chunks, in one of two layouts:
+// - D a multiple of 64: chunk c of row r is stored at chunk c ^ (r & 7). The 8 row addresses of one ldmatrix 8x8
+//   matrix (8 consecutive rows, one chunk column) then fall in 8 different bank groups instead of all in one, and
+//   the 16-byte cp.async writes of a row stay a permutation inside the row.
+// - any other multiple of 16 (32, 80, 96, 112, 160): rows padded by one chunk, a pitch of D / 8 + 1 chunks. That
+//   pitch is odd, so 8 consecutive rows of one chunk column again land in 8 different bank groups; the XOR could not
+//   be used, as it would move a chunk past the end of a row whose chunk count is not a multiple of 8.
+// `tile_pitch` is the row stride in elements, `swizzle` the element offset of (row, chunk), `swizzled` its
+// shared-memory address from a tile's base.
+template <int D>
+__host__ __device__ constexpr int tile_pitch() {
+  static_assert(D % 16 == 0, "tiles hold whole 16-wide mma k-steps");
+  return D % 64 == 0 ? D : D + 8;
+}
 template <int D>
 __device__ __forceinline__ int swizzle(int row, int chunk) {
-  static_assert(D % 64 == 0, "the swizzle permutes 8 chunks of a row");
-  return row * D + ((chunk ^ (row & 7)) << 3);
+  if constexpr (D % 64 == 0) {
+    return row * D + ((chunk ^ (row & 7)) << 3);
+  } else {
+    return row * tile_pitch<D>() + (chunk << 3);
+  }
 }
 template <int D>
 __device__ __forceinline__ uint32_t swizzled(uint32_t tile, int row, int chunk) {

@@ -6,7 +6,7 @@ layout shared with every backend: ``k_cache``/``v_cache`` are ``[num_blocks, blo
 Every function raises :class:`KernelsUnavailable` when the kernels cannot be built here (no GPU, nvcc or ninja);
 :func:`unavailable_reason` asks without raising. Argument errors raise ``ValueError`` (``NotImplementedError`` for
 dtypes / head dims that are not compiled) with what to change. fp16/bf16 decode runs on tensor cores, float32 on
-CUDA cores (for tests and float32 models).
+CUDA cores (for tests and float32 models). Both ops serve every head size in :data:`HEAD_DIMS`.
 """
 
 from __future__ import annotations
@@ -18,11 +18,13 @@ import torch
 from hf_paged.kernels.build import KernelsUnavailable, ensure_loaded, load
 
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
-DECODE_HEAD_DIMS = (64, 128, 256)
+# Head sizes compiled for decode and prefill, every dtype: flash-attn 2's common sizes (multiples of 16 up to 256 that
+# models use). Other multiples of 8 are refused; keep in step with the switch statements in hf_paged/csrc.
+HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
 
 __all__ = [
     "DECODE_DTYPES",
-    "DECODE_HEAD_DIMS",
+    "HEAD_DIMS",
     "KernelsUnavailable",
     "decode_split_len",
     "decode_workspace_numel",
@@ -86,7 +88,7 @@ def paged_decode(
     """Attention of one new query token per sequence over its paged context.
 
     Args:
-        query: ``[B, H, D]`` float16, bfloat16 or float32 (``D`` in 64, 128, 256; ``H`` a multiple of ``Hkv``).
+        query: ``[B, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`HEAD_DIMS`; ``H`` a multiple of ``Hkv``).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, holding every token of each context
             (the new token's K/V included).
         block_tables: ``[B, max_blocks]`` int32 physical block ids; entries past a sequence's length are ignored.
@@ -105,9 +107,9 @@ def paged_decode(
     """
     if not query.is_cuda:
         raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
-    if query.dtype not in DECODE_DTYPES or query.shape[-1] not in DECODE_HEAD_DIMS:
+    if query.dtype not in DECODE_DTYPES or query.shape[-1] not in HEAD_DIMS:
         raise NotImplementedError(
-            f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {DECODE_HEAD_DIMS}; got {query.dtype} with "
+            f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {HEAD_DIMS}; got {query.dtype} with "
             f"head_dim {query.shape[-1]} (the torch backend serves other shapes)"
         )
     if max_seq_len is None:

@@ -32,7 +32,9 @@ SOURCES = (
     "paged_decode_bf16.cu",
     "prefill_ops.cpp",
     "paged_prefill_f16.cu",
+    "paged_prefill_f16_wide.cu",
     "paged_prefill_bf16.cu",
+    "paged_prefill_bf16_wide.cu",
 )
 _LIB_NAME = "hf_paged_kernels"
 

@@ -1,4 +1,6 @@
-"""Paged varlen prefill on tensor cores (``hf_paged/csrc/paged_prefill*``), built with the other kernels.
+"""Paged varlen prefill on tensor cores (``hf_paged/csrc/paged_prefill*``), built with the other kernels; float32 on
+CUDA cores (each query row as a decode over the keys it sees, through the decode kernel: for tests and float32
+models, not for speed).
 
 Shapes: ``T`` packed new tokens of ``B`` sequences, ``H`` query heads, ``Hkv`` kv heads, ``D`` head_dim; the cache
 layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``.
@@ -8,13 +10,19 @@ from __future__ import annotations
 
 import torch
 
+from hf_paged.kernels import HEAD_DIMS
 from hf_paged.kernels.build import load
 
-PREFILL_DTYPES = (torch.float16, torch.bfloat16)
-PREFILL_HEAD_DIMS = (64, 128)
-PREFILL_CONFIGS = (0, 1, 2)  # tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
+PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+PREFILL_CONFIGS = (0, 1, 2)  # fp16/bf16 tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
 AUTO_CONFIG = -1
+WIDEST_CONFIG_0 = 128  # config 0 (32 rows per warp) would spill registers above this head_dim, so is not compiled
 _loaded = False
+
+
+def prefill_configs(head_dim: int) -> tuple[int, ...]:
+    """The tile configurations compiled for ``head_dim`` (fp16/bf16; float32 has one path and ignores ``config``)."""
+    return PREFILL_CONFIGS if head_dim <= WIDEST_CONFIG_0 else PREFILL_CONFIGS[1:]
 
 
 def paged_prefill(
@@ -33,8 +41,8 @@ def paged_prefill(
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
     Args:
-        query: ``[T, H, D]`` float16 or bfloat16 (``D`` in 64, 128; ``H`` a multiple of ``Hkv``), each row
-            ``[D]`` contiguous and 16-byte aligned.
+        query: ``[T, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`HEAD_DIMS`; ``H`` a multiple of
+            ``Hkv``), each row ``[D]`` contiguous and 16-byte aligned.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, already holding every token of each
             context (the new tokens included); any ``block_size``.
         cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the new-token counts.
@@ -45,18 +53,21 @@ def paged_prefill(
         max_seqlen_q: an upper bound of the new-token counts (host int, sizes the grid); None reads it from
             ``cu_seqlens_q`` (a device sync).
         out: ``[T, H, D]``, query's dtype; allocated if None.
-        config: tile shape index (benchmarks); -1 picks one.
+        config: tile shape index (benchmarks), one of :func:`prefill_configs`; -1 picks one.
 
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
     """
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
-    if query.dtype not in PREFILL_DTYPES or query.shape[-1] not in PREFILL_HEAD_DIMS:
-        raise NotImplementedError(f"paged_prefill serves float16/bfloat16 with head_dim 64 or 128; got {query.dtype} "
-                                  f"with head_dim {query.shape[-1]}")
+    if query.dtype not in PREFILL_DTYPES or query.shape[-1] not in HEAD_DIMS:
+        raise NotImplementedError(f"paged_prefill serves {PREFILL_DTYPES} with head_dim in {HEAD_DIMS}; got "
+                                  f"{query.dtype} with head_dim {query.shape[-1]}")
     if config != AUTO_CONFIG and config not in PREFILL_CONFIGS:
         raise ValueError(f"config must be {AUTO_CONFIG} (auto) or one of {PREFILL_CONFIGS}, got {config}")
+    if config != AUTO_CONFIG and config not in prefill_configs(query.shape[-1]):
+        raise NotImplementedError(f"tile configuration {config} is compiled up to head_dim {WIDEST_CONFIG_0}; use "
+                                  f"one of {prefill_configs(query.shape[-1])} or {AUTO_CONFIG} (auto)")
     if max_seqlen_q is None:
         max_seqlen_q = int((cu_seqlens_q[1:] - cu_seqlens_q[:-1]).max()) if seq_lens_k.numel() else 0
     if query.stride(-1) != 1 or query.stride(-2) % 8 or query.stride(-3) % 8:

@@ -1,8 +1,9 @@
 """The ``cuda`` backend: hf_paged's own kernels (``hf_paged/csrc``) for every phase and KV writes.
 
 Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
-and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel (float16/bfloat16,
-head_dim 64/128), both at any block size with GQA, and the KV write of every phase. No backend serves ALiBi
+and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel, both for float16,
+bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, and the
+KV write of every phase. No backend serves ALiBi
 (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible (no nvcc, no ninja)
 this backend declines with the reason and the torch backend serves.
 """
@@ -21,7 +22,7 @@ from hf_paged.attention.backends.base import (
     register_backend,
 )
 from hf_paged.attention.metadata import PagedMetadata, Phase
-from hf_paged.kernels.prefill import PREFILL_DTYPES, PREFILL_HEAD_DIMS, paged_prefill
+from hf_paged.kernels.prefill import paged_prefill
 
 
 def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -29,8 +30,9 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
         return f"tensors are on {device_type}, not a CUDA device"
     if dtype not in kernels.DECODE_DTYPES:
         return f"dtype {dtype} is not compiled (float16, bfloat16, float32 are)"
-    if head_dim not in kernels.DECODE_HEAD_DIMS:
-        return f"head_dim {head_dim} is not compiled (64, 128, 256 are)"
+    if head_dim not in kernels.HEAD_DIMS:
+        compiled = ", ".join(str(d) for d in kernels.HEAD_DIMS)
+        return f"head_dim {head_dim} is not compiled ({compiled} are)"
     return None
 
 
@@ -87,10 +89,6 @@ class CudaBackend(AttentionBackend):
         reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
         if reason is not None:
             return reason
-        if call.phase is not Phase.DECODE and call.dtype not in PREFILL_DTYPES:
-            return f"the prefill kernel serves float16 and bfloat16, not {call.dtype}"
-        if call.phase is not Phase.DECODE and call.head_dim not in PREFILL_HEAD_DIMS:
-            return f"the prefill kernel serves head_dim 64 and 128, not {call.head_dim}"
         if call.sliding_window is not None:
             return "sliding-window attention is not implemented in the cuda kernels"
         if call.softcap is not None:
