@@ -1,7 +1,8 @@
 """hf_paged's CUDA kernels (and every other backend that runs here) against the float64 torch oracle, on a GPU.
 
 Decode grid of issue 4: batch 1..256, context lengths 1, block-size multiples and others (sequences end mid-block),
-heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16. Each case
+heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16; and every compiled head size
+(issue 11: 32 to 256, fp16/bf16/fp32, block sizes 16 and 48). Each case
 draws fresh inputs; the cache holds ``POISON`` in slots no sequence owns; outputs are NaN-poisoned first. Each output
 is judged over the whole batch and row by row (tests/kernel_oracle.py); test_kernel_rows.py adds inputs with exact
 answers. The torch backend is the oracle, not a backend under test.
@@ -91,12 +92,33 @@ def check(out: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype, label: 
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 def test_decode_matches_float64_reference(heads, head_dim: int, block_size: int, dtype: torch.dtype):
+    check_every_backend(heads, head_dim, block_size, dtype, scenarios)
+
+
+def edge_scenarios(gen: torch.Generator) -> dict[str, list[int]]:
+    """Fewer, shorter contexts than ``scenarios`` (the every-head-size grid is wide): tile, block and split edges."""
+    return {"b1-ctx1": [1], "b9-edges": [1, 16, 17, 47, 48, 49, 511, 513, 2500],
+            "b64-random": torch.randint(1, 300, (64,), generator=gen).tolist()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("head_dim", kernels.HEAD_DIMS)
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
+def test_decode_every_head_size(heads, head_dim: int, block_size: int, dtype: torch.dtype):
+    """Every compiled head size: the padded shared-memory pitch (80, 96, 112, 160), the fp32 kernel's padded lanes
+    (80 to 192), and 32/192/256 at both dtypes."""
+    check_every_backend(heads, head_dim, block_size, dtype, edge_scenarios)
+
+
+def check_every_backend(heads, head_dim: int, block_size: int, dtype: torch.dtype, make_scenarios) -> None:
+    """Our kernel and every other backend that serves the call against the float64 oracle, scenario by scenario."""
     num_heads, num_kv_heads = heads
     gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, head_dim, block_size, dtype)).encode()))
     call = AttentionCall(Phase.DECODE, "cuda", dtype, head_dim, num_heads, num_kv_heads, block_size)
     backends = runnable_backends(call)
     assert "cuda" in [b.name for b in backends]
-    for name, ctx_lens in scenarios(gen).items():
+    for name, ctx_lens in make_scenarios(gen).items():
         meta, query, key, value, k_cache, v_cache, params = decode_step(
             ctx_lens, block_size, num_heads, num_kv_heads, head_dim, dtype, gen)
         expected = reference(query, k_cache, v_cache, meta, params)
@@ -123,7 +145,7 @@ def test_decode_forced_splits(split_len: int, block_size: int):
 
 @pytest.mark.parametrize("heads", [(28, 4), (40, 8), (48, 4), (64, 2), (6, 2), (4, 4)], ids=lambda h: f"{h[0]}/{h[1]}")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", kernels.HEAD_DIMS)
 def test_decode_other_group_sizes_and_fp32(heads, dtype: torch.dtype, head_dim: int):
     """Groups of 7, 5, 12, 32 (several CTAs per kv head), 3, 1 query heads per kv head; fp32 at fp32 accuracy."""
     gen = torch.Generator().manual_seed(zlib.crc32(repr((heads, dtype, head_dim)).encode()))
@@ -147,14 +169,14 @@ def test_decode_rejects_bad_arguments():
     with pytest.raises(ValueError, match="dtype"):
         kernels.paged_decode(query.float(), k_cache, v_cache, meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=9)
     with pytest.raises(NotImplementedError, match="head_dim"):
-        kernels.paged_decode(query[..., :96].contiguous(), k_cache[..., :96].contiguous(),
-                             v_cache[..., :96].contiguous(), meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=9)
+        kernels.paged_decode(query[..., :120].contiguous(), k_cache[..., :120].contiguous(),
+                             v_cache[..., :120].contiguous(), meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=9)
     with pytest.raises(ValueError, match="too few"):
         kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, 0.1, max_seq_len=10**6)
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
-@pytest.mark.parametrize("head_dim", [64, 128])
+@pytest.mark.parametrize("head_dim", [32, 64, 80, 128, 192])
 def test_write_kv_is_exact(dtype: torch.dtype, head_dim: int):
     gen = torch.Generator(device=DEVICE).manual_seed(head_dim)
     num_blocks, block_size, kv_heads, tokens = 600, 16, 8, 4096

@@ -2,7 +2,9 @@
 
 Grid of issue 5: cached prefixes from 0 to several thousand tokens, new-token runs from 1 to 4096 (block-size
 multiples and ragged tails), block sizes 16/256 (and 48, not a power of two), GQA 32/8, MHA 32/32, MQA 8/1,
-head_dim 64/128, fp16/bf16, every tile configuration. Each case draws fresh inputs; the cache holds
+head_dim 64/128, fp16/bf16, every tile configuration; and every compiled head size (issue 11: 32 to 256,
+fp16/bf16 with each tile configuration compiled for it, fp32 on its CUDA-core path). Each case draws fresh inputs; the
+cache holds
 ``POISON`` in slots no sequence owns (a read past a sequence shows up as a large error) and outputs are
 NaN-poisoned first (an unwritten row fails). Each output is judged over the whole batch and row by row
 (tests/kernel_oracle.py); test_kernel_rows.py adds inputs with exact answers.
@@ -23,7 +25,7 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase  # noqa: E402
 from hf_paged.attention.backends.base import registered_backends  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
-from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill  # noqa: E402
+from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill, prefill_configs  # noqa: E402
 
 from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/conftest.py puts tests/ on the path)
 from test_flash_backend import make_paged_step  # noqa: E402
@@ -32,8 +34,8 @@ if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 
 DEVICE = torch.device("cuda")
-TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
-ROW_TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 8e-3}  # per (row, head), as in test_cuda_kernels.py
+TOLERANCE = {torch.bfloat16: 1e-2, torch.float16: 2e-3, torch.float32: 1e-5}
+ROW_TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 8e-3, torch.float32: 1e-4}  # per (row, head), as for decode
 HEADS = {"gqa-32/8": (32, 8), "mha-32/32": (32, 32), "mqa-8/1": (8, 1)}
 # cached prefix lengths, new-token counts (length-1 rows, ragged tails, prefixes ending mid-block)
 SCENARIOS = {
@@ -90,7 +92,27 @@ def test_prefill_matches_float64_reference(scenario, block_size, heads, head_dim
           scenario)
 
 
-@pytest.mark.parametrize("head_dim, dtype", [(128, torch.bfloat16), (64, torch.float16)], ids=["bf16-d128", "fp16-d64"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
+@pytest.mark.parametrize("head_dim", kernels.HEAD_DIMS)
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
+def test_prefill_every_head_size(heads, head_dim: int, dtype: torch.dtype):
+    """Every compiled head size at block sizes 16 and 48 (not a power of two), each scenario; fp16/bf16 through
+    every tile configuration compiled for the size (config 0 only up to 128), fp32 through its one path."""
+    configs = prefill_configs(head_dim) if dtype != torch.float32 else (-1,)
+    for block_size in (16, 48):
+        for scenario, (prefix_lens, new_lens) in SCENARIOS.items():
+            gen = torch.Generator().manual_seed(zlib.crc32(repr((scenario, block_size, heads, head_dim, dtype)).encode()))
+            meta, query, _, _, k_cache, v_cache, params = prefill_step(prefix_lens, new_lens, block_size, *heads,
+                                                                       head_dim, dtype, gen)
+            expected = reference(query, k_cache, v_cache, meta, params)
+            for config in (-1, *configs):
+                check(run_ours(query, k_cache, v_cache, meta, params, config), expected, dtype,
+                      f"{scenario} block {block_size} config {config}")
+
+
+@pytest.mark.parametrize("head_dim, dtype", [(128, torch.bfloat16), (64, torch.float16), (256, torch.bfloat16),
+                                             (80, torch.float16), (96, torch.float32)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d256", "fp16-d80", "fp32-d96"])
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("scenario", LONG)
 def test_prefill_long_sequences(scenario, block_size, head_dim, dtype):
@@ -103,8 +125,7 @@ def test_prefill_long_sequences(scenario, block_size, head_dim, dtype):
 
 
 @pytest.mark.parametrize("block_size", [16, 48, 256])
-@pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("config", PREFILL_CONFIGS)
+@pytest.mark.parametrize("head_dim, config", [(d, c) for d in kernels.HEAD_DIMS for c in prefill_configs(d)])
 def test_every_tile_config(config, head_dim, block_size):
     """Each compiled tile shape (the benchmark times all of them), with a block size that is not a power of two."""
     gen = torch.Generator().manual_seed(config * 1000 + head_dim + block_size)
@@ -119,23 +140,27 @@ def test_small_grid():
     """Small cases for compute-sanitizer (``-k small_grid``): every dtype, head_dim and config once."""
     gen = torch.Generator().manual_seed(7)
     for config in PREFILL_CONFIGS:
-        for head_dim, dtype, block_size in ((64, torch.float16, 16), (128, torch.bfloat16, 48)):
+        for head_dim, dtype, block_size in ((64, torch.float16, 16), (128, torch.bfloat16, 48), (80, torch.float16, 16),
+                                            (192, torch.bfloat16, 48), (32, torch.bfloat16, 16)):
+            if config not in prefill_configs(head_dim):
+                continue
             meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 30, 3], [1, 40, 90], block_size, 4, 2,
                                                                        head_dim, dtype, gen)
             check(run_ours(query, k_cache, v_cache, meta, params, config),
                   reference(query, k_cache, v_cache, meta, params), dtype, f"config {config} d{head_dim}")
 
 
-def test_strided_query_and_out():
-    """query as a view of a fused QKV projection; out a view of a wider buffer."""
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_strided_query_and_out(dtype: torch.dtype):
+    """query as a view of a fused QKV projection; out a view of a wider buffer (float32 writes it through a copy)."""
     gen = torch.Generator().manual_seed(11)
-    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 100], [77, 20], 16, 32, 8, 128, torch.bfloat16, gen)
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 100], [77, 20], 16, 32, 8, 128, dtype, gen)
     fused = torch.randn(query.shape[0], 48, 128, device=DEVICE, dtype=query.dtype)
     fused[:, :32] = query
     wide = torch.full((query.shape[0], 40, 128), float("nan"), device=DEVICE, dtype=query.dtype)
     out = paged_prefill(fused[:, :32], k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                         params.scale, out=wide[:, 4:36])
-    check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, "strided")
+    check(out, reference(query, k_cache, v_cache, meta, params), dtype, "strided")
     assert wide[:, :4].isnan().all() and wide[:, 36:].isnan().all(), "wrote outside out's view"
 
 
@@ -170,6 +195,9 @@ def test_prefill_rejects_bad_arguments():
         paged_prefill(query.bfloat16(), *args)
     with pytest.raises(ValueError, match="config"):
         paged_prefill(query, *args, config=7)
-    with pytest.raises(NotImplementedError, match="head_dim"):
-        paged_prefill(query[..., :96].contiguous(), k_cache[..., :96].contiguous(), v_cache[..., :96].contiguous(),
+    with pytest.raises(NotImplementedError, match="head_dim"):  # refused in Python, before the extension
+        paged_prefill(query[..., :120].contiguous(), k_cache[..., :120].contiguous(), v_cache[..., :120].contiguous(),
                       *args[2:])
+    with pytest.raises(NotImplementedError, match="config"):
+        wide = [t.repeat_interleave(2, dim=-1)[..., :160].contiguous() for t in (query, k_cache, v_cache)]
+        paged_prefill(*wide, *args[2:], config=0)

@@ -3,7 +3,8 @@
 Keys are zero and values encode their position, so every (row, head) of the output is the exact mean of the visible
 keys' values: one key dropped or read twice at a block, split or tile boundary fails that row (tests/
 test_kernel_oracle.py proves the check catches it). Contexts end on and around every boundary of 8/16/48/256-token
-blocks, decode splits (forced 64/192/512 and the heuristic) and the prefill kernel's 64-key and 64/128-row tiles.
+blocks, decode splits (forced 64/192/512 and the heuristic) and the prefill kernel's 64-key and 64/128-row tiles, at
+head sizes from 32 to 256 (issue 11), each prefill configuration compiled for the size.
 The torch backend in float64 is the oracle here (and must itself equal the exact answer); it is not under test.
 """
 
@@ -21,7 +22,7 @@ if not torch.cuda.is_available():
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
-from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill  # noqa: E402
+from hf_paged.kernels.prefill import paged_prefill, prefill_configs  # noqa: E402
 
 from kernel_oracle import assert_rows_close, exact_position_means, position_allowance, position_step  # noqa: E402
 
@@ -54,10 +55,29 @@ def oracle(meta, query, k_cache, v_cache, num_heads: int, num_kv_heads: int, hea
     return expected
 
 
+DTYPE_HEAD_DIMS = {
+    "bf16-d128": (torch.bfloat16, 128), "fp16-d64": (torch.float16, 64), "bf16-d256": (torch.bfloat16, 256),
+    "fp32-d128": (torch.float32, 128),
+}
+# Issue 11's other head sizes: the padded shared-memory pitch (80, 96, 112, 160), the fp32 kernel's padded lanes.
+NEW_DTYPE_HEAD_DIMS = {
+    "fp16-d32": (torch.float16, 32), "bf16-d80": (torch.bfloat16, 80), "fp16-d96": (torch.float16, 96),
+    "bf16-d112": (torch.bfloat16, 112), "fp16-d160": (torch.float16, 160), "bf16-d192": (torch.bfloat16, 192),
+    "fp32-d80": (torch.float32, 80), "fp32-d192": (torch.float32, 192),
+}
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
+@pytest.mark.parametrize("dtype, head_dim", NEW_DTYPE_HEAD_DIMS.values(), ids=NEW_DTYPE_HEAD_DIMS.keys())
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("split_len", [0, 64, 512], ids=lambda s: f"split{s}")
+def test_decode_rows_are_exact_means_at_other_head_sizes(split_len: int, block_size: int, dtype: torch.dtype,
+                                                         head_dim: int, heads):
+    test_decode_rows_are_exact_means(split_len, block_size, dtype, head_dim, heads)
+
+
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1), (12, 12)], ids=["gqa-32/8", "mqa-8/1", "mha-12/12"])
-@pytest.mark.parametrize(
-    "dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256), (torch.float32, 128)],
-    ids=["bf16-d128", "fp16-d64", "bf16-d256", "fp32-d128"])
+@pytest.mark.parametrize("dtype, head_dim", DTYPE_HEAD_DIMS.values(), ids=DTYPE_HEAD_DIMS.keys())
 @pytest.mark.parametrize("block_size", [8, 16, 48, 256])
 @pytest.mark.parametrize("split_len", [0, 64, 192, 512], ids=lambda s: f"split{s}")
 def test_decode_rows_are_exact_means(split_len: int, block_size: int, dtype: torch.dtype, head_dim: int, heads):
@@ -77,11 +97,15 @@ def test_decode_rows_are_exact_means(split_len: int, block_size: int, dtype: tor
         assert_rows_close(out, expected, allowance, f"decode split {split_len} max_seq_len {max_seq_len}")
 
 
+# (dtype, head_dim, tile configuration): each configuration compiled per size; float32 has one path (-1).
+PREFILL_CASES = [(dtype, d, c) for dtype, d in (*DTYPE_HEAD_DIMS.values(), *NEW_DTYPE_HEAD_DIMS.values())
+                 for c in ((-1,) if dtype == torch.float32 else (-1, *prefill_configs(d)))]
+
+
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
-@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64)],
-                         ids=["bf16-d128", "fp16-d64"])
+@pytest.mark.parametrize("dtype, head_dim, config", PREFILL_CASES,
+                         ids=[f"{str(t).split('.')[-1]}-d{d}-config{c}" for t, d, c in PREFILL_CASES])
 @pytest.mark.parametrize("block_size", [16, 48, 256])
-@pytest.mark.parametrize("config", [-1, *PREFILL_CONFIGS], ids=lambda c: f"config{c}")
 def test_prefill_rows_are_exact_means(config: int, block_size: int, dtype: torch.dtype, head_dim: int, heads):
     num_heads, num_kv_heads = heads
     for name, (prefix_lens, new_lens) in PREFILL_SCENARIOS.items():
