@@ -107,39 +107,6 @@ def step_phase(num_seqs: int, has_prefix: bool, one_token_each: bool) -> Phase:
     return Phase.EXTEND if has_prefix else Phase.PREFILL
 
 
-class MetadataBuffers:
-    """Device storage that every step's metadata tensors are copied into, at fixed addresses.
-
-    With buffers reserved up front (:meth:`reserve`) and step shapes padded to a captured size, a decode step's
-    kernels read the same addresses every step, which is what CUDA-graph capture needs. Each tensor is a contiguous
-    view of the front of its buffer; a step larger than the reservation grows the buffer (new addresses).
-    """
-
-    def __init__(self, device: torch.device):
-        self.device = torch.device(device)
-        self._store: dict[str, torch.Tensor] = {}
-
-    def reserve(self, max_tokens: int, max_seqs: int, max_blocks_per_seq: int) -> None:
-        sizes = {"cu_seqlens_q": max_seqs + 1, "cu_seqlens_k": max_seqs + 1, "seq_lens_k": max_seqs,
-                 "block_tables": max_seqs * max_blocks_per_seq, "slot_mapping": max_tokens}
-        for name, n in sizes.items():
-            self._buffer(name, n, torch.int64 if name == "slot_mapping" else torch.int32)
-
-    def put(self, name: str, host: torch.Tensor) -> torch.Tensor:
-        """Copy ``host`` into the front of buffer ``name``; returns the device view (``host``'s shape)."""
-        view = self._buffer(name, host.numel(), host.dtype)[: host.numel()].view(host.shape)
-        pin = self.device.type == "cuda"
-        view.copy_(host.pin_memory() if pin else host, non_blocking=pin)
-        return view
-
-    def _buffer(self, name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
-        buf = self._store.get(name)
-        if buf is None or buf.numel() < n or buf.dtype != dtype:
-            grown = max(n, 2 * buf.numel() if buf is not None else 0)
-            buf = self._store[name] = torch.zeros(grown, dtype=dtype, device=self.device)
-        return buf
-
-
 def build_metadata(
     *,
     q_lens: torch.Tensor,
@@ -152,7 +119,6 @@ def build_metadata(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     dispatcher: object,
     device: torch.device,
-    buffers: MetadataBuffers | None = None,
 ) -> PagedMetadata:
     """Assemble a :class:`PagedMetadata` from host tensors and move it to ``device`` in one go.
 
@@ -162,8 +128,6 @@ def build_metadata(
         block_tables: ``[B, max_blocks]`` (host, int).
         slot_mapping: ``[T]`` (host, int).
         token_index: ``[T]`` or None (host, int).
-        buffers: fixed device storage to copy into (the engine's; see :class:`MetadataBuffers`); None = fresh
-            device tensors.
     """
     q_lens = q_lens.to(torch.int32)
     seq_lens_k = seq_lens_k.to(torch.int32)
@@ -176,9 +140,7 @@ def build_metadata(
     phase = step_phase(num_seqs, bool((seq_lens_k > q_lens).any()), bool((q_lens == 1).all()))
     pin = device.type == "cuda"
 
-    def as_dev(name: str, t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        if buffers is not None:
-            return buffers.put(name, t.to(dtype).contiguous())
+    def as_dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return t.to(dtype).pin_memory().to(device, non_blocking=True) if pin else t.to(device, dtype)
 
     return PagedMetadata(
@@ -188,12 +150,12 @@ def build_metadata(
         max_seqlen_k=max_k,
         block_size=block_size,
         phase=phase,
-        cu_seqlens_q=as_dev("cu_seqlens_q", cu_q, torch.int32),
-        cu_seqlens_k=as_dev("cu_seqlens_k", cu_k, torch.int32),
-        seq_lens_k=as_dev("seq_lens_k", seq_lens_k, torch.int32),
-        block_tables=as_dev("block_tables", block_tables, torch.int32),
-        slot_mapping=as_dev("slot_mapping", slot_mapping, torch.int64),
-        token_index=None if token_index is None else as_dev("token_index", token_index, torch.int64),
+        cu_seqlens_q=as_dev(cu_q, torch.int32),
+        cu_seqlens_k=as_dev(cu_k, torch.int32),
+        seq_lens_k=as_dev(seq_lens_k, torch.int32),
+        block_tables=as_dev(block_tables, torch.int32),
+        slot_mapping=as_dev(slot_mapping, torch.int64),
+        token_index=None if token_index is None else as_dev(token_index, torch.int64),
         grid=grid,
         has_padding_slots=bool((slot_mapping < 0).any()),
         kv_caches=kv_caches,

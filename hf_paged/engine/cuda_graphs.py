@@ -32,6 +32,7 @@ from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.sequence import Sequence
+from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
 
 logger = logging.getLogger("hf_paged")
@@ -69,16 +70,13 @@ class DecodeGraphs:
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._stage = torch.zeros(b_max * (5 + w), dtype=torch.int32, **dev)
+        self._staging = StagingBuffer(b_max * (5 + w), self.device)  # never grows: the graphs read its address
+        self._stage = self._staging.device_buffer
         self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
         self._pos = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
-        # Two pinned host copies of the layout, used in turn, each reused only after its copy has run.
-        self._host = [torch.zeros(b_max * (5 + w), dtype=torch.int32).pin_memory() for _ in range(2)]
-        self._host_done = [torch.cuda.Event(), torch.cuda.Event()]
-        self._turn = 0
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_seconds = 0.0
@@ -192,8 +190,8 @@ class DecodeGraphs:
     def _send(self, seqs: list[Sequence], b: int) -> None:
         """Lay the step out in pinned memory (padding rows included) and copy it to the device in one go."""
         n, w, bs = len(seqs), self.width, self.cache.block_size
-        host = self._host[self._turn]
-        self._host_done[self._turn].synchronize()  # its previous copy has left
+        length = b * (5 + w)
+        host = self._staging.host(length)
         per_seq = array("i")
         for seq in seqs:
             c = seq.num_computed_tokens
@@ -211,10 +209,7 @@ class DecodeGraphs:
             for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1), (4 * b, -1)):
                 host[start + n : start + b] = value
             host[5 * b + n * w : 5 * b + b * w] = 0
-        length = b * (5 + w)
-        self._stage[:length].copy_(host[:length], non_blocking=True)
-        self._host_done[self._turn].record()
-        self._turn ^= 1
+        self._staging.send(length)
 
     def _stage_padding(self, b: int) -> None:
         """A step of ``b`` padding rows (nothing written, nothing real read): what warm-up and capture run on."""

@@ -16,6 +16,7 @@ import logging
 import operator
 import threading
 from collections.abc import Iterator
+from itertools import compress
 from contextlib import contextmanager
 from dataclasses import replace
 
@@ -169,7 +170,7 @@ class EngineCore:
         held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
         sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
         step commits)."""
-        sampled = [s for s, smp in zip(batch.seqs, batch.sample) if smp]
+        sampled = list(compress(batch.seqs, batch.sample))
         size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
         if size is None:
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
@@ -221,34 +222,36 @@ class EngineCore:
             return []
         tokens, logprobs = step.wait()
         self._inflight = None
-        got = []
-        finished, take_token = SequenceStatus.FINISHED, self._take_token
-        for seq, token, logprob in zip(step.seqs, tokens, logprobs):
-            if seq.pending_row < 0 or seq.status is finished:  # aborted (or failed) while its token was in flight
-                continue
-            seq.token_ids[-1], seq.pending_row = token, -1
-            take_token(seq, logprob)
-            got.append(seq)
-        self.counters.generated_tokens += len(got)
+        got = [seq for seq in step.seqs if seq.pending_row >= 0 and seq.status is not SequenceStatus.FINISHED]
+        if len(got) == len(step.seqs):
+            self._take_tokens(got, tokens, logprobs)
+        else:  # some were aborted (or failed) while their token was in flight
+            rows = [seq.pending_row for seq in got]
+            self._take_tokens(got, [tokens[r] for r in rows], [logprobs[r] for r in rows])
         return got
 
-    def _take_token(self, seq: Sequence, logprob: float | None) -> None:
-        """Bookkeeping of a sequence's newest token (already in ``token_ids``); a finished sequence goes to the
-        outbox. A stop check that raises (the tokenizer, on stop strings) ends only this sequence, with an error."""
-        if logprob is not None and seq.params.logprobs:
-            seq.logprobs.append(logprob)
-        if seq.pending_children and seq.num_generated == 1:
-            self._fork(seq)
-        error = None
-        try:
-            reason = self.stop_checker.finish_reason(seq)
-        except Exception as exc:
-            reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
-        if reason is None and len(seq.token_ids) >= self.max_model_len:
-            reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, self.max_model_len)
-        if reason is not None:
-            self.scheduler.finish(seq, reason, error)
-            self.requests.outbox.append(seq)
+    def _take_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float | None]) -> None:
+        """Write each sequence's newest token in place of its placeholder and do its bookkeeping; a finished
+        sequence goes to the outbox. A stop check that raises (the tokenizer, on stop strings) ends only its own
+        sequence, with an error."""
+        finish_reason, max_len = self.stop_checker.finish_reason, self.max_model_len
+        self.counters.generated_tokens += len(seqs)
+        for seq, token, logprob in zip(seqs, tokens, logprobs):
+            seq.token_ids[-1], seq.pending_row = token, -1
+            if logprob is not None and seq.params.logprobs:
+                seq.logprobs.append(logprob)
+            if seq.pending_children and seq.num_generated == 1:
+                self._fork(seq)
+            error = None
+            try:
+                reason = finish_reason(seq)
+            except Exception as exc:
+                reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
+            if reason is None and len(seq.token_ids) >= max_len:
+                reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, max_len)
+            if reason is not None:
+                self.scheduler.finish(seq, reason, error)
+                self.requests.outbox.append(seq)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last

@@ -10,7 +10,6 @@ set to the sampled positions only.
 from __future__ import annotations
 
 from array import array
-from itertools import accumulate
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -112,18 +111,22 @@ def plan_step(
         sources = array("i", (-1,)) * t
         for i, row in pending:
             sources[i] = row
-    cu_q, cu_k = array("i", accumulate(q, initial=0)), array("i", accumulate(ctx, initial=0))
     max_k = max(ctx)
     width = -(-max_k // block_size)
-    head = ids + pos + slots + sources + keep + q + ctx + cu_q + cu_k
-    layout = torch.empty(len(head) + num_seqs * width, dtype=torch.int32)
-    layout[: len(head)].copy_(torch.frombuffer(head, dtype=torch.int32))
-    out = layout[len(head):].view(num_seqs, width)
+    head = ids + pos + slots + sources + keep + q + ctx
+    cu = len(head)  # then cu q, cu k (B + 1 each), block tables
+    layout = torch.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=torch.int32)
+    host = torch.frombuffer(head, dtype=torch.int32)
+    layout[:cu].copy_(host)
+    layout[cu : cu + 2 * num_seqs + 2 : num_seqs + 1] = 0
+    torch.cumsum(host[-2 * num_seqs : -num_seqs], 0, out=layout[cu + 1 : cu + num_seqs + 1])
+    torch.cumsum(host[-num_seqs:], 0, out=layout[cu + num_seqs + 2 : cu + 2 * num_seqs + 2])
+    out = layout[cu + 2 * num_seqs + 2 :].view(num_seqs, width)
     tables.gather(torch.frombuffer(rows, dtype=torch.int32), out[: len(rows)])
     if pad > 0:
         out[len(rows):].zero_()
     return StepPlan(layout, num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
-                    step_phase(num_seqs, cu_k[-1] > t, t == num_seqs), has_padding=pad > 0)
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), has_padding=pad > 0)
 
 
 def _decode_columns(seqs: list[Sequence], sample: list[bool], bs: int) -> tuple:

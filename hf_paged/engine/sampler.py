@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import array
 import functools
+import operator
 from dataclasses import dataclass
 
 import torch
@@ -23,6 +24,7 @@ from hf_paged.engine.sequence import Sequence
 _NEG_INF = float("-inf")
 _GOLDEN = -0x61C88647  # 0x9E3779B9 as a signed 32-bit word
 _M2 = -0x7B935975  # 0x846CA68B as a signed 32-bit word
+_PARAMS, _LOGPROBS, _PLAIN_GREEDY = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy"))
 
 
 @dataclass(frozen=True)
@@ -67,9 +69,9 @@ class SamplingBatch:
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         """Sort the rows on the host, gather their settings into one int64 and one float32 tensor, move each once."""
-        params = [s.params for s in seqs]
-        want_logprobs = any(p.logprobs for p in params)
-        if all(p.is_plain_greedy for p in params):
+        params = list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
+        want_logprobs = any(map(_LOGPROBS, params))
+        if all(map(_PLAIN_GREEDY, params)):
             return cls(len(seqs), want_logprobs)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
         greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.is_plain_greedy and not p.do_sample

@@ -1,14 +1,19 @@
-"""The step plan against a token-by-token reference, and a padded decode step against the unpadded one."""
+"""The step plan against a token-by-token reference (its layout, and the attention metadata read from it against
+``build_metadata`` of the reference, on every step of mixed prefill/decode runs), and a padded decode step against
+the unpadded one."""
 
 from __future__ import annotations
 
 import random
 
+import pytest
 import torch
 
 import hf_paged
-from engine_helpers import models
+from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
+from hf_paged.attention.metadata import build_metadata
+from hf_paged.engine import engine_core
 from hf_paged.engine.runner import plan_step
 from hf_paged.engine.sampling_params import SamplingParams
 from hf_paged.engine.sequence import Sequence
@@ -71,3 +76,54 @@ def test_a_decode_step_padded_to_a_graph_size_gives_the_same_logits():
     for (k, _), before in zip(engine.cache.pool.kv_caches, k_before):
         changed = (k != before).any(-1).any(-1).flatten(0, 1).nonzero().flatten()
         assert set(changed.tolist()) <= set(plain.slot_mapping.tolist())
+
+
+def _reference_metadata(seqs, counts, sample, tables, block_size, runner):
+    """The metadata of the step as the engine built it before the plan's layout: token by token, then
+    ``build_metadata``; and the reference in-flight sources and sampled rows."""
+    ids, pos, slots = naive_plan(seqs, counts, block_size)
+    ctx = [s.num_computed_tokens + n for s, n in zip(seqs, counts)]
+    width = -(-max(ctx) // block_size)
+    meta = build_metadata(
+        q_lens=torch.tensor(counts), seq_lens_k=torch.tensor(ctx),
+        block_tables=tables.table[torch.tensor([s.row for s in seqs]), :width], slot_mapping=torch.tensor(slots),
+        token_index=None, grid=(1, len(ids)), block_size=block_size, kv_caches=runner.cache.pool.kv_caches,
+        dispatcher=runner.cache.dispatcher, device=torch.device("cpu"))
+    ends = torch.tensor(counts).cumsum(0) - 1
+    sources = [-1] * len(ids)
+    for end, s, smp in zip(ends.tolist(), seqs, sample):
+        if smp and s.pending_row >= 0:
+            sources[end] = s.pending_row
+    return meta, ids, pos, sources if max(sources) >= 0 else None, ends[torch.tensor(sample)].tolist()
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True])
+def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_token_reference(monkeypatch,
+                                                                                             async_scheduling):
+    engine = hf_paged.Engine(models("llama_gqa")[1], num_blocks=64, block_size=4, max_batch_tokens=24,
+                             max_num_seqs=6, async_scheduling=async_scheduling)
+    checked = []
+
+    def checked_plan(seqs, counts, sample, tables, block_size):
+        plan = plan_step(seqs, counts, sample, tables, block_size)
+        want, ids, pos, sources, keep = _reference_metadata(seqs, counts, sample, tables, block_size, engine.runner)
+        seg = plan.segments()
+        got = engine.runner.metadata(plan, seg, seg["slot_mapping"].long())
+        for name in ("num_seqs", "num_tokens", "max_seqlen_q", "max_seqlen_k", "block_size", "phase", "grid",
+                     "has_padding_slots"):
+            assert getattr(got, name) == getattr(want, name), name
+        for name in ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping"):
+            assert getattr(got, name).dtype == getattr(want, name).dtype, name
+            assert torch.equal(getattr(got, name), getattr(want, name)), name
+        assert seg["input_ids"].tolist() == ids and seg["position_ids"].tolist() == pos
+        assert seg["logits_indices"].tolist() == keep
+        assert (None if seg["token_sources"] is None else seg["token_sources"].tolist()) == sources
+        checked.append((want.phase, sources is not None))
+        return plan
+
+    monkeypatch.setattr(engine_core, "plan_step", checked_plan)
+    prompts = random_prompts(9, 1, 30, seed=3)
+    engine.generate(prompts, greedy_config(6))
+    phases = {phase.value for phase, _ in checked}
+    assert {"prefill", "extend", "decode"} <= phases, phases
+    assert any(pending for _, pending in checked) == async_scheduling
