@@ -34,10 +34,10 @@ int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
 DecodeKernel kernel_for(const at::Tensor& query, const AttentionShape& s) {
   const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(s.head_dim),
                                        static_cast<int>(s.heads / s.kv_heads));
-  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("paged_decode serves float32/float16/bfloat16 with head_dim 32, "
-                                                      "64, 80, 96, 112, 128, 160, 192 or 256; got %s with head_dim %lld",
-                                                      c10::toString(query.scalar_type()),
-                                                      static_cast<long long>(s.head_dim)));
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr,
+                              format("paged_decode serves float32/float16/bfloat16 with head_dim 32, 64, 80, 96, 112, "
+                                     "128, 160, 192 or 256; got %s with head_dim %lld",
+                                     c10::toString(query.scalar_type()), static_cast<long long>(s.head_dim)));
   return k;
 }
 

@@ -58,10 +58,12 @@ __device__ __forceinline__ void store_state(const State<GT, Config<T, D, GT>::kD
 #pragma unroll
     for (int g = 0; g < GT; ++g) {
 #pragma unroll
-      for (int v = 0; v < C::kVecsPerLane; ++v)
+      for (int v = 0; v < C::kVecsPerLane; ++v) {
+        if (!C::in_row(sub, v)) continue;  // padding dims past D
+        float* acc = R::acc(smem) + (warp * GT + g) * D + (sub + v * C::kLanesPerToken) * C::kVec;
 #pragma unroll
-        for (int e = 0; e < C::kVec; ++e)
-          if (C::in_row(sub, v)) R::acc(smem)[(warp * GT + g) * D + (sub + v * C::kLanesPerToken) * C::kVec + e] = st.acc[g][v * C::kVec + e];
+        for (int e = 0; e < C::kVec; ++e) acc[e] = st.acc[g][v * C::kVec + e];
+      }
       if (sub == 0) R::m(smem)[warp * GT + g] = st.m[g], R::l(smem)[warp * GT + g] = st.l[g];
     }
   }

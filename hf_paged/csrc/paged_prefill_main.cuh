@@ -229,5 +229,13 @@ PrefillKernel kernel_for_config(int config) {
   }
 }
 
+// The kernel for (head_dim, config) among head sizes Ds (one translation unit's share); fn == nullptr otherwise.
+template <typename T, int... Ds>
+PrefillKernel select_head_dim(int head_dim, int config) {
+  PrefillKernel k{};
+  ((head_dim == Ds ? (void)(k = kernel_for_config<T, Ds>(config)) : (void)0), ...);
+  return k;
+}
+
 }  // namespace prefill
 }  // namespace hf_paged
