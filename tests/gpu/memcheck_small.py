@@ -28,6 +28,9 @@ CASES = [
     (32, 32, 64, 8, torch.float16, [3, 100], 64),
     (48, 4, 128, 48, torch.bfloat16, [33, 129], 0),
     (7, 1, 256, 16, torch.float32, [2, 90], 64),
+    (32, 8, 80, 16, torch.bfloat16, [1, 17, 300], 64),  # padded shared-memory pitch
+    (8, 1, 192, 48, torch.float16, [5, 257], 0),
+    (6, 2, 96, 16, torch.float32, [2, 90], 64),  # fp32 lanes padded to 128
 ]
 
 
