@@ -129,11 +129,12 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + (C::kFixedChunk ? tid % C::kChunks * 8 : 0);
+  const int fixed_col = C::kFixedChunk ? tid % C::kChunks * 8 : 0;  // this thread's column when it keeps one
+  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + fixed_col;
 
   // Q tile (rows past the sequence zero-filled) as its own commit group, then K/V tile 0.
   {
-    const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + (C::kFixedChunk ? tid % C::kChunks * 8 : 0);
+    const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + fixed_col;
 #pragma unroll
     for (int i = 0; i < C::kQCopies; ++i) {
       int r, chunk;
