@@ -89,10 +89,10 @@ class StaticDecode:
             self._uploaded_table = table
         armed = rows.arm(self.width)
         if armed is not None:
-            self._arm(armed, seq_lens)
+            self._arm(armed)
         return meta
 
-    def _arm(self, tables: list[list[int]], seq_lens: torch.Tensor) -> None:
+    def _arm(self, tables: list[list[int]]) -> None:
         """Upload the armed rows' blocks (written and ahead) and the slot of every position they cover."""
         meta, bs, width = self.meta, self.block_size, self.width
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
@@ -100,7 +100,7 @@ class StaticDecode:
         self._uploaded_table = None
         offsets = torch.arange(bs, device=self.device).repeat(width)
         self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
-        self._position = (seq_lens.long() - 1)[:, None].to(self.device)
+        self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
         self._slot_column = meta.slot_mapping.view(-1, 1)
 
     def advance(self) -> PagedMetadata:
