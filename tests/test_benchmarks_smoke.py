@@ -19,6 +19,7 @@ sys.path.insert(0, str(BENCH))
 
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
+import generate_host_overhead  # noqa: E402
 import generate_latency  # noqa: E402
 import plot_e2e  # noqa: E402
 from decode_profile import _covered_us  # noqa: E402
@@ -123,6 +124,12 @@ def test_generate_latency_smoke(tmp_path):
         assert row["status"] == "ok" and row["ms_per_step"] > 0 and row["tokens_match"] == 2, row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/5] static, batch 2" in out
+
+
+def test_generate_host_overhead_smoke():
+    """Both systems of the host-overhead benchmark run every decode step compiled (the script asserts it)."""
+    out = _run(generate_host_overhead.main, ["--batch", "2", "--new-tokens", "4", "--repeats", "1", "--rounds", "1"])
+    assert "| static |" in out and "| hf_paged_compiled |" in out
 
 
 def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
