@@ -148,7 +148,8 @@ class EngineCore:
             try:
                 launched = self._launch(alone)
             except Exception as err:
-                self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
+                if not seq.is_finished:  # (an abort from another thread may land while it runs)
+                    self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
                 continue
             self._commit(alone, launched)
             touched += self._resolve()

@@ -38,7 +38,7 @@ class StepPlan:
           context lengths (B) | cu q (B + 1) | cu k (B + 1) | block tables (B x W) ]
 
     so that a step's inputs reach the device in one copy (``ModelRunner``); the segments are read as views, of the
-    host layout (the properties below) or of its device copy (:meth:`segments`).
+    host layout (as attributes: ``plan.input_ids``) or of its device copy (:meth:`segments`).
 
     Segments:
         input_ids, position_ids: ``[T]``.
@@ -119,8 +119,8 @@ def plan_step(
     host = torch.frombuffer(head, dtype=torch.int32)
     layout[:cu].copy_(host)
     layout[cu : cu + 2 * num_seqs + 2 : num_seqs + 1] = 0
-    torch.cumsum(host[-2 * num_seqs : -num_seqs], 0, out=layout[cu + 1 : cu + num_seqs + 1])
-    torch.cumsum(host[-num_seqs:], 0, out=layout[cu + num_seqs + 2 : cu + 2 * num_seqs + 2])
+    for lengths, start in ((host[-2 * num_seqs : -num_seqs], cu + 1), (host[-num_seqs:], cu + num_seqs + 2)):
+        torch.cumsum(lengths, 0, dtype=torch.int32, out=layout[start : start + num_seqs])
     out = layout[cu + 2 * num_seqs + 2 :].view(num_seqs, width)
     tables.gather(torch.frombuffer(rows, dtype=torch.int32), out[: len(rows)])
     if pad > 0:
