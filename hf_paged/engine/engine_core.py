@@ -69,6 +69,9 @@ class EngineCore:
         self.compiled = _compiled_layers(model, cfg.compile_layers)
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled)
+        if len(set(self.kv_devices)) > 1:
+            self.runner.output_device = _hidden_states_device(model)
+            _keep_rows_where_given(model)
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
@@ -327,3 +330,24 @@ def _compiled_layers(model: torch.nn.Module, setting: bool | None) -> CompiledLa
                     layers.failure)
         return None
     return layers
+
+
+def _hidden_states_device(model: torch.nn.Module) -> torch.device:
+    """Where the base model's output lands under a device map: the device of its last child with parameters
+    (the final norm)."""
+    base = getattr(model, getattr(model, "base_model_prefix", ""), model) if getattr(
+        model, "base_model_prefix", "") else model
+    last = [m for m in base.children() if next(m.parameters(), None) is not None][-1]
+    return next(last.parameters()).device
+
+
+def _keep_rows_where_given(model: torch.nn.Module) -> None:
+    """accelerate's hook on a dispatched model moves every tensor argument to the first device; the sampled rows'
+    indices must stay on the device of the hidden states they index, so the hook is told to leave them."""
+    hook = getattr(model, "_hf_hook", None)
+    if hook is None or not hasattr(hook, "skip_keys"):
+        return
+    keys = hook.skip_keys
+    keys = [] if keys is None else [keys] if isinstance(keys, str) else list(keys)
+    if "logits_to_keep" not in keys:
+        hook.skip_keys = [*keys, "logits_to_keep"]

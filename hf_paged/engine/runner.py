@@ -187,6 +187,7 @@ class ModelRunner:
         self.compiled = compiled
         self.cache = cache
         self.device = torch.device(device)
+        self.output_device = None  # set by the engine for a model split over devices
         self._cache_kwarg = cache_keyword(model)
         # The tokens the last step sampled, at a fixed address: where a step's in-flight ids are read from.
         self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
@@ -199,6 +200,12 @@ class ModelRunner:
         self._staging = None
         if self.device.type == "cuda":
             self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * max_blocks_per_seq, device)
+
+    def _rows_to_keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' indices, on the device of the hidden states they index (the base model's last
+        module: another GPU when the model is split with a device map)."""
+        rows = rows.long()
+        return rows if self.output_device is None else rows.to(self.output_device, non_blocking=True)
 
     def _to_device(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
         """The plan's segments on the device: one copy of its layout through pinned memory (none on the CPU)."""
@@ -241,6 +248,6 @@ class ModelRunner:
         with self.compiled.active() if self.compiled is not None else nullcontext():
             out = self.model(
                 input_ids=ids.view(1, t), position_ids=self._position_ids[:t].view(1, t), use_cache=True,
-                logits_to_keep=seg["logits_indices"].long(), **{self._cache_kwarg: self.cache},
+                logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},
             )
         return out.logits[0]
