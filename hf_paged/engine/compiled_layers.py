@@ -26,6 +26,7 @@ import torch
 import torch.fx.experimental._config as _shape_config
 
 from hf_paged.hf import attention as paged_attention
+from hf_paged.hf.placement import base_model, decoder_layers
 
 logger = logging.getLogger("hf_paged")
 
@@ -35,7 +36,7 @@ _ATTRIBUTE = "_hf_paged_compiled_layers"
 def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False) -> str | None:
     """None if the engine can compile ``model``'s layers (on a CUDA device, or on any with ``any_device``), else
     why not."""
-    if _decoder_layers(model) is None:
+    if decoder_layers(model) is None:
         return "no list of decoder layers found on the model"
     devices = {p.device for p in model.parameters()}
     if len(devices) > 1:
@@ -61,10 +62,10 @@ class CompiledLayers:
     """Compiled forwards of ``model``'s decoder layers and base-model children, serving calls inside ``active()``."""
 
     def __init__(self, model: torch.nn.Module):
-        layers = _decoder_layers(model)
+        layers = decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
-        base = _base_model(model)
+        base = base_model(model)
         others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]
         self.enabled = True
         self.failure: str | None = None
@@ -156,19 +157,20 @@ def _compiler_errors() -> tuple[type[BaseException], ...]:
 _COMPILER_ERRORS = _compiler_errors()
 
 
-def _decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
-    """The base model's list of decoder layers: its ``ModuleList`` child with one entry per hidden layer."""
-    base = _base_model(model)
-    config = getattr(model, "config", None)
-    text_config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    num_layers = getattr(text_config, "num_hidden_layers", None)
-    for child in base.children():
-        if isinstance(child, torch.nn.ModuleList) and len(child) > 0 and (num_layers is None or
-                                                                           len(child) == num_layers):
-            return child
-    return None
-
-
-def _base_model(model: torch.nn.Module) -> torch.nn.Module:
-    prefix = getattr(model, "base_model_prefix", "")
-    return getattr(model, prefix, model) if prefix else model
+def for_engine(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:
+    """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
+    if setting is False:
+        return None
+    reason = compile_unsupported_reason(model, any_device=setting is True)
+    if reason is not None:
+        if setting:
+            raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
+        logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
+        return None
+    layers = compiled_layers(model)
+    if not layers.enabled:
+        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
+                    layers.failure)
+        return None
+    return layers

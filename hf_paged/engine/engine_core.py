@@ -27,7 +27,7 @@ from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
-from hf_paged.engine.compiled_layers import CompiledLayers, compile_unsupported_reason, compiled_layers
+from hf_paged.engine import compiled_layers
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
@@ -39,6 +39,7 @@ from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stats import EngineStats
 from hf_paged.engine.stop_checker import StopChecker
+from hf_paged.hf import placement
 from hf_paged.hf.register import ATTN_IMPLEMENTATION
 
 logger = logging.getLogger("hf_paged")
@@ -54,7 +55,7 @@ class EngineCore:
         self.device, dtype = model.device, model.dtype
         self.max_model_len = max_len = validation.position_limit(model.config)
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
-        self.kv_devices = kv_devices(model)  # each layer's KV next to its weights (a device_map split)
+        self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         if cfg.num_blocks is None:
             cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.kv_devices,
                                                              cfg.memory_budget,
@@ -66,12 +67,14 @@ class EngineCore:
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
-        self.compiled = _compiled_layers(model, cfg.compile_layers)
+        self.compiled = compiled_layers.for_engine(model, cfg.compile_layers)
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled)
         if len(set(self.kv_devices)) > 1:
-            self.runner.output_device = _hidden_states_device(model)
-            _keep_rows_where_given(model)
+            # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
+            # model (which moves every tensor argument to the first device) leaves them there
+            self.runner.output_device = placement.hidden_states_device(model)
+            placement.keep_argument_in_place(model, "logits_to_keep")
         self.sampler = Sampler()
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
@@ -297,57 +300,3 @@ def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budg
     layout = KVLayout.from_config(config)
     devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
     return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))
-
-
-def kv_devices(model: torch.nn.Module) -> list[torch.device]:
-    """The device of each decoder layer (accelerate's ``hf_device_map`` when the model has one), or the model's
-    device for every layer when its layers cannot be told apart."""
-    from hf_paged.integrations.accelerate import _decoder_layers, layer_devices  # they import the engine
-
-    num_layers = KVLayout.from_config(model.config).num_layers
-    try:
-        _decoder_layers(model)
-    except (ValueError, AttributeError):  # no list of layers to place (a stub model): one device
-        return [model.device] * num_layers
-    devices = layer_devices(model)  # raises for a layer the map does not place or puts on disk
-    return devices if len(devices) == num_layers else [model.device] * num_layers
-
-
-def _compiled_layers(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:
-    """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
-    triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
-    if setting is False:
-        return None
-    reason = compile_unsupported_reason(model, any_device=setting is True)
-    if reason is not None:
-        if setting:
-            raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
-        logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
-        return None
-    layers = compiled_layers(model)
-    if not layers.enabled:
-        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
-                    layers.failure)
-        return None
-    return layers
-
-
-def _hidden_states_device(model: torch.nn.Module) -> torch.device:
-    """Where the base model's output lands under a device map: the device of its last child with parameters
-    (the final norm)."""
-    base = getattr(model, getattr(model, "base_model_prefix", ""), model) if getattr(
-        model, "base_model_prefix", "") else model
-    last = [m for m in base.children() if next(m.parameters(), None) is not None][-1]
-    return next(last.parameters()).device
-
-
-def _keep_rows_where_given(model: torch.nn.Module) -> None:
-    """accelerate's hook on a dispatched model moves every tensor argument to the first device; the sampled rows'
-    indices must stay on the device of the hidden states they index, so the hook is told to leave them."""
-    hook = getattr(model, "_hf_hook", None)
-    if hook is None or not hasattr(hook, "skip_keys"):
-        return
-    keys = hook.skip_keys
-    keys = [] if keys is None else [keys] if isinstance(keys, str) else list(keys)
-    if "logits_to_keep" not in keys:
-        hook.skip_keys = [*keys, "logits_to_keep"]

@@ -23,8 +23,9 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.engine import Engine
-from hf_paged.engine.engine_core import blocks_from_memory, kv_devices
+from hf_paged.engine.engine_core import blocks_from_memory
 from hf_paged.engine.sampling_params import resolve_generation_config
+from hf_paged.hf.placement import kv_devices
 
 logger = logging.getLogger("hf_paged")
 
@@ -151,5 +152,5 @@ def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memor
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
         needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    devices = kv_devices(model)
-    return max(1, blocks_from_memory(model.config, block_size, model.dtype, devices, memory_fraction, needed))
+    return max(1, blocks_from_memory(model.config, block_size, model.dtype, kv_devices(model), memory_fraction,
+                                     needed))
