@@ -52,6 +52,8 @@ class PagedAttentionCache(Cache):
         compileable: whether decode steps take fixed shapes so that ``generate`` compiles them (``is_compileable``):
             None = where transformers compiles (one CUDA device, capture-safe backends; needs ``max_new_tokens``),
             True = also elsewhere, e.g. on the CPU with a ``compile_config``; False = never.
+        layout: the KV shape the model's layers produce, when it is not the config's: a tensor-parallel model's
+            layers compute only their process's KV heads (``hf_paged.hf.tensor_parallel.kv_layout(model)``).
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -73,6 +75,7 @@ class PagedAttentionCache(Cache):
         backend: str | Sequence[str] | None = None,
         max_new_tokens: int | None = None,
         compileable: bool | None = None,
+        layout: KVLayout | None = None,
     ):
         check_model_supported(config)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
@@ -80,7 +83,7 @@ class PagedAttentionCache(Cache):
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is not supported for the KV cache; use one of {SUPPORTED_DTYPES}")
         self.config = config
-        layout = KVLayout.from_config(config)
+        layout = KVLayout.from_config(config) if layout is None else layout
         devices = _layer_devices(device, layout.num_layers)
         if num_blocks is None:
             if memory_budget is None:

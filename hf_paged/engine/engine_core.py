@@ -27,7 +27,7 @@ from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
-from hf_paged.engine import compiled_layers
+from hf_paged.engine import compiled_layers, lockstep
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
@@ -40,6 +40,7 @@ from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stats import EngineStats
 from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.hf import placement
+from hf_paged.hf.tensor_parallel import kv_layout
 from hf_paged.hf.register import ATTN_IMPLEMENTATION
 
 logger = logging.getLogger("hf_paged")
@@ -56,13 +57,17 @@ class EngineCore:
         self.max_model_len = max_len = validation.position_limit(model.config)
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
+        self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
+        layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
         if cfg.num_blocks is None:
-            cfg = replace(cfg, num_blocks=blocks_from_memory(model.config, block_size, dtype, self.kv_devices,
+            cfg = replace(cfg, num_blocks=blocks_from_memory(layout, block_size, dtype, self.kv_devices,
                                                              cfg.memory_budget,
                                                              cap=max_num_seqs * -(-max_len // block_size)))
+        if self.lockstep is not None:
+            cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks))
         self.config = cfg
         self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.kv_devices, dtype,
-                                         backend=cfg.backend)
+                                         backend=cfg.backend, layout=layout)
         tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
@@ -112,6 +117,8 @@ class EngineCore:
         self._collect_failed()
         batch = self.scheduler.schedule()
         self._collect_failed()
+        if self.lockstep is not None:
+            self.lockstep.check(batch)  # every rank scheduled this batch, or all raise the same error
         clock("schedule")
         touched: list[Sequence] = []
         if not batch.is_empty and self._inflight is not None and any(
@@ -123,6 +130,8 @@ class EngineCore:
             try:
                 launched = self._launch(batch)
             except BaseException as exc:
+                if self.lockstep is not None and isinstance(exc, Exception):
+                    self.lockstep.fail(exc)  # the ranks cannot rerun apart: all raise
                 # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
                 # step before's tokens, which the failed launch may have overwritten on the device, and retry.
                 touched += self._resolve()
@@ -196,6 +205,8 @@ class EngineCore:
         if not sampled:
             return None
         tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
+        if self.lockstep is not None:
+            self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)
 
@@ -294,9 +305,10 @@ def _use_paged_attention(model: torch.nn.Module) -> None:
         logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
 
 
-def blocks_from_memory(config, block_size: int, dtype: torch.dtype, device, budget: float, cap: int) -> int:
-    """Blocks that ``budget`` (a fraction of the free memory of ``device``, or of each layer's device when given
-    one per layer: the tightest decides) holds, at most ``cap``."""
-    layout = KVLayout.from_config(config)
+def blocks_from_memory(layout: KVLayout, block_size: int, dtype: torch.dtype, device, budget: float,
+                       cap: int) -> int:
+    """Blocks of ``layout`` (or a model config's) that ``budget`` (a fraction of the free memory of ``device``, or
+    of each layer's device when given one per layer: the tightest decides) holds, at most ``cap``."""
+    layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
     devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
     return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))

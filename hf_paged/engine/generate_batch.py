@@ -26,6 +26,7 @@ from hf_paged.engine.engine import Engine
 from hf_paged.engine.engine_core import blocks_from_memory
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import kv_devices
+from hf_paged.hf.tensor_parallel import kv_layout
 
 logger = logging.getLogger("hf_paged")
 
@@ -152,5 +153,5 @@ def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memor
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
         needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    return max(1, blocks_from_memory(model.config, block_size, model.dtype, kv_devices(model), memory_fraction,
+    return max(1, blocks_from_memory(kv_layout(model), block_size, model.dtype, kv_devices(model), memory_fraction,
                                      needed))

@@ -2,7 +2,8 @@
 
 A model loaded with ``device_map="auto"`` (or any map) records where each module went in ``model.hf_device_map``.
 ``paged_cache_for`` reads it and builds a :class:`hf_paged.PagedAttentionCache` whose per-layer K/V tensors sit next
-to their layer's weights; the step metadata then reaches each device once per step (``PagedMetadata.on``).
+to their layer's weights; the step metadata then reaches each device once per step (``PagedMetadata.on``). For a
+model loaded with ``tp_plan="auto"`` it holds the process's own KV heads, and the processes agree on one pool size.
 
 ``distributed_generate_batch`` runs one engine per process (``accelerate launch`` or ``torchrun``): each process
 generates for a share of the prompts balanced by tokens, and every process gets all the results.
@@ -13,6 +14,7 @@ from __future__ import annotations
 import atexit
 import copy
 import hashlib
+import inspect
 import logging
 import os
 
@@ -22,21 +24,34 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
 import hf_paged
+from hf_paged.cache.kv_pool import blocks_for_budget
 from hf_paged.engine import validation
+from hf_paged.engine.lockstep import Lockstep
 from hf_paged.engine.generate_batch import generate_batch
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import layer_devices
+from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
 
 logger = logging.getLogger("hf_paged")
 
 
 def paged_cache_for(model: torch.nn.Module, **kwargs) -> hf_paged.PagedAttentionCache:
     """A ``PagedAttentionCache`` for ``model`` with each layer's KV on that layer's device (``kwargs`` as for
-    ``PagedAttentionCache``: ``num_blocks`` or ``memory_budget``, ``block_size``, ``backend``)."""
-    if "device" in kwargs:
-        raise ValueError("paged_cache_for places the KV by the model's device map; do not pass device=")
+    ``PagedAttentionCache``: ``num_blocks`` or ``memory_budget``, ``block_size``, ``backend``).
+
+    For a tensor-parallel model (``tp_plan``), call it on every process: each pool holds the process's own KV heads,
+    and a ``memory_budget`` is turned into the number of blocks the tightest process can hold, so that every process
+    runs out of blocks (or not) at the same step."""
+    if "device" in kwargs or "layout" in kwargs:
+        raise ValueError("paged_cache_for places and shapes the KV by the model; do not pass device= or layout=")
     kwargs.setdefault("dtype", model.dtype)
-    return hf_paged.PagedAttentionCache(model.config, device=layer_devices(model), **kwargs)
+    layout, devices, tp = kv_layout(model), layer_devices(model), tensor_parallel(model)
+    if tp is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget") is not None:
+        block_size = kwargs.get("block_size", inspect.signature(hf_paged.PagedAttentionCache).parameters[
+            "block_size"].default)
+        mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, kwargs.pop("memory_budget"))
+        kwargs["num_blocks"] = Lockstep(tp).agree_min(mine)
+    return hf_paged.PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)
 
 
 def distributed_generate_batch(
