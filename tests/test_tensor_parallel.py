@@ -1,0 +1,235 @@
+"""Tensor parallel on the CPU: a tiny float32 Llama saved once, loaded with ``tp_plan="auto"`` in two processes over
+gloo. Each rank's pool holds its own KV heads; ``Engine``, ``generate_batch`` and ``model.generate`` with
+``paged_cache_for`` return on both ranks the tokens one process returns; a bad prompt, prompts that differ between
+the ranks and a failure inside one rank's step end both ranks with the same error; a failure inside one rank's
+forward ends with a timeout message instead of a hang."""
+
+from __future__ import annotations
+
+import os
+import pickle
+import random
+import socket
+import time
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
+from transformers import AutoModelForCausalLM, GenerationConfig
+
+import hf_paged
+from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
+
+WORLD_SIZE = 2
+DEADLINE_S = 240  # a rank left waiting shows up as this timeout, not as a stuck test run
+STUCK_EXIT = 17  # rank 1's exit code after the forward-failure scenario (rank 0 is then stuck, and killed)
+
+
+def _prompts(seed: int, n: int = 9) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(3, VOCAB) for _ in range(rng.randrange(2, 40))] for _ in range(n)]
+
+
+GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
+
+
+def _greedy() -> GenerationConfig:
+    return GenerationConfig(**GREEDY)
+
+
+def _sampled(seed: int | None) -> GenerationConfig:
+    return GenerationConfig(max_new_tokens=6, do_sample=True, top_k=20, seed=seed, pad_token_id=PAD,
+                            eos_token_id=EOS)
+
+
+def _engine(model) -> hf_paged.Engine:
+    """A pool small enough that the prompts preempt each other, steps small enough to chunk their prefills."""
+    return hf_paged.Engine(model, num_blocks=24, block_size=8, max_batch_tokens=32, max_num_seqs=6)
+
+
+def _outcome(call):
+    try:
+        return "ok", call()
+    except Exception as exc:  # the scenarios' expected failures are compared by the parent
+        return "error", type(exc).__name__, str(exc)
+
+
+def _tokens(results) -> list[list[int]]:
+    return [list(o.generated_tokens) for o in results.values()]
+
+
+def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
+                      WORLD_SIZE=str(WORLD_SIZE), HF_PAGED_TP_TIMEOUT_S="60")
+    torch.set_num_threads(1)
+    from hf_paged.integrations.accelerate import paged_cache_for
+
+    model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="hf_paged",
+                                                 dtype=torch.float32).eval()
+    prompts = _prompts(0)
+    sized = hf_paged.Engine(model, num_blocks=None, memory_budget=1e-6, block_size=8)
+    record = {
+        "kv_heads": (kv_layout(model).num_kv_heads, sized.cache.pool.kv_caches[0][0].shape[2]),
+        "sized_blocks": sized.cache.num_blocks,
+        "graphs": sized.stats()["cuda_graphs"],
+    }
+    del sized
+    record["engine"] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, _greedy())])
+    record["seeded"] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, _sampled(5))])
+    torch.manual_seed(100 + rank)  # unseeded requests draw different seeds on each rank
+    record["unseeded"] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, _sampled(None))])
+    record["generate_batch"] = _outcome(lambda: _tokens(hf_paged.generate_batch(model, prompts, _greedy())))
+    batch = left_padded_batch([5, 17, 30], torch.Generator().manual_seed(2))
+    record["generate"] = _outcome(lambda: model.generate(
+        **batch, past_key_values=paged_cache_for(model, memory_budget=1e-5, block_size=8), **GREEDY
+    ).tolist())
+    bad = [p if i != 4 else [VOCAB + 5] for i, p in enumerate(prompts)]
+    record["bad_prompt"] = _outcome(lambda: hf_paged.generate_batch(model, bad, _greedy()))
+    differ = [p[:-1] + [(p[-1] + rank) % VOCAB] if i == 6 else p for i, p in enumerate(prompts)]  # same lengths
+    record["different_prompts"] = _outcome(lambda: hf_paged.generate_batch(model, differ, _greedy()))
+    record["compile_layers"] = _outcome(lambda: hf_paged.Engine(model, num_blocks=8, compile_layers=True))
+    engine = _engine(model)
+    if rank == 1:  # fails after the step's collectives, in the hand-over of its tokens
+        send, calls = engine._receiver.send, []
+        engine._receiver.send = lambda *a: (calls.append(1), send(*a))[1] if len(calls) < 3 else _raise()
+    record["failed_step"] = _outcome(lambda: engine.generate(prompts, _greedy()))
+    record["after_failed_step"] = _outcome(lambda: engine.generate(prompts[:1], _greedy()))
+    record["after_failures"] = _outcome(lambda: _tokens(hf_paged.generate_batch(model, prompts[:3], _greedy())))
+    with open(os.path.join(out_dir, f"rank{rank}.pkl"), "wb") as f:
+        pickle.dump(record, f)
+    # Last: rank 1 fails inside its forward, before the layers' first all-reduce; rank 0 waits in that all-reduce.
+    os.environ["HF_PAGED_TP_TIMEOUT_S"] = "3"
+    engine = _engine(model)
+    if rank == 1:
+        model.model.embed_tokens.forward = lambda *a, **k: _raise()
+    stuck = _outcome(lambda: engine.generate(prompts[:2], _greedy()))
+    with open(os.path.join(out_dir, f"rank{rank}_stuck.pkl"), "wb") as f:
+        pickle.dump(stuck, f)
+    os._exit(STUCK_EXIT)
+
+
+def _raise():
+    raise RuntimeError("injected failure")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("tp_model")
+    _, model = make_models("llama_gqa", seed=0)
+    model.save_pretrained(path)
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def single(saved):
+    return AutoModelForCausalLM.from_pretrained(saved, attn_implementation="hf_paged", dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def ranks(saved, tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("tp_ranks")
+    context = mp.start_processes(_worker, args=(_free_port(), saved, str(out_dir)), nprocs=WORLD_SIZE, join=False,
+                                 start_method="spawn")
+    deadline, exited = time.monotonic() + DEADLINE_S, None
+    while True:
+        try:
+            if context.join(timeout=2):
+                break
+        except mp.ProcessExitedException as exc:  # rank 1 left on purpose; join then ended rank 0
+            exited = (exc.error_index, exc.exit_code)
+            break
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"the {WORLD_SIZE} ranks did not finish within {DEADLINE_S} s (a rank left waiting?)")
+    records = [pickle.loads((out_dir / f"rank{r}.pkl").read_bytes()) for r in range(WORLD_SIZE)]
+    stuck = out_dir / "rank1_stuck.pkl"
+    records[1]["stuck"] = (exited, pickle.loads(stuck.read_bytes()) if stuck.exists() else None)
+    return records
+
+
+@pytest.mark.slow
+def test_each_rank_pools_its_own_kv_heads_and_the_ranks_agree_on_the_pool_size(ranks):
+    assert [r["kv_heads"] for r in ranks] == [(1, 1)] * WORLD_SIZE  # the config says 2
+    assert ranks[0]["sized_blocks"] == ranks[1]["sized_blocks"]  # each rank's free memory differs
+    assert ranks[0]["graphs"] is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario, config", [("engine", _greedy), ("seeded", lambda: _sampled(5))])
+def test_the_engine_gives_every_rank_the_tokens_of_one_process(ranks, single, scenario, config):
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), config())]
+    for rank in ranks:
+        assert rank[scenario] == ("ok", expected)
+
+
+@pytest.mark.slow
+def test_unseeded_sampling_gives_every_rank_the_leaders_tokens(ranks):
+    status, tokens = ranks[0]["unseeded"]
+    assert status == "ok" and ranks[1]["unseeded"] == ("ok", tokens)
+
+
+@pytest.mark.slow
+def test_generate_batch_gives_every_rank_the_tokens_of_one_process(ranks, single):
+    expected = _tokens(hf_paged.generate_batch(single, _prompts(0), _greedy()))
+    for rank in ranks:
+        assert rank["generate_batch"] == ("ok", expected)
+
+
+@pytest.mark.slow
+def test_generate_with_paged_cache_for_gives_the_tokens_of_one_process(ranks, single):
+    batch = left_padded_batch([5, 17, 30], torch.Generator().manual_seed(2))
+    expected = single.generate(**batch, **GREEDY).tolist()  # transformers' own cache
+    for rank in ranks:
+        assert rank["generate"] == ("ok", expected)
+
+
+@pytest.mark.slow
+def test_a_bad_prompt_raises_the_same_error_on_every_rank(ranks):
+    kind, message = ranks[0]["bad_prompt"][1:]
+    assert kind == "ValueError" and f"got {VOCAB + 5}" in message
+    assert ranks[1]["bad_prompt"] == ranks[0]["bad_prompt"]
+    compile_error = ranks[0]["compile_layers"]
+    assert compile_error[:2] == ("error", "ValueError") and "tensor-parallel" in compile_error[2]
+    assert ranks[1]["compile_layers"] == compile_error
+
+
+@pytest.mark.slow
+def test_ranks_given_different_prompts_stop_with_the_same_error(ranks):
+    kind, message = ranks[0]["different_prompts"][1:]
+    assert kind == "RuntimeError" and "scheduled different steps" in message
+    assert ranks[1]["different_prompts"] == ranks[0]["different_prompts"]
+
+
+@pytest.mark.slow
+def test_a_failed_step_on_one_rank_is_raised_on_every_rank(ranks):
+    kind, message = ranks[0]["failed_step"][1:]
+    assert kind == "RuntimeError"
+    assert "a tensor-parallel step failed on rank 1 of 2: RuntimeError: injected failure" in message
+    assert ranks[1]["failed_step"] == ranks[0]["failed_step"]
+    for rank in ranks:  # the engine refuses to go on; a new one runs
+        assert rank["after_failed_step"][:2] == ("error", "RuntimeError")
+        assert "stopped after an earlier error" in rank["after_failed_step"][2]
+        assert rank["after_failures"][0] == "ok" and len(rank["after_failures"][1]) == 3
+
+
+@pytest.mark.slow
+def test_a_failure_inside_one_ranks_forward_ends_with_a_timeout_message(ranks):
+    exited, stuck = ranks[1]["stuck"]
+    assert exited == (1, STUCK_EXIT)  # rank 1 got its error and left; rank 0, stuck in an all-reduce, was ended
+    kind, message = stuck[1:]
+    assert kind == "RuntimeError" and "injected failure" in message
+    assert "did not reach step 1's check within 3 s" in message
+
+
+def test_a_model_without_sharded_weights_is_not_tensor_parallel():
+    _, model = make_models("llama_gqa")
+    assert tensor_parallel(model) is None
+    assert kv_layout(model) == hf_paged.cache.KVLayout.from_config(model.config)
