@@ -73,7 +73,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--requests", type=int, help="the first N anchor prompts (default: all 256; up to 1024 takes "
                                                 "the 1024-request draw)")
     p.add_argument("--max-tokens", type=int, help="new tokens per request (default: 256; --smoke: 8)")
-    p.add_argument("--warmup-tokens", type=int, default=16, help="new tokens per warm-up request")
+    p.add_argument("--warmup-tokens", type=int, help="new tokens per warm-up request (default: --max-tokens, so "
+                                                     "the first request a server sees asks what the timed ones do)")
     p.add_argument("--model-dir", type=Path, help="checkpoint folder, built there if missing (default: one in the "
                                                   "temporary directory)")
     p.add_argument("--smoke", action="store_true", help="the tiny model and scaled-down prompts, on the CPU")
@@ -91,6 +92,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if unknown or not args.systems:
         p.error(f"--systems: choose from {', '.join(DEFAULT_ARGS)} (got {args.systems})")
     args.max_tokens = args.max_tokens or (8 if args.smoke else 256)
+    args.warmup_tokens = args.warmup_tokens or args.max_tokens
     return args
 
 
