@@ -35,6 +35,8 @@ SOURCES = (
     "paged_prefill_f16_wide.cu",
     "paged_prefill_bf16.cu",
     "paged_prefill_bf16_wide.cu",
+    "skinny_ops.cpp",
+    "skinny_gemm.cu",
 )
 _LIB_NAME = "hf_paged_kernels"
 

@@ -1,0 +1,187 @@
+"""The skinny linear kernel against cuBLAS (``F.linear``) at decode row counts: time per call, % of copy bandwidth.
+
+Shapes: every distinct linear of Llama-3.2-1B and Llama-3.1-8B (q/o, k/v, gate/up, down, lm_head), ``--rows``
+(default 1, 2, 4, 8) rows of x, ``--dtype`` (default bf16), with no bias (as in Llama).
+
+Each time is of a CUDA graph of ``calls`` launches cycling through enough copies of the weight to span twice the L2
+cache, so that every call reads its weight from DRAM as in a decode step, and no host launch cost is timed; time
+per call = median over ``--replays`` replays of (replay time / calls), after warm-up replays. Bytes moved = weight +
+x + out; "% copy" = (bytes / time) / the copy bandwidth of the same run: 2 x the bytes of a 1 GiB device-to-device
+copy over its median time (a read plus a write per byte). Both results are checked against each other first.
+The summary adds up one decode step's linears (per layer: q/o 2, k/v 2, gate/up 2, down 1; then lm_head).
+Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
+
+    python benchmarks/skinny_gemm.py [--models 1b,8b] [--rows 1,2,4,8] [--dtype bf16] [--replays 20] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from hf_paged.kernels import unavailable_reason  # noqa: E402
+from hf_paged.kernels.skinny import linear  # noqa: E402
+
+# shape: (N, K, calls per layer); 0 for lm_head, called once per step
+MODELS = {
+    "1b": dict(name="Llama-3.2-1B", layers=16, shapes={"q/o": (2048, 2048, 2), "k/v": (512, 2048, 2),
+                                                       "gate/up": (8192, 2048, 2), "down": (2048, 8192, 1),
+                                                       "lm_head": (128256, 2048, 0)}),
+    "8b": dict(name="Llama-3.1-8B", layers=32, shapes={"q/o": (4096, 4096, 2), "k/v": (1024, 4096, 2),
+                                                       "gate/up": (14336, 4096, 2), "down": (4096, 14336, 1),
+                                                       "lm_head": (128256, 4096, 0)}),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+SYSTEMS = {"cublas": F.linear, "skinny": linear}
+MIN_CALLS = 20
+
+
+def copy_bandwidth(replays: int) -> float:
+    """Bytes per second of a 1 GiB device-to-device copy, counting its read and its write."""
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    times = []
+    for i in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * src.numel() / statistics.median(times)
+
+
+def weight_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Enough distinct weights to span twice the L2 cache (at least two), scaled like a trained layer's."""
+    l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
+    count = max(2, math.ceil(2 * l2 / (n * k * dtype.itemsize)) + 1)
+    return [torch.empty(n, k, device="cuda", dtype=dtype).normal_(0, k**-0.5) for _ in range(count)]
+
+
+def time_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int) -> float:
+    """Seconds per call: median over graph replays of ``calls`` calls cycling through ``weights``."""
+    calls = len(weights) * math.ceil(MIN_CALLS / len(weights))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for w in weights[:2]:
+            fn(x, w)  # warm-up outside the capture (cuBLAS handles, kernel build)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fn(x, weights[i % len(weights)])
+    times = []
+    for i in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3 / calls)
+    del graph
+    return statistics.median(times)
+
+
+def measure(model: str, shape: str, rows: int, weights: list[torch.Tensor], args, copy_bw: float) -> dict:
+    n, k = weights[0].shape
+    x = torch.randn(rows, k, device="cuda").to(weights[0].dtype)
+    want, got = F.linear(x, weights[0]).float(), linear(x, weights[0]).float()
+    error = float(((got - want).abs() / (want.abs() + 1)).max())
+    itemsize = weights[0].element_size()
+    moved = (n * k + rows * k + rows * n) * itemsize
+    row = dict(model=model, shape=shape, n=n, k=k, rows=rows, dtype=args.dtype, bytes=moved, max_rel_diff=error)
+    for system, fn in SYSTEMS.items():
+        seconds = time_per_call(fn, x, weights, args.replays)
+        row[f"{system}_us"] = round(seconds * 1e6, 2)
+        row[f"{system}_pct_copy"] = round(100 * moved / seconds / copy_bw, 1)
+    row["speedup"] = round(row["cublas_us"] / row["skinny_us"], 3)
+    return row
+
+
+def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> list[str]:
+    """One decode step's linears per model and row count: microseconds with cuBLAS and with the skinny kernel."""
+    lines = []
+    for key in models:
+        spec = MODELS[key]
+        for m in row_counts:
+            total = {s: 0.0 for s in SYSTEMS}
+            for r in (r for r in rows if r["model"] == spec["name"] and r["rows"] == m):
+                per_layer = spec["shapes"][r["shape"]][2]
+                per_step = spec["layers"] * per_layer if per_layer else 1
+                for s in SYSTEMS:
+                    total[s] += per_step * r[f"{s}_us"]
+            lines.append(f"{spec['name']} M={m}: a decode step's linears take {total['cublas']:.0f} us with cuBLAS, "
+                         f"{total['skinny']:.0f} us with the skinny kernel")
+    return lines
+
+
+def table(rows: list[dict]) -> str:
+    lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS % copy | skinny % copy |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['cublas_us']:.1f} | "
+              f"{r['skinny_us']:.1f} | {r['speedup']:.2f} | {r['cublas_pct_copy']:.0f} | {r['skinny_pct_copy']:.0f} |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b,8b", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts of x (at most 8)")
+    parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
+    parser.add_argument("--replays", type=int, default=20, help="timed graph replays per measurement")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.rows = [int(r) for r in args.rows.split(",") if r]
+    if set(args.models) - set(MODELS):
+        parser.error(f"unknown models {sorted(set(args.models) - set(MODELS))}; choose from {sorted(MODELS)}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/skinny_gemm.py needs a CUDA GPU: it times CUDA kernels")
+    reason = unavailable_reason()
+    if reason is not None:
+        raise SystemExit(f"the hf_paged kernels are unavailable here: {reason}")
+    device = torch.cuda.get_device_name()
+    copy_bw = copy_bandwidth(args.replays)
+    print(f"{device}: copy bandwidth {copy_bw / 1e9:.0f} GB/s (1 GiB device-to-device, read + write)", flush=True)
+    rows = []
+    for key in args.models:
+        spec = MODELS[key]
+        for shape, (n, k, _) in spec["shapes"].items():
+            weights = weight_copies(n, k, DTYPES[args.dtype])
+            for m in args.rows:
+                row = measure(spec["name"], shape, m, weights, args, copy_bw)
+                rows.append(row)
+                print(f"{spec['name']} {shape} {n}x{k} M={m}: cuBLAS {row['cublas_us']:.1f} us "
+                      f"({row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
+                      f"({row['skinny_pct_copy']:.0f}% copy), max rel diff {row['max_rel_diff']:.1e}", flush=True)
+                if args.json is not None:
+                    settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
+                                "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}
+                    args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+            del weights
+            torch.cuda.empty_cache()
+    print("\n".join(step_totals(rows, args.models, args.rows)))
+    print(table(rows))
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,194 @@
+// Skinny GEMM for decode: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) with M <= 8, bound by streaming the weight.
+//
+// Each warp owns a tile of 16 weight rows and a slice of K, and runs it on tensor cores (m16n8k16, weight rows as
+// A, the x rows as the 8 columns of B). A dot product does not care in which order k is summed, only that A and B
+// use the same order, so the fragments are filled straight from 16-byte global loads with no shared memory and no
+// shuffles: per 32-wide chunk of K, lane (g = lane / 4, t = lane % 4) loads k = 8t .. 8t + 7 of weight rows g and
+// g + 8 and of x row g. Its four 32-bit words hold k pairs (8t, 8t+1), (8t+2, 8t+3), (8t+4, 8t+5), (8t+6, 8t+7);
+// the first mma takes words 0 and 1 as the fragment's k pairs (2t, 2t+1) and (2t+8, 2t+9) (see ptx.cuh), the
+// second words 2 and 3: every k of the chunk is met exactly once, in A and B alike. Lane (g, t) ends holding
+// out[2t][g], out[2t+1][g], out[2t][g+8], out[2t+1][g+8] of its tile.
+//
+// A batch of kUnroll chunks (8 weight loads and 4 x loads per lane, 4 KiB of weight per warp) is issued before its
+// products. Weight loads bypass L1 (read once) with a 256-byte L2 prefetch (a batch reads 256 contiguous bytes of
+// each row); x stays in L1 for the other warps. Rows past N and x rows past M read the last row again (their
+// results are not stored); chunk lanes past K or past a slice's end load zeros.
+//
+// Small N leaves too few tiles to keep every SM streaming, so K is split: across the warps of a block (`parts`,
+// reduced in shared memory) and, on sm_90, across the blocks of a thread-block cluster (`cluster`, reduced by rank 0
+// reading the other blocks' shared memory). No workspace, no atomics, no host sync: the launch can be captured.
+#include <cooperative_groups.h>
+
+#include <algorithm>
+
+#include "ptx.cuh"
+#include "skinny_gemm.h"
+
+namespace hf_paged {
+namespace {
+
+namespace cg = cooperative_groups;
+
+constexpr int kThreads = 256, kWarps = kThreads / 32;
+constexpr int kUnroll = 4;        // 32-wide chunks of K per batch
+constexpr int kTileRows = 16;     // weight rows per warp (the mma's m)
+constexpr int kChunk = 32;        // k per chunk: 4 lanes x 8 elements
+constexpr int kMaxCluster = 8;    // the portable cluster size
+constexpr int kWarpsPerSm = 24;   // resident warps per SM the launch bounds below guarantee
+
+// 16 bytes of the weight (read once: no L1 allocation, a 256-byte L2 prefetch), zeros where !valid (nothing read).
+__device__ __forceinline__ uint4 load_weight(const void* p, bool valid) {
+  uint4 r = make_uint4(0u, 0u, 0u, 0u);
+  asm volatile(
+      "{\n .reg .pred v;\n setp.ne.b32 v, %5, 0;\n"
+      " @v ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
+      : "l"(p), "r"(static_cast<int>(valid)));
+  return r;
+}
+
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+template <typename T>
+__device__ __forceinline__ T from_float(float v);
+template <>
+__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+
+// acc += weight[tile rows, chunks begin .. end) . x[:, same k], in the fragment layout described above.
+template <typename T>
+__device__ __forceinline__ void accumulate(float (&acc)[4], const SkinnyGemmParams& p, int tile, int begin, int end,
+                                           int g, int t) {
+  float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // the second mma of each chunk: two dependency chains of half the length
+  const T* weight = static_cast<const T*>(p.weight);
+  const int row = tile * kTileRows + g;
+  const T* lo = weight + static_cast<int64_t>(min(row, p.n - 1)) * p.k + 8 * t;
+  const T* hi = weight + static_cast<int64_t>(min(row + 8, p.n - 1)) * p.k + 8 * t;
+  const T* xr = static_cast<const T*>(p.x) + static_cast<int64_t>(min(g, p.m - 1)) * p.x_stride + 8 * t;
+  const int lane_k_end = p.k - 8 * t;  // this lane's offsets in a chunk must stay below it
+  for (int c = begin; c < end; c += kUnroll) {
+    uint4 a_lo[kUnroll], a_hi[kUnroll], b[kUnroll];
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const int k0 = (c + j) * kChunk;
+      const bool valid = c + j < end && k0 < lane_k_end;
+      a_lo[j] = load_weight(lo + k0, valid);
+      a_hi[j] = load_weight(hi + k0, valid);
+      b[j] = valid ? __ldg(reinterpret_cast<const uint4*>(xr + k0)) : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int j = 0; j < kUnroll; ++j) {
+      const uint32_t first[4] = {a_lo[j].x, a_hi[j].x, a_lo[j].y, a_hi[j].y};
+      const uint32_t second[4] = {a_lo[j].z, a_hi[j].z, a_lo[j].w, a_hi[j].w};
+      Mma<T>::run(acc, first, b[j].x, b[j].y);
+      Mma<T>::run(acc2, second, b[j].z, b[j].w);
+    }
+  }
+#pragma unroll
+  for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
+}
+
+// Bias added in fp32, rounded once; only rows below N and x rows below M are written.
+template <typename T>
+__device__ __forceinline__ void store(const SkinnyGemmParams& p, int tile, const float (&acc)[4], int g, int t) {
+  T* out = static_cast<T*>(p.out);
+  const T* bias = static_cast<const T*>(p.bias);
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int n = tile * kTileRows + g + 8 * half;
+    if (n >= p.n) continue;
+    const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const int m = 2 * t + i;
+      if (m < p.m) out[static_cast<int64_t>(m) * p.n + n] = from_float<T>(acc[2 * half + i] + b);
+    }
+  }
+}
+
+__device__ __forceinline__ void add(float (&acc)[4], const float4& v) {
+  acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+}
+
+// Grid: (blocks over tiles, cluster); block: kWarps / parts tiles, `parts` warps per tile, each a slice of K.
+template <typename T>
+__global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
+    skinny_gemm_kernel(const SkinnyGemmParams p, int parts, int cluster) {
+  __shared__ float4 partial[kWarps][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
+  const int part = warp % parts, rank = blockIdx.y;  // grid.y is one cluster: blockIdx.y is the rank in it
+  const int tile = blockIdx.x * (kWarps / parts) + warp / parts;
+  const bool owns_tile = tile < (p.n + kTileRows - 1) / kTileRows;
+  float acc[4] = {0.f, 0.f, 0.f, 0.f};
+  if (owns_tile) {
+    const int64_t chunks = (p.k + kChunk - 1) / kChunk, splits = parts * cluster, split = rank * parts + part;
+    accumulate<T>(acc, p, tile, static_cast<int>(split * chunks / splits),
+                  static_cast<int>((split + 1) * chunks / splits), g, t);
+  }
+  if (parts == 1 && cluster == 1) {
+    if (owns_tile) store<T>(p, tile, acc, g, t);
+    return;
+  }
+  partial[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  const cg::cluster_group group = cg::this_cluster();
+  if (cluster > 1) group.sync();  // a block barrier too
+  else __syncthreads();
+#else
+  __syncthreads();  // cluster is 1 below sm_90 (the host never asks for more)
+#endif
+  if (rank == 0 && part == 0 && owns_tile) {
+    for (int q = 1; q < parts; ++q) add(acc, partial[warp + q][lane]);
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    for (int r = 1; r < cluster; ++r) {
+      const float4* remote = group.map_shared_rank(&partial[warp][0], r);
+      for (int q = 0; q < parts; ++q) add(acc, remote[q * 32 + lane]);
+    }
+#endif
+    store<T>(p, tile, acc, g, t);
+  }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) group.sync();  // keep every block's shared memory alive until rank 0 has read it
+#endif
+}
+
+// Splits of K per tile (a power of two, parts x cluster): the most that keep every warp of the launch resident at
+// once (one wave: for the small matrices every weight byte is requested at the start), at least two chunks of K per
+// warp, at most kWarps per block times kMaxCluster blocks. On an H100 (132 SMs): lm_head 1, gate/up 8192 x 2048 4,
+// q/o 2048 x 2048 and down 2048 x 8192 16, k/v 512 x 2048 32 (8 warps x clusters of 4 blocks).
+void choose_split(const SkinnyGemmParams& p, int& parts, int& cluster) {
+  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, chunks = (p.k + kChunk - 1) / kChunk;
+  const int64_t resident = static_cast<int64_t>(p.sms) * kWarpsPerSm;
+  const int64_t most = std::min<int64_t>(std::max<int64_t>(1, chunks / 2), p.clusters ? kWarps * kMaxCluster : kWarps);
+  int64_t splits = 1;
+  while (splits * 2 <= most && tiles * splits * 2 <= resident) splits *= 2;
+  parts = static_cast<int>(std::min<int64_t>(splits, kWarps));
+  cluster = static_cast<int>(splits / parts);
+}
+
+template <typename T>
+cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
+  int parts = 1, cluster = 1;
+  choose_split(p, parts, cluster);
+  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, tiles_per_block = kWarps / parts;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block),
+                        static_cast<unsigned>(cluster));
+  config.blockDim = dim3(kThreads);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1, attribute[0].val.clusterDim.y = cluster, attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = cluster > 1 ? 1 : 0;
+  return cudaLaunchKernelEx(&config, skinny_gemm_kernel<T>, p, parts, cluster);
+}
+
+}  // namespace
+
+cudaError_t launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream) {
+  return p.bf16 ? launch<__nv_bfloat16>(p, stream) : launch<__half>(p, stream);
+}
+
+}  // namespace hf_paged

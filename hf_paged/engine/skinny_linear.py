@@ -1,0 +1,123 @@
+"""Route a model's linear layers through the skinny decode kernel (``hf_paged.kernels.skinny``), only when asked.
+
+:func:`install` gives every plain ``nn.Linear`` of the decoder layers and the output head a per-instance forward
+that calls :func:`hf_paged.kernels.skinny.linear` while :func:`active` is entered, and the module's own forward
+otherwise: outside ``active()`` the model computes exactly what it did before, and a module that no caller asks for
+costs one flag test per call. The flag is a module-level global read in Python, so a ``torch.compile``'d forward
+guards on it and holds the skinny op only in graphs traced inside ``active()``. The op itself picks the kernel or
+``F.linear`` per call (row count, device, dtype), so entering ``active()`` for a prefill step is safe, only useless.
+
+Modules whose weights the kernel could not stream are left alone: subclasses of ``nn.Linear`` (quantized or
+otherwise special), weights that are tensor subclasses (quantized parameters, DTensors), on the meta device,
+non-contiguous, of a dtype the kernel does not serve or other than the rest of the layers', or with K not a
+multiple of 8.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+
+from hf_paged.hf.placement import decoder_layers
+from hf_paged.kernels import skinny
+
+logger = logging.getLogger("hf_paged")
+
+_EAGER = "_hf_paged_skinny_eager"  # the forward a patched module had before (None: its class's)
+_active = False
+
+
+@contextmanager
+def active() -> Iterator[None]:
+    """Serve the patched modules' calls with the skinny op while inside (process-wide; nests)."""
+    global _active
+    before, _active = _active, True
+    try:
+        yield
+    finally:
+        _active = before
+
+
+def is_active() -> bool:
+    return _active
+
+
+def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
+    """Patch the eligible ``nn.Linear`` modules of ``model``'s decoder layers and output head (see the module's
+    docstring); returns every patched module, those patched by an earlier call included (installing twice changes
+    nothing).
+
+    Raises:
+        ValueError: the model has no list of decoder layers.
+    """
+    layers = decoder_layers(model)
+    if layers is None:
+        raise ValueError(f"{type(model).__name__} has no list of decoder layers to route through the skinny linear")
+    candidates = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, torch.nn.Linear) and all(head is not m for m in candidates):
+        candidates.append(head)
+    dtype = _layers_dtype(layers)
+    patched = []
+    for module in candidates:
+        if _EAGER not in module.__dict__:
+            reason = skip_reason(module, dtype)
+            if reason is not None:
+                logger.debug("hf_paged: skinny linear leaves %s alone: %s", type(module).__name__, reason)
+                continue
+            _patch(module)
+        patched.append(module)
+    return patched
+
+
+def uninstall(model: torch.nn.Module) -> None:
+    """Give every module :func:`install` patched its previous forward back."""
+    for module in model.modules():
+        if _EAGER in module.__dict__:
+            eager = module.__dict__.pop(_EAGER)
+            del module.forward
+            if eager is not None:
+                module.forward = eager
+
+
+def skip_reason(module: torch.nn.Linear, dtype: torch.dtype | None) -> str | None:
+    """None if ``module``'s forward can be routed through the skinny op (``dtype``: the layers' dtype), else why not."""
+    weight, bias = module.weight, module.bias
+    if type(module) is not torch.nn.Linear:
+        return f"a subclass of nn.Linear ({type(module).__name__})"
+    for name, t in (("weight", weight), ("bias", bias)):
+        if t is not None and type(t) not in (torch.nn.Parameter, torch.Tensor):
+            return f"its {name} is a {type(t).__name__}"
+    if weight.is_meta:
+        return "its weight is on the meta device"
+    if weight.dtype not in skinny.DTYPES:
+        return f"the kernel serves {skinny.DTYPES}, the weight is {weight.dtype}"
+    if weight.dtype != dtype or (bias is not None and bias.dtype != weight.dtype):
+        return f"its dtype {weight.dtype} differs from the layers' {dtype}"
+    if not weight.is_contiguous():
+        return "its weight is not contiguous"
+    if weight.shape[1] % 8:
+        return f"in_features {weight.shape[1]} is not a multiple of 8"
+    return None
+
+
+def _patch(module: torch.nn.Linear) -> None:
+    eager = module.forward  # an instance forward set by someone else (a hook) is kept and called
+
+    def forward(input: torch.Tensor) -> torch.Tensor:
+        if _active:
+            return skinny.linear(input, module.weight, module.bias)
+        return eager(input)
+
+    object.__setattr__(module, _EAGER, module.__dict__.get("forward"))
+    module.forward = forward
+
+
+def _layers_dtype(layers: torch.nn.Module) -> torch.dtype | None:
+    """The most common floating dtype among the layers' parameters (by count)."""
+    counts = Counter(p.dtype for p in layers.parameters() if p.is_floating_point())
+    return counts.most_common(1)[0][0] if counts else None

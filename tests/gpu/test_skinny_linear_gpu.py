@@ -1,0 +1,227 @@
+"""On the GPU: the skinny linear kernel (hf_paged/csrc/skinny_gemm.cu) against a float64 oracle, in CUDA graphs, and in
+a model's greedy decode.
+
+Each case draws fresh inputs: weights of shape [N, K] for N in 8 .. 128256 (one and several tiles, split K across
+warps and across clusters, rows past a tile's end) and K from 64 to 14336 (2056: a chunk of K past the last full one),
+fp16/bf16, with and without bias, and x of 1 .. 8 rows. Every output row is judged on its own: each element within
+the dtype's rounding of the float64 value plus 2^-16 of sum |x_k w_k| (fp32 accumulation on tensor cores), and
+within twice that of cuBLAS (its reduced-precision reductions turned off).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.engine import skinny_linear  # noqa: E402
+from hf_paged.kernels import skinny  # noqa: E402
+
+from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402  (same folder)
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}  # largest relative error of rounding to the dtype
+ACCUMULATION = 2.0**-16  # times sum |x_k w_k|
+NS = (8, 512, 1000, 2048, 8192, 128256)
+KS = (64, 2048, 2056, 4096, 8192, 14336)
+# At most the 8B model's lm_head; 14336 x 4096 (the 8B model's gate/up) splits K in two per tile on an H100.
+SHAPES = [(n, k) for n in NS for k in KS if n * k <= 128256 * 4096] + [(14336, 4096)]
+
+
+@pytest.fixture(autouse=True)
+def full_precision_cublas():
+    before = (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+              torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction)
+    torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction = False
+    torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction = False
+    yield
+    (torch.backends.cuda.matmul.allow_bf16_reduced_precision_reduction,
+     torch.backends.cuda.matmul.allow_fp16_reduced_precision_reduction) = before
+
+
+def random_linear(n: int, k: int, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
+    """Weights scaled like a trained layer's (outputs of order 1)."""
+    weight = (torch.randn(n, k, device=DEVICE, generator=gen) * k**-0.5).to(dtype)
+    bias = torch.randn(n, device=DEVICE, generator=gen).to(dtype) if with_bias else None
+    return weight, bias
+
+
+def oracle(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """float64 ``x @ weight.T + bias`` and ``|x| @ |weight|.T + |bias|``, over slices of the weight."""
+    x64, values, scales = x.double(), [], []
+    for rows in range(0, weight.shape[0], 16384):
+        w64 = weight[rows:rows + 16384].double()
+        values.append(x64 @ w64.T)
+        scales.append(x64.abs() @ w64.abs().T)
+    value, scale = torch.cat(values, 1), torch.cat(scales, 1)
+    if bias is not None:
+        value, scale = value + bias.double(), scale + bias.double().abs()
+    return value, scale
+
+
+def assert_rows_close(got: torch.Tensor, want: torch.Tensor, allowed: torch.Tensor, label: str) -> None:
+    """Every element of each row within ``allowed``; the message names each failing row and its worst column."""
+    excess = (got.double() - want).abs() - allowed  # [M, N]
+    bad = [(m, int(excess[m].argmax())) for m in range(got.shape[0]) if bool((excess[m] > 0).any())]
+    assert not bad, f"{label}: rows failing (row, worst n, got, want): " + ", ".join(
+        f"({m}, {n}, {float(got[m, n]):.6g}, {float(want[m, n]):.6g})" for m, n in bad[:8])
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("n", "k"), SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_rows_match_float64_and_cublas(n, k, dtype, with_bias):
+    gen = torch.Generator(DEVICE).manual_seed(n * 31 + k + with_bias)
+    weight, bias = random_linear(n, k, dtype, with_bias, gen)
+    for m in range(1, skinny.MAX_ROWS + 1):
+        x = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
+        assert skinny.kernel_serves(x, weight, bias)
+        got = skinny.linear(x, weight, bias)
+        want, scale = oracle(x, weight, bias)
+        allowed = ROUNDING[dtype] * want.abs() + ACCUMULATION * scale + 1e-6
+        label = f"M={m} N={n} K={k} {dtype} bias={with_bias}"
+        assert got.shape == (m, n) and got.dtype == dtype
+        assert_rows_close(got, want, allowed, label)
+        assert_rows_close(got, F.linear(x, weight, bias).double(), 2 * allowed, label + " vs cuBLAS")
+
+
+def test_leading_dims_and_strided_rows_are_served():
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    weight, bias = random_linear(1000, 2048, torch.bfloat16, True, gen)
+    hidden = torch.randn(4, 5, 2048, device=DEVICE, generator=gen).to(torch.bfloat16)
+    for x in (hidden[:, -1:, :], hidden[:1], hidden[0, 1]):  # 4 rows 5 * 2048 apart; [1, 5, K]; a single [K]
+        assert skinny.kernel_serves(x, weight, bias)
+        got = skinny.linear(x, weight, bias)
+        assert got.shape == (*x.shape[:-1], 1000) and got.is_contiguous()
+        rows = x.reshape(-1, 2048)
+        want, scale = oracle(rows, weight, bias)
+        assert_rows_close(got.reshape(-1, 1000), want, ROUNDING[torch.bfloat16] * want.abs() + ACCUMULATION * scale,
+                          f"x {tuple(x.shape)} strides {x.stride()}")
+        assert torch.equal(got.reshape(-1, 1000), torch.ops.hf_paged.skinny_gemm(rows, weight, bias))
+
+
+def test_one_allocation_per_call():
+    gen = torch.Generator(DEVICE).manual_seed(4)
+    weight, bias = random_linear(512, 2048, torch.bfloat16, True, gen)
+    x = torch.randn(8, 2048, device=DEVICE, generator=gen).to(torch.bfloat16)
+    skinny.linear(x, weight, bias)  # warm: the kernels are loaded
+    before = torch.cuda.memory_stats()["allocation.all.allocated"]
+    skinny.linear(x, weight, bias)
+    assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == 1  # the output
+
+
+@pytest.mark.parametrize("case", ["9 rows", "33 rows", "0 rows", "K % 8", "float32", "weight view"])
+def test_what_the_kernel_does_not_serve_is_f_linear(case):
+    gen = torch.Generator(DEVICE).manual_seed(5)
+    rows = {"9 rows": 9, "33 rows": 33, "0 rows": 0}.get(case, 4)
+    k = 2044 if case == "K % 8" else 2048
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    weight, bias = random_linear(512, k, dtype, True, gen)
+    if case == "weight view":
+        weight = random_linear(k, 512, dtype, False, gen)[0].t()
+    x = torch.randn(rows, k, device=DEVICE, generator=gen).to(dtype)
+    assert not skinny.kernel_serves(x, weight, bias)
+    assert torch.equal(skinny.linear(x, weight, bias), F.linear(x, weight, bias))
+
+
+def test_the_op_refuses_bad_arguments_with_what_to_change():
+    w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(9, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="at most 8 rows"):
+        torch.ops.hf_paged.skinny_gemm(x, w, None)
+    with pytest.raises(ValueError, match="weight must have x's dtype"):
+        torch.ops.hf_paged.skinny_gemm(x[:2], w.half(), None)
+    with pytest.raises(ValueError, match=r"x must be \[rows, K\]"):
+        torch.ops.hf_paged.skinny_gemm(x[:2, :32], w, None)
+    with pytest.raises(NotImplementedError, match="float16 and bfloat16"):
+        torch.ops.hf_paged.skinny_gemm(x[:2].float(), w.float(), None)
+    with pytest.raises(ValueError, match="bias must be a contiguous"):
+        torch.ops.hf_paged.skinny_gemm(x[:2], w, torch.zeros(8, device=DEVICE, dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize(("n", "k"), [(512, 2048), (2048, 8192), (8192, 2048), (1000, 2056)])
+def test_graph_replay_with_new_data(n, k):
+    gen = torch.Generator(DEVICE).manual_seed(n + k)
+    weight, bias = random_linear(n, k, torch.bfloat16, True, gen)
+    x = torch.randn(8, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        skinny.linear(x, weight, bias)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = skinny.linear(x, weight, bias)
+    for step in range(3):
+        new_weight, new_bias = random_linear(n, k, torch.bfloat16, True, gen)
+        weight.copy_(new_weight)
+        bias.copy_(new_bias)
+        x.copy_(torch.randn(8, k, device=DEVICE, generator=gen))
+        graph.replay()
+        want, scale = oracle(x, weight, bias)
+        assert_rows_close(out, want, ROUNDING[torch.bfloat16] * want.abs() + ACCUMULATION * scale,
+                          f"replay {step} N={n} K={k}")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor needs triton on CUDA")
+def test_inductor_compiled_mlp_runs_the_op_for_every_row_count():
+    torch._dynamo.reset()
+    model = tiny_llama()
+    skinny_linear.install(model)
+    mlp = model.model.layers[0].mlp
+    compiled = torch.compile(mlp, dynamic=True, fullgraph=True)
+    with torch.no_grad(), skinny_linear.active():
+        for rows in (1, 3, 8, 9, 40):
+            x = torch.randn(rows, 1, CONFIG["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
+            want = mlp(x)
+            torch.testing.assert_close(compiled(x), want, rtol=2e-2, atol=2e-2)
+    torch._dynamo.reset()
+
+
+def tiny_llama() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="sdpa",
+                                            dtype=torch.bfloat16).to(DEVICE).eval()
+
+
+def test_greedy_tokens_with_the_kernel_equal_those_without(monkeypatch):
+    model = tiny_llama()
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 15, 17, 100, 300, 7]  # six rows: decode steps run the kernel with M = 6
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(3, CONFIG["vocab_size"], (n,), generator=gen)
+        mask[i, -n:] = 1
+    batch = dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
+                 pad_token_id=0, eos_token_id=None)
+    ref = model.generate(**batch, return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    served = []
+    kernel_input = skinny._kernel_input
+
+    def counted(*args):
+        rows = kernel_input(*args)
+        served.append(rows is not None)
+        return rows
+
+    monkeypatch.setattr(skinny, "_kernel_input", counted)
+    patched = skinny_linear.install(model)
+    assert len(patched) == 7 * CONFIG["num_hidden_layers"] + 1
+    with skinny_linear.active():
+        got = model.generate(**batch)
+    assert sum(served) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the kernel"
+    width = ids.shape[1]
+    assert_matches_up_to_ties(got[:, width:], ref.sequences[:, width:], top2[..., 0] - top2[..., 1], "skinny linear")
