@@ -6,11 +6,14 @@ forward ends with a timeout message instead of a hang."""
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import random
 import socket
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -233,3 +236,16 @@ def test_a_model_without_sharded_weights_is_not_tensor_parallel():
     _, model = make_models("llama_gqa")
     assert tensor_parallel(model) is None
     assert kv_layout(model) == hf_paged.cache.KVLayout.from_config(model.config)
+
+
+@pytest.mark.slow
+def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tensor_parallel
+
+    out = tmp_path / "tp.json"
+    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--json", str(out)])
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and row["gpus"] == 2 and row["system"] == "hf_paged"
+    assert row["decode"]["full_call_s"] > 0 and row["latency"]["full_call_s"] > 0
+    assert "hf_paged                  2" in capsys.readouterr().out

@@ -1,0 +1,205 @@
+"""Tensor parallel: a Llama-3.1-8B-shaped model on one GPU and split over N GPUs with ``tp_plan="auto"``.
+
+A random-init bf16 Llama of the 8B shape (hidden 4096, 32 layers, 32 query / 8 KV heads of 128, MLP 14336, vocab
+128256) is saved once to a temporary folder, then loaded by ``torchrun`` once per GPU count (one GPU: the whole
+model on it; N: ``tp_plan="auto"``, each GPU holding its shard and its own KV heads). Each launch measures, per
+system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` as the baseline):
+
+- decode at batch 64: 64 prompts of 512 random tokens, 256 new tokens, greedy, no EOS. Decode time is the wall of
+  the call for 256 new tokens minus the wall of the call for 1 (prefill and setup cancel out), over 255 steps;
+  reported as output tokens per second.
+- batch-1 latency: one 512-token prompt, ms per output token, the same way.
+
+    python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-graphs         # also hf_paged with decode CUDA graphs on TP
+    python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
+
+Without as many GPUs as the largest count it stops at once. A launch that fails is reported and the others still
+run; the JSON is rewritten after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # the checkout, when hf_paged is not installed
+
+LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
+                tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+LAUNCH_TIMEOUT_S = 900
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--gpus", default="1,2", help="comma list of GPU counts (1 = the whole model on one GPU)")
+    parser.add_argument("--systems", default="hf_paged,transformers", help="hf_paged and/or transformers")
+    parser.add_argument("--tp-graphs", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=1")
+    parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU processes (gloo)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--model-dir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--out", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--variant", default="", help=argparse.SUPPRESS)
+    return parser.parse_args(argv)
+
+
+def _workloads(tiny: bool):
+    """(batch-64 decode, batch-1 latency), scaled down for --tiny."""
+    from e2e_workloads import Workload
+
+    if tiny:
+        return (Workload("decode_b64", 4, 8, prompt_len=32), Workload("latency", 1, 8, prompt_len=32))
+    return Workload("decode_b64", 64, 256, prompt_len=512), Workload("latency", 1, 256, prompt_len=512)
+
+
+def save(args: argparse.Namespace) -> None:
+    """Initialise the model (the same weights for every launch) and save it to ``args.model_dir``."""
+    from e2e_workloads import SMOKE_SHAPE, load_model
+
+    import hf_paged
+
+    shape = {**SMOKE_SHAPE, "tie_word_embeddings": False} if args.tiny else LLAMA_8B
+    model = load_model(shape, "cpu" if args.tiny else "cuda", hf_paged.ATTN_IMPLEMENTATION)
+    model.save_pretrained(args.model_dir)
+    (args.model_dir / "shape.json").write_text(json.dumps(shape))
+
+
+def worker(args: argparse.Namespace) -> None:
+    """One process of a launch: load (sharded when there are several), time each system; rank 0 writes the rows."""
+    import torch
+    import torch.distributed as dist
+    from e2e_systems import Budget, hf_paged_system, timed_latency, transformers_system
+    from transformers import AutoModelForCausalLM
+
+    import hf_paged
+
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if args.tiny:
+        torch.set_num_threads(1)
+    load = dict(attn_implementation=hf_paged.ATTN_IMPLEMENTATION, dtype=torch.float32 if args.tiny else torch.bfloat16)
+    if world > 1:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, tp_plan="auto", **load)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, device_map="cpu" if args.tiny else "cuda:0",
+                                                     **load)
+    model.eval().generation_config.eos_token_id = None
+    vocab = json.loads((args.model_dir / "shape.json").read_text())["vocab_size"]
+    budget = Budget(max_batch_tokens=256 if args.tiny else 2048, max_requests=64)
+    batch64, batch1 = _workloads(args.tiny)
+    rows = []
+    for system in args.systems.split(","):
+        if system == "hf_paged":
+            generate = hf_paged_system(model, budget, {})
+        else:  # transformers' continuous batching takes its own attention ("sdpa", run as "paged|sdpa")
+            model.set_attn_implementation("sdpa")
+            generate = transformers_system(model, budget, num_blocks=16 if args.tiny else None)
+        row = {"system": system + args.variant, "gpus": world}
+        try:
+            row["decode"] = timed_latency(model, generate, batch64, vocab, reps=1 if args.tiny else 2)
+            row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
+            row["decode_tok_per_s"] = batch64.num_requests * 1e3 / row["decode"]["ms_per_token"]
+            row["ms_per_token"] = row["latency"]["ms_per_token"]
+            row["status"] = "ok"
+        except Exception as exc:  # the same on every rank (the calls are), so the ranks stay in step
+            row.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
+        rows.append(row)
+        torch.cuda.empty_cache() if torch.cuda.is_available() else None
+    if rank == 0:
+        meta = {"card": "cpu" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
+                "transformers": __import__("transformers").__version__, "tiny": args.tiny,
+                "hf_paged_commit": os.environ.get("HF_PAGED_COMMIT")}
+        args.out.write_text(json.dumps([{**r, **meta} for r in rows]))
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str = "", **env) -> list[dict]:
+    out = Path(tempfile.mkdtemp()) / "rows.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={count}",
+           str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir), "--out", str(out),
+           "--systems", "hf_paged" if variant else args.systems, "--variant", variant]
+    cmd += ["--tiny"] if args.tiny else []
+    full_env = {**os.environ, **env, **({"OMP_NUM_THREADS": "1"} if args.tiny else {})}
+    try:
+        done = subprocess.run(cmd, text=True, capture_output=True, env=full_env, timeout=LAUNCH_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        return [{"system": f"hf_paged{variant}" if variant else s, "gpus": count, "status": "failed",
+                 "error": f"the launch ran past {LAUNCH_TIMEOUT_S} s"}
+                for s in (["x"] if variant else args.systems.split(","))]
+    if done.returncode != 0 or not out.exists():
+        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])[-500:]
+        return [{"system": f"hf_paged{variant}" if variant else s, "gpus": count, "status": "failed", "error": tail}
+                for s in (["x"] if variant else args.systems.split(","))]
+    return json.loads(out.read_text())
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.save:
+        return save(args)
+    if args.worker:
+        return worker(args)
+    counts = [int(c) for c in args.gpus.split(",")]
+    if not args.tiny:
+        import torch
+
+        found = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if found < max(counts):
+            raise SystemExit(f"benchmarks/tensor_parallel.py needs {max(counts)} CUDA devices for --gpus "
+                             f"{args.gpus}, found {found}; --tiny runs a tiny model on CPU processes instead")
+    begin = time.perf_counter()
+    say = lambda msg: print(f"[{time.perf_counter() - begin:7.1f} s] {msg}", flush=True)  # noqa: E731
+    rows: list[dict] = []
+    with tempfile.TemporaryDirectory() as folder:
+        model_dir = Path(folder) / "model"
+        say(f"saving a random-init {'tiny' if args.tiny else 'Llama-3.1-8B-shaped bf16'} model ...")
+        if args.tiny:
+            save(argparse.Namespace(tiny=True, model_dir=model_dir))
+        else:  # in a process of its own, so that this one holds no GPU memory
+            subprocess.run([sys.executable, str(Path(__file__).resolve()), "--save", "--model-dir", str(model_dir)],
+                           check=True)
+        runs = [(c, "", {}) for c in counts]
+        if args.tp_graphs:
+            runs += [(c, " (graphs)", {"HF_PAGED_TP_CUDA_GRAPHS": "1"}) for c in counts if c > 1]
+        for count, variant, env in runs:
+            say(f"{count} GPU(s){variant}: {args.systems if not variant else 'hf_paged'} ...")
+            for row in launch(count, args, model_dir, variant, **env):
+                rows.append(row)
+                say(f"  {row['system']} on {count}: " + (
+                    f"decode {row['decode_tok_per_s']:,.0f} tok/s at batch 64, {row['ms_per_token']:.2f} ms/token "
+                    f"at batch 1" if row["status"] == "ok" else f"FAILED: {row['error']}"))
+            if args.json:
+                args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
+    print_table(rows)
+
+
+def print_table(rows: list[dict]) -> None:
+    card = next((r["card"] for r in rows if "card" in r), "?")
+    print(f"\nTensor parallel, Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new; {card}")
+    print(f"{'system':<22}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
+    for r in rows:
+        base = next((b for b in rows if b["system"] == r["system"].split(" ")[0] and b["gpus"] == 1
+                     and b["status"] == "ok"), None)
+        if r["status"] != "ok":
+            print(f"{r['system']:<22}{r['gpus']:>5}  failed: {r['error'][:80]}")
+            continue
+        speedup = f"{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x" if base else ""
+        print(f"{r['system']:<22}{r['gpus']:>5}{r['decode_tok_per_s']:>20,.0f}{r['ms_per_token']:>15.2f}"
+              f"{speedup:>10}")
+
+
+if __name__ == "__main__":
+    main()
