@@ -8,7 +8,9 @@ block or split boundary moves one row of a long context by ~1/n and passes. Two 
   their position: ``v[j, h, d] = (-1) ** bit_((d + h) % 16)(j)``. The output is then exactly the mean of the
   visible keys' values (:func:`exact_position_means`), a small sum over a count, which a kernel reproduces up to
   its final rounding; one key missing or counted twice moves dimension ``d = -h mod 16`` (bit 0, which flips at
-  every position) by about ``1/n``, four times the allowance :func:`position_allowance` grants.
+  every position) by about ``1/n``, four times the allowance :func:`position_allowance` grants. With a sliding
+  ``window`` the visible keys are the row's last ``window`` ones (transformers' convention: position ``i`` sees
+  ``i - window < j <= i``); zero keys score 0 under any softcap too.
 """
 
 from __future__ import annotations
@@ -25,36 +27,53 @@ ROUNDING = {torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11, torch.float32: 2.0
 TOKEN_SHARE = 0.25
 
 
-def visible_keys(meta: PagedMetadata) -> torch.Tensor:
-    """``[T]`` int64: how many keys query row ``t`` sees (causal, bottom-right aligned: key positions ``0..pos``)."""
+def row_sequences(meta: PagedMetadata) -> torch.Tensor:
+    """``[T]`` int64: the sequence of each query row."""
+    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long().cpu()
+    return torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+
+
+def key_ranges(meta: PagedMetadata, window: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """``([T], [T])`` int64: query row ``t`` sees key positions ``first[t] .. end[t] - 1`` (causal, bottom-right
+    aligned: ``end`` is its position + 1; ``first`` is 0, or ``end - window`` under a sliding window > 0)."""
     q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long().cpu()
     k_lens = meta.seq_lens_k.long().cpu()
-    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    seq = row_sequences(meta)
     offset = torch.arange(int(q_lens.sum())) - (torch.cumsum(q_lens, 0) - q_lens)[seq]
-    return k_lens[seq] - q_lens[seq] + offset + 1
+    end = k_lens[seq] - q_lens[seq] + offset + 1
+    first = (end - window).clamp_min(0) if window > 0 else torch.zeros_like(end)
+    return first, end
+
+
+def visible_keys(meta: PagedMetadata, window: int = 0) -> torch.Tensor:
+    """``[T]`` int64: how many keys query row ``t`` sees."""
+    first, end = key_ranges(meta, window)
+    return end - first
 
 
 def position_values(positions: torch.Tensor, num_kv_heads: int, head_dim: int) -> torch.Tensor:
     """``[N, Hkv, D]`` float64 values of keys at ``positions`` [N]: +1 or -1 by one bit of the position."""
     bits = (torch.arange(head_dim)[None, :] + torch.arange(num_kv_heads)[:, None]) % 16  # [Hkv, D]
-    return 1.0 - 2.0 * ((positions[:, None, None] >> bits[None]) & 1).double()
+    signs = 1.0 - 2.0 * ((positions[:, None] >> torch.arange(16)) & 1).double()  # [N, 16]: one per bit
+    return signs[:, bits]
 
 
 def exact_position_means(meta: PagedMetadata, num_heads: int, num_kv_heads: int, head_dim: int,
-                         drop: dict[int, int] | None = None, repeat: dict[int, int] | None = None) -> torch.Tensor:
+                         drop: dict[int, int] | None = None, repeat: dict[int, int] | None = None,
+                         window: int = 0) -> torch.Tensor:
     """``[T, H, D]`` float64: the mean of the position values over each row's visible keys (the exact output for a
-    :func:`position_step`). ``drop`` / ``repeat`` ``{sequence: key position}`` leave one key out or count it twice in
-    that sequence: what a kernel with such a bug would produce (used to test the checks themselves)."""
-    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long().cpu()
-    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    visible = visible_keys(meta)
+    :func:`position_step`; under a sliding ``window`` > 0, its last ``window`` keys). ``drop`` / ``repeat``
+    ``{sequence: key position}`` leave one key out or count it twice in that sequence: what a kernel with such a
+    bug would produce (used to test the checks themselves)."""
+    seq = row_sequences(meta)
+    first, end = key_ranges(meta, window)
     longest = int(meta.seq_lens_k.max())
     prefix = torch.cat([torch.zeros(1, num_kv_heads, head_dim, dtype=torch.float64),
                         position_values(torch.arange(longest), num_kv_heads, head_dim).cumsum(0)])
-    sums, counts = prefix[visible].clone(), visible.double().clone()
+    sums, counts = prefix[end] - prefix[first], (end - first).double()
     for changes, sign in ((drop or {}, -1.0), (repeat or {}, 1.0)):
         for b, pos in changes.items():
-            rows = (seq == b) & (visible > pos)
+            rows = (seq == b) & (first <= pos) & (end > pos)
             sums[rows] += sign * position_values(torch.tensor([pos]), num_kv_heads, head_dim)[0]
             counts[rows] += sign
     # A row left with no key gets zeros, as the kernels write for an empty context.
@@ -69,11 +88,12 @@ def position_step(prefix_lens: list[int], new_lens: list[int], block_size: int, 
     meta, _, _ = make_paged_step(prefix_lens, new_lens, block_size, num_kv_heads, head_dim, dtype, gen)
     k_cache, v_cache = meta.kv_caches[0]
     flat_k, flat_v = k_cache.view(-1, num_kv_heads, head_dim), v_cache.view(-1, num_kv_heads, head_dim)
+    values = position_values(torch.arange(int(meta.seq_lens_k.max())), num_kv_heads, head_dim).to(dtype)
     for b, total in enumerate(meta.seq_lens_k.tolist()):
         pos = torch.arange(total)
         slots = meta.block_tables[b, pos // block_size].long() * block_size + pos % block_size
         flat_k[slots] = 0
-        flat_v[slots] = position_values(pos, num_kv_heads, head_dim).to(dtype)
+        flat_v[slots] = values[:total]
     query = torch.randn(int(meta.cu_seqlens_q[-1]), num_heads, head_dim, generator=gen).to(dtype)
     return meta, query, flat_k[meta.slot_mapping].clone(), flat_v[meta.slot_mapping].clone()
 
@@ -84,10 +104,11 @@ def row_errors(out: torch.Tensor, expected: torch.Tensor, allowance: torch.Tenso
     return ((out.double().cpu() - expected.double().cpu()).abs() / allowance.cpu()).amax(dim=-1)
 
 
-def position_allowance(meta: PagedMetadata, expected: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+def position_allowance(meta: PagedMetadata, expected: torch.Tensor, dtype: torch.dtype,
+                       window: int = 0) -> torch.Tensor:
     """What a row of a :func:`position_step` may be off by: the dtype's rounding of the exact mean plus a quarter of
     one key's weight (``0.25 / visible keys``), far below what one missing or repeated key moves it by."""
-    share = TOKEN_SHARE / visible_keys(meta).double()[:, None, None]
+    share = TOKEN_SHARE / visible_keys(meta, window).double()[:, None, None]
     return ROUNDING[dtype] * expected.double().cpu().abs() + share
 
 

@@ -78,20 +78,39 @@ def test_prefill_configs_per_head_size():
     assert all(prefill_configs(d) == (1, 2) for d in kernels.HEAD_DIMS if d > 128)
 
 
-@pytest.mark.parametrize(
-    ("change", "words"),
-    [
-        ({"sliding_window": 64}, "sliding-window"),
-        ({"softcap": 30.0}, "softcap"),
-        ({"head_dim": 120}, "head_dim"),
-        ({"dtype": torch.float64}, "dtype"),
-    ],
-)
+@pytest.mark.parametrize(("change", "words"), [({"head_dim": 120}, "head_dim"), ({"dtype": torch.float64}, "dtype")])
 def test_declines_what_the_kernel_lacks(no_gpu, change: dict, words: str):
     fields = dict(phase=Phase.DECODE, device_type="cuda", dtype=torch.float16, head_dim=128, num_heads=32,
                   num_kv_heads=8, block_size=16)
     fields.update(change)
     assert words in CudaBackend().unsupported_reason(AttentionCall(**fields))
+
+
+@pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL, Phase.EXTEND])
+@pytest.mark.parametrize("extras", [{"sliding_window": 64}, {"softcap": 30.0}, {"sliding_window": 4096, "softcap": 50.0}],
+                         ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("block_size", [16, 48, 256])
+def test_sliding_window_and_softcap_go_to_the_kernels(no_gpu, monkeypatch, phase: Phase, extras: dict,
+                                                      block_size: int):
+    """Mistral, Gemma2/3 and windowed Qwen2 layers at any block size: the kernels take both as arguments, so the
+    backend refuses them only when the kernels cannot load, and serves them (in dispatch order) when they can."""
+    call = AttentionCall(phase, "cuda", torch.bfloat16, 128, 32, 8, block_size, **extras)
+    assert "no CUDA GPU" in CudaBackend().unsupported_reason(call)
+    monkeypatch.setattr(kernels, "unavailable_reason", lambda: None)
+    assert CudaBackend().unsupported_reason(call) is None
+    assert Dispatcher(backend=("cuda", "torch")).select(call).name == "cuda"
+
+
+def test_window_shortens_the_decode_workspace():
+    """A windowed decode's splits cover min(max_seq_len, window) keys: its workspace (sized on the host, fixed under a
+    CUDA graph) shrinks with the window and equals the unwindowed one when the window is longer than the context."""
+    assert kernels.decode_keys(8192, 0) == 8192 and kernels.decode_keys(8192, 4096) == 4096
+    assert kernels.decode_keys(100, 4096) == 100
+    full = kernels.decode_workspace_numel(4, 32, 128, 8192, 512)
+    assert full == 4 * 32 * 16 * 130
+    assert kernels.decode_workspace_numel(4, 32, 128, 8192, 512, window=1000) == 4 * 32 * 2 * 130
+    assert kernels.decode_workspace_numel(4, 32, 128, 8192, 512, window=512) == 0  # one split: no partials
+    assert kernels.decode_workspace_numel(4, 32, 128, 8192, 512, window=10**6) == full
 
 
 def test_dispatcher_picks_torch_on_cpu(no_gpu):

@@ -17,8 +17,9 @@ from kernel_oracle import (
     position_allowance,
     position_step,
     random_allowance,
+    key_ranges,
     row_errors,
-    visible_keys,
+    row_sequences,
 )
 from test_flash_backend import make_paged_step
 
@@ -27,49 +28,63 @@ STEPS = {"decode": ([0, 15, 16, 63, 200, 300], [1, 1, 1, 1, 1, 1]), "extend": ([
 SPLIT = 64  # a decode split length and the prefill kernel's key tile
 
 
-def oracle(meta, query, num_heads: int, head_dim: int) -> torch.Tensor:
+WINDOWS = [0, 1, 5, 50]  # none, only the row's own key, less than a block, across blocks and splits
+
+
+def oracle(meta, query, num_heads: int, head_dim: int, window: int = 0, softcap: float | None = None) -> torch.Tensor:
     k_cache, v_cache = meta.kv_caches[0]
-    return paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta,
-                                     AttentionParams(scale=head_dim**-0.5), compute_dtype=torch.float64)
+    params = AttentionParams(scale=head_dim**-0.5, sliding_window=window or None, softcap=softcap)
+    return paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
+                                     compute_dtype=torch.float64)
 
 
-def boundary_positions(seq_len: int, block_size: int) -> list[int]:
-    """Key positions at the edges of blocks and of SPLIT-token splits / tiles."""
+def boundary_positions(seq_len: int, block_size: int, window_edges: list[int]) -> list[int]:
+    """Key positions at the edges of blocks, of SPLIT-token splits / tiles and of the rows' windows."""
     edges = {p for step in (block_size, SPLIT) for start in range(0, seq_len, step) for p in (start, start - 1)}
+    edges |= {p for first in window_edges for p in (first, first - 1)}
     return sorted(p for p in edges if 0 <= p < seq_len)
 
 
+@pytest.mark.parametrize("window", WINDOWS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("step", STEPS)
-def test_exact_answer_matches_the_oracle_and_passes_after_rounding(step: str, block_size: int, dtype: torch.dtype):
+def test_exact_answer_matches_the_oracle_and_passes_after_rounding(step: str, block_size: int, dtype: torch.dtype,
+                                                                   window: int):
     gen = torch.Generator().manual_seed(block_size)
     meta, query, _, _ = position_step(*STEPS[step], block_size, 8, 2, 64, dtype, gen)
-    exact = exact_position_means(meta, 8, 2, 64)
-    assert torch.allclose(oracle(meta, query, 8, 64), exact, rtol=0, atol=1e-12)
-    assert_rows_close(exact.to(dtype), exact, position_allowance(meta, exact, dtype), "rounded exact answer")
+    exact = exact_position_means(meta, 8, 2, 64, window=window)
+    assert torch.allclose(oracle(meta, query, 8, 64, window), exact, rtol=0, atol=1e-12)
+    # zero keys score 0 under any cap: softcapping leaves the exact answer as it is
+    assert torch.allclose(oracle(meta, query, 8, 64, window, softcap=2.0), exact, rtol=0, atol=1e-12)
+    assert_rows_close(exact.to(dtype), exact, position_allowance(meta, exact, dtype, window), "rounded exact answer")
 
 
 @pytest.mark.parametrize("fault", ["drop", "repeat"])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype, window", [(torch.bfloat16, 0), (torch.float16, 0), (torch.bfloat16, 1),
+                                           (torch.float16, 5), (torch.bfloat16, 50)],
+                         ids=["bf16", "fp16", "bf16-window1", "fp16-window5", "bf16-window50"])
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("step", STEPS)
-def test_one_key_wrong_at_a_boundary_fails_exactly_the_rows_that_see_it(step, block_size, dtype, fault: str):
+def test_one_key_wrong_at_a_boundary_fails_exactly_the_rows_that_see_it(step, block_size, dtype, fault: str,
+                                                                        window: int):
+    """At block, split and window edges: a key the row sees fails it, a key outside its window does not."""
     gen = torch.Generator().manual_seed(7)
     meta, _, _, _ = position_step(*STEPS[step], block_size, 8, 2, 64, dtype, gen)
-    exact = exact_position_means(meta, 8, 2, 64)
-    allowance = position_allowance(meta, exact, dtype)
-    q_lens = (meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]).long()
-    seq = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    visible = visible_keys(meta)
+    exact = exact_position_means(meta, 8, 2, 64, window=window)
+    allowance = position_allowance(meta, exact, dtype, window)
+    seq = row_sequences(meta)
+    first, end = key_ranges(meta, window)
     checked = 0
     for b, seq_len in enumerate(meta.seq_lens_k.tolist()):
-        for pos in boundary_positions(seq_len, block_size):
-            wrong = exact_position_means(meta, 8, 2, 64, **{fault: {b: pos}}).to(dtype)  # a faulty kernel's output
+        firsts = first[seq == b]  # the window edges of the sequence's first and last rows
+        for pos in boundary_positions(seq_len, block_size, [int(firsts[0]), int(firsts[-1])]):
+            # a faulty kernel's output
+            wrong = exact_position_means(meta, 8, 2, 64, window=window, **{fault: {b: pos}}).to(dtype)
             failed = (row_errors(wrong, exact, allowance) > 1).all(dim=1)  # every head of the row fails
-            sees = (seq == b) & (visible > pos)
+            sees = (seq == b) & (first <= pos) & (end > pos)
             if fault == "repeat":
-                sees &= visible > 1  # the only key counted twice averages to itself: no output can show it
+                sees &= end - first > 1  # the only key counted twice averages to itself: no output can show it
             assert torch.equal(failed, sees), (b, pos, failed.nonzero().flatten(), sees.nonzero().flatten())
             checked += 1
     assert checked > 20

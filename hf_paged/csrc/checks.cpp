@@ -1,8 +1,10 @@
 // Host-side argument checks shared by the torch ops (declared in checks.h).
 #include "checks.h"
+#include "launch.h"
 
 #include <c10/core/ScalarType.h>
 
+#include <algorithm>
 #include <cstdarg>
 #include <cstdio>
 
@@ -97,6 +99,20 @@ void check_lengths_and_tables(const at::Tensor& lens, const char* lens_name, con
 float softmax_scale_log2(double scale) {
   TORCH_CHECK_VALUE(scale > 0.0, format("scale must be positive, got %g", scale));
   return static_cast<float>(scale * kLog2e);
+}
+
+ScoreOptions score_options(int64_t window, double softcap, double scale) {
+  ScoreOptions o{kNoWindow, 0.f, 0.f};
+  if (window > 0) o.window = static_cast<int>(std::min<int64_t>(window, kNoWindow));
+  if (softcap > 0.0) {
+    o.softcap = static_cast<float>(softcap / scale);
+    o.softcap_inv = static_cast<float>(scale / softcap);
+  }
+  return o;
+}
+
+int64_t keys_read(int64_t max_seq_len, int64_t window) {
+  return window > 0 ? std::min(max_seq_len, window) : max_seq_len;
 }
 
 int block_shift_of(int64_t block_size) {

@@ -39,6 +39,18 @@ void check_lengths_and_tables(const at::Tensor& lens, const char* lens_name, con
 // scale * log2(e) for kernels that exponentiate in base 2; the scale must be positive.
 float softmax_scale_log2(double scale);
 
+// A sliding window and logit softcapping as the kernels take them (launch.h's DecodeParams): window <= 0 or
+// softcap <= 0 turn them off (window kNoWindow, softcap 0). The cap is handed over in units of q.k
+// (softcap / scale), so that kernels apply it to raw scores before their scale.
+struct ScoreOptions {
+  int window;
+  float softcap, softcap_inv;
+};
+ScoreOptions score_options(int64_t window, double softcap, double scale);
+
+// How many keys a query row reads at most: max_seq_len, or the window when it is shorter.
+int64_t keys_read(int64_t max_seq_len, int64_t window);
+
 // log2(block_size) when it is a power of two, else -1 (the kernels then divide).
 int block_shift_of(int64_t block_size);
 

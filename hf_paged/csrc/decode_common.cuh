@@ -47,6 +47,15 @@ __device__ __forceinline__ void prefill_row(const DecodeParams& p, int t, int& s
   seq_len = cmin(cmax(k_len - q_len, 0) + (t - q0) + 1, k_len);
 }
 
+// The block-table slice of the split starting at token t_begin (entries past the row's end are never needed).
+__device__ __forceinline__ void load_table_slice(const DecodeParams& p, int t_begin, int* table, CtaWork& w) {
+  w.t_begin = t_begin;
+  w.blk_first = block_of(t_begin, p);
+  const int n_blocks = cmin(cdiv(p.split_len, p.block_size) + 1, p.table_width - w.blk_first);
+  for (int i = threadIdx.x; i < n_blocks; i += kThreads)
+    table[i] = p.block_tables[static_cast<int64_t>(w.seq) * p.table_stride + w.blk_first + i];
+}
+
 // Fills `w` and copies the split's slice of the block table to `table` (so address math never waits on global
 // memory). The slice a full split could need is loaded together with seq_len, not after it: one dependent round
 // trip less before the first K/V copy (entries past the sequence are row padding, never used). Returns false for
@@ -66,14 +75,19 @@ __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* tab
   } else {
     seq_len = p.seq_lens[w.b];
   }
-  w.t_begin = w.split * p.split_len;
-  w.blk_first = block_of(w.t_begin, p);
-  const int n_blocks = cmin(cdiv(p.split_len, p.block_size) + 1, p.table_width - w.blk_first);
-  for (int i = threadIdx.x; i < n_blocks; i += kThreads)
-    table[i] = p.block_tables[static_cast<int64_t>(w.seq) * p.table_stride + w.blk_first + i];
+  if (p.window < p.max_context) {
+    // The splits cover the last `window` keys only, so the slice waits for seq_len: one round trip more, in
+    // windowed launches only (nothing before the loads of the other branch reads seq_len; keep it so, the SASS
+    // shows whether the compiler hoisted a use of it).
+    const int k_begin = cmin(cmax(seq_len - p.window, 0), p.max_context - p.window);
+    load_table_slice(p, k_begin + w.split * p.split_len, table, w);
+  } else {
+    load_table_slice(p, w.split * p.split_len, table, w);
+  }
   w.seq_len = cmin(seq_len, p.max_context);
+  const int keys = cmin(w.seq_len, p.window);  // seq_len - the window's first key
   // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
-  w.num_splits = cmin(cdiv(cmax(w.seq_len, 1), p.split_len), p.max_splits);
+  w.num_splits = cmin(cdiv(cmax(keys, 1), p.split_len), p.max_splits);
   if (w.split >= w.num_splits) return false;
   w.t_end = cmin(w.seq_len, w.t_begin + p.split_len);
   __syncthreads();

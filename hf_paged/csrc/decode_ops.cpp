@@ -121,12 +121,14 @@ bool table_slice_fits(int64_t split_len, int64_t block_size) {
 // Everything but the split settings (and, for prefill rows, the row mapping), from checked tensors.
 DecodeParams launch_params(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
                            const at::Tensor& v_cache, const at::Tensor& block_tables, const at::Tensor& seq_lens,
-                           const AttentionShape& s, const DecodeKernel& k, float scale_log2) {
+                           const AttentionShape& s, const DecodeKernel& k, float scale_log2,
+                           const ScoreOptions& o) {
   DecodeParams p{};
   const int group_size = static_cast<int>(s.heads / s.kv_heads);
   p.out = out.data_ptr(), p.query = query.data_ptr(), p.k_cache = k_cache.data_ptr(), p.v_cache = v_cache.data_ptr();
   p.block_tables = block_tables.data_ptr<int32_t>(), p.seq_lens = seq_lens.data_ptr<int32_t>();
   p.scale_log2 = scale_log2;
+  p.window = o.window, p.softcap = o.softcap, p.softcap_inv = o.softcap_inv;
   p.q_stride_b = query.stride(0), p.q_stride_h = query.stride(1);
   p.num_heads = static_cast<int>(s.heads), p.num_kv_heads = static_cast<int>(s.kv_heads);
   p.group_size = group_size, p.head_groups = static_cast<int>(head_groups_of(k, group_size));
@@ -149,37 +151,41 @@ void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int devi
 
 }  // namespace
 
-int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
+int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
+                               int64_t window) {
   const AttentionShape s = check_query_and_cache(query, query, k_cache, k_cache, "batch");
   const c10::cuda::CUDAGuard guard(query.device());
-  return split_len_for(kernel_for(query, s), query, k_cache, max_seq_len);
+  return split_len_for(kernel_for(query, s), query, k_cache, keys_read(max_seq_len, window));
 }
 
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     int64_t split_len, const std::optional<at::Tensor>& workspace) {
+                     int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window,
+                     double softcap) {
   const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch");
   check_lengths_and_tables(seq_lens, "seq_lens", block_tables, s.rows, query.device());
   check_decode_args(out, k_cache, block_tables, max_seq_len);
   const float scale_log2 = softmax_scale_log2(scale);
+  const ScoreOptions options = score_options(window, softcap, scale);
+  const int64_t keys = keys_read(max_seq_len, window);  // what the splits cover: a window shortens them
   const DecodeKernel k = kernel_for(query, s);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t batch = s.rows, heads = s.heads, kv_heads = s.kv_heads;
   if (batch == 0) return 0;
-  if (split_len <= 0) split_len = split_len_for(k, query, k_cache, max_seq_len);
+  if (split_len <= 0) split_len = split_len_for(k, query, k_cache, keys);
   TORCH_CHECK_VALUE(split_len % k.tile == 0, format("split_len must be a multiple of %d here, got %lld", k.tile,
                                                    static_cast<long long>(split_len)));
-  const int64_t max_splits = std::max<int64_t>(1, (max_seq_len + split_len - 1) / split_len);
+  const int64_t max_splits = std::max<int64_t>(1, (keys + split_len - 1) / split_len);
   TORCH_CHECK_VALUE(max_splits <= kMaxSplits, format("split_len %lld cuts %lld tokens into more than %d splits; use a "
                                                      "longer split", static_cast<long long>(split_len),
-                                                     static_cast<long long>(max_seq_len), kMaxSplits));
+                                                     static_cast<long long>(keys), kMaxSplits));
   TORCH_CHECK_VALUE(table_slice_fits(split_len, s.block_size),
                     format("split_len %lld over block_size %lld needs too large a block-table slice; use a longer "
                            "block_size or a shorter split_len", static_cast<long long>(split_len),
                            static_cast<long long>(s.block_size)));
 
-  DecodeParams p = launch_params(out, query, k_cache, v_cache, block_tables, seq_lens, s, k, scale_log2);
+  DecodeParams p = launch_params(out, query, k_cache, v_cache, block_tables, seq_lens, s, k, scale_log2, options);
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
   at::Tensor part_out, part_stats, counters;
   if (max_splits > 1) {
@@ -209,7 +215,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
 void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
-                       float scale_log2, const AttentionShape& s) {
+                       float scale_log2, const ScoreOptions& options, const AttentionShape& s) {
   const DecodeKernel k = kernel_for(query, s);
   const int64_t capacity = block_tables.size(1) * s.block_size;  // one split covers any row: no partials
   const int64_t split_len = std::max<int64_t>(round_up(capacity, k.tile), k.tile);
@@ -221,7 +227,7 @@ void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor
   if (s.rows == 0 || seq_lens_k.numel() == 0) return;
   // The kernel writes [T, H, D] rows densely; a strided `out` gets them through a copy (float32 only).
   at::Tensor dst = out.is_contiguous() ? out : at::empty(query.sizes(), query.options());
-  DecodeParams p = launch_params(dst, query, k_cache, v_cache, block_tables, seq_lens_k, s, k, scale_log2);
+  DecodeParams p = launch_params(dst, query, k_cache, v_cache, block_tables, seq_lens_k, s, k, scale_log2, options);
   p.split_len = static_cast<int>(split_len), p.max_splits = 1;
   p.cu_seqlens_q = cu_seqlens_q.data_ptr<int32_t>(), p.num_seqs = static_cast<int>(seq_lens_k.numel());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();

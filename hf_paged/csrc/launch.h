@@ -10,8 +10,13 @@ namespace hf_paged {
 
 // Upper bound on context splits per sequence (sizes the partial-output workspace).
 constexpr int kMaxSplits = 256;
+// The window of attention without a sliding window: every position i >= 0 sees keys j > i - kNoWindow, i.e. all of
+// them, and i - kNoWindow cannot overflow.
+constexpr int kNoWindow = INT32_MAX;
 
 // Arguments of one paged-decode launch. Shapes: B sequences, H query heads, Hkv kv heads, D head_dim.
+// With a sliding window, the splits cover each sequence's last `window` keys only (split s reads keys
+// max(seq_len - window, 0) + s * split_len ...), so a windowed decode reads ~window keys whatever the context.
 struct DecodeParams {
   void* out;                  // [B, H, D], query dtype, contiguous
   const void* query;          // [B, H, D], strides q_stride_b / q_stride_h, last dim contiguous
@@ -23,6 +28,11 @@ struct DecodeParams {
   float* part_stats;          // [B, H, max_splits, 2] (running max in log2 units, sum of exp2)
   int32_t* counters;          // [B, Hkv, head_groups] split tickets; zero on entry, left zero on exit
   float scale_log2;           // softmax scale * log2(e): the kernel works in base 2
+  // Score options (checks.h's ScoreOptions): the query at position i sees keys j with i - window < j <= i
+  // (kNoWindow: every key up to i, without a test); raw scores x = q.k become softcap * tanh(x / softcap) before the
+  // scale, with the model's softcap divided by the softmax scale (0 = off); softcap_inv = 1 / softcap.
+  int window;
+  float softcap, softcap_inv;
   int64_t q_stride_b, q_stride_h;
   int num_heads, num_kv_heads, group_size, head_groups;
   int block_size, block_shift;  // block_shift = log2(block_size) or -1 when not a power of two

@@ -12,19 +12,23 @@ namespace hf_paged {
 // batch * num_heads * splits * (head_dim + 2) elements) holds the split partials; without it they are allocated.
 // With a fixed split_len, max_seq_len and workspace the launch reads every step-dependent value from device
 // memory, so it can be captured in a CUDA graph and replayed for other sequence lengths up to max_seq_len.
+// window > 0: the query sees its last `window` keys only, and the splits cover min(max_seq_len, window) keys (the
+// workspace shrinks with them); softcap > 0: scores become softcap * tanh(score / softcap) before the softmax.
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     int64_t split_len, const std::optional<at::Tensor>& workspace);
+                     int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window, double softcap);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
-int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len);
+int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
+                               int64_t window);
 
 // paged_prefill's float32 path (prefill_ops.cpp checks the arguments): every query row runs as a decode over the
 // keys it sees, on the CUDA-core decode kernel, one split per row.
 struct AttentionShape;
+struct ScoreOptions;
 void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
-                       float scale_log2, const AttentionShape& s);
+                       float scale_log2, const ScoreOptions& options, const AttentionShape& s);
 
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
               const at::Tensor& slot_mapping);

@@ -7,7 +7,7 @@
 namespace hf_paged {
 namespace decode {
 
-// S = Q K^T for the tile, scaled to log2 units, tokens past the split masked.
+// S = Q K^T for the tile (softcapped when asked), scaled to log2 units, tokens past the split masked.
 template <typename T, int D>
 __device__ __forceinline__ void tile_scores(const DecodeParams& p, const CtaWork& w, uint32_t k_tile, int t0, int lane,
                                            const uint32_t (&qa)[D / 16][4], float (&s)[2][4]) {
@@ -23,6 +23,13 @@ __device__ __forceinline__ void tile_scores(const DecodeParams& p, const CtaWork
     ldmatrix_x4(b, swizzled<D>(k_tile, row, 2 * ks + half));
     Mma<T>::run(s[0], qa[ks], b[0], b[1]);
     Mma<T>::run(s[1], qa[ks], b[2], b[3]);
+  }
+  if (p.softcap > 0.f) {
+    const float exp_scale = softcap_exp_scale(p.softcap_inv);
+#pragma unroll
+    for (int j = 0; j < 2; ++j)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = softcapped(s[j][e], p.softcap, exp_scale);
   }
   const int t_lane = t0 + 2 * (lane & 3);
 #pragma unroll

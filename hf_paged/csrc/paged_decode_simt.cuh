@@ -95,10 +95,11 @@ __device__ __forceinline__ void issue_stage(const DecodeParams& p, uint32_t ring
   }
 }
 
-// Scores of kUnroll tokens for GT heads, reduced across the lane group (every lane ends with the full dot).
+// Scores of kUnroll tokens for GT heads, reduced across the lane group (every lane ends with the full dot), in
+// log2 units; softcapped when cap > 0 (cap and inv_cap in log2 units too; tanhf: this path serves float32).
 template <typename T, int D, int GT>
 __device__ __forceinline__ void stage_scores(const unsigned char* ring, int stage, const float (&q)[GT][Config<T, D, GT>::kDimsPerLane],
-                                             float (&s)[Config<T, D, GT>::kUnroll][GT]) {
+                                             float cap, float inv_cap, float (&s)[Config<T, D, GT>::kUnroll][GT]) {
   using C = Config<T, D, GT>;
 #pragma unroll
   for (int u = 0; u < C::kUnroll; ++u) {
@@ -118,6 +119,10 @@ __device__ __forceinline__ void stage_scores(const unsigned char* ring, int stag
     for (int g = 0; g < GT; ++g)
 #pragma unroll
       for (int off = C::kLanesPerToken / 2; off > 0; off /= 2) s[u][g] += __shfl_xor_sync(0xffffffffu, s[u][g], off);
+    if (cap > 0.f) {
+#pragma unroll
+      for (int g = 0; g < GT; ++g) s[u][g] = cap * tanhf(s[u][g] * inv_cap);
+    }
   }
 }
 

@@ -90,6 +90,8 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
     for (int d = 0; d < C::kDimsPerLane; ++d) st.acc[g][d] = 0.f;
   }
 
+  // q carries scale * log2(e), so the scores do too: the cap in the same units.
+  const float cap = p.softcap * p.scale_log2, inv_cap = p.softcap_inv / p.scale_log2;
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + threadIdx.x * 16;
   const int n_iter = cdiv(w.t_end - w.t_begin, C::kTile);
 #pragma unroll
@@ -107,7 +109,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
     cp_async_wait<kStages - 1>();  // this lane's copies for `it` have landed; its slots are private
     const int stage = it % kStages;
     float s[C::kUnroll][GT];
-    stage_scores<T, D, GT>(smem, stage, q, s);
+    stage_scores<T, D, GT>(smem, stage, q, cap, inv_cap, s);
     bool valid[C::kUnroll];
 #pragma unroll
     for (int u = 0; u < C::kUnroll; ++u) valid[u] = w.t_begin + it * C::kTile + u * C::kGroups + group < w.t_end;

@@ -25,6 +25,8 @@ struct PrefillParams {
   int table_stride;
   int max_context;              // table_stride * block_size: longer seq_lens are clamped (memory safety)
   float scale_log2;             // softmax scale * log2(e): the kernel exponentiates in base 2
+  int window;                   // new token at position i sees keys j with i - window < j <= i (kNoWindow: all)
+  float softcap, softcap_inv;   // as in DecodeParams (launch.h): the cap in units of q.k, 0 = off; its inverse
 };
 
 // Tile shapes compiled per (dtype, head_dim). kPrefillConfigAuto lets the host pick.

@@ -9,6 +9,9 @@
 //   latency hides behind the MMAs and the copying threads keep no per-row registers across the loop.
 // - Causal masking is only evaluated on the tiles that cross the diagonal; query tiles are scheduled heaviest
 //   (latest rows, longest context) first so that the grid's tail is made of short CTAs.
+// - A sliding window skips the tiles before the CTA's first row's window and masks the tiles that cross its lower
+//   edge; logit softcapping rewrites a tile's raw scores before the softmax. Both are launch arguments (one branch
+//   per tile), not compiled variants.
 #pragma once
 
 #include "paged_prefill.cuh"

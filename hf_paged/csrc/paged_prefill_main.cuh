@@ -12,12 +12,24 @@ struct RowState {
   float l[C::kMAtoms][2];  // this thread's share of the running sum (reduced over the quad at the end)
 };
 
+// Logit softcapping of one tile of raw scores (cap in units of q.k, see PrefillParams).
+template <class C>
+__device__ __forceinline__ void softcap_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4], float cap, float exp_scale) {
+#pragma unroll
+  for (int mi = 0; mi < C::kMAtoms; ++mi)
+#pragma unroll
+    for (int nt = 0; nt < C::kBlockN / 8; ++nt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcapped(s[mi][nt][e], cap, exp_scale);
+}
+
 // Scale (and mask) one tile of scores, fold it into the running max / sum, rescale O if needed, and leave
 // exp2(score - max) in s. q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
+// kMask: keys past a row's position and keys at or before its position - window are masked.
 template <class C, bool kMask>
 __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
                                              float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
-                                             int q_pos0, int key0, int lane) {
+                                             int q_pos0, int window, int key0, int lane) {
   const int t = lane & 3;
   float corrs[C::kMAtoms][2];
   bool moved = false;
@@ -33,7 +45,7 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
         for (int e = 0; e < 2; ++e) {
           float& x = s[mi][nt][2 * half + e];
           const int key = key0 + nt * 8 + 2 * t + e;
-          if (kMask && key > q_pos) x = -INFINITY;
+          if (kMask && (key > q_pos || key <= q_pos - window)) x = -INFINITY;
           mx = fmaxf(mx, x);
         }
       }
@@ -125,6 +137,11 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   const int prefix = max(k_len - q_len, 0);
   const int n_end = min(k_len, prefix + m0 + C::kBlockM);  // keys the tile's last row may see
   const int n_tiles = (n_end + C::kBlockN - 1) / C::kBlockN;
+  // Sliding window: row i sees keys from i - window + 1 on. Tiles before the first row's window are skipped, tiles
+  // that start before the last row's window are masked (none of either without a window: kNoWindow is INT32_MAX).
+  const int n_first = max(prefix + m0 - p.window + 1, 0) / C::kBlockN;
+  const int last_pos = prefix + min(m0 + C::kBlockM, q_len) - 1;
+  const int window_masked_end = last_pos >= p.window ? (last_pos - p.window) / C::kBlockN + 1 : 0;
   const int kv_head = head / p.group_size;
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
@@ -145,17 +162,22 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     }
     cp_async_commit();
   }
-  // Slots of tiles 0 and 1; thread r < BLOCK_N then keeps the block id of its row two tiles ahead.
-  int* slots = reinterpret_cast<int*>(smem_raw + C::kSlotsOffset);  // [2][kBlockN], tile n in half n & 1
+  // Slots of tiles n_first and n_first + 1; thread r < BLOCK_N then keeps the block id of its row two tiles ahead.
+  // Tile n is staged in half (stage) n & 1 of the slots and of the K/V stages.
+  int* slots = reinterpret_cast<int*>(smem_raw + C::kSlotsOffset);  // [2][kBlockN]
   const bool slot_thread = tid < C::kBlockN;
+  const int first_stage = n_first & 1;
   int next_blk = -1;
   if (slot_thread) {
-    slots[tid] = slot_of(p, tid, block_of(p, table, tid, n_end));
-    slots[C::kBlockN + tid] = slot_of(p, C::kBlockN + tid, block_of(p, table, C::kBlockN + tid, n_end));
-    next_blk = block_of(p, table, 2 * C::kBlockN + tid, n_end);
+    const int tok = n_first * C::kBlockN + tid;
+    slots[first_stage * C::kBlockN + tid] = slot_of(p, tok, block_of(p, table, tok, n_end));
+    slots[(first_stage ^ 1) * C::kBlockN + tid] = slot_of(p, tok + C::kBlockN, block_of(p, table, tok + C::kBlockN,
+                                                                                         n_end));
+    next_blk = block_of(p, table, tok + 2 * C::kBlockN, n_end);
   }
   __syncthreads();
-  issue_kv_tile<C>(p, head_off, slots, k_smem, v_smem, tid);
+  issue_kv_tile<C>(p, head_off, slots + first_stage * C::kBlockN, k_smem + first_stage * C::kTile * sizeof(T),
+                   v_smem + first_stage * C::kTile * sizeof(T), tid);
   cp_async_commit();
 
   const int warp_row0 = warp * C::kWarpRows;
@@ -184,7 +206,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   // Tiles from here on hold keys past the first row of the CTA's diagonal.
   const int first_masked = (prefix + m0 + 1) / C::kBlockN;
 
-  for (int n = 0; n < n_tiles; ++n) {
+  for (int n = n_first; n < n_tiles; ++n) {
     const int stage = n & 1;
     if (n + 1 < n_tiles) {
       issue_kv_tile<C>(p, head_off, slots + (stage ^ 1) * C::kBlockN, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
@@ -196,10 +218,11 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
 
     float s[C::kMAtoms][C::kBlockN / 8][4];
     qk_tile<C>(s, qf, q_smem, k_smem + stage * C::kTile * sizeof(T), warp_row0, lane);
-    if (n >= first_masked)
-      softmax_tile<C, true>(s, o, st, p.scale_log2, q_pos0, n * C::kBlockN, lane);
+    if (p.softcap > 0.f) softcap_tile<C>(s, p.softcap, softcap_exp_scale(p.softcap_inv));
+    if (n >= first_masked || n < window_masked_end)
+      softmax_tile<C, true>(s, o, st, p.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
     else
-      softmax_tile<C, false>(s, o, st, p.scale_log2, q_pos0, n * C::kBlockN, lane);
+      softmax_tile<C, false>(s, o, st, p.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
     pv_tile<C>(o, s, v_smem + stage * C::kTile * sizeof(T), lane);
     if (slot_thread) {  // tile n's slots were used when it was issued; this half now takes tile n + 2's
       const int tok = (n + 2) * C::kBlockN + tid;

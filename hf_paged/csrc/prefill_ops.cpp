@@ -73,17 +73,18 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& cu_seqlens_q,
 
 int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
-                      int64_t max_seqlen_q, double scale, int64_t config) {
+                      int64_t max_seqlen_q, double scale, int64_t config, int64_t window, double softcap) {
   const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "num_tokens");
   const int64_t batch = seq_lens_k.numel();
   check_lengths_and_tables(seq_lens_k, "seq_lens_k", block_tables, batch, query.device());
   check_prefill_args(query, cu_seqlens_q, block_tables, s, batch);
   const float scale_log2 = softmax_scale_log2(scale);
+  const ScoreOptions options = score_options(window, softcap, scale);
   const int64_t heads = s.heads, head_dim = s.head_dim, kv_heads = s.kv_heads, bs = s.block_size;
   TORCH_CHECK_VALUE(config == kPrefillConfigAuto || (config >= 0 && config < kPrefillConfigs),
                     format("config must be -1 (auto) or a tile configuration index below %d", (int)kPrefillConfigs));
   if (query.scalar_type() == at::kFloat) {  // CUDA cores: each row a decode over the keys it sees (decode_ops.cpp)
-    paged_prefill_f32(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale_log2, s);
+    paged_prefill_f32(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale_log2, options, s);
     return kPrefillConfigAuto;
   }
   // Compiled at all? (asked with config 1, compiled for every head size, before any device call)
@@ -118,6 +119,7 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   p.table_stride = static_cast<int>(block_tables.stride(0));
   p.max_context = static_cast<int>(block_tables.size(1) * bs);
   p.scale_log2 = scale_log2;
+  p.window = options.window, p.softcap = options.softcap, p.softcap_inv = options.softcap_inv;
   const dim3 grid(static_cast<unsigned>((max_seqlen_q + k.block_m - 1) / k.block_m), static_cast<unsigned>(heads),
                   static_cast<unsigned>(batch));
   void* args[] = {&p};
@@ -130,7 +132,8 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
   m.def("paged_prefill(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
-        "Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, float scale, int config) -> int");
+        "Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, float scale, int config, int window=0, "
+        "float softcap=0.0) -> int");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) { m.impl("paged_prefill", &hf_paged::paged_prefill); }

@@ -82,6 +82,15 @@ __device__ __forceinline__ float fast_exp2(float x) {
   return y;
 }
 
+// Logit softcapping of a raw score: cap * tanh(x / cap), with tanh(y) = 1 - 2 / (1 + 2^(2 y log2(e))): one MUFU.EX2
+// and one MUFU.RCP, absolute error ~1e-6 of the cap. (tanh.approx.f32 is one MUFU op, but its relative error of
+// 2^-11 is ~0.02 on a score near Gemma2's cap of 50, coarser than the bf16 rounding of the probabilities.) Large |y|
+// give 2^y = inf or 0, hence exactly +1 or -1. `exp_scale` = softcap_exp_scale(1 / cap), computed once per tile.
+__device__ __forceinline__ float softcap_exp_scale(float inv_cap) { return inv_cap * 2.8853900817779268f; }
+__device__ __forceinline__ float softcapped(float x, float cap, float exp_scale) {
+  return cap * (1.f - __fdividef(2.f, 1.f + fast_exp2(x * exp_scale)));
+}
+
 // D += A B for one m16n8k16 tile with fp32 accumulators; `pack` rounds two fp32 values to one A/B register.
 template <typename T>
 struct Mma;

@@ -6,7 +6,8 @@ layout shared with every backend: ``k_cache``/``v_cache`` are ``[num_blocks, blo
 Every function raises :class:`KernelsUnavailable` when the kernels cannot be built here (no GPU, nvcc or ninja);
 :func:`unavailable_reason` asks without raising. Argument errors raise ``ValueError`` (``NotImplementedError`` for
 dtypes / head dims that are not compiled) with what to change. fp16/bf16 decode runs on tensor cores, float32 on
-CUDA cores (for tests and float32 models). Both ops serve every head size in :data:`HEAD_DIMS`.
+CUDA cores (for tests and float32 models). Both ops serve every head size in :data:`HEAD_DIMS`, and take a sliding
+window and logit softcapping as arguments (``window``/``softcap``; 0 = off), as transformers' models define them.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ __all__ = [
     "DECODE_DTYPES",
     "HEAD_DIMS",
     "KernelsUnavailable",
+    "decode_keys",
     "decode_split_len",
     "decode_workspace_numel",
     "paged_decode",
@@ -84,6 +86,8 @@ def paged_decode(
     out: torch.Tensor | None = None,
     split_len: int = 0,
     workspace: torch.Tensor | None = None,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -99,8 +103,12 @@ def paged_decode(
         out: ``[B, H, D]`` contiguous, query's dtype; allocated if None.
         split_len: context tokens per thread block (a multiple of the kernel's tile); 0 = heuristic.
         workspace: float32 storage for the split partials, at least :func:`decode_workspace_numel` elements;
-            None allocates per call. With ``split_len``, ``max_seq_len`` and ``workspace`` fixed, the launch
-            depends on no host value of the step, so it can be captured in a CUDA graph.
+            None allocates per call. With ``split_len``, ``max_seq_len``, ``window`` and ``workspace`` fixed, the
+            launch depends on no host value of the step, so it can be captured in a CUDA graph.
+        window: sliding window (> 0): the query at position ``p`` sees keys ``p - window < j <= p`` only, and the
+            kernel reads only those (its splits cover ``min(max_seq_len, window)`` keys); 0 = the whole context.
+        softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before
+            the softmax (Gemma2); 0 = off.
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
@@ -117,16 +125,22 @@ def paged_decode(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, split_len,
-                        workspace)
+                        workspace, max(window, 0), max(softcap, 0.0))
     return out
 
 
-def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, max_seq_len: int, split_len: int) -> int:
+def decode_keys(max_seq_len: int, window: int = 0) -> int:
+    """How many keys a decode query reads at most, which the split-K grid covers: the window when it is shorter."""
+    return min(max_seq_len, window) if window > 0 else max_seq_len
+
+
+def decode_workspace_numel(batch: int, num_heads: int, head_dim: int, max_seq_len: int, split_len: int,
+                           window: int = 0) -> int:
     """float32 elements :func:`paged_decode` needs for its split partials (0 when one split covers every context)."""
-    splits = max(1, -(-max_seq_len // split_len))
+    splits = max(1, -(-decode_keys(max_seq_len, window) // split_len))
     return 0 if splits == 1 else batch * num_heads * splits * (head_dim + 2)
 
 
-def decode_split_len(query: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int) -> int:
+def decode_split_len(query: torch.Tensor, k_cache: torch.Tensor, max_seq_len: int, window: int = 0) -> int:
     """The split length the heuristic picks for :func:`paged_decode` with these shapes (tokens per thread block)."""
-    return int(_ops().paged_decode_split_len(query, k_cache, max_seq_len))
+    return int(_ops().paged_decode_split_len(query, k_cache, max_seq_len, max(window, 0)))

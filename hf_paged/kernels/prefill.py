@@ -37,6 +37,8 @@ def paged_prefill(
     max_seqlen_q: int | None = None,
     out: torch.Tensor | None = None,
     config: int = AUTO_CONFIG,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
@@ -54,6 +56,9 @@ def paged_prefill(
             ``cu_seqlens_q`` (a device sync).
         out: ``[T, H, D]``, query's dtype; allocated if None.
         config: tile shape index (benchmarks), one of :func:`prefill_configs`; -1 picks one.
+        window: sliding window (> 0): new token at position ``p`` sees keys ``p - window < j <= p`` only; key tiles
+            before every row's window are skipped. 0 = no window.
+        softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``; 0 = off.
 
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
@@ -76,7 +81,7 @@ def paged_prefill(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ensure_built()
     torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-                                     max_seqlen_q, scale, config)
+                                     max_seqlen_q, scale, config, max(window, 0), max(softcap, 0.0))
     return out
 
 

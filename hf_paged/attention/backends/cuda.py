@@ -2,10 +2,10 @@
 
 Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
 and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel, both for float16,
-bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, and the
-KV write of every phase. No backend serves ALiBi
-(docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible (no nvcc, no ninja)
-this backend declines with the reason and the torch backend serves.
+bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, sliding
+windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every phase. No
+backend serves ALiBi (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible
+(no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
 """
 
 from __future__ import annotations
@@ -59,15 +59,17 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata) -> DecodePlan:
-    """The step's decode plan for layers shaped like ``query`` [B, H, D] over ``k_cache``, made by the first such
-    layer and reused by the others (one split decision and one workspace per step, not per layer)."""
-    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2])
+def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata, window: int = 0) -> DecodePlan:
+    """The step's decode plan for layers shaped like ``query`` [B, H, D] over ``k_cache`` with this sliding
+    ``window`` (0 = none), made by the first such layer and reused by the others (one split decision and one
+    workspace per step, not per layer). A window shortens what the splits cover to ``min(max_seqlen_k, window)``
+    keys, so windowed and full layers of one model (Gemma2) get a plan each."""
+    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2], window)
     plan = meta.plans.get(key)
     if plan is None:
-        split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k)
+        split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
         numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
-                                               split)
+                                               split, window)
         plan = meta.plans[key] = DecodePlan(split, _workspace(query.device, numel) if numel else None)
     return plan
 
@@ -89,10 +91,6 @@ class CudaBackend(AttentionBackend):
         reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
         if reason is not None:
             return reason
-        if call.sliding_window is not None:
-            return "sliding-window attention is not implemented in the cuda kernels"
-        if call.softcap is not None:
-            return "logit softcapping is not implemented in the cuda kernels"
         if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
             return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
         # Last, since it may build the kernels (about a minute, once per machine).
@@ -126,14 +124,15 @@ class CudaBackend(AttentionBackend):
         meta: PagedMetadata,
         params: AttentionParams,
     ) -> torch.Tensor:
+        window, softcap = params.sliding_window or 0, params.softcap or 0.0
         if meta.phase is not Phase.DECODE:
             # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
-                                 params.scale, max_seqlen_q=meta.max_seqlen_q)
+                                 params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap)
         # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
         # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
-        plan = plan_decode(query, k_cache, meta)
+        plan = plan_decode(query, k_cache, meta, window)
         return kernels.paged_decode(
             query,
             k_cache,
@@ -144,4 +143,6 @@ class CudaBackend(AttentionBackend):
             max_seq_len=meta.max_seqlen_k,
             split_len=plan.split_len,
             workspace=plan.workspace,
+            window=window,
+            softcap=softcap,
         )
