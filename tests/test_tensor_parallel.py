@@ -83,6 +83,8 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     torch.manual_seed(100 + rank)  # unseeded requests draw different seeds on each rank
     record["unseeded"] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, _sampled(None))])
     record["generate_batch"] = _outcome(lambda: _tokens(hf_paged.generate_batch(model, prompts, _greedy())))
+    record["persistent"] = _outcome(lambda: [_tokens(hf_paged.generate_batch(
+        model, prompts[:k], _greedy(), persistent_manager=True)) for k in (4, 3)])  # the second reuses the engine
     batch = left_padded_batch([5, 17, 30], torch.Generator().manual_seed(2))
     record["generate"] = _outcome(lambda: model.generate(
         **batch, past_key_values=paged_cache_for(model, memory_budget=1e-5, block_size=8), **GREEDY
@@ -184,6 +186,7 @@ def test_generate_batch_gives_every_rank_the_tokens_of_one_process(ranks, single
     expected = _tokens(hf_paged.generate_batch(single, _prompts(0), _greedy()))
     for rank in ranks:
         assert rank["generate_batch"] == ("ok", expected)
+        assert rank["persistent"] == ("ok", [expected[:4], expected[:3]])
 
 
 @pytest.mark.slow

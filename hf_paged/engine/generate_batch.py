@@ -24,6 +24,7 @@ from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.engine_core import blocks_from_memory
+from hf_paged.engine.lockstep import agreed_min
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import kv_devices
 from hf_paged.hf.tensor_parallel import kv_layout
@@ -153,5 +154,5 @@ def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memor
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
         needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    return max(1, blocks_from_memory(kv_layout(model), block_size, model.dtype, kv_devices(model), memory_fraction,
-                                     needed))
+    fits = blocks_from_memory(kv_layout(model), block_size, model.dtype, kv_devices(model), memory_fraction, needed)
+    return max(1, agreed_min(model, fits))  # tensor parallel: every rank sizes (and reuses) its engine alike

@@ -153,6 +153,13 @@ def _fingerprint(batch: ScheduledBatch) -> int:
     return zlib.crc32(words, crc)
 
 
+def agreed_min(model: torch.nn.Module, value: int) -> int:
+    """``value`` for a model that is not tensor-parallel; for one that is, the smallest of its ranks' values (a pool
+    size each rank read from its own free memory), so that every rank takes the same decisions from it."""
+    tp = tensor_parallel(model)
+    return value if tp is None else Lockstep(tp).agree_min(value)
+
+
 def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | None, EngineConfig]:
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the settings its engine runs with:
     no CUDA graphs or compiled layers, since the layers' collectives would run inside captured graphs and compiled

@@ -26,7 +26,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 import hf_paged
 from hf_paged.cache.kv_pool import blocks_for_budget
 from hf_paged.engine import validation
-from hf_paged.engine.lockstep import Lockstep
+from hf_paged.engine.lockstep import agreed_min
 from hf_paged.engine.generate_batch import generate_batch
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import layer_devices
@@ -45,12 +45,12 @@ def paged_cache_for(model: torch.nn.Module, **kwargs) -> hf_paged.PagedAttention
     if "device" in kwargs or "layout" in kwargs:
         raise ValueError("paged_cache_for places and shapes the KV by the model; do not pass device= or layout=")
     kwargs.setdefault("dtype", model.dtype)
-    layout, devices, tp = kv_layout(model), layer_devices(model), tensor_parallel(model)
-    if tp is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget") is not None:
+    layout, devices = kv_layout(model), layer_devices(model)
+    if tensor_parallel(model) is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget"):
         block_size = kwargs.get("block_size", inspect.signature(hf_paged.PagedAttentionCache).parameters[
             "block_size"].default)
         mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, kwargs.pop("memory_budget"))
-        kwargs["num_blocks"] = Lockstep(tp).agree_min(mine)
+        kwargs["num_blocks"] = agreed_min(model, mine)
     return hf_paged.PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)
 
 
