@@ -87,8 +87,8 @@ def test_declines_what_the_kernel_lacks(no_gpu, change: dict, words: str):
 
 
 @pytest.mark.parametrize("phase", [Phase.DECODE, Phase.PREFILL, Phase.EXTEND])
-@pytest.mark.parametrize("extras", [{"sliding_window": 64}, {"softcap": 30.0}, {"sliding_window": 4096, "softcap": 50.0}],
-                         ids=["window", "softcap", "both"])
+@pytest.mark.parametrize("extras", [{"sliding_window": 64}, {"softcap": 30.0},
+                                    {"sliding_window": 4096, "softcap": 50.0}], ids=["window", "softcap", "both"])
 @pytest.mark.parametrize("block_size", [16, 48, 256])
 def test_sliding_window_and_softcap_go_to_the_kernels(no_gpu, monkeypatch, phase: Phase, extras: dict,
                                                       block_size: int):

@@ -4,7 +4,7 @@ Decode grid of issue 4: batch 1..256, context lengths 1, block-size multiples an
 heads/kv heads 32/8, 32/32, 8/1, head_dim 64/128, block sizes 16 and 256, fp16/bf16; and every compiled head size
 (issue 11: 32 to 256, fp16/bf16/fp32, block sizes 16 and 48). Each case
 draws fresh inputs; the cache holds ``POISON`` in slots no sequence owns; outputs are NaN-poisoned first. Each output
-is judged over the whole batch and row by row (tests/kernel_oracle.py); test_kernel_rows.py adds inputs with exact
+is judged over the whole batch and row by row (tests/kernel_oracle.py); test_kernel_rows_*.py add inputs with exact
 answers. The torch backend is the oracle, not a backend under test.
 """
 

@@ -7,7 +7,7 @@ fp16/bf16 with each tile configuration compiled for it, fp32 on its CUDA-core pa
 cache holds
 ``POISON`` in slots no sequence owns (a read past a sequence shows up as a large error) and outputs are
 NaN-poisoned first (an unwritten row fails). Each output is judged over the whole batch and row by row
-(tests/kernel_oracle.py); test_kernel_rows.py adds inputs with exact answers.
+(tests/kernel_oracle.py); test_kernel_rows_*.py add inputs with exact answers.
 """
 
 from __future__ import annotations
