@@ -40,7 +40,7 @@ from hf_paged.hf.tensor_parallel import TensorParallel, tensor_parallel
 logger = logging.getLogger("hf_paged")
 
 _OK, _FAILED = 0, 1
-_KEPT_TYPES = (NotImplementedError, ValueError, TypeError, RuntimeError)  # raised on every rank as the same type
+KEPT_ERROR_TYPES = (NotImplementedError, ValueError, TypeError, RuntimeError)  # raised on every rank as they are
 _check_groups: dict[tuple[tuple[int, ...], float], object] = {}  # one gloo group per (ranks, timeout)
 
 
@@ -109,9 +109,9 @@ class Lockstep:
         try:
             dist.all_gather(everyone, mine, group=self._checks)
         except Exception as err:  # a rank did not come: it is stuck in the model's collectives, or gone
-            what = f"this rank's step failed ({type(exc).__name__}: {exc}), and" if exc is not None else ""
+            what = f"this rank's step failed ({type(exc).__name__}: {exc}), and " if exc is not None else ""
             self._stop(RuntimeError, (
-                f"hf_paged: tensor-parallel rank {self.tp.ranks[self.tp.rank]} of {self.tp.world_size}: {what} the "
+                f"hf_paged: tensor-parallel rank {self.tp.ranks[self.tp.rank]} of {self.tp.world_size}: {what}the "
                 f"other ranks did not reach step {self._step}'s check within {self.timeout_s:g} s "
                 f"(HF_PAGED_TP_TIMEOUT_S); they may wait in the model's collectives. The run cannot go on: end "
                 f"every process (torchrun ends the others when one exits with an error). ({type(err).__name__})"),
@@ -120,7 +120,7 @@ class Lockstep:
 
     def _raise_failure(self, exc: BaseException | None) -> NoReturn:
         """Some rank failed: every rank learns the first failed rank's error and raises it."""
-        mine = None if exc is None else (next((k for k in _KEPT_TYPES if isinstance(exc, k)), RuntimeError),
+        mine = None if exc is None else (next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError),
                                           f"{type(exc).__name__}: {exc}")
         errors: list = [None] * self.tp.world_size
         dist.all_gather_object(errors, mine, group=self._checks)

@@ -26,7 +26,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 import hf_paged
 from hf_paged.cache.kv_pool import blocks_for_budget
 from hf_paged.engine import validation
-from hf_paged.engine.lockstep import agreed_min
+from hf_paged.engine.lockstep import KEPT_ERROR_TYPES, agreed_min
 from hf_paged.engine.generate_batch import generate_batch
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import layer_devices
@@ -84,7 +84,7 @@ def distributed_generate_batch(
         results = generate_batch(model, [prompts[i] for i in share], generation_config, **engine_kwargs)
         outcome = (_digest(costs), None, _renamed(results, share))
     except Exception as exc:
-        kind = next((k for k in _KEPT_TYPES if isinstance(exc, k)), RuntimeError)  # a class every process has
+        kind = next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError)  # a class every process has
         outcome, failure = (None, (kind, f"{type(exc).__name__}: {exc}"), None), exc
     else:
         failure = None
@@ -168,9 +168,6 @@ def _renamed(results: dict[str, GenerationOutput], share: list[int]) -> dict[str
 def _request_order(rid: str) -> tuple[int, int]:
     parent, _, copy_index = rid.partition(validation.CHILD_MARK)
     return int(parent.removeprefix("req_")), int(copy_index or -1)
-
-
-_KEPT_TYPES = (NotImplementedError, ValueError, TypeError, RuntimeError)  # raised again as the same type
 
 
 def _raise_on_failure(everyone: list, rank: int, failure: Exception | None) -> None:
