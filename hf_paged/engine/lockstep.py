@@ -41,7 +41,7 @@ logger = logging.getLogger("hf_paged")
 
 _OK, _FAILED = 0, 1
 KEPT_ERROR_TYPES = (NotImplementedError, ValueError, TypeError, RuntimeError)  # raised on every rank as they are
-_check_groups: dict[tuple[tuple[int, ...], float], object] = {}  # one gloo group per (ranks, timeout)
+_check_groups: dict[tuple[int, float], object] = {}  # one gloo group per (model's group, timeout)
 
 
 def timeout_s() -> float:
@@ -57,7 +57,7 @@ class Lockstep:
         self.timeout_s = timeout_s()
         self.failure: tuple[type[Exception], str] | None = None  # set on every rank at once: the engine stops
         self._step = 0
-        key = (tp.ranks, self.timeout_s)
+        key = (id(tp.group), self.timeout_s)
         if key not in _check_groups:
             _check_groups[key] = dist.new_group(list(tp.ranks), timeout=timedelta(seconds=self.timeout_s),
                                                 backend="gloo", use_local_synchronization=True)
