@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import signal
 import subprocess
 import sys
 import tempfile
@@ -36,7 +37,7 @@ sys.path.insert(1, str(HERE.parent))  # the checkout, when hf_paged is not insta
 LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, head_dim=128, max_position_embeddings=4096,
                 tie_word_embeddings=False, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-LAUNCH_TIMEOUT_S = 900
+LAUNCH_TIMEOUT_S = 420  # a launch that hangs (a rank stuck in a collective) is ended, with its workers
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -132,18 +133,28 @@ def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str =
            str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir), "--out", str(out),
            "--systems", "hf_paged" if variant else args.systems, "--variant", variant]
     cmd += ["--tiny"] if args.tiny else []
-    full_env = {**os.environ, **env, **({"OMP_NUM_THREADS": "1"} if args.tiny else {})}
-    try:
-        done = subprocess.run(cmd, text=True, capture_output=True, env=full_env, timeout=LAUNCH_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        return [{"system": f"hf_paged{variant}" if variant else s, "gpus": count, "status": "failed",
-                 "error": f"the launch ran past {LAUNCH_TIMEOUT_S} s"}
-                for s in (["x"] if variant else args.systems.split(","))]
-    if done.returncode != 0 or not out.exists():
-        tail = " | ".join((done.stdout + done.stderr).strip().splitlines()[-4:])[-500:]
+    full_env = {"HF_PAGED_TP_TIMEOUT_S": "120", **os.environ, **env}
+    if args.tiny:
+        full_env["OMP_NUM_THREADS"] = "1"
+    returncode, output = run_group(cmd, full_env, LAUNCH_TIMEOUT_S)
+    if returncode != 0 or not out.exists():
+        tail = " | ".join(output.strip().splitlines()[-4:])[-500:]
         return [{"system": f"hf_paged{variant}" if variant else s, "gpus": count, "status": "failed", "error": tail}
-                for s in (["x"] if variant else args.systems.split(","))]
+                for s in (["hf_paged"] if variant else args.systems.split(","))]
     return json.loads(out.read_text())
+
+
+def run_group(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
+    """Run ``cmd`` in a session of its own; past ``timeout_s`` end the whole session (torchrun and its workers)."""
+    proc = subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout_s)
+        return proc.returncode, output
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        return -9, output + f"\nthe launch ran past {timeout_s:g} s and was ended"
 
 
 def main(argv: list[str] | None = None) -> None:

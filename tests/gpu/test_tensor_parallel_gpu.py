@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 import pickle
 import random
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -24,7 +25,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models, whe
 from tiny_models import _COMMON, EOS, PAD, VOCAB, left_padded_batch  # noqa: E402
 
 WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 420
+LAUNCH_TIMEOUT_S = 270  # each launch; two launches stay within 10 minutes
 STUCK_EXIT = 17
 GREEDY = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -143,13 +144,20 @@ def single(saved):
                                                 dtype=torch.float32).cuda().eval()
 
 
-def _launch(saved: str, out_dir: Path, part: str, **env) -> subprocess.CompletedProcess:
+def _launch(saved: str, out_dir: Path, part: str, **env) -> str:
+    """torchrun on this file; its output. A launch that hangs is ended with its workers after LAUNCH_TIMEOUT_S."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
            __file__, saved, str(out_dir), part]
     root = str(Path(__file__).resolve().parents[2])
     full_env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
                 "HF_PAGED_TP_TIMEOUT_S": "60", **env}
-    return subprocess.run(cmd, env=full_env, capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    proc = subprocess.Popen(cmd, env=full_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            start_new_session=True)
+    try:
+        return proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        return proc.communicate()[0] + f"\n(ended after {LAUNCH_TIMEOUT_S} s)"
 
 
 def _read(out_dir: Path, name: str):
@@ -158,12 +166,12 @@ def _read(out_dir: Path, name: str):
 
 
 @pytest.fixture(scope="module")
-def ranks(saved, tmp_path_factory) -> tuple[list[dict], list, subprocess.CompletedProcess]:
+def ranks(saved, tmp_path_factory) -> tuple[list[dict], list, str]:
     out_dir = tmp_path_factory.mktemp("tp_gpu_ranks")
-    done = _launch(saved, out_dir, "main")
+    output = _launch(saved, out_dir, "main")
     records = [_read(out_dir, f"rank{r}") for r in range(WORLD_SIZE)]
-    assert all(records), f"a rank wrote nothing; torchrun said:\n{(done.stdout + done.stderr)[-4000:]}"
-    return records, [_read(out_dir, f"stuck{r}") for r in range(WORLD_SIZE)], done
+    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
+    return records, [_read(out_dir, f"stuck{r}") for r in range(WORLD_SIZE)], output
 
 
 def test_each_gpu_pools_its_own_kv_heads(ranks):
@@ -208,9 +216,9 @@ def test_a_failure_on_one_gpu_is_raised_on_both(ranks):
 
 def test_cuda_graphs_under_tensor_parallel_when_asked(saved, single, tmp_path):
     """``HF_PAGED_TP_CUDA_GRAPHS=1``: decode graphs captured with the layers' NCCL all-reduces inside."""
-    done = _launch(saved, tmp_path, "graphs", HF_PAGED_TP_CUDA_GRAPHS="1")
+    output = _launch(saved, tmp_path, "graphs", HF_PAGED_TP_CUDA_GRAPHS="1")
     records = [_read(tmp_path, f"graphs{r}") for r in range(WORLD_SIZE)]
-    assert all(records), f"a rank wrote nothing; torchrun said:\n{(done.stdout + done.stderr)[-4000:]}"
+    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
         assert record["graphs"], "no decode graph was captured"
