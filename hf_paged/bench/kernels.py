@@ -5,6 +5,10 @@ One run measures the device-to-device copy bandwidth, then for each shape (the a
 size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
 writes everything as JSON.
+
+Sliding-window and softcap rows (``windows``/``softcaps``, head_dim = the first asked for): every (window, softcap)
+pair of the options, each alone too, at ``OPTION_SHAPES``, flash-attn with the same ``window_size``/``softcap``. A
+windowed decode reads only the last ``window`` keys, so its bandwidth counts ``min(ctx, window)`` tokens.
 """
 
 from __future__ import annotations
@@ -18,11 +22,13 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.attention.backends.base import AttentionParams
+from hf_paged.attention.backends.flash import window_size
 from hf_paged.attention.backends.torch_backend import TorchBackend
 from hf_paged.attention.metadata import build_metadata
 from hf_paged.bench import copy_bandwidth, input_sets, time_calls
 
 ANCHOR_SHAPES = ((1, 8192), (8, 4096), (64, 512), (64, 2048), (64, 8192), (256, 1024))
+OPTION_SHAPES = ((1, 8192), (8, 4096), (64, 2048), (64, 8192))
 NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
 WRITE_TOKENS = 4096
 
@@ -38,6 +44,13 @@ class Row:
     pct_copy: float
     method: str
     note: str = ""
+    window: int = 0
+    softcap: float = 0.0
+
+
+def score_options(windows: tuple[int, ...], softcaps: tuple[float, ...]) -> list[tuple[int, float]]:
+    """The (window, softcap) rows to time: each window and each softcap alone, and every pair (0 = off)."""
+    return [(w, c) for w in (0, *windows) for c in (0.0, *softcaps) if w or c]
 
 
 def paged_copy(logical: torch.Tensor, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,14 +78,15 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
     return s
 
 
-def contenders(sets: list[dict], ctx: int, head_dim: int) -> dict[str, list]:
+def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
+               softcap: float = 0.0) -> dict[str, list]:
     """name -> one zero-argument callable per input set."""
     scale = head_dim**-0.5
     out = {}
     for bs in (16, 256):
         out[f"ours-bs{bs}"] = [
             lambda s=s, bs=bs: kernels.paged_decode(s["query"], s[f"k{bs}"], s[f"v{bs}"], s[f"t{bs}"], s["seq_lens"],
-                                                    scale, max_seq_len=ctx)
+                                                    scale, max_seq_len=ctx, window=window, softcap=softcap)
             for s in sets
         ]
     try:
@@ -83,10 +97,12 @@ def contenders(sets: list[dict], ctx: int, head_dim: int) -> dict[str, list]:
         out["flash-bs256"] = [
             lambda s=s: flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
                                                 cache_seqlens=s["seq_lens"], block_table=s["t256"],
-                                                softmax_scale=scale, causal=True)
+                                                softmax_scale=scale, causal=True, window_size=window_size(window or None),
+                                                softcap=softcap)
             for s in sets
         ]
-    torch_backend, params = TorchBackend(), AttentionParams(scale=scale)
+    torch_backend = TorchBackend()
+    params = AttentionParams(scale=scale, sliding_window=window or None, softcap=softcap or None)
     s0 = sets[0]
     meta = build_metadata(q_lens=torch.ones(len(s0["seq_lens"]), dtype=torch.int32), seq_lens_k=s0["seq_lens"].cpu(),
                           block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(len(s0["seq_lens"]), dtype=torch.long),
@@ -96,18 +112,19 @@ def contenders(sets: list[dict], ctx: int, head_dim: int) -> dict[str, list]:
     return out
 
 
-def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator) -> list[Row]:
-    kv_bytes = batch * ctx * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
+def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator, window: int = 0,
+                softcap: float = 0.0) -> list[Row]:
+    kv_bytes = batch * kernels.decode_keys(ctx, window) * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
     sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(input_sets(kv_bytes))]
     rows, outputs = [], {}
-    for name, calls in contenders(sets, ctx, head_dim).items():
+    for name, calls in contenders(sets, ctx, head_dim, window, softcap).items():
         outputs[name] = calls[0]().float().reshape(batch, NUM_HEADS, head_dim)
         timing = time_calls(calls, graph=not name.startswith("torch"), budget_s=0.3 if "torch" in name else 0.5)
         note = ""
         if name == "ours-bs16":
-            note = f"split_len={kernels.decode_split_len(sets[0]['query'], sets[0]['k16'], ctx)}"
+            note = f"split_len={kernels.decode_split_len(sets[0]['query'], sets[0]['k16'], ctx, window)}"
         rows.append(Row(head_dim, batch, ctx, name, timing.median_s * 1e6, kv_bytes / timing.median_s / 1e12,
-                        100 * kv_bytes / timing.median_s / copy_bps, timing.method, note))
+                        100 * kv_bytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
         print(_format(rows[-1]), flush=True)
     ref = outputs["ours-bs16"]
     for row in rows:  # every contender computed the same attention: a wrong kernel must not post a fast time
@@ -164,12 +181,16 @@ def bench_write(head_dim: int, copy_bps: float, gen: torch.Generator) -> list[Ro
 
 def _format(r: Row) -> str:
     shape = f"hd{r.head_dim} B={r.batch} ctx={r.ctx}" if r.ctx else f"hd{r.head_dim} T={r.batch}"
+    shape += f" window={r.window}" if r.window else ""
+    shape += f" softcap={r.softcap:g}" if r.softcap else ""
     return (f"{shape:<24} {r.impl:<22} {r.us:9.1f} us {r.tbps:6.2f} TB/s {r.pct_copy:5.1f}% of copy  "
             f"[{r.method}] {r.note}")
 
 
-def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 64), sweep: bool = True) -> dict:
-    """Run the whole benchmark; print the table last; write JSON to ``json_path`` if given."""
+def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 64), sweep: bool = True,
+        windows: tuple[int, ...] = (), softcaps: tuple[float, ...] = ()) -> dict:
+    """Run the whole benchmark; print the table last; write JSON to ``json_path`` if given. ``windows`` /
+    ``softcaps`` add the sliding-window and softcap rows (see the module docstring)."""
     reason = kernels.unavailable_reason()
     if reason is not None:
         raise RuntimeError(f"hf_paged kernels unavailable: {reason}")
@@ -179,6 +200,8 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     ways = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copy_ways.items())
     print(f"{props.name}: copy bandwidth {copy_bps / 1e12:.2f} TB/s (best of: {ways} TB/s)")
     rows = [r for hd in head_dims for b, ctx in ANCHOR_SHAPES for r in bench_shape(hd, b, ctx, copy_bps, gen)]
+    rows += [r for window, softcap in score_options(windows, softcaps) for b, ctx in OPTION_SHAPES
+             for r in bench_shape(head_dims[0], b, ctx, copy_bps, gen, window, softcap)]
     rows += [r for hd in head_dims for r in bench_write(hd, copy_bps, gen)]
     if sweep:
         rows += bench_split_sweep(128, 1, 8192, copy_bps, gen) + bench_split_sweep(128, 8, 4096, copy_bps, gen)
@@ -196,15 +219,17 @@ def print_table(result: dict) -> None:
     impls = ["ours-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")
-    print(f"{'hd':>4} {'B':>4} {'ctx':>5} | " + " | ".join(f"{i:>17}" for i in impls) + " | flash/ours16")
+    print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)
+          + " | flash/ours16")
     cells: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
         if r["ctx"] and r["impl"] in impls:
-            cells.setdefault((r["head_dim"], r["batch"], r["ctx"]), {})[r["impl"]] = r
-    for (hd, b, ctx), got in cells.items():
+            key = (r["head_dim"], r["batch"], r["ctx"], r.get("window", 0), r.get("softcap", 0.0))
+            cells.setdefault(key, {})[r["impl"]] = r
+    for (hd, b, ctx, window, softcap), got in cells.items():
         text = [f"{got[i]['us']:8.1f} ({got[i]['pct_copy']:4.1f}%)" if i in got else f"{'-':>17}" for i in impls]
         ratio = f"{got['flash-bs256']['us'] / got['ours-bs16']['us']:.2f}x" if "flash-bs256" in got else "-"
-        print(f"{hd:>4} {b:>4} {ctx:>5} | " + " | ".join(text) + f" | {ratio}")
+        print(f"{hd:>4} {b:>4} {ctx:>5} {window or '-':>6} {softcap or '-':>4} | " + " | ".join(text) + f" | {ratio}")
     for r in result["rows"]:
         if not r["ctx"]:
             print(f"KV write hd{r['head_dim']} T={r['batch']} {r['impl']:<18} {r['us']:7.1f} us "

@@ -10,6 +10,10 @@ block per sequence), and flash-attn with ``cu_seqlens_k``.
 
 FLOPs = sum over sequences of 4 * H * D * (n * p + n * n / 2) for n new tokens after p cached ones (two matrix
 products of 2 * H * D flops per visible (query, key) pair; causal halves the new-by-new square, as anchors.md does).
+
+Sliding-window and softcap rows (``windows``/``softcaps``; head_dim 128): the pairs of ``kernels.score_options`` at
+``OPTION_SHAPES``, hf_paged at block size 16 and 256 against flash-attn's varlen kernel with the same
+``window_size``/``softcap``; a windowed row counts the (query, key) pairs its window leaves visible, exactly.
 """
 
 from __future__ import annotations
@@ -21,12 +25,15 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.attention.backends.flash import window_size
 from hf_paged.bench import input_sets, time_calls
+from hf_paged.bench.kernels import score_options
 from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill
 
 NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
 SHAPES = ((16, 512), (8, 2048), (2, 8192))  # sequences x new tokens, no prefix
 PREFIX_SHAPE = (8, 2048, 2048)  # sequences, cached prefix, new tokens
+OPTION_SHAPES = ((8, 0, 2048), (2, 0, 8192), PREFIX_SHAPE)  # sequences, cached prefix, new tokens
 
 
 @dataclass
@@ -38,10 +45,25 @@ class Row:
     tflops: float
     method: str
     note: str = ""
+    window: int = 0
+    softcap: float = 0.0
 
 
-def flops(batch: int, prefix: int, new: int, head_dim: int) -> float:
-    return batch * 4.0 * NUM_HEADS * head_dim * (new * prefix + new * new / 2)
+def flops(batch: int, prefix: int, new: int, head_dim: int, window: int = 0) -> float:
+    return batch * 4.0 * NUM_HEADS * head_dim * visible_pairs(prefix, new, window)
+
+
+def visible_pairs(prefix: int, new: int, window: int = 0) -> float:
+    """(query, key) pairs one sequence's new tokens see: n * p + n * n / 2 without a window (anchors.md's count),
+    else the sum over positions i of min(i + 1, window), exactly."""
+    if not window:
+        return new * prefix + new * new / 2
+    lo, hi = prefix + 1, prefix + new  # each new token sees i + 1 keys, before the window
+    if window >= hi:
+        return (lo + hi) * (hi - lo + 1) / 2
+    if window < lo:
+        return window * new
+    return (lo + window) * (window - lo + 1) / 2 + window * (hi - window)
 
 
 def paged_layout(kv: torch.Tensor, batch: int, ctx: int, block_size: int, gen: torch.Generator):
@@ -70,13 +92,15 @@ def make_set(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Genera
     return s
 
 
-def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bool) -> dict[str, list]:
+def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bool, window: int = 0,
+               softcap: float = 0.0) -> dict[str, list]:
     """name -> one zero-argument callable per input set."""
     scale, ctx = head_dim**-0.5, prefix + new
 
     def ours(bs: int, config: int = -1):
         return [lambda s=s: paged_prefill(s["q"], s[f"k{bs}"], s[f"v{bs}"], s["cu_q"], s["seq_lens"], s[f"t{bs}"],
-                                          scale, max_seqlen_q=new, config=config) for s in sets]
+                                          scale, max_seqlen_q=new, config=config, window=window, softcap=softcap)
+                for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256), "ours-unpaged": ours(ctx)}
     if sweep:
@@ -87,28 +111,34 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
         flash_attn_varlen_func = None
     if flash_attn_varlen_func is not None:
         out["flash-varlen"] = [lambda s=s: flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new,
-                                                                  ctx, softmax_scale=scale, causal=True)
+                                                                  ctx, softmax_scale=scale, causal=True,
+                                                                  window_size=window_size(window or None),
+                                                                  softcap=softcap)
                                for s in sets]
-    if prefix == 0:  # torch's built-in kernel aligns causal masks top-left: only comparable without a prefix
+    # torch's built-in kernel aligns causal masks top-left (only comparable without a prefix) and takes no softcap
+    if prefix == 0 and not window and not softcap:
         out["torch-fa2"] = [lambda s=s: torch.ops.aten._flash_attention_forward(
             s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new, ctx, 0.0, True, False, scale=scale)[0] for s in sets]
     return out
 
 
-def bench_shape(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Generator, sweep: bool) -> list[Row]:
+def bench_shape(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Generator, sweep: bool, window: int = 0,
+                softcap: float = 0.0) -> list[Row]:
     nbytes = batch * (new * NUM_HEADS + 2 * (prefix + new) * NUM_KV_HEADS) * head_dim * DTYPE.itemsize
     sets = [make_set(batch, prefix, new, head_dim, gen) for _ in range(min(3, input_sets(nbytes)))]
-    work = flops(batch, prefix, new, head_dim)
+    work = flops(batch, prefix, new, head_dim, window)
     label = f"{batch}x{new}" + (f"+{prefix}" if prefix else "")
+    label += (f" w{window}" if window else "") + (f" cap{softcap:g}" if softcap else "")
     rows, outputs = [], {}
-    for name, calls in contenders(sets, prefix, new, head_dim, sweep).items():
+    for name, calls in contenders(sets, prefix, new, head_dim, sweep, window, softcap).items():
         try:
             outputs[name] = calls[0]().float()
             t = time_calls(calls, budget_s=0.4)
         except RuntimeError as exc:  # a baseline that cannot run here is reported, not fatal
             print(f"hd{head_dim} {label}: {name} failed: {exc}", flush=True)
             continue
-        rows.append(Row(head_dim, label, name, t.median_s * 1e6, work / t.median_s / 1e12, t.method))
+        rows.append(Row(head_dim, label, name, t.median_s * 1e6, work / t.median_s / 1e12, t.method, "", window,
+                        softcap))
         print(_format(rows[-1]), flush=True)
     ref = outputs["ours-bs16"]
     for row in rows:  # a wrong kernel must not post a fast time
@@ -123,13 +153,17 @@ def _format(r: Row) -> str:
     return f"hd{r.head_dim} {r.shape:<12} {r.impl:<16} {r.us:10.1f} us {r.tflops:7.1f} TFLOP/s [{r.method}] {r.note}"
 
 
-def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 64), sweep: bool = True) -> dict:
-    """Time every row; print the table last; write JSON to ``json_path`` if given."""
+def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 64), sweep: bool = True,
+        windows: tuple[int, ...] = (), softcaps: tuple[float, ...] = ()) -> dict:
+    """Time every row; print the table last; write JSON to ``json_path`` if given. ``windows`` / ``softcaps`` add
+    the sliding-window and softcap rows (see the module docstring)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     rows = [r for hd in head_dims for b, n in SHAPES for r in bench_shape(b, 0, n, hd, gen, sweep and hd == 128)]
     b, p, n = PREFIX_SHAPE
     rows += bench_shape(b, p, n, 128, gen, sweep)
+    rows += [r for window, softcap in score_options(windows, softcaps) for b, p, n in OPTION_SHAPES
+             for r in bench_shape(b, p, n, 128, gen, False, window, softcap)]
     result = {"device": props.name, "torch": torch.__version__, "rows": [asdict(r) for r in rows]}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=1))
@@ -141,7 +175,8 @@ def print_table(result: dict) -> None:
     """TFLOP/s per shape and implementation, and ours (block size 16) over flash-attn."""
     impls = ["ours-bs16", "ours-bs256", "ours-unpaged", "flash-varlen", "torch-fa2"]
     print(f"\n{result['device']}: causal prefill, bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; TFLOP/s")
-    print(f"{'hd':>4} {'shape':<12} | " + " | ".join(f"{i:>12}" for i in impls) + " | bs16/flash | best config")
+    width = max([12] + [len(r["shape"]) for r in result["rows"]])
+    print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(f"{i:>12}" for i in impls) + " | bs16/flash | best config")
     cells: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
         cells.setdefault((r["head_dim"], r["shape"]), {})[r["impl"]] = r
@@ -151,7 +186,7 @@ def print_table(result: dict) -> None:
         sweep = {k: v["tflops"] for k, v in got.items() if k.startswith("ours-bs16-c")}
         best = max(sweep, key=sweep.get) if sweep else None
         best_text = f"{best[-2:]} {sweep[best]:.1f}" if best else "-"
-        print(f"{hd:>4} {shape:<12} | " + " | ".join(text) + f" | {ratio:>10} | {best_text}")
+        print(f"{hd:>4} {shape:<{width}} | " + " | ".join(text) + f" | {ratio:>10} | {best_text}")
 
 
 def main() -> None:

@@ -81,15 +81,24 @@ non_negative_float = _checked(_float, lambda v: v >= 0, ">= 0")
 probability = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 
+def _positive_list(text: str, parse: Callable[[str], T], what: str) -> tuple[T, ...]:
+    try:
+        values = tuple(parse(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        values = ()
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+    return values
+
+
 def positive_ints(text: str) -> tuple[int, ...]:
     """A comma-separated list of positive integers, e.g. ``128,64``."""
-    try:
-        values = tuple(int(part) for part in text.split(","))
-    except ValueError:
-        values = ()
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers such as 128,64, got {text!r}")
-    return values
+    return _positive_list(text, int, "positive integers such as 128,64")
+
+
+def positive_floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of positive finite numbers, e.g. ``50,30``."""
+    return _positive_list(text, _float, "positive numbers such as 50,30")
 
 
 def device(text: str) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from hf_paged.cli.arguments import exit_with, output_path, positive_ints
+from hf_paged.cli.arguments import exit_with, output_path, positive_floats, positive_ints
 
 
 def build_kernels(args: argparse.Namespace) -> int:
@@ -31,12 +31,12 @@ def bench_kernels(args: argparse.Namespace) -> int:
     reason = missing_requirement() or kernels.unavailable_reason()
     if reason is not None:
         return exit_with(args.prog, f"needs hf_paged's CUDA kernels, which are unavailable here: {reason}", status=1)
+    options = dict(head_dims=args.head_dims, sweep=not args.no_sweep, windows=args.windows, softcaps=args.softcaps)
     if args.only in (None, "decode"):
-        decode_bench.run(json_path=args.json, head_dims=args.head_dims, sweep=not args.no_sweep)
+        decode_bench.run(json_path=args.json, **options)
     if args.only in (None, "prefill"):
         json_path = Path(args.json)
-        prefill_bench.run(json_path=json_path.with_name(f"{json_path.stem}_prefill{json_path.suffix}"),
-                          head_dims=args.head_dims, sweep=not args.no_sweep)
+        prefill_bench.run(json_path=json_path.with_name(f"{json_path.stem}_prefill{json_path.suffix}"), **options)
     return 0
 
 
@@ -54,5 +54,9 @@ def add_parsers(subparsers, epilog: str | None = None) -> None:
                    help="comma-separated head dims")
     p.add_argument("--no-sweep", action="store_true", help="skip the split-length and tile-configuration sweeps")
     p.add_argument("--only", choices=["decode", "prefill"], help="run one half only (default: both)")
+    p.add_argument("--windows", type=positive_ints, default=(), metavar="TOKENS",
+                   help="add sliding-window rows, comma-separated window sizes (flash-attn with the same window)")
+    p.add_argument("--softcaps", type=positive_floats, default=(), metavar="CAPS",
+                   help="add logit-softcap rows, comma-separated caps such as 50 (each alone and with each window)")
     p.add_argument("--verbose", action="store_true", help="show a traceback for any error")
     p.set_defaults(func=bench_kernels, prog=p.prog)
