@@ -31,7 +31,8 @@ def bench_kernels(args: argparse.Namespace) -> int:
     reason = missing_requirement() or kernels.unavailable_reason()
     if reason is not None:
         return exit_with(args.prog, f"needs hf_paged's CUDA kernels, which are unavailable here: {reason}", status=1)
-    options = dict(head_dims=args.head_dims, sweep=not args.no_sweep, windows=args.windows, softcaps=args.softcaps)
+    options = dict(head_dims=args.head_dims, sweep=not args.no_sweep, windows=args.windows or (),
+                   softcaps=args.softcaps or ())
     if args.only in (None, "decode"):
         decode_bench.run(json_path=args.json, **options)
     if args.only in (None, "prefill"):
@@ -54,9 +55,9 @@ def add_parsers(subparsers, epilog: str | None = None) -> None:
                    help="comma-separated head dims")
     p.add_argument("--no-sweep", action="store_true", help="skip the split-length and tile-configuration sweeps")
     p.add_argument("--only", choices=["decode", "prefill"], help="run one half only (default: both)")
-    p.add_argument("--windows", type=positive_ints, default=(), metavar="TOKENS",
+    p.add_argument("--windows", type=positive_ints, metavar="TOKENS",
                    help="add sliding-window rows, comma-separated window sizes (flash-attn with the same window)")
-    p.add_argument("--softcaps", type=positive_floats, default=(), metavar="CAPS",
+    p.add_argument("--softcaps", type=positive_floats, metavar="CAPS",
                    help="add logit-softcap rows, comma-separated caps such as 50 (each alone and with each window)")
     p.add_argument("--verbose", action="store_true", help="show a traceback for any error")
     p.set_defaults(func=bench_kernels, prog=p.prog)
