@@ -20,7 +20,7 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
 
-# (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len)
+# (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len[, sliding window, softcap])
 CASES = [
     (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 0),
     (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64),
@@ -31,21 +31,25 @@ CASES = [
     (32, 8, 80, 16, torch.bfloat16, [1, 17, 300], 64),  # padded shared-memory pitch
     (8, 1, 192, 48, torch.float16, [5, 257], 0),
     (6, 2, 96, 16, torch.float32, [2, 90], 64),  # fp32 lanes padded to 128
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64, 100, 5.0),  # window across splits, not at a block edge
+    (8, 1, 64, 48, torch.float16, [5, 257], 0, 7, 0.0),  # window inside a block
+    (6, 2, 96, 16, torch.float32, [2, 90], 64, 30, 5.0),
 ]
 
 
 def main() -> int:
     gen = torch.Generator().manual_seed(0)
     failures = 0
-    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len in CASES:
+    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len, *options in CASES:
+        window, softcap = options or (0, 0.0)
         meta, key, value = make_paged_step([n - 1 for n in lens], [1] * len(lens), block_size, kv_heads, head_dim,
                                            dtype, gen)
         meta = meta.on(torch.device("cuda"))
         k_cache, v_cache = (t.cuda() for t in meta.kv_caches[0])
         query = torch.randn(len(lens), heads, head_dim, generator=gen).to("cuda", dtype)
-        params = AttentionParams(scale=head_dim**-0.5)
+        params = AttentionParams(scale=head_dim**-0.5, sliding_window=window or None, softcap=softcap or None)
         out = kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
-                                   max_seq_len=meta.max_seqlen_k, split_len=split_len)
+                                   max_seq_len=meta.max_seqlen_k, split_len=split_len, window=window, softcap=softcap)
         ref = paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
                                         compute_dtype=torch.float64)
         rel = ((out.double() - ref).norm() / ref.norm()).item()
@@ -58,7 +62,8 @@ def main() -> int:
         ok = rel < 1e-2 and wrote and not out.isnan().any()
         failures += not ok
         print(f"{'ok ' if ok else 'BAD'} heads {heads}/{kv_heads} d{head_dim} bs{block_size} {dtype} lens {lens} "
-              f"split {split_len}: rel {rel:.1e}, write {'exact' if wrote else 'WRONG'}")
+              f"split {split_len} window {window} softcap {softcap}: rel {rel:.1e}, "
+              f"write {'exact' if wrote else 'WRONG'}")
     torch.cuda.synchronize()
     return 1 if failures else 0
 

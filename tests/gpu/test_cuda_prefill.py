@@ -138,7 +138,8 @@ def test_every_tile_config(config, head_dim, block_size):
 
 
 def test_small_grid():
-    """Small cases for compute-sanitizer (``-k small_grid``): every dtype, head_dim and config once."""
+    """Small cases for compute-sanitizer (``-k small_grid``): every dtype, head_dim and config once, plain and with a
+    sliding window and softcap."""
     gen = torch.Generator().manual_seed(7)
     for config in PREFILL_CONFIGS:
         for head_dim, dtype, block_size in ((64, torch.float16, 16), (128, torch.bfloat16, 48), (80, torch.float16, 16),
@@ -149,6 +150,11 @@ def test_small_grid():
                                                                        head_dim, dtype, gen)
             check(run_ours(query, k_cache, v_cache, meta, params, config),
                   reference(query, k_cache, v_cache, meta, params), dtype, f"config {config} d{head_dim}")
+            # a sliding window (tiles skipped and masked at its edge) with a softcap
+            windowed = AttentionParams(scale=params.scale, sliding_window=20, softcap=5.0)
+            out = paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                                params.scale, max_seqlen_q=meta.max_seqlen_q, config=config, window=20, softcap=5.0)
+            check(out, reference(query, k_cache, v_cache, meta, windowed), dtype, f"window config {config}")
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
