@@ -99,6 +99,9 @@ def worker(args: argparse.Namespace) -> None:
     vocab = json.loads((args.model_dir / "shape.json").read_text())["vocab_size"]
     budget = Budget(max_batch_tokens=256 if args.tiny else 2048, max_requests=64)
     batch64, batch1 = _workloads(args.tiny)
+    meta = {"card": "cpu" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "transformers": __import__("transformers").__version__, "tiny": args.tiny,
+            "hf_paged_commit": os.environ.get("HF_PAGED_COMMIT")}
     rows = []
     for system in args.systems.split(","):
         if system == "hf_paged":
@@ -115,13 +118,10 @@ def worker(args: argparse.Namespace) -> None:
             row["status"] = "ok"
         except Exception as exc:  # the same on every rank (the calls are), so the ranks stay in step
             row.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
-        rows.append(row)
+        rows.append({**row, **meta})
+        if rank == 0:  # after each system: a later one that hangs leaves the rows before it
+            args.out.write_text(json.dumps(rows))
         torch.cuda.empty_cache() if torch.cuda.is_available() else None
-    if rank == 0:
-        meta = {"card": "cpu" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
-                "transformers": __import__("transformers").__version__, "tiny": args.tiny,
-                "hf_paged_commit": os.environ.get("HF_PAGED_COMMIT")}
-        args.out.write_text(json.dumps([{**r, **meta} for r in rows]))
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
@@ -137,11 +137,13 @@ def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str =
     if args.tiny:
         full_env["OMP_NUM_THREADS"] = "1"
     returncode, output = run_group(cmd, full_env, LAUNCH_TIMEOUT_S)
-    if returncode != 0 or not out.exists():
+    rows = json.loads(out.read_text()) if out.exists() else []
+    if returncode != 0:  # the systems the launch did not report
         tail = " | ".join(output.strip().splitlines()[-4:])[-500:]
-        return [{"system": f"hf_paged{variant}" if variant else s, "gpus": count, "status": "failed", "error": tail}
-                for s in (["hf_paged"] if variant else args.systems.split(","))]
-    return json.loads(out.read_text())
+        systems = ["hf_paged"] if variant else args.systems.split(",")
+        rows += [{"system": s + variant, "gpus": count, "status": "failed", "error": tail}
+                 for s in systems[len(rows):]]
+    return rows
 
 
 def run_group(cmd: list[str], env: dict, timeout_s: float) -> tuple[int, str]:
@@ -199,7 +201,9 @@ def main(argv: list[str] | None = None) -> None:
 
 def print_table(rows: list[dict]) -> None:
     card = next((r["card"] for r in rows if "card" in r), "?")
-    print(f"\nTensor parallel, Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new; {card}")
+    what = ("a tiny float32 Llama, 4 x 32-token prompts / 1 x 32, 8 new" if any(r.get("tiny") for r in rows)
+            else "Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new")
+    print(f"\nTensor parallel, {what}; {card}")
     print(f"{'system':<22}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
     for r in rows:
         base = next((b for b in rows if b["system"] == r["system"].split(" ")[0] and b["gpus"] == 1
