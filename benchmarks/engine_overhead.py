@@ -11,8 +11,13 @@ overhead plus microseconds of device work: each timed step is bracketed by ``tor
 mean over the same steps without the per-step synchronization is printed too (with asynchronous scheduling the
 host then runs ahead of the device, as in a real run).
 
+``--model tiny`` replaces the stub by a real one-layer Llama (hidden 64, one head, the same vocabulary) whose
+device work is microseconds: its decode steps take the engine's production path (on a GPU: CUDA graphs), which
+the stub cannot (a graph needs an attention call to capture), so the time is the engine's overhead as a real
+decode step pays it. ``--profile N`` prints the N functions of most host time (cProfile) over the timed steps.
+
     python benchmarks/engine_overhead.py [--vocab 1024] [--steps 200] [--device cpu|cuda] [--threads 1]
-        [--engine-kwargs '{"async_scheduling": false}']
+        [--model stub|tiny] [--profile 25] [--engine-kwargs '{"async_scheduling": false}']
 """
 
 from __future__ import annotations
@@ -70,15 +75,32 @@ class StubModel(torch.nn.Module):
         return SimpleNamespace(logits=self.logits[:, :rows])
 
 
+def tiny_model(vocab: int, device: str) -> torch.nn.Module:
+    """A real one-layer Llama (hidden 64, one head of 64) with ``vocab`` tokens: microseconds of device work."""
+    from transformers import LlamaForCausalLM
+
+    config = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=1, num_key_value_heads=1, max_position_embeddings=4096)
+    config._attn_implementation = hf_paged.ATTN_IMPLEMENTATION
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = LlamaForCausalLM(config).to(device=device, dtype=dtype).eval()
+    model.generation_config = GenerationConfig(eos_token_id=None)
+    return model
+
+
 def build_engine(args: argparse.Namespace) -> hf_paged.Engine:
     """An engine with every request prefilled: ``args.requests`` prompts of ``args.context`` +- 50 tokens."""
     block_size, max_batch_tokens = 16, 2048
     prefill_steps = args.requests * (args.context + 50) // max_batch_tokens + 2  # early requests decode meanwhile
-    blocks = args.requests * -(-(args.context + 50 + prefill_steps + 2 * args.steps + 8) // block_size)
-    model = StubModel(args.vocab, max_batch_tokens, args.device)
+    runs = 3 if getattr(args, "profile", 0) else 2  # timed steps: synchronized, unsynchronized (and profiled)
+    blocks = args.requests * -(-(args.context + 50 + prefill_steps + runs * args.steps + 8) // block_size)
+    if args.model == "tiny":
+        model, defaults = tiny_model(args.vocab, args.device), {"compile_layers": False}  # (no layer to speak of)
+    else:
+        model, defaults = StubModel(args.vocab, max_batch_tokens, args.device), {}
     engine = hf_paged.Engine(model, **{"num_blocks": blocks, "block_size": block_size,
                                        "max_batch_tokens": max_batch_tokens, "max_num_seqs": args.requests,
-                                       "enable_prefix_caching": True, **args.engine_kwargs})
+                                       "enable_prefix_caching": True, **defaults, **args.engine_kwargs})
     config = GenerationConfig(max_new_tokens=10**6, do_sample=False)
     g = torch.Generator().manual_seed(0)
     for _ in range(args.requests):
@@ -90,9 +112,21 @@ def build_engine(args: argparse.Namespace) -> hf_paged.Engine:
     return engine
 
 
-def time_steps(engine: hf_paged.Engine, steps: int, sync) -> tuple[list[float], dict, float]:
+def time_steps(engine: hf_paged.Engine, steps: int, sync, profile: int = 0) -> tuple[list[float], dict, float]:
     """Per-step seconds (each step bracketed by ``sync``), mean ms per phase over them, and the mean seconds per
-    step of as many steps again with one ``sync`` at the end."""
+    step of as many steps again with one ``sync`` at the end. ``profile``: print the functions of most host time
+    over an extra ``steps`` steps (cProfile; its own overhead inflates the total)."""
+    if profile:
+        import cProfile
+        import pstats
+
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        profiler.disable()
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
     before, times = engine.stats(), []
     for _ in range(steps):
         sync()
@@ -116,6 +150,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--model", choices=("stub", "tiny"), default="stub",
+                        help="stub: fixed logits, eager steps; tiny: a one-layer Llama, production decode path")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
     parser.add_argument("--engine-kwargs", type=json.loads, default={}, help="JSON dict passed to hf_paged.Engine")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
@@ -124,13 +161,15 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     engine = build_engine(args)
-    times, phases, unsynced = time_steps(engine, args.steps, sync)
+    times, phases, unsynced = time_steps(engine, args.steps, sync, args.profile)
     stats = engine.stats()
     if stats["running"] != args.requests or stats["preemptions"]:
         raise RuntimeError(f"expected {args.requests} running requests and no preemption, got {stats}")
     where = torch.cuda.get_device_name() if args.device == "cuda" else "CPU"
-    print(f"{args.requests} running requests, ~{args.context} tokens of context, vocab {args.vocab}, logits on "
-          f"{where}, {args.threads} CPU thread(s), torch {torch.__version__}, engine kwargs {args.engine_kwargs}")
+    graphs = (stats.get("cuda_graphs") or {}).get("replays", 0)
+    print(f"{args.requests} running requests, ~{args.context} tokens of context, vocab {args.vocab}, {args.model} "
+          f"model on {where} (decode steps served by CUDA graphs: {graphs}), {args.threads} CPU thread(s), torch "
+          f"{torch.__version__}, engine kwargs {args.engine_kwargs}")
     ms = [t * 1e3 for t in times]
     unsynced = f"; without per-step sync: mean {unsynced * 1e3:.3f} ms" if args.device == "cuda" else ""
     print(f"engine overhead per decode step: median {statistics.median(ms):.3f} ms, mean {statistics.mean(ms):.3f} "

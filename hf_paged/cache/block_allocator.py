@@ -48,6 +48,11 @@ class BlockAllocator:
         self._ref: list[int] = [0] * num_blocks
 
     @property
+    def ref_counts(self) -> list[int]:
+        """Each block's reference count (read only): for hot loops that check many blocks."""
+        return self._ref
+
+    @property
     def num_free(self) -> int:
         return len(self._free)
 

@@ -183,10 +183,14 @@ class BlockManager:
 
     def commit(self, seqs: list[Sequence], num_computed: list[int]) -> None:
         """Record that ``num_computed[i]`` more tokens of ``seqs[i]`` have their KV written."""
-        bs, caching = self.block_size, self.enable_prefix_caching
+        bs = self.block_size
+        if not self.enable_prefix_caching:
+            for seq, n in zip(seqs, num_computed):
+                seq.num_computed_tokens += n
+            return
         for seq, n in zip(seqs, num_computed):
-            seq.num_computed_tokens += n
-            if caching and seq.num_computed_tokens // bs > seq.num_hashed_blocks:
+            c = seq.num_computed_tokens = seq.num_computed_tokens + n
+            if c // bs > seq.num_hashed_blocks:
                 self._register_full_blocks(seq)
 
     def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:

@@ -22,6 +22,11 @@ class BlockTableBuffer:
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
+    @property
+    def entries(self):
+        """``table`` as a numpy array (the same memory; replaced when the table grows, so read it each step)."""
+        return self._entries
+
     def acquire(self) -> int:
         assert self._free_rows, "more live sequences than block-table rows"
         return self._free_rows.pop()

@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import logging
 import time
-from array import array
 from collections.abc import Sequence as SequenceType
 from contextlib import nullcontext
 
+import numpy as np
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
@@ -91,12 +91,8 @@ class DecodeGraphs:
         n = len(seqs)
         if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
             return None
-        longest, any_prefix = 0, False
-        for seq in seqs:
-            c = seq.num_computed_tokens
-            longest = c if c > longest else longest
-            any_prefix = any_prefix or c > 0
-        if not any_prefix or longest >= self.width * self.cache.block_size:
+        longest = max([s.num_computed_tokens for s in seqs])
+        if not longest or longest >= self.width * self.cache.block_size:
             return None
         return next(s for s in self.sizes if s >= n)
 
@@ -188,23 +184,22 @@ class DecodeGraphs:
         return out.logits[0]
 
     def _send(self, seqs: list[Sequence], b: int) -> None:
-        """Lay the step out in pinned memory (padding rows included) and copy it to the device in one go."""
+        """Lay the step out in pinned memory (padding rows included) and copy it to the device in one go: numpy
+        views of the pinned buffer and of the block tables, a few list comprehensions, no host tensor ops."""
         n, w, bs = len(seqs), self.width, self.cache.block_size
         length = b * (5 + w)
-        host = self._staging.host(length)
-        per_seq = array("i")
-        for seq in seqs:
-            c = seq.num_computed_tokens
-            per_seq.extend((seq.token_ids[c], c, seq.row, seq.pending_row))  # one token each: the last one
-        ids, pos, rows, src = torch.frombuffer(per_seq, dtype=torch.int32).view(n, 4).unbind(1)
-        rows = rows.long()
-        table = self.tables.table
-        host[:n] = ids
+        host = self._staging.host_array(length)
+        pos = [s.num_computed_tokens for s in seqs]  # one token each: the last one
+        host[:n] = [s.token_ids[c] for s, c in zip(seqs, pos)]
         host[b : b + n] = pos
-        host[2 * b : 2 * b + n] = table[rows, (pos // bs).long()] * bs + pos % bs
-        host[3 * b : 3 * b + n] = pos + 1
-        host[4 * b : 4 * b + n] = src
-        torch.index_select(table[:, :w], 0, rows, out=host[5 * b : 5 * b + n * w].view(n, w))
+        host[4 * b : 4 * b + n] = [s.pending_row for s in seqs]
+        rows = np.array([s.row for s in seqs], dtype=np.intp)
+        table = self.tables.entries
+        positions = host[b : b + n]
+        np.floor_divide(positions, bs, out=host[3 * b : 3 * b + n])  # (scratch: the block index of each token)
+        host[2 * b : 2 * b + n] = table[rows, host[3 * b : 3 * b + n]] * bs + positions % bs
+        np.add(positions, 1, out=host[3 * b : 3 * b + n])
+        np.take(table[:, :w], rows, axis=0, out=host[5 * b : 5 * b + n * w].reshape(n, w))
         if n < b:
             for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1), (4 * b, -1)):
                 host[start + n : start + b] = value

@@ -225,9 +225,11 @@ class EngineCore:
         sequences that finished meanwhile (their step before was their last) are left out."""
         self.scheduler.commit(_without_finished(batch))
         if launched is not None:
-            finished = SequenceStatus.FINISHED
-            for row, seq in enumerate(launched.seqs):
-                if seq.status is not finished:
+            seqs = launched.seqs
+            if SequenceStatus.FINISHED in map(_status, seqs):
+                seqs = [s if s.status is not SequenceStatus.FINISHED else None for s in seqs]
+            for row, seq in enumerate(seqs):
+                if seq is not None:
                     seq.token_ids.append(PLACEHOLDER)
                     seq.pending_row = row
             self._inflight = launched
@@ -255,7 +257,13 @@ class EngineCore:
         finish_reason, max_len = self.stop_checker.finish_reason, self.max_model_len
         self.counters.generated_tokens += len(seqs)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
-            seq.token_ids[-1], seq.pending_row = token, -1
+            ids, params = seq.token_ids, seq.params
+            ids[-1], seq.pending_row = token, -1
+            n = len(ids)
+            # Fast path (most tokens): nothing but an EOS and a length check, and neither ends the sequence.
+            if (n < seq.stop_at and n < max_len and params.stops_on_eos_or_length and not seq.pending_children
+                    and token not in params.eos_token_ids):
+                continue
             if logprob is not None and seq.params.logprobs:
                 seq.logprobs.append(logprob)
             if seq.pending_children and seq.num_generated == 1:

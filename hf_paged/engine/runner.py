@@ -13,6 +13,7 @@ from array import array
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase, step_phase
@@ -115,17 +116,17 @@ def plan_step(
     width = -(-max_k // block_size)
     head = ids + pos + slots + sources + keep + q + ctx
     cu = len(head)  # then cu q, cu k (B + 1 each), block tables
-    layout = torch.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=torch.int32)
-    host = torch.frombuffer(head, dtype=torch.int32)
-    layout[:cu].copy_(host)
-    layout[cu : cu + 2 * num_seqs + 2 : num_seqs + 1] = 0
-    for lengths, start in ((host[-2 * num_seqs : -num_seqs], cu + 1), (host[-num_seqs:], cu + num_seqs + 2)):
-        torch.cumsum(lengths, 0, dtype=torch.int32, out=layout[start : start + num_seqs])
-    out = layout[cu + 2 * num_seqs + 2 :].view(num_seqs, width)
-    tables.gather(torch.frombuffer(rows, dtype=torch.int32), out[: len(rows)])
+    # Built in numpy (a small numpy op costs a fraction of a torch op on the host); the plan holds a torch view.
+    layout = np.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=np.int32)
+    layout[:cu] = np.frombuffer(head, dtype=np.int32)
+    layout[cu] = layout[cu + num_seqs + 1] = 0
+    np.cumsum(layout[cu - 2 * num_seqs : cu - num_seqs], dtype=np.int32, out=layout[cu + 1 : cu + num_seqs + 1])
+    np.cumsum(layout[cu - num_seqs : cu], dtype=np.int32, out=layout[cu + num_seqs + 2 : cu + 2 * num_seqs + 2])
+    out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
+    np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out[: len(rows)])
     if pad > 0:
-        out[len(rows):].zero_()
-    return StepPlan(layout, num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
+        out[len(rows):] = 0
+    return StepPlan(torch.from_numpy(layout), num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
                     step_phase(num_seqs, sum(ctx) > t, t == num_seqs), has_padding=pad > 0)
 
 
@@ -189,13 +190,16 @@ class ModelRunner:
         self.device = torch.device(device)
         self.output_device = None  # set by the engine for a model split over devices
         self._cache_kwarg = cache_keyword(model)
-        # The tokens the last step sampled, at a fixed address: where a step's in-flight ids are read from.
-        self.last_tokens = torch.zeros(max_seqs, dtype=torch.int64, device=device)
-        # The plan's int32 ids, positions and slots widened to int64. Flat, so a step's [1, t] views are
-        # contiguous whatever t (as compiled layers expect: no new strides).
-        self._input_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self._position_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
-        self._slots = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        # One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The
+        # first part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too);
+        # the plan's int32 ids, positions and slots are widened into the rest in one copy, and a step with
+        # in-flight ids gathers its ids from the whole buffer in one index_select. Flat, so a step's [1, t] views
+        # are contiguous whatever t (as compiled layers expect: no new strides).
+        self._max_seqs, self._max_tokens = max_seqs, max_tokens
+        self._wide = torch.zeros(max_seqs + 3 * max_tokens, dtype=torch.int64, device=device)
+        self.last_tokens = self._wide[:max_seqs]
+        self._gathered_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._own_index = np.arange(max_seqs, max_seqs + max_tokens, dtype=np.int32)  # token i's id: entry S + i
         # On a GPU a plan's layout travels in one copy; on the CPU the plan's own tensors serve.
         self._staging = None
         if self.device.type == "cuda":
@@ -207,13 +211,22 @@ class ModelRunner:
         rows = rows.long()
         return rows if self.output_device is None else rows.to(self.output_device, non_blocking=True)
 
-    def _to_device(self, plan: StepPlan) -> dict[str, torch.Tensor | None]:
-        """The plan's segments on the device: one copy of its layout through pinned memory (none on the CPU)."""
+    def _to_device(self, plan: StepPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """The plan's layout and segments on the device: one copy through pinned memory (none on the CPU). The
+        token sources become indices into the runner's int64 buffer: row ``r`` of the last sampled tokens, or
+        entry ``S + i`` (token ``i``'s own id) where the id is known on the host."""
+        n, t = plan.layout.numel(), plan.num_tokens
         if self._staging is None:
-            return plan.segments()
-        n = plan.layout.numel()
-        self._staging.host(n).copy_(plan.layout)
-        return plan.segments(self._staging.send(n))
+            layout = plan.layout.clone() if plan.has_sources else plan.layout
+        else:
+            host = self._staging.host_array(n)
+            host[:] = plan.layout.numpy()
+        if plan.has_sources:
+            src = (layout.numpy() if self._staging is None else host)[3 * t : 4 * t]
+            np.copyto(src, self._own_index[:t], where=src < 0)
+        if self._staging is not None:
+            layout = self._staging.send(n)
+        return layout, plan.segments(layout)
 
     def metadata(self, plan: StepPlan, seg: dict[str, torch.Tensor | None], slots: torch.Tensor) -> PagedMetadata:
         """The step's attention metadata from its segments on the device (``slots``: int64) and the plan's host
@@ -230,24 +243,19 @@ class ModelRunner:
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
         """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
-        t = plan.num_tokens
-        if t > self._input_ids.shape[0]:
-            self._input_ids, self._position_ids, self._slots = (b.new_zeros(t) for b in
-                                                                (self._input_ids, self._position_ids, self._slots))
-        seg = self._to_device(plan)
-        ids = self._input_ids[:t]
-        src = seg["token_sources"]
-        if src is None:
-            ids.copy_(seg["input_ids"])
-        else:  # in-flight ids: read the previous step's tokens on the device
-            torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), seg["input_ids"], out=ids)
-        self._position_ids[:t].copy_(seg["position_ids"])
-        slots = self._slots[:t]
-        slots.copy_(seg["slot_mapping"])
+        t, m = plan.num_tokens, self._max_tokens
+        if t > m:
+            raise ValueError(f"a step of {t} tokens exceeds the runner's {m} (max_batch_tokens)")
+        layout, seg = self._to_device(plan)
+        s = self._max_seqs
+        ids, pos, slots = self._wide[s : s + t], self._wide[s + m : s + m + t], self._wide[s + 2 * m : s + 2 * m + t]
+        self._wide[s:].view(3, m)[:, :t].copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
+        if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
+            ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         self.cache.begin_step(self.metadata(plan, seg, slots))
         with self.compiled.active() if self.compiled is not None else nullcontext():
             out = self.model(
-                input_ids=ids.view(1, t), position_ids=self._position_ids[:t].view(1, t), use_cache=True,
+                input_ids=ids.view(1, t), position_ids=pos.view(1, t), use_cache=True,
                 logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},
             )
         return out.logits[0]

@@ -70,6 +70,11 @@ class SamplingParams:
         return not self.do_sample and self.repetition_penalty == 1.0 and not (
             self.min_new_tokens and self.eos_token_ids)
 
+    @functools.cached_property
+    def stops_on_eos_or_length(self) -> bool:
+        """No stop strings and no logprobs: the host's work per new token is an EOS check and a length check."""
+        return not self.stop_strings and not self.logprobs
+
     @classmethod
     def from_generation_config(
         cls, config: GenerationConfig, prompt_len: int, model_config: GenerationConfig | None = None

@@ -70,29 +70,38 @@ class Scheduler:
         budget = self.max_batch_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
-        sample: list[bool] = []
+        partial: list[int] = []  # positions in ``seqs`` of chunks that stop short of the sequence's end
         preempted = False
-        running, reserve_up_to = self.running, self.block_manager.reserve_up_to
+        running, bm = self.running, self.block_manager
+        reserve_up_to, refs, bs = bm.reserve_up_to, bm.allocator.ref_counts, bm.block_size
+        add_seq, add_count = seqs.append, counts.append
         i = 0
         while i < len(running) and budget > 0:
             seq = running[i]
             num_tokens = len(seq.token_ids)
-            if num_tokens - seq.num_prompt_tokens >= seq.params.max_new_tokens:  # its last token is in flight
+            if num_tokens >= seq.stop_at:  # its last token is in flight
                 i += 1
                 continue
-            n = num_tokens - seq.num_computed_tokens
-            n = reserve_up_to(seq, n if n < budget else budget)
-            if n == 0:
-                self._make_room(seq)
-                preempted = True
-                if seq.status is not SequenceStatus.RUNNING:  # preempted itself or failed: the list shrank to i
-                    break
-                continue  # a newer sequence was preempted; try again
-            seqs.append(seq)
-            counts.append(n)
-            sample.append(seq.num_computed_tokens + n == num_tokens)
+            c = seq.num_computed_tokens
+            n = num_tokens - c
+            # Fast path (most decode steps): one token that fits the last block, which only this sequence holds.
+            if n != 1 or not c % bs or refs[seq.block_table[c // bs]] != 1:
+                n = reserve_up_to(seq, n if n < budget else budget)
+                if n == 0:
+                    self._make_room(seq)
+                    preempted = True
+                    if seq.status is not SequenceStatus.RUNNING:  # preempted itself or failed: the list shrank to i
+                        break
+                    continue  # a newer sequence was preempted; try again
+                if c + n != num_tokens:
+                    partial.append(len(seqs))
+            add_seq(seq)
+            add_count(n)
             budget -= n
             i += 1
+        sample = [True] * len(seqs)
+        for j in partial:
+            sample[j] = False
         if not preempted:
             self._admit(budget, seqs, counts, sample)
         return ScheduledBatch(seqs, counts, sample)

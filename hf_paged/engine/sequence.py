@@ -27,7 +27,7 @@ class Sequence:
     """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine."""
 
     __slots__ = (
-        "request_id", "token_ids", "num_prompt_tokens", "params", "arrival", "seed", "pending_children", "status",
+        "request_id", "token_ids", "num_prompt_tokens", "stop_at", "params", "arrival", "seed", "pending_children", "status",
         "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
         "logprobs", "finish_reason", "error", "pending_row", "text_state",
     )
@@ -44,6 +44,7 @@ class Sequence:
         self.request_id = request_id
         self.token_ids: list[int] = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
+        self.stop_at = self.num_prompt_tokens + params.max_new_tokens  # length at which it has all its tokens
         self.params = params
         self.arrival = arrival  # (request counter, copy index): FIFO order, copies right after their parent
         self.seed = seed

@@ -26,6 +26,7 @@ class StagingBuffer:
     def _allocate(self, size: int) -> None:
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=self.device)
         self._host = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._host_arrays = [h.numpy() for h in self._host]  # the same memory, for numpy's cheaper small ops
 
     def host(self, n: int) -> torch.Tensor:
         """``[n]`` int32 pinned memory to fill, free to overwrite (its previous copy has run)."""
@@ -35,6 +36,11 @@ class StagingBuffer:
             self._allocate(max(n, 2 * self.device_buffer.numel()))
         self._done[self._turn].synchronize()
         return self._host[self._turn][:n]
+
+    def host_array(self, n: int):
+        """:meth:`host` as a numpy array (the same pinned memory)."""
+        self.host(n)
+        return self._host_arrays[self._turn][:n]
 
     def send(self, n: int) -> torch.Tensor:
         """Copy the first ``n`` values of the last :meth:`host` buffer to the device; returns the ``[n]`` view."""

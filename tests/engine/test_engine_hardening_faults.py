@@ -22,11 +22,14 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 
 def workload(n: int = 10, seed: int = 3) -> list[tuple[list[int], GenerationConfig]]:
-    """Greedy, early stops, min_new_tokens, repetition penalty and seeded sampling with copies."""
+    """Greedy, early stops, min_new_tokens, repetition penalty and seeded sampling with copies. The early-stop kinds
+    ask for logprobs, so their every token goes through ``StopChecker.finish_reason`` (plain rows skip it unless
+    they reach EOS or their length), which the fault tests below wrap."""
     kinds = [
         dict(max_new_tokens=9, do_sample=False, eos_token_id=None),
-        dict(max_new_tokens=10, do_sample=False, eos_token_id=list(range(3, 50))),
-        dict(max_new_tokens=8, min_new_tokens=5, do_sample=False, eos_token_id=list(range(3, 80))),
+        dict(max_new_tokens=10, do_sample=False, eos_token_id=list(range(3, 50)), output_logprobs=True),
+        dict(max_new_tokens=8, min_new_tokens=5, do_sample=False, eos_token_id=list(range(3, 80)),
+             output_logprobs=True),
         dict(max_new_tokens=7, do_sample=False, repetition_penalty=1.5, eos_token_id=None),
         dict(max_new_tokens=9, do_sample=True, temperature=0.8, top_k=20, seed=11, eos_token_id=None,
              num_return_sequences=2),
