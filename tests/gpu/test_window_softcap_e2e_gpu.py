@@ -19,7 +19,7 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.hf.compat import with_cache
 
-from test_end_to_end_gpu import NEW_TOKENS, assert_matches_up_to_ties  # same folder
+from test_end_to_end_gpu import NEW_TOKENS, assert_matches_up_to_ties, eager_run  # noqa: F401  (fixture; same folder)
 
 pytestmark = pytest.mark.cuda
 if not torch.cuda.is_available():
@@ -59,7 +59,7 @@ def models(request):
                                              dtype=torch.bfloat16).cuda().eval()
     paged.load_state_dict(eager.state_dict())
     assert paged.config.sliding_window == WINDOW, request.param
-    return request.param, eager, paged
+    return eager, paged, request.param  # eager first: test_end_to_end_gpu's eager_run fixture reads models[0]
 
 
 @pytest.fixture(scope="module")
@@ -74,17 +74,9 @@ def batch():
     return {"input_ids": ids.cuda(), "attention_mask": mask.cuda()}
 
 
-@pytest.fixture(scope="module")
-def eager_run(models, batch):
-    out = models[1].generate(**batch, max_new_tokens=NEW_TOKENS, do_sample=False, pad_token_id=0, eos_token_id=None,
-                             return_dict_in_generate=True, output_logits=True)
-    top2 = torch.stack(out.logits, 1).float().topk(2, dim=-1).values  # [B, steps, 2]
-    return out.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
-
-
 @pytest.mark.parametrize("block_size", [16, 256])
 def test_generate_matches_eager(models, batch, eager_run, block_size: int):
-    arch, _, paged = models
+    _, paged, arch = models
     cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=512, block_size=block_size, device="cuda",
                                          dtype=torch.bfloat16, backend=ALLOWED)
     out = paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
@@ -96,7 +88,7 @@ def test_generate_matches_eager(models, batch, eager_run, block_size: int):
 
 
 def test_engine_matches_eager(models, batch, eager_run):
-    arch, _, paged = models
+    _, paged, arch = models
     prompts = [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
     engine = hf_paged.Engine(paged, num_blocks=512, block_size=16, max_batch_tokens=256, backend=",".join(ALLOWED))
     config = GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS, do_sample=False)
