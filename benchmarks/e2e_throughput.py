@@ -15,9 +15,10 @@ Workloads (``--workloads``, in this order by default):
   profile  hf_paged only: an ``hf_paged.Engine`` on the anchor, stepped past every prefill, then 20 decode steps
            timed (ms per step at batch 256) and 20 profiled (GPU busy fraction: kernel time, overlaps merged / wall)
 
-Systems (``--systems``, in this order by default):
+Systems (``--systems``; all but ``hf_paged_cublas`` by default, in this order):
   hf_paged          ``hf_paged.generate_batch``, block_size 16
   hf_paged_eager_layers  the same with ``compile_layers=False``: HF's eager modules around the paged attention
+  hf_paged_cublas        the same with ``skinny_linear=False``: cuBLAS serves every linear layer
                     (the engine's default compiles them on CUDA)
   transformers      ``model.generate_batch`` of the transformers this process imports, default config but the budget
                     (model loaded with sdpa; transformers switches to flash attention when flash-attn is installed
@@ -68,9 +69,11 @@ from e2e_systems import Budget, hf_paged_system, timed_latency, timed_throughput
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model  # noqa: E402
 from other_transformers import run_other_transformers  # noqa: E402
 
-SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transformers_box")
+SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "hf_paged_cublas", "transformers", "transformers_box")
+DEFAULT_SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transformers_box")
 # hf_paged variants: the engine options each adds to --engine-kwargs
-HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False}}
+HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False},
+                     "hf_paged_cublas": {"skinny_linear": False}}
 HF_PAGED_ONLY = ("profile",)
 _DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
@@ -79,7 +82,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
     parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
-    parser.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
+    parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     parser.add_argument("--json", help="write every row here (rewritten after each run)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge result files into one table (and --json)")
     parser.add_argument("--engine-kwargs", default="{}", help="JSON dict of hf_paged engine options")

@@ -29,6 +29,7 @@ class EngineConfig:
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
     compile_layers: bool | None = None
+    skinny_linear: bool | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -37,7 +38,7 @@ class EngineConfig:
             _positive_int(name, getattr(self, name))
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        for name in ("async_scheduling", "compile_layers"):
+        for name in ("async_scheduling", "compile_layers", "skinny_linear"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
         budget = self.memory_budget

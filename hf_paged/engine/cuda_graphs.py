@@ -31,6 +31,7 @@ from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.compiled_layers import CompiledLayers
+from hf_paged.engine.runner import model_call
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
@@ -56,14 +57,16 @@ class DecodeGraphs:
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
+        skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
-                 sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None):
+                 sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
+                 skinny: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
-        self.compiled = compiled
+        self.compiled, self.skinny = compiled, skinny
         self.sizes = sorted(set(sizes))
         self.width = tables.table.shape[1]
         self.device = cache.pool.kv_caches[0][0].device
@@ -178,7 +181,7 @@ class DecodeGraphs:
             dispatcher=self.cache.dispatcher,
         )
         self.cache.begin_step(meta)
-        with self.compiled.active() if self.compiled is not None else nullcontext():
+        with model_call(self.compiled, self.skinny):
             out = self.model(input_ids=self._ids[:b].view(1, b), position_ids=self._pos[:b].view(1, b), use_cache=True,
                              logits_to_keep=0, **{self._cache_kwarg: self.cache})
         return out.logits[0]

@@ -56,6 +56,10 @@ class Engine(EngineCore):
             the CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process;
             a compiler failure switches back to the eager modules with a warning. Only the engine's own model
             calls use the compiled code.
+        skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
+            kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
+            for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
+            engine's own model calls use it.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
@@ -77,13 +81,14 @@ class Engine(EngineCore):
         cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
         async_scheduling: bool | None = EngineConfig.async_scheduling,
         compile_layers: bool | None = EngineConfig.compile_layers,
+        skinny_linear: bool | None = EngineConfig.skinny_linear,
         config: EngineConfig | None = None,
     ):
         cfg = EngineConfig.resolve(
             config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
             memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            compile_layers=compile_layers)
+            compile_layers=compile_layers, skinny_linear=skinny_linear)
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

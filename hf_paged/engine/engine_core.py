@@ -27,7 +27,7 @@ from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
-from hf_paged.engine import compiled_layers, lockstep
+from hf_paged.engine import compiled_layers, lockstep, skinny_linear
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
@@ -73,8 +73,10 @@ class EngineCore:
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
         self.compiled = compiled_layers.for_engine(model, cfg.compile_layers)
+        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear)
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
-                                  max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled)
+                                  max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
+                                  skinny=self.skinny_linear)
         if len(set(self.kv_devices)) > 1:
             # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
             # model (which moves every tensor argument to the first device) leaves them there
@@ -102,7 +104,8 @@ class EngineCore:
             return None
         sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
                  else [s for s in cuda_graphs if s <= max_num_seqs])
-        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens, self.compiled)
+        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens, self.compiled,
+                              self.skinny_linear)
         reason = graphs.capture()
         if reason is not None:
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)

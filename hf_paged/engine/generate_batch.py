@@ -114,7 +114,8 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
             enable_prefix_caching=opt("allow_block_sharing", defaults.enable_prefix_caching),
             memory_budget=opt("max_memory_percent", defaults.memory_budget),
             cuda_graphs=opt("cuda_graphs", defaults.cuda_graphs),
-            compile_layers=opt("compile_layers", defaults.compile_layers))
+            compile_layers=opt("compile_layers", defaults.compile_layers),
+            skinny_linear=opt("skinny_linear", defaults.skinny_linear))
     except ValueError as exc:
         raise ValueError(f"continuous_batching_config: {exc}") from None
     if config.num_blocks is None:

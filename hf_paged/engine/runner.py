@@ -10,7 +10,8 @@ set to the sampled positions only.
 from __future__ import annotations
 
 from array import array
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,6 +19,7 @@ import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase, step_phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.engine import skinny_linear
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.sequence import Sequence
@@ -176,16 +178,27 @@ def _extend_slots(slots: array, table: list[int], start: int, end: int, block_si
         start = stop
 
 
+@contextmanager
+def model_call(compiled: CompiledLayers | None, skinny: bool) -> Iterator[None]:
+    """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on."""
+    with compiled.active() if compiled is not None else nullcontext(), \
+            skinny_linear.active() if skinny else nullcontext():
+        yield
+
+
 class ModelRunner:
     """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device.
 
-    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``).
+    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``);
+    ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
-                 max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None):
+                 max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None,
+                 skinny: bool = False):
         self.model = model
         self.compiled = compiled
+        self.skinny = skinny
         self.cache = cache
         self.device = torch.device(device)
         self.output_device = None  # set by the engine for a model split over devices
@@ -253,7 +266,7 @@ class ModelRunner:
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         self.cache.begin_step(self.metadata(plan, seg, slots))
-        with self.compiled.active() if self.compiled is not None else nullcontext():
+        with model_call(self.compiled, self.skinny):
             out = self.model(
                 input_ids=ids.view(1, t), position_ids=pos.view(1, t), use_cache=True,
                 logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},

@@ -24,6 +24,7 @@ import torch
 
 from hf_paged.hf.placement import decoder_layers
 from hf_paged.kernels import skinny
+from hf_paged.kernels.build import ensure_loaded
 
 logger = logging.getLogger("hf_paged")
 
@@ -44,6 +45,37 @@ def active() -> Iterator[None]:
 
 def is_active() -> bool:
     return _active
+
+
+def for_engine(model: torch.nn.Module, setting: bool | None) -> bool:
+    """Whether the engine's model calls run inside :func:`active` per ``Engine(skinny_linear=...)`` (installing
+    the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
+    load, True the same or an error saying why not, False never."""
+    if setting is False:
+        return False
+    reason = _unsupported_reason(model)
+    if reason is None and not install(model):
+        reason = "no linear layer of the model can be served (see the debug log)"
+    if reason is not None:
+        if setting:
+            raise ValueError(f"skinny_linear=True cannot be served: {reason}; pass skinny_linear=False")
+        logger.info("hf_paged: decode steps keep torch's linear layers: %s", reason)
+        return False
+    return True
+
+
+def _unsupported_reason(model: torch.nn.Module) -> str | None:
+    device = getattr(model, "device", None)
+    if device is None or torch.device(device).type != "cuda":
+        return f"the model is on {device}, the skinny kernel runs on CUDA GPUs"
+    if getattr(model, "dtype", None) not in skinny.DTYPES:
+        return f"the model is in {getattr(model, 'dtype', None)}, the skinny kernel serves {skinny.DTYPES}"
+    if decoder_layers(model) is None:
+        return f"{type(model).__name__} has no list of decoder layers"
+    failure = ensure_loaded()
+    if failure is not None:
+        return f"the CUDA kernels are unavailable ({failure})"
+    return None
 
 
 def install(model: torch.nn.Module) -> list[torch.nn.Linear]:

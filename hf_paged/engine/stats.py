@@ -56,4 +56,5 @@ class EngineStats:
             "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()},
             "cuda_graphs": engine.graphs.stats() if engine.graphs is not None else None,
             "compiled_layers": engine.compiled is not None and engine.compiled.enabled,
+            "skinny_linear": engine.skinny_linear,
         }
