@@ -1,4 +1,5 @@
-// Skinny GEMM for decode: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) with M <= 8, bound by streaming the weight.
+// Skinny GEMM for decode: out[M, N] = x[M, K] @ weight[N, K]^T (+ bias) with M <= 8, bound by streaming the weight;
+// a launch serves up to kSkinnyMaxGroup weights that share x (q/k/v, gate/up), one output each.
 //
 // Each warp owns a tile of 16 weight rows and a slice of K, and runs it on tensor cores (m16n8k16, weight rows as
 // A, the x rows as the 8 columns of B). A dot product does not care in which order k is summed, only that A and B
@@ -17,6 +18,11 @@
 // Small N leaves too few tiles to keep every SM streaming, so K is split: across the warps of a block (`parts`,
 // reduced in shared memory) and, on sm_90, across the blocks of a thread-block cluster (`cluster`, reduced by rank 0
 // reading the other blocks' shared memory). No workspace, no atomics, no host sync: the launch can be captured.
+//
+// A group of weights is one list of tiles: weight i owns tiles tile_begin[i] .. tile_begin[i + 1) (a prefix sum
+// passed by value), and each warp looks its tile's weight up among the at most four ranges (constant indices into
+// the kernel's parameters, no local memory). The split of K is chosen for the group's total tile count, so three
+// small products (the k/v side of attention) fill the GPU as one larger one does.
 #include <cooperative_groups.h>
 
 #include <algorithm>
@@ -35,6 +41,36 @@ constexpr int kTileRows = 16;     // weight rows per warp (the mma's m)
 constexpr int kChunk = 32;        // k per chunk: 4 lanes x 8 elements
 constexpr int kMaxCluster = 8;    // the portable cluster size
 constexpr int kWarpsPerSm = 24;   // resident warps per SM the launch bounds below guarantee
+
+// The kernel's argument: the ops' parameters and the first tile of each weight (tile_begin[count] = all tiles).
+struct GroupLaunch {
+  SkinnyGemmParams p;
+  int tile_begin[kSkinnyMaxGroup + 1];
+};
+
+// One warp's tile: the weight it reads, where it writes, and its tile's index within that weight.
+template <typename T>
+struct Slice {
+  const T* weight;
+  const T* bias;
+  T* out;
+  int n, tile;
+};
+
+// The slice of global tile `tile`; false past the last weight's tiles.
+template <typename T>
+__device__ __forceinline__ bool find_slice(const GroupLaunch& l, int tile, Slice<T>& s) {
+  bool found = false;
+#pragma unroll
+  for (int i = 0; i < kSkinnyMaxGroup; ++i) {
+    if (i < l.p.count && tile >= l.tile_begin[i] && tile < l.tile_begin[i + 1]) {
+      s.weight = static_cast<const T*>(l.p.weight[i]), s.bias = static_cast<const T*>(l.p.bias[i]);
+      s.out = static_cast<T*>(l.p.out[i]), s.n = l.p.n[i], s.tile = tile - l.tile_begin[i];
+      found = true;
+    }
+  }
+  return found;
+}
 
 // 16 bytes of the weight (read once: no L1 allocation, a 256-byte L2 prefetch), zeros where !valid (nothing read).
 __device__ __forceinline__ uint4 load_weight(const void* p, bool valid) {
@@ -58,13 +94,12 @@ __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { re
 
 // acc += weight[tile rows, chunks begin .. end) . x[:, same k], in the fragment layout described above.
 template <typename T>
-__device__ __forceinline__ void accumulate(float (&acc)[4], const SkinnyGemmParams& p, int tile, int begin, int end,
-                                           int g, int t) {
+__device__ __forceinline__ void accumulate(float (&acc)[4], const SkinnyGemmParams& p, const Slice<T>& s, int begin,
+                                           int end, int g, int t) {
   float acc2[4] = {0.f, 0.f, 0.f, 0.f};  // the second mma of each chunk: two dependency chains of half the length
-  const T* weight = static_cast<const T*>(p.weight);
-  const int row = tile * kTileRows + g;
-  const T* lo = weight + static_cast<int64_t>(min(row, p.n - 1)) * p.k + 8 * t;
-  const T* hi = weight + static_cast<int64_t>(min(row + 8, p.n - 1)) * p.k + 8 * t;
+  const int row = s.tile * kTileRows + g;
+  const T* lo = s.weight + static_cast<int64_t>(min(row, s.n - 1)) * p.k + 8 * t;
+  const T* hi = s.weight + static_cast<int64_t>(min(row + 8, s.n - 1)) * p.k + 8 * t;
   const T* xr = static_cast<const T*>(p.x) + static_cast<int64_t>(min(g, p.m - 1)) * p.x_stride + 8 * t;
   const int lane_k_end = p.k - 8 * t;  // this lane's offsets in a chunk must stay below it
   for (int c = begin; c < end; c += kUnroll) {
@@ -91,18 +126,17 @@ __device__ __forceinline__ void accumulate(float (&acc)[4], const SkinnyGemmPara
 
 // Bias added in fp32, rounded once; only rows below N and x rows below M are written.
 template <typename T>
-__device__ __forceinline__ void store(const SkinnyGemmParams& p, int tile, const float (&acc)[4], int g, int t) {
-  T* out = static_cast<T*>(p.out);
-  const T* bias = static_cast<const T*>(p.bias);
+__device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>& s, const float (&acc)[4], int g,
+                                      int t) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
-    const int n = tile * kTileRows + g + 8 * half;
-    if (n >= p.n) continue;
-    const float b = bias != nullptr ? to_float(bias[n]) : 0.f;
+    const int n = s.tile * kTileRows + g + 8 * half;
+    if (n >= s.n) continue;
+    const float b = s.bias != nullptr ? to_float(s.bias[n]) : 0.f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
       const int m = 2 * t + i;
-      if (m < p.m) out[static_cast<int64_t>(m) * p.n + n] = from_float<T>(acc[2 * half + i] + b);
+      if (m < p.m) s.out[static_cast<int64_t>(m) * s.n + n] = from_float<T>(acc[2 * half + i] + b);
     }
   }
 }
@@ -111,23 +145,26 @@ __device__ __forceinline__ void add(float (&acc)[4], const float4& v) {
   acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
 }
 
-// Grid: (blocks over tiles, cluster); block: kWarps / parts tiles, `parts` warps per tile, each a slice of K.
+// Grid: (blocks over the group's tiles, cluster); block: kWarps / parts tiles, `parts` warps per tile, each a slice
+// of K.
 template <typename T>
 __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
-    skinny_gemm_kernel(const SkinnyGemmParams p, int parts, int cluster) {
+    skinny_gemm_kernel(const __grid_constant__ GroupLaunch l, int parts, int cluster) {
+  const SkinnyGemmParams& p = l.p;
   __shared__ float4 partial[kWarps][32];
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane / 4, t = lane % 4;
   const int part = warp % parts, rank = blockIdx.y;  // grid.y is one cluster: blockIdx.y is the rank in it
   const int tile = blockIdx.x * (kWarps / parts) + warp / parts;
-  const bool owns_tile = tile < (p.n + kTileRows - 1) / kTileRows;
+  Slice<T> s{};
+  const bool owns_tile = find_slice(l, tile, s);
   float acc[4] = {0.f, 0.f, 0.f, 0.f};
   if (owns_tile) {
     const int64_t chunks = (p.k + kChunk - 1) / kChunk, splits = parts * cluster, split = rank * parts + part;
-    accumulate<T>(acc, p, tile, static_cast<int>(split * chunks / splits),
+    accumulate<T>(acc, p, s, static_cast<int>(split * chunks / splits),
                   static_cast<int>((split + 1) * chunks / splits), g, t);
   }
   if (parts == 1 && cluster == 1) {
-    if (owns_tile) store<T>(p, tile, acc, g, t);
+    if (owns_tile) store<T>(p, s, acc, g, t);
     return;
   }
   partial[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -146,7 +183,7 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
       for (int q = 0; q < parts; ++q) add(acc, remote[q * 32 + lane]);
     }
 #endif
-    store<T>(p, tile, acc, g, t);
+    store<T>(p, s, acc, g, t);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (cluster > 1) group.sync();  // keep every block's shared memory alive until rank 0 has read it
@@ -156,9 +193,10 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
 // Splits of K per tile (a power of two, parts x cluster): the most that keep every warp of the launch resident at
 // once (one wave: for the small matrices every weight byte is requested at the start), at least two chunks of K per
 // warp, at most kWarps per block times kMaxCluster blocks. On an H100 (132 SMs): lm_head 1, gate/up 8192 x 2048 4,
-// q/o 2048 x 2048 and down 2048 x 8192 16, k/v 512 x 2048 32 (8 warps x clusters of 4 blocks).
-void choose_split(const SkinnyGemmParams& p, int& parts, int& cluster) {
-  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, chunks = (p.k + kChunk - 1) / kChunk;
+// q/o 2048 x 2048 and down 2048 x 8192 16, k/v 512 x 2048 32 (8 warps x clusters of 4 blocks); the 1B model's
+// q+k+v (192 tiles) 16, its gate+up (1024 tiles) 2.
+void choose_split(const SkinnyGemmParams& p, int64_t tiles, int& parts, int& cluster) {
+  const int64_t chunks = (p.k + kChunk - 1) / kChunk;
   const int64_t resident = static_cast<int64_t>(p.sms) * kWarpsPerSm;
   const int64_t most = std::min<int64_t>(std::max<int64_t>(1, chunks / 2), p.clusters ? kWarps * kMaxCluster : kWarps);
   int64_t splits = 1;
@@ -169,9 +207,14 @@ void choose_split(const SkinnyGemmParams& p, int& parts, int& cluster) {
 
 template <typename T>
 cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
+  GroupLaunch l{};
+  l.p = p;
+  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + kTileRows - 1) / kTileRows;
+  for (int i = p.count + 1; i <= kSkinnyMaxGroup; ++i) l.tile_begin[i] = l.tile_begin[p.count];
+  const int64_t tiles = l.tile_begin[p.count];
   int parts = 1, cluster = 1;
-  choose_split(p, parts, cluster);
-  const int64_t tiles = (p.n + kTileRows - 1) / kTileRows, tiles_per_block = kWarps / parts;
+  choose_split(p, tiles, parts, cluster);
+  const int64_t tiles_per_block = kWarps / parts;
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block),
                         static_cast<unsigned>(cluster));
@@ -182,7 +225,7 @@ cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
   attribute[0].val.clusterDim.x = 1, attribute[0].val.clusterDim.y = cluster, attribute[0].val.clusterDim.z = 1;
   config.attrs = attribute;
   config.numAttrs = cluster > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, skinny_gemm_kernel<T>, p, parts, cluster);
+  return cudaLaunchKernelEx(&config, skinny_gemm_kernel<T>, l, parts, cluster);
 }
 
 }  // namespace

@@ -1,5 +1,6 @@
-// Registers torch.ops.hf_paged.skinny_gemm (the kernel in skinny_gemm.cu): x[M, K] @ weight[N, K]^T (+ bias) for
-// M <= 8, on the current stream, allocating only the output.
+// Registers torch.ops.hf_paged.skinny_gemm and skinny_gemm_group (the kernel in skinny_gemm.cu): x[M, K] @
+// weight[N, K]^T (+ bias) for M <= 8, for one weight or for 2 to 4 sharing x in one launch, on the current stream,
+// allocating only the outputs.
 #include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -9,6 +10,7 @@
 #include <mutex>
 #include <optional>
 #include <utility>
+#include <vector>
 
 #include "checks.h"
 #include "skinny_gemm.h"
@@ -60,22 +62,53 @@ std::pair<int, int> device_shape(int device) {
   return cache[device] = {sms, major};
 }
 
-at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
-  check_skinny_arguments(x, weight, bias);
-  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
-  if (out.numel() == 0) return out;
+// One launch for the weights (checked already) whose outputs are not empty; `outs` one per weight.
+void run(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<std::optional<at::Tensor>>& biases,
+         const std::vector<at::Tensor>& outs) {
+  SkinnyGemmParams p{};
+  for (size_t i = 0; i < weights.size(); ++i) {
+    if (outs[i].numel() == 0) continue;
+    p.weight[p.count] = weights[i].data_ptr(), p.out[p.count] = outs[i].data_ptr();
+    p.bias[p.count] = biases[i].has_value() ? biases[i]->data_ptr() : nullptr;
+    p.n[p.count++] = static_cast<int>(weights[i].size(0));
+  }
+  if (p.count == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [sms, major] = device_shape(x.get_device());
-  SkinnyGemmParams p{};
-  p.x = x.data_ptr(), p.weight = weight.data_ptr(), p.out = out.data_ptr();
-  p.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  p.x = x.data_ptr();
   p.x_stride = x.stride(0);
-  p.m = static_cast<int>(x.size(0)), p.n = static_cast<int>(weight.size(0)), p.k = static_cast<int>(x.size(1));
+  p.m = static_cast<int>(x.size(0)), p.k = static_cast<int>(x.size(1));
   p.bf16 = x.scalar_type() == at::kBFloat16;
   p.sms = sms;
   p.clusters = major >= 9;
   C10_CUDA_CHECK(launch_skinny_gemm(p, c10::cuda::getCurrentCUDAStream()));
+}
+
+at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& weight, const std::optional<at::Tensor>& bias) {
+  check_skinny_arguments(x, weight, bias);
+  at::Tensor out = at::empty({x.size(0), weight.size(0)}, x.options());
+  run(x, {weight}, {bias}, {out});
   return out;
+}
+
+// biases: one per weight (None for none) or an empty list (no bias at all).
+std::vector<at::Tensor> skinny_gemm_group(const at::Tensor& x, at::TensorList weights,
+                                          const c10::List<std::optional<at::Tensor>>& biases) {
+  TORCH_CHECK_VALUE(!weights.empty() && weights.size() <= static_cast<size_t>(kSkinnyMaxGroup),
+                    format("skinny_gemm_group serves 1 to %d weights, got %zu; call it per group", kSkinnyMaxGroup,
+                           weights.size()));
+  TORCH_CHECK_VALUE(biases.empty() || biases.size() == weights.size(),
+                    format("biases must hold one entry (a tensor or None) per weight: %zu weights, %zu biases",
+                           weights.size(), biases.size()));
+  std::vector<at::Tensor> weight_list(weights.begin(), weights.end()), outs;
+  std::vector<std::optional<at::Tensor>> bias_list;
+  for (size_t i = 0; i < weights.size(); ++i) {
+    bias_list.push_back(biases.empty() ? std::nullopt : biases.get(i));
+    check_skinny_arguments(x, weights[i], bias_list.back());
+    outs.push_back(at::empty({x.size(0), weights[i].size(0)}, x.options()));
+  }
+  run(x, weight_list, bias_list, outs);
+  return outs;
 }
 
 }  // namespace
@@ -83,8 +116,10 @@ at::Tensor skinny_gemm(const at::Tensor& x, const at::Tensor& weight, const std:
 
 TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
   m.def("skinny_gemm(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("skinny_gemm_group(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
   m.impl("skinny_gemm", &hf_paged::skinny_gemm);
+  m.impl("skinny_gemm_group", &hf_paged::skinny_gemm_group);
 }
