@@ -6,6 +6,8 @@ graph. Inductor fuses them into a handful per layer. Every decoder layer's ``for
 children (final norm, rotary embedding) are compiled with dynamic shapes; the KV write and attention stay out of the
 compiled graphs: the cache's ``update`` and the ``"hf_paged"`` attention function are opaque to the compiler (graph
 breaks), so the compiled graphs hold only tensor work on hidden states, and the paged kernels run as they do eager.
+Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
+(``hf_paged.engine.group_linears``, passed in this compile's own inductor options).
 
 The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
 (the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the
@@ -25,6 +27,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx.experimental._config as _shape_config
 
+from hf_paged.engine.group_linears import GroupLinears
 from hf_paged.hf import attention as paged_attention
 from hf_paged.hf.placement import base_model, decoder_layers
 
@@ -122,7 +125,8 @@ class _Switch:
 
     def __init__(self, owner: CompiledLayers, eager):
         self.owner, self.eager = owner, eager
-        self.compiled = torch.compile(eager, dynamic=True)
+        # options: this compile's inductor config only (the skinny linears sharing an input run as one launch)
+        self.compiled = torch.compile(eager, dynamic=True, options={"post_grad_custom_pre_pass": GroupLinears()})
 
     def __call__(self, *args, **kwargs):
         if self.owner.is_active:
