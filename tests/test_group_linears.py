@@ -1,0 +1,155 @@
+"""Grouped skinny linears on the CPU: ``hf_paged::linear_group`` falls back to one ``F.linear`` per weight bit for
+bit and traces under ``torch.compile``; the ``GroupLinears`` pass turns the ``hf_paged.linear`` calls that share an
+input into grouped calls, directly on an FX graph and inside inductor (the engine's compiled layers included). The
+grouped kernel itself: tests/gpu/test_skinny_linear_gpu.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from tiny_models import VOCAB, make_config
+from torch._inductor.utils import run_and_get_code
+from transformers import AutoModelForCausalLM
+
+from hf_paged.engine import compiled_layers, skinny_linear
+from hf_paged.engine.group_linears import GroupLinears, group_linears
+from hf_paged.kernels import skinny
+
+LINEAR, GROUP = torch.ops.hf_paged.linear.default, torch.ops.hf_paged.linear_group.default
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+class SharedInput(torch.nn.Module):
+    """``widths`` linears of K=32 on one input (bias on every other one), one of K=16 on a slice of it, one on
+    another input."""
+
+    def __init__(self, widths: tuple[int, ...]):
+        super().__init__()
+        self.shared = torch.nn.ModuleList(torch.nn.Linear(32, n, bias=i % 2 == 0) for i, n in enumerate(widths))
+        self.narrow, self.other = torch.nn.Linear(16, 8), torch.nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> list[torch.Tensor]:
+        h = x * 2
+        linear = torch.ops.hf_paged.linear  # as skinny.linear puts it in a compiled graph
+        outs = [linear(h, m.weight, m.bias) for m in self.shared]
+        return [*outs, linear(h[..., :16], self.narrow.weight, self.narrow.bias),
+                linear(y, self.other.weight, self.other.bias)]
+
+
+def traced(module: torch.nn.Module, *inputs: torch.Tensor) -> torch.fx.GraphModule:
+    """The ATen-level graph of ``module`` with its parameters as the first inputs (as inductor's post-grad passes
+    see it), fake values in its meta; call it as ``gm(params, *inputs)``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    def call(params, *args):
+        return torch.func.functional_call(module, params, args)
+
+    with torch.no_grad():
+        return make_fx(call, tracing_mode="fake")(params_of(module), *inputs)
+
+
+def params_of(module: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {name: p.detach() for name, p in module.named_parameters()}
+
+
+def count(gm: torch.fx.GraphModule, target) -> int:
+    return sum(node.target is target for node in gm.graph.nodes)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_group_on_cpu_is_f_linear_bit_for_bit(dtype, with_bias):
+    gen = torch.Generator().manual_seed(7 + with_bias)
+    x = torch.randn(2, 3, 48, generator=gen).to(dtype)
+    weights = [torch.randn(n, 48, generator=gen).to(dtype) for n in (40, 8, 8)]
+    biases = [torch.randn(w.shape[0], generator=gen).to(dtype) if with_bias and i != 1 else None
+              for i, w in enumerate(weights)]
+    outs = skinny.linear_group(x, weights, biases)
+    for out, w, b in zip(outs, weights, biases, strict=True):
+        assert torch.equal(out, F.linear(x, w, b)) and out.is_contiguous()
+    with pytest.raises(ValueError, match="one bias"):
+        skinny.linear_group(x, weights, biases[:2])
+
+
+def test_group_op_traces_under_fullgraph_with_dynamic_rows():
+    weights = [torch.randn(24, 32), torch.randn(8, 32)]
+    biases = [torch.randn(24), None]
+    fn = torch.compile(lambda x, a, b, c: [o * 2 for o in skinny.linear_group(x, [a, b], [c, None])],
+                       fullgraph=True, dynamic=True, backend="aot_eager")
+    for rows in (1, 5, 12):
+        x = torch.randn(rows, 32)
+        got = fn(x, weights[0], weights[1], biases[0])
+        assert all(torch.equal(g, F.linear(x, w, b) * 2) for g, w, b in zip(got, weights, biases, strict=True))
+
+
+def test_small_single_products_go_to_cublas_by_the_measured_rule():
+    def weight(n, k):
+        return torch.empty(n, k, dtype=torch.bfloat16, device="meta")
+
+    assert not skinny.kernel_wins(weight(2048, 2048)) and not skinny.kernel_wins(weight(512, 2048))  # 1B q/o, k/v
+    assert skinny.kernel_wins(weight(1024, 4096)) and skinny.kernel_wins(weight(8192, 2048))  # 8B k/v, 1B gate/up
+    assert skinny.kernel_wins(weight(2048, 8192)) and skinny.kernel_wins(weight(128256, 2048))  # 1B down, lm_head
+
+
+@pytest.mark.parametrize(("widths", "groups", "singles"), [((64, 16, 16), 1, 2), ((8, 8), 1, 2),
+                                                            ((8, 16, 24, 32, 40), 1, 3), ((8,), 0, 3)])
+def test_the_pass_groups_calls_on_one_input_and_keeps_the_results(widths, groups, singles):
+    torch.manual_seed(len(widths))
+    module = SharedInput(widths).eval()
+    x, y = torch.randn(3, 32), torch.randn(3, 32)
+    gm = traced(module, x, y)
+    assert count(gm, LINEAR) == len(widths) + 2
+    assert group_linears(gm.graph) == groups
+    gm.graph.lint()
+    gm.recompile()
+    # five on one input: one group of four (MAX_GROUP) and one left single; the K=16 and other-input calls stay
+    assert count(gm, GROUP) == groups and count(gm, LINEAR) == singles
+    with torch.no_grad():
+        for got, want in zip(gm(params_of(module), x, y), module(x, y), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_inductor_runs_the_pass_from_the_compile_options():
+    torch.manual_seed(0)
+    module = SharedInput((64, 16, 16)).eval()
+    compiled = torch.compile(module, dynamic=True, fullgraph=True,
+                             options={"post_grad_custom_pre_pass": GroupLinears()})
+    x, y = torch.randn(5, 32), torch.randn(5, 32)
+    with torch.no_grad():
+        got, (code,) = run_and_get_code(compiled, x, y)
+        want = module(x, y)
+    assert code.count("= torch.ops.hf_paged.linear_group.default(") == 1
+    assert code.count("= torch.ops.hf_paged.linear.default(") == 2
+    assert all(torch.allclose(g, w, rtol=1e-5, atol=1e-5) for g, w in zip(got, want, strict=True))
+
+
+def test_the_pass_keys_the_fx_graph_cache():
+    assert GroupLinears().uuid() == GroupLinears().uuid() and GroupLinears().uuid()
+
+
+def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_logits():
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config("llama_gqa"), attn_implementation="eager",
+                                             dtype=torch.bfloat16).eval()
+    ids = torch.randint(3, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = model(ids).logits.float()
+    skinny_linear.install(model)
+    layers = compiled_layers.compiled_layers(model)
+    with torch.no_grad(), layers.active(), skinny_linear.active(), \
+            torch._inductor.config.patch(fx_graph_cache=False):  # every layer's code, not cache hits
+        got, codes = run_and_get_code(lambda: model(ids).logits.float())
+    assert layers.enabled, layers.failure
+    layer_codes = [c for c in codes if "hf_paged" in c]
+    assert len(layer_codes) == model.config.num_hidden_layers
+    for code in layer_codes:  # q/k/v and gate/up grouped; o_proj and down_proj single
+        assert code.count("= torch.ops.hf_paged.linear_group.default(") == 2
+        assert code.count("= torch.ops.hf_paged.linear.default(") == 2
+    torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
