@@ -63,8 +63,8 @@ std::pair<int, int> device_shape(int device) {
 }
 
 // One launch for the weights (checked already) whose outputs are not empty; `outs` one per weight.
-void run(const at::Tensor& x, const std::vector<at::Tensor>& weights, const std::vector<std::optional<at::Tensor>>& biases,
-         const std::vector<at::Tensor>& outs) {
+void run(const at::Tensor& x, const std::vector<at::Tensor>& weights,
+         const std::vector<std::optional<at::Tensor>>& biases, const std::vector<at::Tensor>& outs) {
   SkinnyGemmParams p{};
   for (size_t i = 0; i < weights.size(); ++i) {
     if (outs[i].numel() == 0) continue;

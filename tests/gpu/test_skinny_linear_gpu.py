@@ -3,9 +3,10 @@ a model's greedy decode.
 
 Each case draws fresh inputs: weights of shape [N, K] for N in 8 .. 128256 (one and several tiles, split K across
 warps and across clusters, rows past a tile's end) and K from 64 to 14336 (2056: a chunk of K past the last full one),
-fp16/bf16, with and without bias, and x of 1 .. 8 rows. Every output row is judged on its own: each element within
-the dtype's rounding of the float64 value plus 2^-16 of sum |x_k w_k| (fp32 accumulation on tensor cores), and
-within twice that of cuBLAS (its reduced-precision reductions turned off).
+fp16/bf16, with and without bias, and x of 1 .. 8 rows; grouped launches (skinny_gemm_group) on the q/k/v and
+gate/up shapes of Llama-3.2-1B and Llama-3.1-8B the same way. Every output row is judged on its own: each element
+within the dtype's rounding of the float64 value plus 2^-16 of sum |x_k w_k| (fp32 accumulation on tensor cores),
+and within twice that of cuBLAS (its reduced-precision reductions turned off; single products).
 """
 
 from __future__ import annotations
@@ -38,6 +39,17 @@ NS = (8, 512, 1000, 2048, 8192, 128256)
 KS = (64, 2048, 2056, 4096, 8192, 14336)
 # At most the 8B model's lm_head; 14336 x 4096 (the 8B model's gate/up) splits K in two per tile on an H100.
 SHAPES = [(n, k) for n in NS for k in KS if n * k <= 128256 * 4096] + [(14336, 4096)]
+
+
+# Products sharing x, as the compiled layers group them: (N of each weight, K).
+GROUPS = {"1b-qkv": ((2048, 512, 512), 2048), "1b-gate-up": ((8192, 8192), 2048),
+          "8b-qkv": ((4096, 1024, 1024), 4096), "8b-gate-up": ((14336, 14336), 4096)}
+
+
+@pytest.fixture(autouse=True)
+def kernel_at_every_size(monkeypatch):
+    """The kernel at every shape here: the size rule that gives small single products to cuBLAS is off."""
+    monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
 
 
 @pytest.fixture(autouse=True)
@@ -173,6 +185,74 @@ def test_graph_replay_with_new_data(n, k):
         want, scale = oracle(x, weight, bias)
         assert_rows_close(out, want, ROUNDING[torch.bfloat16] * want.abs() + ACCUMULATION * scale,
                           f"replay {step} N={n} K={k}")
+
+
+def random_group(group: str, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
+    """The group's weights and biases (the second weight never has a bias: groups mix both)."""
+    widths, k = GROUPS[group]
+    pairs = [random_linear(n, k, dtype, with_bias and i != 1, gen) for i, n in enumerate(widths)]
+    return [w for w, _ in pairs], [b for _, b in pairs]
+
+
+def assert_group_close(x, outs, weights, biases, label: str) -> None:
+    assert len(outs) == len(weights)
+    for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+        want, scale = oracle(x, weight, bias)
+        assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype and out.is_contiguous()
+        assert_rows_close(out, want, ROUNDING[x.dtype] * want.abs() + ACCUMULATION * scale + 1e-6,
+                          f"{label} weight {i}")
+
+
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_group_rows_match_float64(group, dtype, with_bias, monkeypatch):
+    monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 16 << 20)  # the default: groups take the kernel anyway
+    gen = torch.Generator(DEVICE).manual_seed(len(group) * 13 + with_bias)
+    weights, biases = random_group(group, dtype, with_bias, gen)
+    for m in range(1, skinny.MAX_ROWS + 1):
+        x = torch.randn(m, GROUPS[group][1], device=DEVICE, generator=gen).to(dtype)
+        outs = torch.ops.hf_paged.skinny_gemm_group(x, weights, biases)
+        assert_group_close(x, outs, weights, biases, f"{group} M={m} {dtype} bias={with_bias}")
+        served = skinny.linear_group(x, weights, biases)
+        assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
+
+
+@pytest.mark.parametrize("group", ["1b-qkv", "8b-gate-up"])
+def test_group_graph_replay_with_new_data(group):
+    gen = torch.Generator(DEVICE).manual_seed(len(group))
+    weights, biases = random_group(group, torch.bfloat16, True, gen)
+    x = torch.randn(8, GROUPS[group][1], device=DEVICE, generator=gen).to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        skinny.linear_group(x, weights, biases)  # warm-up outside the capture
+        before = torch.cuda.memory_stats()["allocation.all.allocated"]
+        skinny.linear_group(x, weights, biases)
+        assert torch.cuda.memory_stats()["allocation.all.allocated"] - before == len(weights)  # the outputs
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = skinny.linear_group(x, weights, biases)
+    for step in range(3):
+        fresh, fresh_biases = random_group(group, torch.bfloat16, True, gen)
+        for old, new in zip([*weights, *biases], [*fresh, *fresh_biases], strict=True):
+            if old is not None:
+                old.copy_(new)
+        x.copy_(torch.randn(x.shape, device=DEVICE, generator=gen))
+        graph.replay()
+        assert_group_close(x, outs, weights, biases, f"{group} replay {step}")
+
+
+def test_group_refusals_say_what_to_do():
+    w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(2, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="1 to 4 weights"):
+        torch.ops.hf_paged.skinny_gemm_group(x, [w] * 5, [None] * 5)
+    with pytest.raises(ValueError, match="one entry"):
+        torch.ops.hf_paged.skinny_gemm_group(x, [w, w], [None])
+    with pytest.raises(ValueError, match=r"x must be \[rows, K\]"):
+        torch.ops.hf_paged.skinny_gemm_group(x, [w, w[:, :32].contiguous()], [None, None])
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor needs triton on CUDA")
