@@ -8,7 +8,11 @@ cache, so that every call reads its weight from DRAM as in a decode step, and no
 per call = median over ``--replays`` replays of (replay time / calls), after warm-up replays. Bytes moved = weight +
 x + out; "% copy" = (bytes / time) / the copy bandwidth of the same run: 2 x the bytes of a 1 GiB device-to-device
 copy over its median time (a read plus a write per byte). Both results are checked against each other first.
-The summary adds up one decode step's linears (per layer: q/o 2, k/v 2, gate/up 2, down 1; then lm_head).
+Grouped rows time the products that share x (q+k+v, gate+up): cuBLAS = one ``F.linear`` per weight, skinny = one
+``linear_group`` launch, each in the same graph setup (a "call" is the whole group).
+The summary adds up one decode step's linears (per layer: q/o 2, k/v 2, gate/up 2, down 1; then lm_head): all on
+cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up grouped, o/down/lm_head per the
+single op's size rule, ``kernel_wins``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
     python benchmarks/skinny_gemm.py [--models 1b,8b] [--rows 1,2,4,8] [--dtype bf16] [--replays 20] [--json F]
@@ -29,7 +33,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hf_paged.kernels import unavailable_reason  # noqa: E402
-from hf_paged.kernels.skinny import linear  # noqa: E402
+from hf_paged.kernels.skinny import kernel_wins, linear_group  # noqa: E402
 
 # shape: (N, K, calls per layer); 0 for lm_head, called once per step
 MODELS = {
@@ -40,8 +44,22 @@ MODELS = {
                                                        "gate/up": (14336, 4096, 2), "down": (4096, 14336, 1),
                                                        "lm_head": (128256, 4096, 0)}),
 }
+# grouped products: name -> the shapes (of MODELS[...]["shapes"]) sharing x, once per layer each
+GROUPS = {"q+k+v": ("q/o", "k/v", "k/v"), "gate+up": ("gate/up", "gate/up")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-SYSTEMS = {"cublas": F.linear, "skinny": linear}
+
+
+def _cublas_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return [F.linear(x, w) for w in weights]
+
+
+def _skinny_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    return linear_group(x, weights, [None] * len(weights))
+
+
+# the kernel itself for single products (the routed op would send small ones to cuBLAS)
+SYSTEMS = {"cublas": F.linear, "skinny": lambda x, w: torch.ops.hf_paged.skinny_gemm(x, w, None)}
+GROUP_SYSTEMS = {"cublas": _cublas_group, "skinny": _skinny_group}
 MIN_CALLS = 20
 
 
@@ -61,15 +79,17 @@ def copy_bandwidth(replays: int) -> float:
     return 2 * src.numel() / statistics.median(times)
 
 
-def weight_copies(n: int, k: int, dtype: torch.dtype) -> list[torch.Tensor]:
-    """Enough distinct weights to span twice the L2 cache (at least two), scaled like a trained layer's."""
+def group_copies(widths: list[int], k: int, dtype: torch.dtype) -> list[list[torch.Tensor]]:
+    """Enough distinct sets of weights ``[N_i, K]`` to span twice the L2 cache (at least two), scaled like a trained
+    layer's."""
     l2 = getattr(torch.cuda.get_device_properties(0), "L2_cache_size", 50 << 20)
-    count = max(2, math.ceil(2 * l2 / (n * k * dtype.itemsize)) + 1)
-    return [torch.empty(n, k, device="cuda", dtype=dtype).normal_(0, k**-0.5) for _ in range(count)]
+    count = max(2, math.ceil(2 * l2 / (sum(widths) * k * dtype.itemsize)) + 1)
+    return [[torch.empty(n, k, device="cuda", dtype=dtype).normal_(0, k**-0.5) for n in widths] for _ in range(count)]
 
 
-def time_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int) -> float:
-    """Seconds per call: median over graph replays of ``calls`` calls cycling through ``weights``."""
+def time_per_call(fn, x: torch.Tensor, weights: list, replays: int) -> float:
+    """Seconds per call: median over graph replays of ``calls`` calls cycling through ``weights`` (tensors, or
+    lists of them for a group)."""
     calls = len(weights) * math.ceil(MIN_CALLS / len(weights))
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
@@ -94,15 +114,21 @@ def time_per_call(fn, x: torch.Tensor, weights: list[torch.Tensor], replays: int
     return statistics.median(times)
 
 
-def measure(model: str, shape: str, rows: int, weights: list[torch.Tensor], args, copy_bw: float) -> dict:
-    n, k = weights[0].shape
-    x = torch.randn(rows, k, device="cuda").to(weights[0].dtype)
-    want, got = F.linear(x, weights[0]).float(), linear(x, weights[0]).float()
+def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: float) -> dict:
+    """One row: ``weights`` holds copies of one weight, or of one group's weights (a list each)."""
+    grouped = isinstance(weights[0], list)
+    systems = GROUP_SYSTEMS if grouped else SYSTEMS
+    first = weights[0] if grouped else [weights[0]]
+    n, k = sum(w.shape[0] for w in first), first[0].shape[1]
+    x = torch.randn(rows, k, device="cuda").to(first[0].dtype)
+    want = torch.cat([F.linear(x, w) for w in first], 1).float()
+    got = torch.cat(systems["skinny"](x, weights[0]) if grouped else [systems["skinny"](x, weights[0])], 1).float()
     error = float(((got - want).abs() / (want.abs() + 1)).max())
-    itemsize = weights[0].element_size()
+    itemsize = first[0].element_size()
     moved = (n * k + rows * k + rows * n) * itemsize
-    row = dict(model=model, shape=shape, n=n, k=k, rows=rows, dtype=args.dtype, bytes=moved, max_rel_diff=error)
-    for system, fn in SYSTEMS.items():
+    row = dict(model=model, shape=shape, n=n, k=k, rows=rows, dtype=args.dtype, bytes=moved, max_rel_diff=error,
+               small=not kernel_wins(first[0]))
+    for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
         row[f"{system}_pct_copy"] = round(100 * moved / seconds / copy_bw, 1)
@@ -111,19 +137,25 @@ def measure(model: str, shape: str, rows: int, weights: list[torch.Tensor], args
 
 
 def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> list[str]:
-    """One decode step's linears per model and row count: microseconds with cuBLAS and with the skinny kernel."""
+    """One decode step's linears per model and row count, in microseconds: all on cuBLAS, all on single kernel
+    launches, and as the engine runs them (groups on one launch each, the rest per the size rule)."""
     lines = []
     for key in models:
         spec = MODELS[key]
         for m in row_counts:
+            at = {r["shape"]: r for r in rows if r["model"] == spec["name"] and r["rows"] == m}
             total = {s: 0.0 for s in SYSTEMS}
-            for r in (r for r in rows if r["model"] == spec["name"] and r["rows"] == m):
-                per_layer = spec["shapes"][r["shape"]][2]
-                per_step = spec["layers"] * per_layer if per_layer else 1
+            for shape, (_, _, per_layer) in spec["shapes"].items():
                 for s in SYSTEMS:
-                    total[s] += per_step * r[f"{s}_us"]
-            lines.append(f"{spec['name']} M={m}: a decode step's linears take {total['cublas']:.0f} us with cuBLAS, "
-                         f"{total['skinny']:.0f} us with the skinny kernel")
+                    total[s] += (spec["layers"] * per_layer if per_layer else 1) * at[shape][f"{s}_us"]
+            line = (f"{spec['name']} M={m}: a decode step's linears take {total['cublas']:.0f} us with cuBLAS, "
+                    f"{total['skinny']:.0f} us with single skinny launches")
+            if all(g in at for g in GROUPS):
+                single = {shape: at[shape]["cublas_us" if at[shape]["small"] else "skinny_us"]
+                          for shape in ("q/o", "down", "lm_head")}
+                engine = spec["layers"] * (sum(at[g]["skinny_us"] for g in GROUPS) + single["q/o"] + single["down"])
+                line += f", {engine + single['lm_head']:.0f} us as the engine runs them (grouped)"
+            lines.append(line)
     return lines
 
 
@@ -151,6 +183,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
+    """Print the last row as it comes and rewrite the JSON file with every row so far."""
+    row = rows[-1]
+    print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
+          f"({row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
+          f"({row['skinny_pct_copy']:.0f}% copy), max rel diff {row['max_rel_diff']:.1e}", flush=True)
+    if args.json is not None:
+        settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
+                    "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     args = parse_args(argv)
     if not torch.cuda.is_available():
@@ -164,19 +208,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for key in args.models:
         spec = MODELS[key]
-        for shape, (n, k, _) in spec["shapes"].items():
-            weights = weight_copies(n, k, DTYPES[args.dtype])
+        products = {shape: [shape] for shape in spec["shapes"]} | GROUPS
+        for name, shapes in products.items():
+            widths, k = [spec["shapes"][shape][0] for shape in shapes], spec["shapes"][shapes[0]][1]
+            sets = group_copies(widths, k, DTYPES[args.dtype])
+            weights = sets if name in GROUPS else [weights[0] for weights in sets]
             for m in args.rows:
-                row = measure(spec["name"], shape, m, weights, args, copy_bw)
-                rows.append(row)
-                print(f"{spec['name']} {shape} {n}x{k} M={m}: cuBLAS {row['cublas_us']:.1f} us "
-                      f"({row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
-                      f"({row['skinny_pct_copy']:.0f}% copy), max rel diff {row['max_rel_diff']:.1e}", flush=True)
-                if args.json is not None:
-                    settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
-                                "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}
-                    args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
-            del weights
+                rows.append(measure(spec["name"], name, m, weights, args, copy_bw))
+                report(rows, args, device, copy_bw)
+            del weights, sets
             torch.cuda.empty_cache()
     print("\n".join(step_totals(rows, args.models, args.rows)))
     print(table(rows))
