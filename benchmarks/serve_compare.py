@@ -215,9 +215,11 @@ def environment() -> dict:
 
     gpu = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                          text=True).stdout.strip() if _has("nvidia-smi") else ""
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    # HF_PAGED_COMMIT names the commit where the tree was copied without its history (git would read a stale one)
+    commit = os.environ.get("HF_PAGED_COMMIT") or subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
     return {"torch": torch.__version__, "transformers": transformers.__version__, "gpu": gpu or None,
-            "python": sys.version.split()[0], "commit": commit.stdout.strip() or None}
+            "python": sys.version.split()[0], "commit": commit or None}
 
 
 def _has(program: str) -> bool:
