@@ -82,6 +82,11 @@ class CudaBackend(AttentionBackend):
     priority = 10
     capture_safe_write = True  # the write kernel skips -1 slots on the device
 
+    def prepare_decode(self, call: AttentionCall, meta: PagedMetadata, k_cache: torch.Tensor) -> None:
+        # The step's plan (split length, a view of the shared workspace) made now, keyed as the layers will ask.
+        query = torch.empty(meta.num_seqs, call.num_heads, call.head_dim, dtype=k_cache.dtype, device=k_cache.device)
+        plan_decode(query, k_cache, meta, call.sliding_window or 0)
+
     def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
         if call.phase is not Phase.DECODE:
             return f"only decode steps are captured, not {call.phase.value}"
