@@ -18,7 +18,7 @@ import torch
 
 from hf_paged.attention import backends as _backends_pkg
 from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
-from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.attention.metadata import Phase
 
 logger = logging.getLogger("hf_paged")
 
@@ -91,15 +91,6 @@ class Dispatcher:
             backend = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
             self._writer[key] = backend
         return backend
-
-    def prepare_decode(self, calls: list[AttentionCall], meta: PagedMetadata) -> None:
-        """Let the backends that serve the decode ``calls`` allocate ahead what steps on ``meta`` will keep
-        (:meth:`AttentionBackend.prepare_decode`)."""
-        k_cache = meta.kv_caches[0][0]
-        for call in calls:
-            backend = self._choice.get(call) or self._choose(call)
-            self._choice[call] = backend
-            backend.prepare_decode(call, meta, k_cache)
 
     def capture_unsupported_reason(self, calls: list[AttentionCall], dtype: torch.dtype) -> str | None:
         """Before any step: None if the backends that will serve the decode ``calls`` and the KV write of such a

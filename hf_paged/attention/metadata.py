@@ -53,6 +53,9 @@ class PagedMetadata:
             compiled forward traces, with the KV write and the attention as custom ops, rather than break around.
         plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
             the backend; filled by the first layer that needs it (see ``AttentionBackend``).
+        scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
+            a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
+            a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
     """
 
     num_seqs: int
@@ -73,6 +76,7 @@ class PagedMetadata:
     dispatcher: object = field(repr=False)
     static: bool = False
     plans: dict = field(default_factory=dict, repr=False, compare=False)
+    scratch_per_call: bool = False
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     # A plan handed to a forward as its attention mask (generate prepares the masks of a compileable cache) is asked

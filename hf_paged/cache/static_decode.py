@@ -189,11 +189,6 @@ class CompileMode:
         per_row = blocks_until_done(rows, new, self.max_new_tokens)
         if self.enabled:
             self.static.size_for(len(per_row), max(per_row, default=1))
-            # still eager (before the batch's first forward): the decode launches' buffers are allocated here, not
-            # inside the compiled step, whose CUDA graph pool must not hold memory that outlives it
-            self.dispatcher.prepare_decode(
-                decode_calls(self.config, self.layout, self.devices[0].type, self.dtype, self.block_size),
-                self.static.meta)
         return per_row
 
     @property

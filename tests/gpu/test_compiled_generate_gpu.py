@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_end_to_end_gpu import NEW_TOKENS, assert_matches_up_to_ties, batch, eager_run, models  # noqa: F401
+from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties, batch, eager_run, models  # noqa: F401
 from torch._dynamo.utils import counters
 
 import hf_paged
+from hf_paged import kernels
 from hf_paged.hf.compat import with_cache
 
 pytestmark = pytest.mark.cuda
@@ -67,6 +68,36 @@ def test_a_second_batch_size_compiles_in_the_same_process(models, batch, eager_r
     tokens, gaps = eager_run
     assert_matches_up_to_ties(outs[0][:, width:], tokens, gaps, "compiled generate, first batch size")
     assert_matches_up_to_ties(outs[1][:, width:], tokens[:2], gaps[:2], "compiled generate, second batch size")
+
+
+def test_a_second_batch_size_compiles_in_the_same_process(models):
+    """generate at 4 rows, then 2, then 4 again, each on its own compileable cache, in one process: each batch size
+    compiles its own graph. The prompts are long, so decode splits its keys over thread blocks and needs scratch
+    for the partials: scratch first allocated inside the captured step and kept afterwards made the second batch
+    size fail ("tensors in the cudagraph pool not tracked as outputs")."""
+    eager, paged = models
+    torch._dynamo.reset()
+    width = 1200
+    ids = torch.randint(3, CONFIG["vocab_size"], (4, width), generator=torch.Generator().manual_seed(2)).cuda()
+    long = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    outs = []
+    for rows in (4, 2, 4):
+        inputs = {k: v[:rows] for k, v in long.items()}
+        cache = compileable_cache(paged, inputs, ("cuda", "torch"), 16)
+        if rows == 2:  # the step really splits (else this test would not reach the scratch)
+            k_cache = cache.pool.kv_caches[0][0]
+            query = torch.empty(2, CONFIG["num_attention_heads"], k_cache.shape[-1], dtype=k_cache.dtype,
+                                device="cuda")
+            split = kernels.decode_split_len(query, k_cache, width + NEW_TOKENS)
+            assert kernels.decode_workspace_numel(2, query.shape[1], query.shape[2], width + NEW_TOKENS, split) > 0
+        outs.append(paged.generate(**with_cache(paged, cache, **inputs), max_new_tokens=NEW_TOKENS, **GREEDY))
+    assert torch.equal(outs[0], outs[2]), "the first batch size again gives its tokens"
+    ref = eager.generate(**long, max_new_tokens=NEW_TOKENS, return_dict_in_generate=True, output_logits=True,
+                         **GREEDY)
+    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    want, gaps = ref.sequences[:, width:], top2[..., 0] - top2[..., 1]
+    assert_matches_up_to_ties(outs[0][:, width:], want, gaps, "compiled generate, 4 rows")
+    assert_matches_up_to_ties(outs[1][:, width:], want[:2], gaps[:2], "compiled generate, then 2 rows")
 
 
 def test_the_torch_backend_is_not_compiled_on_cuda(models):

@@ -60,12 +60,6 @@ class AttentionBackend(ABC):
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         """None if this backend can serve ``call``, else a short reason (shown when no allowed backend can serve)."""
 
-    def prepare_decode(self, call: AttentionCall, meta: PagedMetadata, k_cache: torch.Tensor) -> None:
-        """Before the first step on fixed decode metadata ``meta`` (a compiled ``generate``'s): allocate now what
-        this backend's decode launches for ``call`` will keep, so that nothing long-lived is first allocated
-        inside a compiled, graph-captured step (CUDA graph trees refuse memory of their pool that outlives a
-        step). Default: nothing to allocate."""
-
     def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
         """None if :meth:`forward` for ``call`` may be captured in a CUDA graph and replayed for later steps of the
         same shape (every step-dependent value read from device memory or fixed by the step's shapes), else why

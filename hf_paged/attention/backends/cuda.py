@@ -70,7 +70,13 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
         numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
                                                split, window)
-        plan = meta.plans[key] = DecodePlan(split, _workspace(query.device, numel) if numel else None)
+        if not numel:
+            workspace = None
+        elif meta.scratch_per_call:  # (a compiled step's op: its scratch stays inside the call)
+            workspace = torch.empty(numel, dtype=torch.float32, device=query.device)
+        else:
+            workspace = _workspace(query.device, numel)
+        plan = meta.plans[key] = DecodePlan(split, workspace)
     return plan
 
 
@@ -81,11 +87,6 @@ class CudaBackend(AttentionBackend):
     name = "cuda"
     priority = 10
     capture_safe_write = True  # the write kernel skips -1 slots on the device
-
-    def prepare_decode(self, call: AttentionCall, meta: PagedMetadata, k_cache: torch.Tensor) -> None:
-        # The step's plan (split length, a view of the shared workspace) made now, keyed as the layers will ask.
-        query = torch.empty(meta.num_seqs, call.num_heads, call.head_dim, dtype=k_cache.dtype, device=k_cache.device)
-        plan_decode(query, k_cache, meta, call.sliding_window or 0)
 
     def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
         if call.phase is not Phase.DECODE:
