@@ -56,6 +56,8 @@ class PagedMetadata:
         scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
             a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
             a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
+        kv_scales: with an fp8 cache, per-layer :class:`~hf_paged.attention.kv_quant.KVScales` beside
+            ``kv_caches``; None for a cache in the model's dtype.
     """
 
     num_seqs: int
@@ -77,6 +79,7 @@ class PagedMetadata:
     static: bool = False
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     scratch_per_call: bool = False
+    kv_scales: list | None = field(default=None, repr=False)
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     # A plan handed to a forward as its attention mask (generate prepares the masks of a compileable cache) is asked
@@ -123,6 +126,7 @@ def build_metadata(
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
     dispatcher: object,
     device: torch.device,
+    kv_scales: list | None = None,
 ) -> PagedMetadata:
     """Assemble a :class:`PagedMetadata` from host tensors and move it to ``device`` in one go.
 
@@ -164,4 +168,5 @@ def build_metadata(
         has_padding_slots=bool((slot_mapping < 0).any()),
         kv_caches=kv_caches,
         dispatcher=dispatcher,
+        kv_scales=kv_scales,
     )

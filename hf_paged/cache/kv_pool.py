@@ -2,7 +2,9 @@
 
 Block ids are shared across layers: block ``b`` of a sequence means slot range ``[b * block_size, (b + 1) *
 block_size)`` in every layer's tensors. A layer's tensors live on that layer's device (``layer_devices``), so a
-model split with accelerate's ``device_map`` keeps each layer's KV next to its weights.
+model split with accelerate's ``device_map`` keeps each layer's KV next to its weights. An fp8 pool stores
+``torch.float8_e4m3fn`` (1 byte an element) and a float32 scale per layer and KV head for K and V
+(``kv_scales``; see :mod:`hf_paged.attention.kv_quant`).
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.attention.kv_quant import KVScales, is_fp8, raw_bytes
 from hf_paged.cache.block_allocator import BlockAllocator
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -38,6 +41,10 @@ class KVLayout:
         itemsize = torch.empty((), dtype=dtype).element_size()
         return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
 
+    def scale_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the fp8 scales (float32, per layer and KV head, K and V); 0 for other dtypes."""
+        return 2 * self.num_layers * self.num_kv_heads * 4 if is_fp8(dtype) else 0
+
 
 def free_memory_bytes(device: torch.device) -> int:
     """Memory free on ``device`` now (device memory for CUDA, available system memory for CPU)."""
@@ -52,9 +59,11 @@ def blocks_for_budget(
 ) -> int:
     """How many blocks fit in ``budget``: bytes (int), or a fraction in (0, 1] of the free memory (float).
 
-    With layers on several devices, the fraction applies to each device and the tightest device decides.
+    With layers on several devices, the fraction applies to each device and the tightest device decides. ``dtype``
+    is what the pool stores (1 byte an element for fp8, whose scales come off the budget first).
     """
     per_block = layout.bytes_per_block(block_size, dtype)
+    fixed = layout.scale_bytes(dtype)
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional memory budget must be in (0, 1], got {budget}")
@@ -63,11 +72,11 @@ def blocks_for_budget(
             counts[d] = counts.get(d, 0) + 1
         # Each device holds counts[d] of the layers: size by the device with the least room per layer.
         per_layer = min(free_memory_bytes(d) * budget / counts[d] for d in counts)
-        num = int(per_layer * layout.num_layers // per_block)
+        num = int((per_layer * layout.num_layers - fixed) // per_block)
     elif isinstance(budget, int) and not isinstance(budget, bool):
         if budget <= 0:
             raise ValueError(f"a memory budget in bytes must be positive, got {budget}")
-        num = budget // per_block
+        num = (budget - fixed) // per_block
     else:
         raise ValueError(f"memory budget must be bytes (int) or a fraction of free memory (float), got {budget!r}")
     if num < 1:
@@ -100,6 +109,9 @@ class KVPool:
             (torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
             for d in layer_devices
         ]
+        # fp8 only: each layer's dequantization scales, on its device
+        self.kv_scales: list[KVScales] | None = (
+            [KVScales.unset(layout.num_kv_heads, d) for d in layer_devices] if is_fp8(dtype) else None)
 
     @property
     def num_blocks(self) -> int:
@@ -112,5 +124,10 @@ class KVPool:
         for k_cache, v_cache in self.kv_caches:
             s = torch.tensor(src, device=k_cache.device)
             d = torch.tensor(dst, device=k_cache.device)
-            k_cache.index_copy_(0, d, k_cache.index_select(0, s))
-            v_cache.index_copy_(0, d, v_cache.index_select(0, s))
+            for cache in (raw_bytes(k_cache), raw_bytes(v_cache)):
+                cache.index_copy_(0, d, cache.index_select(0, s))
+
+    def clear_scales(self) -> None:
+        """Unset the fp8 scales, so the next write of each layer fixes them afresh (no-op for other dtypes)."""
+        for scales in self.kv_scales or ():
+            scales.clear()

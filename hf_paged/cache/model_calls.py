@@ -12,17 +12,18 @@ from hf_paged.cache.kv_pool import KVLayout
 
 
 def _call(config, layout: KVLayout, phase: Phase, device_type: str, dtype: torch.dtype,
-          block_size: int) -> AttentionCall:
+          block_size: int, kv_dtype: torch.dtype | None = None) -> AttentionCall:
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
-                         num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size)
+                         num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size,
+                         kv_dtype=None if kv_dtype == dtype else kv_dtype)
 
 
 def basic_calls(config, layout: KVLayout, devices: list[torch.device], dtype: torch.dtype,
-                block_size: int) -> list[AttentionCall]:
+                block_size: int, kv_dtype: torch.dtype | None = None) -> list[AttentionCall]:
     """One call per phase and device type for this model's attention shape (without per-layer extras such as a
     sliding window): what any backend allowed for it must at least serve."""
-    return [_call(config, layout, phase, device_type, dtype, block_size)
+    return [_call(config, layout, phase, device_type, dtype, block_size, kv_dtype)
             for device_type in sorted({d.type for d in devices}) for phase in Phase]
 
 

@@ -22,6 +22,7 @@ import torch
 from transformers.cache_utils import Cache
 
 from hf_paged.attention.dispatch import Dispatcher
+from hf_paged.attention.kv_quant import kv_storage_dtype
 from hf_paged.attention.metadata import PagedMetadata, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
@@ -54,6 +55,10 @@ class PagedAttentionCache(Cache):
             True = also elsewhere, e.g. on the CPU with a ``compile_config``; False = never.
         layout: the KV shape the model's layers produce, when it is not the config's: a tensor-parallel model's
             layers compute only their process's KV heads (``hf_paged.hf.tensor_parallel.kv_layout(model)``).
+        kv_cache_dtype: what the pool stores: None or ``"auto"``, ``dtype``; ``"fp8"`` (or ``"fp8_e4m3"``),
+            ``torch.float8_e4m3fn`` with a float32 scale per layer and KV head, half the bytes of bfloat16 (twice
+            the blocks in a memory budget). Served by the torch backend for now, without compiled decode steps;
+            ``docs/cache.md`` gives the scale policy and its accuracy.
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -76,28 +81,30 @@ class PagedAttentionCache(Cache):
         max_new_tokens: int | None = None,
         compileable: bool | None = None,
         layout: KVLayout | None = None,
+        kv_cache_dtype: str | None = None,
     ):
         check_model_supported(config)
         if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
             raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
         if dtype not in SUPPORTED_DTYPES:
             raise ValueError(f"dtype {dtype} is not supported for the KV cache; use one of {SUPPORTED_DTYPES}")
+        self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
         self.config = config
         layout = KVLayout.from_config(config) if layout is None else layout
         devices = _layer_devices(device, layout.num_layers)
         if num_blocks is None:
             if memory_budget is None:
                 raise ValueError("give num_blocks, or memory_budget (bytes, or a fraction of free memory)")
-            num_blocks = blocks_for_budget(layout, block_size, dtype, devices, memory_budget)
+            num_blocks = blocks_for_budget(layout, block_size, kv_dtype, devices, memory_budget)
         elif memory_budget is not None:
             raise ValueError("give either num_blocks or memory_budget, not both")
         if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
             raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.pool = KVPool(layout, num_blocks, block_size, dtype, devices)
+        self.pool = KVPool(layout, num_blocks, block_size, kv_dtype, devices)
         self.rows = BatchTables(self.pool)
         self.dispatcher = Dispatcher(backend)
         self._checked_config = None
-        self.dispatcher.check_restriction(basic_calls(config, layout, devices, dtype, block_size))
+        self.dispatcher.check_restriction(basic_calls(config, layout, devices, dtype, block_size, kv_dtype))
         self.dtype = dtype
         self._plan: PagedMetadata | None = None
         self._plan_key: tuple | None = None
@@ -192,6 +199,8 @@ class PagedAttentionCache(Cache):
         if self._plan is not None and not self._plan_used and self._plan_key in (key, _GIVEN_PLAN):
             return self._plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
+        if self.rows.num_columns == 0:  # a new batch: its first write fixes fp8 scales afresh, as in a new cache
+            self.pool.clear_scales()
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
         if decode and self.compile_mode.enabled and self.rows.advance():  # armed rows: no host bookkeeping
             return self._planned(self.compile_mode.static.advance())
@@ -222,6 +231,7 @@ class PagedAttentionCache(Cache):
             kv_caches=self.pool.kv_caches,
             dispatcher=self.dispatcher,
             device=torch.device(device),
+            kv_scales=self.pool.kv_scales,
         )
 
     def check_model_config(self, config) -> None:
@@ -307,13 +317,15 @@ class PagedAttentionCache(Cache):
     # ----- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Blocks used and free, tokens stored, internal fragmentation, and which backend served each phase."""
-        return {**self.rows.stats(), "backends": dict(self.dispatcher.served)}
+        return {**self.rows.stats(), "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
+                "backends": dict(self.dispatcher.served)}
 
     def __repr__(self) -> str:
         s = self.rows.stats()
         return (
             f"PagedAttentionCache(num_blocks={s['num_blocks']}, block_size={s['block_size']}, "
-            f"used={s['blocks_used']}, rows={self.rows.num_rows}, dtype={self.dtype})"
+            f"used={s['blocks_used']}, rows={self.rows.num_rows}, dtype={self.dtype}, "
+            f"kv_cache_dtype={self.kv_cache_dtype})"
         )
 
 
@@ -322,6 +334,10 @@ def _pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     batch, heads, q_len, dim = states.shape
     flat = states.transpose(1, 2).reshape(batch * q_len, heads, dim)
     return flat if index is None else flat.index_select(0, index)
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
 
 
 def _layer_devices(device, num_layers: int) -> list[torch.device]:

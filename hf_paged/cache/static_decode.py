@@ -30,6 +30,7 @@ import logging
 
 import torch
 
+from hf_paged.attention.kv_quant import is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.block_allocator import OutOfBlocksError
@@ -165,6 +166,7 @@ class CompileMode:
         self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
         self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
         self.block_size = block_size
+        self._fp8 = is_fp8(kv_caches[0][0].dtype)
         self._reason: str | None | object = _UNDECIDED
         if compileable:
             reason = self._static_reason()
@@ -202,6 +204,8 @@ class CompileMode:
                     "the decode block table are fixed from it before decoding starts")
         if len(set(self.devices)) > 1:
             return "the KV cache is split over several devices"
+        if self._fp8:
+            return "the KV cache is fp8, which the torch backend serves eagerly for now"
         return None
 
     def _find_reason(self) -> str | None:

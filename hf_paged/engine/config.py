@@ -10,6 +10,8 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, fields
 
+from hf_paged.attention.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -30,6 +32,7 @@ class EngineConfig:
     async_scheduling: bool | None = None
     compile_layers: bool | None = None
     skinny_linear: bool | None = None
+    kv_cache_dtype: str | None = None
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -45,6 +48,8 @@ class EngineConfig:
         if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not (0 < budget <= 1):
             raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, got {budget!r}")
         object.__setattr__(self, "memory_budget", float(budget))
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            kv_storage_dtype(self.kv_cache_dtype, None)  # raises, listing the accepted values
         object.__setattr__(self, "backend", _backend_names(self.backend))
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
 

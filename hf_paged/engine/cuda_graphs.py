@@ -178,7 +178,7 @@ class DecodeGraphs:
             cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
             block_tables=stage[5 * b : 5 * b + b * w].view(b, w), slot_mapping=self._slots[:b], token_index=None,
             grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher,
+            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
         )
         self.cache.begin_step(meta)
         with model_call(self.compiled, self.skinny):

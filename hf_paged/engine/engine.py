@@ -60,6 +60,9 @@ class Engine(EngineCore):
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
             engine's own model calls use it.
+        kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
+            e4m3 with per-head scales, twice the blocks in the same memory; served by the torch backend for now
+            (no CUDA graphs), see ``PagedAttentionCache`` and ``docs/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
@@ -83,12 +86,13 @@ class Engine(EngineCore):
         compile_layers: bool | None = EngineConfig.compile_layers,
         skinny_linear: bool | None = EngineConfig.skinny_linear,
         config: EngineConfig | None = None,
+        kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
     ):
         cfg = EngineConfig.resolve(
             config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
             memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            compile_layers=compile_layers, skinny_linear=skinny_linear)
+            compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype)
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

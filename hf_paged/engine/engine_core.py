@@ -22,6 +22,7 @@ from dataclasses import replace
 
 import torch
 
+from hf_paged.attention.kv_quant import kv_storage_dtype
 from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
@@ -59,15 +60,16 @@ class EngineCore:
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
+        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
         if cfg.num_blocks is None:
-            cfg = replace(cfg, num_blocks=blocks_from_memory(layout, block_size, dtype, self.kv_devices,
+            cfg = replace(cfg, num_blocks=blocks_from_memory(layout, block_size, kv_dtype, self.kv_devices,
                                                              cfg.memory_budget,
                                                              cap=max_num_seqs * -(-max_len // block_size)))
         if self.lockstep is not None:
             cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks))
         self.config = cfg
         self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.kv_devices, dtype,
-                                         backend=cfg.backend, layout=layout)
+                                         backend=cfg.backend, layout=layout, kv_cache_dtype=cfg.kv_cache_dtype)
         tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)

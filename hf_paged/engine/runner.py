@@ -250,7 +250,7 @@ class ModelRunner:
             cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
             block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
             has_padding_slots=plan.has_padding, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher,
+            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
         )
 
     @torch.inference_mode()

@@ -145,8 +145,13 @@ def _paged_attention(module, query, key, value, attention_mask: PagedMetadata, s
     if meta.token_index is not None:
         q = q.index_select(0, meta.token_index)
     backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
-    writer.write_kv(key, value, k_cache, v_cache, meta)
-    out = backend.forward(q, key, value, k_cache, v_cache, meta, params)
+    if meta.kv_scales is None:
+        writer.write_kv(key, value, k_cache, v_cache, meta)
+        out = backend.forward(q, key, value, k_cache, v_cache, meta, params)
+    else:  # an fp8 cache (backends that cannot read one refuse it, so they never get here)
+        scales = meta.kv_scales[module.layer_idx]
+        writer.write_kv(key, value, k_cache, v_cache, meta, kv_scales=scales)
+        out = backend.forward(q, key, value, k_cache, v_cache, meta, params, kv_scales=scales)
     if meta.token_index is None:
         return out.view(batch, q_len, num_heads, head_dim), None
     full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, meta.token_index, out)
@@ -175,7 +180,7 @@ def _choose_route(key: tuple, dispatcher, k_cache: torch.Tensor) -> tuple:
     phase, dtype, device_type, num_heads, head_dim, num_kv_heads, block_size, scaling, sliding_window, softcap = key
     call = AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
                          num_kv_heads=num_kv_heads, block_size=block_size, sliding_window=sliding_window,
-                         softcap=softcap)
+                         softcap=softcap, kv_dtype=None if k_cache.dtype == dtype else k_cache.dtype)
     params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling, sliding_window=sliding_window,
                              softcap=softcap)
     return dispatcher.select(call), dispatcher.writer(k_cache), params

@@ -6,7 +6,8 @@ A backend lives in one file of this package and registers itself with :func:`reg
 Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim):
     query:            [T, H, D]
     key, value (new): [T, Hkv, D]
-    k_cache, v_cache: [num_blocks, block_size, Hkv, D]
+    k_cache, v_cache: [num_blocks, block_size, Hkv, D], the model's dtype or float8_e4m3fn
+    kv_scales:        with an fp8 cache, the layer's :class:`KVScales` (float32 [Hkv] for K and V), else None
     output:           [T, H, D], the dtype of ``query``
 """
 
@@ -17,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.attention.kv_quant import KVScales, is_fp8, write_quantized
 from hf_paged.attention.metadata import PagedMetadata, Phase
 
 
@@ -33,6 +35,7 @@ class AttentionCall:
     block_size: int
     sliding_window: int | None = None
     softcap: float | None = None
+    kv_dtype: torch.dtype | None = None  # the cache's dtype when it is not ``dtype`` (an fp8 cache)
 
 
 @dataclass(frozen=True)
@@ -77,12 +80,19 @@ class AttentionBackend(ABC):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedMetadata,
+        kv_scales: KVScales | None = None,
     ) -> None:
-        """Scatter the new ``key``/``value`` into their slots (``meta.slot_mapping``); -1 slots are skipped."""
+        """Scatter the new ``key``/``value`` into their slots (``meta.slot_mapping``); -1 slots are skipped. An fp8
+        cache gets them quantized with ``kv_scales`` (see :mod:`hf_paged.attention.kv_quant`)."""
         slots = meta.slot_mapping
         if meta.has_padding_slots:
             keep = slots >= 0
             key, value, slots = key[keep], value[keep], slots[keep]
+        if is_fp8(k_cache.dtype):
+            if kv_scales is None:
+                raise RuntimeError("an fp8 KV cache was written without its scales (PagedMetadata.kv_scales unset)")
+            write_quantized(key, value, k_cache, v_cache, slots, kv_scales)
+            return
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
@@ -96,11 +106,13 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         meta: PagedMetadata,
         params: AttentionParams,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         """Causal attention of each sequence's new tokens over its whole context (bottom-right aligned).
 
         The new tokens' K/V are already in the cache when this runs; ``key``/``value`` are passed too so that a
-        ``Phase.PREFILL`` step can skip reading the cache.
+        ``Phase.PREFILL`` step can skip reading the cache. With an fp8 cache (``call.kv_dtype``), ``kv_scales``
+        dequantize it; a backend that cannot read one refuses it in :meth:`unsupported_reason`.
         """
 
 

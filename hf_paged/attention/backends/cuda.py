@@ -21,6 +21,7 @@ from hf_paged.attention.backends.base import (
     AttentionParams,
     register_backend,
 )
+from hf_paged.attention.kv_quant import FP8_SERVED_BY_TORCH, KVScales, is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.kernels.prefill import paged_prefill
 
@@ -94,6 +95,8 @@ class CudaBackend(AttentionBackend):
         return None  # split length and workspace are fixed by the step's plan, lengths read on the device
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
+        if call.kv_dtype is not None and is_fp8(call.kv_dtype):
+            return FP8_SERVED_BY_TORCH
         reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
         if reason is not None:
             return reason
@@ -104,6 +107,8 @@ class CudaBackend(AttentionBackend):
         return None if reason is None else f"CUDA kernels unavailable: {reason}"
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+        if is_fp8(dtype):
+            return FP8_SERVED_BY_TORCH
         reason = _dtype_head_dim_reason(device_type, dtype, head_dim)
         if reason is not None:
             return reason
@@ -117,6 +122,7 @@ class CudaBackend(AttentionBackend):
         k_cache: torch.Tensor,
         v_cache: torch.Tensor,
         meta: PagedMetadata,
+        kv_scales: KVScales | None = None,
     ) -> None:
         kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
@@ -129,6 +135,7 @@ class CudaBackend(AttentionBackend):
         v_cache: torch.Tensor,
         meta: PagedMetadata,
         params: AttentionParams,
+        kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         window, softcap = params.sliding_window or 0, params.softcap or 0.0
         if meta.phase is not Phase.DECODE:

@@ -1,7 +1,8 @@
 """Pure PyTorch paged attention: runs on any device and dtype, and is the oracle for every other backend.
 
 It reads each sequence's context through its block table into a padded ``[B, max_k, Hkv, D]`` view, then computes
-masked attention with the softmax in float32. Clear rather than fast: GPU serving paths use flash or cuda.
+masked attention with the softmax in float32. Clear rather than fast: GPU serving paths use flash or cuda. It is
+also what serves an fp8 KV cache for now, dequantizing what it gathers (``kv_scales``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from hf_paged.attention.backends.base import (
     AttentionParams,
     register_backend,
 )
+from hf_paged.attention.kv_quant import KVScales, dequantize
 from hf_paged.attention.metadata import PagedMetadata
 
 
@@ -42,11 +44,13 @@ def paged_attention_reference(
     meta: PagedMetadata,
     params: AttentionParams,
     compute_dtype: torch.dtype = torch.float32,
+    kv_scales: KVScales | None = None,
 ) -> torch.Tensor:
     """Attention of packed ``query`` [T, H, D] over the paged context; returns [T, H, D] in ``query.dtype``.
 
     Query ``t`` of sequence ``b`` sits at absolute position ``i = seq_lens_k[b] - q_len[b] + t`` and sees keys
     ``j <= i`` (and ``i - j < sliding_window`` when set). Pass ``compute_dtype=torch.float64`` for a reference.
+    An fp8 cache needs its ``kv_scales``: the gathered context is dequantized to ``compute_dtype``.
     """
     num_heads, head_dim = query.shape[1], query.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -55,6 +59,8 @@ def paged_attention_reference(
     q, q_valid = pad_queries(query, meta.cu_seqlens_q, max_q)  # [B, Q, H, D]
     k = gather_context(k_cache, meta.block_tables, max_k)  # [B, K, Hkv, D]
     v = gather_context(v_cache, meta.block_tables, max_k)
+    if kv_scales is not None:
+        k, v = dequantize(k, kv_scales.k, compute_dtype), dequantize(v, kv_scales.v, compute_dtype)
     batch = q.shape[0]
 
     q = q.to(compute_dtype).view(batch, max_q, num_kv_heads, groups, head_dim)
@@ -90,5 +96,5 @@ class TorchBackend(AttentionBackend):
     def write_unsupported_reason(self, device_type, dtype, head_dim) -> str | None:
         return None
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, params):
-        return paged_attention_reference(query, k_cache, v_cache, meta, params)
+    def forward(self, query, key, value, k_cache, v_cache, meta, params, kv_scales=None):
+        return paged_attention_reference(query, k_cache, v_cache, meta, params, kv_scales=kv_scales)
