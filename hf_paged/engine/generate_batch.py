@@ -46,7 +46,8 @@ def generate_batch(
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
 
     Reads ``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``,
-    ``return_logprobs``, ``seed``, ``max_memory_percent`` and hf_paged's own ``cuda_graphs`` and ``compile_layers``
+    ``return_logprobs``, ``seed``, ``max_memory_percent`` and hf_paged's own ``cuda_graphs``, ``compile_layers``,
+    ``skinny_linear`` and ``kv_cache_dtype``
     from ``continuous_batching_config`` when given (an
     :class:`~hf_paged.EngineConfig` is taken as it is; its ``num_blocks=None`` sizes the pool for the workload);
     ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
@@ -115,7 +116,8 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
             memory_budget=opt("max_memory_percent", defaults.memory_budget),
             cuda_graphs=opt("cuda_graphs", defaults.cuda_graphs),
             compile_layers=opt("compile_layers", defaults.compile_layers),
-            skinny_linear=opt("skinny_linear", defaults.skinny_linear))
+            skinny_linear=opt("skinny_linear", defaults.skinny_linear),
+            kv_cache_dtype=opt("kv_cache_dtype", defaults.kv_cache_dtype))
     except ValueError as exc:
         raise ValueError(f"continuous_batching_config: {exc}") from None
     if config.num_blocks is None:
