@@ -14,7 +14,7 @@ import torch
 class StagingBuffer:
     """Pinned host buffers and one device buffer of int32, ``size`` values each (grown on demand).
 
-    Fill the tensor :meth:`host` returns, then :meth:`send` it: the device view is valid until the next send.
+    Fill the array :meth:`host_array` returns, then :meth:`send` it: the device view is valid until the next send.
     """
 
     def __init__(self, size: int, device: torch.device):
@@ -28,22 +28,19 @@ class StagingBuffer:
         self._host = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
         self._host_arrays = [h.numpy() for h in self._host]  # the same memory, for numpy's cheaper small ops
 
-    def host(self, n: int) -> torch.Tensor:
-        """``[n]`` int32 pinned memory to fill, free to overwrite (its previous copy has run)."""
+    def host_array(self, n: int):
+        """``[n]`` int32 pinned memory to fill, as a numpy array (numpy's small ops cost a fraction of torch's on
+        the host), free to overwrite: its previous copy has run."""
         if n > self.device_buffer.numel():
             for event in self._done:
                 event.synchronize()
             self._allocate(max(n, 2 * self.device_buffer.numel()))
         self._done[self._turn].synchronize()
-        return self._host[self._turn][:n]
-
-    def host_array(self, n: int):
-        """:meth:`host` as a numpy array (the same pinned memory)."""
-        self.host(n)
         return self._host_arrays[self._turn][:n]
 
     def send(self, n: int) -> torch.Tensor:
-        """Copy the first ``n`` values of the last :meth:`host` buffer to the device; returns the ``[n]`` view."""
+        """Copy the first ``n`` values of the last :meth:`host_array` buffer to the device; returns the ``[n]``
+        view."""
         on_device = self.device_buffer[:n]
         on_device.copy_(self._host[self._turn][:n], non_blocking=True)
         self._done[self._turn].record()
