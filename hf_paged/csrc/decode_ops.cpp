@@ -161,7 +161,7 @@ int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cach
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
                      int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window,
-                     double softcap) {
+                     double softcap, const std::optional<at::Tensor>& counters_arg) {
   const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch");
   check_lengths_and_tables(seq_lens, "seq_lens", block_tables, s.rows, query.device());
   check_decode_args(out, k_cache, block_tables, max_seq_len);
@@ -206,7 +206,19 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
       part_stats = at::empty({stats_elems}, f32);
       p.part_out = part_out.data_ptr<float>(), p.part_stats = part_stats.data_ptr<float>();
     }
-    counters = counters_for(query.device(), stream, batch * kv_heads * p.head_groups);
+    const int64_t tickets = batch * kv_heads * p.head_groups;
+    if (counters_arg.has_value()) {
+      // The caller's tickets (a compiled step's own, allocated inside the call): nothing kept past the launch.
+      check_cuda_tensor(*counters_arg, "counters", query.device());
+      TORCH_CHECK_VALUE(counters_arg->scalar_type() == at::kInt && counters_arg->is_contiguous() &&
+                            counters_arg->numel() >= tickets,
+                        format("counters must be a contiguous int32 tensor of zeros with at least %lld elements "
+                               "(batch * num_heads is always enough), got %lld",
+                               static_cast<long long>(tickets), static_cast<long long>(counters_arg->numel())));
+      counters = *counters_arg;
+    } else {
+      counters = counters_for(query.device(), stream, tickets);
+    }
     p.counters = counters.data_ptr<int32_t>();
   }
   launch(k, p, batch, query.get_device(), stream);

@@ -52,7 +52,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 TORCH_LIBRARY(hf_paged, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int max_seq_len, float scale, int split_len, Tensor? workspace=None, int window=0, "
-        "float softcap=0.0) -> int");
+        "float softcap=0.0, Tensor(b!)? counters=None) -> int");
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len, int window=0) -> int");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
 }

@@ -14,9 +14,11 @@ namespace hf_paged {
 // memory, so it can be captured in a CUDA graph and replayed for other sequence lengths up to max_seq_len.
 // window > 0: the query sees its last `window` keys only, and the splits cover min(max_seq_len, window) keys (the
 // workspace shrinks with them); softcap > 0: scores become softcap * tanh(score / softcap) before the softmax.
+// counters: the split tickets (int32, zero, left at zero), else one buffer per (device, stream) kept for good.
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
-                     int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window, double softcap);
+                     int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window, double softcap,
+                     const std::optional<at::Tensor>& counters);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,

@@ -88,6 +88,7 @@ def paged_decode(
     workspace: torch.Tensor | None = None,
     window: int = 0,
     softcap: float = 0.0,
+    counters: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -109,6 +110,10 @@ def paged_decode(
             kernel reads only those (its splits cover ``min(max_seq_len, window)`` keys); 0 = the whole context.
         softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)`` before
             the softmax (Gemma2); 0 = off.
+        counters: int32 zeros, at least ``B * H`` elements: the tickets that tell each (row, head group) which split
+            finishes last; the kernel leaves them at zero. None uses one buffer per (device, stream), allocated on
+            the first split launch there and kept for good: a caller whose launches are captured into a CUDA graph
+            pool that must hold no long-lived allocation (``torch.compile``'s CUDA graph trees) passes its own.
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
@@ -125,7 +130,7 @@ def paged_decode(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, split_len,
-                        workspace, max(window, 0), max(softcap, 0.0))
+                        workspace, max(window, 0), max(softcap, 0.0), counters)
     return out
 
 

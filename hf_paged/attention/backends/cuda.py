@@ -39,10 +39,12 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
 
 @dataclass(frozen=True)
 class DecodePlan:
-    """What every layer's decode launch of one step shares: the split length and the partials' workspace."""
+    """What every layer's decode launch of one step shares: the split length, the partials' workspace and (for a
+    compiled step's op, whose scratch must stay inside the call) the split tickets."""
 
     split_len: int
     workspace: torch.Tensor | None
+    counters: torch.Tensor | None = None
 
 
 # Split partials, one growing float32 buffer per (device, stream): launches on one stream run one after another,
@@ -71,13 +73,18 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
         numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
                                                split, window)
+        counters = None
         if not numel:
             workspace = None
-        elif meta.scratch_per_call:  # (a compiled step's op: its scratch stays inside the call)
+        elif meta.scratch_per_call:
+            # A compiled step's op: under CUDA graph trees every allocation of the step lands in the graph's pool,
+            # and one that outlives the call (the shared workspace, the kernel's own per-stream tickets) breaks the
+            # next graph. So both are the call's own; the tickets must start at zero.
             workspace = torch.empty(numel, dtype=torch.float32, device=query.device)
+            counters = torch.zeros(query.shape[0] * query.shape[1], dtype=torch.int32, device=query.device)
         else:
             workspace = _workspace(query.device, numel)
-        plan = meta.plans[key] = DecodePlan(split, workspace)
+        plan = meta.plans[key] = DecodePlan(split, workspace, counters)
     return plan
 
 
@@ -158,4 +165,5 @@ class CudaBackend(AttentionBackend):
             workspace=plan.workspace,
             window=window,
             softcap=softcap,
+            counters=plan.counters,
         )
