@@ -29,3 +29,38 @@ def test_cuda_graphs_are_a_no_op_on_the_cpu():
     off = hf_paged.Engine(paged, num_blocks=64, block_size=8, cuda_graphs=False)
     assert on.graphs is None and on.stats()["cuda_graphs"] is None
     assert [o.token_ids for o in on.generate(prompts, config)] == [o.token_ids for o in off.generate(prompts, config)]
+
+
+def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
+    """A one-call engine never runs more sequences at once than the call has (prompts x num_return_sequences), so
+    it captures the sizes up to that; a persistent engine, an explicit size list or an EngineConfig given as it is
+    keep theirs."""
+    from hf_paged.engine import generate_batch as module
+
+    built = []
+    real = module.Engine
+
+    def recording(model, config):
+        built.append(config)
+        return real(model, config=config)
+
+    monkeypatch.setattr(module, "Engine", lambda model, config: recording(model, config))
+    _, paged = models("llama_gqa")
+    prompts = random_prompts(3, 4, 12, seed=6)
+    greedy = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    out = hf_paged.generate_batch(paged, prompts, greedy)
+    assert built[-1].cuda_graphs == (1, 2, 3) and built[-1].max_num_seqs == 256
+    sampled = GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2, eos_token_id=None)
+    hf_paged.generate_batch(paged, prompts, sampled)
+    assert built[-1].cuda_graphs == (1, 2, 4, 6)
+    hf_paged.generate_batch(paged, prompts, greedy, persistent_manager=True)
+    assert built[-1].cuda_graphs is True
+    paged.__dict__.pop(module._KEPT)
+    many = random_prompts(40, 4, 8, seed=7)
+    hf_paged.generate_batch(paged, many, greedy)
+    assert built[-1].cuda_graphs == tuple(graph_batch_sizes(40))
+    full = {"max_requests_per_batch": 16}
+    hf_paged.generate_batch(paged, many, greedy, continuous_batching_config=type("C", (), full)())
+    assert built[-1].cuda_graphs is True  # 40 sequences never run more than 16 at once: every size stays
+    assert [o.generated_tokens for o in out.values()] == [o.generated_tokens for o in hf_paged.generate_batch(
+        paged, prompts, greedy, continuous_batching_config=type("C", (), {"cuda_graphs": False})()).values()]
