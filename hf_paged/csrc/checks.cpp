@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cstdarg>
 #include <cstdio>
+#include <utility>
 
 namespace hf_paged {
 
@@ -46,8 +47,30 @@ int vec_elems(at::ScalarType dtype) {
 
 bool aligned16(const at::Tensor& t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0; }
 
+bool is_e4m3(const at::Tensor& cache) { return cache.scalar_type() == at::kFloat8_e4m3fn; }
+
+void check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Device& device) {
+  if (!is_e4m3(k_cache)) {
+    TORCH_CHECK_VALUE(!k_scale.has_value() && !v_scale.has_value(),
+                      format("k_scale and v_scale dequantize a float8_e4m3fn cache; this cache is %s: pass None",
+                             c10::toString(k_cache.scalar_type())));
+    return;
+  }
+  TORCH_CHECK_VALUE(k_scale.has_value() && v_scale.has_value(),
+                    "a float8_e4m3fn cache needs its k_scale and v_scale (float32 [num_kv_heads] each)");
+  const int64_t kv_heads = k_cache.size(2);
+  for (const auto& [t, name] : {std::pair{&*k_scale, "k_scale"}, std::pair{&*v_scale, "v_scale"}}) {
+    check_cuda_tensor(*t, name, device);
+    TORCH_CHECK_VALUE(t->scalar_type() == at::kFloat && t->dim() == 1 && t->size(0) == kv_heads && t->is_contiguous(),
+                      format("%s must be a contiguous float32 [num_kv_heads] tensor ([%lld]), got %s %s", name,
+                             static_cast<long long>(kv_heads), c10::toString(t->scalar_type()),
+                             shape_of(*t).c_str()));
+  }
+}
+
 AttentionShape check_query_and_cache(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                                     const at::Tensor& v_cache, const char* query_dims) {
+                                     const at::Tensor& v_cache, const char* query_dims, bool allow_e4m3) {
   const at::Device device = query.device();
   check_cuda_tensor(query, "query", device), check_cuda_tensor(out, "out", device);
   check_cuda_tensor(k_cache, "k_cache", device), check_cuda_tensor(v_cache, "v_cache", device);
@@ -65,11 +88,14 @@ AttentionShape check_query_and_cache(const at::Tensor& out, const at::Tensor& qu
   TORCH_CHECK_VALUE(s.kv_heads > 0 && s.heads % s.kv_heads == 0,
                     format("num_heads (%lld) must be a multiple of num_kv_heads (%lld)",
                            static_cast<long long>(s.heads), static_cast<long long>(s.kv_heads)));
-  const auto dtype = query.scalar_type();
-  TORCH_CHECK_VALUE(k_cache.scalar_type() == dtype && v_cache.scalar_type() == dtype && out.scalar_type() == dtype,
-                    format("query, out and the caches must share one dtype, got %s, %s and %s",
-                           c10::toString(dtype), c10::toString(out.scalar_type()),
-                           c10::toString(k_cache.scalar_type())));
+  const auto dtype = query.scalar_type(), kv_dtype = k_cache.scalar_type();
+  const bool e4m3_cache = allow_e4m3 && is_e4m3(k_cache);
+  TORCH_CHECK_VALUE((kv_dtype == dtype || e4m3_cache) && v_cache.scalar_type() == kv_dtype &&
+                        out.scalar_type() == dtype,
+                    format("query, out and the caches must share one dtype%s, got %s, %s and %s / %s",
+                           allow_e4m3 ? " (or both caches be float8_e4m3fn)" : "", c10::toString(dtype),
+                           c10::toString(out.scalar_type()), c10::toString(kv_dtype),
+                           c10::toString(v_cache.scalar_type())));
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), format("out must be shaped like query %s", shape_of(query).c_str()));
   const int64_t vec = vec_elems(dtype);
   for (const at::Tensor* t : {&query, &out}) {

@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 
 #include <cstdint>
+#include <optional>
 #include <string>
 
 namespace hf_paged {
@@ -25,11 +26,19 @@ struct AttentionShape {
 };
 
 // `query` [rows, H, D] (`query_dims` names the rows in messages) over `k_cache`/`v_cache`
-// [num_blocks, block_size, Hkv, D]: one CUDA device and one dtype for all four tensors (`out` shaped like query),
-// H a multiple of Hkv, contiguous 16-byte aligned caches with fewer than 2^31 token slots, query and out rows
-// contiguous and 16-byte aligned (their row strides may be larger than H * D).
+// [num_blocks, block_size, Hkv, D]: one CUDA device and one dtype for all four tensors (`out` shaped like query;
+// with `allow_e4m3`, the caches may instead both be float8_e4m3fn), H a multiple of Hkv, contiguous 16-byte aligned
+// caches with fewer than 2^31 token slots, query and out rows contiguous and 16-byte aligned (their row strides may
+// be larger than H * D).
 AttentionShape check_query_and_cache(const at::Tensor& out, const at::Tensor& query, const at::Tensor& k_cache,
-                                     const at::Tensor& v_cache, const char* query_dims);
+                                     const at::Tensor& v_cache, const char* query_dims, bool allow_e4m3 = false);
+
+bool is_e4m3(const at::Tensor& cache);  // a float8_e4m3fn tensor
+
+// The dequantization scales of `k_cache`: with a float8_e4m3fn cache both are required, float32 contiguous
+// [num_kv_heads] tensors on `device`; with any other cache both must be absent.
+void check_kv_scales(const at::Tensor& k_cache, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale, const at::Device& device);
 
 // `lens` a contiguous int32 [batch] tensor; `block_tables` an int32 [batch, max_blocks] tensor with contiguous
 // rows; both on `device`. `batch` up to 65535 (a grid dimension).

@@ -17,7 +17,14 @@
 namespace hf_paged {
 namespace {
 
-DecodeKernel select_kernel(at::ScalarType dtype, int head_dim, int group_size) {
+DecodeKernel select_kernel(at::ScalarType dtype, bool e4m3_cache, int head_dim, int group_size) {
+  if (e4m3_cache) {
+    switch (dtype) {
+      case at::kHalf: return decode_kernel_f16_e4m3(head_dim);
+      case at::kBFloat16: return decode_kernel_bf16_e4m3(head_dim);
+      default: return DecodeKernel{};
+    }
+  }
   switch (dtype) {
     case at::kFloat: return decode_kernel_f32(head_dim, group_size);
     case at::kHalf: return decode_kernel_f16(head_dim, group_size);
@@ -31,9 +38,14 @@ int64_t head_groups_of(const DecodeKernel& k, int64_t group_size) {
 }
 
 // The compiled kernel for a checked query / cache pair (NotImplementedError when none is).
-DecodeKernel kernel_for(const at::Tensor& query, const AttentionShape& s) {
-  const DecodeKernel k = select_kernel(query.scalar_type(), static_cast<int>(s.head_dim),
+DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache, const AttentionShape& s) {
+  const bool e4m3 = is_e4m3(k_cache);
+  const DecodeKernel k = select_kernel(query.scalar_type(), e4m3, static_cast<int>(s.head_dim),
                                        static_cast<int>(s.heads / s.kv_heads));
+  TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr || !e4m3,
+                              format("paged_decode serves a float8_e4m3fn cache with float16/bfloat16 queries and "
+                                     "head_dim 64, 128 or 256; got %s with head_dim %lld",
+                                     c10::toString(query.scalar_type()), static_cast<long long>(s.head_dim)));
   TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr,
                               format("paged_decode serves float32/float16/bfloat16 with head_dim 32, 64, 80, 96, 112, "
                                      "128, 160, 192 or 256; got %s with head_dim %lld",
@@ -153,22 +165,24 @@ void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int devi
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
                                int64_t window) {
-  const AttentionShape s = check_query_and_cache(query, query, k_cache, k_cache, "batch");
+  const AttentionShape s = check_query_and_cache(query, query, k_cache, k_cache, "batch", /*allow_e4m3=*/true);
   const c10::cuda::CUDAGuard guard(query.device());
-  return split_len_for(kernel_for(query, s), query, k_cache, keys_read(max_seq_len, window));
+  return split_len_for(kernel_for(query, k_cache, s), query, k_cache, keys_read(max_seq_len, window));
 }
 
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
                      int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window,
-                     double softcap, const std::optional<at::Tensor>& counters_arg) {
-  const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch");
+                     double softcap, const std::optional<at::Tensor>& counters_arg,
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch", /*allow_e4m3=*/true);
+  check_kv_scales(k_cache, k_scale, v_scale, query.device());
   check_lengths_and_tables(seq_lens, "seq_lens", block_tables, s.rows, query.device());
   check_decode_args(out, k_cache, block_tables, max_seq_len);
   const float scale_log2 = softmax_scale_log2(scale);
   const ScoreOptions options = score_options(window, softcap, scale);
   const int64_t keys = keys_read(max_seq_len, window);  // what the splits cover: a window shortens them
-  const DecodeKernel k = kernel_for(query, s);
+  const DecodeKernel k = kernel_for(query, k_cache, s);
   const c10::cuda::CUDAGuard guard(query.device());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   const int64_t batch = s.rows, heads = s.heads, kv_heads = s.kv_heads;
@@ -187,6 +201,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 
   DecodeParams p = launch_params(out, query, k_cache, v_cache, block_tables, seq_lens, s, k, scale_log2, options);
   p.split_len = static_cast<int>(split_len), p.max_splits = static_cast<int>(max_splits);
+  if (k_scale.has_value()) p.k_scale = k_scale->data_ptr<float>(), p.v_scale = v_scale->data_ptr<float>();
   at::Tensor part_out, part_stats, counters;
   if (max_splits > 1) {
     const int64_t out_elems = batch * heads * max_splits * s.head_dim, stats_elems = batch * heads * max_splits * 2;
@@ -228,7 +243,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
 void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
                        float scale_log2, const ScoreOptions& options, const AttentionShape& s) {
-  const DecodeKernel k = kernel_for(query, s);
+  const DecodeKernel k = kernel_for(query, k_cache, s);
   const int64_t capacity = block_tables.size(1) * s.block_size;  // one split covers any row: no partials
   const int64_t split_len = std::max<int64_t>(round_up(capacity, k.tile), k.tile);
   TORCH_CHECK_VALUE(table_slice_fits(split_len, s.block_size),

@@ -45,6 +45,9 @@ struct DecodeParams {
   // nullptr for decode (the tensor-core kernel never reads these).
   const int32_t* cu_seqlens_q;
   int num_seqs, first_row;  // this launch's grid z = query rows first_row, first_row + 1, ...
+  // An e4m3 cache's float32 [Hkv] scales (value = fp8 * scale); nullptr for a cache in the query's dtype.
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // One compiled decode kernel (dtype x head_dim x query heads per kv head) and the constants the host needs.
@@ -61,10 +64,25 @@ struct DecodeKernel {
 DecodeKernel decode_kernel_f32(int head_dim, int group_size);
 DecodeKernel decode_kernel_f16(int head_dim, int group_size);
 DecodeKernel decode_kernel_bf16(int head_dim, int group_size);
+// An e4m3 cache with an fp16 / bf16 query (tensor cores; head_dim 64, 128, 256).
+DecodeKernel decode_kernel_f16_e4m3(int head_dim);
+DecodeKernel decode_kernel_bf16_e4m3(int head_dim);
 
 // Scatter T tokens of K and V (each row `vecs_per_token` 16-byte vectors) into their cache slots.
 cudaError_t launch_write_kv(const void* key, const void* value, void* k_cache, void* v_cache,
                             const int64_t* slot_mapping, int64_t num_tokens, int vecs_per_token,
                             int64_t key_row_stride_vecs, int64_t value_row_stride_vecs, cudaStream_t stream);
+
+// What the quantizing KV write reads: key and value rows of this dtype.
+enum class KvSource { kFloat, kHalf, kBFloat16 };
+
+// Quantize T tokens of K and V ([T, Hkv, D] rows, row strides in elements, 16-byte aligned, D a multiple of 8) into
+// e4m3 caches at their slots (-1 = padding, skipped): x / scale of the head (1 where it is 0), rounded to nearest,
+// saturating at +-448. First sets the scales still 0 from the rows written (absmax * 4 / 448; 0 if a value is NaN or
+// infinite), as hf_paged/attention/kv_quant.py does. Two launches, no host sync.
+cudaError_t launch_write_kv_e4m3(KvSource source, const void* key, const void* value, void* k_cache, void* v_cache,
+                                 float* k_scale, float* v_scale, const int64_t* slot_mapping, int64_t num_tokens,
+                                 int num_kv_heads, int head_dim, int64_t key_row_stride, int64_t value_row_stride,
+                                 cudaStream_t stream);
 
 }  // namespace hf_paged

@@ -11,8 +11,41 @@
 
 namespace hf_paged {
 
+namespace {
+
+KvSource kv_source(at::ScalarType dtype) {
+  switch (dtype) {
+    case at::kFloat: return KvSource::kFloat;
+    case at::kHalf: return KvSource::kHalf;
+    case at::kBFloat16: return KvSource::kBFloat16;
+    default:
+      TORCH_CHECK_VALUE(false, format("a float8_e4m3fn cache is written from float32, float16 or bfloat16 key/value, "
+                                      "got %s", c10::toString(dtype)));
+  }
+  return KvSource::kFloat;  // not reached
+}
+
+// The quantizing write into float8_e4m3fn caches (key / value rows already checked for shape and layout).
+void write_kv_e4m3(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
+                   const at::Tensor& slot_mapping, const at::Tensor& k_scale, const at::Tensor& v_scale) {
+  TORCH_CHECK_VALUE(key.scalar_type() == value.scalar_type(),
+                    format("key and value must share one dtype, got %s and %s", c10::toString(key.scalar_type()),
+                           c10::toString(value.scalar_type())));
+  const KvSource source = kv_source(key.scalar_type());
+  TORCH_CHECK_VALUE(key.size(2) % 8 == 0, format("a float8_e4m3fn cache needs head_dim a multiple of 8, got %lld",
+                                                 static_cast<long long>(key.size(2))));
+  C10_CUDA_CHECK(launch_write_kv_e4m3(source, key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
+                                      k_scale.data_ptr<float>(), v_scale.data_ptr<float>(),
+                                      slot_mapping.data_ptr<int64_t>(), key.size(0), static_cast<int>(key.size(1)),
+                                      static_cast<int>(key.size(2)), key.stride(0), value.stride(0),
+                                      c10::cuda::getCurrentCUDAStream()));
+}
+
+}  // namespace
+
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping) {
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+              const std::optional<at::Tensor>& v_scale) {
   const at::Device device = k_cache.device();
   check_cuda_tensor(key, "key", device), check_cuda_tensor(value, "value", device);
   check_cuda_tensor(v_cache, "v_cache", device), check_cuda_tensor(slot_mapping, "slot_mapping", device);
@@ -25,9 +58,13 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
                     format("key and value must be [num_tokens, num_kv_heads, head_dim] matching the cache %s, got %s "
                            "and %s", shape_of(k_cache).c_str(), shape_of(key).c_str(), shape_of(value).c_str()));
   const auto dtype = k_cache.scalar_type();
-  TORCH_CHECK_VALUE(key.scalar_type() == dtype && value.scalar_type() == dtype && v_cache.scalar_type() == dtype,
-                    format("key, value and the caches must share one dtype, got %s, %s and %s",
-                           c10::toString(key.scalar_type()), c10::toString(value.scalar_type()), c10::toString(dtype)));
+  check_kv_scales(k_cache, k_scale, v_scale, device);
+  TORCH_CHECK_VALUE((is_e4m3(k_cache) || (key.scalar_type() == dtype && value.scalar_type() == dtype)) &&
+                        v_cache.scalar_type() == dtype,
+                    format("key, value and the caches must share one dtype (or the caches be float8_e4m3fn), got "
+                           "%s, %s and %s / %s", c10::toString(key.scalar_type()),
+                           c10::toString(value.scalar_type()), c10::toString(dtype),
+                           c10::toString(v_cache.scalar_type())));
   TORCH_CHECK_VALUE(slot_mapping.scalar_type() == at::kLong && slot_mapping.dim() == 1 &&
                         slot_mapping.size(0) == key.size(0) && slot_mapping.is_contiguous(),
                     "slot_mapping must be a contiguous int64 [num_tokens] tensor");
@@ -41,6 +78,7 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
                       "addresses; call .contiguous() first");
   }
   const c10::cuda::CUDAGuard guard(device);
+  if (is_e4m3(k_cache)) return write_kv_e4m3(key, value, k_cache, v_cache, slot_mapping, *k_scale, *v_scale);
   const int vecs = static_cast<int>(row * esize / 16);
   C10_CUDA_CHECK(launch_write_kv(key.data_ptr(), value.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(),
                                  slot_mapping.data_ptr<int64_t>(), key.size(0), vecs, key.stride(0) * esize / 16,
@@ -52,9 +90,10 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
 TORCH_LIBRARY(hf_paged, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int max_seq_len, float scale, int split_len, Tensor? workspace=None, int window=0, "
-        "float softcap=0.0, Tensor(b!)? counters=None) -> int");
+        "float softcap=0.0, Tensor(b!)? counters=None, Tensor? k_scale=None, Tensor? v_scale=None) -> int");
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len, int window=0) -> int");
-  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping) -> ()");
+  m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
+        "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {

@@ -15,10 +15,13 @@ namespace hf_paged {
 // window > 0: the query sees its last `window` keys only, and the splits cover min(max_seq_len, window) keys (the
 // workspace shrinks with them); softcap > 0: scores become softcap * tanh(score / softcap) before the softmax.
 // counters: the split tickets (int32, zero, left at zero), else one buffer per (device, stream) kept for good.
+// A float8_e4m3fn cache (fp16 / bf16 query) needs k_scale / v_scale (float32 [Hkv]: value = fp8 * scale); other
+// caches refuse them.
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
                      int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window, double softcap,
-                     const std::optional<at::Tensor>& counters);
+                     const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& k_scale,
+                     const std::optional<at::Tensor>& v_scale);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
@@ -32,7 +35,11 @@ void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor
                        const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
                        float scale_log2, const ScoreOptions& options, const AttentionShape& s);
 
+// Scatters key / value [T, Hkv, D] into the caches at slot_mapping (-1 = skipped). A float8_e4m3fn cache takes
+// float32 / fp16 / bf16 rows, quantized with k_scale / v_scale (float32 [Hkv], unset heads (0) set first from the
+// rows written: see launch.h); other caches take rows of their own dtype and refuse scales.
 void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache, at::Tensor v_cache,
-              const at::Tensor& slot_mapping);
+              const at::Tensor& slot_mapping, const std::optional<at::Tensor>& k_scale,
+              const std::optional<at::Tensor>& v_scale);
 
 }  // namespace hf_paged

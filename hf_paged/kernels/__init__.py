@@ -8,6 +8,9 @@ Every function raises :class:`KernelsUnavailable` when the kernels cannot be bui
 dtypes / head dims that are not compiled) with what to change. fp16/bf16 decode runs on tensor cores, float32 on
 CUDA cores (for tests and float32 models). Both ops serve every head size in :data:`HEAD_DIMS`, and take a sliding
 window and logit softcapping as arguments (``window``/``softcap``; 0 = off), as transformers' models define them.
+
+An fp8 cache (``torch.float8_e4m3fn``, with float32 per-KV-head scales: value = fp8 * scale) is written by
+:func:`write_kv` (quantizing) and read by :func:`paged_decode` for fp16 / bf16 queries and :data:`FP8_HEAD_DIMS`.
 """
 
 from __future__ import annotations
@@ -22,9 +25,14 @@ DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Head sizes compiled for decode and prefill, every dtype: flash-attn 2's common sizes (multiples of 16 up to 256 that
 # models use). Other multiples of 8 are refused; keep in step with the switch statements in hf_paged/csrc.
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
+# What the decode kernel compiles for an fp8 (e4m3) cache: keep in step with select_mma_e4m3_kernel in hf_paged/csrc.
+FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
+FP8_HEAD_DIMS = (64, 128, 256)
 
 __all__ = [
     "DECODE_DTYPES",
+    "FP8_HEAD_DIMS",
+    "FP8_QUERY_DTYPES",
     "HEAD_DIMS",
     "KernelsUnavailable",
     "decode_keys",
@@ -52,26 +60,46 @@ def _ops():
     return torch.ops.hf_paged
 
 
+def _check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> None:
+    """An fp8 cache needs both scales, any other cache neither (``ValueError`` saying which); the C++ ops check
+    the rest (dtype, shape, device)."""
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    if fp8 and (k_scale is None or v_scale is None):
+        raise ValueError("a float8_e4m3fn cache needs its k_scale and v_scale (float32 [num_kv_heads] each, "
+                         "value = fp8 * scale)")
+    if not fp8 and (k_scale is not None or v_scale is not None):
+        raise ValueError(f"k_scale and v_scale dequantize a float8_e4m3fn cache; this cache is {k_cache.dtype}: "
+                         "pass None")
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Scatter new K/V rows into the cache in place.
 
     Args:
-        key, value: ``[T, Hkv, D]``, the cache's dtype; each token's ``[Hkv, D]`` contiguous.
+        key, value: ``[T, Hkv, D]``, the cache's dtype (float32, float16 or bfloat16 for an fp8 cache); each
+            token's ``[Hkv, D]`` contiguous.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, contiguous.
         slot_mapping: ``[T]`` int64, ``block * block_size + offset`` per token; ``-1`` rows are skipped. Slots must
             lie below ``num_blocks * block_size`` (not checked on the device).
+        k_scale, v_scale: with a ``float8_e4m3fn`` cache, its float32 ``[Hkv]`` scales: rows are stored as
+            ``x / scale`` rounded to e4m3 (saturating at +-448), and a head whose scale is still 0 first gets
+            ``absmax * 4 / 448`` of the rows written (``hf_paged.attention.kv_quant``'s policy, on the device, no
+            host sync). None for other caches.
     """
+    _check_kv_scales(k_cache, k_scale, v_scale)
     if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
         key = key.contiguous()
     if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
         value = value.contiguous()
-    _ops().write_kv(key, value, k_cache, v_cache, slot_mapping)
+    _ops().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
 def paged_decode(
@@ -89,13 +117,16 @@ def paged_decode(
     window: int = 0,
     softcap: float = 0.0,
     counters: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
     Args:
         query: ``[B, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`HEAD_DIMS`; ``H`` a multiple of ``Hkv``).
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, holding every token of each context
-            (the new token's K/V included).
+            (the new token's K/V included); or ``float8_e4m3fn`` with ``k_scale``/``v_scale`` (query float16 or
+            bfloat16, ``D`` in :data:`FP8_HEAD_DIMS`).
         block_tables: ``[B, max_blocks]`` int32 physical block ids; entries past a sequence's length are ignored.
         seq_lens: ``[B]`` int32 context lengths, new token included; the query sits at position ``seq_len - 1``.
         scale: softmax scale (usually ``D ** -0.5``).
@@ -114,13 +145,23 @@ def paged_decode(
             finishes last; the kernel leaves them at zero. None uses one buffer per (device, stream), allocated on
             the first split launch there and kept for good: a caller whose launches are captured into a CUDA graph
             pool that must hold no long-lived allocation (``torch.compile``'s CUDA graph trees) passes its own.
+        k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
+            device (K's folded into the softmax scale, V's into the output); None for other caches.
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
     """
+    _check_kv_scales(k_cache, k_scale, v_scale)
     if not query.is_cuda:
         raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
-    if query.dtype not in DECODE_DTYPES or query.shape[-1] not in HEAD_DIMS:
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
+            raise NotImplementedError(
+                f"paged_decode over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
+                f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves "
+                "other shapes)"
+            )
+    elif query.dtype not in DECODE_DTYPES or query.shape[-1] not in HEAD_DIMS:
         raise NotImplementedError(
             f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {HEAD_DIMS}; got {query.dtype} with "
             f"head_dim {query.shape[-1]} (the torch backend serves other shapes)"
@@ -130,7 +171,7 @@ def paged_decode(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, split_len,
-                        workspace, max(window, 0), max(softcap, 0.0), counters)
+                        workspace, max(window, 0), max(softcap, 0.0), counters, k_scale, v_scale)
     return out
 
 

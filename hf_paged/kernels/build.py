@@ -30,6 +30,7 @@ SOURCES = (
     "paged_decode_f32.cu",
     "paged_decode_f16.cu",
     "paged_decode_bf16.cu",
+    "paged_decode_e4m3.cu",
     "prefill_ops.cpp",
     "paged_prefill_f16.cu",
     "paged_prefill_f16_wide.cu",
