@@ -1,5 +1,5 @@
-"""fp8 (e4m3) KV cache: options, pool sizing, the quantizing write, the torch backend's dequantizing read, refusals
-by the CUDA backends, and model quality against the model-dtype cache on a tiny Llama."""
+"""fp8 (e4m3) KV cache: options, pool sizing, the quantizing write, the torch backend's dequantizing read, and model
+quality against the model-dtype cache on a tiny Llama (which backends serve it: test_fp8_kv_backends.py)."""
 
 from __future__ import annotations
 
@@ -9,13 +9,10 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.attention import AttentionParams, Dispatcher, Phase, kv_quant
+from hf_paged.attention import AttentionParams, kv_quant
 from hf_paged.attention.backends import torch_backend
-from hf_paged.attention.backends.base import AttentionCall
-from hf_paged.attention.backends.cuda import CudaBackend
-from hf_paged.attention.backends.flash import FlashBackend
 from hf_paged.attention.backends.torch_backend import TorchBackend, paged_attention_reference
-from hf_paged.attention.kv_quant import FP8_DTYPE, FP8_MAX, SCALE_HEADROOM, KVScales
+from hf_paged.attention.kv_quant import FP8_MAX, SCALE_HEADROOM, KVScales
 from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
 from test_torch_backend import random_paged_step
 from tiny_models import left_padded_batch, make_config, make_models
@@ -119,19 +116,6 @@ def test_torch_backend_attention_over_fp8_kv(q_lens, ctx_lens):
     print(f"\nattention output error, fp8 KV: max {err.max():.4f} mean {err.mean():.4f}; "
           f"bf16 KV: max {bf16.max():.4f} mean {bf16.mean():.4f}")
     assert err.max() < 0.15 and err.mean() < 0.02
-
-
-def test_cuda_and_flash_refuse_fp8_kv_so_the_dispatcher_picks_torch():
-    call = AttentionCall(phase=Phase.DECODE, device_type="cuda", dtype=torch.bfloat16, head_dim=64, num_heads=8,
-                         num_kv_heads=2, block_size=256, kv_dtype=FP8)
-    reason = "fp8 KV cache is served by the torch backend for now"
-    assert CudaBackend().unsupported_reason(call) == reason and FlashBackend().unsupported_reason(call) == reason
-    assert CudaBackend().write_unsupported_reason("cuda", FP8, 64) == reason
-    assert FlashBackend().write_unsupported_reason("cuda", FP8, 64) == reason
-    assert Dispatcher().select(call).name == "torch"
-    assert Dispatcher()._writer_for(("cuda", FP8, 64)).name == "torch"
-    with pytest.raises(NotImplementedError, match=reason):
-        hf_paged.PagedAttentionCache(make_config("llama_gqa"), num_blocks=4, backend="cuda", kv_cache_dtype="fp8")
 
 
 def test_fp8_cache_is_not_compileable():

@@ -21,7 +21,7 @@ FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_HEADROOM = 4.0
 KV_CACHE_DTYPES = (None, "auto", "fp8", "fp8_e4m3")
-FP8_SERVED_BY_TORCH = "fp8 KV cache is served by the torch backend for now"
+FP8_NOT_SERVED_HERE = "fp8 KV cache is served by the cuda (decode, KV write) and torch backends, not this one"
 
 
 @dataclass(frozen=True)

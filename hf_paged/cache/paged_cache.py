@@ -29,6 +29,7 @@ from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_fo
 from hf_paged.cache.model_calls import basic_calls
 from hf_paged.cache.paged_layer import PagedLayer, PlanOffset
 from hf_paged.cache.static_decode import CompileMode
+from hf_paged.hf import attention as paged_attention
 from hf_paged.hf.support import check_model_supported
 
 
@@ -57,7 +58,8 @@ class PagedAttentionCache(Cache):
             layers compute only their process's KV heads (``hf_paged.hf.tensor_parallel.kv_layout(model)``).
         kv_cache_dtype: what the pool stores: None or ``"auto"``, ``dtype``; ``"fp8"`` (or ``"fp8_e4m3"``),
             ``torch.float8_e4m3fn`` with a float32 scale per layer and KV head, half the bytes of bfloat16 (twice
-            the blocks in a memory budget). Served by the torch backend for now, without compiled decode steps;
+            the blocks in a memory budget). Decode and the KV write run on the cuda kernels (float16/bfloat16
+            models on a GPU), prefill on the torch backend; no compiled decode steps (``is_compileable`` is False);
             ``docs/cache.md`` gives the scale policy and its accuracy.
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
@@ -252,9 +254,15 @@ class PagedAttentionCache(Cache):
 
         The attention function writes them into the pool (its backend picks the write kernel) and attends.
         """
-        if torch.compiler.is_compiling() and self._plan is not None and self._plan.static:
-            self._plan_used = True  # a compiled decode step of fixed shapes: one real token per row, checked eager
-            return _pack(key_states, None), _pack(value_states, None)
+        if torch.compiler.is_compiling():
+            if self._plan is not None and self._plan.static:
+                self._plan_used = True  # a compiled decode step of fixed shapes: one real token per row, checked eager
+                return _pack(key_states, None), _pack(value_states, None)
+            if paged_attention.opaque_plans:
+                # The engine's compiled layers: its steps are packed (every token real, no token index) and the
+                # engine built this cache for this model, so there is nothing to check or select here, and the
+                # layer's graph need not break twice (here and at the attention call, which writes the K/V).
+                return _pack(key_states, None), _pack(value_states, None)
         return self._update(key_states, value_states, layer_idx)
 
     # Opaque to torch.compile (a compiled layer breaks its graph here; see hf_paged.engine.compiled_layers).

@@ -29,7 +29,9 @@ __device__ __forceinline__ void fp8_tile_qk(uint32_t k_tile, int lane, const uin
     for (int i = 0; i < D / 64; ++i) {
       uint4 c;
       const uint32_t addr = fp8_chunk<D>(k_tile, g + 8 * j, t + 4 * i);
-      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n" : "=r"(c.x), "=r"(c.y), "=r"(c.z), "=r"(c.w) : "r"(addr));
+      asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+                   : "=r"(c.x), "=r"(c.y), "=r"(c.z), "=r"(c.w)
+                   : "r"(addr));
       const uint32_t words[4] = {c.x, c.y, c.z, c.w};
 #pragma unroll
       for (int u = 0; u < 4; ++u)  // k-step 4i + u: dims 4u, 4u+1 in k-slots 2t, 2t+1; 4u+2, 4u+3 in 2t+8, 2t+9

@@ -61,8 +61,9 @@ class Engine(EngineCore):
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
             engine's own model calls use it.
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
-            e4m3 with per-head scales, twice the blocks in the same memory; served by the torch backend for now
-            (no CUDA graphs), see ``PagedAttentionCache`` and ``docs/cache.md``.
+            e4m3 with per-head scales, twice the blocks in the same memory; decode and the KV write on the cuda
+            kernels (CUDA graphs included) for float16/bfloat16 models, prefill on the torch backend; see
+            ``PagedAttentionCache`` and ``docs/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any

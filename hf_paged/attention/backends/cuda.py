@@ -6,6 +6,10 @@ bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), a
 windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every phase. No
 backend serves ALiBi (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible
 (no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
+
+An fp8 (e4m3) KV cache: this backend serves its decode (float16/bfloat16 query, head_dim in
+``kernels.FP8_HEAD_DIMS``) and its quantizing KV write, both capture-safe; its prefill and extend are left to the
+torch backend, which the dispatcher picks for those phases.
 """
 
 from __future__ import annotations
@@ -21,19 +25,35 @@ from hf_paged.attention.backends.base import (
     AttentionParams,
     register_backend,
 )
-from hf_paged.attention.kv_quant import FP8_SERVED_BY_TORCH, KVScales, is_fp8
+from hf_paged.attention.kv_quant import KVScales, is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.kernels.prefill import paged_prefill
 
 
+def _device_reason(device_type: str) -> str | None:
+    return None if device_type == "cuda" else f"tensors are on {device_type}, not a CUDA device"
+
+
 def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
     if device_type != "cuda":
-        return f"tensors are on {device_type}, not a CUDA device"
+        return _device_reason(device_type)
     if dtype not in kernels.DECODE_DTYPES:
         return f"dtype {dtype} is not compiled (float16, bfloat16, float32 are)"
     if head_dim not in kernels.HEAD_DIMS:
         compiled = ", ".join(str(d) for d in kernels.HEAD_DIMS)
         return f"head_dim {head_dim} is not compiled ({compiled} are)"
+    return None
+
+
+def _fp8_reason(call: AttentionCall) -> str | None:
+    """Why the kernels cannot read this call's fp8 KV cache (None if they can: decode, fp16/bf16, compiled sizes)."""
+    if call.phase is not Phase.DECODE:
+        return f"fp8 KV {call.phase.value} is served by the torch backend (the cuda backend reads fp8 KV in decode)"
+    if call.dtype not in kernels.FP8_QUERY_DTYPES:
+        return f"fp8 KV decode is compiled for float16 and bfloat16 models, not {call.dtype}"
+    if call.head_dim not in kernels.FP8_HEAD_DIMS:
+        compiled = ", ".join(str(d) for d in kernels.FP8_HEAD_DIMS)
+        return f"fp8 KV decode is compiled for head_dim {compiled}, not {call.head_dim}"
     return None
 
 
@@ -67,7 +87,7 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
     ``window`` (0 = none), made by the first such layer and reused by the others (one split decision and one
     workspace per step, not per layer). A window shortens what the splits cover to ``min(max_seqlen_k, window)``
     keys, so windowed and full layers of one model (Gemma2) get a plan each."""
-    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2], window)
+    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2], k_cache.dtype, window)
     plan = meta.plans.get(key)
     if plan is None:
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
@@ -102,9 +122,8 @@ class CudaBackend(AttentionBackend):
         return None  # split length and workspace are fixed by the step's plan, lengths read on the device
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
-        if call.kv_dtype is not None and is_fp8(call.kv_dtype):
-            return FP8_SERVED_BY_TORCH
-        reason = _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
+        reason = _fp8_reason(call) if call.kv_dtype is not None and is_fp8(call.kv_dtype) else None
+        reason = reason or _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
         if reason is not None:
             return reason
         if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
@@ -114,9 +133,12 @@ class CudaBackend(AttentionBackend):
         return None if reason is None else f"CUDA kernels unavailable: {reason}"
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
-        if is_fp8(dtype):
-            return FP8_SERVED_BY_TORCH
-        reason = _dtype_head_dim_reason(device_type, dtype, head_dim)
+        if is_fp8(dtype):  # the quantizing write takes any head_dim of whole 8-element groups
+            reason = _device_reason(device_type)
+            if reason is None and head_dim % 8:
+                reason = f"the fp8 KV write needs head_dim a multiple of 8, not {head_dim}"
+        else:
+            reason = _dtype_head_dim_reason(device_type, dtype, head_dim)
         if reason is not None:
             return reason
         reason = kernels.unavailable_reason()
@@ -131,6 +153,11 @@ class CudaBackend(AttentionBackend):
         meta: PagedMetadata,
         kv_scales: KVScales | None = None,
     ) -> None:
+        if is_fp8(k_cache.dtype):  # quantized on the device from the model's dtype; unset scales fixed first
+            if kv_scales is None:
+                raise RuntimeError("an fp8 KV cache was written without its scales (PagedMetadata.kv_scales unset)")
+            kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=kv_scales.k, v_scale=kv_scales.v)
+            return
         kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
     def forward(
@@ -166,4 +193,6 @@ class CudaBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             counters=plan.counters,
+            k_scale=None if kv_scales is None else kv_scales.k,
+            v_scale=None if kv_scales is None else kv_scales.v,
         )

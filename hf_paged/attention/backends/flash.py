@@ -25,7 +25,7 @@ from hf_paged.attention.backends.base import (
     AttentionParams,
     register_backend,
 )
-from hf_paged.attention.kv_quant import FP8_SERVED_BY_TORCH, KVScales, is_fp8
+from hf_paged.attention.kv_quant import FP8_NOT_SERVED_HERE, KVScales, is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
 
 # What the kernels serve. Module-level so the CPU tests (which run a float64 stand-in for flash-attn) can widen them.
@@ -83,7 +83,7 @@ class FlashBackend(AttentionBackend):
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         if call.kv_dtype is not None and is_fp8(call.kv_dtype):
-            return FP8_SERVED_BY_TORCH
+            return FP8_NOT_SERVED_HERE
         if load_flash_attn() is None:
             return _import_error
         if call.device_type not in _DEVICE_TYPES:
@@ -102,7 +102,7 @@ class FlashBackend(AttentionBackend):
         return None
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
-        return FP8_SERVED_BY_TORCH if is_fp8(dtype) else "no KV-write kernel of its own"
+        return FP8_NOT_SERVED_HERE if is_fp8(dtype) else "no KV-write kernel of its own"
 
     def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
         if call.phase is not Phase.DECODE:

@@ -1,0 +1,234 @@
+"""On the GPU: an fp8 (e4m3) KV cache through the CUDA kernels, against torch.
+
+- Decode: ``paged_decode`` over an e4m3 cache against float64 attention over the *dequantized* cache, so the only
+  error left is the kernel's own arithmetic (fp16/bf16 products and probabilities, float32 sums), judged row by row
+  with the 16-bit kernels' tolerance; contexts on and around block and split edges, GQA / MQA / MHA, per-head
+  scales of different magnitudes, a sliding window and a softcap (the K scale is folded into both).
+- Write: ``write_kv`` into an e4m3 cache gives torch's quantizing write (kv_quant.py) byte for byte, fixes unset
+  scales as it does, skips -1 slots, and replays from a CUDA graph.
+- Engine: an fp8 engine on CUDA (cuda decode and write in CUDA graphs, torch prefill) gives the greedy tokens of
+  torch-backend fp8 ``generate`` up to bf16 near-ties; its graph replays equal the same steps run eagerly.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # noqa: E402
+
+import hf_paged  # noqa: E402
+from hf_paged import kernels  # noqa: E402
+from hf_paged.attention import AttentionParams, kv_quant  # noqa: E402
+from hf_paged.attention.backends.torch_backend import TorchBackend, paged_attention_reference  # noqa: E402
+from hf_paged.attention.kv_quant import FP8_DTYPE, KVScales  # noqa: E402
+from hf_paged.attention.metadata import PagedMetadata, Phase  # noqa: E402
+from hf_paged.hf.compat import with_cache  # noqa: E402
+
+from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/ is on the path)
+from kernel_rows import DECODE_LENS, seeded  # noqa: E402  (same folder)
+from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402
+from test_torch_backend import random_paged_step  # noqa: E402
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+DEVICE = torch.device("cuda")
+ROW_TOLERANCE = {torch.bfloat16: 4e-2, torch.float16: 8e-3}  # as tests/gpu/test_cuda_kernels.py
+
+
+def quantized_step(lens: list[int], block_size: int, heads: tuple[int, int], head_dim: int, seed_key: tuple):
+    """A decode step over random K/V whose kv heads differ in magnitude (0.3x to 3x), quantized to e4m3 by
+    kv_quant with per-head scales; returns (query float32, k8, v8, scales, meta), all on the CPU."""
+    num_heads, num_kv_heads = heads
+    query, k_cache, v_cache, meta, _ = random_paged_step([1] * len(lens), lens, num_heads, num_kv_heads, head_dim,
+                                                         block_size, seeded(*seed_key))
+    magnitude = torch.logspace(-0.5, 0.5, num_kv_heads)
+    k_cache, v_cache = k_cache * magnitude[:, None], v_cache * magnitude.flip(0)[:, None]
+    scales = KVScales.unset(num_kv_heads, torch.device("cpu"))
+    quantized = []
+    for cache, scale in ((k_cache, scales.k), (v_cache, scales.v)):
+        flat = cache.flatten(0, 1)
+        kv_quant.fix_unset_scales(scale, flat)
+        quantized.append(kv_quant.quantize(flat, scale).view(cache.shape))
+    return query, *quantized, scales, meta
+
+
+def check_fp8_decode(dtype: torch.dtype, head_dim: int, heads: tuple[int, int], block_size: int,
+                     split_lens: tuple[int, ...], window: int = 0, softcap: float = 0.0) -> None:
+    query, k8, v8, scales, meta = quantized_step(DECODE_LENS, block_size, heads, head_dim,
+                                                 (dtype, head_dim, heads, block_size, window, softcap))
+    query = query.to(dtype)
+    params = AttentionParams(scale=head_dim**-0.5, sliding_window=window or None, softcap=softcap or None)
+    expected = paged_attention_reference(query.double(), kv_quant.dequantize(k8, scales.k, torch.float64),
+                                         kv_quant.dequantize(v8, scales.v, torch.float64), meta, params,
+                                         torch.float64)
+    allowance = random_allowance(expected, ROW_TOLERANCE[dtype])
+    meta, q, k8, v8 = meta.on(DEVICE), query.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE)
+    k_scale, v_scale = scales.k.to(DEVICE), scales.v.to(DEVICE)
+    for split_len in split_lens:
+        for max_seq_len in (meta.max_seqlen_k, meta.block_tables.shape[1] * block_size):
+            out = torch.full_like(q, float("nan"))
+            kernels.paged_decode(q, k8, v8, meta.block_tables, meta.seq_lens_k, params.scale, max_seq_len=max_seq_len,
+                                 out=out, split_len=split_len, window=window, softcap=softcap, k_scale=k_scale,
+                                 v_scale=v_scale)
+            assert_rows_close(out, expected, allowance, f"fp8 decode {dtype} D={head_dim} heads={heads} "
+                                                        f"bs={block_size} split {split_len} max_seq_len {max_seq_len} "
+                                                        f"window {window} softcap {softcap}")
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1), (4, 4)], ids=["gqa-32/8", "mqa-8/1", "mha-4/4"])
+@pytest.mark.parametrize("head_dim", kernels.FP8_HEAD_DIMS)
+@pytest.mark.parametrize("dtype", kernels.FP8_QUERY_DTYPES, ids=["fp16", "bf16"])
+@pytest.mark.parametrize("block_size", [16, 48])
+def test_fp8_decode_rows_match_float64_over_the_dequantized_cache(block_size, dtype, head_dim, heads):
+    check_fp8_decode(dtype, head_dim, heads, block_size, split_lens=(0, 64, 192, 512))
+
+
+@pytest.mark.parametrize("window, softcap", [(100, 0.0), (0, 30.0), (700, 50.0)])
+@pytest.mark.parametrize("dtype", kernels.FP8_QUERY_DTYPES, ids=["fp16", "bf16"])
+def test_fp8_decode_with_window_and_softcap(dtype, window, softcap):
+    check_fp8_decode(dtype, 128, (16, 4), 16, split_lens=(0, 64), window=window, softcap=softcap)
+
+
+def test_fp8_decode_refuses_float32_queries_and_other_head_dims():
+    query, k8, v8, scales, meta = quantized_step([5, 9], 16, (4, 2), 64, ("refusals",))
+    meta, k8, v8 = meta.on(DEVICE), k8.to(DEVICE), v8.to(DEVICE)
+    args = (k8, v8, meta.block_tables, meta.seq_lens_k, 0.125)
+    scale_kw = dict(k_scale=scales.k.to(DEVICE), v_scale=scales.v.to(DEVICE))
+    with pytest.raises(NotImplementedError, match="float8_e4m3fn"):
+        kernels.paged_decode(query.to(DEVICE), *args, **scale_kw)  # float32 query
+    with pytest.raises(ValueError, match="k_scale and v_scale"):
+        kernels.paged_decode(query.to(DEVICE, torch.bfloat16), *args)
+    with pytest.raises(ValueError, match="k_scale must be"):  # the C++ op's own check of the scales
+        kernels.paged_decode(query.to(DEVICE, torch.bfloat16), *args, k_scale=scale_kw["k_scale"][:1],
+                             v_scale=scale_kw["v_scale"])
+
+
+def _write_inputs(dtype: torch.dtype, num_tokens: int, num_kv_heads: int, head_dim: int, seed: int):
+    gen = torch.Generator().manual_seed(seed)
+    magnitude = torch.logspace(-1, 1, num_kv_heads)[:, None]
+    key = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) * magnitude).to(dtype)
+    value = (torch.randn(num_tokens, num_kv_heads, head_dim, generator=gen) / magnitude).to(dtype)
+    slots = torch.randperm(64 * 16, generator=gen)[:num_tokens]
+    slots[::5] = -1  # padding rows: neither written nor counted in a scale
+    return key.to(DEVICE), value.to(DEVICE), slots.to(DEVICE)
+
+
+def _torch_write(key, value, k8, v8, slots, scales: KVScales) -> None:
+    meta = PagedMetadata(
+        num_seqs=0, num_tokens=key.shape[0], max_seqlen_q=0, max_seqlen_k=0, block_size=k8.shape[1],
+        phase=Phase.DECODE, cu_seqlens_q=slots, cu_seqlens_k=slots, seq_lens_k=slots,
+        block_tables=slots, slot_mapping=slots, token_index=None, grid=(1, key.shape[0]), has_padding_slots=True,
+        kv_caches=[], dispatcher=None)
+    TorchBackend().write_kv(key, value, k8, v8, meta, kv_scales=scales)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("head_dim", [64, 128, 72])
+def test_fp8_write_equals_the_torch_write_byte_for_byte(dtype, head_dim):
+    caches = {name: [torch.zeros(64, 16, 4, head_dim, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2)]
+              for name in ("cuda", "torch")}
+    scales = {name: KVScales.unset(4, DEVICE) for name in caches}
+    # The first write fixes the scales; the second, 8x larger, saturates values past 4x the first write's absmax.
+    for step, gain in enumerate((1.0, 8.0)):
+        key, value, slots = _write_inputs(dtype, 77, 4, head_dim, seed=step)
+        key, value = key * gain, value * gain
+        kernels.write_kv(key, value, *caches["cuda"], slots, k_scale=scales["cuda"].k, v_scale=scales["cuda"].v)
+        _torch_write(key, value, *caches["torch"], slots, scales["torch"])
+        torch.testing.assert_close(scales["cuda"].k, scales["torch"].k, rtol=1e-6, atol=0)
+        torch.testing.assert_close(scales["cuda"].v, scales["torch"].v, rtol=1e-6, atol=0)
+        for ours, theirs in zip(caches["cuda"], caches["torch"]):
+            assert torch.equal(ours.view(torch.uint8), theirs.view(torch.uint8)), f"step {step}"
+    assert bool((scales["cuda"].k > 0).all() and (scales["cuda"].v > 0).all())
+
+
+def test_fp8_write_replays_from_a_cuda_graph():
+    k8, v8 = (torch.zeros(64, 16, 2, 128, dtype=FP8_DTYPE, device=DEVICE) for _ in range(2))
+    scales = KVScales.unset(2, DEVICE)
+    key, value, slots = _write_inputs(torch.bfloat16, 9, 2, 128, seed=5)
+    slots[0] = -1
+    graph = torch.cuda.CUDAGraph()
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        kernels.write_kv(key, value, k8, v8, slots, k_scale=scales.k, v_scale=scales.v)  # warm-up (fixes scales)
+        with torch.cuda.graph(graph, stream=stream):
+            kernels.write_kv(key, value, k8, v8, slots, k_scale=scales.k, v_scale=scales.v)
+    torch.cuda.current_stream().wait_stream(stream)
+    new_key, new_value, new_slots = _write_inputs(torch.bfloat16, 9, 2, 128, seed=6)
+    key.copy_(new_key), value.copy_(new_value), slots.copy_(new_slots)
+    graph.replay()
+    ref = [torch.zeros_like(k8), torch.zeros_like(v8)]
+    ref_scales = KVScales(scales.k.clone(), scales.v.clone())
+    _torch_write(key, value, *ref, slots, ref_scales)
+    keep = slots[slots >= 0]
+    for ours, theirs in zip((k8, v8), ref):
+        flat_ours, flat_theirs = ours.view(torch.uint8).flatten(0, 1), theirs.view(torch.uint8).flatten(0, 1)
+        assert torch.equal(flat_ours[keep], flat_theirs[keep])
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="hf_paged",
+                                            dtype=torch.bfloat16).cuda().eval()
+
+
+def _prompts() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(1)
+    lengths = [1, 15, 16, 17, 100, 300]
+    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for i, n in enumerate(lengths):
+        ids[i, -n:] = torch.randint(3, CONFIG["vocab_size"], (n,), generator=gen)
+        mask[i, -n:] = 1
+    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
+    return prompts, {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
+
+
+def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model):
+    prompts, batch = _prompts()
+    # The reference: generate over an fp8 cache served by the torch backend alone; its first forward (every prompt
+    # token) fixes the scales, as the engine's first step does when all prompts fit in it.
+    cache = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
+                                         dtype=torch.bfloat16, backend="torch", kv_cache_dtype="fp8")
+    ref = bf16_model.generate(**with_cache(bf16_model, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    want, gaps = ref.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
+
+    engine = hf_paged.Engine(bf16_model, num_blocks=512, block_size=16, max_batch_tokens=1024, kv_cache_dtype="fp8")
+    assert engine.graphs is not None, "an fp8 engine on CUDA should capture its decode steps"
+    outs = engine.generate(prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
+                                                               do_sample=False))
+    got = torch.tensor([o.token_ids for o in outs], device=DEVICE)
+    stats = engine.stats()
+    backends = engine.cache.stats()["backends"]
+    assert backends["decode"] == "cuda" and backends["write"] == "cuda" and backends["prefill"] == "torch", backends
+    assert stats["cuda_graphs"]["replays"] > 0, stats["cuda_graphs"]
+    assert_matches_up_to_ties(got, want, gaps, f"fp8 engine on cuda, stats={stats}")
+
+
+def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model):
+    engine = hf_paged.Engine(bf16_model, num_blocks=1024, block_size=16, max_num_seqs=16, cuda_graphs=[1, 4, 16],
+                             kv_cache_dtype="fp8")
+    assert engine.graphs is not None
+    prompts, _ = _prompts()
+    for p in prompts:
+        engine.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
+    while engine.scheduler.waiting or any(s.num_generated < 3 for s in engine.scheduler.running):
+        engine.step()
+    running = list(engine.scheduler.running)
+    for seq in running:
+        assert engine.block_manager.reserve_up_to(seq, 1) == 1
+    for n in (1, 3, len(running)):
+        seqs = running[:n]
+        size = engine.graphs.size_for(seqs, [1] * n)
+        eager = engine.graphs.run_eager(seqs, size)[:n].clone()
+        replayed = engine.graphs.replay(seqs, size)[:n].clone()
+        assert torch.equal(eager, replayed), f"batch {n} (graph {size}): max diff {(eager - replayed).abs().max()}"
