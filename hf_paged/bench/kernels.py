@@ -4,7 +4,9 @@ One run measures the device-to-device copy bandwidth, then for each shape (the a
 ``shared/gpu/anchors.md``: bf16, 32 query / 8 kv heads, head_dim 128 and 64) times hf_paged's decode at block
 size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
-writes everything as JSON.
+writes everything as JSON. ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
+scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
+quantization's error, not the kernel's).
 
 Sliding-window and softcap rows (``windows``/``softcaps``, head_dim = the first asked for): every (window, softcap)
 pair of the options, each alone too, at ``OPTION_SHAPES``, flash-attn with the same ``window_size``/``softcap``. A
@@ -21,6 +23,7 @@ from pathlib import Path
 import torch
 
 from hf_paged import kernels
+from hf_paged.attention import kv_quant
 from hf_paged.attention.backends.base import AttentionParams
 from hf_paged.attention.backends.flash import window_size
 from hf_paged.attention.backends.torch_backend import TorchBackend
@@ -75,6 +78,10 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
         s[f"k{bs}"], s[f"t{bs}"] = paged_copy(k, bs, gen)
         s[f"v{bs}"] = torch.empty_like(s[f"k{bs}"])  # V in the same blocks as K
         s[f"v{bs}"][s[f"t{bs}"].view(-1).long()] = v.reshape_as(s[f"k{bs}"])
+    for name in ("k", "v"):  # the block-size-16 cache as e4m3 with per-head scales, as kv_cache_dtype="fp8" stores it
+        cache, scale = s[f"{name}16"], torch.zeros(NUM_KV_HEADS, dtype=torch.float32, device="cuda")
+        kv_quant.fix_unset_scales(scale, cache.flatten(0, 1))
+        s[f"{name}16_fp8"], s[f"{name}_scale"] = kv_quant.quantize(cache.flatten(0, 1), scale).view(cache.shape), scale
     return s
 
 
@@ -89,6 +96,12 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                                                     scale, max_seq_len=ctx, window=window, softcap=softcap)
             for s in sets
         ]
+    out["ours-fp8-bs16"] = [
+        lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
+                                         max_seq_len=ctx, window=window, softcap=softcap, k_scale=s["k_scale"],
+                                         v_scale=s["v_scale"])
+        for s in sets
+    ]
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
@@ -121,16 +134,18 @@ def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch
         outputs[name] = calls[0]().float().reshape(batch, NUM_HEADS, head_dim)
         timing = time_calls(calls, graph=not name.startswith("torch"), budget_s=0.3 if "torch" in name else 0.5)
         note = ""
-        if name == "ours-bs16":
-            note = f"split_len={kernels.decode_split_len(sets[0]['query'], sets[0]['k16'], ctx, window)}"
-        rows.append(Row(head_dim, batch, ctx, name, timing.median_s * 1e6, kv_bytes / timing.median_s / 1e12,
-                        100 * kv_bytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
+        if name in ("ours-bs16", "ours-fp8-bs16"):
+            k16 = sets[0]["k16_fp8" if "fp8" in name else "k16"]
+            note = f"split_len={kernels.decode_split_len(sets[0]['query'], k16, ctx, window)}"
+        nbytes = kv_bytes // 2 if "fp8" in name else kv_bytes  # e4m3: one byte an element
+        rows.append(Row(head_dim, batch, ctx, name, timing.median_s * 1e6, nbytes / timing.median_s / 1e12,
+                        100 * nbytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
         print(_format(rows[-1]), flush=True)
     ref = outputs["ours-bs16"]
     for row in rows:  # every contender computed the same attention: a wrong kernel must not post a fast time
         err = ((outputs[row.impl] - ref).norm() / ref.norm()).item()
         row.note = f"{row.note} diff={err:.1e}".strip()
-        if err > 2e-2:
+        if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
             raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at {row}: relative difference {err:.2e}")
     return rows
 
@@ -162,8 +177,13 @@ def bench_write(head_dim: int, copy_bps: float, gen: torch.Generator) -> list[Ro
         new = [torch.randn(WRITE_TOKENS, NUM_KV_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE)
                for _ in "kv"]
         sets.append((new, cache, torch.randperm(num_slots, device="cuda", generator=gen)[:WRITE_TOKENS]))
+    fp8 = [([torch.zeros(c.shape, device="cuda", dtype=kv_quant.FP8_DTYPE) for c in cache],
+            kv_quant.KVScales.unset(NUM_KV_HEADS, torch.device("cuda"))) for _, cache, _ in sets]
     impls = {
         "ours-write": [lambda n=n, c=c, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s) for n, c, s in sets],
+        "ours-write-fp8": [lambda n=n, c=c, sc=sc, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s, k_scale=sc.k,
+                                                                         v_scale=sc.v)
+                           for (n, _, s), (c, sc) in zip(sets, fp8)],
         "torch-index_copy": [
             lambda n=n, c=c, s=s: (c[0].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[0]),
                                    c[1].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[1]))
@@ -173,8 +193,9 @@ def bench_write(head_dim: int, copy_bps: float, gen: torch.Generator) -> list[Ro
     rows = []
     for name, calls in impls.items():
         t = time_calls(calls)
-        rows.append(Row(head_dim, WRITE_TOKENS, 0, name, t.median_s * 1e6, nbytes / t.median_s / 1e12,
-                        100 * nbytes / t.median_s / copy_bps, t.method))
+        moved = nbytes * 3 // 4 if "fp8" in name else nbytes  # e4m3 stores one byte an element, reads two
+        rows.append(Row(head_dim, WRITE_TOKENS, 0, name, t.median_s * 1e6, moved / t.median_s / 1e12,
+                        100 * moved / t.median_s / copy_bps, t.method))
         print(_format(rows[-1]), flush=True)
     return rows
 
@@ -216,7 +237,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
-    impls = ["ours-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
+    impls = ["ours-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")
     print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)

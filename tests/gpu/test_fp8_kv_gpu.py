@@ -31,7 +31,7 @@ from hf_paged.hf.compat import with_cache  # noqa: E402
 
 from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/ is on the path)
 from kernel_rows import DECODE_LENS, seeded  # noqa: E402  (same folder)
-from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402
+from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties, batch  # noqa: E402, F401 (fixture)
 from test_torch_backend import random_paged_step  # noqa: E402
 
 if kernels.unavailable_reason() is not None:
@@ -62,14 +62,13 @@ def check_fp8_decode(dtype: torch.dtype, head_dim: int, heads: tuple[int, int], 
                      split_lens: tuple[int, ...], window: int = 0, softcap: float = 0.0) -> None:
     query, k8, v8, scales, meta = quantized_step(DECODE_LENS, block_size, heads, head_dim,
                                                  (dtype, head_dim, heads, block_size, window, softcap))
-    query = query.to(dtype)
     params = AttentionParams(scale=head_dim**-0.5, sliding_window=window or None, softcap=softcap or None)
-    expected = paged_attention_reference(query.double(), kv_quant.dequantize(k8, scales.k, torch.float64),
-                                         kv_quant.dequantize(v8, scales.v, torch.float64), meta, params,
-                                         torch.float64)
-    allowance = random_allowance(expected, ROW_TOLERANCE[dtype])
-    meta, q, k8, v8 = meta.on(DEVICE), query.to(DEVICE), k8.to(DEVICE), v8.to(DEVICE)
+    meta, q, k8, v8 = meta.on(DEVICE), query.to(DEVICE, dtype), k8.to(DEVICE), v8.to(DEVICE)
     k_scale, v_scale = scales.k.to(DEVICE), scales.v.to(DEVICE)
+    expected = paged_attention_reference(q.double(), kv_quant.dequantize(k8, k_scale, torch.float64),
+                                         kv_quant.dequantize(v8, v_scale, torch.float64), meta, params,
+                                         torch.float64).cpu()
+    allowance = random_allowance(expected, ROW_TOLERANCE[dtype])
     for split_len in split_lens:
         for max_seq_len in (meta.max_seqlen_k, meta.block_tables.shape[1] * block_size):
             out = torch.full_like(q, float("nan"))
@@ -179,20 +178,12 @@ def bf16_model():
                                             dtype=torch.bfloat16).cuda().eval()
 
 
-def _prompts() -> tuple[list[list[int]], dict[str, torch.Tensor]]:
-    gen = torch.Generator().manual_seed(1)
-    lengths = [1, 15, 16, 17, 100, 300]
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, -n:] = torch.randint(3, CONFIG["vocab_size"], (n,), generator=gen)
-        mask[i, -n:] = 1
-    prompts = [row[m.bool()].tolist() for row, m in zip(ids, mask)]
-    return prompts, {"input_ids": ids.to(DEVICE), "attention_mask": mask.to(DEVICE)}
+def _prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
+    return [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
 
 
-def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model):
-    prompts, batch = _prompts()
+def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model, batch):
+    prompts = _prompts(batch)
     # The reference: generate over an fp8 cache served by the torch backend alone; its first forward (every prompt
     # token) fixes the scales, as the engine's first step does when all prompts fit in it.
     cache = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
@@ -214,12 +205,11 @@ def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model):
     assert_matches_up_to_ties(got, want, gaps, f"fp8 engine on cuda, stats={stats}")
 
 
-def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model):
+def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model, batch):
     engine = hf_paged.Engine(bf16_model, num_blocks=1024, block_size=16, max_num_seqs=16, cuda_graphs=[1, 4, 16],
                              kv_cache_dtype="fp8")
     assert engine.graphs is not None
-    prompts, _ = _prompts()
-    for p in prompts:
+    for p in _prompts(batch):
         engine.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
     while engine.scheduler.waiting or any(s.num_generated < 3 for s in engine.scheduler.running):
         engine.step()
