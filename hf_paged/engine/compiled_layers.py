@@ -4,8 +4,9 @@ HF's eager modules run each layer of a decode step as ~40 small kernels (RMSNorm
 residual adds) around a few matrix products: at batch 1 their launches are most of the step, even inside a CUDA
 graph. Inductor fuses them into a handful per layer. Every decoder layer's ``forward`` and the base model's other
 children (final norm, rotary embedding) are compiled with dynamic shapes; the KV write and attention stay out of the
-compiled graphs: the cache's ``update`` and the ``"hf_paged"`` attention function are opaque to the compiler (graph
-breaks), so the compiled graphs hold only tensor work on hidden states, and the paged kernels run as they do eager.
+compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler (one graph break per layer; the
+cache's ``update`` is traced as a reshape, see ``PagedAttentionCache.update``), so the compiled graphs hold only
+tensor work on hidden states, and the paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
 (``hf_paged.engine.group_linears``, passed in this compile's own inductor options).
 
