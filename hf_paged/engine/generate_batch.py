@@ -22,7 +22,7 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.cuda_graphs import graph_batch_sizes
+from hf_paged.engine.cuda_graphs import one_call_graph_sizes
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.engine_core import blocks_from_memory
 from hf_paged.engine.lockstep import agreed_min
@@ -124,12 +124,11 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
     if config.num_blocks is None:
         needed = _workload_blocks(model, inputs, gc, config.block_size, config.memory_budget)
     if not persistent and config.cuda_graphs is True and not isinstance(given, EngineConfig):
-        # This engine serves this call only, which never runs more sequences at once than it has: capture the
-        # sizes up to that (each size costs a traced forward, ~30 ms for a 1B model; all 13 of a 256-sequence
-        # engine take ~0.4 s of a call).
-        most = len(inputs) * _copies(model, gc)
-        if most < config.max_num_seqs:
-            config = replace(config, cuda_graphs=tuple(graph_batch_sizes(most)))
+        # This engine serves this call only: it never runs more sequences at once than the call has, and it
+        # captures on every call (each size costs a traced forward, ~28 ms for a 1B model; the 13 sizes of a
+        # 256-sequence engine took ~0.4 s of a call), so it captures powers of two up to that count.
+        most = min(len(inputs) * _copies(model, gc), config.max_num_seqs)
+        config = replace(config, cuda_graphs=tuple(one_call_graph_sizes(most)))
     kept = model.__dict__.pop(_KEPT, None)
     key = replace(config, num_blocks=None)
     if persistent and kept is not None and kept[0] == key and not kept[1].has_unfinished():

@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.engine.cuda_graphs import graph_batch_sizes
+from hf_paged.engine.cuda_graphs import graph_batch_sizes, one_call_graph_sizes
 from engine_helpers import models, random_prompts
 
 
@@ -32,9 +32,9 @@ def test_cuda_graphs_are_a_no_op_on_the_cpu():
 
 
 def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
-    """A one-call engine never runs more sequences at once than the call has (prompts x num_return_sequences), so
-    it captures the sizes up to that; a persistent engine, an explicit size list or an EngineConfig given as it is
-    keep theirs."""
+    """A one-call engine never runs more sequences at once than the call has (prompts x num_return_sequences) and
+    captures on every call, so it captures powers of two up to that; a persistent engine, an explicit size list or
+    an EngineConfig given as it is keep theirs."""
     from hf_paged.engine import generate_batch as module
 
     built = []
@@ -58,9 +58,22 @@ def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
     paged.__dict__.pop(module._KEPT)
     many = random_prompts(40, 4, 8, seed=7)
     hf_paged.generate_batch(paged, many, greedy)
-    assert built[-1].cuda_graphs == tuple(graph_batch_sizes(40))
-    full = {"max_requests_per_batch": 16}
-    hf_paged.generate_batch(paged, many, greedy, continuous_batching_config=type("C", (), full)())
-    assert built[-1].cuda_graphs is True  # 40 sequences never run more than 16 at once: every size stays
-    assert [o.generated_tokens for o in out.values()] == [o.generated_tokens for o in hf_paged.generate_batch(
-        paged, prompts, greedy, continuous_batching_config=type("C", (), {"cuda_graphs": False})()).values()]
+    assert built[-1].cuda_graphs == (1, 2, 4, 8, 16, 32, 40)
+    capped = type("C", (), {"max_requests_per_batch": 16})()
+    hf_paged.generate_batch(paged, many, greedy, continuous_batching_config=capped)
+    assert built[-1].cuda_graphs == (1, 2, 4, 8, 16)  # 40 sequences, at most 16 at once
+    listed = type("C", (), {"cuda_graphs": [2, 4]})()
+    hf_paged.generate_batch(paged, prompts, greedy, continuous_batching_config=listed)
+    assert built[-1].cuda_graphs == (2, 4)
+    off = type("C", (), {"cuda_graphs": False})()
+    assert [o.generated_tokens for o in out.values()] == [
+        o.generated_tokens for o in hf_paged.generate_batch(paged, prompts, greedy, continuous_batching_config=off).values()]
+    assert built[-1].cuda_graphs is False
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 64, 100, 256])
+def test_one_call_sizes_are_powers_of_two_up_to_the_call(n):
+    sizes = one_call_graph_sizes(n)
+    assert sizes[0] == 1 and sizes[-1] == n and sizes == sorted(set(sizes))
+    assert all(s & (s - 1) == 0 for s in sizes[:-1])
+    assert len(sizes) == {1: 1, 2: 2, 3: 3, 64: 7, 100: 8, 256: 9}[n]
