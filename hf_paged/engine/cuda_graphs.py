@@ -99,6 +99,8 @@ class DecodeGraphs:
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0  # host time of the eager warm-up forwards inside the capture
+        self.size_seconds: dict[int, float] = {}  # host time of each size's capture (graph instantiation included)
         self.memory_bytes = 0
         self.replays = 0
 
@@ -134,8 +136,10 @@ class DecodeGraphs:
             return reason
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
-        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s; they hold %.1f MiB",
-                    len(self._graphs), _ranges(self.sizes), self.capture_seconds, self.memory_bytes / 2**20)
+        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
+                    "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self._graphs),
+                    _ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
+                    self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
 
     def _capture_all(self) -> str | None:
@@ -147,16 +151,20 @@ class DecodeGraphs:
             # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
             # compile (batch 1 is a shape of its own) must not happen during a capture.
             if b == self.sizes[-1] or (self.compiled is not None and b not in self.compiled.warm_batch_sizes):
+                warm = time.perf_counter()
                 with torch.cuda.stream(stream):
                     self._forward(b)
+                self.warmup_seconds += time.perf_counter() - warm
                 if self.compiled is not None:
                     self.compiled.warm_batch_sizes.add(b)
                 reason = self.cache.dispatcher.graph_unsupported_reason()
                 if reason is not None:
                     return reason
             graph = torch.cuda.CUDAGraph()
+            began = time.perf_counter()
             with torch.cuda.graph(graph, pool=self._pool, stream=stream):
                 logits = self._forward(b)
+            self.size_seconds[b] = time.perf_counter() - began
             self._graphs[b] = (graph, logits)
         torch.cuda.current_stream(self.device).wait_stream(stream)
         torch.cuda.synchronize(self.device)
@@ -238,6 +246,7 @@ class DecodeGraphs:
         return {
             "batch_sizes": list(self._graphs and self.sizes),
             "capture_seconds": round(self.capture_seconds, 3),
+            "warmup_seconds": round(self.warmup_seconds, 3),
             "memory_bytes": self.memory_bytes,
             "replays": self.replays,
         }
