@@ -12,6 +12,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
 
     python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-graphs         # also hf_paged with decode CUDA graphs on TP
+    python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
 
 Without as many GPUs as the largest count it stops at once. A launch that fails is reported and the others still
@@ -46,6 +47,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--systems", default="hf_paged,transformers", help="hf_paged and/or transformers")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=1")
+    parser.add_argument("--split", action="store_true",
+                        help="also run hf_paged in one process on the model split by layers over the largest GPU count "
+                             "(device_map; pipeline style, for the record)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU processes (gloo)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -90,13 +94,18 @@ def worker(args: argparse.Namespace) -> None:
     if args.tiny:
         torch.set_num_threads(1)
     load = dict(attn_implementation=hf_paged.ATTN_IMPLEMENTATION, dtype=torch.float32 if args.tiny else torch.bfloat16)
+    shape = json.loads((args.model_dir / "shape.json").read_text())
+    split = int(os.environ.get("HF_PAGED_BENCH_SPLIT", "0"))  # > 1: one process, the layers over that many GPUs
     if world > 1:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, tp_plan="auto", **load)
+    elif split > 1:
+        device_map = split_map(shape["num_hidden_layers"], ["cpu"] * split if args.tiny else list(range(split)))
+        model = AutoModelForCausalLM.from_pretrained(args.model_dir, device_map=device_map, **load)
     else:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, device_map="cpu" if args.tiny else "cuda:0",
                                                      **load)
     model.eval().generation_config.eos_token_id = None
-    vocab = json.loads((args.model_dir / "shape.json").read_text())["vocab_size"]
+    vocab = shape["vocab_size"]
     budget = Budget(max_batch_tokens=256 if args.tiny else 2048, max_requests=64)
     batch64, batch1 = _workloads(args.tiny)
     meta = {"card": "cpu" if args.tiny else torch.cuda.get_device_name(), "torch": torch.__version__,
@@ -109,7 +118,7 @@ def worker(args: argparse.Namespace) -> None:
         else:  # transformers' continuous batching takes its own attention ("sdpa", run as "paged|sdpa")
             model.set_attn_implementation("sdpa")
             generate = transformers_system(model, budget, num_blocks=16 if args.tiny else None)
-        row = {"system": system + args.variant, "gpus": world}
+        row = {"system": system + args.variant, "gpus": split if split > 1 else world}
         try:
             row["decode"] = timed_latency(model, generate, batch64, vocab, reps=1 if args.tiny else 2)
             row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
@@ -127,6 +136,15 @@ def worker(args: argparse.Namespace) -> None:
         dist.destroy_process_group()
 
 
+def split_map(num_layers: int, devices: list) -> dict:
+    """A ``device_map`` that gives each device an equal run of decoder layers (the embedding with the first, the
+    final norm and the output head with the last)."""
+    per = -(-num_layers // len(devices))
+    layers = {f"model.layers.{i}": devices[i // per] for i in range(num_layers)}
+    return {"model.embed_tokens": devices[0], "model.rotary_emb": devices[0], **layers, "model.norm": devices[-1],
+            "lm_head": devices[-1]}
+
+
 def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str = "", **env) -> list[dict]:
     out = Path(tempfile.mkdtemp()) / "rows.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={count}",
@@ -141,7 +159,8 @@ def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str =
     if returncode != 0:  # the systems the launch did not report
         tail = " | ".join(output.strip().splitlines()[-4:])[-500:]
         systems = ["hf_paged"] if variant else args.systems.split(",")
-        rows += [{"system": s + variant, "gpus": count, "status": "failed", "error": tail}
+        gpus = int(env.get("HF_PAGED_BENCH_SPLIT", count))
+        rows += [{"system": s + variant, "gpus": gpus, "status": "failed", "error": tail}
                  for s in systems[len(rows):]]
     return rows
 
@@ -187,11 +206,14 @@ def main(argv: list[str] | None = None) -> None:
         runs = [(c, "", {}) for c in counts]
         if args.tp_graphs:
             runs += [(c, " (graphs)", {"HF_PAGED_TP_CUDA_GRAPHS": "1"}) for c in counts if c > 1]
+        if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
+            runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
         for count, variant, env in runs:
-            say(f"{count} GPU(s){variant}: {args.systems if not variant else 'hf_paged'} ...")
+            gpus = int(env.get("HF_PAGED_BENCH_SPLIT", count))
+            say(f"{gpus} GPU(s){variant}: {args.systems if not variant else 'hf_paged'} ...")
             for row in launch(count, args, model_dir, variant, **env):
                 rows.append(row)
-                say(f"  {row['system']} on {count}: " + (
+                say(f"  {row['system']} on {gpus}: " + (
                     f"decode {row['decode_tok_per_s']:,.0f} tok/s at batch 64, {row['ms_per_token']:.2f} ms/token "
                     f"at batch 1" if row["status"] == "ok" else f"FAILED: {row['error']}"))
             if args.json:

@@ -247,8 +247,20 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
     import tensor_parallel
 
     out = tmp_path / "tp.json"
-    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--json", str(out)])
-    (row,) = json.loads(out.read_text())["rows"]
+    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--split", "--json", str(out)])
+    row, split = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok" and row["gpus"] == 2 and row["system"] == "hf_paged"
     assert row["decode"]["full_call_s"] > 0 and row["latency"]["full_call_s"] > 0
-    assert "hf_paged                  2" in capsys.readouterr().out
+    assert split["status"] == "ok" and split["gpus"] == 2 and split["system"] == "hf_paged (split)"
+    assert split["decode"]["full_call_s"] > 0
+    printed = capsys.readouterr().out
+    assert "hf_paged                  2" in printed and "hf_paged (split)          2" in printed
+
+
+def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from tensor_parallel import split_map
+
+    device_map = split_map(5, [0, 1])
+    assert [device_map[f"model.layers.{i}"] for i in range(5)] == [0, 0, 0, 1, 1]
+    assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == 1 and device_map["model.norm"] == 1
