@@ -171,7 +171,10 @@ def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | Non
         raise ValueError("compile_layers=True cannot be served for a tensor-parallel model (its layers' collectives "
                          "stay eager); pass compile_layers=False or None")
     graphs = cfg.cuda_graphs if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "1" else False
-    if cfg.cuda_graphs and not graphs:
-        logger.info("hf_paged: decode runs without CUDA graphs: the model is tensor-parallel over %d processes "
-                    "(HF_PAGED_TP_CUDA_GRAPHS=1 tries them)", tp.world_size)
+    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
+    if cfg.cuda_graphs and not graphs and on_cuda:
+        logger.warning("hf_paged: decode runs without CUDA graphs: the model is tensor-parallel over %d processes, "
+                       "and graphs with its collectives inside are not yet verified on GPUs; eager tensor-parallel "
+                       "decode is slow (on 2 H100s 8x slower than one GPU for an 8B model). HF_PAGED_TP_CUDA_GRAPHS=1 "
+                       "captures them (docs/multi_gpu.md)", tp.world_size)
     return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=False)
