@@ -164,7 +164,7 @@ def _copies(model, gc: GenerationConfig) -> int:
 def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memory_fraction: float) -> int:
     """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
     resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
-    copies = _copies(model, gc)
+    copies = resolved.num_return_sequences or 1
     limit, needed = validation.position_limit(model.config), 0
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
