@@ -12,6 +12,8 @@ from dataclasses import dataclass, fields
 
 from hf_paged.attention.kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 
+GRAPH_CAPTURE = ("start", "on_demand")  # when the decode CUDA graphs are captured (Engine's docstring)
+
 
 @dataclass(frozen=True)
 class EngineConfig:
@@ -33,6 +35,7 @@ class EngineConfig:
     compile_layers: bool | None = None
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = None
+    cuda_graph_capture: str = "start"
 
     def __post_init__(self) -> None:
         if self.num_blocks is not None:
@@ -52,6 +55,9 @@ class EngineConfig:
             kv_storage_dtype(self.kv_cache_dtype, None)  # raises, listing the accepted values
         object.__setattr__(self, "backend", _backend_names(self.backend))
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
+        if self.cuda_graph_capture not in GRAPH_CAPTURE:
+            raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))}, got "
+                             f"{self.cuda_graph_capture!r}")
 
     @classmethod
     def field_names(cls) -> list[str]:

@@ -38,6 +38,12 @@ from hf_paged.hf.compat import cache_keyword
 
 logger = logging.getLogger("hf_paged")
 
+# On-demand capture (``Engine(cuda_graph_capture="on_demand")``): a smaller size is captured once this many decode
+# steps have padded up to a larger graph instead. A capture costs about one traced forward of host time (~25 ms for
+# a 1B model on an H100, during which the device idles); padding a small batch up to a large graph costs a fraction
+# of a millisecond per step, so a size pays back only after tens of steps.
+ON_DEMAND_STEPS = 32
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     """1, 2, 4, 8, 16, 32, then every multiple of 32 up to ``max_num_seqs`` (which is always included).
@@ -72,18 +78,23 @@ class DecodeGraphs:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
+        on_demand: capture only the largest size at start; a smaller one once ``ON_DEMAND_STEPS`` decode steps
+            would have used it (each of them pads up to a larger graph meanwhile).
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
                  sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
-                 skinny: bool = False):
+                 skinny: bool = False, on_demand: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
         self.compiled, self.skinny = compiled, skinny
-        self.sizes = sorted(set(sizes))
+        wanted = sorted(set(sizes))
+        # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
+        self.sizes = wanted[-1:] if on_demand else wanted
+        self._waiting: dict[int, int] = dict.fromkeys(wanted[:-1], 0) if on_demand else {}  # size -> steps it served
         self.width = tables.table.shape[1]
         self.device = cache.pool.kv_caches[0][0].device
         self._cache_kwarg = cache_keyword(model)
@@ -101,6 +112,7 @@ class DecodeGraphs:
         self.capture_seconds = 0.0
         self.warmup_seconds = 0.0  # host time of the eager warm-up forwards inside the capture
         self.size_seconds: dict[int, float] = {}  # host time of each size's capture (graph instantiation included)
+        self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
         self.memory_bytes = 0
         self.replays = 0
 
@@ -115,7 +127,40 @@ class DecodeGraphs:
         longest = max([s.num_computed_tokens for s in seqs])
         if not longest or longest >= self.width * self.cache.block_size:
             return None
-        return next(s for s in self.sizes if s >= n)
+        size = next(s for s in self.sizes if s >= n)
+        if self._waiting:
+            size = self._on_demand(n, size)
+        return size
+
+    def _on_demand(self, n: int, size: int) -> int:
+        """Count the step toward the smallest waiting size that fits it (when smaller than ``size``); capture that
+        size once it has ``ON_DEMAND_STEPS`` steps (ski rental: the padding paid so far is about what a capture
+        costs), and serve the step with it."""
+        fits = [s for s in self._waiting if n <= s < size]
+        if not fits:
+            return size
+        want = min(fits)
+        self._waiting[want] += 1
+        if self._waiting[want] < ON_DEMAND_STEPS:
+            return size
+        del self._waiting[want]
+        began = time.perf_counter()
+        try:
+            reason = self._capture_sizes([want])
+        except Exception as exc:  # the larger graphs still serve: this size stays uncaptured
+            self._graphs.pop(want, None)
+            torch.cuda.synchronize(self.device)
+            logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); steps of "
+                           "that size pad up to the next captured one", want, type(exc).__name__, str(exc)[:300])
+            return size
+        self.on_demand_seconds += time.perf_counter() - began
+        if reason is not None:
+            logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
+            return size
+        self.sizes = sorted(self._graphs)
+        logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (after %d steps padded to "
+                    "%d) in %.3f s", want, ON_DEMAND_STEPS, size, time.perf_counter() - began)
+        return want
 
     # ----- capture and replay ----------------------------------------------------------------------------------
     @torch.inference_mode()
@@ -127,7 +172,7 @@ class DecodeGraphs:
         torch.cuda.synchronize(self.device)
         before = torch.cuda.memory_allocated(self.device)
         try:
-            reason = self._capture_all()
+            reason = self._capture_sizes(self.sizes)
         except Exception as exc:  # e.g. a model whose forward syncs with the host: it runs eager instead
             self._graphs.clear()
             torch.cuda.synchronize(self.device)
@@ -142,15 +187,20 @@ class DecodeGraphs:
                     self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
 
-    def _capture_all(self) -> str | None:
+    def _capture_sizes(self, sizes: list[int]) -> str | None:
+        """Capture ``sizes`` (largest first) into the graphs' shared memory pool; the first capture of this
+        object warms up eagerly first. Between engine steps, the device work queued before waits for nothing:
+        the capture's own stream waits for the current one."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
-        self._pool = torch.cuda.graph_pool_handle()
-        for b in reversed(self.sizes):
+        first = self._pool is None
+        if first:
+            self._pool = torch.cuda.graph_pool_handle()
+        for b in reversed(sizes):
             self._stage_padding(b)
             # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
             # compile (batch 1 is a shape of its own) must not happen during a capture.
-            if b == self.sizes[-1] or (self.compiled is not None and b not in self.compiled.warm_batch_sizes):
+            if (first and b == sizes[-1]) or (self.compiled is not None and b not in self.compiled.warm_batch_sizes):
                 warm = time.perf_counter()
                 with torch.cuda.stream(stream):
                     self._forward(b)
@@ -244,8 +294,10 @@ class DecodeGraphs:
 
     def stats(self) -> dict:
         return {
-            "batch_sizes": list(self._graphs and self.sizes),
+            "batch_sizes": sorted(self._graphs),
             "capture_seconds": round(self.capture_seconds, 3),
+            "waiting_sizes": sorted(self._waiting),  # on-demand sizes not captured yet
+            "on_demand_seconds": round(self.on_demand_seconds, 3),
             "warmup_seconds": round(self.warmup_seconds, 3),
             "memory_bytes": self.memory_bytes,
             "replays": self.replays,

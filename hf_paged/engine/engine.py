@@ -47,6 +47,10 @@ class Engine(EngineCore):
         cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
             ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
+        cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start), or
+            ``"on_demand"``: the largest size at start, each smaller one once that many decode steps would have
+            used it (``ON_DEMAND_STEPS``) and until then the step pads up to a larger graph; what ``generate_batch``
+            does for the engine of one call, which few steps of each small size do not pay back.
         async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
@@ -88,12 +92,14 @@ class Engine(EngineCore):
         skinny_linear: bool | None = EngineConfig.skinny_linear,
         config: EngineConfig | None = None,
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
+        cuda_graph_capture: str = EngineConfig.cuda_graph_capture,
     ):
         cfg = EngineConfig.resolve(
             config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
             max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
             memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype)
+            compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype,
+            cuda_graph_capture=cuda_graph_capture)
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
@@ -116,13 +122,18 @@ class Engine(EngineCore):
         seq = self._new_sequence(prompt, generation_config, request_id)
         return self._enqueue([seq])[0]
 
-    def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id) -> Sequence:
+    def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
+                      resolved: dict[int, GenerationConfig] | None = None) -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
-        nothing in the engine."""
+        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call."""
         ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
-        params = SamplingParams.from_generation_config(
-            validation.generation_config(config) or self.generation_config, len(ids),
-            getattr(self.model, "generation_config", None))
+        config = validation.generation_config(config) or self.generation_config
+        gc = None if resolved is None else resolved.get(id(config))
+        if gc is None:
+            gc = SamplingParams.resolve(config, getattr(self.model, "generation_config", None))
+            if resolved is not None:
+                resolved[id(config)] = gc
+        params = SamplingParams.from_resolved(gc, len(ids))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
@@ -251,11 +262,14 @@ class Engine(EngineCore):
             by_request.setdefault(family(out.request_id), []).append(out)
         return [o for rid in ids for o in sorted(by_request[rid], key=_copy_index)]
 
-    def _new_sequences(self, prompts, config, what: str) -> list[Sequence]:
-        """Validate every prompt (and its config) before any is queued."""
+    def _new_sequences(self, prompts, config, what: str, request_ids: list | None = None) -> list[Sequence]:
+        """Validate every prompt (and its config) before any is queued; a config shared by several prompts is
+        resolved once (the configs do not change during the call)."""
         prompts = validation.prompt_list(prompts, what)
         configs = validation.generation_configs(config, len(prompts))
-        return [self._new_sequence(p, c, None) for p, c in zip(prompts, configs)]
+        resolved: dict[int, GenerationConfig] = {}
+        return [self._new_sequence(p, c, rid, resolved)
+                for p, c, rid in zip(prompts, configs, request_ids or [None] * len(prompts))]
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests and debugging): block reference counts match the live

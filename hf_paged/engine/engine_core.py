@@ -95,9 +95,10 @@ class EngineCore:
         self._inflight: InFlightStep | None = None
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
-        self.graphs = self._capture_graphs(cfg.cuda_graphs, tables, max_num_seqs)
+        self.graphs = self._capture_graphs(cfg, tables, max_num_seqs)
 
-    def _capture_graphs(self, cuda_graphs, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
+    def _capture_graphs(self, cfg: EngineConfig, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
+        cuda_graphs = cfg.cuda_graphs
         if cuda_graphs is False or self.device.type != "cuda":
             return None
         split = sorted({str(d) for d in self.kv_devices})
@@ -107,7 +108,7 @@ class EngineCore:
         sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
                  else [s for s in cuda_graphs if s <= max_num_seqs])
         graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens, self.compiled,
-                              self.skinny_linear)
+                              self.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand")
         reason = graphs.capture()
         if reason is not None:
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)

@@ -84,8 +84,18 @@ class SamplingParams:
         ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
         attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``.
         """
+        return cls.from_resolved(cls.resolve(config, model_config), prompt_len)
+
+    @staticmethod
+    def resolve(config: GenerationConfig | None, model_config: GenerationConfig | None = None) -> GenerationConfig:
+        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings, fill the unset
+        fields (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
         _refuse_unserved(config)
-        gc = resolve_generation_config(config, model_config)
+        return resolve_generation_config(config, model_config)
+
+    @classmethod
+    def from_resolved(cls, gc: GenerationConfig, prompt_len: int) -> SamplingParams:
+        """The settings of a prompt of ``prompt_len`` tokens under ``gc``, a config from :meth:`resolve`."""
         max_new = gc.max_new_tokens
         if max_new is None:
             max_new = max(1, (gc.max_length or 20) - prompt_len)

@@ -32,7 +32,7 @@ def prompt_token_ids(prompt, vocab_size: int, tokenizer=None) -> list[int]:
         raise ValueError(f"a prompt is a string or a sequence of token ids, got {type(prompt).__name__}")
     if not ids:
         raise ValueError("empty prompt: give at least one token")
-    if not all(type(t) is int for t in ids):
+    if not set(map(type, ids)) <= {int}:  # (bools, numpy and torch scalars are other types)
         ids = [_token_id(t, vocab_size) for t in ids]
     if min(ids) < 0 or max(ids) >= vocab_size:
         bad = next(t for t in ids if not 0 <= t < vocab_size)

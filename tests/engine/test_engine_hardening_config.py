@@ -20,6 +20,7 @@ ARCH = "llama_gqa"
     dict(block_size=16.0), dict(max_batch_tokens=0), dict(memory_budget=0), dict(memory_budget=1.5),
     dict(memory_budget=float("nan")), dict(enable_prefix_caching="yes"), dict(async_scheduling=1),
     dict(backend="no-such-backend"), dict(backend=[1]), dict(cuda_graphs=[0]), dict(cuda_graphs="yes"),
+    dict(cuda_graph_capture="lazy"), dict(cuda_graph_capture=None),
 ], ids=str)
 def test_bad_settings_raise_one_line_from_the_config_and_the_engine(bad):
     with pytest.raises(ValueError) as err:

@@ -5,6 +5,7 @@
 - End to end (float32, so that two correct runs cannot pick different tokens by rounding): an engine with graphs
   and asynchronous scheduling gives the tokens of a synchronous engine without graphs, under preemption, prefix-cache hits, aborts, seeded sampling and
   prefill chunks mixed with decodes; and the graphs really served the decode steps.
+- On-demand capture adds the smaller sizes mid-run, with the tokens unchanged.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
 """
@@ -114,6 +115,43 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, nu
     if num_blocks == 90:
         assert stats["preemptions"] > 0
     assert stats["used_blocks"] == 0
+
+
+def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f32_model, monkeypatch):
+    """``cuda_graph_capture="on_demand"``: only the largest size at start; a smaller size is captured mid-run once
+    enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
+    scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
+    same step as its eager run, bit for bit."""
+    from hf_paged.engine import cuda_graphs
+
+    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 3)
+    prompts = _prompts(16, seed=11, lo=5, hi=120)
+    # lengths 4..64: the batch shrinks through every size as the short requests finish
+    configs = [GenerationConfig(max_new_tokens=4 + 4 * i, do_sample=False, eos_token_id=None) for i in range(16)]
+    kwargs = dict(num_blocks=512, block_size=16, max_batch_tokens=4096, max_num_seqs=16)
+    ref, _ = _run(f32_model, False, prompts, configs, async_scheduling=False, **kwargs)
+    got, engine = _run(f32_model, [1, 2, 4, 8, 16], prompts, configs, async_scheduling=True,
+                       cuda_graph_capture="on_demand", **kwargs)
+    assert [(a.finish_reason, a.token_ids) for a in ref] == [(b.finish_reason, b.token_ids) for b in got]
+    stats = engine.stats()["cuda_graphs"]
+    assert stats["batch_sizes"] == [1, 2, 4, 8, 16] and stats["waiting_sizes"] == []
+    assert stats["on_demand_seconds"] > 0 and stats["replays"] > 40
+
+    fresh = hf_paged.Engine(f32_model, cuda_graphs=[4, 16], cuda_graph_capture="on_demand", **kwargs)
+    assert fresh.stats()["cuda_graphs"]["batch_sizes"] == [16]
+    assert fresh.stats()["cuda_graphs"]["waiting_sizes"] == [4]
+    for p in prompts[:3]:
+        fresh.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
+    while fresh.scheduler.waiting or any(s.num_generated < 2 for s in fresh.scheduler.running):
+        fresh.step()
+    seqs = list(fresh.scheduler.running)
+    for seq in seqs:
+        assert fresh.block_manager.reserve_up_to(seq, 1) == 1
+    fresh.graphs._waiting[4] = 0  # the steps above counted toward it: count from here
+    sizes = [fresh.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
+    assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
+    eager = fresh.graphs.run_eager(seqs, 4)[:3].clone()
+    assert torch.equal(eager, fresh.graphs.replay(seqs, 4)[:3])
 
 
 def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
