@@ -137,6 +137,7 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     assert stats["batch_sizes"] == [1, 2, 4, 8, 16] and stats["waiting_sizes"] == []
     assert stats["on_demand_seconds"] > 0 and stats["replays"] > 40
 
+    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 10**9)  # nothing captured while it gets going
     fresh = hf_paged.Engine(f32_model, cuda_graphs=[4, 16], cuda_graph_capture="on_demand", **kwargs)
     assert fresh.stats()["cuda_graphs"]["batch_sizes"] == [16]
     assert fresh.stats()["cuda_graphs"]["waiting_sizes"] == [4]
@@ -147,6 +148,8 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     seqs = list(fresh.scheduler.running)
     for seq in seqs:
         assert fresh.block_manager.reserve_up_to(seq, 1) == 1
+    assert fresh.graphs.sizes == [16]
+    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 3)
     fresh.graphs._waiting[4] = 0  # the steps above counted toward it: count from here
     sizes = [fresh.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
     assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
