@@ -146,12 +146,14 @@ class DecodeGraphs:
         del self._waiting[want]
         began = time.perf_counter()
         try:
-            reason = self._capture_sizes([want])
-        except Exception as exc:  # the larger graphs still serve: this size stays uncaptured
+            reason = self._capture_sizes([want], warm=True)
+        except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
             self._graphs.pop(want, None)
+            self._waiting.clear()
             torch.cuda.synchronize(self.device)
-            logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); steps of "
-                           "that size pad up to the next captured one", want, type(exc).__name__, str(exc)[:300])
+            logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
+                           "sizes are captured on demand: steps pad up to the captured ones (%s)", want,
+                           type(exc).__name__, str(exc)[:300], _ranges(self.sizes))
             return size
         self.on_demand_seconds += time.perf_counter() - began
         if reason is not None:
@@ -187,10 +189,12 @@ class DecodeGraphs:
                     self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
 
-    def _capture_sizes(self, sizes: list[int]) -> str | None:
-        """Capture ``sizes`` (largest first) into the graphs' shared memory pool; the first capture of this
-        object warms up eagerly first. Between engine steps, the device work queued before waits for nothing:
-        the capture's own stream waits for the current one."""
+    @torch.inference_mode()  # as every step runs: the compiled layers' guards include the grad mode
+    def _capture_sizes(self, sizes: list[int], warm: bool = False) -> str | None:
+        """Capture ``sizes`` (largest first) into the graphs' shared memory pool. The first capture of this object
+        warms up eagerly first, and so does each size with ``warm`` (on demand: whatever the compiler has seen, a
+        recompile must not happen inside a capture). Between engine steps, the device work queued before waits
+        for nothing: the capture's own stream waits for the current one."""
         stream = torch.cuda.Stream(self.device)
         stream.wait_stream(torch.cuda.current_stream(self.device))
         first = self._pool is None
@@ -200,7 +204,8 @@ class DecodeGraphs:
             self._stage_padding(b)
             # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
             # compile (batch 1 is a shape of its own) must not happen during a capture.
-            if (first and b == sizes[-1]) or (self.compiled is not None and b not in self.compiled.warm_batch_sizes):
+            if warm or (first and b == sizes[-1]) or (
+                    self.compiled is not None and b not in self.compiled.warm_batch_sizes):
                 warm = time.perf_counter()
                 with torch.cuda.stream(stream):
                     self._forward(b)

@@ -19,8 +19,8 @@ def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tupl
     graphs.width, graphs.cache, graphs.on_demand_seconds, graphs.device = 8, SimpleNamespace(block_size=16), 0.0, "cpu"
     captured = []
 
-    def capture(batch_sizes):
-        assert len(batch_sizes) == 1
+    def capture(batch_sizes, warm=False):
+        assert len(batch_sizes) == 1 and warm
         if batch_sizes[0] in fail:
             raise RuntimeError("capture failed")
         captured.append(batch_sizes[0])
@@ -50,12 +50,13 @@ def test_a_size_is_captured_once_enough_steps_padded_past_it(monkeypatch):
     assert graphs._waiting == {1: 0, 2: 1}
 
 
-def test_a_failed_capture_is_not_tried_again_and_the_larger_graph_serves(monkeypatch, caplog):
-    graphs, captured = _graphs([2, 8], monkeypatch, fail={2})
+def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(monkeypatch, caplog):
+    graphs, captured = _graphs([1, 2, 8], monkeypatch, fail={2})
     k = cuda_graphs.ON_DEMAND_STEPS
     assert [_step(graphs, 2) for _ in range(k + 5)] == [8] * (k + 5)
+    assert [_step(graphs, 1) for _ in range(k + 5)] == [8] * (k + 5)  # 1 is not tried either
     assert captured == [] and graphs._waiting == {} and graphs.sizes == [8]
-    assert any("batch size 2 failed" in r.message for r in caplog.records)
+    assert any("batch size 2 failed" in r.message and "no more" in r.message for r in caplog.records)
 
 
 @pytest.mark.parametrize("sizes", [[1], [5]])
