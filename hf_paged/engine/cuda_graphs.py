@@ -201,15 +201,16 @@ class DecodeGraphs:
         if first:
             self._pool = torch.cuda.graph_pool_handle()
         for b in reversed(sizes):
-            self._stage_padding(b)
+            with torch.cuda.stream(stream):  # after the work queued before (a replay may still read the buffer)
+                self._stage_padding(b)
             # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
             # compile (batch 1 is a shape of its own) must not happen during a capture.
             if warm or (first and b == sizes[-1]) or (
                     self.compiled is not None and b not in self.compiled.warm_batch_sizes):
-                warm = time.perf_counter()
+                began = time.perf_counter()
                 with torch.cuda.stream(stream):
                     self._forward(b)
-                self.warmup_seconds += time.perf_counter() - warm
+                self.warmup_seconds += time.perf_counter() - began
                 if self.compiled is not None:
                     self.compiled.warm_batch_sizes.add(b)
                 reason = self.cache.dispatcher.graph_unsupported_reason()
