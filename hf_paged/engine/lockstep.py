@@ -162,19 +162,18 @@ def agreed_min(model: torch.nn.Module, value: int) -> int:
 
 def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | None, EngineConfig]:
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the settings its engine runs with:
-    no CUDA graphs or compiled layers, since the layers' collectives would run inside captured graphs and compiled
-    code (``HF_PAGED_TP_CUDA_GRAPHS=1`` tries graphs anyway)."""
+    decode CUDA graphs as asked (the layers' NCCL all-reduces captured inside), every size captured at start (an
+    on-demand capture mid-run would have to happen on every rank at the same step), and no compiled layers (the
+    collectives stay out of compiled code). ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
     tp = tensor_parallel(model)
     if tp is None:
         return None, cfg
     if cfg.compile_layers:
         raise ValueError("compile_layers=True cannot be served for a tensor-parallel model (its layers' collectives "
                          "stay eager); pass compile_layers=False or None")
-    graphs = cfg.cuda_graphs if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "1" else False
+    graphs = False if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "0" else cfg.cuda_graphs
     on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     if cfg.cuda_graphs and not graphs and on_cuda:
-        logger.warning("hf_paged: decode runs without CUDA graphs: the model is tensor-parallel over %d processes, "
-                       "and graphs with its collectives inside are not yet verified on GPUs; eager tensor-parallel "
-                       "decode is slow (on 2 H100s 8x slower than one GPU for an 8B model). HF_PAGED_TP_CUDA_GRAPHS=1 "
-                       "captures them (docs/multi_gpu.md)", tp.world_size)
-    return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=False)
+        logger.warning("hf_paged: decode runs without CUDA graphs (HF_PAGED_TP_CUDA_GRAPHS=0): eager "
+                       "tensor-parallel decode is slow (on 2 H100s 8x slower than one GPU for an 8B model)")
+    return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=False, cuda_graph_capture="start")

@@ -83,11 +83,11 @@ def worker(path: str, out_dir: str, part: str) -> None:
                                                  dtype=torch.float32).eval()
     prompts, configs = _prompts(0), _configs()
     record: dict = {}
-    if part == "graphs":  # HF_PAGED_TP_CUDA_GRAPHS=1 in the environment
+    if part == "eager":  # HF_PAGED_TP_CUDA_GRAPHS=0 in the environment
         engine = _engine(model)
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
-        _write(out_dir, f"graphs{rank}", record)
+        _write(out_dir, f"eager{rank}", record)
         torch.distributed.destroy_process_group()
         return
     engine = _engine(model)
@@ -95,6 +95,9 @@ def worker(path: str, out_dir: str, part: str) -> None:
     record["pool"] = (k_cache.shape[2], str(k_cache.device), engine.cache.num_blocks)
     for name, config in configs.items():
         record[name] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, config)])
+    graphed = _engine(model)
+    record["graphed"] = _outcome(lambda: [o.token_ids for o in graphed.generate(prompts, configs["greedy"])])
+    record["graphs"] = graphed.stats()["cuda_graphs"]
     torch.manual_seed(100 + rank)
     unseeded = configs["seeded"]
     unseeded.seed = None
@@ -214,14 +217,24 @@ def test_a_failure_on_one_gpu_is_raised_on_both(ranks):
     assert stuck[0] == stuck[1]
 
 
-def test_cuda_graphs_under_tensor_parallel_when_asked(saved, single, tmp_path):
-    """``HF_PAGED_TP_CUDA_GRAPHS=1``: decode graphs captured with the layers' NCCL all-reduces inside."""
-    output = _launch(saved, tmp_path, "graphs", HF_PAGED_TP_CUDA_GRAPHS="1")
-    records = [_read(tmp_path, f"graphs{r}") for r in range(WORLD_SIZE)]
+def test_decode_graphs_under_tensor_parallel_by_default(ranks, single):
+    """Decode CUDA graphs are on under tensor parallel (the layers' NCCL all-reduces captured inside): they serve
+    the decode steps and give the tokens of one GPU (every engine of the tests above ran with them too)."""
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
+    for record in ranks[0]:
+        assert record["graphs"] and record["graphs"]["batch_sizes"], "no decode graph was captured"
+        assert record["graphs"]["replays"] > 10, "the graphs served no decode step"
+        assert record["graphed"] == ("ok", expected)
+
+
+def test_eager_decode_under_tensor_parallel_when_asked(saved, single, tmp_path):
+    """``HF_PAGED_TP_CUDA_GRAPHS=0``: no graph captured, the tokens of one GPU."""
+    output = _launch(saved, tmp_path, "eager", HF_PAGED_TP_CUDA_GRAPHS="0")
+    records = [_read(tmp_path, f"eager{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
-        assert record["graphs"], "no decode graph was captured"
+        assert record["graphs"] is None
         assert record["greedy"] == ("ok", expected)
 
 
