@@ -11,7 +11,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
 - batch-1 latency: one 512-token prompt, ms per output token, the same way.
 
     python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-graphs         # also hf_paged with decode CUDA graphs on TP
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
 
@@ -29,6 +29,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -45,8 +46,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2", help="comma list of GPU counts (1 = the whole model on one GPU)")
     parser.add_argument("--systems", default="hf_paged,transformers", help="hf_paged and/or transformers")
+    parser.add_argument("--tp-eager", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=0 (eager "
+                             "decode; graphs are the default)")
     parser.add_argument("--tp-graphs", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=1")
+                        help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
                         help="also run hf_paged in one process on the model split by layers over the largest GPU count "
                              "(device_map; pipeline style, for the record)")
@@ -205,7 +209,10 @@ def main(argv: list[str] | None = None) -> None:
                            check=True)
         runs = [(c, "", {}) for c in counts]
         if args.tp_graphs:
-            runs += [(c, " (graphs)", {"HF_PAGED_TP_CUDA_GRAPHS": "1"}) for c in counts if c > 1]
+            warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
+                          "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
+        if args.tp_eager:
+            runs += [(c, " (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}) for c in counts if c > 1]
         if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
             runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
         for count, variant, env in runs:
