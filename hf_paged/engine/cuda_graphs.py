@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Sequence as SequenceType
-from contextlib import nullcontext
 
 import numpy as np
 import torch
@@ -31,45 +30,14 @@ from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine.compiled_layers import CompiledLayers
+from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
+    OnDemandSizes, graph_batch_sizes, one_call_graph_sizes)
 from hf_paged.engine.runner import model_call
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
 
 logger = logging.getLogger("hf_paged")
-
-# On-demand capture (``Engine(cuda_graph_capture="on_demand")``): a smaller size is captured once this many decode
-# steps have padded up to a larger graph instead. A capture costs about one traced forward of host time (~25 ms for
-# a 1B model on an H100, during which the device idles); padding a small batch up to a large graph costs a fraction
-# of a millisecond per step, so a size pays back only after tens of steps.
-ON_DEMAND_STEPS = 32
-
-
-def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, then every multiple of 32 up to ``max_num_seqs`` (which is always included).
-
-    Few sizes keep the capture short (each costs a traced forward, ~20 ms for a 1B model); a padded row costs
-    little, since a decode step reads the weights once whatever the batch.
-    """
-    sizes = [s for s in (1, 2, 4, 8, 16) if s < max_num_seqs] + list(range(32, max_num_seqs, 32))
-    return sorted(set(sizes) | {max_num_seqs})
-
-
-def one_call_graph_sizes(num_seqs: int) -> list[int]:
-    """The sizes for an engine that serves one call of ``num_seqs`` sequences (``generate_batch``): the powers of two
-    below it, and itself.
-
-    Such an engine pays its captures on every call, and its decode batches pass each size between the largest and
-    zero only for a few steps (as its sequences finish), so fewer captures win over tighter padding: a padded row
-    costs its share of the matrix products and a context of one token (~0.15 ms per 32 rows of a 1B model's step on
-    an H100, against ~28 ms per capture).
-    """
-    sizes, s = [], 1
-    while s < num_seqs:
-        sizes.append(s)
-        s *= 2
-    return sizes + [num_seqs]
-
 
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``cache``, one per batch size in ``sizes``.
@@ -78,8 +46,8 @@ class DecodeGraphs:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
-        on_demand: capture only the largest size at start; a smaller one once ``ON_DEMAND_STEPS`` decode steps
-            would have used it (each of them pads up to a larger graph meanwhile).
+        on_demand: capture only the largest size at start; a smaller one once ``graph_sizes.ON_DEMAND_STEPS``
+            decode steps would have used it (each of them pads up to a larger graph meanwhile).
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
     """
@@ -94,7 +62,7 @@ class DecodeGraphs:
         wanted = sorted(set(sizes))
         # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
         self.sizes = wanted[-1:] if on_demand else wanted
-        self._waiting: dict[int, int] = dict.fromkeys(wanted[:-1], 0) if on_demand else {}  # size -> steps it served
+        self._waiting = OnDemandSizes(wanted[:-1] if on_demand else ())
         self.width = tables.table.shape[1]
         self.device = cache.pool.kv_caches[0][0].device
         self._cache_kwarg = cache_keyword(model)
@@ -133,23 +101,17 @@ class DecodeGraphs:
         return size
 
     def _on_demand(self, n: int, size: int) -> int:
-        """Count the step toward the smallest waiting size that fits it (when smaller than ``size``); capture that
-        size once it has ``ON_DEMAND_STEPS`` steps (ski rental: the padding paid so far is about what a capture
-        costs), and serve the step with it."""
-        fits = [s for s in self._waiting if n <= s < size]
-        if not fits:
+        """Count the step toward the waiting sizes; capture the one that is due (``graph_sizes.OnDemandSizes``) and
+        serve the step with it."""
+        want = self._waiting.due(n, size)
+        if want is None:
             return size
-        want = min(fits)
-        self._waiting[want] += 1
-        if self._waiting[want] < ON_DEMAND_STEPS:
-            return size
-        del self._waiting[want]
         began = time.perf_counter()
         try:
             reason = self._capture_sizes([want], warm=True)
         except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
             self._graphs.pop(want, None)
-            self._waiting.clear()
+            self._waiting.stop()
             torch.cuda.synchronize(self.device)
             logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
                            "sizes are captured on demand: steps pad up to the captured ones (%s)", want,
@@ -160,8 +122,8 @@ class DecodeGraphs:
             logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
             return size
         self.sizes = sorted(self._graphs)
-        logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (after %d steps padded to "
-                    "%d) in %.3f s", want, ON_DEMAND_STEPS, size, time.perf_counter() - began)
+        logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (its steps had padded up to "
+                    "%d) in %.3f s", want, size, time.perf_counter() - began)
         return want
 
     # ----- capture and replay ----------------------------------------------------------------------------------
@@ -302,7 +264,7 @@ class DecodeGraphs:
         return {
             "batch_sizes": sorted(self._graphs),
             "capture_seconds": round(self.capture_seconds, 3),
-            "waiting_sizes": sorted(self._waiting),  # on-demand sizes not captured yet
+            "waiting_sizes": self._waiting.waiting,  # on-demand sizes not captured yet
             "on_demand_seconds": round(self.on_demand_seconds, 3),
             "warmup_seconds": round(self.warmup_seconds, 3),
             "memory_bytes": self.memory_bytes,

@@ -48,9 +48,9 @@ class Engine(EngineCore):
             ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
         cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start), or
-            ``"on_demand"``: the largest size at start, each smaller one once that many decode steps would have
-            used it (``ON_DEMAND_STEPS``) and until then the step pads up to a larger graph; what ``generate_batch``
-            does for the engine of one call, which few steps of each small size do not pay back.
+            ``"on_demand"``: the largest size at start, each smaller one once 32 decode steps would have used it
+            (``hf_paged.engine.graph_sizes.ON_DEMAND_STEPS``), until then padding up to a larger graph; what
+            ``generate_batch`` does for the engine of one call, which few steps of each small size do not pay back.
         async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).

@@ -30,7 +30,8 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine import compiled_layers, lockstep, skinny_linear
 from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.cuda_graphs import DecodeGraphs, graph_batch_sizes
+from hf_paged.engine.cuda_graphs import DecodeGraphs
+from hf_paged.engine.graph_sizes import graph_batch_sizes
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
 from hf_paged.engine.interrupts import InterruptGuard
 from hf_paged.engine.request_registry import RequestRegistry

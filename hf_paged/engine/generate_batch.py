@@ -22,9 +22,9 @@ from transformers.generation.continuous_batching.requests import GenerationOutpu
 
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.cuda_graphs import one_call_graph_sizes
 from hf_paged.engine.engine import Engine
 from hf_paged.engine.engine_core import blocks_from_memory
+from hf_paged.engine.graph_sizes import one_call_graph_sizes
 from hf_paged.engine.lockstep import agreed_min
 from hf_paged.engine.sampling_params import resolve_generation_config
 from hf_paged.hf.placement import kv_devices

@@ -1,5 +1,6 @@
-"""On-demand CUDA-graph capture, the policy alone (no GPU: the capture is replaced by a recorder): which size a
-decode step counts toward, when a size is captured, and what the step is served with meanwhile."""
+"""On-demand CUDA-graph capture without a GPU: the policy (``OnDemandSizes``: which size a decode step counts toward,
+when a size is due) and what ``DecodeGraphs`` serves a step with around a capture, the capture itself replaced by a
+recorder."""
 
 from __future__ import annotations
 
@@ -7,20 +8,36 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_paged.engine import cuda_graphs
+from hf_paged.engine import cuda_graphs, graph_sizes
 from hf_paged.engine.cuda_graphs import DecodeGraphs
+from hf_paged.engine.graph_sizes import OnDemandSizes
+
+
+def test_a_size_is_due_after_enough_steps_padded_past_it():
+    k = graph_sizes.ON_DEMAND_STEPS
+    sizes = OnDemandSizes([1, 2, 4, 8])
+    assert [sizes.due(3, 16) for _ in range(k - 1)] == [None] * (k - 1)  # counted toward 4, served by 16
+    assert sizes.due(4, 16) == 4 and sizes.waiting == [1, 2, 8]  # the k-th step: 4 is due, no longer waiting
+    assert sizes.due(3, 4) is None  # served by its own size now: counts toward nothing
+    assert sizes.due(16, 16) is None and sizes.due(17, 16) is None
+    assert [sizes.due(2, 4) for _ in range(3)] == [None] * 3  # the smallest fitting size counts: 2, not 8
+    assert [sizes.due(5, 16) for _ in range(k - 1)] == [None] * (k - 1)
+    assert sizes.due(8, 16) == 8 and sizes.waiting == [1, 2]
+    sizes.restart(8)
+    assert sizes.waiting == [1, 2, 8] and all(sizes.due(8, 16) is None for _ in range(k - 1))
+    sizes.stop()
+    assert not sizes and sizes.waiting == [] and sizes.due(1, 16) is None
 
 
 def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tuple[DecodeGraphs, list[int]]:
-    graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what the policy reads
+    graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what serving a step reads
     wanted = sorted(sizes)
-    graphs.sizes, graphs._waiting = wanted[-1:], dict.fromkeys(wanted[:-1], 0)
-    graphs._graphs = {wanted[-1]: None}
+    graphs.sizes, graphs._waiting, graphs._graphs = wanted[-1:], OnDemandSizes(wanted[:-1]), {wanted[-1]: None}
     graphs.width, graphs.cache, graphs.on_demand_seconds, graphs.device = 8, SimpleNamespace(block_size=16), 0.0, "cpu"
     captured = []
 
     def capture(batch_sizes, warm=False):
-        assert len(batch_sizes) == 1 and warm
+        assert len(batch_sizes) == 1 and warm  # one size, warmed up first whatever the compiler has seen
         if batch_sizes[0] in fail:
             raise RuntimeError("capture failed")
         captured.append(batch_sizes[0])
@@ -36,26 +53,23 @@ def _step(graphs: DecodeGraphs, n: int) -> int | None:
     return graphs.size_for(seqs, [1] * n)
 
 
-def test_a_size_is_captured_once_enough_steps_padded_past_it(monkeypatch):
+def test_the_step_that_makes_a_size_due_captures_it_and_runs_in_it(monkeypatch):
     graphs, captured = _graphs([1, 2, 4, 8, 16], monkeypatch)
-    k = cuda_graphs.ON_DEMAND_STEPS
+    k = graph_sizes.ON_DEMAND_STEPS
     assert [_step(graphs, 16) for _ in range(k + 1)] == [16] * (k + 1) and captured == []  # the largest serves
-    assert [_step(graphs, 3) for _ in range(k - 1)] == [16] * (k - 1)  # counted toward 4, padded up to 16
-    assert _step(graphs, 4) == 4 and captured == [4]  # the k-th step captures 4 and runs in it
-    assert graphs.sizes == [4, 16] and sorted(graphs._waiting) == [1, 2, 8]
-    assert [_step(graphs, 6) for _ in range(k - 1)] == [16] * (k - 1)  # 8 counts on, 4 does not fit
-    assert _step(graphs, 5) == 8 and captured == [4, 8]
-    assert _step(graphs, 2) == 4 and graphs._waiting[2] == 1  # the smallest fitting waiting size counts
+    assert [_step(graphs, 3) for _ in range(k - 1)] == [16] * (k - 1)  # padded up to 16 meanwhile
+    assert _step(graphs, 4) == 4 and captured == [4] and graphs.sizes == [4, 16]
+    assert [_step(graphs, 3) for _ in range(k + 1)] == [4] * (k + 1) and captured == [4]
     assert _step(graphs, 17) is None  # more than the largest: eager, nothing counted
-    assert graphs._waiting == {1: 0, 2: 1}
+    assert graphs._waiting.waiting == [1, 2, 8]
 
 
 def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(monkeypatch, caplog):
     graphs, captured = _graphs([1, 2, 8], monkeypatch, fail={2})
-    k = cuda_graphs.ON_DEMAND_STEPS
+    k = graph_sizes.ON_DEMAND_STEPS
     assert [_step(graphs, 2) for _ in range(k + 5)] == [8] * (k + 5)
     assert [_step(graphs, 1) for _ in range(k + 5)] == [8] * (k + 5)  # 1 is not tried either
-    assert captured == [] and graphs._waiting == {} and graphs.sizes == [8]
+    assert captured == [] and not graphs._waiting and graphs.sizes == [8]
     assert any("batch size 2 failed" in r.message and "no more" in r.message for r in caplog.records)
 
 

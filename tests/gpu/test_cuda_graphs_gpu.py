@@ -122,9 +122,9 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
     scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
     same step as its eager run, bit for bit."""
-    from hf_paged.engine import cuda_graphs
+    from hf_paged.engine import graph_sizes
 
-    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 3)
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
     prompts = _prompts(16, seed=11, lo=5, hi=120)
     # lengths 4..64: the batch shrinks through every size as the short requests finish
     configs = [GenerationConfig(max_new_tokens=4 + 4 * i, do_sample=False, eos_token_id=None) for i in range(16)]
@@ -137,7 +137,7 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     assert stats["batch_sizes"] == [1, 2, 4, 8, 16] and stats["waiting_sizes"] == []
     assert stats["on_demand_seconds"] > 0 and stats["replays"] > 40
 
-    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 10**9)  # nothing captured while it gets going
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 10**9)  # nothing captured while it gets going
     fresh = hf_paged.Engine(f32_model, cuda_graphs=[4, 16], cuda_graph_capture="on_demand", **kwargs)
     assert fresh.stats()["cuda_graphs"]["batch_sizes"] == [16]
     assert fresh.stats()["cuda_graphs"]["waiting_sizes"] == [4]
@@ -149,8 +149,8 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     for seq in seqs:
         assert fresh.block_manager.reserve_up_to(seq, 1) == 1
     assert fresh.graphs.sizes == [16]
-    monkeypatch.setattr(cuda_graphs, "ON_DEMAND_STEPS", 3)
-    fresh.graphs._waiting[4] = 0  # the steps above counted toward it: count from here
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
+    fresh.graphs._waiting.restart(4)  # the steps above counted toward it: count from here
     sizes = [fresh.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
     assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
     eager = fresh.graphs.run_eager(seqs, 4)[:3].clone()
