@@ -20,6 +20,7 @@ sys.path.insert(0, str(BENCH))
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
 import generate_host_overhead  # noqa: E402
+import graph_capture  # noqa: E402
 import generate_latency  # noqa: E402
 import plot_e2e  # noqa: E402
 from decode_profile import _covered_us  # noqa: E402
@@ -143,3 +144,17 @@ def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
     assert [r["processes"] for r in rows] == [1, 2]
     assert all(r["status"] == "ok" and r["tokens"] == r["expected_tokens"] > 0 for r in rows), rows
     assert buf.getvalue().rstrip().splitlines()[-1].split()[0] == "2"  # the table comes last
+
+
+def test_graph_capture_timeline_splits_each_call_into_its_steps(tmp_path):
+    path = tmp_path / "capture.json"
+    out = _run(graph_capture.main, ["--smoke", "--reps", "1", "--json", str(path)])
+    rows = json.loads(path.read_text())["rows"]
+    assert [r["variant"] for r in rows] == ["on_demand", "start", "largest"]
+    for r in rows:
+        assert r["tokens"] == r["expected_tokens"] == 4 * 4
+        assert r["mixed_steps"] >= 1 and r["full_steps"] + r["tail_steps"] >= 3  # 4 new tokens: 3 decode steps
+        parts = r["before_first_step_s"] + r["mixed_s"] + r["full_s"] + r["tail_s"]
+        assert parts == pytest.approx(r["wall_s"], rel=1e-9)  # every moment of the call is in one part
+        assert 0 < r["setup_s"] < r["before_first_step_s"]
+    assert "padding: CUDA graphs only, skipped on the CPU" in out and "largest" in out.splitlines()[-1]
