@@ -122,6 +122,20 @@ class Engine(EngineCore):
         seq = self._new_sequence(prompt, generation_config, request_id)
         return self._enqueue([seq])[0]
 
+    def add_requests(
+        self, prompts: list[Prompt], generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+        request_ids: list[str | int] | None = None,
+    ) -> list[str]:
+        """Queue several prompts (one config for all, or one each); returns their request ids, in order.
+
+        Every prompt is checked before any is queued: a ``ValueError`` (as :meth:`add_request` raises it) queues
+        nothing. A config shared by the prompts is resolved once, which makes this cheaper than a loop of
+        ``add_request`` for many prompts.
+        """
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one each or none")
+        return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
+
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
                       resolved: dict[int, GenerationConfig] | None = None) -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
@@ -145,6 +159,12 @@ class Engine(EngineCore):
             return self._enqueue_locked(seqs)
 
     def _enqueue_locked(self, seqs: list[Sequence]) -> list[str]:
+        given = [s.request_id for s in seqs if s.request_id is not None]
+        clash = next((rid for rid in given if rid in self.requests.open), None)
+        if clash is None and len(set(given)) < len(given):
+            clash = next(rid for rid in given if given.count(rid) > 1)
+        if clash is not None:  # before any is queued
+            raise ValueError(f"request id {clash!r} is already live or given twice; pick another")
         for seq in seqs:
             seq.request_id, arrival = self.requests.new_id(seq.request_id)
             seq.arrival = (arrival, 0)

@@ -81,9 +81,8 @@ def generate_batch(
         configs = [copy.deepcopy(gc) for _ in inputs]
         for i, cfg in enumerate(configs):
             cfg.seed = (seed * 1_000_003 + i) % 2**62
-    request_ids = [f"req_{i}" for i in range(len(inputs))]
-    seqs = engine._new_sequences(inputs, configs, "generate_batch", request_ids)  # one config resolved once
-    ids = {rid: i for i, rid in enumerate(engine._enqueue(seqs))}
+    queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in range(len(inputs))])
+    ids = {rid: i for i, rid in enumerate(queued)}
     finished = {}
     from tqdm.auto import tqdm
 

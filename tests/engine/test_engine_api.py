@@ -202,3 +202,31 @@ def test_generate_batch_copies_and_failures_have_transformers_shapes():
         assert results[rid].generated_tokens == refs[int(rid[4])]
         assert results[rid].status == RequestStatus.FINISHED and results[rid].error is None
     assert results["req_2"].status == RequestStatus.FAILED and "num_blocks" in results["req_2"].error
+
+
+def test_add_requests_queues_all_or_nothing_and_matches_add_request():
+    prompts = random_prompts(5, 2, 9, seed=21)
+    eng = engine()
+    bad_prompt = prompts[:2] + [[5, 10**6]] + prompts[3:]
+    for args in ((bad_prompt, greedy_config(3)), (prompts, [greedy_config(3)] * 4),
+                 (prompts, greedy_config(3), ["a", "b", "c", "a", "e"]), (prompts, greedy_config(3), ["a"])):
+        with pytest.raises(ValueError):
+            eng.add_requests(*args)
+        assert not eng.has_unfinished()  # nothing of the call was queued
+    eng.add_request(prompts[0], greedy_config(3), request_id="live")
+    with pytest.raises(ValueError, match="already live"):
+        eng.add_requests(prompts[1:3], greedy_config(3), request_ids=["fresh", "live"])
+    assert eng.stats()["waiting"] == 1  # only the one added before
+    ids = eng.add_requests(prompts[1:], greedy_config(3), request_ids=[10, "b", "c", "d"])
+    assert ids == ["10", "b", "c", "d"]
+    outs = {}
+    while eng.has_unfinished():
+        outs.update({o.request_id: o.token_ids for o in eng.step()})
+    one_by_one = engine()
+    for rid, p in zip(["live", "10", "b", "c", "d"], prompts):
+        one_by_one.add_request(p, greedy_config(3), request_id=rid)
+    want = {}
+    while one_by_one.has_unfinished():
+        want.update({o.request_id: o.token_ids for o in one_by_one.step()})
+    assert outs == want and len(outs) == 5 and all(len(t) == 3 for t in outs.values())
+    assert_all_free(eng)
