@@ -5,13 +5,15 @@ smallest size ``b >= n``; rows ``n..b`` are padding (token 0, slot -1 so nothing
 
 Every input a step changes lives in one device buffer of int32, laid out per size ``b`` as::
 
-    [ input ids (b) | positions (b) | slots (b) | context lengths (b) | id sources (b) | block tables (b x width) ]
+    [ input ids (b) | positions (b) | id sources (b) | block-table rows (b) ]
 
-The host fills the same layout in pinned memory and sends it with one copy; the graph itself widens ids,
-positions and slots to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous
-step's sampled tokens and builds the cumulative lengths, so one launch and one copy serve a step. Attention
-metadata that is fixed per size (``max_seqlen_k`` = the table's capacity, which fixes the decode kernel's split
-length and workspace in the backend's step plan) is decided at capture.
+The host fills the same layout in pinned memory and sends it with one copy; the block tables themselves stay on the
+device (``DeviceBlockTable``: only the entries written since the step before travel, before the launch). The graph
+widens ids and positions to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous
+step's sampled tokens, gathers its rows' tables and computes the slots, context lengths and their prefix sums, so
+one launch and one copy serve a step. Attention metadata that is fixed per size (``max_seqlen_k`` = the table's
+capacity, which fixes the decode kernel's split length and workspace in the backend's step plan) is decided at
+capture.
 
 The graphs run the same code as :meth:`DecodeGraphs.run_eager` (the same step, padded, without a graph), which is
 what tests compare them with, bit for bit.
@@ -23,12 +25,11 @@ import logging
 import time
 from collections.abc import Sequence as SequenceType
 
-import numpy as np
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
-from hf_paged.engine.block_table_buffer import BlockTableBuffer
+from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTable
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
     OnDemandSizes, graph_batch_sizes, one_call_graph_sizes)
@@ -68,11 +69,13 @@ class DecodeGraphs:
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._staging = StagingBuffer(b_max * (5 + w), self.device)  # never grows: the graphs read its address
+        self._staging = StagingBuffer(4 * b_max, self.device)  # never grows: the graphs read its address
         self._stage = self._staging.device_buffer
+        self.device_tables = DeviceBlockTable(tables, w, self.device)
         self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
         self._pos = torch.zeros(b_max, dtype=torch.int64, **dev)
         self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
+        self._lens = torch.zeros(b_max, dtype=torch.int32, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
@@ -205,20 +208,23 @@ class DecodeGraphs:
         return self._forward(size)
 
     def _forward(self, b: int) -> torch.Tensor:
-        """Everything the graph of size ``b`` records: widen the staged inputs, then the model forward."""
-        w, stage = self.width, self._stage
-        src = stage[4 * b : 5 * b]
-        self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)),
-                                           stage[:b].long()))
-        self._pos[:b].copy_(stage[b : 2 * b])
-        self._slots[:b].copy_(stage[2 * b : 3 * b])
-        seq_lens = stage[3 * b : 4 * b]
+        """Everything the graph of size ``b`` records: widen the staged inputs, gather the rows' block tables,
+        compute slots and lengths, then the model forward."""
+        w, bs, stage = self.width, self.cache.block_size, self._stage
+        ids, pos, src, rows = stage[:b], stage[b : 2 * b], stage[2 * b : 3 * b], stage[3 * b : 4 * b]
+        self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
+        self._pos[:b].copy_(pos)
+        tables = self.device_tables.table.index_select(0, rows)  # [b, w]
+        block = tables.gather(1, torch.div(pos, bs, rounding_mode="floor").long().unsqueeze(1)).squeeze(1)
+        slots = block.long() * bs + torch.remainder(pos, bs)
+        self._slots[:b].copy_(torch.where(rows < self.device_tables.pad_row, slots, -1))  # padding writes nothing
+        seq_lens = torch.add(pos, 1, out=self._lens[:b])
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self._cu_k[1 : b + 1])
         meta = PagedMetadata(
-            num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * self.cache.block_size,
-            block_size=self.cache.block_size, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
+            num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * bs,
+            block_size=bs, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
             cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
-            block_tables=stage[5 * b : 5 * b + b * w].view(b, w), slot_mapping=self._slots[:b], token_index=None,
+            block_tables=tables, slot_mapping=self._slots[:b], token_index=None,
             grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
             dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
         )
@@ -229,36 +235,28 @@ class DecodeGraphs:
         return out.logits[0]
 
     def _send(self, seqs: list[Sequence], b: int) -> None:
-        """Lay the step out in pinned memory (padding rows included) and copy it to the device in one go: numpy
-        views of the pinned buffer and of the block tables, a few list comprehensions, no host tensor ops."""
-        n, w, bs = len(seqs), self.width, self.cache.block_size
-        length = b * (5 + w)
-        host = self._staging.host_array(length)
+        """Queue the block-table entries written since the last step, then lay the step out in pinned memory
+        (padding rows included: token 0 at position 0 in the all-zero table row, which the graph gives slot -1)
+        and copy it to the device in one go."""
+        n = len(seqs)
+        self.device_tables.sync()
+        host = self._staging.host_array(4 * b)
         pos = [s.num_computed_tokens for s in seqs]  # one token each: the last one
         host[:n] = [s.token_ids[c] for s, c in zip(seqs, pos)]
         host[b : b + n] = pos
-        host[4 * b : 4 * b + n] = [s.pending_row for s in seqs]
-        rows = np.array([s.row for s in seqs], dtype=np.intp)
-        table = self.tables.entries
-        positions = host[b : b + n]
-        np.floor_divide(positions, bs, out=host[3 * b : 3 * b + n])  # (scratch: the block index of each token)
-        host[2 * b : 2 * b + n] = table[rows, host[3 * b : 3 * b + n]] * bs + positions % bs
-        np.add(positions, 1, out=host[3 * b : 3 * b + n])
-        np.take(table[:, :w], rows, axis=0, out=host[5 * b : 5 * b + n * w].reshape(n, w))
+        host[2 * b : 2 * b + n] = [s.pending_row for s in seqs]
+        host[3 * b : 3 * b + n] = [s.row for s in seqs]
         if n < b:
-            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, 1), (4 * b, -1)):
+            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, self.device_tables.pad_row)):
                 host[start + n : start + b] = value
-            host[5 * b + n * w : 5 * b + b * w] = 0
-        self._staging.send(length)
+        self._staging.send(4 * b)
 
     def _stage_padding(self, b: int) -> None:
         """A step of ``b`` padding rows (nothing written, nothing real read): what warm-up and capture run on."""
-        w, stage = self.width, self._stage
+        stage = self._stage
         stage[: 2 * b].zero_()
         stage[2 * b : 3 * b].fill_(-1)
-        stage[3 * b : 4 * b].fill_(1)
-        stage[4 * b : 5 * b].fill_(-1)
-        stage[5 * b : 5 * b + b * w].zero_()
+        stage[3 * b : 4 * b].fill_(self.device_tables.pad_row)
 
     def stats(self) -> dict:
         return {

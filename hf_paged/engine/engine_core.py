@@ -114,6 +114,7 @@ class EngineCore(TokenHandover):
                               self.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand")
         reason = graphs.capture()
         if reason is not None:
+            graphs.device_tables.close()
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
             return None
         return graphs

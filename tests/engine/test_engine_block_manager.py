@@ -13,8 +13,10 @@ import sys
 import pytest
 from hypothesis import given, settings, strategies as st
 
+import torch
 from fake_kv import check_table_rows, make_block_manager
 from hf_paged.engine import block_manager
+from hf_paged.engine.block_table_buffer import DeviceBlockTable
 from hf_paged.engine.sampling_params import SamplingParams
 from hf_paged.engine.sequence import Sequence
 
@@ -47,6 +49,8 @@ def test_random_operations_keep_invariants(num_blocks, block_size, ops, all_keys
 
 def _random_operations(num_blocks, block_size, ops):
     bm, kv = make_block_manager(num_blocks, block_size, max_rows=64)
+    # A device copy of the tables' first 3 columns (the host's grow past them), synced after some of the steps
+    device_tables = DeviceBlockTable(bm.tables, 3, torch.device("cpu"))
     live: list[Sequence] = []
     for n, (op, r) in enumerate(ops):
         if op == "add":  # small vocabulary and shared starts so prefixes repeat
@@ -77,10 +81,21 @@ def _random_operations(num_blocks, block_size, ops):
         check_table_rows(bm, live)
         for seq in live:
             kv.check(seq)
+        if r % 3 == 0:  # several steps' writes (rows freed and taken again among them) reach the copy at once
+            device_tables.sync()
+            check_device_rows(device_tables, live)
     for seq in live:
         bm.free(seq)
     bm.check_invariants([])
     assert bm.num_free_blocks == num_blocks
+
+
+def check_device_rows(device_tables: DeviceBlockTable, seqs: list[Sequence]) -> None:
+    """The device copy holds every live sequence's blocks in the columns it keeps; its padding row stays 0."""
+    for seq in seqs:
+        kept = min(len(seq.block_table), device_tables.width)
+        assert device_tables.table[seq.row, :kept].tolist() == seq.block_table[:kept], seq
+    assert not device_tables.table[device_tables.pad_row].any()
 
 
 def _compute(bm, kv, seq, n):
