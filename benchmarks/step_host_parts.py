@@ -2,7 +2,7 @@
 
 Builds the engine of ``engine_overhead.py`` (256 running requests of ~1k tokens; ``--model tiny``: a one-layer
 Llama, so decode steps replay CUDA graphs on a GPU) and wraps the step's parts in wall-clock timers (a fraction of a
-microsecond each): scheduling, the graph inputs' layout, the graph launch, the sampling batch, the sampler's
+microsecond each): scheduling, the graph inputs' layout (the block-table sync and the staging copies within it), the graph launch, the sampling batch, the sampler's
 launches, the token copy, the wait for the tokens, the hand-over and the commit. Each timed step is bracketed by a
 device synchronization, as in ``engine_overhead.py``. On a GPU it then times ``CUDAGraph.replay()`` alone for
 graphs of 1 to 400 small kernels, and counts the kernels one eager decode step of the tiny model launches, so the
@@ -25,11 +25,15 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 import torch  # noqa: E402
 
 from engine_overhead import build_engine  # noqa: E402
-from hf_paged.engine import cuda_graphs, engine_core, handover, inflight, sampler, scheduler  # noqa: E402
+from hf_paged.engine import (  # noqa: E402
+    block_table_buffer, cuda_graphs, engine_core, handover, inflight, sampler, scheduler, staging)
 
 PARTS = (
     (scheduler.Scheduler, "schedule"),
     (cuda_graphs.DecodeGraphs, "_send"),
+    (block_table_buffer.DeviceBlockTable, "sync"),
+    (staging.StagingBuffer, "host_array"),
+    (staging.StagingBuffer, "send"),
     (torch.cuda.CUDAGraph, "replay"),
     (sampler.SamplingBatch, "build"),
     (sampler.Sampler, "__call__"),
@@ -104,6 +108,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--model", choices=("stub", "tiny"), default="tiny")
+    parser.add_argument("--gc-off", action="store_true", help="disable Python's garbage collector while timing")
     parser.add_argument("--engine-kwargs", type=eval, default={}, help="dict literal passed to hf_paged.Engine")
     args = parser.parse_args(argv)
     args.profile = 0
@@ -117,6 +122,11 @@ def main(argv: list[str] | None = None) -> None:
     for _ in range(10):
         engine.step()
     totals.clear()
+    if args.gc_off:
+        import gc
+
+        gc.collect()
+        gc.disable()
     times = []
     for _ in range(args.steps):
         sync()
@@ -127,7 +137,8 @@ def main(argv: list[str] | None = None) -> None:
     graphs = (engine.stats().get("cuda_graphs") or {}).get("replays", 0)
     where = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{args.requests} requests, vocab {args.vocab}, {args.model} model on {where}, graph replays {graphs}")
-    print(f"step: median {statistics.median(times) * 1e3:.3f} ms, min {min(times) * 1e3:.3f} ms")
+    print(f"step: median {statistics.median(times) * 1e3:.3f} ms, mean {statistics.mean(times) * 1e3:.3f} ms, "
+          f"min {min(times) * 1e3:.3f} ms (garbage collector {'off' if args.gc_off else 'on'})")
     for label, seconds in sorted(totals.items(), key=lambda kv: -kv[1]):
         print(f"  {label:32s} {seconds / args.steps * 1e3:.3f} ms per step")
     if cuda:

@@ -89,7 +89,8 @@ class BlockManager:
             key = block_key(key, self._token_bytes(token_ids, i))
         return key
 
-    def _register_full_blocks(self, seq: Sequence) -> None:
+    def register_full_blocks(self, seq: Sequence) -> None:
+        """Make ``seq``'s computed full blocks not registered yet findable in the prefix cache."""
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
             parent, tokens = seq.last_block_hash, self._token_bytes(seq.token_ids, i)
             key, block = block_key(parent, tokens), seq.block_table[i]
@@ -191,7 +192,7 @@ class BlockManager:
         for seq, n in zip(seqs, num_computed):
             c = seq.num_computed_tokens = seq.num_computed_tokens + n
             if c // bs > seq.num_hashed_blocks:
-                self._register_full_blocks(seq)
+                self.register_full_blocks(seq)
 
     def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:
         """Let ``child`` share ``parent``'s blocks holding its first ``num_computed`` tokens."""

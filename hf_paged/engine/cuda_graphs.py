@@ -22,6 +22,7 @@ what tests compare them with, bit for bit.
 from __future__ import annotations
 
 import logging
+import operator
 import time
 from collections.abc import Sequence as SequenceType
 
@@ -39,6 +40,7 @@ from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
 
 logger = logging.getLogger("hf_paged")
+_COMPUTED = operator.attrgetter("num_computed_tokens")
 
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``cache``, one per batch size in ``sizes``.
@@ -86,6 +88,7 @@ class DecodeGraphs:
         self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
         self.memory_bytes = 0
         self.replays = 0
+        self._positions: tuple[list[Sequence] | None, list[int]] = (None, [])
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
     def size_for(self, seqs: list[Sequence], num_tokens: list[int]) -> int | None:
@@ -95,7 +98,9 @@ class DecodeGraphs:
         n = len(seqs)
         if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
             return None
-        longest = max([s.num_computed_tokens for s in seqs])
+        positions = list(map(_COMPUTED, seqs))  # each one's new token: its last
+        self._positions = (seqs, positions)  # (for _send, which the same step calls next)
+        longest = max(positions)
         if not longest or longest >= self.width * self.cache.block_size:
             return None
         size = next(s for s in self.sizes if s >= n)
@@ -241,7 +246,9 @@ class DecodeGraphs:
         n = len(seqs)
         self.device_tables.sync()
         host = self._staging.host_array(4 * b)
-        pos = [s.num_computed_tokens for s in seqs]  # one token each: the last one
+        known, pos = self._positions
+        if known is not seqs:
+            pos = list(map(_COMPUTED, seqs))
         host[:n] = [s.token_ids[c] for s, c in zip(seqs, pos)]
         host[b : b + n] = pos
         host[2 * b : 2 * b + n] = [s.pending_row for s in seqs]

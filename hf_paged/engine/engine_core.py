@@ -233,6 +233,12 @@ class EngineCore(TokenHandover):
     def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
         """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
         sequences that finished meanwhile (their step before was their last) are left out."""
+        seqs = batch.seqs
+        if (launched is not None and len(launched.seqs) == len(seqs) == batch.total_tokens
+                and SequenceStatus.FINISHED not in map(_status, seqs)):
+            self._commit_decode(seqs)  # (the usual decode step)
+            self._inflight = launched
+            return
         self.scheduler.commit(_without_finished(batch))
         if launched is not None:
             seqs = launched.seqs
@@ -243,6 +249,17 @@ class EngineCore(TokenHandover):
                     seq.token_ids.append(PLACEHOLDER)
                     seq.pending_row = row
             self._inflight = launched
+
+    def _commit_decode(self, seqs: list[Sequence]) -> None:
+        """The commit of a step in which every sequence computed one token and sampled the next, in one pass."""
+        bm = self.block_manager
+        bs, register = bm.block_size, bm.register_full_blocks if bm.enable_prefix_caching else None
+        for row, seq in enumerate(seqs):
+            c = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            seq.token_ids.append(PLACEHOLDER)
+            seq.pending_row = row
+            if register is not None and c // bs > seq.num_hashed_blocks:
+                register(seq)
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

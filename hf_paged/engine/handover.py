@@ -8,8 +8,12 @@ length check that end nothing.
 
 from __future__ import annotations
 
+import operator
+
 from hf_paged.engine import validation
 from hf_paged.engine.sequence import Sequence, SequenceStatus
+
+_STATUS, _PENDING_ROW = operator.attrgetter("status"), operator.attrgetter("pending_row")
 
 
 class TokenHandover:
@@ -24,12 +28,14 @@ class TokenHandover:
             return []
         tokens, logprobs = step.wait()
         self._inflight = None
-        got = [seq for seq in step.seqs if seq.pending_row >= 0 and seq.status is not SequenceStatus.FINISHED]
-        if len(got) == len(step.seqs):
-            self._take_tokens(got, tokens, logprobs)
-        else:  # some were aborted (or failed) while their token was in flight
-            rows = [seq.pending_row for seq in got]
-            self._take_tokens(got, [tokens[r] for r in rows], [logprobs[r] for r in rows])
+        got = step.seqs
+        if got and SequenceStatus.FINISHED not in map(_STATUS, got) and min(map(_PENDING_ROW, got)) >= 0:
+            self._take_tokens(got, tokens, logprobs)  # (the usual case, checked at C speed)
+            return got
+        # some were aborted (or failed) while their token was in flight
+        got = [seq for seq in got if seq.pending_row >= 0 and seq.status is not SequenceStatus.FINISHED]
+        rows = [seq.pending_row for seq in got]
+        self._take_tokens(got, [tokens[r] for r in rows], [logprobs[r] for r in rows])
         return got
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float | None]) -> None:
