@@ -5,15 +5,16 @@ smallest size ``b >= n``; rows ``n..b`` are padding (token 0, slot -1 so nothing
 
 Every input a step changes lives in one device buffer of int32, laid out per size ``b`` as::
 
-    [ input ids (b) | positions (b) | id sources (b) | block-table rows (b) ]
+    [ input ids (b) | positions (b) | id sources (b) | block-table rows (b) | table updates: int64 flat indices
+      (2b) and values (b) ]
 
-The host fills the same layout in pinned memory and sends it with one copy; the block tables themselves stay on the
-device (``DeviceBlockTable``: only the entries written since the step before travel, before the launch). The graph
-widens ids and positions to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous
-step's sampled tokens, gathers its rows' tables and computes the slots, context lengths and their prefix sums, so
-one launch and one copy serve a step. Attention metadata that is fixed per size (``max_seqlen_k`` = the table's
-capacity, which fixes the decode kernel's split length and workspace in the backend's step plan) is decided at
-capture.
+The host fills the same layout in pinned memory and sends it with one copy. The block tables themselves stay on the
+device (``DeviceBlockTable``): a step brings the entries written since the step before (up to ``b`` of them, about
+one per 16 sequences in steady decode; more are queued apart first) and applies them. The graph widens ids and
+positions to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous step's sampled
+tokens, gathers its rows' tables and computes the slots, context lengths and their prefix sums, so one launch and
+one copy serve a step. Attention metadata that is fixed per size (``max_seqlen_k`` = the table's capacity, which
+fixes the decode kernel's split length and workspace in the backend's step plan) is decided at capture.
 
 The graphs run the same code as :meth:`DecodeGraphs.run_eager` (the same step, padded, without a graph), which is
 what tests compare them with, bit for bit.
@@ -26,6 +27,7 @@ import operator
 import time
 from collections.abc import Sequence as SequenceType
 
+import numpy as np
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
@@ -71,7 +73,7 @@ class DecodeGraphs:
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._staging = StagingBuffer(4 * b_max, self.device)  # never grows: the graphs read its address
+        self._staging = StagingBuffer(7 * b_max, self.device)  # never grows: the graphs read its address
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
         self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
@@ -217,6 +219,7 @@ class DecodeGraphs:
         compute slots and lengths, then the model forward."""
         w, bs, stage = self.width, self.cache.block_size, self._stage
         ids, pos, src, rows = stage[:b], stage[b : 2 * b], stage[2 * b : 3 * b], stage[3 * b : 4 * b]
+        self.device_tables.table.view(-1).index_copy_(0, stage[4 * b : 6 * b].view(torch.int64), stage[6 * b : 7 * b])
         self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
         self._pos[:b].copy_(pos)
         tables = self.device_tables.table.index_select(0, rows)  # [b, w]
@@ -240,12 +243,16 @@ class DecodeGraphs:
         return out.logits[0]
 
     def _send(self, seqs: list[Sequence], b: int) -> None:
-        """Queue the block-table entries written since the last step, then lay the step out in pinned memory
-        (padding rows included: token 0 at position 0 in the all-zero table row, which the graph gives slot -1)
-        and copy it to the device in one go."""
-        n = len(seqs)
-        self.device_tables.sync()
-        host = self._staging.host_array(4 * b)
+        """Lay the step out in pinned memory and copy it to the device in one go: padding rows are token 0 at
+        position 0 in the all-zero table row (the graph gives them slot -1), unused table updates go to the scratch
+        entry. Table updates beyond ``b`` are queued apart first."""
+        n, tables = len(seqs), self.device_tables
+        flat, values = tables.changes()
+        k = len(flat)
+        if k > b:
+            tables.send(flat, values)
+            k = 0
+        host = self._staging.host_array(7 * b)
         known, pos = self._positions
         if known is not seqs:
             pos = list(map(_COMPUTED, seqs))
@@ -254,9 +261,14 @@ class DecodeGraphs:
         host[2 * b : 2 * b + n] = [s.pending_row for s in seqs]
         host[3 * b : 3 * b + n] = [s.row for s in seqs]
         if n < b:
-            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, self.device_tables.pad_row)):
+            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, tables.pad_row)):
                 host[start + n : start + b] = value
-        self._staging.send(4 * b)
+        updates = host[4 * b : 6 * b].view(np.int64)
+        updates[:k] = flat[:k]
+        updates[k:] = tables.trash_index
+        host[6 * b : 6 * b + k] = values[:k]
+        host[6 * b + k : 7 * b] = 0
+        self._staging.send(7 * b)
 
     def _stage_padding(self, b: int) -> None:
         """A step of ``b`` padding rows (nothing written, nothing real read): what warm-up and capture run on."""
@@ -264,6 +276,8 @@ class DecodeGraphs:
         stage[: 2 * b].zero_()
         stage[2 * b : 3 * b].fill_(-1)
         stage[3 * b : 4 * b].fill_(self.device_tables.pad_row)
+        stage[4 * b : 6 * b].view(torch.int64).fill_(self.device_tables.trash_index)
+        stage[6 * b : 7 * b].zero_()
 
     def stats(self) -> dict:
         return {

@@ -199,6 +199,8 @@ class EngineCore(TokenHandover):
         sampled = list(compress(batch.seqs, batch.sample))
         size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
         if size is None:
+            if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
+                self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
                              self.cache.block_size)
             with self._device_work():
