@@ -2,7 +2,7 @@
 
 Builds the engine of ``engine_overhead.py`` (256 running requests of ~1k tokens; ``--model tiny``: a one-layer
 Llama, so decode steps replay CUDA graphs on a GPU) and wraps the step's parts in wall-clock timers (a fraction of a
-microsecond each): scheduling, the graph inputs' layout (the block-table sync and the staging copies within it), the graph launch, the sampling batch, the sampler's
+microsecond each): scheduling, the graph inputs' layout (the block-table sync and the staging copies within it), the graph launch (or, on the eager path, the step plan, its copy and the forward), the sampling batch, the sampler's
 launches, the token copy, the wait for the tokens, the hand-over and the commit. Each timed step is bracketed by a
 device synchronization, as in ``engine_overhead.py``. On a GPU it then times ``CUDAGraph.replay()`` alone for
 graphs of 1 to 400 small kernels, and counts the kernels one eager decode step of the tiny model launches, so the
@@ -26,7 +26,7 @@ import torch  # noqa: E402
 
 from engine_overhead import build_engine  # noqa: E402
 from hf_paged.engine import (  # noqa: E402
-    block_table_buffer, cuda_graphs, engine_core, handover, inflight, sampler, scheduler, staging)
+    block_table_buffer, cuda_graphs, engine_core, handover, inflight, runner, sampler, scheduler, staging)
 
 PARTS = (
     (scheduler.Scheduler, "schedule"),
@@ -35,6 +35,8 @@ PARTS = (
     (staging.StagingBuffer, "host_array"),
     (staging.StagingBuffer, "send"),
     (torch.cuda.CUDAGraph, "replay"),
+    (runner.ModelRunner, "forward"),
+    (runner.ModelRunner, "_to_device"),
     (sampler.SamplingBatch, "build"),
     (sampler.Sampler, "__call__"),
     (inflight.TokenReceiver, "send"),
@@ -45,7 +47,18 @@ PARTS = (
 
 
 def wrap_parts(totals: dict[str, float]) -> None:
-    """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``."""
+    """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``; ``runner.plan_step`` (a
+    module function) is timed where the engine calls it."""
+    plan = engine_core.plan_step
+
+    def timed_plan(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return plan(*args, **kwargs)
+        finally:
+            totals["plan_step"] += time.perf_counter() - start
+
+    engine_core.plan_step = timed_plan
     for owner, name in PARTS:
         raw = owner.__dict__[name]
         is_classmethod = isinstance(raw, classmethod)

@@ -9,6 +9,7 @@ set to the sampled positions only.
 
 from __future__ import annotations
 
+import operator
 from array import array
 from collections.abc import Iterator
 from contextlib import contextmanager, nullcontext
@@ -29,6 +30,7 @@ from hf_paged.hf.compat import cache_keyword
 
 #: The segments of a plan's layout, in order; each is ``T`` (tokens), ``S`` (sources: ``T`` or 0), ``N`` (sampled
 #: rows), ``B`` (sequences), ``B + 1`` or ``B x W`` (block-table width) int32 values long.
+_COMPUTED, _ROW, _PENDING_ROW = (operator.attrgetter(a) for a in ("num_computed_tokens", "row", "pending_row"))
 _SEGMENTS = ("input_ids", "position_ids", "slot_mapping", "token_sources", "logits_indices", "q_lens", "seq_lens_k",
              "cu_seqlens_q", "cu_seqlens_k", "block_tables")
 
@@ -99,7 +101,7 @@ def plan_step(
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
     if sum(num_tokens) == len(seqs):
-        ids, pos, slots, keep, q, ctx, rows, pending = _decode_columns(seqs, sample, block_size)
+        ids, pos, slots, keep, q, ctx, rows, pending = _decode_columns(seqs, sample, block_size, tables.entries)
     else:
         ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
     t = len(ids)
@@ -132,18 +134,30 @@ def plan_step(
                     step_phase(num_seqs, sum(ctx) > t, t == num_seqs), has_padding=pad > 0)
 
 
-def _decode_columns(seqs: list[Sequence], sample: list[bool], bs: int) -> tuple:
-    """The columns of a step of one token per sequence: one list comprehension each (twice as fast as a loop)."""
-    cs = [s.num_computed_tokens for s in seqs]
+def _decode_columns(seqs: list[Sequence], sample: list[bool], bs: int, entries: np.ndarray) -> tuple:
+    """The columns of a step of one token per sequence: a list comprehension or a C-speed map each, the slots in
+    numpy from the block-table rows (``entries``)."""
+    cs = array("i", map(_COMPUTED, seqs))
     ids = array("i", [s.token_ids[c] for s, c in zip(seqs, cs)])
-    slots = array("i", [s.block_table[c // bs] * bs + c % bs for s, c in zip(seqs, cs)])
-    rows = array("i", [s.row for s in seqs])
-    keep = array("i", range(len(seqs)) if all(sample) else [i for i, smp in enumerate(sample) if smp])
-    pending = [s.pending_row for s in seqs]
+    rows = array("i", map(_ROW, seqs))
+    computed = np.frombuffer(cs, dtype=np.int32)
+    slots = array("i", (entries[np.frombuffer(rows, dtype=np.int32), computed // bs] * bs + computed % bs).tobytes())
+    keep = _first(len(seqs)) if all(sample) else array("i", [i for i, smp in enumerate(sample) if smp])
+    pending = list(map(_PENDING_ROW, seqs))
     pending = ([(i, r) for i, (r, smp) in enumerate(zip(pending, sample)) if r >= 0 and smp]
                if max(pending) >= 0 else [])
-    return ids, array("i", cs), slots, keep, array("i", (1,)) * len(seqs), array("i", [c + 1 for c in cs]), rows, \
-        pending
+    return ids, cs, slots, keep, array("i", (1,)) * len(seqs), array("i", (computed + 1).tobytes()), rows, pending
+
+
+_RANGE = array("i", range(1024))
+
+
+def _first(n: int) -> array:
+    """``array("i", range(n))``, sliced from a kept one."""
+    global _RANGE
+    if n > len(_RANGE):
+        _RANGE = array("i", range(2 * n))
+    return _RANGE[:n]
 
 
 def _chunk_columns(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], bs: int) -> tuple:
