@@ -12,6 +12,7 @@ Each forward, the registered ``"hf_paged"`` mask function asks this cache to *pl
 their new real tokens (padding takes none), and the plan's flat tensors (slot mapping, block tables, sequence
 lengths) are built once and handed to every layer as its ``attention_mask``. Each layer's ``update`` packs the new
 K/V of the real tokens; the attention function writes them into their slots and attends through the block tables.
+What else ``generate`` asks of a cache (sizes, flags, beam reordering, crops) is in ``cache_interface``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from hf_paged.attention.dispatch import Dispatcher
 from hf_paged.attention.kv_quant import kv_storage_dtype
 from hf_paged.attention.metadata import PagedMetadata, build_metadata
 from hf_paged.cache.batch_tables import BatchTables
+from hf_paged.cache.cache_interface import CacheInterface
 from hf_paged.cache.kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
 from hf_paged.cache.model_calls import basic_calls
 from hf_paged.cache.paged_layer import PagedLayer, PlanOffset
@@ -36,7 +38,7 @@ from hf_paged.hf.support import check_model_supported
 _GIVEN_PLAN = "given"  # plan key of a plan handed over by begin_step
 
 
-class PagedAttentionCache(Cache):
+class PagedAttentionCache(CacheInterface, Cache):
     """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
 
     Args:
@@ -118,63 +120,6 @@ class PagedAttentionCache(Cache):
         self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool.kv_caches,
                                         self.dispatcher, max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
-
-    # ----- sizes transformers asks for -------------------------------------------------------------------------
-    @property
-    def block_size(self) -> int:
-        return self.pool.block_size
-
-    @property
-    def num_blocks(self) -> int:
-        return self.pool.num_blocks
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Columns of the ``generate`` batch seen so far (padding included, as transformers counts them)."""
-        return self.rows.num_columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if torch.compiler.is_compiling():  # unread: the plan is made before a compiled forward (and a step-varying
-            return query_length, 0  # int read while tracing would recompile every step)
-        return self.rows.num_columns + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        if torch.compiler.is_compiling():  # the plan comes in attention_mask; the mask function says so if not
-            return self._traced_offset
-        return PlanOffset(self.rows.num_columns, self)
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
-
-    @property
-    def batch_size(self) -> int:
-        return self.rows.num_rows
-
-    @property
-    def is_compileable(self) -> bool:
-        """Whether decode steps have fixed shapes and no host syncs, so that ``generate`` may compile them (see
-        ``compileable``); when not, the reason is logged once."""
-        return self.compile_mode.enabled
-
-    @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
-
-    # generate (transformers 5.17 to 5.24) sets this on a cache the caller passed, once at the start of each call:
-    # the one sign a cache gets that a new call begins, before generate asks get_seq_length() how much of the input
-    # to skip. An empty cache makes it feed the whole input.
-    @property
-    def _is_user_defined(self) -> bool:
-        return self._passed_to_generate
-
-    @_is_user_defined.setter
-    def _is_user_defined(self, value: bool) -> None:
-        self._passed_to_generate = value
-        if value:
-            self.reset()
 
     # ----- one step --------------------------------------------------------------------------------------------
     def begin_step(self, meta: PagedMetadata) -> None:
@@ -295,32 +240,6 @@ class PagedAttentionCache(Cache):
         self._plan_used = True
         index = plan.on(k_cache.device).token_index
         return _pack(key_states, index), _pack(value_states, index)
-
-    # ----- batch edits generate performs -----------------------------------------------------------------------
-    def reset(self) -> None:
-        """Free every sequence's blocks (each generate call starts with this)."""
-        self.rows.reset()
-        self._plan = None
-
-    def crop(self, max_length: int) -> None:
-        """Keep the first ``max_length`` columns (negative: drop that many from the end)."""
-        if max_length < 0:
-            max_length = self.rows.num_columns - abs(max_length)
-        self.rows.crop(max(max_length, 0))
-        self._plan = None
-
-    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
-        # The block tables live on the host: beam search reads its beam indices back once per step.
-        self.rows.select_rows(beam_idx.tolist())
-        self._plan = None
-
-    def batch_repeat_interleave(self, repeats: int) -> None:
-        self.rows.select_rows([r for r in range(self.rows.num_rows) for _ in range(repeats)])
-        self._plan = None
-
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
-        self.rows.select_rows(torch.as_tensor(indices).tolist())
-        self._plan = None
 
     # ----- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
