@@ -112,9 +112,11 @@ def build_engine(args: argparse.Namespace) -> hf_paged.Engine:
     return engine
 
 
-def time_steps(engine: hf_paged.Engine, steps: int, sync, profile: int = 0) -> tuple[list[float], dict, float]:
-    """Per-step seconds (each step bracketed by ``sync``), mean ms per phase over them, and the mean seconds per
-    step of as many steps again with one ``sync`` at the end. ``profile``: print the functions of most host time
+def time_steps(engine: hf_paged.Engine, steps: int, sync,
+               profile: int = 0) -> tuple[list[float], list[float], dict, float]:
+    """Per-step seconds (each step bracketed by ``sync``), the calling thread's CPU seconds in each ``step()`` (time
+    the host spent elsewhere, descheduled on a busy machine, is not in them), mean ms per phase over the steps, and
+    the mean seconds per step of as many steps again with one ``sync`` at the end. ``profile``: print the functions of most host time
     over an extra ``steps`` steps (cProfile; its own overhead inflates the total)."""
     if profile:
         import cProfile
@@ -127,11 +129,12 @@ def time_steps(engine: hf_paged.Engine, steps: int, sync, profile: int = 0) -> t
         sync()
         profiler.disable()
         pstats.Stats(profiler).sort_stats("tottime").print_stats(profile)
-    before, times = engine.stats(), []
+    before, times, cpu = engine.stats(), [], []
     for _ in range(steps):
         sync()
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         engine.step()
+        cpu.append(time.thread_time() - c)
         sync()
         times.append(time.perf_counter() - t)
     phases = phase_ms_between(before, engine.stats())
@@ -139,7 +142,7 @@ def time_steps(engine: hf_paged.Engine, steps: int, sync, profile: int = 0) -> t
     for _ in range(steps):
         engine.step()
     sync()
-    return times, phases, (time.perf_counter() - start) / steps
+    return times, cpu, phases, (time.perf_counter() - start) / steps
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -161,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
     sync = torch.cuda.synchronize if args.device == "cuda" else (lambda: None)
 
     engine = build_engine(args)
-    times, phases, unsynced = time_steps(engine, args.steps, sync, args.profile)
+    times, cpu, phases, unsynced = time_steps(engine, args.steps, sync, args.profile)
     stats = engine.stats()
     if stats["running"] != args.requests or stats["preemptions"]:
         raise RuntimeError(f"expected {args.requests} running requests and no preemption, got {stats}")
@@ -174,6 +177,8 @@ def main(argv: list[str] | None = None) -> None:
     unsynced = f"; without per-step sync: mean {unsynced * 1e3:.3f} ms" if args.device == "cuda" else ""
     print(f"engine overhead per decode step: median {statistics.median(ms):.3f} ms, mean {statistics.mean(ms):.3f} "
           f"ms, min {min(ms):.3f} ms (goal <= 1 ms){unsynced}")
+    print(f"CPU time of the stepping thread per step: median {statistics.median(cpu) * 1e3:.3f} ms, min "
+          f"{min(cpu) * 1e3:.3f} ms (without the time it waited for a core)")
     print("mean per phase:", ", ".join(f"{k} {v:.3f} ms" for k, v in phases.items()))
 
 

@@ -18,6 +18,7 @@ import collections
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
@@ -46,24 +47,15 @@ PARTS = (
 )
 
 
-def wrap_parts(totals: dict[str, float]) -> None:
+def wrap_parts(totals: dict[str, float]) -> Callable[[], None]:
     """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``; ``runner.plan_step`` (a
-    module function) is timed where the engine calls it."""
-    plan = engine_core.plan_step
-
-    def timed_plan(*args, **kwargs):
-        start = time.perf_counter()
-        try:
-            return plan(*args, **kwargs)
-        finally:
-            totals["plan_step"] += time.perf_counter() - start
-
-    engine_core.plan_step = timed_plan
-    for owner, name in PARTS:
-        raw = owner.__dict__[name]
+    module function) is timed where the engine calls it. Returns the function that puts the parts back."""
+    saved = [(engine_core, "plan_step", engine_core.plan_step)]
+    saved += [(owner, name, owner.__dict__[name]) for owner, name in PARTS]
+    for owner, name, raw in saved:
         is_classmethod = isinstance(raw, classmethod)
         fn = raw.__func__ if is_classmethod else raw
-        label = f"{owner.__name__}.{name}"
+        label = name if owner is engine_core else f"{owner.__name__}.{name}"
 
         def timed(*args, _fn=fn, _label=label, **kwargs):
             start = time.perf_counter()
@@ -73,6 +65,12 @@ def wrap_parts(totals: dict[str, float]) -> None:
                 totals[_label] += time.perf_counter() - start
 
         setattr(owner, name, classmethod(timed) if is_classmethod else timed)
+
+    def unwrap() -> None:
+        for owner, name, raw in saved:
+            setattr(owner, name, raw)
+
+    return unwrap
 
 
 def graph_launch_cost(device: str, nodes_list=(1, 10, 50, 100, 200, 400), reps: int = 200) -> dict[int, float]:
@@ -131,22 +129,26 @@ def main(argv: list[str] | None = None) -> None:
 
     engine = build_engine(args)
     totals: dict[str, float] = collections.defaultdict(float)
-    wrap_parts(totals)
-    for _ in range(10):
-        engine.step()
-    totals.clear()
-    if args.gc_off:
-        import gc
+    unwrap = wrap_parts(totals)
+    import gc
 
-        gc.collect()
-        gc.disable()
-    times = []
-    for _ in range(args.steps):
-        sync()
-        start = time.perf_counter()
-        engine.step()
-        sync()
-        times.append(time.perf_counter() - start)
+    try:
+        for _ in range(10):
+            engine.step()
+        totals.clear()
+        if args.gc_off:
+            gc.collect()
+            gc.disable()
+        times = []
+        for _ in range(args.steps):
+            sync()
+            start = time.perf_counter()
+            engine.step()
+            sync()
+            times.append(time.perf_counter() - start)
+    finally:
+        gc.enable()
+        unwrap()
     graphs = (engine.stats().get("cuda_graphs") or {}).get("replays", 0)
     where = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"{args.requests} requests, vocab {args.vocab}, {args.model} model on {where}, graph replays {graphs}")

@@ -23,6 +23,7 @@ import generate_host_overhead  # noqa: E402
 import graph_capture  # noqa: E402
 import generate_latency  # noqa: E402
 import plot_e2e  # noqa: E402
+import step_host_parts  # noqa: E402
 from decode_profile import _covered_us  # noqa: E402
 from e2e_report import read_rows  # noqa: E402
 from other_transformers import shadowed_transformers_env  # noqa: E402
@@ -102,6 +103,25 @@ def test_engine_overhead_smoke():
     out = _run(engine_overhead.main, ["--requests", "8", "--context", "100", "--steps", "5",
                                       "--threads", str(torch.get_num_threads())])
     assert "8 running requests" in out and "engine overhead per decode step: median" in out
+
+
+def test_engine_overhead_reports_the_stepping_threads_cpu_time():
+    out = _run(engine_overhead.main, ["--requests", "4", "--context", "60", "--steps", "4"])
+    line = next(l for l in out.splitlines() if l.startswith("CPU time of the stepping thread per step: median"))
+    assert float(line.split("median ")[1].split(" ms")[0]) > 0
+
+
+def test_step_host_parts_times_the_parts_and_puts_them_back():
+    """The parts a step calls are timed (the eager path's plan and forward on the CPU), and the engine's classes
+    are as before once it returns."""
+    from hf_paged.engine import engine_core, scheduler
+
+    before = (scheduler.Scheduler.__dict__["schedule"], engine_core.plan_step)
+    out = _run(step_host_parts.main, ["--requests", "4", "--context", "60", "--steps", "4", "--model", "stub"])
+    parts = {l.split()[0]: float(l.split()[1]) for l in out.splitlines() if l.endswith("ms per step")}
+    assert {"Scheduler.schedule", "plan_step", "ModelRunner.forward", "EngineCore._commit"} <= set(parts), out
+    assert all(ms > 0 for ms in parts.values()), parts
+    assert (scheduler.Scheduler.__dict__["schedule"], engine_core.plan_step) == before
 
 
 def test_stub_model_keeps_rows_like_a_causal_lm():
