@@ -145,18 +145,23 @@ def time_steps(engine: hf_paged.Engine, steps: int, sync,
     return times, cpu, phases, (time.perf_counter() - start) / steps
 
 
-def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_workload_arguments(parser: argparse.ArgumentParser, model: str = "stub") -> None:
+    """The options that shape the engine and its requests (``build_engine`` reads them); ``model``: the default."""
     parser.add_argument("--requests", type=int, default=256)
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
-    parser.add_argument("--model", choices=("stub", "tiny"), default="stub",
+    parser.add_argument("--model", choices=("stub", "tiny"), default=model,
                         help="stub: fixed logits, eager steps; tiny: a one-layer Llama, production decode path")
-    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
     parser.add_argument("--engine-kwargs", type=json.loads, default={}, help="JSON dict passed to hf_paged.Engine")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_workload_arguments(parser)
+    parser.add_argument("--threads", type=int, default=1, help="torch CPU threads")
+    parser.add_argument("--profile", type=int, default=0, metavar="N", help="print the N costliest functions")
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise SystemExit("--device cuda needs a CUDA GPU; run without it to measure on the CPU")

@@ -25,7 +25,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 
 import torch  # noqa: E402
 
-from engine_overhead import build_engine  # noqa: E402
+from engine_overhead import add_workload_arguments, build_engine  # noqa: E402
 from hf_paged.engine import (  # noqa: E402
     block_table_buffer, cuda_graphs, engine_core, handover, inflight, runner, sampler, scheduler, staging)
 
@@ -113,14 +113,8 @@ def kernels_per_step(engine) -> int:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--requests", type=int, default=256)
-    parser.add_argument("--context", type=int, default=1000)
-    parser.add_argument("--vocab", type=int, default=1024)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--model", choices=("stub", "tiny"), default="tiny")
+    add_workload_arguments(parser, model="tiny")
     parser.add_argument("--gc-off", action="store_true", help="disable Python's garbage collector while timing")
-    parser.add_argument("--engine-kwargs", type=eval, default={}, help="dict literal passed to hf_paged.Engine")
     args = parser.parse_args(argv)
     args.profile = 0
     torch.set_num_threads(1)
