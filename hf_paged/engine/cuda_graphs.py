@@ -90,7 +90,6 @@ class DecodeGraphs:
         self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
         self.memory_bytes = 0
         self.replays = 0
-        self._positions: tuple[list[Sequence] | None, list[int]] = (None, [])
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
     def size_for(self, seqs: list[Sequence], num_tokens: list[int]) -> int | None:
@@ -100,9 +99,7 @@ class DecodeGraphs:
         n = len(seqs)
         if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
             return None
-        positions = list(map(_COMPUTED, seqs))  # each one's new token: its last
-        self._positions = (seqs, positions)  # (for _send, which the same step calls next)
-        longest = max(positions)
+        longest = max(map(_COMPUTED, seqs))
         if not longest or longest >= self.width * self.cache.block_size:
             return None
         size = next(s for s in self.sizes if s >= n)
@@ -253,9 +250,7 @@ class DecodeGraphs:
             tables.send(flat, values)
             k = 0
         host = self._staging.host_array(7 * b)
-        known, pos = self._positions
-        if known is not seqs:
-            pos = list(map(_COMPUTED, seqs))
+        pos = list(map(_COMPUTED, seqs))  # one token each: the last one
         host[:n] = [s.token_ids[c] for s, c in zip(seqs, pos)]
         host[b : b + n] = pos
         host[2 * b : 2 * b + n] = [s.pending_row for s in seqs]
