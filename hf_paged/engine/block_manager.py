@@ -167,6 +167,17 @@ class BlockManager:
             self.reserve(seq, n)
         return n
 
+    def add_last_blocks(self, seqs: list[Sequence]) -> bool:
+        """Give each of ``seqs`` one more block (each holds only full blocks of its own: nothing to copy); all or
+        nothing: False, giving none, when the free list holds fewer."""
+        if len(seqs) > self.allocator.num_free:
+            return False
+        for seq, block in zip(seqs, self._allocate(len(seqs))):
+            table = seq.block_table
+            table.append(block)
+            self.tables.write(seq.row, len(table) - 1, (block,))
+        return True
+
     def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more tokens: copy a shared tail block, append blocks."""
         if self._needs_copy(seq):

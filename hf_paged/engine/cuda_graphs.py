@@ -36,7 +36,7 @@ from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTabl
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
     OnDemandSizes, graph_batch_sizes, one_call_graph_sizes)
-from hf_paged.engine.runner import model_call
+from hf_paged.engine.runner import DecodeColumns, model_call
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
@@ -92,14 +92,16 @@ class DecodeGraphs:
         self.replays = 0
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
-    def size_for(self, seqs: list[Sequence], num_tokens: list[int]) -> int | None:
+    def size_for(self, seqs: list[Sequence], num_tokens: list[int], longest: int | None = None) -> int | None:
         """The captured size that serves this step, or None when it must run eager: not every sequence brings
         one token, none has a cached prefix (a prefill), it has more sequences than the largest graph, or a
-        context outgrew the captured table width."""
+        context outgrew the captured table width. ``longest``: the largest computed count, when the caller
+        knows it."""
         n = len(seqs)
         if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
             return None
-        longest = max(map(_COMPUTED, seqs))
+        if longest is None:
+            longest = max(map(_COMPUTED, seqs))
         if not longest or longest >= self.width * self.cache.block_size:
             return None
         size = next(s for s in self.sizes if s >= n)
@@ -196,10 +198,11 @@ class DecodeGraphs:
         return None
 
     @torch.inference_mode()
-    def replay(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        """Run the step of ``seqs`` (one new token each) in the graph of ``size``; returns ``[size, vocab]`` logits
-        whose first ``len(seqs)`` rows are the sequences' (valid until the next replay)."""
-        self._send(seqs, size)
+    def replay(self, seqs: list[Sequence], size: int, columns: DecodeColumns | None = None) -> torch.Tensor:
+        """Run the step of ``seqs`` (one new token each; ``columns``: theirs, when the caller has them) in the
+        graph of ``size``; returns ``[size, vocab]`` logits whose first ``len(seqs)`` rows are the sequences' (valid
+        until the next replay)."""
+        self._send(columns if columns is not None else DecodeColumns.of(seqs), size)
         graph, logits = self._graphs[size]
         graph.replay()
         self.replays += 1
@@ -208,7 +211,7 @@ class DecodeGraphs:
     @torch.inference_mode()
     def run_eager(self, seqs: list[Sequence], size: int) -> torch.Tensor:
         """The same padded step as :meth:`replay`, run without a graph (the oracle of the graph tests)."""
-        self._send(seqs, size)
+        self._send(DecodeColumns.of(seqs), size)
         return self._forward(size)
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -239,22 +242,21 @@ class DecodeGraphs:
                              logits_to_keep=0, **{self._cache_kwarg: self.cache})
         return out.logits[0]
 
-    def _send(self, seqs: list[Sequence], b: int) -> None:
+    def _send(self, cols: DecodeColumns, b: int) -> None:
         """Lay the step out in pinned memory and copy it to the device in one go: padding rows are token 0 at
         position 0 in the all-zero table row (the graph gives them slot -1), unused table updates go to the scratch
         entry. Table updates beyond ``b`` are queued apart first."""
-        n, tables = len(seqs), self.device_tables
+        n, tables = len(cols.rows), self.device_tables
         flat, values = tables.changes()
         k = len(flat)
         if k > b:
             tables.send(flat, values)
             k = 0
         host = self._staging.host_array(7 * b)
-        pos = list(map(_COMPUTED, seqs))  # one token each: the last one
-        host[:n] = [s.token_ids[c] for s, c in zip(seqs, pos)]
-        host[b : b + n] = pos
-        host[2 * b : 2 * b + n] = [s.pending_row for s in seqs]
-        host[3 * b : 3 * b + n] = [s.row for s in seqs]
+        host[:n] = cols.ids
+        host[b : b + n] = cols.positions
+        host[2 * b : 2 * b + n] = cols.sources
+        host[3 * b : 3 * b + n] = cols.rows
         if n < b:
             for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, tables.pad_row)):
                 host[start + n : start + b] = value

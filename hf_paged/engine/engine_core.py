@@ -37,11 +37,12 @@ from hf_paged.engine.handover import TokenHandover
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
 from hf_paged.engine.interrupts import InterruptGuard
 from hf_paged.engine.request_registry import RequestRegistry
-from hf_paged.engine.runner import ModelRunner, plan_step
+from hf_paged.engine.runner import DecodeColumns, ModelRunner, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stats import EngineStats
+from hf_paged.engine.steady_decode import SteadyDecode
 from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.hf import placement
 from hf_paged.hf.tensor_parallel import kv_layout
@@ -96,6 +97,7 @@ class EngineCore(TokenHandover):
         self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
+        self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/steady_decode.py)
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = self._capture_graphs(cfg, tables, max_num_seqs)
@@ -125,21 +127,26 @@ class EngineCore(TokenHandover):
         finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
         self._collect_failed()
-        batch = self.scheduler.schedule()
+        steady = self._steady
+        batch = steady.schedule(self.scheduler) if steady is not None else None
+        if batch is None:
+            steady = self._steady = None
+            batch = self.scheduler.schedule()
         self._collect_failed()
         if self.lockstep is not None:
             self.lockstep.check(batch)  # every rank scheduled this batch, or all raise the same error
         clock("schedule")
         touched: list[Sequence] = []
-        if not batch.is_empty and self._inflight is not None and any(
+        if steady is None and not batch.is_empty and self._inflight is not None and any(
                 s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
             touched += self._resolve()  # the penalty reads the tokens themselves
             batch = _without_finished(batch)
         if not batch.is_empty:
             self.counters.note_step(self)
             try:
-                launched = self._launch(batch)
+                launched = self._launch(batch, steady)
             except BaseException as exc:
+                self._steady = None
                 if self.lockstep is not None and isinstance(exc, Exception):
                     self.lockstep.fail(exc)  # the ranks cannot rerun apart: all raise
                 # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
@@ -150,6 +157,10 @@ class EngineCore(TokenHandover):
                 touched += self._run_alone(_without_finished(batch), exc)
                 return touched
             clock("forward")
+            if steady is not None and self._take_steady(steady, launched):
+                touched += steady.seqs
+                clock("update")
+                return touched
             touched += self._resolve()
             clock("sample")
             self._commit(batch, launched)
@@ -157,8 +168,26 @@ class EngineCore(TokenHandover):
             touched += self._resolve()
         if not self.async_scheduling:
             touched += self._resolve()
+        self._steady = SteadyDecode.after(batch, self.scheduler, self.cache.block_size, self.max_model_len,
+                                          self.async_scheduling)
         clock("update")
         return touched
+
+    def _take_steady(self, steady: SteadyDecode, launched: InFlightStep | None) -> bool:
+        """The hand-over and the commit of a steady decode step in one pass (``SteadyDecode.commit``), when its
+        tokens end nothing and no sequence changed; False: the general hand-over and commit take the step."""
+        step = launched if not steady.pending else self._inflight
+        if (launched is None or step is None or self.scheduler.version != steady.version
+                or (step.seqs is not steady.seqs and step.seqs != steady.seqs)):
+            return False
+        tokens = step.wait_array()
+        if not steady.take_in(tokens):
+            return False
+        bm = self.block_manager
+        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None)
+        self.counters.generated_tokens += len(steady.seqs)
+        self._inflight = launched if steady.pending else None
+        return True
 
     def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
         """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
@@ -191,32 +220,42 @@ class EngineCore(TokenHandover):
         self.scheduler.finish(seq, "error", error)
         self.requests.outbox.append(seq)
 
-    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
+    def _launch(self, batch: ScheduledBatch, steady: SteadyDecode | None = None) -> InFlightStep | None:
         """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
         held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
         sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
-        step commits)."""
-        sampled = list(compress(batch.seqs, batch.sample))
-        size = self.graphs.size_for(batch.seqs, batch.num_tokens) if self.graphs is not None else None
+        step commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
+        cols = steady.columns() if steady is not None else None
+        sampled = batch.seqs if steady is not None else list(compress(batch.seqs, batch.sample))
+        size = None
+        if self.graphs is not None:
+            longest = int(cols.positions.max()) if cols is not None else None
+            size = self.graphs.size_for(batch.seqs, batch.num_tokens, longest)
         if size is None:
             if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
                 self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.cache.block_size)
+                             self.cache.block_size, columns=cols)
             with self._device_work():
-                return self._sample(sampled, self.runner.forward(plan))
+                return self._sample(sampled, self.runner.forward(plan), steady)
+        if cols is None:
+            cols = DecodeColumns.of(batch.seqs, batch.sample)
         with self._interrupts.allowed():
-            logits = self.graphs.replay(batch.seqs, size)  # reads the sequences: under the lock
+            logits = self.graphs.replay(batch.seqs, size, cols)  # reads the sequences: under the lock
         if not all(batch.sample):
             rows = [i for i, smp in enumerate(batch.sample) if smp]
             logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
         with self._device_work():
-            return self._sample(sampled, logits[: len(sampled)])
+            return self._sample(sampled, logits[: len(sampled)], steady)
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> InFlightStep | None:
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor,
+                steady: SteadyDecode | None = None) -> InFlightStep | None:
         if not sampled:
             return None
-        tokens, logprobs = self.sampler(logits, SamplingBatch.build(sampled, logits.shape[-1], logits.device))
+        sampling = steady.sampling if steady is not None else None
+        if sampling is None:
+            sampling = SamplingBatch.build(sampled, logits.shape[-1], logits.device)
+        tokens, logprobs = self.sampler(logits, sampling)
         if self.lockstep is not None:
             self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from hf_paged.engine.sequence import Sequence
@@ -22,6 +23,12 @@ class InFlightStep:
     tokens: torch.Tensor
     logprobs: torch.Tensor | None
     event: torch.cuda.Event | None
+
+    def wait_array(self) -> np.ndarray:
+        """Block until the tokens are on the host; returns them as an int64 array (a view of the host buffer)."""
+        if self.event is not None:
+            self.event.synchronize()
+        return self.tokens.numpy()
 
     def wait(self) -> tuple[list[int], list[float | None]]:
         """Block until the tokens are on the host; returns them (and the logprobs, or Nones) as lists."""

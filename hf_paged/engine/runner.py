@@ -84,6 +84,34 @@ class StepPlan:
         raise AttributeError(name)
 
 
+@dataclass(frozen=True)
+class DecodeColumns:
+    """The per-sequence columns of a decode step (one token per sequence), int32 arrays of ``B``.
+
+    ``ids``: each token's id where the host knows it; ``positions``: its position (the sequence's computed count);
+    ``sources``: the row of the in-flight step's sampled tokens that holds it (-1: the id is known); ``rows``: the
+    sequence's block-table row. Read from the sequences (:meth:`of`), or kept as arrays across steps
+    (``engine/steady_decode.py``).
+    """
+
+    ids: np.ndarray
+    positions: np.ndarray
+    sources: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], sample: list[bool] | None = None) -> DecodeColumns:
+        """Columns of ``seqs``, each computing its token at ``num_computed_tokens``. A row that does not sample
+        (``sample[i]`` False) computes a token before its last one, which the host knows."""
+        n = len(seqs)
+        pos = np.fromiter(map(_COMPUTED, seqs), np.int32, n)
+        ids = np.fromiter([s.token_ids[c] for s, c in zip(seqs, pos.tolist())], np.int32, n)
+        src = np.fromiter(map(_PENDING_ROW, seqs), np.int32, n)
+        if sample is not None and not all(sample):
+            src[~np.fromiter(sample, bool, n)] = -1
+        return cls(ids, pos, src, np.fromiter(map(_ROW, seqs), np.int32, n))
+
+
 def plan_step(
     seqs: list[Sequence],
     num_tokens: list[int],
@@ -91,26 +119,23 @@ def plan_step(
     tables: BlockTableBuffer,
     block_size: int,
     pad_decode_to: int | None = None,
+    columns: DecodeColumns | None = None,
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
-    The sequences' counters and new token ids are gathered into flat arrays (per-sequence Python; a prefill
-    chunk's positions and slots are ranges, extended in C, one per block it touches), the block tables with one
-    ``index_select``. ``pad_decode_to``: for a decode-only step, append dummy one-token sequences (slot -1,
-    context 1) up to this batch size so the step matches a captured graph's shape.
+    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns` (``columns``, when
+    the caller keeps them; else read from the sequences). Any other step gathers the sequences' counters and new
+    token ids into flat arrays (per-sequence Python; a prefill chunk's positions and slots are ranges, extended in
+    C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
+    step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
+    captured graph's shape.
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
-    if sum(num_tokens) == len(seqs):
-        ids, pos, slots, keep, q, ctx, rows, pending = _decode_columns(seqs, sample, block_size, tables.entries)
-    else:
-        ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
-    t = len(ids)
-    num_seqs = len(seqs)
-    pad = pad_decode_to - num_seqs if pad_decode_to is not None and t == num_seqs else 0
-    if pad > 0:
-        for column, value in ((ids, 0), (pos, 0), (slots, -1), (q, 1), (ctx, 1)):
-            column.extend(array("i", (value,)) * pad)
-        t = num_seqs = num_seqs + pad
+    if columns is not None or sum(num_tokens) == len(seqs):
+        return _plan_decode(columns if columns is not None else DecodeColumns.of(seqs, sample), sample, tables,
+                            block_size, pad_decode_to)
+    ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
+    t, num_seqs = len(ids), len(seqs)
     sources = array("i")
     if pending:
         sources = array("i", (-1,)) * t
@@ -123,40 +148,66 @@ def plan_step(
     # Built in numpy (a small numpy op costs a fraction of a torch op on the host); the plan holds a torch view.
     layout = np.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=np.int32)
     layout[:cu] = np.frombuffer(head, dtype=np.int32)
-    layout[cu] = layout[cu + num_seqs + 1] = 0
-    np.cumsum(layout[cu - 2 * num_seqs : cu - num_seqs], dtype=np.int32, out=layout[cu + 1 : cu + num_seqs + 1])
-    np.cumsum(layout[cu - num_seqs : cu], dtype=np.int32, out=layout[cu + num_seqs + 2 : cu + 2 * num_seqs + 2])
+    _cumulative_lengths(layout, cu, num_seqs)
     out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
-    np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out[: len(rows)])
-    if pad > 0:
-        out[len(rows):] = 0
+    np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out)
     return StepPlan(torch.from_numpy(layout), num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
-                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), has_padding=pad > 0)
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs))
 
 
-def _decode_columns(seqs: list[Sequence], sample: list[bool], bs: int, entries: np.ndarray) -> tuple:
-    """The columns of a step of one token per sequence: a list comprehension or a C-speed map each, the slots in
-    numpy from the block-table rows (``entries``)."""
-    cs = array("i", map(_COMPUTED, seqs))
-    ids = array("i", [s.token_ids[c] for s, c in zip(seqs, cs)])
-    rows = array("i", map(_ROW, seqs))
-    computed = np.frombuffer(cs, dtype=np.int32)
-    slots = array("i", (entries[np.frombuffer(rows, dtype=np.int32), computed // bs] * bs + computed % bs).tobytes())
-    keep = _first(len(seqs)) if all(sample) else array("i", [i for i, smp in enumerate(sample) if smp])
-    pending = list(map(_PENDING_ROW, seqs))
-    pending = ([(i, r) for i, (r, smp) in enumerate(zip(pending, sample)) if r >= 0 and smp]
-               if max(pending) >= 0 else [])
-    return ids, cs, slots, keep, array("i", (1,)) * len(seqs), array("i", (computed + 1).tobytes()), rows, pending
+def _cumulative_lengths(layout: np.ndarray, cu: int, b: int) -> None:
+    """Write cu q and cu k (``B + 1`` each, from offset ``cu``): the prefix sums of the ``B`` q lengths and the
+    ``B`` context lengths that end at ``cu``."""
+    layout[cu] = layout[cu + b + 1] = 0
+    np.cumsum(layout[cu - 2 * b : cu - b], dtype=np.int32, out=layout[cu + 1 : cu + b + 1])
+    np.cumsum(layout[cu - b : cu], dtype=np.int32, out=layout[cu + b + 2 : cu + 2 * b + 2])
 
 
-_RANGE = array("i", range(1024))
+def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuffer, bs: int,
+                 pad_decode_to: int | None) -> StepPlan:
+    """The layout of a decode step, one numpy write per segment: slots from the block-table rows, in-flight ids as
+    sources, padding rows (token 0 at position 0, slot -1, context 1) up to ``pad_decode_to``."""
+    pos, n = cols.positions, len(cols.positions)
+    b = max(n, pad_decode_to or 0)
+    max_k = int(pos.max()) + 1
+    width = -(-max_k // bs)
+    has_sources = bool((cols.sources >= 0).any())
+    all_sampled = all(sample)
+    k = n if all_sampled else sum(sample)
+    cu = (4 if has_sources else 3) * b + k + 2 * b  # then cu q, cu k (B + 1 each), block tables
+    layout = np.empty(cu + 2 * (b + 1) + b * width, dtype=np.int32)
+    ids, positions, slots = layout[:b], layout[b : 2 * b], layout[2 * b : 3 * b]
+    ids[:n], positions[:n] = cols.ids, pos
+    np.add(tables.entries[cols.rows, pos // bs] * bs, pos % bs, out=slots[:n])
+    at = 3 * b
+    if has_sources:
+        layout[at : at + n] = cols.sources
+        layout[at + n : at + b] = -1
+        at += b
+    layout[at : at + k] = _first(n) if all_sampled else np.flatnonzero(sample)
+    layout[at + k : at + k + b] = 1  # q lengths
+    ctx = layout[at + k + b : cu]
+    np.add(pos, 1, out=ctx[:n])
+    if b > n:
+        ids[n:] = positions[n:] = 0
+        slots[n:] = -1
+        ctx[n:] = 1
+    _cumulative_lengths(layout, cu, b)
+    out = layout[cu + 2 * b + 2 :].reshape(b, width)
+    np.take(tables.entries[:, :width], cols.rows, axis=0, out=out[:n])
+    out[n:] = 0
+    return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k,
+                    step_phase(b, max_k > 1, True), has_padding=b > n)
 
 
-def _first(n: int) -> array:
-    """``array("i", range(n))``, sliced from a kept one."""
+_RANGE = np.arange(1024, dtype=np.int32)
+
+
+def _first(n: int) -> np.ndarray:
+    """``np.arange(n)`` as int32, sliced from a kept one."""
     global _RANGE
     if n > len(_RANGE):
-        _RANGE = array("i", range(2 * n))
+        _RANGE = np.arange(2 * n, dtype=np.int32)
     return _RANGE[:n]
 
 
