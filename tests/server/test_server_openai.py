@@ -254,8 +254,9 @@ def test_metrics_parse_as_prometheus_text(server, client):
 
 
 def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
-    with running_server("--num-blocks", "64", "--shutdown-timeout", "1") as (url, proc):
-        body = {"model": MODEL, "prompt": "endless", "max_tokens": 900, "temperature": 0, "stream": True}
+    # A request far longer than the 1 s of grace (2,000 tokens: the embedded model's position limit is 2,048)
+    with running_server("--num-blocks", "160", "--shutdown-timeout", "1") as (url, proc):
+        body = {"model": MODEL, "prompt": "endless", "max_tokens": 2000, "temperature": 0, "stream": True}
         seen: list[str] = []
 
         def read():
