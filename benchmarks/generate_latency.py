@@ -10,6 +10,9 @@ Systems (``--systems``, in this order by default):
   hf_paged           attn_implementation="hf_paged", PagedAttentionCache (eager decode)
   hf_paged_compiled  the same with PagedAttentionCache(max_new_tokens=...): generate compiles its decode step
   static             sdpa with cache_implementation="static": generate compiles its decode step
+  hf_paged_compiled_skinny  hf_paged_compiled with the engine's decode linears (CUDA only): hf_paged's skinny
+                     kernel, q/k/v and gate/up grouped into one launch each by an inductor pass (an experiment:
+                     no public option serves it yet)
 
 ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
 over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
@@ -47,10 +50,11 @@ import hf_paged  # noqa: E402
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
-SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static")
+SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny")
 ATTN = {"sdpa": "sdpa", "static": "sdpa", "flash_attention_2": "flash_attention_2", "hf_paged": "hf_paged",
-        "hf_paged_compiled": "hf_paged"}
-COMPILED = ("hf_paged_compiled", "static")
+        "hf_paged_compiled": "hf_paged", "hf_paged_compiled_skinny": "hf_paged"}
+COMPILED = ("hf_paged_compiled", "static", "hf_paged_compiled_skinny")
+PAGED = ("hf_paged", "hf_paged_compiled", "hf_paged_compiled_skinny")
 
 
 def prompts(batch: int, lengths: tuple[int, int], vocab: int, device: str, seed: int = 0) -> dict:
@@ -74,20 +78,39 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
                                        "reduce-overhead")
         compile_config._compile_all_devices = True  # transformers compiles only on CUDA unless told
     common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    if system == "hf_paged_compiled_skinny":
+        # the engine's decode linears: hf_paged's skinny kernel, and the products sharing an input (q/k/v, gate/up)
+        # grouped into one launch by an inductor pass; torch.compile takes either a mode or options, so the
+        # options ask for CUDA graphs themselves (what "reduce-overhead" sets)
+        from hf_paged.engine import skinny_linear
+        from hf_paged.engine.group_linears import GroupLinears
+
+        skinny_linear.install(model)
+        options = {"post_grad_custom_pre_pass": GroupLinears(), "triton.cudagraphs": device.type == "cuda"}
+        compile_config = CompileConfig(backend=args.compile_backend or "inductor", mode=None, options=options)
+        compile_config._compile_all_devices = True
     if compile_config is not None and system in COMPILED:
         common["compile_config"] = compile_config
     if system == "static":
         return lambda k: model.generate(**batch, max_new_tokens=k, cache_implementation="static", **common)
-    if system not in ("hf_paged", "hf_paged_compiled"):
+    if system not in PAGED:
         return lambda k: model.generate(**batch, max_new_tokens=k, **common)
     rows, width = batch["input_ids"].shape
     bs = args.block_size
     cache = hf_paged.PagedAttentionCache(
         model.config, num_blocks=rows * -(-(width + args.new_tokens) // bs) + 8, block_size=bs, device=device,
-        dtype=model.dtype, max_new_tokens=args.new_tokens if system == "hf_paged_compiled" else None,
-        compileable=(True if device.type == "cpu" else None) if system == "hf_paged_compiled" else False)
-    if system == "hf_paged_compiled" and not cache.is_compileable:
+        dtype=model.dtype, max_new_tokens=args.new_tokens if system in COMPILED else None,
+        compileable=(True if device.type == "cpu" else None) if system in COMPILED else False)
+    if system in COMPILED and not cache.is_compileable:
         raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
+    if system == "hf_paged_compiled_skinny":
+        from hf_paged.engine import skinny_linear
+
+        def call(k):
+            with skinny_linear.active():
+                return model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
+
+        return call
     return lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
 
 
@@ -120,6 +143,8 @@ def measure(system: str, model, batch: dict, args: argparse.Namespace, sync) -> 
 
 
 def skip_reason(system: str, device: str) -> str | None:
+    if system == "hf_paged_compiled_skinny" and device != "cuda":
+        return "the skinny linear kernel runs on CUDA only"
     if system != "flash_attention_2":
         return None
     if device != "cuda":
@@ -209,6 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if reason is not None:
             rows.append({**row, "status": f"skipped: {reason}"})
             print(f"    skipped: {reason}", flush=True)
+            write_json(args, rows, tokens)
             continue
         try:
             attn = ATTN[system]
