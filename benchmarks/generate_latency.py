@@ -163,8 +163,9 @@ def write_json(args: argparse.Namespace, rows: list[dict], tokens: dict) -> None
         if reference is not None and own is not None:
             row["tokens_match"] = int((own == reference).all(1).sum())
     if args.json is not None:
-        args.json.write_text(json.dumps({"settings": {k: str(v) for k, v in vars(args).items()}, "rows": rows},
-                                        indent=1))
+        # output paths by name only: the file may be committed, the machine's directories are not its business
+        settings = {k: (v.name if isinstance(v, Path) else str(v)) for k, v in vars(args).items()}
+        args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
 
 
 def table(rows: list[dict], systems: list[str], batches: list[int]) -> str:
