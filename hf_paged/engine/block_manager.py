@@ -172,10 +172,13 @@ class BlockManager:
         nothing: False, giving none, when the free list holds fewer."""
         if len(seqs) > self.allocator.num_free:
             return False
-        for seq, block in zip(seqs, self._allocate(len(seqs))):
+        blocks, rows, columns = self._allocate(len(seqs)), [], []
+        for seq, block in zip(seqs, blocks):
             table = seq.block_table
+            columns.append(len(table))
             table.append(block)
-            self.tables.write(seq.row, len(table) - 1, (block,))
+            rows.append(seq.row)
+        self.tables.write_entries(rows, columns, blocks)
         return True
 
     def reserve(self, seq: Sequence, num_new_tokens: int) -> None:

@@ -51,15 +51,28 @@ class BlockTableBuffer:
     def write(self, row: int, start: int, blocks: list[int]) -> None:
         """Set entries ``[start, start + len(blocks))`` of ``row``."""
         end = start + len(blocks)
-        if end > self.table.shape[1]:
-            grown = torch.zeros(self.table.shape[0], max(end, 2 * self.table.shape[1]), dtype=torch.int32)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table, self._entries = grown, grown.numpy()
+        self._fit(end)
         self._entries[row, start:end] = blocks
         if self._changes is not None:
             rows, columns = self._changes
             rows.extend((row,) * len(blocks))
             columns.extend(range(start, end))
+
+    def write_entries(self, rows: list[int], columns: list[int], blocks: list[int]) -> None:
+        """Set entry ``(rows[i], columns[i])`` to ``blocks[i]`` for every ``i``: one numpy write for many rows."""
+        self._fit(max(columns, default=-1) + 1)
+        self._entries[rows, columns] = blocks
+        if self._changes is not None:
+            logged_rows, logged_columns = self._changes
+            logged_rows.extend(rows)
+            logged_columns.extend(columns)
+
+    def _fit(self, width: int) -> None:
+        """Grow the table (at least doubling it) to ``width`` columns if it has fewer."""
+        if width > self.table.shape[1]:
+            grown = torch.zeros(self.table.shape[0], max(width, 2 * self.table.shape[1]), dtype=torch.int32)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table, self._entries = grown, grown.numpy()
 
     def log_changes(self, on: bool = True) -> None:
         """Start (or stop) recording writes for :meth:`take_changes` (a device copy's updates)."""

@@ -166,3 +166,18 @@ def test_an_abort_during_a_steady_steps_device_work_ends_the_run(monkeypatch, as
         return outs
 
     assert run(True) == run(False)
+
+
+def test_write_entries_sets_grows_and_logs_like_one_write_per_entry():
+    from hf_paged.engine.block_table_buffer import BlockTableBuffer
+
+    one, many = BlockTableBuffer(4, 2), BlockTableBuffer(4, 2)
+    for buf in (one, many):
+        buf.log_changes()
+    rows, columns, blocks = [2, 0, 3], [1, 4, 0], [7, 9, 5]  # column 4 is past the width: both grow
+    for r, c, b in zip(rows, columns, blocks):
+        one.write(r, c, [b])
+    many.write_entries(rows, columns, blocks)
+    assert many.table.shape == one.table.shape and many.table.shape[1] >= 5
+    assert many.table.equal(one.table)
+    assert [list(x) for x in many.take_changes()] == [list(x) for x in one.take_changes()]
