@@ -26,7 +26,7 @@ import numpy as np
 from hf_paged.engine.runner import DecodeColumns
 from hf_paged.engine.sampler import SamplingBatch
 from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
-from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
+from hf_paged.engine.sequence import PLACEHOLDER, Sequence
 
 _COMPUTED, _ROW, _STOP_AT, _PARAMS, _PENDING_ROW, _CHILDREN = (
     operator.attrgetter(a) for a in ("num_computed_tokens", "row", "stop_at", "params", "pending_row",
@@ -138,7 +138,3 @@ class SteadyDecode:
         if register is not None:
             for i in np.flatnonzero(c % self.block_size == 0).tolist():
                 register(seqs[i])
-
-    def is_live(self) -> bool:
-        """No sequence of the run has finished (a check for tests and assertions)."""
-        return SequenceStatus.FINISHED not in map(operator.attrgetter("status"), self.seqs)
