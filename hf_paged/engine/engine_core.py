@@ -184,7 +184,8 @@ class EngineCore(TokenHandover):
         if not steady.take_in(tokens):
             return False
         bm = self.block_manager
-        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None)
+        logprobs = step.logprobs.tolist() if steady.logprob_rows else None
+        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None, logprobs)
         self.counters.generated_tokens += len(steady.seqs)
         self._inflight = launched if steady.pending else None
         return True

@@ -12,7 +12,7 @@ asynchronous scheduling, appends the token) and counts the computed token.
 
 Anything out of the ordinary falls back to the general step, which is always correct: a waiting request that could
 be admitted, a sequence at its length limit, one that needs a block the free list cannot give, a sampled EOS, stop
-strings, logprobs, a repetition penalty, ``num_return_sequences`` copies still to fork. Any change to the running
+strings, a repetition penalty, ``num_return_sequences`` copies still to fork. Any change to the running
 list (a finish, an abort from another thread, a preemption, an admission) ends the run; the next step that
 qualifies starts a new one.
 """
@@ -49,8 +49,9 @@ class SteadyDecode:
         # the length each sequence stops at (its own limit, or the model's)
         self.limit = np.minimum(np.fromiter(map(_STOP_AT, seqs), np.int64, n), max_model_len)
         params = set(map(_PARAMS, seqs))
-        # every new token needs only an EOS and a length check on the host
-        self.plain = all(p.stops_on_eos_or_length for p in params) and not any(map(_CHILDREN, seqs))
+        # every new token needs only an EOS and a length check on the host (and its logprob kept, where asked)
+        self.plain = not any(p.stop_strings for p in params) and not any(map(_CHILDREN, seqs))
+        self.logprob_rows = [i for i, p in enumerate(map(_PARAMS, seqs)) if p.logprobs]
         # each row's EOS ids, padded with -1 (ids beyond int64 are beyond any vocabulary: never sampled)
         eos = {p: [e for e in p.eos_token_ids if e < 2**63] for p in params}
         width = max(map(len, eos.values()))
@@ -117,11 +118,13 @@ class SteadyDecode:
             return False
         return self.eos is None or not (tokens[:, None] == self.eos).any()
 
-    def commit(self, tokens: list[int], register) -> None:
+    def commit(self, tokens: list[int], register, logprobs: list[float] | None = None) -> None:
         """Write the step's tokens (``pending``: in place of each placeholder, then a new placeholder for the
         token the step just launched samples; else appended) and count the computed token; ``register``: the
-        prefix cache's ``register_full_blocks``, or None."""
+        prefix cache's ``register_full_blocks``, or None; ``logprobs``: the step's, kept by the rows that ask."""
         seqs = self.seqs
+        for i in self.logprob_rows:
+            seqs[i].logprobs.append(logprobs[i])
         if self.pending:
             for seq, token in zip(seqs, tokens):
                 ids = seq.token_ids

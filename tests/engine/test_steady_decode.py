@@ -181,3 +181,32 @@ def test_write_entries_sets_grows_and_logs_like_one_write_per_entry():
     assert many.table.shape == one.table.shape and many.table.shape[1] >= 5
     assert many.table.equal(one.table)
     assert [list(x) for x in many.take_changes()] == [list(x) for x in one.take_changes()]
+
+
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_logprobs_rows_stay_on_the_steady_path_and_keep_every_logprob(monkeypatch, async_scheduling):
+    """Rows that ask for logprobs keep one per token on the steady path, the same as the general hand-over's."""
+
+    def run(steady: bool):
+        commits = []
+        if not steady:
+            monkeypatch.setattr(steady_decode.SteadyDecode, "after", classmethod(lambda cls, *a, **k: None))
+        else:
+            real = steady_decode.SteadyDecode.commit
+            monkeypatch.setattr(steady_decode.SteadyDecode, "commit",
+                                lambda self, *a, **k: (commits.append(bool(self.logprob_rows)), real(self, *a, **k)))
+        _, paged = models("llama_gqa")
+        engine = hf_paged.Engine(paged, num_blocks=200, block_size=4, max_batch_tokens=64, max_num_seqs=8,
+                                 async_scheduling=async_scheduling)
+        configs = [GenerationConfig(max_new_tokens=14, do_sample=False, eos_token_id=list(range(3, 30)),
+                                    output_logprobs=i % 2 == 0) for i in range(5)]
+        outs = {o.request_id: (o.finish_reason, o.token_ids, o.logprobs)
+                for o in engine.generate(random_prompts(5, 3, 12, seed=4), configs)}
+        monkeypatch.undo()
+        return outs, commits
+
+    (got, commits), (want, _) = run(True), run(False)
+    assert got == want
+    assert sum(commits) >= 5, commits  # steady steps with logprobs rows in them
+    for reason, tokens, logprobs in got.values():
+        assert logprobs is None or (len(logprobs) == len(tokens) and all(lp <= 0 for lp in logprobs))
