@@ -48,12 +48,12 @@ PARTS = (
     (engine_core.EngineCore, "_commit"),
     (steady_decode.SteadyDecode, "schedule"),
     (steady_decode.SteadyDecode, "commit"),
-    (engine_core.EngineCore, "_take_steady"),
+    (handover.TokenHandover, "_take_steady"),
 )
 
 
 def wrap_parts(totals: dict[str, float]) -> Callable[[], None]:
-    """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``; ``runner.plan_step`` (a
+    """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``; ``step_plan.plan_step`` (a
     module function) is timed where the engine calls it. Returns the function that puts the parts back."""
     saved = [(engine_core, "plan_step", engine_core.plan_step)]
     saved += [(owner, name, owner.__dict__[name]) for owner, name in PARTS]

@@ -36,7 +36,8 @@ from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTabl
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
     OnDemandSizes, graph_batch_sizes, one_call_graph_sizes)
-from hf_paged.engine.runner import DecodeColumns, model_call
+from hf_paged.engine.runner import model_call
+from hf_paged.engine.step_plan import DecodeColumns
 from hf_paged.engine.sequence import Sequence
 from hf_paged.engine.staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword

@@ -37,7 +37,8 @@ from hf_paged.engine.handover import TokenHandover
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
 from hf_paged.engine.interrupts import InterruptGuard
 from hf_paged.engine.request_registry import RequestRegistry
-from hf_paged.engine.runner import DecodeColumns, ModelRunner, plan_step
+from hf_paged.engine.runner import ModelRunner
+from hf_paged.engine.step_plan import DecodeColumns, plan_step
 from hf_paged.engine.sampler import Sampler, SamplingBatch
 from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
@@ -172,23 +173,6 @@ class EngineCore(TokenHandover):
                                           self.async_scheduling)
         clock("update")
         return touched
-
-    def _take_steady(self, steady: SteadyDecode, launched: InFlightStep | None) -> bool:
-        """The hand-over and the commit of a steady decode step in one pass (``SteadyDecode.commit``), when its
-        tokens end nothing and no sequence changed; False: the general hand-over and commit take the step."""
-        step = launched if not steady.pending else self._inflight
-        if (launched is None or step is None or self.scheduler.version != steady.version
-                or (step.seqs is not steady.seqs and step.seqs != steady.seqs)):
-            return False
-        tokens = step.wait_array()
-        if not steady.take_in(tokens):
-            return False
-        bm = self.block_manager
-        logprobs = step.logprobs.tolist() if steady.logprob_rows else None
-        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None, logprobs)
-        self.counters.generated_tokens += len(steady.seqs)
-        self._inflight = launched if steady.pending else None
-        return True
 
     def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
         """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends

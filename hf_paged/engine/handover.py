@@ -11,14 +11,17 @@ from __future__ import annotations
 import operator
 
 from hf_paged.engine import validation
+from hf_paged.engine.inflight import InFlightStep
 from hf_paged.engine.sequence import Sequence, SequenceStatus
+from hf_paged.engine.steady_decode import SteadyDecode
 
 _STATUS, _PENDING_ROW = operator.attrgetter("status"), operator.attrgetter("pending_row")
 
 
 class TokenHandover:
     """The token hand-over half of :class:`EngineCore` (a mixin: it reads the core's ``_inflight``,
-    ``stop_checker``, ``max_model_len``, ``counters``, ``scheduler``, ``block_manager`` and ``requests``)."""
+    ``stop_checker``, ``max_model_len``, ``counters``, ``scheduler``, ``block_manager`` and ``requests``), a steady
+    decode step's fused hand-over and commit (:meth:`_take_steady`) included."""
 
     def _resolve(self) -> list[Sequence]:
         """Write the in-flight step's tokens into its sequences and apply stop conditions (waiting for the copy
@@ -37,6 +40,23 @@ class TokenHandover:
         rows = [seq.pending_row for seq in got]
         self._take_tokens(got, [tokens[r] for r in rows], [logprobs[r] for r in rows])
         return got
+
+    def _take_steady(self, steady: SteadyDecode, launched: InFlightStep | None) -> bool:
+        """The hand-over and the commit of a steady decode step in one pass (``SteadyDecode.commit``), when its
+        tokens end nothing and no sequence changed; False: the general hand-over and commit take the step."""
+        step = launched if not steady.pending else self._inflight
+        if (launched is None or step is None or self.scheduler.version != steady.version
+                or (step.seqs is not steady.seqs and step.seqs != steady.seqs)):
+            return False
+        tokens = step.wait_array()
+        if not steady.take_in(tokens):
+            return False
+        bm = self.block_manager
+        logprobs = step.logprobs.tolist() if steady.logprob_rows else None
+        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None, logprobs)
+        self.counters.generated_tokens += len(steady.seqs)
+        self._inflight = launched if steady.pending else None
+        return True
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float | None]) -> None:
         """Write each sequence's newest token in place of its placeholder and do its bookkeeping; a finished

@@ -23,7 +23,7 @@ import operator
 
 import numpy as np
 
-from hf_paged.engine.runner import DecodeColumns
+from hf_paged.engine.step_plan import DecodeColumns
 from hf_paged.engine.sampler import SamplingBatch
 from hf_paged.engine.scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine.sequence import PLACEHOLDER, Sequence

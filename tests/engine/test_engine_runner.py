@@ -14,7 +14,7 @@ from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
 from hf_paged.attention.metadata import build_metadata
 from hf_paged.engine import engine_core
-from hf_paged.engine.runner import plan_step
+from hf_paged.engine.step_plan import plan_step
 from hf_paged.engine.sampling_params import SamplingParams
 from hf_paged.engine.sequence import Sequence
 
