@@ -32,9 +32,7 @@ class InFlightStep:
 
     def wait(self) -> tuple[list[int], list[float | None]]:
         """Block until the tokens are on the host; returns them (and the logprobs, or Nones) as lists."""
-        if self.event is not None:
-            self.event.synchronize()
-        tokens = self.tokens.tolist()
+        tokens = self.wait_array().tolist()
         logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(tokens)
         return tokens, logprobs
 
