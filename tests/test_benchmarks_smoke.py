@@ -17,6 +17,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import anchor_repeat  # noqa: E402
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
 import generate_host_overhead  # noqa: E402
@@ -179,3 +180,25 @@ def test_graph_capture_timeline_splits_each_call_into_its_steps(tmp_path):
         assert parts == pytest.approx(r["wall_s"], rel=1e-9)  # every moment of the call is in one part
         assert 0 < r["setup_s"] < r["before_first_step_s"]
     assert "padding: CUDA graphs only, skipped on the CPU" in out and "largest" in out.splitlines()[-1]
+
+
+def test_anchor_repeat_table_pools_runs_by_tag(tmp_path):
+    """Rows from a multi-row file and a single-row file; runs named old1/old3 pool into "old", the median is over
+    every timed call of the tag, and a row cut before its profile prints dashes."""
+    row = lambda tag, rates, ms=None: {"tag": tag, "rates": rates, "median": sorted(rates)[len(rates) // 2],
+                                        "decode_ms_per_step": ms, "busy_fraction": None if ms is None else 0.9}
+    (tmp_path / "a.json").write_text(json.dumps({"rows": [row("old1", [10.0, 30.0, 20.0], 3.5),
+                                                          row("new2", [40.0, 50.0, 60.0], 3.4)]}))
+    (tmp_path / "b.json").write_text(json.dumps(row("old3", [100.0, 200.0])))
+    out = _run(anchor_repeat.main, ["--table", str(tmp_path / "a.json"), str(tmp_path / "b.json")])
+    assert "old: median of 5 runs 30 tok/s" in out
+    assert "new: median of 3 runs 50 tok/s" in out
+    cut = next(line for line in out.splitlines() if line.startswith("old3"))
+    assert cut.split()[-2:] == ["-", "-"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
+def test_anchor_repeat_refuses_without_a_gpu():
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        anchor_repeat.main(["--reps", "1"])
+    assert "needs a CUDA GPU" in err.getvalue()
