@@ -73,7 +73,8 @@ class GraphedInductor:
 
     def __call__(self, gm: torch.fx.GraphModule, example_inputs: list) -> Any:
         compiled = self.compiler(gm, example_inputs)
-        run = lambda args: compiled(*args)  # noqa: E731 - dynamo calls a backend's function with the inputs unpacked
+        run = (lambda args: compiled(list(args))) if getattr(compiled, "_boxed_call", False) else (
+            lambda args: compiled(*args))
         devices = [t.device for t in example_inputs
                    if isinstance(t, torch.Tensor) and t.device.type in self.graph_devices]
         if not devices:
