@@ -13,9 +13,6 @@ Systems (``--systems``, in this order by default):
   hf_paged_compiled_skinny  hf_paged_compiled with the engine's decode linears (CUDA only): hf_paged's skinny
                      kernel, q/k/v and gate/up grouped into one launch each by an inductor pass (an experiment:
                      no public option serves it yet)
-  hf_paged_graphed   hf_paged_compiled with ``compile_config=hf_paged.compile_config()``: inductor's code replayed
-                     from one plain CUDA graph per compiled graph (``hf_paged/hf/graphed_compile.py``)
-  hf_paged_graphed_skinny  hf_paged_graphed with the engine's decode linears, as hf_paged_compiled_skinny (CUDA only)
 
 ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
 over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
@@ -52,14 +49,12 @@ from transformers import CompileConfig  # noqa: E402
 import hf_paged  # noqa: E402
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
-from hf_paged.hf.graphed_compile import GraphedInductor  # noqa: E402
 
-SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny",
-           "hf_paged_graphed", "hf_paged_graphed_skinny")
-PAGED = ("hf_paged", "hf_paged_compiled", "hf_paged_compiled_skinny", "hf_paged_graphed", "hf_paged_graphed_skinny")
-ATTN = {"sdpa": "sdpa", "static": "sdpa", "flash_attention_2": "flash_attention_2", **{s: "hf_paged" for s in PAGED}}
-COMPILED = ("hf_paged_compiled", "static", "hf_paged_compiled_skinny", "hf_paged_graphed", "hf_paged_graphed_skinny")
-SKINNY = ("hf_paged_compiled_skinny", "hf_paged_graphed_skinny")
+SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny")
+ATTN = {"sdpa": "sdpa", "static": "sdpa", "flash_attention_2": "flash_attention_2", "hf_paged": "hf_paged",
+        "hf_paged_compiled": "hf_paged", "hf_paged_compiled_skinny": "hf_paged"}
+COMPILED = ("hf_paged_compiled", "static", "hf_paged_compiled_skinny")
+PAGED = ("hf_paged", "hf_paged_compiled", "hf_paged_compiled_skinny")
 
 
 def prompts(batch: int, lengths: tuple[int, int], vocab: int, device: str, seed: int = 0) -> dict:
@@ -83,7 +78,7 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
                                        "reduce-overhead")
         compile_config._compile_all_devices = True  # transformers compiles only on CUDA unless told
     common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
-    if system in SKINNY:
+    if system == "hf_paged_compiled_skinny":
         # the engine's decode linears: hf_paged's skinny kernel, and the products sharing an input (q/k/v, gate/up)
         # grouped into one launch by an inductor pass; torch.compile takes either a mode or options, so the
         # options ask for CUDA graphs themselves (what "reduce-overhead" sets)
@@ -94,12 +89,6 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         options = {"post_grad_custom_pre_pass": GroupLinears(), "triton.cudagraphs": device.type == "cuda"}
         compile_config = CompileConfig(backend=args.compile_backend or "inductor", mode=None, options=options)
         compile_config._compile_all_devices = True
-    if system in ("hf_paged_graphed", "hf_paged_graphed_skinny"):
-        inductor_options = {"post_grad_custom_pre_pass": GroupLinears()} if system in SKINNY else None
-        compile_config = hf_paged.compile_config(inductor_options=inductor_options)
-        if device.type == "cpu":  # the smoke run: dynamo's graphs as they are (no inductor, no capture off CUDA)
-            compile_config.backend = GraphedInductor(compiler=lambda gm, example_inputs: gm.forward)
-            compile_config._compile_all_devices = True
     if compile_config is not None and system in COMPILED:
         common["compile_config"] = compile_config
     if system == "static":
@@ -114,7 +103,7 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         compileable=(True if device.type == "cpu" else None) if system in COMPILED else False)
     if system in COMPILED and not cache.is_compileable:
         raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
-    if system in SKINNY:
+    if system == "hf_paged_compiled_skinny":
         from hf_paged.engine import skinny_linear
 
         def call(k):
@@ -154,7 +143,7 @@ def measure(system: str, model, batch: dict, args: argparse.Namespace, sync) -> 
 
 
 def skip_reason(system: str, device: str) -> str | None:
-    if system in SKINNY and device != "cuda":
+    if system == "hf_paged_compiled_skinny" and device != "cuda":
         return "the skinny linear kernel runs on CUDA only"
     if system != "flash_attention_2":
         return None

@@ -6,7 +6,6 @@
 
 from hf_paged.attention.dispatch import available_backends
 from hf_paged.cache import BlockAllocator, OutOfBlocksError, PagedAttentionCache
-from hf_paged.hf.graphed_compile import compile_config
 from hf_paged.hf.register import ATTN_IMPLEMENTATION, register
 
 register()
@@ -19,7 +18,6 @@ __all__ = [
     "OutOfBlocksError",
     "PagedAttentionCache",
     "available_backends",
-    "compile_config",
 ]
 
 from hf_paged.engine import Engine, EngineConfig  # noqa: E402
