@@ -15,7 +15,12 @@ It is a CPU host-overhead measurement; it says nothing about GPU kernels. Both s
 thread, taking turns over ``--rounds`` (each compiled afresh); each number is the fastest of all calls (host time
 is what is left when nothing else competes for the CPU).
 
+``--layers`` sets the model's depth (the guards dynamo evaluates before each compiled call grow with it: ~3,400
+for 16 layers) and ``--guard-filter inbuilt|all`` drops those on (built-in | all) nn modules (torch.compiler's
+``skip_guard_on_*_nn_modules_unsafe`` filters, passed as the compile config's ``guard_filter_fn``).
+
     python benchmarks/generate_host_overhead.py [--batch 1] [--new-tokens 256] [--repeats 5] [--rounds 3]
+        [--layers 16] [--guard-filter none|inbuilt|all]
 """
 
 from __future__ import annotations
@@ -37,6 +42,8 @@ import hf_paged  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
 SYSTEMS = ("static", "hf_paged_compiled")
+GUARD_FILTERS = {"none": None, "inbuilt": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
+                 "all": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 class FirstOutputs:
@@ -61,8 +68,10 @@ class FirstOutputs:
         return replay
 
 
-def generate_call(system: str, models: dict, batch: dict, new_tokens: int, backend: FirstOutputs):
-    config = CompileConfig(backend=backend, mode=None, fullgraph=True)
+def generate_call(system: str, models: dict, batch: dict, new_tokens: int, backend: FirstOutputs,
+                  guard_filter=None):
+    options = None if guard_filter is None else {"guard_filter_fn": guard_filter}
+    config = CompileConfig(backend=backend, mode=None, fullgraph=True, options=options)
     config._compile_all_devices = True  # transformers compiles only on CUDA unless told
     common = dict(do_sample=False, pad_token_id=PAD, eos_token_id=None, compile_config=config)
     if system == "static":
@@ -77,7 +86,7 @@ def measure(system: str, models: dict, batch: dict, args: argparse.Namespace) ->
     """The fastest of ``repeats`` calls: host microseconds per decode step."""
     torch._dynamo.reset()
     backend = FirstOutputs()
-    call = generate_call(system, models, batch, args.new_tokens, backend)
+    call = generate_call(system, models, batch, args.new_tokens, backend, GUARD_FILTERS[args.guard_filter])
     call(args.new_tokens)  # compile
     steps = []
     for _ in range(args.repeats):
@@ -99,17 +108,22 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the systems in turn (compiled afresh)")
     parser.add_argument("--arch", default="llama_gqa", help="a tiny model of tests/tiny_models.py")
+    parser.add_argument("--layers", type=int, help="decoder layers (default: the tiny model's own); the guards "
+                                                   "dynamo evaluates per step grow with them")
+    parser.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",
+                        help="skip dynamo's guards on nn modules: none (default), inbuilt (torch.nn modules), all")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    eager, paged = make_models(args.arch, seed=0)
+    eager, paged = make_models(args.arch, seed=0, num_hidden_layers=args.layers)
     eager.set_attn_implementation("sdpa")
     models = {"sdpa": eager, "hf_paged": paged}
     gen = torch.Generator().manual_seed(0)
     batch = left_padded_batch(torch.randint(8, 33, (args.batch,), generator=gen).tolist(), gen)
     rounds = [[measure(system, models, batch, args) for system in SYSTEMS] for _ in range(args.rounds)]
     rows = [min((r[i] for r in rounds), key=lambda row: row["us_per_step"]) for i in range(len(SYSTEMS))]
-    print(f"host us per decode step on the CPU (tiny {args.arch}, batch {args.batch}, {args.new_tokens} new tokens, "
-          f"graphs that do no work, torch {torch.__version__})")
+    print(f"host us per decode step on the CPU (tiny {args.arch}, {paged.config.num_hidden_layers} layers, batch "
+          f"{args.batch}, {args.new_tokens} new tokens, guard filter {args.guard_filter}, graphs that do no work, "
+          f"torch {torch.__version__})")
     print("| system | host us per decode step |\n|---|---|")
     for r in rows:
         print(f"| {r['system']} | {r['us_per_step']:.0f} |")

@@ -155,6 +155,51 @@ def test_generate_host_overhead_smoke():
     assert "| static |" in out and "| hf_paged_compiled |" in out
 
 
+def test_generate_host_overhead_guard_filter_reaches_dynamo(monkeypatch):
+    """--guard-filter: dynamo hands the compile's guards to the filter, which drops those on nn modules; every step
+    still runs compiled (the script asserts it) on a model of the --layers asked for."""
+    seen = []
+
+    def counting(entries):
+        keep = torch.compiler.skip_guard_on_all_nn_modules_unsafe(entries)
+        seen.append((len(keep), keep.count(False)))
+        return keep
+
+    monkeypatch.setitem(generate_host_overhead.GUARD_FILTERS, "all", counting)
+    out = _run(generate_host_overhead.main, ["--batch", "1", "--new-tokens", "4", "--repeats", "1", "--rounds", "1",
+                                             "--layers", "3", "--guard-filter", "all"])
+    assert "3 layers" in out and "guard filter all" in out
+    assert len(seen) >= 2 and all(dropped > 0 for _, dropped in seen), seen
+
+
+def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
+    """The host split wraps generate's prepare and compiled calls without breaking generate's kwargs check, and
+    counts one compiled call per decode step (on the CPU: a tiny model compiled with the eager backend)."""
+    import generate_step_parts
+    from e2e_workloads import SMOKE_SHAPE, load_model
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    settings = generate_latency.parse_args(["--smoke", "--new-tokens", str(generate_step_parts.NEW_TOKENS)])
+    model = load_model(SMOKE_SHAPE, "cpu", "hf_paged")
+    batch = generate_latency.prompts(1, settings.lengths, SMOKE_SHAPE["vocab_size"], "cpu")
+    torch._dynamo.reset()
+    call = generate_latency.generate_call("hf_paged_compiled", model, batch, settings)
+    prepare_us, compiled_us = generate_step_parts.host_parts(model, call)
+    assert prepare_us > 0 and compiled_us > 0
+    assert "prepare_inputs_for_generation" not in model.__dict__, "the timing wrappers are removed"
+
+
+def test_with_guard_filter_keeps_the_cuda_graphs_of_reduce_overhead():
+    from transformers import CompileConfig
+
+    f = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
+    filtered = generate_latency.with_guard_filter(CompileConfig(), f)
+    assert filtered.mode is None and filtered.backend == "inductor"
+    assert filtered.options == {"triton.cudagraphs": True, "guard_filter_fn": f}
+    eager = generate_latency.with_guard_filter(CompileConfig(backend="eager", mode=None), f)
+    assert eager.options == {"guard_filter_fn": f}
+
+
 def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
     import data_parallel
 

@@ -28,20 +28,24 @@ ARCHS = {
 }
 
 
-def make_config(arch: str):
+def make_config(arch: str, **overrides):
     cls_name, kwargs = ARCHS[arch]
-    config = getattr(transformers, cls_name)(**_COMMON, **kwargs)
+    config = getattr(transformers, cls_name)(**{**_COMMON, **kwargs, **overrides})
     return config
 
 
-def make_models(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32):
-    """The same random weights loaded twice: with eager attention and with hf_paged."""
+def make_models(arch: str, seed: int = 0, dtype: torch.dtype = torch.float32, **overrides):
+    """The same random weights loaded twice: with eager attention and with hf_paged. ``overrides`` (config
+    fields, None ones ignored) change the tiny shape, e.g. ``num_hidden_layers``."""
     import hf_paged  # noqa: F401  (registers "hf_paged")
 
+    overrides = {k: v for k, v in overrides.items() if v is not None}
     torch.manual_seed(seed)
     # One config object each: some transformers releases set the attention implementation on the config in place.
-    eager = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="eager", dtype=dtype).eval()
-    paged = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="hf_paged", dtype=dtype).eval()
+    eager = AutoModelForCausalLM.from_config(make_config(arch, **overrides), attn_implementation="eager",
+                                             dtype=dtype).eval()
+    paged = AutoModelForCausalLM.from_config(make_config(arch, **overrides), attn_implementation="hf_paged",
+                                             dtype=dtype).eval()
     paged.load_state_dict(eager.state_dict())
     assert eager.config._attn_implementation == "eager" and paged.config._attn_implementation == "hf_paged"
     return eager, paged
