@@ -35,6 +35,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models
 
 import torch  # noqa: E402
+from generate_latency import GUARD_FILTERS  # noqa: E402
 from tiny_models import PAD, left_padded_batch, make_models  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
@@ -42,8 +43,6 @@ import hf_paged  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
 SYSTEMS = ("static", "hf_paged_compiled")
-GUARD_FILTERS = {"none": None, "inbuilt": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
-                 "all": torch.compiler.skip_guard_on_all_nn_modules_unsafe}
 
 
 class FirstOutputs:
