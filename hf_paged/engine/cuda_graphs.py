@@ -132,6 +132,7 @@ class DecodeGraphs:
             logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
             return size
         self.sizes = sorted(self._graphs)
+        self.memory_bytes = self._held_bytes(None)
         logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (its steps had padded up to "
                     "%d) in %.3f s", want, size, time.perf_counter() - began)
         return want
@@ -154,12 +155,23 @@ class DecodeGraphs:
         if reason is not None:
             return reason
         self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = torch.cuda.memory_allocated(self.device) - before
+        self.memory_bytes = self._held_bytes(before)
         logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
                     "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self._graphs),
                     _ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
                     self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
+
+    def _held_bytes(self, allocated_before: int | None) -> int:
+        """Bytes the graphs' memory pool holds (its segments, intermediates included). Where the allocator's
+        snapshot does not name pools: live bytes allocated since ``allocated_before`` (never below 0; the warm-up's
+        frees can outweigh them), or the last figure."""
+        held = pool_bytes(self.device, self._pool)
+        if held is not None:
+            return held
+        if allocated_before is None:
+            return self.memory_bytes
+        return max(0, torch.cuda.memory_allocated(self.device) - allocated_before)
 
     @torch.inference_mode()  # as every step runs: the compiled layers' guards include the grad mode
     def _capture_sizes(self, sizes: list[int], warm: bool = False) -> str | None:
@@ -287,6 +299,18 @@ class DecodeGraphs:
             "memory_bytes": self.memory_bytes,
             "replays": self.replays,
         }
+
+
+def pool_bytes(device: torch.device, pool) -> int | None:
+    """Bytes of the caching allocator's segments owned by memory pool ``pool`` on ``device``; None where the
+    snapshot does not say which pool owns a segment."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return sum(s["total_size"] for s in segments
+                   if s.get("device", index) == index and tuple(s["segment_pool_id"]) == tuple(pool))
+    except (KeyError, TypeError, RuntimeError):
+        return None
 
 
 def _ranges(sizes: list[int]) -> str:

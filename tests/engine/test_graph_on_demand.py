@@ -7,6 +7,7 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
+import torch
 
 from hf_paged.engine import cuda_graphs, graph_sizes
 from hf_paged.engine.cuda_graphs import DecodeGraphs
@@ -33,8 +34,13 @@ def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tupl
     graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what serving a step reads
     wanted = sorted(sizes)
     graphs.sizes, graphs._waiting, graphs._graphs = wanted[-1:], OnDemandSizes(wanted[:-1]), {wanted[-1]: None}
-    graphs.width, graphs.cache, graphs.on_demand_seconds, graphs.device = 8, SimpleNamespace(block_size=16), 0.0, "cpu"
+    graphs.width, graphs.cache, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
+    graphs.device, graphs._pool, graphs.memory_bytes = torch.device("cuda", 0), (0, 3), 0
     captured = []
+    # the pool's segments: 1 MiB per captured size (another pool's segment is not the graphs')
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "memory_snapshot", lambda: [
+        {"device": 0, "total_size": (1 + len(captured)) << 20, "segment_pool_id": (0, 3)},
+        {"device": 0, "total_size": 64 << 20, "segment_pool_id": (0, 0)}])
 
     def capture(batch_sizes, warm=False):
         assert len(batch_sizes) == 1 and warm  # one size, warmed up first whatever the compiler has seen
@@ -59,6 +65,7 @@ def test_the_step_that_makes_a_size_due_captures_it_and_runs_in_it(monkeypatch):
     assert [_step(graphs, 16) for _ in range(k + 1)] == [16] * (k + 1) and captured == []  # the largest serves
     assert [_step(graphs, 3) for _ in range(k - 1)] == [16] * (k - 1)  # padded up to 16 meanwhile
     assert _step(graphs, 4) == 4 and captured == [4] and graphs.sizes == [4, 16]
+    assert graphs.memory_bytes == 2 << 20, "the pool's memory after the on-demand capture"
     assert [_step(graphs, 3) for _ in range(k + 1)] == [4] * (k + 1) and captured == [4]
     assert _step(graphs, 17) is None  # more than the largest: eager, nothing counted
     assert graphs._waiting.waiting == [1, 2, 8]
@@ -77,3 +84,19 @@ def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(m
 def test_one_size_waits_for_nothing(sizes, monkeypatch):
     graphs, captured = _graphs(sizes, monkeypatch)
     assert [_step(graphs, 1) for _ in range(3)] == sizes * 3 and captured == []
+
+
+def test_graph_memory_counts_the_pools_segments_only(monkeypatch):
+    """The graphs' memory is their pool's segments on their device (intermediates included), not the difference of
+    live bytes (which the warm-up's frees could make negative); without pool ids in the snapshot: None."""
+    pool = (0, 7)
+    segments = [
+        {"device": 0, "total_size": 2 << 20, "segment_pool_id": (0, 7)},
+        {"device": 0, "total_size": 6 << 20, "segment_pool_id": [0, 7]},  # ids may come back as a list
+        {"device": 0, "total_size": 100 << 20, "segment_pool_id": (0, 0)},  # the default pool
+        {"device": 1, "total_size": 50 << 20, "segment_pool_id": (0, 7)},  # another device
+    ]
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
+    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) == 8 << 20
+    monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "total_size": 1}])
+    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) is None
