@@ -16,6 +16,9 @@ Systems (``--systems``, in this order by default):
 
 ``--guard-filter inbuilt|all`` drops dynamo's guards on (built-in | all) nn modules from every compiled system's
 step: ~3,400 guards for 16 layers are evaluated before each compiled call (the same for both caches).
+``--skip-guard-eval`` runs every compiled system's calls after its first (compiling) one under
+``torch.compiler.set_stance(skip_guard_eval_unsafe=True)``: dynamo then evaluates only the guards that tell its
+compiled graphs apart ("unsafe": a call that needs a new graph may run an old one; the timed calls never do).
 
 ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
 over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
@@ -101,7 +104,8 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
     if compile_config is not None and system in COMPILED:
         common["compile_config"] = compile_config
     if system == "static":
-        return lambda k: model.generate(**batch, max_new_tokens=k, cache_implementation="static", **common)
+        return warmed_stance(lambda k: model.generate(**batch, max_new_tokens=k, cache_implementation="static",
+                                                      **common), args)
     if system not in PAGED:
         return lambda k: model.generate(**batch, max_new_tokens=k, **common)
     rows, width = batch["input_ids"].shape
@@ -119,8 +123,26 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
             with skinny_linear.active():
                 return model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
 
+        return warmed_stance(call, args) if system in COMPILED else call
+    call = lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)  # noqa: E731
+    return warmed_stance(call, args) if system in COMPILED else call
+
+
+def warmed_stance(call, args: argparse.Namespace):
+    """``call``, run after its first time under dynamo's skip-guard-eval stance when ``--skip-guard-eval``."""
+    if not args.skip_guard_eval:
         return call
-    return lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
+    calls = 0
+
+    def staged(k):
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            return call(k)
+        with torch.compiler.set_stance("default", skip_guard_eval_unsafe=True):
+            return call(k)
+
+    return staged
 
 
 def with_guard_filter(config: CompileConfig, guard_filter) -> CompileConfig:
@@ -220,6 +242,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",
                         help="skip dynamo's guards on nn modules in every compiled system: none (default), inbuilt "
                              "(torch.nn modules), all")
+    parser.add_argument("--skip-guard-eval", action="store_true",
+                        help="after each compiled system's first call, evaluate only the guards that tell its "
+                             "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True))")
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here too")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")

@@ -11,7 +11,7 @@ For each system of ``generate_latency.py`` (same model, prompts and compile conf
 ``generate`` synchronizes on every step (its stopping check), so with CUDA graphs a step takes about the GPU's busy
 time plus the host time before the graph launches; ``ms_per_step - gpu_busy_ms`` is the time the GPU waits.
 
-    python benchmarks/generate_step_parts.py [--systems hf_paged_compiled,static] [--batch 1] [--guard-filter all]
+    python benchmarks/generate_step_parts.py [--systems hf_paged_compiled,static] [--batch 1] [--guard-filter all] [--skip-guard-eval]
         [--json F]
 """
 
@@ -101,7 +101,8 @@ def measure(system: str, model, batch: dict, args: argparse.Namespace) -> dict:
     prepare_us, compiled_us = host_parts(model, call)
     busy_ms, kernels = gpu_busy(call)
     ms = statistics.median(steps)
-    return {"system": system, "batch": batch["input_ids"].shape[0], "guard_filter": args.guard_filter, "ms_per_step": round(ms, 3),
+    return {"system": system, "batch": batch["input_ids"].shape[0], "guard_filter": args.guard_filter,
+            "skip_guard_eval": args.skip_guard_eval, "ms_per_step": round(ms, 3),
             "prepare_us": round(prepare_us), "compiled_us": round(compiled_us), "gpu_busy_ms": round(busy_ms, 3),
             "gpu_waits_ms": round(ms - busy_ms, 3), "kernels": round(kernels)}
 
@@ -112,6 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--systems", default="hf_paged_compiled,static")
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--guard-filter", choices=sorted(latency.GUARD_FILTERS), default="none")
+    parser.add_argument("--skip-guard-eval", action="store_true", help="as generate_latency.py's")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
@@ -120,7 +122,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     unknown = [s for s in systems if s not in latency.COMPILED]
     if unknown:
         parser.error(f"not compiled systems: {unknown}; choose from {latency.COMPILED}")
-    settings = latency.parse_args(["--new-tokens", str(NEW_TOKENS), "--guard-filter", args.guard_filter])
+    settings = latency.parse_args(["--new-tokens", str(NEW_TOKENS), "--guard-filter", args.guard_filter]
+                                  + ["--skip-guard-eval"] * args.skip_guard_eval)
     rows, models = [], {}
     for system in systems:
         attn = latency.ATTN[system]
@@ -133,7 +136,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         if args.json:
             args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "rows": rows}, indent=1))
     keys = ["ms_per_step", "gpu_busy_ms", "gpu_waits_ms", "prepare_us", "compiled_us", "kernels"]
-    print(f"\n{torch.cuda.get_device_name()}, batch {args.batch}, guard filter {args.guard_filter}")
+    print(f"\n{torch.cuda.get_device_name()}, batch {args.batch}, guard filter {args.guard_filter}, skip guard eval "
+          f"{args.skip_guard_eval}")
     print("| system | " + " | ".join(keys) + " |")
     print("|---" * (len(keys) + 1) + "|")
     for row in rows:
