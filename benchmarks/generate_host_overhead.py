@@ -10,6 +10,8 @@ call) / (new tokens - 1), for
 
   static             sdpa with ``cache_implementation="static"`` (transformers' own compiled path)
   hf_paged_compiled  hf_paged with ``PagedAttentionCache(max_new_tokens=...)``
+  hf_paged_optimized the same after ``hf_paged.optimize_generate(model)`` (planned masks, no guards on nn modules
+                     whatever ``--guard-filter`` says; no decode linears on the CPU)
 
 It is a CPU host-overhead measurement; it says nothing about GPU kernels. Both systems run in one process, one
 thread, taking turns over ``--rounds`` (each compiled afresh); each number is the fastest of all calls (host time
@@ -42,7 +44,7 @@ from transformers import CompileConfig  # noqa: E402
 import hf_paged  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
-SYSTEMS = ("static", "hf_paged_compiled")
+SYSTEMS = ("static", "hf_paged_compiled", "hf_paged_optimized")
 
 
 class FirstOutputs:
@@ -76,6 +78,11 @@ def generate_call(system: str, models: dict, batch: dict, new_tokens: int, backe
     if system == "static":
         return lambda k: models["sdpa"].generate(**batch, max_new_tokens=k, cache_implementation="static", **common)
     model = models["hf_paged"]
+    hf_paged.restore_generate(model)
+    if system == "hf_paged_optimized":
+        model.generation_config.compile_config = config
+        hf_paged.optimize_generate(model)
+        common.pop("compile_config")  # the model's, extended by optimize_generate
     cache = hf_paged.PagedAttentionCache(model.config, num_blocks=1024, block_size=16, max_new_tokens=new_tokens,
                                          compileable=True)
     return lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)

@@ -13,6 +13,8 @@ Systems (``--systems``, in this order by default):
   hf_paged_compiled_skinny  hf_paged_compiled with the engine's decode linears (CUDA only): hf_paged's skinny
                      kernel, q/k/v and gate/up grouped into one launch each by an inductor pass (an experiment:
                      no public option serves it yet)
+  hf_paged_optimized hf_paged_compiled after ``hf_paged.optimize_generate(model)``: planned masks, no guards on
+                     nn modules, the skinny decode linears grouped where they serve (CUDA)
 
 ``--guard-filter inbuilt|all`` drops dynamo's guards on (built-in | all) nn modules from every compiled system's
 step: ~3,400 guards for 16 layers are evaluated before each compiled call (the same for both caches).
@@ -56,11 +58,12 @@ import hf_paged  # noqa: E402
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
-SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny")
+SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny",
+           "hf_paged_optimized")
 ATTN = {"sdpa": "sdpa", "static": "sdpa", "flash_attention_2": "flash_attention_2", "hf_paged": "hf_paged",
-        "hf_paged_compiled": "hf_paged", "hf_paged_compiled_skinny": "hf_paged"}
-COMPILED = ("hf_paged_compiled", "static", "hf_paged_compiled_skinny")
-PAGED = ("hf_paged", "hf_paged_compiled", "hf_paged_compiled_skinny")
+        "hf_paged_compiled": "hf_paged", "hf_paged_compiled_skinny": "hf_paged", "hf_paged_optimized": "hf_paged"}
+COMPILED = ("hf_paged_compiled", "static", "hf_paged_compiled_skinny", "hf_paged_optimized")
+PAGED = ("hf_paged", "hf_paged_compiled", "hf_paged_compiled_skinny", "hf_paged_optimized")
 # --guard-filter: dynamo guards dropped from every compiled system's step (torch.compiler's filters; "unsafe" in
 # torch's words: a change to a module attribute then goes unnoticed, which generate's decode steps never make)
 GUARD_FILTERS = {"none": None, "inbuilt": torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe,
@@ -88,6 +91,12 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
                                        "reduce-overhead")
         compile_config._compile_all_devices = True  # transformers compiles only on CUDA unless told
     common = dict(do_sample=False, pad_token_id=0, eos_token_id=None)
+    hf_paged.restore_generate(model)  # the models are shared between systems
+    if system == "hf_paged_optimized":
+        if compile_config is not None:  # --compile-backend: as the model's own config, which optimize_generate extends
+            model.generation_config.compile_config = compile_config
+        hf_paged.optimize_generate(model)
+        compile_config = None  # one given to generate would replace the model's
     if system == "hf_paged_compiled_skinny":
         # the engine's decode linears: hf_paged's skinny kernel, and the products sharing an input (q/k/v, gate/up)
         # grouped into one launch by an inductor pass; torch.compile takes either a mode or options, so the
@@ -99,7 +108,7 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         options = {"post_grad_custom_pre_pass": GroupLinears(), "triton.cudagraphs": device.type == "cuda"}
         compile_config = CompileConfig(backend=args.compile_backend or "inductor", mode=None, options=options)
         compile_config._compile_all_devices = True
-    if args.guard_filter != "none" and system in COMPILED:
+    if args.guard_filter != "none" and system in COMPILED and system != "hf_paged_optimized":
         compile_config = with_guard_filter(compile_config or CompileConfig(), GUARD_FILTERS[args.guard_filter])
     if compile_config is not None and system in COMPILED:
         common["compile_config"] = compile_config

@@ -22,5 +22,6 @@ __all__ = [
 
 from hf_paged.engine import Engine, EngineConfig  # noqa: E402
 from hf_paged.engine.generate_batch import generate_batch  # noqa: E402
+from hf_paged.hf.fast_generate import optimize_generate, restore_generate  # noqa: E402
 
-__all__ += ["Engine", "EngineConfig", "generate_batch"]
+__all__ += ["Engine", "EngineConfig", "generate_batch", "optimize_generate", "restore_generate"]

@@ -57,6 +57,16 @@ class CacheInterface:
         return True
 
     @property
+    def is_linear(self) -> list[bool]:
+        """No layer holds linear-attention state (``generate`` and the mask code ask twice per step; transformers'
+        own answer tests every layer's type)."""
+        return [False] * len(self.layers)
+
+    @property
+    def is_sliding(self) -> list[bool]:
+        return [False] * len(self.layers)
+
+    @property
     def is_croppable(self) -> bool:
         return True
 

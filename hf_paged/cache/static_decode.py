@@ -19,8 +19,9 @@ The host work (appending tokens, taking blocks, copy-on-write after a beam reord
 plans each step through the mask function before it calls the compiled forward. Once a batch has decoded a step
 without being rebuilt, its rows are *armed* (``BatchTables.arm``): each gets the reserved blocks of its next tokens,
 the table holding them is uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
-each later step is :meth:`StaticDecode.advance`: four in-place device ops (lengths, their sums, the position index,
-a gather of the slots), no host list walked, no host-to-device copy, no new tensor.
+each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
+a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels load, else four torch ops),
+no host list walked, no host-to-device copy, no new tensor.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.block_allocator import OutOfBlocksError
 from hf_paged.cache.model_calls import decode_calls
+from hf_paged.kernels.build import ensure_loaded
 
 logger = logging.getLogger("hf_paged")
 
@@ -52,6 +54,7 @@ class StaticDecode:
         self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
         self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
         self._position: torch.Tensor | None = None  # [B, 1] int64: position of each row's latest token
+        self._one_launch: bool | None = None  # whether advance is one kernel launch (asked once)
 
     @property
     def width(self) -> int:
@@ -103,11 +106,17 @@ class StaticDecode:
         self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
         self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
         self._slot_column = meta.slot_mapping.view(-1, 1)
+        if self._one_launch is None:
+            self._one_launch = self.device.type == "cuda" and ensure_loaded() is None
 
     def advance(self) -> PagedMetadata:
         """The next decode step's metadata after ``BatchTables.advance`` counted it: one more token per row, its
         slot read from the armed table, all in place on the device."""
         meta = self.meta
+        if self._one_launch:  # the host time before a compiled step's graph launch is what the GPU waits for
+            torch.ops.hf_paged.advance_decode(meta.seq_lens_k, meta.cu_seqlens_k, self._position, self._slot_of,
+                                              meta.slot_mapping)
+            return meta
         meta.seq_lens_k.add_(1)
         meta.cu_seqlens_k.add_(meta.cu_seqlens_q)  # row i's prefix sum grows by i
         self._position.add_(1)

@@ -85,4 +85,9 @@ cudaError_t launch_write_kv_e4m3(KvSource source, const void* key, const void* v
                                  int num_kv_heads, int head_dim, int64_t key_row_stride, int64_t value_row_stride,
                                  cudaStream_t stream);
 
+// One armed decode step of B = rows sequences (decode_step.cu): seq_lens[i] += 1, cu_seqlens_k[i + 1] += i + 1,
+// position[i] += 1, slot_mapping[i] = slot_of[i * slot_stride + position[i]].
+cudaError_t launch_advance_decode(int32_t* seq_lens, int32_t* cu_seqlens_k, int64_t* position, const int64_t* slot_of,
+                                  int64_t* slot_mapping, int rows, int64_t slot_stride, cudaStream_t stream);
+
 }  // namespace hf_paged

@@ -6,6 +6,8 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <utility>
+
 #include "checks.h"
 #include "launch.h"
 
@@ -85,6 +87,33 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
                                  value.stride(0) * esize / 16, c10::cuda::getCurrentCUDAStream()));
 }
 
+void advance_decode(at::Tensor seq_lens, at::Tensor cu_seqlens_k, at::Tensor position, const at::Tensor& slot_of,
+                    at::Tensor slot_mapping) {
+  const at::Device device = seq_lens.device();
+  for (const auto& [t, name] : {std::pair<const at::Tensor*, const char*>{&seq_lens, "seq_lens"},
+                                {&cu_seqlens_k, "cu_seqlens_k"}, {&position, "position"}, {&slot_of, "slot_of"},
+                                {&slot_mapping, "slot_mapping"}}) {
+    check_cuda_tensor(*t, name, device);
+  }
+  const int64_t rows = seq_lens.numel();
+  TORCH_CHECK_VALUE(seq_lens.scalar_type() == at::kInt && cu_seqlens_k.scalar_type() == at::kInt &&
+                        seq_lens.dim() == 1 && cu_seqlens_k.dim() == 1 && cu_seqlens_k.size(0) == rows + 1 &&
+                        seq_lens.is_contiguous() && cu_seqlens_k.is_contiguous(),
+                    "seq_lens must be a contiguous int32 [B] tensor and cu_seqlens_k int32 [B + 1]");
+  TORCH_CHECK_VALUE(position.scalar_type() == at::kLong && slot_mapping.scalar_type() == at::kLong &&
+                        position.numel() == rows && slot_mapping.numel() == rows && position.is_contiguous() &&
+                        slot_mapping.is_contiguous(),
+                    "position and slot_mapping must be contiguous int64 tensors of B elements");
+  TORCH_CHECK_VALUE(slot_of.scalar_type() == at::kLong && slot_of.dim() == 2 && slot_of.size(0) == rows &&
+                        slot_of.stride(1) == 1 && rows <= INT32_MAX,
+                    "slot_of must be an int64 [B, positions] tensor with contiguous rows");
+  const c10::cuda::CUDAGuard guard(device);
+  C10_CUDA_CHECK(launch_advance_decode(seq_lens.data_ptr<int32_t>(), cu_seqlens_k.data_ptr<int32_t>(),
+                                       position.data_ptr<int64_t>(), slot_of.data_ptr<int64_t>(),
+                                       slot_mapping.data_ptr<int64_t>(), static_cast<int>(rows), slot_of.stride(0),
+                                       c10::cuda::getCurrentCUDAStream()));
+}
+
 }  // namespace hf_paged
 
 TORCH_LIBRARY(hf_paged, m) {
@@ -94,10 +123,13 @@ TORCH_LIBRARY(hf_paged, m) {
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len, int window=0) -> int");
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
+  m.def("advance_decode(Tensor(a!) seq_lens, Tensor(b!) cu_seqlens_k, Tensor(c!) position, Tensor slot_of, "
+        "Tensor(d!) slot_mapping) -> ()");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
   m.impl("paged_decode", &hf_paged::paged_decode);
   m.impl("paged_decode_split_len", &hf_paged::paged_decode_split_len);
   m.impl("write_kv", &hf_paged::write_kv);
+  m.impl("advance_decode", &hf_paged::advance_decode);
 }

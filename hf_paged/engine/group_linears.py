@@ -34,6 +34,14 @@ class GroupLinears(CustomGraphPass):
     def uuid(self) -> bytes:
         return get_hash_for_files((__file__,))
 
+    # Every instance does the same. generate deep-copies its compile config each call and compiles afresh when the
+    # copy differs from the config it compiled with: equal passes keep its compiled step.
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
 
 def group_linears(graph: torch.fx.Graph) -> int:
     """Replace, in place, the ``hf_paged.linear`` calls of ``graph`` that share an input node by

@@ -1,11 +1,12 @@
 """Route a model's linear layers through the skinny decode kernel (``hf_paged.kernels.skinny``), only when asked.
 
 :func:`install` gives every plain ``nn.Linear`` of the decoder layers and the output head a per-instance forward
-that calls :func:`hf_paged.kernels.skinny.linear` while :func:`active` is entered, and the module's own forward
-otherwise: outside ``active()`` the model computes exactly what it did before, and a module that no caller asks for
-costs one flag test per call. The flag is a module-level global read in Python, so a ``torch.compile``'d forward
-guards on it and holds the skinny op only in graphs traced inside ``active()``. The op itself picks the kernel or
-``F.linear`` per call (row count, device, dtype), so entering ``active()`` for a prefill step is safe, only useless.
+that calls :func:`hf_paged.kernels.skinny.linear` while :func:`active` is entered (or where :func:`route_always`
+switched the module on), and the module's own forward otherwise: outside ``active()`` the model computes exactly
+what it did before, and a module that no caller asks for costs two flag tests per call. The flag is a module-level
+global read in Python, so a ``torch.compile``'d forward guards on it and holds the skinny op only in graphs traced
+inside ``active()``. The op itself picks the kernel or ``F.linear`` per call (row count, device, dtype), so
+entering ``active()`` for a prefill step is safe, only useless.
 
 Modules whose weights the kernel could not stream are left alone: subclasses of ``nn.Linear`` (quantized or
 otherwise special), weights that are tensor subclasses (quantized parameters, DTensors), on the meta device,
@@ -29,6 +30,7 @@ from hf_paged.kernels.build import ensure_loaded
 logger = logging.getLogger("hf_paged")
 
 _EAGER = "_hf_paged_skinny_eager"  # the forward a patched module had before (None: its class's)
+_ALWAYS = "_hf_paged_skinny_always"  # a patched module's own switch: served by the op outside active() too
 _active = False
 
 
@@ -47,10 +49,11 @@ def is_active() -> bool:
     return _active
 
 
-def for_engine(model: torch.nn.Module, setting: bool | None) -> bool:
+def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear") -> bool:
     """Whether the engine's model calls run inside :func:`active` per ``Engine(skinny_linear=...)`` (installing
     the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
-    load, True the same or an error saying why not, False never."""
+    load, True the same or an error saying why not, False never. ``option`` names the setting in that error
+    (``hf_paged.optimize_generate`` asks the same with its ``decode_linears``)."""
     if setting is False:
         return False
     reason = _unsupported_reason(model)
@@ -58,7 +61,7 @@ def for_engine(model: torch.nn.Module, setting: bool | None) -> bool:
         reason = "no linear layer of the model can be served (see the debug log)"
     if reason is not None:
         if setting:
-            raise ValueError(f"skinny_linear=True cannot be served: {reason}; pass skinny_linear=False")
+            raise ValueError(f"{option}=True cannot be served: {reason}; pass {option}=False")
         logger.info("hf_paged: decode steps keep torch's linear layers: %s", reason)
         return False
     return True
@@ -106,10 +109,20 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     return patched
 
 
+def route_always(modules: list[torch.nn.Linear], always: bool) -> None:
+    """Serve the patched ``modules`` through the skinny op on every call (``always=True``: a compiled ``generate``
+    step traced outside :func:`active`, see ``hf_paged.optimize_generate``), or again only inside :func:`active`."""
+    for module in modules:
+        if _EAGER not in module.__dict__:
+            raise ValueError(f"{type(module).__name__} was not patched by skinny_linear.install")
+        object.__setattr__(module, _ALWAYS, always)
+
+
 def uninstall(model: torch.nn.Module) -> None:
     """Give every module :func:`install` patched its previous forward back."""
     for module in model.modules():
         if _EAGER in module.__dict__:
+            module.__dict__.pop(_ALWAYS, None)
             eager = module.__dict__.pop(_EAGER)
             del module.forward
             if eager is not None:
@@ -141,11 +154,12 @@ def _patch(module: torch.nn.Linear) -> None:
     eager = module.forward  # an instance forward set by someone else (a hook) is kept and called
 
     def forward(input: torch.Tensor) -> torch.Tensor:
-        if _active:
+        if _active or getattr(module, _ALWAYS):
             return skinny.linear(input, module.weight, module.bias)
         return eager(input)
 
     object.__setattr__(module, _EAGER, module.__dict__.get("forward"))
+    object.__setattr__(module, _ALWAYS, False)
     module.forward = forward
 
 

@@ -51,9 +51,15 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             "hf_paged: a compiled forward on a PagedAttentionCache must get its step planned beforehand, as its "
             "attention_mask: generate does so for a cache whose is_compileable is True (give the cache "
             "max_new_tokens=...), and only decode steps may be compiled")
-    cache.check_model_config(kwargs.get("config"))
-    device = kwargs.get("device") or cache.pool.kv_caches[0][0].device
-    plan = cache.plan_step(kwargs.get("attention_mask"), batch_size, q_length, device)
+    return plan_forward(cache, kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
+                        kwargs.get("device"))
+
+
+def plan_forward(cache, config, attention_mask, batch_size: int, q_length: int, device=None):
+    """The plan of a forward on paged ``cache`` (what the mask function returns): ``attention_mask`` the 2D
+    padding mask or None, ``device`` where the plan's tensors go (default: the pool's first device)."""
+    cache.check_model_config(config)
+    plan = cache.plan_step(attention_mask, batch_size, q_length, device or cache.pool.kv_caches[0][0].device)
     if cache.is_compileable:
         _prepare_routes(plan)
     return SealedPlan(plan) if opaque_plans else plan

@@ -27,6 +27,7 @@ SOURCES = (
     "checks.cpp",
     "decode_ops.cpp",
     "write_kv.cu",
+    "decode_step.cu",
     "paged_decode_f32.cu",
     "paged_decode_f16.cu",
     "paged_decode_bf16.cu",

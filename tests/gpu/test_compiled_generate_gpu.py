@@ -87,3 +87,55 @@ def test_the_torch_backend_is_not_compiled_on_cuda(models):
     cache = hf_paged.PagedAttentionCache(models[1].config, num_blocks=8, block_size=16, device="cuda",
                                          dtype=torch.bfloat16, backend="torch", max_new_tokens=4)
     assert not cache.is_compileable and "torch backend" in cache.compile_mode.reason
+
+
+def test_an_armed_step_advances_in_one_launch_as_the_torch_ops_do():
+    """``StaticDecode.advance`` on the CUDA kernel (``hf_paged::advance_decode``) leaves lengths, prefix sums,
+    positions and slots as the four torch ops do, on random armed state, several steps in a row."""
+    if kernels.build.ensure_loaded() is not None:
+        pytest.skip("the CUDA kernels are unavailable")
+    gen = torch.Generator().manual_seed(3)
+    rows, positions = 37, 160
+    seq_lens = torch.randint(1, positions - 8, (rows,), generator=gen, dtype=torch.int32)
+    state = {
+        "seq_lens": seq_lens,
+        "cu_seqlens_k": torch.cat([torch.zeros(1, dtype=torch.int32), seq_lens.cumsum(0, dtype=torch.int32)]),
+        "position": (seq_lens.long() - 1)[:, None].contiguous(),
+        "slot_of": torch.randperm(rows * positions, generator=gen).view(rows, positions),
+        "slot_mapping": torch.full((rows,), -1, dtype=torch.int64),
+    }
+    cu_q = torch.arange(rows + 1, dtype=torch.int32)
+    kernel = {k: v.cuda() for k, v in state.items()}
+    for step in range(5):
+        torch.ops.hf_paged.advance_decode(kernel["seq_lens"], kernel["cu_seqlens_k"], kernel["position"],
+                                          kernel["slot_of"], kernel["slot_mapping"])
+        state["seq_lens"].add_(1)
+        state["cu_seqlens_k"].add_(cu_q)
+        state["position"].add_(1)
+        torch.gather(state["slot_of"], 1, state["position"], out=state["slot_mapping"].view(-1, 1))
+        for name, expected in state.items():
+            assert torch.equal(kernel[name].cpu(), expected), f"{name} after step {step + 1}"
+    assert torch.equal(state["cu_seqlens_k"][1:], state["seq_lens"].cumsum(0, dtype=torch.int32))
+
+
+def test_optimized_generate_matches_eager_with_cuda_graphs(models, batch, eager_run):
+    """``hf_paged.optimize_generate`` (planned masks, no nn-module guards, the skinny decode linears grouped): the
+    compiled steps give eager's tokens up to bf16 ties, in one graph, with no CUDA graph skipped; restored, the
+    model compiles as before."""
+    paged = models[1]
+    torch._dynamo.reset()
+    counters.clear()
+    cache = compileable_cache(paged, batch, ("flash", "cuda", "torch"), 16)
+    hf_paged.optimize_generate(paged)
+    try:
+        assert "post_grad_custom_pre_pass" in paged.generation_config.compile_config.options, "decode linears on"
+        outs = [paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=NEW_TOKENS, **GREEDY)
+                for _ in range(2)]
+    finally:
+        hf_paged.restore_generate(paged)
+    width = batch["input_ids"].shape[1]
+    assert torch.equal(outs[0], outs[1]), "a second call (replaying the graphs) gives the first call's tokens"
+    assert_matches_up_to_ties(outs[0][:, width:], *eager_run, "optimized compiled generate")
+    assert counters["stats"]["unique_graphs"] == 1, "one graph for every decode step of both calls"
+    assert not counters["inductor"].get("cudagraph_skips"), "CUDA graphs were skipped"
+    assert "create_masks_for_generate" not in paged.__dict__, "restored"
