@@ -28,10 +28,12 @@ wall of the first call (compile and CUDA-graph capture included for the compiled
 minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk
 graph cache is off, so each compiled system compiles from scratch.
 ``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
-Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run.
+Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run. ``--isolate`` runs each
+system at each batch size in a fresh process (one run's compiled code, allocator state or first-compile imports
+then cannot reach the next; each run loads its model anew).
 
     python benchmarks/generate_latency.py [--batches 1,16,64] [--systems ...] [--new-tokens 128]
-        [--block-size 16] [--repeats 3] [--json F] [--markdown F] [--smoke]
+        [--block-size 16] [--repeats 3] [--isolate] [--json F] [--markdown F] [--smoke]
 
 ``--smoke`` runs every path on a tiny model on the CPU (batches 1 and 2, prompts of 8 to 24 tokens, 6 new tokens;
 the compiled systems compile with ``--compile-backend``, default "eager" there); its numbers mean nothing.
@@ -42,7 +44,9 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -195,6 +199,41 @@ def measure(system: str, model, batch: dict, args: argparse.Namespace, sync) -> 
     return {**row, "tokens": out[:, batch["input_ids"].shape[1]:].cpu()}
 
 
+def run_one(system: str, batch_size: int, args: argparse.Namespace, models: dict, device: str, shape: dict,
+            sync) -> tuple[dict, torch.Tensor | None]:
+    """One system at one batch size in this process (models loaded once per attention implementation): the row's
+    results and the tokens, or a failed status and None."""
+    try:
+        attn = ATTN[system]
+        if attn not in models:
+            models[attn] = load_model(shape, device, attn)
+        batch = prompts(batch_size, args.lengths, shape["vocab_size"], device)
+        result = measure(system, models[attn], batch, args, sync)
+        return result, result.pop("tokens")
+    except Exception as err:  # noqa: BLE001 - one failing system must not lose the others' numbers
+        traceback.print_exc()
+        return {"status": f"failed: {type(err).__name__}: {err}"}, None
+
+
+def run_isolated(system: str, batch_size: int, args: argparse.Namespace) -> tuple[dict, torch.Tensor | None]:
+    """``run_one`` in a process of its own (``--isolate``): no run inherits another's compiled code, allocator
+    state or first-compile imports."""
+    passed = ["--new-tokens", str(args.new_tokens), "--block-size", str(args.block_size), "--repeats",
+              str(args.repeats), "--guard-filter", args.guard_filter]
+    passed += ["--compile-backend", args.compile_backend] if args.compile_backend else []
+    passed += ["--skip-guard-eval"] * args.skip_guard_eval + ["--smoke"] * args.smoke
+    with tempfile.TemporaryDirectory() as folder:
+        out = Path(folder) / "run.pt"
+        child = subprocess.run([sys.executable, __file__, "--systems", system, "--batches", str(batch_size),
+                                *passed, "--child-out", str(out)], capture_output=True, text=True)
+        if child.returncode != 0 or not out.exists():
+            sys.stdout.write(child.stdout[-2000:] + child.stderr[-4000:])
+            last = (child.stderr.strip().splitlines() or ["no output"])[-1]
+            return {"status": f"failed: the run's process exited with {child.returncode}: {last}"}, None
+        result = torch.load(out)
+        return result["row"], result["tokens"]
+
+
 def skip_reason(system: str, device: str) -> str | None:
     if system == "hf_paged_compiled_skinny" and device != "cuda":
         return "the skinny linear kernel runs on CUDA only"
@@ -254,6 +293,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-guard-eval", action="store_true",
                         help="after each compiled system's first call, evaluate only the guards that tell its "
                              "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True))")
+    parser.add_argument("--isolate", action="store_true",
+                        help="run each system at each batch size in a process of its own")
+    parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)  # --isolate's runs
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument("--markdown", type=Path, default=None, help="write the table here too")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
@@ -296,21 +338,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"    skipped: {reason}", flush=True)
             write_json(args, rows, tokens)
             continue
-        try:
-            attn = ATTN[system]
-            if attn not in models:
-                models[attn] = load_model(shape, device, attn)
-            batch = prompts(batch_size, args.lengths, shape["vocab_size"], device)
-            result = measure(system, models[attn], batch, args, sync)
-            tokens[system, batch_size] = result.pop("tokens")
-            row.update(result)
+        if args.isolate:
+            result, own = run_isolated(system, batch_size, args)
+        else:
+            result, own = run_one(system, batch_size, args, models, device, shape, sync)
+        row.update(result)
+        if own is not None:
+            tokens[system, batch_size] = own
             print(f"    {row['ms_per_step']:.3f} ms/step, first call {row['first_call_s']:.2f} s", flush=True)
-        except Exception as err:  # noqa: BLE001 - one failing system must not lose the others' numbers
-            traceback.print_exc()
-            row["status"] = f"failed: {type(err).__name__}: {err}"
+        else:
             print(f"    {row['status']}", flush=True)
         rows.append(row)
         write_json(args, rows, tokens)
+        if args.child_out is not None:
+            torch.save({"row": result, "tokens": own}, args.child_out)
     text = table(rows, args.systems, args.batches)
     print(f"ms per decode step ({where}, Llama-1B-shaped, prompts {args.lengths[0]}-{args.lengths[1]}, "
           f"{args.new_tokens} new tokens, greedy)\n{text}")

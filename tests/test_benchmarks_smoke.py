@@ -142,15 +142,27 @@ def test_generate_latency_smoke(tmp_path):
     assert set(rows) == set(generate_latency.SYSTEMS)
     assert rows["flash_attention_2"]["status"].startswith("skipped")
     assert rows["hf_paged_compiled_skinny"]["status"].startswith("skipped")  # CUDA only
-    for name in ("sdpa", "hf_paged", "hf_paged_compiled", "static"):
+    for name in ("sdpa", "hf_paged", "hf_paged_compiled", "static", "hf_paged_optimized"):
         row = rows[name]
         assert row["status"] == "ok" and row["ms_per_step"] > 0 and row["tokens_match"] == 2, row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
-    assert "| 2 |" in out.splitlines()[-4] and "[5/6] static, batch 2" in out
+    assert rows["hf_paged_optimized"]["graphs"] == 1
+    assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
+
+
+def test_generate_latency_isolated_runs(tmp_path):
+    """--isolate: each run in a process of its own, its row and tokens brought back (tokens_match needs them)."""
+    path = tmp_path / "latency.json"
+    _run(generate_latency.main, ["--smoke", "--batches", "1", "--systems", "hf_paged,hf_paged_optimized",
+                                 "--isolate", "--json", str(path)])
+    rows = {r["system"]: r for r in json.loads(path.read_text())["rows"]}
+    for row in rows.values():
+        assert row["status"] == "ok" and row["tokens_match"] == 1 and row["first_call_s"] > 0, row
+    assert rows["hf_paged_optimized"]["graphs"] == 1
 
 
 def test_generate_host_overhead_smoke():
-    """Both systems of the host-overhead benchmark run every decode step compiled (the script asserts it)."""
+    """Every system of the host-overhead benchmark runs every decode step compiled (the script asserts it)."""
     out = _run(generate_host_overhead.main, ["--batch", "2", "--new-tokens", "4", "--repeats", "1", "--rounds", "1"])
     assert "| static |" in out and "| hf_paged_compiled |" in out
 
