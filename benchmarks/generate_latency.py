@@ -11,8 +11,8 @@ Systems (``--systems``, in this order by default):
   hf_paged_compiled  the same with PagedAttentionCache(max_new_tokens=...): generate compiles its decode step
   static             sdpa with cache_implementation="static": generate compiles its decode step
   hf_paged_compiled_skinny  hf_paged_compiled with the engine's decode linears (CUDA only): hf_paged's skinny
-                     kernel, q/k/v and gate/up grouped into one launch each by an inductor pass (an experiment:
-                     no public option serves it yet)
+                     kernel, q/k/v and gate/up grouped into one launch each by an inductor pass (put together
+                     by hand: hf_paged_optimized is the public way)
   hf_paged_optimized hf_paged_compiled after ``hf_paged.optimize_generate(model)``: planned masks, no guards on
                      nn modules, the skinny decode linears grouped where they serve (CUDA)
 
