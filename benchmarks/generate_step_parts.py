@@ -60,12 +60,15 @@ def host_parts(model, call) -> tuple[float, float]:
 
         return timed
 
+    own = {name: model.__dict__[name] for name in ("prepare_inputs_for_generation", "get_compiled_call")
+           if name in model.__dict__}  # optimize_generate sets its own get_compiled_call
     model.prepare_inputs_for_generation, model.get_compiled_call = timed_prepare, timed_get_compiled
     try:
         call(NEW_TOKENS)
         torch.cuda.synchronize()
     finally:
         del model.prepare_inputs_for_generation, model.get_compiled_call
+        model.__dict__.update(own)
     if len(compiled_times) < NEW_TOKENS - 1:
         raise RuntimeError(f"only {len(compiled_times)} of {NEW_TOKENS - 1} decode steps ran compiled")
     return 1e6 * statistics.median(prepare_times[1:]), 1e6 * statistics.median(compiled_times)

@@ -20,6 +20,9 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   The model's linear layers go through hf_paged's skinny kernel (``hf_paged.kernels.skinny``: a decode step's few
   rows stream the weight at close to copy bandwidth; prefill's many rows keep ``F.linear``), and an inductor pass
   groups the products that share an input (q/k/v, gate/up) into one launch each.
+- **Decode graphs** (``graphs=True``). Decode steps are replayed from CUDA graphs hf_paged captures, keyed by the
+  step's plan and input shapes, with none of dynamo's per-call work (``hf_paged/hf/decode_graphs.py``, which says
+  when that is safe and falls back to transformers' compiled call otherwise).
 
 The compile config is set as ``model.generation_config.compile_config`` (CUDA graphs, as transformers' default
 ``mode="reduce-overhead"`` gives them); a ``compile_config`` passed to ``generate`` replaces it for that call.
@@ -35,6 +38,7 @@ from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged.attention.metadata import PagedMetadata
 from hf_paged.hf.attention import plan_forward
+from hf_paged.hf.decode_graphs import GraphedCalls
 
 logger = logging.getLogger("hf_paged")
 
@@ -92,7 +96,7 @@ def _layout_of(masks) -> str | tuple[str, ...]:
 
 
 def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
-                      skip_module_guards: bool = True) -> torch.nn.Module:
+                      skip_module_guards: bool = True, graphs: bool = True) -> torch.nn.Module:
     """Make ``model.generate``'s compiled decode steps on a compileable :class:`PagedAttentionCache` cheaper (see
     this module's docstring); returns ``model``. Calling it again replaces the earlier settings.
 
@@ -101,6 +105,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
             serve, i.e. the model on CUDA in float16/bfloat16 with the kernels loaded; True: the same or an error
             saying why not; False: never).
         skip_module_guards: drop dynamo's guards on nn modules from the compiled decode step.
+        graphs: replay decode steps from CUDA graphs captured by hf_paged, without dynamo on the way
+            (``hf_paged/hf/decode_graphs.py``: where that is known to be safe, else transformers' compiled call).
 
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
@@ -123,6 +129,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     else:  # the model's class makes its own masks (token types, images): those stay as they are
         logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
     model.generation_config.compile_config = config
+    if graphs:
+        model.get_compiled_call = GraphedCalls(model, type(model).get_compiled_call.__get__(model))
     _forget_compiled_call(model)
     return model
 
@@ -136,6 +144,7 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
         return model
     skinny_linear.route_always(state["linears"], False)
     model.__dict__.pop("create_masks_for_generate", None)
+    model.__dict__.pop("get_compiled_call", None)
     if state["masks"] is not None:
         model.create_masks_for_generate = state["masks"]
     model.generation_config.compile_config = state["compile_config"]
