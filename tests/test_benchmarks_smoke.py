@@ -201,17 +201,6 @@ def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     assert "prepare_inputs_for_generation" not in model.__dict__, "the timing wrappers are removed"
 
 
-def test_with_guard_filter_keeps_the_cuda_graphs_of_reduce_overhead():
-    from transformers import CompileConfig
-
-    f = torch.compiler.skip_guard_on_inbuilt_nn_modules_unsafe
-    filtered = generate_latency.with_guard_filter(CompileConfig(), f)
-    assert filtered.mode is None and filtered.backend == "inductor"
-    assert filtered.options == {"triton.cudagraphs": True, "guard_filter_fn": f}
-    eager = generate_latency.with_guard_filter(CompileConfig(backend="eager", mode=None), f)
-    assert eager.options == {"guard_filter_fn": f}
-
-
 def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
     import data_parallel
 

@@ -137,6 +137,8 @@ def test_with_options_turns_reduce_overhead_into_its_cuda_graph_option():
     merged = fast_generate.with_options(CompileConfig(), {"guard_filter_fn": len})
     assert merged.mode is None and merged.options == {"triton.cudagraphs": True, "guard_filter_fn": len}
     assert fast_generate.with_options(CompileConfig(), {}).mode == "reduce-overhead"
+    eager = fast_generate.with_options(CompileConfig(backend="eager", mode=None), {"guard_filter_fn": len})
+    assert eager.options == {"guard_filter_fn": len} and eager.backend == "eager"
     with pytest.raises(ValueError, match="mode 'max-autotune' .* cannot take options"):
         fast_generate.with_options(CompileConfig(mode="max-autotune"), {"guard_filter_fn": len})
 
