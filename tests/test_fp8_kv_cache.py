@@ -118,12 +118,37 @@ def test_torch_backend_attention_over_fp8_kv(q_lens, ctx_lens):
     assert err.max() < 0.15 and err.mean() < 0.02
 
 
-def test_fp8_cache_is_not_compileable():
-    config = make_config("llama_gqa")
-    with pytest.raises(ValueError, match="fp8"):
-        hf_paged.PagedAttentionCache(config, num_blocks=4, kv_cache_dtype="fp8", max_new_tokens=4, compileable=True)
-    cache = hf_paged.PagedAttentionCache(config, num_blocks=4, kv_cache_dtype="fp8", max_new_tokens=4)
-    assert not cache.is_compileable
+def test_compiled_decode_steps_on_an_fp8_cache_give_the_eager_fp8_tokens():
+    """generate compiled (fullgraph, CPU, the torch backend) on an fp8 cache: the scales travel through the custom
+    ops (set by the prefill, read by every step); the tokens are the eager fp8 cache's, in one graph."""
+    from test_compiled_generate import GREEDY, CountingBackend, compile_config
+    from tiny_models import left_padded_batch, make_models
+
+    from hf_paged.hf.compat import with_cache
+
+    torch._dynamo.reset()
+    model = make_models("llama_gqa", seed=0)[1]
+    gen = torch.Generator().manual_seed(2)
+    batch = left_padded_batch([5, 12, 19], gen)
+
+    def run(**cache_kwargs):
+        cache = hf_paged.PagedAttentionCache(model.config, num_blocks=64, block_size=4, kv_cache_dtype="fp8",
+                                             **cache_kwargs)
+        return model.generate(**with_cache(model, cache, **batch), max_new_tokens=10, **GREEDY), cache
+
+    reference, eager_cache = run()
+    backend = CountingBackend()
+    model.generation_config.compile_config = compile_config(backend)
+    try:
+        out, cache = run(max_new_tokens=10, compileable=True)
+    finally:
+        model.generation_config.compile_config = None
+        torch._dynamo.reset()
+    assert cache.is_compileable and not eager_cache.is_compileable
+    assert torch.equal(out, reference)
+    assert backend.graphs == 1 and backend.calls >= 8, "every decode step compiled, in one graph"
+    for scales in cache.pool.kv_scales:
+        assert (scales.k > 0).all() and (scales.v > 0).all(), "the prefill set every head's scales"
 
 
 def _teacher_forced_logits(model, dtype, seqs, mask, kv_cache_dtype):

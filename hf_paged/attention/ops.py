@@ -11,6 +11,7 @@ Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV 
     key, value (new):  [T, Hkv, D]
     k_cache, v_cache:  [num_blocks, block_size, Hkv, D]
     output:            [T, H, D], the dtype of ``query``
+    k_scale, v_scale:  [Hkv] float32, with an fp8 cache (the layer's dequantization scales), else None
 """
 
 from __future__ import annotations
@@ -18,10 +19,11 @@ from __future__ import annotations
 import torch
 
 from hf_paged.attention.backends.base import AttentionBackend, AttentionParams, backend_named
+from hf_paged.attention.kv_quant import KVScales
 from hf_paged.attention.metadata import PagedMetadata, Phase
 
 
-@torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache"))
+@torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
 def _store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -30,13 +32,18 @@ def _store_kv(
     slot_mapping: torch.Tensor,
     writer: str,
     has_padding_slots: bool,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
-    backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
+    if k_scale is None:
+        backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
+    else:  # an fp8 cache: its scales are set on a layer's first write (kv_quant), so the op mutates them
+        backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
 
 
 @_store_kv.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots) -> None:
+def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots, k_scale=None, v_scale=None) -> None:
     return None
 
 
@@ -58,35 +65,44 @@ def _paged_attention(
     scale: float,
     sliding_window: int | None,
     softcap: float | None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     meta = _step(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_lens_k=seq_lens_k,
                  block_tables=block_tables, phase=Phase(phase), max_seqlen_q=max_seqlen_q,
                  max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
                  num_tokens=query.shape[0])
     params = AttentionParams(scale=scale, sliding_window=sliding_window, softcap=softcap)
-    return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params)
+    if k_scale is None:
+        return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params)
+    return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params,
+                                          kv_scales=KVScales(k_scale, v_scale))
 
 
 @_paged_attention.register_fake
 def _(query, key, value, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_tables, phase,
-      max_seqlen_q, max_seqlen_k, backend, scale, sliding_window, softcap) -> torch.Tensor:
+      max_seqlen_q, max_seqlen_k, backend, scale, sliding_window, softcap, k_scale=None, v_scale=None) -> torch.Tensor:
     return torch.empty_like(query, memory_format=torch.contiguous_format)
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             meta: PagedMetadata, writer: AttentionBackend) -> None:
-    """``writer.write_kv(...)`` through the ``hf_paged::store_kv`` op (``key``/``value`` ``[T, Hkv, D]``)."""
-    torch.ops.hf_paged.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, writer.name, meta.has_padding_slots)
+             meta: PagedMetadata, writer: AttentionBackend, kv_scales: KVScales | None = None) -> None:
+    """``writer.write_kv(...)`` through the ``hf_paged::store_kv`` op (``key``/``value`` ``[T, Hkv, D]``;
+    ``kv_scales``: the layer's, with an fp8 cache)."""
+    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
+    torch.ops.hf_paged.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, writer.name, meta.has_padding_slots,
+                                k_scale, v_scale)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: PagedMetadata, backend: AttentionBackend,
-                    params: AttentionParams) -> torch.Tensor:
+                    params: AttentionParams, kv_scales: KVScales | None = None) -> torch.Tensor:
     """``backend.forward(...)`` through the ``hf_paged::paged_attention`` op; returns ``[T, H, D]``."""
+    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
     return torch.ops.hf_paged.paged_attention(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.seq_lens_k,
         meta.block_tables, meta.phase.value, meta.max_seqlen_q, meta.max_seqlen_k, backend.name, params.scale,
-        params.sliding_window, params.softcap,
+        params.sliding_window, params.softcap, k_scale, v_scale,
     )
 
 

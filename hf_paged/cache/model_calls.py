@@ -28,10 +28,10 @@ def basic_calls(config, layout: KVLayout, devices: list[torch.device], dtype: to
 
 
 def decode_calls(config, layout: KVLayout, device_type: str, dtype: torch.dtype,
-                 block_size: int) -> list[AttentionCall]:
+                 block_size: int, kv_dtype: torch.dtype | None = None) -> list[AttentionCall]:
     """The decode calls the model's layers will make, as far as its config tells (sliding window and logit
-    softcapping included)."""
-    call = _call(config, layout, Phase.DECODE, device_type, dtype, block_size)
+    softcapping included; ``kv_dtype``: an fp8 cache's dtype)."""
+    call = _call(config, layout, Phase.DECODE, device_type, dtype, block_size, kv_dtype)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     window = getattr(text, "sliding_window", None)
     softcap = getattr(text, "attn_logit_softcapping", None)

@@ -118,7 +118,7 @@ class PagedAttentionCache(CacheInterface, Cache):
         self.max_new_tokens = max_new_tokens
         self._traced_offset = PlanOffset(0, self)  # made here: a compiler cannot construct it while tracing
         self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool.kv_caches,
-                                        self.dispatcher, max_new_tokens, compileable)
+                                        self.dispatcher, max_new_tokens, compileable, self.pool.kv_scales)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- one step --------------------------------------------------------------------------------------------

@@ -44,10 +44,11 @@ logger = logging.getLogger("hf_paged")
 class StaticDecode:
     """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
 
-    def __init__(self, device: torch.device, block_size: int, kv_caches, dispatcher):
+    def __init__(self, device: torch.device, block_size: int, kv_caches, dispatcher, kv_scales=None):
         self.device = torch.device(device)
         self.block_size = block_size
         self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # an fp8 cache's per-layer KVScales, else None
         self.dispatcher = dispatcher
         self.meta: PagedMetadata | None = None
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
@@ -64,12 +65,13 @@ class StaticDecode:
         """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
-        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher)
+        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher,
+                                     self.kv_scales)
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
         # replay on them, and skip a step whose mutated inputs are not marked so.
         fixed = [getattr(self.meta, name) for name in PagedMetadata._TENSOR_FIELDS] + [
-            t for pair in self.kv_caches for t in pair]
+            t for pair in self.kv_caches for t in pair] + [t for s in self.kv_scales or () for t in (s.k, s.v)]
         for t in fixed:
             if t is not None:
                 torch._dynamo.mark_static_address(t)
@@ -130,7 +132,7 @@ def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
 
 
 def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device, kv_caches,
-                     dispatcher) -> PagedMetadata:
+                     dispatcher, kv_scales=None) -> PagedMetadata:
     def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -140,7 +142,7 @@ def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.d
         cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
         cu_seqlens_k=zeros(num_rows + 1), seq_lens_k=zeros(num_rows), block_tables=zeros(num_rows, width),
         slot_mapping=zeros(num_rows, dtype=torch.int64), token_index=None, grid=(num_rows, 1),
-        has_padding_slots=False, kv_caches=kv_caches, dispatcher=dispatcher, static=True,
+        has_padding_slots=False, kv_caches=kv_caches, dispatcher=dispatcher, static=True, kv_scales=kv_scales,
     )
 
 
@@ -166,7 +168,7 @@ class CompileMode:
     blocks a batch takes ahead (with ``max_new_tokens``)."""
 
     def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
-                 kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None):
+                 kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None, kv_scales=None):
         if max_new_tokens is not None and (
                 not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
@@ -175,13 +177,13 @@ class CompileMode:
         self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
         self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
         self.block_size = block_size
-        self._fp8 = is_fp8(kv_caches[0][0].dtype)
+        self._kv_dtype = kv_caches[0][0].dtype if is_fp8(kv_caches[0][0].dtype) else None  # an fp8 cache's
         self._reason: str | None | object = _UNDECIDED
         if compileable:
             reason = self._static_reason()
             if reason is not None:
                 raise ValueError(f"compileable=True, but {reason}")
-        self.static = StaticDecode(devices[0], block_size, kv_caches, dispatcher)
+        self.static = StaticDecode(devices[0], block_size, kv_caches, dispatcher, kv_scales)
 
     @property
     def enabled(self) -> bool:
@@ -213,9 +215,6 @@ class CompileMode:
                     "the decode block table are fixed from it before decoding starts")
         if len(set(self.devices)) > 1:
             return "the KV cache is split over several devices"
-        if self._fp8:
-            return ("the KV cache is fp8, whose scales the compiled decode step's custom ops do not carry yet (the "
-                    "engine's CUDA graphs do serve fp8 decode)")
         return None
 
     def _find_reason(self) -> str | None:
@@ -228,7 +227,7 @@ class CompileMode:
         if device_type != "cuda":
             return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
                     "(give the cache compileable=True to compile elsewhere, with a compile_config)")
-        calls = decode_calls(self.config, self.layout, device_type, self.dtype, self.block_size)
+        calls = decode_calls(self.config, self.layout, device_type, self.dtype, self.block_size, self._kv_dtype)
         return self.dispatcher.capture_unsupported_reason(calls, self.dtype)
 
 

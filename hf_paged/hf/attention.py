@@ -120,8 +120,9 @@ def _static_decode_attention(module, query, key, value, meta: PagedMetadata, sca
     k_cache, v_cache = meta.kv_caches[module.layer_idx]
     backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
     q = query.transpose(1, 2).reshape(batch, num_heads, head_dim)
-    ops.store_kv(key, value, k_cache, v_cache, meta, writer)
-    out = ops.paged_attention(q, key, value, k_cache, v_cache, meta, backend, params)
+    scales = None if meta.kv_scales is None else meta.kv_scales[module.layer_idx]  # an fp8 cache's
+    ops.store_kv(key, value, k_cache, v_cache, meta, writer, scales)
+    out = ops.paged_attention(q, key, value, k_cache, v_cache, meta, backend, params, scales)
     return out.view(batch, 1, num_heads, head_dim), None
 
 

@@ -222,3 +222,27 @@ def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model, batch):
         eager = engine.graphs.run_eager(seqs, size)[:n].clone()
         replayed = engine.graphs.replay(seqs, size)[:n].clone()
         assert torch.equal(eager, replayed), f"batch {n} (graph {size}): max diff {(eager - replayed).abs().max()}"
+
+
+def test_fp8_compiled_generate_gives_the_tokens_of_torch_fp8_generate(bf16_model, batch):
+    """generate compiles its decode steps (CUDA graphs) on an fp8 cache by itself: the layer scales travel through
+    the custom ops to the cuda decode and write; greedy tokens are the torch-backend fp8 cache's up to bf16 ties."""
+    from torch._dynamo.utils import counters
+
+    cache = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
+                                         dtype=torch.bfloat16, backend="torch", kv_cache_dtype="fp8")
+    ref = bf16_model.generate(**with_cache(bf16_model, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
+                              pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    want, gaps = ref.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
+    torch._dynamo.reset()
+    counters.clear()
+    compiled = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
+                                            dtype=torch.bfloat16, kv_cache_dtype="fp8", max_new_tokens=NEW_TOKENS)
+    assert compiled.is_compileable, compiled.compile_mode.reason
+    outs = [bf16_model.generate(**with_cache(bf16_model, compiled, **batch), max_new_tokens=NEW_TOKENS,
+                                do_sample=False, pad_token_id=0, eos_token_id=None) for _ in range(2)]
+    assert torch.equal(outs[0], outs[1]), "a second call (replaying the graphs) gives the first call's tokens"
+    assert compiled.stats()["backends"]["decode"] == "cuda", compiled.stats()["backends"]
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["inductor"].get("cudagraph_skips")
+    assert_matches_up_to_ties(outs[0][:, batch["input_ids"].shape[1]:], want, gaps, "fp8 compiled generate")
