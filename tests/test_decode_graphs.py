@@ -139,3 +139,25 @@ def test_restore_removes_the_graphed_calls():
     assert "get_compiled_call" not in model.__dict__
     hf_paged.optimize_generate(model, graphs=False)
     assert "get_compiled_call" not in model.__dict__
+
+
+def test_graphs_do_not_keep_a_cache_alive():
+    """Graphs are kept per cache and go with it: a cache generate is done with is freed (its pool with it)."""
+    import gc
+    import weakref
+
+    model = make_models("llama_gqa", seed=0)[1]
+    model.generation_config.compile_config = compile_config(CountingBackend(), fullgraph=True)
+    cache = hf_paged.PagedAttentionCache(model.config, num_blocks=64, block_size=8, max_new_tokens=6,
+                                         compileable=True)
+    stand_in = _graphed(model, cache)
+    _run(model, cache, _batch(2), max_new_tokens=6, **GREEDY)
+    assert stand_in.replays > 0 and model.get_compiled_call.current.graphs
+    stand_in.cache = None
+    for graphs in model.get_compiled_call.current.graphs.values():
+        for graph in graphs.values():
+            graph.replay = None  # the stand-in's replay closes over the call's kwargs; a CUDA graph holds none
+    gone = weakref.ref(cache)
+    del cache
+    gc.collect()
+    assert gone() is None, "a captured graph keeps the cache alive"

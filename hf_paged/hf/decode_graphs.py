@@ -13,7 +13,8 @@ What a replay skips is the Python the compiled forward runs around its graph. Th
 nothing that matters: after the first compiled call the forward's residual bytecode (what dynamo runs around the
 graph) is read, and graphs are used only if every attribute it sets and every name it uses is known: the
 ``ModelOutput`` it builds (the replay returns the one built at capture), transformers' output collector reset to
-its idle values, and the cache's ``_plan_used`` flag, which the replay sets itself. Anything else (another model's
+its idle values, and the cache's ``_plan_used`` flag, which the replay sets itself. A replay returns a new output of
+the captured one's class and tensors, with the step's cache. Anything else (another model's
 forward, another transformers release), any other kind of call (a step that is not a static paged decode step,
 extra tensors or output flags), or a CPU model, runs transformers' own compiled call.
 """
@@ -48,7 +49,12 @@ class _Graph:
     plan: PagedMetadata  # held, so that the plan's id in the key is not reused while the graph lives
     inputs: dict[str, torch.Tensor]  # the graph's copies of the moving inputs
     replay: object
-    output: object
+    output_type: type  # the forward's ModelOutput class
+    fields: dict  # its fields at capture, the cache's left out (the graph must not keep the cache alive)
+    cache_fields: tuple[str, ...]  # the fields that held the cache
+
+    def output(self, cache):
+        return self.output_type(**self.fields, **dict.fromkeys(self.cache_fields, cache))
 
 
 def cuda_graph_capture(run, device: torch.device):
@@ -133,7 +139,7 @@ class DecodeGraphs:
         graph.replay()
         cache._plan_used = True  # what the compiled forward's residual bytecode does (checked in _check_residual)
         self.replays += 1
-        return graph.output
+        return graph.output(cache)
 
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step with no other tensor input and no
@@ -164,7 +170,9 @@ class DecodeGraphs:
                 return None
         if not moving:
             return None
-        return id(plan), layout, tuple(moving), tuple(sorted(flags)), skinny_linear.is_active(), attention.opaque_plans
+        shape = (tuple(plan.block_tables.shape), plan.max_seqlen_k, plan.block_size)  # ids of dead plans come back
+        return (id(plan), shape, layout, tuple(moving), tuple(sorted(flags)), skinny_linear.is_active(),
+                attention.opaque_plans)
 
     def _capture(self, kwargs: dict) -> _Graph | None:
         plan = _plan_of(kwargs["attention_mask"])
@@ -174,9 +182,13 @@ class DecodeGraphs:
             replay, output = self.capture(lambda: self.compiled(**{**kwargs, **inputs}), device)
         except Exception as err:  # noqa: BLE001 - a step that cannot be captured runs as transformers runs it
             self.failure = f"capturing a decode step failed: {type(err).__name__}: {err}"
-            logger.warning("hf_paged: optimize_generate replays no decode step of this model: %s", self.failure)
+            logger.warning("hf_paged: optimize_generate replays no decode step of %s: %s",
+                           self.model.__class__.__name__, self.failure)
             return None
-        return _Graph(plan, inputs, replay, output)
+        cache = _cache_of(kwargs)
+        fields = {name: value for name, value in output.items() if value is not cache}
+        return _Graph(plan, inputs, replay, type(output), fields,
+                      tuple(name for name, value in output.items() if value is cache))
 
     def _check_residual(self) -> None:
         """After the first compiled call: graphs only if the forward's residual bytecode is the known one."""
