@@ -10,13 +10,13 @@ the flags; the first call of a key runs the compiled forward (inductor, no CUDA 
 second captures it into a ``torch.cuda.CUDAGraph`` and every later one copies the ids and positions in and replays.
 
 What a replay skips is the Python the compiled forward runs around its graph. That is only safe when it changes
-nothing that matters: after the first compiled call the forward's residual bytecode (what dynamo runs around the
-graph) is read, and graphs are used only if every attribute it sets and every name it uses is known: the
-``ModelOutput`` it builds (the replay returns the one built at capture), transformers' output collector reset to
-its idle values, and the cache's ``_plan_used`` flag, which the replay sets itself. A replay returns a new output of
-the captured one's class and tensors, with the step's cache. Anything else (another model's
-forward, another transformers release), any other kind of call (a step that is not a static paged decode step,
-extra tensors or output flags), or a CPU model, runs transformers' own compiled call.
+nothing that matters: after the first compiled call of each new shape the forward's residual bytecode (what dynamo
+runs around the graph) is read, and graphs are used only if every name it sets or passes after the graph is known:
+the ``ModelOutput`` it builds (a replay builds a new one of the same class, with the captured tensors and the
+step's cache), transformers' output collector reset to its idle values, and the cache's ``_plan_used`` flag, which
+the replay sets itself. Anything else (another model's forward, another transformers release), any other kind of
+call (a step that is not a static paged decode step, extra tensors or output flags), or a CPU model, runs
+transformers' own compiled call.
 """
 
 from __future__ import annotations
@@ -102,7 +102,7 @@ class DecodeGraphs:
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> {key: _Graph}
         self.warm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # cache -> keys run once compiled
         self.failure: str | None = None  # why this model's steps are not replayed (then: transformers' call)
-        self.checked = False
+        self.checked = False  # whether a forward compiled here once (a later compile error is not a tracing limit)
         self.replays = 0
 
     def __call__(self, *args, **kwargs):
@@ -114,18 +114,18 @@ class DecodeGraphs:
         graph = graphs.get(key)
         if graph is None:
             warm = self.warm.setdefault(cache, set())
-            if key not in warm:  # compile (the first time) and warm up: a plain compiled call
-                if not self.checked:
-                    try:
-                        output = self.compiled(**kwargs)
-                    except Exception as err:  # noqa: BLE001 - tracing fails before the step runs: run it usually
-                        self.checked, self.failure = True, f"compiling one graph failed: {type(err).__name__}: {err}"
-                        logger.warning("hf_paged: optimize_generate replays no decode step of %s: %s",
-                                       self.model.__class__.__name__, self.failure)
-                        return self.usual(self.compile_config)(**kwargs)
-                    self._check_residual()
-                else:
+            if key not in warm:  # compile (a new shape) and warm up: a plain compiled call
+                try:
                     output = self.compiled(**kwargs)
+                except Exception as err:  # noqa: BLE001 - tracing fails before the step runs: run it usually
+                    if self.checked:  # this model compiled before: not a tracing limit, a real error
+                        raise
+                    self.failure = f"compiling one graph failed: {type(err).__name__}: {err}"
+                    logger.warning("hf_paged: optimize_generate replays no decode step of %s: %s",
+                                   self.model.__class__.__name__, self.failure)
+                    return self.usual(self.compile_config)(**kwargs)
+                self.checked = True
+                self._check_residual()  # each new shape's code too
                 warm.add(key)
                 return output
             graph = self._capture(kwargs)
@@ -191,10 +191,7 @@ class DecodeGraphs:
                       tuple(name for name, value in output.items() if value is cache))
 
     def _check_residual(self) -> None:
-        """After the first compiled call: graphs only if the forward's residual bytecode is the known one."""
-        if self.checked:
-            return
-        self.checked = True
+        """After a new shape's first compiled call: graphs only if the forward's residual bytecode is the known one."""
         unknown = residual_names(self.model.__class__.forward)
         if unknown is None:
             self.failure = "the compiled forward's bytecode was not found"
