@@ -182,16 +182,21 @@ def _prompts(batch: dict[str, torch.Tensor]) -> list[list[int]]:
     return [row[m.bool()].tolist() for row, m in zip(batch["input_ids"], batch["attention_mask"])]
 
 
+def _torch_fp8_generate(model, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: greedy generate over an fp8 cache served by the torch backend alone (its first forward, every
+    prompt token, fixes the scales, as an engine's first step does when all prompts fit in it); the new tokens and
+    each step's gap between the top two logits (for the tie rule)."""
+    cache = hf_paged.PagedAttentionCache(model.config, num_blocks=512, block_size=16, device="cuda",
+                                         dtype=torch.bfloat16, backend="torch", kv_cache_dtype="fp8")
+    ref = model.generate(**with_cache(model, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
+                         pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
+    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    return ref.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
+
+
 def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model, batch):
     prompts = _prompts(batch)
-    # The reference: generate over an fp8 cache served by the torch backend alone; its first forward (every prompt
-    # token) fixes the scales, as the engine's first step does when all prompts fit in it.
-    cache = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
-                                         dtype=torch.bfloat16, backend="torch", kv_cache_dtype="fp8")
-    ref = bf16_model.generate(**with_cache(bf16_model, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
-    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
-    want, gaps = ref.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
+    want, gaps = _torch_fp8_generate(bf16_model, batch)
 
     engine = hf_paged.Engine(bf16_model, num_blocks=512, block_size=16, max_batch_tokens=1024, kv_cache_dtype="fp8")
     assert engine.graphs is not None, "an fp8 engine on CUDA should capture its decode steps"
@@ -229,12 +234,7 @@ def test_fp8_compiled_generate_gives_the_tokens_of_torch_fp8_generate(bf16_model
     the custom ops to the cuda decode and write; greedy tokens are the torch-backend fp8 cache's up to bf16 ties."""
     from torch._dynamo.utils import counters
 
-    cache = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
-                                         dtype=torch.bfloat16, backend="torch", kv_cache_dtype="fp8")
-    ref = bf16_model.generate(**with_cache(bf16_model, cache, **batch), max_new_tokens=NEW_TOKENS, do_sample=False,
-                              pad_token_id=0, eos_token_id=None, return_dict_in_generate=True, output_logits=True)
-    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
-    want, gaps = ref.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
+    want, gaps = _torch_fp8_generate(bf16_model, batch)
     torch._dynamo.reset()
     counters.clear()
     compiled = hf_paged.PagedAttentionCache(bf16_model.config, num_blocks=512, block_size=16, device="cuda",
