@@ -72,7 +72,7 @@ def _worker(rank: int, port: int, out_dir: str) -> None:
         "bad_prompt_on_rank_1": _outcome(lambda: distributed_generate_batch(model, bad, _greedy())),
         "different_prompts": _outcome(lambda: distributed_generate_batch(model, shorter, _greedy())),
         "seeded_config": _outcome(lambda: distributed_generate_batch(
-            model, prompts, _greedy(), continuous_batching_config=seeded)),
+            model, prompts, _sampled(), continuous_batching_config=seeded)),
         "after_failures": _outcome(lambda: distributed_generate_batch(model, prompts[:3], _greedy())),
     }
     record["shares"] = shares
@@ -111,6 +111,17 @@ def test_every_rank_returns_what_one_process_returns(ranks, scenario, config):
 
 
 @pytest.mark.slow
+def test_the_seed_of_the_continuous_batching_config_seeds_by_position_in_all_the_inputs(ranks):
+    """Each rank's share keeps its prompts' positions (generate_batch's indices), so the per-request seeds, and the
+    samples, are one process's."""
+    _, model = make_models("llama_gqa", seed=0)
+    seeded = type("Settings", (), {"seed": 3})()
+    expected = _tokens(hf_paged.generate_batch(model, _prompts(0), _sampled(), continuous_batching_config=seeded))
+    for rank in ranks:
+        assert rank["seeded_config"] == ("ok", expected)
+
+
+@pytest.mark.slow
 def test_each_rank_runs_its_token_balanced_share(ranks):
     prompts, max_new = _prompts(0), _greedy().max_new_tokens
     costs = [len(p) + max_new for p in prompts]
@@ -128,7 +139,6 @@ def test_a_failure_on_one_rank_is_raised_on_every_rank(ranks):
     assert [r["bad_prompt_on_rank_1"] for r in ranks] == [ranks[0]["bad_prompt_on_rank_1"]] * WORLD_SIZE
     assert [r["different_prompts"][:2] for r in ranks] == [("error", "ValueError")] * WORLD_SIZE
     assert "different prompts" in ranks[0]["different_prompts"][2]
-    assert [r["seeded_config"][:2] for r in ranks] == [("error", "NotImplementedError")] * WORLD_SIZE
     # the ranks stay in step: a call after the failures still runs
     assert all(r["after_failures"][0] == "ok" and len(r["after_failures"][1]) == 3 for r in ranks)
 

@@ -42,6 +42,7 @@ def generate_batch(
     progress_bar: bool = False,
     persistent_manager: bool = False,
     warmup: bool = True,
+    indices: list[int] | None = None,
     **kwargs,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
@@ -56,6 +57,9 @@ def generate_batch(
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
     held until a call without it. ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
+    ``indices`` (hf_paged's own): each prompt's position in a larger workload that this call serves part of (distinct,
+    non-negative); request ids (``"req_<index>"``) and the per-request seeds of ``continuous_batching_config.seed``
+    follow it, so a share of the prompts gets what one call over all of them gives its prompts (data parallel).
     """
     validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
     if isinstance(continuous_batching_config, dict):
@@ -63,6 +67,12 @@ def generate_batch(
                          "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     inputs = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, "generate_batch")]
+    if indices is None:
+        indices = list(range(len(inputs)))
+    elif (not isinstance(indices, (list, tuple)) or len(indices) != len(inputs) or len(set(indices)) != len(indices)
+          or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in indices)):
+        raise ValueError(f"indices must be {len(inputs)} distinct non-negative integers (each prompt's position in "
+                         f"the whole workload), one per prompt; got {indices!r}")
     if not inputs:
         return {}
     opt = lambda name, default: default if getattr(continuous_batching_config, name, None) is None else getattr(
@@ -79,9 +89,9 @@ def generate_batch(
     configs = gc
     if seed is not None:
         configs = [copy.deepcopy(gc) for _ in inputs]
-        for i, cfg in enumerate(configs):
+        for i, cfg in zip(indices, configs):
             cfg.seed = (seed * 1_000_003 + i) % 2**62
-    queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in range(len(inputs))])
+    queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in indices])
     ids = {rid: i for i, rid in enumerate(queued)}
     finished = {}
     from tqdm.auto import tqdm

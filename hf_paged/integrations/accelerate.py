@@ -81,8 +81,9 @@ def distributed_generate_batch(
         share = balanced_shares(costs, world_size)[rank]
         logger.info("hf_paged: rank %d of %d generates %d of %d requests (%d of %d tokens)", rank, world_size,
                     len(share), len(prompts), sum(costs[i] for i in share), sum(costs))
-        results = generate_batch(model, [prompts[i] for i in share], generation_config, **engine_kwargs)
-        outcome = (_digest(costs), None, _renamed(results, share))
+        results = generate_batch(model, [prompts[i] for i in share], generation_config, indices=share,
+                                 **engine_kwargs)
+        outcome = (_digest(costs), None, results)
     except Exception as exc:
         kind = next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError)  # a class every process has
         outcome, failure = (None, (kind, f"{type(exc).__name__}: {exc}"), None), exc
@@ -135,10 +136,6 @@ def _leave_process_group() -> None:
 
 def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[list[int]], list[int]]:
     """The prompts as token-id lists and each one's cost in tokens (prompt + new tokens at most)."""
-    if getattr(engine_kwargs.get("continuous_batching_config"), "seed", None) is not None:
-        raise NotImplementedError(
-            "continuous_batching_config.seed seeds each request by its position in the call, which a process's share "
-            "does not keep; set the seed on the GenerationConfig (GenerationConfig(seed=...)) instead")
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     what = "distributed_generate_batch"
     prompts = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, what)]
@@ -153,16 +150,6 @@ def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[lis
 
 def _digest(costs: list[int]) -> str:
     return hashlib.sha256(repr(costs).encode()).hexdigest()
-
-
-def _renamed(results: dict[str, GenerationOutput], share: list[int]) -> dict[str, GenerationOutput]:
-    """Results of one share with their ids ("req_<j>" within the share) turned into ids within all the inputs."""
-    renamed = {}
-    for rid, out in results.items():
-        local, mark, copy_index = rid.partition(validation.CHILD_MARK)
-        out.request_id = f"req_{share[int(local.removeprefix('req_'))]}{mark}{copy_index}"
-        renamed[out.request_id] = out
-    return renamed
 
 
 def _request_order(rid: str) -> tuple[int, int]:

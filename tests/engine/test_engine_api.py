@@ -230,3 +230,25 @@ def test_add_requests_queues_all_or_nothing_and_matches_add_request():
         want.update({o.request_id: o.token_ids for o in one_by_one.step()})
     assert outs == want and len(outs) == 5 and all(len(t) == 3 for t in outs.values())
     assert_all_free(eng)
+
+
+def test_generate_batch_indices_give_a_share_what_the_whole_call_gives_it():
+    """Two calls over halves of the prompts, each with its prompts' positions as ``indices``, give the ids and the
+    seeded samples of one call over all of them (continuous_batching_config.seed seeds by position)."""
+    prompts = random_prompts(6, 3, 14, seed=22)
+    config = GenerationConfig(max_new_tokens=8, do_sample=True, top_k=20, num_return_sequences=2)
+    cbc = type("CBConfig", (), dict(seed=5))()
+    model = models(ARCH)[1]
+    whole = hf_paged.generate_batch(model, prompts, config, cbc)
+    halves = {}
+    for share in ([0, 2, 5], [1, 3, 4]):
+        halves.update(hf_paged.generate_batch(model, [prompts[i] for i in share], config, cbc, indices=share))
+    assert sorted(halves) == sorted(whole) and len(whole) == 12
+    for rid, out in whole.items():
+        assert halves[rid].request_id == rid and halves[rid].generated_tokens == out.generated_tokens, rid
+
+
+@pytest.mark.parametrize("bad", [[0, 0], [0], [-1, 2], [0, 1.0], "01"])
+def test_generate_batch_refuses_bad_indices(bad):
+    with pytest.raises(ValueError, match="indices must be 2 distinct non-negative integers"):
+        hf_paged.generate_batch(models(ARCH)[1], random_prompts(2, 3, 5, seed=23), greedy_config(3), indices=bad)
