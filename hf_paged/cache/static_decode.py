@@ -20,8 +20,8 @@ plans each step through the mask function before it calls the compiled forward. 
 without being rebuilt, its rows are *armed* (``BatchTables.arm``): each gets the reserved blocks of its next tokens,
 the table holding them is uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
 each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
-a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels load, else four torch ops),
-no host list walked, no host-to-device copy, no new tensor.
+a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels are loaded, else four torch
+ops), no host list walked, no host-to-device copy, no new tensor.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.batch_tables import BatchTables
 from hf_paged.cache.block_allocator import OutOfBlocksError
 from hf_paged.cache.model_calls import decode_calls
-from hf_paged.kernels.build import ensure_loaded
+from hf_paged.kernels import build
 
 logger = logging.getLogger("hf_paged")
 
@@ -109,7 +109,8 @@ class StaticDecode:
         self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
         self._slot_column = meta.slot_mapping.view(-1, 1)
         if self._one_launch is None:
-            self._one_launch = self.device.type == "cuda" and ensure_loaded() is None
+            # only where a backend loaded the kernels already: this saves microseconds, not worth a build
+            self._one_launch = self.device.type == "cuda" and build.is_loaded()
 
     def advance(self) -> PagedMetadata:
         """The next decode step's metadata after ``BatchTables.advance`` counted it: one more token per row, its

@@ -35,11 +35,11 @@ logger = logging.getLogger("hf_paged")
 MAX_GRAPHS_PER_CACHE = 8  # keys (batch shapes) kept per cache; the oldest goes first
 _MOVING = ("input_ids", "position_ids")  # the tensors copied into the graph's buffers before each replay
 _FLAGS = ("use_cache", "return_dict", "logits_to_keep", "output_attentions", "output_hidden_states")
-# Names the residual bytecode of a supported forward may use: the kwargs it reads, the output it builds, the
-# output collector's idle values, the cache's flag.
+# Names the residual bytecode of a supported forward may use after its graph: the kwargs it reads, the output it
+# builds, the output collector's idle values, the cache's flag.
 KNOWN_NAMES = frozenset({
     *_MOVING, *_FLAGS, "attention_mask", "cache", "past_key_values", "_plan_used", "logits", "loss", "attentions",
-    "hidden_states", "compiling", "global_var", "kwargs", "args", "self",
+    "hidden_states", "compiling", "global_var",
 })
 _SETTERS = ("STORE_ATTR", "STORE_GLOBAL", "DELETE_ATTR", "DELETE_GLOBAL", "STORE_DEREF")
 

@@ -151,6 +151,11 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     return True
 
 
+def is_loaded() -> bool:
+    """Whether the kernels are loaded already (asks without building them)."""
+    return _folder is not None
+
+
 def ensure_loaded() -> str | None:
     """Load the kernels if possible; None on success, else the reason (warned about once, logger "hf_paged")."""
     global _warned
