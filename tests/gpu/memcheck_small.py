@@ -64,8 +64,61 @@ def main() -> int:
         print(f"{'ok ' if ok else 'BAD'} heads {heads}/{kv_heads} d{head_dim} bs{block_size} {dtype} lens {lens} "
               f"split {split_len} window {window} softcap {softcap}: rel {rel:.1e}, "
               f"write {'exact' if wrote else 'WRONG'}")
+    failures += fp8_cases(gen)
     torch.cuda.synchronize()
     return 1 if failures else 0
+
+
+# (heads, kv heads, head_dim, block_size, query dtype, context lengths, split_len, window, softcap)
+FP8_CASES = [
+    (32, 8, 128, 16, torch.bfloat16, [1, 17, 300], 64, 0, 0.0),
+    (8, 1, 64, 48, torch.float16, [5, 257], 0, 0, 0.0),
+    (16, 4, 256, 16, torch.bfloat16, [2, 90], 64, 30, 5.0),
+]
+
+
+def fp8_cases(gen: torch.Generator) -> int:
+    """The e4m3 decode kernel and the quantizing write, against float64 attention over the dequantized cache and
+    the torch write byte for byte."""
+    from hf_paged.attention import kv_quant
+    from hf_paged.attention.kv_quant import KVScales
+
+    failures = 0
+    for heads, kv_heads, head_dim, block_size, dtype, lens, split_len, window, softcap in FP8_CASES:
+        meta, key, value = make_paged_step([n - 1 for n in lens], [1] * len(lens), block_size, kv_heads, head_dim,
+                                           torch.float32, gen)
+        meta = meta.on(torch.device("cuda"))
+        scales = KVScales.unset(kv_heads, torch.device("cuda"))
+        quantized = []
+        for cache, scale in zip(meta.kv_caches[0], (scales.k, scales.v)):
+            flat = cache.cuda().flatten(0, 1)
+            kv_quant.fix_unset_scales(scale, flat.clamp(-8, 8))  # POISON slots saturate, read would show
+            quantized.append(kv_quant.quantize(flat, scale).view(cache.shape))
+        k8, v8 = quantized
+        query = torch.randn(len(lens), heads, head_dim, generator=gen).to("cuda", dtype)
+        params = AttentionParams(scale=head_dim**-0.5, sliding_window=window or None, softcap=softcap or None)
+        out = kernels.paged_decode(query, k8, v8, meta.block_tables, meta.seq_lens_k, params.scale,
+                                   max_seq_len=meta.max_seqlen_k, split_len=split_len, window=window, softcap=softcap,
+                                   k_scale=scales.k, v_scale=scales.v)
+        k_deq = k8.double() * scales.k.double()[:, None]
+        v_deq = v8.double() * scales.v.double()[:, None]
+        ref = paged_attention_reference(query.double(), k_deq, v_deq, meta, params, compute_dtype=torch.float64)
+        rel = ((out.double() - ref).norm() / ref.norm()).item()
+        # the quantizing write into fresh slots (and a padding row, -1) against torch's quantize with the same scales
+        slots = meta.slot_mapping.clone()
+        slots[0] = -1
+        k_copy, v_copy = k8.clone(), v8.clone()
+        kernels.write_kv(key.cuda().to(dtype), value.cuda().to(dtype), k_copy, v_copy, slots, k_scale=scales.k,
+                         v_scale=scales.v)
+        want = kv_quant.quantize(key.cuda().to(dtype)[1:].float(), scales.k)
+        got = k_copy.view(-1, kv_heads, head_dim)[slots[1:]]
+        wrote = torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+        ok = rel < 2e-2 and wrote and not out.isnan().any()
+        failures += not ok
+        print(f"{'ok ' if ok else 'BAD'} fp8 heads {heads}/{kv_heads} d{head_dim} bs{block_size} {dtype} lens {lens} "
+              f"split {split_len} window {window} softcap {softcap}: rel {rel:.1e}, "
+              f"write {'exact' if wrote else 'WRONG'}")
+    return failures
 
 
 if __name__ == "__main__":
