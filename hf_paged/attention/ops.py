@@ -11,7 +11,8 @@ Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV 
     key, value (new):  [T, Hkv, D]
     k_cache, v_cache:  [num_blocks, block_size, Hkv, D]
     output:            [T, H, D], the dtype of ``query``
-    k_scale, v_scale:  [Hkv] float32, with an fp8 cache (the layer's dequantization scales), else None
+    k_scale, v_scale:  [Hkv] float32, with an fp8 cache (the layer's dequantization scales; ``store_kv_fp8``
+                       writes such a cache, ``paged_attention`` takes them as optional arguments)
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from hf_paged.attention.kv_quant import KVScales
 from hf_paged.attention.metadata import PagedMetadata, Phase
 
 
-@torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+@torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache"))
 def _store_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -32,18 +33,37 @@ def _store_kv(
     slot_mapping: torch.Tensor,
     writer: str,
     has_padding_slots: bool,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
 ) -> None:
     meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
-    if k_scale is None:
-        backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
-    else:  # an fp8 cache: its scales are set on a layer's first write (kv_quant), so the op mutates them
-        backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
+    backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
 
 
 @_store_kv.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots, k_scale=None, v_scale=None) -> None:
+def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots) -> None:
+    return None
+
+
+# An op of its own rather than optional scales on store_kv: torch 2.11's fake-tensor check of a custom op fails
+# (IndexError) on a mutated argument passed as None.
+@torch.library.custom_op("hf_paged::store_kv_fp8", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
+def _store_kv_fp8(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    writer: str,
+    has_padding_slots: bool,
+    k_scale: torch.Tensor,
+    v_scale: torch.Tensor,
+) -> None:
+    """An fp8 cache's write: its scales are set on a layer's first write (kv_quant), so the op mutates them too."""
+    meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
+    backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
+
+
+@_store_kv_fp8.register_fake
+def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots, k_scale, v_scale) -> None:
     return None
 
 
@@ -89,9 +109,12 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              meta: PagedMetadata, writer: AttentionBackend, kv_scales: KVScales | None = None) -> None:
     """``writer.write_kv(...)`` through the ``hf_paged::store_kv`` op (``key``/``value`` ``[T, Hkv, D]``;
     ``kv_scales``: the layer's, with an fp8 cache)."""
-    k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
-    torch.ops.hf_paged.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, writer.name, meta.has_padding_slots,
-                                k_scale, v_scale)
+    if kv_scales is None:
+        torch.ops.hf_paged.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, writer.name,
+                                    meta.has_padding_slots)
+    else:
+        torch.ops.hf_paged.store_kv_fp8(key, value, k_cache, v_cache, meta.slot_mapping, writer.name,
+                                        meta.has_padding_slots, kv_scales.k, kv_scales.v)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
