@@ -12,6 +12,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
 
     python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
 
@@ -49,6 +50,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-eager", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=0 (eager "
                              "decode; graphs are the default)")
+    parser.add_argument("--tp-layers-eager", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with compile_layers=False (eager "
+                             "layers under decode graphs; compiled layers are the default)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -118,7 +122,8 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for system in args.systems.split(","):
         if system == "hf_paged":
-            generate = hf_paged_system(model, budget, {})
+            layers = {"compile_layers": False} if os.environ.get("HF_PAGED_BENCH_COMPILE") == "0" else {}
+            generate = hf_paged_system(model, budget, layers)
         else:  # transformers' continuous batching takes its own attention ("sdpa", run as "paged|sdpa")
             model.set_attn_implementation("sdpa")
             generate = transformers_system(model, budget, num_blocks=16 if args.tiny else None)
@@ -213,6 +218,8 @@ def main(argv: list[str] | None = None) -> None:
                           "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
         if args.tp_eager:
             runs += [(c, " (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}) for c in counts if c > 1]
+        if args.tp_layers_eager:
+            runs += [(c, " (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}) for c in counts if c > 1]
         if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
             runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
         for count, variant, env in runs:

@@ -6,6 +6,7 @@ forward ends with a timeout message instead of a hang."""
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import pickle
@@ -22,6 +23,7 @@ from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
+from hf_paged.hf import tp_linears
 from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
 
 WORLD_SIZE = 2
@@ -71,8 +73,16 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     model = AutoModelForCausalLM.from_pretrained(path, tp_plan="auto", attn_implementation="hf_paged",
                                                  dtype=torch.float32).eval()
     prompts = _prompts(0)
+    # A sharded linear of a style hf_paged does not compile (here: an unreadable wrapper) refuses compile_layers=True
+    # and changes nothing; run first, before anything installs the local linears.
+    down = model.model.layers[0].mlp.down_proj
+    tp_forward = down.forward
+    down.forward = functools.partial(tp_forward)
+    refused = _outcome(lambda: hf_paged.Engine(model, num_blocks=8, compile_layers=True))
+    down.forward = tp_forward
     sized = hf_paged.Engine(model, num_blocks=None, memory_budget=1e-6, block_size=8)
     record = {
+        "compile_refused": (refused, tp_linears.installed(model)),
         "kv_heads": (kv_layout(model).num_kv_heads, sized.cache.pool.kv_caches[0][0].shape[2]),
         "sized_blocks": sized.cache.num_blocks,
         "graphs": sized.stats()["cuda_graphs"],
@@ -93,7 +103,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     record["bad_prompt"] = _outcome(lambda: hf_paged.generate_batch(model, bad, _greedy()))
     differ = [p[:-1] + [(p[-1] + rank) % VOCAB] if i == 6 else p for i, p in enumerate(prompts)]  # same lengths
     record["different_prompts"] = _outcome(lambda: hf_paged.generate_batch(model, differ, _greedy()))
-    record["compile_layers"] = _outcome(lambda: hf_paged.Engine(model, num_blocks=8, compile_layers=True))
+    record["compiled"] = _outcome(lambda: _compiled_run(model, prompts))
     engine = _engine(model)
     if rank == 1:  # fails after the step's collectives, in the hand-over of its tokens
         send, calls = engine._receiver.send, []
@@ -112,6 +122,25 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}_stuck.pkl"), "wb") as f:
         pickle.dump(stuck, f)
     os._exit(STUCK_EXIT)
+
+
+def _compiled_run(model, prompts) -> tuple:
+    """The engine with compiled layers: its tokens, whether the compiled code served, how many linears run as local
+    products, and what dynamo traced for one layer's MLP (a functional all-reduce, no DTensor)."""
+    from torch._dynamo.testing import EagerAndRecordGraphs
+
+    engine = hf_paged.Engine(model, num_blocks=24, block_size=8, max_batch_tokens=32, max_num_seqs=6,
+                             compile_layers=True)
+    graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
+    tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
+    compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
+    served = engine.compiled is not None and engine.compiled.enabled and compiled >= model.config.num_hidden_layers  # one or more per layer
+    recorder, mlp = EagerAndRecordGraphs(), model.model.layers[1].mlp
+    x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        traced_equal = torch.equal(torch.compile(mlp, backend=recorder, fullgraph=True)(x), mlp(x))
+    code = recorder.graphs[0].code
+    return tokens, served, tp_linears.installed(model), traced_equal, "all_reduce" in code, "DTensor" in code
 
 
 def _raise():
@@ -202,9 +231,18 @@ def test_a_bad_prompt_raises_the_same_error_on_every_rank(ranks):
     kind, message = ranks[0]["bad_prompt"][1:]
     assert kind == "ValueError" and f"got {VOCAB + 5}" in message
     assert ranks[1]["bad_prompt"] == ranks[0]["bad_prompt"]
-    compile_error = ranks[0]["compile_layers"]
-    assert compile_error[:2] == ("error", "ValueError") and "tensor-parallel" in compile_error[2]
-    assert ranks[1]["compile_layers"] == compile_error
+    (status, kind, message), installed = ranks[0]["compile_refused"]
+    assert (status, kind) == ("error", "ValueError") and "layers.0.mlp.down_proj is sharded in a way" in message
+    assert "compile_layers=False" in message and installed == 0  # nothing was changed
+    assert ranks[1]["compile_refused"] == ranks[0]["compile_refused"]
+
+
+@pytest.mark.slow
+def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_tokens_of_one_process(ranks, single):
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _greedy())]
+    linears = 7 * single.config.num_hidden_layers  # q, k, v, o, gate, up, down per layer
+    for rank in ranks:
+        assert rank["compiled"] == ("ok", (expected, True, linears, True, True, False))
 
 
 @pytest.mark.slow

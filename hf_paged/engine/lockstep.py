@@ -33,8 +33,10 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from hf_paged.engine import compiled_layers
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.scheduler import ScheduledBatch
+from hf_paged.hf import tp_linears
 from hf_paged.hf.tensor_parallel import TensorParallel, tensor_parallel
 
 logger = logging.getLogger("hf_paged")
@@ -163,17 +165,26 @@ def agreed_min(model: torch.nn.Module, value: int) -> int:
 def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | None, EngineConfig]:
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the settings its engine runs with:
     decode CUDA graphs as asked (the layers' NCCL all-reduces captured inside), every size captured at start (an
-    on-demand capture mid-run would have to happen on every rank at the same step), and no compiled layers (the
-    collectives stay out of compiled code). ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
+    on-demand capture mid-run would have to happen on every rank at the same step), and compiled layers as asked,
+    their sharded linears run as local products with a functional all-reduce (``hf_paged.hf.tp_linears``; where
+    the model's sharding is not one it compiles, the layers run eagerly, and ``compile_layers=True`` is refused).
+    ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
     tp = tensor_parallel(model)
     if tp is None:
         return None, cfg
-    if cfg.compile_layers:
-        raise ValueError("compile_layers=True cannot be served for a tensor-parallel model (its layers' collectives "
-                         "stay eager); pass compile_layers=False or None")
+    compile_layers = cfg.compile_layers
+    if compile_layers or (compile_layers is None and compiled_layers.compile_unsupported_reason(model) is None):
+        reason = tp_linears.install(model, tp.group)
+        if reason is not None:
+            if compile_layers:
+                raise ValueError(f"compile_layers=True cannot be served for this tensor-parallel model: {reason}; "
+                                 "pass compile_layers=False or None")
+            logger.info("hf_paged: the engine runs the tensor-parallel model's layers eagerly: %s", reason)
+            compile_layers = False
     graphs = False if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "0" else cfg.cuda_graphs
     on_cuda = any(p.device.type == "cuda" for p in model.parameters())
     if cfg.cuda_graphs and not graphs and on_cuda:
         logger.warning("hf_paged: decode runs without CUDA graphs (HF_PAGED_TP_CUDA_GRAPHS=0): eager "
                        "tensor-parallel decode is slow (on 2 H100s 8x slower than one GPU for an 8B model)")
-    return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=False, cuda_graph_capture="start")
+    return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=compile_layers,
+                                             cuda_graph_capture="start")

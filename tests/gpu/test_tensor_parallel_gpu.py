@@ -74,6 +74,7 @@ def _raise():
 # ----- the worker (one per rank, under torchrun) -----------------------------------------------------------------
 def worker(path: str, out_dir: str, part: str) -> None:
     import hf_paged
+    from hf_paged.hf import tp_linears
     from hf_paged.hf.compat import with_cache
     from hf_paged.integrations.accelerate import paged_cache_for
     from transformers import AutoModelForCausalLM
@@ -88,6 +89,14 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         _write(out_dir, f"eager{rank}", record)
+        torch.distributed.destroy_process_group()
+        return
+    if part == "compiled":  # the engine's defaults: compiled layers (local products, functional all-reduces)
+        engine = hf_paged.Engine(model, num_blocks=40, block_size=16, max_batch_tokens=64, max_num_seqs=8)
+        record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
+        record["graphs"] = engine.stats()["cuda_graphs"]
+        record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
+        _write(out_dir, f"compiled{rank}", record)
         torch.distributed.destroy_process_group()
         return
     engine = _engine(model)
@@ -240,3 +249,16 @@ def test_eager_decode_under_tensor_parallel_when_asked(saved, single, tmp_path):
 
 if __name__ == "__main__":
     worker(*sys.argv[1:4])
+
+
+def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path):
+    """The engine's defaults on two GPUs: compiled layers (each sharded linear a local product, rowwise ones summed
+    by a functional all-reduce inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU."""
+    output = _launch(saved, tmp_path, "compiled")
+    records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
+    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
+    for record in records:
+        assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
+        assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
+        assert record["greedy"] == ("ok", expected)
