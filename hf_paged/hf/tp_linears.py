@@ -22,6 +22,7 @@ engine runs the layers eagerly.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -47,10 +48,32 @@ class LocalLinear:
         x = args[0]
         if not self.rowwise:
             return F.linear(x, self.weight, self.bias)
-        from torch.distributed import _functional_collectives as funcol
+        if _ALL_REDUCE == "op":
+            out = torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group.group_name)
+        else:
+            from torch.distributed import _functional_collectives as funcol
 
-        out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.group)
+            out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.group)
         return out if self.bias is None else out + self.bias
+
+
+_ALL_REDUCE = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "funcol")
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of the group named ``group_name``: transformers' own eager all-reduce (in
+    place, on a copy), opaque to the compiler."""
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = x.clone()
+    torch.distributed.all_reduce(out, group=_resolve_process_group(group_name))
+    return out
+
+
+@_tp_all_reduce.register_fake
+def _(x, group_name):
+    return torch.empty_like(x)
 
 
 def install(model: torch.nn.Module, group) -> str | None:
