@@ -126,7 +126,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
 
 def _compiled_run(model, prompts) -> tuple:
     """The engine with compiled layers: its tokens, whether the compiled code served, how many linears run as local
-    products, and what dynamo traced for one layer's MLP (a functional all-reduce, no DTensor)."""
+    products, and what dynamo traced for one layer's MLP (the all-reduce op, no DTensor)."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     engine = hf_paged.Engine(model, num_blocks=24, block_size=8, max_batch_tokens=32, max_num_seqs=6,
@@ -140,7 +140,7 @@ def _compiled_run(model, prompts) -> tuple:
     with torch.no_grad():
         traced_equal = torch.equal(torch.compile(mlp, backend=recorder, fullgraph=True)(x), mlp(x))
     code = recorder.graphs[0].code
-    return tokens, served, tp_linears.installed(model), traced_equal, "all_reduce" in code, "DTensor" in code
+    return tokens, served, tp_linears.installed(model), traced_equal, "hf_paged.tp_all_reduce" in code, "DTensor" in code
 
 
 def _raise():

@@ -99,8 +99,9 @@ AttentionShape check_query_and_cache(const at::Tensor& out, const at::Tensor& qu
   TORCH_CHECK_VALUE(out.sizes() == query.sizes(), format("out must be shaped like query %s", shape_of(query).c_str()));
   const int64_t vec = vec_elems(dtype);
   for (const at::Tensor* t : {&query, &out}) {
-    TORCH_CHECK_VALUE(vec > 0 && t->stride(2) == 1 && t->stride(1) % vec == 0 && t->stride(0) % vec == 0 &&
-                          aligned16(*t),
+    // A dimension of size 1 may carry any stride (compiled code leaves them so); the kernels never step along it.
+    TORCH_CHECK_VALUE(vec > 0 && t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) % vec == 0) &&
+                          (t->size(0) == 1 || t->stride(0) % vec == 0) && aligned16(*t),
                       "query and out rows must be contiguous and 16-byte aligned; call .contiguous() first");
   }
   TORCH_CHECK_VALUE(aligned16(k_cache) && aligned16(v_cache), "k_cache and v_cache must be 16-byte aligned");

@@ -74,8 +74,9 @@ void write_kv(const at::Tensor& key, const at::Tensor& value, at::Tensor k_cache
   TORCH_CHECK_VALUE(row * esize % 16 == 0, "num_kv_heads * head_dim * itemsize must be a multiple of 16 bytes");
   TORCH_CHECK_VALUE(aligned16(k_cache) && aligned16(v_cache), "k_cache and v_cache must be 16-byte aligned");
   for (const at::Tensor* t : {&key, &value}) {
-    TORCH_CHECK_VALUE(t->stride(2) == 1 && t->stride(1) == t->size(2) && (t->stride(0) * esize) % 16 == 0 &&
-                          aligned16(*t),
+    // A dimension of size 1 may carry any stride (compiled code leaves them so, e.g. one KV head per rank).
+    TORCH_CHECK_VALUE(t->stride(2) == 1 && (t->size(1) == 1 || t->stride(1) == t->size(2)) &&
+                          (t->size(0) == 1 || (t->stride(0) * esize) % 16 == 0) && aligned16(*t),
                       "key/value rows must be contiguous [num_kv_heads, head_dim] blocks at 16-byte aligned "
                       "addresses; call .contiguous() first");
   }

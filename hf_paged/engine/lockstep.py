@@ -166,7 +166,7 @@ def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | Non
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the settings its engine runs with:
     decode CUDA graphs as asked (the layers' NCCL all-reduces captured inside), every size captured at start (an
     on-demand capture mid-run would have to happen on every rank at the same step), and compiled layers as asked,
-    their sharded linears run as local products with a functional all-reduce (``hf_paged.hf.tp_linears``; where
+    their sharded linears run as local products with an opaque all-reduce (``hf_paged.hf.tp_linears``; where
     the model's sharding is not one it compiles, the layers run eagerly, and ``compile_layers=True`` is refused).
     ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
     tp = tensor_parallel(model)

@@ -9,10 +9,9 @@ products, 1.9-2.9 ms of an 8B decode step on two GPUs.
 
 :func:`install` puts a :class:`LocalLinear` in front of each sharded linear's ``forward``. Eager calls (and calls
 that need gradients) still take transformers' own path; only inside ``torch.compile`` does it multiply by the local
-tensors directly and sum a rowwise output with a functional all-reduce
-(``torch.distributed._functional_collectives``), which dynamo traces and inductor schedules like any other op. The
-compiled decoder layers then hold the same math as transformers' inference path: the same local products, the same
-sum over ranks, the bias added once after it.
+tensors directly and sum a rowwise output with ``hf_paged::tp_all_reduce``, a custom op the compiler treats as
+opaque (so a layer stays one graph around it). The compiled decoder layers then hold the same math as transformers'
+inference path: the same local products, the same sum over ranks, the bias added once after it.
 
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
@@ -22,7 +21,6 @@ engine runs the layers eagerly.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
@@ -48,22 +46,19 @@ class LocalLinear:
         x = args[0]
         if not self.rowwise:
             return F.linear(x, self.weight, self.bias)
-        if _ALL_REDUCE == "op":
-            out = torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group.group_name)
-        else:
-            from torch.distributed import _functional_collectives as funcol
-
-            out = funcol.all_reduce(F.linear(x, self.weight), "sum", self.group)
+        out = torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group.group_name)
         return out if self.bias is None else out + self.bias
-
-
-_ALL_REDUCE = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "funcol")
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
 def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group named ``group_name``: transformers' own eager all-reduce (in
-    place, on a copy), opaque to the compiler."""
+    place, on a copy), opaque to the compiler.
+
+    Rather than torch's functional all-reduce: that one runs NCCL as an asynchronous op (its own stream, events to
+    join it), where this call runs it as transformers' eager path does, which is what the decode CUDA graphs
+    capture under tensor parallel without compiled layers. On two H100s the 8B decode at batch 64 went from 8,749
+    to 10,424 tok/s with this op (two calls on different machines; one GPU 6,956 and 7,370 in them)."""
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     out = x.clone()

@@ -206,3 +206,27 @@ def test_dispatcher_sends_decode_and_prefill_to_cuda(block_size: int):
     assert chosen == "cuda" or chosen == "flash"
     assert Dispatcher().writer(torch.empty(1, block_size, 8, 128, dtype=torch.bfloat16, device=DEVICE)).name in (
         "cuda", "flash")
+
+
+def test_size_one_dimensions_may_carry_any_stride():
+    """Compiled code leaves the stride of a size-1 dimension arbitrary (one KV head per tensor-parallel rank, one
+    decode token): the KV write and the decode take such views and give what they give for contiguous copies."""
+    gen = torch.Generator().manual_seed(3)
+    k_base, v_base = (torch.randn(5 * 24, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    key, value = (torch.as_strided(b, (5, 1, 16), (24, 7, 1)) for b in (k_base, v_base))  # stride(1) != head_dim
+    slots = torch.tensor([3, 17, 18, 40, 2], device=DEVICE)
+    caches = {name: [torch.zeros(4, 16, 1, 16, dtype=torch.bfloat16, device=DEVICE) for _ in range(2)]
+              for name in ("strided", "contiguous")}
+    kernels.write_kv(key, value, *caches["strided"], slots)
+    kernels.write_kv(key.contiguous(), value.contiguous(), *caches["contiguous"], slots)
+    assert all(torch.equal(a, b) for a, b in zip(caches["strided"], caches["contiguous"]))
+    assert torch.equal(caches["strided"][0].view(-1, 1, 16)[slots], key)
+
+    k_cache, v_cache = (torch.randn(4, 16, 2, 64, generator=gen).to(DEVICE, torch.bfloat16) for _ in range(2))
+    q_base = torch.randn(8 * 64 + 8, generator=gen).to(DEVICE, torch.bfloat16)
+    query = torch.as_strided(q_base, (1, 8, 64), (3, 64, 1))  # one token: stride(0) is no multiple of a vector
+    tables = torch.tensor([[2, 0, 3]], dtype=torch.int32, device=DEVICE)
+    lens = torch.tensor([37], dtype=torch.int32, device=DEVICE)
+    out = kernels.paged_decode(query, k_cache, v_cache, tables, lens, 0.125, max_seq_len=37)
+    want = kernels.paged_decode(query.contiguous(), k_cache, v_cache, tables, lens, 0.125, max_seq_len=37)
+    assert torch.equal(out, want)

@@ -91,7 +91,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         _write(out_dir, f"eager{rank}", record)
         torch.distributed.destroy_process_group()
         return
-    if part == "compiled":  # the engine's defaults: compiled layers (local products, functional all-reduces)
+    if part == "compiled":  # the engine's defaults: compiled layers (local products, all-reduce ops)
         engine = hf_paged.Engine(model, num_blocks=40, block_size=16, max_batch_tokens=64, max_num_seqs=8)
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         record["graphs"] = engine.stats()["cuda_graphs"]
@@ -253,7 +253,7 @@ if __name__ == "__main__":
 
 def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path):
     """The engine's defaults on two GPUs: compiled layers (each sharded linear a local product, rowwise ones summed
-    by a functional all-reduce inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU."""
+    by the all-reduce op inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU."""
     output = _launch(saved, tmp_path, "compiled")
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
