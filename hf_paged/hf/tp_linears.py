@@ -36,7 +36,12 @@ class LocalLinear:
 
     def __init__(self, module: torch.nn.Linear, eager, rowwise: bool, group):
         self.eager, self.rowwise, self.group = eager, rowwise, group
-        self.weight = module.weight.to_local()  # views of the DTensors' storage, not copies
+        self.refresh(module)
+
+    def refresh(self, module: torch.nn.Linear) -> None:
+        """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
+        the module since are served from the next compile on (the compiled code guards on these tensors)."""
+        self.weight = module.weight.to_local()
         bias = module.bias
         self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
 
@@ -72,14 +77,15 @@ def _(x, group_name):
 
 
 def install(model: torch.nn.Module, group) -> str | None:
-    """Put a :class:`LocalLinear` on every sharded linear of ``model``'s decoder layers (once; later calls keep
-    them). Returns None when done, else why it cannot be done (nothing is changed then)."""
+    """Put a :class:`LocalLinear` on every sharded linear of ``model``'s decoder layers (once; later calls refresh
+    their shards). Returns None when done, else why it cannot be done (nothing is changed then)."""
     layers = decoder_layers(model)
     if layers is None:
         return "no list of decoder layers found on the model"
     plans = []
     for name, module in layers.named_modules():
-        if isinstance(module.__dict__.get("forward"), LocalLinear):
+        if isinstance(local := module.__dict__.get("forward"), LocalLinear):
+            local.refresh(module)
             continue
         weight = getattr(module, "weight", None)
         if not _is_dtensor(weight):
