@@ -7,7 +7,7 @@ shape, random bf16 weights)::
     torchrun --standalone --nproc-per-node 2 benchmarks/tp_step_profile.py /path/to/m8b [--batches 1,64]
 
 Each rank loads the model with ``tp_plan="auto"``; per batch size an ``hf_paged.Engine`` (the defaults a
-tensor-parallel engine runs with: decode CUDA graphs, eager layers) takes that many 512-token prompts, steps past
+tensor-parallel engine runs with: decode CUDA graphs, compiled layers) takes that many 512-token prompts, steps past
 prefill, then times 20 decode steps (wall, synchronized) and profiles 10 more with the torch profiler. Rank 0 prints
 the wall per step, the GPU time per step of each kind of kernel (by kernel name: cuBLAS/nvjet/skinny products,
 ``nccl`` collectives, hf_paged's decode, everything else) and the profiler's top kernels.
