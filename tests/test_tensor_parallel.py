@@ -23,6 +23,7 @@ from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
+from hf_paged.engine import skinny_linear
 from hf_paged.hf import tp_linears
 from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
 
@@ -134,13 +135,24 @@ def _compiled_run(model, prompts) -> tuple:
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
-    served = engine.compiled is not None and engine.compiled.enabled and compiled >= model.config.num_hidden_layers  # one or more per layer
-    recorder, mlp = EagerAndRecordGraphs(), model.model.layers[1].mlp
+    served = (engine.compiled is not None and engine.compiled.enabled
+              and compiled >= model.config.num_hidden_layers)  # one graph or more per layer
+    mlp = model.model.layers[1].mlp
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        traced_equal = torch.equal(torch.compile(mlp, backend=recorder, fullgraph=True)(x), mlp(x))
-    code = recorder.graphs[0].code
-    return tokens, served, tp_linears.installed(model), traced_equal, "hf_paged.tp_all_reduce" in code, "DTensor" in code
+    traced = []
+    for routed in (False, True):  # outside and inside the engine's skinny routing (shards it can read: bf16 ones)
+        recorder = EagerAndRecordGraphs()
+        locals_ = [m.forward for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
+        for local in locals_:
+            local.skinny = routed
+        with torch.no_grad(), skinny_linear.active():
+            traced_equal = torch.allclose(torch.compile(mlp, backend=recorder, fullgraph=True)(x), mlp(x), atol=1e-6)
+        code = recorder.graphs[0].code
+        traced.append((traced_equal, "hf_paged.tp_all_reduce" in code, "hf_paged.linear" in code, "DTensor" in code))
+        torch._dynamo.reset()
+    for local in locals_:
+        local.skinny = False  # float32 shards: what refresh() found
+    return tokens, served, tp_linears.installed(model), traced
 
 
 def _raise():
@@ -242,7 +254,10 @@ def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_toke
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _greedy())]
     linears = 7 * single.config.num_hidden_layers  # q, k, v, o, gate, up, down per layer
     for rank in ranks:
-        assert rank["compiled"] == ("ok", (expected, True, linears, True, True, False))
+        # traced: (equal to eager, holds the all-reduce op, holds the skinny op, holds a DTensor) without and with
+        # the skinny routing of the local shards
+        assert rank["compiled"] == ("ok", (expected, True, linears, [(True, True, False, False),
+                                                                    (True, True, True, False)]))
 
 
 @pytest.mark.slow

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 
 import torch
 
+from hf_paged.hf import tp_linears
 from hf_paged.hf.placement import decoder_layers
 from hf_paged.kernels import skinny
 from hf_paged.kernels.build import ensure_loaded
@@ -57,7 +58,8 @@ def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skin
     if setting is False:
         return False
     reason = _unsupported_reason(model)
-    if reason is None and not install(model):
+    # install() passes over a tensor-parallel model's sharded linears; their local shards route themselves
+    if reason is None and not install(model) and not tp_linears.installed(model):
         reason = "no linear layer of the model can be served (see the debug log)"
     if reason is not None:
         if setting:
@@ -131,9 +133,14 @@ def uninstall(model: torch.nn.Module) -> None:
 
 def skip_reason(module: torch.nn.Linear, dtype: torch.dtype | None) -> str | None:
     """None if ``module``'s forward can be routed through the skinny op (``dtype``: the layers' dtype), else why not."""
-    weight, bias = module.weight, module.bias
     if type(module) is not torch.nn.Linear:
         return f"a subclass of nn.Linear ({type(module).__name__})"
+    return skip_reason_of(module.weight, module.bias, dtype)
+
+
+def skip_reason_of(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None) -> str | None:
+    """:func:`skip_reason` for a weight and bias (also a tensor-parallel shard's local tensors,
+    ``hf_paged.hf.tp_linears``)."""
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and type(t) not in (torch.nn.Parameter, torch.Tensor):
             return f"its {name} is a {type(t).__name__}"

@@ -41,17 +41,30 @@ class LocalLinear:
     def refresh(self, module: torch.nn.Linear) -> None:
         """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
         the module since are served from the next compile on (the compiled code guards on these tensors)."""
+        from hf_paged.engine import skinny_linear  # not at import: the engine imports this module
+
         self.weight = module.weight.to_local()
         bias = module.bias
         self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
+        self.routing = skinny_linear
+        self.skinny = skinny_linear.skip_reason_of(self.weight, self.bias, self.weight.dtype) is None
+
+    def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """The local product: the skinny op (``hf_paged::linear``, which the engine's grouping pass merges for
+        q/k/v and gate/up) inside the engine's decode steps where its kernel can read the shard, else F.linear."""
+        if self.skinny and self.routing.is_active():
+            from hf_paged.kernels import skinny
+
+            return skinny.linear(x, self.weight, bias)
+        return F.linear(x, self.weight, bias)
 
     def __call__(self, *args, **kwargs):
         if not torch.compiler.is_compiling() or torch.is_grad_enabled() or len(args) != 1 or kwargs:
             return self.eager(*args, **kwargs)
         x = args[0]
         if not self.rowwise:
-            return F.linear(x, self.weight, self.bias)
-        out = torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group.group_name)
+            return self._product(x, self.bias)
+        out = torch.ops.hf_paged.tp_all_reduce(self._product(x, None), self.group.group_name)
         return out if self.bias is None else out + self.bias
 
 
