@@ -54,10 +54,10 @@ def test_head_sizes_not_compiled_are_refused_by_name(no_gpu, phase: Phase, head_
 
 def _compiled_cases(*names: str) -> set[int]:
     """Head sizes the kernel selection of these csrc files compiles: `case N:` labels of the decode switches, the
-    template arguments of prefill's select_head_dim<T, N...>."""
+    template arguments of prefill's select_head_dim<T, KV, N...>."""
     text = "".join((build.CSRC / name).read_text() for name in names)
     sizes = {int(n) for n in re.findall(r"case (\d+): return (?:make_mma_entry|select_group_tile)", text)}
-    for args in re.findall(r"select_head_dim<\w+, ([\d, ]+)>", text):
+    for args in re.findall(r"select_head_dim<\w+, \w+, ([\d, ]+)>", text):
         sizes |= {int(n) for n in args.split(",")}
     return sizes
 

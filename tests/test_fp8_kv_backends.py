@@ -1,5 +1,6 @@
-"""Which backend serves an fp8 (e4m3) KV cache, without a GPU: the cuda backend takes decode and the KV write (so
-the dispatcher mixes it with torch for prefill), flash refuses it, and the scales reach the kernels' arguments."""
+"""Which backend serves an fp8 (e4m3) KV cache, without a GPU: the cuda backend takes every phase (decode, prefill,
+extend) of fp16/bf16 models at the compiled head sizes and the KV write, torch the rest, flash refuses it, and the
+scales reach the kernels' arguments."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import hf_paged
 from hf_paged import kernels
 from hf_paged.attention import AttentionParams, Dispatcher, Phase, kv_quant
 from hf_paged.attention.backends.base import AttentionCall
+from hf_paged.attention.backends import cuda as cuda_backend
 from hf_paged.attention.backends.cuda import CudaBackend
 from hf_paged.attention.backends.flash import FlashBackend
 from hf_paged.attention.kv_quant import FP8_DTYPE, FP8_NOT_SERVED_HERE, KVScales
 from hf_paged.kernels import build
+from hf_paged.kernels.prefill import paged_prefill
 from test_torch_backend import random_paged_step
 from tiny_models import make_config
 
@@ -32,24 +35,28 @@ def kernels_ready(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
 
 
-def test_cuda_serves_fp8_decode_and_write_and_leaves_prefill_and_extend_to_torch(kernels_ready):
+PHASES = (Phase.DECODE, Phase.PREFILL, Phase.EXTEND)
+
+
+def test_cuda_serves_every_fp8_phase_and_the_write_and_torch_the_other_models(kernels_ready):
     cuda = CudaBackend()
-    for dtype in kernels.FP8_QUERY_DTYPES:
-        for head_dim in kernels.FP8_HEAD_DIMS:
-            assert cuda.unsupported_reason(_call(dtype=dtype, head_dim=head_dim)) is None, (dtype, head_dim)
-    for phase in (Phase.PREFILL, Phase.EXTEND):
-        assert f"fp8 KV {phase.value} is served by the torch backend" in cuda.unsupported_reason(_call(phase))
-    assert "float16 and bfloat16" in cuda.unsupported_reason(_call(dtype=torch.float32))
-    assert "head_dim 64, 128, 256, not 80" in cuda.unsupported_reason(_call(head_dim=80))
+    for phase in PHASES:
+        for dtype in kernels.FP8_QUERY_DTYPES:
+            for head_dim in kernels.FP8_HEAD_DIMS:
+                assert cuda.unsupported_reason(_call(phase, dtype, head_dim)) is None, (phase, dtype, head_dim)
+        assert (f"fp8 KV {phase.value} is compiled for float16 and bfloat16 models"
+                in cuda.unsupported_reason(_call(phase, dtype=torch.float32)))
+        assert "head_dim 64, 128, 256, not 80" in cuda.unsupported_reason(_call(phase, head_dim=80))
     assert cuda.write_unsupported_reason("cuda", FP8_DTYPE, 64) is None
     assert cuda.write_unsupported_reason("cuda", FP8_DTYPE, 72) is None  # any whole 8-element groups
     assert "multiple of 8" in cuda.write_unsupported_reason("cuda", FP8_DTYPE, 12)
     assert "not a CUDA device" in cuda.write_unsupported_reason("cpu", FP8_DTYPE, 64)
 
     dispatcher = Dispatcher()
-    assert dispatcher.select(_call()).name == "cuda"
-    assert dispatcher.select(_call(Phase.PREFILL)).name == "torch"
-    assert dispatcher.select(_call(Phase.EXTEND)).name == "torch"
+    for phase in PHASES:
+        assert dispatcher.select(_call(phase)).name == "cuda", phase
+        assert dispatcher.select(_call(phase, dtype=torch.float32)).name == "torch", phase
+        assert dispatcher.select(_call(phase, head_dim=80)).name == "torch", phase
     assert dispatcher._writer_for(("cuda", FP8_DTYPE, 128)).name == "cuda"
     # The engine's CUDA graphs and a compileable cache ask this before capturing decode steps.
     assert dispatcher.capture_unsupported_reason([_call()], FP8_DTYPE) is None
@@ -57,11 +64,13 @@ def test_cuda_serves_fp8_decode_and_write_and_leaves_prefill_and_extend_to_torch
     assert "not capture-safe" in Dispatcher().capture_unsupported_reason([_call(dtype=torch.float32)], FP8_DTYPE)
 
 
-def test_flash_refuses_fp8_and_cuda_alone_cannot_serve_an_fp8_cache():
-    assert FlashBackend().unsupported_reason(_call()) == FP8_NOT_SERVED_HERE
+def test_flash_refuses_fp8_and_cuda_alone_cannot_serve_a_float32_models_fp8_cache():
+    for phase in PHASES:
+        assert FlashBackend().unsupported_reason(_call(phase)) == FP8_NOT_SERVED_HERE
     assert FlashBackend().write_unsupported_reason("cuda", FP8_DTYPE, 64) == FP8_NOT_SERVED_HERE
-    with pytest.raises(NotImplementedError, match="fp8 KV prefill is served by the torch backend"):
-        hf_paged.PagedAttentionCache(make_config("llama_gqa"), num_blocks=4, backend="cuda", kv_cache_dtype="fp8")
+    with pytest.raises(NotImplementedError, match="compiled for float16 and bfloat16 models, not torch.float32"):
+        hf_paged.PagedAttentionCache(make_config("llama_gqa"), num_blocks=4, backend="cuda", kv_cache_dtype="fp8",
+                                     dtype=torch.float32)
 
 
 class _Recorder:
@@ -75,9 +84,11 @@ class _Recorder:
         return self.result
 
 
-def _fp8_decode_step():
+def _fp8_step(q_lens: tuple[int, ...] = (1, 1)):
+    """A step over an e4m3 cache (decode by default; longer ``q_lens`` give an extend) with its scales, on the CPU."""
     gen = torch.Generator().manual_seed(0)
-    query, k_cache, v_cache, meta, _ = random_paged_step([1, 1], [9, 30], 8, 2, 64, 16, gen, dtype=torch.bfloat16)
+    query, k_cache, v_cache, meta, _ = random_paged_step(list(q_lens), [9, 30], 8, 2, 64, 16, gen,
+                                                         dtype=torch.bfloat16)
     scales = KVScales.unset(2, torch.device("cpu"))
     caches = []
     for cache, scale in ((k_cache, scales.k), (v_cache, scales.v)):
@@ -87,7 +98,7 @@ def _fp8_decode_step():
 
 
 def test_cuda_backend_hands_the_layer_scales_to_decode_and_write(monkeypatch):
-    query, k8, v8, meta, scales = _fp8_decode_step()
+    query, k8, v8, meta, scales = _fp8_step()
     decode, write = _Recorder(torch.zeros_like(query)), _Recorder()
     monkeypatch.setattr(kernels, "paged_decode", decode)
     monkeypatch.setattr(kernels, "write_kv", write)
@@ -110,8 +121,25 @@ def test_cuda_backend_hands_the_layer_scales_to_decode_and_write(monkeypatch):
     assert decode.calls[-1][1]["k_scale"] is None and decode.calls[-1][1]["v_scale"] is None
 
 
+def test_cuda_backend_hands_the_layer_scales_to_prefill_and_extend(monkeypatch):
+    query, k8, v8, meta, scales = _fp8_step(q_lens=(4, 7))
+    assert meta.phase is Phase.EXTEND
+    prefill = _Recorder(torch.zeros_like(query))
+    monkeypatch.setattr(cuda_backend, "paged_prefill", prefill)
+    cuda = CudaBackend()
+    params = AttentionParams(scale=0.125, sliding_window=5, softcap=30.0)
+    cuda.forward(query, None, None, k8, v8, meta, params, kv_scales=scales)
+    (args, kwargs), = prefill.calls
+    assert args[1] is k8 and args[2] is v8
+    assert kwargs["k_scale"] is scales.k and kwargs["v_scale"] is scales.v
+    assert kwargs["window"] == 5 and kwargs["softcap"] == 30.0
+    bf16 = torch.zeros(k8.shape, dtype=torch.bfloat16)
+    cuda.forward(query, None, None, bf16, bf16, meta, AttentionParams(scale=0.125))
+    assert prefill.calls[-1][1]["k_scale"] is None and prefill.calls[-1][1]["v_scale"] is None
+
+
 def test_kernel_entry_points_check_the_scales_before_anything_else():
-    query, k8, v8, meta, scales = _fp8_decode_step()
+    query, k8, v8, meta, scales = _fp8_step()
     decode_args = (k8, v8, meta.block_tables, meta.seq_lens_k, 0.125)
     with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
         kernels.paged_decode(query, *decode_args)
@@ -120,6 +148,11 @@ def test_kernel_entry_points_check_the_scales_before_anything_else():
     bf16 = torch.zeros(k8.shape, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="pass None"):
         kernels.paged_decode(query, bf16, bf16, *decode_args[2:], k_scale=scales.k, v_scale=scales.v)
+    prefill_args = (k8, v8, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, 0.125)
+    with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
+        paged_prefill(query, *prefill_args, v_scale=scales.v)
+    with pytest.raises(ValueError, match="pass None"):
+        paged_prefill(query, bf16, bf16, *prefill_args[2:], k_scale=scales.k, v_scale=scales.v)
     key = torch.zeros(2, 2, 64, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="needs its k_scale and v_scale"):
         kernels.write_kv(key, key, k8, v8, torch.zeros(2, dtype=torch.long))
@@ -135,3 +168,9 @@ def test_fp8_head_size_list_matches_the_compiled_switch():
         kernels.FP8_HEAD_DIMS)
     assert "paged_decode_e4m3.cu" in build.SOURCES
     assert set(kernels.FP8_HEAD_DIMS) <= set(kernels.HEAD_DIMS)
+    # Prefill: one file per query dtype, each compiling exactly FP8_HEAD_DIMS (every config compiled for them).
+    for name, dtype in (("f16", "__half"), ("bf16", "__nv_bfloat16")):
+        assert f"paged_prefill_{name}_e4m3.cu" in build.SOURCES
+        source = (build.CSRC / f"paged_prefill_{name}_e4m3.cu").read_text()
+        sizes = re.search(rf"select_head_dim<{dtype}, E4M3, ([\d, ]+)>", source).group(1)
+        assert tuple(int(n) for n in sizes.split(",")) == kernels.FP8_HEAD_DIMS, name

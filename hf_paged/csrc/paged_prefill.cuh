@@ -14,7 +14,7 @@ namespace hf_paged {
 struct PrefillParams {
   void* out;                    // [T, H, D] query dtype; strides o_stride_t / o_stride_h, last dim contiguous
   const void* query;            // [T, H, D] strides q_stride_t / q_stride_h, last dim contiguous
-  const void* k_cache;          // [num_blocks, block_size, Hkv, D], contiguous
+  const void* k_cache;          // [num_blocks, block_size, Hkv, D], contiguous: query dtype, or e4m3
   const void* v_cache;          // same
   const int32_t* cu_seqlens_q;  // [B + 1]
   const int32_t* seq_lens_k;    // [B] context length, new tokens included
@@ -27,6 +27,9 @@ struct PrefillParams {
   float scale_log2;             // softmax scale * log2(e): the kernel exponentiates in base 2
   int window;                   // new token at position i sees keys j with i - window < j <= i (kNoWindow: all)
   float softcap, softcap_inv;   // as in DecodeParams (launch.h): the cap in units of q.k, 0 = off; its inverse
+  // An e4m3 cache's float32 [Hkv] scales (value = fp8 * scale); nullptr for a cache in the query's dtype.
+  const float* k_scale;
+  const float* v_scale;
 };
 
 // Tile shapes compiled per (dtype, head_dim). kPrefillConfigAuto lets the host pick.
@@ -49,5 +52,9 @@ PrefillKernel prefill_kernel_f16(int head_dim, int config);
 PrefillKernel prefill_kernel_bf16(int head_dim, int config);
 PrefillKernel prefill_kernel_f16_wide(int head_dim, int config);
 PrefillKernel prefill_kernel_bf16_wide(int head_dim, int config);
+// Over an e4m3 (float8_e4m3fn) cache, fp16 / bf16 queries: head sizes 64, 128 and 256 (the decode's), every config
+// compiled for them (paged_prefill_<dtype>_e4m3.cu).
+PrefillKernel prefill_kernel_f16_e4m3(int head_dim, int config);
+PrefillKernel prefill_kernel_bf16_e4m3(int head_dim, int config);
 
 }  // namespace hf_paged

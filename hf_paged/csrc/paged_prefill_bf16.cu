@@ -5,7 +5,7 @@
 namespace hf_paged {
 
 PrefillKernel prefill_kernel_bf16(int head_dim, int config) {  // head sizes: kernels.HEAD_DIMS in Python
-  return prefill::select_head_dim<__nv_bfloat16, 32, 64, 80, 96>(head_dim, config);
+  return prefill::select_head_dim<__nv_bfloat16, __nv_bfloat16, 32, 64, 80, 96>(head_dim, config);
 }
 
 }  // namespace hf_paged

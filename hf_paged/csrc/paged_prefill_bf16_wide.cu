@@ -5,7 +5,7 @@
 namespace hf_paged {
 
 PrefillKernel prefill_kernel_bf16_wide(int head_dim, int config) {  // head sizes: kernels.HEAD_DIMS in Python
-  return prefill::select_head_dim<__nv_bfloat16, 112, 128, 160, 192, 256>(head_dim, config);
+  return prefill::select_head_dim<__nv_bfloat16, __nv_bfloat16, 112, 128, 160, 192, 256>(head_dim, config);
 }
 
 }  // namespace hf_paged

@@ -5,7 +5,7 @@
 namespace hf_paged {
 
 PrefillKernel prefill_kernel_f16(int head_dim, int config) {  // head sizes: kernels.HEAD_DIMS in Python
-  return prefill::select_head_dim<__half, 32, 64, 80, 96>(head_dim, config);
+  return prefill::select_head_dim<__half, __half, 32, 64, 80, 96>(head_dim, config);
 }
 
 }  // namespace hf_paged

@@ -14,15 +14,19 @@
 //   per tile), not compiled variants.
 #pragma once
 
+#include "fp8.cuh"
 #include "paged_prefill.cuh"
 #include "ptx.cuh"
 
 namespace hf_paged {
 namespace prefill {
 
-template <typename T_, int D_, int kWarps_, int kMAtoms_>
+// KV_: the cache's element type, T_ (the query's) or E4M3 (see paged_prefill_fp8.cuh).
+template <typename T_, int D_, int kWarps_, int kMAtoms_, typename KV_ = T_>
 struct Traits {
   using T = T_;
+  using KV = KV_;
+  static constexpr bool kFp8 = sizeof(KV) == 1;
   static constexpr int D = D_, kWarps = kWarps_, kMAtoms = kMAtoms_;
   static constexpr int kThreads = kWarps * 32;
   static constexpr int kBlockN = 64;
@@ -37,10 +41,16 @@ struct Traits {
   // Q fragments stay in registers when they are small; otherwise they are re-read from shared memory per tile.
   static constexpr bool kQInRegs = kMAtoms * D <= 128;
   static constexpr int kTile = kBlockN * kPitch;                     // elements of one K or V stage
-  static constexpr int kSlotsOffset = (kBlockM * kPitch + 4 * kTile) * static_cast<int>(sizeof(T));
+  // 16-bit K/V tiles the MMAs read: two stages each, or one each for an e4m3 cache, whose two stages of K and V
+  // arrive as bytes (kRawTile each, rows of D bytes end to end) behind them and are widened into the one stage.
+  static constexpr int kStages16 = kFp8 ? 1 : 2;
+  static constexpr int kRawTile = kFp8 ? kBlockN * D : 0;
+  static constexpr int kRawOffset = (kBlockM * kPitch + 2 * kStages16 * kTile) * static_cast<int>(sizeof(T));
+  static constexpr int kSlotsOffset = kRawOffset + 4 * kRawTile;
   static constexpr int kSmemBytes = kSlotsOffset + 2 * kBlockN * static_cast<int>(sizeof(int));  // + slots[2][N]
   // O takes kMAtoms * D / 2 registers per thread and S kMAtoms * 32: two m atoms per warp fit up to D = 128 only.
   static_assert(kMAtoms == 1 || D <= 128, "32 rows per warp would spill at this head size");
+  static_assert(!kFp8 || (D % 64 == 0 && kThreads % kChunks == 0), "e4m3 tiles: swizzled rows, fixed columns");
 };
 
 // Row and chunk of this thread's i-th 16-byte copy into a tile of `kRows` rows; false past the tile (only when the
@@ -162,4 +172,5 @@ __device__ __forceinline__ void pv_tile(float (&o)[C::kMAtoms][C::D / 8][4],
 }  // namespace prefill
 }  // namespace hf_paged
 
+#include "paged_prefill_fp8.cuh"
 #include "paged_prefill_main.cuh"

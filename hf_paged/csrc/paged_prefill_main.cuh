@@ -84,11 +84,11 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
   }
 }
 
-// Normalise O, stage the warp's rows in its own (no longer needed) slice of the Q tile, then write 16-byte chunks.
+// Normalise O (times out_scale), stage the warp's rows in its own (no longer needed) slice of the Q tile, then write 16-byte chunks.
 template <class C>
 __device__ __forceinline__ void store_output(const PrefillParams& p, float (&o)[C::kMAtoms][C::D / 8][4],
                                              RowState<C>& st, typename C::T* q_tile, int warp_row0, int lane,
-                                             int m0, int q_len, int q_start, int head) {
+                                             int m0, int q_len, int q_start, int head, float out_scale) {
   using T = typename C::T;
   const int g = lane >> 2, t = lane & 3;
   __syncwarp();
@@ -99,7 +99,7 @@ __device__ __forceinline__ void store_output(const PrefillParams& p, float (&o)[
       float l = st.l[mi][half];
       l += __shfl_xor_sync(0xffffffffu, l, 1);
       l += __shfl_xor_sync(0xffffffffu, l, 2);
-      const float inv = l > 0.f ? 1.f / l : 0.f;
+      const float inv = (l > 0.f ? 1.f / l : 0.f) * out_scale;  // an e4m3 cache's V scale, else 1
       const int row = warp_row0 + mi * 16 + half * 8 + g;
 #pragma unroll
       for (int dt = 0; dt < C::D / 8; ++dt) {
@@ -126,8 +126,10 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   extern __shared__ __align__(128) unsigned char smem_raw[];
   T* q_tile = reinterpret_cast<T*>(smem_raw);
   const uint32_t q_smem = smem_u32(q_tile);
-  const uint32_t k_smem = q_smem + C::kBlockM * C::kPitch * sizeof(T);  // 2 stages of K, then 2 of V
-  const uint32_t v_smem = k_smem + 2 * C::kTile * sizeof(T);
+  // 16-bit K stages, then V stages (two each; one each for an e4m3 cache, whose byte stages follow: kRawOffset)
+  const uint32_t k_smem = q_smem + C::kBlockM * C::kPitch * sizeof(T);
+  const uint32_t v_smem = k_smem + C::kStages16 * C::kTile * sizeof(T);
+  const uint32_t raw_smem = q_smem + C::kRawOffset;  // e4m3: stage s holds K at 2s, V at 2s + 1 (kRawTile bytes)
 
   const int b = blockIdx.z, head = blockIdx.y;
   const int q_start = p.cu_seqlens_q[b], q_len = p.cu_seqlens_q[b + 1] - q_start;
@@ -143,11 +145,25 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
   const int last_pos = prefix + min(m0 + C::kBlockM, q_len) - 1;
   const int window_masked_end = last_pos >= p.window ? (last_pos - p.window) / C::kBlockN + 1 : 0;
   const int kv_head = head / p.group_size;
+  const CtaScale sc = cta_scale<C>(p, kv_head);
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
   const int fixed_col = C::kFixedChunk ? tid % C::kChunks * 8 : 0;  // this thread's column when it keeps one
   const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + fixed_col;
+  // Tile n is staged in half (stage) n & 1 of the slots and of the K/V stages.
+  int* slots = reinterpret_cast<int*>(smem_raw + C::kSlotsOffset);  // [2][kBlockN]
+  // Tile n's copies into stage n & 1: 16-bit tiles, or the e4m3 bytes (16 per chunk: their own column).
+  auto issue_tile = [&](int stage) {
+    if constexpr (C::kFp8) {
+      const int64_t kv_off = static_cast<int64_t>(kv_head) * C::D + tid % (C::D / 16) * 16;
+      issue_kv_tile_e4m3<C>(p, kv_off, slots + stage * C::kBlockN, raw_smem + 2 * stage * C::kRawTile,
+                            raw_smem + (2 * stage + 1) * C::kRawTile, tid);
+    } else {
+      issue_kv_tile<C>(p, head_off, slots + stage * C::kBlockN, k_smem + stage * C::kTile * sizeof(T),
+                       v_smem + stage * C::kTile * sizeof(T), tid);
+    }
+  };
 
   // Q tile (rows past the sequence zero-filled) as its own commit group, then K/V tile 0.
   {
@@ -163,8 +179,6 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     cp_async_commit();
   }
   // Slots of tiles n_first and n_first + 1; thread r < BLOCK_N then keeps the block id of its row two tiles ahead.
-  // Tile n is staged in half (stage) n & 1 of the slots and of the K/V stages.
-  int* slots = reinterpret_cast<int*>(smem_raw + C::kSlotsOffset);  // [2][kBlockN]
   const bool slot_thread = tid < C::kBlockN;
   const int first_stage = n_first & 1;
   int next_blk = -1;
@@ -176,8 +190,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
     next_blk = block_of(p, table, tok + 2 * C::kBlockN, n_end);
   }
   __syncthreads();
-  issue_kv_tile<C>(p, head_off, slots + first_stage * C::kBlockN, k_smem + first_stage * C::kTile * sizeof(T),
-                   v_smem + first_stage * C::kTile * sizeof(T), tid);
+  issue_tile(first_stage);
   cp_async_commit();
 
   const int warp_row0 = warp * C::kWarpRows;
@@ -208,35 +221,46 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_kernel(const Pre
 
   for (int n = n_first; n < n_tiles; ++n) {
     const int stage = n & 1;
-    if (n + 1 < n_tiles) {
-      issue_kv_tile<C>(p, head_off, slots + (stage ^ 1) * C::kBlockN, k_smem + (stage ^ 1) * C::kTile * sizeof(T),
-                       v_smem + (stage ^ 1) * C::kTile * sizeof(T), tid);
-    }
+    if (n + 1 < n_tiles) issue_tile(stage ^ 1);
     cp_async_commit();  // possibly empty: keeps "all but the newest group" meaning "tile n"
     cp_async_wait<1>();
     __syncthreads();
+    // Tile n's slots were used when it was issued; this half now takes tile n + 2's.
+    auto next_slots = [&] {
+      if (slot_thread) {
+        const int tok = (n + 2) * C::kBlockN + tid;
+        slots[stage * C::kBlockN + tid] = slot_of(p, tok, next_blk);
+        next_blk = block_of(p, table, tok + C::kBlockN, n_end);
+      }
+    };
+    if constexpr (C::kFp8) {  // widen tile n into the 16-bit tiles (the MMAs of tile n - 1 are behind the barrier)
+      const unsigned char* raw = smem_raw + C::kRawOffset + 2 * stage * C::kRawTile;
+      widen_tile<C>(raw, q_tile + C::kBlockM * C::kPitch, tid);
+      widen_tile<C>(raw + C::kRawTile, q_tile + C::kBlockM * C::kPitch + C::kTile, tid);
+      next_slots();
+      __syncthreads();  // the next iteration's copies refill this byte stage (and read the slots just written)
+    }
+    const int stage16 = C::kFp8 ? 0 : stage;
 
     float s[C::kMAtoms][C::kBlockN / 8][4];
-    qk_tile<C>(s, qf, q_smem, k_smem + stage * C::kTile * sizeof(T), warp_row0, lane);
-    if (p.softcap > 0.f) softcap_tile<C>(s, p.softcap, softcap_exp_scale(p.softcap_inv));
+    qk_tile<C>(s, qf, q_smem, k_smem + stage16 * C::kTile * sizeof(T), warp_row0, lane);
+    if (sc.softcap > 0.f) softcap_tile<C>(s, sc.softcap, softcap_exp_scale(sc.softcap_inv));
     if (n >= first_masked || n < window_masked_end)
-      softmax_tile<C, true>(s, o, st, p.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
+      softmax_tile<C, true>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
     else
-      softmax_tile<C, false>(s, o, st, p.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
-    pv_tile<C>(o, s, v_smem + stage * C::kTile * sizeof(T), lane);
-    if (slot_thread) {  // tile n's slots were used when it was issued; this half now takes tile n + 2's
-      const int tok = (n + 2) * C::kBlockN + tid;
-      slots[stage * C::kBlockN + tid] = slot_of(p, tok, next_blk);
-      next_blk = block_of(p, table, tok + C::kBlockN, n_end);
+      softmax_tile<C, false>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
+    pv_tile<C>(o, s, v_smem + stage16 * C::kTile * sizeof(T), lane);
+    if constexpr (!C::kFp8) {
+      next_slots();
+      __syncthreads();  // the next iteration refills this stage (and reads the slots just written)
     }
-    __syncthreads();  // the next iteration refills this stage (and reads the slots just written)
   }
-  store_output<C>(p, o, st, q_tile, warp_row0, lane, m0, q_len, q_start, head);
+  store_output<C>(p, o, st, q_tile, warp_row0, lane, m0, q_len, q_start, head, sc.out_scale);
 }
 
 // The kernel and its launch constants for one configuration index (see paged_prefill.cuh). Config 0 (32 rows per
 // warp) only up to head_dim 128: beyond, O and S exceed the register file.
-template <typename T, int D>
+template <typename T, typename KV, int D>
 PrefillKernel kernel_for_config(int config) {
   auto make = [](auto traits) {
     using C = decltype(traits);
@@ -245,19 +269,20 @@ PrefillKernel kernel_for_config(int config) {
   };
   switch (config) {
     case 0:
-      if constexpr (D <= 128) return make(Traits<T, D, 4, 2>{});
+      if constexpr (D <= 128) return make(Traits<T, D, 4, 2, KV>{});
       return PrefillKernel{};
-    case 1: return make(Traits<T, D, 4, 1>{});
-    case 2: return make(Traits<T, D, 8, 1>{});
+    case 1: return make(Traits<T, D, 4, 1, KV>{});
+    case 2: return make(Traits<T, D, 8, 1, KV>{});
     default: return PrefillKernel{};
   }
 }
 
-// The kernel for (head_dim, config) among head sizes Ds (one translation unit's share); fn == nullptr otherwise.
-template <typename T, int... Ds>
+// The kernel for (head_dim, config) among head sizes Ds (one translation unit's share) over a cache of KV elements;
+// fn == nullptr otherwise.
+template <typename T, typename KV, int... Ds>
 PrefillKernel select_head_dim(int head_dim, int config) {
   PrefillKernel k{};
-  ((head_dim == Ds ? (void)(k = kernel_for_config<T, Ds>(config)) : (void)0), ...);
+  ((head_dim == Ds ? (void)(k = kernel_for_config<T, KV, Ds>(config)) : (void)0), ...);
   return k;
 }
 

@@ -1,4 +1,5 @@
-// Host side of paged varlen prefill: argument checks, tile-configuration choice, launch. Registers
+// Host side of paged varlen prefill: argument checks, tile-configuration choice, launch (a cache in the query's
+// dtype, or an e4m3 cache with its per-kv-head scales). Registers
 // torch.ops.hf_paged.paged_prefill as a fragment of the library that ops.cpp defines.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
@@ -17,9 +18,16 @@
 namespace hf_paged {
 namespace {
 
-PrefillKernel select_prefill(at::ScalarType dtype, int64_t head_dim, int64_t config) {
+PrefillKernel select_prefill(at::ScalarType dtype, bool e4m3_cache, int64_t head_dim, int64_t config) {
   if (head_dim > 1 << 16 || config < 0 || config >= kPrefillConfigs) return PrefillKernel{};
   const int d = static_cast<int>(head_dim), c = static_cast<int>(config);
+  if (e4m3_cache) {
+    switch (dtype) {
+      case at::kHalf: return prefill_kernel_f16_e4m3(d, c);
+      case at::kBFloat16: return prefill_kernel_bf16_e4m3(d, c);
+      default: return PrefillKernel{};
+    }
+  }
   const bool wide = d >= kPrefillWideHeadDim;
   switch (dtype) {
     case at::kHalf: return wide ? prefill_kernel_f16_wide(d, c) : prefill_kernel_f16(d, c);
@@ -38,14 +46,14 @@ int smem_optin(int device) {
 // tiles from 2k tokens up and even at 16 x 512; 64-row tiles (config 1) only where 128-row tiles cannot fill the SMs.
 // Above head_dim 128 config 0 is not compiled (registers); 8 warps x 16 rows (config 2) keeps its 128-row tiles.
 // A tile whose K/V stages exceed the card's shared memory (head_dim 256 on cards below ~200 KB) drops to config 1.
-int64_t auto_config(at::ScalarType dtype, int device, int64_t batch, int64_t heads, int64_t head_dim,
-                    int64_t max_seqlen_q) {
+int64_t auto_config(at::ScalarType dtype, bool e4m3_cache, int device, int64_t batch, int64_t heads,
+                    int64_t head_dim, int64_t max_seqlen_q) {
   int sms = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
   const int64_t ctas_128 = batch * heads * ((max_seqlen_q + 127) / 128);
   if (ctas_128 < sms) return 1;
   const int64_t config = head_dim > 128 ? 2 : 0;
-  return select_prefill(dtype, head_dim, config).smem_bytes <= smem_optin(device) ? config : 1;
+  return select_prefill(dtype, e4m3_cache, head_dim, config).smem_bytes <= smem_optin(device) ? config : 1;
 }
 
 // Kernels above 48 KB of shared memory must opt in, once per (device, kernel).
@@ -73,8 +81,11 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& cu_seqlens_q,
 
 int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                       const at::Tensor& cu_seqlens_q, const at::Tensor& seq_lens_k, const at::Tensor& block_tables,
-                      int64_t max_seqlen_q, double scale, int64_t config, int64_t window, double softcap) {
-  const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "num_tokens");
+                      int64_t max_seqlen_q, double scale, int64_t config, int64_t window, double softcap,
+                      const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+  const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "num_tokens", /*allow_e4m3=*/true);
+  check_kv_scales(k_cache, k_scale, v_scale, query.device());
+  const bool e4m3 = is_e4m3(k_cache);
   const int64_t batch = seq_lens_k.numel();
   check_lengths_and_tables(seq_lens_k, "seq_lens_k", block_tables, batch, query.device());
   check_prefill_args(query, cu_seqlens_q, block_tables, s, batch);
@@ -83,12 +94,16 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   const int64_t heads = s.heads, head_dim = s.head_dim, kv_heads = s.kv_heads, bs = s.block_size;
   TORCH_CHECK_VALUE(config == kPrefillConfigAuto || (config >= 0 && config < kPrefillConfigs),
                     format("config must be -1 (auto) or a tile configuration index below %d", (int)kPrefillConfigs));
+  TORCH_CHECK_NOT_IMPLEMENTED(!e4m3 || select_prefill(query.scalar_type(), true, head_dim, 1).fn != nullptr,
+                              format("paged_prefill serves a float8_e4m3fn cache with float16/bfloat16 queries and "
+                                     "head_dim 64, 128 or 256; got %s with head_dim %lld",
+                                     c10::toString(query.scalar_type()), (long long)head_dim));
   if (query.scalar_type() == at::kFloat) {  // CUDA cores: each row a decode over the keys it sees (decode_ops.cpp)
     paged_prefill_f32(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, scale_log2, options, s);
     return kPrefillConfigAuto;
   }
   // Compiled at all? (asked with config 1, compiled for every head size, before any device call)
-  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), head_dim, 1).fn != nullptr,
+  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), false, head_dim, 1).fn != nullptr,
                               format("paged_prefill serves float16/bfloat16/float32 with head_dim 32, 64, 80, 96, 112, "
                                      "128, 160, 192 or 256; got %s with head_dim %lld",
                                      c10::toString(query.scalar_type()), (long long)head_dim));
@@ -96,8 +111,8 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   const c10::cuda::CUDAGuard guard(query.device());
   const int device = query.get_device();
   if (config == kPrefillConfigAuto)
-    config = auto_config(query.scalar_type(), device, batch, heads, head_dim, max_seqlen_q);
-  const PrefillKernel k = select_prefill(query.scalar_type(), head_dim, config);
+    config = auto_config(query.scalar_type(), e4m3, device, batch, heads, head_dim, max_seqlen_q);
+  const PrefillKernel k = select_prefill(query.scalar_type(), e4m3, head_dim, config);
   TORCH_CHECK_NOT_IMPLEMENTED(k.fn != nullptr, format("tile configuration %lld (32 rows per warp) is compiled up to "
                                                       "head_dim 128, not %lld; use 1, 2 or -1 (auto)",
                                                       (long long)config, (long long)head_dim));
@@ -120,6 +135,7 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   p.max_context = static_cast<int>(block_tables.size(1) * bs);
   p.scale_log2 = scale_log2;
   p.window = options.window, p.softcap = options.softcap, p.softcap_inv = options.softcap_inv;
+  if (e4m3) p.k_scale = k_scale->data_ptr<float>(), p.v_scale = v_scale->data_ptr<float>();
   const dim3 grid(static_cast<unsigned>((max_seqlen_q + k.block_m - 1) / k.block_m), static_cast<unsigned>(heads),
                   static_cast<unsigned>(batch));
   void* args[] = {&p};
@@ -133,7 +149,7 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
 TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
   m.def("paged_prefill(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor cu_seqlens_q, "
         "Tensor seq_lens_k, Tensor block_tables, int max_seqlen_q, float scale, int config, int window=0, "
-        "float softcap=0.0) -> int");
+        "float softcap=0.0, Tensor? k_scale=None, Tensor? v_scale=None) -> int");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) { m.impl("paged_prefill", &hf_paged::paged_prefill); }

@@ -10,7 +10,8 @@ CUDA cores (for tests and float32 models). Both ops serve every head size in :da
 window and logit softcapping as arguments (``window``/``softcap``; 0 = off), as transformers' models define them.
 
 An fp8 cache (``torch.float8_e4m3fn``, with float32 per-KV-head scales: value = fp8 * scale) is written by
-:func:`write_kv` (quantizing) and read by :func:`paged_decode` for fp16 / bf16 queries and :data:`FP8_HEAD_DIMS`.
+:func:`write_kv` (quantizing) and read by :func:`paged_decode` and ``prefill.paged_prefill`` for fp16 / bf16 queries
+and :data:`FP8_HEAD_DIMS`.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Head sizes compiled for decode and prefill, every dtype: flash-attn 2's common sizes (multiples of 16 up to 256 that
 # models use). Other multiples of 8 are refused; keep in step with the switch statements in hf_paged/csrc.
 HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)
-# What the decode kernel compiles for an fp8 (e4m3) cache: keep in step with select_mma_e4m3_kernel in hf_paged/csrc.
+# What the decode and prefill kernels compile for an fp8 (e4m3) cache: keep in step with select_mma_e4m3_kernel and
+# paged_prefill_<dtype>_e4m3.cu in hf_paged/csrc.
 FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 FP8_HEAD_DIMS = (64, 128, 256)
 

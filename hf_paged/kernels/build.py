@@ -37,6 +37,8 @@ SOURCES = (
     "paged_prefill_f16_wide.cu",
     "paged_prefill_bf16.cu",
     "paged_prefill_bf16_wide.cu",
+    "paged_prefill_f16_e4m3.cu",
+    "paged_prefill_bf16_e4m3.cu",
     "skinny_ops.cpp",
     "skinny_gemm.cu",
 )

@@ -3,14 +3,16 @@ CUDA cores (each query row as a decode over the keys it sees, through the decode
 models, not for speed).
 
 Shapes: ``T`` packed new tokens of ``B`` sequences, ``H`` query heads, ``Hkv`` kv heads, ``D`` head_dim; the cache
-layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``.
+layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``. An fp8 cache
+(``float8_e4m3fn`` with float32 per-kv-head scales) is read for fp16 / bf16 queries and ``kernels.FP8_HEAD_DIMS``,
+widened to the query's dtype in shared memory (``csrc/paged_prefill_fp8.cuh``).
 """
 
 from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import HEAD_DIMS
+from hf_paged.kernels import FP8_HEAD_DIMS, FP8_QUERY_DTYPES, HEAD_DIMS, _check_kv_scales
 from hf_paged.kernels.build import load
 
 PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -39,6 +41,8 @@ def paged_prefill(
     config: int = AUTO_CONFIG,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
@@ -46,7 +50,8 @@ def paged_prefill(
         query: ``[T, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`HEAD_DIMS`; ``H`` a multiple of
             ``Hkv``), each row ``[D]`` contiguous and 16-byte aligned.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, already holding every token of each
-            context (the new tokens included); any ``block_size``.
+            context (the new tokens included); any ``block_size``. Or ``float8_e4m3fn`` with ``k_scale``/``v_scale``
+            (query float16 or bfloat16, ``D`` in :data:`~hf_paged.kernels.FP8_HEAD_DIMS`).
         cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the new-token counts.
         seq_lens_k: ``[B]`` int32 context lengths, new tokens included: new token ``i`` of sequence ``b`` sits at
             position ``seq_lens_k[b] - q_len[b] + i`` and sees keys ``j <= `` that position.
@@ -59,13 +64,23 @@ def paged_prefill(
         window: sliding window (> 0): new token at position ``p`` sees keys ``p - window < j <= p`` only; key tiles
             before every row's window are skipped. 0 = no window.
         softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``; 0 = off.
+        k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
+            device (K's folded into the softmax scale, V's into the output); None for other caches.
 
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
     """
+    _check_kv_scales(k_cache, k_scale, v_scale)
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
-    if query.dtype not in PREFILL_DTYPES or query.shape[-1] not in HEAD_DIMS:
+    if k_cache.dtype == torch.float8_e4m3fn:
+        if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
+            raise NotImplementedError(
+                f"paged_prefill over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
+                f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves "
+                "other shapes)"
+            )
+    elif query.dtype not in PREFILL_DTYPES or query.shape[-1] not in HEAD_DIMS:
         raise NotImplementedError(f"paged_prefill serves {PREFILL_DTYPES} with head_dim in {HEAD_DIMS}; got "
                                   f"{query.dtype} with head_dim {query.shape[-1]}")
     if config != AUTO_CONFIG and config not in PREFILL_CONFIGS:
@@ -81,7 +96,8 @@ def paged_prefill(
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ensure_built()
     torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-                                     max_seqlen_q, scale, config, max(window, 0), max(softcap, 0.0))
+                                     max_seqlen_q, scale, config, max(window, 0), max(softcap, 0.0), k_scale,
+                                     v_scale)
     return out
 
 

@@ -7,9 +7,10 @@ windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and 
 backend serves ALiBi (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible
 (no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
 
-An fp8 (e4m3) KV cache: this backend serves its decode (float16/bfloat16 query, head_dim in
-``kernels.FP8_HEAD_DIMS``) and its quantizing KV write, both capture-safe; its prefill and extend are left to the
-torch backend, which the dispatcher picks for those phases.
+An fp8 (e4m3) KV cache: this backend serves every phase over it, decode, prefill and extend, for float16/bfloat16
+models with head_dim in ``kernels.FP8_HEAD_DIMS`` (the kernels widen the e4m3 tiles to the model's dtype on the
+chip, with the layer's per-kv-head scales), and its quantizing KV write (any head_dim of whole 8-element groups);
+decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
 """
 
 from __future__ import annotations
@@ -46,14 +47,13 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
 
 
 def _fp8_reason(call: AttentionCall) -> str | None:
-    """Why the kernels cannot read this call's fp8 KV cache (None if they can: decode, fp16/bf16, compiled sizes)."""
-    if call.phase is not Phase.DECODE:
-        return f"fp8 KV {call.phase.value} is served by the torch backend (the cuda backend reads fp8 KV in decode)"
+    """Why the kernels cannot read this call's fp8 KV cache (None if they can: fp16/bf16, compiled sizes, any
+    phase)."""
     if call.dtype not in kernels.FP8_QUERY_DTYPES:
-        return f"fp8 KV decode is compiled for float16 and bfloat16 models, not {call.dtype}"
+        return f"fp8 KV {call.phase.value} is compiled for float16 and bfloat16 models, not {call.dtype}"
     if call.head_dim not in kernels.FP8_HEAD_DIMS:
         compiled = ", ".join(str(d) for d in kernels.FP8_HEAD_DIMS)
-        return f"fp8 KV decode is compiled for head_dim {compiled}, not {call.head_dim}"
+        return f"fp8 KV {call.phase.value} is compiled for head_dim {compiled}, not {call.head_dim}"
     return None
 
 
@@ -172,11 +172,14 @@ class CudaBackend(AttentionBackend):
         kv_scales: KVScales | None = None,
     ) -> torch.Tensor:
         window, softcap = params.sliding_window or 0, params.softcap or 0.0
+        k_scale = None if kv_scales is None else kv_scales.k
+        v_scale = None if kv_scales is None else kv_scales.v
         if meta.phase is not Phase.DECODE:
             # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
-                                 params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap)
+                                 params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap,
+                                 k_scale=k_scale, v_scale=v_scale)
         # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
         # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
         plan = plan_decode(query, k_cache, meta, window)
@@ -193,6 +196,6 @@ class CudaBackend(AttentionBackend):
             window=window,
             softcap=softcap,
             counters=plan.counters,
-            k_scale=None if kv_scales is None else kv_scales.k,
-            v_scale=None if kv_scales is None else kv_scales.v,
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
