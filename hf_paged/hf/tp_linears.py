@@ -26,8 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.hf.placement import decoder_layers
-
-_ATTRIBUTE = "_hf_paged_local_linear"
+from hf_paged.kernels import skinny
 
 
 class LocalLinear:
@@ -53,8 +52,6 @@ class LocalLinear:
         """The local product: the skinny op (``hf_paged::linear``, which the engine's grouping pass merges for
         q/k/v and gate/up) inside the engine's decode steps where its kernel can read the shard, else F.linear."""
         if self.skinny and self.routing.is_active():
-            from hf_paged.kernels import skinny
-
             return skinny.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
