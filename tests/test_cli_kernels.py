@@ -97,3 +97,14 @@ def test_tables_show_window_and_softcap_rows(capsys):
     assert any(line.split()[:5] == ["128", "8", "4096", "1024", "50.0"] and line.endswith("1.20x") for line in lines)
     assert any(line.split()[:5] == ["128", "8", "4096", "-", "-"] and line.endswith("1.10x") for line in lines)
     assert any("8x2048 w1024 cap50" in line and "0.80" in line for line in lines)
+
+
+def test_prefill_table_has_the_fp8_column(capsys):
+    """``ours-fp8-bs16`` (prefill over the e4m3 cache) prints beside the bf16 rows of its shape."""
+    rows = [asdict(prefill_bench.Row(128, "8x2048", impl, 1.0, tflops, "graph", "", 0, 0.0))
+            for impl, tflops in [("ours-bs16", 280.0), ("ours-fp8-bs16", 250.0), ("flash-varlen", 300.0)]]
+    prefill_bench.print_table({"device": "GPU", "rows": rows})
+    lines = capsys.readouterr().out.splitlines()
+    header = next(line for line in lines if "shape" in line)
+    assert header.split("|")[2].strip() == "ours-fp8-bs16"
+    assert any("8x2048" in line and line.split("|")[2].strip() == "250.0" for line in lines)

@@ -6,7 +6,9 @@ reading K/V through block tables of block size 16 and 256 (each tile configurati
 the default), flash-attn's ``flash_attn_varlen_func`` and torch's built-in varlen FA2
 (``aten._flash_attention_forward``), both on contiguous K/V. Then the same work with a cached prefix (8 sequences
 of 2048 new tokens after 2048 cached ones): hf_paged at block size 16 against hf_paged on an unpaged layout (one
-block per sequence), and flash-attn with ``cu_seqlens_k``.
+block per sequence), and flash-attn with ``cu_seqlens_k``. ``ours-fp8-bs16`` is the block-size-16 prefill over the
+same context quantized to an e4m3 cache (per-head scales, ``kv_cache_dtype="fp8"``), checked against bf16 with a
+looser bound (the quantization's error, not the kernel's).
 
 FLOPs = sum over sequences of 4 * H * D * (n * p + n * n / 2) for n new tokens after p cached ones (two matrix
 products of 2 * H * D flops per visible (query, key) pair; causal halves the new-by-new square, as anchors.md does).
@@ -25,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from hf_paged.attention import kv_quant
 from hf_paged.attention.backends.flash import window_size
 from hf_paged.bench import input_sets, time_calls
 from hf_paged.bench.kernels import score_options
@@ -89,6 +92,10 @@ def make_set(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Genera
         s[f"k{bs}"], s[f"t{bs}"] = paged_layout(k, batch, ctx, bs, g)
         s[f"v{bs}"] = torch.empty_like(s[f"k{bs}"])
         s[f"v{bs}"][s[f"t{bs}"].view(-1).long()] = v.reshape_as(s[f"k{bs}"])
+    for name in ("k", "v"):  # the block-size-16 cache as e4m3 with per-head scales, as kv_cache_dtype="fp8" stores it
+        cache, scale = s[f"{name}16"], torch.zeros(NUM_KV_HEADS, dtype=torch.float32, device="cuda")
+        kv_quant.fix_unset_scales(scale, cache.flatten(0, 1))
+        s[f"{name}16_fp8"], s[f"{name}_scale"] = kv_quant.quantize(cache.flatten(0, 1), scale).view(cache.shape), scale
     return s
 
 
@@ -103,6 +110,11 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
                 for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256), "ours-unpaged": ours(ctx)}
+    out["ours-fp8-bs16"] = [
+        lambda s=s: paged_prefill(s["q"], s["k16_fp8"], s["v16_fp8"], s["cu_q"], s["seq_lens"], s["t16"], scale,
+                                  max_seqlen_q=new, window=window, softcap=softcap, k_scale=s["k_scale"],
+                                  v_scale=s["v_scale"])
+        for s in sets]
     if sweep:
         out.update({f"ours-bs16-c{c}": ours(16, c) for c in PREFILL_CONFIGS})
     try:
@@ -144,7 +156,7 @@ def bench_shape(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Gen
     for row in rows:  # a wrong kernel must not post a fast time
         err = ((outputs[row.impl] - ref).norm() / ref.norm()).item()
         row.note = f"diff={err:.1e}"
-        if err > 2e-2:
+        if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
             raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at hd{head_dim} {label}: {err:.2e}")
     return rows
 
@@ -173,7 +185,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """TFLOP/s per shape and implementation, and ours (block size 16) over flash-attn."""
-    impls = ["ours-bs16", "ours-bs256", "ours-unpaged", "flash-varlen", "torch-fa2"]
+    impls = ["ours-bs16", "ours-fp8-bs16", "ours-bs256", "ours-unpaged", "flash-varlen", "torch-fa2"]
     print(f"\n{result['device']}: causal prefill, bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; TFLOP/s")
     width = max([12] + [len(r["shape"]) for r in result["rows"]])
     print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(f"{i:>12}" for i in impls) + " | bs16/flash | best config")
