@@ -74,6 +74,16 @@ def _check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scal
                          "pass None")
 
 
+def _check_fp8_query(op: str, query: torch.Tensor) -> None:
+    """``NotImplementedError`` (naming what is compiled) for a query the kernels cannot pair with an e4m3 cache."""
+    if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
+        raise NotImplementedError(
+            f"{op} over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
+            f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves other "
+            "shapes)"
+        )
+
+
 def write_kv(
     key: torch.Tensor,
     value: torch.Tensor,
@@ -157,12 +167,7 @@ def paged_decode(
     if not query.is_cuda:
         raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
     if k_cache.dtype == torch.float8_e4m3fn:
-        if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
-            raise NotImplementedError(
-                f"paged_decode over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
-                f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves "
-                "other shapes)"
-            )
+        _check_fp8_query("paged_decode", query)
     elif query.dtype not in DECODE_DTYPES or query.shape[-1] not in HEAD_DIMS:
         raise NotImplementedError(
             f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {HEAD_DIMS}; got {query.dtype} with "

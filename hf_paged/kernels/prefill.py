@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import FP8_HEAD_DIMS, FP8_QUERY_DTYPES, HEAD_DIMS, _check_kv_scales
+from hf_paged.kernels import HEAD_DIMS, _check_fp8_query, _check_kv_scales
 from hf_paged.kernels.build import load
 
 PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
@@ -74,12 +74,7 @@ def paged_prefill(
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
     if k_cache.dtype == torch.float8_e4m3fn:
-        if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
-            raise NotImplementedError(
-                f"paged_prefill over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
-                f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves "
-                "other shapes)"
-            )
+        _check_fp8_query("paged_prefill", query)
     elif query.dtype not in PREFILL_DTYPES or query.shape[-1] not in HEAD_DIMS:
         raise NotImplementedError(f"paged_prefill serves {PREFILL_DTYPES} with head_dim in {HEAD_DIMS}; got "
                                   f"{query.dtype} with head_dim {query.shape[-1]}")
