@@ -14,6 +14,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
+    python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
 
 Without as many GPUs as the largest count it stops at once. A launch that fails is reported and the others still
@@ -59,6 +60,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run hf_paged in one process on the model split by layers over the largest GPU count "
                              "(device_map; pipeline style, for the record)")
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--keep-model", type=Path,
+                        help="save the model in this folder and keep it; a later run given the same folder loads it "
+                             "instead of saving again (the same weights across calls; the 8B save takes ~30-45 s)")
     parser.add_argument("--tiny", action="store_true", help="a tiny float32 model on CPU processes (gloo)")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--save", action="store_true", help=argparse.SUPPRESS)
@@ -77,13 +81,19 @@ def _workloads(tiny: bool):
     return Workload("decode_b64", 64, 256, prompt_len=512), Workload("latency", 1, 256, prompt_len=512)
 
 
+def _shape(tiny: bool) -> dict:
+    from e2e_workloads import SMOKE_SHAPE
+
+    return {**SMOKE_SHAPE, "tie_word_embeddings": False} if tiny else LLAMA_8B
+
+
 def save(args: argparse.Namespace) -> None:
     """Initialise the model (the same weights for every launch) and save it to ``args.model_dir``."""
-    from e2e_workloads import SMOKE_SHAPE, load_model
+    from e2e_workloads import load_model
 
     import hf_paged
 
-    shape = {**SMOKE_SHAPE, "tie_word_embeddings": False} if args.tiny else LLAMA_8B
+    shape = _shape(args.tiny)
     model = load_model(shape, "cpu" if args.tiny else "cuda", hf_paged.ATTN_IMPLEMENTATION)
     model.save_pretrained(args.model_dir)
     (args.model_dir / "shape.json").write_text(json.dumps(shape))
@@ -205,11 +215,18 @@ def main(argv: list[str] | None = None) -> None:
     say = lambda msg: print(f"[{time.perf_counter() - begin:7.1f} s] {msg}", flush=True)  # noqa: E731
     rows: list[dict] = []
     with tempfile.TemporaryDirectory() as folder:
-        model_dir = Path(folder) / "model"
-        say(f"saving a random-init {'tiny' if args.tiny else 'Llama-3.1-8B-shaped bf16'} model ...")
-        if args.tiny:
+        model_dir = args.keep_model or Path(folder) / "model"
+        if (model_dir / "shape.json").exists():
+            saved = json.loads((model_dir / "shape.json").read_text())
+            if saved != json.loads(json.dumps(_shape(args.tiny))):
+                raise SystemExit(f"{model_dir} holds a model of another shape ({'not ' if args.tiny else ''}the "
+                                 "tiny one); give --keep-model a folder of its own per shape")
+            say(f"reusing the model saved in {model_dir}")
+        elif args.tiny:
+            say("saving a random-init tiny model ...")
             save(argparse.Namespace(tiny=True, model_dir=model_dir))
         else:  # in a process of its own, so that this one holds no GPU memory
+            say("saving a random-init Llama-3.1-8B-shaped bf16 model ...")
             subprocess.run([sys.executable, str(Path(__file__).resolve()), "--save", "--model-dir", str(model_dir)],
                            check=True)
         runs = [(c, "", {}) for c in counts]

@@ -312,6 +312,22 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
     assert "hf_paged                  2" in printed and "hf_paged (split)          2" in printed
 
 
+@pytest.mark.slow
+def test_the_benchmark_keeps_its_model_for_a_later_run(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tensor_parallel
+
+    kept = tmp_path / "model"
+    for _ in range(2):
+        tensor_parallel.main(["--tiny", "--gpus", "1", "--systems", "hf_paged", "--keep-model", str(kept)])
+    printed = capsys.readouterr().out
+    assert printed.count("saving a random-init tiny model") == 1
+    assert printed.count(f"reusing the model saved in {kept}") == 1
+    (kept / "shape.json").write_text('{"hidden_size": 4096}')  # another shape: refused, not silently reused
+    with pytest.raises(SystemExit, match="another shape"):
+        tensor_parallel.main(["--tiny", "--gpus", "1", "--systems", "hf_paged", "--keep-model", str(kept)])
+
+
 def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     from tensor_parallel import split_map
