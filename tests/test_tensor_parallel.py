@@ -335,3 +335,17 @@ def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
     device_map = split_map(5, [0, 1])
     assert [device_map[f"model.layers.{i}"] for i in range(5)] == [0, 0, 0, 1, 1]
     assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == 1 and device_map["model.norm"] == 1
+
+
+def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatch):
+    from hf_paged.hf import tp_all_reduce
+
+    monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "ring")
+    with pytest.raises(ValueError, match="'ring' is not one of nccl, one_shot"):
+        tp_all_reduce.mode()
+    monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "one_shot")
+    assert tp_all_reduce.mode() == "one_shot"
+    # on the CPU the one-shot path is not set up (no collective is attempted: no group is needed)
+    assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
+    monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
+    assert tp_all_reduce.mode() == "nccl"

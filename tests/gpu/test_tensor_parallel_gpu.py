@@ -74,7 +74,7 @@ def _raise():
 # ----- the worker (one per rank, under torchrun) -----------------------------------------------------------------
 def worker(path: str, out_dir: str, part: str) -> None:
     import hf_paged
-    from hf_paged.hf import tp_linears
+    from hf_paged.hf import tp_all_reduce, tp_linears
     from hf_paged.hf.compat import with_cache
     from hf_paged.integrations.accelerate import paged_cache_for
     from transformers import AutoModelForCausalLM
@@ -96,6 +96,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
+        record["one_shot"] = tp_all_reduce.one_shot_calls > 0
         _write(out_dir, f"compiled{rank}", record)
         torch.distributed.destroy_process_group()
         return
@@ -251,14 +252,17 @@ if __name__ == "__main__":
     worker(*sys.argv[1:4])
 
 
-def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path):
+@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot"])
+def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_reduce):
     """The engine's defaults on two GPUs: compiled layers (each sharded linear a local product, rowwise ones summed
-    by the all-reduce op inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU."""
-    output = _launch(saved, tmp_path, "compiled")
+    by the all-reduce op inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU; with NCCL
+    all-reduces (the default) and with one-shot ones over symmetric memory (HF_PAGED_TP_ALL_REDUCE=one_shot)."""
+    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE=all_reduce)
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
         assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
+        assert record["one_shot"] == (all_reduce == "one_shot"), "the one-shot all-reduce did not serve as asked"
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
