@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 
 import torch
 
@@ -50,8 +51,11 @@ def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
     try:
         from torch.distributed import _symmetric_memory as symm_mem
 
+        with warnings.catch_warnings():  # needed before rendezvous in older torch, deprecated (a no-op) in newer
+            warnings.simplefilter("ignore", FutureWarning)
+            symm_mem.enable_symm_mem_for_group(group.group_name)
         buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group.group_name)
+        symm_mem.rendezvous(buffer, group)
         torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
     except Exception as exc:  # no symmetric memory here (no peer access, an older torch): NCCL serves
         logger.warning("hf_paged: HF_PAGED_TP_ALL_REDUCE=one_shot cannot be served (%s: %s); the tensor-parallel "
