@@ -68,7 +68,8 @@ class LocalLinear:
 
 def install(model: torch.nn.Module, group) -> str | None:
     """Put a :class:`LocalLinear` on every sharded linear of ``model``'s decoder layers (once; later calls refresh
-    their shards). Returns None when done, else why it cannot be done (nothing is changed then)."""
+    their shards) and set up the all-reduce they sum with. Returns None when done, else why it cannot be done (no
+    linear is wrapped then)."""
     layers = decoder_layers(model)
     if layers is None:
         return "no list of decoder layers found on the model"
@@ -87,12 +88,12 @@ def install(model: torch.nn.Module, group) -> str | None:
         plans.append((module, style))
     for module, rowwise in plans:
         module.forward = LocalLinear(module, module.forward, rowwise, group)
-    tp_all_reduce.prepare(group, _layers_dtype(layers), next(layers.parameters()).device)
+    # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
+    sums = {(str(f.weight.dtype), f.weight.dtype, f.weight.device) for m in layers.modules()
+            if isinstance(f := m.__dict__.get("forward"), LocalLinear) and f.rowwise}
+    for _, dtype, device in sorted(sums, key=lambda s: s[0]):
+        tp_all_reduce.prepare(group, dtype, device)
     return None
-
-
-def _layers_dtype(layers: torch.nn.Module) -> torch.dtype:
-    return next(p.dtype for p in layers.parameters() if p.is_floating_point())
 
 
 def installed(model: torch.nn.Module) -> int:
