@@ -341,11 +341,12 @@ def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatc
     from hf_paged.hf import tp_all_reduce
 
     monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "ring")
-    with pytest.raises(ValueError, match="'ring' is not one of nccl, one_shot"):
+    with pytest.raises(ValueError, match="'ring' is not one of nccl, one_shot, hf_paged"):
         tp_all_reduce.mode()
-    monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "one_shot")
-    assert tp_all_reduce.mode() == "one_shot"
-    # on the CPU the one-shot path is not set up (no collective is attempted: no group is needed)
-    assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
+    for mode in ("one_shot", "hf_paged"):
+        monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", mode)
+        assert tp_all_reduce.mode() == mode
+        # on the CPU the one-shot paths are not set up (no collective is attempted: no group is needed)
+        assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
     monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
     assert tp_all_reduce.mode() == "nccl"

@@ -6,14 +6,20 @@ all-reduce: that one runs NCCL as an asynchronous op (its own stream, events to 
 decode at batch 64 went from 8,749 to 10,424 tok/s with this op (two calls on different machines; one GPU 6,956 and
 7,370 in them).
 
-``HF_PAGED_TP_ALL_REDUCE=one_shot`` (experimental, not yet measured) sums inputs of up to
-:data:`ONE_SHOT_MAX_BYTES` with torch's symmetric-memory one-shot all-reduce instead
-(``torch.ops.symm_mem.one_shot_all_reduce_copy``): each rank copies its input into a buffer every rank of the group
-can read over NVLink, and every rank sums all the buffers, in one kernel with no NCCL launch. A decode step's
-all-reduces are small (64 rows of hidden 4096 in bf16 are 512 KiB) and latency-bound, which is where it can win
-(NCCL's ring took 7-11 us per all-reduce there). It uses peer-to-peer loads only, no NVLink multicast. The buffer
-is allocated and exchanged once per group and dtype when the layers are installed (every rank at once); where that
-fails, the op keeps NCCL and says so in the log. Larger inputs (prefill steps) always take NCCL.
+Two opt-in paths sum the small inputs of decode steps (up to :data:`ONE_SHOT_MAX_BYTES`; 64 rows of hidden 4096
+in bf16 are 512 KiB, where NCCL's ring takes 7-12 us) over buffers every rank of the group can read through NVLink
+(torch's symmetric memory; peer-to-peer loads only, no NVLink multicast). Each rank copies its input into its buffer
+and every rank sums all the buffers, in one kernel with no NCCL launch:
+
+- ``HF_PAGED_TP_ALL_REDUCE=one_shot``: torch's ``symm_mem.one_shot_all_reduce_copy``. On two H100s inside the 8B
+  decode step at batch 64 it took 13.7 us per call against NCCL's 12.0 (2026-11-27, ``benchmarks/tp_step_profile.py``).
+- ``HF_PAGED_TP_ALL_REDUCE=hf_paged``: hf_paged's own kernel (``csrc/peer_sum.cu``): a fixed grid whose blocks each
+  signal and wait for their peers' matching blocks only, two alternating data halves so that no closing barrier is
+  needed, and a float sum in rank order, so every rank gets the bit-identical result. A block that waits longer than
+  ``HF_PAGED_TP_TIMEOUT_S`` for a peer traps (a CUDA error) rather than hanging.
+
+Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once);
+where that fails, the op keeps NCCL and says so in the log. Larger inputs (prefill steps) always take NCCL.
 """
 
 from __future__ import annotations
@@ -27,13 +33,15 @@ import torch
 logger = logging.getLogger("hf_paged")
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in bf16
-_MODES = ("nccl", "one_shot")
+_MODES = ("nccl", "one_shot", "hf_paged")
+_PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
 _buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
-one_shot_calls = 0  # calls that took the one-shot path (eager runs and captures; a graph replay runs no Python)
+_peers: dict[str, tuple[torch.Tensor, int, float]] = {}  # group name -> (peer buffer addresses, rank, timeout s)
+one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
 
 
 def mode() -> str:
-    """``HF_PAGED_TP_ALL_REDUCE``: ``nccl`` (default) or ``one_shot``."""
+    """``HF_PAGED_TP_ALL_REDUCE``: ``nccl`` (default), ``one_shot`` or ``hf_paged``."""
     value = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "nccl")
     if value not in _MODES:
         raise ValueError(f"HF_PAGED_TP_ALL_REDUCE={value!r} is not one of {', '.join(_MODES)}")
@@ -41,42 +49,83 @@ def mode() -> str:
 
 
 def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
-    """Set up the one-shot path for ``group`` (collective: every rank of the group calls it at the same point) when
-    ``HF_PAGED_TP_ALL_REDUCE=one_shot`` asks for it on CUDA; returns whether the path serves."""
-    if mode() != "one_shot" or device.type != "cuda":
+    """Set up the one-shot path that ``HF_PAGED_TP_ALL_REDUCE`` asks for on CUDA (collective: every rank of the
+    group calls it at the same point); returns whether a one-shot path serves."""
+    which = mode()
+    if which == "nccl" or device.type != "cuda":
         return False
     key = (group.group_name, dtype)
-    if key in _buffers:
+    if key in _buffers or group.group_name in _peers:
         return True
     try:
-        from torch.distributed import _symmetric_memory as symm_mem
-
-        with warnings.catch_warnings():  # needed before rendezvous in older torch, deprecated (a no-op) in newer
-            warnings.simplefilter("ignore", FutureWarning)
-            symm_mem.enable_symm_mem_for_group(group.group_name)
-        buffer = symm_mem.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype, device=device)
-        symm_mem.rendezvous(buffer, group)
-        torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
-    except Exception as exc:  # no symmetric memory here (no peer access, an older torch): NCCL serves
-        logger.warning("hf_paged: HF_PAGED_TP_ALL_REDUCE=one_shot cannot be served (%s: %s); the tensor-parallel "
-                       "layers all-reduce through NCCL", type(exc).__name__, str(exc)[:300])
+        if which == "hf_paged":
+            _prepare_peer_sum(group, device)
+        else:
+            _buffers[key] = _symmetric(group, torch.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype,
+                                                          device=device))[0]
+            torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
+    except Exception as exc:  # no symmetric memory here (no peer access, an older torch), no kernels: NCCL serves
+        logger.warning("hf_paged: HF_PAGED_TP_ALL_REDUCE=%s cannot be served (%s: %s); the tensor-parallel "
+                       "layers all-reduce through NCCL", which, type(exc).__name__, str(exc)[:300])
         return False
-    _buffers[key] = buffer
-    logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run one-shot over symmetric memory",
-                ONE_SHOT_MAX_BYTES >> 10)
+    logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run one-shot over symmetric memory (%s)",
+                ONE_SHOT_MAX_BYTES >> 10, which)
     return True
+
+
+def _symmetric(group, like: torch.Tensor):
+    """A symmetric-memory tensor shaped like ``like``, with ``like``'s contents, exchanged with the group's ranks:
+    ``(tensor, handle)``."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():  # needed before rendezvous in older torch, deprecated (a no-op) in newer
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    buffer = symm_mem.empty(like.shape, dtype=like.dtype, device=like.device)
+    buffer.copy_(like)
+    torch.cuda.synchronize(like.device)  # every rank's copy is done before any peer can pass the rendezvous
+    return buffer, symm_mem.rendezvous(buffer, group)
+
+
+def _prepare_peer_sum(group, device: torch.device) -> None:
+    from hf_paged.engine.lockstep import timeout_s
+    from hf_paged.kernels.build import load
+
+    load()  # the kernel, or the reason it cannot be built
+    zeros = torch.zeros(2 * ONE_SHOT_MAX_BYTES + _PEER_CONTROL_BYTES, dtype=torch.uint8, device=device)
+    buffer, handle = _symmetric(group, zeros)  # zeroed flags and epochs on every rank
+    # The buffer may sit at an offset in each rank's mapped allocation (torch's allocator decides): the ranks
+    # exchange theirs.
+    offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    if not 0 <= offset <= handle.buffer_size - buffer.numel():
+        raise RuntimeError(f"the symmetric buffer lies outside its mapping (offset {offset}, mapping "
+                           f"{handle.buffer_size} bytes)")
+    offsets: list = [None] * handle.world_size
+    torch.distributed.all_gather_object(offsets, offset, group=group)
+    addresses = torch.tensor([p + o for p, o in zip(handle.buffer_ptrs, offsets, strict=True)], dtype=torch.int64,
+                             device=device)
+    _buffers[(group.group_name, torch.uint8)] = buffer  # kept alive with its mapping
+    _peers[group.group_name] = (addresses, handle.rank, timeout_s())
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
 def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group named ``group_name`` (see the module docstring), opaque to the
     compiler."""
-    buffer = _buffers.get((group_name, x.dtype))
-    if buffer is not None and x.is_cuda and x.numel() * x.element_size() <= ONE_SHOT_MAX_BYTES:
-        global one_shot_calls
-        one_shot_calls += 1
-        staged = buffer[: x.numel()].view(x.shape)
-        return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.contiguous(), "sum", group_name)
+    global one_shot_calls
+    nbytes = x.numel() * x.element_size()
+    if x.is_cuda and nbytes <= ONE_SHOT_MAX_BYTES:
+        peers = _peers.get(group_name)
+        if peers is not None and nbytes % 16 == 0 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            addresses, rank, timeout = peers
+            one_shot_calls += 1
+            buffer_bytes = _buffers[(group_name, torch.uint8)].numel()
+            return torch.ops.hf_paged.peer_sum(x.contiguous(), addresses, rank, buffer_bytes, timeout)
+        buffer = _buffers.get((group_name, x.dtype))
+        if buffer is not None:
+            one_shot_calls += 1
+            staged = buffer[: x.numel()].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.contiguous(), "sum", group_name)
     from torch.distributed.distributed_c10d import _resolve_process_group
 
     out = x.clone()

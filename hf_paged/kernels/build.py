@@ -41,6 +41,8 @@ SOURCES = (
     "paged_prefill_bf16_e4m3.cu",
     "skinny_ops.cpp",
     "skinny_gemm.cu",
+    "peer_sum_ops.cpp",
+    "peer_sum.cu",
 )
 _LIB_NAME = "hf_paged_kernels"
 

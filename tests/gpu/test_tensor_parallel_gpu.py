@@ -97,6 +97,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
         record["one_shot"] = tp_all_reduce.one_shot_calls > 0
+        record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
         _write(out_dir, f"compiled{rank}", record)
         torch.distributed.destroy_process_group()
         return
@@ -252,17 +253,19 @@ if __name__ == "__main__":
     worker(*sys.argv[1:4])
 
 
-@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot"])
+@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot", "hf_paged"])
 def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_reduce):
     """The engine's defaults on two GPUs: compiled layers (each sharded linear a local product, rowwise ones summed
     by the all-reduce op inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU; with NCCL
-    all-reduces (the default) and with one-shot ones over symmetric memory (HF_PAGED_TP_ALL_REDUCE=one_shot)."""
+    all-reduces (the default) and with one-shot ones over symmetric memory (HF_PAGED_TP_ALL_REDUCE=one_shot: torch's
+    kernel; hf_paged: csrc/peer_sum.cu)."""
     output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE=all_reduce)
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
         assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
-        assert record["one_shot"] == (all_reduce == "one_shot"), "the one-shot all-reduce did not serve as asked"
+        assert record["one_shot"] == (all_reduce != "nccl"), "the one-shot all-reduce did not serve as asked"
+        assert record["peer_sum"] == (all_reduce == "hf_paged")
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)

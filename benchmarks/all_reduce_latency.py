@@ -1,0 +1,204 @@
+"""Latency of the small all-reduces of a tensor-parallel decode step: NCCL, torch's one-shot, hf_paged's peer_sum.
+
+Run under ``torchrun`` on the GPUs of one host::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/all_reduce_latency.py --json ar.json
+    torchrun --standalone --nproc-per-node 2 benchmarks/all_reduce_latency.py --check   # correctness only
+
+Every method sums the same bf16 inputs (rank-specific random values) over all ranks, at each size (default 8 KiB,
+one decode row of hidden 4096, up to 1 MiB, 128 rows):
+
+- ``nccl``: ``dist.all_reduce`` in place on a copy, as ``hf_paged::tp_all_reduce`` does by default;
+- ``torch-one-shot``: ``torch.ops.symm_mem.one_shot_all_reduce_copy`` (``HF_PAGED_TP_ALL_REDUCE=one_shot``);
+- ``hf_paged``: ``torch.ops.hf_paged.peer_sum`` (``HF_PAGED_TP_ALL_REDUCE=hf_paged``, ``csrc/peer_sum.cu``).
+
+Checks (every method, before timing): the sum against float32 sums of the gathered inputs in rank order (hf_paged's
+must be bit-identical; the others are reported as a max difference), on eager calls whose inputs change between
+calls (so both data halves serve), after a delay on one rank only (the others must wait, not read stale data), and
+from a CUDA graph replay. Timing: ``--calls`` back-to-back calls captured in one CUDA graph, replayed ``--replays``
+times between CUDA events; the median replay over the calls is the time per call, which is what a decode graph
+pays. Rank 0 prints progress, a table, and writes ``--json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from hf_paged.hf import tp_all_reduce  # noqa: E402
+
+METHODS = ("nccl", "torch-one-shot", "hf_paged")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", default="8,64,256,512,1024", help="comma list of KiB")
+    parser.add_argument("--calls", type=int, default=64, help="calls per captured graph (a decode step of 32 layers "
+                                                              "makes 64)")
+    parser.add_argument("--replays", type=int, default=30)
+    parser.add_argument("--check", action="store_true", help="correctness checks only, no timing")
+    parser.add_argument("--json", type=Path)
+    return parser.parse_args(argv)
+
+
+class Methods:
+    """The three all-reduces over the world group, their buffers set up once (collective)."""
+
+    def __init__(self, device: torch.device):
+        self.group = dist.group.WORLD
+        self.name = self.group.group_name
+        self.rank = dist.get_rank()
+        max_bytes = tp_all_reduce.ONE_SHOT_MAX_BYTES
+        self.staged, _ = tp_all_reduce._symmetric(self.group, torch.zeros(max_bytes // 2, dtype=torch.bfloat16,
+                                                                          device=device))
+        os.environ["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
+        tp_all_reduce._prepare_peer_sum(self.group, device)
+        self.addresses, self.peer_rank, self.timeout = tp_all_reduce._peers[self.name]
+        self.buffer_bytes = tp_all_reduce._buffers[(self.name, torch.uint8)].numel()
+
+    def __call__(self, method: str, x: torch.Tensor) -> torch.Tensor:
+        if method == "nccl":
+            out = x.clone()
+            dist.all_reduce(out, group=self.group)
+            return out
+        if method == "torch-one-shot":
+            staged = self.staged[: x.numel()].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x, "sum", self.name)
+        return torch.ops.hf_paged.peer_sum(x, self.addresses, self.peer_rank, self.buffer_bytes, self.timeout)
+
+
+def _inputs(numel: int, dtype: torch.dtype, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's input and the reference sum: every rank's input summed in float32 in rank order."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    gen = torch.Generator(device="cpu").manual_seed(seed * 100 + rank)
+    x = (torch.randn(numel, generator=gen) * (rank + 1)).to(dtype).to(device)
+    everyone = [torch.empty_like(x) for _ in range(world)]
+    dist.all_gather(everyone, x)
+    acc = torch.zeros(numel, dtype=torch.float32, device=device)
+    for part in everyone:
+        acc += part.float()
+    return x, acc.to(dtype)
+
+
+def _diff(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.float() - ref.float()).abs().max())
+
+
+def check(methods: Methods, sizes_kib: list[int], device) -> list[dict]:
+    """Each method against the reference: eager calls with changing inputs, a delayed rank, a graph replay."""
+    rows = []
+    cases = [(k * 1024 // 2, torch.bfloat16) for k in sizes_kib] + [(4096, torch.float16), (2048, torch.float32),
+                                                                    (8, torch.bfloat16)]
+    for numel, dtype in cases:
+        for method in METHODS:
+            if method == "torch-one-shot" and dtype != torch.bfloat16:
+                continue  # its buffer is bf16 here
+            worst, exact = 0.0, True
+            for call in range(5):  # consecutive calls: the data halves alternate, the epochs advance
+                x, ref = _inputs(numel, dtype, seed=call + 7 * numel, device=device)
+                if call == 3 and methods.rank == 1:
+                    torch.cuda._sleep(50_000_000)  # rank 1 arrives ~25 ms late: rank 0 must wait for its data
+                out = methods(method, x)
+                worst, exact = max(worst, _diff(out, ref)), exact and torch.equal(out, ref)
+            x, ref = _inputs(numel, dtype, seed=99 + numel, device=device)
+            graph, out = _capture(lambda: methods(method, x), calls=3)
+            graph.replay()
+            x.copy_(_inputs(numel, dtype, seed=98 + numel, device=device)[0])
+            ref = _inputs(numel, dtype, seed=98 + numel, device=device)[1]
+            graph.replay()  # the replay reads the new input
+            torch.cuda.synchronize()
+            worst, exact = max(worst, _diff(out, ref)), exact and torch.equal(out, ref)
+            rows.append({"method": method, "bytes": numel * dtype.itemsize, "dtype": str(dtype).split(".")[-1],
+                         "max_diff": worst, "bit_identical": exact})
+            if methods.rank == 0:
+                print(f"[check] {method:15s} {numel * dtype.itemsize:>8d} B {rows[-1]['dtype']:9s} max diff "
+                      f"{worst:.3g} {'bit-identical' if exact else ''}", flush=True)
+    return rows
+
+
+def _capture(run, calls: int):
+    """``run`` ``calls`` times in one CUDA graph (after a warm-up outside it): ``(graph, last output)``."""
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run()
+    torch.cuda.current_stream().wait_stream(stream)
+    torch.cuda.synchronize()
+    dist.barrier()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(calls):
+            out = run()
+    torch.cuda.synchronize()
+    dist.barrier()
+    return graph, out
+
+
+def time_methods(methods: Methods, sizes_kib: list[int], calls: int, replays: int, device) -> list[dict]:
+    rows = []
+    for kib in sizes_kib:
+        x, _ = _inputs(kib * 512, torch.bfloat16, seed=kib, device=device)
+        for method in METHODS:
+            graph, _ = _capture(lambda: methods(method, x), calls)
+            times = []
+            for _ in range(replays):
+                dist.barrier()  # the ranks start each replay together (host-side), as decode steps do
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                graph.replay()
+                end.record()
+                end.synchronize()
+                times.append(start.elapsed_time(end) * 1e3 / calls)
+            us = statistics.median(times)
+            rows.append({"method": method, "kib": kib, "us_per_call": us, "calls": calls, "replays": replays})
+            if methods.rank == 0:
+                print(f"[time] {method:15s} {kib:>5d} KiB {us:7.2f} us per call", flush=True)
+            del graph
+    return rows
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    dist.init_process_group("nccl")
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    torch.cuda.set_device(local)
+    device = torch.device("cuda", local)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    methods = Methods(device)
+    checks = check(methods, sizes, device)
+    timings = [] if args.check else time_methods(methods, sizes, args.calls, args.replays, device)
+    if dist.get_rank() == 0:
+        card = torch.cuda.get_device_name(device)
+        nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
+        if timings:
+            print(f"{card} x {dist.get_world_size()}, bf16, {args.calls} calls per graph, median of "
+                  f"{args.replays} replays; us per call{' (' + str(nccl) + ')' if nccl else ''}")
+            print("  KiB | " + " | ".join(f"{m:>14s}" for m in METHODS))
+            for kib in sizes:
+                cells = [next(r["us_per_call"] for r in timings if r["kib"] == kib and r["method"] == m)
+                         for m in METHODS]
+                print(f"{kib:5d} | " + " | ".join(f"{c:14.2f}" for c in cells))
+        ours = [r for r in checks if r["method"] == "hf_paged"]
+        bad = [r for r in ours if not r["bit_identical"]]
+        print(f"checks: hf_paged bit-identical in {len(ours) - len(bad)} of {len(ours)} cases", flush=True)
+        if args.json:
+            args.json.write_text(json.dumps({"card": card, "world_size": dist.get_world_size(),
+                                             "torch": torch.__version__, "nccl_env": nccl,
+                                             "commit": os.environ.get("HF_PAGED_COMMIT"),
+                                             "checks": checks, "timings": timings}, indent=1))
+        if bad:
+            raise SystemExit(f"hf_paged peer_sum differs from the rank-order float32 sum: {bad}")
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
