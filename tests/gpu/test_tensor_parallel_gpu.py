@@ -25,7 +25,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # tiny_models, whe
 from tiny_models import _COMMON, EOS, PAD, VOCAB, left_padded_batch  # noqa: E402
 
 WORLD_SIZE = 2
-LAUNCH_TIMEOUT_S = 270  # each launch; two launches stay within 10 minutes
+# Each launch (two launches stay within 10 minutes); HF_PAGED_TEST_LAUNCH_TIMEOUT_S overrides it.
+LAUNCH_TIMEOUT_S = float(os.environ.get("HF_PAGED_TEST_LAUNCH_TIMEOUT_S", "270"))
 STUCK_EXIT = 17
 GREEDY = dict(max_new_tokens=10, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
 SHAPE = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
@@ -159,19 +160,25 @@ def single(saved):
 
 
 def _launch(saved: str, out_dir: Path, part: str, **env) -> str:
-    """torchrun on this file; its output. A launch that hangs is ended with its workers after LAUNCH_TIMEOUT_S."""
+    """torchrun on this file; its output. A launch that hangs is ended with its workers after LAUNCH_TIMEOUT_S, with
+    each worker's Python stacks in the output (faulthandler on SIGABRT) to show where it waited."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={WORLD_SIZE}",
            __file__, saved, str(out_dir), part]
     root = str(Path(__file__).resolve().parents[2])
     full_env = {**os.environ, "PYTHONPATH": root + os.pathsep + os.environ.get("PYTHONPATH", ""),
-                "HF_PAGED_TP_TIMEOUT_S": "60", **env}
+                "HF_PAGED_TP_TIMEOUT_S": "60", "PYTHONFAULTHANDLER": "1", **env}
     proc = subprocess.Popen(cmd, env=full_env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             start_new_session=True)
     try:
         return proc.communicate(timeout=LAUNCH_TIMEOUT_S)[0]
     except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        return proc.communicate()[0] + f"\n(ended after {LAUNCH_TIMEOUT_S} s)"
+        os.killpg(proc.pid, signal.SIGABRT)  # the workers print their stacks
+        try:
+            out = proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            out = proc.communicate()[0]
+        return out + f"\n(ended after {LAUNCH_TIMEOUT_S:g} s)"
 
 
 def _read(out_dir: Path, name: str):
