@@ -300,11 +300,13 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
     import tensor_parallel
 
     out = tmp_path / "tp.json"
-    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--tp-eager", "--split",
+    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--tp-eager", "--tp-peer-sum", "--split",
                           "--json", str(out)])
-    row, eager, split = json.loads(out.read_text())["rows"]
+    row, eager, peer_sum, split = json.loads(out.read_text())["rows"]
     assert row["status"] == "ok" and row["gpus"] == 2 and row["system"] == "hf_paged"
     assert eager["status"] == "ok" and eager["system"] == "hf_paged (eager)"
+    # (on CPU processes the peer_sum mode has no CUDA buffers to set up: gloo serves, the run completes)
+    assert peer_sum["status"] == "ok" and peer_sum["system"] == "hf_paged (peer_sum)"
     assert row["decode"]["full_call_s"] > 0 and row["latency"]["full_call_s"] > 0
     assert split["status"] == "ok" and split["gpus"] == 2 and split["system"] == "hf_paged (split)"
     assert split["decode"]["full_call_s"] > 0

@@ -289,6 +289,13 @@ class DecodeGraphs:
         stage[4 * b : 6 * b].view(torch.int64).fill_(self.device_tables.trash_index)
         stage[6 * b : 7 * b].zero_()
 
+    def release(self) -> None:
+        """Free the captured graphs (and whatever they hold, collectives included) now; no replay follows."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.device_tables.close()
+
     def stats(self) -> dict:
         return {
             "batch_sizes": sorted(self._graphs),

@@ -21,6 +21,7 @@ from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.detokenizer import Detokenizer
 from hf_paged.engine.engine_core import EngineCore
 from hf_paged.engine.intake import Prompt, RequestIntake
+from hf_paged.engine.lifecycle import EngineLifecycle
 from hf_paged.engine.request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine.request_registry import family
 from hf_paged.engine.sequence import Sequence
@@ -29,7 +30,7 @@ logger = logging.getLogger("hf_paged")
 
 
 
-class Engine(RequestIntake, EngineCore):
+class Engine(RequestIntake, EngineLifecycle, EngineCore):
     """Continuous-batching generation for a decoder-only transformers model.
 
     Args:
@@ -71,6 +72,10 @@ class Engine(RequestIntake, EngineCore):
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
     thread while one thread runs ``step``, ``stream`` or ``generate``.
+
+    Closing: :meth:`close` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at once; do it before
+    ``torch.distributed.destroy_process_group()`` under tensor parallel, which waits for collectives a live graph
+    holds.
     """
 
     def __init__(
@@ -239,6 +244,7 @@ class Engine(RequestIntake, EngineCore):
     def _stepping(self) -> Iterator[None]:
         """Hold the lock (Ctrl-C held back) for a step; steps come from one thread at a time."""
         with self._interrupts.held(), self._lock:
+            self._refuse_if_closed()
             if self._step_running:
                 raise RuntimeError("a step is running in another thread: step(), stream() and generate() must be "
                                    "called from one thread at a time (add_request and abort from any)")

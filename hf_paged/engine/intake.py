@@ -22,7 +22,7 @@ Prompt = SequenceType[int] | str
 class RequestIntake:
     """The request-intake half of :class:`~hf_paged.Engine` (a mixin: it reads the engine's ``vocab_size``,
     ``tokenizer``, ``generation_config``, ``model``, ``cache``, ``max_model_len``, ``requests``, ``scheduler``,
-    ``counters`` and ``_lock``)."""
+    ``counters``, ``_lock`` and ``_refuse_if_closed``)."""
 
     def add_request(
         self, prompt: Prompt, generation_config: GenerationConfig | None = None, request_id: str | int | None = None
@@ -71,6 +71,7 @@ class RequestIntake:
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
         with self._lock:
+            self._refuse_if_closed()
             return self._enqueue_locked(seqs)
 
     def _enqueue_locked(self, seqs: list[Sequence]) -> list[str]:

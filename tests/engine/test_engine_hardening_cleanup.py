@@ -137,3 +137,33 @@ def test_a_reader_that_stops_drops_nothing_it_did_not_receive(async_scheduling):
     done = step_all(engine)  # or step(): the outputs not streamed come from it
     assert len(done) == 4 and all(done[i].token_ids == r for i, r in zip(again, refs) if i in done)
     assert_idle(engine)
+
+
+@ASYNC
+def test_close_frees_every_block_and_refuses_later_calls(async_scheduling):
+    engine = make_engine(async_scheduling)
+    prompts = random_prompts(4, 3, 14, seed=3)
+    engine.add_requests(prompts, greedy_config(20))
+    for _ in range(4):  # some requests mid-decode, one step in flight under async scheduling
+        engine.step()
+    assert engine.stats()["used_blocks"] > 0
+    engine.close()
+    assert engine.closed and engine.graphs is None
+    stats = engine.stats()  # still answers
+    assert stats["used_blocks"] == 0 and stats["free_blocks"] == stats["num_blocks"]
+    engine.scheduler.check_invariants()
+    for call in (lambda: engine.add_request(prompts[0]), engine.step, lambda: engine.generate(prompts[:1]),
+                 lambda: list(engine.stream(prompts[:1]))):
+        with pytest.raises(RuntimeError, match=r"closed \(Engine.close\(\)\); create a new Engine"):
+            call()
+    engine.close()  # a second call does nothing
+
+
+def test_an_engine_used_as_a_context_manager_closes_on_exit_and_on_error():
+    with make_engine(False) as engine:
+        outputs = engine.generate(random_prompts(2, 3, 9, seed=4), greedy_config(3))
+    assert engine.closed and len(outputs) == 2
+    with pytest.raises(ValueError, match="boom"), make_engine(False) as failing:
+        failing.add_request(random_prompts(1, 3, 9, seed=5)[0], greedy_config(5))
+        raise ValueError("boom")
+    assert failing.closed and failing.stats()["used_blocks"] == 0

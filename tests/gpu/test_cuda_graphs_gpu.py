@@ -181,3 +181,16 @@ def test_decode_with_a_given_workspace_equals_its_own_allocation():
     assert torch.equal(own, given)
     with pytest.raises(ValueError, match="workspace"):
         kernels.paged_decode(q, k, v, tables, lens, d**-0.5, max_seq_len=44 * bs, split_len=split, workspace=ws[:10])
+
+
+def test_close_frees_the_captured_graphs(f32_model):
+    engine = hf_paged.Engine(f32_model, num_blocks=64, block_size=16, max_batch_tokens=256, max_num_seqs=4)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.stats()["batch_sizes"]
+    outputs = engine.generate(_prompts(3, seed=9), GenerationConfig(max_new_tokens=6, do_sample=False))
+    assert len(outputs) == 3 and graphs.stats()["replays"] > 0
+    engine.close()
+    assert engine.graphs is None and engine.stats()["cuda_graphs"] is None
+    assert not graphs._graphs  # reset and dropped: nothing holds what they captured
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()

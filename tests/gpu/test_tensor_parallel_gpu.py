@@ -100,6 +100,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["one_shot"] = tp_all_reduce.one_shot_calls > 0
         record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
         _write(out_dir, f"compiled{rank}", record)
+        engine.close()  # its graphs hold NCCL collectives: destroy_process_group would wait for them forever
         torch.distributed.destroy_process_group()
         return
     engine = _engine(model)
