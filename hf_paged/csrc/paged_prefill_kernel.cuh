@@ -51,6 +51,10 @@ struct Traits {
   // O takes kMAtoms * D / 2 registers per thread and S kMAtoms * 32: two m atoms per warp fit up to D = 128 only.
   static_assert(kMAtoms == 1 || D <= 128, "32 rows per warp would spill at this head size");
   static_assert(!kFp8 || (D % 64 == 0 && kThreads % kChunks == 0), "e4m3 tiles: swizzled rows, fixed columns");
+  // Byte offset of (row, 16-byte chunk) in a 16-bit K/V stage (issue_kv_tile; the wgmma kernel lays tiles out its way).
+  __device__ __forceinline__ static uint32_t kv_offset(int row, int chunk) {
+    return static_cast<uint32_t>(swizzle<D>(row, chunk) * sizeof(T));
+  }
 };
 
 // Row and chunk of this thread's i-th 16-byte copy into a tile of `kRows` rows; false past the tile (only when the
@@ -82,7 +86,7 @@ __device__ __forceinline__ void issue_kv_tile(const PrefillParams& p, int64_t he
     const int slot = slots[row];
     const bool valid = slot >= 0;
     const int64_t off = valid ? slot * row_stride + head_off + (C::kFixedChunk ? 0 : chunk * 8) : 0;
-    const uint32_t dst = static_cast<uint32_t>(swizzle<C::D>(row, chunk) * sizeof(T));
+    const uint32_t dst = C::kv_offset(row, chunk);
     cp_async16(k_dst + dst, static_cast<const T*>(p.k_cache) + off, valid);
     cp_async16(v_dst + dst, static_cast<const T*>(p.v_cache) + off, valid);
   }

@@ -1,0 +1,112 @@
+// Paged varlen prefill on Hopper's warpgroup tensor cores (sm_90a wgmma): the same arguments and results as
+// paged_prefill_kernel (PrefillParams), another way to do the two matrix products.
+//
+// - A CTA of two warpgroups owns 128 query rows of one (sequence, head), 64 per warpgroup, and walks the sequence's
+//   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim).
+// - Q, K and V tiles sit in shared memory in wgmma's 128-byte-swizzled layout (wgmma.cuh). S = Q K^T reads both
+//   from shared memory (K-major); O += P V takes P from registers (the exponentiated S, rounded to 16 bits) and V
+//   from shared memory, transposed (MN-major). Each product is one commit group, waited for before its result is
+//   used: no overlap of softmax and tensor cores inside a warpgroup yet (the two warpgroups overlap each other).
+// - K/V arrive by cp.async through the block table, two stages deep, exactly as in paged_prefill_kernel (its
+//   issue_kv_tile, slot lookups two tiles ahead); the online softmax, the causal / window masks, softcapping and
+//   the epilogue are that kernel's code too (paged_prefill_main.cuh): the wgmma accumulator of a warp is the
+//   mma.sync C fragment layout those helpers index, with one 16-row atom per warp.
+// - Capture-safe: no allocation, every per-sequence decision made on the device from the launch arguments.
+#pragma once
+
+#include "paged_prefill_kernel.cuh"
+#include "wgmma.cuh"
+
+namespace hf_paged {
+namespace prefill_wgmma {
+
+template <typename T_, int D_>
+struct Traits {
+  static_assert(D_ == 64 || D_ == 128 || D_ == 256, "wgmma prefill: head_dim 64, 128 or 256");
+  using T = T_;
+  using KV = T_;
+  static constexpr bool kFp8 = false;
+  static constexpr int D = D_;
+  static constexpr int kWarps = 8, kThreads = 256;  // two warpgroups
+  static constexpr int kMAtoms = 1, kWarpRows = 16;  // per warp, as the shared softmax / epilogue helpers see it
+  static constexpr int kBlockM = 128;
+  static constexpr int kBlockN = D <= 128 ? 128 : 64;
+  static constexpr int kChunks = D / 8;
+  static constexpr bool kFixedChunk = true;  // kThreads is a multiple of kChunks: a thread keeps one chunk column
+  static constexpr int kKVCopies = kBlockN * kChunks / kThreads;
+  static constexpr int kQCopies = kBlockM * kChunks / kThreads;
+  static constexpr int kQBytes = kBlockM * D * 2, kTileBytes = kBlockN * D * 2;  // Q; one K or V stage
+  static constexpr int kKOffset = kQBytes, kVOffset = kKOffset + 2 * kTileBytes;  // from the 1024-aligned base
+  static constexpr int kSlotsOffset = kVOffset + 2 * kTileBytes;
+  // + slots[2][kBlockN], + up to 1008 bytes to align the base (dynamic shared memory is only 16-byte aligned).
+  static constexpr int kSmemBytes = kSlotsOffset + 2 * kBlockN * static_cast<int>(sizeof(int)) + 1024;
+  __device__ __forceinline__ static uint32_t kv_offset(int row, int chunk) {
+    return wgmma::sw128_offset<kBlockN>(row, chunk);
+  }
+};
+
+// S = Q K^T for this warpgroup's 64 rows over one tile: s[0][nt] is the 16x8 C fragment of key columns 8nt.. of
+// this warp's rows. q_rows: the warpgroup's first Q row in panel 0; the Q tile's panels hold kBlockM rows each.
+template <class C>
+__device__ __forceinline__ void qk_tile(float (&s)[1][C::kBlockN / 8][4], uint32_t q_rows, uint32_t k_tile) {
+  using T = typename C::T;
+  float(&d)[C::kBlockN / 2] = reinterpret_cast<float(&)[C::kBlockN / 2]>(s);
+  wgmma::fence_operands(d);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < C::D / 16; ++kk) {
+    const uint32_t col = (kk & 3) * 32;  // 16 elements of the 64-wide panel kk / 4
+    const uint64_t a = wgmma::sw128_desc(q_rows + (kk >> 2) * C::kBlockM * 128 + col, 16, 1024);
+    const uint64_t b = wgmma::sw128_desc(k_tile + (kk >> 2) * C::kBlockN * 128 + col, 16, 1024);
+    wgmma::Mma64<T, C::kBlockN>::ss(d, a, b, kk > 0);
+  }
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(d);
+}
+
+// O += P V: P from the S fragments (already exponentiated), 16 keys per step, V's panels kBlockN * 128 bytes apart.
+template <class C>
+__device__ __forceinline__ void pv_tile(float (&o)[1][C::D / 8][4], const float (&s)[1][C::kBlockN / 8][4],
+                                        uint32_t v_tile) {
+  using T = typename C::T;
+  uint32_t a[C::kBlockN / 16][4];
+#pragma unroll
+  for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
+    a[kk][0] = Mma<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
+    a[kk][1] = Mma<T>::pack(s[0][2 * kk][2], s[0][2 * kk][3]);
+    a[kk][2] = Mma<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
+    a[kk][3] = Mma<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
+  }
+  float(&d)[C::D / 2] = reinterpret_cast<float(&)[C::D / 2]>(o);
+  wgmma::fence_operands(d);
+  wgmma::fence();
+#pragma unroll
+  for (int kk = 0; kk < C::kBlockN / 16; ++kk)
+    wgmma::Mma64<T, C::D>::rs(d, a[kk], wgmma::sw128_desc(v_tile + kk * 16 * 128, C::kBlockN * 128, 1024), 1);
+  wgmma::commit();
+  wgmma::wait<0>();
+  wgmma::fence_operands(d);
+}
+
+// This thread's share of the Q tile (rows past the sequence zero-filled), as one commit group.
+template <class C>
+__device__ __forceinline__ void issue_q_tile(const PrefillParams& p, uint32_t q_smem, int head, int q_start,
+                                            int q_len, int m0, int tid) {
+  using T = typename C::T;
+  const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + tid % C::kChunks * 8;
+#pragma unroll
+  for (int i = 0; i < C::kQCopies; ++i) {
+    int r, chunk;
+    prefill::copy_slot<C, C::kBlockM>(tid, i, r, chunk);
+    const bool valid = m0 + r < q_len;
+    cp_async16(q_smem + wgmma::sw128_offset<C::kBlockM>(r, chunk), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
+               valid);
+  }
+  cp_async_commit();
+}
+
+}  // namespace prefill_wgmma
+}  // namespace hf_paged
+
+#include "paged_prefill_wgmma_main.cuh"
