@@ -1,6 +1,7 @@
 """Just-in-time build of the CUDA kernels in ``hf_paged/csrc`` through ``torch.utils.cpp_extension`` (ninja).
 
-The library is built for the present GPU's architecture only and kept under
+The library is built for the present GPU's architecture only (on compute capability 9.0 its arch-specific target,
+sm_90a, which the opt-in wgmma prefill needs) and kept under
 ``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged/kernels``) in a folder named by torch version, CUDA version, arch
 and a hash of the sources, so a second run (or a second process) loads it in about a second. Without a CUDA GPU,
 nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
@@ -39,6 +40,8 @@ SOURCES = (
     "paged_prefill_bf16_wide.cu",
     "paged_prefill_f16_e4m3.cu",
     "paged_prefill_bf16_e4m3.cu",
+    "paged_prefill_wgmma_f16.cu",  # Hopper only: stubs unless built for sm_90a
+    "paged_prefill_wgmma_bf16.cu",
     "skinny_ops.cpp",
     "skinny_gemm.cu",
     "peer_sum_ops.cpp",
@@ -68,13 +71,22 @@ def cache_root() -> Path:
 
 
 def _arch() -> str:
-    major, minor = torch.cuda.get_device_capability()
-    return f"{major}{minor}"
+    return arch_of(*torch.cuda.get_device_capability())
+
+
+def arch_of(major: int, minor: int) -> str:
+    """The nvcc arch a device of this compute capability is built for: Hopper (9.0) gets its arch-specific target
+    "90a" (wgmma, setmaxnreg; the machine code runs on 9.0 devices only, as every build here is for one GPU)."""
+    return "90a" if (major, minor) == (9, 0) else f"{major}{minor}"
 
 
 def _cuda_flags(arch: str) -> list[str]:
-    # Naming the arch ourselves also stops torch from adding every arch of TORCH_CUDA_ARCH_LIST.
-    return ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
+    # Naming the arch ourselves also stops torch from adding every arch of TORCH_CUDA_ARCH_LIST. The -gencode form:
+    # nvcc 13.0's -arch=sm_90a shorthand also runs a plain sm_90 pass, which rejects wgmma.
+    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
+    if arch == "90a":
+        flags.append("-DHF_PAGED_SM90A")  # compiles the wgmma prefill (paged_prefill_wgmma_*.cu)
+    return flags
 
 
 def source_hash(arch: str) -> str:

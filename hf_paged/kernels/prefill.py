@@ -6,6 +6,10 @@ Shapes: ``T`` packed new tokens of ``B`` sequences, ``H`` query heads, ``Hkv`` k
 layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_size, Hkv, D]``. An fp8 cache
 (``float8_e4m3fn`` with float32 per-kv-head scales) is read for fp16 / bf16 queries and ``kernels.FP8_HEAD_DIMS``,
 widened to the query's dtype in shared memory (``csrc/paged_prefill_fp8.cuh``).
+
+``impl="wgmma"`` asks for the Hopper kernel instead (``csrc/paged_prefill_wgmma*.cuh``: sm_90a warpgroup matrix
+products; compute capability 9.0 only, fp16 / bf16 over a cache of the same dtype, :data:`WGMMA_HEAD_DIMS`). It is
+opt-in and never chosen by default: compile-checked, not yet verified on a GPU (docs/kernels.md, "Hopper prefill").
 """
 
 from __future__ import annotations
@@ -19,6 +23,10 @@ PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREFILL_CONFIGS = (0, 1, 2)  # fp16/bf16 tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
 AUTO_CONFIG = -1
 WIDEST_CONFIG_0 = 128  # config 0 (32 rows per warp) would spill registers above this head_dim, so is not compiled
+IMPLS = ("mma", "wgmma")  # mma.sync on every GPU; wgmma on Hopper only
+WGMMA_CONFIG = 3  # kPrefillConfigWgmma in csrc/paged_prefill.cuh: how the op is asked for the wgmma kernel
+WGMMA_DTYPES = (torch.float16, torch.bfloat16)
+WGMMA_HEAD_DIMS = (64, 128, 256)  # keep in step with paged_prefill_wgmma_<dtype>.cu
 _loaded = False
 
 
@@ -43,6 +51,7 @@ def paged_prefill(
     softcap: float = 0.0,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    impl: str = "mma",
 ) -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
@@ -66,11 +75,20 @@ def paged_prefill(
         softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``; 0 = off.
         k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
             device (K's folded into the softmax scale, V's into the output); None for other caches.
+        impl: ``"mma"`` (default, every GPU) or ``"wgmma"`` (Hopper's kernel, opt-in; ``config`` must stay -1).
 
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
     """
     _check_kv_scales(k_cache, k_scale, v_scale)
+    if impl not in IMPLS:
+        raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+    if impl == "wgmma":
+        wgmma_refusal = wgmma_unsupported_reason(query.dtype, k_cache.dtype, query.shape[-1])
+        if wgmma_refusal is not None:
+            raise NotImplementedError(wgmma_refusal)
+        if config != AUTO_CONFIG:
+            raise ValueError(f"impl='wgmma' has one tile shape; leave config at {AUTO_CONFIG}, got {config}")
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -90,10 +108,22 @@ def paged_prefill(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ensure_built()
+    op_config = WGMMA_CONFIG if impl == "wgmma" else config
     torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-                                     max_seqlen_q, scale, config, max(window, 0), max(softcap, 0.0), k_scale,
+                                     max_seqlen_q, scale, op_config, max(window, 0), max(softcap, 0.0), k_scale,
                                      v_scale)
     return out
+
+
+def wgmma_unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why ``impl="wgmma"`` cannot serve these shapes (None if it can, on a compute capability 9.0 GPU; the op
+    itself refuses other GPUs, and builds without sm_90a)."""
+    if dtype not in WGMMA_DTYPES or kv_dtype != dtype:
+        return (f"the wgmma prefill serves {WGMMA_DTYPES} queries over a cache of the same dtype, not {dtype} over "
+                f"{kv_dtype}")
+    if head_dim not in WGMMA_HEAD_DIMS:
+        return f"the wgmma prefill is compiled for head_dim {WGMMA_HEAD_DIMS}, not {head_dim}"
+    return None
 
 
 def _ensure_built() -> None:

@@ -11,10 +11,16 @@ An fp8 (e4m3) KV cache: this backend serves every phase over it, decode, prefill
 models with head_dim in ``kernels.FP8_HEAD_DIMS`` (the kernels widen the e4m3 tiles to the model's dtype on the
 chip, with the layer's per-kv-head scales), and its quantizing KV write (any head_dim of whole 8-element groups);
 decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
+
+``HF_PAGED_PREFILL_WGMMA=1`` routes prefill / extend to the Hopper (sm_90a, wgmma) prefill kernel where it serves the
+layer (fp16 / bf16 over a cache of the same dtype, head_dim 64, 128, 256; other layers keep the default kernel). Opt
+in only, for measuring it: it is not yet verified on a GPU, and on a GPU other than compute capability 9.0 the
+kernel refuses with NotImplementedError.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -28,7 +34,9 @@ from hf_paged.attention.backends.base import (
 )
 from hf_paged.attention.kv_quant import KVScales, is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
-from hf_paged.kernels.prefill import paged_prefill
+from hf_paged.kernels.prefill import paged_prefill, wgmma_unsupported_reason
+
+PREFILL_WGMMA_ENV = "HF_PAGED_PREFILL_WGMMA"
 
 
 def _device_reason(device_type: str) -> str | None:
@@ -55,6 +63,14 @@ def _fp8_reason(call: AttentionCall) -> str | None:
         compiled = ", ".join(str(d) for d in kernels.FP8_HEAD_DIMS)
         return f"fp8 KV {call.phase.value} is compiled for head_dim {compiled}, not {call.head_dim}"
     return None
+
+
+def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str:
+    """The prefill kernel for a layer: "wgmma" when ``HF_PAGED_PREFILL_WGMMA=1`` and that kernel serves these shapes,
+    else "mma". Read per call (prefill steps only), so a benchmark can switch it between runs."""
+    if os.environ.get(PREFILL_WGMMA_ENV) != "1" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
+        return "mma"
+    return "wgmma"
 
 
 @dataclass(frozen=True)
@@ -179,7 +195,8 @@ class CudaBackend(AttentionBackend):
             # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                                  params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap,
-                                 k_scale=k_scale, v_scale=v_scale)
+                                 k_scale=k_scale, v_scale=v_scale,
+                                 impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1]))
         # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
         # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
         plan = plan_decode(query, k_cache, meta, window)
