@@ -89,11 +89,11 @@ def check_decode_rows(heads: tuple[int, int], dtype: torch.dtype, head_dim: int,
 
 
 def check_prefill_rows(heads: tuple[int, int], dtype: torch.dtype, head_dim: int, block_size: int,
-                       windows: tuple[int, ...] = (0,), softcap: float = 0.0) -> None:
+                       windows: tuple[int, ...] = (0,), softcap: float = 0.0, impl: str = "mma") -> None:
     """Prefill over every PREFILL_SCENARIOS step and sliding window (0 = none), with the automatic choice and every
-    tile configuration compiled for the head size (float32 has one path)."""
+    tile configuration compiled for the head size (float32, and impl="wgmma", have one path)."""
     num_heads, num_kv_heads = heads
-    configs = (-1,) if dtype == torch.float32 else (-1, *prefill_configs(head_dim))
+    configs = (-1,) if dtype == torch.float32 or impl != "mma" else (-1, *prefill_configs(head_dim))
     for name, (prefix_lens, new_lens) in PREFILL_SCENARIOS.items():
         gen = seeded(name, block_size, dtype, head_dim, heads)
         meta, query, _, _ = position_step(prefix_lens, new_lens, block_size, num_heads, num_kv_heads, head_dim, dtype,
@@ -106,6 +106,6 @@ def check_prefill_rows(heads: tuple[int, int], dtype: torch.dtype, head_dim: int
                 out = torch.full_like(query, float("nan"))
                 paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                               head_dim**-0.5, max_seqlen_q=meta.max_seqlen_q, out=out, config=config, window=window,
-                              softcap=softcap)
-                assert_rows_close(out, expected, allowance, f"prefill {name} config {config} window {window} "
+                              softcap=softcap, impl=impl)
+                assert_rows_close(out, expected, allowance, f"prefill {impl} {name} config {config} window {window} "
                                                             f"softcap {softcap}")

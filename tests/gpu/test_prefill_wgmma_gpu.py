@@ -1,0 +1,156 @@
+"""The opt-in Hopper prefill kernel (``paged_prefill(..., impl="wgmma")``, ``csrc/paged_prefill_wgmma*.cuh``) against
+the float64 torch oracle, on a compute capability 9.0 GPU (skipped elsewhere).
+
+The grid of test_cuda_prefill.py and test_kernel_rows_prefill.py for the kernel's head sizes (64, 128, 256): prompt
+lengths crossing its 128-row query tiles and 128-key (64 at head_dim 256) key tiles, block sizes 16 and 48 (not a power
+of two; 256 for the exact rows), GQA, MHA and MQA, extends after paged prefixes, long runs, sliding windows and
+softcaps; outputs NaN-poisoned first, judged over the batch and row by row, and on inputs with exact answers. Then:
+the same inputs twice give identical bits (a race moves them), a CUDA-graph replay equals the eager call, and
+``HF_PAGED_PREFILL_WGMMA=1`` routes the cuda backend here.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+if torch.cuda.get_device_capability() != (9, 0):
+    pytest.skip("the wgmma prefill runs on compute capability 9.0 (Hopper) only", allow_module_level=True)
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.attention import AttentionParams  # noqa: E402
+from hf_paged.attention.backends.base import backend_named  # noqa: E402
+from hf_paged.attention.backends.cuda import PREFILL_WGMMA_ENV  # noqa: E402
+from hf_paged.kernels.prefill import WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
+
+from kernel_rows import check_prefill_rows  # noqa: E402  (same folder)
+from test_cuda_prefill import check, prefill_step, reference  # noqa: E402
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+HEADS = {"gqa-32/8": (32, 8), "mha-16/16": (16, 16), "mqa-8/1": (8, 1)}
+# (cached prefix lengths, new-token counts): query tiles of 128 rows, key tiles of 128 (64 at head_dim 256), full and
+# ragged, prefixes ending on and around tile and block edges.
+SCENARIOS = {
+    "one-token": ([0], [1]),
+    "tile-edges": ([0, 0, 0, 0, 0, 0, 0], [1, 63, 64, 127, 128, 129, 300]),
+    "extend-mixed": ([0, 5, 1000, 47, 3995], [1, 1, 33, 200, 5]),
+    "prefix-edges": ([63, 64, 127, 128, 129, 255, 256, 257], [129, 128, 127, 1, 64, 65, 200, 256]),
+    "long-prefix": ([3000, 0], [700, 1]),
+}
+LONG = {"prefill-4096": ([0], [4096]), "prefix-2048": ([2048, 2500], [2048, 1000])}
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def run_wgmma(query, k_cache, v_cache, meta, params, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    out = torch.full_like(query, float("nan"))  # every element must be written
+    return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                         params.scale, max_seqlen_q=meta.max_seqlen_q, out=out, window=window, softcap=softcap,
+                         impl="wgmma")
+
+
+def seeded(*key) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
+@pytest.mark.parametrize("block_size", [16, 48])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_wgmma_matches_float64_reference(scenario, block_size, heads, head_dim, dtype):
+    step = prefill_step(*SCENARIOS[scenario], block_size, *heads, head_dim, dtype,
+                        seeded(scenario, block_size, heads, head_dim, dtype))
+    meta, query, _, _, k_cache, v_cache, params = step
+    check(run_wgmma(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params), dtype,
+          f"wgmma {scenario}")
+
+
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("block_size", [16, 256])
+@pytest.mark.parametrize("scenario", LONG)
+def test_wgmma_long_sequences(scenario, block_size, head_dim):
+    """4096 new tokens in one run, 2048 after a 2048-token prefix (MQA keeps the oracle small)."""
+    meta, query, _, _, k_cache, v_cache, params = prefill_step(*LONG[scenario], block_size, 8, 1, head_dim,
+                                                               torch.bfloat16, seeded(scenario, block_size, head_dim))
+    check(run_wgmma(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params),
+          torch.bfloat16, f"wgmma {scenario}")
+
+
+@pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
+@pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)],
+                         ids=["bf16-d128", "fp16-d64", "bf16-d256"])
+@pytest.mark.parametrize("block_size", [16, 48, 256])
+def test_wgmma_rows_are_exact_means(block_size: int, dtype: torch.dtype, head_dim: int, heads):
+    """Zero keys, position-coded values: one key dropped or read twice at a tile or block edge fails its row."""
+    check_prefill_rows(heads, dtype, head_dim, block_size, impl="wgmma")
+
+
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+def test_wgmma_rows_with_windows_and_softcap(head_dim: int):
+    """Windows shorter than a block, inside a tile, across tiles and longer than every context; a softcap on top."""
+    check_prefill_rows((8, 2), torch.bfloat16, head_dim, 16, windows=(1, 5, 100, 700, 100_000), softcap=30.0,
+                       impl="wgmma")
+
+
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("window, softcap", [(0, 5.0), (20, 0.0), (200, 30.0)])
+def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, head_dim: int):
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 30, 300], [1, 140, 260], 16, 16, 4, head_dim,
+                                                               torch.bfloat16, seeded(window, softcap, head_dim))
+    options = AttentionParams(scale=params.scale, sliding_window=window or None, softcap=softcap or None)
+    check(run_wgmma(query, k_cache, v_cache, meta, params, window, softcap),
+          reference(query, k_cache, v_cache, meta, options), torch.bfloat16, f"wgmma window {window} cap {softcap}")
+
+
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+def test_wgmma_is_deterministic_and_close_to_mma(head_dim: int):
+    """The same inputs twice give the same bits (a missing barrier or fence shows as a moving answer), and the
+    answer is within bf16 rounding of the mma.sync kernel's."""
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 70, 0, 999], [130, 1, 63, 257], 16, 32, 8,
+                                                               head_dim, torch.bfloat16, seeded("twice", head_dim))
+    first = run_wgmma(query, k_cache, v_cache, meta, params)
+    for _ in range(3):
+        assert torch.equal(run_wgmma(query, k_cache, v_cache, meta, params), first), "the answer moved between runs"
+    mma = paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, params.scale,
+                        max_seqlen_q=meta.max_seqlen_q)
+    rel = ((first.double() - mma.double()).norm() / mma.double().norm()).item()
+    assert rel < 1e-2, f"wgmma and mma prefill differ by {rel:.2e}"
+
+
+def test_wgmma_replays_in_a_cuda_graph():
+    """Capture-safe: no allocation or host decision per call; a replay over new query values equals the eager call."""
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 100], [200, 77], 16, 32, 8, 128, torch.bfloat16,
+                                                               seeded("graph"))
+    out = torch.empty_like(query)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        run_wgmma(query, k_cache, v_cache, meta, params)  # warm-up: builds and sets the shared-memory limit
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, params.scale,
+                      max_seqlen_q=meta.max_seqlen_q, out=out, impl="wgmma")
+    query.copy_(torch.randn(query.shape, generator=seeded("graph", 2)).to(query))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params))
+
+
+def test_env_switch_routes_the_cuda_backend(monkeypatch: pytest.MonkeyPatch):
+    """HF_PAGED_PREFILL_WGMMA=1: the cuda backend's prefill is the wgmma kernel's answer, bit for bit."""
+    meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8, 128,
+                                                                     torch.bfloat16, seeded("env"))
+    backend = backend_named("cuda")
+    monkeypatch.setenv(PREFILL_WGMMA_ENV, "1")
+    out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+    assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params))
+    check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, "backend wgmma")
