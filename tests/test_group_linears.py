@@ -78,6 +78,50 @@ def test_group_on_cpu_is_f_linear_bit_for_bit(dtype, with_bias):
         skinny.linear_group(x, weights, biases[:2])
 
 
+def _end_to_end(sizes: tuple[int, ...], k: int, gen, dtype=torch.float32, offset: int = 3) -> list[torch.Tensor]:
+    """Weights ``[n, k]`` that lie end to end in one buffer (after ``offset`` unused rows), with small integer values:
+    every product is exact, so a single product over all of them must equal the separate ones bit for bit."""
+    buffer = torch.randint(-4, 5, (offset + sum(sizes), k), generator=gen).to(dtype)
+    bounds = [offset + sum(sizes[:i]) for i in range(len(sizes) + 1)]
+    return [buffer[a:b] for a, b in zip(bounds, bounds[1:])]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_weights_end_to_end_in_one_buffer_run_as_one_product(monkeypatch, with_bias):
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randint(-4, 5, (2, 16, 24), generator=gen).float()  # 32 rows: past the skinny kernel's 8
+    weights = _end_to_end((16, 8, 8), 24, gen)
+    biases = _end_to_end((16, 8, 8), 1, gen) if with_bias else [None] * 3
+    biases = [b.view(-1) if b is not None else None for b in biases]
+    assert skinny.packed_rows(weights, biases) is not None
+    calls, linear = [], F.linear
+    monkeypatch.setattr(skinny.F, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    outs = skinny.linear_group(x, weights, biases)
+    assert calls == [torch.Size([32, 24])]  # one product over the three weights
+    for out, w, b in zip(outs, weights, biases, strict=True):
+        assert torch.equal(out, linear(x, w, b)) and out.is_contiguous() and out.shape == (2, 16, w.shape[0])
+
+
+def test_weights_not_end_to_end_run_one_product_each():
+    gen = torch.Generator().manual_seed(4)
+    q, k, v = _end_to_end((16, 8, 8), 24, gen)
+    apart = [torch.randn(8, 24, generator=gen), torch.randn(8, 24, generator=gen)]
+    cases = {
+        "out of order": ([q, v, k], [None] * 3),
+        "separate buffers": (apart, [None] * 2),
+        "one alone": ([q], [None]),
+        "a bias missing": ([q, k], [torch.zeros(16), None]),
+        "biases apart": ([q, k], [torch.zeros(16), torch.zeros(8)]),
+        "another K": ([q, torch.randn(16, 32)[:, :24].contiguous()], [None] * 2),
+        "another dtype": ([q, k.double()], [None] * 2),
+    }
+    for name, (weights, biases) in cases.items():
+        assert skinny.packed_rows(weights, biases) is None, name
+    x = torch.randn(20, 24, generator=gen)
+    outs = skinny.linear_group(x, [q, v, k], [None] * 3)
+    assert all(torch.equal(o, F.linear(x, w)) for o, w in zip(outs, [q, v, k], strict=True))
+
+
 def test_group_op_traces_under_fullgraph_with_dynamic_rows():
     weights = [torch.randn(24, 32), torch.randn(8, 32)]
     biases = [torch.randn(24), None]

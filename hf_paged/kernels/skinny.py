@@ -33,7 +33,7 @@ CUBLAS_MAX_K = 2048
 DTYPES = (torch.float16, torch.bfloat16)
 _kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
-__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group"]
+__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group", "packed_rows"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -57,7 +57,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
                  biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
     """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` in one launch of the skinny kernel where it serves
-    every pair (see :func:`kernel_serves`, without the size rule of :func:`kernel_wins`), else one ``F.linear`` each.
+    every pair (see :func:`kernel_serves`, without the size rule of :func:`kernel_wins`), else one ``F.linear`` over
+    all of them where they lie end to end in one buffer (:func:`packed_rows`), else one ``F.linear`` each.
 
     Args:
         x: ``[..., K]``.
@@ -110,6 +111,10 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
                   biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
     x2 = _kernel_input(x, weights[0], biases[0]) if 0 < len(weights) <= MAX_GROUP else None
     if x2 is None or not all(_weight_fits(x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)):
+        packed = packed_rows(weights, biases)
+        if packed is not None:  # rows of one buffer: one product, split into the outputs
+            full = F.linear(x, *packed)
+            return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
         return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
     outs = torch.ops.hf_paged.skinny_gemm_group(x2, weights, biases)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
@@ -121,6 +126,33 @@ _group_op = torch.library.custom_op("hf_paged::linear_group", _linear_group, mut
 @_group_op.register_fake
 def _(x, weights, biases) -> list[torch.Tensor]:
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def packed_rows(weights: Sequence[torch.Tensor],
+                biases: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` views spanning every weight (and bias) when they lie end to end in one buffer, in order
+    (contiguous ``[N_i, K]`` of one dtype, device and K; biases all None or likewise end to end), else None.
+    ``hf_paged.hf.tp_linears`` packs the q/k/v shards of a tensor-parallel model so; the group then runs as one
+    product where the skinny kernel does not serve it (more than :data:`MAX_ROWS` rows)."""
+    if len(weights) < 2 or not _end_to_end(weights, matrix=True):
+        return None
+    first = weights[0]
+    weight = first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases) or not _end_to_end(biases, matrix=False):
+        return None
+    return weight, biases[0].as_strided((weight.shape[0],), (1,))
+
+
+def _end_to_end(tensors: Sequence[torch.Tensor], matrix: bool) -> bool:
+    first = tensors[0]
+    if any(t.dim() != (2 if matrix else 1) or not t.is_contiguous() or t.dtype != first.dtype
+           or t.device != first.device or (matrix and t.shape[1] != first.shape[1]) for t in tensors):
+        return False
+    storage = first.untyped_storage().data_ptr()
+    return all(b.untyped_storage().data_ptr() == storage and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+               for a, b in zip(tensors, tensors[1:]))
 
 
 def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
