@@ -15,6 +15,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with its own all-reduce kernel
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -62,6 +63,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-peer-sum", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=hf_paged "
                              "(small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu; experimental)")
+    parser.add_argument("--tp-no-pack", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
+                             "shards left in their own buffers: three products instead of one)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -249,6 +253,8 @@ def main(argv: list[str] | None = None) -> None:
             runs += [(c, " (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}) for c in counts if c > 1]
         if args.tp_peer_sum:
             runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
+        if args.tp_no_pack:
+            runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
         if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
             runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
         for count, variant, env in runs:

@@ -14,7 +14,8 @@ opaque (so a layer stays one graph around it). The compiled decoder layers then 
 inference path: the same local products, the same sum over ranks, the bias added once after it.
 
 :func:`install` also moves each attention's q/k/v local shards end to end into one buffer (:func:`pack_colwise`),
-so that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it.
+so that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it
+(``HF_PAGED_TP_PACK=0`` leaves them where they are).
 
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
@@ -24,6 +25,7 @@ engine runs the layers eagerly.
 from __future__ import annotations
 
 import inspect
+import os
 
 import torch
 import torch.nn.functional as F
@@ -89,7 +91,8 @@ def install(model: torch.nn.Module, group) -> str | None:
             return (f"layers.{name} is sharded in a way hf_paged does not compile ({type(module).__name__}, "
                     f"{'an unknown' if style is None else 'a'} tensor-parallel style)")
         plans.append((module, style))
-    pack_colwise(layers, [m for m, rowwise in plans if not rowwise])
+    if os.environ.get("HF_PAGED_TP_PACK", "1") != "0":  # (0: leave the shards where they are, for comparisons)
+        pack_colwise(layers, [m for m, rowwise in plans if not rowwise])
     for module, rowwise in plans:
         module.forward = LocalLinear(module, module.forward, rowwise, group)
     # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
