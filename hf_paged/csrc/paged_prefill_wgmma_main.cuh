@@ -4,6 +4,38 @@
 namespace hf_paged {
 namespace prefill_wgmma {
 
+// What one CTA covers (grid: x = query tile, y = head, z = sequence). The same arithmetic as the prologue of
+// prefill::paged_prefill_kernel, which keeps its own copy (and the SASS it was measured with) until this kernel is
+// verified on a GPU; then that kernel should call this.
+struct CtaTiles {
+  int b, head, kv_head;
+  int q_start, q_len, m0;  // query rows m0 .. m0 + kBlockM - 1 of the sequence's new tokens; none when m0 >= q_len
+  int prefix;              // keys before the first new token
+  int n_end;               // keys the tile's last row may see
+  int n_first, n_tiles;    // the key tiles read: n_first .. n_tiles - 1
+  int window_masked_end;   // tiles below it start before the last row's window: masked
+  int first_masked;        // tiles from here on hold keys past the first row's diagonal: masked
+};
+
+template <class C>
+__device__ __forceinline__ CtaTiles cta_tiles(const PrefillParams& p) {
+  CtaTiles c;
+  c.b = blockIdx.z, c.head = blockIdx.y, c.kv_head = c.head / p.group_size;
+  c.q_start = p.cu_seqlens_q[c.b], c.q_len = p.cu_seqlens_q[c.b + 1] - c.q_start;
+  c.m0 = (gridDim.x - 1 - blockIdx.x) * C::kBlockM;  // heaviest query tiles first: the grid's tail is short CTAs
+  const int k_len = min(p.seq_lens_k[c.b], p.max_context);
+  c.prefix = max(k_len - c.q_len, 0);
+  c.n_end = min(k_len, c.prefix + c.m0 + C::kBlockM);
+  c.n_tiles = (c.n_end + C::kBlockN - 1) / C::kBlockN;
+  // Sliding window: row i sees keys from i - window + 1 on. Tiles before the first row's window are skipped, tiles
+  // that start before the last row's window are masked (none of either without a window: kNoWindow is INT32_MAX).
+  c.n_first = max(c.prefix + c.m0 - p.window + 1, 0) / C::kBlockN;
+  const int last_pos = c.prefix + min(c.m0 + C::kBlockM, c.q_len) - 1;
+  c.window_masked_end = last_pos >= p.window ? (last_pos - p.window) / C::kBlockN + 1 : 0;
+  c.first_masked = (c.prefix + c.m0 + 1) / C::kBlockN;
+  return c;
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(const PrefillParams p) {
   using T = typename C::T;
@@ -14,20 +46,10 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(con
   const uint32_t k_smem = q_smem + C::kKOffset, v_smem = q_smem + C::kVOffset;
   int* slots = reinterpret_cast<int*>(smem + C::kSlotsOffset);  // [2][kBlockN]: tile n's in half n & 1
 
-  // Which query rows and key tiles this CTA covers: as in prefill::paged_prefill_kernel.
-  const int b = blockIdx.z, head = blockIdx.y;
-  const int q_start = p.cu_seqlens_q[b], q_len = p.cu_seqlens_q[b + 1] - q_start;
-  const int m0 = (gridDim.x - 1 - blockIdx.x) * C::kBlockM;  // heaviest query tiles first
-  if (m0 >= q_len) return;
-  const int k_len = min(p.seq_lens_k[b], p.max_context);
-  const int prefix = max(k_len - q_len, 0);
-  const int n_end = min(k_len, prefix + m0 + C::kBlockM);  // keys the tile's last row may see
-  const int n_tiles = (n_end + C::kBlockN - 1) / C::kBlockN;
-  const int n_first = max(prefix + m0 - p.window + 1, 0) / C::kBlockN;
-  const int last_pos = prefix + min(m0 + C::kBlockM, q_len) - 1;
-  const int window_masked_end = last_pos >= p.window ? (last_pos - p.window) / C::kBlockN + 1 : 0;
-  const int first_masked = (prefix + m0 + 1) / C::kBlockN;  // tiles from here on cross the diagonal
-  const int kv_head = head / p.group_size;
+  const CtaTiles ct = cta_tiles<C>(p);
+  if (ct.m0 >= ct.q_len) return;
+  const int b = ct.b, head = ct.head, kv_head = ct.kv_head, q_start = ct.q_start, q_len = ct.q_len, m0 = ct.m0;
+  const int prefix = ct.prefix, n_end = ct.n_end, n_first = ct.n_first, n_tiles = ct.n_tiles;
   const prefill::CtaScale sc = prefill::cta_scale<C>(p, kv_head);
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
@@ -74,7 +96,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(con
     float s[1][C::kBlockN / 8][4];
     qk_tile<C>(s, q_rows, k_smem + stage * C::kTileBytes);
     if (sc.softcap > 0.f) prefill::softcap_tile<C>(s, sc.softcap, softcap_exp_scale(sc.softcap_inv));
-    if (n >= first_masked || n < window_masked_end)
+    if (n >= ct.first_masked || n < ct.window_masked_end)
       prefill::softmax_tile<C, true>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
     else
       prefill::softmax_tile<C, false>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
