@@ -15,7 +15,7 @@ from hf_paged.attention import AttentionParams, Phase
 from hf_paged.attention.backends import cuda as cuda_backend
 from hf_paged.bench import prefill as prefill_bench
 from hf_paged.kernels import build
-from hf_paged.kernels.prefill import IMPLS, WGMMA_CONFIG, WGMMA_HEAD_DIMS, paged_prefill, wgmma_unsupported_reason
+from hf_paged.kernels.prefill import IMPLS, WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill, wgmma_unsupported_reason
 
 
 @pytest.mark.parametrize(("capability", "arch"), [((9, 0), "90a"), ((8, 0), "80"), ((8, 9), "89"), ((10, 0), "100"),
@@ -38,14 +38,15 @@ def test_sources_include_the_wgmma_files_guarded_by_the_define():
         text = (build.CSRC / f"paged_prefill_wgmma_{dtype}.cu").read_text()
         guarded = text.split("#ifdef HF_PAGED_SM90A", 1)[1]
         assert '#include "paged_prefill_wgmma.cuh"' in guarded.split("#endif", 1)[0]
-        sizes = re.search(r"select_head_dim<\w+, ([\d, ]+)>", text).group(1)
+        sizes = re.search(r"select_head_dim<\w+, ([\d, ]+)>\(head_dim, pipelined\)", text).group(1)
         assert tuple(int(n) for n in sizes.split(",")) == WGMMA_HEAD_DIMS
 
 
-def test_op_config_matches_the_header():
+def test_op_configs_match_the_header():
     header = (build.CSRC / "paged_prefill.cuh").read_text()
-    assert f"constexpr int kPrefillConfigWgmma = {WGMMA_CONFIG};" in header
-    assert IMPLS == ("mma", "wgmma")
+    assert f"constexpr int kPrefillConfigWgmma = {WGMMA_CONFIGS['wgmma']};" in header
+    assert f"constexpr int kPrefillConfigWgmmaSerial = {WGMMA_CONFIGS['wgmma-serial']};" in header
+    assert IMPLS == ("mma", "wgmma", "wgmma-serial")
 
 
 def _args(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
@@ -58,6 +59,8 @@ def _args(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
 @pytest.mark.parametrize(("change", "error", "words"), [
     ({"impl": "tma"}, ValueError, "impl must be one of"),
     ({"impl": "wgmma", "config": 1}, ValueError, "leave config at -1"),
+    ({"impl": "wgmma-serial", "config": 0}, ValueError, "leave config at -1"),
+    ({"impl": "wgmma-serial", "head_dim": 32}, NotImplementedError, "not 32"),
     ({"impl": "wgmma", "dtype": torch.float32}, NotImplementedError, "wgmma prefill serves"),
     ({"impl": "wgmma", "head_dim": 80}, NotImplementedError, "head_dim (64, 128, 256), not 80"),
     ({"impl": "wgmma", "kv_dtype": torch.float8_e4m3fn}, NotImplementedError, "same dtype"),
@@ -95,12 +98,14 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
 
 
 @pytest.mark.parametrize(("env", "shape", "impl"), [
-    (None, {}, "mma"), ("0", {}, "mma"), ("1", {}, "wgmma"), ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"),
+    (None, {}, "mma"), ("0", {}, "mma"), ("1", {}, "wgmma"), ("serial", {}, "wgmma-serial"),
+    ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 80}, "mma"),
     ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 80}, "mma"),
     ("1", {"kv_dtype": torch.float8_e4m3fn}, "mma"),
 ])
 def test_backend_routes_to_wgmma_only_when_asked(recorded, monkeypatch, env, shape: dict, impl: str):
-    """Off by default; on with HF_PAGED_PREFILL_WGMMA=1 for the layers the kernel serves, the rest keep mma."""
+    """Off by default; on with HF_PAGED_PREFILL_WGMMA=1 (or =serial) for the layers the kernel serves, the rest keep
+    mma."""
     if env is not None:
         monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)
     _prefill(**shape)
@@ -111,7 +116,7 @@ def test_backend_routes_to_wgmma_only_when_asked(recorded, monkeypatch, env, sha
 def test_bench_times_the_wgmma_row_on_hopper_only(monkeypatch, capability, present: bool):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     rows = prefill_bench.contenders([], 0, 2048, 128, sweep=False)
-    assert ("ours-wgmma-bs16" in rows) == present
+    assert ("ours-wgmma-bs16" in rows) == present and ("ours-wgmma-serial-bs16" in rows) == present
 
 
 def test_prefill_table_shows_wgmma_over_flash(capsys):

@@ -8,9 +8,10 @@ the default), flash-attn's ``flash_attn_varlen_func`` and torch's built-in varle
 of 2048 new tokens after 2048 cached ones): hf_paged at block size 16 against hf_paged on an unpaged layout (one
 block per sequence), and flash-attn with ``cu_seqlens_k``. ``ours-fp8-bs16`` is the block-size-16 prefill over the
 same context quantized to an e4m3 cache (per-head scales, ``kv_cache_dtype="fp8"``), checked against bf16 with a
-looser bound (the quantization's error, not the kernel's). On compute capability 9.0, ``ours-wgmma-bs16`` is the
-same block-size-16 prefill through the opt-in Hopper kernel (``impl="wgmma"``); while that kernel is unverified, a
-disagreement with ``ours-bs16`` drops its row with a message instead of ending the run.
+looser bound (the quantization's error, not the kernel's). On compute capability 9.0, ``ours-wgmma-bs16`` and
+``ours-wgmma-serial-bs16`` are the same block-size-16 prefill through the opt-in Hopper kernels (``impl="wgmma"``,
+``"wgmma-serial"``); while they are unverified, a disagreement with ``ours-bs16`` drops the row with a message instead
+of ending the run.
 
 FLOPs = sum over sequences of 4 * H * D * (n * p + n * n / 2) for n new tokens after p cached ones (two matrix
 products of 2 * H * D flops per visible (query, key) pair; causal halves the new-by-new square, as anchors.md does).
@@ -39,7 +40,7 @@ NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
 SHAPES = ((16, 512), (8, 2048), (2, 8192))  # sequences x new tokens, no prefix
 PREFIX_SHAPE = (8, 2048, 2048)  # sequences, cached prefix, new tokens
 OPTION_SHAPES = ((8, 0, 2048), (2, 0, 8192), PREFIX_SHAPE)  # sequences, cached prefix, new tokens
-UNVERIFIED = ("ours-wgmma-bs16",)  # rows whose wrong answers are reported and dropped, not fatal
+UNVERIFIED = ("ours-wgmma-bs16", "ours-wgmma-serial-bs16")  # rows whose wrong answers are reported and dropped
 
 
 @dataclass
@@ -116,6 +117,7 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256), "ours-unpaged": ours(ctx)}
     if torch.cuda.get_device_capability() == (9, 0):
         out["ours-wgmma-bs16"] = ours(16, impl="wgmma")
+        out["ours-wgmma-serial-bs16"] = ours(16, impl="wgmma-serial")
     out["ours-fp8-bs16"] = [
         lambda s=s: paged_prefill(s["q"], s["k16_fp8"], s["v16_fp8"], s["cu_q"], s["seq_lens"], s["t16"], scale,
                                   max_seqlen_q=new, window=window, softcap=softcap, k_scale=s["k_scale"],
@@ -195,17 +197,18 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """TFLOP/s per shape and implementation, and ours (block size 16) over flash-attn."""
-    impls = ["ours-bs16", "ours-fp8-bs16", "ours-wgmma-bs16", "ours-bs256", "ours-unpaged", "flash-varlen",
-             "torch-fa2"]
+    impls = ["ours-bs16", "ours-fp8-bs16", "ours-wgmma-bs16", "ours-wgmma-serial-bs16", "ours-bs256", "ours-unpaged",
+             "flash-varlen", "torch-fa2"]
     print(f"\n{result['device']}: causal prefill, bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; TFLOP/s")
     width = max([12] + [len(r["shape"]) for r in result["rows"]])
-    print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(f"{i:>15}" for i in impls)
+    print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(f"{i:>{max(12, len(i))}}" for i in impls)
           + " | bs16/flash | wgmma/flash | best config")
     cells: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
         cells.setdefault((r["head_dim"], r["shape"]), {})[r["impl"]] = r
     for (hd, shape), got in cells.items():
-        text = [f"{got[i]['tflops']:15.1f}" if i in got else f"{'-':>15}" for i in impls]
+        text = [f"{got[i]['tflops']:{max(12, len(i))}.1f}" if i in got else f"{'-':>{max(12, len(i))}}"
+                for i in impls]
         ratio, wgmma_ratio = (_ratio(got, impl, "flash-varlen") for impl in ("ours-bs16", "ours-wgmma-bs16"))
         sweep = {k: v["tflops"] for k, v in got.items() if k.startswith("ours-bs16-c")}
         best = max(sweep, key=sweep.get) if sweep else None

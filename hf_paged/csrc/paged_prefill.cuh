@@ -57,12 +57,14 @@ PrefillKernel prefill_kernel_bf16_wide(int head_dim, int config);
 PrefillKernel prefill_kernel_f16_e4m3(int head_dim, int config);
 PrefillKernel prefill_kernel_bf16_e4m3(int head_dim, int config);
 
-// Hopper's warpgroup tensor cores (wgmma, paged_prefill_wgmma*.cuh), opt-in as config kPrefillConfigWgmma, never
-// chosen by auto: fp16 / bf16 over a cache in the query's dtype, head sizes 64, 128 and 256. Compiled only when the
-// library is built for sm_90a (HF_PAGED_SM90A, set by kernels/build.py on compute capability 9.0 devices);
-// otherwise fn == nullptr.
+// Hopper's warpgroup tensor cores (wgmma, paged_prefill_wgmma*.cuh), opt-in, never chosen by auto: config
+// kPrefillConfigWgmma (softmax overlapped with the tensor cores inside each warpgroup) or kPrefillConfigWgmmaSerial
+// (each product waited for before the softmax). fp16 / bf16 over a cache in the query's dtype, head sizes 64, 128
+// and 256. Compiled only when the library is built for sm_90a (HF_PAGED_SM90A, set by kernels/build.py on compute
+// capability 9.0 devices); otherwise fn == nullptr.
 constexpr int kPrefillConfigWgmma = 3;
-PrefillKernel prefill_kernel_wgmma_f16(int head_dim);
-PrefillKernel prefill_kernel_wgmma_bf16(int head_dim);
+constexpr int kPrefillConfigWgmmaSerial = 4;
+PrefillKernel prefill_kernel_wgmma_f16(int head_dim, bool pipelined);
+PrefillKernel prefill_kernel_wgmma_bf16(int head_dim, bool pipelined);
 
 }  // namespace hf_paged

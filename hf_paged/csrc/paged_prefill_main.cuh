@@ -23,15 +23,15 @@ __device__ __forceinline__ void softcap_tile(float (&s)[C::kMAtoms][C::kBlockN /
       for (int e = 0; e < 4; ++e) s[mi][nt][e] = softcapped(s[mi][nt][e], cap, exp_scale);
 }
 
-// Scale (and mask) one tile of scores, fold it into the running max / sum, rescale O if needed, and leave
-// exp2(score - max) in s. q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
+// Scale (and mask) one tile of scores, fold it into the running max / sum and leave exp2(score - max) in s; corrs
+// gets the factor O must be scaled by, needed when the result is true (some row of the warp moved its max).
+// q_pos0 = absolute position of this thread's row g of atom 0; key0 = tile's first key.
 // kMask: keys past a row's position and keys at or before its position - window are masked.
 template <class C, bool kMask>
-__device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
-                                             float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
-                                             int q_pos0, int window, int key0, int lane) {
+__device__ __forceinline__ bool softmax_scores(float (&s)[C::kMAtoms][C::kBlockN / 8][4], RowState<C>& st,
+                                               float scale_log2, int q_pos0, int window, int key0, int lane,
+                                               float (&corrs)[C::kMAtoms][2]) {
   const int t = lane & 3;
-  float corrs[C::kMAtoms][2];
   bool moved = false;
 #pragma unroll
   for (int mi = 0; mi < C::kMAtoms; ++mi) {
@@ -73,15 +73,27 @@ __device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN /
     }
   }
   // Once the running maxima settle (most tiles of a long row), no row of the warp moves and O needs no rescale.
-  if (__any_sync(0xffffffffu, moved)) {
+  return __any_sync(0xffffffffu, moved);
+}
+
+template <class C>
+__device__ __forceinline__ void rescale_o(float (&o)[C::kMAtoms][C::D / 8][4], const float (&corrs)[C::kMAtoms][2]) {
 #pragma unroll
-    for (int mi = 0; mi < C::kMAtoms; ++mi)
+  for (int mi = 0; mi < C::kMAtoms; ++mi)
 #pragma unroll
-      for (int half = 0; half < 2; ++half)
+    for (int half = 0; half < 2; ++half)
 #pragma unroll
-        for (int dt = 0; dt < C::D / 8; ++dt)
-          o[mi][dt][2 * half] *= corrs[mi][half], o[mi][dt][2 * half + 1] *= corrs[mi][half];
-  }
+      for (int dt = 0; dt < C::D / 8; ++dt)
+        o[mi][dt][2 * half] *= corrs[mi][half], o[mi][dt][2 * half + 1] *= corrs[mi][half];
+}
+
+// softmax_scores, then O's rescale when needed.
+template <class C, bool kMask>
+__device__ __forceinline__ void softmax_tile(float (&s)[C::kMAtoms][C::kBlockN / 8][4],
+                                             float (&o)[C::kMAtoms][C::D / 8][4], RowState<C>& st, float scale_log2,
+                                             int q_pos0, int window, int key0, int lane) {
+  float corrs[C::kMAtoms][2];
+  if (softmax_scores<C, kMask>(s, st, scale_log2, q_pos0, window, key0, lane, corrs)) rescale_o<C>(o, corrs);
 }
 
 // Normalise O (times out_scale), stage the warp's rows in its own (no longer needed) slice of the Q tile, then write 16-byte chunks.

@@ -45,12 +45,19 @@ struct Traits {
   }
 };
 
-// S = Q K^T for this warpgroup's 64 rows over one tile: s[0][nt] is the 16x8 C fragment of key columns 8nt.. of
-// this warp's rows. q_rows: the warpgroup's first Q row in panel 0; the Q tile's panels hold kBlockM rows each.
+// Accumulators as the flat register list the wgmma asm takes (the same registers).
+template <int A, int B>
+__device__ __forceinline__ float (&flat(float (&x)[1][A][B]))[A * B] {
+  return reinterpret_cast<float(&)[A * B]>(x);
+}
+
+// Issues S = Q K^T for this warpgroup's 64 rows over one tile as one commit group: s[0][nt] is then the 16x8 C
+// fragment of key columns 8nt.. of this warp's rows. q_rows: the warpgroup's first Q row in panel 0; the Q tile's
+// panels hold kBlockM rows each. s may be read after wgmma::wait covers the group and fence_operands(flat(s)).
 template <class C>
-__device__ __forceinline__ void qk_tile(float (&s)[1][C::kBlockN / 8][4], uint32_t q_rows, uint32_t k_tile) {
+__device__ __forceinline__ void qk_issue(float (&s)[1][C::kBlockN / 8][4], uint32_t q_rows, uint32_t k_tile) {
   using T = typename C::T;
-  float(&d)[C::kBlockN / 2] = reinterpret_cast<float(&)[C::kBlockN / 2]>(s);
+  float(&d)[C::kBlockN / 2] = flat(s);
   wgmma::fence_operands(d);
   wgmma::fence();
 #pragma unroll
@@ -61,16 +68,12 @@ __device__ __forceinline__ void qk_tile(float (&s)[1][C::kBlockN / 8][4], uint32
     wgmma::Mma64<T, C::kBlockN>::ss(d, a, b, kk > 0);
   }
   wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operands(d);
 }
 
-// O += P V: P from the S fragments (already exponentiated), 16 keys per step, V's panels kBlockN * 128 bytes apart.
+// P: the S fragments (already exponentiated) rounded to 16 bits, as the A fragments of 16-key steps.
 template <class C>
-__device__ __forceinline__ void pv_tile(float (&o)[1][C::D / 8][4], const float (&s)[1][C::kBlockN / 8][4],
-                                        uint32_t v_tile) {
+__device__ __forceinline__ void pack_p(uint32_t (&a)[C::kBlockN / 16][4], const float (&s)[1][C::kBlockN / 8][4]) {
   using T = typename C::T;
-  uint32_t a[C::kBlockN / 16][4];
 #pragma unroll
   for (int kk = 0; kk < C::kBlockN / 16; ++kk) {
     a[kk][0] = Mma<T>::pack(s[0][2 * kk][0], s[0][2 * kk][1]);
@@ -78,15 +81,40 @@ __device__ __forceinline__ void pv_tile(float (&o)[1][C::D / 8][4], const float 
     a[kk][2] = Mma<T>::pack(s[0][2 * kk + 1][0], s[0][2 * kk + 1][1]);
     a[kk][3] = Mma<T>::pack(s[0][2 * kk + 1][2], s[0][2 * kk + 1][3]);
   }
-  float(&d)[C::D / 2] = reinterpret_cast<float(&)[C::D / 2]>(o);
+}
+
+// Issues O += P V as one commit group: 16 keys per step, V's panels kBlockN * 128 bytes apart. Neither o nor p may
+// be touched until wgmma::wait covers the group (then fence_operands(flat(o))): the tensor cores read and write
+// them asynchronously.
+template <class C>
+__device__ __forceinline__ void pv_issue(float (&o)[1][C::D / 8][4], const uint32_t (&p)[C::kBlockN / 16][4],
+                                         uint32_t v_tile) {
+  using T = typename C::T;
+  float(&d)[C::D / 2] = flat(o);
   wgmma::fence_operands(d);
   wgmma::fence();
 #pragma unroll
   for (int kk = 0; kk < C::kBlockN / 16; ++kk)
-    wgmma::Mma64<T, C::D>::rs(d, a[kk], wgmma::sw128_desc(v_tile + kk * 16 * 128, C::kBlockN * 128, 1024), 1);
+    wgmma::Mma64<T, C::D>::rs(d, p[kk], wgmma::sw128_desc(v_tile + kk * 16 * 128, C::kBlockN * 128, 1024), 1);
   wgmma::commit();
-  wgmma::wait<0>();
-  wgmma::fence_operands(d);
+}
+
+// This thread's 16-byte copies of one tile of `cache` (K or V) into dst, rows found through slots as in
+// prefill::issue_kv_tile (which copies K and V of one tile together); the pipelined kernel moves K a tile ahead of V.
+template <class C>
+__device__ __forceinline__ void issue_cache_tile(const PrefillParams& p, const void* cache, int64_t head_off,
+                                                 const int* slots, uint32_t dst, int tid) {
+  using T = typename C::T;
+  const int64_t row_stride = static_cast<int64_t>(p.num_kv_heads) * C::D;
+#pragma unroll
+  for (int i = 0; i < C::kKVCopies; ++i) {
+    int row, chunk;
+    prefill::copy_slot<C, C::kBlockN>(tid, i, row, chunk);
+    const int slot = slots[row];
+    const bool valid = slot >= 0;
+    cp_async16(dst + C::kv_offset(row, chunk), static_cast<const T*>(cache) + (valid ? slot * row_stride + head_off : 0),
+               valid);
+  }
 }
 
 // This thread's share of the Q tile (rows past the sequence zero-filled), as one commit group.
@@ -110,3 +138,4 @@ __device__ __forceinline__ void issue_q_tile(const PrefillParams& p, uint32_t q_
 }  // namespace hf_paged
 
 #include "paged_prefill_wgmma_main.cuh"
+#include "paged_prefill_wgmma_pipelined.cuh"

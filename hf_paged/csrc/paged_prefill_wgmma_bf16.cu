@@ -8,11 +8,11 @@
 
 namespace hf_paged {
 
-PrefillKernel prefill_kernel_wgmma_bf16(int head_dim) {  // head sizes: kernels.prefill.WGMMA_HEAD_DIMS in Python
+PrefillKernel prefill_kernel_wgmma_bf16(int head_dim, bool pipelined) {  // head sizes: kernels.prefill.WGMMA_HEAD_DIMS in Python
 #ifdef HF_PAGED_SM90A
-  return prefill_wgmma::select_head_dim<__nv_bfloat16, 64, 128, 256>(head_dim);
+  return prefill_wgmma::select_head_dim<__nv_bfloat16, 64, 128, 256>(head_dim, pipelined);
 #else
-  (void)head_dim;
+  (void)head_dim, (void)pipelined;
   return PrefillKernel{};
 #endif
 }

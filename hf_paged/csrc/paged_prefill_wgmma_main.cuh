@@ -1,4 +1,5 @@
-// The wgmma prefill kernel's body and its per-head-size selection. Included from paged_prefill_wgmma.cuh.
+// The wgmma prefill's CTA bookkeeping and its serial kernel: each warpgroup waits for S = Q K^T, exponentiates it,
+// then waits for O += P V (the pipelined kernel overlaps the two). Included from paged_prefill_wgmma.cuh.
 #pragma once
 
 namespace hf_paged {
@@ -37,7 +38,7 @@ __device__ __forceinline__ CtaTiles cta_tiles(const PrefillParams& p) {
 }
 
 template <class C>
-__global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_serial_kernel(const PrefillParams p) {
   using T = typename C::T;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes of shared-memory address: the tiles start on such a boundary.
@@ -94,13 +95,19 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(con
     __syncthreads();
 
     float s[1][C::kBlockN / 8][4];
-    qk_tile<C>(s, q_rows, k_smem + stage * C::kTileBytes);
+    qk_issue<C>(s, q_rows, k_smem + stage * C::kTileBytes);
+    wgmma::wait<0>();
+    wgmma::fence_operands(flat(s));
     if (sc.softcap > 0.f) prefill::softcap_tile<C>(s, sc.softcap, softcap_exp_scale(sc.softcap_inv));
     if (n >= ct.first_masked || n < ct.window_masked_end)
       prefill::softmax_tile<C, true>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
     else
       prefill::softmax_tile<C, false>(s, o, st, sc.scale_log2, q_pos0, p.window, n * C::kBlockN, lane);
-    pv_tile<C>(o, s, v_smem + stage * C::kTileBytes);
+    uint32_t p_frag[C::kBlockN / 16][4];
+    pack_p<C>(p_frag, s);
+    pv_issue<C>(o, p_frag, v_smem + stage * C::kTileBytes);
+    wgmma::wait<0>();
+    wgmma::fence_operands(flat(o));
     // Tile n's slots were used when it was issued; this half now takes tile n + 2's.
     if (slot_thread) {
       const int tok = (n + 2) * C::kBlockN + tid;
@@ -114,21 +121,6 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_kernel(con
   __syncthreads();
   prefill::store_output<C>(p, o, st, reinterpret_cast<T*>(smem), warp_row0, lane, m0, q_len, q_start, head,
                            sc.out_scale);
-}
-
-template <typename T, int D>
-PrefillKernel make_kernel() {
-  using C = Traits<T, D>;
-  return PrefillKernel{reinterpret_cast<const void*>(&paged_prefill_wgmma_kernel<C>), C::kThreads, C::kBlockM,
-                       C::kSmemBytes};
-}
-
-// The kernel for head_dim among Ds; fn == nullptr otherwise.
-template <typename T, int... Ds>
-PrefillKernel select_head_dim(int head_dim) {
-  PrefillKernel k{};
-  ((head_dim == Ds ? (void)(k = make_kernel<T, Ds>()) : (void)0), ...);
-  return k;
 }
 
 }  // namespace prefill_wgmma

@@ -18,13 +18,16 @@
 namespace hf_paged {
 namespace {
 
+bool is_wgmma(int64_t config) { return config == kPrefillConfigWgmma || config == kPrefillConfigWgmmaSerial; }
+
 PrefillKernel select_prefill(at::ScalarType dtype, bool e4m3_cache, int64_t head_dim, int64_t config) {
   if (head_dim > 1 << 16) return PrefillKernel{};
   const int d = static_cast<int>(head_dim), c = static_cast<int>(config);
-  if (config == kPrefillConfigWgmma && !e4m3_cache) {
-    switch (dtype) {
-      case at::kHalf: return prefill_kernel_wgmma_f16(d);
-      case at::kBFloat16: return prefill_kernel_wgmma_bf16(d);
+  if (is_wgmma(config)) {
+    const bool pipelined = config == kPrefillConfigWgmma;
+    switch (e4m3_cache ? at::kFloat : dtype) {
+      case at::kHalf: return prefill_kernel_wgmma_f16(d, pipelined);
+      case at::kBFloat16: return prefill_kernel_wgmma_bf16(d, pipelined);
       default: return PrefillKernel{};
     }
   }
@@ -85,9 +88,9 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& cu_seqlens_q,
                     "token counts and block-table capacity must fit in int32");
 }
 
-// The opt-in Hopper kernel (config kPrefillConfigWgmma): compiled for this dtype and head size, in this build, and
-// run on a compute capability 9.0 device. Nothing falls back silently: a caller asked for this kernel by name.
-void check_wgmma(const at::Tensor& query, bool e4m3, int64_t head_dim) {
+// The opt-in Hopper kernels (is_wgmma configs): compiled for this dtype and head size, in this build, and run on a
+// compute capability 9.0 device. Nothing falls back silently: a caller asked for this kernel by name.
+void check_wgmma(const at::Tensor& query, bool e4m3, int64_t head_dim, int64_t config) {
   TORCH_CHECK_NOT_IMPLEMENTED(!e4m3 && (query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16) &&
                                   (head_dim == 64 || head_dim == 128 || head_dim == 256),
                               format("the wgmma prefill serves float16/bfloat16 over a cache of the same dtype with "
@@ -100,7 +103,7 @@ void check_wgmma(const at::Tensor& query, bool e4m3, int64_t head_dim) {
   TORCH_CHECK_NOT_IMPLEMENTED(major == 9 && minor == 0,
                               format("the wgmma prefill runs on compute capability 9.0 (Hopper) only, this GPU is "
                                      "%d.%d; use config -1", major, minor));
-  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), false, head_dim, kPrefillConfigWgmma).fn != nullptr,
+  TORCH_CHECK_NOT_IMPLEMENTED(select_prefill(query.scalar_type(), false, head_dim, config).fn != nullptr,
                               "the wgmma prefill is not in this build (built for sm_90a only: HF_PAGED_SM90A)");
 }
 
@@ -119,12 +122,11 @@ int64_t paged_prefill(at::Tensor out, const at::Tensor& query, const at::Tensor&
   const float scale_log2 = softmax_scale_log2(scale);
   const ScoreOptions options = score_options(window, softcap, scale);
   const int64_t heads = s.heads, head_dim = s.head_dim, kv_heads = s.kv_heads, bs = s.block_size;
-  TORCH_CHECK_VALUE(config == kPrefillConfigAuto || config == kPrefillConfigWgmma ||
-                        (config >= 0 && config < kPrefillConfigs),
-                    format("config must be -1 (auto), a tile configuration index below %d, or %d (wgmma, Hopper)",
-                           (int)kPrefillConfigs, (int)kPrefillConfigWgmma));
+  TORCH_CHECK_VALUE(config == kPrefillConfigAuto || is_wgmma(config) || (config >= 0 && config < kPrefillConfigs),
+                    format("config must be -1 (auto), a tile configuration index below %d, or %d / %d (wgmma, "
+                           "Hopper)", (int)kPrefillConfigs, (int)kPrefillConfigWgmma, (int)kPrefillConfigWgmmaSerial));
   const c10::cuda::CUDAGuard guard(query.device());
-  if (config == kPrefillConfigWgmma) check_wgmma(query, e4m3, head_dim);
+  if (is_wgmma(config)) check_wgmma(query, e4m3, head_dim, config);
   TORCH_CHECK_NOT_IMPLEMENTED(!e4m3 || select_prefill(query.scalar_type(), true, head_dim, 1).fn != nullptr,
                               format("paged_prefill serves a float8_e4m3fn cache with float16/bfloat16 queries and "
                                      "head_dim 64, 128 or 256; got %s with head_dim %lld",

@@ -8,8 +8,10 @@ layout shared with every backend, ``k_cache``/``v_cache`` ``[num_blocks, block_s
 widened to the query's dtype in shared memory (``csrc/paged_prefill_fp8.cuh``).
 
 ``impl="wgmma"`` asks for the Hopper kernel instead (``csrc/paged_prefill_wgmma*.cuh``: sm_90a warpgroup matrix
-products; compute capability 9.0 only, fp16 / bf16 over a cache of the same dtype, :data:`WGMMA_HEAD_DIMS`). It is
-opt-in and never chosen by default: compile-checked, not yet verified on a GPU (docs/kernels.md, "Hopper prefill").
+products, the softmax overlapped with the tensor cores; compute capability 9.0 only, fp16 / bf16 over a cache of the
+same dtype, :data:`WGMMA_HEAD_DIMS`), ``impl="wgmma-serial"`` for its simpler form (each product waited for before
+the softmax). Both are opt-in and never chosen by default: compile-checked, not yet verified on a GPU
+(docs/kernels.md, "Hopper prefill").
 """
 
 from __future__ import annotations
@@ -23,8 +25,9 @@ PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREFILL_CONFIGS = (0, 1, 2)  # fp16/bf16 tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
 AUTO_CONFIG = -1
 WIDEST_CONFIG_0 = 128  # config 0 (32 rows per warp) would spill registers above this head_dim, so is not compiled
-IMPLS = ("mma", "wgmma")  # mma.sync on every GPU; wgmma on Hopper only
-WGMMA_CONFIG = 3  # kPrefillConfigWgmma in csrc/paged_prefill.cuh: how the op is asked for the wgmma kernel
+# How the op is asked for the Hopper kernels: kPrefillConfigWgmma(Serial) in csrc/paged_prefill.cuh.
+WGMMA_CONFIGS = {"wgmma": 3, "wgmma-serial": 4}
+IMPLS = ("mma", *WGMMA_CONFIGS)  # mma.sync on every GPU; wgmma on Hopper only
 WGMMA_DTYPES = (torch.float16, torch.bfloat16)
 WGMMA_HEAD_DIMS = (64, 128, 256)  # keep in step with paged_prefill_wgmma_<dtype>.cu
 _loaded = False
@@ -75,7 +78,8 @@ def paged_prefill(
         softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``; 0 = off.
         k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
             device (K's folded into the softmax scale, V's into the output); None for other caches.
-        impl: ``"mma"`` (default, every GPU) or ``"wgmma"`` (Hopper's kernel, opt-in; ``config`` must stay -1).
+        impl: ``"mma"`` (default, every GPU), or ``"wgmma"`` / ``"wgmma-serial"`` (Hopper's kernels, opt-in;
+            ``config`` must stay -1).
 
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
@@ -83,12 +87,12 @@ def paged_prefill(
     _check_kv_scales(k_cache, k_scale, v_scale)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-    if impl == "wgmma":
+    if impl in WGMMA_CONFIGS:
         wgmma_refusal = wgmma_unsupported_reason(query.dtype, k_cache.dtype, query.shape[-1])
         if wgmma_refusal is not None:
             raise NotImplementedError(wgmma_refusal)
         if config != AUTO_CONFIG:
-            raise ValueError(f"impl='wgmma' has one tile shape; leave config at {AUTO_CONFIG}, got {config}")
+            raise ValueError(f"impl={impl!r} has one tile shape; leave config at {AUTO_CONFIG}, got {config}")
     if not query.is_cuda:
         raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
     if k_cache.dtype == torch.float8_e4m3fn:
@@ -108,7 +112,7 @@ def paged_prefill(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ensure_built()
-    op_config = WGMMA_CONFIG if impl == "wgmma" else config
+    op_config = WGMMA_CONFIGS.get(impl, config)
     torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
                                      max_seqlen_q, scale, op_config, max(window, 0), max(softcap, 0.0), k_scale,
                                      v_scale)
@@ -116,7 +120,7 @@ def paged_prefill(
 
 
 def wgmma_unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why ``impl="wgmma"`` cannot serve these shapes (None if it can, on a compute capability 9.0 GPU; the op
+    """Why the wgmma kernels cannot serve these shapes (None if it can, on a compute capability 9.0 GPU; the op
     itself refuses other GPUs, and builds without sm_90a)."""
     if dtype not in WGMMA_DTYPES or kv_dtype != dtype:
         return (f"the wgmma prefill serves {WGMMA_DTYPES} queries over a cache of the same dtype, not {dtype} over "

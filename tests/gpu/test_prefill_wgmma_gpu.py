@@ -1,5 +1,6 @@
-"""The opt-in Hopper prefill kernel (``paged_prefill(..., impl="wgmma")``, ``csrc/paged_prefill_wgmma*.cuh``) against
-the float64 torch oracle, on a compute capability 9.0 GPU (skipped elsewhere).
+"""The opt-in Hopper prefill kernels (``paged_prefill(..., impl="wgmma")`` and ``impl="wgmma-serial"``,
+``csrc/paged_prefill_wgmma*.cuh``) against the float64 torch oracle, on a compute capability 9.0 GPU (skipped
+elsewhere).
 
 The grid of test_cuda_prefill.py and test_kernel_rows_prefill.py for the kernel's head sizes (64, 128, 256): prompt
 lengths crossing its 128-row query tiles and 128-key (64 at head_dim 256) key tiles, block sizes 16 and 48 (not a power
@@ -26,7 +27,7 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.base import backend_named  # noqa: E402
 from hf_paged.attention.backends.cuda import PREFILL_WGMMA_ENV  # noqa: E402
-from hf_paged.kernels.prefill import WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
+from hf_paged.kernels.prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
 
 from kernel_rows import check_prefill_rows  # noqa: E402  (same folder)
 from test_cuda_prefill import check, prefill_step, reference  # noqa: E402
@@ -46,13 +47,15 @@ SCENARIOS = {
 }
 LONG = {"prefill-4096": ([0], [4096]), "prefix-2048": ([2048, 2500], [2048, 1000])}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+IMPLS = tuple(WGMMA_CONFIGS)  # the pipelined kernel and its serial form
 
 
-def run_wgmma(query, k_cache, v_cache, meta, params, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+def run_wgmma(query, k_cache, v_cache, meta, params, window: int = 0, softcap: float = 0.0,
+              impl: str = "wgmma") -> torch.Tensor:
     out = torch.full_like(query, float("nan"))  # every element must be written
     return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                          params.scale, max_seqlen_q=meta.max_seqlen_q, out=out, window=window, softcap=softcap,
-                         impl="wgmma")
+                         impl=impl)
 
 
 def seeded(*key) -> torch.Generator:
@@ -68,8 +71,9 @@ def test_wgmma_matches_float64_reference(scenario, block_size, heads, head_dim, 
     step = prefill_step(*SCENARIOS[scenario], block_size, *heads, head_dim, dtype,
                         seeded(scenario, block_size, heads, head_dim, dtype))
     meta, query, _, _, k_cache, v_cache, params = step
-    check(run_wgmma(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params), dtype,
-          f"wgmma {scenario}")
+    expected = reference(query, k_cache, v_cache, meta, params)
+    for impl in IMPLS:
+        check(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl), expected, dtype, f"{impl} {scenario}")
 
 
 @pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
@@ -79,52 +83,59 @@ def test_wgmma_long_sequences(scenario, block_size, head_dim):
     """4096 new tokens in one run, 2048 after a 2048-token prefix (MQA keeps the oracle small)."""
     meta, query, _, _, k_cache, v_cache, params = prefill_step(*LONG[scenario], block_size, 8, 1, head_dim,
                                                                torch.bfloat16, seeded(scenario, block_size, head_dim))
-    check(run_wgmma(query, k_cache, v_cache, meta, params), reference(query, k_cache, v_cache, meta, params),
-          torch.bfloat16, f"wgmma {scenario}")
+    expected = reference(query, k_cache, v_cache, meta, params)
+    for impl in IMPLS:
+        check(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl), expected, torch.bfloat16,
+              f"{impl} {scenario}")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("heads", [(32, 8), (8, 1)], ids=["gqa-32/8", "mqa-8/1"])
 @pytest.mark.parametrize("dtype, head_dim", [(torch.bfloat16, 128), (torch.float16, 64), (torch.bfloat16, 256)],
                          ids=["bf16-d128", "fp16-d64", "bf16-d256"])
 @pytest.mark.parametrize("block_size", [16, 48, 256])
-def test_wgmma_rows_are_exact_means(block_size: int, dtype: torch.dtype, head_dim: int, heads):
+def test_wgmma_rows_are_exact_means(block_size: int, dtype: torch.dtype, head_dim: int, heads, impl: str):
     """Zero keys, position-coded values: one key dropped or read twice at a tile or block edge fails its row."""
-    check_prefill_rows(heads, dtype, head_dim, block_size, impl="wgmma")
+    check_prefill_rows(heads, dtype, head_dim, block_size, impl=impl)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
-def test_wgmma_rows_with_windows_and_softcap(head_dim: int):
+def test_wgmma_rows_with_windows_and_softcap(head_dim: int, impl: str):
     """Windows shorter than a block, inside a tile, across tiles and longer than every context; a softcap on top."""
     check_prefill_rows((8, 2), torch.bfloat16, head_dim, 16, windows=(1, 5, 100, 700, 100_000), softcap=30.0,
-                       impl="wgmma")
+                       impl=impl)
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
 @pytest.mark.parametrize("window, softcap", [(0, 5.0), (20, 0.0), (200, 30.0)])
-def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, head_dim: int):
+def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, head_dim: int, impl: str):
     meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 30, 300], [1, 140, 260], 16, 16, 4, head_dim,
                                                                torch.bfloat16, seeded(window, softcap, head_dim))
     options = AttentionParams(scale=params.scale, sliding_window=window or None, softcap=softcap or None)
-    check(run_wgmma(query, k_cache, v_cache, meta, params, window, softcap),
-          reference(query, k_cache, v_cache, meta, options), torch.bfloat16, f"wgmma window {window} cap {softcap}")
+    check(run_wgmma(query, k_cache, v_cache, meta, params, window, softcap, impl),
+          reference(query, k_cache, v_cache, meta, options), torch.bfloat16, f"{impl} window {window} cap {softcap}")
 
 
+@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
-def test_wgmma_is_deterministic_and_close_to_mma(head_dim: int):
+def test_wgmma_is_deterministic_and_close_to_mma(head_dim: int, impl: str):
     """The same inputs twice give the same bits (a missing barrier or fence shows as a moving answer), and the
     answer is within bf16 rounding of the mma.sync kernel's."""
     meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 70, 0, 999], [130, 1, 63, 257], 16, 32, 8,
                                                                head_dim, torch.bfloat16, seeded("twice", head_dim))
-    first = run_wgmma(query, k_cache, v_cache, meta, params)
+    first = run_wgmma(query, k_cache, v_cache, meta, params, impl=impl)
     for _ in range(3):
-        assert torch.equal(run_wgmma(query, k_cache, v_cache, meta, params), first), "the answer moved between runs"
+        assert torch.equal(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl), first), "the answer moved"
     mma = paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, params.scale,
                         max_seqlen_q=meta.max_seqlen_q)
     rel = ((first.double() - mma.double()).norm() / mma.double().norm()).item()
-    assert rel < 1e-2, f"wgmma and mma prefill differ by {rel:.2e}"
+    assert rel < 1e-2, f"{impl} and mma prefill differ by {rel:.2e}"
 
 
-def test_wgmma_replays_in_a_cuda_graph():
+@pytest.mark.parametrize("impl", IMPLS)
+def test_wgmma_replays_in_a_cuda_graph(impl: str):
     """Capture-safe: no allocation or host decision per call; a replay over new query values equals the eager call."""
     meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 100], [200, 77], 16, 32, 8, 128, torch.bfloat16,
                                                                seeded("graph"))
@@ -132,17 +143,17 @@ def test_wgmma_replays_in_a_cuda_graph():
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
-        run_wgmma(query, k_cache, v_cache, meta, params)  # warm-up: builds and sets the shared-memory limit
+        run_wgmma(query, k_cache, v_cache, meta, params, impl=impl)  # warm-up: builds, sets the shared-memory limit
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables, params.scale,
-                      max_seqlen_q=meta.max_seqlen_q, out=out, impl="wgmma")
+                      max_seqlen_q=meta.max_seqlen_q, out=out, impl=impl)
     query.copy_(torch.randn(query.shape, generator=seeded("graph", 2)).to(query))
     out.fill_(float("nan"))
     graph.replay()
     torch.cuda.synchronize()
-    assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params))
+    assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=impl))
 
 
 def test_env_switch_routes_the_cuda_backend(monkeypatch: pytest.MonkeyPatch):
@@ -153,4 +164,7 @@ def test_env_switch_routes_the_cuda_backend(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(PREFILL_WGMMA_ENV, "1")
     out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
     assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params))
+    monkeypatch.setenv(PREFILL_WGMMA_ENV, "serial")
+    serial = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+    assert torch.equal(serial, run_wgmma(query, k_cache, v_cache, meta, params, impl="wgmma-serial"))
     check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, "backend wgmma")

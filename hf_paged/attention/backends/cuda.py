@@ -13,9 +13,9 @@ chip, with the layer's per-kv-head scales), and its quantizing KV write (any hea
 decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
 
 ``HF_PAGED_PREFILL_WGMMA=1`` routes prefill / extend to the Hopper (sm_90a, wgmma) prefill kernel where it serves the
-layer (fp16 / bf16 over a cache of the same dtype, head_dim 64, 128, 256; other layers keep the default kernel). Opt
-in only, for measuring it: it is not yet verified on a GPU, and on a GPU other than compute capability 9.0 the
-kernel refuses with NotImplementedError.
+layer (fp16 / bf16 over a cache of the same dtype, head_dim 64, 128, 256; other layers keep the default kernel);
+``=serial`` to its serial form. Opt in only, for measuring them: they are not yet verified on a GPU, and on a GPU
+other than compute capability 9.0 the kernel refuses with NotImplementedError.
 """
 
 from __future__ import annotations
@@ -65,12 +65,17 @@ def _fp8_reason(call: AttentionCall) -> str | None:
     return None
 
 
+_WGMMA_BY_ENV = {"1": "wgmma", "serial": "wgmma-serial"}
+
+
 def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str:
-    """The prefill kernel for a layer: "wgmma" when ``HF_PAGED_PREFILL_WGMMA=1`` and that kernel serves these shapes,
-    else "mma". Read per call (prefill steps only), so a benchmark can switch it between runs."""
-    if os.environ.get(PREFILL_WGMMA_ENV) != "1" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
+    """The prefill kernel for a layer: "wgmma" when ``HF_PAGED_PREFILL_WGMMA=1`` ("wgmma-serial" when ``=serial``) and
+    that kernel serves these shapes, else "mma". Read per call (prefill steps only), so a benchmark can switch it
+    between runs."""
+    impl = _WGMMA_BY_ENV.get(os.environ.get(PREFILL_WGMMA_ENV, ""), "mma")
+    if impl != "mma" and wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
         return "mma"
-    return "wgmma"
+    return impl
 
 
 @dataclass(frozen=True)
