@@ -120,6 +120,24 @@ def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, 
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+def test_wgmma_reads_probabilities_through_one_hot_values(head_dim: int, impl: str):
+    """A diagnostic pair for test_wgmma_rows_are_exact_means (zero keys: only P V matters there): here the value of
+    key j is one-hot at dimension j mod head_dim, so each output row is its attention probabilities folded by key
+    position, S = Q K^T read out through a P V that only moves them. This failing alone points at Q K^T (the Q / K
+    descriptors); the exact means failing alone at P V (the V descriptor)."""
+    meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 200], [300, 57], 16, 8, 1, head_dim,
+                                                               torch.bfloat16, seeded("one-hot", head_dim))
+    flat_v = v_cache.view(-1, 1, head_dim)
+    for b, total in enumerate(meta.seq_lens_k.tolist()):
+        pos = torch.arange(total, device=v_cache.device)
+        slots = meta.block_tables[b, pos // 16].long() * 16 + pos % 16
+        flat_v[slots, 0] = torch.nn.functional.one_hot(pos % head_dim, head_dim).to(v_cache.dtype)
+    check(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl),
+          reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"{impl} one-hot values")
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
 def test_wgmma_is_deterministic_and_close_to_mma(head_dim: int, impl: str):
     """The same inputs twice give the same bits (a missing barrier or fence shows as a moving answer), and the
     answer is within bf16 rounding of the mma.sync kernel's."""
