@@ -5,12 +5,13 @@
 //   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim).
 // - Q, K and V tiles sit in shared memory in wgmma's 128-byte-swizzled layout (wgmma.cuh). S = Q K^T reads both
 //   from shared memory (K-major); O += P V takes P from registers (the exponentiated S, rounded to 16 bits) and V
-//   from shared memory, transposed (MN-major). Each product is one commit group, waited for before its result is
-//   used: no overlap of softmax and tensor cores inside a warpgroup yet (the two warpgroups overlap each other).
-// - K/V arrive by cp.async through the block table, two stages deep, exactly as in paged_prefill_kernel (its
-//   issue_kv_tile, slot lookups two tiles ahead); the online softmax, the causal / window masks, softcapping and
-//   the epilogue are that kernel's code too (paged_prefill_main.cuh): the wgmma accumulator of a warp is the
-//   mma.sync C fragment layout those helpers index, with one 16-row atom per warp.
+//   from shared memory, transposed (MN-major). Each product is one commit group. Two kernels: the serial one waits
+//   for each product before using its result (paged_prefill_wgmma_main.cuh), the pipelined one runs the softmax of
+//   the next tile while P V runs (paged_prefill_wgmma_pipelined.cuh).
+// - K/V arrive by cp.async through the block table, two stages deep, with paged_prefill_kernel's copies (its
+//   issue_kv_tile in the serial kernel, slot lookups ahead of use); the online softmax, the causal / window masks,
+//   softcapping and the epilogue are that kernel's code too (paged_prefill_main.cuh): the wgmma accumulator of a
+//   warp is the mma.sync C fragment layout those helpers index, with one 16-row atom per warp.
 // - Capture-safe: no allocation, every per-sequence decision made on the device from the launch arguments.
 #pragma once
 
