@@ -29,6 +29,11 @@ def test_hopper_builds_for_its_arch_specific_target(capability: tuple[int, int],
     assert not any(f.startswith("-arch") for f in flags)
 
 
+def test_toolkits_before_cuda_12_build_hopper_for_plain_sm_90():
+    assert build.arch_of(9, 0, cuda="11.8") == "90"
+    assert build.arch_of(9, 0, cuda="13.0") == "90a"
+
+
 def test_sources_include_the_wgmma_files_guarded_by_the_define():
     """Both dtypes' files are built everywhere; without HF_PAGED_SM90A they include no wgmma code (stubs)."""
     sources = set(build.SOURCES)

@@ -71,13 +71,15 @@ def cache_root() -> Path:
 
 
 def _arch() -> str:
-    return arch_of(*torch.cuda.get_device_capability())
+    return arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
 
 
-def arch_of(major: int, minor: int) -> str:
+def arch_of(major: int, minor: int, cuda: str | None = "12.0") -> str:
     """The nvcc arch a device of this compute capability is built for: Hopper (9.0) gets its arch-specific target
-    "90a" (wgmma, setmaxnreg; the machine code runs on 9.0 devices only, as every build here is for one GPU)."""
-    return "90a" if (major, minor) == (9, 0) else f"{major}{minor}"
+    "90a" (wgmma, setmaxnreg; the machine code runs on 9.0 devices only, as every build here is for one GPU) when
+    the CUDA toolkit has it (12.0 on)."""
+    has_90a = cuda is not None and int(cuda.split(".")[0]) >= 12
+    return "90a" if (major, minor) == (9, 0) and has_90a else f"{major}{minor}"
 
 
 def _cuda_flags(arch: str) -> list[str]:
