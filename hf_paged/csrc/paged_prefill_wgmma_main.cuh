@@ -37,6 +37,15 @@ __device__ __forceinline__ CtaTiles cta_tiles(const PrefillParams& p) {
   return c;
 }
 
+// O = 0, and the running max and sum of rows that have seen no key yet.
+template <class C>
+__device__ __forceinline__ void start_rows(float (&o)[1][C::D / 8][4], prefill::RowState<C>& st) {
+#pragma unroll
+  for (int dt = 0; dt < C::D / 8; ++dt) o[0][dt][0] = o[0][dt][1] = o[0][dt][2] = o[0][dt][3] = 0.f;
+  st.m[0][0] = st.m[0][1] = -INFINITY;
+  st.l[0][0] = st.l[0][1] = 0.f;
+}
+
 template <class C>
 __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_serial_kernel(const PrefillParams p) {
   using T = typename C::T;
@@ -78,10 +87,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_serial_ker
 
   float o[1][C::D / 8][4];
   prefill::RowState<C> st;
-#pragma unroll
-  for (int dt = 0; dt < C::D / 8; ++dt) o[0][dt][0] = o[0][dt][1] = o[0][dt][2] = o[0][dt][3] = 0.f;
-  st.m[0][0] = st.m[0][1] = -INFINITY;
-  st.l[0][0] = st.l[0][1] = 0.f;
+  start_rows<C>(o, st);
   const int warp_row0 = warp * C::kWarpRows;                      // warpgroup w's warp i: rows 64w + 16i ..
   const uint32_t q_rows = q_smem + (warp >> 2) * 64 * 128;         // its warpgroup's first row, panel 0
   const int q_pos0 = prefix + m0 + warp_row0 + (lane >> 2);       // absolute position of this thread's first row

@@ -61,10 +61,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_pipelined_
 
   float o[1][C::D / 8][4];
   prefill::RowState<C> st;
-#pragma unroll
-  for (int dt = 0; dt < C::D / 8; ++dt) o[0][dt][0] = o[0][dt][1] = o[0][dt][2] = o[0][dt][3] = 0.f;
-  st.m[0][0] = st.m[0][1] = -INFINITY;
-  st.l[0][0] = st.l[0][1] = 0.f;
+  start_rows<C>(o, st);
   const int warp_row0 = warp * C::kWarpRows;
   const uint32_t q_rows = q_smem + (warp >> 2) * 64 * 128;
   const int q_pos0 = ct.prefix + ct.m0 + warp_row0 + (lane >> 2);
