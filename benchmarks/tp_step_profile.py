@@ -10,7 +10,8 @@ Each rank loads the model with ``tp_plan="auto"``; per batch size an ``hf_paged.
 tensor-parallel engine runs with: decode CUDA graphs, compiled layers) takes that many 512-token prompts, steps past
 prefill, then times 20 decode steps (wall, synchronized) and profiles 10 more with the torch profiler. Rank 0 prints
 the wall per step, the GPU time per step of each kind of kernel (by kernel name: cuBLAS/nvjet/skinny products,
-``nccl`` collectives, hf_paged's decode, everything else) and the profiler's top kernels.
+collectives: NCCL's, torch's one-shot and hf_paged's ``peer_sum`` kernels, hf_paged's decode, everything else) and
+the profiler's top kernels. ``HF_PAGED_TP_ALL_REDUCE`` in the environment picks the layers' all-reduce.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
 
-KINDS = (("nccl", ("nccl",)), ("attention", ("paged_decode", "paged_prefill")),
+KINDS = (("all-reduce", ("nccl", "all_reduce", "peer_sum")), ("attention", ("paged_decode", "paged_prefill")),
          ("matrix products", ("gemm", "gemv", "skinny", "cutlass", "nvjet", "splitkreduce")))
 
 
@@ -77,6 +78,7 @@ def main() -> None:
                   + ", ".join(f"{k} {v:.0f}" for k, v in sorted(per_kind.items())), flush=True)
             print(prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=70),
                   flush=True)
+        engine.close()  # (its graphs hold NCCL collectives: destroy_process_group would wait for them)
         del engine
         torch.cuda.empty_cache()
     torch.distributed.destroy_process_group()
