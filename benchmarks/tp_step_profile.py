@@ -1,4 +1,4 @@
-"""Kernel time of a tensor-parallel decode step by kind: matrix products, NCCL collectives, paged attention, the rest.
+"""Kernel time of a tensor-parallel decode step by kind: matrix products, all-reduces, paged attention, the rest.
 
 Run under ``torchrun`` on a model saved by ``benchmarks/tensor_parallel.py --save --model-dir DIR`` (the Llama-3.1-8B
 shape, random bf16 weights)::
