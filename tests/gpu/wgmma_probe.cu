@@ -9,6 +9,7 @@
 //     kk * 16 rows * 128 bytes, LBO = kBRows * 128 (the next 64 columns), SBO = 1024: pv_issue's descriptors.
 // lbo / sbo: 0 takes those values, anything else replaces the descriptor field (bytes), so that a failing run can try
 // the alternatives without a rebuild. D (float32, [64 x N]) is written from wgmma.cuh's accumulator layout.
+// K is a runtime argument, so ptxas serializes the wgmmas (its C7520 note): harmless here, only values are checked.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
