@@ -128,6 +128,14 @@ def describe(operand: str, got: tuple[torch.Tensor, torch.Tensor], want: tuple[t
             + "; ".join(hints) + "; e.g. " + "; ".join(examples))
 
 
+def swapped_is_exact(form: int, dtype, n: int, k: int, row0: int) -> bool:
+    """rs with the stride between 64-column panels and between 8-row groups exchanged (LBO = 1024, SBO = the
+    panel stride)."""
+    a, b = ints((128, k), dtype, 1), ints((k, n), dtype, 2)
+    got = run(form, a, b, row0, lbo=1024, sbo=(128 if n <= 128 else 64) * 128)
+    return torch.equal(got, a[row0:row0 + 64].double() @ b.double())
+
+
 def diagnose(form: int, dtype, n: int, k: int, row0: int) -> str:
     m_idx, n_idx = torch.arange(64)[:, None].expand(64, n), torch.arange(n)[None, :].expand(64, n)
     maps = {"A": (read_map(form, dtype, n, k, row0, "A"), (row0 + m_idx, n_idx % k)),
@@ -139,11 +147,9 @@ def diagnose(form: int, dtype, n: int, k: int, row0: int) -> str:
     if wrong_a.any() and torch.equal(wrong_a, wrong_b):
         lines.append("A and B wrong at the same D elements: suspect D's register layout (the accumulator fragment, "
                      "or where the probe stores it) before either descriptor")
-    if form == RS:  # the stride between 64-column panels and between 8-row groups swapped
-        lbo, sbo = 1024, (128 if n <= 128 else 64) * 128
-        a, b = ints((128, k), dtype, 1), ints((k, n), dtype, 2)
-        exact = torch.equal(run(form, a, b, row0, lbo=lbo, sbo=sbo), a[row0:row0 + 64].double() @ b.double())
-        lines.append(f"rs with LBO = {lbo}, SBO = {sbo} (swapped): {'EXACT: swap them' if exact else 'still wrong'}")
+    if form == RS:
+        exact = swapped_is_exact(form, dtype, n, k, row0)
+        lines.append(f"rs with LBO and SBO swapped: {'EXACT: swap them in pv_issue' if exact else 'still wrong'}")
     return "\n".join(lines)
 
 
@@ -151,14 +157,40 @@ def ints(shape, dtype, seed: int) -> torch.Tensor:
     return torch.randint(-4, 5, shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("form,n,k", CASES, ids=[f"{'ss' if f == SS else 'rs'}-n{n}-k{k}" for f, n, k in CASES])
-def test_wgmma_product_is_exact(form, n, k, dtype):
+def name(form: int, n: int, k: int) -> str:
+    return f"{'ss' if form == SS else 'rs'}-n{n}-k{k}"
+
+
+def wrong_count(form: int, n: int, k: int, dtype) -> tuple[int, int]:
+    """(row0, number of wrong D elements) of the first row0 (0, then 64) that gives a wrong product; (0, 0) if none
+    does. ss row0 = 64: the second warpgroup's A rows, 64 rows into the tile, as in the prefill."""
     a, b = ints((128, k), dtype, 1), ints((k, n), dtype, 2)
-    for row0 in (0, 64):  # ss: the second warpgroup's A rows start 64 rows into the tile, as in the prefill
+    for row0 in (0, 64):
         got = run(form, a, b, row0)
-        want = a[row0:row0 + 64].double() @ b.double()  # integers: exact in the fp32 accumulators
-        if not torch.equal(got, want):
-            bad = int((got != want).sum())
-            pytest.fail(f"{'ss' if form == SS else 'rs'} N={n} K={k} {dtype} row0={row0}: {bad} of {got.numel()} "
-                        f"elements wrong\n" + diagnose(form, dtype, n, k, row0), pytrace=False)
+        bad = int((got != a[row0:row0 + 64].double() @ b.double()).sum())  # integers: exact in fp32 accumulators
+        if bad:
+            return row0, bad
+    return 0, 0
+
+
+@pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
+@pytest.mark.parametrize("form,n,k", CASES, ids=[name(*case) for case in CASES])
+def test_wgmma_product_is_exact(form, n, k, dtype):
+    row0, bad = wrong_count(form, n, k, dtype)
+    if bad:
+        pytest.fail(f"{name(form, n, k)} {dtype} row0={row0}: {bad} of {64 * n} elements wrong\n"
+                    + diagnose(form, dtype, n, k, row0), pytrace=False)
+
+
+def test_summary_of_every_case():
+    """Runs last: one line per wrong case, so that the pattern across cases shows even when the output is cut."""
+    lines = []
+    for dtype in DTYPES.values():
+        for form, n, k in CASES:
+            row0, bad = wrong_count(form, n, k, dtype)
+            if bad:
+                swap = f"; LBO/SBO swapped: {'EXACT' if swapped_is_exact(form, dtype, n, k, row0) else 'wrong'}" \
+                    if form == RS else ""
+                lines.append(f"{name(form, n, k)} {dtype} row0={row0}: {bad} of {64 * n} wrong{swap}")
+    if lines:
+        pytest.fail(f"{len(lines)} of {len(DTYPES) * len(CASES)} cases wrong:\n" + "\n".join(lines), pytrace=False)
