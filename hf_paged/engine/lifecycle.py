@@ -7,8 +7,11 @@ reference to the engine frees them too, but a script rarely knows when that happ
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
+logger = logging.getLogger("hf_paged")
 CLOSED = "this engine is closed (Engine.close()); create a new Engine to generate again"
 
 
@@ -44,8 +47,15 @@ class EngineLifecycle:
     def __enter__(self):
         return self
 
-    def __exit__(self, *exc_info) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's own error goes on; a failure to close (a broken device, say) is only logged
+            self.close()
+        except Exception as err:
+            logger.warning("hf_paged: closing the engine after %s failed too (%s: %s)", exc_type.__name__,
+                           type(err).__name__, err)
 
     def _refuse_if_closed(self) -> None:
         if self._closed:

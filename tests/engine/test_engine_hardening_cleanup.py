@@ -167,3 +167,13 @@ def test_an_engine_used_as_a_context_manager_closes_on_exit_and_on_error():
         failing.add_request(random_prompts(1, 3, 9, seed=5)[0], greedy_config(5))
         raise ValueError("boom")
     assert failing.closed and failing.stats()["used_blocks"] == 0
+
+
+def test_a_failure_to_close_does_not_hide_the_error_that_left_the_block(monkeypatch, caplog):
+    engine = make_engine(False)
+    monkeypatch.setattr(engine, "abort_all", lambda: (_ for _ in ()).throw(RuntimeError("device lost")))
+    with pytest.raises(ValueError, match="the block's own"), engine:
+        raise ValueError("the block's own")
+    assert "closing the engine after ValueError failed too (RuntimeError: device lost)" in caplog.text
+    with pytest.raises(RuntimeError, match="device lost"), engine:  # without an error of its own: raised
+        pass
