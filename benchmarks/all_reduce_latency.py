@@ -62,8 +62,7 @@ class Methods:
                                                                           device=device))
         os.environ["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
         tp_all_reduce._prepare_peer_sum(self.group, device)
-        self.addresses, self.peer_rank, self.timeout = tp_all_reduce._peers[self.name]
-        self.buffer_bytes = tp_all_reduce._buffers[(self.name, torch.uint8)].numel()
+        self.peers = tp_all_reduce._peers[self.name]  # (addresses, rank, buffer bytes, timeout)
 
     def __call__(self, method: str, x: torch.Tensor) -> torch.Tensor:
         if method == "nccl":
@@ -73,7 +72,7 @@ class Methods:
         if method == "torch-one-shot":
             staged = self.staged[: x.numel()].view(x.shape)
             return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x, "sum", self.name)
-        return torch.ops.hf_paged.peer_sum(x, self.addresses, self.peer_rank, self.buffer_bytes, self.timeout)
+        return torch.ops.hf_paged.peer_sum(x, *self.peers)
 
 
 def _inputs(numel: int, dtype: torch.dtype, seed: int, device) -> tuple[torch.Tensor, torch.Tensor]:

@@ -36,7 +36,8 @@ ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in
 _MODES = ("nccl", "one_shot", "hf_paged")
 _PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
 _buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
-_peers: dict[str, tuple[torch.Tensor, int, float]] = {}  # group name -> (peer buffer addresses, rank, timeout s)
+# group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
+_peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
 one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
 
 
@@ -105,7 +106,7 @@ def _prepare_peer_sum(group, device: torch.device) -> None:
     addresses = torch.tensor([p + o for p, o in zip(handle.buffer_ptrs, offsets, strict=True)], dtype=torch.int64,
                              device=device)
     _buffers[(group.group_name, torch.uint8)] = buffer  # kept alive with its mapping
-    _peers[group.group_name] = (addresses, handle.rank, timeout_s())
+    _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), timeout_s())
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
@@ -117,10 +118,8 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     if x.is_cuda and nbytes <= ONE_SHOT_MAX_BYTES:
         peers = _peers.get(group_name)
         if peers is not None and nbytes % 16 == 0 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            addresses, rank, timeout = peers
             one_shot_calls += 1
-            buffer_bytes = _buffers[(group_name, torch.uint8)].numel()
-            return torch.ops.hf_paged.peer_sum(x.contiguous(), addresses, rank, buffer_bytes, timeout)
+            return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
         buffer = _buffers.get((group_name, x.dtype))
         if buffer is not None:
             one_shot_calls += 1
