@@ -120,6 +120,40 @@ def random_allowance(expected: torch.Tensor, tolerance: float) -> torch.Tensor:
     return tolerance * rms.clamp_min(0.1 * expected.pow(2).mean().sqrt().item())
 
 
+def sparse_allowance(expected: torch.Tensor, dtype: torch.dtype, tolerance: float) -> torch.Tensor:
+    """For outputs with few non-zero dims (one-hot values: each output element is a sum of probabilities): the row
+    allowance of :func:`random_allowance` plus the dtype's rounding of each element. A flash-style kernel rounds P to
+    the dtype before P V and rounds the output once more; on a sparse row those two roundings of its largest element
+    exceed a share of the row's rms (rms over head_dim dims, most of them zero), so the rms alone fails correct
+    kernels at head_dim 256 (shown on the CPU with :func:`flash_rounded`)."""
+    return random_allowance(expected, tolerance) + ROUNDING[dtype] * expected.double().cpu().abs()
+
+
+def flash_rounded(query: torch.Tensor, meta: PagedMetadata, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """What a correct flash-style kernel computes, on the CPU (causal, no window): S = Q K^T in float32 from the
+    dtype's inputs, P = exp(S - max) rounded to ``dtype`` for P V, its float32 row sum, the output rounded to
+    ``dtype``. Returns float64 ``[T, H, D]``; used to prove that the allowances pass correct kernels."""
+    k_cache, v_cache = meta.kv_caches[0]
+    block_size, num_kv_heads, head_dim = k_cache.shape[1:]
+    out = torch.empty(query.shape, dtype=torch.float64)
+    cu = meta.cu_seqlens_q.tolist()
+    for b, total in enumerate(meta.seq_lens_k.tolist()):
+        pos = torch.arange(total)
+        slots = meta.block_tables[b, pos // block_size].long() * block_size + pos % block_size
+        keys = k_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+        values = v_cache.reshape(-1, num_kv_heads, head_dim)[slots].float()
+        q = query[cu[b]:cu[b + 1]].float()
+        group = q.shape[1] // num_kv_heads
+        keys, values = keys.repeat_interleave(group, dim=1), values.repeat_interleave(group, dim=1)
+        scores = torch.einsum("thd,khd->thk", q, keys) * scale
+        rows = torch.arange(total - q.shape[0], total)
+        scores = scores.masked_fill(pos[None, None, :] > rows[:, None, None], float("-inf"))
+        probs = torch.exp(scores - scores.amax(-1, keepdim=True))
+        o = torch.einsum("thk,khd->thd", probs.to(dtype).float(), values) / probs.sum(-1, keepdim=True)
+        out[cu[b]:cu[b + 1]] = o.to(dtype).double()
+    return out
+
+
 def failing_rows(errors: torch.Tensor) -> list[tuple[int, int, float]]:
     """(row, head, error) of every row whose error exceeds 1, worst first (at most 8)."""
     bad = (errors > 1).nonzero().tolist()

@@ -14,12 +14,14 @@ from hf_paged.attention.backends.torch_backend import paged_attention_reference
 from kernel_oracle import (
     assert_rows_close,
     exact_position_means,
+    flash_rounded,
     position_allowance,
     position_step,
     random_allowance,
     key_ranges,
     row_errors,
     row_sequences,
+    sparse_allowance,
 )
 from test_flash_backend import make_paged_step
 
@@ -113,3 +115,40 @@ def test_random_rows_pass_after_rounding_and_one_bad_row_fails():
     wrong[41, 3] *= 1.1  # one row of one head 10% off
     errors = row_errors(wrong, expected, allowance)
     assert (errors > 1).nonzero().tolist() == [[41, 3]]
+
+
+def one_hot_step(head_dim: int, swap_keys: tuple[int, int] | None = None):
+    """The step of the GPU one-hot test (test_prefill_wgmma_gpu.py): random queries and keys, the value of key j one-hot
+    at dimension j mod head_dim. ``swap_keys`` exchanges two keys of sequence 0 (a kernel reading K rows out of
+    order)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    meta, _, _ = make_paged_step([0, 200], [300, 57], 16, 1, head_dim, torch.bfloat16, gen)
+    k_cache, v_cache = meta.kv_caches[0]
+    flat_k, flat_v = k_cache.view(-1, 1, head_dim), v_cache.view(-1, 1, head_dim)
+    for b, total in enumerate(meta.seq_lens_k.tolist()):
+        pos = torch.arange(total)
+        slots = meta.block_tables[b, pos // 16].long() * 16 + pos % 16
+        flat_v[slots, 0] = torch.nn.functional.one_hot(pos % head_dim, head_dim).to(v_cache.dtype)
+        if swap_keys is not None and b == 0:
+            i, j = slots[list(swap_keys)].tolist()
+            flat_k[[i, j]] = flat_k[[j, i]]
+    query = torch.randn(357, 8, head_dim, generator=gen).to(torch.bfloat16)
+    return meta, query
+
+
+@pytest.mark.parametrize("head_dim", [64, 128, 256])
+def test_one_hot_rows_pass_a_rounded_correct_kernel_and_fail_keys_read_out_of_order(head_dim: int):
+    """The sparse allowance passes what a correct flash-style kernel computes (P and the output rounded to bf16),
+    which the rms-only allowance fails at head_dim 256; two keys read in each other's place fail exactly the rows
+    that see one of them."""
+    meta, query = one_hot_step(head_dim)
+    expected = oracle(meta, query, 8, head_dim)
+    rounded = flash_rounded(query, meta, head_dim**-0.5, torch.bfloat16)
+    assert_rows_close(rounded, expected, sparse_allowance(expected, torch.bfloat16, 4e-2), "rounded kernel")
+    if head_dim == 256:
+        assert (row_errors(rounded, expected, random_allowance(expected, 4e-2)) > 1).any()
+    swapped, _ = one_hot_step(head_dim, swap_keys=(40, 41))
+    wrong = flash_rounded(query, swapped, head_dim**-0.5, torch.bfloat16)
+    failed = (row_errors(wrong, expected, sparse_allowance(expected, torch.bfloat16, 4e-2)) > 1).any(dim=1)
+    # rows from 40 on see key 40's slot, which now holds key 41; sequence 1 is untouched
+    assert torch.equal(failed, torch.arange(357).ge(40) & torch.arange(357).lt(300))

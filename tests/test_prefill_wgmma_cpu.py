@@ -1,5 +1,6 @@
-"""The opt-in Hopper prefill (``impl="wgmma"``) without a GPU: its build target and sources, the refusals that need
-no device, the cuda backend's switch (off unless ``HF_PAGED_PREFILL_WGMMA=1``), and its benchmark row. The kernel
+"""The Hopper prefill (``impl="wgmma"``) without a GPU: its build target and sources, the refusals that need no
+device, the cuda backend's routing (wgmma on Hopper where it serves the layer, ``HF_PAGED_PREFILL_WGMMA`` to
+override), and its benchmark row. The kernel
 itself is tested on a compute capability 9.0 GPU by tests/gpu/test_prefill_wgmma_gpu.py."""
 
 from __future__ import annotations
@@ -88,9 +89,10 @@ def test_wgmma_serves_fp16_and_bf16_at_its_head_sizes():
 
 @pytest.fixture
 def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
-    """The cuda backend's prefill calls, recorded instead of run."""
+    """The cuda backend's prefill calls, recorded instead of run, on a device taken for a Hopper GPU."""
     calls: list[dict] = []
     monkeypatch.setattr(cuda_backend, "paged_prefill", lambda *args, **kwargs: calls.append(kwargs))
+    monkeypatch.setattr(cuda_backend, "_device_has_wgmma", lambda device: True)
     monkeypatch.delenv(cuda_backend.PREFILL_WGMMA_ENV, raising=False)
     return calls
 
@@ -103,18 +105,46 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
 
 
 @pytest.mark.parametrize(("env", "shape", "impl"), [
-    (None, {}, "mma"), ("0", {}, "mma"), ("1", {}, "wgmma"), ("serial", {}, "wgmma-serial"),
+    (None, {}, "wgmma"), ("auto", {}, "wgmma"), (None, {"head_dim": 64}, "wgmma-serial"),
+    (None, {"dtype": torch.float16, "head_dim": 256}, "wgmma"), (None, {"head_dim": 80}, "mma"),
+    (None, {"dtype": torch.float32}, "mma"), (None, {"kv_dtype": torch.float8_e4m3fn}, "mma"),
+    ("0", {}, "mma"), ("0", {"head_dim": 64}, "mma"), ("1", {}, "wgmma"), ("serial", {}, "wgmma-serial"),
     ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 80}, "mma"),
     ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 80}, "mma"),
     ("1", {"kv_dtype": torch.float8_e4m3fn}, "mma"),
 ])
-def test_backend_routes_to_wgmma_only_when_asked(recorded, monkeypatch, env, shape: dict, impl: str):
-    """Off by default; on with HF_PAGED_PREFILL_WGMMA=1 (or =serial) for the layers the kernel serves, the rest keep
-    mma."""
+def test_backend_routes_hopper_prefill_to_wgmma_where_it_serves(recorded, monkeypatch, env, shape: dict, impl: str):
+    """By default the faster wgmma form for the head size (serial at 64) on Hopper; 0 / 1 / serial override; the
+    layers the kernel does not serve (other sizes, float32, fp8 KV) keep mma."""
     if env is not None:
         monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)
     _prefill(**shape)
     assert [c["impl"] for c in recorded] == [impl]
+
+
+@pytest.mark.parametrize("env", [None, "1", "serial"])
+def test_other_gpus_keep_the_mma_kernel(recorded, monkeypatch, env):
+    monkeypatch.setattr(cuda_backend, "_device_has_wgmma", lambda device: False)
+    if env is not None:
+        monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)
+    _prefill()
+    assert [c["impl"] for c in recorded] == ["mma"]
+
+
+@pytest.mark.parametrize(("capability", "cuda", "has"), [((9, 0), "13.0", True), ((9, 0), "11.8", False),
+                                                         ((8, 0), "13.0", False), ((10, 0), "13.0", False)])
+def test_wgmma_needs_hopper_and_an_sm_90a_build(monkeypatch, capability, cuda: str, has: bool):
+    monkeypatch.setattr(cuda_backend, "_has_wgmma", {})
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
+    monkeypatch.setattr(torch.version, "cuda", cuda)
+    assert cuda_backend._device_has_wgmma(torch.device("cuda", 0)) is has
+
+
+def test_a_misspelt_switch_is_refused_with_its_values(recorded, monkeypatch):
+    monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, "yes")
+    with pytest.raises(ValueError, match="use 0 .* 1 .* serial"):
+        _prefill()
+    assert recorded == []
 
 
 @pytest.mark.parametrize(("capability", "present"), [((9, 0), True), ((8, 0), False), ((10, 0), False)])

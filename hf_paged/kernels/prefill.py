@@ -10,8 +10,8 @@ widened to the query's dtype in shared memory (``csrc/paged_prefill_fp8.cuh``).
 ``impl="wgmma"`` asks for the Hopper kernel instead (``csrc/paged_prefill_wgmma*.cuh``: sm_90a warpgroup matrix
 products, the softmax overlapped with the tensor cores; compute capability 9.0 only, fp16 / bf16 over a cache of the
 same dtype, :data:`WGMMA_HEAD_DIMS`), ``impl="wgmma-serial"`` for its simpler form (each product waited for before
-the softmax). Both are opt-in and never chosen by default: compile-checked, not yet verified on a GPU
-(docs/kernels.md, "Hopper prefill").
+the softmax). The cuda backend picks them on Hopper where they serve the layer (docs/kernels.md, "Hopper prefill");
+called directly, ``impl`` defaults to the mma.sync kernel.
 """
 
 from __future__ import annotations
@@ -78,7 +78,7 @@ def paged_prefill(
         softcap: logit softcapping (> 0): scores ``s = scale * q.k`` become ``softcap * tanh(s / softcap)``; 0 = off.
         k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
             device (K's folded into the softmax scale, V's into the output); None for other caches.
-        impl: ``"mma"`` (default, every GPU), or ``"wgmma"`` / ``"wgmma-serial"`` (Hopper's kernels, opt-in;
+        impl: ``"mma"`` (default, every GPU), or ``"wgmma"`` / ``"wgmma-serial"`` (Hopper's kernels;
             ``config`` must stay -1).
 
     Returns:

@@ -1,4 +1,4 @@
-"""The opt-in Hopper prefill kernels (``paged_prefill(..., impl="wgmma")`` and ``impl="wgmma-serial"``,
+"""The Hopper prefill kernels (``paged_prefill(..., impl="wgmma")`` and ``impl="wgmma-serial"``,
 ``csrc/paged_prefill_wgmma*.cuh``) against the float64 torch oracle, on a compute capability 9.0 GPU (skipped
 elsewhere).
 
@@ -7,7 +7,7 @@ lengths crossing its 128-row query tiles and 128-key (64 at head_dim 256) key ti
 of two; 256 for the exact rows), GQA, MHA and MQA, extends after paged prefixes, long runs, sliding windows and
 softcaps; outputs NaN-poisoned first, judged over the batch and row by row, and on inputs with exact answers. Then:
 the same inputs twice give identical bits (a race moves them), a CUDA-graph replay equals the eager call, and
-``HF_PAGED_PREFILL_WGMMA=1`` routes the cuda backend here.
+the cuda backend routes prefill here by default (``HF_PAGED_PREFILL_WGMMA`` overrides).
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ from hf_paged.attention.backends.base import backend_named  # noqa: E402
 from hf_paged.attention.backends.cuda import PREFILL_WGMMA_ENV  # noqa: E402
 from hf_paged.kernels.prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
 
+from kernel_oracle import assert_rows_close, sparse_allowance  # noqa: E402
 from kernel_rows import check_prefill_rows  # noqa: E402  (same folder)
-from test_cuda_prefill import check, prefill_step, reference  # noqa: E402
+from test_cuda_prefill import ROW_TOLERANCE, check, prefill_step, reference  # noqa: E402
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -132,8 +133,13 @@ def test_wgmma_reads_probabilities_through_one_hot_values(head_dim: int, impl: s
         pos = torch.arange(total, device=v_cache.device)
         slots = meta.block_tables[b, pos // 16].long() * 16 + pos % 16
         flat_v[slots, 0] = torch.nn.functional.one_hot(pos % head_dim, head_dim).to(v_cache.dtype)
-    check(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl),
-          reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"{impl} one-hot values")
+    out, expected = run_wgmma(query, k_cache, v_cache, meta, params, impl=impl), reference(query, k_cache, v_cache,
+                                                                                        meta, params)
+    assert not out.isnan().any(), f"{impl} one-hot values: NaN left in the output"
+    # sparse rows: the rms allowance alone fails a correct kernel's bf16 rounding of P at head_dim 256
+    # (tests/test_kernel_oracle.py shows it on the CPU)
+    assert_rows_close(out, expected, sparse_allowance(expected, torch.bfloat16, ROW_TOLERANCE[torch.bfloat16]),
+                      f"{impl} one-hot values")
 
 
 @pytest.mark.parametrize("impl", IMPLS)
@@ -174,15 +180,21 @@ def test_wgmma_replays_in_a_cuda_graph(impl: str):
     assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=impl))
 
 
-def test_env_switch_routes_the_cuda_backend(monkeypatch: pytest.MonkeyPatch):
-    """HF_PAGED_PREFILL_WGMMA=1: the cuda backend's prefill is the wgmma kernel's answer, bit for bit."""
-    meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8, 128,
-                                                                     torch.bfloat16, seeded("env"))
+def test_cuda_backend_routes_prefill_here_by_default_and_the_switch_overrides(monkeypatch: pytest.MonkeyPatch):
+    """Unset: the cuda backend's prefill is the pipelined wgmma kernel's answer at head_dim 128 and the serial one's at
+    64, bit for bit; HF_PAGED_PREFILL_WGMMA=0 gives the mma kernel's, =serial the serial one's."""
     backend = backend_named("cuda")
-    monkeypatch.setenv(PREFILL_WGMMA_ENV, "1")
-    out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
-    assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params))
-    monkeypatch.setenv(PREFILL_WGMMA_ENV, "serial")
-    serial = backend.forward(query, key, value, k_cache, v_cache, meta, params)
-    assert torch.equal(serial, run_wgmma(query, k_cache, v_cache, meta, params, impl="wgmma-serial"))
-    check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, "backend wgmma")
+    for head_dim, default in ((128, "wgmma"), (64, "wgmma-serial")):
+        meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8,
+                                                                         head_dim, torch.bfloat16, seeded("env"))
+        monkeypatch.delenv(PREFILL_WGMMA_ENV, raising=False)
+        out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+        assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=default))
+        check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"backend {default}")
+        monkeypatch.setenv(PREFILL_WGMMA_ENV, "0")
+        mma = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+        assert torch.equal(mma, paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
+                                              meta.block_tables, params.scale, max_seqlen_q=meta.max_seqlen_q))
+        monkeypatch.setenv(PREFILL_WGMMA_ENV, "serial")
+        serial = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+        assert torch.equal(serial, run_wgmma(query, k_cache, v_cache, meta, params, impl="wgmma-serial"))

@@ -12,10 +12,11 @@ models with head_dim in ``kernels.FP8_HEAD_DIMS`` (the kernels widen the e4m3 ti
 chip, with the layer's per-kv-head scales), and its quantizing KV write (any head_dim of whole 8-element groups);
 decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
 
-``HF_PAGED_PREFILL_WGMMA=1`` routes prefill / extend to the Hopper (sm_90a, wgmma) prefill kernel where it serves the
-layer (fp16 / bf16 over a cache of the same dtype, head_dim 64, 128, 256; other layers keep the default kernel);
-``=serial`` to its serial form. Opt in only, for measuring them: they are not yet verified on a GPU, and on a GPU
-other than compute capability 9.0 the kernel refuses with NotImplementedError.
+On a Hopper GPU (compute capability 9.0, CUDA 12 or newer: the build targets sm_90a) prefill / extend go to the wgmma
+prefill kernel where it serves the layer (fp16 / bf16 over a cache of the same dtype, head_dim 64, 128, 256): its
+serial form at head_dim 64, the pipelined one at 128 and 256, the faster of the two there (docs/kernels.md); other
+layers and other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0`` the mma.sync kernel
+everywhere, ``1`` the pipelined wgmma kernel, ``serial`` its serial form (on Hopper, for the layers it serves).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from hf_paged.attention.backends.base import (
 )
 from hf_paged.attention.kv_quant import KVScales, is_fp8
 from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.kernels.build import arch_of
 from hf_paged.kernels.prefill import paged_prefill, wgmma_unsupported_reason
 
 PREFILL_WGMMA_ENV = "HF_PAGED_PREFILL_WGMMA"
@@ -65,17 +67,36 @@ def _fp8_reason(call: AttentionCall) -> str | None:
     return None
 
 
-_WGMMA_BY_ENV = {"1": "wgmma", "serial": "wgmma-serial"}
+_WGMMA_BY_ENV = {"0": "mma", "1": "wgmma", "serial": "wgmma-serial"}
+# The faster wgmma form per head_dim on an H100 (docs/kernels.md, "Hopper prefill (wgmma)"): the serial one at 64
+# (1.02-1.18x flash-attn against the pipelined one's 0.95-1.11x), the pipelined one at 128 and 256.
+_WGMMA_BY_HEAD_DIM = {64: "wgmma-serial", 128: "wgmma", 256: "wgmma"}
+_has_wgmma: dict[int, bool] = {}
 
 
-def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int) -> str:
-    """The prefill kernel for a layer: "wgmma" when ``HF_PAGED_PREFILL_WGMMA=1`` ("wgmma-serial" when ``=serial``) and
-    that kernel serves these shapes, else "mma". Read per call (prefill steps only), so a benchmark can switch it
-    between runs."""
-    impl = _WGMMA_BY_ENV.get(os.environ.get(PREFILL_WGMMA_ENV, ""), "mma")
-    if impl != "mma" and wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
+def _device_has_wgmma(device: torch.device) -> bool:
+    """Whether this device runs the wgmma kernels: compute capability 9.0 and a build for sm_90a (CUDA 12 on)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _has_wgmma:
+        major, minor = torch.cuda.get_device_capability(index)
+        _has_wgmma[index] = arch_of(major, minor, cuda=torch.version.cuda) == "90a"
+    return _has_wgmma[index]
+
+
+def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
+    """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (serial at
+    head_dim 64, pipelined at 128 and 256), else "mma"; ``HF_PAGED_PREFILL_WGMMA=0|1|serial`` overrides (module
+    docstring). Read per call (prefill steps only), so a benchmark can switch it between runs."""
+    forced = os.environ.get(PREFILL_WGMMA_ENV, "")
+    if forced not in _WGMMA_BY_ENV and forced not in ("", "auto"):
+        raise ValueError(f"{PREFILL_WGMMA_ENV}={forced!r}: use 0 (mma.sync kernel), 1 (wgmma), serial (wgmma's serial "
+                         "form) or leave it unset (wgmma on Hopper where it serves the layer)")
+    impl = _WGMMA_BY_ENV.get(forced) or _WGMMA_BY_HEAD_DIM.get(head_dim, "mma")
+    if impl == "mma" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
         return "mma"
-    return impl
+    return impl if _device_has_wgmma(device) else "mma"
 
 
 @dataclass(frozen=True)
@@ -201,7 +222,7 @@ class CudaBackend(AttentionBackend):
             return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
                                  params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap,
                                  k_scale=k_scale, v_scale=v_scale,
-                                 impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1]))
+                                 impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
         # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
         # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
         plan = plan_decode(query, k_cache, meta, window)
