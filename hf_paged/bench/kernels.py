@@ -96,12 +96,13 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                                                     scale, max_seq_len=ctx, window=window, softcap=softcap)
             for s in sets
         ]
-    out["ours-fp8-bs16"] = [
-        lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
-                                         max_seq_len=ctx, window=window, softcap=softcap, k_scale=s["k_scale"],
-                                         v_scale=s["v_scale"])
-        for s in sets
-    ]
+    if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
+        out["ours-fp8-bs16"] = [
+            lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
+                                             max_seq_len=ctx, window=window, softcap=softcap, k_scale=s["k_scale"],
+                                             v_scale=s["v_scale"])
+            for s in sets
+        ]
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:

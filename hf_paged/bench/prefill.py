@@ -34,6 +34,7 @@ from hf_paged.attention import kv_quant
 from hf_paged.attention.backends.flash import window_size
 from hf_paged.bench import input_sets, time_calls
 from hf_paged.bench.kernels import score_options
+from hf_paged.kernels import FP8_HEAD_DIMS
 from hf_paged.kernels.prefill import PREFILL_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
 
 NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
@@ -118,11 +119,12 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
         out["ours-wgmma-bs16"] = ours(16, impl="wgmma")
         out["ours-wgmma-serial-bs16"] = ours(16, impl="wgmma-serial")
         out["ours-wgmma-unpaged"] = ours(ctx, impl="wgmma")
-    out["ours-fp8-bs16"] = [
-        lambda s=s: paged_prefill(s["q"], s["k16_fp8"], s["v16_fp8"], s["cu_q"], s["seq_lens"], s["t16"], scale,
-                                  max_seqlen_q=new, window=window, softcap=softcap, k_scale=s["k_scale"],
-                                  v_scale=s["v_scale"])
-        for s in sets]
+    if head_dim in FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
+        out["ours-fp8-bs16"] = [
+            lambda s=s: paged_prefill(s["q"], s["k16_fp8"], s["v16_fp8"], s["cu_q"], s["seq_lens"], s["t16"], scale,
+                                      max_seqlen_q=new, window=window, softcap=softcap, k_scale=s["k_scale"],
+                                      v_scale=s["v_scale"])
+            for s in sets]
     if sweep:
         out.update({f"ours-bs16-c{c}": ours(16, c) for c in PREFILL_CONFIGS})
     try:
