@@ -88,7 +88,7 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& cu_seqlens_q,
                     "token counts and block-table capacity must fit in int32");
 }
 
-// The opt-in Hopper kernels (is_wgmma configs): compiled for this dtype and head size, in this build, and run on a
+// The Hopper kernels (is_wgmma configs): compiled for this dtype and head size, in this build, and run on a
 // compute capability 9.0 device. Nothing falls back silently: a caller asked for this kernel by name.
 void check_wgmma(const at::Tensor& query, bool e4m3, int64_t head_dim, int64_t config) {
   TORCH_CHECK_NOT_IMPLEMENTED(!e4m3 && (query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16) &&

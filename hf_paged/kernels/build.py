@@ -1,7 +1,7 @@
 """Just-in-time build of the CUDA kernels in ``hf_paged/csrc`` through ``torch.utils.cpp_extension`` (ninja).
 
 The library is built for the present GPU's architecture only (on compute capability 9.0 its arch-specific target,
-sm_90a, which the opt-in wgmma prefill needs) and kept under
+sm_90a, which the wgmma prefill needs) and kept under
 ``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged/kernels``) in a folder named by torch version, CUDA version, arch
 and a hash of the sources, so a second run (or a second process) loads it in about a second. Without a CUDA GPU,
 nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
