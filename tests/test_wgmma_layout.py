@@ -46,12 +46,25 @@ def traits(head_dim: int) -> tuple[int, int]:
     return 128, (128 if head_dim <= 128 else 64)
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # kernels.prefill.WGMMA_HEAD_DIMS
+
+
+def test_the_model_covers_the_compiled_head_sizes():
+    from hf_paged.kernels.prefill import WGMMA_HEAD_DIMS
+    assert tuple(HEAD_DIMS) == WGMMA_HEAD_DIMS
+
+
+def panels(head_dim: int) -> int:
+    """64-column panels of a tile (Traits::kPanels): the last one partly used below a multiple of 64."""
+    return (head_dim + 63) // 64
+
+
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_qk_descriptors_read_q_and_k_rows(head_dim: int):
     """S = Q K^T: warpgroup wg's A is Q rows 64 wg .. + 63, B is every key row, both over head_dim 16 kk .. + 15."""
     block_m, block_n = traits(head_dim)
     memory: dict[int, tuple[int, int]] = {}
-    q_base, k_base = 0, block_m * head_dim * 2  # 1024-aligned, as in the kernel
+    q_base, k_base = 0, block_m * panels(head_dim) * 128  # Traits::kKOffset, 1024-aligned
     write_tile(block_m, head_dim, q_base, memory)
     write_tile(block_n, head_dim, k_base, memory)
     for wg in range(2):
@@ -64,7 +77,7 @@ def test_qk_descriptors_read_q_and_k_rows(head_dim: int):
             assert b == [[(n, 16 * kk + k) for k in range(16)] for n in range(block_n)], kk
 
 
-@pytest.mark.parametrize("head_dim", [64, 128, 256])
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_pv_descriptor_reads_v_transposed(head_dim: int):
     """O += P V: B of k step kk is V rows (keys) 16 kk .. + 15 by every head_dim column, N-major."""
     _, block_n = traits(head_dim)
@@ -77,10 +90,22 @@ def test_pv_descriptor_reads_v_transposed(head_dim: int):
 
 def test_tiles_fill_whole_swizzle_atoms():
     """Every panel is a whole number of 1024-byte swizzle atoms, so tiles laid end to end from a 1024-aligned base keep
-    every descriptor's base offset 0, and the writes cover each tile's bytes exactly once."""
-    for head_dim in (64, 128, 256):
+    every descriptor's base offset 0; the writes cover each tile's used bytes exactly once, and below a multiple of 64
+    columns the last panel's unused part is a whole column band (rows keep their first head_dim % 64 columns), so
+    no k step or output column reads it."""
+    for head_dim in HEAD_DIMS:
         block_m, block_n = traits(head_dim)
         for rows in (block_m, block_n, 64):
             assert rows * 128 % 1024 == 0
             offsets = {sw128_offset(r, c, rows) for r in range(rows) for c in range(head_dim // 8)}
-            assert offsets == set(range(0, rows * head_dim * 2, 16))
+            assert len(offsets) == rows * head_dim // 8
+            assert all(0 <= o < rows * panels(head_dim) * 128 for o in offsets)
+            if head_dim % 64 == 0:
+                assert offsets == set(range(0, rows * head_dim * 2, 16))
+            else:  # the last panel: per row, the swizzled places of its first (head_dim % 64) / 8 chunks
+                last = (panels(head_dim) - 1) * rows * 128
+                used = head_dim % 64 // 8
+                for r in range(rows):
+                    start = last + r * 128
+                    row_chunks = {(o - start) // 16 for o in offsets if start <= o < start + 128}
+                    assert row_chunks == {c ^ (r & 7) for c in range(used)}

@@ -2,7 +2,8 @@
 // paged_prefill_kernel (PrefillParams), another way to do the two matrix products.
 //
 // - A CTA of two warpgroups owns 128 query rows of one (sequence, head), 64 per warpgroup, and walks the sequence's
-//   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim).
+//   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim). Head sizes 32, 64,
+//   96, 128, 192, 256: a multiple of 32 keeps the last 64-column panel's k steps whole (see Traits::kPanels).
 // - Q, K and V tiles sit in shared memory in wgmma's 128-byte-swizzled layout (wgmma.cuh). S = Q K^T reads both
 //   from shared memory (K-major); O += P V takes P from registers (the exponentiated S, rounded to 16 bits) and V
 //   from shared memory, transposed (MN-major). Each product is one commit group. Two kernels: the serial one waits
@@ -23,7 +24,8 @@ namespace prefill_wgmma {
 
 template <typename T_, int D_>
 struct Traits {
-  static_assert(D_ == 64 || D_ == 128 || D_ == 256, "wgmma prefill: head_dim 64, 128 or 256");
+  static_assert(D_ == 32 || D_ == 64 || D_ == 96 || D_ == 128 || D_ == 192 || D_ == 256,
+                "wgmma prefill: head_dim 32, 64, 96, 128, 192 or 256");
   using T = T_;
   using KV = T_;
   static constexpr bool kFp8 = false;
@@ -33,17 +35,27 @@ struct Traits {
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = D <= 128 ? 128 : 64;
   static constexpr int kChunks = D / 8;
-  static constexpr bool kFixedChunk = true;  // kThreads is a multiple of kChunks: a thread keeps one chunk column
-  static constexpr int kKVCopies = kBlockN * kChunks / kThreads;
-  static constexpr int kQCopies = kBlockM * kChunks / kThreads;
-  static constexpr int kQBytes = kBlockM * D * 2, kTileBytes = kBlockN * D * 2;  // Q; one K or V stage
+  // 64-column panels per tile; head sizes that are not a multiple of 64 leave the last one partly unused (never
+  // written, never read: the k steps and the P V product's N stop at D).
+  static constexpr int kPanels = (D + 63) / 64;
+  // A thread keeps one chunk column when kThreads is a multiple of kChunks (32, 64, 128, 256); otherwise its copies
+  // walk the tile's chunks end to end (prefill::copy_slot).
+  static constexpr bool kFixedChunk = kThreads % kChunks == 0;
+  static constexpr int kKVCopies = (kBlockN * kChunks + kThreads - 1) / kThreads;
+  static constexpr int kQCopies = (kBlockM * kChunks + kThreads - 1) / kThreads;
+  static constexpr int kQBytes = kBlockM * kPanels * 128, kTileBytes = kBlockN * kPanels * 128;  // Q; a K or V stage
   static constexpr int kKOffset = kQBytes, kVOffset = kKOffset + 2 * kTileBytes;  // from the 1024-aligned base
   static constexpr int kSlotsOffset = kVOffset + 2 * kTileBytes;
   // + slots[2][kBlockN], + up to 1008 bytes to align the base (dynamic shared memory is only 16-byte aligned).
   static constexpr int kSmemBytes = kSlotsOffset + 2 * kBlockN * static_cast<int>(sizeof(int)) + 1024;
+  // The epilogue stages O in the Q tile with the mma kernel's layout (prefill::store_output).
+  static_assert(kBlockM * tile_pitch<D>() * 2 <= kQBytes, "the output stage fits in the Q tile");
+  static_assert(kSmemBytes <= 227 * 1024, "one CTA's shared memory");
   __device__ __forceinline__ static uint32_t kv_offset(int row, int chunk) {
     return wgmma::sw128_offset<kBlockN>(row, chunk);
   }
+  // This thread's column offset (elements) added to every copy's source: its fixed chunk, or 0 when copies walk.
+  __device__ __forceinline__ static int fixed_col(int tid) { return kFixedChunk ? tid % kChunks * 8 : 0; }
 };
 
 // Accumulators as the flat register list the wgmma asm takes (the same registers).
@@ -100,8 +112,8 @@ __device__ __forceinline__ void pv_issue(float (&o)[1][C::D / 8][4], const uint3
   wgmma::commit();
 }
 
-// This thread's 16-byte copies of one tile of `cache` (K or V) into dst, rows found through slots as in
-// prefill::issue_kv_tile (which copies K and V of one tile together); the pipelined kernel moves K a tile ahead of V.
+// This thread's 16-byte copies of one tile of `cache` (K or V) into dst (head_off: kv_head * D + C::fixed_col), rows
+// found through slots as in prefill::issue_kv_tile (which copies K and V of one tile together); the pipelined kernel moves K a tile ahead of V.
 template <class C>
 __device__ __forceinline__ void issue_cache_tile(const PrefillParams& p, const void* cache, int64_t head_off,
                                                  const int* slots, uint32_t dst, int tid) {
@@ -110,11 +122,11 @@ __device__ __forceinline__ void issue_cache_tile(const PrefillParams& p, const v
 #pragma unroll
   for (int i = 0; i < C::kKVCopies; ++i) {
     int row, chunk;
-    prefill::copy_slot<C, C::kBlockN>(tid, i, row, chunk);
+    if (!prefill::copy_slot<C, C::kBlockN>(tid, i, row, chunk)) break;
     const int slot = slots[row];
     const bool valid = slot >= 0;
-    cp_async16(dst + C::kv_offset(row, chunk), static_cast<const T*>(cache) + (valid ? slot * row_stride + head_off : 0),
-               valid);
+    const int64_t off = valid ? slot * row_stride + head_off + (C::kFixedChunk ? 0 : chunk * 8) : 0;
+    cp_async16(dst + C::kv_offset(row, chunk), static_cast<const T*>(cache) + off, valid);
   }
 }
 
@@ -123,14 +135,14 @@ template <class C>
 __device__ __forceinline__ void issue_q_tile(const PrefillParams& p, uint32_t q_smem, int head, int q_start,
                                             int q_len, int m0, int tid) {
   using T = typename C::T;
-  const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + tid % C::kChunks * 8;
+  const T* q = static_cast<const T*>(p.query) + head * p.q_stride_h + C::fixed_col(tid);
 #pragma unroll
   for (int i = 0; i < C::kQCopies; ++i) {
     int r, chunk;
-    prefill::copy_slot<C, C::kBlockM>(tid, i, r, chunk);
+    if (!prefill::copy_slot<C, C::kBlockM>(tid, i, r, chunk)) break;
     const bool valid = m0 + r < q_len;
-    cp_async16(q_smem + wgmma::sw128_offset<C::kBlockM>(r, chunk), q + (valid ? (q_start + m0 + r) * p.q_stride_t : 0),
-               valid);
+    const T* src = q + (C::kFixedChunk ? 0 : chunk * 8) + (valid ? (q_start + m0 + r) * p.q_stride_t : 0);
+    cp_async16(q_smem + wgmma::sw128_offset<C::kBlockM>(r, chunk), src, valid);
   }
   cp_async_commit();
 }

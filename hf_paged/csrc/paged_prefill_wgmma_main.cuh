@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_serial_ker
   const int* table = p.block_tables + static_cast<int64_t>(b) * p.table_stride;
 
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + tid % C::kChunks * 8;
+  const int64_t head_off = static_cast<int64_t>(kv_head) * C::D + C::fixed_col(tid);
   auto issue_tile = [&](int stage) {
     prefill::issue_kv_tile<C>(p, head_off, slots + stage * C::kBlockN, k_smem + stage * C::kTileBytes,
                               v_smem + stage * C::kTileBytes, tid);

@@ -27,7 +27,7 @@ __global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_pipelined_
   const prefill::CtaScale sc = prefill::cta_scale<C>(p, ct.kv_head);
   const int* table = p.block_tables + static_cast<int64_t>(ct.b) * p.table_stride;
   const int tid = threadIdx.x, lane = tid & 31, warp = tid >> 5;
-  const int64_t head_off = static_cast<int64_t>(ct.kv_head) * C::D + tid % C::kChunks * 8;
+  const int64_t head_off = static_cast<int64_t>(ct.kv_head) * C::D + C::fixed_col(tid);
   auto stage = [](uint32_t base, int t) { return base + (t & 1) * C::kTileBytes; };
   auto issue_k = [&](int t) { issue_cache_tile<C>(p, p.k_cache, head_off, slots + (t & 1) * C::kBlockN,
                                                   stage(k_smem, t), tid); };

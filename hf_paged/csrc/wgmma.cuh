@@ -7,8 +7,9 @@
 // e = 0, 1 at (row g, cols 8j + 2t, +1), e = 2, 3 at row g + 8). An A operand in registers is the m16n8k16 A fragment
 // of the warp's 16 rows (ptx.cuh), so exponentiated score tiles become the A of the P.V product as with mma.sync.
 //
-// Tile layout both operands use (`sw128_offset`): a tile of R rows and D 16-bit columns (D a multiple of 64) is D / 64
-// panels of [R][64] elements, 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r & 7). That is the
+// Tile layout both operands use (`sw128_offset`): a tile of R rows and D 16-bit columns is ceil(D / 64) panels of
+// [R][64] elements (the last one partly used when D is not a multiple of 64: a product's k steps or N stop at D),
+// 128-byte rows, 16-byte chunk c of row r stored at chunk c ^ (r & 7). That is the
 // hardware's 128-byte swizzle (address bits 4-6 XOR bits 7-9), so panels must start on 1024-byte boundaries. Read as
 // - K-major (rows = M or N, columns = the contraction): a 16-wide k step is 32 bytes at (k / 64) * R * 128 +
 //   (k % 64) * 2 from the tile; SBO = 1024 (the next 8 rows), LBO unused (1);
@@ -66,9 +67,14 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   "+f"(d[i]), "+f"(d[i + 1]), "+f"(d[i + 2]), "+f"(d[i + 3]), "+f"(d[i + 4]), "+f"(d[i + 5]), "+f"(d[i + 6]), \
       "+f"(d[i + 7])
 #define HF_PAGED_ACC32(i) HF_PAGED_ACC8(i), HF_PAGED_ACC8(i + 8), HF_PAGED_ACC8(i + 16), HF_PAGED_ACC8(i + 24)
+#define HF_PAGED_ACC_32 HF_PAGED_ACC8(0), HF_PAGED_ACC8(8)
 #define HF_PAGED_ACC_64 HF_PAGED_ACC32(0)
+#define HF_PAGED_ACC_96 HF_PAGED_ACC32(0), HF_PAGED_ACC8(32), HF_PAGED_ACC8(40)
 #define HF_PAGED_ACC_128 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32)
+#define HF_PAGED_ACC_192 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32), HF_PAGED_ACC32(64)
 #define HF_PAGED_ACC_256 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32), HF_PAGED_ACC32(64), HF_PAGED_ACC32(96)
+#define HF_PAGED_REGS_0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define HF_PAGED_REGS_32_47 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
 #define HF_PAGED_REGS_0                                                                                        \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31"
@@ -81,8 +87,11 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #define HF_PAGED_REGS_96                                                                                         \
   "%96, %97, %98, %99, %100, %101, %102, %103, %104, %105, %106, %107, %108, %109, %110, %111, %112, %113, %114, " \
   "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
+#define HF_PAGED_STR_32 "{" HF_PAGED_REGS_0_15 "}"
 #define HF_PAGED_STR_64 "{" HF_PAGED_REGS_0 "}"
+#define HF_PAGED_STR_96 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32_47 "}"
 #define HF_PAGED_STR_128 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 "}"
+#define HF_PAGED_STR_192 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 ", " HF_PAGED_REGS_64 "}"
 #define HF_PAGED_STR_256 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 ", " HF_PAGED_REGS_64 ", " HF_PAGED_REGS_96 "}"
 
 // D[64 x N] (+)= A[64 x 16] B[16 x N] for one warpgroup; `accumulate` 0 overwrites D (no zeroing needed).
@@ -113,8 +122,11 @@ struct Mma64;
   };
 
 #define HF_PAGED_MMA64_SHAPES(TYPE, TY)                                                                       \
+  HF_PAGED_MMA64(TYPE, TY, 32, "%16", "%17", "%18", "{%16, %17, %18, %19}", "%20", "%21")                     \
   HF_PAGED_MMA64(TYPE, TY, 64, "%32", "%33", "%34", "{%32, %33, %34, %35}", "%36", "%37")                     \
+  HF_PAGED_MMA64(TYPE, TY, 96, "%48", "%49", "%50", "{%48, %49, %50, %51}", "%52", "%53")                     \
   HF_PAGED_MMA64(TYPE, TY, 128, "%64", "%65", "%66", "{%64, %65, %66, %67}", "%68", "%69")                    \
+  HF_PAGED_MMA64(TYPE, TY, 192, "%96", "%97", "%98", "{%96, %97, %98, %99}", "%100", "%101")                  \
   HF_PAGED_MMA64(TYPE, TY, 256, "%128", "%129", "%130", "{%128, %129, %130, %131}", "%132", "%133")
 
 HF_PAGED_MMA64_SHAPES(__half, "f16")
@@ -123,15 +135,23 @@ HF_PAGED_MMA64_SHAPES(__nv_bfloat16, "bf16")
 #undef HF_PAGED_MMA64_SHAPES
 #undef HF_PAGED_MMA64
 #undef HF_PAGED_STR_256
+#undef HF_PAGED_STR_192
 #undef HF_PAGED_STR_128
+#undef HF_PAGED_STR_96
 #undef HF_PAGED_STR_64
+#undef HF_PAGED_STR_32
+#undef HF_PAGED_REGS_32_47
+#undef HF_PAGED_REGS_0_15
 #undef HF_PAGED_REGS_96
 #undef HF_PAGED_REGS_64
 #undef HF_PAGED_REGS_32
 #undef HF_PAGED_REGS_0
 #undef HF_PAGED_ACC_256
+#undef HF_PAGED_ACC_192
 #undef HF_PAGED_ACC_128
+#undef HF_PAGED_ACC_96
 #undef HF_PAGED_ACC_64
+#undef HF_PAGED_ACC_32
 #undef HF_PAGED_ACC32
 #undef HF_PAGED_ACC8
 

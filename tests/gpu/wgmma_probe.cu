@@ -21,12 +21,14 @@ namespace {
 
 namespace wg = hf_paged::wgmma;
 
-constexpr int kARows = 128, kMaxK = 128;
+constexpr int kARows = 128, kMaxK = 256;
 constexpr int kABytes = kARows * kMaxK * 2;  // A tile (ss), from the 1024-aligned base
 template <int N>
 constexpr int kBRows = N <= 128 ? 128 : 64;  // rs: the prefill's V tile (kBlockN keys)
+// The larger of the ss B^T tile (N rows by up to kMaxK columns) and the rs B tile (kBRows rows by N columns in whole
+// 64-column panels: N = 32, 96 or 192 leaves the last one partly unused, as in the prefill's V tile).
 template <int N>
-constexpr int kBBytes = (N > kBRows<N> ? N * kMaxK : kBRows<N> * N) * 2;  // max of the ss and rs B tiles
+constexpr int kBBytes = (N * kMaxK > kBRows<N> * ((N + 63) / 64 * 64) ? N * kMaxK : kBRows<N> * ((N + 63) / 64 * 64)) * 2;
 template <int N>
 constexpr int kSmemBytes = kABytes + kBBytes<N> + 1024;
 
@@ -120,9 +122,12 @@ template <typename T>
 void launch_n(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& d, int form, int row0, int k_len,
               uint32_t lbo, uint32_t sbo) {
   const int n = d.size(1);
+  if (n == 32) return launch<T, 32>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 64) return launch<T, 64>(a, b, d, form, row0, k_len, lbo, sbo);
+  if (n == 96) return launch<T, 96>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 128) return launch<T, 128>(a, b, d, form, row0, k_len, lbo, sbo);
-  TORCH_CHECK(n == 256, "N must be 64, 128 or 256");
+  if (n == 192) return launch<T, 192>(a, b, d, form, row0, k_len, lbo, sbo);
+  TORCH_CHECK(n == 256, "N must be 32, 64, 96, 128, 192 or 256");
   launch<T, 256>(a, b, d, form, row0, k_len, lbo, sbo);
 }
 
@@ -130,7 +135,7 @@ void launch_n(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& d, 
 void probe(torch::Tensor a, torch::Tensor b, torch::Tensor d, int64_t form, int64_t row0, int64_t lbo, int64_t sbo) {
   const int k_len = a.size(1), n = d.size(1);
   TORCH_CHECK(a.is_cuda() && a.is_contiguous() && b.is_contiguous() && d.is_contiguous(), "contiguous CUDA tensors");
-  TORCH_CHECK(a.size(0) == kARows && k_len % 16 == 0 && k_len <= kMaxK, "a: [128, K], K a multiple of 16 <= 128");
+  TORCH_CHECK(a.size(0) == kARows && k_len % 16 == 0 && k_len <= kMaxK, "a: [128, K], K a multiple of 16 <= 256");
   TORCH_CHECK(b.scalar_type() == a.scalar_type() && d.scalar_type() == torch::kFloat32 && d.size(0) == 64, "dtypes");
   TORCH_CHECK(form == 0 ? (b.size(0) == n && b.size(1) == k_len) : (b.size(0) == k_len && b.size(1) == n),
               "b: [N, K] for ss, [K, N] for rs");
