@@ -27,15 +27,15 @@ import operator
 import time
 from collections.abc import Sequence as SequenceType
 
-import numpy as np
 import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTable
+from hf_paged.engine import graph_inputs
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
-    OnDemandSizes, graph_batch_sizes, one_call_graph_sizes)
+    OnDemandSizes, graph_batch_sizes, one_call_graph_sizes, pool_bytes, size_ranges)
 from hf_paged.engine.runner import model_call
 from hf_paged.engine.step_plan import DecodeColumns
 from hf_paged.engine.sequence import Sequence
@@ -74,7 +74,7 @@ class DecodeGraphs:
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._staging = StagingBuffer(7 * b_max, self.device)  # never grows: the graphs read its address
+        self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)  # never grows: the graphs read its address
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
         self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
@@ -125,7 +125,7 @@ class DecodeGraphs:
             torch.cuda.synchronize(self.device)
             logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
                            "sizes are captured on demand: steps pad up to the captured ones (%s)", want,
-                           type(exc).__name__, str(exc)[:300], _ranges(self.sizes))
+                           type(exc).__name__, str(exc)[:300], size_ranges(self.sizes))
             return size
         self.on_demand_seconds += time.perf_counter() - began
         if reason is not None:
@@ -158,7 +158,7 @@ class DecodeGraphs:
         self.memory_bytes = self._held_bytes(before)
         logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
                     "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self._graphs),
-                    _ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
+                    size_ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
                     self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
 
@@ -230,9 +230,9 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         """Everything the graph of size ``b`` records: widen the staged inputs, gather the rows' block tables,
         compute slots and lengths, then the model forward."""
-        w, bs, stage = self.width, self.cache.block_size, self._stage
-        ids, pos, src, rows = stage[:b], stage[b : 2 * b], stage[2 * b : 3 * b], stage[3 * b : 4 * b]
-        self.device_tables.table.view(-1).index_copy_(0, stage[4 * b : 6 * b].view(torch.int64), stage[6 * b : 7 * b])
+        w, bs = self.width, self.cache.block_size
+        ids, pos, src, rows, update_at, update_values = graph_inputs.read(self._stage, b)
+        self.device_tables.table.view(-1).index_copy_(0, update_at, update_values)
         self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
         self._pos[:b].copy_(pos)
         tables = self.device_tables.table.index_select(0, rows)  # [b, w]
@@ -256,38 +256,20 @@ class DecodeGraphs:
         return out.logits[0]
 
     def _send(self, cols: DecodeColumns, b: int) -> None:
-        """Lay the step out in pinned memory and copy it to the device in one go: padding rows are token 0 at
-        position 0 in the all-zero table row (the graph gives them slot -1), unused table updates go to the scratch
-        entry. Table updates beyond ``b`` are queued apart first."""
-        n, tables = len(cols.rows), self.device_tables
+        """Lay the step out in pinned memory and copy it to the device in one go (graph_inputs); table updates beyond
+        ``b`` are queued apart first."""
+        tables = self.device_tables
         flat, values = tables.changes()
-        k = len(flat)
-        if k > b:
+        if len(flat) > b:
             tables.send(flat, values)
-            k = 0
-        host = self._staging.host_array(7 * b)
-        host[:n] = cols.ids
-        host[b : b + n] = cols.positions
-        host[2 * b : 2 * b + n] = cols.sources
-        host[3 * b : 3 * b + n] = cols.rows
-        if n < b:
-            for start, value in ((0, 0), (b, 0), (2 * b, -1), (3 * b, tables.pad_row)):
-                host[start + n : start + b] = value
-        updates = host[4 * b : 6 * b].view(np.int64)
-        updates[:k] = flat[:k]
-        updates[k:] = tables.trash_index
-        host[6 * b : 6 * b + k] = values[:k]
-        host[6 * b + k : 7 * b] = 0
-        self._staging.send(7 * b)
+            flat, values = flat[:0], values[:0]
+        host = self._staging.host_array(graph_inputs.SEGMENTS * b)
+        graph_inputs.fill_step(host, b, cols.ids, cols.positions, cols.sources, cols.rows, tables.pad_row, flat,
+                               values, tables.trash_index)
+        self._staging.send(graph_inputs.SEGMENTS * b)
 
     def _stage_padding(self, b: int) -> None:
-        """A step of ``b`` padding rows (nothing written, nothing real read): what warm-up and capture run on."""
-        stage = self._stage
-        stage[: 2 * b].zero_()
-        stage[2 * b : 3 * b].fill_(-1)
-        stage[3 * b : 4 * b].fill_(self.device_tables.pad_row)
-        stage[4 * b : 6 * b].view(torch.int64).fill_(self.device_tables.trash_index)
-        stage[6 * b : 7 * b].zero_()
+        graph_inputs.fill_padding(self._stage, b, self.device_tables.pad_row, self.device_tables.trash_index)
 
     def release(self) -> None:
         """Free the captured graphs (and whatever they hold, collectives included) now; no replay follows."""
@@ -307,18 +289,3 @@ class DecodeGraphs:
             "replays": self.replays,
         }
 
-
-def pool_bytes(device: torch.device, pool) -> int | None:
-    """Bytes of the caching allocator's segments owned by memory pool ``pool`` on ``device``; None where the
-    snapshot does not say which pool owns a segment."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return sum(s["total_size"] for s in segments
-                   if s.get("device", index) == index and tuple(s["segment_pool_id"]) == tuple(pool))
-    except (KeyError, TypeError, RuntimeError):
-        return None
-
-
-def _ranges(sizes: list[int]) -> str:
-    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{', '.join(map(str, sizes[:5]))}, ..., {sizes[-1]}"

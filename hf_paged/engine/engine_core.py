@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from hf_paged.attention.kv_quant import kv_storage_dtype
-from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache.kv_pool import blocks_from_memory  # noqa: F401 (imported from here too)
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager
@@ -47,7 +47,7 @@ from hf_paged.engine.steady_decode import SteadyDecode
 from hf_paged.engine.stop_checker import StopChecker
 from hf_paged.hf import placement
 from hf_paged.hf.tensor_parallel import kv_layout
-from hf_paged.hf.register import ATTN_IMPLEMENTATION
+from hf_paged.hf.register import use_paged_attention
 
 logger = logging.getLogger("hf_paged")
 _status = operator.attrgetter("status")
@@ -57,7 +57,7 @@ class EngineCore(TokenHandover):
     """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
 
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None):
-        _use_paged_attention(model)
+        use_paged_attention(model)
         self.model, self.tokenizer = model, tokenizer
         self.device, dtype = model.device, model.dtype
         self.max_model_len = max_len = validation.position_limit(model.config)
@@ -296,18 +296,3 @@ def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
                           [batch.sample[i] for i in keep])
 
 
-def _use_paged_attention(model: torch.nn.Module) -> None:
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
-        logger.info("hf_paged: switching the model's attention to %r for the engine", ATTN_IMPLEMENTATION)
-        model.set_attn_implementation(ATTN_IMPLEMENTATION)
-    if model.training:
-        logger.warning("hf_paged: the model is in training mode (dropout on); call model.eval() before generating")
-
-
-def blocks_from_memory(layout: KVLayout, block_size: int, dtype: torch.dtype, device, budget: float,
-                       cap: int) -> int:
-    """Blocks of ``layout`` (or a model config's) that ``budget`` (a fraction of the free memory of ``device``, or
-    of each layer's device when given one per layer: the tightest decides) holds, at most ``cap``."""
-    layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
-    devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
-    return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))
