@@ -138,12 +138,13 @@ def _compiled_run(model, prompts) -> tuple:
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     served = (engine.compiled is not None and engine.compiled.enabled
               and compiled >= model.config.num_hidden_layers)  # one graph or more per layer
-    # each layer's q/k/v shards lie end to end in one buffer, and the local products read that buffer
-    attns = [layer.self_attn for layer in model.model.layers]
-    shards = [[m.weight.to_local() for m in (a.q_proj, a.k_proj, a.v_proj)] for a in attns]
-    packed = all(skinny.packed_rows(ws, [None] * 3) is not None for ws in shards) and all(
-        m.forward.weight.data_ptr() == w.data_ptr() for a, ws in zip(attns, shards)
-        for m, w in zip((a.q_proj, a.k_proj, a.v_proj), ws))
+    # each layer's q/k/v shards lie end to end in one buffer, and so do its gate/up shards; the local products read
+    # those buffers
+    groups = [[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")] for layer in model.model.layers]
+    groups += [[getattr(layer.mlp, n) for n in ("gate_proj", "up_proj")] for layer in model.model.layers]
+    shards = [[m.weight.to_local() for m in group] for group in groups]
+    packed = all(skinny.packed_rows(ws, [None] * len(ws)) is not None for ws in shards) and all(
+        m.forward.weight.data_ptr() == w.data_ptr() for group, ws in zip(groups, shards) for m, w in zip(group, ws))
     mlp = model.model.layers[1].mlp
     x = torch.randn(3, model.config.hidden_size, generator=torch.Generator().manual_seed(0))
     traced = []
@@ -359,51 +360,3 @@ def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatc
         assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
     monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
     assert tp_all_reduce.mode() == "nccl"
-
-
-def test_packing_moves_the_q_k_v_shards_and_biases_end_to_end_and_keeps_their_values(tmp_path):
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor, Shard, init_device_mesh
-
-    if dist.is_initialized():
-        pytest.skip("a process group is up in this process already")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        mesh = init_device_mesh("cpu", (1,))
-        torch.manual_seed(0)
-
-        def attention(bias: tuple[bool, bool, bool]) -> torch.nn.Module:
-            parent = torch.nn.Module()
-            for name, n, b in zip(("q_proj", "k_proj", "v_proj"), (16, 8, 8), bias):
-                linear = torch.nn.Linear(12, n, bias=b)
-                linear.weight = torch.nn.Parameter(DTensor.from_local(linear.weight.detach(), mesh, [Shard(0)]))
-                if b:
-                    linear.bias = torch.nn.Parameter(DTensor.from_local(linear.bias.detach(), mesh, [Shard(0)]))
-                setattr(parent, name, linear)
-            return parent
-
-        def shards(parent, what="weight"):
-            return [getattr(getattr(parent, n), what) for n in ("q_proj", "k_proj", "v_proj")]
-
-        with_bias = attention((True, True, True))
-        before = [t.full_tensor().clone() for t in shards(with_bias) + shards(with_bias, "bias")]
-        assert tp_linears.pack_colwise(with_bias, list(with_bias.children())) == 1
-        after = [t.full_tensor() for t in shards(with_bias) + shards(with_bias, "bias")]
-        assert all(torch.equal(a, b) for a, b in zip(after, before))
-        weights, biases = [t.to_local() for t in shards(with_bias)], [t.to_local() for t in shards(with_bias, "bias")]
-        assert skinny.packed_rows(weights, biases) is not None
-        address = weights[0].data_ptr()
-        assert tp_linears.pack_colwise(with_bias, list(with_bias.children())) == 1  # found packed, not moved again
-        assert shards(with_bias)[0].to_local().data_ptr() == address
-        x = torch.randn(5, 12)
-        outs = skinny.linear_group(x, weights, biases)  # one product over the packed shards
-        assert all(torch.allclose(o, torch.nn.functional.linear(x, w, b), atol=1e-6)
-                   for o, w, b in zip(outs, weights, biases))
-
-        mixed = attention((True, False, True))  # a bias missing: the group stays as it is
-        addresses = [t.to_local().data_ptr() for t in shards(mixed)]
-        assert tp_linears.pack_colwise(mixed, list(mixed.children())) == 0
-        assert [t.to_local().data_ptr() for t in shards(mixed)] == addresses
-        assert tp_linears.pack_colwise(attention((False,) * 3), []) == 0  # not among the colwise shards given
-    finally:
-        dist.destroy_process_group()
