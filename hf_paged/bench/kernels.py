@@ -4,7 +4,9 @@ One run measures the device-to-device copy bandwidth, then for each shape (the a
 ``shared/gpu/anchors.md``: bf16, 32 query / 8 kv heads, head_dim 128 and 64) times hf_paged's decode at block
 size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
-writes everything as JSON. ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
+writes everything as JSON. ``ours-pdl-bs16`` (compute capability 9.0 on) is the block-size-16 decode launched with
+programmatic dependent launch (``HF_PAGED_DECODE_PDL=1``: each launch may start while the one before finishes).
+``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
 scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
 quantization's error, not the kernel's).
 
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -85,6 +88,25 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
     return s
 
 
+PDL_ENV = "HF_PAGED_DECODE_PDL"
+
+
+def with_env(name: str, value: str, fn):
+    """``fn`` called with the environment variable set (the decode op reads it at launch, so under CUDA-graph capture
+    the captured launch keeps it), and restored after."""
+    def call():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return call
+
+
 def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                softcap: float = 0.0) -> dict[str, list]:
     """name -> one zero-argument callable per input set."""
@@ -94,6 +116,13 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
         out[f"ours-bs{bs}"] = [
             lambda s=s, bs=bs: kernels.paged_decode(s["query"], s[f"k{bs}"], s[f"v{bs}"], s[f"t{bs}"], s["seq_lens"],
                                                     scale, max_seq_len=ctx, window=window, softcap=softcap)
+            for s in sets
+        ]
+    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch: Hopper on
+        out["ours-pdl-bs16"] = [
+            with_env(PDL_ENV, "1", lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"],
+                                                                    s["seq_lens"], scale, max_seq_len=ctx,
+                                                                    window=window, softcap=softcap))
             for s in sets
         ]
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
@@ -238,7 +267,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
-    impls = ["ours-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
+    impls = ["ours-bs16", "ours-pdl-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")
     print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)

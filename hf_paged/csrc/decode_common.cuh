@@ -28,6 +28,23 @@ __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
 }
 
+// Programmatic dependent launch (decode_ops.cpp launches decode with it when HF_PAGED_DECODE_PDL=1, on compute
+// capability 9.0 on): the grid may start while the kernel before it in the stream is still running. A CTA reads its
+// sequence length and block-table slice (cta_work: written when the step was laid out, before the layers ran), then
+// waits for that kernel to complete and its writes to be visible before it reads the query, the cache or the split
+// workspace. Once its K/V loop is done it lets the next grid start launching. Without the launch attribute (or
+// below sm_90) both are no-ops.
+__device__ __forceinline__ void wait_for_prior_grid() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void let_dependents_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+}
+
 // Where this CTA works: its split of one sequence and its group of query heads (GT heads per CTA). `b` is the
 // query / output row; `seq` the block-table row (the same in decode; a prefill row's sequence otherwise).
 struct CtaWork {

@@ -5,8 +5,10 @@
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <map>
 #include <mutex>
+#include <string>
 #include <tuple>
 #include <vector>
 
@@ -150,15 +152,47 @@ DecodeParams launch_params(const at::Tensor& out, const at::Tensor& query, const
   return p;
 }
 
-// One launch over `rows` query rows (grid z), p's split_len / max_splits splits each.
-void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream) {
+// Programmatic dependent launch for decode (HF_PAGED_DECODE_PDL=1, read per launch; compute capability 9.0 on): the
+// grid may start while the kernel before it in the stream is finishing, and its CTAs read their sequence length and
+// block-table slice before waiting for that kernel (decode_common.cuh, wait_for_prior_grid). Opt-in until measured.
+bool decode_pdl(int device) {
+  const char* env = std::getenv("HF_PAGED_DECODE_PDL");
+  if (env == nullptr || std::string(env) != "1") return false;
+  static std::mutex mu;
+  static std::map<int, bool> capable;
+  const std::lock_guard<std::mutex> lock(mu);
+  auto it = capable.find(device);
+  if (it != capable.end()) return it->second;
+  int major = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  return capable[device] = major >= 9;
+}
+
+// One launch over `rows` query rows (grid z), p's split_len / max_splits splits each; `pdl`: with programmatic
+// dependent launch (decode only: the kernels wait before reading what the previous kernel may write).
+void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream,
+            bool pdl = false) {
   residency(k, device);  // raises the kernel's shared-memory limit once per device
   const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
   const dim3 grid(static_cast<unsigned>(p.max_splits), static_cast<unsigned>(p.num_kv_heads * p.head_groups),
                   static_cast<unsigned>(rows));
   DecodeParams arg = p;
   void* args[] = {&arg};
-  C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
+  if (!pdl) {
+    C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
+    return;
+  }
+  cudaLaunchConfig_t config = {};
+  config.gridDim = grid;
+  config.blockDim = dim3(k.threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  config.stream = stream;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&config, k.fn, args));
 }
 
 }  // namespace
@@ -236,7 +270,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     }
     p.counters = counters.data_ptr<int32_t>();
   }
-  launch(k, p, batch, query.get_device(), stream);
+  launch(k, p, batch, query.get_device(), stream, decode_pdl(query.get_device()));
   return split_len;
 }
 

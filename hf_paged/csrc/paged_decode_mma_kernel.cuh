@@ -125,6 +125,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
   int* table = reinterpret_cast<int*>(smem + C::kSmemBytes);
   CtaWork w;
   if (!cta_work(p, C::kRows, table, w)) return;
+  wait_for_prior_grid();  // everything below may read what the previous kernel wrote
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const CtaScale sc = cta_scale<kFp8>(p, w.kvh);
 
@@ -159,6 +160,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     __syncwarp();  // the whole warp is done reading this stage before it is refilled
   }
   cp_async_wait<0>();
+  let_dependents_launch();
   store_mma_state<D, kFp8>(st, smem, w, lane, warp, sc.v_scale);
   finish_cta<T, D, C::kRows>(p, smem, w);
 }

@@ -77,6 +77,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
   int* table = reinterpret_cast<int*>(smem + C::kSmemBytes);
   CtaWork w;
   if (!cta_work</*kPrefillRows=*/true>(p, GT, table, w)) return;
+  wait_for_prior_grid();  // everything below may read what the previous kernel wrote (decode with PDL)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int sub = lane % C::kLanesPerToken, group = warp * C::kGroupsPerWarp + lane / C::kLanesPerToken;
@@ -116,6 +117,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
     stage_accumulate<T, D, GT>(smem, stage, valid, s, st);
   }
   cp_async_wait<0>();
+  let_dependents_launch();
   merge_warp<GT, C::kDimsPerLane, C::kLanesPerToken>(st);
   store_state<T, D, GT>(st, smem);
   finish_cta<T, D, GT>(p, smem, w);
