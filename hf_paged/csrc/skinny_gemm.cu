@@ -27,70 +27,16 @@
 
 #include <algorithm>
 
-#include "ptx.cuh"
-#include "skinny_gemm.h"
+#include "skinny_gemm_common.cuh"
 
 namespace hf_paged {
 namespace {
 
 namespace cg = cooperative_groups;
+using namespace skinny;  // the tiles, loads and stores both skinny kernels share
 
-constexpr int kThreads = 256, kWarps = kThreads / 32;
 constexpr int kUnroll = 4;        // 32-wide chunks of K per batch
-constexpr int kTileRows = 16;     // weight rows per warp (the mma's m)
-constexpr int kChunk = 32;        // k per chunk: 4 lanes x 8 elements
-constexpr int kMaxCluster = 8;    // the portable cluster size
 constexpr int kWarpsPerSm = 24;   // resident warps per SM the launch bounds below guarantee
-
-// The kernel's argument: the ops' parameters and the first tile of each weight (tile_begin[count] = all tiles).
-struct GroupLaunch {
-  SkinnyGemmParams p;
-  int tile_begin[kSkinnyMaxGroup + 1];
-};
-
-// One warp's tile: the weight it reads, where it writes, and its tile's index within that weight.
-template <typename T>
-struct Slice {
-  const T* weight;
-  const T* bias;
-  T* out;
-  int n, tile;
-};
-
-// The slice of global tile `tile`; false past the last weight's tiles.
-template <typename T>
-__device__ __forceinline__ bool find_slice(const GroupLaunch& l, int tile, Slice<T>& s) {
-  bool found = false;
-#pragma unroll
-  for (int i = 0; i < kSkinnyMaxGroup; ++i) {
-    if (i < l.p.count && tile >= l.tile_begin[i] && tile < l.tile_begin[i + 1]) {
-      s.weight = static_cast<const T*>(l.p.weight[i]), s.bias = static_cast<const T*>(l.p.bias[i]);
-      s.out = static_cast<T*>(l.p.out[i]), s.n = l.p.n[i], s.tile = tile - l.tile_begin[i];
-      found = true;
-    }
-  }
-  return found;
-}
-
-// 16 bytes of the weight (read once: no L1 allocation, a 256-byte L2 prefetch), zeros where !valid (nothing read).
-__device__ __forceinline__ uint4 load_weight(const void* p, bool valid) {
-  uint4 r = make_uint4(0u, 0u, 0u, 0u);
-  asm volatile(
-      "{\n .reg .pred v;\n setp.ne.b32 v, %5, 0;\n"
-      " @v ld.global.nc.L1::no_allocate.L2::256B.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
-      : "+r"(r.x), "+r"(r.y), "+r"(r.z), "+r"(r.w)
-      : "l"(p), "r"(static_cast<int>(valid)));
-  return r;
-}
-
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // acc += weight[tile rows, chunks begin .. end) . x[:, same k], in the fragment layout described above.
 template <typename T>
@@ -124,27 +70,6 @@ __device__ __forceinline__ void accumulate(float (&acc)[4], const SkinnyGemmPara
   for (int i = 0; i < 4; ++i) acc[i] += acc2[i];
 }
 
-// Bias added in fp32, rounded once; only rows below N and x rows below M are written.
-template <typename T>
-__device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>& s, const float (&acc)[4], int g,
-                                      int t) {
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int n = s.tile * kTileRows + g + 8 * half;
-    if (n >= s.n) continue;
-    const float b = s.bias != nullptr ? to_float(s.bias[n]) : 0.f;
-#pragma unroll
-    for (int i = 0; i < 2; ++i) {
-      const int m = 2 * t + i;
-      if (m < p.m) s.out[static_cast<int64_t>(m) * s.n + n] = from_float<T>(acc[2 * half + i] + b);
-    }
-  }
-}
-
-__device__ __forceinline__ void add(float (&acc)[4], const float4& v) {
-  acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
-}
-
 // Grid: (blocks over the group's tiles, cluster); block: kWarps / parts tiles, `parts` warps per tile, each a slice
 // of K.
 template <typename T>
@@ -164,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
                   static_cast<int>((split + 1) * chunks / splits), g, t);
   }
   if (parts == 1 && cluster == 1) {
-    if (owns_tile) store<T>(p, s, acc, g, t);
+    if (owns_tile) store<T>(p, s, acc, 0, g, t);
     return;
   }
   partial[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -183,7 +108,7 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
       for (int q = 0; q < parts; ++q) add(acc, remote[q * 32 + lane]);
     }
 #endif
-    store<T>(p, s, acc, g, t);
+    store<T>(p, s, acc, 0, g, t);
   }
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (cluster > 1) group.sync();  // keep every block's shared memory alive until rank 0 has read it
@@ -207,25 +132,13 @@ void choose_split(const SkinnyGemmParams& p, int64_t tiles, int& parts, int& clu
 
 template <typename T>
 cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
-  GroupLaunch l{};
-  l.p = p;
-  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + kTileRows - 1) / kTileRows;
-  for (int i = p.count + 1; i <= kSkinnyMaxGroup; ++i) l.tile_begin[i] = l.tile_begin[p.count];
+  const GroupLaunch l = group_launch(p);
   const int64_t tiles = l.tile_begin[p.count];
   int parts = 1, cluster = 1;
   choose_split(p, tiles, parts, cluster);
   const int64_t tiles_per_block = kWarps / parts;
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>((tiles + tiles_per_block - 1) / tiles_per_block),
-                        static_cast<unsigned>(cluster));
-  config.blockDim = dim3(kThreads);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = 1, attribute[0].val.clusterDim.y = cluster, attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = cluster > 1 ? 1 : 0;
-  return cudaLaunchKernelEx(&config, skinny_gemm_kernel<T>, l, parts, cluster);
+  return launch_clusters(skinny_gemm_kernel<T>, (tiles + tiles_per_block - 1) / tiles_per_block, cluster, 0, stream,
+                         l, parts, cluster);
 }
 
 }  // namespace
