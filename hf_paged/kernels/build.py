@@ -44,6 +44,7 @@ SOURCES = (
     "paged_prefill_wgmma_bf16.cu",
     "skinny_ops.cpp",
     "skinny_gemm.cu",
+    "skinny_gemm_wide.cu",
     "peer_sum_ops.cpp",
     "peer_sum.cu",
 )
