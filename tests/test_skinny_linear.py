@@ -1,6 +1,7 @@
 """The skinny linear on the CPU: the ``hf_paged::linear`` op falls back to ``F.linear`` bit for bit, traces as one
-opaque call under ``torch.compile`` (no guard on the row count), and ``skinny_linear.install`` / ``active`` route a
-model's linear layers through it only while active (the GPU kernel itself: tests/gpu/test_skinny_linear_gpu.py)."""
+opaque call under ``torch.compile`` (no guard on the row count), routes rows to the kernels' ops by count (9 to 64
+only with ``HF_PAGED_SKINNY_WIDE=1``; the ops faked on the CPU), and ``skinny_linear.install`` / ``active`` route a
+model's linear layers through it only while active (the GPU kernels themselves: tests/gpu/test_skinny_linear_gpu.py)."""
 
 from __future__ import annotations
 
@@ -68,7 +69,124 @@ def test_training_keeps_autograd():
 def test_max_rows_matches_the_kernel():
     header = (build.CSRC / "skinny_gemm.h").read_text()
     assert int(re.search(r"kSkinnyMaxRows = (\d+);", header).group(1)) == skinny.MAX_ROWS
-    assert {"skinny_gemm.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
+    assert int(re.search(r"kSkinnyWideMaxRows = (\d+);", header).group(1)) == skinny.WIDE_MAX_ROWS
+    assert {"skinny_gemm.cu", "skinny_gemm_wide.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
+
+
+REAL_LINEAR = F.linear  # the tests below record calls to F.linear; the fake kernels compute with this one
+
+
+@pytest.fixture
+def fake_kernels(monkeypatch):
+    """The kernels' four ops as F.linear on the CPU, each call recorded as (op name, rows of x); CPU tensors pass
+    the kernels' device check and the kernels count as loaded. Every weight size takes the kernel (no cuBLAS rule)."""
+    calls = []
+
+    def single(name):
+        def op(x, weight, bias=None):
+            calls.append((name, x.shape[0]))
+            return REAL_LINEAR(x, weight, bias)
+        return op
+
+    def group(name):
+        def op(x, weights, biases):
+            calls.append((name, x.shape[0]))
+            return [REAL_LINEAR(x, w, b) for w, b in zip(weights, biases, strict=True)]
+        return op
+
+    for name in ("skinny_gemm", "skinny_gemm_wide"):
+        monkeypatch.setattr(torch.ops.hf_paged, name, single(name), raising=False)
+        monkeypatch.setattr(torch.ops.hf_paged, f"{name}_group", group(f"{name}_group"), raising=False)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
+    monkeypatch.setattr(skinny, "_kernels_ready", True)
+    monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
+    return calls
+
+
+def set_wide(monkeypatch, value: str | None) -> None:
+    if value is None:
+        monkeypatch.delenv(skinny.WIDE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(skinny.WIDE_ENV, value)
+
+
+def expected_op(rows: int, wide: str | None) -> str | None:
+    if 0 < rows <= skinny.MAX_ROWS:
+        return "skinny_gemm"
+    return "skinny_gemm_wide" if wide == "1" and rows <= skinny.WIDE_MAX_ROWS else None
+
+
+@pytest.mark.parametrize("wide", [None, "0", "1"], ids=["unset", "off", "on"])
+@pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 33, 64, 65])
+def test_rows_reach_the_op_the_switch_allows(fake_kernels, monkeypatch, rows, wide):
+    set_wide(monkeypatch, wide)
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
+    weights = [torch.randn(n, 64, generator=gen).to(torch.bfloat16) for n in (40, 24)]
+    biases = [torch.randn(40, generator=gen).to(torch.bfloat16), None]
+    want = [REAL_LINEAR(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    op = expected_op(rows, wide)
+    assert skinny.kernel_serves(x, weights[0], biases[0]) == (op is not None)
+    assert torch.equal(skinny.linear(x, weights[0], biases[0]), want[0])
+    assert fake_kernels == ([(op, rows)] if op else [])
+    fake_kernels.clear()
+    outs = skinny.linear_group(x, weights, biases)
+    assert all(torch.equal(o, w) for o, w in zip(outs, want, strict=True))
+    assert fake_kernels == ([(f"{op}_group", rows)] if op else [])
+
+
+def test_the_switch_is_read_per_call_and_leading_dims_count_as_rows(fake_kernels, monkeypatch):
+    x, weight = torch.randn(4, 5, 32, dtype=torch.bfloat16), torch.randn(24, 32, dtype=torch.bfloat16)
+    for wide in ("1", None, "1"):
+        set_wide(monkeypatch, wide)
+        out = skinny.linear(x, weight)
+        assert out.shape == (4, 5, 24) and torch.equal(out, REAL_LINEAR(x, weight))
+    assert fake_kernels == [("skinny_gemm_wide", 20), ("skinny_gemm_wide", 20)]
+
+
+@pytest.mark.parametrize("case", ["0 rows", "65 rows", "K % 8", "float32", "weight view", "bias view"])
+def test_with_the_switch_on_what_no_kernel_serves_is_f_linear(fake_kernels, monkeypatch, case):
+    set_wide(monkeypatch, "1")
+    rows, k = {"0 rows": 0, "65 rows": 65}.get(case, 20), 60 if case == "K % 8" else 64
+    dtype = torch.float32 if case == "float32" else torch.bfloat16
+    x, weight = torch.randn(rows, k).to(dtype), torch.randn(48, k).to(dtype)
+    bias = torch.randn(96).to(dtype)[::2] if case == "bias view" else None  # not contiguous
+    if case == "weight view":
+        weight = torch.randn(k, 48).to(dtype).t()
+    assert not skinny.kernel_serves(x, weight, bias)
+    assert torch.equal(skinny.linear(x, weight, bias), REAL_LINEAR(x, weight, bias))
+    assert torch.equal(skinny.linear_group(x, [weight, weight], [bias, None])[0], REAL_LINEAR(x, weight, bias))
+    assert fake_kernels == []
+
+
+@pytest.mark.parametrize("wide", [None, "1"], ids=["off", "on"])
+def test_weights_end_to_end_take_the_wide_kernel_when_on_else_one_f_linear(fake_kernels, monkeypatch, wide):
+    set_wide(monkeypatch, wide)
+    gen = torch.Generator().manual_seed(5)
+    buffer = torch.randint(-4, 5, (40, 32), generator=gen).to(torch.bfloat16)  # q/k/v of 24, 8, 8 rows end to end
+    weights, x = [buffer[:24], buffer[24:32], buffer[32:]], torch.randint(-4, 5, (2, 16, 32), generator=gen).bfloat16()
+    assert skinny.packed_rows(weights, [None] * 3) is not None
+    linear_calls = []
+    monkeypatch.setattr(skinny.F, "linear", lambda *a: linear_calls.append(a[1].shape) or REAL_LINEAR(*a))
+    outs = skinny.linear_group(x, weights, [None] * 3)
+    assert all(torch.equal(o, REAL_LINEAR(x, w)) and o.shape == (2, 16, w.shape[0])
+               for o, w in zip(outs, weights, strict=True))
+    if wide:
+        assert fake_kernels == [("skinny_gemm_wide_group", 32)] and linear_calls == []
+    else:
+        assert fake_kernels == [] and linear_calls == [torch.Size([40, 32])]
+
+
+def test_a_compiled_call_routes_rows_when_it_runs(fake_kernels, monkeypatch):
+    set_wide(monkeypatch, "1")
+    recording = RecordingBackend()
+    fn = torch.compile(lambda x, w: skinny.linear(x, w) * 2, fullgraph=True, dynamic=True, backend=recording)
+    weight = torch.randn(24, 32, dtype=torch.bfloat16)
+    for rows in (5, 20, 70):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        assert torch.equal(fn(x, weight), REAL_LINEAR(x, weight) * 2)
+    assert fake_kernels == [("skinny_gemm", 5), ("skinny_gemm_wide", 20)]
+    assert len(recording.graphs) == 1 and recording.op_calls() == 1
 
 
 @pytest.mark.parametrize("backend", ["recording", "aot_eager"])

@@ -2,10 +2,12 @@
 
 At a few rows of ``x`` (a decode step at small batch) a linear layer is bound by reading its weight, and cuBLAS's
 GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` serves up to :data:`MAX_ROWS` rows
-on tensor cores (fp32 accumulation); everything else goes to ``torch.nn.functional.linear``, and so do the small
-weights where cuBLAS is as fast (:func:`kernel_wins`). :func:`linear_group` runs 2 to 4 products that share x (q/k/v,
-gate/up) in one launch: at batch 1 such products are bound by launch latency more than by bytes, so the group always
-takes the kernel where it serves.
+on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in until
+it is measured on a GPU) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up to :data:`WIDE_MAX_ROWS` (decode at batch
+9 to 64, where a tensor-parallel rank's products are still bound by the weight's bytes). Everything else goes to
+``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
+:func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
+bound by launch latency more than by bytes, so the group always takes the kernel where it serves.
 
 :func:`linear` is the ``hf_paged::linear`` custom op under ``torch.compile`` (dynamic shapes too): the compiler sees
 one opaque call with the output's shape, and the choice between the kernel and ``F.linear`` is taken inside the op
@@ -16,6 +18,7 @@ the engine's compiled graphs).
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 
 import torch
@@ -24,6 +27,8 @@ import torch.nn.functional as F
 from hf_paged.kernels.build import ensure_loaded
 
 MAX_ROWS = 8  # rows of x the kernel serves (kSkinnyMaxRows in csrc/skinny_gemm.h)
+WIDE_MAX_ROWS = 64  # rows of x the wide kernel serves above MAX_ROWS (kSkinnyWideMaxRows), when wide_enabled()
+WIDE_ENV = "HF_PAGED_SKINNY_WIDE"
 MAX_GROUP = 4  # weights one grouped launch serves (kSkinnyMaxGroup)
 # A single product goes to cuBLAS below both: on an H100 at M=1, cuBLAS takes 6.1 us for Llama-3.2-1B's q/o
 # (2048 x 2048, 8 MiB) against the kernel's 7.0, and ties on its k/v (512 x 2048); from K=4096 on the kernel wins
@@ -33,7 +38,8 @@ CUBLAS_MAX_K = 2048
 DTYPES = (torch.float16, torch.bfloat16)
 _kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
-__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group", "packed_rows"]
+__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "WIDE_ENV", "WIDE_MAX_ROWS", "kernel_serves", "kernel_wins", "linear",
+           "linear_group", "packed_rows", "wide_enabled"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -79,24 +85,32 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 
 def kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
-    """Whether :func:`linear` runs the kernel for these tensors: :func:`kernel_wins` for the weight, x on CUDA in
-    float16/bfloat16 with 1 to :data:`MAX_ROWS` rows (the product of its leading dims), K a multiple of 8, weight
-    contiguous ``[N, K]`` of x's dtype and device, bias contiguous ``[N]`` of the same, rows and weight 16-byte
-    aligned, and the kernels load."""
+    """Whether :func:`linear` runs a kernel for these tensors: :func:`kernel_wins` for the weight, x on CUDA in
+    float16/bfloat16 with 1 to :data:`MAX_ROWS` rows (the product of its leading dims; :data:`WIDE_MAX_ROWS` where
+    :func:`wide_enabled`), K a multiple of 8, weight contiguous ``[N, K]`` of x's dtype and device, bias contiguous
+    ``[N]`` of the same, rows and weight 16-byte aligned, and the kernels load."""
     return kernel_wins(weight) and _kernel_input(x, weight, bias) is not None
 
 
 def kernel_wins(weight: torch.Tensor) -> bool:
     """Whether a single product with ``weight`` is faster on the kernel than on cuBLAS at decode row counts: false
-    for weights under :data:`CUBLAS_BELOW_BYTES` with K up to :data:`CUBLAS_MAX_K` (measured on an H100)."""
+    for weights under :data:`CUBLAS_BELOW_BYTES` with K up to :data:`CUBLAS_MAX_K` (measured on an H100 up to
+    :data:`MAX_ROWS` rows; the wide kernel follows the same rule until measured)."""
     return weight.numel() * weight.element_size() >= CUBLAS_BELOW_BYTES or weight.shape[-1] > CUBLAS_MAX_K
+
+
+def wide_enabled() -> bool:
+    """Whether 9 to :data:`WIDE_MAX_ROWS` rows go to the wide kernel: ``HF_PAGED_SKINNY_WIDE=1``, read on every call
+    (the switch lives inside the ops, so compiled graphs and captured CUDA graphs see it when they run or capture)."""
+    return os.environ.get(WIDE_ENV) == "1"
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = _kernel_input(x, weight, bias) if kernel_wins(weight) else None
     if x2 is None:
         return F.linear(x, weight, bias).contiguous()  # the fake promises a contiguous output
-    return torch.ops.hf_paged.skinny_gemm(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    op = torch.ops.hf_paged.skinny_gemm if x2.shape[0] <= MAX_ROWS else torch.ops.hf_paged.skinny_gemm_wide
+    return op(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 _op = torch.library.custom_op("hf_paged::linear", _linear, mutates_args=())
@@ -116,7 +130,8 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
             full = F.linear(x, *packed)
             return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
         return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
-    outs = torch.ops.hf_paged.skinny_gemm_group(x2, weights, biases)
+    ops = torch.ops.hf_paged
+    outs = (ops.skinny_gemm_group if x2.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide_group)(x2, weights, biases)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
 
 
@@ -133,7 +148,8 @@ def packed_rows(weights: Sequence[torch.Tensor],
     """``(weight, bias)`` views spanning every weight (and bias) when they lie end to end in one buffer, in order
     (contiguous ``[N_i, K]`` of one dtype, device and K; biases all None or likewise end to end), else None.
     ``hf_paged.hf.tp_linears`` packs the q/k/v shards of a tensor-parallel model so; the group then runs as one
-    product where the skinny kernel does not serve it (more than :data:`MAX_ROWS` rows)."""
+    product where the skinny kernels do not serve it (more than :data:`MAX_ROWS` rows, or :data:`WIDE_MAX_ROWS` where
+    :func:`wide_enabled`)."""
     if len(weights) < 2 or not _end_to_end(weights, matrix=True):
         return None
     first = weights[0]
@@ -161,7 +177,7 @@ def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= MAX_ROWS:
+    if not 0 < rows <= (WIDE_MAX_ROWS if wide_enabled() else MAX_ROWS):
         return None
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1 or (rows > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
