@@ -48,8 +48,10 @@ GROUPS = {"1b-qkv": ((2048, 512, 512), 2048), "1b-gate-up": ((8192, 8192), 2048)
 
 @pytest.fixture(autouse=True)
 def kernel_at_every_size(monkeypatch):
-    """The kernel at every shape here: the size rule that gives small single products to cuBLAS is off."""
+    """The kernel at every shape here: the size rule that gives small single products to cuBLAS is off; more than 8
+    rows go to F.linear (the wide kernel, HF_PAGED_SKINNY_WIDE=1: test_skinny_wide_gpu.py)."""
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
+    monkeypatch.delenv(skinny.WIDE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)
