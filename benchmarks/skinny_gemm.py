@@ -1,21 +1,26 @@
-"""The skinny linear kernel against cuBLAS (``F.linear``) at decode row counts: time per call, % of copy bandwidth.
+"""The skinny linear kernels against cuBLAS (``F.linear``) at decode row counts: time per call, GB/s, % of copy
+bandwidth.
 
-Shapes: every distinct linear of Llama-3.2-1B and Llama-3.1-8B (q/o, k/v, gate/up, down, lm_head), ``--rows``
-(default 1, 2, 4, 8) rows of x, ``--dtype`` (default bf16), with no bias (as in Llama).
+Shapes: every distinct linear of Llama-3.2-1B and Llama-3.1-8B (q/o, k/v, gate/up, down, lm_head) and of one rank of
+Llama-3.1-8B split over two GPUs by tensor parallelism (``8b-tp2``: q 2048, k/v 512 and gate/up 7168 rows of K=4096,
+o 4096 x 2048, down 4096 x 7168; no lm_head), ``--rows`` (default 1, 2, 4, 8; up to 64) rows of x, ``--dtype``
+(default bf16), with no bias (as in Llama). Up to 8 rows "skinny" is skinny_gemm.cu, from 9 to 64 the wide kernel
+(skinny_gemm_wide.cu), called directly: the benchmark needs no ``HF_PAGED_SKINNY_WIDE``.
 
 Each time is of a CUDA graph of ``calls`` launches cycling through enough copies of the weight to span twice the L2
 cache, so that every call reads its weight from DRAM as in a decode step, and no host launch cost is timed; time
 per call = median over ``--replays`` replays of (replay time / calls), after warm-up replays. Bytes moved = weight +
-x + out; "% copy" = (bytes / time) / the copy bandwidth of the same run: 2 x the bytes of a 1 GiB device-to-device
-copy over its median time (a read plus a write per byte). Both results are checked against each other first.
-Grouped rows time the products that share x (q+k+v, gate+up): cuBLAS = one ``F.linear`` per weight, skinny = one
-``linear_group`` launch, each in the same graph setup (a "call" is the whole group).
-The summary adds up one decode step's linears (per layer: q/o 2, k/v 2, gate/up 2, down 1; then lm_head): all on
-cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up grouped, o/down/lm_head per the
-single op's size rule, ``kernel_wins``).
+x + out; GB/s = bytes / time; "% copy" = that over the copy bandwidth of the same run: 2 x the bytes of a 1 GiB
+device-to-device copy over its median time (a read plus a write per byte). Both results are checked against each
+other first. Grouped rows time the products that share x (q+k+v, gate+up): cuBLAS = one ``F.linear`` per weight,
+skinny = one grouped launch, each in the same graph setup (a "call" is the whole group).
+The summary adds up one decode step's linears (per layer: each shape its count, e.g. 8B's q/o 2, k/v 2, gate/up 2,
+down 1; then lm_head): all on cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up
+grouped, the other products per the single op's size rule, ``kernel_wins``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
-    python benchmarks/skinny_gemm.py [--models 1b,8b] [--rows 1,2,4,8] [--dtype bf16] [--replays 20] [--json F]
+    python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8,16,32,64] [--dtype bf16] [--replays 20]
+        [--json F]
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hf_paged.kernels import unavailable_reason  # noqa: E402
-from hf_paged.kernels.skinny import kernel_wins, linear_group  # noqa: E402
+from hf_paged.kernels.skinny import MAX_ROWS, WIDE_MAX_ROWS, kernel_wins  # noqa: E402
 
 # shape: (N, K, calls per layer); 0 for lm_head, called once per step
 MODELS = {
@@ -43,22 +48,39 @@ MODELS = {
     "8b": dict(name="Llama-3.1-8B", layers=32, shapes={"q/o": (4096, 4096, 2), "k/v": (1024, 4096, 2),
                                                        "gate/up": (14336, 4096, 2), "down": (4096, 14336, 1),
                                                        "lm_head": (128256, 4096, 0)}),
+    "8b-tp2": dict(name="Llama-3.1-8B TP-2 rank", layers=32, shapes={"q": (2048, 4096, 1), "k/v": (512, 4096, 2),
+                                                                     "o": (4096, 2048, 1), "gate/up": (7168, 4096, 2),
+                                                                     "down": (4096, 7168, 1)}),
 }
-# grouped products: name -> the shapes (of MODELS[...]["shapes"]) sharing x, once per layer each
-GROUPS = {"q+k+v": ("q/o", "k/v", "k/v"), "gate+up": ("gate/up", "gate/up")}
+# grouped products: name -> the shapes (of MODELS[...]["shapes"]) sharing x, once per layer each; q is "q/o" where
+# the model's q and o have one shape
+GROUPS = {"q+k+v": ("q", "k/v", "k/v"), "gate+up": ("gate/up", "gate/up")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def group_shapes(spec: dict, group: str) -> tuple[str, ...]:
+    """The model's shape names of one group's products."""
+    return tuple("q/o" if name == "q" and "q" not in spec["shapes"] else name for name in GROUPS[group])
 
 
 def _cublas_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
     return [F.linear(x, w) for w in weights]
 
 
+# the kernels themselves, by rows of x (the routed ops would send small single products to cuBLAS, and more than 8
+# rows to cuBLAS unless HF_PAGED_SKINNY_WIDE=1)
+def _skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    ops = torch.ops.hf_paged
+    return (ops.skinny_gemm if x.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide)(x, weight, None)
+
+
 def _skinny_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    return linear_group(x, weights, [None] * len(weights))
+    ops = torch.ops.hf_paged
+    group = ops.skinny_gemm_group if x.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide_group
+    return group(x, weights, [None] * len(weights))
 
 
-# the kernel itself for single products (the routed op would send small ones to cuBLAS)
-SYSTEMS = {"cublas": F.linear, "skinny": lambda x, w: torch.ops.hf_paged.skinny_gemm(x, w, None)}
+SYSTEMS = {"cublas": F.linear, "skinny": _skinny}
 GROUP_SYSTEMS = {"cublas": _cublas_group, "skinny": _skinny_group}
 MIN_CALLS = 20
 
@@ -131,6 +153,7 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
     for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
+        row[f"{system}_gbs"] = round(moved / seconds / 1e9, 1)
         row[f"{system}_pct_copy"] = round(100 * moved / seconds / copy_bw, 1)
     row["speedup"] = round(row["cublas_us"] / row["skinny_us"], 3)
     return row
@@ -138,7 +161,7 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
 
 def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> list[str]:
     """One decode step's linears per model and row count, in microseconds: all on cuBLAS, all on single kernel
-    launches, and as the engine runs them (groups on one launch each, the rest per the size rule)."""
+    launches, and as the engine runs them (groups on one launch each, the other products per the size rule)."""
     lines = []
     for key in models:
         spec = MODELS[key]
@@ -151,27 +174,30 @@ def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> l
             line = (f"{spec['name']} M={m}: a decode step's linears take {total['cublas']:.0f} us with cuBLAS, "
                     f"{total['skinny']:.0f} us with single skinny launches")
             if all(g in at for g in GROUPS):
-                single = {shape: at[shape]["cublas_us" if at[shape]["small"] else "skinny_us"]
-                          for shape in ("q/o", "down", "lm_head")}
-                engine = spec["layers"] * (sum(at[g]["skinny_us"] for g in GROUPS) + single["q/o"] + single["down"])
-                line += f", {engine + single['lm_head']:.0f} us as the engine runs them (grouped)"
+                grouped = [name for g in GROUPS for name in group_shapes(spec, g)]
+                engine = spec["layers"] * sum(at[g]["skinny_us"] for g in GROUPS)
+                for shape, (_, _, per_layer) in spec["shapes"].items():
+                    single = at[shape]["cublas_us" if at[shape]["small"] else "skinny_us"]
+                    calls = spec["layers"] * (per_layer - grouped.count(shape)) if per_layer else 1
+                    engine += calls * single
+                line += f", {engine:.0f} us as the engine runs them (grouped)"
             lines.append(line)
     return lines
 
 
 def table(rows: list[dict]) -> str:
-    lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS % copy | skinny % copy |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS GB/s | skinny GB/s "
+             "| cuBLAS % copy | skinny % copy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     lines += [f"| {r['model']} | {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['cublas_us']:.1f} | "
-              f"{r['skinny_us']:.1f} | {r['speedup']:.2f} | {r['cublas_pct_copy']:.0f} | {r['skinny_pct_copy']:.0f} |"
-              for r in rows]
+              f"{r['skinny_us']:.1f} | {r['speedup']:.2f} | {r['cublas_gbs']:.0f} | {r['skinny_gbs']:.0f} | "
+              f"{r['cublas_pct_copy']:.0f} | {r['skinny_pct_copy']:.0f} |" for r in rows]
     return "\n".join(lines)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,8b", help=f"comma-separated, of {sorted(MODELS)}")
-    parser.add_argument("--rows", default="1,2,4,8", help="comma-separated row counts of x (at most 8)")
+    parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated row counts of x (1 to {WIDE_MAX_ROWS})")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays per measurement")
     parser.add_argument("--json", type=Path, default=None)
@@ -180,6 +206,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.rows = [int(r) for r in args.rows.split(",") if r]
     if set(args.models) - set(MODELS):
         parser.error(f"unknown models {sorted(set(args.models) - set(MODELS))}; choose from {sorted(MODELS)}")
+    if not all(0 < m <= WIDE_MAX_ROWS for m in args.rows):
+        parser.error(f"--rows must be 1 to {WIDE_MAX_ROWS} (the skinny kernels serve no more), got {args.rows}")
     return args
 
 
@@ -187,8 +215,9 @@ def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
     """Print the last row as it comes and rewrite the JSON file with every row so far."""
     row = rows[-1]
     print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
-          f"({row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
-          f"({row['skinny_pct_copy']:.0f}% copy), max rel diff {row['max_rel_diff']:.1e}", flush=True)
+          f"({row['cublas_gbs']:.0f} GB/s, {row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
+          f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy), max rel diff "
+          f"{row['max_rel_diff']:.1e}", flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
                     "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}
@@ -208,7 +237,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for key in args.models:
         spec = MODELS[key]
-        products = {shape: [shape] for shape in spec["shapes"]} | GROUPS
+        products = {shape: [shape] for shape in spec["shapes"]} | {g: group_shapes(spec, g) for g in GROUPS}
         for name, shapes in products.items():
             widths, k = [spec["shapes"][shape][0] for shape in shapes], spec["shapes"][shapes[0]][1]
             sets = group_copies(widths, k, DTYPES[args.dtype])

@@ -296,10 +296,31 @@ def test_install_needs_decoder_layers():
         skinny_linear.install(torch.nn.Sequential(torch.nn.Linear(8, 8)))
 
 
-def test_the_benchmark_says_it_needs_a_gpu(monkeypatch):
+def benchmark():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import skinny_gemm
 
+    return skinny_gemm
+
+
+def test_the_benchmark_says_it_needs_a_gpu(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
-        skinny_gemm.main(["--rows", "1"])
+        benchmark().main(["--rows", "1"])
+    with pytest.raises(SystemExit):
+        benchmark().main(["--rows", "16,65"])  # past the wide kernel: refused before anything runs
+
+
+def test_the_benchmark_adds_up_a_tensor_parallel_step_as_the_engine_runs_it():
+    bench = benchmark()
+    spec = bench.MODELS["8b-tp2"]
+    products = {**{name: (name,) for name in spec["shapes"]}, **{g: bench.group_shapes(spec, g) for g in bench.GROUPS}}
+    assert products["q+k+v"] == ("q", "k/v", "k/v") and bench.group_shapes(bench.MODELS["8b"], "q+k+v")[0] == "q/o"
+    # cuBLAS 10 us a call, the kernel 1 us, a group 3 us; o is small enough for cuBLAS
+    rows = [dict(model=spec["name"], shape=name, rows=32, cublas_us=10.0, small=name == "o",
+                 skinny_us=3.0 if name in bench.GROUPS else 1.0) for name in products]
+    (line,) = bench.step_totals(rows, ["8b-tp2"], [32])
+    # per layer: cuBLAS q, k, v, o, gate, up, down = 70 us; single launches 7 us; the engine: two groups (6 us), o on
+    # cuBLAS (10 us), down on the kernel (1 us)
+    assert line == (f"{spec['name']} M=32: a decode step's linears take {32 * 70} us with cuBLAS, {32 * 7} us with "
+                    f"single skinny launches, {32 * 17} us as the engine runs them (grouped)")
