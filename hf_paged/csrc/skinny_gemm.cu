@@ -93,26 +93,18 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
     return;
   }
   partial[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const cg::cluster_group group = cg::this_cluster();
-  if (cluster > 1) group.sync();  // a block barrier too
-  else __syncthreads();
-#else
-  __syncthreads();  // cluster is 1 below sm_90 (the host never asks for more)
-#endif
+  partials_written(cluster);
   if (rank == 0 && part == 0 && owns_tile) {
     for (int q = 1; q < parts; ++q) add(acc, partial[warp + q][lane]);
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
     for (int r = 1; r < cluster; ++r) {
-      const float4* remote = group.map_shared_rank(&partial[warp][0], r);
+      const float4* remote = cg::this_cluster().map_shared_rank(&partial[warp][0], r);
       for (int q = 0; q < parts; ++q) add(acc, remote[q * 32 + lane]);
     }
 #endif
     store<T>(p, s, acc, 0, g, t);
   }
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cluster > 1) group.sync();  // keep every block's shared memory alive until rank 0 has read it
-#endif
+  partials_read(cluster);  // rank 0 has read every block's partial sums
 }
 
 // Splits of K per tile (a power of two, parts x cluster): the most that keep every warp of the launch resident at

@@ -3,6 +3,7 @@
 // store of one 16 x 8 accumulator tile, and the launch in thread-block clusters.
 #pragma once
 
+#include <cooperative_groups.h>
 #include <cuda_runtime.h>
 
 #include "ptx.cuh"
@@ -94,6 +95,24 @@ __device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>&
 
 __device__ __forceinline__ void add(float (&acc)[4], const float4& v) {
   acc[0] += v.x, acc[1] += v.y, acc[2] += v.z, acc[3] += v.w;
+}
+
+// Before the split partial sums are read: a barrier over the cluster where K is split across its blocks (a block
+// barrier too), else over the block.
+__device__ __forceinline__ void partials_written(int cluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) cooperative_groups::this_cluster().sync();
+  else __syncthreads();
+#else
+  __syncthreads();  // cluster is 1 below sm_90 (the host never asks for more)
+#endif
+}
+
+// After them: keep every block's shared memory alive until the cluster's other blocks have read it.
+__device__ __forceinline__ void partials_read(int cluster) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  if (cluster > 1) cooperative_groups::this_cluster().sync();
+#endif
 }
 
 // `kernel` on a grid of (blocks, cluster) blocks of kThreads, the cluster's blocks along y (blockIdx.y is the rank).

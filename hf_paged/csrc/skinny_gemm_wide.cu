@@ -211,17 +211,9 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
 #pragma unroll
   for (int nt = 0; nt < NT; ++nt)
     partial[(warp * NT + nt) * 32 + lane] = make_float4(acc[nt][0], acc[nt][1], acc[nt][2], acc[nt][3]);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  const cg::cluster_group group = cg::this_cluster();
-  if (cluster > 1) group.sync();  // a block barrier too
-  else __syncthreads();
-#else
-  __syncthreads();  // cluster is 1 below sm_90 (the host never asks for more)
-#endif
+  partials_written(cluster);
   reduce_and_store<T, NT>(l, partial, parts, cluster, rank);
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  if (cluster > 1) group.sync();  // keep every block's shared memory alive until the others have read it
-#endif
+  partials_read(cluster);
 }
 
 // Once per (device, kernel): the opt-in to its dynamic shared memory, and how many of its blocks fit on an SM.
