@@ -258,14 +258,17 @@ def test_group_refusals_say_what_to_do():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor needs triton on CUDA")
-def test_inductor_compiled_mlp_runs_the_op_for_every_row_count():
+@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
+def test_inductor_compiled_mlp_runs_the_op_for_every_row_count(wide, monkeypatch):
+    if wide:
+        monkeypatch.setenv(skinny.WIDE_ENV, "1")  # 9 to 64 rows on skinny_gemm_wide.cu
     torch._dynamo.reset()
     model = tiny_llama()
     skinny_linear.install(model)
     mlp = model.model.layers[0].mlp
     compiled = torch.compile(mlp, dynamic=True, fullgraph=True)
     with torch.no_grad(), skinny_linear.active():
-        for rows in (1, 3, 8, 9, 40):
+        for rows in (1, 3, 8, 9, 40, 64, 80):
             x = torch.randn(rows, 1, CONFIG["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
             want = mlp(x)
             torch.testing.assert_close(compiled(x), want, rtol=2e-2, atol=2e-2)
@@ -278,19 +281,33 @@ def tiny_llama() -> torch.nn.Module:
                                             dtype=torch.bfloat16).to(DEVICE).eval()
 
 
-def test_greedy_tokens_with_the_kernel_equal_those_without(monkeypatch):
-    model = tiny_llama()
-    gen = torch.Generator().manual_seed(1)
-    lengths = [1, 15, 17, 100, 300, 7]  # six rows: decode steps run the kernel with M = 6
+def greedy_batch(lengths: list[int], seed: int) -> dict:
+    """``generate`` arguments for left-padded random prompts of ``lengths`` (one decode row each)."""
+    gen = torch.Generator().manual_seed(seed)
     ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
     mask = torch.zeros_like(ids)
     for i, n in enumerate(lengths):
         ids[i, -n:] = torch.randint(3, CONFIG["vocab_size"], (n,), generator=gen)
         mask[i, -n:] = 1
-    batch = dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
-                 pad_token_id=0, eos_token_id=None)
+    return dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
+                pad_token_id=0, eos_token_id=None)
+
+
+def assert_greedy_matches(model, batch: dict, label: str) -> None:
+    """The tokens ``model`` generates for ``batch`` through the skinny routing (installed, then active) equal those
+    it generates without (outside ``active``) up to ties."""
+    skinny_linear.install(model)
     ref = model.generate(**batch, return_dict_in_generate=True, output_logits=True)
     top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    with skinny_linear.active():
+        got = model.generate(**batch)
+    width = batch["input_ids"].shape[1]
+    assert_matches_up_to_ties(got[:, width:], ref.sequences[:, width:], top2[..., 0] - top2[..., 1], label)
+
+
+def test_greedy_tokens_with_the_kernel_equal_those_without(monkeypatch):
+    model = tiny_llama()
+    batch = greedy_batch([1, 15, 17, 100, 300, 7], seed=1)  # six rows: decode steps run the kernel with M = 6
     served = []
     kernel_input = skinny._kernel_input
 
@@ -300,10 +317,7 @@ def test_greedy_tokens_with_the_kernel_equal_those_without(monkeypatch):
         return rows
 
     monkeypatch.setattr(skinny, "_kernel_input", counted)
+    assert_greedy_matches(model, batch, "skinny linear")
     patched = skinny_linear.install(model)
     assert len(patched) == 7 * CONFIG["num_hidden_layers"] + 1
-    with skinny_linear.active():
-        got = model.generate(**batch)
     assert sum(served) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the kernel"
-    width = ids.shape[1]
-    assert_matches_up_to_ties(got[:, width:], ref.sequences[:, width:], top2[..., 0] - top2[..., 1], "skinny linear")

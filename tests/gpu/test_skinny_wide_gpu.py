@@ -1,5 +1,6 @@
 """On the GPU: the wide skinny kernel (hf_paged/csrc/skinny_gemm_wide.cu, 9 to 64 rows of x) against a float64
-oracle, in CUDA graphs, behind ``skinny.linear`` with ``HF_PAGED_SKINNY_WIDE=1``, and in a model's greedy decode.
+oracle, in CUDA graphs, behind ``skinny.linear`` with ``HF_PAGED_SKINNY_WIDE=1``, and in a model's greedy decode
+(under inductor: test_skinny_linear_gpu.py's compiled MLP, with the switch on).
 
 Rows M from 9 to 64, each count of n-tiles of 8 (2 to 8), whole and partial; weights [N, K] with N not a multiple
 of 16 and K from 64 to 14336 chosen for every split of K on an H100 (132 SMs): a few tiles with K split over clusters
@@ -10,8 +11,6 @@ judged on its own (a wrong or dropped row fails), as in test_skinny_linear_gpu.p
 """
 
 from __future__ import annotations
-
-import importlib.util
 
 import pytest
 import torch
@@ -25,9 +24,10 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.engine import skinny_linear  # noqa: E402
 from hf_paged.kernels import skinny  # noqa: E402
 
-from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402  (same folder)
+from test_end_to_end_gpu import CONFIG, NEW_TOKENS  # noqa: E402  (same folder)
 from test_skinny_linear_gpu import (  # noqa: E402
-    ACCUMULATION, DEVICE, ROUNDING, assert_rows_close, oracle, random_linear, tiny_llama)
+    ACCUMULATION, DEVICE, ROUNDING, assert_greedy_matches, assert_rows_close, greedy_batch, oracle, random_linear,
+    tiny_llama)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -176,39 +176,12 @@ def test_the_ops_refuse_bad_arguments_with_what_to_change():
         torch.ops.hf_paged.skinny_gemm_wide_group(x[:9], [w, w[:, :32].contiguous()], [None, None])
 
 
-@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor needs triton on CUDA")
-def test_inductor_compiled_mlp_runs_the_wide_kernel():
-    torch._dynamo.reset()
-    model = tiny_llama()
-    skinny_linear.install(model)
-    mlp = model.model.layers[0].mlp
-    compiled = torch.compile(mlp, dynamic=True, fullgraph=True)
-    with torch.no_grad(), skinny_linear.active():
-        for rows in (9, 40, 64, 80):
-            x = torch.randn(rows, 1, CONFIG["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
-            torch.testing.assert_close(compiled(x), mlp(x), rtol=2e-2, atol=2e-2)
-    torch._dynamo.reset()
-
-
 def test_greedy_tokens_with_the_wide_kernel_equal_those_without(monkeypatch):
     model = tiny_llama()
-    gen = torch.Generator().manual_seed(2)
-    lengths = [1, 15, 17, 100, 300, 7, 33, 64, 2, 90, 5, 40, 11, 128, 3, 21, 60, 9, 70, 12]  # 20 rows
-    ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-    mask = torch.zeros_like(ids)
-    for i, n in enumerate(lengths):
-        ids[i, -n:] = torch.randint(3, CONFIG["vocab_size"], (n,), generator=gen)
-        mask[i, -n:] = 1
-    batch = dict(input_ids=ids.to(DEVICE), attention_mask=mask.to(DEVICE), max_new_tokens=NEW_TOKENS, do_sample=False,
-                 pad_token_id=0, eos_token_id=None)
-    ref = model.generate(**batch, return_dict_in_generate=True, output_logits=True)
-    top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
+    lengths = [1, 15, 17, 100, 300, 7, 33, 64, 2, 90, 5, 40, 11, 128, 3, 21, 60, 9, 70, 12]  # 20 decode rows
     wide_calls = []
     wide = torch.ops.hf_paged.skinny_gemm_wide
     monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_wide", lambda *a: wide_calls.append(1) or wide(*a))
+    assert_greedy_matches(model, greedy_batch(lengths, seed=2), "wide skinny")
     patched = skinny_linear.install(model)
-    with skinny_linear.active():
-        got = model.generate(**batch)
     assert len(wide_calls) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the wide kernel"
-    width = ids.shape[1]
-    assert_matches_up_to_ties(got[:, width:], ref.sequences[:, width:], top2[..., 0] - top2[..., 1], "wide skinny")
