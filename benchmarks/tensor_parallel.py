@@ -16,6 +16,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with its own all-reduce kernel
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
+    python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -66,6 +67,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-no-pack", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
                              "shards left in their own buffers: three products instead of one)")
+    parser.add_argument("--skinny-wide", action="store_true",
+                        help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 to 64 "
+                             "rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -255,6 +259,12 @@ def main(argv: list[str] | None = None) -> None:
             runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
         if args.tp_no_pack:
             runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
+        if args.skinny_wide:
+            for c in counts:
+                env = {"HF_PAGED_SKINNY_WIDE": "1"}
+                if c > 1 and args.tp_peer_sum:
+                    env["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
+                runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
         if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
             runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
         for count, variant, env in runs:
@@ -275,15 +285,17 @@ def print_table(rows: list[dict]) -> None:
     what = ("a tiny float32 Llama, 4 x 32-token prompts / 1 x 32, 8 new" if any(r.get("tiny") for r in rows)
             else "Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new")
     print(f"\nTensor parallel, {what}; {card}")
-    print(f"{'system':<22}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
+    width = max([22] + [len(r["system"]) + 2 for r in rows])
+    print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
     for r in rows:
-        base = next((b for b in rows if b["system"] == r["system"].split(" ")[0] and b["gpus"] == 1
-                     and b["status"] == "ok"), None)
+        # against the same variant on one GPU where it ran there (--skinny-wide), else the plain system's one-GPU run
+        ones = {b["system"]: b for b in rows if b["gpus"] == 1 and b["status"] == "ok"}
+        base = ones.get(r["system"].replace(", peer_sum)", ")")) or ones.get(r["system"].split(" ")[0])
         if r["status"] != "ok":
-            print(f"{r['system']:<22}{r['gpus']:>5}  failed: {r['error'][:80]}")
+            print(f"{r['system']:<{width}}{r['gpus']:>5}  failed: {r['error'][:80]}")
             continue
         speedup = f"{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x" if base else ""
-        print(f"{r['system']:<22}{r['gpus']:>5}{r['decode_tok_per_s']:>20,.0f}{r['ms_per_token']:>15.2f}"
+        print(f"{r['system']:<{width}}{r['gpus']:>5}{r['decode_tok_per_s']:>20,.0f}{r['ms_per_token']:>15.2f}"
               f"{speedup:>10}")
 
 
