@@ -60,8 +60,9 @@ class PagedAttentionCache(CacheInterface, Cache):
             layers compute only their process's KV heads (``hf_paged.hf.tensor_parallel.kv_layout(model)``).
         kv_cache_dtype: what the pool stores: None or ``"auto"``, ``dtype``; ``"fp8"`` (or ``"fp8_e4m3"``),
             ``torch.float8_e4m3fn`` with a float32 scale per layer and KV head, half the bytes of bfloat16 (twice
-            the blocks in a memory budget). Decode and the KV write run on the cuda kernels (float16/bfloat16
-            models on a GPU), prefill on the torch backend; no compiled decode steps (``is_compileable`` is False);
+            the blocks in a memory budget). Decode, prefill and the KV write run on the cuda kernels
+            (float16/bfloat16 models on a GPU, head_dim 64, 128 or 256; other layers on the torch backend); no
+            compiled decode steps (``is_compileable`` is False);
             ``docs/cache.md`` gives the scale policy and its accuracy.
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
