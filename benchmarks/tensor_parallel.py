@@ -68,8 +68,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
                              "shards left in their own buffers: three products instead of one)")
     parser.add_argument("--skinny-wide", action="store_true",
-                        help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 to 64 "
-                             "rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
+                        help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
+                             "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",

@@ -31,8 +31,8 @@ import torch
 
 from hf_paged.attention.metadata import PagedMetadata, Phase
 from hf_paged.cache.paged_cache import PagedAttentionCache
-from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTable
 from hf_paged.engine import graph_inputs
+from hf_paged.engine.block_table_buffer import BlockTableBuffer, DeviceBlockTable
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.graph_sizes import (  # noqa: F401 (the size helpers are imported from here too)
     OnDemandSizes, graph_batch_sizes, one_call_graph_sizes, pool_bytes, size_ranges)
@@ -74,7 +74,8 @@ class DecodeGraphs:
         self._cache_kwarg = cache_keyword(model)
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
-        self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)  # never grows: the graphs read its address
+        # never grows: the graphs read its address
+        self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
         self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
