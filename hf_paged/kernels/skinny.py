@@ -177,8 +177,8 @@ def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= (WIDE_MAX_ROWS if wide_enabled() else MAX_ROWS):
-        return None
+    if not 0 < rows <= MAX_ROWS and not (MAX_ROWS < rows <= WIDE_MAX_ROWS and wide_enabled()):
+        return None  # (the switch is read only above MAX_ROWS: the small-batch path stays free of it)
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1 or (rows > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
         x2 = x2.contiguous()
