@@ -68,7 +68,8 @@ def _args(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
     ({"impl": "wgmma-serial", "config": 0}, ValueError, "leave config at -1"),
     ({"impl": "wgmma-serial", "head_dim": 48}, NotImplementedError, "not 48"),
     ({"impl": "wgmma", "dtype": torch.float32}, NotImplementedError, "wgmma prefill serves"),
-    ({"impl": "wgmma", "head_dim": 80}, NotImplementedError, "head_dim (32, 64, 96, 128, 192, 256), not 80"),
+    ({"impl": "wgmma", "head_dim": 72}, NotImplementedError,
+     "head_dim (32, 64, 80, 96, 112, 128, 160, 192, 256), not 72"),
     ({"impl": "wgmma", "kv_dtype": torch.float8_e4m3fn}, NotImplementedError, "same dtype"),
 ])
 def test_refusals_before_any_device_work(change: dict, error: type, words: str):
@@ -82,7 +83,7 @@ def test_refusals_before_any_device_work(change: dict, error: type, words: str):
 def test_wgmma_serves_fp16_and_bf16_at_its_head_sizes():
     for dtype in (torch.float16, torch.bfloat16):
         assert all(wgmma_unsupported_reason(dtype, dtype, d) is None for d in WGMMA_HEAD_DIMS)
-        assert wgmma_unsupported_reason(dtype, dtype, 80) is not None
+        assert wgmma_unsupported_reason(dtype, dtype, 72) is not None
         assert wgmma_unsupported_reason(dtype, torch.float8_e4m3fn, 128) is not None
     assert wgmma_unsupported_reason(torch.float32, torch.float32, 128) is not None
 
@@ -107,10 +108,11 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
 @pytest.mark.parametrize(("env", "shape", "impl"), [
     (None, {}, "wgmma"), ("auto", {}, "wgmma"), (None, {"head_dim": 64}, "wgmma-serial"),
     (None, {"dtype": torch.float16, "head_dim": 256}, "wgmma"), (None, {"head_dim": 80}, "mma"),
+    ("1", {"head_dim": 160}, "wgmma"),
     (None, {"dtype": torch.float32}, "mma"), (None, {"kv_dtype": torch.float8_e4m3fn}, "mma"),
     ("0", {}, "mma"), ("0", {"head_dim": 64}, "mma"), ("1", {}, "wgmma"), ("serial", {}, "wgmma-serial"),
-    ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 80}, "mma"),
-    ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 80}, "mma"),
+    ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 72}, "mma"),
+    ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 72}, "mma"),
     ("1", {"kv_dtype": torch.float8_e4m3fn}, "mma"), (None, {"head_dim": 96}, "mma"), ("1", {"head_dim": 96}, "wgmma"),
     ("serial", {"head_dim": 192}, "wgmma-serial"), ("1", {"head_dim": 32}, "wgmma"), (None, {"head_dim": 32}, "mma"),
 ])

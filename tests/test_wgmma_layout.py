@@ -46,7 +46,7 @@ def traits(head_dim: int) -> tuple[int, int]:
     return 128, (128 if head_dim <= 128 else 64)
 
 
-HEAD_DIMS = [32, 64, 96, 128, 192, 256]  # kernels.prefill.WGMMA_HEAD_DIMS
+HEAD_DIMS = [32, 64, 80, 96, 112, 128, 160, 192, 256]  # kernels.prefill.WGMMA_HEAD_DIMS
 
 
 def test_the_model_covers_the_compiled_head_sizes():

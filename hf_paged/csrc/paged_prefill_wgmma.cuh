@@ -2,8 +2,9 @@
 // paged_prefill_kernel (PrefillParams), another way to do the two matrix products.
 //
 // - A CTA of two warpgroups owns 128 query rows of one (sequence, head), 64 per warpgroup, and walks the sequence's
-//   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim). Head sizes 32, 64,
-//   96, 128, 192, 256: a multiple of 32 keeps the last 64-column panel's k steps whole (see Traits::kPanels).
+//   K/V in kBlockN-key tiles (128 up to head_dim 128, 64 above: O's registers grow with head_dim). Head sizes: the
+//   multiples of 16 from 32 to 256 that are compiled (a 16-wide k step is 32 bytes inside a panel; the last 64-column
+//   panel is partly used below a multiple of 64, see Traits::kPanels).
 // - Q, K and V tiles sit in shared memory in wgmma's 128-byte-swizzled layout (wgmma.cuh). S = Q K^T reads both
 //   from shared memory (K-major); O += P V takes P from registers (the exponentiated S, rounded to 16 bits) and V
 //   from shared memory, transposed (MN-major). Each product is one commit group. Two kernels: the serial one waits
@@ -24,8 +25,7 @@ namespace prefill_wgmma {
 
 template <typename T_, int D_>
 struct Traits {
-  static_assert(D_ == 32 || D_ == 64 || D_ == 96 || D_ == 128 || D_ == 192 || D_ == 256,
-                "wgmma prefill: head_dim 32, 64, 96, 128, 192 or 256");
+  static_assert(D_ % 16 == 0 && D_ >= 32 && D_ <= 256, "wgmma prefill: head_dim a multiple of 16, 32 to 256");
   using T = T_;
   using KV = T_;
   static constexpr bool kFp8 = false;

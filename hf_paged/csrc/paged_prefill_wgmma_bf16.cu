@@ -10,7 +10,7 @@ namespace hf_paged {
 
 PrefillKernel prefill_kernel_wgmma_bf16(int head_dim, bool pipelined) {  // head sizes: kernels.prefill.WGMMA_HEAD_DIMS in Python
 #ifdef HF_PAGED_SM90A
-  return prefill_wgmma::select_head_dim<__nv_bfloat16, 32, 64, 96, 128, 192, 256>(head_dim, pipelined);
+  return prefill_wgmma::select_head_dim<__nv_bfloat16, 32, 64, 80, 96, 112, 128, 160, 192, 256>(head_dim, pipelined);
 #else
   (void)head_dim, (void)pipelined;
   return PrefillKernel{};

@@ -69,12 +69,18 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
 #define HF_PAGED_ACC32(i) HF_PAGED_ACC8(i), HF_PAGED_ACC8(i + 8), HF_PAGED_ACC8(i + 16), HF_PAGED_ACC8(i + 24)
 #define HF_PAGED_ACC_32 HF_PAGED_ACC8(0), HF_PAGED_ACC8(8)
 #define HF_PAGED_ACC_64 HF_PAGED_ACC32(0)
+#define HF_PAGED_ACC_80 HF_PAGED_ACC32(0), HF_PAGED_ACC8(32)
 #define HF_PAGED_ACC_96 HF_PAGED_ACC32(0), HF_PAGED_ACC8(32), HF_PAGED_ACC8(40)
+#define HF_PAGED_ACC_112 HF_PAGED_ACC32(0), HF_PAGED_ACC8(32), HF_PAGED_ACC8(40), HF_PAGED_ACC8(48)
 #define HF_PAGED_ACC_128 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32)
+#define HF_PAGED_ACC_160 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32), HF_PAGED_ACC8(64), HF_PAGED_ACC8(72)
 #define HF_PAGED_ACC_192 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32), HF_PAGED_ACC32(64)
 #define HF_PAGED_ACC_256 HF_PAGED_ACC32(0), HF_PAGED_ACC32(32), HF_PAGED_ACC32(64), HF_PAGED_ACC32(96)
 #define HF_PAGED_REGS_0_15 "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15"
+#define HF_PAGED_REGS_32_39 "%32, %33, %34, %35, %36, %37, %38, %39"
 #define HF_PAGED_REGS_32_47 "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47"
+#define HF_PAGED_REGS_48_55 "%48, %49, %50, %51, %52, %53, %54, %55"
+#define HF_PAGED_REGS_64_79 "%64, %65, %66, %67, %68, %69, %70, %71, %72, %73, %74, %75, %76, %77, %78, %79"
 #define HF_PAGED_REGS_0                                                                                        \
   "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, %22, %23, " \
   "%24, %25, %26, %27, %28, %29, %30, %31"
@@ -89,8 +95,11 @@ __device__ __forceinline__ void fence_operands(float (&d)[N]) {
   "%115, %116, %117, %118, %119, %120, %121, %122, %123, %124, %125, %126, %127"
 #define HF_PAGED_STR_32 "{" HF_PAGED_REGS_0_15 "}"
 #define HF_PAGED_STR_64 "{" HF_PAGED_REGS_0 "}"
+#define HF_PAGED_STR_80 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32_39 "}"
 #define HF_PAGED_STR_96 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32_47 "}"
+#define HF_PAGED_STR_112 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32_47 ", " HF_PAGED_REGS_48_55 "}"
 #define HF_PAGED_STR_128 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 "}"
+#define HF_PAGED_STR_160 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 ", " HF_PAGED_REGS_64_79 "}"
 #define HF_PAGED_STR_192 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 ", " HF_PAGED_REGS_64 "}"
 #define HF_PAGED_STR_256 "{" HF_PAGED_REGS_0 ", " HF_PAGED_REGS_32 ", " HF_PAGED_REGS_64 ", " HF_PAGED_REGS_96 "}"
 
@@ -124,8 +133,11 @@ struct Mma64;
 #define HF_PAGED_MMA64_SHAPES(TYPE, TY)                                                                       \
   HF_PAGED_MMA64(TYPE, TY, 32, "%16", "%17", "%18", "{%16, %17, %18, %19}", "%20", "%21")                     \
   HF_PAGED_MMA64(TYPE, TY, 64, "%32", "%33", "%34", "{%32, %33, %34, %35}", "%36", "%37")                     \
+  HF_PAGED_MMA64(TYPE, TY, 80, "%40", "%41", "%42", "{%40, %41, %42, %43}", "%44", "%45")                     \
   HF_PAGED_MMA64(TYPE, TY, 96, "%48", "%49", "%50", "{%48, %49, %50, %51}", "%52", "%53")                     \
+  HF_PAGED_MMA64(TYPE, TY, 112, "%56", "%57", "%58", "{%56, %57, %58, %59}", "%60", "%61")                    \
   HF_PAGED_MMA64(TYPE, TY, 128, "%64", "%65", "%66", "{%64, %65, %66, %67}", "%68", "%69")                    \
+  HF_PAGED_MMA64(TYPE, TY, 160, "%80", "%81", "%82", "{%80, %81, %82, %83}", "%84", "%85")                    \
   HF_PAGED_MMA64(TYPE, TY, 192, "%96", "%97", "%98", "{%96, %97, %98, %99}", "%100", "%101")                  \
   HF_PAGED_MMA64(TYPE, TY, 256, "%128", "%129", "%130", "{%128, %129, %130, %131}", "%132", "%133")
 
@@ -136,11 +148,17 @@ HF_PAGED_MMA64_SHAPES(__nv_bfloat16, "bf16")
 #undef HF_PAGED_MMA64
 #undef HF_PAGED_STR_256
 #undef HF_PAGED_STR_192
+#undef HF_PAGED_STR_160
 #undef HF_PAGED_STR_128
+#undef HF_PAGED_STR_112
 #undef HF_PAGED_STR_96
+#undef HF_PAGED_STR_80
 #undef HF_PAGED_STR_64
 #undef HF_PAGED_STR_32
+#undef HF_PAGED_REGS_64_79
+#undef HF_PAGED_REGS_48_55
 #undef HF_PAGED_REGS_32_47
+#undef HF_PAGED_REGS_32_39
 #undef HF_PAGED_REGS_0_15
 #undef HF_PAGED_REGS_96
 #undef HF_PAGED_REGS_64
@@ -148,8 +166,11 @@ HF_PAGED_MMA64_SHAPES(__nv_bfloat16, "bf16")
 #undef HF_PAGED_REGS_0
 #undef HF_PAGED_ACC_256
 #undef HF_PAGED_ACC_192
+#undef HF_PAGED_ACC_160
 #undef HF_PAGED_ACC_128
+#undef HF_PAGED_ACC_112
 #undef HF_PAGED_ACC_96
+#undef HF_PAGED_ACC_80
 #undef HF_PAGED_ACC_64
 #undef HF_PAGED_ACC_32
 #undef HF_PAGED_ACC32

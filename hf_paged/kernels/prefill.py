@@ -29,7 +29,7 @@ WIDEST_CONFIG_0 = 128  # config 0 (32 rows per warp) would spill registers above
 WGMMA_CONFIGS = {"wgmma": 3, "wgmma-serial": 4}
 IMPLS = ("mma", *WGMMA_CONFIGS)  # mma.sync on every GPU; wgmma on Hopper only
 WGMMA_DTYPES = (torch.float16, torch.bfloat16)
-WGMMA_HEAD_DIMS = (32, 64, 96, 128, 192, 256)  # keep in step with paged_prefill_wgmma_<dtype>.cu
+WGMMA_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)  # keep in step with paged_prefill_wgmma_<dtype>.cu
 _loaded = False
 
 

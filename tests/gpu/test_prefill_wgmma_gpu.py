@@ -2,12 +2,12 @@
 ``csrc/paged_prefill_wgmma*.cuh``) against the float64 torch oracle, on a compute capability 9.0 GPU (skipped
 elsewhere).
 
-The grid of test_cuda_prefill.py and test_kernel_rows_prefill.py for the kernel's head sizes (32, 64, 96, 128, 192,
-256): prompt lengths crossing its 128-row query tiles and 128-key (64 from head_dim 192 on) key tiles, block sizes
-16 and 48 (not a power of two; 256 for the exact rows), GQA, MHA and MQA, extends after paged prefixes, long runs,
-sliding windows and softcaps; outputs NaN-poisoned first, judged over the batch and row by row, and on inputs with
-exact answers. Then: the same inputs twice give identical bits (a race moves them), a CUDA-graph replay equals the
-eager call, and the cuda backend routes prefill here by default (``HF_PAGED_PREFILL_WGMMA`` overrides).
+The grid of test_cuda_prefill.py and test_kernel_rows_prefill.py for the kernel's head sizes (32 to 256, multiples
+of 16, as compiled): prompt lengths crossing its 128-row query tiles and 128-key (64 above head_dim 128) key tiles,
+block sizes 16 and 48 (not a power of two; 256 for the exact rows), GQA, MHA and MQA, extends after paged prefixes,
+long runs, sliding windows and softcaps; outputs NaN-poisoned first, judged over the batch and row by row, and on
+inputs with exact answers. Then: the same inputs twice give identical bits (a race moves them), a CUDA-graph replay
+equals the eager call, and the cuda backend routes prefill here by default (``HF_PAGED_PREFILL_WGMMA`` overrides).
 """
 
 from __future__ import annotations

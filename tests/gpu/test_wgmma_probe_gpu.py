@@ -45,11 +45,12 @@ SS, RS = 0, 1
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 # (form, N, K): N the instruction's n (the prefill's kBlockN for ss, head_dim for rs), K the contraction (16: one
 # step; 64: one 64-column panel for ss; 128: two panels for ss, 8-row groups up to the V tile's 128 rows for rs).
-# Head sizes that are not a multiple of 64 (32, 96, 192) end in a partly used panel: ss with K = head_dim (its last
-# k steps in that panel), rs with N = head_dim (the product's last columns there).
+# Head sizes that are not a multiple of 64 (32, 80, 96, 112, 160, 192) end in a partly used panel: ss with K =
+# head_dim (its last k steps in that panel), rs with N = head_dim (the product's last columns there).
+PARTIAL = (32, 80, 96, 112, 160, 192)
 CASES = [(SS, n, k) for n in (64, 128, 256) for k in (16, 64, 128)]
-CASES += [(SS, n, k) for n in (64, 128) for k in (32, 96, 192)]
-CASES += [(RS, n, k) for n in (32, 64, 96, 128, 192, 256) for k in (16, 64, 128) if k <= (128 if n <= 128 else 64)]
+CASES += [(SS, n, k) for n in (64, 128) for k in PARTIAL]
+CASES += [(RS, n, k) for n in (64, 128, 256, *PARTIAL) for k in (16, 64, 128) if k <= (128 if n <= 128 else 64)]
 
 
 @functools.cache

@@ -124,10 +124,13 @@ void launch_n(const torch::Tensor& a, const torch::Tensor& b, torch::Tensor& d, 
   const int n = d.size(1);
   if (n == 32) return launch<T, 32>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 64) return launch<T, 64>(a, b, d, form, row0, k_len, lbo, sbo);
+  if (n == 80) return launch<T, 80>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 96) return launch<T, 96>(a, b, d, form, row0, k_len, lbo, sbo);
+  if (n == 112) return launch<T, 112>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 128) return launch<T, 128>(a, b, d, form, row0, k_len, lbo, sbo);
+  if (n == 160) return launch<T, 160>(a, b, d, form, row0, k_len, lbo, sbo);
   if (n == 192) return launch<T, 192>(a, b, d, form, row0, k_len, lbo, sbo);
-  TORCH_CHECK(n == 256, "N must be 32, 64, 96, 128, 192 or 256");
+  TORCH_CHECK(n == 256, "N must be 32, 64, 80, 96, 112, 128, 160, 192 or 256");
   launch<T, 256>(a, b, d, form, row0, k_len, lbo, sbo);
 }
 

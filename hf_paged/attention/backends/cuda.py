@@ -17,7 +17,7 @@ prefill kernel at the head sizes where it was measured faster than the mma.sync 
 the same dtype): its serial form at head_dim 64, the pipelined one at 128 and 256 (docs/kernels.md); other layers and
 other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0`` the mma.sync kernel everywhere, ``1``
 the pipelined wgmma kernel, ``serial`` its serial form, on Hopper for every layer the kernel serves (also head_dim
-32, 96 and 192, compiled but not yet measured on a GPU).
+32, 80, 96, 112, 160 and 192, compiled but not yet measured on a GPU).
 """
 
 from __future__ import annotations
