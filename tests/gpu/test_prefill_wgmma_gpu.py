@@ -12,6 +12,7 @@ equals the eager call, and the cuda backend routes prefill here by default (``HF
 
 from __future__ import annotations
 
+import os
 import zlib
 
 import pytest
@@ -48,6 +49,12 @@ SCENARIOS = {
 }
 LONG = {"prefill-4096": ([0], [4096]), "prefix-2048": ([2048, 2500], [2048, 1000])}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+# Every compiled size, or the comma list in HF_PAGED_TEST_WGMMA_DIMS (a GPU session re-checking only some sizes);
+# a size that is not compiled is an error, not a silent skip.
+HEAD_DIMS = tuple(int(d) for d in os.environ.get("HF_PAGED_TEST_WGMMA_DIMS", "").split(",") if d) or WGMMA_HEAD_DIMS
+if not set(HEAD_DIMS) <= set(WGMMA_HEAD_DIMS):
+    raise ValueError(f"HF_PAGED_TEST_WGMMA_DIMS={HEAD_DIMS} names sizes the wgmma kernels do not serve "
+                     f"({WGMMA_HEAD_DIMS})")
 IMPLS = tuple(WGMMA_CONFIGS)  # the pipelined kernel and its serial form
 
 
@@ -64,7 +71,7 @@ def seeded(*key) -> torch.Generator:
 
 
 @pytest.mark.parametrize("dtype", DTYPES.values(), ids=DTYPES.keys())
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("block_size", [16, 48])
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -77,7 +84,7 @@ def test_wgmma_matches_float64_reference(scenario, block_size, heads, head_dim, 
         check(run_wgmma(query, k_cache, v_cache, meta, params, impl=impl), expected, dtype, f"{impl} {scenario}")
 
 
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("block_size", [16, 256])
 @pytest.mark.parametrize("scenario", LONG)
 def test_wgmma_long_sequences(scenario, block_size, head_dim):
@@ -101,7 +108,7 @@ def test_wgmma_rows_are_exact_means(block_size: int, dtype: torch.dtype, head_di
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_wgmma_rows_with_windows_and_softcap(head_dim: int, impl: str):
     """Windows shorter than a block, inside a tile, across tiles and longer than every context; a softcap on top."""
     check_prefill_rows((8, 2), torch.bfloat16, head_dim, 16, windows=(1, 5, 100, 700, 100_000), softcap=30.0,
@@ -109,7 +116,7 @@ def test_wgmma_rows_with_windows_and_softcap(head_dim: int, impl: str):
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 @pytest.mark.parametrize("window, softcap", [(0, 5.0), (20, 0.0), (200, 30.0)])
 def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, head_dim: int, impl: str):
     meta, query, _, _, k_cache, v_cache, params = prefill_step([0, 30, 300], [1, 140, 260], 16, 16, 4, head_dim,
@@ -120,7 +127,7 @@ def test_wgmma_window_and_softcap_on_random_inputs(window: int, softcap: float, 
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_wgmma_reads_probabilities_through_one_hot_values(head_dim: int, impl: str):
     """A diagnostic pair for test_wgmma_rows_are_exact_means (zero keys: only P V matters there): here the value of
     key j is one-hot at dimension j mod head_dim, so each output row is its attention probabilities folded by key
@@ -143,7 +150,7 @@ def test_wgmma_reads_probabilities_through_one_hot_values(head_dim: int, impl: s
 
 
 @pytest.mark.parametrize("impl", IMPLS)
-@pytest.mark.parametrize("head_dim", WGMMA_HEAD_DIMS)
+@pytest.mark.parametrize("head_dim", HEAD_DIMS)
 def test_wgmma_is_deterministic_and_close_to_mma(head_dim: int, impl: str):
     """The same inputs twice give the same bits (a missing barrier or fence shows as a moving answer), and the
     answer is within bf16 rounding of the mma.sync kernel's."""
