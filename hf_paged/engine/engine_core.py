@@ -24,7 +24,7 @@ from dataclasses import replace
 import torch
 
 from hf_paged.attention.kv_quant import kv_storage_dtype
-from hf_paged.cache.kv_pool import blocks_from_memory  # noqa: F401 (imported from here too)
+from hf_paged.cache.kv_pool import blocks_from_memory
 from hf_paged.cache.paged_cache import PagedAttentionCache
 from hf_paged.engine import validation
 from hf_paged.engine.block_manager import BlockManager

@@ -20,10 +20,10 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from hf_paged.cache.kv_pool import blocks_from_memory
 from hf_paged.engine import validation
 from hf_paged.engine.config import EngineConfig
 from hf_paged.engine.engine import Engine
-from hf_paged.engine.engine_core import blocks_from_memory
 from hf_paged.engine.graph_sizes import one_call_graph_sizes
 from hf_paged.engine.lockstep import agreed_min
 from hf_paged.engine.sampling_params import resolve_generation_config
