@@ -91,10 +91,12 @@ void check_prefill_args(const at::Tensor& query, const at::Tensor& cu_seqlens_q,
 // The Hopper kernels (is_wgmma configs): compiled for this dtype and head size, in this build, and run on a
 // compute capability 9.0 device. Nothing falls back silently: a caller asked for this kernel by name.
 void check_wgmma(const at::Tensor& query, bool e4m3, int64_t head_dim, int64_t config) {
+  bool served_head_dim = false;  // keep in step with paged_prefill_wgmma_<dtype>.cu's select_head_dim lists
+  for (const int64_t d : {32, 64, 80, 96, 112, 128, 160, 192, 256}) served_head_dim |= head_dim == d;
   TORCH_CHECK_NOT_IMPLEMENTED(!e4m3 && (query.scalar_type() == at::kHalf || query.scalar_type() == at::kBFloat16) &&
-                                  (head_dim == 64 || head_dim == 128 || head_dim == 256),
+                                  served_head_dim,
                               format("the wgmma prefill serves float16/bfloat16 over a cache of the same dtype with "
-                                     "head_dim 64, 128 or 256; got %s%s with head_dim %lld",
+                                     "head_dim 32, 64, 80, 96, 112, 128, 160, 192 or 256; got %s%s with head_dim %lld",
                                      c10::toString(query.scalar_type()), e4m3 ? " over a float8_e4m3fn cache" : "",
                                      (long long)head_dim));
   int major = 0, minor = 0;
