@@ -34,6 +34,9 @@ struct Traits {
   static constexpr int kMAtoms = 1, kWarpRows = 16;  // per warp, as the shared softmax / epilogue helpers see it
   static constexpr int kBlockM = 128;
   static constexpr int kBlockN = D <= 128 ? 128 : 64;
+  // CTAs per SM the registers must leave room for: two at head_dim 32 (at most 128 registers a thread), where one
+  // CTA's 8 warps could not hide the softmax between products that short; one above.
+  static constexpr int kMinBlocks = D <= 32 ? 2 : 1;
   static constexpr int kChunks = D / 8;
   // 64-column panels per tile; head sizes that are not a multiple of 64 leave the last one partly unused (never
   // written, never read: the k steps and the P V product's N stop at D).

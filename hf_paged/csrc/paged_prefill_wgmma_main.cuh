@@ -47,7 +47,7 @@ __device__ __forceinline__ void start_rows(float (&o)[1][C::D / 8][4], prefill::
 }
 
 template <class C>
-__global__ void __launch_bounds__(C::kThreads, 1) paged_prefill_wgmma_serial_kernel(const PrefillParams p) {
+__global__ void __launch_bounds__(C::kThreads, C::kMinBlocks) paged_prefill_wgmma_serial_kernel(const PrefillParams p) {
   using T = typename C::T;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   // The 128-byte swizzle repeats every 1024 bytes of shared-memory address: the tiles start on such a boundary.

@@ -27,7 +27,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.base import backend_named  # noqa: E402
-from hf_paged.attention.backends.cuda import PREFILL_WGMMA_ENV  # noqa: E402
+from hf_paged.attention.backends.cuda import _WGMMA_BY_HEAD_DIM, PREFILL_WGMMA_ENV  # noqa: E402
 from hf_paged.kernels.prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
 
 from kernel_oracle import assert_rows_close, sparse_allowance  # noqa: E402
@@ -188,10 +188,13 @@ def test_wgmma_replays_in_a_cuda_graph(impl: str):
 
 
 def test_cuda_backend_routes_prefill_here_by_default_and_the_switch_overrides(monkeypatch: pytest.MonkeyPatch):
-    """Unset: the cuda backend's prefill is the pipelined wgmma kernel's answer at head_dim 128 and the serial one's at
-    64, bit for bit; HF_PAGED_PREFILL_WGMMA=0 gives the mma kernel's, =serial the serial one's."""
+    """Unset: the cuda backend's prefill is, bit for bit, the answer of the kernel the routing table names for each
+    head size (pipelined wgmma at 128, serial at 64 and 96, mma at 32, ...); HF_PAGED_PREFILL_WGMMA=0 gives the mma
+    kernel's, =serial the serial one's."""
     backend = backend_named("cuda")
-    for head_dim, default in ((128, "wgmma"), (64, "wgmma-serial")):
+    defaults = {**{d: "mma" for d in WGMMA_HEAD_DIMS}, **_WGMMA_BY_HEAD_DIM}
+    assert defaults[128] == "wgmma" and defaults[64] == defaults[96] == "wgmma-serial" and defaults[32] == "mma"
+    for head_dim, default in ((d, defaults[d]) for d in HEAD_DIMS):
         meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8,
                                                                          head_dim, torch.bfloat16, seeded("env"))
         monkeypatch.delenv(PREFILL_WGMMA_ENV, raising=False)
