@@ -114,12 +114,12 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
     ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 72}, "mma"),
     ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 72}, "mma"),
     ("1", {"kv_dtype": torch.float8_e4m3fn}, "mma"), (None, {"head_dim": 96}, "wgmma-serial"), ("1", {"head_dim": 96}, "wgmma"),
-    ("serial", {"head_dim": 192}, "wgmma-serial"), ("1", {"head_dim": 32}, "wgmma"), (None, {"head_dim": 32}, "mma"),
+    ("serial", {"head_dim": 192}, "wgmma-serial"), ("1", {"head_dim": 32}, "wgmma"), (None, {"head_dim": 32}, "wgmma-serial"),
     (None, {"head_dim": 112}, "wgmma"), (None, {"head_dim": 160}, "wgmma"), (None, {"head_dim": 192}, "wgmma"),
     (None, {"dtype": torch.float16, "head_dim": 96}, "wgmma-serial"), ("0", {"head_dim": 192}, "mma"),
 ])
 def test_backend_routes_hopper_prefill_to_wgmma_where_it_serves(recorded, monkeypatch, env, shape: dict, impl: str):
-    """By default the faster kernel for the head size on Hopper (serial wgmma at 64 and 96, mma at 32); 0 / 1 / serial override; the
+    """By default the faster kernel for the head size on Hopper (serial wgmma at 32, 64 and 96); 0 / 1 / serial override; the
     layers the kernel does not serve (other sizes, float32, fp8 KV) keep mma."""
     if env is not None:
         monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)

@@ -189,11 +189,11 @@ def test_wgmma_replays_in_a_cuda_graph(impl: str):
 
 def test_cuda_backend_routes_prefill_here_by_default_and_the_switch_overrides(monkeypatch: pytest.MonkeyPatch):
     """Unset: the cuda backend's prefill is, bit for bit, the answer of the kernel the routing table names for each
-    head size (pipelined wgmma at 128, serial at 64 and 96, mma at 32, ...); HF_PAGED_PREFILL_WGMMA=0 gives the mma
+    head size (pipelined wgmma at 128, serial at 32, 64 and 96, ...); HF_PAGED_PREFILL_WGMMA=0 gives the mma
     kernel's, =serial the serial one's."""
     backend = backend_named("cuda")
     defaults = {**{d: "mma" for d in WGMMA_HEAD_DIMS}, **_WGMMA_BY_HEAD_DIM}
-    assert defaults[128] == "wgmma" and defaults[64] == defaults[96] == "wgmma-serial" and defaults[32] == "mma"
+    assert defaults[128] == "wgmma" and defaults[32] == defaults[64] == defaults[96] == "wgmma-serial"
     for head_dim, default in ((d, defaults[d]) for d in HEAD_DIMS):
         meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8,
                                                                          head_dim, torch.bfloat16, seeded("env"))
