@@ -54,8 +54,9 @@ void check_skinny_arguments(const SkinnyKernel& kernel, const at::Tensor& x, con
                     format("x must be [rows, K] and weight [N, K], got %s and %s", shape_of(x).c_str(),
                            shape_of(weight).c_str()));
   check_rows(kernel, x.size(0));
-  TORCH_CHECK_VALUE(x.size(1) % 8 == 0 && x.size(1) <= INT32_MAX && weight.size(0) <= INT32_MAX,
-                    format("K must be a multiple of 8 below 2^31 and N below 2^31, got K %lld, N %lld",
+  // K below 2^30: the kernels round K up to whole chunks in int (p.k + kChunk - 1) and must not overflow there.
+  TORCH_CHECK_VALUE(x.size(1) % 8 == 0 && x.size(1) < (int64_t{1} << 30) && weight.size(0) <= INT32_MAX,
+                    format("K must be a multiple of 8 below 2^30 and N below 2^31, got K %lld, N %lld",
                            static_cast<long long>(x.size(1)), static_cast<long long>(weight.size(0))));
   TORCH_CHECK_VALUE(weight.scalar_type() == dtype, format("weight must have x's dtype %s, got %s", c10::toString(dtype),
                                                           c10::toString(weight.scalar_type())));

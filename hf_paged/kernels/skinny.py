@@ -190,7 +190,7 @@ def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
     k = x.shape[-1]
     if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.device == x.device
-            and weight.dim() == 2 and weight.shape[1] == k and k % 8 == 0 and weight.is_contiguous()
+            and weight.dim() == 2 and weight.shape[1] == k and k % 8 == 0 and k < 2**30 and weight.is_contiguous()
             and weight.data_ptr() % 16 == 0):
         return False
     return bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.dim() == 1
