@@ -2,8 +2,8 @@
 
 At a few rows of ``x`` (a decode step at small batch) a linear layer is bound by reading its weight, and cuBLAS's
 GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` serves up to :data:`MAX_ROWS` rows
-on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in until
-it is measured on a GPU) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up to :data:`WIDE_MAX_ROWS` (decode at batch
+on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in: on
+an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up to :data:`WIDE_MAX_ROWS` (decode at batch
 9 to 64, where a tensor-parallel rank's products are still bound by the weight's bytes). Everything else goes to
 ``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
 :func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
@@ -95,7 +95,7 @@ def kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 def kernel_wins(weight: torch.Tensor) -> bool:
     """Whether a single product with ``weight`` is faster on the kernel than on cuBLAS at decode row counts: false
     for weights under :data:`CUBLAS_BELOW_BYTES` with K up to :data:`CUBLAS_MAX_K` (measured on an H100 up to
-    :data:`MAX_ROWS` rows; the wide kernel follows the same rule until measured)."""
+    :data:`MAX_ROWS` rows; the wide kernel, opt-in, follows the same rule)."""
     return weight.numel() * weight.element_size() >= CUBLAS_BELOW_BYTES or weight.shape[-1] > CUBLAS_MAX_K
 
 

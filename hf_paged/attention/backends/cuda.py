@@ -13,11 +13,11 @@ chip, with the layer's per-kv-head scales), and its quantizing KV write (any hea
 decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
 
 On a Hopper GPU (compute capability 9.0, CUDA 12 or newer: the build targets sm_90a) prefill / extend go to the wgmma
-prefill kernel at the head sizes where it was measured faster than the mma.sync kernel (fp16 / bf16 over a cache of
-the same dtype): its serial form at head_dim 64, the pipelined one at 128 and 256 (docs/kernels.md); other layers and
-other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0`` the mma.sync kernel everywhere, ``1``
-the pipelined wgmma kernel, ``serial`` its serial form, on Hopper for every layer the kernel serves (also head_dim
-32, 80, 96, 112, 160 and 192, compiled but not yet measured on a GPU).
+prefill kernel (fp16 / bf16 over a cache of the same dtype, every compiled head size), in the form measured faster on
+an H100: the serial one at head_dim 32, 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256
+(docs/kernels.md); other layers and other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0``
+the mma.sync kernel everywhere, ``1`` the pipelined wgmma kernel, ``serial`` its serial form, on Hopper for every
+layer the kernel serves.
 """
 
 from __future__ import annotations
