@@ -45,6 +45,48 @@ __device__ __forceinline__ void let_dependents_launch() {
 #endif
 }
 
+// Decode tracing, compiled only into the diagnostic build (HF_PAGED_DECODE_TRACE, set by HF_PAGED_KERNEL_TRACE=1 in
+// kernels/build.py; the normal build's machine code holds none of it). There, a launch with DecodeParams::trace set
+// has the CTA's first thread store %globaltimer and clock64 at each point; the host-side reader is
+// hf_paged/bench/decode_trace.py.
+enum TracePoint : int {
+  kTraceStart = 0,      // first instruction
+  kTraceWork = 1,       // sequence length and block-table slice in shared memory
+  kTraceFirstTile = 2,  // warp 0's first K/V tile has arrived (tensor-core kernel only)
+  kTraceLoopDone = 3,   // warp 0's K/V loop is done (its copies drained)
+  kTraceTicket = 4,     // partial stored, ticket taken (or the output written: one split)
+  kTraceEnd = 5,        // the CTA's last store (after the combine, for the last split)
+};
+
+#ifdef HF_PAGED_DECODE_TRACE
+constexpr bool kTraceBuild = true;
+#else
+constexpr bool kTraceBuild = false;
+#endif
+
+__device__ __forceinline__ unsigned long long* trace_slot(const DecodeParams& p) {
+  const unsigned cta = (blockIdx.z * gridDim.y + blockIdx.y) * gridDim.x + blockIdx.x;
+  return p.trace + static_cast<unsigned long long>(cta) * kTraceWords;
+}
+
+// Record point `at` (call from one thread; nothing outside the diagnostic build).
+__device__ __forceinline__ void trace_point(const DecodeParams& p, int at) {
+  if (!kTraceBuild || p.trace == nullptr) return;
+  unsigned long long ns, cycles = static_cast<unsigned long long>(clock64());
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  unsigned long long* slot = trace_slot(p);
+  slot[at] = ns, slot[8 + at] = cycles;
+  if (at == kTraceStart) {
+    unsigned sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    slot[6] = sm, slot[7] = 0;
+  }
+}
+
+__device__ __forceinline__ void trace_flag(const DecodeParams& p, unsigned long long flag) {
+  if (kTraceBuild && p.trace != nullptr) trace_slot(p)[7] |= flag;
+}
+
 // Where this CTA works: its split of one sequence and its group of query heads (GT heads per CTA). `b` is the
 // query / output row; `seq` the block-table row (the same in decode; a prefill row's sequence otherwise).
 struct CtaWork {
@@ -80,6 +122,7 @@ __device__ __forceinline__ void load_table_slice(const DecodeParams& p, int t_be
 // be launched on prefill rows (float32 only; the tensor-core kernels leave this branch out).
 template <bool kPrefillRows = false>
 __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* table, CtaWork& w) {
+  if (threadIdx.x == 0) trace_point(p, kTraceStart);
   w.split = blockIdx.x, w.b = w.seq = blockIdx.z;
   w.kvh = blockIdx.y / p.head_groups;
   const int hg = blockIdx.y - w.kvh * p.head_groups;
@@ -105,9 +148,13 @@ __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* tab
   const int keys = cmin(w.seq_len, p.window);  // seq_len - the window's first key
   // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
   w.num_splits = cmin(cdiv(cmax(keys, 1), p.split_len), p.max_splits);
-  if (w.split >= w.num_splits) return false;
+  if (w.split >= w.num_splits) {
+    if (threadIdx.x == 0) trace_flag(p, 2);
+    return false;
+  }
   w.t_end = cmin(w.seq_len, w.t_begin + p.split_len);
   __syncthreads();
+  if (threadIdx.x == 0) trace_point(p, kTraceWork);
   return true;
 }
 
@@ -195,18 +242,30 @@ template <typename T, int D, int GT>
 __device__ __forceinline__ void finish_cta(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
   __shared__ int is_last;
   write_cta_result<T, D, GT>(p, smem, w);
-  if (w.num_splits == 1) return;
+  if (w.num_splits == 1) {
+    if (kTraceBuild && p.trace != nullptr) {  // (the point after every thread's stores)
+      __syncthreads();
+      if (threadIdx.x == 0) trace_point(p, kTraceTicket), trace_point(p, kTraceEnd);
+    }
+    return;
+  }
   __threadfence();  // publish this CTA's partial before taking a ticket
   __syncthreads();
   if (threadIdx.x == 0) {
     int32_t* counter = p.counters + blockIdx.z * gridDim.y + blockIdx.y;
     is_last = atomicAdd(counter, 1) == w.num_splits - 1;
     if (is_last) *counter = 0;  // every other split has taken its ticket: reset for the next launch
+    trace_point(p, kTraceTicket);
+    if (!is_last) trace_point(p, kTraceEnd);
   }
   __syncthreads();
   if (!is_last) return;
   __threadfence();
   combine_splits<T, D>(p, w);
+  if (kTraceBuild && p.trace != nullptr) {
+    __syncthreads();
+    if (threadIdx.x == 0) trace_point(p, kTraceEnd), trace_flag(p, 1);
+  }
 }
 
 }  // namespace decode

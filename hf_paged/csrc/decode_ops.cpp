@@ -196,7 +196,41 @@ void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int devi
   C10_CUDA_CHECK(cudaLaunchKernelExC(&config, k.fn, args));
 }
 
+// The buffer decode_trace_buffer set (undefined: tracing off). Read by paged_decode at each launch, so a launch
+// captured into a CUDA graph keeps the buffer set when it was captured.
+std::mutex trace_mu;
+at::Tensor trace_buffer;
+
+// DecodeParams::trace for a launch of `ctas` CTAs on `device`: nullptr when tracing is off.
+unsigned long long* trace_for(const at::Device& device, int64_t ctas) {
+  const std::lock_guard<std::mutex> lock(trace_mu);
+  if (!trace_buffer.defined()) return nullptr;
+  TORCH_CHECK_VALUE(trace_buffer.device() == device,
+                    format("the decode trace buffer is on %s, this decode on %s", trace_buffer.device().str().c_str(),
+                           device.str().c_str()));
+  TORCH_CHECK_VALUE(trace_buffer.numel() >= ctas * kTraceWords,
+                    format("the decode trace buffer holds %lld words, this launch of %lld CTAs needs %lld",
+                           static_cast<long long>(trace_buffer.numel()), static_cast<long long>(ctas),
+                           static_cast<long long>(ctas * kTraceWords)));
+  return reinterpret_cast<unsigned long long*>(trace_buffer.data_ptr<int64_t>());
+}
+
 }  // namespace
+
+int64_t decode_trace_buffer(const std::optional<at::Tensor>& buffer) {
+#ifndef HF_PAGED_DECODE_TRACE
+  TORCH_CHECK_NOT_IMPLEMENTED(!buffer.has_value(), "these kernels were built without decode tracing; set "
+                              "HF_PAGED_KERNEL_TRACE=1 before the process first loads them (a build of its own)");
+#endif
+  if (buffer.has_value()) {
+    check_cuda_tensor(*buffer, "buffer", buffer->device());
+    TORCH_CHECK_VALUE(buffer->scalar_type() == at::kLong && buffer->is_contiguous(),
+                      "the decode trace buffer must be a contiguous int64 CUDA tensor");
+  }
+  const std::lock_guard<std::mutex> lock(trace_mu);
+  trace_buffer = buffer.has_value() ? *buffer : at::Tensor();
+  return kTraceWords;
+}
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
                                int64_t window) {
@@ -271,6 +305,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     }
     p.counters = counters.data_ptr<int32_t>();
   }
+  p.trace = trace_for(query.device(), max_splits * kv_heads * p.head_groups * batch);
   launch(k, p, batch, query.get_device(), stream, decode_pdl(query.get_device()));
   return split_len;
 }

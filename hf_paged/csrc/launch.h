@@ -48,7 +48,14 @@ struct DecodeParams {
   // An e4m3 cache's float32 [Hkv] scales (value = fp8 * scale); nullptr for a cache in the query's dtype.
   const float* k_scale;
   const float* v_scale;
+  // Diagnostics only (decode_trace_buffer in decode_ops.cpp; nullptr otherwise): per CTA, kTraceWords uint64 of
+  // timestamps at the phases of decode_common.cuh's TracePoint, written by the CTA's first thread.
+  unsigned long long* trace;
 };
+
+// Words per CTA of DecodeParams::trace: globaltimer (ns) at TracePoint i in word i, clock64 at it in word 8 + i,
+// the SM id in word 6, flags (1: the CTA combined its head group's splits; 2: it had no split to run) in word 7.
+constexpr int kTraceWords = 16;
 
 // One compiled decode kernel (dtype x head_dim x query heads per kv head) and the constants the host needs.
 struct DecodeKernel {

@@ -122,6 +122,7 @@ TORCH_LIBRARY(hf_paged, m) {
         "Tensor seq_lens, int max_seq_len, float scale, int split_len, Tensor? workspace=None, int window=0, "
         "float softcap=0.0, Tensor(b!)? counters=None, Tensor? k_scale=None, Tensor? v_scale=None) -> int");
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len, int window=0) -> int");
+  m.def("decode_trace_buffer(Tensor? buffer) -> int", &hf_paged::decode_trace_buffer);  // any device, or None
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "
         "Tensor(c!)? k_scale=None, Tensor(d!)? v_scale=None) -> ()");
   m.def("advance_decode(Tensor(a!) seq_lens, Tensor(b!) cu_seqlens_k, Tensor(c!) position, Tensor slot_of, "

@@ -24,6 +24,9 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const std::optional<at::Tensor>& v_scale);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
+// Diagnostics: every later paged_decode launch stores per-CTA timestamps into `buffer` (int64, kTraceWords per CTA,
+// CTA index (z * grid_y + y) * grid_x + x; launch.h), until called with None. Returns kTraceWords.
+int64_t decode_trace_buffer(const std::optional<at::Tensor>& buffer);
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
                                int64_t window);
 

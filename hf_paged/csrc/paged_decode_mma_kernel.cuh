@@ -153,6 +153,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     cp_async_commit();
     cp_async_wait<C::kStages - 1>();
     __syncwarp();  // every lane's copies of tile `it` are visible to the whole warp
+    if (kTraceBuild && it == 0 && threadIdx.x == 0) trace_point(p, kTraceFirstTile);
     const uint32_t k_tile = ring + (it % C::kStages) * 2 * C::kTileBytes;
     float s[2][4];
     tile_scores<T, KV, D>(sc, w, k_tile, t_first + it * t_step, lane, qa, s);
@@ -160,6 +161,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     __syncwarp();  // the whole warp is done reading this stage before it is refilled
   }
   cp_async_wait<0>();
+  if (threadIdx.x == 0) trace_point(p, kTraceLoopDone);
   let_dependents_launch();
   store_mma_state<D, kFp8>(st, smem, w, lane, warp, sc.v_scale);
   finish_cta<T, D, C::kRows>(p, smem, w);

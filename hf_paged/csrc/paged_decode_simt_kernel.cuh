@@ -117,6 +117,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_simt_kernel(const __gri
     stage_accumulate<T, D, GT>(smem, stage, valid, s, st);
   }
   cp_async_wait<0>();
+  if (threadIdx.x == 0) trace_point(p, kTraceLoopDone);  // (no first-tile point in this kernel)
   let_dependents_launch();
   merge_warp<GT, C::kDimsPerLane, C::kLanesPerToken>(st);
   store_state<T, D, GT>(st, smem);

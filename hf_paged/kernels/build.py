@@ -83,18 +83,28 @@ def arch_of(major: int, minor: int, cuda: str | None = "12.0") -> str:
     return "90a" if (major, minor) == (9, 0) and has_90a else f"{major}{minor}"
 
 
+#: ``HF_PAGED_KERNEL_TRACE=1`` when the kernels are first loaded in a process: a diagnostic build (its own build
+#: folder) whose decode kernels can store per-CTA timestamps (``hf_paged.bench.decode_trace``); the normal build's
+#: machine code holds no trace code.
+TRACE_ENV = "HF_PAGED_KERNEL_TRACE"
+
+
+def _host_flags() -> list[str]:
+    return ["-O3"] + (["-DHF_PAGED_DECODE_TRACE"] if os.environ.get(TRACE_ENV) == "1" else [])
+
+
 def _cuda_flags(arch: str) -> list[str]:
     # Naming the arch ourselves also stops torch from adding every arch of TORCH_CUDA_ARCH_LIST. The -gencode form:
     # nvcc 13.0's -arch=sm_90a shorthand also runs a plain sm_90 pass, which rejects wgmma.
     flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
     if arch == "90a":
         flags.append("-DHF_PAGED_SM90A")  # compiles the wgmma prefill (paged_prefill_wgmma_*.cu)
-    return flags
+    return flags + _host_flags()[1:]
 
 
 def source_hash(arch: str) -> str:
     """Hash of every file in csrc and of the flags, so that any edit gets a fresh build folder."""
-    digest = hashlib.sha256(" ".join(_cuda_flags(arch)).encode())
+    digest = hashlib.sha256(" ".join(_cuda_flags(arch) + _host_flags()).encode())
     for path in sorted(CSRC.iterdir()):
         if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
             digest.update(path.name.encode() + path.read_bytes())
@@ -157,7 +167,7 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
         cpp_extension.load(
             name=_LIB_NAME,
             sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=["-O3"],
+            extra_cflags=_host_flags(),
             extra_cuda_cflags=_cuda_flags(arch),
             extra_include_paths=[str(CSRC)],
             build_directory=str(folder),

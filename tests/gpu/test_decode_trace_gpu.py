@@ -1,0 +1,80 @@
+"""The diagnostic decode build (``HF_PAGED_KERNEL_TRACE=1``) and its reader, ``python -m hf_paged.bench.decode_trace``,
+on a GPU. The build switch must be set before a process first loads the kernels, so each case runs the reader in a
+process of its own (the first one builds the trace kernels into their own folder: about a minute).
+
+- The traced launches give the untraced answer bit for bit (the trace points only store timestamps).
+- Every CTA of every launch recorded its points in order (start <= work <= first tile <= loop done <= ticket <=
+  end, on its SM's clock and on the global timer), one CTA per KV head combined, and the launches follow each other
+  (each starts after the one before ended).
+- The normal build refuses a trace buffer with the switch named.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.bench import decode_trace as dt  # noqa: E402
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3) -> dict:
+    out = tmp_path / "trace.json"
+    path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
+    env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path}
+    done = subprocess.run([sys.executable, "-m", "hf_paged.bench.decode_trace", "--batch", str(batch), "--ctx",
+                           str(ctx), "--launches", str(launches), "--json", str(out), "--raw"],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
+    assert "decode trace" in done.stdout
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize(("batch", "ctx"), [(1, 8192), (3, 1000)])
+def test_traced_launches_record_every_cta_in_order(tmp_path, batch: int, ctx: int):
+    summary = _trace(tmp_path, batch, ctx)
+    assert summary["matches_untraced"], "a traced launch changed the answer"
+    splits = -(-ctx // summary["settings"]["split_len"])
+    kv_heads = summary["settings"]["kv_heads"]
+    previous_end = None
+    for words_of in summary["raw"]:
+        assert len(words_of) == batch * kv_heads * splits
+        live = [w for w in words_of if not w[dt.FLAGS] & dt.NO_SPLIT]
+        assert len(live) == len(words_of)  # every split of these lengths has keys
+        for w in live:
+            points = [w[dt.START], w[dt.WORK], w[dt.FIRST_TILE], w[dt.LOOP_DONE], w[dt.TICKET], w[dt.END]]
+            cycles = [w[8 + i] for i in range(6)]
+            assert all(p > 0 for p in points) and points == sorted(points), points
+            assert cycles == sorted(cycles), cycles
+        combined = [w for w in live if w[dt.FLAGS] & dt.COMBINED]
+        assert len(combined) == (batch * kv_heads if splits > 1 else 0)
+        start = min(w[dt.START] for w in live)
+        if previous_end is not None:
+            assert start >= previous_end, "a launch started before the one before it ended"
+        previous_end = max(w[dt.END] for w in live)
+    m = summary["medians"]
+    assert 0 < m["span_ns"] <= m["event_ns"] * 1.5
+
+
+def test_the_normal_build_refuses_a_trace_buffer():
+    if os.environ.get("HF_PAGED_KERNEL_TRACE") == "1":
+        pytest.skip("this process loaded the diagnostic build")
+    kernels.ensure_loaded()
+    with pytest.raises(NotImplementedError, match="HF_PAGED_KERNEL_TRACE=1"):
+        torch.ops.hf_paged.decode_trace_buffer(torch.zeros(16, dtype=torch.int64, device="cuda"))
+    assert torch.ops.hf_paged.decode_trace_buffer(None) == dt.WORDS
