@@ -19,6 +19,7 @@ def test_bench_times_the_pdl_row_from_hopper_on(monkeypatch, capability, present
     one_set = {"seq_lens": torch.ones(1, dtype=torch.int32), "t16": torch.zeros(1, 1, dtype=torch.int32)}
     rows = decode_bench.contenders([one_set], 8192, 128)
     assert ("ours-pdl-bs16" in rows) == present
+    assert ("ours-cluster-bs16" in rows) == present  # thread-block clusters: Hopper on too
 
 
 def test_the_pdl_row_sets_the_switch_only_around_its_call(monkeypatch):

@@ -5,7 +5,9 @@ One run measures the device-to-device copy bandwidth, then for each shape (the a
 size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
 writes everything as JSON. ``ours-pdl-bs16`` (compute capability 9.0 on) is the block-size-16 decode launched with
-programmatic dependent launch (``HF_PAGED_DECODE_PDL=1``: each launch may start while the one before finishes).
+programmatic dependent launch (``HF_PAGED_DECODE_PDL=1``: each launch may start while the one before finishes), and
+``ours-cluster-bs16`` the same decode with the split-K combine inside a thread-block cluster
+(``HF_PAGED_DECODE_CLUSTER=1``; launches of 2 to 16 splits, otherwise it is the plain launch).
 ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
 scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
 quantization's error, not the kernel's).
@@ -89,6 +91,7 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
 
 
 PDL_ENV = "HF_PAGED_DECODE_PDL"
+CLUSTER_ENV = "HF_PAGED_DECODE_CLUSTER"
 
 
 def with_env(name: str, value: str, fn):
@@ -123,6 +126,12 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
             with_env(PDL_ENV, "1", lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"],
                                                                     s["seq_lens"], scale, max_seq_len=ctx,
                                                                     window=window, softcap=softcap))
+            for s in sets
+        ]
+        out["ours-cluster-bs16"] = [
+            with_env(CLUSTER_ENV, "1", lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"],
+                                                                        s["seq_lens"], scale, max_seq_len=ctx,
+                                                                        window=window, softcap=softcap))
             for s in sets
         ]
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
@@ -267,7 +276,8 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
-    impls = ["ours-bs16", "ours-pdl-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
+    impls = ["ours-bs16", "ours-pdl-bs16", "ours-cluster-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256",
+             "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")
     print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)

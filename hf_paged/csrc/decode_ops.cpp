@@ -169,17 +169,62 @@ bool decode_pdl(int device) {
   return capable[device] = major >= 9;
 }
 
+// The split-K combine inside a thread-block cluster (HF_PAGED_DECODE_CLUSTER=1, read per launch; decode_cluster.cuh):
+// the cluster's size is the split count, so 2 to kMaxClusterSplits splits (16 is H100's non-portable maximum).
+// Opt-in until measured.
+constexpr int kMaxClusterSplits = 16;
+
+bool decode_cluster_asked() {
+  const char* env = std::getenv("HF_PAGED_DECODE_CLUSTER");
+  return env != nullptr && std::string(env) == "1";
+}
+
+// Whether `k`'s cluster kernel can run clusters of `splits` CTAs with `smem` bytes each on `device` (asked once per
+// (device, kernel, splits, smem); raises its shared-memory limit and allows the non-portable sizes first).
+bool cluster_fits(const DecodeKernel& k, int splits, int smem, int device) {
+  static std::mutex mu;
+  static std::map<std::tuple<int, const void*, int, int>, bool> cache;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_tuple(device, k.cluster_fn, splits, smem);
+  auto it = cache.find(key);
+  if (it != cache.end()) return it->second;
+  int major = 0, optin = 0;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
+  if (major < 9) return cache[key] = false;
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
+  cudaFuncAttributes attrs{};
+  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, k.cluster_fn));
+  C10_CUDA_CHECK(cudaFuncSetAttribute(k.cluster_fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                      optin - static_cast<int>(attrs.sharedSizeBytes)));
+  if (splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(k.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(static_cast<unsigned>(splits));
+  config.blockDim = dim3(k.threads);
+  config.dynamicSmemBytes = static_cast<size_t>(smem);
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
+  attribute[0].val.clusterDim.y = attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int clusters = 0;
+  const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, k.cluster_fn, &config);
+  if (err != cudaSuccess) (void)cudaGetLastError();  // an unschedulable size: the plain launch serves
+  return cache[key] = err == cudaSuccess && clusters > 0;
+}
+
 // One launch over `rows` query rows (grid z), p's split_len / max_splits splits each; `pdl`: with programmatic
-// dependent launch (decode only: the kernels wait before reading what the previous kernel may write).
+// dependent launch (decode only: the kernels wait before reading what the previous kernel may write); `cluster`:
+// k.cluster_fn with one cluster of p.max_splits CTAs per (row, head group) (the caller checked cluster_fits).
 void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream,
-            bool pdl = false) {
+            bool pdl = false, bool cluster = false) {
   residency(k, device);  // raises the kernel's shared-memory limit once per device
   const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
   const dim3 grid(static_cast<unsigned>(p.max_splits), static_cast<unsigned>(p.num_kv_heads * p.head_groups),
                   static_cast<unsigned>(rows));
   DecodeParams arg = p;
   void* args[] = {&arg};
-  if (!pdl) {
+  if (!pdl && !cluster) {
     C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
     return;
   }
@@ -188,12 +233,21 @@ void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int devi
   config.blockDim = dim3(k.threads);
   config.dynamicSmemBytes = static_cast<size_t>(smem);
   config.stream = stream;
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-  attribute[0].val.programmaticStreamSerializationAllowed = 1;
+  cudaLaunchAttribute attribute[2];
+  int n = 0;
+  if (pdl) {
+    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
+  }
+  if (cluster) {
+    attribute[n].id = cudaLaunchAttributeClusterDimension;
+    attribute[n].val.clusterDim.x = static_cast<unsigned>(p.max_splits);
+    attribute[n].val.clusterDim.y = attribute[n].val.clusterDim.z = 1;
+    ++n;
+  }
   config.attrs = attribute;
-  config.numAttrs = 1;
-  C10_CUDA_CHECK(cudaLaunchKernelExC(&config, k.fn, args));
+  config.numAttrs = n;
+  C10_CUDA_CHECK(cudaLaunchKernelExC(&config, cluster ? k.cluster_fn : k.fn, args));
 }
 
 // The buffer decode_trace_buffer set (undefined: tracing off). Read by paged_decode at each launch, so a launch
@@ -306,7 +360,11 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     p.counters = counters.data_ptr<int32_t>();
   }
   p.trace = trace_for(query.device(), max_splits * kv_heads * p.head_groups * batch);
-  launch(k, p, batch, query.get_device(), stream, decode_pdl(query.get_device()));
+  const int device = query.get_device();
+  const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
+  const bool cluster = k.cluster_fn != nullptr && max_splits >= 2 && max_splits <= kMaxClusterSplits &&
+                       decode_cluster_asked() && cluster_fits(k, static_cast<int>(max_splits), smem, device);
+  launch(k, p, batch, device, stream, decode_pdl(device), cluster);
   return split_len;
 }
 
