@@ -16,6 +16,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with its own all-reduce kernel
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
@@ -67,6 +68,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-no-pack", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
                              "shards left in their own buffers: three products instead of one)")
+    parser.add_argument("--tp-pack-all", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=all (gate/up "
+                             "shards packed too, beside q/k/v)")
     parser.add_argument("--skinny-wide", action="store_true",
                         help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
                              "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
@@ -259,6 +263,8 @@ def main(argv: list[str] | None = None) -> None:
             runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
         if args.tp_no_pack:
             runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
+        if args.tp_pack_all:
+            runs += [(c, " (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}) for c in counts if c > 1]
         if args.skinny_wide:
             for c in counts:
                 env = {"HF_PAGED_SKINNY_WIDE": "1"}

@@ -81,3 +81,27 @@ def test_groups_that_cannot_be_packed_stay_where_they_are(mesh, group: str):
 
 def test_every_packed_group_is_tested():
     assert tuple(tuple(name for name, _ in GROUPS[g]) for g in GROUPS) == tp_linears.PACKED_GROUPS
+
+
+@pytest.mark.parametrize(("value", "groups"), [(None, 1), ("1", 1), ("all", 2), ("0", 0)])
+def test_the_switch_picks_the_groups(monkeypatch, value, groups: int):
+    """Unset or 1: q/k/v only (the default since gate/up packing showed no gain); all: gate/up too; 0: nothing."""
+    if value is None:
+        monkeypatch.delenv(tp_linears.PACK_ENV, raising=False)
+    else:
+        monkeypatch.setenv(tp_linears.PACK_ENV, value)
+    assert tp_linears.packed_groups() == tp_linears.PACKED_GROUPS[:groups]
+
+
+def test_a_bad_switch_value_says_what_to_use(monkeypatch):
+    monkeypatch.setenv(tp_linears.PACK_ENV, "yes")
+    with pytest.raises(ValueError, match="use 1 .* all .* or 0"):
+        tp_linears.packed_groups()
+
+
+def test_only_the_groups_asked_for_are_packed(mesh):
+    mlp = sharded_module(mesh, "mlp", (False, False))
+    assert tp_linears.pack_colwise(mlp, list(mlp.children()), tp_linears.PACKED_GROUPS[:1]) == 0
+    assert skinny.packed_rows([t.to_local() for t in shards(mlp, "mlp")], [None, None]) is None
+    assert tp_linears.pack_colwise(mlp, list(mlp.children()), tp_linears.PACKED_GROUPS) == 1
+    assert skinny.packed_rows([t.to_local() for t in shards(mlp, "mlp")], [None, None]) is not None

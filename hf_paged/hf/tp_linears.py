@@ -13,9 +13,9 @@ tensors directly and sum a rowwise output with ``hf_paged::tp_all_reduce``, a cu
 opaque (so a layer stays one graph around it). The compiled decoder layers then hold the same math as transformers'
 inference path: the same local products, the same sum over ranks, the bias added once after it.
 
-:func:`install` also moves each attention's q/k/v local shards, and each MLP's gate/up ones, end to end into one
-buffer (:func:`pack_colwise`), so that the grouped product runs as one cuBLAS call where the skinny kernel does not
-serve it (``HF_PAGED_TP_PACK=0`` leaves them where they are).
+:func:`install` also moves each attention's q/k/v local shards end to end into one buffer (:func:`pack_colwise`), so
+that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it: ``HF_PAGED_TP_PACK``
+(:func:`packed_groups`) says which groups, ``all`` adds each MLP's gate/up, ``0`` leaves every shard where it is.
 
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
@@ -91,8 +91,9 @@ def install(model: torch.nn.Module, group) -> str | None:
             return (f"layers.{name} is sharded in a way hf_paged does not compile ({type(module).__name__}, "
                     f"{'an unknown' if style is None else 'a'} tensor-parallel style)")
         plans.append((module, style))
-    if os.environ.get("HF_PAGED_TP_PACK", "1") != "0":  # (0: leave the shards where they are, for comparisons)
-        pack_colwise(layers, [m for m, rowwise in plans if not rowwise])
+    groups = packed_groups()
+    if groups:
+        pack_colwise(layers, [m for m, rowwise in plans if not rowwise], groups)
     for module, rowwise in plans:
         module.forward = LocalLinear(module, module.forward, rowwise, group)
     # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
@@ -103,20 +104,35 @@ def install(model: torch.nn.Module, group) -> str | None:
     return None
 
 
-#: Colwise shards of one module that read the same input, packed end to end (see :func:`pack_colwise`).
+#: Colwise shards of one module that read the same input, which can be packed end to end (see :func:`pack_colwise`).
 PACKED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+PACK_ENV = "HF_PAGED_TP_PACK"
+_PACK_CHOICES = {"0": (), "1": PACKED_GROUPS[:1], "all": PACKED_GROUPS}
 
 
-def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module]) -> int:
-    """Move the local shards of each :data:`PACKED_GROUPS` group of ``colwise`` linears into one buffer, end to
-    end (the DTensors keep their shapes and values; only their storage moves, the old one is freed). Inside the
-    compiled layers the group's products then run as one (``hf_paged.kernels.skinny.packed_rows``) where the
-    skinny kernel does not serve them: at 64 rows of the 8B shape on two GPUs the k and v shards alone read at
-    0.8 TB/s, gate and up at 2.5 TB/s. Returns the number of groups packed (or found packed)."""
+def packed_groups() -> tuple[tuple[str, ...], ...]:
+    """The groups :func:`install` packs, from ``HF_PAGED_TP_PACK`` (read when an engine is built): unset or ``1``,
+    q/k/v (one product where cuBLAS ran three: 25.6 us for a rank's three shards of the 8B shape at 16-64 rows on an
+    H100, whose k and v shards alone read at 0.8 TB/s); ``all``, gate/up too (opt-in: two 7168-row products cost
+    what one 14336-row product and the copy that splits its output cost, and two GPU runs on different machines did
+    not show a gain; docs/multi_gpu.md); ``0``, none."""
+    value = os.environ.get(PACK_ENV, "1")
+    if value not in _PACK_CHOICES:
+        raise ValueError(f"{PACK_ENV}={value!r}: use 1 (pack q/k/v, the default), all (q/k/v and gate/up) or 0 "
+                         "(pack nothing)")
+    return _PACK_CHOICES[value]
+
+
+def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module],
+                 groups: tuple[tuple[str, ...], ...] = PACKED_GROUPS) -> int:
+    """Move the local shards of each group of ``groups`` (of :data:`PACKED_GROUPS`) among ``colwise`` linears into
+    one buffer, end to end (the DTensors keep their shapes and values; only their storage moves, the old one is
+    freed). Inside the compiled layers the group's products then run as one (``hf_paged.kernels.skinny.packed_rows``)
+    where the skinny kernel does not serve them. Returns the number of groups packed (or found packed)."""
     wanted = {id(m) for m in colwise}
     packed = 0
     for parent in layers.modules():
-        for names in PACKED_GROUPS:
+        for names in groups:
             group = [getattr(parent, n, None) for n in names]
             if all(isinstance(m, torch.nn.Linear) and id(m) in wanted for m in group) and _pack(group):
                 packed += 1
