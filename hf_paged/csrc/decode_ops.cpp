@@ -1,18 +1,17 @@
-// Host side of paged decode: argument checks, the split heuristic, workspace, launch.
+// Host side of paged decode: argument checks, the split heuristic, workspace; decode_launch.cpp launches.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/core/ScalarType.h>
 
 #include <algorithm>
-#include <cstdlib>
 #include <map>
 #include <mutex>
 #include <string>
-#include <tuple>
 #include <vector>
 
 #include "checks.h"
+#include "decode_launch.h"
 #include "launch.h"
 #include "ops.h"
 
@@ -55,28 +54,8 @@ DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache, cons
   return k;
 }
 
-// Resident CTAs per SM and SM count, asked once per (device, kernel); shared memory raised to what it needs.
-std::pair<int, int> residency(const DecodeKernel& k, int device) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, std::pair<int, int>> cache;
-  const std::lock_guard<std::mutex> lock(mu);
-  auto it = cache.find({device, k.fn});
-  if (it != cache.end()) return it->second;
-  int sms = 0, optin = 0, per_sm = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attrs{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, k.fn));
-  // The opt-in limit covers static plus dynamic shared memory.
-  const int dynamic_max = optin - static_cast<int>(attrs.sharedSizeBytes);
-  C10_CUDA_CHECK(cudaFuncSetAttribute(k.fn, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic_max));
-  // A typical block-table slice (256 tokens of 16-token blocks) on top of the ring.
-  C10_CUDA_CHECK(cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, k.fn, k.threads, k.smem_bytes + 128));
-  return cache[{device, k.fn}] = {std::max(per_sm, 1), sms};
-}
 
 int round_up(int64_t x, int to) { return static_cast<int>((x + to - 1) / to * to); }
-int cdiv_int(int a, int b) { return (a + b - 1) / b; }
 
 // Split length (a multiple of the tile) for `items` independent (sequence, head group) pieces of up to `max_len`
 // tokens. Splitting adds partial-output traffic, so splits stay >= min_split; among split counts, prefer the
@@ -99,7 +78,7 @@ int choose_split_len(const DecodeKernel& k, int64_t items, int64_t max_len, int 
 }
 
 int split_len_for(const DecodeKernel& k, const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len) {
-  const auto [per_sm, sms] = residency(k, query.get_device());
+  const auto [per_sm, sms] = decode_residency(k, query.get_device());
   const int64_t items = query.size(0) * k_cache.size(2) * head_groups_of(k, query.size(1) / k_cache.size(2));
   return choose_split_len(k, items, max_seq_len, per_sm * sms);
 }
@@ -152,139 +131,8 @@ DecodeParams launch_params(const at::Tensor& out, const at::Tensor& query, const
   return p;
 }
 
-// Programmatic dependent launch for decode (HF_PAGED_DECODE_PDL=1, read per launch; compute capability 9.0 on): the
-// grid may start while the kernel before it in the stream is finishing, and its CTAs read their sequence length and
-// block-table slice before waiting for that kernel (decode_common.cuh, wait_for_prior_grid). Opt-in: 0-3% in the
-// kernel benchmark on an H100, unmeasured in the engine (docs/kernels.md).
-bool decode_pdl(int device) {
-  const char* env = std::getenv("HF_PAGED_DECODE_PDL");
-  if (env == nullptr || std::string(env) != "1") return false;
-  static std::mutex mu;
-  static std::map<int, bool> capable;
-  const std::lock_guard<std::mutex> lock(mu);
-  auto it = capable.find(device);
-  if (it != capable.end()) return it->second;
-  int major = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return capable[device] = major >= 9;
-}
-
-// The split-K combine inside a thread-block cluster (HF_PAGED_DECODE_CLUSTER=1, read per launch; decode_cluster.cuh):
-// the cluster's size is the split count, so 2 to kMaxClusterSplits splits (16 is H100's non-portable maximum).
-// Opt-in until measured.
-constexpr int kMaxClusterSplits = 16;
-
-bool decode_cluster_asked() {
-  const char* env = std::getenv("HF_PAGED_DECODE_CLUSTER");
-  return env != nullptr && std::string(env) == "1";
-}
-
-// Whether `k`'s cluster kernel can run clusters of `splits` CTAs with `smem` bytes each on `device` (asked once per
-// (device, kernel, splits, smem); raises its shared-memory limit and allows the non-portable sizes first).
-bool cluster_fits(const DecodeKernel& k, int splits, int smem, int device) {
-  static std::mutex mu;
-  static std::map<std::tuple<int, const void*, int, int>, bool> cache;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto key = std::make_tuple(device, k.cluster_fn, splits, smem);
-  auto it = cache.find(key);
-  if (it != cache.end()) return it->second;
-  int major = 0, optin = 0;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  if (major < 9) return cache[key] = false;
-  C10_CUDA_CHECK(cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, device));
-  cudaFuncAttributes attrs{};
-  C10_CUDA_CHECK(cudaFuncGetAttributes(&attrs, k.cluster_fn));
-  C10_CUDA_CHECK(cudaFuncSetAttribute(k.cluster_fn, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                      optin - static_cast<int>(attrs.sharedSizeBytes)));
-  if (splits > 8) C10_CUDA_CHECK(cudaFuncSetAttribute(k.cluster_fn, cudaFuncAttributeNonPortableClusterSizeAllowed, 1));
-  cudaLaunchConfig_t config = {};
-  config.gridDim = dim3(static_cast<unsigned>(splits));
-  config.blockDim = dim3(k.threads);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  cudaLaunchAttribute attribute[1];
-  attribute[0].id = cudaLaunchAttributeClusterDimension;
-  attribute[0].val.clusterDim.x = static_cast<unsigned>(splits);
-  attribute[0].val.clusterDim.y = attribute[0].val.clusterDim.z = 1;
-  config.attrs = attribute;
-  config.numAttrs = 1;
-  int clusters = 0;
-  const cudaError_t err = cudaOccupancyMaxActiveClusters(&clusters, k.cluster_fn, &config);
-  if (err != cudaSuccess) (void)cudaGetLastError();  // an unschedulable size: the plain launch serves
-  return cache[key] = err == cudaSuccess && clusters > 0;
-}
-
-// One launch over `rows` query rows (grid z), p's split_len / max_splits splits each; `pdl`: with programmatic
-// dependent launch (decode only: the kernels wait before reading what the previous kernel may write); `cluster`:
-// k.cluster_fn with one cluster of p.max_splits CTAs per (row, head group) (the caller checked cluster_fits).
-void launch(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream,
-            bool pdl = false, bool cluster = false) {
-  residency(k, device);  // raises the kernel's shared-memory limit once per device
-  const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
-  const dim3 grid(static_cast<unsigned>(p.max_splits), static_cast<unsigned>(p.num_kv_heads * p.head_groups),
-                  static_cast<unsigned>(rows));
-  DecodeParams arg = p;
-  void* args[] = {&arg};
-  if (!pdl && !cluster) {
-    C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));
-    return;
-  }
-  cudaLaunchConfig_t config = {};
-  config.gridDim = grid;
-  config.blockDim = dim3(k.threads);
-  config.dynamicSmemBytes = static_cast<size_t>(smem);
-  config.stream = stream;
-  cudaLaunchAttribute attribute[2];
-  int n = 0;
-  if (pdl) {
-    attribute[n].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attribute[n++].val.programmaticStreamSerializationAllowed = 1;
-  }
-  if (cluster) {
-    attribute[n].id = cudaLaunchAttributeClusterDimension;
-    attribute[n].val.clusterDim.x = static_cast<unsigned>(p.max_splits);
-    attribute[n].val.clusterDim.y = attribute[n].val.clusterDim.z = 1;
-    ++n;
-  }
-  config.attrs = attribute;
-  config.numAttrs = n;
-  C10_CUDA_CHECK(cudaLaunchKernelExC(&config, cluster ? k.cluster_fn : k.fn, args));
-}
-
-// The buffer decode_trace_buffer set (undefined: tracing off). Read by paged_decode at each launch, so a launch
-// captured into a CUDA graph keeps the buffer set when it was captured.
-std::mutex trace_mu;
-at::Tensor trace_buffer;
-
-// DecodeParams::trace for a launch of `ctas` CTAs on `device`: nullptr when tracing is off.
-unsigned long long* trace_for(const at::Device& device, int64_t ctas) {
-  const std::lock_guard<std::mutex> lock(trace_mu);
-  if (!trace_buffer.defined()) return nullptr;
-  TORCH_CHECK_VALUE(trace_buffer.device() == device,
-                    format("the decode trace buffer is on %s, this decode on %s", trace_buffer.device().str().c_str(),
-                           device.str().c_str()));
-  TORCH_CHECK_VALUE(trace_buffer.numel() >= ctas * kTraceWords,
-                    format("the decode trace buffer holds %lld words, this launch of %lld CTAs needs %lld",
-                           static_cast<long long>(trace_buffer.numel()), static_cast<long long>(ctas),
-                           static_cast<long long>(ctas * kTraceWords)));
-  return reinterpret_cast<unsigned long long*>(trace_buffer.data_ptr<int64_t>());
-}
-
 }  // namespace
 
-int64_t decode_trace_buffer(const std::optional<at::Tensor>& buffer) {
-#ifndef HF_PAGED_DECODE_TRACE
-  TORCH_CHECK_NOT_IMPLEMENTED(!buffer.has_value(), "these kernels were built without decode tracing; set "
-                              "HF_PAGED_KERNEL_TRACE=1 before the process first loads them (a build of its own)");
-#endif
-  if (buffer.has_value()) {
-    check_cuda_tensor(*buffer, "buffer", buffer->device());
-    TORCH_CHECK_VALUE(buffer->scalar_type() == at::kLong && buffer->is_contiguous(),
-                      "the decode trace buffer must be a contiguous int64 CUDA tensor");
-  }
-  const std::lock_guard<std::mutex> lock(trace_mu);
-  trace_buffer = buffer.has_value() ? *buffer : at::Tensor();
-  return kTraceWords;
-}
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
                                int64_t window) {
@@ -359,12 +207,9 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
     }
     p.counters = counters.data_ptr<int32_t>();
   }
-  p.trace = trace_for(query.device(), max_splits * kv_heads * p.head_groups * batch);
+  p.trace = decode_trace_for(query.device(), max_splits * kv_heads * p.head_groups * batch);
   const int device = query.get_device();
-  const int smem = k.smem_bytes + (cdiv_int(p.split_len, p.block_size) + 1) * 4;
-  const bool cluster = k.cluster_fn != nullptr && max_splits >= 2 && max_splits <= kMaxClusterSplits &&
-                       decode_cluster_asked() && cluster_fits(k, static_cast<int>(max_splits), smem, device);
-  launch(k, p, batch, device, stream, decode_pdl(device), cluster);
+  launch_decode(k, p, batch, device, stream, decode_pdl(device), decode_cluster(k, p, device));
   return split_len;
 }
 
@@ -388,7 +233,7 @@ void paged_prefill_f32(at::Tensor out, const at::Tensor& query, const at::Tensor
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   for (int64_t first = 0; first < s.rows; first += 65535) {  // grid z is at most 65535 rows
     p.first_row = static_cast<int>(first);
-    launch(k, p, std::min<int64_t>(s.rows - first, 65535), query.get_device(), stream);
+    launch_decode(k, p, std::min<int64_t>(s.rows - first, 65535), query.get_device(), stream);
   }
   if (!dst.is_same(out)) out.copy_(dst);
 }

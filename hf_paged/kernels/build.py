@@ -27,6 +27,7 @@ SOURCES = (
     "ops.cpp",
     "checks.cpp",
     "decode_ops.cpp",
+    "decode_launch.cpp",
     "write_kv.cu",
     "decode_step.cu",
     "paged_decode_f32.cu",
