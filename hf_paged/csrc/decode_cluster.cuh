@@ -1,5 +1,5 @@
 // The split-K combine of paged decode inside a thread-block cluster (compute capability 9.0 on; opt-in,
-// HF_PAGED_DECODE_CLUSTER=1, decode_ops.cpp).
+// HF_PAGED_DECODE_CLUSTER=1, decode_launch.cpp).
 //
 // The plain kernel ends each split by storing its partial to global memory, publishing it (__threadfence), taking a
 // ticket (an atomic), and the last split to arrive reads every partial back and writes the output: three dependent

@@ -28,7 +28,7 @@ __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
 }
 
-// Programmatic dependent launch (decode_ops.cpp launches decode with it when HF_PAGED_DECODE_PDL=1, on compute
+// Programmatic dependent launch (decode_launch.cpp launches decode with it when HF_PAGED_DECODE_PDL=1, on compute
 // capability 9.0 on): the grid may start while the kernel before it in the stream is still running. A CTA reads its
 // sequence length and block-table slice (cta_work: written when the step was laid out, before the layers ran), then
 // waits for that kernel to complete and its writes to be visible before it reads the query, the cache or the split

@@ -48,7 +48,7 @@ struct DecodeParams {
   // An e4m3 cache's float32 [Hkv] scales (value = fp8 * scale); nullptr for a cache in the query's dtype.
   const float* k_scale;
   const float* v_scale;
-  // Diagnostics only (decode_trace_buffer in decode_ops.cpp; nullptr otherwise): per CTA, kTraceWords uint64 of
+  // Diagnostics only (decode_trace_buffer in decode_launch.cpp; nullptr otherwise): per CTA, kTraceWords uint64 of
   // timestamps at the phases of decode_common.cuh's TracePoint, written by the CTA's first thread.
   unsigned long long* trace;
 };
