@@ -20,7 +20,7 @@ grouped, the other products per the single op's size rule, ``kernel_wins``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
     python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8,16,32,64] [--dtype bf16] [--replays 20]
-        [--json F]
+        [--extra] [--json F]
 """
 
 from __future__ import annotations
@@ -83,6 +83,31 @@ def _skinny_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Te
 SYSTEMS = {"cublas": F.linear, "skinny": _skinny}
 GROUP_SYSTEMS = {"cublas": _cublas_group, "skinny": _skinny_group}
 MIN_CALLS = 20
+
+
+def _with_blas(library: str, fn):
+    """``fn`` with torch's preferred BLAS library set to ``library`` for the call (restored after): under capture the
+    graph keeps the kernels it chose."""
+    def call(x, w):
+        previous = torch.backends.cuda.preferred_blas_library()
+        torch.backends.cuda.preferred_blas_library(library)
+        try:
+            return fn(x, w)
+        finally:
+            torch.backends.cuda.preferred_blas_library(previous)
+    return call
+
+
+def extra_systems(grouped: bool, weights: list) -> dict:
+    """--extra: ``cublaslt`` (the cuBLAS products with torch's cuBLASLt path) and, for a group, ``packed``: one cuBLAS
+    product over a copy of the group's weights laid end to end, its output split by a copy, as the tensor-parallel
+    engine runs packed q/k/v (``hf_paged.kernels.skinny.packed_rows``)."""
+    out = {"cublaslt": _with_blas("cublaslt", _cublas_group if grouped else F.linear)}
+    if grouped:
+        packed = {id(ws[0]): torch.cat(ws) for ws in weights}
+        sizes = [w.shape[0] for w in weights[0]]
+        out["packed"] = lambda x, ws: torch.split_with_sizes_copy(F.linear(x, packed[id(ws[0])]), sizes, dim=-1)
+    return out
 
 
 def copy_bandwidth(replays: int) -> float:
@@ -150,6 +175,8 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
     moved = (n * k + rows * k + rows * n) * itemsize
     row = dict(model=model, shape=shape, n=n, k=k, rows=rows, dtype=args.dtype, bytes=moved, max_rel_diff=error,
                small=not kernel_wins(first[0]))
+    if args.extra:
+        systems = {**systems, **extra_systems(grouped, weights)}
     for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
@@ -186,11 +213,14 @@ def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> l
 
 
 def table(rows: list[dict]) -> str:
+    extra = [name for name in ("cublaslt", "packed") if any(f"{name}_us" in r for r in rows)]
     lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS GB/s | skinny GB/s "
-             "| cuBLAS % copy | skinny % copy |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| cuBLAS % copy | skinny % copy |" + "".join(f" {name} us |" for name in extra),
+             "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
     lines += [f"| {r['model']} | {r['shape']} | {r['n']} x {r['k']} | {r['rows']} | {r['cublas_us']:.1f} | "
               f"{r['skinny_us']:.1f} | {r['speedup']:.2f} | {r['cublas_gbs']:.0f} | {r['skinny_gbs']:.0f} | "
-              f"{r['cublas_pct_copy']:.0f} | {r['skinny_pct_copy']:.0f} |" for r in rows]
+              f"{r['cublas_pct_copy']:.0f} | {r['skinny_pct_copy']:.0f} |"
+              + "".join(f" {r[f'{name}_us']:.1f} |" if f"{name}_us" in r else " - |" for name in extra) for r in rows]
     return "\n".join(lines)
 
 
@@ -200,6 +230,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated row counts of x (1 to {WIDE_MAX_ROWS})")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays per measurement")
+    parser.add_argument("--extra", action="store_true",
+                        help="also time cuBLAS through torch's cuBLASLt path, and each group as one product over "
+                             "its weights packed end to end (columns cublaslt / packed)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
@@ -214,9 +247,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
     """Print the last row as it comes and rewrite the JSON file with every row so far."""
     row = rows[-1]
+    extra = "".join(f", {name} {row[f'{name}_us']:.1f} us ({row[f'{name}_pct_copy']:.0f}% copy)"
+                    for name in ("cublaslt", "packed") if f"{name}_us" in row)
     print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
           f"({row['cublas_gbs']:.0f} GB/s, {row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
-          f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy), max rel diff "
+          f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy){extra}, max rel diff "
           f"{row['max_rel_diff']:.1e}", flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,

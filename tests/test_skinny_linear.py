@@ -324,3 +324,23 @@ def test_the_benchmark_adds_up_a_tensor_parallel_step_as_the_engine_runs_it():
     # cuBLAS (10 us), down on the kernel (1 us)
     assert line == (f"{spec['name']} M=32: a decode step's linears take {32 * 70} us with cuBLAS, {32 * 7} us with "
                     f"single skinny launches, {32 * 17} us as the engine runs them (grouped)")
+
+
+def test_the_benchmarks_packed_group_is_the_separate_products_and_its_table_shows_the_extra_columns():
+    """--extra's ``packed`` system: one product over a copy of the group's weights end to end, split, equals the
+    separate products; the table gains a column per extra system ("-" where a row has none)."""
+    bench = benchmark()
+    gen = torch.Generator().manual_seed(0)
+    sets = [[torch.randn(n, 16, generator=gen) for n in (8, 4, 4)] for _ in range(2)]
+    x = torch.randn(3, 16, generator=gen)
+    extra = bench.extra_systems(True, sets)
+    assert set(extra) == {"cublaslt", "packed"} and set(bench.extra_systems(False, [s[0] for s in sets])) == {"cublaslt"}
+    for ws in sets:  # each set its own packed copy
+        got = extra["packed"](x, ws)
+        assert [tuple(o.shape) for o in got] == [(3, 8), (3, 4), (3, 4)]
+        assert all(torch.allclose(o, x @ w.T, atol=1e-5) for o, w in zip(got, ws))
+    base = dict(model="m", n=16, k=16, rows=3, cublas_us=2.0, skinny_us=1.0, speedup=2.0, cublas_gbs=1.0,
+                skinny_gbs=2.0, cublas_pct_copy=1.0, skinny_pct_copy=2.0, cublaslt_us=1.5)
+    lines = bench.table([{**base, "shape": "q+k+v", "packed_us": 1.25}, {**base, "shape": "o"}]).splitlines()
+    assert lines[0].endswith("| cublaslt us | packed us |")
+    assert lines[2].endswith("| 1.5 | 1.2 |") and lines[3].endswith("| 1.5 | - |")
