@@ -11,8 +11,8 @@
 // behind the Reduce area), the cluster synchronizes once, rank 0 reads the partials of splits 0 .. n-1 of its
 // sequence through distributed shared memory and writes the output, and a second cluster barrier keeps every CTA's
 // shared memory alive until rank 0 has read it. CTAs past their sequence's last split take part in both barriers
-// and nothing else. The arithmetic is the plain kernel's (write_cta_result's warp merge, combine_splits' running
-// merge in split order), so the output is the same bit for bit; no workspace and no tickets are touched.
+// and nothing else. The arithmetic is the plain kernel's own functions (merge_warps, then merge_split in split
+// order), so the output is the same bit for bit; no workspace and no tickets are touched.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -47,24 +47,12 @@ __device__ __forceinline__ void cluster_finish_empty() {
 template <typename T, int D, int GT>
 __device__ void cluster_finish(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  using R = Reduce<D, GT>;
   using P = ClusterPartial<D, GT>;
-  const float *red_acc = R::acc(smem), *red_m = R::m(smem), *red_l = R::l(smem);
-  for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {  // write_cta_result's merge
+  for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
     const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
-    float m = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_m[k * GT + g]);
-    float l = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k) {
-      const float mk = red_m[k * GT + g];
-      const float f = mk == -INFINITY ? 0.f : exp2f(mk - m);
-      const float4 a = *reinterpret_cast<const float4*>(red_acc + (k * GT + g) * D + d);
-      l = fmaf(f, red_l[k * GT + g], l);
-      o.x = fmaf(f, a.x, o.x), o.y = fmaf(f, a.y, o.y), o.z = fmaf(f, a.z, o.z), o.w = fmaf(f, a.w, o.w);
-    }
+    float m, l;
+    float4 o;
+    merge_warps<D, GT>(smem, g, d, m, l, o);
     *reinterpret_cast<float4*>(P::acc(smem) + g * D + d) = o;
     if (d == 0) P::m(smem)[g] = m, P::l(smem)[g] = l;
   }
@@ -73,7 +61,7 @@ __device__ void cluster_finish(const DecodeParams& p, unsigned char* smem, const
   if (threadIdx.x == 0) trace_point(p, kTraceTicket);
   if (cluster.block_rank() == 0) {
     constexpr int kBatch = 16;  // the cluster is at most 16 CTAs: every split's loads in flight together
-    for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {  // combine_splits' merge
+    for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
       const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
       float2 st[kBatch];
       float4 x[kBatch];
@@ -88,15 +76,7 @@ __device__ void cluster_finish(const DecodeParams& p, unsigned char* smem, const
       float m = -INFINITY, l = 0.f;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (st[j].x == -INFINITY) continue;
-        const float mn = fmaxf(m, st[j].x);
-        const float a = exp2f(m - mn), c = exp2f(st[j].x - mn);
-        l = fmaf(l, a, st[j].y * c);
-        o.x = fmaf(o.x, a, x[j].x * c), o.y = fmaf(o.y, a, x[j].y * c);
-        o.z = fmaf(o.z, a, x[j].z * c), o.w = fmaf(o.w, a, x[j].w * c);
-        m = mn;
-      }
+      for (int j = 0; j < kBatch; ++j) merge_split(m, l, o, st[j], x[j]);
       const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
       const float r = l > 0.f ? 1.f / l : 0.f;  // l == 0 only for an empty context: write zeros
       Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));

@@ -167,26 +167,47 @@ struct Reduce {
   __device__ static float* l(unsigned char* smem) { return m(smem) + kWarps * GT; }             // [W][GT]
 };
 
+// Merge the warps' (m, l, acc) of query head g, dims d .. d + 3, from shared memory (Reduce layout): the CTA's
+// (max, sum, unnormalised output) over its split.
+template <int D, int GT>
+__device__ __forceinline__ void merge_warps(unsigned char* smem, int g, int d, float& m, float& l, float4& o) {
+  using R = Reduce<D, GT>;
+  const float *red_acc = R::acc(smem), *red_m = R::m(smem), *red_l = R::l(smem);
+  m = -INFINITY;
+#pragma unroll
+  for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_m[k * GT + g]);
+  l = 0.f;
+  o = make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+  for (int k = 0; k < kWarps; ++k) {
+    const float mk = red_m[k * GT + g];
+    const float f = mk == -INFINITY ? 0.f : exp2f(mk - m);  // a warp that saw no token
+    const float4 a = *reinterpret_cast<const float4*>(red_acc + (k * GT + g) * D + d);
+    l = fmaf(f, red_l[k * GT + g], l);
+    o.x = fmaf(f, a.x, o.x), o.y = fmaf(f, a.y, o.y), o.z = fmaf(f, a.z, o.z), o.w = fmaf(f, a.w, o.w);
+  }
+}
+
+// One step of the running merge over splits: fold a split's (max st.x, sum st.y, unnormalised output x) into
+// (m, l, o). Splits that saw no token (st.x = -inf) leave it as it was.
+__device__ __forceinline__ void merge_split(float& m, float& l, float4& o, float2 st, float4 x) {
+  if (st.x == -INFINITY) return;
+  const float mn = fmaxf(m, st.x);
+  const float a = exp2f(m - mn), c = exp2f(st.x - mn);  // a = 0 for the first split (m = -inf)
+  l = fmaf(l, a, st.y * c);
+  o.x = fmaf(o.x, a, x.x * c), o.y = fmaf(o.y, a, x.y * c);
+  o.z = fmaf(o.z, a, x.z * c), o.w = fmaf(o.w, a, x.w * c);
+  m = mn;
+}
+
 // Merge the warps' (m, l, acc) from shared memory: the final output, or this split's partial.
 template <typename T, int D, int GT>
 __device__ __forceinline__ void write_cta_result(const DecodeParams& p, unsigned char* smem, const CtaWork& w) {
-  using R = Reduce<D, GT>;
-  const float *red_acc = R::acc(smem), *red_m = R::m(smem), *red_l = R::l(smem);
   for (int idx = threadIdx.x; idx < w.valid_heads * D / 4; idx += kThreads) {
     const int g = idx / (D / 4), d = (idx % (D / 4)) * 4;
-    float m = -INFINITY;
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k) m = fmaxf(m, red_m[k * GT + g]);
-    float l = 0.f;
-    float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int k = 0; k < kWarps; ++k) {
-      const float mk = red_m[k * GT + g];
-      const float f = mk == -INFINITY ? 0.f : exp2f(mk - m);  // a warp that saw no token
-      const float4 a = *reinterpret_cast<const float4*>(red_acc + (k * GT + g) * D + d);
-      l = fmaf(f, red_l[k * GT + g], l);
-      o.x = fmaf(f, a.x, o.x), o.y = fmaf(f, a.y, o.y), o.z = fmaf(f, a.z, o.z), o.w = fmaf(f, a.w, o.w);
-    }
+    float m, l;
+    float4 o;
+    merge_warps<D, GT>(smem, g, d, m, l, o);
     const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
     if (w.num_splits == 1) {
       const float r = l > 0.f ? 1.f / l : 0.f;  // l == 0 only for an empty context: write zeros
@@ -221,15 +242,7 @@ __device__ void combine_splits(const DecodeParams& p, const CtaWork& w) {
         x[j] = in ? __ldcg(src + (s0 + j) * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
 #pragma unroll
-      for (int j = 0; j < kBatch; ++j) {
-        if (st[j].x == -INFINITY) continue;
-        const float mn = fmaxf(m, st[j].x);
-        const float a = exp2f(m - mn), c = exp2f(st[j].x - mn);  // a = 0 for the first split (m = -inf)
-        l = fmaf(l, a, st[j].y * c);
-        o.x = fmaf(o.x, a, x[j].x * c), o.y = fmaf(o.y, a, x[j].y * c);
-        o.z = fmaf(o.z, a, x[j].z * c), o.w = fmaf(o.w, a, x[j].w * c);
-        m = mn;
-      }
+      for (int j = 0; j < kBatch; ++j) merge_split(m, l, o, st[j], x[j]);
     }
     const float r = 1.f / l;
     Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));
