@@ -67,11 +67,12 @@ def relative_error(out: torch.Tensor, expected: torch.Tensor) -> float:
     return ((out.double() - expected).norm() / expected.norm().clamp_min(1e-30)).item()
 
 
-def run_ours(query, k_cache, v_cache, meta, params, split_len: int = 0) -> torch.Tensor:
-    out = torch.full_like(query, float("nan"))  # every element must be written
+def run_ours(query, k_cache, v_cache, meta, params, split_len: int = 0, out: torch.Tensor | None = None,
+             **options) -> torch.Tensor:
+    """kernels.paged_decode over a decode_step's tensors (``options``: window, softcap, workspace, scales...)."""
+    out = torch.full_like(query, float("nan")) if out is None else out  # every element must be written
     return kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
-                                max_seq_len=meta.max_seqlen_k, out=out,
-                                split_len=split_len)
+                                max_seq_len=meta.max_seqlen_k, out=out, split_len=split_len, **options)
 
 
 def runnable_backends(call: AttentionCall):

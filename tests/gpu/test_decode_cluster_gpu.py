@@ -12,8 +12,6 @@
 
 from __future__ import annotations
 
-import zlib
-
 import pytest
 import torch
 
@@ -26,21 +24,14 @@ if torch.cuda.get_device_capability()[0] < 9:
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import kv_quant  # noqa: E402
 
-from test_cuda_kernels import decode_step, reference, relative_error  # noqa: E402  (same folder)
+from kernel_rows import seeded  # noqa: E402  (same folder)
+from test_cuda_kernels import decode_step, reference, relative_error  # noqa: E402
+from test_cuda_kernels import run_ours as decode  # noqa: E402
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
 
 CLUSTER_ENV = "HF_PAGED_DECODE_CLUSTER"
-
-
-def seeded(*key) -> torch.Generator:
-    return torch.Generator().manual_seed(zlib.crc32(repr(key).encode()))
-
-
-def decode(query, k_cache, v_cache, meta, params, out=None, **kw) -> torch.Tensor:
-    return kernels.paged_decode(query, k_cache, v_cache, meta.block_tables, meta.seq_lens_k, params.scale,
-                                max_seq_len=meta.max_seqlen_k, out=out, **kw)
 
 
 def nan_workspace(query, meta, split_len: int, window: int = 0) -> torch.Tensor:
