@@ -104,11 +104,12 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(min(launches, 4))]
     scale = head_dim**-0.5
     split = torch.ops.hf_paged.paged_decode_split_len(sets[0]["query"], sets[0]["k16"], ctx)
-    ctas_bound = batch * NUM_HEADS * max(1, -(-ctx // split))  # >= the grid (kv heads x head groups <= heads)
-    buffers = [torch.zeros(ctas_bound * WORDS, dtype=torch.int64, device="cuda") for _ in range(launches)]
+    splits = max(1, -(-ctx // split))
+    grid = batch * NUM_KV_HEADS * splits  # CTAs of a launch: one head group at 32 / 8 heads
+    buffers = [torch.zeros(grid * WORDS, dtype=torch.int64, device="cuda") for _ in range(launches)]
     outs = [torch.empty_like(s["query"]) for s in sets]
-    workspace = torch.empty(batch * NUM_HEADS * max(1, -(-ctx // split)) * (head_dim + 2), dtype=torch.float32,
-                            device="cuda")
+    workspace = torch.empty(max(1, kernels.decode_workspace_numel(batch, NUM_HEADS, head_dim, ctx, split)),
+                            dtype=torch.float32, device="cuda")
 
     def launch(i: int) -> None:
         s = sets[i % len(sets)]
@@ -139,8 +140,7 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
         end.record()
         end.synchronize()
         times.append(start.elapsed_time(end) * 1e6 / launches)  # ns per launch
-    grid = batch * NUM_KV_HEADS * max(1, -(-ctx // split))  # head groups: one at 32 / 8 heads
-    traced = [b.view(-1, WORDS)[:grid].tolist() for b in buffers]
+    traced = [b.view(-1, WORDS).tolist() for b in buffers]
     s = sets[0]  # the trace must not change the answer: the same decode untraced, bit for bit
     plain = kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
                                  split_len=split)

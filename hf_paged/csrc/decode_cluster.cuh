@@ -84,7 +84,7 @@ __device__ void cluster_finish(const DecodeParams& p, unsigned char* smem, const
   }
   if (kTraceBuild && p.trace != nullptr && cluster.block_rank() == 0) {
     __syncthreads();
-    if (threadIdx.x == 0) trace_point(p, kTraceEnd), trace_flag(p, 1);
+    if (threadIdx.x == 0) trace_point(p, kTraceEnd), trace_flag(p, kTraceCombined);
   }
   cluster.sync();  // no CTA leaves (taking its shared memory along) before rank 0 has read it
   if (threadIdx.x == 0 && cluster.block_rank() != 0) trace_point(p, kTraceEnd);

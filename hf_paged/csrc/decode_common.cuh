@@ -149,7 +149,7 @@ __device__ __forceinline__ bool cta_work(const DecodeParams& p, int gt, int* tab
   // max_splits caps the count so that a max_seq_len below a real length cannot hang the ticket (it truncates).
   w.num_splits = cmin(cdiv(cmax(keys, 1), p.split_len), p.max_splits);
   if (w.split >= w.num_splits) {
-    if (threadIdx.x == 0) trace_flag(p, 2);
+    if (threadIdx.x == 0) trace_flag(p, kTraceNoSplit);
     return false;
   }
   w.t_end = cmin(w.seq_len, w.t_begin + p.split_len);
@@ -277,7 +277,7 @@ __device__ __forceinline__ void finish_cta(const DecodeParams& p, unsigned char*
   combine_splits<T, D>(p, w);
   if (kTraceBuild && p.trace != nullptr) {
     __syncthreads();
-    if (threadIdx.x == 0) trace_point(p, kTraceEnd), trace_flag(p, 1);
+    if (threadIdx.x == 0) trace_point(p, kTraceEnd), trace_flag(p, kTraceCombined);
   }
 }
 

@@ -151,8 +151,13 @@ void launch_decode(const DecodeKernel& k, const DecodeParams& p, int64_t rows, i
   C10_CUDA_CHECK(cudaLaunchKernelExC(&config, cluster ? k.cluster_fn : k.fn, args));
 }
 
-// DecodeParams::trace for a launch of `ctas` CTAs on `device`: nullptr when tracing is off.
+// DecodeParams::trace for a launch of `ctas` CTAs on `device`: nullptr when tracing is off (always, outside the
+// diagnostic build: no lock on the launch path there).
 unsigned long long* decode_trace_for(const at::Device& device, int64_t ctas) {
+#ifndef HF_PAGED_DECODE_TRACE
+  (void)device, (void)ctas;
+  return nullptr;
+#else
   const std::lock_guard<std::mutex> lock(trace_mu);
   if (!trace_buffer.defined()) return nullptr;
   TORCH_CHECK_VALUE(trace_buffer.device() == device,
@@ -163,6 +168,7 @@ unsigned long long* decode_trace_for(const at::Device& device, int64_t ctas) {
                            static_cast<long long>(trace_buffer.numel()), static_cast<long long>(ctas),
                            static_cast<long long>(ctas * kTraceWords)));
   return reinterpret_cast<unsigned long long*>(trace_buffer.data_ptr<int64_t>());
+#endif
 }
 
 int64_t decode_trace_buffer(const std::optional<at::Tensor>& buffer) {

@@ -54,7 +54,6 @@ DecodeKernel kernel_for(const at::Tensor& query, const at::Tensor& k_cache, cons
   return k;
 }
 
-
 int round_up(int64_t x, int to) { return static_cast<int>((x + to - 1) / to * to); }
 
 // Split length (a multiple of the tile) for `items` independent (sequence, head group) pieces of up to `max_len`
@@ -132,7 +131,6 @@ DecodeParams launch_params(const at::Tensor& out, const at::Tensor& query, const
 }
 
 }  // namespace
-
 
 int64_t paged_decode_split_len(const at::Tensor& query, const at::Tensor& k_cache, int64_t max_seq_len,
                                int64_t window) {

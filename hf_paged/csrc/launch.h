@@ -54,8 +54,10 @@ struct DecodeParams {
 };
 
 // Words per CTA of DecodeParams::trace: globaltimer (ns) at TracePoint i in word i, clock64 at it in word 8 + i,
-// the SM id in word 6, flags (1: the CTA combined its head group's splits; 2: it had no split to run) in word 7.
+// the SM id in word 6, flags (kTraceCombined, kTraceNoSplit) in word 7.
 constexpr int kTraceWords = 16;
+constexpr unsigned long long kTraceCombined = 1;  // the CTA combined its head group's splits
+constexpr unsigned long long kTraceNoSplit = 2;   // the CTA had no split of its sequence to run
 
 // One compiled decode kernel (dtype x head_dim x query heads per kv head) and the constants the host needs.
 struct DecodeKernel {
