@@ -121,19 +121,9 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                                                     scale, max_seq_len=ctx, window=window, softcap=softcap)
             for s in sets
         ]
-    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch: Hopper on
-        out["ours-pdl-bs16"] = [
-            with_env(PDL_ENV, "1", lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"],
-                                                                    s["seq_lens"], scale, max_seq_len=ctx,
-                                                                    window=window, softcap=softcap))
-            for s in sets
-        ]
-        out["ours-cluster-bs16"] = [
-            with_env(CLUSTER_ENV, "1", lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"],
-                                                                        s["seq_lens"], scale, max_seq_len=ctx,
-                                                                        window=window, softcap=softcap))
-            for s in sets
-        ]
+    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch, clusters: Hopper on
+        for name, env in (("ours-pdl-bs16", PDL_ENV), ("ours-cluster-bs16", CLUSTER_ENV)):
+            out[name] = [with_env(env, "1", call) for call in out["ours-bs16"]]  # bs16 decode, switch on
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
         out["ours-fp8-bs16"] = [
             lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,

@@ -3,8 +3,9 @@
 At a few rows of ``x`` (a decode step at small batch) a linear layer is bound by reading its weight, and cuBLAS's
 GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` serves up to :data:`MAX_ROWS` rows
 on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in: on
-an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up to :data:`WIDE_MAX_ROWS` (decode at batch
-9 to 64, where a tensor-parallel rank's products are still bound by the weight's bytes). Everything else goes to
+an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up
+to :data:`WIDE_MAX_ROWS` (decode at batch 9 to 64, where a tensor-parallel rank's products are still bound by the
+weight's bytes). Everything else goes to
 ``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
 :func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
 bound by launch latency more than by bytes, so the group always takes the kernel where it serves.

@@ -72,8 +72,8 @@ _WGMMA_BY_ENV = {"0": "mma", "1": "wgmma", "serial": "wgmma-serial"}
 # The faster kernel per head_dim on an H100 (docs/kernels.md, "Hopper prefill (wgmma)" and "Every compiled head size
 # on the wgmma kernels"): the serial wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112,
 # 128, 160, 192 and 256.
-_WGMMA_BY_HEAD_DIM = {32: "wgmma-serial", 64: "wgmma-serial", 80: "wgmma", 96: "wgmma-serial", 112: "wgmma", 128: "wgmma", 160: "wgmma",
-                      192: "wgmma", 256: "wgmma"}
+_WGMMA_BY_HEAD_DIM = {32: "wgmma-serial", 64: "wgmma-serial", 80: "wgmma", 96: "wgmma-serial", 112: "wgmma",
+                      128: "wgmma", 160: "wgmma", 192: "wgmma", 256: "wgmma"}
 _has_wgmma: dict[int, bool] = {}
 
 
@@ -89,9 +89,9 @@ def _device_has_wgmma(device: torch.device) -> bool:
 
 
 def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
-    """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (the form of
-    ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"; ``HF_PAGED_PREFILL_WGMMA=0|1|serial`` overrides (module
-    docstring). Read per call (prefill steps only), so a benchmark can switch it between runs."""
+    """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (the form
+    of ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"; ``HF_PAGED_PREFILL_WGMMA=0|1|serial``
+    overrides (module docstring). Read per call (prefill steps only), so a benchmark can switch it between runs."""
     forced = os.environ.get(PREFILL_WGMMA_ENV, "")
     if forced not in _WGMMA_BY_ENV and forced not in ("", "auto"):
         raise ValueError(f"{PREFILL_WGMMA_ENV}={forced!r}: use 0 (mma.sync kernel), 1 (wgmma), serial (wgmma's serial "
