@@ -4,9 +4,10 @@ One run measures the device-to-device copy bandwidth, then for each shape (the a
 ``shared/gpu/anchors.md``: bf16, 32 query / 8 kv heads, head_dim 128 and 64) times hf_paged's decode at block
 size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
-writes everything as JSON. ``ours-pdl-bs16`` (compute capability 9.0 on) is the block-size-16 decode launched with
-programmatic dependent launch (``HF_PAGED_DECODE_PDL=1``: each launch may start while the one before finishes), and
-``ours-cluster-bs16`` the same decode with the split-K combine inside a thread-block cluster
+writes everything as JSON. From compute capability 9.0 on, decode is launched with programmatic dependent launch
+(each launch may start while the one before finishes, so back-to-back launches overlap); ``ours-nopdl-bs16`` is the
+block-size-16 decode without it (``HF_PAGED_DECODE_PDL=0``: each launch alone, as flash-attn's), and
+``ours-cluster-bs16`` the default decode with the split-K combine inside a thread-block cluster
 (``HF_PAGED_DECODE_CLUSTER=1``; launches of 2 to 16 splits, otherwise it is the plain launch).
 ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
 scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
@@ -122,8 +123,8 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
             for s in sets
         ]
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch, clusters: Hopper on
-        for name, env in (("ours-pdl-bs16", PDL_ENV), ("ours-cluster-bs16", CLUSTER_ENV)):
-            out[name] = [with_env(env, "1", call) for call in out["ours-bs16"]]  # bs16 decode, switch on
+        for name, env, value in (("ours-nopdl-bs16", PDL_ENV, "0"), ("ours-cluster-bs16", CLUSTER_ENV, "1")):
+            out[name] = [with_env(env, value, call) for call in out["ours-bs16"]]  # bs16 decode, switch set
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
         out["ours-fp8-bs16"] = [
             lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
@@ -266,7 +267,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
-    impls = ["ours-bs16", "ours-pdl-bs16", "ours-cluster-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256",
+    impls = ["ours-bs16", "ours-nopdl-bs16", "ours-cluster-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256",
              "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")

@@ -1,8 +1,8 @@
 // The split-K combine of paged decode inside a thread-block cluster (compute capability 9.0 on; opt-in,
 // HF_PAGED_DECODE_CLUSTER=1, decode_launch.cpp).
 //
-// The plain kernel ends each split by storing its partial to global memory, publishing it (__threadfence), taking a
-// ticket (an atomic), and the last split to arrive reads every partial back and writes the output: three dependent
+// The plain kernel ends each split by storing its partial to global memory, taking a ticket (an acquire-release
+// atomic), and the last split to arrive reads every partial back and writes the output: three dependent
 // memory round trips after the slowest split streamed its K/V. A B=1 x 8192 decode is 17.7 us on an H100 where its
 // bytes take 11.1 us (docs/kernels.md, "Where B=1 x 8192 spends its time"), and this tail is part of the rest.
 //
@@ -11,8 +11,8 @@
 // behind the Reduce area), the cluster synchronizes once, rank 0 reads the partials of splits 0 .. n-1 of its
 // sequence through distributed shared memory and writes the output, and a second cluster barrier keeps every CTA's
 // shared memory alive until rank 0 has read it. CTAs past their sequence's last split take part in both barriers
-// and nothing else. The arithmetic is the plain kernel's own functions (merge_warps, then merge_split in split
-// order), so the output is the same bit for bit; no workspace and no tickets are touched.
+// and nothing else. The arithmetic is the plain kernel's own functions (merge_warps, then merge_batch over the
+// splits in order), so the output is the same bit for bit; no workspace and no tickets are touched.
 #pragma once
 
 #include <cooperative_groups.h>
@@ -75,8 +75,7 @@ __device__ void cluster_finish(const DecodeParams& p, unsigned char* smem, const
       }
       float m = -INFINITY, l = 0.f;
       float4 o = make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) merge_split(m, l, o, st[j], x[j]);
+      merge_batch(m, l, o, st, x);
       const int64_t row = static_cast<int64_t>(w.b) * p.num_heads + w.head0 + g;
       const float r = l > 0.f ? 1.f / l : 0.f;  // l == 0 only for an empty context: write zeros
       Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));

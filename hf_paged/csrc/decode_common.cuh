@@ -28,12 +28,15 @@ __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
 }
 
-// Programmatic dependent launch (decode_launch.cpp launches decode with it when HF_PAGED_DECODE_PDL=1, on compute
-// capability 9.0 on): the grid may start while the kernel before it in the stream is still running. A CTA reads its
-// sequence length and block-table slice (cta_work: written when the step was laid out, before the layers ran), then
-// waits for that kernel to complete and its writes to be visible before it reads the query, the cache or the split
-// workspace. Once its K/V loop is done it lets the next grid start launching. Without the launch attribute (or
-// below sm_90) both are no-ops.
+// Programmatic dependent launch (decode_launch.cpp launches decode with it on compute capability 9.0 on, unless
+// HF_PAGED_DECODE_PDL=0): the grid may start while the kernel before it in the stream is still running. A CTA reads its
+// sequence length and block-table slice (cta_work: written when the step was laid out, before the layers ran); the
+// tensor-core kernel then starts copying the K/V of its first tiles that hold only keys older than the sequence's
+// newest one; then the CTA waits for that kernel to complete and its writes to be visible before it reads the
+// query, the newest key, the scales or the split workspace. The contract this rests on: the kernel right before a
+// decode writes at most each sequence's newest key and value (the step's write_kv), never an older one. Near the
+// end of its K/V loop (DecodeParams::pdl_lead) a CTA lets the next grid start launching. Without the launch
+// attribute (or below sm_90) both are no-ops.
 __device__ __forceinline__ void wait_for_prior_grid() {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
@@ -188,16 +191,45 @@ __device__ __forceinline__ void merge_warps(unsigned char* smem, int g, int d, f
   }
 }
 
-// One step of the running merge over splits: fold a split's (max st.x, sum st.y, unnormalised output x) into
-// (m, l, o). Splits that saw no token (st.x = -inf) leave it as it was.
-__device__ __forceinline__ void merge_split(float& m, float& l, float4& o, float2 st, float4 x) {
-  if (st.x == -INFINITY) return;
-  const float mn = fmaxf(m, st.x);
-  const float a = exp2f(m - mn), c = exp2f(st.x - mn);  // a = 0 for the first split (m = -inf)
-  l = fmaf(l, a, st.y * c);
-  o.x = fmaf(o.x, a, x.x * c), o.y = fmaf(o.y, a, x.y * c);
-  o.z = fmaf(o.z, a, x.z * c), o.w = fmaf(o.w, a, x.w * c);
-  m = mn;
+// Fold kBatch splits' (max st.x, sum st.y, unnormalised output x) into the running (m, l, o) at once: one max over
+// the batch, then a weight per split that no other split's weight waits on, so the dependent chain per split is a
+// max and an fma (a split-by-split merge waits on an exp2 per split: ~0.4 us of a B=1 decode's tail at 16 splits).
+// Splits that saw no token (st.x = -inf) weigh 0; a batch of them only leaves (m, l, o) as it was.
+template <int kBatch>
+__device__ __forceinline__ void merge_batch(float& m, float& l, float4& o, const float2 (&st)[kBatch],
+                                            const float4 (&x)[kBatch]) {
+  float mb = m;
+#pragma unroll
+  for (int j = 0; j < kBatch; ++j) mb = fmaxf(mb, st[j].x);
+  if (mb == -INFINITY) return;
+  const float a = exp2f(m - mb);  // 0 while m = -inf
+  l *= a;
+  o.x *= a, o.y *= a, o.z *= a, o.w *= a;
+#pragma unroll
+  for (int j = 0; j < kBatch; ++j) {
+    const float c = exp2f(st[j].x - mb);
+    l = fmaf(st[j].y, c, l);
+    o.x = fmaf(x[j].x, c, o.x), o.y = fmaf(x[j].y, c, o.y), o.z = fmaf(x[j].z, c, o.z), o.w = fmaf(x[j].w, c, o.w);
+  }
+  m = mb;
+}
+
+// This split's ticket for its (sequence, head group): the counter's value before adding one, with acquire-release
+// order at GPU scope. After a barrier, the release publishes the whole CTA's partial (the barrier puts the other
+// threads' stores before thread 0's release); for the last split, the acquire and a barrier after it put every
+// other split's partial before the combine's loads. A full __threadfence before the atomic and another after it
+// did the same at two sequentially consistent fences' cost.
+__device__ __forceinline__ int take_ticket(int32_t* counter) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 700
+  int32_t before;
+  asm volatile("atom.acq_rel.gpu.global.add.s32 %0, [%1], 1;" : "=r"(before) : "l"(counter) : "memory");
+  return before;
+#else
+  __threadfence();
+  const int32_t before = atomicAdd(counter, 1);
+  __threadfence();
+  return before;
+#endif
 }
 
 // Merge the warps' (m, l, acc) from shared memory: the final output, or this split's partial.
@@ -220,7 +252,7 @@ __device__ __forceinline__ void write_cta_result(const DecodeParams& p, unsigned
   }
 }
 
-// Last CTA of a (sequence, head group): merge the splits' partials in one pass, with a running max, so that the
+// Last CTA of a (sequence, head group): merge the splits' partials kBatch at a time (merge_batch), so that the
 // stats and partial outputs of kBatch splits are in flight together (the tail of a B=1 decode waits on this).
 template <typename T, int D>
 __device__ void combine_splits(const DecodeParams& p, const CtaWork& w) {
@@ -241,8 +273,7 @@ __device__ void combine_splits(const DecodeParams& p, const CtaWork& w) {
         st[j] = in ? __ldcg(stats + s0 + j) : make_float2(-INFINITY, 0.f);
         x[j] = in ? __ldcg(src + (s0 + j) * (D / 4)) : make_float4(0.f, 0.f, 0.f, 0.f);
       }
-#pragma unroll
-      for (int j = 0; j < kBatch; ++j) merge_split(m, l, o, st[j], x[j]);
+      merge_batch(m, l, o, st, x);
     }
     const float r = 1.f / l;
     Elem<T>::store4(static_cast<T*>(p.out) + row * D + d, make_float4(o.x * r, o.y * r, o.z * r, o.w * r));
@@ -262,18 +293,16 @@ __device__ __forceinline__ void finish_cta(const DecodeParams& p, unsigned char*
     }
     return;
   }
-  __threadfence();  // publish this CTA's partial before taking a ticket
-  __syncthreads();
+  __syncthreads();  // every thread's partial stores come before thread 0's release (take_ticket)
   if (threadIdx.x == 0) {
     int32_t* counter = p.counters + blockIdx.z * gridDim.y + blockIdx.y;
-    is_last = atomicAdd(counter, 1) == w.num_splits - 1;
+    is_last = take_ticket(counter) == w.num_splits - 1;
     if (is_last) *counter = 0;  // every other split has taken its ticket: reset for the next launch
     trace_point(p, kTraceTicket);
     if (!is_last) trace_point(p, kTraceEnd);
   }
-  __syncthreads();
+  __syncthreads();  // thread 0's acquire comes before every thread's loads of the other partials
   if (!is_last) return;
-  __threadfence();
   combine_splits<T, D>(p, w);
   if (kTraceBuild && p.trace != nullptr) {
     __syncthreads();

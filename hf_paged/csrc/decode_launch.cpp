@@ -21,6 +21,10 @@ namespace {
 // the cluster's size is the split count, so 2 to kMaxClusterSplits splits (16 is H100's non-portable maximum).
 // Opt-in until measured.
 constexpr int kMaxClusterSplits = 16;
+// Tiles before the end of its K/V loop at which a warp of a PDL launch lets the next grid launch: a B=1 x 8192
+// decode (8 tiles per warp) took 16.4 / 16.0 / 15.6 / 15.2 / 15.1 / 16.3 us at 0 / 1 / 2 / 3 / 4 / 8 on an H100
+// (diagnostic build, back to back): the next grid's prologue and first copies then land in this one's tail.
+constexpr int kDecodePdlLeadTiles = 4;
 
 bool decode_cluster_asked() {
   const char* env = std::getenv("HF_PAGED_DECODE_CLUSTER");
@@ -92,13 +96,15 @@ int decode_smem_bytes(const DecodeKernel& k, const DecodeParams& p) {
   return k.smem_bytes + ((p.split_len + p.block_size - 1) / p.block_size + 1) * 4;  // + the block-table slice
 }
 
-// Programmatic dependent launch for decode (HF_PAGED_DECODE_PDL=1, read per launch; compute capability 9.0 on): the
-// grid may start while the kernel before it in the stream is finishing, and its CTAs read their sequence length and
-// block-table slice before waiting for that kernel (decode_common.cuh, wait_for_prior_grid). Opt-in: 0-3% in the
-// kernel benchmark on an H100, unmeasured in the engine (docs/kernels.md).
+// Programmatic dependent launch for decode (compute capability 9.0 on; HF_PAGED_DECODE_PDL=0 turns it off, read
+// per launch): the grid may start while the kernel before it in the stream is finishing. Its CTAs read their
+// sequence length and block-table slice and start copying the K/V of keys older than each sequence's newest one
+// before they wait for that kernel (decode_common.cuh, wait_for_prior_grid, states the contract), and each warp lets
+// the next grid launch kDecodePdlLeadTiles tiles before the end of its K/V loop. On an H100, back to back:
+// B=1 x 8192 17.1 -> 13.6 us (82% of the copy bandwidth), B=64 x 512 50.4 -> 46.3 us (docs/kernels.md).
 bool decode_pdl(int device) {
   const char* env = std::getenv("HF_PAGED_DECODE_PDL");
-  if (env == nullptr || std::string(env) != "1") return false;
+  if (env != nullptr && std::string(env) == "0") return false;
   static std::mutex mu;
   static std::map<int, bool> capable;
   const std::lock_guard<std::mutex> lock(mu);
@@ -124,6 +130,7 @@ void launch_decode(const DecodeKernel& k, const DecodeParams& p, int64_t rows, i
   const dim3 grid(static_cast<unsigned>(p.max_splits), static_cast<unsigned>(p.num_kv_heads * p.head_groups),
                   static_cast<unsigned>(rows));
   DecodeParams arg = p;
+  arg.pdl_lead = pdl ? kDecodePdlLeadTiles : -1;
   void* args[] = {&arg};
   if (!pdl && !cluster) {
     C10_CUDA_CHECK(cudaLaunchKernel(k.fn, grid, dim3(k.threads), args, smem, stream));

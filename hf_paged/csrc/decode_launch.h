@@ -16,7 +16,7 @@ std::pair<int, int> decode_residency(const DecodeKernel& k, int device);
 // Dynamic shared memory of a launch: the kernel's ring plus its split's block-table slice.
 int decode_smem_bytes(const DecodeKernel& k, const DecodeParams& p);
 
-// Whether decode launches on `device` use programmatic dependent launch (HF_PAGED_DECODE_PDL=1, sm_90 on).
+// Whether decode launches on `device` use programmatic dependent launch (sm_90 on, unless HF_PAGED_DECODE_PDL=0).
 bool decode_pdl(int device);
 
 // Whether this launch (p's splits set) takes the cluster combine (HF_PAGED_DECODE_CLUSTER=1, 2 to 16 splits, a

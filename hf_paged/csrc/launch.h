@@ -48,6 +48,10 @@ struct DecodeParams {
   // An e4m3 cache's float32 [Hkv] scales (value = fp8 * scale); nullptr for a cache in the query's dtype.
   const float* k_scale;
   const float* v_scale;
+  // -1: launched without programmatic dependent launch. Otherwise (decode_launch.cpp) the tensor-core kernel copies
+  // its first K/V tiles of keys older than the newest one before waiting for the previous kernel, and each warp
+  // lets the next grid launch pdl_lead tiles before the end of its K/V loop (decode_common.cuh).
+  int pdl_lead;
   // Diagnostics only (decode_trace_buffer in decode_launch.cpp; nullptr otherwise): per CTA, kTraceWords uint64 of
   // timestamps at the phases of decode_common.cuh's TracePoint, written by the CTA's first thread.
   unsigned long long* trace;

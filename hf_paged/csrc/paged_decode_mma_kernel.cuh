@@ -132,8 +132,30 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     if constexpr (kCluster) cluster_finish_empty();
     return;
   }
-  wait_for_prior_grid();  // everything below may read what the previous kernel wrote
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  // This warp's tiles: warp, warp + 4, ... of the split's 16-token tiles.
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * C::kWarpRingBytes;
+  const int n_tiles = cdiv(w.t_end - w.t_begin, C::kTokens);
+  const int my_tiles = n_tiles > warp ? cdiv(n_tiles - warp, kWarps) : 0;
+  const int t_first = w.t_begin + warp * C::kTokens, t_step = kWarps * C::kTokens;
+  // The ring's first tiles that end before the sequence's newest key are copied before waiting for the previous
+  // kernel (wait_for_prior_grid: under programmatic dependent launch, their DRAM latency then overlaps that kernel's
+  // tail), the others after it. A prefix of the stages, so the copy groups stay in stage order.
+  // Without programmatic dependent launch, the query and scales are asked for first (a short split waits on them).
+  int early = 0;
+  if (p.pdl_lead >= 0) {
+#pragma unroll
+    for (int s = 0; s < C::kStages - 1; ++s)
+      if (s == early && s < my_tiles && t_first + s * t_step + C::kTokens <= w.seq_len - 1) ++early;
+  }
+#pragma unroll
+  for (int s = 0; s < C::kStages - 1; ++s) {
+    if (s < early) {
+      issue_tile<KV, D>(p, ring + s * 2 * C::kTileBytes, t_first + s * t_step, w, table, lane);
+      cp_async_commit();
+    }
+  }
+  wait_for_prior_grid();  // everything below may read what the previous kernel wrote
   const CtaScale sc = cta_scale<kFp8>(p, w.kvh);
 
   uint32_t qa[D / 16][4];
@@ -142,16 +164,12 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
 #pragma unroll
   for (int n = 0; n < D / 8; ++n) st.o[n][0] = st.o[n][1] = st.o[n][2] = st.o[n][3] = 0.f;
   st.m[0] = st.m[1] = -INFINITY, st.l[0] = st.l[1] = 0.f;
-
-  // This warp's tiles: warp, warp + 4, ... of the split's 16-token tiles.
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * C::kWarpRingBytes;
-  const int n_tiles = cdiv(w.t_end - w.t_begin, C::kTokens);
-  const int my_tiles = n_tiles > warp ? cdiv(n_tiles - warp, kWarps) : 0;
-  const int t_first = w.t_begin + warp * C::kTokens, t_step = kWarps * C::kTokens;
 #pragma unroll
   for (int s = 0; s < C::kStages - 1; ++s) {
-    if (s < my_tiles) issue_tile<KV, D>(p, ring + s * 2 * C::kTileBytes, t_first + s * t_step, w, table, lane);
-    cp_async_commit();
+    if (s >= early) {
+      if (s < my_tiles) issue_tile<KV, D>(p, ring + s * 2 * C::kTileBytes, t_first + s * t_step, w, table, lane);
+      cp_async_commit();
+    }
   }
   for (int it = 0; it < my_tiles; ++it) {
     const int ahead = it + C::kStages - 1;
@@ -166,10 +184,11 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
     tile_scores<T, KV, D>(sc, w, k_tile, t_first + it * t_step, lane, qa, s);
     tile_accumulate<T, KV, D>(k_tile + C::kTileBytes, lane, s, st);
     __syncwarp();  // the whole warp is done reading this stage before it is refilled
+    if (it + 1 + p.pdl_lead == my_tiles) let_dependents_launch();
   }
   cp_async_wait<0>();
   if (threadIdx.x == 0) trace_point(p, kTraceLoopDone);
-  let_dependents_launch();
+  let_dependents_launch();  // (a warp with pdl_lead or fewer tiles; repeats are no-ops)
   store_mma_state<D, kFp8>(st, smem, w, lane, warp, sc.v_scale);
   if constexpr (kCluster) {
     cluster_finish<T, D, C::kRows>(p, smem, w);

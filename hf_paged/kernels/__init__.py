@@ -162,6 +162,12 @@ def paged_decode(
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
+
+    From compute capability 9.0 on the launch uses programmatic dependent launch: it may start while the kernel
+    before it in the stream finishes, and copies cache entries of keys older than each sequence's newest one before
+    it waits for that kernel. So the kernel right before it may write each sequence's newest key and value (as
+    :func:`write_kv` does in a decode step) and the query, but no older key; ``HF_PAGED_DECODE_PDL=0`` turns this
+    off.
     """
     _check_kv_scales(k_cache, k_scale, v_scale)
     if not query.is_cuda:

@@ -61,7 +61,7 @@ def both(monkeypatch, query, k_cache, v_cache, meta, params, **options):
 @pytest.mark.parametrize(("dtype", "heads", "ctx", "options"), [
     (torch.bfloat16, (32, 8), [8192], {}),
     (torch.bfloat16, (32, 8), [1, 16, 17, 300, 4097], {}),
-    (torch.float16, (8, 1), [2000, 33], {"window": 100, "softcap": 30.0}),
+    (torch.float16, (8, 1), [2000, 33], {"window": 1000, "softcap": 30.0, "split_len": 256}),
     (torch.bfloat16, (32, 1), [5000, 3], {}),
     (torch.float16, (16, 4), [6000, 6000, 129], {"softcap": 50.0}),
 ], ids=["bf16-b1-8192", "bf16-empty-splits", "fp16-mqa-window-cap", "bf16-two-head-groups", "fp16-gqa-cap"])
@@ -69,8 +69,10 @@ def test_cluster_launch_gives_the_plain_launchs_bits(monkeypatch, dtype, heads, 
     meta, query, _, _, k_cache, v_cache, params = decode_step(ctx, 16, *heads, 128, dtype, seeded("eager", dtype, ctx))
     plain, clustered, splits, untouched = both(monkeypatch, query, k_cache, v_cache, meta, params, **options)
     assert torch.equal(clustered, plain)
+    # (one split never touches the workspace on either path: every case splits, so the check below can fail)
+    assert splits >= 2, f"{splits} split: the case cannot tell the paths apart"
     # (a failure with 2-16 splits may also mean this GPU cannot schedule such a cluster: cluster_fits said no)
-    assert untouched == (2 <= splits <= 16), f"{splits} splits: the cluster path should run exactly for 2 to 16"
+    assert untouched == (splits <= 16), f"{splits} splits: the cluster path should run exactly for 2 to 16"
     if not options:
         assert relative_error(plain, reference(query, k_cache, v_cache, meta, params)) < 1e-2
 
@@ -124,8 +126,7 @@ def test_graph_replays_give_the_plain_answer(monkeypatch, pdl: bool):
         decode(query, k_cache, v_cache, meta, params, out=outs[i])
 
     monkeypatch.setenv(CLUSTER_ENV, "1")
-    if pdl:
-        monkeypatch.setenv("HF_PAGED_DECODE_PDL", "1")
+    monkeypatch.setenv("HF_PAGED_DECODE_PDL", "1" if pdl else "0")
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):

@@ -1,8 +1,9 @@
-"""Decode with programmatic dependent launch (``HF_PAGED_DECODE_PDL=1``, compute capability 9.0 on; skipped
-elsewhere): each decode launch may start while the kernel before it finishes, reading only its sequence length and
-block-table slice before it waits for that kernel (csrc/decode_common.cuh).
+"""Decode with programmatic dependent launch (the default from compute capability 9.0 on, ``HF_PAGED_DECODE_PDL=0``
+turns it off; skipped below): each decode launch may start while the kernel before it finishes, reading its sequence length and
+block-table slice and copying the K/V of keys older than each sequence's newest one before it waits for that kernel
+(csrc/decode_common.cuh).
 
-- Eagerly, the answer is the plain launch's bit for bit (same kernel, same split) for bf16, fp16 and float32, GQA and
+- Eagerly, the answer is the plain launch's (``HF_PAGED_DECODE_PDL=0``) bit for bit (same kernel, same split) for bf16, fp16 and float32, GQA and
   MQA, a window and a softcap, and an e4m3 cache.
 - In a CUDA graph whose decode launches each follow the kernel that writes their input (the query, or the new
   token's K/V through ``write_kv``), every replay equals the eager, plain answer over that step's inputs: a CTA that
@@ -41,9 +42,9 @@ PDL_ENV = "HF_PAGED_DECODE_PDL"
 ], ids=["bf16-b1-8192", "bf16-edges", "fp16-mqa-window-cap", "fp32-simt"])
 def test_pdl_launch_gives_the_plain_launchs_bits(monkeypatch, dtype, heads, ctx, options):
     meta, query, _, _, k_cache, v_cache, params = decode_step(ctx, 16, *heads, 128, dtype, seeded("eager", dtype, ctx))
-    monkeypatch.delenv(PDL_ENV, raising=False)
+    monkeypatch.setenv(PDL_ENV, "0")
     plain = decode(query, k_cache, v_cache, meta, params, **options)
-    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.delenv(PDL_ENV)  # the default
     assert torch.equal(decode(query, k_cache, v_cache, meta, params, **options), plain)
     if not options:
         assert relative_error(plain, reference(query, k_cache, v_cache, meta, params)) < 1e-2
@@ -54,9 +55,9 @@ def test_pdl_launch_over_an_e4m3_cache_gives_the_plain_launchs_bits(monkeypatch)
                                                               seeded("fp8"))
     scale = torch.full((8,), 0.05, device=query.device)
     k8, v8 = (kv_quant.quantize(c.flatten(0, 1), scale).view(c.shape) for c in (k_cache, v_cache))
-    monkeypatch.delenv(PDL_ENV, raising=False)
+    monkeypatch.setenv(PDL_ENV, "0")
     plain = decode(query, k8, v8, meta, params, k_scale=scale, v_scale=scale)
-    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.delenv(PDL_ENV)
     assert torch.equal(decode(query, k8, v8, meta, params, k_scale=scale, v_scale=scale), plain)
 
 
@@ -82,7 +83,7 @@ def test_graph_replays_see_what_the_kernel_before_each_decode_wrote(monkeypatch)
             kernels.write_kv(new_k[i], new_v[i], k_cache, v_cache, slots)
         decode(query, k_cache, v_cache, meta, params, out=outs[i])
 
-    monkeypatch.setenv(PDL_ENV, "1")
+    monkeypatch.delenv(PDL_ENV, raising=False)  # the default
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):
@@ -92,7 +93,7 @@ def test_graph_replays_see_what_the_kernel_before_each_decode_wrote(monkeypatch)
     with torch.cuda.graph(graph):
         for i in range(steps):
             step(i)
-    monkeypatch.delenv(PDL_ENV)
+    monkeypatch.setenv(PDL_ENV, "0")
     for replay in range(3):
         for out in outs:
             out.fill_(float("nan"))

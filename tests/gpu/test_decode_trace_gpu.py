@@ -33,10 +33,10 @@ if kernels.unavailable_reason() is not None:
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3) -> dict:
+def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3, pdl: bool = True) -> dict:
     out = tmp_path / "trace.json"
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path}
+    env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path, "HF_PAGED_DECODE_PDL": "1" if pdl else "0"}
     done = subprocess.run([sys.executable, "-m", "hf_paged.bench.decode_trace", "--batch", str(batch), "--ctx",
                            str(ctx), "--launches", str(launches), "--json", str(out), "--raw"],
                           env=env, capture_output=True, text=True, timeout=600)
@@ -47,7 +47,7 @@ def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3) -> dict:
 
 @pytest.mark.parametrize(("batch", "ctx"), [(1, 8192), (3, 1000)])
 def test_traced_launches_record_every_cta_in_order(tmp_path, batch: int, ctx: int):
-    summary = _trace(tmp_path, batch, ctx)
+    summary = _trace(tmp_path, batch, ctx, pdl=False)
     assert summary["matches_untraced"], "a traced launch changed the answer"
     splits = -(-ctx // summary["settings"]["split_len"])
     kv_heads = summary["settings"]["kv_heads"]
@@ -69,6 +69,25 @@ def test_traced_launches_record_every_cta_in_order(tmp_path, batch: int, ctx: in
         previous_end = max(w[dt.END] for w in live)
     m = summary["medians"]
     assert 0 < m["span_ns"] <= m["event_ns"] * 1.5
+
+
+def test_launches_overlap_under_programmatic_dependent_launch(tmp_path):
+    """Compute capability 9.0 on, decode launches with PDL unless HF_PAGED_DECODE_PDL=0: back to back at B=1 x 8192,
+    each launch's first CTAs start before the one before it has ended (its last CTAs still combine), and its CTAs
+    still record their points in order."""
+    if torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs compute capability 9.0 or newer")
+    summary = _trace(tmp_path, 1, 8192, launches=5)
+    assert summary["matches_untraced"]
+    ends, starts = [], []
+    for words_of in summary["raw"]:
+        for w in words_of:
+            points = [w[dt.START], w[dt.WORK], w[dt.FIRST_TILE], w[dt.LOOP_DONE], w[dt.TICKET], w[dt.END]]
+            assert all(p > 0 for p in points) and points == sorted(points), points
+        starts.append(min(w[dt.START] for w in words_of))
+        ends.append(max(w[dt.END] for w in words_of))
+    overlaps = [starts[i] < ends[i - 1] for i in range(1, len(starts))]
+    assert all(overlaps), f"launches that waited for the one before to end: {overlaps}"
 
 
 def test_the_normal_build_refuses_a_trace_buffer():
