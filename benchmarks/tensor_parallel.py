@@ -18,6 +18,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
+    python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -74,6 +75,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skinny-wide", action="store_true",
                         help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
                              "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
+    parser.add_argument("--cublaslt", action="store_true",
+                        help="also run hf_paged on every count with TORCH_BLAS_PREFER_CUBLASLT=1 (torch's matrix "
+                             "products through cuBLASLt; each count against the same variant on one GPU)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -249,30 +253,7 @@ def main(argv: list[str] | None = None) -> None:
             say("saving a random-init Llama-3.1-8B-shaped bf16 model ...")
             subprocess.run([sys.executable, str(Path(__file__).resolve()), "--save", "--model-dir", str(model_dir)],
                            check=True)
-        runs = [(c, "", {}) for c in counts]
-        if args.tp_graphs:
-            warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
-                          "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
-        if args.tp_eager:
-            runs += [(c, " (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}) for c in counts if c > 1]
-        if args.tp_layers_eager:
-            runs += [(c, " (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}) for c in counts if c > 1]
-        if args.tp_one_shot:
-            runs += [(c, " (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}) for c in counts if c > 1]
-        if args.tp_peer_sum:
-            runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
-        if args.tp_no_pack:
-            runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
-        if args.tp_pack_all:
-            runs += [(c, " (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}) for c in counts if c > 1]
-        if args.skinny_wide:
-            for c in counts:
-                env = {"HF_PAGED_SKINNY_WIDE": "1"}
-                if c > 1 and args.tp_peer_sum:
-                    env["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
-                runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
-        if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
-            runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
+        runs = planned_runs(args, counts)
         for count, variant, env in runs:
             gpus = int(env.get("HF_PAGED_BENCH_SPLIT", count))
             say(f"{gpus} GPU(s){variant}: {args.systems if not variant else 'hf_paged'} ...")
@@ -284,6 +265,37 @@ def main(argv: list[str] | None = None) -> None:
             if args.json:
                 args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print_table(rows)
+
+
+def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, str, dict]]:
+    """(process count, variant suffix, environment) of every launch the flags ask for, in launch order."""
+    runs = [(c, "", {}) for c in counts]
+    if args.tp_graphs:
+        warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
+                      "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
+    if args.tp_eager:
+        runs += [(c, " (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}) for c in counts if c > 1]
+    if args.tp_layers_eager:
+        runs += [(c, " (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}) for c in counts if c > 1]
+    if args.tp_one_shot:
+        runs += [(c, " (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}) for c in counts if c > 1]
+    if args.tp_peer_sum:
+        runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
+    if args.tp_no_pack:
+        runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
+    if args.tp_pack_all:
+        runs += [(c, " (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}) for c in counts if c > 1]
+    if args.skinny_wide:
+        for c in counts:
+            env = {"HF_PAGED_SKINNY_WIDE": "1"}
+            if c > 1 and args.tp_peer_sum:
+                env["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
+            runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
+    if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
+        runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
+    if args.cublaslt:
+        runs += [(c, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}) for c in counts]
+    return runs
 
 
 def print_table(rows: list[dict]) -> None:
