@@ -9,6 +9,12 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
   the call for 256 new tokens minus the wall of the call for 1 (prefill and setup cancel out), over 255 steps;
   reported as output tokens per second.
 - batch-1 latency: one 512-token prompt, ms per output token, the same way.
+- hf_paged only, steady decode at batch 64 (``steady`` in the JSON, the table's last columns): the batch-64 requests
+  added to one ``hf_paged.Engine`` (the options ``generate_batch`` gets), stepped past every prefill and 3 more
+  steps, then 32 decode steps timed. No setup in it: ``generate_batch`` builds an engine per call and captures its
+  decode graphs on demand, and under tensor parallel the two calls of the subtraction above took 1.1 to 3.5 s of
+  setup and prefill that did not cancel out (2x H200, 2026-11-27), so the steady figure is the one to compare
+  between hf_paged variants.
 
     python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
@@ -167,6 +173,8 @@ def worker(args: argparse.Namespace) -> None:
             row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
             row["decode_tok_per_s"] = batch64.num_requests * 1e3 / row["decode"]["ms_per_token"]
             row["ms_per_token"] = row["latency"]["ms_per_token"]
+            if system == "hf_paged":
+                row["steady"] = steady_decode(model, batch64, budget, layers, vocab, steps=4 if args.tiny else 32)
             row["status"] = "ok"
         except Exception as exc:  # the same on every rank (the calls are), so the ranks stay in step
             row.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -177,6 +185,45 @@ def worker(args: argparse.Namespace) -> None:
     if dist.is_initialized():
         dist.barrier()
         dist.destroy_process_group()
+
+
+def steady_decode(model, workload, budget, engine_kwargs: dict, vocab: int, steps: int) -> dict:
+    """Milliseconds per decode step of one ``hf_paged.Engine`` at the workload's batch, past every prefill (the
+    module doc's "steady decode"). Every rank runs it (the engine keeps the ranks in step)."""
+    import copy
+    import time
+
+    import torch
+    from decode_steps import step_until_decoding
+
+    import hf_paged
+
+    if steps + 4 > workload.new_tokens:  # the prefill's token and 3 warm-up steps come first
+        raise ValueError(f"{steps} timed steps need at least {steps + 4} new tokens per request")
+    prompts, gc = workload.prompts(vocab), workload.generation_config()
+    num_blocks = sum(-(-(len(p) + workload.new_tokens) // 16) for p in prompts)
+    with hf_paged.Engine(model, num_blocks=num_blocks, block_size=16, max_batch_tokens=budget.max_batch_tokens,
+                         max_num_seqs=budget.max_requests, **engine_kwargs) as engine:
+        for prompt in prompts:
+            engine.add_request(prompt, copy.deepcopy(gc))
+        step_until_decoding(engine)
+        for _ in range(3):
+            engine.step()
+        before = engine.stats()
+        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+        sync()
+        start = time.perf_counter()
+        for _ in range(steps):
+            engine.step()
+        sync()
+        seconds = time.perf_counter() - start
+        after = engine.stats()
+    decoded = after["generated_tokens"] - before["generated_tokens"]
+    if decoded != steps * before["running"]:
+        raise RuntimeError(f"steady decode: {decoded} tokens in {steps} steps of {before['running']} sequences (a "
+                           "sequence finished or was preempted inside the timed steps)")
+    return {"batch": before["running"], "steps": steps, "seconds": seconds, "ms_per_step": 1e3 * seconds / steps,
+            "tok_per_s": decoded / seconds}
 
 
 def split_map(num_layers: int, devices: list) -> dict:
@@ -304,7 +351,8 @@ def print_table(rows: list[dict]) -> None:
             else "Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new")
     print(f"\nTensor parallel, {what}; {card}")
     width = max([22] + [len(r["system"]) + 2 for r in rows])
-    print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
+    print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}"
+          f"{'steady ms/step (b64)':>22}{'vs 1 GPU':>10}")
     for r in rows:
         # against the same variant on one GPU where it ran there (--skinny-wide), else the plain system's one-GPU run
         ones = {b["system"]: b for b in rows if b["gpus"] == 1 and b["status"] == "ok"}
@@ -313,8 +361,11 @@ def print_table(rows: list[dict]) -> None:
             print(f"{r['system']:<{width}}{r['gpus']:>5}  failed: {r['error'][:80]}")
             continue
         speedup = f"{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x" if base else ""
+        steady = f"{r['steady']['ms_per_step']:.2f}" if "steady" in r else "-"
+        steady_x = (f"{base['steady']['ms_per_step'] / r['steady']['ms_per_step']:.2f}x"
+                    if base and "steady" in r and "steady" in base else "")
         print(f"{r['system']:<{width}}{r['gpus']:>5}{r['decode_tok_per_s']:>20,.0f}{r['ms_per_token']:>15.2f}"
-              f"{speedup:>10}")
+              f"{speedup:>10}{steady:>22}{steady_x:>10}")
 
 
 if __name__ == "__main__":
