@@ -97,7 +97,8 @@ def timed_latency(model: torch.nn.Module, generate: Generate, workload: Workload
     decoded = workload.new_tokens - 1
     return {"tokens": _num_generated(out) - 1, "expected_tokens": decoded, "seconds": seconds,
             "ms_per_token": 1e3 * seconds / decoded, "first_token_call_s": statistics.median(first),
-            "full_call_s": statistics.median(full), "attention": attention,
+            "full_call_s": statistics.median(full), "first_token_calls_s": first, "full_calls_s": full,
+            "attention": attention,
             "ms_per_token_timestamps": 1e3 * statistics.median(spacing) if spacing else None}
 
 
