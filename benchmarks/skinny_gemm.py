@@ -3,7 +3,8 @@ bandwidth.
 
 Shapes: every distinct linear of Llama-3.2-1B and Llama-3.1-8B (q/o, k/v, gate/up, down, lm_head) and of one rank of
 Llama-3.1-8B split over two GPUs by tensor parallelism (``8b-tp2``: q 2048, k/v 512 and gate/up 7168 rows of K=4096,
-o 4096 x 2048, down 4096 x 7168; no lm_head), ``--rows`` (default 1, 2, 4, 8; up to 64) rows of x, ``--dtype``
+o 4096 x 2048, down 4096 x 7168, and lm_head's 64128-row half of the vocabulary: transformers' Llama plan splits it
+by columns and gathers the logits), ``--rows`` (default 1, 2, 4, 8; up to 64) rows of x, ``--dtype``
 (default bf16), with no bias (as in Llama). Up to 8 rows "skinny" is skinny_gemm.cu, from 9 to 64 the wide kernel
 (skinny_gemm_wide.cu), called directly: the benchmark needs no ``HF_PAGED_SKINNY_WIDE``.
 
@@ -50,7 +51,8 @@ MODELS = {
                                                        "lm_head": (128256, 4096, 0)}),
     "8b-tp2": dict(name="Llama-3.1-8B TP-2 rank", layers=32, shapes={"q": (2048, 4096, 1), "k/v": (512, 4096, 2),
                                                                      "o": (4096, 2048, 1), "gate/up": (7168, 4096, 2),
-                                                                     "down": (4096, 7168, 1)}),
+                                                                     "down": (4096, 7168, 1),
+                                                                     "lm_head": (64128, 4096, 0)}),
 }
 # grouped products: name -> the shapes (of MODELS[...]["shapes"]) sharing x, once per layer each; q is "q/o" where
 # the model's q and o have one shape
