@@ -110,9 +110,12 @@ bool decode_pdl(int device) {
   const std::lock_guard<std::mutex> lock(mu);
   auto it = capable.find(device);
   if (it != capable.end()) return it->second;
-  int major = 0;
+  int major = 0, driver = 0, runtime = 0;
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device));
-  return capable[device] = major >= 9;
+  C10_CUDA_CHECK(cudaDriverGetVersion(&driver));
+  C10_CUDA_CHECK(cudaRuntimeGetVersion(&runtime));
+  // Programmatic launches captured into CUDA graphs need CUDA 12.3 on both sides; older ones launch plainly.
+  return capable[device] = major >= 9 && driver >= 12030 && runtime >= 12030;
 }
 
 bool decode_cluster(const DecodeKernel& k, const DecodeParams& p, int device) {
