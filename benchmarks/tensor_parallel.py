@@ -25,6 +25,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
+    python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -84,6 +85,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--cublaslt", action="store_true",
                         help="also run hf_paged on every count with TORCH_BLAS_PREFER_CUBLASLT=1 (torch's matrix "
                              "products through cuBLASLt; each count against the same variant on one GPU)")
+    parser.add_argument("--compile-pdl", action="store_true",
+                        help="also run hf_paged on every count with HF_PAGED_COMPILE_PDL=1 (the compiled layers' "
+                             "Triton kernels with programmatic dependent launch; each count against the same "
+                             "variant on one GPU)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -342,6 +347,8 @@ def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int,
         runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
     if args.cublaslt:
         runs += [(c, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}) for c in counts]
+    if args.compile_pdl:
+        runs += [(c, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}) for c in counts]
     return runs
 
 

@@ -335,11 +335,13 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tensor_parallel
 
-    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--cublaslt"])
+    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--cublaslt", "--compile-pdl"])
     runs = tensor_parallel.planned_runs(args, [1, 2])
     assert runs == [(1, "", {}), (2, "", {}), (2, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
                     (1, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
-                    (2, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
+                    (2, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
+                    (1, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
+                    (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
 
 

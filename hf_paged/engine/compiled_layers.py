@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import os
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -51,6 +52,31 @@ def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False)
     if device.type == "cuda" and importlib.util.find_spec("triton") is None:
         return "triton is not installed (torch.compile needs it on CUDA)"
     return None
+
+
+#: ``HF_PAGED_COMPILE_PDL=1`` (read when a model's layers are first compiled; experimental, not yet measured): the
+#: Triton kernels inductor generates for the layers use programmatic dependent launch on compute capability 9.0 on
+#: (each may launch while the kernel before it finishes, and waits for it before its first load), through inductor's
+#: own ``triton.enable_pdl``. Torch releases without that option compile as before.
+COMPILE_PDL_ENV = "HF_PAGED_COMPILE_PDL"
+
+
+def inductor_options() -> dict:
+    """The inductor options of the layers' compile: the grouped skinny linears, and PDL where asked and known."""
+    options = {"post_grad_custom_pre_pass": GroupLinears()}
+    if os.environ.get(COMPILE_PDL_ENV) == "1":
+        if _inductor_has_pdl():
+            options["triton.enable_pdl"] = True
+        else:
+            logger.warning("hf_paged: %s=1 is ignored: this torch's inductor has no triton.enable_pdl option",
+                           COMPILE_PDL_ENV)
+    return options
+
+
+def _inductor_has_pdl() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
 
 
 def compiled_layers(model: torch.nn.Module) -> CompiledLayers:
@@ -127,7 +153,7 @@ class _Switch:
     def __init__(self, owner: CompiledLayers, eager):
         self.owner, self.eager = owner, eager
         # options: this compile's inductor config only (the skinny linears sharing an input run as one launch)
-        self.compiled = torch.compile(eager, dynamic=True, options={"post_grad_custom_pre_pass": GroupLinears()})
+        self.compiled = torch.compile(eager, dynamic=True, options=inductor_options())
 
     def __call__(self, *args, **kwargs):
         if self.owner.is_active:

@@ -149,3 +149,22 @@ def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
     assert engine.compiled is None and engine.stats()["compiled_layers"] is False
     with pytest.raises(ValueError, match="compile_layers=True cannot be served: no list of decoder layers"):
         hf_paged.Engine(stub, num_blocks=16, block_size=4, compile_layers=True)
+
+
+def test_pdl_in_the_layers_compile_only_when_asked(monkeypatch, caplog):
+    """HF_PAGED_COMPILE_PDL=1 adds inductor's triton.enable_pdl to the layers' own compile options (never the
+    process-wide inductor config); unset, the options are the grouped linears alone; a torch without the option
+    compiles as before, with a warning."""
+    import torch._inductor.config as inductor_config
+
+    monkeypatch.delenv(cl.COMPILE_PDL_ENV, raising=False)
+    assert set(cl.inductor_options()) == {"post_grad_custom_pre_pass"}
+    monkeypatch.setenv(cl.COMPILE_PDL_ENV, "1")
+    if hasattr(inductor_config.triton, "enable_pdl"):
+        before = inductor_config.triton.enable_pdl
+        assert cl.inductor_options()["triton.enable_pdl"] is True
+        assert inductor_config.triton.enable_pdl == before
+    monkeypatch.setattr(cl, "_inductor_has_pdl", lambda: False)
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        assert set(cl.inductor_options()) == {"post_grad_custom_pre_pass"}
+    assert "triton.enable_pdl" in caplog.text
