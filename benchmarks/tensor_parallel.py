@@ -319,24 +319,31 @@ def main(argv: list[str] | None = None) -> None:
     print_table(rows)
 
 
+# flag -> (variant suffix, environment): launches on the tensor-parallel counts only, then ones on every count (each
+# count against the same variant on one GPU), in launch order
+TP_VARIANTS = {
+    "tp_eager": (" (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}),
+    "tp_layers_eager": (" (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}),
+    "tp_one_shot": (" (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}),
+    "tp_peer_sum": (" (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
+    "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"}),
+    "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}),
+}
+EVERY_COUNT_VARIANTS = {
+    "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
+    "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
+}
+
+
 def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, str, dict]]:
     """(process count, variant suffix, environment) of every launch the flags ask for, in launch order."""
     runs = [(c, "", {}) for c in counts]
     if args.tp_graphs:
         warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
                       "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
-    if args.tp_eager:
-        runs += [(c, " (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}) for c in counts if c > 1]
-    if args.tp_layers_eager:
-        runs += [(c, " (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}) for c in counts if c > 1]
-    if args.tp_one_shot:
-        runs += [(c, " (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}) for c in counts if c > 1]
-    if args.tp_peer_sum:
-        runs += [(c, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}) for c in counts if c > 1]
-    if args.tp_no_pack:
-        runs += [(c, " (unpacked)", {"HF_PAGED_TP_PACK": "0"}) for c in counts if c > 1]
-    if args.tp_pack_all:
-        runs += [(c, " (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}) for c in counts if c > 1]
+    for flag, (suffix, env) in TP_VARIANTS.items():
+        if getattr(args, flag):
+            runs += [(c, suffix, dict(env)) for c in counts if c > 1]
     if args.skinny_wide:
         for c in counts:
             env = {"HF_PAGED_SKINNY_WIDE": "1"}
@@ -345,10 +352,9 @@ def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int,
             runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
     if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
         runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
-    if args.cublaslt:
-        runs += [(c, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}) for c in counts]
-    if args.compile_pdl:
-        runs += [(c, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}) for c in counts]
+    for flag, (suffix, env) in EVERY_COUNT_VARIANTS.items():
+        if getattr(args, flag):
+            runs += [(c, suffix, dict(env)) for c in counts]
     return runs
 
 
