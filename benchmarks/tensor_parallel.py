@@ -198,16 +198,17 @@ def steady_decode(model, workload, budget, engine_kwargs: dict, vocab: int, step
     import copy
     import time
 
-    import torch
     from decode_steps import step_until_decoding
+    from e2e_systems import sync
 
     import hf_paged
 
     if steps + 4 > workload.new_tokens:  # the prefill's token and 3 warm-up steps come first
         raise ValueError(f"{steps} timed steps need at least {steps + 4} new tokens per request")
     prompts, gc = workload.prompts(vocab), workload.generation_config()
-    num_blocks = sum(-(-(len(p) + workload.new_tokens) // 16) for p in prompts)
-    with hf_paged.Engine(model, num_blocks=num_blocks, block_size=16, max_batch_tokens=budget.max_batch_tokens,
+    block_size = 16
+    num_blocks = sum(-(-(len(p) + workload.new_tokens) // block_size) for p in prompts)
+    with hf_paged.Engine(model, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=budget.max_batch_tokens,
                          max_num_seqs=budget.max_requests, **engine_kwargs) as engine:
         for prompt in prompts:
             engine.add_request(prompt, copy.deepcopy(gc))
@@ -215,7 +216,6 @@ def steady_decode(model, workload, budget, engine_kwargs: dict, vocab: int, step
         for _ in range(3):
             engine.step()
         before = engine.stats()
-        sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
         sync()
         start = time.perf_counter()
         for _ in range(steps):
