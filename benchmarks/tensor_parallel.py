@@ -20,7 +20,9 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with its own all-reduce kernel
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-nccl           # also hf_paged with NCCL all-reduces
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with peer_sum named (the default)
+    python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only       # hf_paged without the batch-64 pair of calls
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
@@ -72,7 +74,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                              "(small all-reduces through symmetric memory; experimental)")
     parser.add_argument("--tp-peer-sum", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=hf_paged "
-                             "(small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu; experimental)")
+                             "named (small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu: the default "
+                             "since 2026-11-27, so this repeats the plain run)")
+    parser.add_argument("--tp-nccl", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=nccl (the "
+                             "layers' all-reduces through NCCL, the default before peer_sum)")
     parser.add_argument("--tp-no-pack", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
                              "shards left in their own buffers: three products instead of one)")
@@ -94,6 +100,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--split", action="store_true",
                         help="also run hf_paged in one process on the model split by layers over the largest GPU count "
                              "(device_map; pipeline style, for the record)")
+    parser.add_argument("--steady-only", action="store_true",
+                        help="hf_paged: skip the batch-64 pair of calls (the subtraction that misleads under tensor "
+                             "parallel); the steady decode and batch-1 latency still run")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--keep-model", type=Path,
                         help="save the model in this folder and keep it; a later run given the same folder loads it "
@@ -174,9 +183,10 @@ def worker(args: argparse.Namespace) -> None:
             generate = transformers_system(model, budget, num_blocks=16 if args.tiny else None)
         row = {"system": system + args.variant, "gpus": split if split > 1 else world}
         try:
-            row["decode"] = timed_latency(model, generate, batch64, vocab, reps=1 if args.tiny else 2)
+            if not (args.steady_only and system == "hf_paged"):
+                row["decode"] = timed_latency(model, generate, batch64, vocab, reps=1 if args.tiny else 2)
+                row["decode_tok_per_s"] = batch64.num_requests * 1e3 / row["decode"]["ms_per_token"]
             row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
-            row["decode_tok_per_s"] = batch64.num_requests * 1e3 / row["decode"]["ms_per_token"]
             row["ms_per_token"] = row["latency"]["ms_per_token"]
             if system == "hf_paged":
                 row["steady"] = steady_decode(model, batch64, budget, layers, vocab, steps=4 if args.tiny else 32)
@@ -246,6 +256,7 @@ def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str =
            str(Path(__file__).resolve()), "--worker", "--model-dir", str(model_dir), "--out", str(out),
            "--systems", "hf_paged" if variant else args.systems, "--variant", variant]
     cmd += ["--tiny"] if args.tiny else []
+    cmd += ["--steady-only"] if args.steady_only else []
     full_env = {"HF_PAGED_TP_TIMEOUT_S": "120", **os.environ, **env}
     if args.tiny:
         full_env["OMP_NUM_THREADS"] = "1"
@@ -311,12 +322,19 @@ def main(argv: list[str] | None = None) -> None:
             say(f"{gpus} GPU(s){variant}: {args.systems if not variant else 'hf_paged'} ...")
             for row in launch(count, args, model_dir, variant, **env):
                 rows.append(row)
-                say(f"  {row['system']} on {gpus}: " + (
-                    f"decode {row['decode_tok_per_s']:,.0f} tok/s at batch 64, {row['ms_per_token']:.2f} ms/token "
-                    f"at batch 1" if row["status"] == "ok" else f"FAILED: {row['error']}"))
+                say(f"  {row['system']} on {gpus}: " + (_summary(row) if row["status"] == "ok" else
+                                                          f"FAILED: {row['error']}"))
             if args.json:
                 args.json.write_text(json.dumps({"rows": rows}, indent=1) + "\n")
     print_table(rows)
+
+
+def _summary(row: dict) -> str:
+    parts = [f"decode {row['decode_tok_per_s']:,.0f} tok/s at batch 64"] if "decode_tok_per_s" in row else []
+    if "steady" in row:
+        parts.append(f"steady decode {row['steady']['ms_per_step']:.2f} ms/step ({row['steady']['tok_per_s']:,.0f} "
+                     f"tok/s) at batch {row['steady']['batch']}")
+    return ", ".join(parts + [f"{row['ms_per_token']:.2f} ms/token at batch 1"])
 
 
 # flag -> (variant suffix, environment): launches on the tensor-parallel counts only, then ones on every count (each
@@ -326,6 +344,7 @@ TP_VARIANTS = {
     "tp_layers_eager": (" (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}),
     "tp_one_shot": (" (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}),
     "tp_peer_sum": (" (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
+    "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}),
     "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"}),
     "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}),
 }
@@ -364,8 +383,8 @@ def print_table(rows: list[dict]) -> None:
             else "Llama-3.1-8B shape (random bf16), 64 x 512-token prompts / 1 x 512, 256 new")
     print(f"\nTensor parallel, {what}; {card}")
     width = max([22] + [len(r["system"]) + 2 for r in rows])
-    print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'ms/token (b1)':>15}{'vs 1 GPU':>10}"
-          f"{'steady ms/step (b64)':>22}{'vs 1 GPU':>10}")
+    print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'vs 1 GPU':>10}{'steady ms/step (b64)':>22}"
+          f"{'steady tok/s':>14}{'vs 1 GPU':>10}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
     for r in rows:
         # against the same variant on one GPU where it ran there (--skinny-wide), else the plain system's one-GPU run
         ones = {b["system"]: b for b in rows if b["gpus"] == 1 and b["status"] == "ok"}
@@ -373,12 +392,15 @@ def print_table(rows: list[dict]) -> None:
         if r["status"] != "ok":
             print(f"{r['system']:<{width}}{r['gpus']:>5}  failed: {r['error'][:80]}")
             continue
-        speedup = f"{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x" if base else ""
+        both = lambda key: base is not None and key in r and key in base  # noqa: E731
+        decode = f"{r['decode_tok_per_s']:,.0f}" if "decode_tok_per_s" in r else "-"
+        decode_x = f"{r['decode_tok_per_s'] / base['decode_tok_per_s']:.2f}x" if both("decode_tok_per_s") else ""
         steady = f"{r['steady']['ms_per_step']:.2f}" if "steady" in r else "-"
-        steady_x = (f"{base['steady']['ms_per_step'] / r['steady']['ms_per_step']:.2f}x"
-                    if base and "steady" in r and "steady" in base else "")
-        print(f"{r['system']:<{width}}{r['gpus']:>5}{r['decode_tok_per_s']:>20,.0f}{r['ms_per_token']:>15.2f}"
-              f"{speedup:>10}{steady:>22}{steady_x:>10}")
+        steady_rate = f"{r['steady']['tok_per_s']:,.0f}" if "steady" in r else "-"
+        steady_x = f"{base['steady']['ms_per_step'] / r['steady']['ms_per_step']:.2f}x" if both("steady") else ""
+        latency_x = f"{base['ms_per_token'] / r['ms_per_token']:.2f}x" if both("ms_per_token") else ""
+        print(f"{r['system']:<{width}}{r['gpus']:>5}{decode:>20}{decode_x:>10}{steady:>22}{steady_rate:>14}"
+              f"{steady_x:>10}{r['ms_per_token']:>15.2f}{latency_x:>10}")
 
 
 if __name__ == "__main__":

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import functools
 import json
+import logging
 import os
 import pickle
 import random
@@ -331,13 +332,30 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
     assert "hf_paged                  2" in printed and "hf_paged (split)          2" in printed
 
 
+@pytest.mark.slow
+def test_the_benchmarks_steady_only_mode_skips_the_batch_64_calls(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    import tensor_parallel
+
+    out = tmp_path / "tp.json"
+    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--steady-only", "--json", str(out)])
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and "decode" not in row and "decode_tok_per_s" not in row
+    assert row["steady"]["batch"] == 4 and row["steady"]["tok_per_s"] > 0 and row["latency"]["full_call_s"] > 0
+    printed = capsys.readouterr().out
+    line = next(x for x in printed.splitlines() if x.startswith("hf_paged   "))
+    assert line.split()[2] == "-"  # no batch-64 call rate; the steady columns follow
+    assert f"{row['steady']['ms_per_step']:.2f}" in line and f"{row['ms_per_token']:.2f}" in line
+
+
 def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tensor_parallel
 
-    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--cublaslt", "--compile-pdl"])
+    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--tp-nccl", "--cublaslt", "--compile-pdl"])
     runs = tensor_parallel.planned_runs(args, [1, 2])
     assert runs == [(1, "", {}), (2, "", {}), (2, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
+                    (2, " (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}),
                     (1, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
                     (2, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
                     (1, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
@@ -386,4 +404,31 @@ def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatc
         # on the CPU the one-shot paths are not set up (no collective is attempted: no group is needed)
         assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
     monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
-    assert tp_all_reduce.mode() == "nccl"
+    assert tp_all_reduce.mode() == "hf_paged"  # peer_sum is the default
+
+
+class _NineRanks:
+    group_name = "nine"
+
+    def size(self):
+        return 9
+
+
+@pytest.mark.parametrize("asked", [False, True])
+def test_peer_sum_refuses_more_ranks_than_it_serves_and_says_so_by_how_it_was_asked(monkeypatch, caplog, asked):
+    """A group beyond peer_sum's 8 ranks keeps NCCL: quietly (an info line) where peer_sum is only the default, with a
+    warning where HF_PAGED_TP_ALL_REDUCE named it. Nothing is set up (no collective runs: the size check comes
+    first)."""
+    from hf_paged.hf import tp_all_reduce
+
+    if asked:
+        monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "hf_paged")
+    else:
+        monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE", raising=False)
+    with caplog.at_level(logging.INFO, logger="hf_paged"):
+        assert tp_all_reduce.prepare(_NineRanks(), torch.bfloat16, torch.device("cuda", 0)) is False
+    [record] = [r for r in caplog.records if "cannot be served" in r.getMessage()]
+    assert record.levelno == (logging.WARNING if asked else logging.INFO)
+    assert "up to 8 ranks, this one has 9" in record.getMessage() and "through NCCL" in record.getMessage()
+    assert ("HF_PAGED_TP_ALL_REDUCE=hf_paged" in record.getMessage()) == asked
+    assert "nine" not in tp_all_reduce._peers

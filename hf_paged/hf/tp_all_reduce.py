@@ -1,25 +1,26 @@
 """``hf_paged::tp_all_reduce``: the sum over a tensor-parallel group inside the compiled layers (``tp_linears``).
 
-By default it is transformers' own eager all-reduce: ``dist.all_reduce`` in place (on a copy of the op's input), so
-NCCL runs on the caller's stream, which is what the decode CUDA graphs capture. Rather than torch's functional
-all-reduce: that one runs NCCL as an asynchronous op (its own stream, events to join it); on two H100s the 8B
-decode at batch 64 went from 8,749 to 10,424 tok/s with this op (two calls on different machines; one GPU 6,956 and
-7,370 in them).
+Small inputs (decode steps: up to :data:`ONE_SHOT_MAX_BYTES`; 64 rows of hidden 4096 in bf16 are 512 KiB) are summed
+over buffers every rank of the group can read through NVLink (torch's symmetric memory; peer-to-peer loads only, no
+NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE`` picks how:
 
-Two opt-in paths sum the small inputs of decode steps (up to :data:`ONE_SHOT_MAX_BYTES`; 64 rows of hidden 4096
-in bf16 are 512 KiB, where NCCL's ring takes 7-12 us) over buffers every rank of the group can read through NVLink
-(torch's symmetric memory; peer-to-peer loads only, no NVLink multicast). Each rank copies its input into its buffer
-and every rank sums all the buffers, in one kernel with no NCCL launch:
+- unset or ``hf_paged`` (the default): hf_paged's own kernel (``csrc/peer_sum.cu``): a fixed grid whose blocks each
+  copy their share of the input into this rank's buffer, signal and wait for their peers' matching blocks only, and
+  sum every rank's share; two alternating data halves, so that no closing barrier is needed, and a float sum in rank
+  order, so every rank gets the bit-identical result. A block that waits longer than ``HF_PAGED_TP_TIMEOUT_S`` for a
+  peer traps (a CUDA error) rather than hanging. On two H200s the 8B decode step at batch 64 took 4.59 ms with it
+  against 5.13 ms with NCCL, the same call (2026-11-27, ``benchmarks/tensor_parallel.py``'s steady decode).
+- ``nccl``: transformers' own eager all-reduce: ``dist.all_reduce`` in place (on a copy of the op's input), so NCCL
+  runs on the caller's stream, which is what the decode CUDA graphs capture (rather than torch's functional
+  all-reduce, an asynchronous op on its own stream).
+- ``one_shot``: torch's ``symm_mem.one_shot_all_reduce_copy``. On two H100s inside the 8B decode step at batch 64 it
+  took 13.7 us per call against NCCL's 12.0 (2026-11-27, ``benchmarks/tp_step_profile.py``).
 
-- ``HF_PAGED_TP_ALL_REDUCE=one_shot``: torch's ``symm_mem.one_shot_all_reduce_copy``. On two H100s inside the 8B
-  decode step at batch 64 it took 13.7 us per call against NCCL's 12.0 (2026-11-27, ``benchmarks/tp_step_profile.py``).
-- ``HF_PAGED_TP_ALL_REDUCE=hf_paged``: hf_paged's own kernel (``csrc/peer_sum.cu``): a fixed grid whose blocks each
-  signal and wait for their peers' matching blocks only, two alternating data halves so that no closing barrier is
-  needed, and a float sum in rank order, so every rank gets the bit-identical result. A block that waits longer than
-  ``HF_PAGED_TP_TIMEOUT_S`` for a peer traps (a CUDA error) rather than hanging.
-
-Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once);
-where that fails, the op keeps NCCL and says so in the log. Larger inputs (prefill steps) always take NCCL.
+Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once).
+Where that fails (no peer access between the GPUs, more than 8 ranks, no kernels built), the op sums through NCCL
+and says so in the log: a warning where the path was asked for by name, an info line where it was the default.
+Larger inputs (prefill steps) always take NCCL. On GPUs linked by PCIe only, peer loads may be slower than NCCL's
+ring: compare with ``HF_PAGED_TP_ALL_REDUCE=nccl`` there.
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ logger = logging.getLogger("hf_paged")
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in bf16
 _MODES = ("nccl", "one_shot", "hf_paged")
+_PEER_SUM_MAX_RANKS = 8  # csrc/peer_sum.h's kPeerSumMaxRanks
 _PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
 _buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
 # group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
@@ -42,8 +44,8 @@ one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; 
 
 
 def mode() -> str:
-    """``HF_PAGED_TP_ALL_REDUCE``: ``nccl`` (default), ``one_shot`` or ``hf_paged``."""
-    value = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "nccl")
+    """``HF_PAGED_TP_ALL_REDUCE``: ``hf_paged`` (the default, when unset), ``nccl`` or ``one_shot``."""
+    value = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "hf_paged")
     if value not in _MODES:
         raise ValueError(f"HF_PAGED_TP_ALL_REDUCE={value!r} is not one of {', '.join(_MODES)}")
     return value
@@ -66,8 +68,11 @@ def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
                                                           device=device))[0]
             torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
     except Exception as exc:  # no symmetric memory here (no peer access, an older torch), no kernels: NCCL serves
-        logger.warning("hf_paged: HF_PAGED_TP_ALL_REDUCE=%s cannot be served (%s: %s); the tensor-parallel "
-                       "layers all-reduce through NCCL", which, type(exc).__name__, str(exc)[:300])
+        asked = "HF_PAGED_TP_ALL_REDUCE" in os.environ
+        (logger.warning if asked else logger.info)(
+            "hf_paged: %s cannot be served (%s: %s); the tensor-parallel layers all-reduce through NCCL",
+            f"HF_PAGED_TP_ALL_REDUCE={which}" if asked else f"the default all-reduce ({which})", type(exc).__name__,
+            str(exc)[:300])
         return False
     logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run one-shot over symmetric memory (%s)",
                 ONE_SHOT_MAX_BYTES >> 10, which)
@@ -92,6 +97,8 @@ def _prepare_peer_sum(group, device: torch.device) -> None:
     from hf_paged.engine.lockstep import timeout_s
     from hf_paged.kernels.build import load
 
+    if group.size() > _PEER_SUM_MAX_RANKS:
+        raise ValueError(f"peer_sum serves groups of up to {_PEER_SUM_MAX_RANKS} ranks, this one has {group.size()}")
     load()  # the kernel, or the reason it cannot be built
     zeros = torch.zeros(2 * ONE_SHOT_MAX_BYTES + _PEER_CONTROL_BYTES, dtype=torch.uint8, device=device)
     buffer, handle = _symmetric(group, zeros)  # zeroed flags and epochs on every rank
