@@ -21,10 +21,11 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-nccl           # also hf_paged with NCCL all-reduces
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged with peer_sum named (the default)
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged, peer_sum named (the default)
     python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only       # hf_paged without the batch-64 pair of calls
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-views     # also hf_paged with q/k/v taken as views
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -85,6 +86,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--tp-pack-all", action="store_true",
                         help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=all (gate/up "
                              "shards packed too, beside q/k/v)")
+    parser.add_argument("--tp-pack-views", action="store_true",
+                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_PACK_VIEWS=1 (the packed "
+                             "q/k/v product's output taken as views, without the three copies that split it)")
     parser.add_argument("--skinny-wide", action="store_true",
                         help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
                              "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
@@ -347,6 +351,7 @@ TP_VARIANTS = {
     "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}),
     "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"}),
     "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}),
+    "tp_pack_views": (" (packed views)", {"HF_PAGED_PACK_VIEWS": "1"}),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),

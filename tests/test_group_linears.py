@@ -197,3 +197,122 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
         assert code.count("= torch.ops.hf_paged.linear_group.default(") == 2
         assert code.count("= torch.ops.hf_paged.linear.default(") == 2
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
+
+
+# ----- end-to-end weights as views of one product (HF_PAGED_PACK_VIEWS=1) ---------------------------------------
+PACKED = torch.ops.hf_paged.linear_packed.default
+import hf_paged.attention.backends.torch_backend  # noqa: E402,F401  (registers the "torch" KV writer)
+
+
+class PackedQKV(torch.nn.Module):
+    """q/k/v linears of K=24 whose weights (and biases) lie end to end in one buffer, as ``tp_linears`` packs a
+    rank's shards (``apart``: each in its own buffer), called out of their memory order; v goes through a custom op
+    that keeps its eager strides (the KV write), q and k through pointwise work."""
+
+    def __init__(self, apart: bool = False, with_bias: bool = False):
+        super().__init__()
+        gen = torch.Generator().manual_seed(11)
+        weights = _end_to_end((16, 8, 8), 24, gen)
+        biases = [b.view(-1) for b in _end_to_end((16, 8, 8), 1, gen)] if with_bias else [None] * 3
+        if apart:
+            weights = [w.clone() for w in weights]
+            biases = [b.clone() if b is not None else None for b in biases]
+        for name, w, b in zip("qkv", weights, biases, strict=True):
+            self.register_parameter(f"{name}_weight", torch.nn.Parameter(w, requires_grad=False))
+            self.register_parameter(f"{name}_bias", None if b is None else torch.nn.Parameter(b, requires_grad=False))
+
+    def forward(self, x, k_cache, v_cache, slots):
+        linear = torch.ops.hf_paged.linear
+        v = linear(x, self.v_weight, self.v_bias)
+        k = linear(x, self.k_weight, self.k_bias)
+        q = linear(x, self.q_weight, self.q_bias)
+        torch.ops.hf_paged.store_kv(torch.sin(k).view(-1, 2, 4), v.view(-1, 2, 4), k_cache, v_cache, slots, "torch",
+                                    False)
+        return (q * 2).view(-1, 4, 4), v + 1
+
+
+def _kv_inputs(rows: int):
+    gen = torch.Generator().manual_seed(rows)
+    x = torch.randint(-4, 5, (rows, 24), generator=gen).float()
+    return x, torch.zeros(4, 4, 2, 4), torch.zeros(4, 4, 2, 4), torch.randperm(16, generator=gen)[:rows]
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_packed_is_the_products_side_by_side_in_one_product_where_the_weights_lie_end_to_end(monkeypatch,
+                                                                                                    with_bias):
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randint(-4, 5, (3, 7, 24), generator=gen).float()
+    weights = _end_to_end((16, 8, 8), 24, gen)
+    biases = [b.view(-1) for b in _end_to_end((16, 8, 8), 1, gen)] if with_bias else [None] * 3
+    want = torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
+    calls, linear = [], F.linear
+    monkeypatch.setattr(skinny.F, "linear", lambda *a: calls.append(a[1].shape) or linear(*a))
+    got = skinny.linear_packed(x, weights, biases)
+    assert calls == [torch.Size([32, 24])] and torch.equal(got, want) and got.is_contiguous()
+    calls.clear()  # not end to end (another order, or copies): one product each, still side by side
+    apart = [w.clone() for w in weights]
+    got = skinny.linear_packed(x, apart, biases)
+    assert len(calls) == 3 and torch.equal(got, want)
+    got = skinny.linear_packed(x, [weights[1], weights[0]], [biases[1], biases[0]])
+    assert torch.equal(got, torch.cat([want[..., 16:24], want[..., :16]], dim=-1))
+    with pytest.raises(ValueError, match="one bias"):
+        skinny.linear_packed(x, weights, biases[:2])
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_with_pack_views_the_pass_slices_one_product_of_end_to_end_weights(monkeypatch, with_bias):
+    module = PackedQKV(with_bias=with_bias).eval()
+    inputs = _kv_inputs(5)
+    for views, apart, packed in ((True, False, 1), (False, False, 0), (True, True, 0)):
+        module = PackedQKV(apart=apart, with_bias=with_bias).eval()
+        monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1" if views else "0")
+        gm = traced(module, *inputs)
+        assert group_linears(gm.graph) == 1
+        gm.graph.lint()
+        gm.recompile()
+        # one product sliced three ways where the weights lie end to end and the switch is on, else the grouped op
+        assert count(gm, PACKED) == packed and count(gm, GROUP) == 1 - packed and count(gm, LINEAR) == 0
+        assert count(gm, torch.ops.aten.slice.Tensor) >= 3 * packed
+        got_cache, want_cache = _kv_inputs(5), _kv_inputs(5)
+        with torch.no_grad():
+            got = gm(params_of(module), *got_cache)
+            want = module(*want_cache)
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        assert torch.equal(got_cache[1], want_cache[1]) and torch.equal(got_cache[2], want_cache[2])
+        assert want_cache[2].abs().sum() > 0  # the KV write happened
+
+
+def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values(monkeypatch):
+    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1")
+    module = PackedQKV(with_bias=True).eval()
+    compiled = torch.compile(module, fullgraph=True, options={"post_grad_custom_pre_pass": GroupLinears()})
+    compiled_codes = 0
+    for rows in (5, 9):
+        got_inputs, want_inputs = _kv_inputs(rows), _kv_inputs(rows)
+        torch._dynamo.mark_dynamic(got_inputs[0], 0)
+        torch._dynamo.mark_dynamic(got_inputs[3], 0)
+        with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False):
+            got, codes = run_and_get_code(compiled, *got_inputs)
+            want = module(*want_inputs)
+        compiled_codes += len(codes)
+        for code in codes:
+            assert code.count("= torch.ops.hf_paged.linear_packed.default(") == 1
+            assert "linear_group" not in code and "hf_paged.linear.default" not in code
+        assert all(torch.equal(g, w) for g, w in zip(got, want, strict=True))
+        # v's write is exact; k went through the compiled sin (a few ulp from eager's)
+        assert torch.equal(got_inputs[2], want_inputs[2]) and want_inputs[2].abs().sum() > 0
+        torch.testing.assert_close(got_inputs[1], want_inputs[1], rtol=1e-6, atol=1e-6)
+    assert compiled_codes >= 1
+
+
+def test_the_pack_views_switch_is_checked_and_keys_the_fx_graph_cache(monkeypatch):
+    from hf_paged.engine import group_linears as module
+
+    monkeypatch.delenv("HF_PAGED_PACK_VIEWS", raising=False)
+    off = GroupLinears().uuid()
+    assert module.pack_views() is False
+    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1")
+    assert module.pack_views() is True and GroupLinears().uuid() != off
+    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "yes")
+    with pytest.raises(ValueError, match="HF_PAGED_PACK_VIEWS='yes'"):
+        module.pack_views()

@@ -6,6 +6,12 @@ v of Llama-3.2-1B are three launches of ~6 us for 12 MB. Where 2 to :data:`~hf_p
 post-attention norm), the pass replaces them by one ``hf_paged::linear_group`` call and a ``getitem`` per output;
 the op decides at run time between one kernel launch and one ``F.linear`` per weight, as the single op does.
 
+Where the group's weights lie end to end in one buffer (a tensor-parallel rank's q/k/v shards, packed by
+``hf_paged.hf.tp_linears``; the fake tensors of the graph's inputs keep their shared storage and offsets) and
+``HF_PAGED_PACK_VIEWS=1`` (opt-in until measured on GPUs), the pass puts one ``hf_paged::linear_packed`` call there
+instead, whose single output the graph slices into the members' outputs as views: the grouped op would otherwise
+copy each output out of its one product (three copy kernels per layer for q/k/v at 64 rows).
+
 The engine's compiled layers hand the pass to inductor as ``post_grad_custom_pre_pass`` in their own
 ``torch.compile`` options (``hf_paged.engine.compiled_layers``), so other compiles in the process are untouched.
 The pass sees the post-grad graph, where the custom ops are still whole nodes; its ``uuid`` hashes this file, so
@@ -15,14 +21,28 @@ inductor's FX graph cache tells graphs compiled with and without it (or with ano
 from __future__ import annotations
 
 import operator
+import os
 from collections import defaultdict
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from hf_paged.kernels import skinny
 
-__all__ = ["GroupLinears", "group_linears"]
+__all__ = ["PACK_VIEWS_ENV", "GroupLinears", "group_linears", "pack_views"]
+
+PACK_VIEWS_ENV = "HF_PAGED_PACK_VIEWS"
+
+
+def pack_views() -> bool:
+    """Whether groups of end-to-end weights become one ``hf_paged::linear_packed`` call sliced into views:
+    ``HF_PAGED_PACK_VIEWS=1`` (read when a graph compiles; part of the pass's cache key)."""
+    value = os.environ.get(PACK_VIEWS_ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PACK_VIEWS_ENV}={value!r}: use 1 (packed groups as views of one product) or 0 (the "
+                         "grouped op, the default)")
+    return value == "1"
 
 
 class GroupLinears(CustomGraphPass):
@@ -32,7 +52,7 @@ class GroupLinears(CustomGraphPass):
         group_linears(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return get_hash_for_files((__file__,)) + (b"views" if pack_views() else b"")
 
     # Every instance does the same. generate deep-copies its compile config each call and compiles afresh when the
     # copy differs from the config it compiled with: equal passes keep its compiled step.
@@ -48,6 +68,7 @@ def group_linears(graph: torch.fx.Graph) -> int:
     ``hf_paged.linear_group`` calls of up to ``MAX_GROUP`` weights each (of one dtype and K; calls whose weight or
     bias is computed after the first call of the group stay single). Returns the number of grouped calls made."""
     linear = torch.ops.hf_paged.linear.default
+    views = pack_views()
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.target is linear:
@@ -62,7 +83,10 @@ def group_linears(graph: torch.fx.Graph) -> int:
             members = [first] + [c for c in calls[1:] if _defined_before(c, first, position)][:skinny.MAX_GROUP - 1]
             calls = [c for c in calls[1:] if all(c is not m for m in members)]
             if len(members) >= 2:
-                _replace(graph, members)
+                if views and (in_storage_order := _lie_end_to_end(members)) is not None:
+                    _replace_packed(graph, in_storage_order, before=members[0])
+                else:
+                    _replace(graph, members)
                 made += 1
     return made
 
@@ -113,5 +137,65 @@ def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
             item = graph.call_function(operator.getitem, (group, i))
             item.meta.update({k: member.meta[k] for k in ("val", *_KEPT_META) if k in member.meta})
             member.replace_all_uses_with(item)
+    for member in members:
+        graph.erase_node(member)
+
+
+def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The members in the order their weights lie in memory, where the weights (and biases: all None, or likewise)
+    are contiguous, of one dtype, and lie end to end in one storage, as the graph's fake inputs say (they keep the
+    real inputs' shared storage and offsets); else None."""
+    def values(nodes) -> list | None:
+        vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+        return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
+
+    def end_to_end(vals: list[torch.Tensor]) -> bool:
+        first = vals[0]
+        if any(not v.is_contiguous() or v.dtype != first.dtype or v.dim() != first.dim() for v in vals):
+            return False
+        storage = StorageWeakRef(first.untyped_storage())
+        return all(StorageWeakRef(b.untyped_storage()) == storage
+                   and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(vals, vals[1:]))
+
+    weights = values([_arguments(m)[1] for m in members])
+    if weights is None:
+        return None
+    order = sorted(range(len(members)), key=lambda i: weights[i].storage_offset())
+    if not end_to_end([weights[i] for i in order]):
+        return None
+    members = [members[i] for i in order]
+    biases = [_arguments(m)[2] for m in members]
+    if all(b is None for b in biases):
+        return members
+    bias_values = values(biases)
+    return members if bias_values is not None and end_to_end(bias_values) else None
+
+
+def _replace_packed(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node) -> None:
+    """One ``hf_paged.linear_packed`` call of ``members`` (in the order their weights lie in memory) where ``before``
+    (the first of them in the graph) stands; each member's uses take a slice of its output (a view) instead."""
+    x = _arguments(members[0])[0]
+    weights = [_arguments(m)[1] for m in members]
+    biases = [_arguments(m)[2] for m in members]
+    outs = [m.meta["val"] for m in members]
+    with graph.inserting_before(before):
+        packed = graph.call_function(torch.ops.hf_paged.linear_packed.default, (x, weights, biases))
+        packed.meta.update({k: before.meta[k] for k in _KEPT_META if k in before.meta})
+        with outs[0].fake_mode:
+            whole = torch.cat(outs, dim=-1)  # the op's output: contiguous, the members' columns side by side
+        packed.meta["val"] = whole
+        eager = [m.meta.get("eager_input_vals") for m in members]
+        if all(e is not None for e in eager):
+            values = [_arguments(_Values(*e)) for e in eager]
+            packed.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
+        start, dim = 0, whole.dim() - 1
+        for member, out in zip(members, outs, strict=True):
+            end = start + out.shape[-1]
+            item = graph.call_function(torch.ops.aten.slice.Tensor, (packed, dim, start, end))
+            with out.fake_mode:
+                item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
+            item.meta.update({k: member.meta[k] for k in _KEPT_META if k in member.meta})
+            member.replace_all_uses_with(item)
+            start = end
     for member in members:
         graph.erase_node(member)

@@ -40,7 +40,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 _kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
 __all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "WIDE_ENV", "WIDE_MAX_ROWS", "kernel_serves", "kernel_wins", "linear",
-           "linear_group", "packed_rows", "wide_enabled"]
+           "linear_group", "linear_packed", "packed_rows", "wide_enabled"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -83,6 +83,22 @@ def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
     if torch.compiler.is_compiling():
         return torch.ops.hf_paged.linear_group(x, list(weights), list(biases))
     return _linear_group(x, list(weights), list(biases))
+
+
+def linear_packed(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                  biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """``torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)``: the products of weights that lie end
+    to end in one buffer (:func:`packed_rows`) as one product, through :func:`linear` (the kernel or ``F.linear``), in
+    one contiguous ``[..., sum N_i]`` output. The engine's graph pass (``hf_paged.engine.group_linears``) takes the
+    outputs as views of it, so no copy splits them. Weights that do not (or no longer) lie end to end still give the
+    right result: one product each, concatenated.
+    """
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"linear_packed needs weights and one bias (or None) per weight, got {len(weights)} and "
+                         f"{len(biases)}")
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_paged.linear_packed(x, list(weights), list(biases))
+    return _linear_packed(x, list(weights), list(biases))
 
 
 def kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
@@ -142,6 +158,22 @@ _group_op = torch.library.custom_op("hf_paged::linear_group", _linear_group, mut
 @_group_op.register_fake
 def _(x, weights, biases) -> list[torch.Tensor]:
     return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def _linear_packed(x: torch.Tensor, weights: list[torch.Tensor],
+                   biases: list[torch.Tensor | None]) -> torch.Tensor:
+    packed = packed_rows(weights, biases) if len(weights) > 1 else (weights[0], biases[0])
+    if packed is not None:
+        return _linear(x, *packed)
+    return torch.cat([_linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
+
+
+_packed_op = torch.library.custom_op("hf_paged::linear_packed", _linear_packed, mutates_args=())
+
+
+@_packed_op.register_fake
+def _(x, weights, biases) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
 
 
 def packed_rows(weights: Sequence[torch.Tensor],
