@@ -261,7 +261,6 @@ def test_linear_packed_is_the_products_side_by_side_in_one_product_where_the_wei
 
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_with_pack_views_the_pass_slices_one_product_of_end_to_end_weights(monkeypatch, with_bias):
-    module = PackedQKV(with_bias=with_bias).eval()
     inputs = _kv_inputs(5)
     for views, apart, packed in ((True, False, 1), (False, False, 0), (True, True, 0)):
         module = PackedQKV(apart=apart, with_bias=with_bias).eval()
