@@ -60,45 +60,45 @@ LLAMA_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 LAUNCH_TIMEOUT_S = 420  # a launch that hangs (a rank stuck in a collective) is ended, with its workers
 
 
+# flag -> (variant suffix, environment, what it runs): launches on the tensor-parallel counts only, then ones on every
+# count (each count against the same variant on one GPU), in launch order; parse_args makes a --flag of each
+TP_VARIANTS = {
+    "tp_eager": (" (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}, "eager decode; graphs are the default"),
+    "tp_layers_eager": (" (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"},
+                        "compile_layers=False: eager layers under decode graphs; compiled layers are the default"),
+    "tp_one_shot": (" (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"},
+                    "small all-reduces through torch's symmetric-memory kernel; experimental"),
+    "tp_peer_sum": (" (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"},
+                    "small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu, named: the default since "
+                    "2026-11-27, so this repeats the plain run"),
+    "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"},
+                "the layers' all-reduces through NCCL, the default before peer_sum"),
+    "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"},
+                   "q/k/v local shards left in their own buffers: three products instead of one"),
+    "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}, "gate/up shards packed too, beside q/k/v"),
+    "tp_pack_views": (" (packed views)", {"HF_PAGED_PACK_VIEWS": "1"},
+                      "the packed q/k/v product's output taken as views, without the three copies that split it"),
+}
+EVERY_COUNT_VARIANTS = {
+    "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),
+    "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
+                    "the compiled layers' Triton kernels with programmatic dependent launch"),
+}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--gpus", default="1,2", help="comma list of GPU counts (1 = the whole model on one GPU)")
     parser.add_argument("--systems", default="hf_paged,transformers", help="hf_paged and/or transformers")
-    parser.add_argument("--tp-eager", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_CUDA_GRAPHS=0 (eager "
-                             "decode; graphs are the default)")
-    parser.add_argument("--tp-layers-eager", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with compile_layers=False (eager "
-                             "layers under decode graphs; compiled layers are the default)")
-    parser.add_argument("--tp-one-shot", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=one_shot "
-                             "(small all-reduces through symmetric memory; experimental)")
-    parser.add_argument("--tp-peer-sum", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=hf_paged "
-                             "named (small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu: the default "
-                             "since 2026-11-27, so this repeats the plain run)")
-    parser.add_argument("--tp-nccl", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_ALL_REDUCE=nccl (the "
-                             "layers' all-reduces through NCCL, the default before peer_sum)")
-    parser.add_argument("--tp-no-pack", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=0 (q/k/v local "
-                             "shards left in their own buffers: three products instead of one)")
-    parser.add_argument("--tp-pack-all", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_TP_PACK=all (gate/up "
-                             "shards packed too, beside q/k/v)")
-    parser.add_argument("--tp-pack-views", action="store_true",
-                        help="also run hf_paged on the tensor-parallel counts with HF_PAGED_PACK_VIEWS=1 (the packed "
-                             "q/k/v product's output taken as views, without the three copies that split it)")
+    every = "every count, each against the same variant on one GPU,"
+    for variants, counts in ((TP_VARIANTS, "the tensor-parallel counts"), (EVERY_COUNT_VARIANTS, every)):
+        for flag, (_, env, what) in variants.items():
+            setting = " ".join(f"{k}={v}" for k, v in env.items())
+            parser.add_argument("--" + flag.replace("_", "-"), action="store_true",
+                                help=f"also run hf_paged on {counts} with {setting} ({what})")
     parser.add_argument("--skinny-wide", action="store_true",
                         help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
                              "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
-    parser.add_argument("--cublaslt", action="store_true",
-                        help="also run hf_paged on every count with TORCH_BLAS_PREFER_CUBLASLT=1 (torch's matrix "
-                             "products through cuBLASLt; each count against the same variant on one GPU)")
-    parser.add_argument("--compile-pdl", action="store_true",
-                        help="also run hf_paged on every count with HF_PAGED_COMPILE_PDL=1 (the compiled layers' "
-                             "Triton kernels with programmatic dependent launch; each count against the same "
-                             "variant on one GPU)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -341,31 +341,13 @@ def _summary(row: dict) -> str:
     return ", ".join(parts + [f"{row['ms_per_token']:.2f} ms/token at batch 1"])
 
 
-# flag -> (variant suffix, environment): launches on the tensor-parallel counts only, then ones on every count (each
-# count against the same variant on one GPU), in launch order
-TP_VARIANTS = {
-    "tp_eager": (" (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}),
-    "tp_layers_eager": (" (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"}),
-    "tp_one_shot": (" (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"}),
-    "tp_peer_sum": (" (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
-    "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}),
-    "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"}),
-    "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}),
-    "tp_pack_views": (" (packed views)", {"HF_PAGED_PACK_VIEWS": "1"}),
-}
-EVERY_COUNT_VARIANTS = {
-    "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
-    "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
-}
-
-
 def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, str, dict]]:
     """(process count, variant suffix, environment) of every launch the flags ask for, in launch order."""
     runs = [(c, "", {}) for c in counts]
     if args.tp_graphs:
         warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
                       "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
-    for flag, (suffix, env) in TP_VARIANTS.items():
+    for flag, (suffix, env, _) in TP_VARIANTS.items():
         if getattr(args, flag):
             runs += [(c, suffix, dict(env)) for c in counts if c > 1]
     if args.skinny_wide:
@@ -376,7 +358,7 @@ def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int,
             runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
     if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
         runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
-    for flag, (suffix, env) in EVERY_COUNT_VARIANTS.items():
+    for flag, (suffix, env, _) in EVERY_COUNT_VARIANTS.items():
         if getattr(args, flag):
             runs += [(c, suffix, dict(env)) for c in counts]
     return runs
