@@ -25,7 +25,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only       # hf_paged without the batch-64 pair of calls
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-views     # also hf_paged with q/k/v taken as views
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -77,7 +77,10 @@ TP_VARIANTS = {
                    "q/k/v local shards left in their own buffers: three products instead of one"),
     "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}, "gate/up shards packed too, beside q/k/v"),
     "tp_pack_views": (" (packed views)", {"HF_PAGED_PACK_VIEWS": "1"},
-                      "the packed q/k/v product's output taken as views, without the three copies that split it"),
+                      "the packed q/k/v product's output taken as views, without the three copies that split it: "
+                      "the default since 2026-11-27, so this repeats the plain run"),
+    "tp_no_views": (" (views off)", {"HF_PAGED_PACK_VIEWS": "0"},
+                    "the packed q/k/v product split by three copies, the default before views"),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),

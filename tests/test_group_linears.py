@@ -199,7 +199,7 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-# ----- end-to-end weights as views of one product (HF_PAGED_PACK_VIEWS=1) ---------------------------------------
+# ----- end-to-end weights as views of one product (HF_PAGED_PACK_VIEWS, on by default) ------------------------
 PACKED = torch.ops.hf_paged.linear_packed.default
 import hf_paged.attention.backends.torch_backend  # noqa: E402,F401  (registers the "torch" KV writer)
 
@@ -307,11 +307,13 @@ def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values(
 def test_the_pack_views_switch_is_checked_and_keys_the_fx_graph_cache(monkeypatch):
     from hf_paged.engine import group_linears as module
 
-    monkeypatch.delenv("HF_PAGED_PACK_VIEWS", raising=False)
-    off = GroupLinears().uuid()
-    assert module.pack_views() is False
+    monkeypatch.delenv("HF_PAGED_PACK_VIEWS", raising=False)  # on by default
+    default = GroupLinears().uuid()
+    assert module.pack_views() is True
     monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1")
-    assert module.pack_views() is True and GroupLinears().uuid() != off
+    assert module.pack_views() is True and GroupLinears().uuid() == default
+    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "0")
+    assert module.pack_views() is False and GroupLinears().uuid() != default
     monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "yes")
     with pytest.raises(ValueError, match="HF_PAGED_PACK_VIEWS='yes'"):
         module.pack_views()

@@ -362,9 +362,10 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
                     (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
     every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-no-pack", "--tp-pack-views",
-                                        "--skinny-wide", "--split"])
+                                        "--tp-no-views", "--skinny-wide", "--split"])
     assert [(c, v) for c, v, _ in tensor_parallel.planned_runs(every, [1, 2])] == [
-        (1, ""), (2, ""), (2, " (eager)"), (2, " (unpacked)"), (2, " (packed views)"), (1, " (skinny wide)"),
+        (1, ""), (2, ""), (2, " (eager)"), (2, " (unpacked)"), (2, " (packed views)"), (2, " (views off)"),
+        (1, " (skinny wide)"),
         (2, " (skinny wide)"),
         (1, " (split)")]
 

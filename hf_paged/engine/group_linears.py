@@ -7,9 +7,9 @@ post-attention norm), the pass replaces them by one ``hf_paged::linear_group`` c
 the op decides at run time between one kernel launch and one ``F.linear`` per weight, as the single op does.
 
 Where the group's weights lie end to end in one buffer (a tensor-parallel rank's q/k/v shards, packed by
-``hf_paged.hf.tp_linears``; the fake tensors of the graph's inputs keep their shared storage and offsets) and
-``HF_PAGED_PACK_VIEWS=1`` (opt-in until measured on GPUs), the pass puts one ``hf_paged::linear_packed`` call there
-instead, whose single output the graph slices into the members' outputs as views: the grouped op would otherwise
+``hf_paged.hf.tp_linears``; the fake tensors of the graph's inputs keep their shared storage and offsets), the pass
+puts one ``hf_paged::linear_packed`` call there instead (unless ``HF_PAGED_PACK_VIEWS=0``; the default since
+2026-11-27), whose single output the graph slices into the members' outputs as views: the grouped op would otherwise
 copy each output out of its one product (three copy kernels per layer for q/k/v at 64 rows).
 
 The engine's compiled layers hand the pass to inductor as ``post_grad_custom_pre_pass`` in their own
@@ -36,12 +36,12 @@ PACK_VIEWS_ENV = "HF_PAGED_PACK_VIEWS"
 
 
 def pack_views() -> bool:
-    """Whether groups of end-to-end weights become one ``hf_paged::linear_packed`` call sliced into views:
-    ``HF_PAGED_PACK_VIEWS=1`` (read when a graph compiles; part of the pass's cache key)."""
-    value = os.environ.get(PACK_VIEWS_ENV, "0")
+    """Whether groups of end-to-end weights become one ``hf_paged::linear_packed`` call sliced into views: yes
+    unless ``HF_PAGED_PACK_VIEWS=0`` (read when a graph compiles; part of the pass's cache key)."""
+    value = os.environ.get(PACK_VIEWS_ENV, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{PACK_VIEWS_ENV}={value!r}: use 1 (packed groups as views of one product) or 0 (the "
-                         "grouped op, the default)")
+        raise ValueError(f"{PACK_VIEWS_ENV}={value!r}: use 1 (packed groups as views of one product, the default) "
+                         "or 0 (the grouped op, which copies each output out of its product)")
     return value == "1"
 
 

@@ -1,6 +1,6 @@
-"""On the GPU: ``HF_PAGED_PACK_VIEWS=1``, a layer's q/k/v products over weights that lie end to end in one buffer run
-as one ``hf_paged::linear_packed`` product whose output the compiled layer takes as views (``hf_paged/engine/
-group_linears.py``), inside the engine's compiled layers and decode CUDA graphs.
+"""On the GPU: with ``HF_PAGED_PACK_VIEWS`` on (the default), a layer's q/k/v products over weights that lie end to
+end in one buffer run as one ``hf_paged::linear_packed`` product whose output the compiled layer takes as views
+(``hf_paged/engine/group_linears.py``), inside the engine's compiled layers and decode CUDA graphs.
 
 A bf16 Llama's q/k/v weights are moved end to end into one buffer per layer, as ``hf_paged.hf.tp_linears`` packs a
 tensor-parallel rank's shards, so one GPU serves the path. Greedy tokens of the engine equal eager's up to rounding
