@@ -55,7 +55,54 @@ __device__ __forceinline__ uint4 pack(const float* f) {
   return r;
 }
 
+// The float32 sum of unit i over the ranks, in rank order (this rank's own from `in`, the others' from their staged
+// half): every rank computes the same bits.
 template <typename T>
+__device__ __forceinline__ void sum_unit(const PeerSumArgs& a, int64_t half, int64_t i, float* acc) {
+  constexpr int kVec = Elem<T>::kVec;
+  float part[kVec];
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
+  for (int r = 0; r < a.world_size; ++r) {
+    const uint4 v = r == a.rank ? static_cast<const uint4*>(a.in)[i]
+                                : load_cg(reinterpret_cast<const uint4*>(
+                                      reinterpret_cast<const uint8_t*>(a.buffers[r]) + half) + i);
+    Elem<T>::unpack(v, part);
+#pragma unroll
+    for (int j = 0; j < kVec; ++j) acc[j] += part[j];
+  }
+}
+
+// acc = T(residual + T(acc)) as floats, and that unit packed: the unfused layer rounds the sum to T, then adds.
+template <typename T>
+__device__ __forceinline__ uint4 add_residual(const PeerSumArgs& a, int64_t i, float* acc) {
+  constexpr int kVec = Elem<T>::kVec;
+  float res[kVec];
+  Elem<T>::unpack(pack<T>(acc), acc);
+  Elem<T>::unpack(static_cast<const uint4*>(a.residual)[i], res);
+#pragma unroll
+  for (int j = 0; j < kVec; ++j) acc[j] += res[j];
+  const uint4 h = pack<T>(acc);
+  Elem<T>::unpack(h, acc);
+  return h;
+}
+
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  __syncthreads();  // scratch is free (its last reader, the previous row, is done)
+  if (lane == 0) scratch[warp] = v;
+  __syncthreads();
+  float total = 0.f;
+#pragma unroll
+  for (int w = 0; w < kPeerSumThreads / 32; ++w) total += scratch[w];  // the same order in every thread
+  return total;
+}
+
+// kNorm false: units split evenly over the blocks (out = the sum, plus the residual where given). kNorm true: whole
+// rows per block, out = residual + sum and norm_out = its RMSNorm.
+template <typename T, bool kNorm>
 __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSumArgs a) {
   constexpr int kVec = Elem<T>::kVec;
   const int b = blockIdx.x;
@@ -64,6 +111,7 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   uint64_t* epochs = my_flags + kPeerSumBlocks * kPeerSumMaxRanks;
 
   __shared__ uint64_t epoch_shared;
+  __shared__ float scratch[kPeerSumThreads / 32];
   if (threadIdx.x == 0) {
     const uint64_t e = epochs[b] + 1;  // only this block of this rank touches epochs[b]
     epochs[b] = e;
@@ -77,7 +125,16 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   uint4* staged = reinterpret_cast<uint4*>(mine + half);
   const int64_t first = static_cast<int64_t>(b) * kPeerSumThreads + threadIdx.x;
   constexpr int64_t kStride = static_cast<int64_t>(kPeerSumBlocks) * kPeerSumThreads;
-  for (int64_t i = first; i < a.n16; i += kStride) staged[i] = in[i];
+  const int64_t rows = kNorm ? a.n16 / a.row_units : 0;
+  if constexpr (kNorm) {
+    for (int64_t r = b; r < rows; r += kPeerSumBlocks) {
+      for (int j = threadIdx.x; j < a.row_units; j += kPeerSumThreads) {
+        staged[r * a.row_units + j] = in[r * a.row_units + j];
+      }
+    }
+  } else {
+    for (int64_t i = first; i < a.n16; i += kStride) staged[i] = in[i];
+  }
   __syncthreads();
 
   const int peer = threadIdx.x;
@@ -94,32 +151,70 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   __syncthreads();
 
   uint4* out = static_cast<uint4*>(a.out);
-  for (int64_t i = first; i < a.n16; i += kStride) {
-    float acc[kVec], part[kVec];
-#pragma unroll
-    for (int j = 0; j < kVec; ++j) acc[j] = 0.f;
-    for (int r = 0; r < a.world_size; ++r) {  // rank order on every rank: bit-identical sums
-      const uint4 v = r == a.rank ? in[i]
-                                  : load_cg(reinterpret_cast<const uint4*>(
-                                        reinterpret_cast<const uint8_t*>(a.buffers[r]) + half) + i);
-      Elem<T>::unpack(v, part);
-#pragma unroll
-      for (int j = 0; j < kVec; ++j) acc[j] += part[j];
+  if constexpr (!kNorm) {
+    for (int64_t i = first; i < a.n16; i += kStride) {
+      float acc[kVec];
+      sum_unit<T>(a, half, i, acc);
+      out[i] = a.residual ? add_residual<T>(a, i, acc) : pack<T>(acc);
     }
-    out[i] = pack<T>(acc);
+  } else {
+    const uint4* weight = static_cast<const uint4*>(a.weight);
+    uint4* norm_out = static_cast<uint4*>(a.norm_out);
+    const float inv_hidden = 1.f / static_cast<float>(a.row_units * kVec);
+    for (int64_t r = b; r < rows; r += kPeerSumBlocks) {
+      float h[kPeerSumMaxRowUnitsPerThread][kVec];
+      float squares = 0.f;
+#pragma unroll
+      for (int k = 0; k < kPeerSumMaxRowUnitsPerThread; ++k) {
+        const int j = threadIdx.x + k * kPeerSumThreads;
+        if (j < a.row_units) {
+          const int64_t i = r * a.row_units + j;
+          sum_unit<T>(a, half, i, h[k]);
+          out[i] = add_residual<T>(a, i, h[k]);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) squares += h[k][e] * h[k][e];
+        }
+      }
+      // mean(h^2) as the unfused layer takes it (a float32 sum over the row, divided by its size); rounding order
+      // aside, the same float32 math
+      const float rstd = rsqrtf(block_sum(squares, scratch) * inv_hidden + a.eps);
+#pragma unroll
+      for (int k = 0; k < kPeerSumMaxRowUnitsPerThread; ++k) {
+        const int j = threadIdx.x + k * kPeerSumThreads;
+        if (j < a.row_units) {
+          float y[kVec], w[kVec];
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) y[e] = h[k][e] * rstd;
+          Elem<T>::unpack(pack<T>(y), y);  // T(h * rstd), then the weight: T(weight * T(h * rstd))
+          Elem<T>::unpack(weight[j], w);
+#pragma unroll
+          for (int e = 0; e < kVec; ++e) y[e] *= w[e];
+          norm_out[r * a.row_units + j] = pack<T>(y);
+        }
+      }
+    }
+  }
+}
+
+template <typename T>
+void launch(const PeerSumArgs& args, cudaStream_t stream) {
+  const dim3 grid(kPeerSumBlocks), block(kPeerSumThreads);
+  if (args.weight) {
+    peer_sum_kernel<T, true><<<grid, block, 0, stream>>>(args);
+  } else {
+    peer_sum_kernel<T, false><<<grid, block, 0, stream>>>(args);
   }
 }
 
 }  // namespace
 
 cudaError_t launch_peer_sum(const PeerSumArgs& args, int dtype, cudaStream_t stream) {
-  const dim3 grid(kPeerSumBlocks), block(kPeerSumThreads);
   if (dtype == 0) {
-    peer_sum_kernel<float><<<grid, block, 0, stream>>>(args);
+    launch<float>(args, stream);
   } else if (dtype == 1) {
-    peer_sum_kernel<__half><<<grid, block, 0, stream>>>(args);
+    launch<__half>(args, stream);
   } else {
-    peer_sum_kernel<__nv_bfloat16><<<grid, block, 0, stream>>>(args);
+    launch<__nv_bfloat16>(args, stream);
   }
   return cudaGetLastError();
 }

@@ -8,7 +8,9 @@ compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler
 cache's ``update`` is traced as a reshape, see ``PagedAttentionCache.update``), so the compiled graphs hold only
 tensor work on hidden states, and the paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
-(``hf_paged.engine.group_linears``, passed in this compile's own inductor options).
+(``hf_paged.engine.group_linears``, passed in this compile's own inductor options), and under tensor parallel with
+``HF_PAGED_TP_FUSE_NORM=1`` each all-reduce takes the residual add and RMSNorm after it into its kernel
+(``hf_paged.engine.fuse_all_reduce``).
 
 The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
 (the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the
@@ -29,7 +31,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx.experimental._config as _shape_config
 
-from hf_paged.engine.group_linears import GroupLinears
+from hf_paged.engine.fuse_all_reduce import LayerPasses
 from hf_paged.hf import attention as paged_attention
 from hf_paged.hf.placement import base_model, decoder_layers
 
@@ -62,8 +64,9 @@ COMPILE_PDL_ENV = "HF_PAGED_COMPILE_PDL"
 
 
 def inductor_options() -> dict:
-    """The inductor options of the layers' compile: the grouped skinny linears, and PDL where asked and known."""
-    options = {"post_grad_custom_pre_pass": GroupLinears()}
+    """The inductor options of the layers' compile: the grouped skinny linears and, under tensor parallel where asked,
+    the all-reduces fused with their residual add and norm (``LayerPasses``); PDL where asked and known."""
+    options = {"post_grad_custom_pre_pass": LayerPasses()}
     if os.environ.get(COMPILE_PDL_ENV) == "1":
         if _inductor_has_pdl():
             options["triton.enable_pdl"] = True

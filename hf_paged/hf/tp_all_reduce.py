@@ -37,6 +37,7 @@ ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in
 _MODES = ("nccl", "one_shot", "hf_paged")
 _PEER_SUM_MAX_RANKS = 8  # csrc/peer_sum.h's kPeerSumMaxRanks
 _PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
+_PEER_SUM_MAX_ROW_BYTES = 512 * 4 * 16  # the fused norm's rows: kPeerSumThreads * kPeerSumMaxRowUnitsPerThread units
 _buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
 # group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
 _peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
@@ -142,3 +143,90 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
 @_tp_all_reduce.register_fake
 def _(x, group_name):
     return torch.empty_like(x)
+
+
+# ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
+# The engine's graph pass (hf_paged.engine.fuse_all_reduce, HF_PAGED_TP_FUSE_NORM=1) puts these where a layer adds the
+# all-reduce's output to its residual stream (and, after attention, takes the next RMSNorm of it), so that peer_sum's
+# kernel does the add and the norm instead of a kernel of their own after it.
+
+fused_calls = 0  # calls that took a fused peer_sum kernel (eager runs and captures)
+
+
+def fused_ready(group_name: str) -> bool:
+    """Whether peer_sum serves the group named ``group_name`` in this process (set up by :func:`prepare`): only
+    then does the graph pass fuse, since elsewhere the fused ops run their parts one after the other."""
+    return group_name in _peers
+
+
+def _peer_args(x: torch.Tensor, group_name: str, *others: torch.Tensor):
+    """peer_sum's trailing arguments where its kernel serves ``x`` (and tensors shaped and typed like it), else
+    None."""
+    peers = _peers.get(group_name)
+    if peers is None or not x.is_cuda or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    nbytes = x.numel() * x.element_size()
+    if nbytes > ONE_SHOT_MAX_BYTES or nbytes % 16:
+        return None
+    for t in (x, *others):
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            return None
+    return peers
+
+
+def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors contiguous and 16-byte aligned (copied where they are not)."""
+    out = []
+    for t in tensors:
+        t = t.contiguous()
+        out.append(t if t.data_ptr() % 16 == 0 else t.clone())
+    return out
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
+    """The RMSNorm of Llama-style layers (float32 inside, rounded to ``h``'s dtype before the weight): what the fused
+    op's fallback computes and the graph pass recognizes."""
+    hf = h.to(torch.float32)
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce_add", mutates_args=())
+def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str) -> torch.Tensor:
+    """``residual + tp_all_reduce(x)``, on one peer_sum kernel where it serves (each rounded to the dtype, as the
+    unfused layer rounds them)."""
+    global fused_calls
+    peers = _peer_args(x, group_name, residual)
+    if peers is not None:
+        fused_calls += 1
+        return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers)
+    return residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)
+
+
+@_tp_all_reduce_add.register_fake
+def _(x, residual, group_name):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
+def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                eps_tensor: torch.Tensor | None, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h, weight, eps))`` with ``h = residual + tp_all_reduce(x)``, on one peer_sum kernel where it
+    serves. The epsilon is ``eps_tensor`` where given (a 0-d tensor: torch.compile passes a module's float attribute
+    as one), else ``eps``."""
+    global fused_calls
+    peers = _peer_args(x, group_name, residual)
+    hidden = x.shape[-1] if x.dim() else 0
+    row_bytes = hidden * x.element_size()
+    if (peers is not None and (eps_tensor is None or (eps_tensor.device.type == "cpu" and eps_tensor.dim() == 0))
+            and weight.dtype == x.dtype and weight.shape == (hidden,) and weight.device == x.device
+            and row_bytes and row_bytes % 16 == 0 and row_bytes <= _PEER_SUM_MAX_ROW_BYTES):
+        fused_calls += 1
+        value = float(eps_tensor) if eps_tensor is not None else eps
+        return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers)
+    h = residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)
+    return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps)
+
+
+@_tp_all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, eps_tensor, group_name):
+    return torch.empty_like(x), torch.empty_like(x)
