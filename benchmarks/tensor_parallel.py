@@ -26,6 +26,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-fuse-norm      # also hf_paged with add+norm in peer_sum
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -81,6 +82,8 @@ TP_VARIANTS = {
                       "the default since 2026-11-27, so this repeats the plain run"),
     "tp_no_views": (" (views off)", {"HF_PAGED_PACK_VIEWS": "0"},
                     "the packed q/k/v product split by three copies, the default before views"),
+    "tp_fuse_norm": (" (fused norm)", {"HF_PAGED_TP_FUSE_NORM": "1"},
+                     "each all-reduce's residual add and RMSNorm in peer_sum's kernel; experimental"),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),

@@ -57,7 +57,8 @@ class LayerPasses(CustomGraphPass):
         fuse_all_reduce(graph)
 
     def uuid(self) -> bytes:
-        return GroupLinears().uuid() + get_hash_for_files((__file__,)) + (b"fuse" if fuse_setting() else b"")
+        fuse = b"fuse:" + tp_all_reduce.mode().encode() if fuse_setting() else b""
+        return GroupLinears().uuid() + get_hash_for_files((__file__,)) + fuse
 
     def __eq__(self, other) -> bool:  # as GroupLinears: every instance does the same
         return type(other) is type(self)
