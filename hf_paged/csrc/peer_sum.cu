@@ -160,7 +160,7 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   } else {
     const uint4* weight = static_cast<const uint4*>(a.weight);
     uint4* norm_out = static_cast<uint4*>(a.norm_out);
-    const float inv_hidden = 1.f / static_cast<float>(a.row_units * kVec);
+    const float hidden = static_cast<float>(a.row_units * kVec);
     for (int64_t r = b; r < rows; r += kPeerSumBlocks) {
       float h[kPeerSumMaxRowUnitsPerThread][kVec];
       float squares = 0.f;
@@ -177,7 +177,7 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
       }
       // mean(h^2) as the unfused layer takes it (a float32 sum over the row, divided by its size); rounding order
       // aside, the same float32 math
-      const float rstd = rsqrtf(block_sum(squares, scratch) * inv_hidden + a.eps);
+      const float rstd = rsqrtf(block_sum(squares, scratch) / hidden + a.eps);
 #pragma unroll
       for (int k = 0; k < kPeerSumMaxRowUnitsPerThread; ++k) {
         const int j = threadIdx.x + k * kPeerSumThreads;
