@@ -107,6 +107,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     differ = [p[:-1] + [(p[-1] + rank) % VOCAB] if i == 6 else p for i, p in enumerate(prompts)]  # same lengths
     record["different_prompts"] = _outcome(lambda: hf_paged.generate_batch(model, differ, _greedy()))
     record["compiled"] = _outcome(lambda: _compiled_run(model, prompts))
+    record["compiled_fused"] = _outcome(lambda: _fused_run(model, prompts))
     engine = _engine(model)
     if rank == 1:  # fails after the step's collectives, in the hand-over of its tokens
         send, calls = engine._receiver.send, []
@@ -167,6 +168,42 @@ def _compiled_run(model, prompts) -> tuple:
     for local in locals_:
         local.skinny = False  # float32 shards: what refresh() found
     return tokens, served, tp_linears.installed(model), traced, packed
+
+
+def _fused_run(model, prompts) -> tuple:
+    """The engine's compiled layers with HF_PAGED_TP_FUSE_NORM=1 and peer_sum declared present (on CPU the fused ops
+    then run their parts, the sum over gloo): its tokens, and for each compiled graph that holds an all-reduce, the
+    (fused add+norm, fused add, plain all-reduce) calls the passes left in it."""
+    import torch._inductor.config as inductor_config
+
+    from hf_paged.engine import fuse_all_reduce as fusion
+    from hf_paged.hf import tp_all_reduce
+
+    ops = (torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default, torch.ops.hf_paged.tp_all_reduce_add.default,
+           torch.ops.hf_paged.tp_all_reduce.default)
+    seen, fuse, ready = [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
+
+    def counting(graph):
+        made = fuse(graph)
+        targets = [n.target for n in graph.nodes]
+        counts = tuple(targets.count(op) for op in ops)
+        if any(counts):
+            seen.append(counts)
+        return made
+
+    os.environ[fusion.FUSE_ENV] = "1"
+    fusion.fuse_all_reduce, tp_all_reduce.fused_ready = counting, lambda name: True
+    torch._dynamo.reset()
+    try:
+        with inductor_config.patch(fx_graph_cache=False):  # a cached graph would skip the passes
+            engine = hf_paged.Engine(model, num_blocks=24, block_size=8, max_batch_tokens=32, max_num_seqs=6,
+                                     compile_layers=True)
+            tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
+    finally:
+        del os.environ[fusion.FUSE_ENV]
+        fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
+        torch._dynamo.reset()
+    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers
 
 
 def _raise():
@@ -273,6 +310,18 @@ def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_toke
         # packed: (every layer's q/k/v, any layer's gate/up)
         assert rank["compiled"] == ("ok", (expected, True, linears, [(True, True, False, False),
                                                                     (True, True, True, False)], (True, False)))
+
+
+@pytest.mark.slow
+def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_when_asked(ranks, single):
+    """HF_PAGED_TP_FUSE_NORM=1 in the engine's own compiled layers (hf_paged/engine/fuse_all_reduce.py), and the
+    tokens of one process. A layer's work after attention is two graphs: the attention module's rest (its o_proj and
+    all-reduce, returned: nothing to fuse) and the decoder layer's rest (the residual add and norm of that sum, the
+    MLP, its all-reduce and residual add). The second's all-reduce takes its residual add in every layer."""
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _greedy())]
+    for rank in ranks:
+        # (fused add+norm, fused add, plain all-reduce) per graph holding any
+        assert rank["compiled_fused"] == ("ok", (expected, [(0, 0, 1), (0, 1, 0)], True))
 
 
 @pytest.mark.slow

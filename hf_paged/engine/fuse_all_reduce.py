@@ -12,7 +12,10 @@ microseconds each at 64 rows. Where peer_sum serves the group (``hf_paged.hf.tp_
 - ``residual + tp_all_reduce(x)`` with no such norm after it by one ``hf_paged::tp_all_reduce_add`` call.
 
 peer_sum's kernel then does the add and the norm in the same launch as the sum. Any other shape of graph (another
-norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is.
+norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is. In the engine's compiled layers
+the attention function breaks the graph, so the attention module's all-reduce ends a graph of its own (its add and
+norm are in the next one) and only the MLP's all-reduce takes its residual add; graphs that hold a whole layer take
+both forms.
 
 ``HF_PAGED_TP_FUSE_NORM=1`` turns it on (experimental, not yet measured on GPUs); it is read when a layer compiles and
 is part of the pass's cache key. :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one)
