@@ -31,7 +31,7 @@ from contextlib import contextmanager
 import torch
 import torch.fx.experimental._config as _shape_config
 
-from hf_paged.engine.fuse_all_reduce import LayerPasses
+from hf_paged.engine.fuse_all_reduce import LayerPasses, nested_graph_breaks
 from hf_paged.hf import attention as paged_attention
 from hf_paged.hf.placement import base_model, decoder_layers
 
@@ -118,17 +118,21 @@ class CompiledLayers:
         """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
 
         Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
-        hence a recompile limit above the compiler's default of 8 for the duration of the call. Equal sizes are not
-        taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step whose token
-        count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile again, mid-run.
+        hence a recompile limit above the compiler's default of 8 for the duration of the call (and, with
+        ``HF_PAGED_TP_FUSE_NORM=1``, dynamo's nested graph breaks: ``fuse_all_reduce.nested_graph_breaks``). Equal
+        sizes are not taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step
+        whose token count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile
+        again, mid-run.
         """
         depth = getattr(self._local, "depth", 0)
         self._local.depth = depth + 1
         try:
             if depth == 0:
-                with torch._dynamo.config.patch(recompile_limit=self._recompile_limit,
-                                                accumulated_recompile_limit=max(256, 4 * self._recompile_limit)), \
-                        _shape_config.patch(use_duck_shape=False), _opaque_plans():
+                dynamo = dict(recompile_limit=self._recompile_limit,
+                              accumulated_recompile_limit=max(256, 4 * self._recompile_limit))
+                if nested_graph_breaks():
+                    dynamo["nested_graph_breaks"] = True
+                with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False), _opaque_plans():
                     yield
             else:
                 yield

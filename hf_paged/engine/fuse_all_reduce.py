@@ -14,8 +14,10 @@ microseconds each at 64 rows. Where peer_sum serves the group (``hf_paged.hf.tp_
 peer_sum's kernel then does the add and the norm in the same launch as the sum. Any other shape of graph (another
 norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is. In the engine's compiled layers
 the attention function breaks the graph, so the attention module's all-reduce ends a graph of its own (its add and
-norm are in the next one) and only the MLP's all-reduce takes its residual add; graphs that hold a whole layer take
-both forms.
+norm are in the next one) unless dynamo resumes such a break in the calling frame: with the switch on, the compiled
+layers trace with dynamo's ``nested_graph_breaks`` where this torch has it (:func:`nested_graph_breaks`), so that a
+layer's work after attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and
+add) is one graph and both forms serve. Without it only the MLP's all-reduce takes its residual add.
 
 ``HF_PAGED_TP_FUSE_NORM=1`` turns it on (experimental, not yet measured on GPUs); it is read when a layer compiles and
 is part of the pass's cache key. :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one)
@@ -33,7 +35,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_file
 from hf_paged.engine.group_linears import GroupLinears, group_linears
 from hf_paged.hf import tp_all_reduce
 
-__all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting"]
+__all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting", "nested_graph_breaks"]
 
 FUSE_ENV = "HF_PAGED_TP_FUSE_NORM"
 
@@ -49,6 +51,13 @@ def fuse_setting() -> bool:
         raise ValueError(f"{FUSE_ENV}={value!r}: use 1 (the residual add and RMSNorm in the all-reduce's kernel) or 0 "
                          "(the default)")
     return value == "1"
+
+
+def nested_graph_breaks() -> bool:
+    """Whether the compiled layers trace with dynamo's nested graph breaks: with ``HF_PAGED_TP_FUSE_NORM=1``, where
+    this torch's dynamo has the option (a graph break inside the attention module then resumes in one graph with
+    the rest of the decoder layer, so the attention all-reduce meets its residual add and norm)."""
+    return fuse_setting() and "nested_graph_breaks" in torch._dynamo.config._config
 
 
 class LayerPasses(CustomGraphPass):

@@ -282,9 +282,9 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
 
 
 def test_compiled_layers_with_the_add_and_norm_in_peer_sums_kernel(saved, single, tmp_path):
-    """HF_PAGED_TP_FUSE_NORM=1: the MLP's all-reduce of each compiled layer takes the residual add into peer_sum's
-    kernel (hf_paged/engine/fuse_all_reduce.py), under decode CUDA graphs: the fused kernel served, and the greedy
-    tokens of one GPU."""
+    """HF_PAGED_TP_FUSE_NORM=1: each compiled layer's all-reduces take the residual add (and after attention the
+    RMSNorm) into peer_sum's kernel (hf_paged/engine/fuse_all_reduce.py; with dynamo's nested graph breaks where
+    torch has them), under decode CUDA graphs: the fused kernel served, and the greedy tokens of one GPU."""
     output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_FUSE_NORM="1")
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
