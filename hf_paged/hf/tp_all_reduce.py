@@ -199,12 +199,13 @@ def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str)
     if peers is not None:
         fused_calls += 1
         return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers)
-    return residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)
+    return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
 
 
+# The outputs are contiguous whatever the inputs' strides (the kernel's and the fallback's alike), as the fakes say.
 @_tp_all_reduce_add.register_fake
 def _(x, residual, group_name):
-    return torch.empty_like(x)
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
@@ -223,10 +224,11 @@ def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight:
         fused_calls += 1
         value = float(eps_tensor) if eps_tensor is not None else eps
         return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers)
-    h = residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)
-    return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps)
+    h = (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
+    return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps).contiguous()
 
 
 @_tp_all_reduce_add_rms_norm.register_fake
 def _(x, residual, weight, eps, eps_tensor, group_name):
-    return torch.empty_like(x), torch.empty_like(x)
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))
