@@ -27,6 +27,7 @@ what a decode graph pays. Rank 0 prints progress, a table, and writes ``--json``
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import statistics
@@ -214,8 +215,14 @@ def time_methods(methods: Methods, sizes_kib: list[int], calls: int, replays: in
     rows = []
     for kib in sizes_kib:
         x, _ = _inputs(kib * 512, torch.bfloat16, seed=kib, device=device)
-        for method in METHODS:
-            graph, _ = _capture(lambda: methods(method, x), calls)
+        runs = {method: functools.partial(methods, method, x) for method in METHODS}
+        if kib * 512 % HIDDEN == 0:  # the fused forms on rows of HIDDEN, with a residual and a norm weight
+            residual = torch.randn(kib * 512 // HIDDEN, HIDDEN, device=device).to(torch.bfloat16)
+            weight = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
+            runs.update({method: functools.partial(methods.fused, method, x.view(-1, HIDDEN), residual, weight, 1e-5)
+                         for method in FUSED})
+        for method, run in runs.items():
+            graph, _ = _capture(run, calls)
             times = []
             for _ in range(replays):
                 dist.barrier()  # the ranks start each replay together (host-side), as decode steps do
@@ -228,26 +235,7 @@ def time_methods(methods: Methods, sizes_kib: list[int], calls: int, replays: in
             us = statistics.median(times)
             rows.append({"method": method, "kib": kib, "us_per_call": us, "calls": calls, "replays": replays})
             if methods.rank == 0:
-                print(f"[time] {method:15s} {kib:>5d} KiB {us:7.2f} us per call", flush=True)
-            del graph
-        residual = torch.randn(kib * 512 // HIDDEN, HIDDEN, device=device).to(torch.bfloat16)
-        weight = torch.ones(HIDDEN, device=device, dtype=torch.bfloat16)
-        for method in FUSED if kib * 512 % HIDDEN == 0 else ():
-            rows_x = x.view(-1, HIDDEN)
-            graph, _ = _capture(lambda: methods.fused(method, rows_x, residual, weight, 1e-5), calls)
-            times = []
-            for _ in range(replays):
-                dist.barrier()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / calls)
-            us = statistics.median(times)
-            rows.append({"method": method, "kib": kib, "us_per_call": us, "calls": calls, "replays": replays})
-            if methods.rank == 0:
-                print(f"[time] {method:15s} {kib:>5d} KiB {us:7.2f} us per call", flush=True)
+                print(f"[time] {method:17s} {kib:>5d} KiB {us:7.2f} us per call", flush=True)
             del graph
     return rows
 

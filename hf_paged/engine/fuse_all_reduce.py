@@ -30,9 +30,9 @@ import operator
 import os
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch._inductor.custom_graph_pass import get_hash_for_files
 
-from hf_paged.engine.group_linears import GroupLinears, group_linears
+from hf_paged.engine.group_linears import _KEPT_META, GroupLinears, group_linears
 from hf_paged.hf import tp_all_reduce
 
 __all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting", "nested_graph_breaks"]
@@ -41,7 +41,6 @@ FUSE_ENV = "HF_PAGED_TP_FUSE_NORM"
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "from_node", "seq_nr")
 
 
 def fuse_setting() -> bool:
@@ -60,9 +59,9 @@ def nested_graph_breaks() -> bool:
     return fuse_setting() and "nested_graph_breaks" in torch._dynamo.config._config
 
 
-class LayerPasses(CustomGraphPass):
+class LayerPasses(GroupLinears):
     """The engine's compiled layers' custom pass: :func:`~hf_paged.engine.group_linears.group_linears`, then
-    :func:`fuse_all_reduce`."""
+    :func:`fuse_all_reduce` (equal instances, as GroupLinears')."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         group_linears(graph)
@@ -70,13 +69,7 @@ class LayerPasses(CustomGraphPass):
 
     def uuid(self) -> bytes:
         fuse = b"fuse:" + tp_all_reduce.mode().encode() if fuse_setting() else b""
-        return GroupLinears().uuid() + get_hash_for_files((__file__,)) + fuse
-
-    def __eq__(self, other) -> bool:  # as GroupLinears: every instance does the same
-        return type(other) is type(self)
-
-    def __hash__(self) -> int:
-        return hash(type(self))
+        return super().uuid() + get_hash_for_files((__file__,)) + fuse
 
 
 def fuse_all_reduce(graph: torch.fx.Graph) -> int:
