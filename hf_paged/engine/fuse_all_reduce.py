@@ -31,6 +31,7 @@ import os
 
 import torch
 from torch._inductor.custom_graph_pass import get_hash_for_files
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hf_paged.engine.group_linears import _KEPT_META, GroupLinears, group_linears
 from hf_paged.hf import tp_all_reduce
@@ -120,8 +121,8 @@ def _val(node):
 def _like(node: torch.fx.Node, reference: torch.fx.Node) -> bool:
     """``node``'s value has ``reference``'s shape and dtype (so the add does not broadcast or promote)."""
     a, b = _val(node), _val(reference)
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-            and a.dim() == b.dim() and all(x == y for x, y in zip(a.shape, b.shape, strict=True)))
+    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
+            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True)))  # no new guard
 
 
 def _is_convert(node, dtype: torch.dtype) -> bool:
@@ -180,7 +181,8 @@ def _rms_norm_of(h: torch.fx.Node):
     weight = out.args[1] if out.args[0] is down else out.args[0]
     w = _val(weight)
     hidden = _val(h).shape[-1]
-    if not (isinstance(w, torch.Tensor) and w.dtype == dtype and w.dim() == 1 and w.shape[0] == hidden):
+    if not (isinstance(w, torch.Tensor) and w.dtype == dtype and w.dim() == 1
+            and statically_known_true(w.shape[0] == hidden)):
         return None
     chain = [n for n in (up if up is not h else None, square, mean, eps_convert, plus, rsqrt, scaled,
                          down if down is not scaled else None) if n is not None]
