@@ -15,3 +15,18 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "cuda" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def single_process_group(tmp_path):
+    """A gloo process group of this process alone (world size 1, where a sum over the ranks is its input); its
+    name. Skips where a group is up already."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        pytest.skip("a process group is up in this process already")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        yield dist.group.WORLD.group_name
+    finally:
+        dist.destroy_process_group()

@@ -26,16 +26,8 @@ ADD_NORM = torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default
 
 
 @pytest.fixture
-def group(tmp_path):
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        pytest.skip("a process group is up in this process already")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield dist.group.WORLD.group_name
-    finally:
-        dist.destroy_process_group()
+def group(single_process_group):
+    return single_process_group
 
 
 @pytest.fixture

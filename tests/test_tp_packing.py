@@ -16,17 +16,10 @@ GROUPS = {"attention": (("q_proj", 16), ("k_proj", 8), ("v_proj", 8)), "mlp": ((
 
 
 @pytest.fixture
-def mesh(tmp_path):
-    import torch.distributed as dist
+def mesh(single_process_group):
     from torch.distributed.tensor import init_device_mesh
 
-    if dist.is_initialized():
-        pytest.skip("a process group is up in this process already")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
+    return init_device_mesh("cpu", (1,))
 
 
 def sharded_module(mesh, group: str, bias: tuple[bool, ...]) -> torch.nn.Module:
