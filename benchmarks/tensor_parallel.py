@@ -26,7 +26,8 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-fuse-norm      # also hf_paged with add+norm in peer_sum
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-fuse        # also hf_paged with add+norm apart
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-prefetch    # also hf_paged without the L2 prefetch
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -83,7 +84,17 @@ TP_VARIANTS = {
     "tp_no_views": (" (views off)", {"HF_PAGED_PACK_VIEWS": "0"},
                     "the packed q/k/v product split by three copies, the default before views"),
     "tp_fuse_norm": (" (fused norm)", {"HF_PAGED_TP_FUSE_NORM": "1"},
-                     "each all-reduce's residual add and RMSNorm in peer_sum's kernel; experimental"),
+                     "each all-reduce's residual add and RMSNorm in peer_sum's kernel: the default since "
+                     "2026-11-28, so this repeats the plain run"),
+    "tp_no_fuse": (" (norm apart)", {"HF_PAGED_TP_FUSE_NORM": "0"},
+                   "each all-reduce's residual add and RMSNorm in a kernel of their own, the default before"),
+    "tp_no_prefetch": (" (no prefetch)", {"HF_PAGED_TP_PREFETCH_MB": "0"},
+                       "no L2 prefetch of the next product's weight during each all-reduce"),
+    "tp_prefetch_32": (" (prefetch 32 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "32"},
+                       "32 MiB of the next product's weight prefetched during each all-reduce (16 by default)"),
+    "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
+               "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
+               "counts only (--compile-pdl runs every count)"),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),

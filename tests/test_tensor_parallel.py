@@ -26,6 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig
 import hf_paged
 from hf_paged.engine import skinny_linear
 from hf_paged.hf import tp_linears
+from hf_paged.hf.tensor_parallel import tensor_parallel
 from hf_paged.kernels import skinny
 from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
 
@@ -200,7 +201,7 @@ def _fused_run(model, prompts) -> tuple:
                                      compile_layers=True)
             tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     finally:
-        nested = fusion.nested_graph_breaks()
+        nested = fusion.nested_graph_breaks(tensor_parallel(model).group.group_name)
         del os.environ[fusion.FUSE_ENV]
         fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
         torch._dynamo.reset()
@@ -415,9 +416,11 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
                     (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
     every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-no-pack", "--tp-pack-views",
-                                        "--tp-no-views", "--skinny-wide", "--split"])
+                                        "--tp-no-views", "--tp-no-fuse", "--tp-no-prefetch", "--tp-pdl",
+                                        "--skinny-wide", "--split"])
     assert [(c, v) for c, v, _ in tensor_parallel.planned_runs(every, [1, 2])] == [
         (1, ""), (2, ""), (2, " (eager)"), (2, " (unpacked)"), (2, " (packed views)"), (2, " (views off)"),
+        (2, " (norm apart)"), (2, " (no prefetch)"), (2, " (compile PDL)"),
         (1, " (skinny wide)"),
         (2, " (skinny wide)"),
         (1, " (split)")]

@@ -8,9 +8,9 @@ compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler
 cache's ``update`` is traced as a reshape, see ``PagedAttentionCache.update``), so the compiled graphs hold only
 tensor work on hidden states, and the paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
-(``hf_paged.engine.group_linears``, passed in this compile's own inductor options), and under tensor parallel with
-``HF_PAGED_TP_FUSE_NORM=1`` each all-reduce takes the residual add and RMSNorm after it into its kernel
-(``hf_paged.engine.fuse_all_reduce``).
+(``hf_paged.engine.group_linears``, passed in this compile's own inductor options), and under tensor parallel each
+all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.engine.fuse_all_reduce``;
+``HF_PAGED_TP_FUSE_NORM=0`` turns that off).
 
 The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
 (the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the
@@ -25,6 +25,7 @@ import importlib.util
 import logging
 import os
 import threading
+import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -106,8 +107,20 @@ class CompiledLayers:
         self._local = threading.local()
         self._modules = [*layers, *others]
         self._recompile_limit = 8 * len(self._modules) + 16
+        self._model_ref = weakref.ref(model)
+        self._group: tuple[str | None] | None = None  # (the tensor-parallel group's name or None), once looked up
         for module in self._modules:
             module.forward = _Switch(self, module.forward)
+
+    def _group_name(self) -> str | None:
+        """The name of the model's tensor-parallel group (None where it is not tensor-parallel)."""
+        if self._group is None:
+            from hf_paged.hf.tensor_parallel import tensor_parallel
+
+            model = self._model_ref()
+            tp = None if model is None else tensor_parallel(model)
+            self._group = (None if tp is None else tp.group.group_name,)
+        return self._group[0]
 
     @property
     def is_active(self) -> bool:
@@ -118,8 +131,9 @@ class CompiledLayers:
         """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
 
         Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
-        hence a recompile limit above the compiler's default of 8 for the duration of the call (and, with
-        ``HF_PAGED_TP_FUSE_NORM=1``, dynamo's nested graph breaks: ``fuse_all_reduce.nested_graph_breaks``). Equal
+        hence a recompile limit above the compiler's default of 8 for the duration of the call (and, for a
+        tensor-parallel model whose all-reduces fuse, dynamo's nested graph breaks:
+        ``fuse_all_reduce.nested_graph_breaks``). Equal
         sizes are not taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step
         whose token count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile
         again, mid-run.
@@ -130,7 +144,7 @@ class CompiledLayers:
             if depth == 0:
                 dynamo = dict(recompile_limit=self._recompile_limit,
                               accumulated_recompile_limit=max(256, 4 * self._recompile_limit))
-                if nested_graph_breaks():
+                if nested_graph_breaks(self._group_name()):
                     dynamo["nested_graph_breaks"] = True
                 with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False), _opaque_plans():
                     yield

@@ -17,6 +17,11 @@ inference path: the same local products, the same sum over ranks, the bias added
 that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it: ``HF_PAGED_TP_PACK``
 (:func:`packed_groups`) says which groups, ``all`` adds each MLP's gate/up, ``0`` leaves every shard where it is.
 
+Each rowwise shard's all-reduce also carries an L2 prefetch hint (:func:`set_prefetch`, ``HF_PAGED_TP_PREFETCH_MB``):
+the first bytes of the weight the next product reads (after o_proj the MLP's gate, after down_proj the next layer's
+packed q/k/v). peer_sum's kernel asks the L2 to fetch them while it waits for the other ranks, when the memory
+would otherwise idle, so that the product finds part of its weight in the cache.
+
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
 engine runs the layers eagerly.
@@ -41,6 +46,7 @@ class LocalLinear:
 
     def __init__(self, module: torch.nn.Linear, eager, rowwise: bool, group):
         self.eager, self.rowwise, self.group = eager, rowwise, group
+        self.prefetch: torch.Tensor | None = None  # a rowwise shard's L2 prefetch hint (set by install)
         self.refresh(module)
 
     def refresh(self, module: torch.nn.Linear) -> None:
@@ -67,7 +73,8 @@ class LocalLinear:
         x = args[0]
         if not self.rowwise:
             return self._product(x, self.bias)
-        out = torch.ops.hf_paged.tp_all_reduce(self._product(x, None), self.group.group_name)
+        args = (self._product(x, None), self.group.group_name)
+        out = torch.ops.hf_paged.tp_all_reduce(*args, *(() if self.prefetch is None else (self.prefetch,)))
         return out if self.bias is None else out + self.bias
 
 
@@ -101,7 +108,64 @@ def install(model: torch.nn.Module, group) -> str | None:
             if isinstance(f := m.__dict__.get("forward"), LocalLinear) and f.rowwise}
     for _, dtype, device in sorted(sums, key=lambda s: s[0]):
         tp_all_reduce.prepare(group, dtype, device)
+    # the prefetch hints serve where peer_sum's kernel takes them (its group set up on CUDA)
+    set_prefetch(layers, prefetch_bytes() if tp_all_reduce.fused_ready(group.group_name) else 0)
     return None
+
+
+PREFETCH_ENV = "HF_PAGED_TP_PREFETCH_MB"
+DEFAULT_PREFETCH_MB = 16
+
+
+def prefetch_bytes() -> int:
+    """``HF_PAGED_TP_PREFETCH_MB`` (read when an engine is built; default 16, ``0`` turns it off) in bytes: how much
+    of the next product's weight each rowwise shard's all-reduce asks the L2 to fetch while the ranks exchange."""
+    value = os.environ.get(PREFETCH_ENV, str(DEFAULT_PREFETCH_MB))
+    try:
+        mb = float(value)
+    except ValueError:
+        mb = -1.0
+    if not 0 <= mb <= 1024:
+        raise ValueError(f"{PREFETCH_ENV}={value!r}: use a number of MiB from 0 (no prefetch) to 1024; the default is "
+                         f"{DEFAULT_PREFETCH_MB}")
+    return int(mb * (1 << 20)) // 16 * 16
+
+
+def set_prefetch(layers: torch.nn.Module, limit: int) -> int:
+    """Give each rowwise :class:`LocalLinear` of ``layers`` its L2 prefetch: the first ``limit`` bytes of the weights
+    of the colwise shards after it in module order (o_proj: the MLP's gate; down_proj: the next layer's q/k/v), as
+    one flat view over as many of them as lie end to end from the first (q/k/v packed: all three). The all-reduce's
+    kernel then fetches them into the L2 while it waits for its peers, and the product that reads its sum finds them
+    there. The last layer's down_proj, and every shard where ``limit`` is 0, get none. Returns how many got one."""
+    linears = [f for m in layers.modules() if isinstance(f := m.__dict__.get("forward"), LocalLinear)]
+    given = 0
+    for i, f in enumerate(linears):
+        if not f.rowwise:
+            continue
+        run = []
+        for g in linears[i + 1:]:
+            if g.rowwise:
+                break
+            run.append(g.weight)
+        f.prefetch = _head(run, limit) if run and limit > 0 else None
+        given += f.prefetch is not None
+    return given
+
+
+def _head(weights: list[torch.Tensor], limit: int) -> torch.Tensor | None:
+    """A flat view of the first ``limit`` bytes of the longest run of ``weights`` from the first that lie end to end
+    in one storage (contiguous, one dtype and device), or None where the first is not contiguous."""
+    first = weights[0]
+    if not first.is_contiguous():
+        return None
+    end = first.data_ptr() + first.numel() * first.element_size()
+    for w in weights[1:]:
+        if (not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device or w.data_ptr() != end
+                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
+            break
+        end += w.numel() * w.element_size()
+    numel = min(end - first.data_ptr(), limit) // first.element_size()
+    return first.detach().as_strided((numel,), (1,)) if numel else None
 
 
 #: Colwise shards of one module that read the same input, which can be packed end to end (see :func:`pack_colwise`).
