@@ -250,12 +250,11 @@ def time_prefetch(methods: Methods, replays: int, device, pairs: int = 16) -> li
             hints = [None if not p else w.view(-1)[: p * 2**19] for w in weights]
 
             def run(hints=hints, p=p):
-                h = x
-                for w, hint in zip(weights, hints):
-                    if p is not None:
-                        h = torch.ops.hf_paged.peer_sum(h, *methods.peers, hint)
-                    h = torch.mm(h, w.t())[:, :HIDDEN].contiguous()
-                return h
+                out = []
+                for w, hint in zip(weights, hints):  # (one stream: each pair after the one before)
+                    h = x if p is None else torch.ops.hf_paged.peer_sum(x, *methods.peers, hint)
+                    out.append(torch.mm(h, w.t()))
+                return out
 
             graph, _ = _capture(run, calls=1)
             times = []

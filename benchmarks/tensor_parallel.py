@@ -27,7 +27,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-fuse        # also hf_paged with add+norm apart
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-prefetch    # also hf_paged without the L2 prefetch
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-prefetch       # also hf_paged with the L2 prefetch
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -85,13 +85,15 @@ TP_VARIANTS = {
                     "the packed q/k/v product split by three copies, the default before views"),
     "tp_fuse_norm": (" (fused norm)", {"HF_PAGED_TP_FUSE_NORM": "1"},
                      "each all-reduce's residual add and RMSNorm in peer_sum's kernel: the default since "
-                     "2026-11-28, so this repeats the plain run"),
+                     "2026-11-27, so this repeats the plain run"),
     "tp_no_fuse": (" (norm apart)", {"HF_PAGED_TP_FUSE_NORM": "0"},
                    "each all-reduce's residual add and RMSNorm in a kernel of their own, the default before"),
+    "tp_prefetch": (" (prefetch 16 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "16"},
+                    "16 MiB of the next product's weight prefetched into the L2 during each all-reduce; opt-in"),
+    "tp_prefetch_4": (" (prefetch 4 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "4"},
+                      "4 MiB of the next product's weight prefetched into the L2 during each all-reduce; opt-in"),
     "tp_no_prefetch": (" (no prefetch)", {"HF_PAGED_TP_PREFETCH_MB": "0"},
-                       "no L2 prefetch of the next product's weight during each all-reduce"),
-    "tp_prefetch_32": (" (prefetch 32 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "32"},
-                       "32 MiB of the next product's weight prefetched during each all-reduce (16 by default)"),
+                       "no L2 prefetch: the default, so this repeats the plain run"),
     "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
                "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
                "counts only (--compile-pdl runs every count)"),

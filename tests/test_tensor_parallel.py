@@ -182,17 +182,19 @@ def _fused_run(model, prompts) -> tuple:
 
     ops = (torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default, torch.ops.hf_paged.tp_all_reduce_add.default,
            torch.ops.hf_paged.tp_all_reduce.default)
-    seen, fuse, ready = [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
+    seen, hinted, fuse, ready = [], [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
 
     def counting(graph):
         made = fuse(graph)
         targets = [n.target for n in graph.nodes]
         counts = tuple(targets.count(op) for op in ops)
+        hinted.extend(len(n.args) == (7 if n.target is ops[0] else 4) for n in graph.nodes if n.target in ops[:2])
         if any(counts):
             seen.append(counts)
         return made
 
     os.environ[fusion.FUSE_ENV] = "1"
+    os.environ[tp_linears.PREFETCH_ENV] = "1"  # the L2 hints ride along into the fused calls (the CPU drops them)
     fusion.fuse_all_reduce, tp_all_reduce.fused_ready = counting, lambda name: True
     torch._dynamo.reset()
     try:
@@ -202,10 +204,10 @@ def _fused_run(model, prompts) -> tuple:
             tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     finally:
         nested = fusion.nested_graph_breaks(tensor_parallel(model).group.group_name)
-        del os.environ[fusion.FUSE_ENV]
+        del os.environ[fusion.FUSE_ENV], os.environ[tp_linears.PREFETCH_ENV]
         fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
         torch._dynamo.reset()
-    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested
+    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested, (sum(hinted), hinted.count(False))
 
 
 def _raise():
@@ -320,13 +322,17 @@ def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_wh
     tokens of one process. With dynamo's nested graph breaks (this torch has them; the switch turns them on), a
     layer's work after attention is one graph: attention's all-reduce takes the residual add and the norm after
     it, the MLP's the residual add, and no plain all-reduce is left. Without them the attention module's rest (o_proj
-    and its all-reduce, returned) is a graph of its own and only the MLP's all-reduce takes its add."""
+    and its all-reduce, returned) is a graph of its own and only the MLP's all-reduce takes its add. With
+    HF_PAGED_TP_PREFETCH_MB set, each fused call keeps its all-reduce's L2 hint."""
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _greedy())]
     nested = "nested_graph_breaks" in torch._dynamo.config._config
     # (fused add+norm, fused add, plain all-reduce) per compiled graph holding any
     graphs = [(1, 1, 0)] if nested else [(0, 0, 1), (0, 1, 0)]
     for rank in ranks:
-        assert rank["compiled_fused"] == ("ok", (expected, graphs, True, nested))
+        # (fused calls with an L2 hint, without): each layer's two, but the last layer's MLP (no product after it)
+        layers = single.config.num_hidden_layers
+        hints = (2 * layers - 1, 1) if nested else (layers - 1, 1)
+        assert rank["compiled_fused"] == ("ok", (expected, graphs, True, nested, hints))
 
 
 @pytest.mark.slow
@@ -416,11 +422,11 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
                     (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
     every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-no-pack", "--tp-pack-views",
-                                        "--tp-no-views", "--tp-no-fuse", "--tp-no-prefetch", "--tp-pdl",
+                                        "--tp-no-views", "--tp-no-fuse", "--tp-prefetch", "--tp-pdl",
                                         "--skinny-wide", "--split"])
     assert [(c, v) for c, v, _ in tensor_parallel.planned_runs(every, [1, 2])] == [
         (1, ""), (2, ""), (2, " (eager)"), (2, " (unpacked)"), (2, " (packed views)"), (2, " (views off)"),
-        (2, " (norm apart)"), (2, " (no prefetch)"), (2, " (compile PDL)"),
+        (2, " (norm apart)"), (2, " (prefetch 16 MiB)"), (2, " (compile PDL)"),
         (1, " (skinny wide)"),
         (2, " (skinny wide)"),
         (1, " (split)")]

@@ -79,9 +79,9 @@ def test_shards_apart_prefetch_only_the_first():
 
 def test_the_switch_reads_mib_and_refuses_what_it_cannot_read(monkeypatch):
     monkeypatch.delenv(tp_linears.PREFETCH_ENV, raising=False)
-    assert tp_linears.prefetch_bytes() == tp_linears.DEFAULT_PREFETCH_MB << 20
-    monkeypatch.setenv(tp_linears.PREFETCH_ENV, "0")
-    assert tp_linears.prefetch_bytes() == 0
+    assert tp_linears.prefetch_bytes() == 0  # opt-in
+    monkeypatch.setenv(tp_linears.PREFETCH_ENV, "16")
+    assert tp_linears.prefetch_bytes() == 16 << 20
     monkeypatch.setenv(tp_linears.PREFETCH_ENV, "0.5")
     assert tp_linears.prefetch_bytes() == 1 << 19
     for bad in ("lots", "-1", "nan", "4096"):

@@ -40,11 +40,13 @@ __device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes) {
 #endif
 }
 
-// This block's share of the prefetch (see PeerSumArgs::prefetch): pieces b, b + kPeerSumBlocks, ..., one per thread.
+// This block's share of the prefetch (see PeerSumArgs::prefetch), issued by the threads from warp 1 on (warp 0 holds
+// the threads that signal and wait): pieces b, b + kPeerSumBlocks, ..., one per thread.
 __device__ __forceinline__ void prefetch_share(const PeerSumArgs& a, int b) {
+  constexpr int64_t kIssuers = kPeerSumThreads - 32;
   const int64_t pieces = (a.prefetch_bytes + kPeerSumPrefetchPiece - 1) / kPeerSumPrefetchPiece;
-  for (int64_t k = b + static_cast<int64_t>(threadIdx.x) * kPeerSumBlocks; k < pieces;
-       k += static_cast<int64_t>(kPeerSumThreads) * kPeerSumBlocks) {
+  for (int64_t k = b + static_cast<int64_t>(threadIdx.x - 32) * kPeerSumBlocks; k < pieces;
+       k += kIssuers * kPeerSumBlocks) {
     const int64_t start = k * kPeerSumPrefetchPiece;
     const int64_t bytes = a.prefetch_bytes - start < kPeerSumPrefetchPiece ? a.prefetch_bytes - start
                                                                            : kPeerSumPrefetchPiece;
@@ -134,7 +136,6 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
 
   __shared__ uint64_t epoch_shared;
   __shared__ float scratch[kPeerSumThreads / 32];
-  if (a.prefetch_bytes > 0) prefetch_share(a, b);  // first: the memory streams while the ranks exchange
   if (threadIdx.x == 0) {
     const uint64_t e = epochs[b] + 1;  // only this block of this rank touches epochs[b]
     epochs[b] = e;
@@ -160,6 +161,9 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   }
   __syncthreads();
 
+  // The prefetch is issued here, after the barrier, by threads that store no flag: a release store orders the
+  // memory operations its thread issued or observed before it, and must not wait for these.
+  if (a.prefetch_bytes > 0 && threadIdx.x >= 32) prefetch_share(a, b);
   const int peer = threadIdx.x;
   if (peer < a.world_size && peer != a.rank) {
     uint8_t* theirs = reinterpret_cast<uint8_t*>(a.buffers[peer]);

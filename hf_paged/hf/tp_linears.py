@@ -17,10 +17,10 @@ inference path: the same local products, the same sum over ranks, the bias added
 that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it: ``HF_PAGED_TP_PACK``
 (:func:`packed_groups`) says which groups, ``all`` adds each MLP's gate/up, ``0`` leaves every shard where it is.
 
-Each rowwise shard's all-reduce also carries an L2 prefetch hint (:func:`set_prefetch`, ``HF_PAGED_TP_PREFETCH_MB``):
-the first bytes of the weight the next product reads (after o_proj the MLP's gate, after down_proj the next layer's
-packed q/k/v). peer_sum's kernel asks the L2 to fetch them while it waits for the other ranks, when the memory
-would otherwise idle, so that the product finds part of its weight in the cache.
+With ``HF_PAGED_TP_PREFETCH_MB`` set (opt-in, :func:`set_prefetch`) each rowwise shard's all-reduce also carries an L2
+prefetch hint: the first bytes of the weight the next product reads (after o_proj the MLP's gate, after down_proj the
+next layer's packed q/k/v). peer_sum's kernel asks the L2 to fetch them while it waits for the other ranks, when the
+memory would otherwise idle, so that the product may find part of its weight in the cache.
 
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
@@ -114,12 +114,13 @@ def install(model: torch.nn.Module, group) -> str | None:
 
 
 PREFETCH_ENV = "HF_PAGED_TP_PREFETCH_MB"
-DEFAULT_PREFETCH_MB = 16
+DEFAULT_PREFETCH_MB = 0
 
 
 def prefetch_bytes() -> int:
-    """``HF_PAGED_TP_PREFETCH_MB`` (read when an engine is built; default 16, ``0`` turns it off) in bytes: how much
-    of the next product's weight each rowwise shard's all-reduce asks the L2 to fetch while the ranks exchange."""
+    """``HF_PAGED_TP_PREFETCH_MB`` (read when an engine is built) in bytes: how much of the next product's weight each
+    rowwise shard's all-reduce asks the L2 to fetch while the ranks exchange. Off (0) by default: 16 MiB made the
+    8B-shaped decode step at batch 64 on two H200s 0.10 ms slower, not faster (2026-11-27, docs/multi_gpu.md)."""
     value = os.environ.get(PREFETCH_ENV, str(DEFAULT_PREFETCH_MB))
     try:
         mb = float(value)

@@ -97,7 +97,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
-        record["one_shot"] = tp_all_reduce.one_shot_calls > 0
+        record["one_shot"] = tp_all_reduce.one_shot_calls + tp_all_reduce.fused_calls > 0  # (fused: peer_sum too)
         record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
         record["fused"] = tp_all_reduce.fused_calls > 0  # the add and norm in its kernel (HF_PAGED_TP_FUSE_NORM)
         record["prefetch"] = tp_all_reduce.prefetch_calls > 0  # the L2 hints taken (HF_PAGED_TP_PREFETCH_MB)
@@ -277,23 +277,23 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
         assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
         assert record["one_shot"] == (all_reduce != "nccl"), "the one-shot all-reduce did not serve as asked"
         assert record["peer_sum"] == (all_reduce == "hf_paged")
-        # the add and norm in peer_sum's kernel, and its L2 prefetch hints: both on by default where it serves
-        assert record["fused"] is record["prefetch"] is (all_reduce == "hf_paged")
+        assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel by default
+        assert record["prefetch"] is False  # the L2 hints are opt-in
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
 
 
-def test_compiled_layers_with_the_add_and_norm_apart_and_no_prefetch(saved, single, tmp_path):
-    """HF_PAGED_TP_FUSE_NORM=0 and HF_PAGED_TP_PREFETCH_MB=0: peer_sum sums, and the residual add and RMSNorm after
-    each all-reduce run in a kernel of their own (the default folds them into peer_sum's, above), with no L2 hints;
-    under decode CUDA graphs, the greedy tokens of one GPU."""
+def test_compiled_layers_with_the_add_and_norm_apart_and_l2_prefetch(saved, single, tmp_path):
+    """HF_PAGED_TP_FUSE_NORM=0 and HF_PAGED_TP_PREFETCH_MB=16: peer_sum sums, each call given the next product's
+    weight as its L2 prefetch hint, and the residual add and RMSNorm after each all-reduce run in a kernel of their
+    own (the default folds them into peer_sum's, above); under decode CUDA graphs, the greedy tokens of one GPU."""
     output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_FUSE_NORM="0",
-                     HF_PAGED_TP_PREFETCH_MB="0")
+                     HF_PAGED_TP_PREFETCH_MB="16")
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
         assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
-        assert record["peer_sum"] and not record["fused"] and not record["prefetch"]
+        assert record["peer_sum"] and not record["fused"] and record["prefetch"]
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
