@@ -172,9 +172,10 @@ def _compiled_run(model, prompts) -> tuple:
 
 
 def _fused_run(model, prompts) -> tuple:
-    """The engine's compiled layers with HF_PAGED_TP_FUSE_NORM=1 and peer_sum declared present (on CPU the fused ops
-    then run their parts, the sum over gloo): its tokens, and for each compiled graph that holds an all-reduce, the
-    (fused add+norm, fused add, plain all-reduce) calls the passes left in it."""
+    """The engine's compiled layers with HF_PAGED_TP_FUSE_NORM=1, HF_PAGED_TP_PREFETCH_MB=1 and peer_sum declared
+    present (on CPU the fused ops then run their parts, the sum over gloo, and drop the hints): its tokens, for each
+    compiled graph that holds an all-reduce the (fused add+norm, fused add, plain all-reduce) calls the passes left
+    in it, and how many fused calls carry an L2 hint and how many do not."""
     import torch._inductor.config as inductor_config
 
     from hf_paged.engine import fuse_all_reduce as fusion
@@ -207,7 +208,8 @@ def _fused_run(model, prompts) -> tuple:
         del os.environ[fusion.FUSE_ENV], os.environ[tp_linears.PREFETCH_ENV]
         fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
         torch._dynamo.reset()
-    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested, (sum(hinted), hinted.count(False))
+    hints = (sum(hinted), hinted.count(False))  # fused calls with an L2 hint, without
+    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested, hints
 
 
 def _raise():

@@ -22,8 +22,8 @@ add) is one graph and both forms serve. Without it only the MLP's all-reduce tak
 It is on by default (``HF_PAGED_TP_FUSE_NORM=0`` turns it off): on two H200s it took 0.03 ms off the 4.35 ms decode
 step of an 8B-shaped model at batch 64, with the greedy tokens of one GPU (2026-11-27, docs/multi_gpu.md). The setting
 is read when a layer compiles and is part of the pass's cache key. An all-reduce's L2 prefetch hint
-(``hf_paged.hf.tp_linears.set_prefetch``) goes with it into the fused call. :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one)
-as the one custom pass inductor takes.
+(``hf_paged.hf.tp_linears.set_prefetch``) goes with it into the fused call. :class:`LayerPasses` runs the engine's
+graph passes (grouped linears, then this one) as the one custom pass inductor takes.
 """
 
 from __future__ import annotations

@@ -161,8 +161,8 @@ def _(x, group_name, prefetch=None):
 
 # ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
 # The engine's graph pass (hf_paged.engine.fuse_all_reduce, on by default: HF_PAGED_TP_FUSE_NORM) puts these where a
-# layer adds the all-reduce's output to its residual stream (and, after attention, takes the next RMSNorm of it), so that peer_sum's
-# kernel does the add and the norm instead of a kernel of their own after it.
+# layer adds the all-reduce's output to its residual stream (and, after attention, takes the next RMSNorm of it), so
+# that peer_sum's kernel does the add and the norm instead of a kernel of their own after it.
 
 fused_calls = 0  # calls that took a fused peer_sum kernel (eager runs and captures)
 
