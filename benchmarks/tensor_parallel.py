@@ -94,6 +94,9 @@ TP_VARIANTS = {
                       "4 MiB of the next product's weight prefetched into the L2 during each all-reduce; opt-in"),
     "tp_no_prefetch": (" (no prefetch)", {"HF_PAGED_TP_PREFETCH_MB": "0"},
                        "no L2 prefetch: the default, so this repeats the plain run"),
+    "tp_sharded_logits": (" (sharded logits)", {"HF_PAGED_TP_SHARDED_LOGITS": "1"},
+                          "greedy steps exchange each rank's (max logit, id) instead of gathering the logits; "
+                          "experimental"),
     "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
                "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
                "counts only (--compile-pdl runs every count)"),

@@ -43,8 +43,12 @@ def _prompts(seed: int, n: int = 9) -> list[list[int]]:
 GREEDY = dict(max_new_tokens=8, do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
 
 
-def _greedy() -> GenerationConfig:
-    return GenerationConfig(**GREEDY)
+def _greedy(**extra) -> GenerationConfig:
+    return GenerationConfig(**{**GREEDY, **extra})
+
+
+def _greedy_logprobs() -> GenerationConfig:
+    return _greedy(output_scores=True)  # the engine returns each token's logprob
 
 
 def _sampled(seed: int | None) -> GenerationConfig:
@@ -109,6 +113,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     record["different_prompts"] = _outcome(lambda: hf_paged.generate_batch(model, differ, _greedy()))
     record["compiled"] = _outcome(lambda: _compiled_run(model, prompts))
     record["compiled_fused"] = _outcome(lambda: _fused_run(model, prompts))
+    record["sharded_logits"] = _outcome(lambda: _sharded_logits_run(model, prompts))
     engine = _engine(model)
     if rank == 1:  # fails after the step's collectives, in the hand-over of its tokens
         send, calls = engine._receiver.send, []
@@ -127,6 +132,35 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     with open(os.path.join(out_dir, f"rank{rank}_stuck.pkl"), "wb") as f:
         pickle.dump(stuck, f)
     os._exit(STUCK_EXIT)
+
+
+def _sharded_logits_run(model, prompts) -> tuple:
+    """HF_PAGED_TP_SHARDED_LOGITS=1: the engine's greedy, seeded-sampling, logprob and min_new_tokens tokens (and the
+    logprobs), how many steps took the (value, id) exchange and how many gathered, and the lm_head's own path
+    restored afterwards."""
+    from hf_paged.hf import tp_logits
+
+    argmaxes, gathers = [], []
+    argmax, gather = tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather
+    tp_logits.VocabShards.argmax = lambda self, x: (argmaxes.append(x.shape), argmax(self, x))[1]
+    tp_logits.VocabShards.gather = lambda self, x: (gathers.append(x.shape), gather(self, x))[1]
+    os.environ[tp_logits.ENV] = "1"
+    head = model.lm_head
+    try:
+        engine = _engine(model)
+        greedy = [o.token_ids for o in engine.generate(prompts, _greedy())]
+        greedy_steps = len(argmaxes)
+        seeded = [o.token_ids for o in engine.generate(prompts, _sampled(5))]
+        logprobs = [(o.token_ids, o.logprobs) for o in engine.generate(prompts[:3], _greedy_logprobs())]
+        held = [o.token_ids for o in engine.generate(prompts[:3], _greedy(min_new_tokens=8))]
+        widths = {shape[-1] for shape in argmaxes + gathers}
+        local = isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits)
+    finally:
+        del os.environ[tp_logits.ENV]
+        tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather = argmax, gather
+        if isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits):
+            head.forward = head.forward.eager  # transformers' own gathered head for the parts after this one
+    return greedy, seeded, logprobs, held, greedy_steps > 0, len(gathers) > 0, widths, local
 
 
 def _compiled_run(model, prompts) -> tuple:
@@ -335,6 +369,61 @@ def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_wh
         layers = single.config.num_hidden_layers
         hints = (2 * layers - 1, 1) if nested else (layers - 1, 1)
         assert rank["compiled_fused"] == ("ok", (expected, graphs, True, nested, hints))
+
+
+@pytest.mark.slow
+def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, single):
+    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py): the engine's model calls return each rank's half of
+    the vocabulary; plain-greedy steps exchange (value, id) pairs, every other step gathers the halves first. Greedy,
+    seeded sampling, logprobs and min_new_tokens (a processed greedy row) give one process's tokens, logprobs within
+    float tolerance; both paths served, on half-width logits; the lm_head's own path is back afterwards."""
+    engine = _engine(single)
+    prompts = _prompts(0)
+    greedy = [o.token_ids for o in engine.generate(prompts, _greedy())]
+    seeded = [o.token_ids for o in engine.generate(prompts, _sampled(5))]
+    logprobs = [(o.token_ids, o.logprobs) for o in engine.generate(prompts[:3], _greedy_logprobs())]
+    held = [o.token_ids for o in engine.generate(prompts[:3], _greedy(min_new_tokens=8))]
+    assert all(len(t) == 8 for t in held) and all(lp is not None and len(lp) == len(t) for t, lp in logprobs)
+    for rank in ranks:
+        status, result = rank["sharded_logits"]
+        assert status == "ok", result
+        got_greedy, got_seeded, got_logprobs, got_held, exchanged, gathered, widths, local = result
+        assert (got_greedy, got_seeded, got_held) == (greedy, seeded, held)
+        assert [t for t, _ in got_logprobs] == [t for t, _ in logprobs]
+        for (_, got), (_, want) in zip(got_logprobs, logprobs):
+            assert got == pytest.approx(want, abs=1e-4)
+        assert exchanged and gathered and widths == {VOCAB // WORLD_SIZE} and local
+
+
+def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
+    """tp_logits.pick against torch's argmax over whole rows split in halves: ties go to the lower id (the first
+    shard), a NaN wins as the first NaN, -inf rows and +inf values are kept apart."""
+    from hf_paged.hf.tp_logits import pick
+
+    gen = torch.Generator().manual_seed(0)
+    rows = torch.randint(-3, 3, (64, 10), generator=gen).float()  # few values: many ties within and across halves
+    rows[5, 7] = float("nan")
+    rows[6, :] = float("-inf")
+    rows[7, 8] = float("inf")
+    rows[8, 2], rows[8, 9] = float("nan"), float("nan")
+    rows[9, 1], rows[9, 6] = float("inf"), float("inf")
+    halves = rows.view(64, 2, 5)
+    values, ids = halves.max(-1)  # each shard's first maximum, as VocabShards.argmax takes it
+    everyone = torch.stack([values.t(), (ids + torch.tensor([0, 5])).t().float()], -1)  # [2, 64, 2]
+    want = torch.from_numpy(rows.numpy().argmax(-1))  # numpy: first maximum, first NaN (the CPU sampler's argmax)
+    assert torch.equal(pick(everyone), want)
+
+
+def test_sharded_logits_are_off_unless_asked_and_refuse_a_bad_value(monkeypatch):
+    from hf_paged.hf import tp_logits
+
+    monkeypatch.delenv(tp_logits.ENV, raising=False)
+    assert tp_logits.enabled() is False
+    monkeypatch.setenv(tp_logits.ENV, "1")
+    assert tp_logits.enabled() is True
+    monkeypatch.setenv(tp_logits.ENV, "yes")
+    with pytest.raises(ValueError, match="HF_PAGED_TP_SHARDED_LOGITS='yes'"):
+        tp_logits.enabled()
 
 
 @pytest.mark.slow

@@ -45,7 +45,7 @@ from hf_paged.engine.sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine.stats import EngineStats
 from hf_paged.engine.steady_decode import SteadyDecode
 from hf_paged.engine.stop_checker import StopChecker
-from hf_paged.hf import placement
+from hf_paged.hf import placement, tp_logits
 from hf_paged.hf.tensor_parallel import kv_layout
 from hf_paged.hf.register import use_paged_attention
 
@@ -64,6 +64,8 @@ class EngineCore(TokenHandover):
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
+        # tensor parallel, HF_PAGED_TP_SHARDED_LOGITS=1: each rank's model calls return its vocabulary columns only
+        self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
         if cfg.num_blocks is None:
@@ -238,9 +240,14 @@ class EngineCore(TokenHandover):
         if not sampled:
             return None
         sampling = steady.sampling if steady is not None else None
+        shards = self.vocab_shards
         if sampling is None:
-            sampling = SamplingBatch.build(sampled, logits.shape[-1], logits.device)
-        tokens, logprobs = self.sampler(logits, sampling)
+            sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
+                                           logits.device)
+        if shards is not None and sampling.rows is None and not sampling.want_logprobs:
+            tokens, logprobs = shards.argmax(logits), None  # every row plain greedy: (value, id) pairs suffice
+        else:
+            tokens, logprobs = self.sampler(logits if shards is None else shards.gather(logits), sampling)
         if self.lockstep is not None:
             self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read

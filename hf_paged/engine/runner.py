@@ -18,14 +18,16 @@ from hf_paged.engine import skinny_linear
 from hf_paged.engine.compiled_layers import CompiledLayers
 from hf_paged.engine.staging import StagingBuffer
 from hf_paged.engine.step_plan import StepPlan
+from hf_paged.hf import tp_logits
 from hf_paged.hf.compat import cache_keyword
 
 
 @contextmanager
 def model_call(compiled: CompiledLayers | None, skinny: bool) -> Iterator[None]:
-    """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on."""
+    """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on, and
+    a tensor-parallel ``lm_head``'s local logits where the engine asked for them (``hf_paged.hf.tp_logits``)."""
     with compiled.active() if compiled is not None else nullcontext(), \
-            skinny_linear.active() if skinny else nullcontext():
+            skinny_linear.active() if skinny else nullcontext(), tp_logits.engine_call():
         yield
 
 

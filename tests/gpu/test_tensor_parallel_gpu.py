@@ -101,6 +101,8 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
         record["fused"] = tp_all_reduce.fused_calls > 0  # the add and norm in its kernel (HF_PAGED_TP_FUSE_NORM)
         record["prefetch"] = tp_all_reduce.prefetch_calls > 0  # the L2 hints taken (HF_PAGED_TP_PREFETCH_MB)
+        # the engine's logits left split over the vocabulary (HF_PAGED_TP_SHARDED_LOGITS)
+        record["sharded_logits"] = engine.vocab_shards is not None
         _write(out_dir, f"compiled{rank}", record)
         engine.close()  # its graphs hold NCCL collectives: destroy_process_group would wait for them forever
         torch.distributed.destroy_process_group()
@@ -278,7 +280,20 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
         assert record["one_shot"] == (all_reduce != "nccl"), "the one-shot all-reduce did not serve as asked"
         assert record["peer_sum"] == (all_reduce == "hf_paged")
         assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel by default
-        assert record["prefetch"] is False  # the L2 hints are opt-in
+        assert record["prefetch"] is False and record["sharded_logits"] is False  # both opt-in
+        assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
+        assert record["greedy"] == ("ok", expected)
+
+
+def test_compiled_layers_with_the_logits_left_sharded(saved, single, tmp_path):
+    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py): each rank's decode graphs return its half of the
+    vocabulary and greedy steps exchange (value, id) pairs over peer_sum: the greedy tokens of one GPU."""
+    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_SHARDED_LOGITS="1")
+    records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
+    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
+    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
+    for record in records:
+        assert record["sharded_logits"] and record["peer_sum"]
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
 

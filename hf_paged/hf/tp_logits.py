@@ -1,0 +1,158 @@
+"""Logits left sharded over a tensor-parallel group's vocabulary, for the engine's plain-greedy steps.
+
+transformers shards a ``tp_plan="auto"`` model's ``lm_head`` by output rows and gathers the full logits on every rank
+(Llama's ``colwise_gather_output``): at batch 64 of a 128k vocabulary that is 16 MiB of bf16 logits gathered over
+the group and put in place every decode step. A plain-greedy step needs only each row's largest logit and its id.
+
+With ``HF_PAGED_TP_SHARDED_LOGITS=1`` (opt-in, read when an engine is built; not yet measured on GPUs) :func:`install`
+puts a :class:`LocalLogits` in front of ``lm_head``'s ``forward``: inside the engine's model calls (and the decode
+graphs they capture) it returns this rank's columns only, the local product. The engine then samples with
+:class:`VocabShards`:
+
+- every row plain greedy and no logprobs: :meth:`VocabShards.argmax`. Each rank takes its shard's largest logit and
+  its id; the ranks exchange those ``(value, id)`` pairs (as a sum over the group in which each rank fills only its
+  own slot, so peer_sum's one-shot kernel serves it where it serves the layers) and every rank picks the largest,
+  the lowest id among equals, as ``argmax`` over the whole row does (a NaN counts as the largest, as there). The ids
+  are those of the gathered logits, bit for bit: the values compared are the same bits.
+- anything else (sampling, processors, logprobs): :meth:`VocabShards.gather` puts the full logits together first.
+
+Outside the engine's calls (``model.generate``, any other caller) ``lm_head`` runs transformers' own path. Only an
+``lm_head`` sharded evenly by output rows into a replicated output is taken; otherwise nothing is installed and the
+engine samples the gathered logits as before.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from hf_paged.hf import tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
+
+ENV = "HF_PAGED_TP_SHARDED_LOGITS"
+_MAX_EXACT_ID = 1 << 24  # ids travel as float32 next to their values: exact up to here
+_calls = threading.local()
+
+
+def enabled() -> bool:
+    """``HF_PAGED_TP_SHARDED_LOGITS``: ``1`` leaves the engine's logits sharded, ``0`` or unset (the default) does
+    not."""
+    value = os.environ.get(ENV, "0")
+    if value not in ("0", "1"):
+        raise ValueError(f"{ENV}={value!r}: use 1 (logits sharded over the vocabulary in the engine's greedy steps) "
+                         "or 0 (the default: gathered, as transformers does)")
+    return value == "1"
+
+
+@contextmanager
+def engine_call() -> Iterator[None]:
+    """The engine's own model calls: a :class:`LocalLogits` inside returns this rank's columns only."""
+    depth = getattr(_calls, "depth", 0)
+    _calls.depth = depth + 1
+    try:
+        yield
+    finally:
+        _calls.depth = depth
+
+
+@dataclass(frozen=True)
+class VocabShards:
+    """How the engine's logits are split: rank ``rank`` of ``world`` holds columns ``[offset, offset + width)`` of a
+    vocabulary of ``vocab`` (``world * width``) ids."""
+
+    group_name: str
+    group: object
+    rank: int
+    world: int
+    width: int
+    vocab: int
+
+    @property
+    def offset(self) -> int:
+        return self.rank * self.width
+
+    def gather(self, local: torch.Tensor) -> torch.Tensor:
+        """``[N, width]`` local logits -> ``[N, vocab]``, every rank's columns in rank order."""
+        parts = torch.empty((self.world, *local.shape), dtype=local.dtype, device=local.device)
+        torch.distributed.all_gather(list(parts.unbind(0)), local.contiguous(), group=self.group)
+        return parts.permute(1, 0, 2).reshape(local.shape[0], self.vocab)
+
+    def argmax(self, local: torch.Tensor) -> torch.Tensor:
+        """``[N]`` int64: each row's argmax over the whole vocabulary (first maximum; a NaN is the largest), from
+        ``[N, width]`` local logits, on the device, without a host sync."""
+        values, ids = local.max(-1)
+        pairs = torch.zeros(self.world, local.shape[0], 2, dtype=torch.float32, device=local.device)
+        pairs[self.rank, :, 0] = values.float()
+        pairs[self.rank, :, 1] = (ids + self.offset).float()
+        # each rank fills its own slot and zeros elsewhere, so the sum is the gather (x + 0 is x, bit for bit)
+        everyone = torch.ops.hf_paged.tp_all_reduce(pairs.view(-1), self.group_name).view_as(pairs)
+        return pick(everyone)
+
+
+def pick(everyone: torch.Tensor) -> torch.Tensor:
+    """``[W, N, 2]`` float32 (value, id) of each rank's shard maximum, ranks in vocabulary order -> ``[N]`` int64
+    ids: the first rank holding a NaN, else the first holding the largest value."""
+    values = everyone[..., 0]
+    nan = values.isnan()
+    best = torch.where(nan.any(0), nan.to(torch.uint8).argmax(0), torch.where(nan, 0.0, values).argmax(0))
+    return everyone[..., 1].gather(0, best[None])[0].long()
+
+
+class LocalLogits:
+    """``lm_head``'s ``forward``: transformers' own (``eager``) outside the engine's calls, this rank's columns (the
+    local product) inside them."""
+
+    def __init__(self, module: torch.nn.Linear, eager, shards: VocabShards):
+        self.eager, self.shards = eager, shards
+        self.weight = module.weight.to_local()
+        bias = module.bias
+        self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
+
+    def __call__(self, *args, **kwargs):
+        if getattr(_calls, "depth", 0) == 0 or len(args) != 1 or kwargs:
+            return self.eager(*args, **kwargs)
+        return F.linear(args[0], self.weight, self.bias)
+
+
+def install(model: torch.nn.Module, tp) -> VocabShards | None:
+    """Where ``HF_PAGED_TP_SHARDED_LOGITS=1`` (or an earlier engine of ``model`` installed it): a
+    :class:`LocalLogits` on ``model``'s ``lm_head`` and the :class:`VocabShards` the engine samples with; None where
+    the switch is off or the head is not sharded so (the engine then samples gathered logits)."""
+    head = getattr(model, "lm_head", None)
+    if head is None:
+        return None
+    local = head.__dict__.get("forward")
+    if isinstance(local, LocalLogits):
+        return local.shards
+    if not enabled():
+        return None
+    shards = _shards_of(head, tp)
+    if shards is None:
+        return None
+    head.forward = LocalLogits(head, head.forward, shards)
+    return shards
+
+
+def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
+    """The split of ``head``'s output over ``tp``'s ranks where it is sharded evenly by output rows, into a
+    replicated output (transformers' colwise style with a gathered output); else None."""
+    from hf_paged.hf.tp_linears import _is_dtensor
+
+    weight = getattr(head, "weight", None)
+    if not isinstance(head, torch.nn.Linear) or not _is_dtensor(weight):
+        return None
+    placements = weight.placements
+    if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim % 2 != 0:
+        return None
+    vocab, world = weight.shape[0], len(tp.ranks)
+    if vocab % world or vocab >= _MAX_EXACT_ID or weight.to_local().shape[0] != vocab // world:
+        return None
+    bias = head.bias
+    if bias is not None and (not _is_dtensor(bias) or bias.to_local().shape[0] != vocab // world):
+        return None
+    return VocabShards(tp.group.group_name, tp.group, tp.rank, world, vocab // world, vocab)
