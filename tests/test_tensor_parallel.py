@@ -409,9 +409,10 @@ def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
     rows[9, 1], rows[9, 6] = float("inf"), float("inf")
     halves = rows.view(64, 2, 5)
     values, ids = halves.max(-1)  # each shard's first maximum, as VocabShards.argmax takes it
-    everyone = torch.stack([values.t(), (ids + torch.tensor([0, 5])).t().float()], -1)  # [2, 64, 2]
+    everyone = torch.stack([values.t(), ids.t().float()], -1)  # [2, 64, 2]: ids within each half
     want = torch.from_numpy(rows.numpy().argmax(-1))  # numpy: first maximum, first NaN (the CPU sampler's argmax)
-    assert torch.equal(pick(everyone), want)
+    assert torch.equal(pick(everyone, 5), want)
+    assert torch.equal(rows.argmax(-1), want)  # (and torch's, which the GPU sampler takes)
 
 
 def test_sharded_logits_are_off_unless_asked_and_refuse_a_bad_value(monkeypatch):

@@ -85,22 +85,21 @@ class VocabShards:
     def argmax(self, local: torch.Tensor) -> torch.Tensor:
         """``[N]`` int64: each row's argmax over the whole vocabulary (first maximum; a NaN is the largest), from
         ``[N, width]`` local logits, on the device, without a host sync."""
-        values, ids = local.max(-1)
+        values, ids = local.max(-1)  # (torch's max and argmax: the first NaN, else the first largest)
         pairs = torch.zeros(self.world, local.shape[0], 2, dtype=torch.float32, device=local.device)
-        pairs[self.rank, :, 0] = values.float()
-        pairs[self.rank, :, 1] = (ids + self.offset).float()
+        pairs[self.rank, :, 0].copy_(values)
+        pairs[self.rank, :, 1].copy_(ids)
         # each rank fills its own slot and zeros elsewhere, so the sum is the gather (x + 0 is x, bit for bit)
         everyone = torch.ops.hf_paged.tp_all_reduce(pairs.view(-1), self.group_name).view_as(pairs)
-        return pick(everyone)
+        return pick(everyone, self.width)
 
 
-def pick(everyone: torch.Tensor) -> torch.Tensor:
-    """``[W, N, 2]`` float32 (value, id) of each rank's shard maximum, ranks in vocabulary order -> ``[N]`` int64
-    ids: the first rank holding a NaN, else the first holding the largest value."""
-    values = everyone[..., 0]
-    nan = values.isnan()
-    best = torch.where(nan.any(0), nan.to(torch.uint8).argmax(0), torch.where(nan, 0.0, values).argmax(0))
-    return everyone[..., 1].gather(0, best[None])[0].long()
+def pick(everyone: torch.Tensor, width: int) -> torch.Tensor:
+    """``[W, N, 2]`` float32 (value, id within its shard) of each rank's shard maximum, ranks in vocabulary order,
+    shards ``width`` ids wide -> ``[N]`` int64 ids over the whole vocabulary: the first rank holding a NaN, else the
+    first holding the largest value (torch's argmax over ranks does exactly that)."""
+    best = everyone[..., 0].argmax(0)
+    return everyone[..., 1].gather(0, best[None])[0].long() + best * width
 
 
 class LocalLogits:
