@@ -244,11 +244,14 @@ class EngineCore(TokenHandover):
         if sampling is None:
             sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
                                            logits.device)
+        shared = False
         if shards is not None and sampling.rows is None and not sampling.want_logprobs:
-            tokens, logprobs = shards.argmax(logits), None  # every row plain greedy: (value, id) pairs suffice
+            # every row plain greedy: (value, id) pairs suffice, and every rank picks from the same exchanged bits,
+            # so the tokens are the same on every rank without the leader's broadcast
+            tokens, logprobs, shared = shards.argmax(logits), None, True
         else:
             tokens, logprobs = self.sampler(logits if shards is None else shards.gather(logits), sampling)
-        if self.lockstep is not None:
+        if self.lockstep is not None and not shared:
             self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)

@@ -13,7 +13,8 @@ graphs they capture) it returns this rank's columns only, the local product. The
   its id; the ranks exchange those ``(value, id)`` pairs (as a sum over the group in which each rank fills only its
   own slot, so peer_sum's one-shot kernel serves it where it serves the layers) and every rank picks the largest,
   the lowest id among equals, as ``argmax`` over the whole row does (a NaN counts as the largest, as there). The ids
-  are those of the gathered logits, bit for bit: the values compared are the same bits.
+  are those of the gathered logits, bit for bit: the values compared are the same bits. Every rank picks from the
+  same exchanged bits, so the engine skips the broadcast of the leader's tokens after such a step.
 - anything else (sampling, processors, logprobs): :meth:`VocabShards.gather` puts the full logits together first.
 
 Outside the engine's calls (``model.generate``, any other caller) ``lm_head`` runs transformers' own path. Only an
