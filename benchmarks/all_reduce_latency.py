@@ -257,16 +257,7 @@ def time_prefetch(methods: Methods, replays: int, device, pairs: int = 16) -> li
                 return out
 
             graph, _ = _capture(run, calls=1)
-            times = []
-            for _ in range(replays):
-                dist.barrier()
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / pairs)
-            us = statistics.median(times)
+            us = _median_replay_us(graph, replays) / pairs
             what = "product only" if p is None else f"sum + product, hint {p} MiB"
             rows.append({"weight": label, "hint_mib": p, "what": what, "us_per_pair": us, "pairs": pairs})
             if methods.rank == 0:
@@ -275,6 +266,21 @@ def time_prefetch(methods: Methods, replays: int, device, pairs: int = 16) -> li
         del weights
         torch.cuda.empty_cache()
     return rows
+
+
+def _median_replay_us(graph, replays: int) -> float:
+    """The median of ``replays`` replays of ``graph`` between CUDA events, in microseconds; the ranks start each
+    replay together (host-side), as decode steps do."""
+    times = []
+    for _ in range(replays):
+        dist.barrier()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) * 1e3)
+    return statistics.median(times)
 
 
 def _capture(run, calls: int):
@@ -307,16 +313,7 @@ def time_methods(methods: Methods, sizes_kib: list[int], calls: int, replays: in
                          for method in FUSED})
         for method, run in runs.items():
             graph, _ = _capture(run, calls)
-            times = []
-            for _ in range(replays):
-                dist.barrier()  # the ranks start each replay together (host-side), as decode steps do
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                graph.replay()
-                end.record()
-                end.synchronize()
-                times.append(start.elapsed_time(end) * 1e3 / calls)
-            us = statistics.median(times)
+            us = _median_replay_us(graph, replays) / calls
             rows.append({"method": method, "kib": kib, "us_per_call": us, "calls": calls, "replays": replays})
             if methods.rank == 0:
                 print(f"[time] {method:17s} {kib:>5d} KiB {us:7.2f} us per call", flush=True)
