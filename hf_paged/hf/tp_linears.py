@@ -73,8 +73,8 @@ class LocalLinear:
         x = args[0]
         if not self.rowwise:
             return self._product(x, self.bias)
-        args = (self._product(x, None), self.group.group_name)
-        out = torch.ops.hf_paged.tp_all_reduce(*args, *(() if self.prefetch is None else (self.prefetch,)))
+        hint = () if self.prefetch is None else (self.prefetch,)
+        out = torch.ops.hf_paged.tp_all_reduce(self._product(x, None), self.group.group_name, *hint)
         return out if self.bias is None else out + self.bias
 
 
