@@ -31,8 +31,7 @@ from hf_paged.engine.block_manager import BlockManager
 from hf_paged.engine.block_table_buffer import BlockTableBuffer
 from hf_paged.engine import compiled_layers, lockstep, skinny_linear
 from hf_paged.engine.config import EngineConfig
-from hf_paged.engine.cuda_graphs import DecodeGraphs
-from hf_paged.engine.graph_sizes import graph_batch_sizes
+from hf_paged.engine.graph_sizes import engine_graphs
 from hf_paged.engine.handover import TokenHandover
 from hf_paged.engine.inflight import InFlightStep, TokenReceiver
 from hf_paged.engine.interrupts import InterruptGuard
@@ -103,26 +102,7 @@ class EngineCore(TokenHandover):
         self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/steady_decode.py)
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
-        self.graphs = self._capture_graphs(cfg, tables, max_num_seqs)
-
-    def _capture_graphs(self, cfg: EngineConfig, tables: BlockTableBuffer, max_num_seqs: int) -> DecodeGraphs | None:
-        cuda_graphs = cfg.cuda_graphs
-        if cuda_graphs is False or self.device.type != "cuda":
-            return None
-        split = sorted({str(d) for d in self.kv_devices})
-        if len(split) > 1:
-            logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
-            return None
-        sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
-                 else [s for s in cuda_graphs if s <= max_num_seqs])
-        graphs = DecodeGraphs(self.model, self.cache, tables, sizes, self.runner.last_tokens, self.compiled,
-                              self.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand")
-        reason = graphs.capture()
-        if reason is not None:
-            graphs.device_tables.close()
-            logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
-            return None
-        return graphs
+        self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
 
     def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
@@ -244,14 +224,11 @@ class EngineCore(TokenHandover):
         if sampling is None:
             sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
                                            logits.device)
-        shared = False
-        if shards is not None and sampling.rows is None and not sampling.want_logprobs:
-            # every row plain greedy: (value, id) pairs suffice, and every rank picks from the same exchanged bits,
-            # so the tokens are the same on every rank without the leader's broadcast
-            tokens, logprobs, shared = shards.argmax(logits), None, True
+        if shards is None:
+            (tokens, logprobs), agreed = self.sampler(logits, sampling), False
         else:
-            tokens, logprobs = self.sampler(logits if shards is None else shards.gather(logits), sampling)
-        if self.lockstep is not None and not shared:
+            tokens, logprobs, agreed = shards.sample(self.sampler, logits, sampling)
+        if self.lockstep is not None and not agreed:
             self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)
