@@ -63,8 +63,8 @@ def engine_call() -> Iterator[None]:
 
 @dataclass(frozen=True)
 class VocabShards:
-    """How the engine's logits are split: rank ``rank`` of ``world`` holds columns ``[offset, offset + width)`` of a
-    vocabulary of ``vocab`` (``world * width``) ids."""
+    """How the engine's logits are split: rank ``rank`` of ``world`` holds columns ``[rank * width, (rank + 1) *
+    width)`` of a vocabulary of ``vocab`` (``world * width``) ids."""
 
     group_name: str
     group: object
@@ -73,9 +73,14 @@ class VocabShards:
     width: int
     vocab: int
 
-    @property
-    def offset(self) -> int:
-        return self.rank * self.width
+    def sample(self, sampler, local: torch.Tensor, batch) -> tuple[torch.Tensor, torch.Tensor | None, bool]:
+        """``sampler``'s ``(tokens, logprobs)`` for ``batch`` from ``[N, width]`` local logits, and whether every rank
+        got the same tokens by construction: plain greedy rows without logprobs take :meth:`argmax` (every rank picks
+        from the same exchanged bits, so the leader's broadcast is not needed); anything else samples the gathered
+        logits."""
+        if batch.rows is None and not batch.want_logprobs:
+            return self.argmax(local), None, True
+        return *sampler(self.gather(local), batch), False
 
     def gather(self, local: torch.Tensor) -> torch.Tensor:
         """``[N, width]`` local logits -> ``[N, vocab]``, every rank's columns in rank order."""
