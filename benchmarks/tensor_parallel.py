@@ -97,6 +97,9 @@ TP_VARIANTS = {
     "tp_sharded_logits": (" (sharded logits)", {"HF_PAGED_TP_SHARDED_LOGITS": "1"},
                           "greedy steps exchange each rank's (max logit, id) instead of gathering the logits; "
                           "experimental"),
+    "tp_sharded_pdl": (" (sharded logits, compile PDL)",
+                       {"HF_PAGED_TP_SHARDED_LOGITS": "1", "HF_PAGED_COMPILE_PDL": "1"},
+                       "--tp-sharded-logits and --tp-pdl together"),
     "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
                "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
                "counts only (--compile-pdl runs every count)"),
