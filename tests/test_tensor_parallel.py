@@ -137,7 +137,8 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
 def _sharded_logits_run(model, prompts) -> tuple:
     """HF_PAGED_TP_SHARDED_LOGITS=1: the engine's greedy, seeded-sampling, logprob and min_new_tokens tokens (and the
     logprobs), how many steps took the (value, id) exchange and how many gathered, and the lm_head's own path
-    restored afterwards."""
+    restored afterwards; then an engine built with it set to 0 while the first engine's head is still installed:
+    its greedy tokens, whether it took shards, and how many exchanges and gathers it ran (none)."""
     from hf_paged.hf import tp_logits
 
     argmaxes, gathers = [], []
@@ -155,12 +156,17 @@ def _sharded_logits_run(model, prompts) -> tuple:
         held = [o.token_ids for o in engine.generate(prompts[:3], _greedy(min_new_tokens=8))]
         widths = {shape[-1] for shape in argmaxes + gathers}
         local = isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits)
+        os.environ[tp_logits.ENV] = "0"
+        before = len(argmaxes) + len(gathers)
+        gathered_engine = _engine(model)
+        off = ([o.token_ids for o in gathered_engine.generate(prompts, _greedy())],
+               gathered_engine.vocab_shards is None, len(argmaxes) + len(gathers) - before)
     finally:
         del os.environ[tp_logits.ENV]
         tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather = argmax, gather
         if isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits):
             head.forward = head.forward.eager  # transformers' own gathered head for the parts after this one
-    return greedy, seeded, logprobs, held, greedy_steps > 0, len(gathers) > 0, widths, local
+    return greedy, seeded, logprobs, held, greedy_steps > 0, len(gathers) > 0, widths, local, off
 
 
 def _compiled_run(model, prompts) -> tuple:
@@ -373,10 +379,11 @@ def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_wh
 
 @pytest.mark.slow
 def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, single):
-    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py): the engine's model calls return each rank's half of
-    the vocabulary; plain-greedy steps exchange (value, id) pairs, every other step gathers the halves first. Greedy,
-    seeded sampling, logprobs and min_new_tokens (a processed greedy row) give one process's tokens, logprobs within
-    float tolerance; both paths served, on half-width logits; the lm_head's own path is back afterwards."""
+    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py; also the default): the engine's model calls return
+    each rank's half of the vocabulary; plain-greedy steps exchange (value, id) pairs, every other step gathers the
+    halves first. Greedy, seeded sampling, logprobs and min_new_tokens (a processed greedy row) give one process's
+    tokens, logprobs within float tolerance; both paths served, on half-width logits; the lm_head's own path is back
+    afterwards. A later engine built with the switch at 0 samples the gathered logits: the same greedy tokens."""
     engine = _engine(single)
     prompts = _prompts(0)
     greedy = [o.token_ids for o in engine.generate(prompts, _greedy())]
@@ -387,12 +394,14 @@ def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, 
     for rank in ranks:
         status, result = rank["sharded_logits"]
         assert status == "ok", result
-        got_greedy, got_seeded, got_logprobs, got_held, exchanged, gathered, widths, local = result
+        got_greedy, got_seeded, got_logprobs, got_held, exchanged, gathered, widths, local, off = result
         assert (got_greedy, got_seeded, got_held) == (greedy, seeded, held)
         assert [t for t, _ in got_logprobs] == [t for t, _ in logprobs]
         for (_, got), (_, want) in zip(got_logprobs, logprobs):
             assert got == pytest.approx(want, abs=1e-4)
         assert exchanged and gathered and widths == {VOCAB // WORLD_SIZE} and local
+        # HF_PAGED_TP_SHARDED_LOGITS=0 for a later engine of the same model: the full logits, sampled as gathered
+        assert off == (greedy, True, 0)
 
 
 def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
@@ -415,10 +424,12 @@ def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
     assert torch.equal(rows.argmax(-1), want)  # (and torch's, which the GPU sampler takes)
 
 
-def test_sharded_logits_are_off_unless_asked_and_refuse_a_bad_value(monkeypatch):
+def test_sharded_logits_are_on_unless_turned_off_and_refuse_a_bad_value(monkeypatch):
     from hf_paged.hf import tp_logits
 
     monkeypatch.delenv(tp_logits.ENV, raising=False)
+    assert tp_logits.enabled() is True
+    monkeypatch.setenv(tp_logits.ENV, "0")
     assert tp_logits.enabled() is False
     monkeypatch.setenv(tp_logits.ENV, "1")
     assert tp_logits.enabled() is True

@@ -56,15 +56,17 @@ class DecodeGraphs:
             decode steps would have used it (each of them pads up to a larger graph meanwhile).
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
+        local_logits: capture a tensor-parallel ``lm_head`` returning this rank's vocabulary columns
+            (``tp_logits.install``).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
                  sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
-                 skinny: bool = False, on_demand: bool = False):
+                 skinny: bool = False, on_demand: bool = False, local_logits: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
-        self.compiled, self.skinny = compiled, skinny
+        self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
         wanted = sorted(set(sizes))
         # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
         self.sizes = wanted[-1:] if on_demand else wanted
@@ -251,7 +253,7 @@ class DecodeGraphs:
             dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
         )
         self.cache.begin_step(meta)
-        with model_call(self.compiled, self.skinny):
+        with model_call(self.compiled, self.skinny, self.local_logits):
             out = self.model(input_ids=self._ids[:b].view(1, b), position_ids=self._pos[:b].view(1, b), use_cache=True,
                              logits_to_keep=0, **{self._cache_kwarg: self.cache})
         return out.logits[0]

@@ -63,7 +63,7 @@ class EngineCore(TokenHandover):
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
-        # tensor parallel, HF_PAGED_TP_SHARDED_LOGITS=1: each rank's model calls return its vocabulary columns only
+        # tensor parallel (unless HF_PAGED_TP_SHARDED_LOGITS=0): each rank's model calls return its vocabulary columns
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
         kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
@@ -84,7 +84,7 @@ class EngineCore(TokenHandover):
         self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear)
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
-                                  skinny=self.skinny_linear)
+                                  skinny=self.skinny_linear, local_logits=self.vocab_shards is not None)
         if len(set(self.kv_devices)) > 1:
             # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
             # model (which moves every tensor argument to the first device) leaves them there

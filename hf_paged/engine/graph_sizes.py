@@ -118,7 +118,8 @@ def engine_graphs(core, cfg, tables, max_num_seqs: int):
     sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
              else [s for s in cuda_graphs if s <= max_num_seqs])
     graphs = DecodeGraphs(core.model, core.cache, tables, sizes, core.runner.last_tokens, core.compiled,
-                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand")
+                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
+                          local_logits=core.vocab_shards is not None)
     reason = graphs.capture()
     if reason is not None:
         graphs.device_tables.close()

@@ -23,11 +23,13 @@ from hf_paged.hf.compat import cache_keyword
 
 
 @contextmanager
-def model_call(compiled: CompiledLayers | None, skinny: bool) -> Iterator[None]:
+def model_call(compiled: CompiledLayers | None, skinny: bool, local_logits: bool = False) -> Iterator[None]:
     """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on, and
-    a tensor-parallel ``lm_head``'s local logits where the engine asked for them (``hf_paged.hf.tp_logits``)."""
+    a tensor-parallel ``lm_head``'s local logits where the engine asked for them (``local_logits``:
+    ``hf_paged.hf.tp_logits``)."""
     with compiled.active() if compiled is not None else nullcontext(), \
-            skinny_linear.active() if skinny else nullcontext(), tp_logits.engine_call():
+            skinny_linear.active() if skinny else nullcontext(), \
+            tp_logits.engine_call() if local_logits else nullcontext():
         yield
 
 
@@ -35,13 +37,15 @@ class ModelRunner:
     """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device.
 
     ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``);
-    ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``).
+    ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``);
+    ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``tp_logits.install``).
     """
 
     def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
                  max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None,
-                 skinny: bool = False):
+                 skinny: bool = False, local_logits: bool = False):
         self.model = model
+        self.local_logits = local_logits
         self.compiled = compiled
         self.skinny = skinny
         self.cache = cache
@@ -111,7 +115,7 @@ class ModelRunner:
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         self.cache.begin_step(self.metadata(plan, seg, slots))
-        with model_call(self.compiled, self.skinny):
+        with model_call(self.compiled, self.skinny, self.local_logits):
             out = self.model(
                 input_ids=ids.view(1, t), position_ids=pos.view(1, t), use_cache=True,
                 logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},

@@ -4,7 +4,7 @@ transformers shards a ``tp_plan="auto"`` model's ``lm_head`` by output rows and 
 (Llama's ``colwise_gather_output``): at batch 64 of a 128k vocabulary that is 16 MiB of bf16 logits gathered over
 the group and put in place every decode step. A plain-greedy step needs only each row's largest logit and its id.
 
-With ``HF_PAGED_TP_SHARDED_LOGITS=1`` (opt-in, read when an engine is built; not yet measured on GPUs) :func:`install`
+By default (``HF_PAGED_TP_SHARDED_LOGITS=0`` turns it off; read when an engine is built) :func:`install`
 puts a :class:`LocalLogits` in front of ``lm_head``'s ``forward``: inside the engine's model calls (and the decode
 graphs they capture) it returns this rank's columns only, the local product. The engine then samples with
 :class:`VocabShards`:
@@ -41,12 +41,12 @@ _calls = threading.local()
 
 
 def enabled() -> bool:
-    """``HF_PAGED_TP_SHARDED_LOGITS``: ``1`` leaves the engine's logits sharded, ``0`` or unset (the default) does
-    not."""
-    value = os.environ.get(ENV, "0")
+    """``HF_PAGED_TP_SHARDED_LOGITS``: ``1`` or unset (the default since 2026-11-28) leaves the engine's logits
+    sharded, ``0`` does not."""
+    value = os.environ.get(ENV, "1")
     if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (logits sharded over the vocabulary in the engine's greedy steps) "
-                         "or 0 (the default: gathered, as transformers does)")
+        raise ValueError(f"{ENV}={value!r}: use 1 (the default: logits sharded over the vocabulary in the engine's "
+                         "greedy steps) or 0 (gathered, as transformers does)")
     return value == "1"
 
 
@@ -125,17 +125,16 @@ class LocalLogits:
 
 
 def install(model: torch.nn.Module, tp) -> VocabShards | None:
-    """Where ``HF_PAGED_TP_SHARDED_LOGITS=1`` (or an earlier engine of ``model`` installed it): a
-    :class:`LocalLogits` on ``model``'s ``lm_head`` and the :class:`VocabShards` the engine samples with; None where
-    the switch is off or the head is not sharded so (the engine then samples gathered logits)."""
+    """Unless ``HF_PAGED_TP_SHARDED_LOGITS=0``: a :class:`LocalLogits` on ``model``'s ``lm_head`` (installed by the
+    first engine that asks; it returns local columns only inside the model calls of engines that took it) and the
+    :class:`VocabShards` the engine samples with; None where the switch is off or the head is not sharded so (the
+    engine then samples gathered logits)."""
     head = getattr(model, "lm_head", None)
-    if head is None:
+    if head is None or not enabled():
         return None
     local = head.__dict__.get("forward")
     if isinstance(local, LocalLogits):
         return local.shards
-    if not enabled():
-        return None
     shards = _shards_of(head, tp)
     if shards is None:
         return None

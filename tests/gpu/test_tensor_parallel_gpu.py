@@ -280,20 +280,23 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
         assert record["one_shot"] == (all_reduce != "nccl"), "the one-shot all-reduce did not serve as asked"
         assert record["peer_sum"] == (all_reduce == "hf_paged")
         assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel by default
-        assert record["prefetch"] is False and record["sharded_logits"] is False  # both opt-in
+        assert record["prefetch"] is False  # opt-in
+        # the logits left split over the vocabulary by default (HF_PAGED_TP_SHARDED_LOGITS); on the tensor-parallel
+        # group: hf_paged/hf/tp_logits.py's (value, id) exchange rides whichever all-reduce serves
+        assert record["sharded_logits"] is True
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
 
 
-def test_compiled_layers_with_the_logits_left_sharded(saved, single, tmp_path):
-    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py): each rank's decode graphs return its half of the
-    vocabulary and greedy steps exchange (value, id) pairs over peer_sum: the greedy tokens of one GPU."""
-    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_SHARDED_LOGITS="1")
+def test_compiled_layers_with_the_logits_gathered(saved, single, tmp_path):
+    """HF_PAGED_TP_SHARDED_LOGITS=0 (hf_paged/hf/tp_logits.py; the default leaves them sharded, tested above): the
+    decode graphs return transformers' gathered logits and every step samples them: the greedy tokens of one GPU."""
+    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_SHARDED_LOGITS="0")
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
     for record in records:
-        assert record["sharded_logits"] and record["peer_sum"]
+        assert record["sharded_logits"] is False and record["peer_sum"]
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
 
