@@ -28,6 +28,10 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-fuse        # also hf_paged with add+norm apart
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-prefetch       # also hf_paged with the L2 prefetch
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-gathered-logits  # also hf_paged sampling gathered logits
+    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pdl         # also hf_paged without PDL on TP
+    python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only --no-latency  # the steady step only (faster)
+    python benchmarks/tensor_parallel.py --gpus 2 --variants-only --tp-no-pdl --keep-model DIR  # no plain runs
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
@@ -95,19 +99,30 @@ TP_VARIANTS = {
     "tp_no_prefetch": (" (no prefetch)", {"HF_PAGED_TP_PREFETCH_MB": "0"},
                        "no L2 prefetch: the default, so this repeats the plain run"),
     "tp_sharded_logits": (" (sharded logits)", {"HF_PAGED_TP_SHARDED_LOGITS": "1"},
-                          "greedy steps exchange each rank's (max logit, id) instead of gathering the logits; "
-                          "experimental"),
+                          "greedy steps exchange each rank's (max logit, id) instead of gathering the logits: the "
+                          "default since 2026-11-28, so this repeats the plain run"),
+    "tp_gathered_logits": (" (logits gathered)", {"HF_PAGED_TP_SHARDED_LOGITS": "0"},
+                           "every step samples the gathered logits, the default before 2026-11-28"),
     "tp_sharded_pdl": (" (sharded logits, compile PDL)",
                        {"HF_PAGED_TP_SHARDED_LOGITS": "1", "HF_PAGED_COMPILE_PDL": "1"},
-                       "--tp-sharded-logits and --tp-pdl together"),
+                       "--tp-sharded-logits and --tp-pdl together: the default since 2026-11-28, so this repeats "
+                       "the plain run"),
     "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
                "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
-               "counts only (--compile-pdl runs every count)"),
+               "counts only (--compile-pdl runs every count): the default there since 2026-11-28, so this repeats "
+               "the plain run"),
+    "tp_no_pdl": (" (PDL off)", {"HF_PAGED_COMPILE_PDL": "0"},
+                  "the compiled layers' Triton kernels without programmatic dependent launch, the default before "
+                  "2026-11-28"),
+    "tp_before_2026_11_28": (" (logits gathered, PDL off)",
+                             {"HF_PAGED_TP_SHARDED_LOGITS": "0", "HF_PAGED_COMPILE_PDL": "0"},
+                             "--tp-gathered-logits and --tp-no-pdl together: the defaults before 2026-11-28"),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),
     "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
-                    "the compiled layers' Triton kernels with programmatic dependent launch"),
+                    "the compiled layers' Triton kernels with programmatic dependent launch (the tensor-parallel "
+                    "counts take it by default)"),
 }
 
 
@@ -132,6 +147,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--steady-only", action="store_true",
                         help="hf_paged: skip the batch-64 pair of calls (the subtraction that misleads under tensor "
                              "parallel); the steady decode and batch-1 latency still run")
+    parser.add_argument("--no-latency", action="store_true",
+                        help="skip the batch-1 latency calls (each two-GPU launch is ~40%% shorter; the table's "
+                             "batch-1 columns stay empty)")
+    parser.add_argument("--variants-only", action="store_true",
+                        help="skip the plain runs of each count: only the variants the flags ask for (with "
+                             "--keep-model, against plain runs of an earlier call on the same machine)")
     parser.add_argument("--json", type=Path, help="write the rows here")
     parser.add_argument("--keep-model", type=Path,
                         help="save the model in this folder and keep it; a later run given the same folder loads it "
@@ -182,6 +203,7 @@ def worker(args: argparse.Namespace) -> None:
     import hf_paged
 
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    began = time.perf_counter()
     if args.tiny:
         torch.set_num_threads(1)
     load = dict(attn_implementation=hf_paged.ATTN_IMPLEMENTATION, dtype=torch.float32 if args.tiny else torch.bfloat16)
@@ -196,6 +218,7 @@ def worker(args: argparse.Namespace) -> None:
         model = AutoModelForCausalLM.from_pretrained(args.model_dir, device_map="cpu" if args.tiny else "cuda:0",
                                                      **load)
     model.eval().generation_config.eos_token_id = None
+    loaded_s = time.perf_counter() - began
     vocab = shape["vocab_size"]
     budget = Budget(max_batch_tokens=256 if args.tiny else 2048, max_requests=64)
     batch64, batch1 = _workloads(args.tiny)
@@ -211,14 +234,20 @@ def worker(args: argparse.Namespace) -> None:
             model.set_attn_implementation("sdpa")
             generate = transformers_system(model, budget, num_blocks=16 if args.tiny else None)
         row = {"system": system + args.variant, "gpus": split if split > 1 else world}
+        phases = row["phase_s"] = {"load": round(loaded_s, 1)}  # where a launch's time goes (wall, this rank)
         try:
+            mark = time.perf_counter()
             if not (args.steady_only and system == "hf_paged"):
                 row["decode"] = timed_latency(model, generate, batch64, vocab, reps=1 if args.tiny else 2)
                 row["decode_tok_per_s"] = batch64.num_requests * 1e3 / row["decode"]["ms_per_token"]
-            row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
-            row["ms_per_token"] = row["latency"]["ms_per_token"]
+                phases["decode"], mark = round(time.perf_counter() - mark, 1), time.perf_counter()
+            if not args.no_latency:
+                row["latency"] = timed_latency(model, generate, batch1, vocab, reps=1 if args.tiny else 3)
+                row["ms_per_token"] = row["latency"]["ms_per_token"]
+                phases["latency"], mark = round(time.perf_counter() - mark, 1), time.perf_counter()
             if system == "hf_paged":
                 row["steady"] = steady_decode(model, batch64, budget, layers, vocab, steps=4 if args.tiny else 32)
+                phases["steady"] = round(time.perf_counter() - mark, 1)
             row["status"] = "ok"
         except Exception as exc:  # the same on every rank (the calls are), so the ranks stay in step
             row.update(status="failed", error=f"{type(exc).__name__}: {str(exc)[:300]}")
@@ -286,6 +315,7 @@ def launch(count: int, args: argparse.Namespace, model_dir: Path, variant: str =
            "--systems", "hf_paged" if variant else args.systems, "--variant", variant]
     cmd += ["--tiny"] if args.tiny else []
     cmd += ["--steady-only"] if args.steady_only else []
+    cmd += ["--no-latency"] if args.no_latency else []
     full_env = {"HF_PAGED_TP_TIMEOUT_S": "120", **os.environ, **env}
     if args.tiny:
         full_env["OMP_NUM_THREADS"] = "1"
@@ -363,12 +393,14 @@ def _summary(row: dict) -> str:
     if "steady" in row:
         parts.append(f"steady decode {row['steady']['ms_per_step']:.2f} ms/step ({row['steady']['tok_per_s']:,.0f} "
                      f"tok/s) at batch {row['steady']['batch']}")
-    return ", ".join(parts + [f"{row['ms_per_token']:.2f} ms/token at batch 1"])
+    parts += [f"{row['ms_per_token']:.2f} ms/token at batch 1"] if "ms_per_token" in row else []
+    phases = " + ".join(f"{k} {v:g}" for k, v in row.get("phase_s", {}).items())
+    return ", ".join(parts) + (f" [s: {phases}]" if phases else "")
 
 
 def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int, str, dict]]:
     """(process count, variant suffix, environment) of every launch the flags ask for, in launch order."""
-    runs = [(c, "", {}) for c in counts]
+    runs = [] if args.variants_only else [(c, "", {}) for c in counts]
     if args.tp_graphs:
         warnings.warn("--tp-graphs is deprecated: decode CUDA graphs are the default under tensor parallel "
                       "(--tp-eager adds the eager runs)", FutureWarning, stacklevel=1)
@@ -411,8 +443,9 @@ def print_table(rows: list[dict]) -> None:
         steady_rate = f"{r['steady']['tok_per_s']:,.0f}" if "steady" in r else "-"
         steady_x = f"{base['steady']['ms_per_step'] / r['steady']['ms_per_step']:.2f}x" if both("steady") else ""
         latency_x = f"{base['ms_per_token'] / r['ms_per_token']:.2f}x" if both("ms_per_token") else ""
+        latency = f"{r['ms_per_token']:.2f}" if "ms_per_token" in r else "-"
         print(f"{r['system']:<{width}}{r['gpus']:>5}{decode:>20}{decode_x:>10}{steady:>22}{steady_rate:>14}"
-              f"{steady_x:>10}{r['ms_per_token']:>15.2f}{latency_x:>10}")
+              f"{steady_x:>10}{latency:>15}{latency_x:>10}")
 
 
 if __name__ == "__main__":

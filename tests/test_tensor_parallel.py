@@ -509,6 +509,16 @@ def test_the_benchmarks_steady_only_mode_skips_the_batch_64_calls(tmp_path, caps
     line = next(x for x in printed.splitlines() if x.startswith("hf_paged   "))
     assert line.split()[2] == "-"  # no batch-64 call rate; the steady columns follow
     assert f"{row['steady']['ms_per_step']:.2f}" in line and f"{row['ms_per_token']:.2f}" in line
+    assert set(row["phase_s"]) == {"load", "latency", "steady"} and all(v >= 0 for v in row["phase_s"].values())
+    # --no-latency: the steady step alone; --variants-only: no plain run, only the variant asked for
+    tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--steady-only", "--no-latency",
+                          "--variants-only", "--tp-gathered-logits", "--json", str(out)])
+    [row] = json.loads(out.read_text())["rows"]
+    assert row["status"] == "ok" and row["system"] == "hf_paged (logits gathered)"
+    assert "latency" not in row and "ms_per_token" not in row and row["steady"]["tok_per_s"] > 0
+    assert set(row["phase_s"]) == {"load", "steady"}
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("hf_paged (logits gathered)"))
+    assert line.split()[-1] == "-"  # the batch-1 column left empty
 
 
 def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
@@ -524,6 +534,12 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
                     (1, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
                     (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
+    only = tensor_parallel.parse_args(["--gpus", "1,2", "--variants-only", "--tp-gathered-logits", "--tp-no-pdl",
+                                       "--tp-before-2026-11-28"])
+    assert tensor_parallel.planned_runs(only, [1, 2]) == [
+        (2, " (logits gathered)", {"HF_PAGED_TP_SHARDED_LOGITS": "0"}),
+        (2, " (PDL off)", {"HF_PAGED_COMPILE_PDL": "0"}),
+        (2, " (logits gathered, PDL off)", {"HF_PAGED_TP_SHARDED_LOGITS": "0", "HF_PAGED_COMPILE_PDL": "0"})]
     every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-no-pack", "--tp-pack-views",
                                         "--tp-no-views", "--tp-no-fuse", "--tp-prefetch", "--tp-pdl",
                                         "--skinny-wide", "--split"])
