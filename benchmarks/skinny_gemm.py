@@ -18,10 +18,12 @@ skinny = one grouped launch, each in the same graph setup (a "call" is the whole
 The summary adds up one decode step's linears (per layer: each shape its count, e.g. 8B's q/o 2, k/v 2, gate/up 2,
 down 1; then lm_head): all on cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up
 grouped, the other products per the single op's size rule, ``kernel_wins``).
+``--wgmma`` adds the Hopper kernel (skinny_gemm_wgmma.cu, any row count up to 64; compute capability 9.0 only) as
+a column of its own, its result checked against cuBLAS's too (``wgmma_max_rel_diff``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
     python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8,16,32,64] [--dtype bf16] [--replays 20]
-        [--extra] [--json F]
+        [--extra] [--wgmma] [--json F]
 """
 
 from __future__ import annotations
@@ -112,6 +114,14 @@ def extra_systems(grouped: bool, weights: list) -> dict:
     return out
 
 
+def wgmma_systems(grouped: bool) -> dict:
+    """--wgmma: the Hopper kernel, one launch per product or per group."""
+    ops = torch.ops.hf_paged
+    if grouped:
+        return {"wgmma": lambda x, ws: ops.skinny_gemm_wgmma_group(x, ws, [None] * len(ws))}
+    return {"wgmma": lambda x, w: ops.skinny_gemm_wgmma(x, w, None)}
+
+
 def copy_bandwidth(replays: int) -> float:
     """Bytes per second of a 1 GiB device-to-device copy, counting its read and its write."""
     src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
@@ -179,6 +189,11 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
                small=not kernel_wins(first[0]))
     if args.extra:
         systems = {**systems, **extra_systems(grouped, weights)}
+    if args.wgmma:
+        systems = {**systems, **wgmma_systems(grouped)}
+        got = systems["wgmma"](x, weights[0])
+        got = torch.cat(got if grouped else [got], 1).float()
+        row["wgmma_max_rel_diff"] = float(((got - want).abs() / (want.abs() + 1)).max())
     for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
@@ -215,7 +230,7 @@ def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> l
 
 
 def table(rows: list[dict]) -> str:
-    extra = [name for name in ("cublaslt", "packed") if any(f"{name}_us" in r for r in rows)]
+    extra = [name for name in ("cublaslt", "packed", "wgmma") if any(f"{name}_us" in r for r in rows)]
     lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS GB/s | skinny GB/s "
              "| cuBLAS % copy | skinny % copy |" + "".join(f" {name} us |" for name in extra),
              "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
@@ -235,12 +250,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--extra", action="store_true",
                         help="also time cuBLAS through torch's cuBLASLt path, and each group as one product over "
                              "its weights packed end to end (columns cublaslt / packed)")
+    parser.add_argument("--wgmma", action="store_true",
+                        help="also time the Hopper kernel (skinny_gemm_wgmma.cu; compute capability 9.0 only)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.rows = [int(r) for r in args.rows.split(",") if r]
     if set(args.models) - set(MODELS):
         parser.error(f"unknown models {sorted(set(args.models) - set(MODELS))}; choose from {sorted(MODELS)}")
+    if args.wgmma and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
+        parser.error("--wgmma needs a compute capability 9.0 GPU (the kernel is sm_90a code)")
     if not all(0 < m <= WIDE_MAX_ROWS for m in args.rows):
         parser.error(f"--rows must be 1 to {WIDE_MAX_ROWS} (the skinny kernels serve no more), got {args.rows}")
     return args
@@ -250,11 +269,12 @@ def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
     """Print the last row as it comes and rewrite the JSON file with every row so far."""
     row = rows[-1]
     extra = "".join(f", {name} {row[f'{name}_us']:.1f} us ({row[f'{name}_pct_copy']:.0f}% copy)"
-                    for name in ("cublaslt", "packed") if f"{name}_us" in row)
+                    for name in ("cublaslt", "packed", "wgmma") if f"{name}_us" in row)
     print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
           f"({row['cublas_gbs']:.0f} GB/s, {row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
           f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy){extra}, max rel diff "
-          f"{row['max_rel_diff']:.1e}", flush=True)
+          f"{row['max_rel_diff']:.1e}" + (f" (wgmma {row['wgmma_max_rel_diff']:.1e})" if "wgmma_max_rel_diff" in row
+                                          else ""), flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
                     "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}

@@ -35,6 +35,7 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
     python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
+    python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wgmma      # also hf_paged with the wgmma skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -120,6 +121,8 @@ TP_VARIANTS = {
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),
+    "skinny_wgmma": (" (skinny wgmma)", {"HF_PAGED_SKINNY_WIDE": "wgmma"},
+                     "products of 9 to 64 rows on the Hopper skinny kernel (csrc/skinny_gemm_wgmma.cu); opt-in"),
     "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
                     "the compiled layers' Triton kernels with programmatic dependent launch (the tensor-parallel "
                     "counts take it by default)"),

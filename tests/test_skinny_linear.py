@@ -70,7 +70,7 @@ def test_max_rows_matches_the_kernel():
     header = (build.CSRC / "skinny_gemm.h").read_text()
     assert int(re.search(r"kSkinnyMaxRows = (\d+);", header).group(1)) == skinny.MAX_ROWS
     assert int(re.search(r"kSkinnyWideMaxRows = (\d+);", header).group(1)) == skinny.WIDE_MAX_ROWS
-    assert {"skinny_gemm.cu", "skinny_gemm_wide.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
+    assert {"skinny_gemm.cu", "skinny_gemm_wide.cu", "skinny_gemm_wgmma.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
 
 
 REAL_LINEAR = F.linear  # the tests below record calls to F.linear; the fake kernels compute with this one
@@ -94,12 +94,13 @@ def fake_kernels(monkeypatch):
             return [REAL_LINEAR(x, w, b) for w, b in zip(weights, biases, strict=True)]
         return op
 
-    for name in ("skinny_gemm", "skinny_gemm_wide"):
+    for name in ("skinny_gemm", "skinny_gemm_wide", "skinny_gemm_wgmma"):
         monkeypatch.setattr(torch.ops.hf_paged, name, single(name), raising=False)
         monkeypatch.setattr(torch.ops.hf_paged, f"{name}_group", group(f"{name}_group"), raising=False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
     monkeypatch.setattr(skinny, "_kernels_ready", True)
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
+    monkeypatch.setattr(skinny, "_capability", lambda device: (9, 0))  # a Hopper GPU (see the wgmma test)
     return calls
 
 
@@ -113,10 +114,12 @@ def set_wide(monkeypatch, value: str | None) -> None:
 def expected_op(rows: int, wide: str | None) -> str | None:
     if 0 < rows <= skinny.MAX_ROWS:
         return "skinny_gemm"
-    return "skinny_gemm_wide" if wide == "1" and rows <= skinny.WIDE_MAX_ROWS else None
+    if rows > skinny.WIDE_MAX_ROWS:
+        return None
+    return {"1": "skinny_gemm_wide", "wgmma": "skinny_gemm_wgmma"}.get(wide)
 
 
-@pytest.mark.parametrize("wide", [None, "0", "1"], ids=["unset", "off", "on"])
+@pytest.mark.parametrize("wide", [None, "0", "1", "wgmma"], ids=["unset", "off", "on", "wgmma"])
 @pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 33, 64, 65])
 def test_rows_reach_the_op_the_switch_allows(fake_kernels, monkeypatch, rows, wide):
     set_wide(monkeypatch, wide)
@@ -142,6 +145,21 @@ def test_the_switch_is_read_per_call_and_leading_dims_count_as_rows(fake_kernels
         out = skinny.linear(x, weight)
         assert out.shape == (4, 5, 24) and torch.equal(out, REAL_LINEAR(x, weight))
     assert fake_kernels == [("skinny_gemm_wide", 20), ("skinny_gemm_wide", 20)]
+
+
+@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
+def test_wgmma_rows_go_to_the_wide_kernel_off_hopper(fake_kernels, monkeypatch, capability):
+    """HF_PAGED_SKINNY_WIDE=wgmma: 9 to 64 rows on the wgmma kernel on a compute capability 9.0 GPU only (its sm_90a
+    code runs nowhere else), on the wide kernel elsewhere; up to 8 rows on the narrow kernel either way."""
+    monkeypatch.setattr(skinny, "_capability", lambda device: capability)
+    set_wide(monkeypatch, "wgmma")
+    weight = torch.randn(24, 32, dtype=torch.bfloat16)
+    for rows in (8, 40):
+        x = torch.randn(rows, 32, dtype=torch.bfloat16)
+        assert torch.equal(skinny.linear(x, weight), REAL_LINEAR(x, weight))
+        skinny.linear_group(x, [weight, weight], [None, None])
+    wide = "skinny_gemm_wgmma" if capability == (9, 0) else "skinny_gemm_wide"
+    assert fake_kernels == [("skinny_gemm", 8), ("skinny_gemm_group", 8), (wide, 40), (f"{wide}_group", 40)]
 
 
 @pytest.mark.parametrize("case", ["0 rows", "65 rows", "K % 8", "float32", "weight view", "bias view"])

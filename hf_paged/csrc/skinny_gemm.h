@@ -1,5 +1,5 @@
 // Plain C++ interface between the skinny-GEMM ops (skinny_ops.cpp) and their kernels (skinny_gemm.cu up to 8 rows of
-// x, skinny_gemm_wide.cu for 9 to 64); no torch headers.
+// x, skinny_gemm_wide.cu for 9 to 64, skinny_gemm_wgmma.cu for 1 to 64 on Hopper); no torch headers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,5 +33,8 @@ struct SkinnyGemmParams {
 
 cudaError_t launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);
 cudaError_t launch_skinny_gemm_wide(const SkinnyGemmParams& p, cudaStream_t stream);
+// skinny_gemm_wgmma.cu (Hopper, 1 <= M <= kSkinnyWideMaxRows): only where skinny_gemm_wgmma_built() (an sm_90a build).
+cudaError_t launch_skinny_gemm_wgmma(const SkinnyGemmParams& p, cudaStream_t stream);
+bool skinny_gemm_wgmma_built();
 
 }  // namespace hf_paged

@@ -1,5 +1,6 @@
-// Registers torch.ops.hf_paged.skinny_gemm and skinny_gemm_group (the kernel in skinny_gemm.cu, M <= 8) and
-// skinny_gemm_wide and skinny_gemm_wide_group (skinny_gemm_wide.cu, 9 <= M <= 64): x[M, K] @ weight[N, K]^T (+ bias),
+// Registers torch.ops.hf_paged.skinny_gemm and skinny_gemm_group (the kernel in skinny_gemm.cu, M <= 8),
+// skinny_gemm_wide and skinny_gemm_wide_group (skinny_gemm_wide.cu, 9 <= M <= 64) and skinny_gemm_wgmma and
+// skinny_gemm_wgmma_group (skinny_gemm_wgmma.cu, M <= 64, Hopper only): x[M, K] @ weight[N, K]^T (+ bias),
 // for one weight or for 2 to 4 sharing x in one launch, on the current stream, allocating only the outputs.
 #include <c10/core/ScalarType.h>
 #include <c10/cuda/CUDAException.h>
@@ -24,10 +25,13 @@ struct SkinnyKernel {
   const char* group_name;
   int min_rows, max_rows;
   cudaError_t (*launch)(const SkinnyGemmParams&, cudaStream_t);
+  bool hopper_only;  // sm_90a code: compute capability 9.0 and a build for it
 };
 constexpr SkinnyKernel kNarrow{"skinny_gemm", "skinny_gemm_group", 0, kSkinnyMaxRows, launch_skinny_gemm};
 constexpr SkinnyKernel kWide{"skinny_gemm_wide", "skinny_gemm_wide_group", kSkinnyMaxRows + 1, kSkinnyWideMaxRows,
                              launch_skinny_gemm_wide};
+constexpr SkinnyKernel kWgmma{"skinny_gemm_wgmma", "skinny_gemm_wgmma_group", 0, kSkinnyWideMaxRows,
+                              launch_skinny_gemm_wgmma, true};
 
 void check_rows(const SkinnyKernel& kernel, int64_t rows) {
   const auto got = static_cast<long long>(rows);
@@ -100,6 +104,10 @@ void run(const SkinnyKernel& kernel, const at::Tensor& x, const std::vector<at::
   if (p.count == 0) return;
   const c10::cuda::CUDAGuard guard(x.device());
   const auto [sms, major] = device_shape(x.get_device());
+  TORCH_CHECK_NOT_IMPLEMENTED(!kernel.hopper_only || (major == 9 && skinny_gemm_wgmma_built()),
+                              format("%s runs on compute capability 9.0 GPUs with kernels built for sm_90a (this GPU "
+                                     "is %d.x%s); use skinny_gemm_wide or F.linear", kernel.name, major,
+                                     skinny_gemm_wgmma_built() ? "" : ", and the build has no sm_90a code"));
   p.x = x.data_ptr();
   p.x_stride = x.stride(0);
   p.m = static_cast<int>(x.size(0)), p.k = static_cast<int>(x.size(1));
@@ -146,6 +154,8 @@ TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
   m.def("skinny_gemm_group(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
   m.def("skinny_gemm_wide(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
   m.def("skinny_gemm_wide_group(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
+  m.def("skinny_gemm_wgmma(Tensor x, Tensor weight, Tensor? bias=None) -> Tensor");
+  m.def("skinny_gemm_wgmma_group(Tensor x, Tensor[] weights, Tensor?[] biases) -> Tensor[]");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
@@ -153,4 +163,6 @@ TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
   m.impl("skinny_gemm_group", &hf_paged::skinny_gemm_group<hf_paged::kNarrow>);
   m.impl("skinny_gemm_wide", &hf_paged::skinny_gemm<hf_paged::kWide>);
   m.impl("skinny_gemm_wide_group", &hf_paged::skinny_gemm_group<hf_paged::kWide>);
+  m.impl("skinny_gemm_wgmma", &hf_paged::skinny_gemm<hf_paged::kWgmma>);
+  m.impl("skinny_gemm_wgmma_group", &hf_paged::skinny_gemm_group<hf_paged::kWgmma>);
 }

@@ -5,7 +5,9 @@ GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` s
 on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in: on
 an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up
 to :data:`WIDE_MAX_ROWS` (decode at batch 9 to 64, where a tensor-parallel rank's products are still bound by the
-weight's bytes). Everything else goes to
+weight's bytes); with ``HF_PAGED_SKINNY_WIDE=wgmma`` (opt-in, not yet measured) those rows go to
+``hf_paged/csrc/skinny_gemm_wgmma.cu`` instead on a compute capability 9.0 GPU (Hopper's warpgroup products: the
+weight as wgmma's A, x's rows as its N), and to the wide kernel elsewhere. Everything else goes to
 ``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
 :func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
 bound by launch latency more than by bytes, so the group always takes the kernel where it serves.
@@ -40,7 +42,7 @@ DTYPES = (torch.float16, torch.bfloat16)
 _kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
 __all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "WIDE_ENV", "WIDE_MAX_ROWS", "kernel_serves", "kernel_wins", "linear",
-           "linear_group", "linear_packed", "packed_rows", "wide_enabled"]
+           "linear_group", "linear_packed", "packed_rows", "wgmma_serves", "wide_enabled"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -117,16 +119,42 @@ def kernel_wins(weight: torch.Tensor) -> bool:
 
 
 def wide_enabled() -> bool:
-    """Whether 9 to :data:`WIDE_MAX_ROWS` rows go to the wide kernel: ``HF_PAGED_SKINNY_WIDE=1``, read on every call
-    (the switch lives inside the ops, so compiled graphs and captured CUDA graphs see it when they run or capture)."""
-    return os.environ.get(WIDE_ENV) == "1"
+    """Whether 9 to :data:`WIDE_MAX_ROWS` rows go to a kernel: ``HF_PAGED_SKINNY_WIDE=1`` (the wide kernel) or
+    ``wgmma`` (:func:`wgmma_serves`), read on every call (the switch lives inside the ops, so compiled graphs and
+    captured CUDA graphs see it when they run or capture)."""
+    return os.environ.get(WIDE_ENV) in ("1", "wgmma")
+
+
+def wgmma_serves(x: torch.Tensor) -> bool:
+    """Whether 9 to :data:`WIDE_MAX_ROWS` rows of ``x`` go to the wgmma kernel (``csrc/skinny_gemm_wgmma.cu``) rather
+    than the wide one: ``HF_PAGED_SKINNY_WIDE=wgmma`` and x on a compute capability 9.0 GPU (the kernels are built
+    with its sm_90a code there)."""
+    return os.environ.get(WIDE_ENV) == "wgmma" and _capability(x.device) == (9, 0)
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+def _wide_ops(x2: torch.Tensor):
+    """(single, group) ops for ``x2``'s 9 to :data:`WIDE_MAX_ROWS` rows: the wgmma kernel's or the wide kernel's."""
+    ops = torch.ops.hf_paged
+    if wgmma_serves(x2):
+        return ops.skinny_gemm_wgmma, ops.skinny_gemm_wgmma_group
+    return ops.skinny_gemm_wide, ops.skinny_gemm_wide_group
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = _kernel_input(x, weight, bias) if kernel_wins(weight) else None
     if x2 is None:
         return F.linear(x, weight, bias).contiguous()  # the fake promises a contiguous output
-    op = torch.ops.hf_paged.skinny_gemm if x2.shape[0] <= MAX_ROWS else torch.ops.hf_paged.skinny_gemm_wide
+    op = torch.ops.hf_paged.skinny_gemm if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[0]
     return op(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
@@ -148,7 +176,7 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
             return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
         return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
     ops = torch.ops.hf_paged
-    outs = (ops.skinny_gemm_group if x2.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide_group)(x2, weights, biases)
+    outs = (ops.skinny_gemm_group if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[1])(x2, weights, biases)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
 
 

@@ -1,0 +1,162 @@
+"""On a Hopper GPU: the wgmma skinny kernel (hf_paged/csrc/skinny_gemm_wgmma.cu, 1 to 64 rows of x) against a float64
+oracle, in CUDA graphs, behind ``skinny.linear`` with ``HF_PAGED_SKINNY_WIDE=wgmma``, and in a model's greedy decode.
+
+Rows M from 1 to 64, both sizes of x's tile (32 and 64 rows), whole and partial; weights [N, K] with N not a
+multiple of the 128-row tile and K chosen for every split of K on an H100 (132 SMs, two blocks an SM): one tile with
+K split over a cluster of 8, tiles split over 8, 4 and 2, none, K with a partial 64-wide step (2056, 264, 8) and one
+step (64); groups of 2 to 4 weights (Llama-3.1-8B's q+k+v and gate+up on one GPU and on a tensor-parallel rank of
+two, and an odd one); fp16 and bf16, with and without bias. Every output row is judged on its own (a wrong or
+dropped row fails), as in test_skinny_linear_gpu.py. Off Hopper, the op's refusal.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.cuda
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from hf_paged import kernels  # noqa: E402
+from hf_paged.engine import skinny_linear  # noqa: E402
+from hf_paged.kernels import skinny  # noqa: E402
+
+from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
+from test_skinny_linear_gpu import (  # noqa: E402
+    ACCUMULATION, DEVICE, ROUNDING, assert_greedy_matches, assert_rows_close, greedy_batch, oracle, random_linear,
+    tiny_llama)
+
+if kernels.unavailable_reason() is not None:
+    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+
+HOPPER = torch.cuda.get_device_capability() == (9, 0)
+hopper_only = pytest.mark.skipif(not HOPPER, reason="the wgmma kernel runs on compute capability 9.0 only")
+
+ROWS = (1, 8, 9, 16, 31, 32, 33, 40, 57, 64)
+# (N, K): 1 tile (cluster 8), 8 tiles (8), 65 tiles (2), 225 tiles (none), a partial step (8), a partial step with
+# 5 steps (2), one step (none), K of one partial step
+SHAPES = [(40, 4096), (1000, 14336), (8200, 4096), (28680, 2056), (1000, 2056), (200, 264), (520, 64), (130, 8)]
+GROUPS = {"8b-qkv": ((4096, 1024, 1024), 4096), "8b-gate-up": ((14336, 14336), 4096),
+          "8b-tp2-qkv": ((2048, 512, 512), 4096), "8b-tp2-gate-up": ((7168, 7168), 4096),
+          "odd-four": ((1000, 40, 8, 520), 2056)}
+
+
+@pytest.fixture(autouse=True)
+def wgmma_on(monkeypatch):
+    monkeypatch.setenv(skinny.WIDE_ENV, "wgmma")
+    monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)  # the kernel at every shape here
+
+
+def assert_close_to_oracle(x, out, weight, bias, label: str) -> None:
+    want, scale = oracle(x, weight, bias)
+    assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype and out.is_contiguous(), label
+    assert_rows_close(out, want, ROUNDING[x.dtype] * want.abs() + ACCUMULATION * scale + 1e-6, label)
+
+
+@hopper_only
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize(("n", "k"), SHAPES, ids=[f"{n}x{k}" for n, k in SHAPES])
+def test_rows_match_float64(n, k, dtype, with_bias):
+    gen = torch.Generator(DEVICE).manual_seed(n * 31 + k + with_bias)
+    weight, bias = random_linear(n, k, dtype, with_bias, gen)
+    for m in ROWS:
+        x = torch.randn(m, k, device=DEVICE, generator=gen).to(dtype)
+        got = torch.ops.hf_paged.skinny_gemm_wgmma(x, weight, bias)
+        assert_close_to_oracle(x, got, weight, bias, f"M={m} N={n} K={k} {dtype} bias={with_bias}")
+        if m > skinny.MAX_ROWS:
+            assert torch.equal(skinny.linear(x, weight, bias), got), "skinny.linear should launch the wgmma kernel"
+
+
+@hopper_only
+def test_strided_rows_are_served():
+    gen = torch.Generator(DEVICE).manual_seed(3)
+    weight, bias = random_linear(1000, 2048, torch.bfloat16, True, gen)
+    hidden = torch.randn(40, 3, 2048, device=DEVICE, generator=gen).to(torch.bfloat16)
+    x = hidden[:, -1, :]  # 40 rows 3 * 2048 apart
+    got = torch.ops.hf_paged.skinny_gemm_wgmma(x, weight, bias)
+    assert_close_to_oracle(x, got, weight, bias, f"x {tuple(x.shape)} strides {x.stride()}")
+
+
+@hopper_only
+@pytest.mark.parametrize("with_bias", [False, True], ids=["no-bias", "bias"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("group", list(GROUPS))
+def test_group_rows_match_float64(group, dtype, with_bias):
+    gen = torch.Generator(DEVICE).manual_seed(len(group) * 13 + with_bias)
+    weights, biases = random_group(group, dtype, with_bias, gen)
+    for m in ROWS:
+        x = torch.randn(m, GROUPS[group][1], device=DEVICE, generator=gen).to(dtype)
+        outs = torch.ops.hf_paged.skinny_gemm_wgmma_group(x, weights, biases)
+        assert len(outs) == len(weights)
+        for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+            assert_close_to_oracle(x, out, weight, bias, f"{group} M={m} {dtype} bias={with_bias} weight {i}")
+        if m > skinny.MAX_ROWS:
+            served = skinny.linear_group(x, weights, biases)
+            assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
+
+
+def random_group(group: str, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
+    """The group's weights and biases (the second weight never has a bias: groups mix both)."""
+    widths, k = GROUPS[group]
+    pairs = [random_linear(n, k, dtype, with_bias and i != 1, gen) for i, n in enumerate(widths)]
+    return [w for w, _ in pairs], [b for _, b in pairs]
+
+
+@hopper_only
+@pytest.mark.parametrize("group", ["8b-tp2-qkv", "odd-four"])
+def test_graph_replay_with_new_data(group):
+    gen = torch.Generator(DEVICE).manual_seed(7)
+    weights, biases = random_group(group, torch.bfloat16, True, gen)
+    x = torch.randn(48, weights[0].shape[1], device=DEVICE, generator=gen).to(torch.bfloat16)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        skinny.linear_group(x, weights, biases)  # warm-up outside the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = skinny.linear_group(x, weights, biases)
+    for step in range(3):
+        new_weights, new_biases = random_group(group, torch.bfloat16, True, gen)
+        for old, new in zip([*weights, *biases], [*new_weights, *new_biases], strict=True):
+            if old is not None:
+                old.copy_(new)
+        x.copy_(torch.randn(x.shape, device=DEVICE, generator=gen))
+        graph.replay()
+        for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+            assert_close_to_oracle(x, out, weight, bias, f"{group} replay {step} weight {i}")
+
+
+@hopper_only
+def test_the_ops_refuse_bad_arguments_with_what_to_change():
+    w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(65, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="skinny_gemm_wgmma serves at most 64 rows"):
+        torch.ops.hf_paged.skinny_gemm_wgmma(x, w, None)
+    with pytest.raises(NotImplementedError, match="skinny_gemm_wgmma serves float16 and bfloat16"):
+        torch.ops.hf_paged.skinny_gemm_wgmma(x[:9].float(), w.float(), None)
+    with pytest.raises(ValueError, match="skinny_gemm_wgmma_group serves 1 to 4 weights"):
+        torch.ops.hf_paged.skinny_gemm_wgmma_group(x[:9], [w] * 5, [None] * 5)
+
+
+@pytest.mark.skipif(HOPPER, reason="off Hopper only")
+def test_off_hopper_the_op_refuses_and_the_switch_keeps_the_wide_kernel():
+    w = torch.zeros(16, 64, device=DEVICE, dtype=torch.bfloat16)
+    x = torch.zeros(20, 64, device=DEVICE, dtype=torch.bfloat16)
+    with pytest.raises(NotImplementedError, match="skinny_gemm_wgmma runs on compute capability 9.0 GPUs"):
+        torch.ops.hf_paged.skinny_gemm_wgmma(x, w, None)
+    assert torch.equal(skinny.linear(x, w), torch.ops.hf_paged.skinny_gemm_wide(x, w, None))
+
+
+@hopper_only
+def test_greedy_tokens_with_the_wgmma_kernel_equal_those_without(monkeypatch):
+    model = tiny_llama()
+    lengths = [1, 15, 17, 100, 300, 7, 33, 64, 2, 90, 5, 40, 11, 128, 3, 21, 60, 9, 70, 12]  # 20 decode rows
+    calls = []
+    wgmma = torch.ops.hf_paged.skinny_gemm_wgmma
+    monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_wgmma", lambda *a: calls.append(1) or wgmma(*a))
+    assert_greedy_matches(model, greedy_batch(lengths, seed=2), "wgmma skinny")
+    patched = skinny_linear.install(model)
+    assert len(calls) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the wgmma kernel"
