@@ -19,7 +19,8 @@ The summary adds up one decode step's linears (per layer: each shape its count, 
 down 1; then lm_head): all on cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up
 grouped, the other products per the single op's size rule, ``kernel_wins``).
 ``--wgmma`` adds the Hopper kernel (skinny_gemm_wgmma.cu, any row count up to 64; compute capability 9.0 only) as
-a column of its own, its result checked against cuBLAS's too (``wgmma_max_rel_diff``).
+two columns of its own, one and two 64-wide panels of K a stage (``wgmma``, ``wgmma2``), each result checked
+against cuBLAS's too (``wgmma_max_rel_diff``, ``wgmma2_max_rel_diff``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
     python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8,16,32,64] [--dtype bf16] [--replays 20]
@@ -31,6 +32,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -60,6 +62,7 @@ MODELS = {
 # the model's q and o have one shape
 GROUPS = {"q+k+v": ("q", "k/v", "k/v"), "gate+up": ("gate/up", "gate/up")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
+PANELS_ENV = "HF_PAGED_SKINNY_WGMMA_PANELS"
 
 
 def group_shapes(spec: dict, group: str) -> tuple[str, ...]:
@@ -115,11 +118,21 @@ def extra_systems(grouped: bool, weights: list) -> dict:
 
 
 def wgmma_systems(grouped: bool) -> dict:
-    """--wgmma: the Hopper kernel, one launch per product or per group."""
+    """--wgmma: the Hopper kernel, one launch per product or per group, with one 64-wide panel of K a stage
+    (``wgmma``, its default) and with two (``wgmma2``: ``HF_PAGED_SKINNY_WGMMA_PANELS=2``, read per launch, so a
+    graph captured inside keeps it)."""
     ops = torch.ops.hf_paged
-    if grouped:
-        return {"wgmma": lambda x, ws: ops.skinny_gemm_wgmma_group(x, ws, [None] * len(ws))}
-    return {"wgmma": lambda x, w: ops.skinny_gemm_wgmma(x, w, None)}
+
+    def call(x, w):
+        return ops.skinny_gemm_wgmma_group(x, w, [None] * len(w)) if grouped else ops.skinny_gemm_wgmma(x, w, None)
+
+    def two_panels(x, w):
+        os.environ[PANELS_ENV] = "2"
+        try:
+            return call(x, w)
+        finally:
+            del os.environ[PANELS_ENV]
+    return {"wgmma": call, "wgmma2": two_panels}
 
 
 def copy_bandwidth(replays: int) -> float:
@@ -191,9 +204,10 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
         systems = {**systems, **extra_systems(grouped, weights)}
     if args.wgmma:
         systems = {**systems, **wgmma_systems(grouped)}
-        got = systems["wgmma"](x, weights[0])
-        got = torch.cat(got if grouped else [got], 1).float()
-        row["wgmma_max_rel_diff"] = float(((got - want).abs() / (want.abs() + 1)).max())
+        for name in ("wgmma", "wgmma2"):
+            got = systems[name](x, weights[0])
+            got = torch.cat(got if grouped else [got], 1).float()
+            row[f"{name}_max_rel_diff"] = float(((got - want).abs() / (want.abs() + 1)).max())
     for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
@@ -230,7 +244,7 @@ def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> l
 
 
 def table(rows: list[dict]) -> str:
-    extra = [name for name in ("cublaslt", "packed", "wgmma") if any(f"{name}_us" in r for r in rows)]
+    extra = [name for name in ("cublaslt", "packed", "wgmma", "wgmma2") if any(f"{name}_us" in r for r in rows)]
     lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS GB/s | skinny GB/s "
              "| cuBLAS % copy | skinny % copy |" + "".join(f" {name} us |" for name in extra),
              "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
@@ -269,12 +283,13 @@ def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
     """Print the last row as it comes and rewrite the JSON file with every row so far."""
     row = rows[-1]
     extra = "".join(f", {name} {row[f'{name}_us']:.1f} us ({row[f'{name}_pct_copy']:.0f}% copy)"
-                    for name in ("cublaslt", "packed", "wgmma") if f"{name}_us" in row)
+                    for name in ("cublaslt", "packed", "wgmma", "wgmma2") if f"{name}_us" in row)
     print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
           f"({row['cublas_gbs']:.0f} GB/s, {row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
           f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy){extra}, max rel diff "
-          f"{row['max_rel_diff']:.1e}" + (f" (wgmma {row['wgmma_max_rel_diff']:.1e})" if "wgmma_max_rel_diff" in row
-                                          else ""), flush=True)
+          f"{row['max_rel_diff']:.1e}" + (f" (wgmma {row['wgmma_max_rel_diff']:.1e}, two panels "
+                                          f"{row['wgmma2_max_rel_diff']:.1e})" if "wgmma_max_rel_diff" in row else ""),
+          flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
                     "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}

@@ -13,9 +13,11 @@
 // row, laid out as mma.sync C fragments (wgmma.cuh), so skinny::store writes it as the other skinny kernels do.
 //
 // A block: 256 threads, two warpgroups, kBlockRows = 128 weight rows (a tile; a tile never spans two weights of the
-// group). Per 64-wide step of K it stages 16 KiB of weight and kRows * 128 bytes of x with cp.async, kStages steps
-// deep, and issues four m64nNk16 products per warpgroup on the oldest stage. x is read again by every tile (from
-// L2): 1/4 (32 rows) to 1/2 (64 rows) of the weight's bytes.
+// group). Per step of K (kPanels 64-wide panels: 1 by default, 2 with HF_PAGED_SKINNY_WGMMA_PANELS=2, read per
+// launch, a tuning switch) it stages 16 KiB of weight and kRows * 128 bytes of x per panel with cp.async, kStages
+// steps deep (4 at one panel: two blocks an SM; 3 at two: one), and issues four m64nNk16 products per panel and
+// warpgroup on the oldest stage. x is read again by every tile (from L2): 1/4 (32 rows) to 1/2 (64 rows) of the
+// weight's bytes.
 //
 // Split of K: across the blocks of a thread-block cluster (clusters of up to 8 along grid y, each rank a contiguous
 // share of the steps), sized so that tiles x cluster stays within the resident blocks. Each rank leaves its fp32
@@ -31,6 +33,8 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
 #include <map>
 #include <mutex>
 #include <utility>
@@ -45,14 +49,15 @@ namespace cg = cooperative_groups;
 using namespace skinny;  // kThreads (256), the group's slices, the weight-tile store, the cluster launch
 
 constexpr int kBlockRows = 128;  // weight rows per block: two warpgroups of 64
-constexpr int kStepK = 64;       // K per stage: one 128-byte swizzle panel
-constexpr int kStages = 4;
-constexpr int kWeightStageBytes = kBlockRows * kStepK * 2;  // 16 KiB
+constexpr int kPanelK = 64;      // K per 128-byte swizzle panel
 
-template <int kRows>
+// x's rows padded to kRows (32 or 64), kPanels panels of K per stage.
+template <int kRows, int kPanels>
 struct Layout {
-  static constexpr int kXStageBytes = kRows * kStepK * 2;
-  static constexpr int kStageBytes = kWeightStageBytes + kXStageBytes;  // weight panel, then x panel (1024-aligned)
+  static constexpr int kStepK = kPanelK * kPanels, kStages = kPanels == 1 ? 4 : 3;
+  static constexpr int kWeightStageBytes = kBlockRows * kStepK * 2;  // 16 KiB a panel: [panel][128 rows][64 k]
+  static constexpr int kXStageBytes = kRows * kStepK * 2;            // [panel][kRows][64 k]
+  static constexpr int kStageBytes = kWeightStageBytes + kXStageBytes;  // weight panels, then x's (1024-aligned)
   // The partial sums after the main loop: [warp][n-tile][lane] float4, in the stages.
   static constexpr int kPartialBytes = kWarps * (kRows / 8) * 32 * 16;
   static_assert(kPartialBytes <= kStages * kStageBytes, "the partial sums fit in the stages");
@@ -71,14 +76,17 @@ inline GroupLaunch tile_launch(const SkinnyGemmParams& p) {
 }
 
 // Stage step `step` of K: the tile's 128 weight rows (rows past N zeros) and x's rows (rows past M zeros), k past K
-// zeros; nothing read for the zeros. 16-byte pieces, swizzled (wgmma::sw128_offset): 4 weight pieces and kRows / 32
-// x pieces per thread, consecutive threads on consecutive 16-byte chunks of a row.
-template <typename T, int kRows>
+// zeros; nothing read for the zeros. 16-byte pieces, swizzled (wgmma::sw128_offset, chunk c of a row in panel c / 8):
+// 4 * kPanels weight pieces and kPanels * kRows / 32 x pieces per thread, consecutive threads on consecutive 16-byte
+// chunks of a row (128 * kPanels bytes of it in one go).
+template <typename T, int kRows, int kPanels>
 __device__ __forceinline__ void stage_step(const SkinnyGemmParams& p, const Slice<T>& s, uint32_t stage, int step) {
-  const int k0 = step * kStepK;
+  using L = Layout<kRows, kPanels>;
+  constexpr int kChunks = 8 * kPanels;  // 16-byte chunks of a row per step
+  const int k0 = step * L::kStepK;
 #pragma unroll
-  for (int i = 0; i < kBlockRows * 8 / kThreads; ++i) {
-    const int piece = i * kThreads + threadIdx.x, row = piece / 8, chunk = piece % 8;
+  for (int i = 0; i < kBlockRows * kChunks / kThreads; ++i) {
+    const int piece = i * kThreads + threadIdx.x, row = piece / kChunks, chunk = piece % kChunks;
     const int n = s.tile * kBlockRows + row, k = k0 + 8 * chunk;
     const bool valid = n < s.n && k < p.k;
     cp_async16(stage + wgmma::sw128_offset<kBlockRows>(row, chunk),
@@ -86,36 +94,40 @@ __device__ __forceinline__ void stage_step(const SkinnyGemmParams& p, const Slic
   }
   const T* x = static_cast<const T*>(p.x);
 #pragma unroll
-  for (int i = 0; i < (kRows * 8 + kThreads - 1) / kThreads; ++i) {
-    const int piece = i * kThreads + threadIdx.x, row = piece / 8, chunk = piece % 8;
-    if (piece >= kRows * 8) break;
+  for (int i = 0; i < (kRows * kChunks + kThreads - 1) / kThreads; ++i) {
+    const int piece = i * kThreads + threadIdx.x, row = piece / kChunks, chunk = piece % kChunks;
+    if (piece >= kRows * kChunks) break;
     const int k = k0 + 8 * chunk;
     const bool valid = row < p.m && k < p.k;
-    cp_async16(stage + kWeightStageBytes + wgmma::sw128_offset<kRows>(row, chunk),
+    cp_async16(stage + L::kWeightStageBytes + wgmma::sw128_offset<kRows>(row, chunk),
                x + (valid ? row * p.x_stride + k : 0), valid);
   }
 }
 
-// acc += the warpgroup's 64 weight rows of `stage` . x's rows, over the stage's 64 k (four k16 products).
-template <typename T, int kRows>
+// acc += the warpgroup's 64 weight rows of `stage` . x's rows, over the stage's K (four k16 products a panel).
+template <typename T, int kRows, int kPanels>
 __device__ __forceinline__ void multiply(float (&acc)[kRows / 2], uint32_t stage, int warpgroup) {
-  const uint32_t a = stage + warpgroup * 64 * 128, b = stage + kWeightStageBytes;
+  using L = Layout<kRows, kPanels>;
+  const uint32_t a = stage + warpgroup * 64 * 128, b = stage + L::kWeightStageBytes;
   wgmma::fence_operands(acc);
   wgmma::fence();
 #pragma unroll
-  for (int kk = 0; kk < kStepK / 16; ++kk)  // a k16 step is 32 bytes into each 128-byte row (the swizzle applies)
-    wgmma::Mma64<T, kRows>::ss(acc, wgmma::sw128_desc(a + kk * 32, 16, 1024), wgmma::sw128_desc(b + kk * 32, 16, 1024),
-                               1);
+  for (int kk = 0; kk < L::kStepK / 16; ++kk) {  // panel kk / 4; a k16 step is 32 bytes into each 128-byte row
+    const uint32_t panel = kk / 4, col = kk % 4 * 32;
+    wgmma::Mma64<T, kRows>::ss(acc, wgmma::sw128_desc(a + panel * kBlockRows * 128 + col, 16, 1024),
+                               wgmma::sw128_desc(b + panel * kRows * 128 + col, 16, 1024), 1);
+  }
   wgmma::commit();
   wgmma::wait<0>();
   wgmma::fence_operands(acc);
 }
 
 // Grid: (tiles, cluster); the cluster's blocks along y, blockIdx.y its rank, each a share of K's steps.
-template <typename T, int kRows>
+template <typename T, int kRows, int kPanels>
 __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_wgmma_kernel(const __grid_constant__ GroupLaunch l,
                                                                         int cluster) {
-  using L = Layout<kRows>;
+  using L = Layout<kRows, kPanels>;
+  constexpr int kStages = L::kStages;
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw), base = (raw + 1023) & ~1023u;
   uint8_t* const smem = smem_raw + (base - raw);
@@ -123,7 +135,7 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_wgmma_kernel(const __
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, rank = blockIdx.y;
   Slice<T> s{};
   const bool owns_tile = find_slice(l, blockIdx.x, s);  // (uniform over the block: false only past the last tile)
-  const int steps = (p.k + kStepK - 1) / kStepK;
+  const int steps = (p.k + L::kStepK - 1) / L::kStepK;
   const int begin = static_cast<int>(static_cast<int64_t>(rank) * steps / cluster);
   const int end = static_cast<int>(static_cast<int64_t>(rank + 1) * steps / cluster);
   float acc[kRows / 2];
@@ -132,7 +144,7 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_wgmma_kernel(const __
   if (owns_tile) {
 #pragma unroll
     for (int i = 0; i < kStages - 1; ++i) {
-      if (begin + i < end) stage_step<T, kRows>(p, s, base + i * L::kStageBytes, begin + i);
+      if (begin + i < end) stage_step<T, kRows, kPanels>(p, s, base + i * L::kStageBytes, begin + i);
       cp_async_commit();  // (empty groups keep the count uniform)
     }
     for (int step = begin, i = 0; step < end; ++step, ++i) {
@@ -140,9 +152,9 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_wgmma_kernel(const __
       wgmma::fence_proxy_async();    // written through cp.async, read next by wgmma
       __syncthreads();               // everyone's pieces; and every product of step - 1 is done with its stage
       if (step + kStages - 1 < end)
-        stage_step<T, kRows>(p, s, base + (i + kStages - 1) % kStages * L::kStageBytes, step + kStages - 1);
+        stage_step<T, kRows, kPanels>(p, s, base + (i + kStages - 1) % kStages * L::kStageBytes, step + kStages - 1);
       cp_async_commit();
-      multiply<T, kRows>(acc, base + i % kStages * L::kStageBytes, warp / 4);
+      multiply<T, kRows, kPanels>(acc, base + i % kStages * L::kStageBytes, warp / 4);
     }
   }
   const int g = lane / 4, t = lane % 4;
@@ -206,31 +218,43 @@ cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
 // The cluster (split of K): the largest power of two up to kMaxCluster that keeps tiles x cluster within the
 // resident blocks and gives each rank at least two steps of K. On an H100 (132 SMs, two blocks an SM at 64 rows),
 // a rank of two of Llama-3.1-8B: q+k+v (24 tiles) 8, o and down (32) 8, gate or up (56) 4, gate+up (112) 2.
-int choose_cluster(const SkinnyGemmParams& p, int64_t tiles, int blocks_per_sm) {
-  const int64_t steps = (int64_t{p.k} + kStepK - 1) / kStepK, resident = int64_t{p.sms} * blocks_per_sm;
+int choose_cluster(const SkinnyGemmParams& p, int64_t tiles, int blocks_per_sm, int step_k) {
+  const int64_t steps = (int64_t{p.k} + step_k - 1) / step_k, resident = int64_t{p.sms} * blocks_per_sm;
   int cluster = 1;
   while (p.clusters && cluster * 2 <= kMaxCluster && 2 * cluster * 2 <= steps && tiles * cluster * 2 <= resident)
     cluster *= 2;
   return cluster;
 }
 
-template <typename T, int kRows>
+template <typename T, int kRows, int kPanels>
 cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
-  const auto kernel = skinny_gemm_wgmma_kernel<T, kRows>;
-  constexpr int smem = Layout<kRows>::kSmemBytes;
+  const auto kernel = skinny_gemm_wgmma_kernel<T, kRows, kPanels>;
+  constexpr int smem = Layout<kRows, kPanels>::kSmemBytes;
   int blocks_per_sm = 0;
   const cudaError_t error = prepare(reinterpret_cast<const void*>(kernel), smem, blocks_per_sm);
   if (error != cudaSuccess) return error;
   const GroupLaunch l = tile_launch(p);
   const int64_t tiles = l.tile_begin[p.count];
-  const int cluster = choose_cluster(p, tiles, blocks_per_sm);
+  const int cluster = choose_cluster(p, tiles, blocks_per_sm, Layout<kRows, kPanels>::kStepK);
   return launch_clusters(kernel, tiles, cluster, smem, stream, l, cluster);
+}
+
+// HF_PAGED_SKINNY_WGMMA_PANELS=2: two panels (128 k) a step; anything else one. Read per launch (a tuning switch
+// for benchmarks/skinny_gemm.py; a captured graph keeps the choice of its capture).
+bool two_panels() {
+  const char* value = std::getenv("HF_PAGED_SKINNY_WGMMA_PANELS");
+  return value != nullptr && std::strcmp(value, "2") == 0;
+}
+
+template <typename T, int kRows>
+cudaError_t launch_panels(const SkinnyGemmParams& p, cudaStream_t stream) {
+  return two_panels() ? launch<T, kRows, 2>(p, stream) : launch<T, kRows, 1>(p, stream);
 }
 
 template <typename T>
 cudaError_t launch_rows(const SkinnyGemmParams& p, cudaStream_t stream) {
-  if (p.m <= 32) return launch<T, 32>(p, stream);
-  if (p.m <= 64) return launch<T, 64>(p, stream);
+  if (p.m <= 32) return launch_panels<T, 32>(p, stream);
+  if (p.m <= 64) return launch_panels<T, 64>(p, stream);
   return cudaErrorInvalidValue;  // the op checks 1 <= m <= kSkinnyWideMaxRows first
 }
 

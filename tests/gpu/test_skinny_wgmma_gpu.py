@@ -97,6 +97,25 @@ def test_group_rows_match_float64(group, dtype, with_bias):
             assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
 
 
+@hopper_only
+@pytest.mark.parametrize("case", ["1000x14336", "200x264", "130x8", "8b-tp2-qkv", "odd-four"])
+def test_two_panels_a_step_match_float64(monkeypatch, case):
+    """HF_PAGED_SKINNY_WGMMA_PANELS=2 (128 k a stage, three stages): the same answers, partial steps included."""
+    monkeypatch.setenv("HF_PAGED_SKINNY_WGMMA_PANELS", "2")
+    gen = torch.Generator(DEVICE).manual_seed(len(case))
+    if case in GROUPS:
+        weights, biases = random_group(case, torch.bfloat16, True, gen)
+    else:
+        n, k = map(int, case.split("x"))
+        weight, bias = random_linear(n, k, torch.bfloat16, True, gen)
+        weights, biases = [weight], [bias]
+    for m in ROWS:
+        x = torch.randn(m, weights[0].shape[1], device=DEVICE, generator=gen).to(torch.bfloat16)
+        outs = torch.ops.hf_paged.skinny_gemm_wgmma_group(x, weights, biases)
+        for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
+            assert_close_to_oracle(x, out, weight, bias, f"two panels {case} M={m} weight {i}")
+
+
 def random_group(group: str, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
     """The group's weights and biases (the second weight never has a bias: groups mix both)."""
     widths, k = GROUPS[group]
