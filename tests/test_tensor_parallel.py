@@ -171,7 +171,8 @@ def _sharded_logits_run(model, prompts) -> tuple:
 
 def _compiled_run(model, prompts) -> tuple:
     """The engine with compiled layers: its tokens, whether the compiled code served, how many linears run as local
-    products, and what dynamo traced for one layer's MLP (the all-reduce op, no DTensor)."""
+    products, what dynamo traced for one layer's MLP (the all-reduce op, no DTensor), which layouts the shards lie
+    in, and whether every compiled forward knows its model is tensor-parallel (PDL by default there)."""
     from torch._dynamo.testing import EagerAndRecordGraphs
 
     engine = hf_paged.Engine(model, num_blocks=24, block_size=8, max_batch_tokens=32, max_num_seqs=6,
@@ -208,7 +209,8 @@ def _compiled_run(model, prompts) -> tuple:
         torch._dynamo.reset()
     for local in locals_:
         local.skinny = False  # float32 shards: what refresh() found
-    return tokens, served, tp_linears.installed(model), traced, packed
+    tensor_parallel = all(layer.__dict__["forward"].tensor_parallel for layer in model.model.layers)
+    return tokens, served, tp_linears.installed(model), traced, packed, tensor_parallel
 
 
 def _fused_run(model, prompts) -> tuple:
@@ -353,9 +355,9 @@ def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_toke
     for rank in ranks:
         # traced: (equal to eager, holds the all-reduce op, holds the skinny op, holds a DTensor) without and with
         # the skinny routing of the local shards
-        # packed: (every layer's q/k/v, any layer's gate/up)
+        # packed: (every layer's q/k/v, any layer's gate/up); then the compiled forwards' tensor-parallel state
         assert rank["compiled"] == ("ok", (expected, True, linears, [(True, True, False, False),
-                                                                    (True, True, True, False)], (True, False)))
+                                                                    (True, True, True, False)], (True, False), True))
 
 
 @pytest.mark.slow

@@ -181,8 +181,8 @@ class _Switch:
     def __init__(self, owner: CompiledLayers, eager):
         self.owner, self.eager = owner, eager
         # options: this compile's inductor config only (the skinny linears sharing an input run as one launch)
-        tensor_parallel = owner._group_name() is not None
-        self.compiled = torch.compile(eager, dynamic=True, options=inductor_options(tensor_parallel))
+        self.tensor_parallel = owner._group_name() is not None  # (PDL by default: inductor_options)
+        self.compiled = torch.compile(eager, dynamic=True, options=inductor_options(self.tensor_parallel))
 
     def __call__(self, *args, **kwargs):
         if self.owner.is_active:
