@@ -20,7 +20,8 @@
 // weight's bytes.
 //
 // Split of K: across the blocks of a thread-block cluster (clusters of up to 8 along grid y, each rank a contiguous
-// share of the steps), sized so that tiles x cluster stays within the resident blocks. Each rank leaves its fp32
+// share of the steps), sized so that the launch's clusters are resident at once (cudaOccupancyMaxActiveClusters:
+// a cluster's blocks share one GPC, so fewer clusters of 8 fit than SMs / 8 suggests). Each rank leaves its fp32
 // partial sums in its shared memory (the stages, reused); after a cluster barrier each rank sums 1 / cluster of the
 // tile's outputs over every rank's partials through distributed shared memory, adds the bias and stores. No
 // workspace, no atomics, no host sync: the launch can be captured.
@@ -215,15 +216,46 @@ cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
   return error;
 }
 
-// The cluster (split of K): the largest power of two up to kMaxCluster that keeps tiles x cluster within the
-// resident blocks and gives each rank at least two steps of K. On an H100 (132 SMs, two blocks an SM at 64 rows),
-// a rank of two of Llama-3.1-8B: q+k+v (24 tiles) 8, o and down (32) 8, gate or up (56) 4, gate+up (112) 2.
-int choose_cluster(const SkinnyGemmParams& p, int64_t tiles, int blocks_per_sm, int step_k) {
-  const int64_t steps = (int64_t{p.k} + step_k - 1) / step_k, resident = int64_t{p.sms} * blocks_per_sm;
-  int cluster = 1;
-  while (p.clusters && cluster * 2 <= kMaxCluster && 2 * cluster * 2 <= steps && tiles * cluster * 2 <= resident)
-    cluster *= 2;
-  return cluster;
+// How many clusters of `cluster` blocks of `kernel` can be resident at once on the current device (asked once per
+// device, kernel and size; 0 where the query fails: that size is then not taken).
+int resident_clusters(const void* kernel, int smem, int cluster) {
+  static std::mutex mu;
+  static std::map<std::pair<std::pair<int, const void*>, int>, int> known;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 0;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto key = std::make_pair(std::make_pair(device, kernel), cluster);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3(1, static_cast<unsigned>(cluster));
+  config.blockDim = dim3(kThreads);
+  config.dynamicSmemBytes = smem;
+  cudaLaunchAttribute attribute[1];
+  attribute[0].id = cudaLaunchAttributeClusterDimension;
+  attribute[0].val.clusterDim.x = 1, attribute[0].val.clusterDim.y = cluster, attribute[0].val.clusterDim.z = 1;
+  config.attrs = attribute;
+  config.numAttrs = 1;
+  int count = 0;
+  if (cudaOccupancyMaxActiveClusters(&count, kernel, &config) != cudaSuccess) {
+    (void)cudaGetLastError();  // a refused size is no error of the launch
+    count = 0;
+  }
+  return known[key] = count;
+}
+
+// The cluster (split of K): the largest power of two up to kMaxCluster whose clusters (one per tile) are all resident
+// at once and that gives each rank at least two steps of K; 1 where none is. On an H100 (132 SMs, two blocks an SM
+// at 64 rows) a rank of two of Llama-3.1-8B has 24 tiles (q+k+v), 32 (o, down), 56 (gate or up), 112 (gate+up).
+int choose_cluster(const SkinnyGemmParams& p, const void* kernel, int smem, int64_t tiles, int blocks_per_sm,
+                   int step_k) {
+  const int64_t steps = (int64_t{p.k} + step_k - 1) / step_k;
+  if (!p.clusters) return 1;
+  for (int cluster = kMaxCluster; cluster > 1; cluster /= 2) {
+    if (2 * cluster > steps || tiles * cluster > int64_t{p.sms} * blocks_per_sm) continue;
+    if (tiles <= resident_clusters(kernel, smem, cluster)) return cluster;
+  }
+  return 1;
 }
 
 template <typename T, int kRows, int kPanels>
@@ -235,7 +267,8 @@ cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
   if (error != cudaSuccess) return error;
   const GroupLaunch l = tile_launch(p);
   const int64_t tiles = l.tile_begin[p.count];
-  const int cluster = choose_cluster(p, tiles, blocks_per_sm, Layout<kRows, kPanels>::kStepK);
+  const int cluster = choose_cluster(p, reinterpret_cast<const void*>(kernel), smem, tiles, blocks_per_sm,
+                                     Layout<kRows, kPanels>::kStepK);
   return launch_clusters(kernel, tiles, cluster, smem, stream, l, cluster);
 }
 
