@@ -1,10 +1,15 @@
 // What both skinny-GEMM kernels share (skinny_gemm.cu for up to 8 rows of x, skinny_gemm_wide.cu for 9 to 64): the
 // group's list of weight tiles, the weight loads that fill an m16n8k16 A fragment straight from global memory, the
-// store of one 16 x 8 accumulator tile, and the launch in thread-block clusters.
+// store of one 16 x 8 accumulator tile, the shared-memory opt-in, and the launch in thread-block clusters
+// (skinny_gemm_wgmma.cu takes the tiles' store, the opt-in and the launch too).
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
+
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "ptx.cuh"
 #include "skinny_gemm.h"
@@ -113,6 +118,27 @@ __device__ __forceinline__ void partials_read(int cluster) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
   if (cluster > 1) cooperative_groups::this_cluster().sync();
 #endif
+}
+
+// Once per (device, kernel): the opt-in to its dynamic shared memory, and how many of its blocks fit on an SM.
+inline cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
+  static std::mutex mu;
+  static std::map<std::pair<int, const void*>, int> known;
+  int device = 0;
+  cudaError_t error = cudaGetDevice(&device);
+  if (error != cudaSuccess) return error;
+  const std::lock_guard<std::mutex> lock(mu);
+  const auto it = known.find({device, kernel});
+  if (it != known.end()) {
+    blocks_per_sm = it->second;
+    return cudaSuccess;
+  }
+  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
+  if (error == cudaSuccess)
+    error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
+  if (error == cudaSuccess && blocks_per_sm < 1) error = cudaErrorInvalidConfiguration;
+  if (error == cudaSuccess) known[{device, kernel}] = blocks_per_sm;
+  return error;
 }
 
 // `kernel` on a grid of (blocks, cluster) blocks of kThreads, the cluster's blocks along y (blockIdx.y is the rank).

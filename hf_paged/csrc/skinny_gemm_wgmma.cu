@@ -195,27 +195,6 @@ __global__ void __launch_bounds__(kThreads, 2) skinny_gemm_wgmma_kernel(const __
   group.sync();  // keep this block's partials alive until every rank has read them
 }
 
-// Once per (device, kernel): the opt-in to its dynamic shared memory, and how many of its blocks fit on an SM.
-cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> known;
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find({device, kernel});
-  if (it != known.end()) {
-    blocks_per_sm = it->second;
-    return cudaSuccess;
-  }
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (error == cudaSuccess)
-    error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
-  if (error == cudaSuccess && blocks_per_sm < 1) error = cudaErrorInvalidConfiguration;
-  if (error == cudaSuccess) known[{device, kernel}] = blocks_per_sm;
-  return error;
-}
-
 // How many clusters of `cluster` blocks of `kernel` can be resident at once on the current device (asked once per
 // device, kernel and size; 0 where the query fails: that size is then not taken).
 int resident_clusters(const void* kernel, int smem, int cluster) {

@@ -26,9 +26,6 @@
 #include <cooperative_groups.h>
 
 #include <algorithm>
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "skinny_gemm_common.cuh"
 
@@ -214,27 +211,6 @@ __global__ void __launch_bounds__(kThreads, kBlocksPerSm)
   partials_written(cluster);
   reduce_and_store<T, NT>(l, partial, parts, cluster, rank);
   partials_read(cluster);
-}
-
-// Once per (device, kernel): the opt-in to its dynamic shared memory, and how many of its blocks fit on an SM.
-cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> known;
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find({device, kernel});
-  if (it != known.end()) {
-    blocks_per_sm = it->second;
-    return cudaSuccess;
-  }
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (error == cudaSuccess)
-    error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
-  if (error == cudaSuccess && blocks_per_sm < 1) error = cudaErrorInvalidConfiguration;
-  if (error == cudaSuccess) known[{device, kernel}] = blocks_per_sm;
-  return error;
 }
 
 // Splits of K per tile, parts x cluster (powers of two). Clusters first: the most blocks (at most kMaxCluster, each
