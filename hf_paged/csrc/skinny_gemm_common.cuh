@@ -28,10 +28,11 @@ struct GroupLaunch {
   int tile_begin[kSkinnyMaxGroup + 1];
 };
 
-inline GroupLaunch group_launch(const SkinnyGemmParams& p) {
+// tile_rows: weight rows per tile (kTileRows, a warp's, unless a kernel's tiles are larger).
+inline GroupLaunch group_launch(const SkinnyGemmParams& p, int tile_rows = kTileRows) {
   GroupLaunch l{};
   l.p = p;
-  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + kTileRows - 1) / kTileRows;
+  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + tile_rows - 1) / tile_rows;
   for (int i = p.count + 1; i <= kSkinnyMaxGroup; ++i) l.tile_begin[i] = l.tile_begin[p.count];
   return l;
 }

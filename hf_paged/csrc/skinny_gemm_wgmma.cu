@@ -67,15 +67,6 @@ struct Layout {
   static constexpr int kSmemBytes = kStages * kStageBytes + 1024;
 };
 
-// The grid's tiles: tile_begin[i] is the first 128-row tile of weight i (GroupLaunch's layout, in units of 128 rows).
-inline GroupLaunch tile_launch(const SkinnyGemmParams& p) {
-  GroupLaunch l{};
-  l.p = p;
-  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + kBlockRows - 1) / kBlockRows;
-  for (int i = p.count + 1; i <= kSkinnyMaxGroup; ++i) l.tile_begin[i] = l.tile_begin[p.count];
-  return l;
-}
-
 // Stage step `step` of K: the tile's 128 weight rows (rows past N zeros) and x's rows (rows past M zeros), k past K
 // zeros; nothing read for the zeros. 16-byte pieces, swizzled (wgmma::sw128_offset, chunk c of a row in panel c / 8):
 // 4 * kPanels weight pieces and kPanels * kRows / 32 x pieces per thread, consecutive threads on consecutive 16-byte
@@ -244,7 +235,7 @@ cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
   int blocks_per_sm = 0;
   const cudaError_t error = prepare(reinterpret_cast<const void*>(kernel), smem, blocks_per_sm);
   if (error != cudaSuccess) return error;
-  const GroupLaunch l = tile_launch(p);
+  const GroupLaunch l = group_launch(p, kBlockRows);  // tiles of 128 rows
   const int64_t tiles = l.tile_begin[p.count];
   const int cluster = choose_cluster(p, reinterpret_cast<const void*>(kernel), smem, tiles, blocks_per_sm,
                                      Layout<kRows, kPanels>::kStepK);
