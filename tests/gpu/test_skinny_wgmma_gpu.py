@@ -23,9 +23,8 @@ from hf_paged.engine import skinny_linear  # noqa: E402
 from hf_paged.kernels import skinny  # noqa: E402
 
 from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
-from test_skinny_linear_gpu import (  # noqa: E402
-    ACCUMULATION, DEVICE, ROUNDING, assert_greedy_matches, assert_rows_close, greedy_batch, oracle, random_linear,
-    tiny_llama)
+from test_skinny_linear_gpu import DEVICE, assert_greedy_matches, greedy_batch, random_linear, tiny_llama  # noqa: E402
+from test_skinny_wide_gpu import GROUPS, assert_close_to_oracle, random_group  # noqa: E402  (the same oracle)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -37,21 +36,12 @@ ROWS = (1, 8, 9, 16, 31, 32, 33, 40, 57, 64)
 # (N, K): 1 tile (cluster 8), 8 tiles (8), 65 tiles (2), 225 tiles (none), a partial step (8), a partial step with
 # 5 steps (2), one step (none), K of one partial step
 SHAPES = [(40, 4096), (1000, 14336), (8200, 4096), (28680, 2056), (1000, 2056), (200, 264), (520, 64), (130, 8)]
-GROUPS = {"8b-qkv": ((4096, 1024, 1024), 4096), "8b-gate-up": ((14336, 14336), 4096),
-          "8b-tp2-qkv": ((2048, 512, 512), 4096), "8b-tp2-gate-up": ((7168, 7168), 4096),
-          "odd-four": ((1000, 40, 8, 520), 2056)}
 
 
 @pytest.fixture(autouse=True)
 def wgmma_on(monkeypatch):
     monkeypatch.setenv(skinny.WIDE_ENV, "wgmma")
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)  # the kernel at every shape here
-
-
-def assert_close_to_oracle(x, out, weight, bias, label: str) -> None:
-    want, scale = oracle(x, weight, bias)
-    assert out.shape == (x.shape[0], weight.shape[0]) and out.dtype == x.dtype and out.is_contiguous(), label
-    assert_rows_close(out, want, ROUNDING[x.dtype] * want.abs() + ACCUMULATION * scale + 1e-6, label)
 
 
 @hopper_only
@@ -114,13 +104,6 @@ def test_two_panels_a_step_match_float64(monkeypatch, case):
         outs = torch.ops.hf_paged.skinny_gemm_wgmma_group(x, weights, biases)
         for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
             assert_close_to_oracle(x, out, weight, bias, f"two panels {case} M={m} weight {i}")
-
-
-def random_group(group: str, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
-    """The group's weights and biases (the second weight never has a bias: groups mix both)."""
-    widths, k = GROUPS[group]
-    pairs = [random_linear(n, k, dtype, with_bias and i != 1, gen) for i, n in enumerate(widths)]
-    return [w for w, _ in pairs], [b for _, b in pairs]
 
 
 @hopper_only
