@@ -24,7 +24,8 @@ from hf_paged.kernels import skinny  # noqa: E402
 
 from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
 from test_skinny_linear_gpu import DEVICE, assert_greedy_matches, greedy_batch, random_linear, tiny_llama  # noqa: E402
-from test_skinny_wide_gpu import GROUPS, assert_close_to_oracle, random_group  # noqa: E402  (the same oracle)
+from test_skinny_wide_gpu import (  # noqa: E402  (the same shapes, oracle and checks)
+    GROUPS, assert_close_to_oracle, assert_graph_replays_with_new_data, assert_group_rows_match, random_group)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -74,17 +75,7 @@ def test_strided_rows_are_served():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_group_rows_match_float64(group, dtype, with_bias):
-    gen = torch.Generator(DEVICE).manual_seed(len(group) * 13 + with_bias)
-    weights, biases = random_group(group, dtype, with_bias, gen)
-    for m in ROWS:
-        x = torch.randn(m, GROUPS[group][1], device=DEVICE, generator=gen).to(dtype)
-        outs = torch.ops.hf_paged.skinny_gemm_wgmma_group(x, weights, biases)
-        assert len(outs) == len(weights)
-        for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
-            assert_close_to_oracle(x, out, weight, bias, f"{group} M={m} {dtype} bias={with_bias} weight {i}")
-        if m > skinny.MAX_ROWS:
-            served = skinny.linear_group(x, weights, biases)
-            assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
+    assert_group_rows_match(torch.ops.hf_paged.skinny_gemm_wgmma_group, group, dtype, with_bias, ROWS)
 
 
 @hopper_only
@@ -107,28 +98,9 @@ def test_two_panels_a_step_match_float64(monkeypatch, case):
 
 
 @hopper_only
-@pytest.mark.parametrize("group", ["8b-tp2-qkv", "odd-four"])
+@pytest.mark.parametrize("group", ["8b-tp2-qkv", "odd-four", None], ids=["tp2-qkv", "odd-four", "single-1000x2056"])
 def test_graph_replay_with_new_data(group):
-    gen = torch.Generator(DEVICE).manual_seed(7)
-    weights, biases = random_group(group, torch.bfloat16, True, gen)
-    x = torch.randn(48, weights[0].shape[1], device=DEVICE, generator=gen).to(torch.bfloat16)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        skinny.linear_group(x, weights, biases)  # warm-up outside the capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        outs = skinny.linear_group(x, weights, biases)
-    for step in range(3):
-        new_weights, new_biases = random_group(group, torch.bfloat16, True, gen)
-        for old, new in zip([*weights, *biases], [*new_weights, *new_biases], strict=True):
-            if old is not None:
-                old.copy_(new)
-        x.copy_(torch.randn(x.shape, device=DEVICE, generator=gen))
-        graph.replay()
-        for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
-            assert_close_to_oracle(x, out, weight, bias, f"{group} replay {step} weight {i}")
+    assert_graph_replays_with_new_data(group)  # skinny.linear(_group) routed to the wgmma kernel by the switch
 
 
 @hopper_only

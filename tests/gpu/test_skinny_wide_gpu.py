@@ -87,16 +87,23 @@ def test_strided_rows_and_leading_dims_are_served():
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("group", list(GROUPS))
 def test_group_rows_match_float64(group, dtype, with_bias):
+    assert_group_rows_match(torch.ops.hf_paged.skinny_gemm_wide_group, group, dtype, with_bias, ROWS)
+
+
+def assert_group_rows_match(op, group: str, dtype: torch.dtype, with_bias: bool, rows) -> None:
+    """``op`` (a grouped skinny op) on the group's fresh random weights against float64, per output row, at each of
+    ``rows``; above MAX_ROWS, ``skinny.linear_group`` launches the same op (the switch the caller set)."""
     gen = torch.Generator(DEVICE).manual_seed(len(group) * 13 + with_bias)
     weights, biases = random_group(group, dtype, with_bias, gen)
-    for m in ROWS:
+    for m in rows:
         x = torch.randn(m, GROUPS[group][1], device=DEVICE, generator=gen).to(dtype)
-        outs = torch.ops.hf_paged.skinny_gemm_wide_group(x, weights, biases)
+        outs = op(x, weights, biases)
         assert len(outs) == len(weights)
         for i, (out, weight, bias) in enumerate(zip(outs, weights, biases, strict=True)):
             assert_close_to_oracle(x, out, weight, bias, f"{group} M={m} {dtype} bias={with_bias} weight {i}")
-        served = skinny.linear_group(x, weights, biases)
-        assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
+        if m > skinny.MAX_ROWS:
+            served = skinny.linear_group(x, weights, biases)
+            assert all(torch.equal(a, b) for a, b in zip(served, outs, strict=True)), "linear_group should launch it"
 
 
 def random_group(group: str, dtype: torch.dtype, with_bias: bool, gen: torch.Generator):
@@ -116,6 +123,12 @@ def fresh_weights(group: str | None, gen: torch.Generator):
 
 @pytest.mark.parametrize("group", ["8b-tp2-qkv", "odd-four", None], ids=["tp2-qkv", "odd-four", "single-1000x2056"])
 def test_graph_replay_with_new_data(group):
+    assert_graph_replays_with_new_data(group)
+
+
+def assert_graph_replays_with_new_data(group: str | None) -> None:
+    """The routed call (skinny.linear, or linear_group for a group) at 48 rows, captured once: it allocates only its
+    outputs, and three replays over fresh weights and x match float64."""
     gen = torch.Generator(DEVICE).manual_seed(7)
     weights, biases = fresh_weights(group, gen)
     x = torch.randn(48, weights[0].shape[1], device=DEVICE, generator=gen).to(torch.bfloat16)
