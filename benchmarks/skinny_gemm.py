@@ -292,6 +292,7 @@ def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
           flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
+                    "json": args.json.name,  # the file's name only: where it was written is the machine's own
                     "copy_bandwidth_gbs": round(copy_bw / 1e9, 1)}
         args.json.write_text(json.dumps({"settings": settings, "rows": rows}, indent=1))
 
