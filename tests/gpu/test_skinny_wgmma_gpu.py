@@ -19,13 +19,12 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.engine import skinny_linear  # noqa: E402
 from hf_paged.kernels import skinny  # noqa: E402
 
-from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
-from test_skinny_linear_gpu import DEVICE, assert_greedy_matches, greedy_batch, random_linear, tiny_llama  # noqa: E402
+from test_skinny_linear_gpu import DEVICE, random_linear  # noqa: E402  (same folder)
 from test_skinny_wide_gpu import (  # noqa: E402  (the same shapes, oracle and checks)
-    GROUPS, assert_close_to_oracle, assert_graph_replays_with_new_data, assert_group_rows_match, random_group)
+    GROUPS, assert_close_to_oracle, assert_graph_replays_with_new_data, assert_greedy_tokens_through,
+    assert_group_rows_match, random_group)
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -126,11 +125,4 @@ def test_off_hopper_the_op_refuses_and_the_switch_keeps_the_wide_kernel():
 
 @hopper_only
 def test_greedy_tokens_with_the_wgmma_kernel_equal_those_without(monkeypatch):
-    model = tiny_llama()
-    lengths = [1, 15, 17, 100, 300, 7, 33, 64, 2, 90, 5, 40, 11, 128, 3, 21, 60, 9, 70, 12]  # 20 decode rows
-    calls = []
-    wgmma = torch.ops.hf_paged.skinny_gemm_wgmma
-    monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_wgmma", lambda *a: calls.append(1) or wgmma(*a))
-    assert_greedy_matches(model, greedy_batch(lengths, seed=2), "wgmma skinny")
-    patched = skinny_linear.install(model)
-    assert len(calls) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the wgmma kernel"
+    assert_greedy_tokens_through(monkeypatch, "skinny_gemm_wgmma", "wgmma")

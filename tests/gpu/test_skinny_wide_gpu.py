@@ -24,7 +24,7 @@ from hf_paged import kernels  # noqa: E402
 from hf_paged.engine import skinny_linear  # noqa: E402
 from hf_paged.kernels import skinny  # noqa: E402
 
-from test_end_to_end_gpu import CONFIG, NEW_TOKENS  # noqa: E402  (same folder)
+from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
 from test_skinny_linear_gpu import (  # noqa: E402
     ACCUMULATION, DEVICE, ROUNDING, assert_greedy_matches, assert_rows_close, greedy_batch, oracle, random_linear,
     tiny_llama)
@@ -190,11 +190,17 @@ def test_the_ops_refuse_bad_arguments_with_what_to_change():
 
 
 def test_greedy_tokens_with_the_wide_kernel_equal_those_without(monkeypatch):
+    assert_greedy_tokens_through(monkeypatch, "skinny_gemm_wide", "wide")
+
+
+def assert_greedy_tokens_through(monkeypatch, op_name: str, kernel: str) -> None:
+    """A tiny model's greedy tokens with the op serving 20 decode rows equal those without, and every decode step
+    of every patched linear ran the op (counted through a wrapper)."""
     model = tiny_llama()
     lengths = [1, 15, 17, 100, 300, 7, 33, 64, 2, 90, 5, 40, 11, 128, 3, 21, 60, 9, 70, 12]  # 20 decode rows
-    wide_calls = []
-    wide = torch.ops.hf_paged.skinny_gemm_wide
-    monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_wide", lambda *a: wide_calls.append(1) or wide(*a))
-    assert_greedy_matches(model, greedy_batch(lengths, seed=2), "wide skinny")
+    calls = []
+    op = getattr(torch.ops.hf_paged, op_name)
+    monkeypatch.setattr(torch.ops.hf_paged, op_name, lambda *a: calls.append(1) or op(*a))
+    assert_greedy_matches(model, greedy_batch(lengths, seed=2), f"{kernel} skinny")
     patched = skinny_linear.install(model)
-    assert len(wide_calls) >= len(patched) * (NEW_TOKENS - 1), "the decode steps should run the wide kernel"
+    assert len(calls) >= len(patched) * (NEW_TOKENS - 1), f"the decode steps should run the {kernel} kernel"
