@@ -42,7 +42,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
-from hf_paged.hf import tp_all_reduce  # noqa: E402
+from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: E402
 
 METHODS = ("nccl", "torch-one-shot", "hf_paged")
 FUSED = ("hf_paged+add", "hf_paged+add+norm")  # peer_sum_add, peer_sum_add_rms_norm (HF_PAGED_TP_FUSE_NORM=1)

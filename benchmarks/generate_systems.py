@@ -14,7 +14,7 @@ from transformers import CompileConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
-from hf_paged.hf.fast_generate import with_options  # noqa: E402
+from hf_paged.generate._optimize import with_options  # noqa: E402
 
 SYSTEMS = ("sdpa", "flash_attention_2", "hf_paged", "hf_paged_compiled", "static", "hf_paged_compiled_skinny",
            "hf_paged_optimized")
@@ -59,8 +59,8 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         # the engine's decode linears: hf_paged's skinny kernel, and the products sharing an input (q/k/v, gate/up)
         # grouped into one launch by an inductor pass; torch.compile takes either a mode or options, so the
         # options ask for CUDA graphs themselves (what "reduce-overhead" sets)
-        from hf_paged.engine import skinny_linear
-        from hf_paged.engine.group_linears import GroupLinears
+        from hf_paged.compile import _skinny_linears as skinny_linear
+        from hf_paged.compile._group_linears import GroupLinears
 
         skinny_linear.install(model)
         options = {"post_grad_custom_pre_pass": GroupLinears(), "triton.cudagraphs": device.type == "cuda"}
@@ -85,7 +85,7 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
     if system in COMPILED and not cache.is_compileable:
         raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
     if system == "hf_paged_compiled_skinny":
-        from hf_paged.engine import skinny_linear
+        from hf_paged.compile import _skinny_linears as skinny_linear
 
         def call(k):
             with skinny_linear.active():

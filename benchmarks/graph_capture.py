@@ -40,7 +40,7 @@ import hf_paged  # noqa: E402
 from e2e_report import environment, write_json  # noqa: E402
 from e2e_systems import Budget, hf_paged_system  # noqa: E402
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, load_model  # noqa: E402
-from hf_paged.engine import engine_core  # noqa: E402
+from hf_paged.engine import _core as engine_core  # noqa: E402
 
 VARIANTS = {"on_demand": {}, "start": {"cuda_graph_capture": "start"}, "largest": "largest"}
 PAD_SIZES = (1, 4, 16, 64, 128, 256)

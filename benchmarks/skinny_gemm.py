@@ -43,7 +43,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hf_paged.kernels import unavailable_reason  # noqa: E402
-from hf_paged.kernels.skinny import MAX_ROWS, WIDE_MAX_ROWS, kernel_wins  # noqa: E402
+from hf_paged.kernels._skinny import MAX_ROWS, WIDE_MAX_ROWS, kernel_wins  # noqa: E402
 
 # shape: (N, K, calls per layer); 0 for lm_head, called once per step
 MODELS = {
@@ -108,7 +108,7 @@ def _with_blas(library: str, fn):
 def extra_systems(grouped: bool, weights: list) -> dict:
     """--extra: ``cublaslt`` (the cuBLAS products with torch's cuBLASLt path) and, for a group, ``packed``: one cuBLAS
     product over a copy of the group's weights laid end to end, its output split by a copy, as the tensor-parallel
-    engine runs packed q/k/v (``hf_paged.kernels.skinny.packed_rows``)."""
+    engine runs packed q/k/v (``hf_paged.kernels._skinny.packed_rows``)."""
     out = {"cublaslt": _with_blas("cublaslt", _cublas_group if grouped else F.linear)}
     if grouped:
         packed = {id(ws[0]): torch.cat(ws) for ws in weights}

@@ -27,9 +27,16 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 import torch  # noqa: E402
 
 from engine_overhead import add_workload_arguments, build_engine  # noqa: E402
-from hf_paged.engine import (  # noqa: E402
-    block_table_buffer, cuda_graphs, engine_core, handover, inflight, runner, sampler, scheduler, staging,
-    steady_decode)
+from hf_paged.cache import _block_table as block_table_buffer
+from hf_paged.runner import _decode_graphs as cuda_graphs
+from hf_paged.engine import _core as engine_core
+from hf_paged.engine import _handover as handover
+from hf_paged.engine import _inflight as inflight
+from hf_paged.runner import _model_runner as runner
+from hf_paged.engine import _sampler as sampler
+from hf_paged.engine import _scheduler as scheduler
+from hf_paged.runner import _staging as staging
+from hf_paged.engine import _steady_decode as steady_decode
 
 PARTS = (
     (scheduler.Scheduler, "schedule"),

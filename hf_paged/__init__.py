@@ -4,9 +4,10 @@
 ``model.generate`` to run on paged memory.
 """
 
-from hf_paged.attention.dispatch import available_backends
-from hf_paged.cache import BlockAllocator, OutOfBlocksError, PagedAttentionCache
-from hf_paged.hf.register import ATTN_IMPLEMENTATION, register
+from hf_paged.attention._dispatch import available_backends
+from hf_paged.cache import BlockAllocator, OutOfBlocksError
+from hf_paged.generate import PagedAttentionCache
+from hf_paged.hf._register import ATTN_IMPLEMENTATION, register
 
 register()
 
@@ -21,7 +22,7 @@ __all__ = [
 ]
 
 from hf_paged.engine import Engine, EngineConfig  # noqa: E402
-from hf_paged.engine.generate_batch import generate_batch  # noqa: E402
-from hf_paged.hf.fast_generate import optimize_generate, restore_generate  # noqa: E402
+from hf_paged.engine._generate_batch import generate_batch  # noqa: E402
+from hf_paged.generate._optimize import optimize_generate, restore_generate  # noqa: E402
 
 __all__ += ["Engine", "EngineConfig", "generate_batch", "optimize_generate", "restore_generate"]

@@ -116,7 +116,8 @@ def test_engine_overhead_reports_the_stepping_threads_cpu_time():
 def test_step_host_parts_times_the_parts_and_puts_them_back():
     """The parts a step calls are timed (the eager path's plan and forward on the CPU; the engine's decode steps
     are steady ones by then), and the engine's classes are as before once it returns."""
-    from hf_paged.engine import engine_core, scheduler
+    from hf_paged.engine import _core as engine_core
+    from hf_paged.engine import _scheduler as scheduler
 
     before = (scheduler.Scheduler.__dict__["schedule"], engine_core.plan_step)
     out = _run(step_host_parts.main, ["--requests", "4", "--context", "60", "--steps", "4", "--model", "stub"])

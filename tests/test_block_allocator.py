@@ -6,7 +6,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hf_paged.cache.block_allocator import BlockAllocator, OutOfBlocksError
+from hf_paged.cache._block_allocator import BlockAllocator, OutOfBlocksError
 
 
 def test_allocate_free_roundtrip():

@@ -9,9 +9,9 @@ from dataclasses import asdict
 import pytest
 
 from hf_paged import cli, kernels
-from hf_paged.bench import kernels as decode_bench
-from hf_paged.bench import prefill as prefill_bench
-from hf_paged.kernels import build
+from hf_paged.bench import _kernels as decode_bench
+from hf_paged.bench import _prefill as prefill_bench
+from hf_paged.kernels import _build as build
 
 
 @pytest.fixture

@@ -16,10 +16,10 @@ from transformers import CompileConfig
 from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
-from hf_paged.attention import ops
+from hf_paged.attention import _ops as ops
 from hf_paged.attention.backends.base import AttentionParams, backend_named
-from hf_paged.cache import static_decode
-from hf_paged.cache.block_allocator import BlockAllocator
+from hf_paged.generate import _static_decode as static_decode
+from hf_paged.cache._block_allocator import BlockAllocator
 from hf_paged.hf.compat import with_cache
 
 GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
@@ -254,7 +254,7 @@ def test_custom_ops_match_the_backend_and_pass_opcheck(phase: str):
             "torch", dim**-0.5, None, None)
     torch.library.opcheck(torch.ops.hf_paged.paged_attention, args)
     # Through the op, the same numbers as the backend called directly.
-    from hf_paged.attention.metadata import build_metadata
+    from hf_paged.attention._metadata import build_metadata
 
     meta = build_metadata(q_lens=torch.tensor(q_lens), seq_lens_k=seq_lens, block_tables=tables, slot_mapping=slots,
                           token_index=None, grid=(tokens, 1), block_size=bs, kv_caches=[(k_cache, v_cache)],

@@ -10,9 +10,9 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.attention import AttentionCall, Dispatcher, Phase
-from hf_paged.attention.backends.cuda import CudaBackend
-from hf_paged.kernels import build
-from hf_paged.kernels.prefill import PREFILL_CONFIGS, prefill_configs
+from hf_paged.attention.backends._cuda import CudaBackend
+from hf_paged.kernels import _build as build
+from hf_paged.kernels._prefill import PREFILL_CONFIGS, prefill_configs
 
 DECODE_CPU = AttentionCall(Phase.DECODE, "cpu", torch.bfloat16, 128, 32, 8, 16)
 

@@ -1,4 +1,4 @@
-"""``optimize_generate``'s decode graphs (``hf_paged/hf/decode_graphs.py``), driven on the CPU.
+"""``optimize_generate``'s decode graphs (``hf_paged/generate/_decode_graphs.py``), driven on the CPU.
 
 A stand-in replaces the CUDA graph capture: "capturing" runs the step once (a real capture runs nothing, but a
 paged decode step run twice on the same plan writes the same K/V to the same slots), and "replaying" runs the
@@ -17,7 +17,7 @@ from test_compiled_generate import GREEDY, CountingBackend, compile_config
 from tiny_models import EOS, PAD, left_padded_batch, make_models
 
 import hf_paged
-from hf_paged.hf import decode_graphs
+from hf_paged.generate import _decode_graphs as decode_graphs
 from hf_paged.hf.compat import with_cache
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_paged import kernels
-from hf_paged.bench import kernels as decode_bench
+from hf_paged.bench import _kernels as decode_bench
 
 
 def one_set() -> dict:

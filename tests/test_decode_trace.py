@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from hf_paged.bench import decode_trace as dt
-from hf_paged.kernels import build
+from hf_paged.bench import _decode_trace as dt
+from hf_paged.kernels import _build as build
 
 
 def cta(start: int, work: int, first: int, loop: int, ticket: int, end: int, sm: int, flags: int = 0,

@@ -14,9 +14,9 @@ from tiny_models import EOS, PAD, left_padded_batch, make_models
 
 import hf_paged
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
-from hf_paged.attention.backends import flash
-from hf_paged.attention.backends.torch_backend import paged_attention_reference
-from hf_paged.attention.metadata import PagedMetadata, build_metadata
+from hf_paged.attention.backends import _flash as flash
+from hf_paged.attention.backends._torch import paged_attention_reference
+from hf_paged.attention._metadata import PagedMetadata, build_metadata
 from hf_paged.hf.compat import with_cache
 
 POISON = 1.0e4  # fills cache slots no sequence owns: a backend that reads them produces garbage

@@ -11,14 +11,15 @@ import torch
 
 import hf_paged
 from hf_paged import kernels
-from hf_paged.attention import AttentionParams, Dispatcher, Phase, kv_quant
+from hf_paged.attention import AttentionParams, Dispatcher, Phase
+from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends.base import AttentionCall
-from hf_paged.attention.backends import cuda as cuda_backend
-from hf_paged.attention.backends.cuda import CudaBackend
-from hf_paged.attention.backends.flash import FlashBackend
-from hf_paged.attention.kv_quant import FP8_DTYPE, FP8_NOT_SERVED_HERE, KVScales
-from hf_paged.kernels import build
-from hf_paged.kernels.prefill import paged_prefill
+from hf_paged.attention.backends import _cuda as cuda_backend
+from hf_paged.attention.backends._cuda import CudaBackend
+from hf_paged.attention.backends._flash import FlashBackend
+from hf_paged.cache._kv_quant import FP8_DTYPE, FP8_NOT_SERVED_HERE, KVScales
+from hf_paged.kernels import _build as build
+from hf_paged.kernels._prefill import paged_prefill
 from test_torch_backend import random_paged_step
 from tiny_models import make_config
 

@@ -9,11 +9,12 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.attention import AttentionParams, kv_quant
-from hf_paged.attention.backends import torch_backend
-from hf_paged.attention.backends.torch_backend import TorchBackend, paged_attention_reference
-from hf_paged.attention.kv_quant import FP8_MAX, SCALE_HEADROOM, KVScales
-from hf_paged.cache.kv_pool import KVLayout, blocks_for_budget
+from hf_paged.attention import AttentionParams
+from hf_paged.cache import _kv_quant as kv_quant
+from hf_paged.attention.backends import _torch as torch_backend
+from hf_paged.attention.backends._torch import TorchBackend, paged_attention_reference
+from hf_paged.cache._kv_quant import FP8_MAX, SCALE_HEADROOM, KVScales
+from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget
 from test_torch_backend import random_paged_step
 from tiny_models import left_padded_batch, make_config, make_models
 

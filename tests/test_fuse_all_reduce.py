@@ -1,5 +1,5 @@
-"""The all-reduce fused with its residual add and RMSNorm (``hf_paged.engine.fuse_all_reduce``, the fused ops of
-``hf_paged.hf.tp_all_reduce``), on one CPU process over gloo (a group of one, where the sum is the input).
+"""The all-reduce fused with its residual add and RMSNorm (``hf_paged.parallel._fuse_all_reduce``, the fused ops of
+``hf_paged.parallel._all_reduce``), on one CPU process over gloo (a group of one, where the sum is the input).
 
 peer_sum serves only CUDA groups, so the tests declare the group served (``fused_ready``) where they need the pass to
 fire; the fused ops then run their fallback (all-reduce, add, norm one after the other), whose result is checked
@@ -17,8 +17,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
-from hf_paged.engine import fuse_all_reduce as fusion
-from hf_paged.hf import tp_all_reduce
+from hf_paged.parallel import _fuse_all_reduce as fusion
+from hf_paged.parallel import _all_reduce as tp_all_reduce
 
 REDUCE = torch.ops.hf_paged.tp_all_reduce.default
 ADD = torch.ops.hf_paged.tp_all_reduce_add.default

@@ -12,9 +12,10 @@ from tiny_models import VOCAB, make_config
 from torch._inductor.utils import run_and_get_code
 from transformers import AutoModelForCausalLM
 
-from hf_paged.engine import compiled_layers, skinny_linear
-from hf_paged.engine.group_linears import GroupLinears, group_linears
-from hf_paged.kernels import skinny
+from hf_paged.compile import _layers as compiled_layers
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.compile._group_linears import GroupLinears, group_linears
+from hf_paged.kernels import _skinny as skinny
 
 LINEAR, GROUP = torch.ops.hf_paged.linear.default, torch.ops.hf_paged.linear_group.default
 
@@ -201,7 +202,7 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
 
 # ----- end-to-end weights as views of one product (HF_PAGED_PACK_VIEWS, on by default) ------------------------
 PACKED = torch.ops.hf_paged.linear_packed.default
-import hf_paged.attention.backends.torch_backend  # noqa: E402,F401  (registers the "torch" KV writer)
+import hf_paged.attention.backends._torch  # noqa: E402,F401  (registers the "torch" KV writer)
 
 
 class PackedQKV(torch.nn.Module):
@@ -305,7 +306,7 @@ def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values(
 
 
 def test_the_pack_views_switch_is_checked_and_keys_the_fx_graph_cache(monkeypatch):
-    from hf_paged.engine import group_linears as module
+    from hf_paged.compile import _group_linears as module
 
     monkeypatch.delenv("HF_PAGED_PACK_VIEWS", raising=False)  # on by default
     default = GroupLinears().uuid()

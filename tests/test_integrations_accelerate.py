@@ -33,7 +33,7 @@ def test_the_engine_places_each_layers_kv_by_the_device_map():
     """The engine reads the device map as paged_cache_for does (on the CPU every entry is the CPU; the two-GPU
     split is tests/gpu/test_split_model_gpu.py)."""
     import hf_paged
-    from hf_paged.hf.placement import kv_devices
+    from hf_paged.hf._placement import kv_devices
 
     _, paged = make_models("llama_gqa")
     paged.hf_device_map = {"model.embed_tokens": "cpu", "model.layers.0": "cpu", "model.layers.1": "cpu",

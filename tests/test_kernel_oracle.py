@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hf_paged.attention import AttentionParams
-from hf_paged.attention.backends.torch_backend import paged_attention_reference
+from hf_paged.attention.backends._torch import paged_attention_reference
 
 from kernel_oracle import (
     assert_rows_close,

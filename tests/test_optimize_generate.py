@@ -15,8 +15,8 @@ from tiny_models import EOS, PAD, left_padded_batch, make_models
 from transformers import CompileConfig
 
 import hf_paged
-from hf_paged.engine.group_linears import GroupLinears
-from hf_paged.hf import fast_generate
+from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.generate import _optimize as fast_generate
 from hf_paged.hf.compat import with_cache
 
 

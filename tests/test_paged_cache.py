@@ -8,8 +8,8 @@ import transformers
 from tiny_models import EOS, PAD, left_padded_batch, make_config, make_models
 
 import hf_paged
-from hf_paged.cache.batch_tables import BatchTables
-from hf_paged.cache.kv_pool import KVLayout, KVPool
+from hf_paged.generate._batch_tables import BatchTables
+from hf_paged.cache._kv_pool import KVLayout, KVPool
 from hf_paged.hf.compat import with_cache
 
 GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)

@@ -12,8 +12,8 @@ import torch
 from tiny_models import EOS, PAD, left_padded_batch, make_models
 
 import hf_paged
-import hf_paged.cache.paged_cache as paged_cache_module
-from hf_paged.attention.dispatch import Dispatcher
+import hf_paged.generate._paged_cache as paged_cache_module
+from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.hf.compat import with_cache
 
 GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from hf_paged.attention import AttentionParams, Phase
-from hf_paged.attention.backends import cuda as cuda_backend
-from hf_paged.bench import prefill as prefill_bench
-from hf_paged.kernels import build
-from hf_paged.kernels.prefill import IMPLS, WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill, wgmma_unsupported_reason
+from hf_paged.attention.backends import _cuda as cuda_backend
+from hf_paged.bench import _prefill as prefill_bench
+from hf_paged.kernels import _build as build
+from hf_paged.kernels._prefill import IMPLS, WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill, wgmma_unsupported_reason
 
 
 @pytest.mark.parametrize(("capability", "arch"), [((9, 0), "90a"), ((8, 0), "80"), ((8, 9), "89"), ((10, 0), "100"),

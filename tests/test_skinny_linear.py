@@ -15,8 +15,9 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, make_config
 from transformers import AutoModelForCausalLM
 
-from hf_paged.engine import skinny_linear
-from hf_paged.kernels import build, skinny
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.kernels import _build as build
+from hf_paged.kernels import _skinny as skinny
 
 
 class RecordingBackend:

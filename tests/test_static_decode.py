@@ -1,4 +1,4 @@
-"""Armed decode steps (``hf_paged/cache/static_decode.py``, ``BatchTables.arm``/``advance``): the host work a compiled
+"""Armed decode steps (``hf_paged/generate/_static_decode.py``, ``BatchTables.arm``/``advance``): the host work a compiled
 ``generate`` step is left with, and the bookkeeping it defers.
 
 The oracles: the per-row path (``BatchTables.append``) for slots and lists, eager hf_paged for tokens.
@@ -13,9 +13,9 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig
 
 import hf_paged
-from hf_paged.cache.batch_tables import BatchTables
-from hf_paged.cache.kv_pool import KVLayout, KVPool
-from hf_paged.cache.static_decode import StaticDecode
+from hf_paged.generate._batch_tables import BatchTables
+from hf_paged.cache._kv_pool import KVLayout, KVPool
+from hf_paged.generate._static_decode import StaticDecode
 from hf_paged.hf.compat import with_cache
 
 GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)

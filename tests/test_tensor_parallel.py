@@ -24,11 +24,11 @@ from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
-from hf_paged.engine import skinny_linear
-from hf_paged.hf import tp_linears
-from hf_paged.hf.tensor_parallel import tensor_parallel
-from hf_paged.kernels import skinny
-from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.parallel import _linears as tp_linears
+from hf_paged.parallel._tensor_parallel import tensor_parallel
+from hf_paged.kernels import _skinny as skinny
+from hf_paged.parallel._tensor_parallel import kv_layout, tensor_parallel
 
 WORLD_SIZE = 2
 DEADLINE_S = 240  # a rank left waiting shows up as this timeout, not as a stuck test run
@@ -139,7 +139,7 @@ def _sharded_logits_run(model, prompts) -> tuple:
     logprobs), how many steps took the (value, id) exchange and how many gathered, and the lm_head's own path
     restored afterwards; then an engine built with it set to 0 while the first engine's head is still installed:
     its greedy tokens, whether it took shards, and how many exchanges and gathers it ran (none)."""
-    from hf_paged.hf import tp_logits
+    from hf_paged.parallel import _logits as tp_logits
 
     argmaxes, gathers = [], []
     argmax, gather = tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather
@@ -220,8 +220,8 @@ def _fused_run(model, prompts) -> tuple:
     in it, and how many fused calls carry an L2 hint and how many do not."""
     import torch._inductor.config as inductor_config
 
-    from hf_paged.engine import fuse_all_reduce as fusion
-    from hf_paged.hf import tp_all_reduce
+    from hf_paged.parallel import _fuse_all_reduce as fusion
+    from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     ops = (torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default, torch.ops.hf_paged.tp_all_reduce_add.default,
            torch.ops.hf_paged.tp_all_reduce.default)
@@ -362,7 +362,7 @@ def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_toke
 
 @pytest.mark.slow
 def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_when_asked(ranks, single):
-    """HF_PAGED_TP_FUSE_NORM=1 in the engine's own compiled layers (hf_paged/engine/fuse_all_reduce.py), and the
+    """HF_PAGED_TP_FUSE_NORM=1 in the engine's own compiled layers (hf_paged/parallel/_fuse_all_reduce.py), and the
     tokens of one process. With dynamo's nested graph breaks (this torch has them; the switch turns them on), a
     layer's work after attention is one graph: attention's all-reduce takes the residual add and the norm after
     it, the MLP's the residual add, and no plain all-reduce is left. Without them the attention module's rest (o_proj
@@ -381,7 +381,7 @@ def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_wh
 
 @pytest.mark.slow
 def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, single):
-    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/hf/tp_logits.py; also the default): the engine's model calls return
+    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/parallel/_logits.py; also the default): the engine's model calls return
     each rank's half of the vocabulary; plain-greedy steps exchange (value, id) pairs, every other step gathers the
     halves first. Greedy, seeded sampling, logprobs and min_new_tokens (a processed greedy row) give one process's
     tokens, logprobs within float tolerance; both paths served, on half-width logits; the lm_head's own path is back
@@ -409,7 +409,7 @@ def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, 
 def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
     """tp_logits.pick against torch's argmax over whole rows split in halves: ties go to the lower id (the first
     shard), a NaN wins as the first NaN, -inf rows and +inf values are kept apart."""
-    from hf_paged.hf.tp_logits import pick
+    from hf_paged.parallel._logits import pick
 
     gen = torch.Generator().manual_seed(0)
     rows = torch.randint(-3, 3, (64, 10), generator=gen).float()  # few values: many ties within and across halves
@@ -427,7 +427,7 @@ def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
 
 
 def test_sharded_logits_are_on_unless_turned_off_and_refuse_a_bad_value(monkeypatch):
-    from hf_paged.hf import tp_logits
+    from hf_paged.parallel import _logits as tp_logits
 
     monkeypatch.delenv(tp_logits.ENV, raising=False)
     assert tp_logits.enabled() is True
@@ -579,7 +579,7 @@ def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
 
 
 def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatch):
-    from hf_paged.hf import tp_all_reduce
+    from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "ring")
     with pytest.raises(ValueError, match="'ring' is not one of nccl, one_shot, hf_paged"):
@@ -605,7 +605,7 @@ def test_peer_sum_refuses_more_ranks_than_it_serves_and_says_so_by_how_it_was_as
     """A group beyond peer_sum's 8 ranks keeps NCCL: quietly (an info line) where peer_sum is only the default, with a
     warning where HF_PAGED_TP_ALL_REDUCE named it. Nothing is set up (no collective runs: the size check comes
     first)."""
-    from hf_paged.hf import tp_all_reduce
+    from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     if asked:
         monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "hf_paged")

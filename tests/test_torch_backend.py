@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from hf_paged.attention import AttentionParams, Dispatcher, Phase
-from hf_paged.attention.backends.torch_backend import paged_attention_reference
-from hf_paged.attention.metadata import build_metadata
+from hf_paged.attention.backends._torch import paged_attention_reference
+from hf_paged.attention._metadata import build_metadata
 
 
 def random_paged_step(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block_size, gen, dtype=torch.float32):

@@ -1,4 +1,4 @@
-"""Packing the colwise shards that read one input (q/k/v, gate/up) end to end (``hf_paged.hf.tp_linears.pack_colwise``),
+"""Packing the colwise shards that read one input (q/k/v, gate/up) end to end (``hf_paged.parallel._linears.pack_colwise``),
 on one CPU process over gloo: the DTensors keep their shapes and values, only their storage moves; a packed group
 is found packed again rather than moved; one product over the buffer equals the separate ones; groups that cannot
 be packed (a bias missing, shards not given) stay where they are. The two-process engine test
@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.hf import tp_linears
-from hf_paged.kernels import skinny
+from hf_paged.parallel import _linears as tp_linears
+from hf_paged.kernels import _skinny as skinny
 
 GROUPS = {"attention": (("q_proj", 16), ("k_proj", 8), ("v_proj", 8)), "mlp": (("gate_proj", 20), ("up_proj", 20))}
 

@@ -1,4 +1,4 @@
-"""The L2 prefetch hints of the tensor-parallel all-reduces (``hf_paged.hf.tp_linears.set_prefetch``): each rowwise
+"""The L2 prefetch hints of the tensor-parallel all-reduces (``hf_paged.parallel._linears.set_prefetch``): each rowwise
 shard's all-reduce is handed the first bytes of the weights of the colwise shards after it (o_proj: the MLP's gate;
 down_proj: the next layer's q/k/v, all three where they are packed end to end), never past the limit, and none for
 the last layer or with the switch at 0. peer_sum's kernel, which takes the hint, is checked on two GPUs
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.hf import tp_linears
+from hf_paged.parallel import _linears as tp_linears
 
 SHAPES = (("q_proj", 16, False), ("k_proj", 8, False), ("v_proj", 8, False), ("o_proj", 12, True),
           ("gate_proj", 20, False), ("up_proj", 20, False), ("down_proj", 12, True))
@@ -91,7 +91,7 @@ def test_the_switch_reads_mib_and_refuses_what_it_cannot_read(monkeypatch):
 
 
 def test_a_hint_the_kernel_cannot_take_is_dropped_not_an_error():
-    from hf_paged.hf.tp_all_reduce import _hint
+    from hf_paged.parallel._all_reduce import _hint
 
     x = torch.zeros(8)
     assert _hint(None, x) is None

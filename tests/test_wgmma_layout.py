@@ -50,7 +50,7 @@ HEAD_DIMS = [32, 64, 80, 96, 112, 128, 160, 192, 256]  # kernels.prefill.WGMMA_H
 
 
 def test_the_model_covers_the_compiled_head_sizes():
-    from hf_paged.kernels.prefill import WGMMA_HEAD_DIMS
+    from hf_paged.kernels._prefill import WGMMA_HEAD_DIMS
     assert tuple(HEAD_DIMS) == WGMMA_HEAD_DIMS
 
 

@@ -1,7 +1,6 @@
-"""Paged KV storage: the block allocator, the per-layer pool and the transformers ``Cache``."""
+"""The KV pool and its bookkeeping: the block allocator, the per-layer K/V tensors, and the engine's block manager."""
 
-from hf_paged.cache.block_allocator import BlockAllocator, OutOfBlocksError
-from hf_paged.cache.kv_pool import KVLayout, KVPool
-from hf_paged.cache.paged_cache import PagedAttentionCache
+from hf_paged.cache._block_allocator import BlockAllocator, OutOfBlocksError
+from hf_paged.cache._kv_pool import KVLayout, KVPool
 
-__all__ = ["BlockAllocator", "KVLayout", "KVPool", "OutOfBlocksError", "PagedAttentionCache"]
+__all__ = ["BlockAllocator", "KVLayout", "KVPool", "OutOfBlocksError"]

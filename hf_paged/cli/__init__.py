@@ -14,8 +14,10 @@ import traceback
 import torch
 
 from hf_paged import __version__
-from hf_paged.cli import generate, kernels, serve
-from hf_paged.cli.arguments import Parser, exit_with, flags_for_parameters
+from hf_paged.cli import _generate as generate
+from hf_paged.cli import _kernels as kernels
+from hf_paged.cli import _serve as serve
+from hf_paged.cli._arguments import Parser, exit_with, flags_for_parameters
 
 EXIT_STATUS = ("exit status: 0 done; 1 some requests failed, or the run could not complete (one line on stderr; "
                "--verbose adds the traceback); 2 bad input (a flag, file, checkpoint or prompt), named in one line "

@@ -24,13 +24,13 @@ from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
 import hf_paged
-from hf_paged.cache.kv_pool import blocks_for_budget
-from hf_paged.engine import validation
-from hf_paged.engine.lockstep import KEPT_ERROR_TYPES, agreed_min
-from hf_paged.engine.generate_batch import generate_batch
-from hf_paged.engine.sampling_params import resolve_generation_config
-from hf_paged.hf.placement import layer_devices
-from hf_paged.hf.tensor_parallel import kv_layout, tensor_parallel
+from hf_paged.cache._kv_pool import blocks_for_budget
+from hf_paged.engine import _validation as validation
+from hf_paged.parallel._lockstep import KEPT_ERROR_TYPES, agreed_min
+from hf_paged.engine._generate_batch import generate_batch
+from hf_paged.engine._sampling_params import resolve_generation_config
+from hf_paged.hf._placement import layer_devices
+from hf_paged.parallel._tensor_parallel import kv_layout, tensor_parallel
 
 logger = logging.getLogger("hf_paged")
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from hf_paged.kernels.build import KernelsUnavailable, ensure_loaded, load
+from hf_paged.kernels._build import KernelsUnavailable, ensure_loaded, load
 
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Head sizes compiled for decode and prefill, every dtype: flash-attn 2's common sizes (multiples of 16 up to 256 that
@@ -103,7 +103,7 @@ def write_kv(
             lie below ``num_blocks * block_size`` (not checked on the device).
         k_scale, v_scale: with a ``float8_e4m3fn`` cache, its float32 ``[Hkv]`` scales: rows are stored as
             ``x / scale`` rounded to e4m3 (saturating at +-448), and a head whose scale is still 0 first gets
-            ``absmax * 4 / 448`` of the rows written (``hf_paged.attention.kv_quant``'s policy, on the device, no
+            ``absmax * 4 / 448`` of the rows written (``hf_paged.cache._kv_quant``'s policy, on the device, no
             host sync). None for other caches.
     """
     _check_kv_scales(k_cache, k_scale, v_scale)

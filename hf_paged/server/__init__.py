@@ -2,7 +2,7 @@
 
 ``create_app(engine, model_name)`` gives the FastAPI application (FastAPI and uvicorn come with
 ``pip install 'hf-paged[serve]'``); ``hf-paged serve`` runs it under uvicorn. One thread owns the engine
-(:mod:`~hf_paged.server.engine_loop`); the routes (:mod:`~hf_paged.server.app`) talk to it through queues.
+(:mod:`~hf_paged.server._engine_loop`); the routes (:mod:`~hf_paged.server._app`) talk to it through queues.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
     max_queued_requests`` sequences live at once (more get 429); ``chat_template`` (Jinja) overrides the
     tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted."""
     try:
-        from hf_paged.server.app import build_app
+        from hf_paged.server._app import build_app
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
-    from hf_paged.server.engine_loop import EngineLoop
-    from hf_paged.server.metrics import ServerMetrics
+    from hf_paged.server._engine_loop import EngineLoop
+    from hf_paged.server._metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name)
     loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template)

@@ -7,10 +7,10 @@ differ reads back the wrong record.
 
 from __future__ import annotations
 
-from hf_paged.cache.block_allocator import BlockAllocator
-from hf_paged.engine.block_manager import BlockManager
-from hf_paged.engine.block_table_buffer import BlockTableBuffer
-from hf_paged.engine.sequence import Sequence
+from hf_paged.cache._block_allocator import BlockAllocator
+from hf_paged.cache._block_manager import BlockManager
+from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.engine._sequence import Sequence
 
 
 class FakeKV:

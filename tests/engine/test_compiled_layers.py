@@ -13,7 +13,7 @@ import torch
 
 import hf_paged
 from engine_helpers import greedy_config, hf_greedy, random_prompts
-from hf_paged.engine import compiled_layers as cl
+from hf_paged.compile import _layers as cl
 from tiny_models import make_models
 
 

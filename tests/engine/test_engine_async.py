@@ -13,7 +13,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from engine_helpers import models, random_prompts
-from hf_paged.engine.sequence import PLACEHOLDER
+from hf_paged.engine._sequence import PLACEHOLDER
 
 
 def _configs(n: int) -> list[GenerationConfig]:

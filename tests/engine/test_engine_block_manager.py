@@ -15,10 +15,10 @@ from hypothesis import given, settings, strategies as st
 
 import torch
 from fake_kv import check_table_rows, make_block_manager
-from hf_paged.engine import block_manager
-from hf_paged.engine.block_table_buffer import DeviceBlockTable
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.sequence import Sequence
+from hf_paged.cache import _block_manager as block_manager
+from hf_paged.cache._block_table import DeviceBlockTable
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sequence import Sequence
 
 PARAMS = SamplingParams(max_new_tokens=4)
 

@@ -26,7 +26,7 @@ def test_engine_with_fp8_kv_runs_a_workload_to_the_end_without_leaking_blocks():
 def test_generate_batch_reads_kv_cache_dtype_from_the_continuous_batching_config():
     from types import SimpleNamespace
 
-    from hf_paged.engine.generate_batch import _KEPT
+    from hf_paged.engine._generate_batch import _KEPT
 
     paged = models("llama_gqa")[1]
     config = SimpleNamespace(num_blocks=48, block_size=4, max_batch_tokens=32, kv_cache_dtype="fp8")

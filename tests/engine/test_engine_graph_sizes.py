@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.engine.cuda_graphs import graph_batch_sizes, one_call_graph_sizes
+from hf_paged.runner._decode_graphs import graph_batch_sizes, one_call_graph_sizes
 from engine_helpers import models, random_prompts
 
 
@@ -36,7 +36,7 @@ def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
     captures on every call, so it captures powers of two up to that, the smaller ones on demand; a persistent
     engine, an explicit size list or an EngineConfig given as it is keep theirs, and a config may ask for every
     size at start."""
-    from hf_paged.engine import generate_batch as module
+    from hf_paged.engine import _generate_batch as module
 
     built = []
     real = module.Engine

@@ -12,11 +12,11 @@ import torch
 import hf_paged
 from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
-from hf_paged.attention.metadata import build_metadata
-from hf_paged.engine import engine_core
-from hf_paged.engine.step_plan import plan_step
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.sequence import Sequence
+from hf_paged.attention._metadata import build_metadata
+from hf_paged.engine import _core as engine_core
+from hf_paged.runner._step_plan import plan_step
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sequence import Sequence
 
 
 def naive_plan(seqs, counts, block_size):

@@ -9,9 +9,9 @@ import pytest
 import torch
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-from hf_paged.engine.sampler import Sampler, SamplingBatch, uniforms
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.sequence import Sequence
+from hf_paged.engine._sampler import Sampler, SamplingBatch, uniforms
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sequence import Sequence
 
 
 def seqs_with(params: SamplingParams, prompts: list[list[int]], generated: list[int] | None = None, seed: int = 0):

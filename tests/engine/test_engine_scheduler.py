@@ -13,9 +13,9 @@ from array import array
 from hypothesis import given, settings, strategies as st
 
 from fake_kv import check_table_rows, make_block_manager
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.scheduler import Scheduler
-from hf_paged.engine.sequence import Sequence, SequenceStatus
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._scheduler import Scheduler
+from hf_paged.engine._sequence import Sequence, SequenceStatus
 
 VOCAB = 5
 

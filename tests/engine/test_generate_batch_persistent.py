@@ -7,7 +7,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from engine_helpers import models, random_prompts
-from hf_paged.engine.generate_batch import _KEPT
+from hf_paged.engine._generate_batch import _KEPT
 
 
 def _tokens(results):

@@ -1,4 +1,4 @@
-"""The decode graphs' staged row (hf_paged/engine/graph_inputs.py): what the host writes is what the graph reads back,
+"""The decode graphs' staged row (hf_paged/runner/_graph_inputs.py): what the host writes is what the graph reads back,
 padding rows read nothing real, and unused table updates land in the scratch entry."""
 
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from hf_paged.engine import graph_inputs
+from hf_paged.runner import _graph_inputs as graph_inputs
 
 
 def test_a_padded_step_reads_back_row_by_row():

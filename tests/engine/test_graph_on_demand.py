@@ -9,9 +9,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_paged.engine import cuda_graphs, graph_sizes
-from hf_paged.engine.cuda_graphs import DecodeGraphs
-from hf_paged.engine.graph_sizes import OnDemandSizes
+from hf_paged.runner import _decode_graphs as cuda_graphs
+from hf_paged.runner import _graph_sizes as graph_sizes
+from hf_paged.runner._decode_graphs import DecodeGraphs
+from hf_paged.runner._graph_sizes import OnDemandSizes
 
 
 def test_a_size_is_due_after_enough_steps_padded_past_it():

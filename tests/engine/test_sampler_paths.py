@@ -9,10 +9,10 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
-import hf_paged.engine.sampler as sampler_module
-from hf_paged.engine.sampler import Sampler, SamplingBatch, uniforms
-from hf_paged.engine.sampling_params import SamplingParams
-from hf_paged.engine.sequence import Sequence
+import hf_paged.engine._sampler as sampler_module
+from hf_paged.engine._sampler import Sampler, SamplingBatch, uniforms
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sequence import Sequence
 
 V = 64
 GREEDY = SamplingParams(max_new_tokens=8)

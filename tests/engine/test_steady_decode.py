@@ -15,8 +15,8 @@ from transformers import GenerationConfig
 
 import hf_paged
 from engine_helpers import models, random_prompts
-from hf_paged.engine import steady_decode
-from hf_paged.engine.sequence import PLACEHOLDER
+from hf_paged.engine import _steady_decode as steady_decode
+from hf_paged.engine._sequence import PLACEHOLDER
 
 
 def _configs(n: int, mixed: bool) -> list[GenerationConfig]:
@@ -169,7 +169,7 @@ def test_an_abort_during_a_steady_steps_device_work_ends_the_run(monkeypatch, as
 
 
 def test_write_entries_sets_grows_and_logs_like_one_write_per_entry():
-    from hf_paged.engine.block_table_buffer import BlockTableBuffer
+    from hf_paged.cache._block_table import BlockTableBuffer
 
     one, many = BlockTableBuffer(4, 2), BlockTableBuffer(4, 2)
     for buf in (one, many):

@@ -16,8 +16,8 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.attention import AttentionParams
-from hf_paged.attention.backends.torch_backend import paged_attention_reference
-from hf_paged.kernels.prefill import paged_prefill, prefill_configs
+from hf_paged.attention.backends._torch import paged_attention_reference
+from hf_paged.kernels._prefill import paged_prefill, prefill_configs
 
 from kernel_oracle import assert_rows_close, exact_position_means, position_allowance, position_step
 

@@ -18,7 +18,7 @@ from test_flash_backend import make_paged_step  # noqa: E402
 
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
-from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
+from hf_paged.attention.backends._torch import paged_attention_reference  # noqa: E402
 
 # (heads, kv heads, head_dim, block_size, dtype, context lengths, split_len[, sliding window, softcap])
 CASES = [
@@ -81,8 +81,8 @@ FP8_CASES = [
 def fp8_cases(gen: torch.Generator) -> int:
     """The e4m3 decode kernel and the quantizing write, against float64 attention over the dequantized cache and
     the torch write byte for byte."""
-    from hf_paged.attention import kv_quant
-    from hf_paged.attention.kv_quant import KVScales
+    from hf_paged.cache import _kv_quant as kv_quant
+    from hf_paged.cache._kv_quant import KVScales
 
     failures = 0
     for heads, kv_heads, head_dim, block_size, dtype, lens, split_len, window, softcap in FP8_CASES:
@@ -126,9 +126,9 @@ def fp8_prefill_case(gen: torch.Generator) -> int:
     """The e4m3 prefill kernel (every tile configuration of head_dim 128, bf16, GQA, block size 48, prompts and an
     extend across 64-key tiles; plain, then with window 30 and softcap 5) against float64 attention over the
     dequantized cache."""
-    from hf_paged.attention import kv_quant
-    from hf_paged.attention.kv_quant import KVScales
-    from hf_paged.kernels.prefill import paged_prefill, prefill_configs
+    from hf_paged.cache import _kv_quant as kv_quant
+    from hf_paged.cache._kv_quant import KVScales
+    from hf_paged.kernels._prefill import paged_prefill, prefill_configs
 
     meta, _, _ = make_paged_step([0, 70, 3], [1, 90, 130], 48, 2, 128, torch.float32, gen)
     meta = meta.on(torch.device("cuda"))

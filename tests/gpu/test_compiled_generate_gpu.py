@@ -92,7 +92,7 @@ def test_the_torch_backend_is_not_compiled_on_cuda(models):
 def test_an_armed_step_advances_in_one_launch_as_the_torch_ops_do():
     """``StaticDecode.advance`` on the CUDA kernel (``hf_paged::advance_decode``) leaves lengths, prefix sums,
     positions and slots as the four torch ops do, on random armed state, several steps in a row."""
-    if kernels.build.ensure_loaded() is not None:
+    if kernels._build.ensure_loaded() is not None:
         pytest.skip("the CUDA kernels are unavailable")
     gen = torch.Generator().manual_seed(3)
     rows, positions = 37, 160

@@ -122,7 +122,7 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
     scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
     same step as its eager run, bit for bit."""
-    from hf_paged.engine import graph_sizes
+    from hf_paged.runner import _graph_sizes as graph_sizes
 
     monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
     prompts = _prompts(16, seed=11, lo=5, hi=120)

@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase  # noqa: E402
 from hf_paged.attention.backends.base import registered_backends  # noqa: E402
-from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
-from hf_paged.kernels.prefill import PREFILL_CONFIGS, paged_prefill, prefill_configs  # noqa: E402
+from hf_paged.attention.backends._torch import paged_attention_reference  # noqa: E402
+from hf_paged.kernels._prefill import PREFILL_CONFIGS, paged_prefill, prefill_configs  # noqa: E402
 
 from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/conftest.py puts tests/ on the path)
 from test_flash_backend import make_paged_step  # noqa: E402

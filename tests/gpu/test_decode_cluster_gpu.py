@@ -22,7 +22,7 @@ if torch.cuda.get_device_capability()[0] < 9:
     pytest.skip("thread-block clusters need compute capability 9.0 or newer", allow_module_level=True)
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.attention import kv_quant  # noqa: E402
+from hf_paged.cache import _kv_quant as kv_quant  # noqa: E402
 
 from kernel_rows import seeded  # noqa: E402  (same folder)
 from test_cuda_kernels import decode_step, reference, relative_error  # noqa: E402

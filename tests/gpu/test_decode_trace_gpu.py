@@ -1,4 +1,4 @@
-"""The diagnostic decode build (``HF_PAGED_KERNEL_TRACE=1``) and its reader, ``python -m hf_paged.bench.decode_trace``,
+"""The diagnostic decode build (``HF_PAGED_KERNEL_TRACE=1``) and its reader, ``python -m hf_paged.bench._decode_trace``,
 on a GPU. The build switch must be set before a process first loads the kernels, so each case runs the reader in a
 process of its own (the first one builds the trace kernels into their own folder: about a minute).
 
@@ -25,7 +25,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.bench import decode_trace as dt  # noqa: E402
+from hf_paged.bench import _decode_trace as dt  # noqa: E402
 
 if kernels.unavailable_reason() is not None:
     pytest.skip(f"kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
@@ -37,7 +37,7 @@ def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3, pdl: bool = 
     out = tmp_path / "trace.json"
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
     env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path, "HF_PAGED_DECODE_PDL": "1" if pdl else "0"}
-    done = subprocess.run([sys.executable, "-m", "hf_paged.bench.decode_trace", "--batch", str(batch), "--ctx",
+    done = subprocess.run([sys.executable, "-m", "hf_paged.bench._decode_trace", "--batch", str(batch), "--ctx",
                            str(ctx), "--launches", str(launches), "--json", str(out), "--raw"],
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]

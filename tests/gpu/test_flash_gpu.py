@@ -13,8 +13,8 @@ import torch
 from test_flash_backend import make_paged_step  # tests/conftest.py puts tests/ on the path
 
 from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
-from hf_paged.attention.backends import flash
-from hf_paged.attention.backends.torch_backend import paged_attention_reference
+from hf_paged.attention.backends import _flash as flash
+from hf_paged.attention.backends._torch import paged_attention_reference
 
 pytestmark = pytest.mark.cuda
 

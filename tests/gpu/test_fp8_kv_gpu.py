@@ -24,10 +24,11 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # 
 
 import hf_paged  # noqa: E402
 from hf_paged import kernels  # noqa: E402
-from hf_paged.attention import AttentionParams, kv_quant  # noqa: E402
-from hf_paged.attention.backends.torch_backend import TorchBackend, paged_attention_reference  # noqa: E402
-from hf_paged.attention.kv_quant import FP8_DTYPE, KVScales  # noqa: E402
-from hf_paged.attention.metadata import PagedMetadata, Phase  # noqa: E402
+from hf_paged.attention import AttentionParams
+from hf_paged.cache import _kv_quant as kv_quant  # noqa: E402
+from hf_paged.attention.backends._torch import TorchBackend, paged_attention_reference  # noqa: E402
+from hf_paged.cache._kv_quant import FP8_DTYPE, KVScales  # noqa: E402
+from hf_paged.attention._metadata import PagedMetadata, Phase  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 
 from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/ is on the path)

@@ -25,11 +25,12 @@ from transformers import GenerationConfig  # noqa: E402
 
 import hf_paged  # noqa: E402
 from hf_paged import kernels  # noqa: E402
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, kv_quant  # noqa: E402
-from hf_paged.attention.backends.cuda import CudaBackend  # noqa: E402
-from hf_paged.attention.backends.torch_backend import paged_attention_reference  # noqa: E402
-from hf_paged.attention.kv_quant import FP8_DTYPE, KVScales  # noqa: E402
-from hf_paged.kernels.prefill import paged_prefill, prefill_configs  # noqa: E402
+from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher
+from hf_paged.cache import _kv_quant as kv_quant  # noqa: E402
+from hf_paged.attention.backends._cuda import CudaBackend  # noqa: E402
+from hf_paged.attention.backends._torch import paged_attention_reference  # noqa: E402
+from hf_paged.cache._kv_quant import FP8_DTYPE, KVScales  # noqa: E402
+from hf_paged.kernels._prefill import paged_prefill, prefill_configs  # noqa: E402
 
 from kernel_oracle import assert_rows_close, random_allowance  # noqa: E402  (tests/ is on the path)
 from test_end_to_end_gpu import assert_matches_up_to_ties, batch  # noqa: E402, F401 (fixture)

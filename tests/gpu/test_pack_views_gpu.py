@@ -1,8 +1,8 @@
 """On the GPU: with ``HF_PAGED_PACK_VIEWS`` on (the default), a layer's q/k/v products over weights that lie end to
 end in one buffer run as one ``hf_paged::linear_packed`` product whose output the compiled layer takes as views
-(``hf_paged/engine/group_linears.py``), inside the engine's compiled layers and decode CUDA graphs.
+(``hf_paged/compile/_group_linears.py``), inside the engine's compiled layers and decode CUDA graphs.
 
-A bf16 Llama's q/k/v weights are moved end to end into one buffer per layer, as ``hf_paged.hf.tp_linears`` packs a
+A bf16 Llama's q/k/v weights are moved end to end into one buffer per layer, as ``hf_paged.parallel._linears`` packs a
 tensor-parallel rank's shards, so one GPU serves the path. Greedy tokens of the engine equal eager's up to rounding
 ties, at decode batches of 6 rows (the skinny kernel over the packed weight) and 20 rows (cuBLAS), with the switch on
 and off, and the packed op served only with it on.
@@ -26,7 +26,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig  # 
 
 import hf_paged  # noqa: E402
 from hf_paged import kernels  # noqa: E402
-from hf_paged.kernels import skinny  # noqa: E402
+from hf_paged.kernels import _skinny as skinny  # noqa: E402
 
 from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402  (same folder)
 

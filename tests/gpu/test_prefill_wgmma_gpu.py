@@ -27,8 +27,8 @@ if torch.cuda.get_device_capability() != (9, 0):
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.base import backend_named  # noqa: E402
-from hf_paged.attention.backends.cuda import _WGMMA_BY_HEAD_DIM, PREFILL_WGMMA_ENV  # noqa: E402
-from hf_paged.kernels.prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
+from hf_paged.attention.backends._cuda import _WGMMA_BY_HEAD_DIM, PREFILL_WGMMA_ENV  # noqa: E402
+from hf_paged.kernels._prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
 
 from kernel_oracle import assert_rows_close, sparse_allowance  # noqa: E402
 from kernel_rows import check_prefill_rows  # noqa: E402  (same folder)

@@ -24,8 +24,8 @@ if not torch.cuda.is_available():
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.engine import skinny_linear  # noqa: E402
-from hf_paged.kernels import skinny  # noqa: E402
+from hf_paged.compile import _skinny_linears as skinny_linear  # noqa: E402
+from hf_paged.kernels import _skinny as skinny  # noqa: E402
 
 from test_end_to_end_gpu import CONFIG, NEW_TOKENS, assert_matches_up_to_ties  # noqa: E402  (same folder)
 

@@ -19,7 +19,7 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.kernels import skinny  # noqa: E402
+from hf_paged.kernels import _skinny as skinny  # noqa: E402
 
 from test_skinny_linear_gpu import DEVICE, random_linear  # noqa: E402  (same folder)
 from test_skinny_wide_gpu import (  # noqa: E402  (the same shapes, oracle and checks)

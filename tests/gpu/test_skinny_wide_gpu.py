@@ -21,8 +21,8 @@ if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
 from hf_paged import kernels  # noqa: E402
-from hf_paged.engine import skinny_linear  # noqa: E402
-from hf_paged.kernels import skinny  # noqa: E402
+from hf_paged.compile import _skinny_linears as skinny_linear  # noqa: E402
+from hf_paged.kernels import _skinny as skinny  # noqa: E402
 
 from test_end_to_end_gpu import NEW_TOKENS  # noqa: E402  (same folder)
 from test_skinny_linear_gpu import (  # noqa: E402

@@ -75,7 +75,8 @@ def _raise():
 # ----- the worker (one per rank, under torchrun) -----------------------------------------------------------------
 def worker(path: str, out_dir: str, part: str) -> None:
     import hf_paged
-    from hf_paged.hf import tp_all_reduce, tp_linears
+    from hf_paged.parallel import _all_reduce as tp_all_reduce
+    from hf_paged.parallel import _linears as tp_linears
     from hf_paged.hf.compat import with_cache
     from hf_paged.integrations.accelerate import paged_cache_for
     from transformers import AutoModelForCausalLM
@@ -282,14 +283,14 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
         assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel by default
         assert record["prefetch"] is False  # opt-in
         # the logits left split over the vocabulary by default (HF_PAGED_TP_SHARDED_LOGITS); on the tensor-parallel
-        # group: hf_paged/hf/tp_logits.py's (value, id) exchange rides whichever all-reduce serves
+        # group: hf_paged/parallel/_logits.py's (value, id) exchange rides whichever all-reduce serves
         assert record["sharded_logits"] is True
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)
 
 
 def test_compiled_layers_with_the_logits_gathered(saved, single, tmp_path):
-    """HF_PAGED_TP_SHARDED_LOGITS=0 (hf_paged/hf/tp_logits.py; the default leaves them sharded, tested above): the
+    """HF_PAGED_TP_SHARDED_LOGITS=0 (hf_paged/parallel/_logits.py; the default leaves them sharded, tested above): the
     decode graphs return transformers' gathered logits and every step samples them: the greedy tokens of one GPU."""
     output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_SHARDED_LOGITS="0")
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]

@@ -17,7 +17,7 @@ if not torch.cuda.is_available():
 
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionCall  # noqa: E402
-from hf_paged.kernels.prefill import paged_prefill, prefill_configs  # noqa: E402
+from hf_paged.kernels._prefill import paged_prefill, prefill_configs  # noqa: E402
 
 from test_cuda_kernels import check, reference  # noqa: E402  (same folder)
 from test_cuda_prefill import SCENARIOS, prefill_step  # noqa: E402

@@ -20,7 +20,7 @@ from transformers import GenerationConfig  # noqa: E402
 
 from hf_paged import Engine  # noqa: E402
 from hf_paged.cli.default_model import load_model  # noqa: E402
-from hf_paged.server.prompts import SIMPLE_CHAT_TEMPLATE  # noqa: E402
+from hf_paged.server._prompts import SIMPLE_CHAT_TEMPLATE  # noqa: E402
 from server_process import metric, running_server  # noqa: E402
 
 MODEL = "hf-paged-tiny"

@@ -1,7 +1,7 @@
 """The backend contract: what a paged-attention backend declares and the three verbs it implements.
 
 A backend lives in one file of this package and registers itself with :func:`register_backend`; the dispatcher
-(:mod:`hf_paged.attention.dispatch`) imports every module here, so adding a backend is a one-file change.
+(:mod:`hf_paged.attention._dispatch`) imports every module here, so adding a backend is a one-file change.
 
 Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV heads, ``D`` head_dim):
     query:            [T, H, D]
@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.attention.kv_quant import KVScales, is_fp8, write_quantized
-from hf_paged.attention.metadata import PagedMetadata, Phase
+from hf_paged.cache._kv_quant import KVScales, is_fp8, write_quantized
+from hf_paged.attention._metadata import PagedMetadata, Phase
 
 
 @dataclass(frozen=True)
@@ -83,7 +83,7 @@ class AttentionBackend(ABC):
         kv_scales: KVScales | None = None,
     ) -> None:
         """Scatter the new ``key``/``value`` into their slots (``meta.slot_mapping``); -1 slots are skipped. An fp8
-        cache gets them quantized with ``kv_scales`` (see :mod:`hf_paged.attention.kv_quant`)."""
+        cache gets them quantized with ``kv_scales`` (see :mod:`hf_paged.cache._kv_quant`)."""
         slots = meta.slot_mapping
         if meta.has_padding_slots:
             keep = slots >= 0
@@ -128,7 +128,7 @@ def register_backend(cls: type[AttentionBackend]) -> type[AttentionBackend]:
 
 
 def backend_named(name: str) -> AttentionBackend:
-    """The registered backend called ``name`` (how the custom ops in ``hf_paged.attention.ops`` find theirs)."""
+    """The registered backend called ``name`` (how the custom ops in ``hf_paged.attention._ops`` find theirs)."""
     return _REGISTRY[name]
 
 

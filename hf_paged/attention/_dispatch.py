@@ -1,0 +1,135 @@
+"""Pick the backend that serves each (phase, layer shape) in the order flash -> cuda -> torch.
+
+The choice is made once per distinct :class:`AttentionCall` and memoised, so a layer pays a dict lookup. A user
+may restrict the choice (``PagedAttentionCache(..., backend="torch")``, ``backend=("cuda", "torch")`` or the
+``HF_PAGED_BACKEND`` variable, comma-separated): only the named backends are tried, in the order given, and a call
+none of them can serve raises instead of silently falling back.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import pkgutil
+from collections.abc import Sequence
+
+import torch
+
+from hf_paged.attention import backends as _backends_pkg
+from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
+from hf_paged.attention._metadata import Phase
+
+logger = logging.getLogger("hf_paged")
+
+
+def _import_backends() -> None:
+    for mod in pkgutil.iter_modules(_backends_pkg.__path__):
+        if mod.name != "base":
+            importlib.import_module(f"{_backends_pkg.__name__}.{mod.name}")
+
+
+def available_backends() -> list[str]:
+    """Names of the registered backends, in the default dispatch order."""
+    _import_backends()
+    return [b.name for b in registered_backends()]
+
+
+def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    backend = backend or os.environ.get("HF_PAGED_BACKEND") or None
+    if backend is None:
+        return None
+    names = tuple(n.strip() for n in backend.split(",")) if isinstance(backend, str) else tuple(backend)
+    known = available_backends()
+    unknown = [n for n in names if n not in known]
+    if unknown or not names:
+        raise ValueError(f"unknown attention backend(s) {unknown or names}; choose from {known}")
+    return names
+
+
+class Dispatcher:
+    """Chooses backends and records which one served each phase (``served``: phase name -> backend name)."""
+
+    def __init__(self, backend: str | Sequence[str] | None = None):
+        _import_backends()
+        self.allowed = _parse_allowed(backend)
+        by_name = {b.name: b for b in registered_backends()}
+        self._order = registered_backends() if self.allowed is None else [by_name[n] for n in self.allowed]
+        self.served: dict[str, str] = {}
+        self._choice: dict[AttentionCall, AttentionBackend] = {}
+        self._writer: dict[tuple, AttentionBackend] = {}
+        # The attention function's memo: (phase, layer shape, scalars) -> (backend, KV writer, params).
+        self.routes: dict[tuple, tuple] = {}
+
+    def select(self, call: AttentionCall) -> AttentionBackend:
+        backend = self._choice.get(call)
+        if backend is None:
+            backend = self._choose(call)
+            self._choice[call] = backend
+            logger.debug("hf_paged: %s attention served by the %s backend (%s)", call.phase.value, backend.name, call)
+        self.served[call.phase.value] = backend.name
+        return backend
+
+    def check_restriction(self, calls: list[AttentionCall]) -> None:
+        """With backends restricted by the user, raise ``NotImplementedError`` now (naming the backends and what to
+        allow) when none of them can serve one of ``calls``, rather than at the first forward."""
+        if self.allowed is not None:
+            for call in calls:
+                self._choice.setdefault(call, self._choose(call))
+
+    def writer(self, k_cache: torch.Tensor) -> AttentionBackend:
+        """The backend whose KV write serves this cache tensor: the first allowed one with a write of its own,
+        else the first registered one that has one (the torch backend always does)."""
+        backend = self._writer_for((k_cache.device.type, k_cache.dtype, k_cache.shape[-1]))
+        self.served["write"] = backend.name
+        return backend
+
+    def _writer_for(self, key: tuple) -> AttentionBackend:
+        backend = self._writer.get(key)
+        if backend is None:
+            candidates = [*self._order, *registered_backends()]
+            backend = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
+            self._writer[key] = backend
+        return backend
+
+    def capture_unsupported_reason(self, calls: list[AttentionCall], dtype: torch.dtype) -> str | None:
+        """Before any step: None if the backends that will serve the decode ``calls`` and the KV write of such a
+        cache may be captured in a CUDA graph, else why not (chooses them now, as the first step would)."""
+        for call in calls:
+            try:
+                backend = self._choice.get(call) or self._choose(call)
+            except NotImplementedError as err:
+                return str(err)
+            self._choice[call] = backend
+            reason = backend.graph_unsupported_reason(call)
+            if reason is not None:
+                return f"{reason} ({call})"
+            writer = self._writer_for((call.device_type, dtype, call.head_dim))
+            if not writer.capture_safe_write:
+                return f"the {writer.name} backend's KV write is not capture-safe"
+        return None
+
+    def graph_unsupported_reason(self) -> str | None:
+        """After an eager decode step: None if every decode call and KV write it chose may be captured in a CUDA
+        graph, else why not (a backend named, with what to change)."""
+        decode = [(c, b) for c, b in self._choice.items() if c.phase is Phase.DECODE]
+        if not decode:
+            return "no decode step has run yet"
+        for call, backend in decode:
+            reason = backend.graph_unsupported_reason(call)
+            if reason is not None:
+                return f"{reason} ({call})"
+        for backend in self._writer.values():
+            if not backend.capture_safe_write:
+                return f"the {backend.name} backend's KV write is not capture-safe"
+        return None
+
+    def _choose(self, call: AttentionCall) -> AttentionBackend:
+        reasons = []
+        for backend in self._order:
+            reason = backend.unsupported_reason(call)
+            if reason is None:
+                return backend
+            reasons.append(f"{backend.name}: {reason}")
+        hint = "" if self.allowed is None else f". Allow more backends (now {list(self.allowed)}) to let another serve."
+        raise NotImplementedError(f"no attention backend can serve {call}: " + "; ".join(reasons) + hint)

@@ -1,0 +1,172 @@
+"""Per-step attention metadata: built once per forward pass, read by every layer.
+
+A step schedules ``num_seqs`` sequences; sequence ``i`` brings ``q_len[i] >= 0`` new tokens and, after this step,
+holds ``seq_lens_k[i]`` tokens in the cache (its cached prefix plus the new ones). The new tokens of all sequences
+are packed into one ``[num_tokens, ...]`` axis in sequence order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+
+class Phase(str, enum.Enum):
+    """What kind of attention a step needs, which decides the kernel that serves it.
+
+    - ``PREFILL``: every sequence attends only to its own new tokens (no cached prefix): the new K/V suffice.
+    - ``EXTEND``: some sequence has a cached prefix and some sequence brings more than one new token
+      (chunked prefill, prefix-cache hits, prefill mixed with decode): K/V are read through the block tables.
+    - ``DECODE``: every sequence brings exactly one new token.
+    """
+
+    PREFILL = "prefill"
+    EXTEND = "extend"
+    DECODE = "decode"
+
+
+@dataclass(frozen=True)
+class PagedMetadata:
+    """Flat tensors describing one step. Integer tensors are int32 unless noted.
+
+    Attributes:
+        num_seqs: sequences in the step (``B``).
+        num_tokens: new tokens over all sequences (``T``).
+        max_seqlen_q / max_seqlen_k: longest new-token run / longest context after the step.
+        block_size: tokens per KV block.
+        phase: see :class:`Phase`.
+        cu_seqlens_q: ``[B + 1]`` prefix sums of new-token counts.
+        cu_seqlens_k: ``[B + 1]`` prefix sums of ``seq_lens_k``.
+        seq_lens_k: ``[B]`` context length of each sequence after this step's tokens are written.
+        block_tables: ``[B, max_blocks]`` physical block ids, padded with 0 (read only below ``seq_lens_k``).
+        slot_mapping: ``[T]`` int64 physical slot (``block * block_size + offset``) of each new token; -1 = padding.
+        token_index: ``[T]`` int64 flat index into the caller's ``[batch, q_len]`` token grid of each packed token,
+            or None when the grid is already packed (every position is a real token, in order).
+        grid: ``(batch, q_len)`` shape of the caller's token grid.
+        has_padding_slots: whether ``slot_mapping`` contains -1 entries (kept on the host to avoid a sync).
+        kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+        dispatcher: picks the backend of each phase (see :mod:`hf_paged.attention._dispatch`).
+        static: a decode step of fixed shapes at fixed addresses (``hf_paged/generate/_static_decode.py``), which a
+            compiled forward traces, with the KV write and the attention as custom ops, rather than break around.
+        plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
+            the backend; filled by the first layer that needs it (see ``AttentionBackend``).
+        scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
+            a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
+            a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
+        kv_scales: with an fp8 cache, per-layer :class:`~hf_paged.cache._kv_quant.KVScales` beside
+            ``kv_caches``; None for a cache in the model's dtype.
+    """
+
+    num_seqs: int
+    num_tokens: int
+    max_seqlen_q: int
+    max_seqlen_k: int
+    block_size: int
+    phase: Phase
+    cu_seqlens_q: torch.Tensor
+    cu_seqlens_k: torch.Tensor
+    seq_lens_k: torch.Tensor
+    block_tables: torch.Tensor
+    slot_mapping: torch.Tensor
+    token_index: torch.Tensor | None
+    grid: tuple[int, int]
+    has_padding_slots: bool
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
+    dispatcher: object = field(repr=False)
+    static: bool = False
+    plans: dict = field(default_factory=dict, repr=False, compare=False)
+    scratch_per_call: bool = False
+    kv_scales: list | None = field(default=None, repr=False)
+    _per_device: dict = field(default_factory=dict, repr=False, compare=False)
+
+    # A plan handed to a forward as its attention mask (generate prepares the masks of a compileable cache) is asked
+    # for its ``ndim`` by model and mask code: it answers as a prepared 4D mask would, so no one reshapes it as a
+    # padding mask, and the mask function passes it on as it is.
+    ndim = 4
+
+    _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")
+
+    def on(self, device: torch.device) -> PagedMetadata:
+        """This metadata with its tensors on ``device``; copied once per step and device (layers split over
+        devices under ``device_map`` each read the copy on their own device)."""
+        device = torch.device(device)
+        if self.slot_mapping.device == device:
+            return self
+        cached = self._per_device.get(device)
+        if cached is None:
+            moved = {
+                name: (None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True))
+                for name in self._TENSOR_FIELDS
+            }
+            cached = dataclasses.replace(self, _per_device={}, **moved)
+            self._per_device[device] = cached
+        return cached
+
+
+def step_phase(num_seqs: int, has_prefix: bool, one_token_each: bool) -> Phase:
+    """The :class:`Phase` of a step: ``has_prefix``, some sequence has a cached prefix (context longer than its
+    new tokens); ``one_token_each``, every sequence brings exactly one new token."""
+    if num_seqs and one_token_each and has_prefix:
+        return Phase.DECODE
+    return Phase.EXTEND if has_prefix else Phase.PREFILL
+
+
+def build_metadata(
+    *,
+    q_lens: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    block_tables: torch.Tensor,
+    slot_mapping: torch.Tensor,
+    token_index: torch.Tensor | None,
+    grid: tuple[int, int],
+    block_size: int,
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
+    dispatcher: object,
+    device: torch.device,
+    kv_scales: list | None = None,
+) -> PagedMetadata:
+    """Assemble a :class:`PagedMetadata` from host tensors and move it to ``device`` in one go.
+
+    Args:
+        q_lens: ``[B]`` new tokens per sequence (host, int).
+        seq_lens_k: ``[B]`` context length after the step (host, int).
+        block_tables: ``[B, max_blocks]`` (host, int).
+        slot_mapping: ``[T]`` (host, int).
+        token_index: ``[T]`` or None (host, int).
+    """
+    q_lens = q_lens.to(torch.int32)
+    seq_lens_k = seq_lens_k.to(torch.int32)
+    zero = torch.zeros(1, dtype=torch.int32)
+    cu_q = torch.cat([zero, torch.cumsum(q_lens, 0, dtype=torch.int32)])
+    cu_k = torch.cat([zero, torch.cumsum(seq_lens_k, 0, dtype=torch.int32)])
+    num_seqs = int(q_lens.numel())
+    max_q = int(q_lens.max()) if num_seqs else 0
+    max_k = int(seq_lens_k.max()) if num_seqs else 0
+    phase = step_phase(num_seqs, bool((seq_lens_k > q_lens).any()), bool((q_lens == 1).all()))
+    pin = device.type == "cuda"
+
+    def as_dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return t.to(dtype).pin_memory().to(device, non_blocking=True) if pin else t.to(device, dtype)
+
+    return PagedMetadata(
+        num_seqs=num_seqs,
+        num_tokens=int(slot_mapping.numel()),
+        max_seqlen_q=max_q,
+        max_seqlen_k=max_k,
+        block_size=block_size,
+        phase=phase,
+        cu_seqlens_q=as_dev(cu_q, torch.int32),
+        cu_seqlens_k=as_dev(cu_k, torch.int32),
+        seq_lens_k=as_dev(seq_lens_k, torch.int32),
+        block_tables=as_dev(block_tables, torch.int32),
+        slot_mapping=as_dev(slot_mapping, torch.int64),
+        token_index=None if token_index is None else as_dev(token_index, torch.int64),
+        grid=grid,
+        has_padding_slots=bool((slot_mapping < 0).any()),
+        kv_caches=kv_caches,
+        dispatcher=dispatcher,
+        kv_scales=kv_scales,
+    )

@@ -1,0 +1,247 @@
+"""The ``cuda`` backend: hf_paged's own kernels (``hf_paged/csrc``) for every phase and KV writes.
+
+Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
+and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel, both for float16,
+bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, sliding
+windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every phase. No
+backend serves ALiBi (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible
+(no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
+
+An fp8 (e4m3) KV cache: this backend serves every phase over it, decode, prefill and extend, for float16/bfloat16
+models with head_dim in ``kernels.FP8_HEAD_DIMS`` (the kernels widen the e4m3 tiles to the model's dtype on the
+chip, with the layer's per-kv-head scales), and its quantizing KV write (any head_dim of whole 8-element groups);
+decode and the write are capture-safe. Other fp8 models (float32, other head sizes) are left to the torch backend.
+
+On a Hopper GPU (compute capability 9.0, CUDA 12 or newer: the build targets sm_90a) prefill / extend go to the wgmma
+prefill kernel (fp16 / bf16 over a cache of the same dtype, every compiled head size), in the form measured faster on
+an H100: the serial one at head_dim 32, 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256
+(docs/kernels.md); other layers and other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0``
+the mma.sync kernel everywhere, ``1`` the pipelined wgmma kernel, ``serial`` its serial form, on Hopper for every
+layer the kernel serves.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged import kernels
+from hf_paged.attention.backends.base import (
+    AttentionBackend,
+    AttentionCall,
+    AttentionParams,
+    register_backend,
+)
+from hf_paged.cache._kv_quant import KVScales, is_fp8
+from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.kernels._build import arch_of
+from hf_paged.kernels._prefill import paged_prefill, wgmma_unsupported_reason
+
+PREFILL_WGMMA_ENV = "HF_PAGED_PREFILL_WGMMA"
+
+
+def _device_reason(device_type: str) -> str | None:
+    return None if device_type == "cuda" else f"tensors are on {device_type}, not a CUDA device"
+
+
+def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+    if device_type != "cuda":
+        return _device_reason(device_type)
+    if dtype not in kernels.DECODE_DTYPES:
+        return f"dtype {dtype} is not compiled (float16, bfloat16, float32 are)"
+    if head_dim not in kernels.HEAD_DIMS:
+        compiled = ", ".join(str(d) for d in kernels.HEAD_DIMS)
+        return f"head_dim {head_dim} is not compiled ({compiled} are)"
+    return None
+
+
+def _fp8_reason(call: AttentionCall) -> str | None:
+    """Why the kernels cannot read this call's fp8 KV cache (None if they can: fp16/bf16, compiled sizes, any
+    phase)."""
+    if call.dtype not in kernels.FP8_QUERY_DTYPES:
+        return f"fp8 KV {call.phase.value} is compiled for float16 and bfloat16 models, not {call.dtype}"
+    if call.head_dim not in kernels.FP8_HEAD_DIMS:
+        compiled = ", ".join(str(d) for d in kernels.FP8_HEAD_DIMS)
+        return f"fp8 KV {call.phase.value} is compiled for head_dim {compiled}, not {call.head_dim}"
+    return None
+
+
+_WGMMA_BY_ENV = {"0": "mma", "1": "wgmma", "serial": "wgmma-serial"}
+# The faster kernel per head_dim on an H100 (docs/kernels.md, "Hopper prefill (wgmma)" and "Every compiled head size
+# on the wgmma kernels"): the serial wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112,
+# 128, 160, 192 and 256.
+_WGMMA_BY_HEAD_DIM = {32: "wgmma-serial", 64: "wgmma-serial", 80: "wgmma", 96: "wgmma-serial", 112: "wgmma",
+                      128: "wgmma", 160: "wgmma", 192: "wgmma", 256: "wgmma"}
+_has_wgmma: dict[int, bool] = {}
+
+
+def _device_has_wgmma(device: torch.device) -> bool:
+    """Whether this device runs the wgmma kernels: compute capability 9.0 and a build for sm_90a (CUDA 12 on)."""
+    if device.type != "cuda":
+        return False
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _has_wgmma:
+        major, minor = torch.cuda.get_device_capability(index)
+        _has_wgmma[index] = arch_of(major, minor, cuda=torch.version.cuda) == "90a"
+    return _has_wgmma[index]
+
+
+def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
+    """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (the form
+    of ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"; ``HF_PAGED_PREFILL_WGMMA=0|1|serial``
+    overrides (module docstring). Read per call (prefill steps only), so a benchmark can switch it between runs."""
+    forced = os.environ.get(PREFILL_WGMMA_ENV, "")
+    if forced not in _WGMMA_BY_ENV and forced not in ("", "auto"):
+        raise ValueError(f"{PREFILL_WGMMA_ENV}={forced!r}: use 0 (mma.sync kernel), 1 (wgmma), serial (wgmma's serial "
+                         "form) or leave it unset (wgmma on Hopper where it serves the layer)")
+    impl = _WGMMA_BY_ENV.get(forced) or _WGMMA_BY_HEAD_DIM.get(head_dim, "mma")
+    if impl == "mma" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
+        return "mma"
+    return impl if _device_has_wgmma(device) else "mma"
+
+
+@dataclass(frozen=True)
+class DecodePlan:
+    """What every layer's decode launch of one step shares: the split length, the partials' workspace and (for a
+    compiled step's op, whose scratch must stay inside the call) the split tickets."""
+
+    split_len: int
+    workspace: torch.Tensor | None
+    counters: torch.Tensor | None = None
+
+
+# Split partials, one growing float32 buffer per (device, stream): launches on one stream run one after another,
+# so the layers of a step and the steps themselves reuse it. A plan keeps a view of the buffer it was given, so a
+# CUDA graph captured with it keeps its memory even after the buffer grows.
+_workspaces: dict[tuple[torch.device, int], torch.Tensor] = {}
+
+
+def _workspace(device: torch.device, numel: int) -> torch.Tensor:
+    key = (device, torch.cuda.current_stream(device).cuda_stream)
+    buf = _workspaces.get(key)
+    if buf is None or buf.numel() < numel:
+        buf = _workspaces[key] = torch.empty(max(numel, 2 * (buf.numel() if buf is not None else 0)),
+                                             dtype=torch.float32, device=device)
+    return buf[:numel]
+
+
+def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata, window: int = 0) -> DecodePlan:
+    """The step's decode plan for layers shaped like ``query`` [B, H, D] over ``k_cache`` with this sliding
+    ``window`` (0 = none), made by the first such layer and reused by the others (one split decision and one
+    workspace per step, not per layer). A window shortens what the splits cover to ``min(max_seqlen_k, window)``
+    keys, so windowed and full layers of one model (Gemma2) get a plan each."""
+    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2], k_cache.dtype, window)
+    plan = meta.plans.get(key)
+    if plan is None:
+        split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
+        numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
+                                               split, window)
+        counters = None
+        if not numel:
+            workspace = None
+        elif meta.scratch_per_call:
+            # A compiled step's op: under CUDA graph trees every allocation of the step lands in the graph's pool,
+            # and one that outlives the call (the shared workspace, the kernel's own per-stream tickets) breaks the
+            # next graph. So both are the call's own; the tickets must start at zero.
+            workspace = torch.empty(numel, dtype=torch.float32, device=query.device)
+            counters = torch.zeros(query.shape[0] * query.shape[1], dtype=torch.int32, device=query.device)
+        else:
+            workspace = _workspace(query.device, numel)
+        plan = meta.plans[key] = DecodePlan(split, workspace, counters)
+    return plan
+
+
+@register_backend
+class CudaBackend(AttentionBackend):
+    """Decode, prefill / extend and KV write through hf_paged's CUDA kernels."""
+
+    name = "cuda"
+    priority = 10
+    capture_safe_write = True  # the write kernel skips -1 slots on the device
+
+    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
+        if call.phase is not Phase.DECODE:
+            return f"only decode steps are captured, not {call.phase.value}"
+        return None  # split length and workspace are fixed by the step's plan, lengths read on the device
+
+    def unsupported_reason(self, call: AttentionCall) -> str | None:
+        reason = _fp8_reason(call) if call.kv_dtype is not None and is_fp8(call.kv_dtype) else None
+        reason = reason or _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
+        if reason is not None:
+            return reason
+        if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
+            return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
+        # Last, since it may build the kernels (about a minute, once per machine).
+        reason = kernels.unavailable_reason()
+        return None if reason is None else f"CUDA kernels unavailable: {reason}"
+
+    def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
+        if is_fp8(dtype):  # the quantizing write takes any head_dim of whole 8-element groups
+            reason = _device_reason(device_type)
+            if reason is None and head_dim % 8:
+                reason = f"the fp8 KV write needs head_dim a multiple of 8, not {head_dim}"
+        else:
+            reason = _dtype_head_dim_reason(device_type, dtype, head_dim)
+        if reason is not None:
+            return reason
+        reason = kernels.unavailable_reason()
+        return None if reason is None else f"CUDA kernels unavailable: {reason}"
+
+    def write_kv(
+        self,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedMetadata,
+        kv_scales: KVScales | None = None,
+    ) -> None:
+        if is_fp8(k_cache.dtype):  # quantized on the device from the model's dtype; unset scales fixed first
+            if kv_scales is None:
+                raise RuntimeError("an fp8 KV cache was written without its scales (PagedMetadata.kv_scales unset)")
+            kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=kv_scales.k, v_scale=kv_scales.v)
+            return
+        kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        k_cache: torch.Tensor,
+        v_cache: torch.Tensor,
+        meta: PagedMetadata,
+        params: AttentionParams,
+        kv_scales: KVScales | None = None,
+    ) -> torch.Tensor:
+        window, softcap = params.sliding_window or 0, params.softcap or 0.0
+        k_scale = None if kv_scales is None else kv_scales.k
+        v_scale = None if kv_scales is None else kv_scales.v
+        if meta.phase is not Phase.DECODE:
+            # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
+            # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
+            return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
+                                 params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap,
+                                 k_scale=k_scale, v_scale=v_scale,
+                                 impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
+        # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
+        # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
+        plan = plan_decode(query, k_cache, meta, window)
+        return kernels.paged_decode(
+            query,
+            k_cache,
+            v_cache,
+            meta.block_tables,
+            meta.seq_lens_k,
+            params.scale,
+            max_seq_len=meta.max_seqlen_k,
+            split_len=plan.split_len,
+            workspace=plan.workspace,
+            window=window,
+            softcap=softcap,
+            counters=plan.counters,
+            k_scale=k_scale,
+            v_scale=v_scale,
+        )

@@ -1,0 +1,288 @@
+"""Kernel benchmark (``hf-paged bench kernels``): paged decode and KV write against the copy-bandwidth ceiling.
+
+One run measures the device-to-device copy bandwidth, then for each shape (the anchors of
+``shared/gpu/anchors.md``: bf16, 32 query / 8 kv heads, head_dim 128 and 64) times hf_paged's decode at block
+size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
+backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
+writes everything as JSON. From compute capability 9.0 on, decode is launched with programmatic dependent launch
+(each launch may start while the one before finishes, so back-to-back launches overlap); ``ours-nopdl-bs16`` is the
+block-size-16 decode without it (``HF_PAGED_DECODE_PDL=0``: each launch alone, as flash-attn's), and
+``ours-cluster-bs16`` the default decode with the split-K combine inside a thread-block cluster
+(``HF_PAGED_DECODE_CLUSTER=1``; launches of 2 to 16 splits, otherwise it is the plain launch).
+``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
+scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
+quantization's error, not the kernel's).
+
+Sliding-window and softcap rows (``windows``/``softcaps``, head_dim = the first asked for): every (window, softcap)
+pair of the options, each alone too, at ``OPTION_SHAPES``, flash-attn with the same ``window_size``/``softcap``. A
+windowed decode reads only the last ``window`` keys, so its bandwidth counts ``min(ctx, window)`` tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+from hf_paged import kernels
+from hf_paged.cache import _kv_quant as kv_quant
+from hf_paged.attention.backends.base import AttentionParams
+from hf_paged.attention.backends._flash import window_size
+from hf_paged.attention.backends._torch import TorchBackend
+from hf_paged.attention._metadata import build_metadata
+from hf_paged.bench import copy_bandwidth, input_sets, time_calls
+
+ANCHOR_SHAPES = ((1, 8192), (8, 4096), (64, 512), (64, 2048), (64, 8192), (256, 1024))
+OPTION_SHAPES = ((1, 8192), (8, 4096), (64, 2048), (64, 8192))
+NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
+WRITE_TOKENS = 4096
+
+
+@dataclass
+class Row:
+    head_dim: int
+    batch: int
+    ctx: int
+    impl: str
+    us: float
+    tbps: float
+    pct_copy: float
+    method: str
+    note: str = ""
+    window: int = 0
+    softcap: float = 0.0
+
+
+def score_options(windows: tuple[int, ...], softcaps: tuple[float, ...]) -> list[tuple[int, float]]:
+    """The (window, softcap) rows to time: each window and each softcap alone, and every pair (0 = off)."""
+    return [(w, c) for w in (0, *windows) for c in (0.0, *softcaps) if w or c]
+
+
+def paged_copy(logical: torch.Tensor, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """``logical`` [B, L, Hkv, D] (L a multiple of block_size) stored in shuffled blocks: (cache, block_tables)."""
+    batch, length = logical.shape[:2]
+    blocks = logical.reshape(batch * (length // block_size), block_size, *logical.shape[2:])
+    perm = torch.randperm(blocks.shape[0], device=logical.device, generator=gen)
+    cache = torch.empty_like(blocks)
+    cache[perm] = blocks  # logical block i lives at physical block perm[i]
+    return cache, perm.view(batch, -1).to(torch.int32)
+
+
+def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dict:
+    """One input set: query, and the same K/V context paged at block size 16 and 256."""
+    padded = math.ceil(ctx / 256) * 256
+    shape = (batch, padded, NUM_KV_HEADS, head_dim)
+    k = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
+    v = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
+    s = {"query": torch.randn(batch, NUM_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE),
+         "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
+    for bs in (16, 256):
+        s[f"k{bs}"], s[f"t{bs}"] = paged_copy(k, bs, gen)
+        s[f"v{bs}"] = torch.empty_like(s[f"k{bs}"])  # V in the same blocks as K
+        s[f"v{bs}"][s[f"t{bs}"].view(-1).long()] = v.reshape_as(s[f"k{bs}"])
+    for name in ("k", "v"):  # the block-size-16 cache as e4m3 with per-head scales, as kv_cache_dtype="fp8" stores it
+        cache, scale = s[f"{name}16"], torch.zeros(NUM_KV_HEADS, dtype=torch.float32, device="cuda")
+        kv_quant.fix_unset_scales(scale, cache.flatten(0, 1))
+        s[f"{name}16_fp8"], s[f"{name}_scale"] = kv_quant.quantize(cache.flatten(0, 1), scale).view(cache.shape), scale
+    return s
+
+
+PDL_ENV = "HF_PAGED_DECODE_PDL"
+CLUSTER_ENV = "HF_PAGED_DECODE_CLUSTER"
+
+
+def with_env(name: str, value: str, fn):
+    """``fn`` called with the environment variable set (the decode op reads it at launch, so under CUDA-graph capture
+    the captured launch keeps it), and restored after."""
+    def call():
+        old = os.environ.get(name)
+        os.environ[name] = value
+        try:
+            return fn()
+        finally:
+            if old is None:
+                del os.environ[name]
+            else:
+                os.environ[name] = old
+    return call
+
+
+def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
+               softcap: float = 0.0) -> dict[str, list]:
+    """name -> one zero-argument callable per input set."""
+    scale = head_dim**-0.5
+    out = {}
+    for bs in (16, 256):
+        out[f"ours-bs{bs}"] = [
+            lambda s=s, bs=bs: kernels.paged_decode(s["query"], s[f"k{bs}"], s[f"v{bs}"], s[f"t{bs}"], s["seq_lens"],
+                                                    scale, max_seq_len=ctx, window=window, softcap=softcap)
+            for s in sets
+        ]
+    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch, clusters: Hopper on
+        for name, env, value in (("ours-nopdl-bs16", PDL_ENV, "0"), ("ours-cluster-bs16", CLUSTER_ENV, "1")):
+            out[name] = [with_env(env, value, call) for call in out["ours-bs16"]]  # bs16 decode, switch set
+    if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
+        out["ours-fp8-bs16"] = [
+            lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
+                                             max_seq_len=ctx, window=window, softcap=softcap, k_scale=s["k_scale"],
+                                             v_scale=s["v_scale"])
+            for s in sets
+        ]
+    try:
+        from flash_attn import flash_attn_with_kvcache
+    except ImportError:
+        flash_attn_with_kvcache = None
+    if flash_attn_with_kvcache is not None:
+        out["flash-bs256"] = [
+            lambda s=s: flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
+                                                cache_seqlens=s["seq_lens"], block_table=s["t256"],
+                                                softmax_scale=scale, causal=True, window_size=window_size(window or None),
+                                                softcap=softcap)
+            for s in sets
+        ]
+    torch_backend = TorchBackend()
+    params = AttentionParams(scale=scale, sliding_window=window or None, softcap=softcap or None)
+    s0 = sets[0]
+    meta = build_metadata(q_lens=torch.ones(len(s0["seq_lens"]), dtype=torch.int32), seq_lens_k=s0["seq_lens"].cpu(),
+                          block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(len(s0["seq_lens"]), dtype=torch.long),
+                          token_index=None, grid=(len(s0["seq_lens"]), 1), block_size=16, kv_caches=[],
+                          dispatcher=None, device=torch.device("cuda"))
+    out["torch-bs16"] = [lambda: torch_backend.forward(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)]
+    return out
+
+
+def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator, window: int = 0,
+                softcap: float = 0.0) -> list[Row]:
+    kv_bytes = batch * kernels.decode_keys(ctx, window) * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
+    sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(input_sets(kv_bytes))]
+    rows, outputs = [], {}
+    for name, calls in contenders(sets, ctx, head_dim, window, softcap).items():
+        outputs[name] = calls[0]().float().reshape(batch, NUM_HEADS, head_dim)
+        timing = time_calls(calls, graph=not name.startswith("torch"), budget_s=0.3 if "torch" in name else 0.5)
+        note = ""
+        if name in ("ours-bs16", "ours-fp8-bs16"):
+            k16 = sets[0]["k16_fp8" if "fp8" in name else "k16"]
+            note = f"split_len={kernels.decode_split_len(sets[0]['query'], k16, ctx, window)}"
+        nbytes = kv_bytes // 2 if "fp8" in name else kv_bytes  # e4m3: one byte an element
+        rows.append(Row(head_dim, batch, ctx, name, timing.median_s * 1e6, nbytes / timing.median_s / 1e12,
+                        100 * nbytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
+        print(_format(rows[-1]), flush=True)
+    ref = outputs["ours-bs16"]
+    for row in rows:  # every contender computed the same attention: a wrong kernel must not post a fast time
+        err = ((outputs[row.impl] - ref).norm() / ref.norm()).item()
+        row.note = f"{row.note} diff={err:.1e}".strip()
+        if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
+            raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at {row}: relative difference {err:.2e}")
+    return rows
+
+
+def bench_split_sweep(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator) -> list[Row]:
+    """Decode at block size 16 over fixed split lengths: the data behind the split heuristic."""
+    kv_bytes = batch * ctx * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
+    sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(input_sets(kv_bytes))]
+    rows = []
+    for split in (64, 128, 256, 512, 1024, 2048):
+        if split > ctx or math.ceil(ctx / split) > 256:
+            continue
+        calls = [lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"],
+                                                  head_dim**-0.5, max_seq_len=ctx, split_len=split) for s in sets]
+        t = time_calls(calls).median_s
+        rows.append(Row(head_dim, batch, ctx, f"ours-bs16-split{split}", t * 1e6, kv_bytes / t / 1e12,
+                        100 * kv_bytes / t / copy_bps, "graph"))
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def bench_write(head_dim: int, copy_bps: float, gen: torch.Generator) -> list[Row]:
+    """KV write of WRITE_TOKENS tokens to random slots; bytes = K and V read once and written once."""
+    nbytes = 2 * 2 * WRITE_TOKENS * NUM_KV_HEADS * head_dim * DTYPE.itemsize
+    num_slots = 64 * WRITE_TOKENS
+    sets = []
+    for _ in range(input_sets(nbytes)):
+        cache = [torch.zeros(num_slots // 16, 16, NUM_KV_HEADS, head_dim, device="cuda", dtype=DTYPE) for _ in "kv"]
+        new = [torch.randn(WRITE_TOKENS, NUM_KV_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE)
+               for _ in "kv"]
+        sets.append((new, cache, torch.randperm(num_slots, device="cuda", generator=gen)[:WRITE_TOKENS]))
+    fp8 = [([torch.zeros(c.shape, device="cuda", dtype=kv_quant.FP8_DTYPE) for c in cache],
+            kv_quant.KVScales.unset(NUM_KV_HEADS, torch.device("cuda"))) for _, cache, _ in sets]
+    impls = {
+        "ours-write": [lambda n=n, c=c, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s) for n, c, s in sets],
+        "ours-write-fp8": [lambda n=n, c=c, sc=sc, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s, k_scale=sc.k,
+                                                                         v_scale=sc.v)
+                           for (n, _, s), (c, sc) in zip(sets, fp8)],
+        "torch-index_copy": [
+            lambda n=n, c=c, s=s: (c[0].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[0]),
+                                   c[1].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[1]))
+            for n, c, s in sets
+        ],
+    }
+    rows = []
+    for name, calls in impls.items():
+        t = time_calls(calls)
+        moved = nbytes * 3 // 4 if "fp8" in name else nbytes  # e4m3 stores one byte an element, reads two
+        rows.append(Row(head_dim, WRITE_TOKENS, 0, name, t.median_s * 1e6, moved / t.median_s / 1e12,
+                        100 * moved / t.median_s / copy_bps, t.method))
+        print(_format(rows[-1]), flush=True)
+    return rows
+
+
+def _format(r: Row) -> str:
+    shape = f"hd{r.head_dim} B={r.batch} ctx={r.ctx}" if r.ctx else f"hd{r.head_dim} T={r.batch}"
+    shape += f" window={r.window}" if r.window else ""
+    shape += f" softcap={r.softcap:g}" if r.softcap else ""
+    return (f"{shape:<24} {r.impl:<22} {r.us:9.1f} us {r.tbps:6.2f} TB/s {r.pct_copy:5.1f}% of copy  "
+            f"[{r.method}] {r.note}")
+
+
+def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 64), sweep: bool = True,
+        windows: tuple[int, ...] = (), softcaps: tuple[float, ...] = ()) -> dict:
+    """Run the whole benchmark; print the table last; write JSON to ``json_path`` if given. ``windows`` /
+    ``softcaps`` add the sliding-window and softcap rows (see the module docstring)."""
+    reason = kernels.unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"hf_paged kernels unavailable: {reason}")
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    copy_bps, copy_ways = copy_bandwidth()
+    props = torch.cuda.get_device_properties(torch.cuda.current_device())
+    ways = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copy_ways.items())
+    print(f"{props.name}: copy bandwidth {copy_bps / 1e12:.2f} TB/s (best of: {ways} TB/s)")
+    rows = [r for hd in head_dims for b, ctx in ANCHOR_SHAPES for r in bench_shape(hd, b, ctx, copy_bps, gen)]
+    rows += [r for window, softcap in score_options(windows, softcaps) for b, ctx in OPTION_SHAPES
+             for r in bench_shape(head_dims[0], b, ctx, copy_bps, gen, window, softcap)]
+    rows += [r for hd in head_dims for r in bench_write(hd, copy_bps, gen)]
+    if sweep:
+        rows += bench_split_sweep(128, 1, 8192, copy_bps, gen) + bench_split_sweep(128, 8, 4096, copy_bps, gen)
+    result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+              "copy_tbps": copy_bps / 1e12, "copy_ways_tbps": {k: v / 1e12 for k, v in copy_ways.items()},
+              "rows": [asdict(r) for r in rows]}
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    print_table(result)
+    return result
+
+
+def print_table(result: dict) -> None:
+    """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
+    impls = ["ours-bs16", "ours-nopdl-bs16", "ours-cluster-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256",
+             "torch-bs16"]
+    print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
+          "each cell: us (% of copy)")
+    print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)
+          + " | flash/ours16")
+    cells: dict[tuple, dict[str, dict]] = {}
+    for r in result["rows"]:
+        if r["ctx"] and r["impl"] in impls:
+            key = (r["head_dim"], r["batch"], r["ctx"], r.get("window", 0), r.get("softcap", 0.0))
+            cells.setdefault(key, {})[r["impl"]] = r
+    for (hd, b, ctx, window, softcap), got in cells.items():
+        text = [f"{got[i]['us']:8.1f} ({got[i]['pct_copy']:4.1f}%)" if i in got else f"{'-':>17}" for i in impls]
+        ratio = f"{got['flash-bs256']['us'] / got['ours-bs16']['us']:.2f}x" if "flash-bs256" in got else "-"
+        print(f"{hd:>4} {b:>4} {ctx:>5} {window or '-':>6} {softcap or '-':>4} | " + " | ".join(text) + f" | {ratio}")
+    for r in result["rows"]:
+        if not r["ctx"]:
+            print(f"KV write hd{r['head_dim']} T={r['batch']} {r['impl']:<18} {r['us']:7.1f} us "
+                  f"{r['tbps']:5.2f} TB/s ({r['pct_copy']:.1f}% of copy)")

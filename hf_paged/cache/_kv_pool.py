@@ -1,0 +1,142 @@
+"""The KV pool: one ``[num_blocks, block_size, num_kv_heads, head_dim]`` K and V tensor per layer plus the allocator.
+
+Block ids are shared across layers: block ``b`` of a sequence means slot range ``[b * block_size, (b + 1) *
+block_size)`` in every layer's tensors. A layer's tensors live on that layer's device (``layer_devices``), so a
+model split with accelerate's ``device_map`` keeps each layer's KV next to its weights. An fp8 pool stores
+``torch.float8_e4m3fn`` (1 byte an element) and a float32 scale per layer and KV head for K and V
+(``kv_scales``; see :mod:`hf_paged.cache._kv_quant`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.cache._kv_quant import KVScales, is_fp8, raw_bytes
+from hf_paged.cache._block_allocator import BlockAllocator
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """Shape of the KV the model produces, read from its config."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+
+    @classmethod
+    def from_config(cls, config) -> KVLayout:
+        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        num_heads = text.num_attention_heads
+        num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
+        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        return cls(num_layers=text.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
+
+    def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+
+    def scale_bytes(self, dtype: torch.dtype) -> int:
+        """Bytes of the fp8 scales (float32, per layer and KV head, K and V); 0 for other dtypes."""
+        return 2 * self.num_layers * self.num_kv_heads * 4 if is_fp8(dtype) else 0
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory free on ``device`` now (device memory for CUDA, available system memory for CPU)."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return free
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def blocks_for_budget(
+    layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device], budget: int | float
+) -> int:
+    """How many blocks fit in ``budget``: bytes (int), or a fraction in (0, 1] of the free memory (float).
+
+    With layers on several devices, the fraction applies to each device and the tightest device decides. ``dtype``
+    is what the pool stores (1 byte an element for fp8, whose scales come off the budget first).
+    """
+    per_block = layout.bytes_per_block(block_size, dtype)
+    fixed = layout.scale_bytes(dtype)
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0:
+            raise ValueError(f"a fractional memory budget must be in (0, 1], got {budget}")
+        counts: dict[torch.device, int] = {}
+        for d in devices:
+            counts[d] = counts.get(d, 0) + 1
+        # Each device holds counts[d] of the layers: size by the device with the least room per layer.
+        per_layer = min(free_memory_bytes(d) * budget / counts[d] for d in counts)
+        num = int((per_layer * layout.num_layers - fixed) // per_block)
+    elif isinstance(budget, int) and not isinstance(budget, bool):
+        if budget <= 0:
+            raise ValueError(f"a memory budget in bytes must be positive, got {budget}")
+        num = (budget - fixed) // per_block
+    else:
+        raise ValueError(f"memory budget must be bytes (int) or a fraction of free memory (float), got {budget!r}")
+    if num < 1:
+        raise ValueError(
+            f"a memory budget of {budget} holds no block of {per_block} bytes "
+            f"(block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
+        )
+    return int(num)
+
+
+class KVPool:
+    """Per-layer paged K/V tensors and the block allocator that hands out their blocks."""
+
+    def __init__(
+        self,
+        layout: KVLayout,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        layer_devices: Sequence[torch.device],
+    ):
+        if len(layer_devices) != layout.num_layers:
+            raise ValueError(f"need one device per layer ({layout.num_layers}), got {len(layer_devices)}")
+        self.layout = layout
+        self.block_size = block_size
+        self.dtype = dtype
+        self.allocator = BlockAllocator(num_blocks)
+        shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [
+            (torch.zeros(shape, dtype=dtype, device=d), torch.zeros(shape, dtype=dtype, device=d))
+            for d in layer_devices
+        ]
+        # fp8 only: each layer's dequantization scales, on its device
+        self.kv_scales: list[KVScales] | None = (
+            [KVScales.unset(layout.num_kv_heads, d) for d in layer_devices] if is_fp8(dtype) else None)
+
+    @property
+    def num_blocks(self) -> int:
+        return self.allocator.num_blocks
+
+    def copy_blocks(self, src: list[int], dst: list[int]) -> None:
+        """Copy blocks ``src[i] -> dst[i]`` in every layer (copy-on-write of a shared block)."""
+        if not src:
+            return
+        for k_cache, v_cache in self.kv_caches:
+            s = torch.tensor(src, device=k_cache.device)
+            d = torch.tensor(dst, device=k_cache.device)
+            for cache in (raw_bytes(k_cache), raw_bytes(v_cache)):
+                cache.index_copy_(0, d, cache.index_select(0, s))
+
+    def clear_scales(self) -> None:
+        """Unset the fp8 scales, so the next write of each layer fixes them afresh (no-op for other dtypes)."""
+        for scales in self.kv_scales or ():
+            scales.clear()
+
+
+def blocks_from_memory(layout: KVLayout, block_size: int, dtype: torch.dtype, device, budget: float,
+                       cap: int) -> int:
+    """Blocks of ``layout`` (or a model config's) that ``budget`` (a fraction of the free memory of ``device``, or
+    of each layer's device when given one per layer: the tightest decides) holds, at most ``cap``."""
+    layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
+    devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
+    return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))

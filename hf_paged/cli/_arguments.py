@@ -1,0 +1,193 @@
+"""How the ``hf-paged`` commands parse flags: one-line errors, defaults in ``--help``, and the ``type=`` checks.
+
+Every flag is checked here, while the command line is parsed, so a bad value is refused in one line naming the
+flag (exit status 2, argparse's convention) before a model is loaded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import re
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import TypeVar
+
+import torch
+
+from hf_paged.attention._dispatch import available_backends
+
+T = TypeVar("T", int, float)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows ``(default: ...)`` after a flag's help, except for switches and flags with no default."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False:
+            return action.help
+        return super()._get_help_string(action)
+
+
+class Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line on stderr (no usage block), exit status 2."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("formatter_class", HelpFormatter)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str):  # argparse's hook for every bad command line
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
+
+
+def one_line(text: object) -> str:
+    """``text`` with every run of whitespace, newlines included, made one space."""
+    return " ".join(str(text).split())
+
+
+def _int(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from None
+
+
+def _float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value):
+        raise argparse.ArgumentTypeError(f"expected a finite number, got {text!r}")
+    return value
+
+
+def _checked(parse: Callable[[str], T], ok: Callable[[T], bool], rule: str) -> Callable[[str], T]:
+    """A ``type=`` function: ``parse`` the text, then refuse a value that is not ``ok`` with ``must be {rule}``."""
+
+    def check(text: str) -> T:
+        value = parse(text)
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {rule}, got {text}")
+        return value
+
+    return check
+
+
+positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
+non_negative_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
+non_negative_float = _checked(_float, lambda v: v >= 0, ">= 0")
+probability = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
+
+
+def _positive_list(text: str, parse: Callable[[str], T], what: str) -> tuple[T, ...]:
+    try:
+        values = tuple(parse(part) for part in text.split(","))
+    except (ValueError, argparse.ArgumentTypeError):
+        values = ()
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"expected comma-separated {what}, got {text!r}")
+    return values
+
+
+def positive_ints(text: str) -> tuple[int, ...]:
+    """A comma-separated list of positive integers, e.g. ``128,64``."""
+    return _positive_list(text, int, "positive integers such as 128,64")
+
+
+def positive_floats(text: str) -> tuple[float, ...]:
+    """A comma-separated list of positive finite numbers, e.g. ``50,30``."""
+    return _positive_list(text, _float, "positive numbers such as 50,30")
+
+
+def device(text: str) -> str:
+    """A torch device that exists here: ``cpu``, ``cuda``, ``cuda:N``, ``mps``..."""
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise argparse.ArgumentTypeError(f"{text!r} is not available ({why}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    backend = getattr(torch, dev.type, None) if dev.type != "cuda" else None
+    if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here; use --device cpu")
+    return text
+
+
+def backends(text: str) -> tuple[str, ...]:
+    """Attention backends to allow, comma-separated, in the order to try them."""
+    names = tuple(name.strip() for name in text.split(","))
+    known = available_backends()
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(map(repr, unknown))}; choose from "
+                                         f"{', '.join(known)} (comma-separated, in order of preference)")
+    return names
+
+
+def prompt(text: str) -> str:
+    if text == "":
+        raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")
+    return text
+
+
+def prompts_file(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one prompt each."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
+                                         f"{exc.start}); give a text file with one prompt per line") from None
+    try:
+        return prompt_lines(text, repr(path))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def prompt_lines(text: str, source: str) -> list[str]:
+    """One prompt per non-blank line of ``text``; ``ValueError`` naming ``source`` if it is binary or blank."""
+    if "\0" in text:
+        raise ValueError(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{source} holds no prompts (every line is blank)")
+    return lines
+
+
+def checkpoint_dir(path: str) -> str:
+    """A local directory holding a transformers checkpoint (its ``config.json`` at least)."""
+    if not Path(path).is_dir():
+        raise argparse.ArgumentTypeError(f"no such directory {path!r}; give a local checkpoint directory")
+    if not (Path(path) / "config.json").is_file():
+        raise argparse.ArgumentTypeError(f"{path!r} has no config.json; give a transformers checkpoint directory "
+                                         "(as save_pretrained writes it)")
+    return path
+
+
+def output_path(path: str) -> str:
+    """A file path whose folder exists, so that a long run does not fail at the end when it writes."""
+    if not Path(path).resolve().parent.is_dir():
+        raise argparse.ArgumentTypeError(f"the folder of {path!r} does not exist; create it or give another path")
+    return path
+
+
+def flags_for_parameters(message: str, args: argparse.Namespace) -> str:
+    """The library names its parameters (``block_size must be ...``); name the flags instead (``--block-size``)."""
+    for dest in vars(args):
+        if "_" in dest:
+            message = re.sub(rf"\b{dest}\b", "--" + dest.replace("_", "-"), message)
+    return message
+
+
+def exit_with(prog: str, message: object, status: int = 2) -> int:
+    """Print ``prog: error: message`` as one line on stderr; returns ``status`` for the caller to exit with."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    return status

@@ -1,0 +1,187 @@
+"""``hf-paged generate``: continuous batching over many prompts, with a progress bar and a summary.
+
+With no arguments it runs on the embedded tiny random-init Llama (no download, CPU is enough); ``--model PATH``
+loads a local checkpoint. Prompts come from arguments, ``--prompts-file`` (one per line) or stdin (``-``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import logging
+import sys
+import time
+
+import torch
+from transformers import GenerationConfig
+
+from hf_paged.cli._arguments import backends, checkpoint_dir, device, flags_for_parameters, non_negative_float, non_negative_int, positive_int, probability, prompt, prompt_lines, prompts_file
+from hf_paged.engine import Engine
+
+logger = logging.getLogger("hf_paged")
+
+DEFAULT_PROMPTS = [
+    "The paged KV cache splits memory into blocks",
+    "Continuous batching lets requests join and leave",
+    "Once upon a time, in a land of tensors,",
+    "def fibonacci(n):",
+]
+DESCRIPTION = ("Generate for many prompts with the continuous-batching engine: on the embedded tiny random-init "
+               "Llama (no download; its text is noise) unless --model names a local checkpoint.")
+#: The engine's own defaults, so that the command line cannot drift from the library.
+ENGINE_DEFAULTS = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
+DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def add_parser(subparsers, epilog: str | None = None) -> None:
+    p = subparsers.add_parser("generate", help="generate for many prompts with the continuous-batching engine",
+                              description=DESCRIPTION, epilog=epilog)
+    p.add_argument("prompts", nargs="*", type=prompt, help="prompts ('-' reads one per line from stdin)")
+    p.add_argument("--model", type=checkpoint_dir, metavar="DIR",
+                   help="local HF checkpoint directory (default: the embedded tiny random-init Llama)")
+    p.add_argument("--prompts-file", type=prompts_file, metavar="FILE", help="UTF-8 text, one prompt per line")
+    p.add_argument("--num-prompts", type=positive_int, default=32, metavar="N",
+                   help="with no prompts given: how many requests to make of the demo prompts")
+    p.add_argument("--show", type=non_negative_int, default=3, metavar="N", help="print this many completions")
+    p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
+    p.add_argument("--verbose", action="store_true",
+                   help="log the model, the engine's sizes and which attention backend serves each phase, add "
+                        "steps and host time per step to the summary, and show a traceback for any error")
+    s = p.add_argument_group("sampling")
+    s.add_argument("--max-new-tokens", type=positive_int, default=32, metavar="N",
+                   help="most tokens to generate per prompt")
+    s.add_argument("--ignore-eos", action="store_true",
+                   help="generate exactly --max-new-tokens per prompt (EOS is masked, as by min_new_tokens)")
+    s.add_argument("--temperature", type=non_negative_float, default=0.0, metavar="T", help="0 = greedy")
+    s.add_argument("--top-k", type=non_negative_int, default=0, metavar="K",
+                   help="sample among the K likeliest tokens; 0 = off")
+    s.add_argument("--top-p", type=probability, default=1.0, metavar="P",
+                   help="sample among the likeliest tokens whose probabilities add up to P; 1 = off")
+    s.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
+                   help="seed of the sampler (and of the embedded model's random weights)")
+    add_engine_arguments(p)
+    p.set_defaults(func=run, prog=p.prog)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
+    prompts = read_prompts(args)
+    model, tokenizer = load(args)
+    try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
+        engine = Engine(model, num_blocks=args.num_blocks or None, block_size=args.block_size,
+                        max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, backend=args.backend)
+    except NotImplementedError as exc:
+        if args.backend is None:
+            raise
+        raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
+    log_setup(args, model, engine, len(prompts))
+    start = time.perf_counter()
+    outputs = engine.generate(prompts, generation_config(args), progress_bar=not args.no_progress)
+    elapsed = time.perf_counter() - start
+    for text, out in list(zip(prompts, outputs))[: args.show]:
+        print(f"{text!r} -> {out.text!r} [{out.finish_reason}]")
+    print_summary(args, engine.stats(), outputs, elapsed)
+    return 1 if any(o.finish_reason == "error" for o in outputs) else 0
+
+
+def load(args: argparse.Namespace):
+    from hf_paged.cli.default_model import load_model
+
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if args.model is None:
+        return load_model(None, device, DTYPES[args.dtype], args.seed)
+    try:
+        return load_model(args.model, device, DTYPES[args.dtype])
+    except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
+        raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
+
+
+def generation_config(args: argparse.Namespace) -> GenerationConfig:
+    sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    return GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
+                            min_new_tokens=args.max_new_tokens if args.ignore_eos else None,
+                            **(sampling if args.temperature > 0 else dict(do_sample=False)))
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts in the order given (arguments, stdin at its ``-``, then the file), else the demo prompts."""
+    prompts: list[str] = []
+    for p in args.prompts:
+        prompts += read_stdin() if p == "-" else [p]
+    prompts += args.prompts_file or []
+    if not prompts:
+        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" (request {i})" for i in range(args.num_prompts)]
+    return prompts
+
+
+def read_stdin() -> list[str]:
+    try:
+        text = sys.stdin.read()
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"stdin ('-') is not UTF-8 text ({exc.reason} at offset {exc.start})") from None
+    return prompt_lines(text, "stdin ('-')")
+
+
+def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, num_prompts: int) -> None:
+    """With ``--verbose``: what runs where, before the run starts."""
+    params = sum(p.numel() for p in model.parameters())
+    stats = engine.stats()
+    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model or "embedded tiny random-init",
+                type(model).__name__, params / 1e6, model.dtype, model.device)
+    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, backends %s",
+                stats["num_blocks"], stats["block_size"], args.max_batch_tokens,
+                ", ".join(args.backend) if args.backend else "any (flash, cuda, torch)")
+    how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
+           if args.temperature > 0 else "greedy")
+    logger.info("hf_paged: %d prompts, up to %d new tokens each%s, %s", num_prompts, args.max_new_tokens,
+                " (EOS ignored)" if args.ignore_eos else "", how)
+
+
+def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float) -> None:
+    tokens = sum(len(o.token_ids) for o in outputs)
+    errors = [o for o in outputs if o.finish_reason == "error"]
+    reasons: dict[str, int] = {}
+    for o in outputs:
+        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    rows = [
+        ("requests", f"{len(outputs)} (" + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) + ")"),
+        ("prompt tokens", stats["prompt_tokens"]),
+        ("generated tokens", tokens),
+        ("time", f"{elapsed:.2f} s"),
+        ("tokens/s", f"{tokens / max(elapsed, 1e-9):.1f}"),
+        ("peak blocks in use",
+         f"{stats['peak_used_blocks']} of {stats['num_blocks']} (block size {stats['block_size']})"),
+        ("preemptions", stats["preemptions"]),
+        ("prefix-cache hits", f"{stats['prefix_cache_hit_tokens']} tokens"),
+        ("attention backend", f"prefill {stats['prefill_backend'] or '-'}, decode {stats['decode_backend'] or '-'}"),
+    ]
+    if errors:
+        rows.insert(1, ("first error", flags_for_parameters(errors[0].error, args)))
+    if args.verbose:
+        rows[-1] = ("attention backend", ", ".join(f"{phase} {name}" for phase, name in stats["backends"].items()))
+        rows += [
+            ("steps", stats["steps"]),
+            ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items())),
+        ]
+    print("summary:")
+    for name, value in rows:
+        print(f"  {name + ':':<20} {value}")
+
+def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = False) -> None:
+    """The engine's options (defaults read from ``Engine``'s signature), shared by the subcommands that run one."""
+    e = parser.add_argument_group("engine")
+    e.add_argument("--num-blocks", type=non_negative_int, default=ENGINE_DEFAULTS["num_blocks"], metavar="N",
+                   help="KV blocks in the pool; 0 = as many as free device memory allows")
+    e.add_argument("--block-size", type=positive_int, default=ENGINE_DEFAULTS["block_size"], metavar="N",
+                   help="tokens per block")
+    e.add_argument("--max-batch-tokens", type=positive_int, default=ENGINE_DEFAULTS["max_batch_tokens"], metavar="N",
+                   help="tokens one step may run (prefill chunks and decodes together)")
+    if max_num_seqs:
+        e.add_argument("--max-num-seqs", type=positive_int, default=ENGINE_DEFAULTS["max_num_seqs"], metavar="N",
+                       help="sequences running at once")
+    e.add_argument("--backend", type=backends, metavar="NAMES",
+                   help="attention backends to allow, in order, e.g. 'cuda,torch' (default: flash, cuda, torch, "
+                        "the first that can serve)")
+    e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
+    e.add_argument("--dtype", choices=list(DTYPES), default="auto",
+                   help="model dtype (auto: the checkpoint's; float32 for the embedded model)")

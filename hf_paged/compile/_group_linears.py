@@ -1,0 +1,201 @@
+"""``GroupLinears``: an inductor graph pass that runs the skinny linears sharing an input as one grouped call.
+
+In a decode step at batch 1 the small products of a layer are bound by launch latency more than by bytes: q, k and
+v of Llama-3.2-1B are three launches of ~6 us for 12 MB. Where 2 to :data:`~hf_paged.kernels._skinny.MAX_GROUP`
+``hf_paged::linear`` calls of a graph take the same input node (q/k/v after the input norm, gate/up after the
+post-attention norm), the pass replaces them by one ``hf_paged::linear_group`` call and a ``getitem`` per output;
+the op decides at run time between one kernel launch and one ``F.linear`` per weight, as the single op does.
+
+Where the group's weights lie end to end in one buffer (a tensor-parallel rank's q/k/v shards, packed by
+``hf_paged.parallel._linears``; the fake tensors of the graph's inputs keep their shared storage and offsets), the pass
+puts one ``hf_paged::linear_packed`` call there instead (unless ``HF_PAGED_PACK_VIEWS=0``; the default since
+2026-11-27), whose single output the graph slices into the members' outputs as views: the grouped op would otherwise
+copy each output out of its one product (three copy kernels per layer for q/k/v at 64 rows).
+
+The engine's compiled layers hand the pass to inductor as ``post_grad_custom_pre_pass`` in their own
+``torch.compile`` options (``hf_paged.compile._layers``), so other compiles in the process are untouched.
+The pass sees the post-grad graph, where the custom ops are still whole nodes; its ``uuid`` hashes this file, so
+inductor's FX graph cache tells graphs compiled with and without it (or with another version of it) apart.
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+from collections import defaultdict
+
+import torch
+from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
+from torch.multiprocessing.reductions import StorageWeakRef
+
+from hf_paged.kernels import _skinny as skinny
+
+__all__ = ["PACK_VIEWS_ENV", "GroupLinears", "group_linears", "pack_views"]
+
+PACK_VIEWS_ENV = "HF_PAGED_PACK_VIEWS"
+
+
+def pack_views() -> bool:
+    """Whether groups of end-to-end weights become one ``hf_paged::linear_packed`` call sliced into views: yes
+    unless ``HF_PAGED_PACK_VIEWS=0`` (read when a graph compiles; part of the pass's cache key)."""
+    value = os.environ.get(PACK_VIEWS_ENV, "1")
+    if value not in ("0", "1"):
+        raise ValueError(f"{PACK_VIEWS_ENV}={value!r}: use 1 (packed groups as views of one product, the default) "
+                         "or 0 (the grouped op, which copies each output out of its product)")
+    return value == "1"
+
+
+class GroupLinears(CustomGraphPass):
+    """Inductor's custom pass wrapper around :func:`group_linears`."""
+
+    def __call__(self, graph: torch.fx.Graph) -> None:
+        group_linears(graph)
+
+    def uuid(self) -> bytes:
+        return get_hash_for_files((__file__,)) + (b"views" if pack_views() else b"")
+
+    # Every instance does the same. generate deep-copies its compile config each call and compiles afresh when the
+    # copy differs from the config it compiled with: equal passes keep its compiled step.
+    def __eq__(self, other) -> bool:
+        return type(other) is type(self)
+
+    def __hash__(self) -> int:
+        return hash(type(self))
+
+
+def group_linears(graph: torch.fx.Graph) -> int:
+    """Replace, in place, the ``hf_paged.linear`` calls of ``graph`` that share an input node by
+    ``hf_paged.linear_group`` calls of up to ``MAX_GROUP`` weights each (of one dtype and K; calls whose weight or
+    bias is computed after the first call of the group stay single). Returns the number of grouped calls made."""
+    linear = torch.ops.hf_paged.linear.default
+    views = pack_views()
+    groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
+    for node in graph.nodes:
+        if node.target is linear:
+            x, weight, bias = _arguments(node)
+            key = _weight_key(weight)
+            if isinstance(x, torch.fx.Node) and key is not None:
+                groups[(x, *key)].append(node)
+    made = 0
+    for calls in groups.values():
+        while len(calls) >= 2:
+            first, position = calls[0], {node: i for i, node in enumerate(graph.nodes)}
+            members = [first] + [c for c in calls[1:] if _defined_before(c, first, position)][:skinny.MAX_GROUP - 1]
+            calls = [c for c in calls[1:] if all(c is not m for m in members)]
+            if len(members) >= 2:
+                if views and (in_storage_order := _lie_end_to_end(members)) is not None:
+                    _replace_packed(graph, in_storage_order, before=members[0])
+                else:
+                    _replace(graph, members)
+                made += 1
+    return made
+
+
+_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "from_node", "seq_nr")
+
+
+class _Values:
+    """Recorded ``(args, kwargs)`` of a call, read like a node's by :func:`_arguments`."""
+
+    def __init__(self, args: tuple, kwargs: dict):
+        self.args, self.kwargs = args, kwargs
+
+
+def _arguments(node: torch.fx.Node | _Values) -> tuple:
+    """``(x, weight, bias)`` of an ``hf_paged.linear`` call, whether passed by position or by name."""
+    bound = dict(zip(("x", "weight", "bias"), node.args, strict=False))
+    bound.update(node.kwargs)
+    return bound["x"], bound["weight"], bound.get("bias")
+
+
+def _weight_key(weight) -> tuple | None:
+    """(K, dtype, device) of a weight node with a known static shape, else None (the call stays single)."""
+    value = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+    if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(value.shape[1], int):
+        return None
+    return value.shape[1], value.dtype, value.device
+
+
+def _defined_before(call: torch.fx.Node, first: torch.fx.Node, position: dict) -> bool:
+    """Whether every input of ``call`` exists where ``first`` stands (the grouped call goes there)."""
+    return all(position[n] < position[first] for n in call.all_input_nodes)
+
+
+def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
+    x = _arguments(members[0])[0]
+    weights = [_arguments(m)[1] for m in members]
+    biases = [_arguments(m)[2] for m in members]
+    with graph.inserting_before(members[0]):
+        group = graph.call_function(torch.ops.hf_paged.linear_group.default, (x, weights, biases))
+        group.meta.update({k: members[0].meta[k] for k in _KEPT_META if k in members[0].meta})
+        group.meta["val"] = [m.meta.get("val") for m in members]
+        eager = [m.meta.get("eager_input_vals") for m in members]
+        if all(e is not None for e in eager):  # the strides inductor keeps the inputs to, as the single calls had
+            values = [_arguments(_Values(*e)) for e in eager]
+            group.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
+        for i, member in enumerate(members):
+            item = graph.call_function(operator.getitem, (group, i))
+            item.meta.update({k: member.meta[k] for k in ("val", *_KEPT_META) if k in member.meta})
+            member.replace_all_uses_with(item)
+    for member in members:
+        graph.erase_node(member)
+
+
+def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
+    """The members in the order their weights lie in memory, where the weights (and biases: all None, or likewise)
+    are contiguous, of one dtype, and lie end to end in one storage, as the graph's fake inputs say (they keep the
+    real inputs' shared storage and offsets); else None."""
+    def values(nodes) -> list | None:
+        vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+        return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
+
+    def end_to_end(vals: list[torch.Tensor]) -> bool:
+        first = vals[0]
+        if any(not v.is_contiguous() or v.dtype != first.dtype or v.dim() != first.dim() for v in vals):
+            return False
+        storage = StorageWeakRef(first.untyped_storage())
+        return all(StorageWeakRef(b.untyped_storage()) == storage
+                   and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(vals, vals[1:]))
+
+    weights = values([_arguments(m)[1] for m in members])
+    if weights is None:
+        return None
+    order = sorted(range(len(members)), key=lambda i: weights[i].storage_offset())
+    if not end_to_end([weights[i] for i in order]):
+        return None
+    members = [members[i] for i in order]
+    biases = [_arguments(m)[2] for m in members]
+    if all(b is None for b in biases):
+        return members
+    bias_values = values(biases)
+    return members if bias_values is not None and end_to_end(bias_values) else None
+
+
+def _replace_packed(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node) -> None:
+    """One ``hf_paged.linear_packed`` call of ``members`` (in the order their weights lie in memory) where ``before``
+    (the first of them in the graph) stands; each member's uses take a slice of its output (a view) instead."""
+    x = _arguments(members[0])[0]
+    weights = [_arguments(m)[1] for m in members]
+    biases = [_arguments(m)[2] for m in members]
+    outs = [m.meta["val"] for m in members]
+    with graph.inserting_before(before):
+        packed = graph.call_function(torch.ops.hf_paged.linear_packed.default, (x, weights, biases))
+        packed.meta.update({k: before.meta[k] for k in _KEPT_META if k in before.meta})
+        with outs[0].fake_mode:
+            whole = torch.cat(outs, dim=-1)  # the op's output: contiguous, the members' columns side by side
+        packed.meta["val"] = whole
+        eager = [m.meta.get("eager_input_vals") for m in members]
+        if all(e is not None for e in eager):
+            values = [_arguments(_Values(*e)) for e in eager]
+            packed.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
+        start, dim = 0, whole.dim() - 1
+        for member, out in zip(members, outs, strict=True):
+            end = start + out.shape[-1]
+            item = graph.call_function(torch.ops.aten.slice.Tensor, (packed, dim, start, end))
+            with out.fake_mode:
+                item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
+            item.meta.update({k: member.meta[k] for k in _KEPT_META if k in member.meta})
+            member.replace_all_uses_with(item)
+            start = end
+    for member in members:
+        graph.erase_node(member)

@@ -1,0 +1,236 @@
+"""``CompiledLayers``: the model's work outside attention, compiled with ``torch.compile`` for the engine's steps.
+
+HF's eager modules run each layer of a decode step as ~40 small kernels (RMSNorm in ~6, rotary in ~10, SiLU x mul,
+residual adds) around a few matrix products: at batch 1 their launches are most of the step, even inside a CUDA
+graph. Inductor fuses them into a handful per layer. Every decoder layer's ``forward`` and the base model's other
+children (final norm, rotary embedding) are compiled with dynamic shapes; the KV write and attention stay out of the
+compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler (one graph break per layer; the
+cache's ``update`` is traced as a reshape, see ``PagedAttentionCache.update``), so the compiled graphs hold only
+tensor work on hidden states, and the paged kernels run as they do eager.
+Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
+(``hf_paged.compile._group_linears``, passed in this compile's own inductor options), and under tensor parallel each
+all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.parallel._fuse_all_reduce``;
+``HF_PAGED_TP_FUSE_NORM=0`` turns that off).
+
+The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
+(the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the
+eager modules. A failure of the compiler switches the model back to its eager modules for good (warned once) and
+reruns the call eagerly (a layer's forward is pure apart from its KV write, which writes the same values again).
+Errors raised by the model's own code pass through unchanged.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import threading
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import torch
+import torch.fx.experimental._config as _shape_config
+
+from hf_paged.parallel._fuse_all_reduce import LayerPasses, nested_graph_breaks
+from hf_paged.hf import _attention as paged_attention
+from hf_paged.hf._placement import base_model, decoder_layers
+
+logger = logging.getLogger("hf_paged")
+
+_ATTRIBUTE = "_hf_paged_compiled_layers"
+
+
+def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False) -> str | None:
+    """None if the engine can compile ``model``'s layers (on a CUDA device, or on any with ``any_device``), else
+    why not."""
+    if decoder_layers(model) is None:
+        return "no list of decoder layers found on the model"
+    devices = {p.device for p in model.parameters()}
+    if len(devices) > 1:
+        return f"the model is split over {', '.join(sorted(map(str, devices)))}; compiled layers serve one device"
+    device = next(iter(devices))
+    if device.type != "cuda" and not any_device:
+        return f"the model is on {device.type}; compiled layers serve CUDA models unless asked for"
+    if device.type == "cuda" and importlib.util.find_spec("triton") is None:
+        return "triton is not installed (torch.compile needs it on CUDA)"
+    return None
+
+
+#: ``HF_PAGED_COMPILE_PDL`` (read when a model's layers are first compiled): ``1`` on, ``0`` off, unset (the default)
+#: on for a tensor-parallel model only, where it was measured (2x H100, 2026-11-28: with the sharded logits, 0.14 ms
+#: off a 5.45 ms step; alone, 0.07 ms once before). The Triton kernels inductor generates for the layers then use
+#: programmatic dependent launch on compute capability 9.0 on (each may launch while the kernel before it finishes,
+#: and waits for it before its first load), through inductor's own ``triton.enable_pdl``. Torch releases without that
+#: option compile as before.
+COMPILE_PDL_ENV = "HF_PAGED_COMPILE_PDL"
+
+
+def inductor_options(tensor_parallel: bool = False) -> dict:
+    """The inductor options of the layers' compile: the grouped skinny linears and, under tensor parallel where asked,
+    the all-reduces fused with their residual add and norm (``LayerPasses``); PDL where asked (by default for a
+    ``tensor_parallel`` model) and known."""
+    options = {"post_grad_custom_pre_pass": LayerPasses()}
+    value = os.environ.get(COMPILE_PDL_ENV)
+    if value not in (None, "0", "1"):
+        raise ValueError(f"{COMPILE_PDL_ENV}={value!r}: use 1 (the compiled layers' Triton kernels with programmatic "
+                         "dependent launch), 0 (without), or leave it unset (with it under tensor parallel only)")
+    if value == "1" or (value is None and tensor_parallel):
+        if _inductor_has_pdl():
+            options["triton.enable_pdl"] = True
+        elif value == "1":
+            logger.warning("hf_paged: %s=1 is ignored: this torch's inductor has no triton.enable_pdl option",
+                           COMPILE_PDL_ENV)
+    return options
+
+
+def _inductor_has_pdl() -> bool:
+    import torch._inductor.config as inductor_config
+
+    return hasattr(inductor_config.triton, "enable_pdl")
+
+
+def compiled_layers(model: torch.nn.Module) -> CompiledLayers:
+    """The model's :class:`CompiledLayers`, installed on first use and shared by every engine of the model."""
+    layers = getattr(model, _ATTRIBUTE, None)
+    if layers is None:
+        layers = CompiledLayers(model)
+        object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
+    return layers
+
+
+class CompiledLayers:
+    """Compiled forwards of ``model``'s decoder layers and base-model children, serving calls inside ``active()``."""
+
+    def __init__(self, model: torch.nn.Module):
+        layers = decoder_layers(model)
+        if layers is None:
+            raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
+        base = base_model(model)
+        others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]
+        self.enabled = True
+        self.failure: str | None = None
+        self.warm_batch_sizes: set[int] = set()  # decode batch sizes run through the compiled code already
+        self._local = threading.local()
+        self._modules = [*layers, *others]
+        self._recompile_limit = 8 * len(self._modules) + 16
+        self._model_ref = weakref.ref(model)
+        self._group: tuple[str | None] | None = None  # (the tensor-parallel group's name or None), once looked up
+        for module in self._modules:
+            module.forward = _Switch(self, module.forward)
+
+    def _group_name(self) -> str | None:
+        """The name of the model's tensor-parallel group (None where it is not tensor-parallel)."""
+        if self._group is None:
+            from hf_paged.parallel._tensor_parallel import tensor_parallel
+
+            model = self._model_ref()
+            tp = None if model is None else tensor_parallel(model)
+            self._group = (None if tp is None else tp.group.group_name,)
+        return self._group[0]
+
+    @property
+    def is_active(self) -> bool:
+        return self.enabled and getattr(self._local, "depth", 0) > 0
+
+    @contextmanager
+    def active(self) -> Iterator[None]:
+        """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
+
+        Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
+        hence a recompile limit above the compiler's default of 8 for the duration of the call (and, for a
+        tensor-parallel model whose all-reduces fuse, dynamo's nested graph breaks:
+        ``fuse_all_reduce.nested_graph_breaks``). Equal
+        sizes are not taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step
+        whose token count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile
+        again, mid-run.
+        """
+        depth = getattr(self._local, "depth", 0)
+        self._local.depth = depth + 1
+        try:
+            if depth == 0:
+                dynamo = dict(recompile_limit=self._recompile_limit,
+                              accumulated_recompile_limit=max(256, 4 * self._recompile_limit))
+                if nested_graph_breaks(self._group_name()):
+                    dynamo["nested_graph_breaks"] = True
+                with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False), _opaque_plans():
+                    yield
+            else:
+                yield
+        finally:
+            self._local.depth = depth
+
+    def fail(self, exc: BaseException) -> None:
+        if self.enabled:
+            self.enabled = False
+            self.failure = f"{type(exc).__name__}: {str(exc).splitlines()[0][:300] if str(exc) else ''}"
+            logger.warning("hf_paged: compiling the model's layers failed (%s); the engine runs them eagerly",
+                           self.failure)
+
+    def restore(self) -> None:
+        """Put the eager forwards back on the modules (the compiled ones are dropped)."""
+        for module in self._modules:
+            if isinstance(module.__dict__.get("forward"), _Switch):
+                del module.forward
+        self.enabled = False
+
+
+class _Switch:
+    """A module's ``forward``: the compiled one inside ``CompiledLayers.active()``, else the eager one."""
+
+    def __init__(self, owner: CompiledLayers, eager):
+        self.owner, self.eager = owner, eager
+        # options: this compile's inductor config only (the skinny linears sharing an input run as one launch)
+        self.tensor_parallel = owner._group_name() is not None  # (PDL by default: inductor_options)
+        self.compiled = torch.compile(eager, dynamic=True, options=inductor_options(self.tensor_parallel))
+
+    def __call__(self, *args, **kwargs):
+        if self.owner.is_active:
+            try:
+                return self.compiled(*args, **kwargs)
+            except _COMPILER_ERRORS as exc:
+                self.owner.fail(exc)
+        return self.eager(*args, **kwargs)
+
+
+@contextmanager
+def _opaque_plans() -> Iterator[None]:
+    """The attention function hands plans on without the compiler looking into them (``hf_paged.hf._attention``)."""
+    before, paged_attention.opaque_plans = paged_attention.opaque_plans, True
+    try:
+        yield
+    finally:
+        paged_attention.opaque_plans = before
+
+
+def _compiler_errors() -> tuple[type[BaseException], ...]:
+    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
+    try:
+        from torch._inductor.exc import InductorError
+
+        errors.append(InductorError)
+    except ImportError:  # older torch
+        pass
+    return tuple(errors)
+
+
+_COMPILER_ERRORS = _compiler_errors()
+
+
+def for_engine(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:
+    """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
+    if setting is False:
+        return None
+    reason = compile_unsupported_reason(model, any_device=setting is True)
+    if reason is not None:
+        if setting:
+            raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
+        logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
+        return None
+    layers = compiled_layers(model)
+    if not layers.enabled:
+        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
+                    layers.failure)
+        return None
+    return layers

@@ -1,0 +1,288 @@
+"""``EngineCore``: one engine step, from the scheduler's choice to the tokens written into the sequences.
+
+Each step schedules (``Scheduler``), plans flat tensors (``plan_step``), runs the model once over all scheduled
+tokens packed in one row (``ModelRunner``, or a captured CUDA graph for a decode step), samples on the device
+(``Sampler``) and copies the new tokens back in one transfer; with asynchronous scheduling it launches step N+1
+before it takes in step N's tokens. A step commits whole or not at all: a failed launch is dropped and its batch
+rerun one sequence at a time, so that only a faulty request ends with an error.
+
+The requests' state is guarded by ``_lock`` (held by a step except during its device work) and Ctrl-C is held back
+during the bookkeeping (``InterruptGuard``); ``TokenHandover`` (``engine/handover.py``) writes the sampled tokens
+into their sequences; :class:`~hf_paged.Engine` adds requests and hands outputs over.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import threading
+from collections.abc import Iterator
+from itertools import compress
+from contextlib import contextmanager
+from dataclasses import replace
+
+import torch
+
+from hf_paged.cache._kv_quant import kv_storage_dtype
+from hf_paged.cache._kv_pool import blocks_from_memory
+from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.engine import _validation as validation
+from hf_paged.cache._block_manager import BlockManager
+from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.compile import _layers as compiled_layers
+from hf_paged.parallel import _lockstep as lockstep
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.engine._config import EngineConfig
+from hf_paged.runner._graph_sizes import engine_graphs
+from hf_paged.engine._handover import TokenHandover
+from hf_paged.engine._inflight import InFlightStep, TokenReceiver
+from hf_paged.engine._interrupts import InterruptGuard
+from hf_paged.engine._request_registry import RequestRegistry
+from hf_paged.runner._model_runner import ModelRunner
+from hf_paged.runner._step_plan import DecodeColumns, plan_step
+from hf_paged.engine._sampler import Sampler, SamplingBatch
+from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
+from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
+from hf_paged.engine._stats import EngineStats
+from hf_paged.engine._steady_decode import SteadyDecode
+from hf_paged.engine._stop_checker import StopChecker
+from hf_paged.hf import _placement as placement
+from hf_paged.parallel import _logits as tp_logits
+from hf_paged.parallel._tensor_parallel import kv_layout
+from hf_paged.hf._register import use_paged_attention
+
+logger = logging.getLogger("hf_paged")
+_status = operator.attrgetter("status")
+
+
+class EngineCore(TokenHandover):
+    """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
+
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None):
+        use_paged_attention(model)
+        self.model, self.tokenizer = model, tokenizer
+        self.device, dtype = model.device, model.dtype
+        self.max_model_len = max_len = validation.position_limit(model.config)
+        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
+        self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
+        self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
+        # tensor parallel (unless HF_PAGED_TP_SHARDED_LOGITS=0): each rank's model calls return its vocabulary columns
+        self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
+        layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
+        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+        if cfg.num_blocks is None:
+            cfg = replace(cfg, num_blocks=blocks_from_memory(layout, block_size, kv_dtype, self.kv_devices,
+                                                             cfg.memory_budget,
+                                                             cap=max_num_seqs * -(-max_len // block_size)))
+        if self.lockstep is not None:
+            cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks))
+        self.config = cfg
+        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.kv_devices, dtype,
+                                         backend=cfg.backend, layout=layout, kv_cache_dtype=cfg.kv_cache_dtype)
+        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
+        self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
+                                          self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
+        self.compiled = compiled_layers.for_engine(model, cfg.compile_layers)
+        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear)
+        self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
+                                  max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
+                                  skinny=self.skinny_linear, local_logits=self.vocab_shards is not None)
+        if len(set(self.kv_devices)) > 1:
+            # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
+            # model (which moves every tensor argument to the first device) leaves them there
+            self.runner.output_device = placement.hidden_states_device(model)
+            placement.keep_argument_in_place(model, "logits_to_keep")
+        self.sampler = Sampler()
+        self.stop_checker = StopChecker(tokenizer)
+        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
+        self.counters = EngineStats()
+        self.requests = RequestRegistry()
+        auto = cfg.async_scheduling is None
+        self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
+        self._receiver = TokenReceiver(max_num_seqs, self.device)
+        self._inflight: InFlightStep | None = None
+        self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/steady_decode.py)
+        self._interrupts = InterruptGuard()
+        self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
+        self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+
+    def _advance(self) -> list[Sequence]:
+        """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
+        the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
+        finish go to the outbox; returns those that got a token."""
+        clock = self.counters.clock()
+        self._collect_failed()
+        steady = self._steady
+        batch = steady.schedule(self.scheduler) if steady is not None else None
+        if batch is None:
+            steady = self._steady = None
+            batch = self.scheduler.schedule()
+        self._collect_failed()
+        if self.lockstep is not None:
+            self.lockstep.check(batch)  # every rank scheduled this batch, or all raise the same error
+        clock("schedule")
+        touched: list[Sequence] = []
+        if steady is None and not batch.is_empty and self._inflight is not None and any(
+                s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
+            touched += self._resolve()  # the penalty reads the tokens themselves
+            batch = _without_finished(batch)
+        if not batch.is_empty:
+            self.counters.note_step(self)
+            try:
+                launched = self._launch(batch, steady)
+            except BaseException as exc:
+                self._steady = None
+                if self.lockstep is not None and isinstance(exc, Exception):
+                    self.lockstep.fail(exc)  # the ranks cannot rerun apart: all raise
+                # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
+                # step before's tokens, which the failed launch may have overwritten on the device, and retry.
+                touched += self._resolve()
+                if not isinstance(exc, Exception):
+                    raise
+                touched += self._run_alone(_without_finished(batch), exc)
+                return touched
+            clock("forward")
+            if steady is not None and self._take_steady(steady, launched):
+                touched += steady.seqs
+                clock("update")
+                return touched
+            touched += self._resolve()
+            clock("sample")
+            self._commit(batch, launched)
+        else:
+            touched += self._resolve()
+        if not self.async_scheduling:
+            touched += self._resolve()
+        self._steady = SteadyDecode.after(batch, self.scheduler, self.cache.block_size, self.max_model_len,
+                                          self.async_scheduling)
+        clock("update")
+        return touched
+
+    def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
+        """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
+        with ``finish_reason="error"`` (the fault is its own), the others go on as if nothing happened."""
+        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
+                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
+        touched = []
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            if seq.is_finished:
+                continue
+            alone = ScheduledBatch([seq], [n], [smp])
+            try:
+                launched = self._launch(alone)
+            except Exception as err:
+                if not seq.is_finished:  # (an abort from another thread may land while it runs)
+                    self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
+                continue
+            self._commit(alone, launched)
+            touched += self._resolve()
+        return touched
+
+    def _collect_failed(self) -> None:
+        """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
+        failed = self.scheduler.failed
+        if failed:
+            self.requests.outbox += failed
+            failed.clear()
+
+    def _fail(self, seq: Sequence, error: str) -> None:
+        self.scheduler.finish(seq, "error", error)
+        self.requests.outbox.append(seq)
+
+    def _launch(self, batch: ScheduledBatch, steady: SteadyDecode | None = None) -> InFlightStep | None:
+        """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
+        held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
+        sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
+        step commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
+        cols = steady.columns() if steady is not None else None
+        sampled = batch.seqs if steady is not None else list(compress(batch.seqs, batch.sample))
+        size = None
+        if self.graphs is not None:
+            longest = int(cols.positions.max()) if cols is not None else None
+            size = self.graphs.size_for(batch.seqs, batch.num_tokens, longest)
+        if size is None:
+            if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
+                self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
+            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
+                             self.cache.block_size, columns=cols)
+            with self._device_work():
+                return self._sample(sampled, self.runner.forward(plan), steady)
+        if cols is None:
+            cols = DecodeColumns.of(batch.seqs, batch.sample)
+        with self._interrupts.allowed():
+            logits = self.graphs.replay(batch.seqs, size, cols)  # reads the sequences: under the lock
+        if not all(batch.sample):
+            rows = [i for i, smp in enumerate(batch.sample) if smp]
+            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        with self._device_work():
+            return self._sample(sampled, logits[: len(sampled)], steady)
+
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor,
+                steady: SteadyDecode | None = None) -> InFlightStep | None:
+        if not sampled:
+            return None
+        sampling = steady.sampling if steady is not None else None
+        shards = self.vocab_shards
+        if sampling is None:
+            sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
+                                           logits.device)
+        if shards is None:
+            (tokens, logprobs), agreed = self.sampler(logits, sampling), False
+        else:
+            tokens, logprobs, agreed = shards.sample(self.sampler, logits, sampling)
+        if self.lockstep is not None and not agreed:
+            self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
+        self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
+        return self._receiver.send(sampled, tokens, logprobs)
+
+    @contextmanager
+    def _device_work(self) -> Iterator[None]:
+        """Release the lock (and let Ctrl-C interrupt) for device work; the lock is taken back with Ctrl-C held."""
+        self._lock.release()
+        try:
+            with self._interrupts.allowed():
+                yield
+        finally:
+            self._lock.acquire()
+
+    def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
+        """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
+        sequences that finished meanwhile (their step before was their last) are left out."""
+        seqs = batch.seqs
+        if (launched is not None and len(launched.seqs) == len(seqs) == batch.total_tokens
+                and SequenceStatus.FINISHED not in map(_status, seqs)):
+            self._commit_decode(seqs)  # (the usual decode step)
+            self._inflight = launched
+            return
+        self.scheduler.commit(_without_finished(batch))
+        if launched is not None:
+            seqs = launched.seqs
+            if SequenceStatus.FINISHED in map(_status, seqs):
+                seqs = [s if s.status is not SequenceStatus.FINISHED else None for s in seqs]
+            for row, seq in enumerate(seqs):
+                if seq is not None:
+                    seq.token_ids.append(PLACEHOLDER)
+                    seq.pending_row = row
+            self._inflight = launched
+
+    def _commit_decode(self, seqs: list[Sequence]) -> None:
+        """The commit of a step in which every sequence computed one token and sampled the next, in one pass."""
+        bm = self.block_manager
+        bs, register = bm.block_size, bm.register_full_blocks if bm.enable_prefix_caching else None
+        for row, seq in enumerate(seqs):
+            c = seq.num_computed_tokens = seq.num_computed_tokens + 1
+            seq.token_ids.append(PLACEHOLDER)
+            seq.pending_row = row
+            if register is not None and c // bs > seq.num_hashed_blocks:
+                register(seq)
+
+
+def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:
+    if SequenceStatus.FINISHED not in map(_status, batch.seqs):  # (the usual case, checked at C speed)
+        return batch
+    keep = [i for i, s in enumerate(batch.seqs) if not s.is_finished]
+    return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep],
+                          [batch.sample[i] for i in keep])
+
+

@@ -1,0 +1,300 @@
+"""``Engine``: continuous batching over a :class:`~hf_paged.PagedAttentionCache`, for any number of callers.
+
+Requests join and leave the running batch every step (``EngineCore`` runs the steps). The engine checks requests at
+the door (``validation``), keeps them in a ``RequestRegistry`` until their outputs are handed over, and hands them
+to the right reader: ``step()`` takes every finished request, ``generate`` and ``stream(prompts)`` their own, which
+they abort when their caller stops. ``add_request`` and ``abort`` may come from any thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Iterator, Sequence as SequenceType
+from contextlib import contextmanager
+
+import torch
+from transformers import GenerationConfig
+
+from hf_paged.engine import _validation as validation
+from hf_paged.engine._config import EngineConfig
+from hf_paged.engine._detokenizer import Detokenizer
+from hf_paged.engine._core import EngineCore
+from hf_paged.engine._intake import Prompt, RequestIntake
+from hf_paged.engine._lifecycle import EngineLifecycle
+from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
+from hf_paged.engine._request_registry import family
+from hf_paged.engine._sequence import Sequence
+
+logger = logging.getLogger("hf_paged")
+
+
+
+class Engine(RequestIntake, EngineLifecycle, EngineCore):
+    """Continuous-batching generation for a decoder-only transformers model.
+
+    Args:
+        model: a causal LM; its attention is switched to ``"hf_paged"`` if it was loaded with another one.
+        num_blocks: KV blocks in the pool; None sizes the pool from free device memory (``memory_budget``).
+        block_size: tokens per block.
+        max_batch_tokens: token budget of one step (prefill chunks and decodes together).
+        max_num_seqs: most sequences running at once.
+        tokenizer: needed for string prompts, stop strings and ``text`` in outputs.
+        generation_config: default settings of requests added without one (default: the model's).
+        enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
+        backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
+        memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
+        cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
+            ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
+            Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
+        cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start), or
+            ``"on_demand"``: the largest size at start, each smaller one once 32 decode steps would have used it
+            (``hf_paged.runner._graph_sizes.ON_DEMAND_STEPS``), until then padding up to a larger graph; what
+            ``generate_batch`` does for the engine of one call, which few steps of each small size do not pay back.
+        async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
+            while the device computes (one step of lag: a sequence that stops computes one token more, which is
+            dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
+        compile_layers: run the model's work outside attention (norms, rotary, MLP, residual adds) compiled with
+            ``torch.compile`` (fused kernels; the paged KV write and attention stay as they are), in eager and
+            graph-captured steps alike. None: on for CUDA models where triton is installed; True also compiles on
+            the CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process;
+            a compiler failure switches back to the eager modules with a warning. Only the engine's own model
+            calls use the compiled code.
+        skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
+            kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS (up to 64
+            with ``HF_PAGED_SKINNY_WIDE=1``: slower than cuBLAS on an H100, kept opt-in; docs/e2e.md). None: on for CUDA models in
+            float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the engine's own model
+            calls use it.
+        kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
+            e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
+            cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
+            ``PagedAttentionCache`` and ``docs/cache.md``.
+        config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
+
+    Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
+    thread while one thread runs ``step``, ``stream`` or ``generate``.
+
+    Closing: :meth:`close` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at once; do it before
+    ``torch.distributed.destroy_process_group()`` under tensor parallel, which waits for collectives a live graph
+    holds.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        num_blocks: int | None = EngineConfig.num_blocks,
+        block_size: int = EngineConfig.block_size,
+        max_batch_tokens: int = EngineConfig.max_batch_tokens,
+        max_num_seqs: int = EngineConfig.max_num_seqs,
+        tokenizer=None,
+        generation_config: GenerationConfig | None = None,
+        enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
+        backend: str | SequenceType[str] | None = EngineConfig.backend,
+        memory_budget: float = EngineConfig.memory_budget,
+        cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
+        async_scheduling: bool | None = EngineConfig.async_scheduling,
+        compile_layers: bool | None = EngineConfig.compile_layers,
+        skinny_linear: bool | None = EngineConfig.skinny_linear,
+        config: EngineConfig | None = None,
+        kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
+        cuda_graph_capture: str = EngineConfig.cuda_graph_capture,
+    ):
+        cfg = EngineConfig.resolve(
+            config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
+            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
+            memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
+            compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype,
+            cuda_graph_capture=cuda_graph_capture)
+        generation_config = validation.generation_config(generation_config)
+        super().__init__(model, cfg, tokenizer)
+        self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._step_running = False
+        self._stepper: int | None = None  # the thread inside a step
+        self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
+
+    # ----- requests (added through ``RequestIntake``: add_request, add_requests) -----------------------------
+    def abort(self, request_id: str | int) -> None:
+        """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
+        An id that is not live (unknown, or finished already) is ignored."""
+        rid = validation.request_id(request_id)
+        with self._lock:
+            self.scheduler.failed.extend(self.scheduler.abort(rid))
+
+    def abort_all(self) -> list[str]:
+        """Abort every live request (as :meth:`abort` does); returns the ids of the sequences stopped."""
+        stopped = []
+        with self._lock:
+            for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
+                stopped += self.scheduler.abort(rid)
+            self.scheduler.failed.extend(stopped)
+        return [s.request_id for s in stopped]
+
+    def has_unfinished(self) -> bool:
+        """Whether a request is queued, running, in flight, or finished but not handed over yet."""
+        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self.requests.outbox)
+
+    # ----- running ---------------------------------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        """Run one step; returns the outputs of requests that finished (under asynchronous scheduling: whose last
+        token arrived) during it, and of requests that failed or were aborted since the step before."""
+        return self._step(want_deltas=False)[0]
+
+    def step_with_deltas(self) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """Like :meth:`step`, and also every request's new tokens (and text) since the last hand-over: what a
+        server loop that streams many requests needs from one step."""
+        return self._step(want_deltas=True)
+
+    def stream(
+        self,
+        prompts: list[Prompt] | None = None,
+        generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+    ) -> Iterator[TokenDelta]:
+        """Yield each request's new tokens, step by step, as :class:`TokenDelta`.
+
+        With ``prompts``: add them, and stream them (and only them) until they are done; closing the generator
+        early (``break``, ``close()``, garbage collection) aborts those of them still running, and their outputs are
+        dropped with them. Without: stream every request until none is left; closing early aborts nothing.
+        Nothing else is dropped: a delta counts as handed over once it has been yielded, and a finished request
+        that was not yielded yet stays in the engine for the next ``step()`` or ``stream()``.
+        """
+        owned = None
+        if prompts is not None:
+            owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
+        try:
+            while self.requests.any_open(owned) if owned is not None else self.has_unfinished():
+                with self._stepping():
+                    touched = self._advance()
+                    ready = [(seq, seq in self.requests.outbox) for seq in self._stream_order(touched, owned)]
+                for seq, final in ready:
+                    with self._lock:
+                        delta = delta_of(seq, self.detokenizer, final)
+                    if delta is None:
+                        continue
+                    try:
+                        yield delta
+                    finally:  # runs once the consumer has the delta, whether it goes on or closes the stream
+                        with self._interrupts.held(), self._lock:
+                            self._hand_over_delta(seq, delta)
+        finally:
+            if owned:
+                self._cancel(owned)
+
+    def generate(
+        self,
+        prompts: list[Prompt],
+        generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+        progress_bar: bool = False,
+    ) -> list[RequestOutput]:
+        """Generate for every prompt (one config for all, or one per prompt); outputs in prompt order, a prompt's
+        ``num_return_sequences`` copies together. Every prompt is checked before any is queued. Requests added by
+        others meanwhile are stepped too but not reported here (the next ``step()`` does). Interrupted (Ctrl-C, or
+        an exception), it aborts its requests before the exception leaves, so the engine is ready for the next
+        call."""
+        ids = self._enqueue(self._new_sequences(prompts, generation_config, "generate"))
+        owned, done = set(ids), []
+        from tqdm.auto import tqdm
+
+        try:
+            with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
+                while self.requests.any_open(owned):
+                    outs = self._step(want_deltas=False, owned=owned)[0]
+                    done += outs
+                    bar.update(sum(not self.requests.is_open(rid) for rid in {family(o.request_id) for o in outs}))
+        except BaseException:
+            self._cancel(owned)
+            raise
+        by_request: dict[str, list[RequestOutput]] = {}
+        for out in done:
+            by_request.setdefault(family(out.request_id), []).append(out)
+        return [o for rid in ids for o in sorted(by_request[rid], key=_copy_index)]
+
+    def check_invariants(self) -> None:
+        """Assert the bookkeeping is consistent (for tests and debugging): block reference counts match the live
+        sequences' tables, free + used blocks make the pool, every live or finished sequence has an open request."""
+        with self._lock:
+            self.scheduler.check_invariants()
+            alloc = self.block_manager.allocator
+            assert alloc.num_free + alloc.num_used == alloc.num_blocks
+            held = self.scheduler.live + self.scheduler.failed + self.requests.outbox
+            assert all(self.requests.open.get(s.request_id) is s for s in held), "a sequence without its request"
+            assert all(s.is_finished for s in self.requests.outbox + self.scheduler.failed)
+
+    def stats(self) -> dict:
+        """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
+        with self._lock:
+            return self.counters.snapshot(self)
+
+    # ----- internals -------------------------------------------------------------------------------------------
+    def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
+        """One step, then hand over the finished requests of ``owned`` (None: all) waiting in the outbox, and the
+        new tokens of the rest when ``want_deltas``. A Ctrl-C during the step is raised once the state is
+        consistent, before anything is handed over: the outbox then waits for the next call."""
+        with self._stepping():
+            touched = self._advance()
+            self._interrupts.raise_pending()
+            self._apply_cancels()
+            clock = self.counters.clock()
+            finished = self.requests.take(owned)
+            outputs = [output_of(s, self.detokenizer) for s in finished]
+            deltas = self._deltas(touched, finished) if want_deltas else []
+            clock("update")
+        return outputs, deltas
+
+    @contextmanager
+    def _stepping(self) -> Iterator[None]:
+        """Hold the lock (Ctrl-C held back) for a step; steps come from one thread at a time."""
+        with self._interrupts.held(), self._lock:
+            self._refuse_if_closed()
+            if self._step_running:
+                raise RuntimeError("a step is running in another thread: step(), stream() and generate() must be "
+                                   "called from one thread at a time (add_request and abort from any)")
+            self._step_running, self._stepper = True, threading.get_ident()
+            try:
+                self._apply_cancels()
+                yield
+                self._apply_cancels()
+            finally:
+                self._step_running, self._stepper = False, None
+
+    def _stream_order(self, touched: list[Sequence], owned: set[str] | None) -> list[Sequence]:
+        """The sequences a stream hands a delta to after a step: those that got tokens, then the finished ones."""
+        seqs = dict.fromkeys(touched + self.requests.outbox)
+        return [s for s in seqs if owned is None or family(s.request_id) in owned]
+
+    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta, from_outbox: bool = True) -> None:
+        mark_streamed(seq, delta)
+        if from_outbox and delta.finished and seq in self.requests.outbox:
+            self.requests.outbox.remove(seq)
+            self.requests.untrack(seq)
+
+    def _cancel(self, families: set[str]) -> None:
+        """The reader of ``families`` is gone: stop those still running and drop their outputs. Inside a step of
+        this thread (a stream closed by the garbage collector) it waits for the step's next consistent point."""
+        self._to_cancel.append(set(families))
+        if self._stepper != threading.get_ident():
+            with self._interrupts.held(), self._lock:
+                self._apply_cancels()
+
+    def _apply_cancels(self) -> None:
+        while self._to_cancel:
+            families = self._to_cancel.pop()
+            for rid in families:
+                if self.requests.is_open(rid):
+                    self.scheduler.abort(rid)
+            self.requests.forget(families)
+            self.scheduler.failed[:] = [s for s in self.scheduler.failed if family(s.request_id) not in families]
+
+    def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
+        deltas, final = [], set(map(id, finished))
+        for seq in dict.fromkeys(touched + finished):
+            delta = delta_of(seq, self.detokenizer, id(seq) in final)
+            if delta is not None:
+                self._hand_over_delta(seq, delta, from_outbox=False)
+                deltas.append(delta)
+        return deltas
+
+
+def _copy_index(out: RequestOutput) -> int:
+    _, _, idx = out.request_id.partition(validation.CHILD_MARK)
+    return int(idx) + 1 if idx else 0

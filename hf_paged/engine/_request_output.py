@@ -1,0 +1,98 @@
+"""What the engine hands back: a finished request's ``RequestOutput`` and a streaming ``TokenDelta``."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from hf_paged.engine._detokenizer import Detokenizer
+from hf_paged.engine._sequence import Sequence
+
+logger = logging.getLogger("hf_paged")
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    """A finished sequence.
+
+    ``token_ids`` holds the new tokens only (an EOS that stopped generation included, as ``model.generate`` keeps it;
+    a stop string cut, with the token in which it begins and those after it). ``finish_reason``: ``"stop"`` (EOS or
+    a stop string), ``"length"`` (``max_new_tokens``), ``"abort"`` or ``"error"`` (``error`` says why).
+    ``logprobs[i]`` is the model's log-probability of ``token_ids[i]`` when asked for
+    (``GenerationConfig(output_logprobs=True)``), else None. ``text`` is set when the engine has a tokenizer: the
+    new tokens' text, special tokens skipped, cut before a stop string that stopped the request.
+    """
+
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    finish_reason: str
+    error: str | None = None
+    logprobs: list[float] | None = None
+    text: str | None = None
+
+
+@dataclass(frozen=True)
+class TokenDelta:
+    """New tokens of one request since the last delta; ``finish_reason`` is set on the last delta of a request.
+
+    With a tokenizer, ``text`` is the new text (possibly empty: an unfinished multi-byte character, or the tail a stop
+    string may still cut, waits for a later delta, with its tokens); a request's deltas concatenate to its final
+    ``RequestOutput``'s ``token_ids`` and ``text``. Without one, ``text`` is None.
+    """
+
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None = None
+    text: str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
+    """A finished sequence's output: its tokens (and text, with a detokenizer) cut before a stop string that
+    stopped it."""
+    out, text = seq.output_token_ids, None
+    if detokenizer is not None:
+        try:
+            kept, text = detokenizer.final(seq)
+            out = out[:kept]
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+    logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason, seq.error,
+                         logprobs, text)
+
+
+def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> TokenDelta | None:
+    """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
+    the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
+    text come out together (``detokenizer.py`` says what waits)."""
+    tokens, text = seq.output_token_ids, None
+    if detokenizer is None:
+        new = tokens[seq.num_streamed :]
+    else:
+        sent = detokenizer.state(seq).sent
+        try:
+            if final:
+                kept, full = detokenizer.final(seq)
+                text = full[sent:]
+            else:
+                kept, shown = detokenizer.ready(seq)
+                text = detokenizer.state(seq).text[sent:shown]
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
+            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+            kept, text = len(tokens), None
+        new = tokens[seq.num_streamed : kept]
+    if not new and not text and not final:
+        return None
+    return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
+
+
+def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:
+    """Record ``delta`` as handed to a stream reader."""
+    seq.num_streamed += len(delta.token_ids)
+    if delta.text:
+        seq.text_state.sent += len(delta.text)

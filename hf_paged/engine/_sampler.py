@@ -1,0 +1,276 @@
+"""``Sampler``: picks each row's next token on the logits' device, for all rows at once, without a host sync.
+
+The host sorts the rows when it builds the batch. Plain greedy rows take the argmax of the model's logits as they
+are. The other rows get a float32 copy that is processed in ``model.generate``'s order: repetition penalty, EOS
+suppression until ``min_new_tokens``. Greedy rows then take its argmax; sampled rows alone go on to temperature,
+top-k, top-p, min-p and a draw.
+
+The draw is the Gumbel-max trick, ``argmax(x - log(-log u))``. Its uniforms ``u`` are a hash of
+``(seed, step, token id)`` in int32 tensor ops, so a request's stream depends on its own seed and step only, never
+on its batch neighbours, and a preempted request draws the same tokens when it is recomputed.
+"""
+
+from __future__ import annotations
+
+import array
+import functools
+import operator
+from dataclasses import dataclass
+
+import torch
+
+from hf_paged.engine._sequence import Sequence
+
+_NEG_INF = float("-inf")
+_GOLDEN = -0x61C88647  # 0x9E3779B9 as a signed 32-bit word
+_M2 = -0x7B935975  # 0x846CA68B as a signed 32-bit word
+_PARAMS, _LOGPROBS, _PLAIN_GREEDY = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy"))
+
+
+@dataclass(frozen=True)
+class SamplingBatch:
+    """Settings of the ``N`` rows sampled in one step. Tensors live on the sampling device; the plain fields tell
+    the sampler which work to run, so it never reads a device value.
+
+    Attributes:
+        num_rows: ``N``.
+        want_logprobs: return the model's log-probability of each chosen token.
+        rows: ``[M]`` int64 rows that need more than an argmax of the raw logits: ``num_greedy`` processed greedy
+            rows, then ``S = M - num_greedy`` sampled rows. None: every row is plain greedy.
+        penalty: ``[M]`` float32 repetition penalty of those rows (1.0 = off); None when no row has one.
+        penalty_at: ``([P], [P])`` int64 (position in ``rows``, token id) of every token a penalised row has seen.
+        banned_at: ``([B], [B])`` int64 (position in ``rows``, EOS id) suppressed by ``min_new_tokens``, or None.
+        temperature, top_p, min_p: ``[S]`` float32. top_k: ``[S]`` int64 (0 = off).
+        seeds: ``[S, 2]`` int32 low and high words of each seed. steps: ``[S]`` int32 tokens generated so far.
+        max_top_k: largest ``top_k`` of the sampled rows (0: no top-k).
+        top_p_in_top_k: some row has both top-k and top-p (its top-p sorts only the top-k list).
+        sort_rows: ``[F]`` int64 sampled positions with top-p but no top-k (they need a full sort), or None.
+        use_min_p: some sampled row has ``min_p > 0``.
+    """
+
+    num_rows: int
+    want_logprobs: bool
+    rows: torch.Tensor | None = None
+    num_greedy: int = 0
+    penalty: torch.Tensor | None = None
+    penalty_at: tuple[torch.Tensor, torch.Tensor] | None = None
+    banned_at: tuple[torch.Tensor, torch.Tensor] | None = None
+    temperature: torch.Tensor | None = None
+    top_k: torch.Tensor | None = None
+    top_p: torch.Tensor | None = None
+    min_p: torch.Tensor | None = None
+    seeds: torch.Tensor | None = None
+    steps: torch.Tensor | None = None
+    max_top_k: int = 0
+    top_p_in_top_k: bool = False
+    sort_rows: torch.Tensor | None = None
+    use_min_p: bool = False
+
+    @classmethod
+    def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
+        """Sort the rows on the host, gather their settings into one int64 and one float32 tensor, move each once."""
+        params = list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
+        want_logprobs = any(map(_LOGPROBS, params))
+        if all(map(_PLAIN_GREEDY, params)):
+            return cls(len(seqs), want_logprobs)
+        sampled = [i for i, p in enumerate(params) if p.do_sample]
+        greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.is_plain_greedy and not p.do_sample
+                  and (p.repetition_penalty != 1.0 or s.num_generated < p.min_new_tokens)]
+        rows = greedy + sampled
+        if not rows:
+            return cls(len(seqs), want_logprobs)
+        seen, seen_ids, ban_pos, ban_ids = _penalised_and_banned([seqs[i] for i in rows], vocab_size)
+        ss = [seqs[i] for i in sampled]
+        smp = [s.params for s in ss]
+        top_k, top_p, min_p = [p.top_k for p in smp], [p.top_p for p in smp], [p.min_p for p in smp]
+        sort_pos = [j for j, (k, q) in enumerate(zip(top_k, top_p)) if q < 1.0 and not k]
+        seeds = [s.seed for s in ss]
+        ints, floats = _Pack("q"), _Pack("f")
+        ints.add(rows, seen, seen_ids, ban_pos, ban_ids, sort_pos, top_k, [_i32(x) for x in seeds],
+                 [_i32(x >> 32) for x in seeds], [len(s.token_ids) - s.num_prompt_tokens for s in ss])
+        floats.add([params[i].repetition_penalty for i in rows], [p.temperature for p in smp], top_p, min_p)
+        rows_t, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, top_k_t, lo, hi, steps = ints.to(device)
+        penalty, temperature, top_p_t, min_p_t = floats.to(device)
+        return cls(
+            len(seqs), want_logprobs, rows=rows_t, num_greedy=len(greedy),
+            penalty=penalty if seen_ids else None,
+            penalty_at=(torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t) if seen_ids else None,
+            banned_at=(ban_pos_t, ban_ids_t) if ban_pos else None,
+            temperature=temperature, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
+            seeds=torch.stack([lo, hi], 1).int(), steps=steps.int(),
+            max_top_k=min(max(top_k, default=0), vocab_size),
+            top_p_in_top_k=any(q < 1.0 and k for k, q in zip(top_k, top_p)),
+            sort_rows=sort_t if sort_pos else None,
+            use_min_p=any(min_p),
+        )
+
+
+def _penalised_and_banned(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], ...]:
+    """How many tokens each row has seen that its penalty applies to, and those token ids, flat; the (row, EOS id)
+    pairs a row may not emit yet."""
+    seen, seen_ids, ban_pos, ban_ids = [], [], [], []
+    for j, s in enumerate(seqs):
+        p = s.params
+        penalised = p.repetition_penalty != 1.0
+        seen.append(len(s.token_ids) if penalised else 0)
+        if penalised:
+            seen_ids += s.token_ids
+        if p.min_new_tokens and p.eos_token_ids and s.num_generated < p.min_new_tokens:
+            eos = [e for e in p.eos_token_ids if e < vocab_size]  # as HF: ids outside the vocabulary are ignored
+            ban_pos += [j] * len(eos)
+            ban_ids += eos
+    return seen, seen_ids, ban_pos, ban_ids
+
+
+class _Pack:
+    """Lists packed into one host tensor, copied to the device once and split there into views."""
+
+    def __init__(self, typecode: str) -> None:
+        self.values = array.array(typecode)  # fromlist is ~8x faster than torch.tensor(list)
+        self.sizes: list[int] = []
+
+    def add(self, *lists: list) -> None:
+        for values in lists:
+            self.values.fromlist(values)
+            self.sizes.append(len(values))
+
+    def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
+        host = torch.frombuffer(self.values, dtype=torch.int64 if self.values.typecode == "q" else torch.float32)
+        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+        return on_device.split(self.sizes)
+
+
+def _i32(word: int) -> int:
+    """The low 32 bits of ``word`` as a signed int32 value."""
+    return ((word & 0xFFFFFFFF) ^ 0x80000000) - 0x80000000
+
+
+class Sampler:
+    """Turns ``[N, V]`` logits into ``[N]`` token ids (and optionally their logprobs), all on the logits' device."""
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """logits: ``[N, V]`` in the model's dtype, left unchanged. Returns ``[N]`` int64 tokens and, if asked,
+        ``[N]`` float32 log-probabilities of the raw logits."""
+        n = batch.num_rows
+        rows = batch.rows
+        if rows is None or rows.shape[0] < n:
+            tokens = _argmax(logits)
+        else:
+            tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
+        if rows is not None:
+            x = logits.index_select(0, rows).float()  # [M, V] float32, ours to edit in place
+            _process(x, batch)
+            g = batch.num_greedy
+            if g:
+                tokens.index_copy_(0, rows[:g], _argmax(x[:g]))
+            if g < rows.shape[0]:
+                tokens.index_copy_(0, rows[g:], _draw(x[g:], batch))
+        logprobs = None
+        if batch.want_logprobs:
+            logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(1, tokens[:, None]).squeeze(1)
+        return tokens, logprobs
+
+
+def _process(x: torch.Tensor, b: SamplingBatch) -> None:
+    """Repetition penalty (HF's: divide positive logits, multiply negative ones) and EOS suppression, in place."""
+    if b.penalty_at is not None:
+        score = x[b.penalty_at]
+        pen = b.penalty[b.penalty_at[0]]
+        x[b.penalty_at] = torch.where(score < 0, score * pen, score / pen)
+    if b.banned_at is not None:
+        x.index_put_(b.banned_at, x.new_full((), _NEG_INF))  # a device value: a Python one is copied with a sync
+
+
+def _draw(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """x: ``[S, V]`` float32 processed logits of the sampled rows, edited in place. Returns ``[S]`` int64 tokens.
+
+    Each filter only raises the row's floor (the smallest logit it keeps), so they compose in one mask: top-k,
+    then top-p on the top-k survivors, then min-p (``p < min_p * p_max`` is ``x < x_max + log(min_p)``).
+    """
+    s, v = x.shape
+    x.div_(b.temperature[:, None])
+    floor = x.new_full((s,), _NEG_INF)
+    top = None  # [S, K] each row's K largest logits, descending
+    if b.max_top_k:
+        top = x.topk(b.max_top_k, -1).values
+        kth = top.gather(1, (b.top_k.clamp(1, b.max_top_k) - 1)[:, None]).squeeze(1)
+        floor = torch.where(b.top_k > 0, kth, floor)
+    if b.top_p_in_top_k:
+        cut = _top_p_floor(top, b.top_p, b.top_k.clamp(0, b.max_top_k))
+        floor = torch.maximum(floor, torch.where(b.top_k > 0, cut, _NEG_INF))
+    if b.sort_rows is not None:
+        full = _sorted_desc(x.index_select(0, b.sort_rows))  # [F, V]
+        floor = floor.index_copy(0, b.sort_rows, _top_p_floor(full, b.top_p[b.sort_rows]))  # rows without top-k
+    if b.use_min_p:
+        peak = top[:, 0] if top is not None else x.amax(-1)
+        floor = torch.maximum(floor, peak + b.min_p.log())
+    if b.max_top_k or b.sort_rows is not None or b.use_min_p:
+        x.masked_fill_(x < floor[:, None], _NEG_INF)
+    return _argmax(x.sub_(uniforms(b.seeds, b.steps, v).log_().neg_().log_()))
+
+
+def _sorted_desc(x: torch.Tensor) -> torch.Tensor:
+    """Each row's values, descending (indices are not needed). On the CPU numpy's sort is ~4x torch's."""
+    if x.device.type != "cpu":
+        return x.sort(-1, descending=True).values
+    x.numpy().sort(-1)  # in place: x is our own copy
+    return x.flip(-1)
+
+
+def _top_p_floor(desc: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor | None = None) -> torch.Tensor:
+    """desc: ``[R, K]`` logits, descending, of which each row's first ``k`` count (None: all). Returns ``[R]`` the
+    smallest logit top-p keeps: a token stays while the mass before it is below ``top_p``; -inf where top-p is off.
+
+    Unnormalised prefix sums, so a row's answer does not depend on how long its list is."""
+    e = (desc - desc[:, :1]).exp_()
+    if k is not None:
+        e.masked_fill_(torch.arange(desc.shape[1], device=desc.device)[None, :] >= k[:, None], 0.0)
+    mass = e.cumsum_(-1)
+    keep = 1 + (mass[:, :-1] < top_p[:, None] * mass[:, -1:]).sum(-1)
+    cut = desc.gather(1, (keep - 1)[:, None]).squeeze(1)
+    return torch.where(top_p < 1.0, cut, _NEG_INF)
+
+
+def _argmax(x: torch.Tensor) -> torch.Tensor:
+    """Row-wise argmax (first maximum) as int64. On the CPU numpy's argmax is ~10x torch's (numpy has no bf16)."""
+    if x.device.type != "cpu":
+        return x.argmax(-1)
+    if x.dtype == torch.bfloat16:
+        x = x.float()
+    return torch.from_numpy(x.detach().numpy().argmax(-1)).long()
+
+
+def _mix32(x: torch.Tensor) -> torch.Tensor:
+    """lowbias32, a bijection of 32-bit words, in place on an int32 tensor: products wrap, and masks make the
+    arithmetic right shifts logical."""
+    x ^= (x >> 16) & 0xFFFF
+    x *= 0x7FEB352D
+    x ^= (x >> 15) & 0x1FFFF
+    x *= _M2
+    x ^= (x >> 16) & 0xFFFF
+    return x
+
+
+@functools.lru_cache(maxsize=4)
+def _token_words(vocab_size: int, device: torch.device) -> torch.Tensor:
+    """``[V]`` int32 hashed token ids, distinct (read only)."""
+    return _mix32(torch.arange(vocab_size, dtype=torch.int32, device=device) * _GOLDEN)
+
+
+def uniforms(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """``[S, V]`` float32 uniforms in (0, 1), a pure function of ``(seeds[i], steps[i], token id)``.
+
+    seeds: ``[S, 2]`` int32 (low, high word of each seed); steps: ``[S]`` int32. Every op is int32 or float32: a
+    fully mixed key per row, xor a fully mixed word per token, then a multiply-xorshift-multiply whose top 23 bits
+    become the mantissa of a float in [1, 2)."""
+    key = _mix32(_mix32(_mix32(steps + _GOLDEN) ^ seeds[:, 1]) ^ seeds[:, 0])
+    h = key[:, None] ^ _token_words(vocab_size, seeds.device)[None, :]
+    h *= 0x7FEB352D
+    shifted = h >> 15
+    h ^= shifted.bitwise_and_(0x1FFFF)
+    del shifted
+    h *= _M2
+    h >>= 9
+    h &= 0x7FFFFF
+    h |= 0x3F800000  # exponent of 1.0
+    return h.view(torch.float32).sub_(1.0 - 2.0**-24)  # (2 * mantissa + 1) / 2**24, exact

@@ -1,0 +1,101 @@
+"""``Sequence``: one stream of tokens the engine generates (a request, or one of its ``num_return_sequences`` copies).
+
+Its KV lives in the blocks of ``block_table``; the first ``num_computed_tokens`` of ``token_ids`` have their KV
+written there. A step computes the next tokens; when every token is computed, the logits of the last one are sampled
+and the new token is appended (its KV is written by the following step).
+"""
+
+from __future__ import annotations
+
+import enum
+
+from hf_paged.engine._sampling_params import SamplingParams
+
+
+#: Stands in ``token_ids`` for a token sampled by a step still running on the device (asynchronous scheduling);
+#: the next step reads its value on the device, the host writes it in when the step's tokens arrive.
+PLACEHOLDER = -1
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class Sequence:
+    """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine."""
+
+    __slots__ = (
+        "request_id", "token_ids", "num_prompt_tokens", "stop_at", "params", "arrival", "seed", "pending_children", "status",
+        "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
+        "logprobs", "finish_reason", "error", "pending_row", "text_state",
+    )
+
+    def __init__(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        arrival: tuple[int, int],
+        seed: int,
+        pending_children: int = 0,
+    ):
+        self.request_id = request_id
+        self.token_ids: list[int] = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.stop_at = self.num_prompt_tokens + params.max_new_tokens  # length at which it has all its tokens
+        self.params = params
+        self.arrival = arrival  # (request counter, copy index): FIFO order, copies right after their parent
+        self.seed = seed
+        self.pending_children = pending_children  # copies forked once the prompt is computed
+        self.status = SequenceStatus.WAITING
+        self.block_table: list[int] = []
+        self.row = -1  # row of the block-table buffer while the sequence holds blocks
+        self.num_computed_tokens = 0
+        self.num_hashed_blocks = 0  # leading full blocks registered with the prefix cache
+        self.last_block_hash: bytes | None = None  # prefix-cache key (SHA-256) of block num_hashed_blocks - 1
+        self.num_streamed = 0  # generated tokens already handed to a stream reader
+        self.logprobs: list[float] = []
+        self.finish_reason: str | None = None
+        self.error: str | None = None
+        # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
+        self.pending_row = -1
+        self.text_state = None  # the Detokenizer's TextState, made when the text is first needed
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_generated(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """Generated tokens known on the host (an in-flight placeholder is left out)."""
+        return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - (self.pending_row >= 0)]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int, logprob: float | None) -> None:
+        self.token_ids.append(token_id)
+        if logprob is not None:
+            self.logprobs.append(logprob)
+
+    def finish(self, reason: str, error: str | None = None) -> None:
+        self.status = SequenceStatus.FINISHED
+        self.finish_reason = reason
+        self.error = error
+
+    def __repr__(self) -> str:
+        return (
+            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
+        )

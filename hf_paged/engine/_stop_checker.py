@@ -1,0 +1,26 @@
+"""``StopChecker``: whether a sequence is done after its newest token (EOS, a stop string, or its length limit)."""
+
+from __future__ import annotations
+
+from hf_paged.engine._detokenizer import Detokenizer
+from hf_paged.engine._sequence import Sequence
+
+
+class StopChecker:
+    """Host-side checks on the tokens already copied back; stop strings need the ``tokenizer``."""
+
+    def __init__(self, tokenizer=None):
+        self.tokenizer = tokenizer
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+
+    def finish_reason(self, seq: Sequence) -> str | None:
+        """``"stop"``, ``"length"`` or None (keep going). EOS cannot come before ``min_new_tokens``: the sampler
+        suppresses it."""
+        params = seq.params
+        if seq.token_ids[-1] in params.eos_token_ids:
+            return "stop"
+        if params.stop_strings and self.detokenizer.stop_string_found(seq):
+            return "stop"
+        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens:
+            return "length"
+        return None

@@ -1,0 +1,175 @@
+"""``optimize_generate(model)``: a leaner compiled ``generate`` decode step on a :class:`PagedAttentionCache`.
+
+With ``PagedAttentionCache(max_new_tokens=...)`` transformers' ``generate`` compiles its decode step by itself
+(``docs/cache.md``, "Compiled generate"). At batch 1 that step is bound by the host: ``generate`` waits for every
+step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
+CUDA graph launches. ``optimize_generate`` trims that host path and the step's GPU work, on one model:
+
+- **Planned masks.** ``generate`` asks the model's ``create_masks_for_generate`` for each step's masks; for a
+  compileable paged cache every mask is the step's plan, so on decode steps the model's attribute returns the plan
+  directly, without transformers' mask preprocessing. Anything else (prefill, another cache, extra mask
+  functions) goes the usual way, a model whose class defines its own mask function keeps it, and the first decode
+  step goes the usual way too: its answer is what the direct path then returns (the plan alone, or one
+  plan per layer type).
+- **Fewer guards** (``skip_module_guards=True``). Before each compiled call dynamo evaluates ~3,400 guards for a
+  16-layer model, mostly on module attributes. The compile config drops those on ``nn.Module`` objects
+  (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): a change to a module attribute after the first
+  compiled call (``model.train()``, a swapped layer) then goes unnoticed by the compiled step, so call
+  :func:`restore_generate` (or ``optimize_generate`` again) after such a change.
+- **Decode linears** (``decode_linears``, default: where the model is on CUDA in fp16/bf16 and the kernels load).
+  The model's linear layers go through hf_paged's skinny kernel (``hf_paged.kernels._skinny``: a decode step's few
+  rows stream the weight at close to copy bandwidth; prefill's many rows keep ``F.linear``), and an inductor pass
+  groups the products that share an input (q/k/v, gate/up) into one launch each.
+- **Decode graphs** (``graphs=True``). Decode steps are replayed from CUDA graphs hf_paged captures, keyed by the
+  step's plan and input shapes, with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``, which says
+  when that is safe and falls back to transformers' compiled call otherwise).
+
+The compile config is set as ``model.generation_config.compile_config`` (CUDA graphs, as transformers' default
+``mode="reduce-overhead"`` gives them); a ``compile_config`` passed to ``generate`` replaces it for that call.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from transformers import CompileConfig
+from transformers.masking_utils import create_masks_for_generate
+
+from hf_paged.attention._metadata import PagedMetadata
+from hf_paged.hf._attention import plan_forward
+from hf_paged.generate._decode_graphs import GraphedCalls
+
+logger = logging.getLogger("hf_paged")
+
+_STATE = "_hf_paged_generate"  # what optimize_generate changed on a model, for restore_generate
+_PLAIN, _NEVER = "plain", "never"  # mask layouts: the plan itself; the usual path always
+
+
+class PlannedMasks:
+    """A model's ``create_masks_for_generate``: a compileable paged cache's decode steps get their plan directly,
+    everything else transformers' function. ``generate`` passes every argument by keyword."""
+
+    def __init__(self):
+        self.layout: str | tuple[str, ...] | None = None  # learnt from the usual path's first decode-step answer
+
+    def __call__(self, *args, **kwargs):
+        decode = not args and _paged_decode_step(kwargs)
+        if decode and self.layout not in (None, _NEVER):
+            embeds = kwargs["inputs_embeds"]
+            plan = plan_forward(_cache_of(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
+                                embeds.shape[0], 1, embeds.device)
+            return plan if self.layout == _PLAIN else dict.fromkeys(self.layout, plan)
+        masks = create_masks_for_generate(*args, **kwargs)
+        if decode and self.layout is None:
+            self.layout = _layout_of(masks)
+        return masks
+
+
+def _cache_of(kwargs: dict):
+    return kwargs.get("cache", kwargs.get("past_key_values"))  # the keyword's name before transformers 5.2x
+
+
+def _paged_decode_step(kwargs: dict) -> bool:
+    """Whether ``create_masks_for_generate(**kwargs)`` asks for a decode step's masks on a compileable paged cache
+    that already holds the batch, with no extra mask function."""
+    from hf_paged.generate import PagedAttentionCache
+
+    cache, embeds, mask = _cache_of(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
+    extra = ("or_mask_function", "and_mask_function", "block_sequence_ids")
+    return (isinstance(cache, PagedAttentionCache) and cache.is_compileable and cache.get_seq_length() > 0
+            and isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[1] == 1
+            and (mask is None or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
+            and all(kwargs.get(name) is None for name in extra))
+
+
+def _layout_of(masks) -> str | tuple[str, ...]:
+    """How the usual path answered a decode step: the plan (``_PLAIN``), one plan per layer type, or otherwise."""
+    if isinstance(masks, PagedMetadata):
+        return _PLAIN
+    if isinstance(masks, dict) and masks and all(isinstance(m, PagedMetadata) for m in masks.values()) and len(
+            {id(m) for m in masks.values()}) == 1:
+        return tuple(masks)
+    logger.info("hf_paged: optimize_generate keeps transformers' mask path for this model (its decode-step masks "
+                "are not the step's plan: %s)", type(masks).__name__)
+    return _NEVER
+
+
+def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
+                      skip_module_guards: bool = True, graphs: bool = True) -> torch.nn.Module:
+    """Make ``model.generate``'s compiled decode steps on a compileable :class:`PagedAttentionCache` cheaper (see
+    this module's docstring); returns ``model``. Calling it again replaces the earlier settings.
+
+    Args:
+        decode_linears: route the linear layers through hf_paged's skinny kernel, grouped (None: where it can
+            serve, i.e. the model on CUDA in float16/bfloat16 with the kernels loaded; True: the same or an error
+            saying why not; False: never).
+        skip_module_guards: drop dynamo's guards on nn modules from the compiled decode step.
+        graphs: replay decode steps from CUDA graphs captured by hf_paged, without dynamo on the way
+            (``hf_paged/generate/_decode_graphs.py``: where that is known to be safe, else transformers' compiled call).
+
+    Raises:
+        ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
+    """
+    from hf_paged.compile import _skinny_linears as skinny_linear
+    from hf_paged.compile._group_linears import GroupLinears
+
+    restore_generate(model)
+    linears = skinny_linear.install(model) if skinny_linear.for_engine(model, decode_linears, "decode_linears") else []
+    skinny_linear.route_always(linears, True)
+    options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if skip_module_guards else {}
+    if linears:
+        options["post_grad_custom_pre_pass"] = GroupLinears()
+    before = getattr(model.generation_config, "compile_config", None)
+    config = with_options(before or CompileConfig(), options)
+    object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears,
+                                       "masks": model.__dict__.get("create_masks_for_generate")})
+    if getattr(type(model), "create_masks_for_generate", None) is None:
+        model.create_masks_for_generate = PlannedMasks()
+    else:  # the model's class makes its own masks (token types, images): those stay as they are
+        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
+    model.generation_config.compile_config = config
+    if graphs:
+        model.get_compiled_call = GraphedCalls(model, type(model).get_compiled_call.__get__(model))
+    _forget_compiled_call(model)
+    return model
+
+
+def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
+    """Undo :func:`optimize_generate` on ``model`` (nothing if it was not optimized); returns ``model``."""
+    from hf_paged.compile import _skinny_linears as skinny_linear
+
+    state = model.__dict__.pop(_STATE, None)
+    if state is None:
+        return model
+    skinny_linear.route_always(state["linears"], False)
+    model.__dict__.pop("create_masks_for_generate", None)
+    model.__dict__.pop("get_compiled_call", None)
+    if state["masks"] is not None:
+        model.create_masks_for_generate = state["masks"]
+    model.generation_config.compile_config = state["compile_config"]
+    _forget_compiled_call(model)
+    return model
+
+
+def with_options(config: CompileConfig, options: dict) -> CompileConfig:
+    """A copy of ``config`` with ``options`` added: torch.compile takes a mode or options, not both, so a
+    ``"reduce-overhead"`` mode becomes the CUDA-graph option it stands for."""
+    merged = dict(config.options or {})
+    mode = config.mode
+    if options and mode is not None:
+        if mode != "reduce-overhead" or config.backend != "inductor":
+            raise ValueError(f"the compile config's mode {mode!r} (backend {config.backend!r}) cannot take options; "
+                             "set generation_config.compile_config with mode=None and its options instead")
+        merged["triton.cudagraphs"], mode = True, None
+    merged.update(options)
+    out = CompileConfig(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend, mode=mode,
+                        options=merged or None)
+    out._compile_all_devices = config._compile_all_devices
+    return out
+
+
+def _forget_compiled_call(model: torch.nn.Module) -> None:
+    """Drop the compiled forward generate keeps on the model: the next compiled step traces the model anew."""
+    for name in ("_compiled_call", "_last_compile_config"):
+        model.__dict__.pop(name, None)

@@ -1,0 +1,241 @@
+"""Decode steps of fixed shape at fixed addresses, so that ``generate`` may compile them.
+
+A compiled decode step (``torch.compile`` with CUDA graphs, as ``generate`` does for a cache whose
+``is_compileable`` is True) replays the same kernels on the same tensors every step: it may read new *values* but
+not new shapes, new addresses or host integers that change. So for a batch of ``B`` rows whose longest row may reach
+``W`` blocks (its prompt plus ``max_new_tokens``), every decode step's metadata is the *same* :class:`PagedMetadata`
+object whose tensors are updated in place before the forward:
+
+::
+
+    cu_seqlens_q [B + 1]   0, 1, ..., B                        fixed
+    seq_lens_k   [B]       tokens of each row after the step    rewritten each step
+    cu_seqlens_k [B + 1]   their prefix sums                    rewritten each step
+    slot_mapping [B]       slot of each row's new token         rewritten each step
+    block_tables [B, W]    each row's blocks, padded with 0      rewritten when a row's table changes
+    max_seqlen_k = W * block_size                               fixed bound: kernels read each row's real length
+
+The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
+plans each step through the mask function before it calls the compiled forward. Once a batch has decoded a step
+without being rebuilt, its rows are *armed* (``BatchTables.arm``): each gets the reserved blocks of its next tokens,
+the table holding them is uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
+each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
+a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels are loaded, else four torch
+ops), no host list walked, no host-to-device copy, no new tensor.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+
+import torch
+
+from hf_paged.cache._kv_quant import is_fp8
+from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.generate._batch_tables import BatchTables
+from hf_paged.cache._block_allocator import OutOfBlocksError
+from hf_paged.attention._calls import decode_calls
+from hf_paged.kernels import _build as build
+
+logger = logging.getLogger("hf_paged")
+
+
+class StaticDecode:
+    """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
+
+    def __init__(self, device: torch.device, block_size: int, kv_caches, dispatcher, kv_scales=None):
+        self.device = torch.device(device)
+        self.block_size = block_size
+        self.kv_caches = kv_caches
+        self.kv_scales = kv_scales  # an fp8 cache's per-layer KVScales, else None
+        self.dispatcher = dispatcher
+        self.meta: PagedMetadata | None = None
+        self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
+        self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
+        self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
+        self._position: torch.Tensor | None = None  # [B, 1] int64: position of each row's latest token
+        self._one_launch: bool | None = None  # whether advance is one kernel launch (asked once)
+
+    @property
+    def width(self) -> int:
+        return 0 if self.meta is None else self.meta.block_tables.shape[1]
+
+    def size_for(self, num_rows: int, width: int) -> None:
+        """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
+        if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
+            return
+        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher,
+                                     self.kv_scales)
+        self._uploaded_table = None
+        # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
+        # replay on them, and skip a step whose mutated inputs are not marked so.
+        fixed = [getattr(self.meta, name) for name in PagedMetadata._TENSOR_FIELDS] + [
+            t for pair in self.kv_caches for t in pair] + [t for s in self.kv_scales or () for t in (s.k, s.v)]
+        for t in fixed:
+            if t is not None:
+                torch._dynamo.mark_static_address(t)
+
+    def plan(self, rows: BatchTables, slots: torch.Tensor) -> PagedMetadata:
+        """The step's metadata after ``rows.append`` gave each row its one new token (``slots``: ``[B]`` host)."""
+        table = rows.block_table_tensor()
+        if table.shape[1] > self.width and self.meta is not None and self.meta.num_seqs == rows.num_rows:
+            logger.warning(
+                "hf_paged: a row outgrew the decode block table sized from max_new_tokens (%d > %d blocks): the "
+                "table is widened, which recompiles a compiled decode step. Give the cache the max_new_tokens that "
+                "generate is given.", table.shape[1], self.width)
+        self.size_for(rows.num_rows, table.shape[1])
+        meta = self.meta
+        seq_lens = torch.tensor(rows.num_tokens, dtype=torch.int32)
+        _upload(meta.seq_lens_k, seq_lens)
+        _upload(meta.cu_seqlens_k[1:], torch.cumsum(seq_lens, 0, dtype=torch.int32))
+        _upload(meta.slot_mapping, slots)
+        if table is not self._uploaded_table:  # a table tensor is never changed in place (BatchTables)
+            _upload(meta.block_tables[:, : table.shape[1]], table)
+            self._uploaded_table = table
+        armed = rows.arm(self.width)
+        if armed is not None:
+            self._arm(armed)
+        return meta
+
+    def _arm(self, tables: list[list[int]]) -> None:
+        """Upload the armed rows' blocks (written and ahead) and the slot of every position they cover."""
+        meta, bs, width = self.meta, self.block_size, self.width
+        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
+        _upload(meta.block_tables, table)
+        self._uploaded_table = None
+        offsets = torch.arange(bs, device=self.device).repeat(width)
+        self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
+        self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
+        self._slot_column = meta.slot_mapping.view(-1, 1)
+        if self._one_launch is None:
+            # only where a backend loaded the kernels already: this saves microseconds, not worth a build
+            self._one_launch = self.device.type == "cuda" and build.is_loaded()
+
+    def advance(self) -> PagedMetadata:
+        """The next decode step's metadata after ``BatchTables.advance`` counted it: one more token per row, its
+        slot read from the armed table, all in place on the device."""
+        meta = self.meta
+        if self._one_launch:  # the host time before a compiled step's graph launch is what the GPU waits for
+            torch.ops.hf_paged.advance_decode(meta.seq_lens_k, meta.cu_seqlens_k, self._position, self._slot_of,
+                                              meta.slot_mapping)
+            return meta
+        meta.seq_lens_k.add_(1)
+        meta.cu_seqlens_k.add_(meta.cu_seqlens_q)  # row i's prefix sum grows by i
+        self._position.add_(1)
+        torch.gather(self._slot_of, 1, self._position, out=self._slot_column)
+        return meta
+
+
+def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
+    pin = dst.device.type == "cuda"
+    dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
+
+
+def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device, kv_caches,
+                     dispatcher, kv_scales=None) -> PagedMetadata:
+    def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        return torch.zeros(shape, dtype=dtype, device=device)
+
+    return PagedMetadata(
+        num_seqs=num_rows, num_tokens=num_rows, max_seqlen_q=1, max_seqlen_k=width * block_size,
+        block_size=block_size, phase=Phase.DECODE,
+        cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
+        cu_seqlens_k=zeros(num_rows + 1), seq_lens_k=zeros(num_rows), block_tables=zeros(num_rows, width),
+        slot_mapping=zeros(num_rows, dtype=torch.int64), token_index=None, grid=(num_rows, 1),
+        has_padding_slots=False, kv_caches=kv_caches, dispatcher=dispatcher, static=True, kv_scales=kv_scales,
+    )
+
+
+def blocks_until_done(rows: BatchTables, new_tokens: list[int], max_new_tokens: int) -> list[int]:
+    """Blocks each row needs to hold its ``new_tokens`` (a batch's first forward) plus ``max_new_tokens`` more.
+
+    Raises ``OutOfBlocksError`` (with the number needed) when the pool cannot hold them all, before the forward
+    writes anything, so that a decode step never finds the pool empty.
+    """
+    bs, alloc = rows.pool.block_size, rows.pool.allocator
+    per_row = [-(-(n + max_new_tokens) // bs) for n in new_tokens]
+    needed, free = sum(per_row), alloc.num_free + rows.num_reserved
+    if needed > free:
+        raise OutOfBlocksError(
+            needed, free, alloc.num_blocks,
+            hint=(f"({len(per_row)} rows: their prompts plus max_new_tokens={max_new_tokens} tokens each, in "
+                  f"{bs}-token blocks, are taken before decoding starts.)"))
+    return per_row
+
+
+class CompileMode:
+    """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, their metadata, and the
+    blocks a batch takes ahead (with ``max_new_tokens``)."""
+
+    def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
+                 kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None, kv_scales=None):
+        if max_new_tokens is not None and (
+                not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
+            raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
+        if compileable not in (None, True, False):
+            raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
+        self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
+        self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
+        self.block_size = block_size
+        self._kv_dtype = kv_caches[0][0].dtype if is_fp8(kv_caches[0][0].dtype) else None  # an fp8 cache's
+        self._reason: str | None | object = _UNDECIDED
+        if compileable:
+            reason = self._static_reason()
+            if reason is not None:
+                raise ValueError(f"compileable=True, but {reason}")
+        self.static = StaticDecode(devices[0], block_size, kv_caches, dispatcher, kv_scales)
+
+    @property
+    def enabled(self) -> bool:
+        if self._reason is _UNDECIDED:
+            self._reason = self._find_reason()
+            if self._reason is not None and not torch.compiler.is_compiling():
+                _note_not_compileable(self._reason, self.max_new_tokens is not None)
+        return self._reason is None
+
+    def blocks_until_done(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> list[int] | None:
+        """Before a batch's first forward (``q_len`` columns, ``valid`` its real tokens or None = all): with
+        ``max_new_tokens`` given, the blocks each row will need, checked to fit; sizes the decode metadata."""
+        if self.max_new_tokens is None:
+            return None
+        new = [q_len] * rows.num_rows if valid is None else valid.sum(1).tolist()
+        per_row = blocks_until_done(rows, new, self.max_new_tokens)
+        if self.enabled:
+            self.static.size_for(len(per_row), max(per_row, default=1))
+        return per_row
+
+    @property
+    def reason(self) -> str | None:
+        """Why decode steps are not compileable (None when they are)."""
+        return None if self.enabled else self._reason
+
+    def _static_reason(self) -> str | None:
+        if self.max_new_tokens is None:
+            return ("the cache was not given max_new_tokens (the generate call's): decode blocks and the width of "
+                    "the decode block table are fixed from it before decoding starts")
+        if len(set(self.devices)) > 1:
+            return "the KV cache is split over several devices"
+        return None
+
+    def _find_reason(self) -> str | None:
+        if self.compileable is False:
+            return "the cache was made with compileable=False"
+        reason = self._static_reason()
+        if reason is not None or self.compileable:
+            return reason
+        device_type = self.devices[0].type
+        if device_type != "cuda":
+            return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
+                    "(give the cache compileable=True to compile elsewhere, with a compile_config)")
+        calls = decode_calls(self.config, self.layout, device_type, self.dtype, self.block_size, self._kv_dtype)
+        return self.dispatcher.capture_unsupported_reason(calls, self.dtype)
+
+
+_UNDECIDED = object()
+
+
+@functools.lru_cache(maxsize=None)
+def _note_not_compileable(reason: str, asked: bool) -> None:
+    log = logger.warning if asked else logger.info
+    log("hf_paged: PagedAttentionCache.is_compileable is False, so generate runs decode steps eagerly: %s", reason)

@@ -1,0 +1,209 @@
+"""Just-in-time build of the CUDA kernels in ``hf_paged/csrc`` through ``torch.utils.cpp_extension`` (ninja).
+
+The library is built for the present GPU's architecture only (on compute capability 9.0 its arch-specific target,
+sm_90a, which the wgmma prefill needs) and kept under
+``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged/kernels``) in a folder named by torch version, CUDA version, arch
+and a hash of the sources, so a second run (or a second process) loads it in about a second. Without a CUDA GPU,
+nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
+backend serve.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import shutil
+import threading
+from pathlib import Path
+
+import torch
+
+logger = logging.getLogger("hf_paged")
+
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (
+    "ops.cpp",
+    "checks.cpp",
+    "decode_ops.cpp",
+    "decode_launch.cpp",
+    "write_kv.cu",
+    "decode_step.cu",
+    "paged_decode_f32.cu",
+    "paged_decode_f16.cu",
+    "paged_decode_bf16.cu",
+    "paged_decode_e4m3.cu",
+    "prefill_ops.cpp",
+    "paged_prefill_f16.cu",
+    "paged_prefill_f16_wide.cu",
+    "paged_prefill_bf16.cu",
+    "paged_prefill_bf16_wide.cu",
+    "paged_prefill_f16_e4m3.cu",
+    "paged_prefill_bf16_e4m3.cu",
+    "paged_prefill_wgmma_f16.cu",  # Hopper only: stubs unless built for sm_90a
+    "paged_prefill_wgmma_bf16.cu",
+    "skinny_ops.cpp",
+    "skinny_gemm.cu",
+    "skinny_gemm_wide.cu",
+    "skinny_gemm_wgmma.cu",  # Hopper only: a stub unless built for sm_90a
+    "peer_sum_ops.cpp",
+    "peer_sum.cu",
+)
+_LIB_NAME = "hf_paged_kernels"
+
+
+class KernelsUnavailable(RuntimeError):
+    """The CUDA kernels cannot be built or loaded here; the message says why and what to install."""
+
+
+_lock = threading.Lock()
+_failure: str | None = None
+_loaded = False
+_folder: Path | None = None
+_warned = False
+
+
+def cache_root() -> Path:
+    """Where built kernels are kept: ``$HF_PAGED_CACHE`` or ``$XDG_CACHE_HOME/hf_paged/kernels``."""
+    env = os.environ.get("HF_PAGED_CACHE")
+    if env:
+        return Path(env).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "hf_paged" / "kernels"
+
+
+def _arch() -> str:
+    return arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
+
+
+def arch_of(major: int, minor: int, cuda: str | None = "12.0") -> str:
+    """The nvcc arch a device of this compute capability is built for: Hopper (9.0) gets its arch-specific target
+    "90a" (wgmma, setmaxnreg; the machine code runs on 9.0 devices only, as every build here is for one GPU) when
+    the CUDA toolkit has it (12.0 on)."""
+    has_90a = cuda is not None and int(cuda.split(".")[0]) >= 12
+    return "90a" if (major, minor) == (9, 0) and has_90a else f"{major}{minor}"
+
+
+#: ``HF_PAGED_KERNEL_TRACE=1`` when the kernels are first loaded in a process: a diagnostic build (its own build
+#: folder) whose decode kernels can store per-CTA timestamps (``hf_paged.bench._decode_trace``); the normal build's
+#: machine code holds no trace code.
+TRACE_ENV = "HF_PAGED_KERNEL_TRACE"
+
+
+def _host_flags() -> list[str]:
+    return ["-O3"] + (["-DHF_PAGED_DECODE_TRACE"] if os.environ.get(TRACE_ENV) == "1" else [])
+
+
+def _cuda_flags(arch: str) -> list[str]:
+    # Naming the arch ourselves also stops torch from adding every arch of TORCH_CUDA_ARCH_LIST. The -gencode form:
+    # nvcc 13.0's -arch=sm_90a shorthand also runs a plain sm_90 pass, which rejects wgmma.
+    flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
+    if arch == "90a":
+        flags.append("-DHF_PAGED_SM90A")  # compiles the wgmma kernels (paged_prefill_wgmma_*.cu, skinny_gemm_wgmma.cu)
+    return flags + _host_flags()[1:]
+
+
+def source_hash(arch: str) -> str:
+    """Hash of every file in csrc and of the flags, so that any edit gets a fresh build folder."""
+    digest = hashlib.sha256(" ".join(_cuda_flags(arch) + _host_flags()).encode())
+    for path in sorted(CSRC.iterdir()):
+        if path.suffix in (".cu", ".cuh", ".cpp", ".h"):
+            digest.update(path.name.encode() + path.read_bytes())
+    return digest.hexdigest()[:16]
+
+
+def build_dir(arch: str) -> Path:
+    tag = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}-{source_hash(arch)}"
+    return cache_root() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+
+
+def missing_requirement() -> str | None:
+    """Why the kernels cannot be built here (None if they can)."""
+    if torch.version.cuda is None:
+        return "this torch build has no CUDA support"
+    if not torch.cuda.is_available():
+        return "no CUDA GPU is visible"
+    from torch.utils import cpp_extension
+
+    home = cpp_extension.CUDA_HOME
+    if not (home and (Path(home) / "bin" / "nvcc").exists()) and shutil.which("nvcc") is None:
+        return "nvcc was not found (install the CUDA toolkit or set CUDA_HOME)"
+    if not cpp_extension.is_ninja_available():
+        return "ninja is not installed (pip install ninja)"
+    return None
+
+
+def load(verbose: bool = False) -> Path:
+    """Build (if needed) and load the kernels into this process; returns the build folder.
+
+    Raises:
+        KernelsUnavailable: with the reason, if there is no GPU, nvcc or ninja, or the build fails.
+    """
+    global _failure, _loaded, _folder
+    if _folder is not None:  # loaded: every layer calls this, so no probing or hashing past the first call
+        return _folder
+    with _lock:
+        if _failure is not None:
+            raise KernelsUnavailable(_failure)
+        reason = missing_requirement()
+        if reason is not None:
+            _failure = reason
+            raise KernelsUnavailable(reason)
+        arch = _arch()
+        folder = build_dir(arch)
+        if not _loaded:
+            _loaded = _build_and_load(folder, arch, verbose)
+        _folder = folder
+        return folder
+
+
+def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
+    global _failure
+    from torch.utils import cpp_extension
+
+    folder.mkdir(parents=True, exist_ok=True)
+    if not (folder / f"{_LIB_NAME}.so").exists():
+        logger.info("hf_paged: building CUDA kernels for sm_%s in %s (first use; about a minute)", arch, folder)
+    try:
+        cpp_extension.load(
+            name=_LIB_NAME,
+            sources=[str(CSRC / s) for s in SOURCES],
+            extra_cflags=_host_flags(),
+            extra_cuda_cflags=_cuda_flags(arch),
+            extra_include_paths=[str(CSRC)],
+            build_directory=str(folder),
+            is_python_module=False,
+            verbose=verbose,
+        )
+    except Exception as exc:  # compiler or loader failure: report it as the reason, keep serving via torch
+        _failure = f"building the CUDA kernels failed ({type(exc).__name__}: {str(exc).strip()[-2000:]})"
+        raise KernelsUnavailable(_failure) from exc
+    return True
+
+
+def is_loaded() -> bool:
+    """Whether the kernels are loaded already (asks without building them)."""
+    return _folder is not None
+
+
+def ensure_loaded() -> str | None:
+    """Load the kernels if possible; None on success, else the reason (warned about once, logger "hf_paged")."""
+    global _warned
+    if _folder is not None:
+        return None
+    try:
+        load()
+        return None
+    except KernelsUnavailable as exc:
+        if not _warned:
+            _warned = True
+            logger.warning("hf_paged: CUDA kernels unavailable (%s); the torch backend serves instead.", exc)
+        return str(exc)
+
+
+def _reset_for_tests() -> None:
+    """Forget a recorded failure (tests that fake a missing nvcc)."""
+    global _failure, _warned, _folder
+    with _lock:
+        _failure, _warned, _folder = None, False, None

@@ -1,0 +1,265 @@
+"""A linear layer for decode-sized inputs: ``x @ weight.T + bias`` streaming the weight at close to copy bandwidth.
+
+At a few rows of ``x`` (a decode step at small batch) a linear layer is bound by reading its weight, and cuBLAS's
+GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` serves up to :data:`MAX_ROWS` rows
+on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in: on
+an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up
+to :data:`WIDE_MAX_ROWS` (decode at batch 9 to 64, where a tensor-parallel rank's products are still bound by the
+weight's bytes); with ``HF_PAGED_SKINNY_WIDE=wgmma`` (opt-in, not yet measured) those rows go to
+``hf_paged/csrc/skinny_gemm_wgmma.cu`` instead on a compute capability 9.0 GPU (Hopper's warpgroup products: the
+weight as wgmma's A, x's rows as its N), and to the wide kernel elsewhere. Everything else goes to
+``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
+:func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
+bound by launch latency more than by bytes, so the group always takes the kernel where it serves.
+
+:func:`linear` is the ``hf_paged::linear`` custom op under ``torch.compile`` (dynamic shapes too): the compiler sees
+one opaque call with the output's shape, and the choice between the kernel and ``F.linear`` is taken inside the op
+when it runs, so a compiled graph holds no guard on the row count. Eager calls run the op's code directly.
+:func:`linear_group` is the ``hf_paged::linear_group`` op the same way (``hf_paged.compile._group_linears`` puts it in
+the engine's compiled graphs).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from hf_paged.kernels._build import ensure_loaded
+
+MAX_ROWS = 8  # rows of x the kernel serves (kSkinnyMaxRows in csrc/skinny_gemm.h)
+WIDE_MAX_ROWS = 64  # rows of x the wide kernel serves above MAX_ROWS (kSkinnyWideMaxRows), when wide_enabled()
+WIDE_ENV = "HF_PAGED_SKINNY_WIDE"
+MAX_GROUP = 4  # weights one grouped launch serves (kSkinnyMaxGroup)
+# A single product goes to cuBLAS below both: on an H100 at M=1, cuBLAS takes 6.1 us for Llama-3.2-1B's q/o
+# (2048 x 2048, 8 MiB) against the kernel's 7.0, and ties on its k/v (512 x 2048); from K=4096 on the kernel wins
+# even at 8 MiB (Llama-3.1-8B's k/v: 7.9 us against 8.2), and from 16 MiB at any K (gate/up, down, lm_head).
+CUBLAS_BELOW_BYTES = 16 << 20
+CUBLAS_MAX_K = 2048
+DTYPES = (torch.float16, torch.bfloat16)
+_kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
+
+__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "WIDE_ENV", "WIDE_MAX_ROWS", "kernel_serves", "kernel_wins", "linear",
+           "linear_group", "linear_packed", "packed_rows", "wgmma_serves", "wide_enabled"]
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear(x, weight, bias)``, through the skinny kernel where it serves (see :func:`kernel_serves`).
+
+    Args:
+        x: ``[..., K]``.
+        weight: ``[N, K]``.
+        bias: ``[N]`` or None.
+
+    Returns:
+        ``[..., N]`` in x's dtype, contiguous. The kernel accumulates in fp32 and rounds once.
+    """
+    if torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (x, weight, bias)):
+        return F.linear(x, weight, bias)  # the op has no backward: training keeps autograd's linear
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_paged.linear(x, weight, bias)
+    return _linear(x, weight, bias)  # eager: the same code without the custom op's dispatch (microseconds a call)
+
+
+def linear_group(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                 biases: Sequence[torch.Tensor | None]) -> list[torch.Tensor]:
+    """``[F.linear(x, w, b) for w, b in zip(weights, biases)]`` in one launch of the skinny kernel where it serves
+    every pair (see :func:`kernel_serves`, without the size rule of :func:`kernel_wins`), else one ``F.linear`` over
+    all of them where they lie end to end in one buffer (:func:`packed_rows`), else one ``F.linear`` each.
+
+    Args:
+        x: ``[..., K]``.
+        weights: 1 to :data:`MAX_GROUP` tensors ``[N_i, K]``.
+        biases: one per weight, ``[N_i]`` or None.
+
+    Returns:
+        One ``[..., N_i]`` contiguous tensor per weight, in x's dtype.
+    """
+    if len(weights) != len(biases):
+        raise ValueError(f"linear_group needs one bias (or None) per weight, got {len(weights)} and {len(biases)}")
+    tensors = (x, *weights, *(b for b in biases if b is not None))
+    if torch.is_grad_enabled() and any(t.requires_grad for t in tensors):
+        return [F.linear(x, w, b) for w, b in zip(weights, biases, strict=True)]
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_paged.linear_group(x, list(weights), list(biases))
+    return _linear_group(x, list(weights), list(biases))
+
+
+def linear_packed(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                  biases: Sequence[torch.Tensor | None]) -> torch.Tensor:
+    """``torch.cat([F.linear(x, w, b) for w, b in zip(weights, biases)], -1)``: the products of weights that lie end
+    to end in one buffer (:func:`packed_rows`) as one product, through :func:`linear` (the kernel or ``F.linear``), in
+    one contiguous ``[..., sum N_i]`` output. The engine's graph pass (``hf_paged.compile._group_linears``) takes the
+    outputs as views of it, so no copy splits them. Weights that do not (or no longer) lie end to end still give the
+    right result: one product each, concatenated.
+    """
+    if len(weights) != len(biases) or not weights:
+        raise ValueError(f"linear_packed needs weights and one bias (or None) per weight, got {len(weights)} and "
+                         f"{len(biases)}")
+    if torch.compiler.is_compiling():
+        return torch.ops.hf_paged.linear_packed(x, list(weights), list(biases))
+    return _linear_packed(x, list(weights), list(biases))
+
+
+def kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
+    """Whether :func:`linear` runs a kernel for these tensors: :func:`kernel_wins` for the weight, x on CUDA in
+    float16/bfloat16 with 1 to :data:`MAX_ROWS` rows (the product of its leading dims; :data:`WIDE_MAX_ROWS` where
+    :func:`wide_enabled`), K a multiple of 8, weight contiguous ``[N, K]`` of x's dtype and device, bias contiguous
+    ``[N]`` of the same, rows and weight 16-byte aligned, and the kernels load."""
+    return kernel_wins(weight) and _kernel_input(x, weight, bias) is not None
+
+
+def kernel_wins(weight: torch.Tensor) -> bool:
+    """Whether a single product with ``weight`` is faster on the kernel than on cuBLAS at decode row counts: false
+    for weights under :data:`CUBLAS_BELOW_BYTES` with K up to :data:`CUBLAS_MAX_K` (measured on an H100 up to
+    :data:`MAX_ROWS` rows; the wide kernel, opt-in, follows the same rule)."""
+    return weight.numel() * weight.element_size() >= CUBLAS_BELOW_BYTES or weight.shape[-1] > CUBLAS_MAX_K
+
+
+def wide_enabled() -> bool:
+    """Whether 9 to :data:`WIDE_MAX_ROWS` rows go to a kernel: ``HF_PAGED_SKINNY_WIDE=1`` (the wide kernel) or
+    ``wgmma`` (:func:`wgmma_serves`), read on every call (the switch lives inside the ops, so compiled graphs and
+    captured CUDA graphs see it when they run or capture)."""
+    return os.environ.get(WIDE_ENV) in ("1", "wgmma")
+
+
+def wgmma_serves(x: torch.Tensor) -> bool:
+    """Whether 9 to :data:`WIDE_MAX_ROWS` rows of ``x`` go to the wgmma kernel (``csrc/skinny_gemm_wgmma.cu``) rather
+    than the wide one: ``HF_PAGED_SKINNY_WIDE=wgmma`` and x on a compute capability 9.0 GPU (the kernels are built
+    with its sm_90a code there)."""
+    return os.environ.get(WIDE_ENV) == "wgmma" and _capability(x.device) == (9, 0)
+
+
+_capabilities: dict[int, tuple[int, int]] = {}
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index not in _capabilities:
+        _capabilities[index] = torch.cuda.get_device_capability(index)
+    return _capabilities[index]
+
+
+def _wide_ops(x2: torch.Tensor):
+    """(single, group) ops for ``x2``'s 9 to :data:`WIDE_MAX_ROWS` rows: the wgmma kernel's or the wide kernel's."""
+    ops = torch.ops.hf_paged
+    if wgmma_serves(x2):
+        return ops.skinny_gemm_wgmma, ops.skinny_gemm_wgmma_group
+    return ops.skinny_gemm_wide, ops.skinny_gemm_wide_group
+
+
+def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    x2 = _kernel_input(x, weight, bias) if kernel_wins(weight) else None
+    if x2 is None:
+        return F.linear(x, weight, bias).contiguous()  # the fake promises a contiguous output
+    op = torch.ops.hf_paged.skinny_gemm if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[0]
+    return op(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+
+
+_op = torch.library.custom_op("hf_paged::linear", _linear, mutates_args=())
+
+
+@_op.register_fake
+def _(x, weight, bias) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
+                  biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
+    x2 = _kernel_input(x, weights[0], biases[0]) if 0 < len(weights) <= MAX_GROUP else None
+    if x2 is None or not all(_weight_fits(x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)):
+        packed = packed_rows(weights, biases)
+        if packed is not None:  # rows of one buffer: one product, split into the outputs
+            full = F.linear(x, *packed)
+            return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
+        return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
+    ops = torch.ops.hf_paged
+    outs = (ops.skinny_gemm_group if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[1])(x2, weights, biases)
+    return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
+
+
+_group_op = torch.library.custom_op("hf_paged::linear_group", _linear_group, mutates_args=())
+
+
+@_group_op.register_fake
+def _(x, weights, biases) -> list[torch.Tensor]:
+    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+
+
+def _linear_packed(x: torch.Tensor, weights: list[torch.Tensor],
+                   biases: list[torch.Tensor | None]) -> torch.Tensor:
+    packed = packed_rows(weights, biases) if len(weights) > 1 else (weights[0], biases[0])
+    if packed is not None:
+        return _linear(x, *packed)
+    return torch.cat([_linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
+
+
+_packed_op = torch.library.custom_op("hf_paged::linear_packed", _linear_packed, mutates_args=())
+
+
+@_packed_op.register_fake
+def _(x, weights, biases) -> torch.Tensor:
+    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+
+
+def packed_rows(weights: Sequence[torch.Tensor],
+                biases: Sequence[torch.Tensor | None]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """``(weight, bias)`` views spanning every weight (and bias) when they lie end to end in one buffer, in order
+    (contiguous ``[N_i, K]`` of one dtype, device and K; biases all None or likewise end to end), else None.
+    ``hf_paged.parallel._linears`` packs the q/k/v shards of a tensor-parallel model so; the group then runs as one
+    product where the skinny kernels do not serve it (more than :data:`MAX_ROWS` rows, or :data:`WIDE_MAX_ROWS` where
+    :func:`wide_enabled`)."""
+    if len(weights) < 2 or not _end_to_end(weights, matrix=True):
+        return None
+    first = weights[0]
+    weight = first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
+    if all(b is None for b in biases):
+        return weight, None
+    if any(b is None for b in biases) or not _end_to_end(biases, matrix=False):
+        return None
+    return weight, biases[0].as_strided((weight.shape[0],), (1,))
+
+
+def _end_to_end(tensors: Sequence[torch.Tensor], matrix: bool) -> bool:
+    first = tensors[0]
+    if any(t.dim() != (2 if matrix else 1) or not t.is_contiguous() or t.dtype != first.dtype
+           or t.device != first.device or (matrix and t.shape[1] != first.shape[1]) for t in tensors):
+        return False
+    storage = first.untyped_storage().data_ptr()
+    return all(b.untyped_storage().data_ptr() == storage and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+               for a, b in zip(tensors, tensors[1:]))
+
+
+def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor | None:
+    """x as the kernel's ``[rows, K]`` (a view where its strides allow), or None where F.linear serves."""
+    if not _weight_fits(x, weight, bias):
+        return None
+    k = x.shape[-1]
+    rows = x.numel() // k if k else 0
+    if not 0 < rows <= MAX_ROWS and not (MAX_ROWS < rows <= WIDE_MAX_ROWS and wide_enabled()):
+        return None  # (the switch is read only above MAX_ROWS: the small-batch path stays free of it)
+    x2 = x.reshape(rows, k)
+    if x2.stride(-1) != 1 or (rows > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
+        x2 = x2.contiguous()
+        if x2.data_ptr() % 16:
+            return None
+    return x2 if _kernels_loaded() else None
+
+
+def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    k = x.shape[-1]
+    if not (x.is_cuda and x.dtype in DTYPES and weight.dtype == x.dtype and weight.device == x.device
+            and weight.dim() == 2 and weight.shape[1] == k and k % 8 == 0 and k < 2**30 and weight.is_contiguous()
+            and weight.data_ptr() % 16 == 0):
+        return False
+    return bias is None or (bias.dtype == x.dtype and bias.device == x.device and bias.dim() == 1
+                            and bias.shape[0] == weight.shape[0] and bias.is_contiguous())
+
+
+def _kernels_loaded() -> bool:
+    global _kernels_ready
+    if _kernels_ready is None:
+        _kernels_ready = ensure_loaded() is None
+    return _kernels_ready

@@ -1,0 +1,255 @@
+"""``hf_paged::tp_all_reduce``: the sum over a tensor-parallel group inside the compiled layers (``tp_linears``).
+
+Small inputs (decode steps: up to :data:`ONE_SHOT_MAX_BYTES`; 64 rows of hidden 4096 in bf16 are 512 KiB) are summed
+over buffers every rank of the group can read through NVLink (torch's symmetric memory; peer-to-peer loads only, no
+NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE`` picks how:
+
+- unset or ``hf_paged`` (the default): hf_paged's own kernel (``csrc/peer_sum.cu``): a fixed grid whose blocks each
+  copy their share of the input into this rank's buffer, signal and wait for their peers' matching blocks only, and
+  sum every rank's share; two alternating data halves, so that no closing barrier is needed, and a float sum in rank
+  order, so every rank gets the bit-identical result. A block that waits longer than ``HF_PAGED_TP_TIMEOUT_S`` for a
+  peer traps (a CUDA error) rather than hanging. On two H200s the 8B decode step at batch 64 took 4.59 ms with it
+  against 5.13 ms with NCCL, the same call (2026-11-27, ``benchmarks/tensor_parallel.py``'s steady decode).
+- ``nccl``: transformers' own eager all-reduce: ``dist.all_reduce`` in place (on a copy of the op's input), so NCCL
+  runs on the caller's stream, which is what the decode CUDA graphs capture (rather than torch's functional
+  all-reduce, an asynchronous op on its own stream).
+- ``one_shot``: torch's ``symm_mem.one_shot_all_reduce_copy``. On two H100s inside the 8B decode step at batch 64 it
+  took 13.7 us per call against NCCL's 12.0 (2026-11-27, ``benchmarks/tp_step_profile.py``).
+
+Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once).
+Where that fails (no peer access between the GPUs, more than 8 ranks, no kernels built), the op sums through NCCL
+and says so in the log: a warning where the path was asked for by name, an info line where it was the default.
+Larger inputs (prefill steps) always take NCCL. On GPUs linked by PCIe only, peer loads may be slower than NCCL's
+ring: compare with ``HF_PAGED_TP_ALL_REDUCE=nccl`` there.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import warnings
+
+import torch
+
+logger = logging.getLogger("hf_paged")
+
+ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in bf16
+_MODES = ("nccl", "one_shot", "hf_paged")
+_PEER_SUM_MAX_RANKS = 8  # csrc/peer_sum.h's kPeerSumMaxRanks
+_PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
+_PEER_SUM_MAX_ROW_BYTES = 512 * 4 * 16  # the fused norm's rows: kPeerSumThreads * kPeerSumMaxRowUnitsPerThread units
+_buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
+# group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
+_peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
+one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
+prefetch_calls = 0  # peer_sum calls (plain or fused) that took an L2 prefetch hint
+
+
+def mode() -> str:
+    """``HF_PAGED_TP_ALL_REDUCE``: ``hf_paged`` (the default, when unset), ``nccl`` or ``one_shot``."""
+    value = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "hf_paged")
+    if value not in _MODES:
+        raise ValueError(f"HF_PAGED_TP_ALL_REDUCE={value!r} is not one of {', '.join(_MODES)}")
+    return value
+
+
+def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
+    """Set up the one-shot path that ``HF_PAGED_TP_ALL_REDUCE`` asks for on CUDA (collective: every rank of the
+    group calls it at the same point); returns whether a one-shot path serves."""
+    which = mode()
+    if which == "nccl" or device.type != "cuda":
+        return False
+    key = (group.group_name, dtype)
+    if key in _buffers or group.group_name in _peers:
+        return True
+    try:
+        if which == "hf_paged":
+            _prepare_peer_sum(group, device)
+        else:
+            _buffers[key] = _symmetric(group, torch.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype,
+                                                          device=device))[0]
+            torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
+    except Exception as exc:  # no symmetric memory here (no peer access, an older torch), no kernels: NCCL serves
+        asked = "HF_PAGED_TP_ALL_REDUCE" in os.environ
+        (logger.warning if asked else logger.info)(
+            "hf_paged: %s cannot be served (%s: %s); the tensor-parallel layers all-reduce through NCCL",
+            f"HF_PAGED_TP_ALL_REDUCE={which}" if asked else f"the default all-reduce ({which})", type(exc).__name__,
+            str(exc)[:300])
+        return False
+    logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run one-shot over symmetric memory (%s)",
+                ONE_SHOT_MAX_BYTES >> 10, which)
+    return True
+
+
+def _symmetric(group, like: torch.Tensor):
+    """A symmetric-memory tensor shaped like ``like``, with ``like``'s contents, exchanged with the group's ranks:
+    ``(tensor, handle)``."""
+    from torch.distributed import _symmetric_memory as symm_mem
+
+    with warnings.catch_warnings():  # needed before rendezvous in older torch, deprecated (a no-op) in newer
+        warnings.simplefilter("ignore", FutureWarning)
+        symm_mem.enable_symm_mem_for_group(group.group_name)
+    buffer = symm_mem.empty(like.shape, dtype=like.dtype, device=like.device)
+    buffer.copy_(like)
+    torch.cuda.synchronize(like.device)  # every rank's copy is done before any peer can pass the rendezvous
+    return buffer, symm_mem.rendezvous(buffer, group)
+
+
+def _prepare_peer_sum(group, device: torch.device) -> None:
+    from hf_paged.parallel._lockstep import timeout_s
+    from hf_paged.kernels._build import load
+
+    if group.size() > _PEER_SUM_MAX_RANKS:
+        raise ValueError(f"peer_sum serves groups of up to {_PEER_SUM_MAX_RANKS} ranks, this one has {group.size()}")
+    load()  # the kernel, or the reason it cannot be built
+    zeros = torch.zeros(2 * ONE_SHOT_MAX_BYTES + _PEER_CONTROL_BYTES, dtype=torch.uint8, device=device)
+    buffer, handle = _symmetric(group, zeros)  # zeroed flags and epochs on every rank
+    # The buffer may sit at an offset in each rank's mapped allocation (torch's allocator decides): the ranks
+    # exchange theirs.
+    offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
+    if not 0 <= offset <= handle.buffer_size - buffer.numel():
+        raise RuntimeError(f"the symmetric buffer lies outside its mapping (offset {offset}, mapping "
+                           f"{handle.buffer_size} bytes)")
+    offsets: list = [None] * handle.world_size
+    torch.distributed.all_gather_object(offsets, offset, group=group)
+    addresses = torch.tensor([p + o for p, o in zip(handle.buffer_ptrs, offsets, strict=True)], dtype=torch.int64,
+                             device=device)
+    _buffers[(group.group_name, torch.uint8)] = buffer  # kept alive with its mapping
+    _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), timeout_s())
+
+
+def _hint(prefetch: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
+    """``prefetch`` where peer_sum's kernel can take it as its L2 prefetch (contiguous, on ``x``'s device, starting
+    on a 16-byte boundary), else None: it is a hint, never a reason to fail."""
+    if (prefetch is None or prefetch.device != x.device or not prefetch.is_contiguous()
+            or prefetch.data_ptr() % 16):
+        return None
+    return prefetch
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
+def _tp_all_reduce(x: torch.Tensor, group_name: str, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """The sum of ``x`` over the ranks of the group named ``group_name`` (see the module docstring), opaque to the
+    compiler. ``prefetch``: a tensor (the weight of the product that reads the sum, or its first bytes) whose bytes
+    peer_sum's kernel asks the L2 to fetch while it waits for the other ranks; a hint that changes no value, taken
+    only where that kernel serves (``hf_paged.parallel._linears`` passes it, ``HF_PAGED_TP_PREFETCH_MB``)."""
+    global one_shot_calls, prefetch_calls
+    nbytes = x.numel() * x.element_size()
+    if x.is_cuda and nbytes <= ONE_SHOT_MAX_BYTES:
+        peers = _peers.get(group_name)
+        if peers is not None and nbytes % 16 == 0 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
+            one_shot_calls += 1
+            hint = _hint(prefetch, x)
+            prefetch_calls += hint is not None
+            return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers, hint)
+        buffer = _buffers.get((group_name, x.dtype))
+        if buffer is not None:
+            one_shot_calls += 1
+            staged = buffer[: x.numel()].view(x.shape)
+            return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.contiguous(), "sum", group_name)
+    from torch.distributed.distributed_c10d import _resolve_process_group
+
+    out = x.clone()
+    torch.distributed.all_reduce(out, group=_resolve_process_group(group_name))
+    return out
+
+
+@_tp_all_reduce.register_fake
+def _(x, group_name, prefetch=None):
+    return torch.empty_like(x)
+
+
+# ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
+# The engine's graph pass (hf_paged.parallel._fuse_all_reduce, on by default: HF_PAGED_TP_FUSE_NORM) puts these where a
+# layer adds the all-reduce's output to its residual stream (and, after attention, takes the next RMSNorm of it), so
+# that peer_sum's kernel does the add and the norm instead of a kernel of their own after it.
+
+fused_calls = 0  # calls that took a fused peer_sum kernel (eager runs and captures)
+
+
+def fused_ready(group_name: str) -> bool:
+    """Whether peer_sum serves the group named ``group_name`` in this process (set up by :func:`prepare`): only
+    then does the graph pass fuse, since elsewhere the fused ops run their parts one after the other."""
+    return group_name in _peers
+
+
+def _peer_args(x: torch.Tensor, group_name: str, *others: torch.Tensor):
+    """peer_sum's trailing arguments where its kernel serves ``x`` (and tensors shaped and typed like it), else
+    None."""
+    peers = _peers.get(group_name)
+    if peers is None or not x.is_cuda or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    nbytes = x.numel() * x.element_size()
+    if nbytes > ONE_SHOT_MAX_BYTES or nbytes % 16:
+        return None
+    for t in (x, *others):
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            return None
+    return peers
+
+
+def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
+    """The tensors contiguous and 16-byte aligned (copied where they are not)."""
+    out = []
+    for t in tensors:
+        t = t.contiguous()
+        out.append(t if t.data_ptr() % 16 == 0 else t.clone())
+    return out
+
+
+def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
+    """The RMSNorm of Llama-style layers (float32 inside, rounded to ``h``'s dtype before the weight): what the fused
+    op's fallback computes and the graph pass recognizes."""
+    hf = h.to(torch.float32)
+    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce_add", mutates_args=())
+def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str,
+                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    """``residual + tp_all_reduce(x)``, on one peer_sum kernel where it serves (each rounded to the dtype, as the
+    unfused layer rounds them); ``prefetch`` as for ``tp_all_reduce``."""
+    global fused_calls, prefetch_calls
+    peers = _peer_args(x, group_name, residual)
+    if peers is not None:
+        fused_calls += 1
+        hint = _hint(prefetch, x)
+        prefetch_calls += hint is not None
+        return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers, hint)
+    return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name, prefetch)).contiguous()
+
+
+# The outputs are contiguous whatever the inputs' strides (the kernel's and the fallback's alike), as the fakes say.
+@_tp_all_reduce_add.register_fake
+def _(x, residual, group_name, prefetch=None):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
+def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
+                                eps_tensor: torch.Tensor | None, group_name: str,
+                                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(h, rms_norm(h, weight, eps))`` with ``h = residual + tp_all_reduce(x)``, on one peer_sum kernel where it
+    serves. The epsilon is ``eps_tensor`` where given (a 0-d tensor: torch.compile passes a module's float attribute
+    as one), else ``eps``; ``prefetch`` as for ``tp_all_reduce``."""
+    global fused_calls, prefetch_calls
+    peers = _peer_args(x, group_name, residual)
+    hidden = x.shape[-1] if x.dim() else 0
+    row_bytes = hidden * x.element_size()
+    if (peers is not None and (eps_tensor is None or (eps_tensor.device.type == "cpu" and eps_tensor.dim() == 0))
+            and weight.dtype == x.dtype and weight.shape == (hidden,) and weight.device == x.device
+            and row_bytes and row_bytes % 16 == 0 and row_bytes <= _PEER_SUM_MAX_ROW_BYTES):
+        fused_calls += 1
+        value = float(eps_tensor) if eps_tensor is not None else eps
+        hint = _hint(prefetch, x)
+        prefetch_calls += hint is not None
+        return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers,
+                                                        hint)
+    h = (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name, prefetch)).contiguous()
+    return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps).contiguous()
+
+
+@_tp_all_reduce_add_rms_norm.register_fake
+def _(x, residual, weight, eps, eps_tensor, group_name, prefetch=None):
+    return (torch.empty_like(x, memory_format=torch.contiguous_format),
+            torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -1,0 +1,293 @@
+"""``DecodeGraphs``: whole decode steps (every layer, KV write and attention included) as CUDA graphs.
+
+One graph per padded batch size (``graph_batch_sizes``). A decode step of ``n`` sequences replays the graph of the
+smallest size ``b >= n``; rows ``n..b`` are padding (token 0, slot -1 so nothing is written, context length 1).
+
+Every input a step changes lives in one device buffer of int32, laid out per size ``b`` as::
+
+    [ input ids (b) | positions (b) | id sources (b) | block-table rows (b) | table updates: int64 flat indices
+      (2b) and values (b) ]
+
+The host fills the same layout in pinned memory and sends it with one copy. The block tables themselves stay on the
+device (``DeviceBlockTable``): a step brings the entries written since the step before (up to ``b`` of them, about
+one per 16 sequences in steady decode; more are queued apart first) and applies them. The graph widens ids and
+positions to int64, takes in-flight ids (asynchronous scheduling: source row >= 0) from the previous step's sampled
+tokens, gathers its rows' tables and computes the slots, context lengths and their prefix sums, so one launch and
+one copy serve a step. Attention metadata that is fixed per size (``max_seqlen_k`` = the table's capacity, which
+fixes the decode kernel's split length and workspace in the backend's step plan) is decided at capture.
+
+The graphs run the same code as :meth:`DecodeGraphs.run_eager` (the same step, padded, without a graph), which is
+what tests compare them with, bit for bit.
+"""
+
+from __future__ import annotations
+
+import logging
+import operator
+import time
+from collections.abc import Sequence as SequenceType
+
+import torch
+
+from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.runner import _graph_inputs as graph_inputs
+from hf_paged.cache._block_table import BlockTableBuffer, DeviceBlockTable
+from hf_paged.compile._layers import CompiledLayers
+from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, one_call_graph_sizes, pool_bytes, size_ranges
+from hf_paged.runner._model_runner import model_call
+from hf_paged.runner._step_plan import DecodeColumns
+from hf_paged.engine._sequence import Sequence
+from hf_paged.runner._staging import StagingBuffer
+from hf_paged.hf.compat import cache_keyword
+
+logger = logging.getLogger("hf_paged")
+_COMPUTED = operator.attrgetter("num_computed_tokens")
+
+class DecodeGraphs:
+    """Captured decode forwards of ``model`` over ``cache``, one per batch size in ``sizes``.
+
+    Args:
+        tables: the engine's block-table buffer; its width at construction is the captured table width.
+        last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
+        sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
+        on_demand: capture only the largest size at start; a smaller one once ``graph_sizes.ON_DEMAND_STEPS``
+            decode steps would have used it (each of them pads up to a larger graph meanwhile).
+        compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
+        skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
+        local_logits: capture a tensor-parallel ``lm_head`` returning this rank's vocabulary columns
+            (``tp_logits.install``).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
+                 sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
+                 skinny: bool = False, on_demand: bool = False, local_logits: bool = False):
+        if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
+            raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
+        self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
+        self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
+        wanted = sorted(set(sizes))
+        # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
+        self.sizes = wanted[-1:] if on_demand else wanted
+        self._waiting = OnDemandSizes(wanted[:-1] if on_demand else ())
+        self.width = tables.table.shape[1]
+        self.device = cache.pool.kv_caches[0][0].device
+        self._cache_kwarg = cache_keyword(model)
+        b_max, w = self.sizes[-1], self.width
+        dev = dict(device=self.device)
+        # never grows: the graphs read its address
+        self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)
+        self._stage = self._staging.device_buffer
+        self.device_tables = DeviceBlockTable(tables, w, self.device)
+        self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
+        self._pos = torch.zeros(b_max, dtype=torch.int64, **dev)
+        self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
+        self._lens = torch.zeros(b_max, dtype=torch.int32, **dev)
+        self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
+        self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
+        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.capture_seconds = 0.0
+        self.warmup_seconds = 0.0  # host time of the eager warm-up forwards inside the capture
+        self.size_seconds: dict[int, float] = {}  # host time of each size's capture (graph instantiation included)
+        self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
+        self.memory_bytes = 0
+        self.replays = 0
+
+    # ----- which steps a graph serves --------------------------------------------------------------------------
+    def size_for(self, seqs: list[Sequence], num_tokens: list[int], longest: int | None = None) -> int | None:
+        """The captured size that serves this step, or None when it must run eager: not every sequence brings
+        one token, none has a cached prefix (a prefill), it has more sequences than the largest graph, or a
+        context outgrew the captured table width. ``longest``: the largest computed count, when the caller
+        knows it."""
+        n = len(seqs)
+        if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
+            return None
+        if longest is None:
+            longest = max(map(_COMPUTED, seqs))
+        if not longest or longest >= self.width * self.cache.block_size:
+            return None
+        size = next(s for s in self.sizes if s >= n)
+        if self._waiting:
+            size = self._on_demand(n, size)
+        return size
+
+    def _on_demand(self, n: int, size: int) -> int:
+        """Count the step toward the waiting sizes; capture the one that is due (``graph_sizes.OnDemandSizes``) and
+        serve the step with it."""
+        want = self._waiting.due(n, size)
+        if want is None:
+            return size
+        began = time.perf_counter()
+        try:
+            reason = self._capture_sizes([want], warm=True)
+        except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
+            self._graphs.pop(want, None)
+            self._waiting.stop()
+            torch.cuda.synchronize(self.device)
+            logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
+                           "sizes are captured on demand: steps pad up to the captured ones (%s)", want,
+                           type(exc).__name__, str(exc)[:300], size_ranges(self.sizes))
+            return size
+        self.on_demand_seconds += time.perf_counter() - began
+        if reason is not None:
+            logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
+            return size
+        self.sizes = sorted(self._graphs)
+        self.memory_bytes = self._held_bytes(None)
+        logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (its steps had padded up to "
+                    "%d) in %.3f s", want, size, time.perf_counter() - began)
+        return want
+
+    # ----- capture and replay ----------------------------------------------------------------------------------
+    @torch.inference_mode()
+    def capture(self) -> str | None:
+        """Capture every size (largest first, sharing one memory pool); None on success, else why graphs are
+        off (logged). An eager warm-up of the largest size runs first, so lazy initialisation (libraries,
+        workspaces) stays out of the graphs and the dispatcher shows which backends serve decode."""
+        start = time.perf_counter()
+        torch.cuda.synchronize(self.device)
+        before = torch.cuda.memory_allocated(self.device)
+        try:
+            reason = self._capture_sizes(self.sizes)
+        except Exception as exc:  # e.g. a model whose forward syncs with the host: it runs eager instead
+            self._graphs.clear()
+            torch.cuda.synchronize(self.device)
+            return f"capturing the decode step failed ({type(exc).__name__}: {str(exc)[:300]})"
+        if reason is not None:
+            return reason
+        self.capture_seconds = time.perf_counter() - start
+        self.memory_bytes = self._held_bytes(before)
+        logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
+                    "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self._graphs),
+                    size_ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
+                    self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
+        return None
+
+    def _held_bytes(self, allocated_before: int | None) -> int:
+        """Bytes the graphs' memory pool holds (its segments, intermediates included). Where the allocator's
+        snapshot does not name pools: live bytes allocated since ``allocated_before`` (never below 0; the warm-up's
+        frees can outweigh them), or the last figure."""
+        held = pool_bytes(self.device, self._pool)
+        if held is not None:
+            return held
+        if allocated_before is None:
+            return self.memory_bytes
+        return max(0, torch.cuda.memory_allocated(self.device) - allocated_before)
+
+    @torch.inference_mode()  # as every step runs: the compiled layers' guards include the grad mode
+    def _capture_sizes(self, sizes: list[int], warm: bool = False) -> str | None:
+        """Capture ``sizes`` (largest first) into the graphs' shared memory pool. The first capture of this object
+        warms up eagerly first, and so does each size with ``warm`` (on demand: whatever the compiler has seen, a
+        recompile must not happen inside a capture). Between engine steps, the device work queued before waits
+        for nothing: the capture's own stream waits for the current one."""
+        stream = torch.cuda.Stream(self.device)
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        first = self._pool is None
+        if first:
+            self._pool = torch.cuda.graph_pool_handle()
+        for b in reversed(sizes):
+            with torch.cuda.stream(stream):  # after the work queued before (a replay may still read the buffer)
+                self._stage_padding(b)
+            # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
+            # compile (batch 1 is a shape of its own) must not happen during a capture.
+            if warm or (first and b == sizes[-1]) or (
+                    self.compiled is not None and b not in self.compiled.warm_batch_sizes):
+                began = time.perf_counter()
+                with torch.cuda.stream(stream):
+                    self._forward(b)
+                self.warmup_seconds += time.perf_counter() - began
+                if self.compiled is not None:
+                    self.compiled.warm_batch_sizes.add(b)
+                reason = self.cache.dispatcher.graph_unsupported_reason()
+                if reason is not None:
+                    return reason
+            graph = torch.cuda.CUDAGraph()
+            began = time.perf_counter()
+            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+                logits = self._forward(b)
+            self.size_seconds[b] = time.perf_counter() - began
+            self._graphs[b] = (graph, logits)
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        return None
+
+    @torch.inference_mode()
+    def replay(self, seqs: list[Sequence], size: int, columns: DecodeColumns | None = None) -> torch.Tensor:
+        """Run the step of ``seqs`` (one new token each; ``columns``: theirs, when the caller has them) in the
+        graph of ``size``; returns ``[size, vocab]`` logits whose first ``len(seqs)`` rows are the sequences' (valid
+        until the next replay)."""
+        self._send(columns if columns is not None else DecodeColumns.of(seqs), size)
+        graph, logits = self._graphs[size]
+        graph.replay()
+        self.replays += 1
+        return logits
+
+    @torch.inference_mode()
+    def run_eager(self, seqs: list[Sequence], size: int) -> torch.Tensor:
+        """The same padded step as :meth:`replay`, run without a graph (the oracle of the graph tests)."""
+        self._send(DecodeColumns.of(seqs), size)
+        return self._forward(size)
+
+    def _forward(self, b: int) -> torch.Tensor:
+        """Everything the graph of size ``b`` records: widen the staged inputs, gather the rows' block tables,
+        compute slots and lengths, then the model forward."""
+        w, bs = self.width, self.cache.block_size
+        ids, pos, src, rows, update_at, update_values = graph_inputs.read(self._stage, b)
+        self.device_tables.table.view(-1).index_copy_(0, update_at, update_values)
+        self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
+        self._pos[:b].copy_(pos)
+        tables = self.device_tables.table.index_select(0, rows)  # [b, w]
+        block = tables.gather(1, torch.div(pos, bs, rounding_mode="floor").long().unsqueeze(1)).squeeze(1)
+        slots = block.long() * bs + torch.remainder(pos, bs)
+        self._slots[:b].copy_(torch.where(rows < self.device_tables.pad_row, slots, -1))  # padding writes nothing
+        seq_lens = torch.add(pos, 1, out=self._lens[:b])
+        torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self._cu_k[1 : b + 1])
+        meta = PagedMetadata(
+            num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * bs,
+            block_size=bs, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
+            cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
+            block_tables=tables, slot_mapping=self._slots[:b], token_index=None,
+            grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
+            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
+        )
+        self.cache.begin_step(meta)
+        with model_call(self.compiled, self.skinny, self.local_logits):
+            out = self.model(input_ids=self._ids[:b].view(1, b), position_ids=self._pos[:b].view(1, b), use_cache=True,
+                             logits_to_keep=0, **{self._cache_kwarg: self.cache})
+        return out.logits[0]
+
+    def _send(self, cols: DecodeColumns, b: int) -> None:
+        """Lay the step out in pinned memory and copy it to the device in one go (graph_inputs); table updates beyond
+        ``b`` are queued apart first."""
+        tables = self.device_tables
+        flat, values = tables.changes()
+        if len(flat) > b:
+            tables.send(flat, values)
+            flat, values = flat[:0], values[:0]
+        host = self._staging.host_array(graph_inputs.SEGMENTS * b)
+        graph_inputs.fill_step(host, b, cols.ids, cols.positions, cols.sources, cols.rows, tables.pad_row, flat,
+                               values, tables.trash_index)
+        self._staging.send(graph_inputs.SEGMENTS * b)
+
+    def _stage_padding(self, b: int) -> None:
+        graph_inputs.fill_padding(self._stage, b, self.device_tables.pad_row, self.device_tables.trash_index)
+
+    def release(self) -> None:
+        """Free the captured graphs (and whatever they hold, collectives included) now; no replay follows."""
+        for graph, _ in self._graphs.values():
+            graph.reset()
+        self._graphs.clear()
+        self.device_tables.close()
+
+    def stats(self) -> dict:
+        return {
+            "batch_sizes": sorted(self._graphs),
+            "capture_seconds": round(self.capture_seconds, 3),
+            "waiting_sizes": self._waiting.waiting,  # on-demand sizes not captured yet
+            "on_demand_seconds": round(self.on_demand_seconds, 3),
+            "warmup_seconds": round(self.warmup_seconds, 3),
+            "memory_bytes": self.memory_bytes,
+            "replays": self.replays,
+        }
+

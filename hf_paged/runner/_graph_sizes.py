@@ -1,0 +1,128 @@
+"""Which batch sizes the decode CUDA graphs are captured for, and when (``DecodeGraphs``, ``Engine(cuda_graphs=...,
+cuda_graph_capture=...)``); :func:`engine_graphs` captures an engine's.
+
+A decode step of ``n`` sequences replays the graph of the smallest captured size ``b >= n`` (rows ``n..b`` are
+padding). Each size costs a capture: about one traced forward of host time (~20-25 ms for a 1B model on an H100,
+during which the device idles), while a padded row costs its share of the matrix products and a one-token context
+(on an H100, 4 sequences take 1.50 ms in their own graph of a 1B model, 1.79 ms padded to 16, 2.39 ms to 256).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+logger = logging.getLogger("hf_paged")
+
+# On-demand capture: a size is captured once this many decode steps have padded up to a larger graph instead; about
+# where the padding paid equals one capture (ski rental), with the H100 figures above.
+ON_DEMAND_STEPS = 32
+
+
+def graph_batch_sizes(max_num_seqs: int) -> list[int]:
+    """1, 2, 4, 8, 16, 32, then every multiple of 32 up to ``max_num_seqs`` (which is always included): what an
+    engine that serves many calls (``Engine``, a server) captures at start.
+
+    Few sizes keep the capture short; a padded row costs little, since a decode step reads the weights once
+    whatever the batch.
+    """
+    sizes = [s for s in (1, 2, 4, 8, 16) if s < max_num_seqs] + list(range(32, max_num_seqs, 32))
+    return sorted(set(sizes) | {max_num_seqs})
+
+
+def one_call_graph_sizes(num_seqs: int) -> list[int]:
+    """The sizes for an engine that serves one call of ``num_seqs`` sequences (``generate_batch``): the powers of two
+    below it, and itself.
+
+    Such an engine pays its captures on every call, and its batches pass each size below the largest only for the
+    steps in which its sequences finish; it captures these sizes on demand (:class:`OnDemandSizes`).
+    """
+    sizes, s = [], 1
+    while s < num_seqs:
+        sizes.append(s)
+        s *= 2
+    return sizes + [num_seqs]
+
+
+class OnDemandSizes:
+    """Sizes not captured yet, each with the number of decode steps that would have used it.
+
+    A step of ``n`` sequences served by the captured size ``size`` counts toward the smallest waiting size that
+    fits it and is smaller than ``size``; that size is due once it has ``ON_DEMAND_STEPS`` steps.
+    """
+
+    def __init__(self, sizes=()):
+        self._steps = dict.fromkeys(sizes, 0)
+
+    def __bool__(self) -> bool:
+        return bool(self._steps)
+
+    @property
+    def waiting(self) -> list[int]:
+        return sorted(self._steps)
+
+    def due(self, n: int, size: int) -> int | None:
+        """Count a step of ``n`` sequences served by ``size``; the size to capture now (no longer waiting), or
+        None."""
+        fits = [s for s in self._steps if n <= s < size]
+        if not fits:
+            return None
+        want = min(fits)
+        self._steps[want] += 1
+        if self._steps[want] < ON_DEMAND_STEPS:
+            return None
+        del self._steps[want]
+        return want
+
+    def restart(self, size: int) -> None:
+        """Wait for ``size`` again, counting from zero."""
+        self._steps[size] = 0
+
+    def stop(self) -> None:
+        """Capture nothing more on demand."""
+        self._steps.clear()
+
+
+def pool_bytes(device: torch.device, pool) -> int | None:
+    """Bytes of the caching allocator's segments owned by memory pool ``pool`` on ``device``; None where the
+    snapshot does not say which pool owns a segment."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return sum(s["total_size"] for s in segments
+                   if s.get("device", index) == index and tuple(s["segment_pool_id"]) == tuple(pool))
+    except (KeyError, TypeError, RuntimeError):
+        return None
+
+
+def size_ranges(sizes: list[int]) -> str:
+    """The sizes for a log line: all of them up to six, else the first five and the last."""
+    return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{', '.join(map(str, sizes[:5]))}, ..., {sizes[-1]}"
+
+
+def engine_graphs(core, cfg, tables, max_num_seqs: int):
+    """The decode CUDA graphs of an engine (``core``: its EngineCore; ``cfg``: its EngineConfig; ``tables``: its
+    BlockTableBuffer), captured as ``cfg.cuda_graphs`` and ``cfg.cuda_graph_capture`` ask, or None where decode runs
+    without them (asked so, not on CUDA, a model split over devices, or a capture that failed; the last two say why
+    in the log)."""
+    from hf_paged.runner._decode_graphs import DecodeGraphs  # (cuda_graphs imports this module)
+
+    cuda_graphs = cfg.cuda_graphs
+    if cuda_graphs is False or core.device.type != "cuda":
+        return None
+    split = sorted({str(d) for d in core.kv_devices})
+    if len(split) > 1:
+        logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
+        return None
+    sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
+             else [s for s in cuda_graphs if s <= max_num_seqs])
+    graphs = DecodeGraphs(core.model, core.cache, tables, sizes, core.runner.last_tokens, core.compiled,
+                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
+                          local_logits=core.vocab_shards is not None)
+    reason = graphs.capture()
+    if reason is not None:
+        graphs.device_tables.close()
+        logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
+        return None
+    return graphs

@@ -1,0 +1,123 @@
+"""``ModelRunner``: the model call that consumes a step plan (``engine/step_plan.py``).
+
+It sends the plan's int32 layout to the device in one copy, reads the attention metadata as views of it, and runs
+the model with ``logits_to_keep`` set to the sampled positions only.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+
+import numpy as np
+import torch
+
+from hf_paged.attention._metadata import PagedMetadata
+from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.compile._layers import CompiledLayers
+from hf_paged.runner._staging import StagingBuffer
+from hf_paged.runner._step_plan import StepPlan
+from hf_paged.parallel import _logits as tp_logits
+from hf_paged.hf.compat import cache_keyword
+
+
+@contextmanager
+def model_call(compiled: CompiledLayers | None, skinny: bool, local_logits: bool = False) -> Iterator[None]:
+    """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on, and
+    a tensor-parallel ``lm_head``'s local logits where the engine asked for them (``local_logits``:
+    ``hf_paged.parallel._logits``)."""
+    with compiled.active() if compiled is not None else nullcontext(), \
+            skinny_linear.active() if skinny else nullcontext(), \
+            tp_logits.engine_call() if local_logits else nullcontext():
+        yield
+
+
+class ModelRunner:
+    """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device.
+
+    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``);
+    ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``);
+    ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``tp_logits.install``).
+    """
+
+    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
+                 max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None,
+                 skinny: bool = False, local_logits: bool = False):
+        self.model = model
+        self.local_logits = local_logits
+        self.compiled = compiled
+        self.skinny = skinny
+        self.cache = cache
+        self.device = torch.device(device)
+        self.output_device = None  # set by the engine for a model split over devices
+        self._cache_kwarg = cache_keyword(model)
+        # One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The
+        # first part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too);
+        # the plan's int32 ids, positions and slots are widened into the rest in one copy, and a step with
+        # in-flight ids gathers its ids from the whole buffer in one index_select. Flat, so a step's [1, t] views
+        # are contiguous whatever t (as compiled layers expect: no new strides).
+        self._max_seqs, self._max_tokens = max_seqs, max_tokens
+        self._wide = torch.zeros(max_seqs + 3 * max_tokens, dtype=torch.int64, device=device)
+        self.last_tokens = self._wide[:max_seqs]
+        self._gathered_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
+        self._own_index = np.arange(max_seqs, max_seqs + max_tokens, dtype=np.int32)  # token i's id: entry S + i
+        # On a GPU a plan's layout travels in one copy; on the CPU the plan's own tensors serve.
+        self._staging = None
+        if self.device.type == "cuda":
+            self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * max_blocks_per_seq, device)
+
+    def _rows_to_keep(self, rows: torch.Tensor) -> torch.Tensor:
+        """The sampled rows' indices, on the device of the hidden states they index (the base model's last
+        module: another GPU when the model is split with a device map)."""
+        rows = rows.long()
+        return rows if self.output_device is None else rows.to(self.output_device, non_blocking=True)
+
+    def _to_device(self, plan: StepPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+        """The plan's layout and segments on the device: one copy through pinned memory (none on the CPU). The
+        token sources become indices into the runner's int64 buffer: row ``r`` of the last sampled tokens, or
+        entry ``S + i`` (token ``i``'s own id) where the id is known on the host."""
+        n, t = plan.layout.numel(), plan.num_tokens
+        if self._staging is None:
+            layout = plan.layout.clone() if plan.has_sources else plan.layout
+        else:
+            host = self._staging.host_array(n)
+            host[:] = plan.layout.numpy()
+        if plan.has_sources:
+            src = (layout.numpy() if self._staging is None else host)[3 * t : 4 * t]
+            np.copyto(src, self._own_index[:t], where=src < 0)
+        if self._staging is not None:
+            layout = self._staging.send(n)
+        return layout, plan.segments(layout)
+
+    def metadata(self, plan: StepPlan, seg: dict[str, torch.Tensor | None], slots: torch.Tensor) -> PagedMetadata:
+        """The step's attention metadata from its segments on the device (``slots``: int64) and the plan's host
+        fields: no host tensor ops."""
+        return PagedMetadata(
+            num_seqs=plan.num_seqs, num_tokens=plan.num_tokens, max_seqlen_q=plan.max_seqlen_q,
+            max_seqlen_k=plan.max_seqlen_k, block_size=self.cache.block_size, phase=plan.phase,
+            cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
+            block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
+            has_padding_slots=plan.has_padding, kv_caches=self.cache.pool.kv_caches,
+            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
+        )
+
+    @torch.inference_mode()
+    def forward(self, plan: StepPlan) -> torch.Tensor:
+        """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
+        t, m = plan.num_tokens, self._max_tokens
+        if t > m:
+            raise ValueError(f"a step of {t} tokens exceeds the runner's {m} (max_batch_tokens)")
+        layout, seg = self._to_device(plan)
+        s = self._max_seqs
+        ids, pos, slots = self._wide[s : s + t], self._wide[s + m : s + m + t], self._wide[s + 2 * m : s + 2 * m + t]
+        self._wide[s:].view(3, m)[:, :t].copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
+        if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
+            ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
+        self.cache.begin_step(self.metadata(plan, seg, slots))
+        with model_call(self.compiled, self.skinny, self.local_logits):
+            out = self.model(
+                input_ids=ids.view(1, t), position_ids=pos.view(1, t), use_cache=True,
+                logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},
+            )
+        return out.logits[0]

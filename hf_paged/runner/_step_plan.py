@@ -1,0 +1,235 @@
+"""The step plan: one flat int32 layout of everything a step's attention needs, from the scheduler's choice.
+
+``plan_step`` is pure: it reads the scheduled sequences (or a decode step's kept :class:`DecodeColumns`) and the
+block-table buffer, and returns a :class:`StepPlan` whose every array (ids, positions, slots, lengths, block
+tables, sampled rows) lies in one int32 layout, built in numpy or in one pass of per-sequence Python (never per
+token). ``ModelRunner`` (``engine/runner.py``) sends that layout to the device in one copy.
+"""
+
+from __future__ import annotations
+
+import operator
+from array import array
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from hf_paged.attention._metadata import Phase, step_phase
+from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.engine._sequence import Sequence
+
+
+#: The segments of a plan's layout, in order; each is ``T`` (tokens), ``S`` (sources: ``T`` or 0), ``N`` (sampled
+#: rows), ``B`` (sequences), ``B + 1`` or ``B x W`` (block-table width) int32 values long.
+_COMPUTED, _ROW, _PENDING_ROW = (operator.attrgetter(a) for a in ("num_computed_tokens", "row", "pending_row"))
+_SEGMENTS = ("input_ids", "position_ids", "slot_mapping", "token_sources", "logits_indices", "q_lens", "seq_lens_k",
+             "cu_seqlens_q", "cu_seqlens_k", "block_tables")
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """One step (``T`` tokens of ``B`` sequences, ``N`` sampled rows) as one flat int32 host tensor, ``layout``::
+
+        [ ids (T) | positions (T) | slots (T) | sources (T or 0) | logits indices (N) | q lens (B) |
+          context lengths (B) | cu q (B + 1) | cu k (B + 1) | block tables (B x W) ]
+
+    so that a step's inputs reach the device in one copy (``ModelRunner``); the segments are read as views, of the
+    host layout (as attributes: ``plan.input_ids``) or of its device copy (:meth:`segments`).
+
+    Segments:
+        input_ids, position_ids: ``[T]``.
+        slot_mapping: ``[T]`` physical slot ``block * block_size + offset``; -1 = padding token (no write).
+        token_sources: ``[T]`` for steps with in-flight tokens (``PLACEHOLDER`` ids): the row of the previous
+            step's sampled tokens that holds the token, -1 for ids known on the host; None when there are none.
+        logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
+        q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step; cu_seqlens_q/k: ``[B + 1]``.
+        block_tables: ``[B, W]``, padded with 0.
+    Plain fields: the sizes, and what the attention metadata needs on the host (``max_seqlen_q/k``, ``phase``,
+    whether padding rows with slot -1 are present).
+    """
+
+    layout: torch.Tensor
+    num_seqs: int
+    num_tokens: int
+    num_sampled: int
+    width: int
+    has_sources: bool
+    max_seqlen_q: int
+    max_seqlen_k: int
+    phase: Phase
+    has_padding: bool = False
+
+    def segments(self, layout: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
+        """The named segments as views of ``layout`` (default: the host one; or its copy on a device)."""
+        t, b = self.num_tokens, self.num_seqs
+        sizes = (t, t, t, t if self.has_sources else 0, self.num_sampled, b, b, b + 1, b + 1, b * self.width)
+        views = dict(zip(_SEGMENTS, (self.layout if layout is None else layout)[: sum(sizes)].split(sizes)))
+        views["block_tables"] = views["block_tables"].view(b, self.width)
+        if not self.has_sources:
+            views["token_sources"] = None
+        return views
+
+    def __getattr__(self, name: str) -> torch.Tensor | None:
+        if name in _SEGMENTS:
+            return self.segments()[name]
+        raise AttributeError(name)
+
+
+@dataclass(frozen=True)
+class DecodeColumns:
+    """The per-sequence columns of a decode step (one token per sequence), int32 arrays of ``B``.
+
+    ``ids``: each token's id where the host knows it; ``positions``: its position (the sequence's computed count);
+    ``sources``: the row of the in-flight step's sampled tokens that holds it (-1: the id is known); ``rows``: the
+    sequence's block-table row. Read from the sequences (:meth:`of`), or kept as arrays across steps
+    (``engine/steady_decode.py``).
+    """
+
+    ids: np.ndarray
+    positions: np.ndarray
+    sources: np.ndarray
+    rows: np.ndarray
+
+    @classmethod
+    def of(cls, seqs: list[Sequence], sample: list[bool] | None = None) -> DecodeColumns:
+        """Columns of ``seqs``, each computing its token at ``num_computed_tokens``. A row that does not sample
+        (``sample[i]`` False) computes a token before its last one, which the host knows."""
+        n = len(seqs)
+        pos = np.fromiter(map(_COMPUTED, seqs), np.int32, n)
+        ids = np.fromiter([s.token_ids[c] for s, c in zip(seqs, pos.tolist())], np.int32, n)
+        src = np.fromiter(map(_PENDING_ROW, seqs), np.int32, n)
+        if sample is not None and not all(sample):
+            src[~np.fromiter(sample, bool, n)] = -1
+        return cls(ids, pos, src, np.fromiter(map(_ROW, seqs), np.int32, n))
+
+
+def plan_step(
+    seqs: list[Sequence],
+    num_tokens: list[int],
+    sample: list[bool],
+    tables: BlockTableBuffer,
+    block_size: int,
+    pad_decode_to: int | None = None,
+    columns: DecodeColumns | None = None,
+) -> StepPlan:
+    """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
+
+    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns` (``columns``, when
+    the caller keeps them; else read from the sequences). Any other step gathers the sequences' counters and new
+    token ids into flat arrays (per-sequence Python; a prefill chunk's positions and slots are ranges, extended in
+    C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
+    step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
+    captured graph's shape.
+    """
+    assert seqs, "plan_step needs at least one scheduled sequence"
+    if columns is not None or sum(num_tokens) == len(seqs):
+        return _plan_decode(columns if columns is not None else DecodeColumns.of(seqs, sample), sample, tables,
+                            block_size, pad_decode_to)
+    ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
+    t, num_seqs = len(ids), len(seqs)
+    sources = array("i")
+    if pending:
+        sources = array("i", (-1,)) * t
+        for i, row in pending:
+            sources[i] = row
+    max_k = max(ctx)
+    width = -(-max_k // block_size)
+    head = ids + pos + slots + sources + keep + q + ctx
+    cu = len(head)  # then cu q, cu k (B + 1 each), block tables
+    # Built in numpy (a small numpy op costs a fraction of a torch op on the host); the plan holds a torch view.
+    layout = np.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=np.int32)
+    layout[:cu] = np.frombuffer(head, dtype=np.int32)
+    _cumulative_lengths(layout, cu, num_seqs)
+    out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
+    np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out)
+    return StepPlan(torch.from_numpy(layout), num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs))
+
+
+def _cumulative_lengths(layout: np.ndarray, cu: int, b: int) -> None:
+    """Write cu q and cu k (``B + 1`` each, from offset ``cu``): the prefix sums of the ``B`` q lengths and the
+    ``B`` context lengths that end at ``cu``."""
+    layout[cu] = layout[cu + b + 1] = 0
+    np.cumsum(layout[cu - 2 * b : cu - b], dtype=np.int32, out=layout[cu + 1 : cu + b + 1])
+    np.cumsum(layout[cu - b : cu], dtype=np.int32, out=layout[cu + b + 2 : cu + 2 * b + 2])
+
+
+def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuffer, bs: int,
+                 pad_decode_to: int | None) -> StepPlan:
+    """The layout of a decode step, one numpy write per segment: slots from the block-table rows, in-flight ids as
+    sources, padding rows (token 0 at position 0, slot -1, context 1) up to ``pad_decode_to``."""
+    pos, n = cols.positions, len(cols.positions)
+    b = max(n, pad_decode_to or 0)
+    max_k = int(pos.max()) + 1
+    width = -(-max_k // bs)
+    has_sources = bool((cols.sources >= 0).any())
+    all_sampled = all(sample)
+    k = n if all_sampled else sum(sample)
+    cu = (4 if has_sources else 3) * b + k + 2 * b  # then cu q, cu k (B + 1 each), block tables
+    layout = np.empty(cu + 2 * (b + 1) + b * width, dtype=np.int32)
+    ids, positions, slots = layout[:b], layout[b : 2 * b], layout[2 * b : 3 * b]
+    ids[:n], positions[:n] = cols.ids, pos
+    np.add(tables.entries[cols.rows, pos // bs] * bs, pos % bs, out=slots[:n])
+    at = 3 * b
+    if has_sources:
+        layout[at : at + n] = cols.sources
+        layout[at + n : at + b] = -1
+        at += b
+    layout[at : at + k] = _first(n) if all_sampled else np.flatnonzero(sample)
+    layout[at + k : at + k + b] = 1  # q lengths
+    ctx = layout[at + k + b : cu]
+    np.add(pos, 1, out=ctx[:n])
+    if b > n:
+        ids[n:] = positions[n:] = 0
+        slots[n:] = -1
+        ctx[n:] = 1
+    _cumulative_lengths(layout, cu, b)
+    out = layout[cu + 2 * b + 2 :].reshape(b, width)
+    np.take(tables.entries[:, :width], cols.rows, axis=0, out=out[:n])
+    out[n:] = 0
+    return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k,
+                    step_phase(b, max_k > 1, True), has_padding=b > n)
+
+
+_RANGE = np.arange(1024, dtype=np.int32)
+
+
+def _first(n: int) -> np.ndarray:
+    """``np.arange(n)`` as int32, sliced from a kept one."""
+    global _RANGE
+    if n > len(_RANGE):
+        _RANGE = np.arange(2 * n, dtype=np.int32)
+    return _RANGE[:n]
+
+
+def _chunk_columns(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], bs: int) -> tuple:
+    """The columns of any step: one pass over the sequences; a chunk's positions and slots are ranges."""
+    ids, pos, slots, keep, q, ctx, rows = (array("i") for _ in range(7))
+    pending: list[tuple[int, int]] = []  # (token index, source row) of in-flight tokens
+    t = 0
+    for seq, n, smp in zip(seqs, num_tokens, sample):
+        c = seq.num_computed_tokens
+        end = c + n
+        ids.extend(seq.token_ids[c:end])
+        pos.extend(range(c, end))
+        _extend_slots(slots, seq.block_table, c, end, bs)
+        t += n
+        if smp:  # the chunk reaches the end, so it brings the in-flight token (always a sequence's last one)
+            keep.append(t - 1)
+            if seq.pending_row >= 0:
+                pending.append((t - 1, seq.pending_row))
+        q.append(n)
+        ctx.append(end)
+        rows.append(seq.row)
+    return ids, pos, slots, keep, q, ctx, rows, pending
+
+
+def _extend_slots(slots: array, table: list[int], start: int, end: int, block_size: int) -> None:
+    """Append the slots of positions ``[start, end)``: one range per block they touch."""
+    while start < end:
+        block, offset = divmod(start, block_size)
+        stop = min(end, start - offset + block_size)
+        base = table[block] * block_size - (start - offset)
+        slots.extend(range(base + start, base + stop))
+        start = stop

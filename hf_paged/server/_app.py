@@ -1,0 +1,204 @@
+"""``build_app``: the FastAPI application, its routes and its error handlers.
+
+Handlers hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their own
+``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
+waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+
+from hf_paged.server import _responses as responses
+from hf_paged.server._engine_loop import EngineLoop, Submission
+from hf_paged.server._errors import ServerError, bad_request, error_body
+from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
+from hf_paged.server._metrics import ServerMetrics
+from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
+from hf_paged.server._sampling import Job, chat_job, completion_job
+
+logger = logging.getLogger("hf_paged")
+DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+
+
+class ClientGone(Exception):
+    pass
+
+
+def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str,
+              shutdown_timeout: float = 30.0) -> FastAPI:
+    """The OpenAI-compatible app for ``model_name``; its lifespan starts ``engine_loop`` and stops it (aborting
+    what is still live) when the server shuts down."""
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: FastAPI):
+        engine_loop.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(engine_loop.stop, shutdown_timeout)
+
+    app = FastAPI(title="hf-paged", lifespan=lifespan)
+    created = int(time.time())
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health():
+        if not engine_loop.is_alive():
+            return JSONResponse(error_body(503, "the engine loop is not running"), status_code=503)
+        return {"status": "ok"}
+
+    @app.get("/v1/models")
+    async def models():
+        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
+                                            "owned_by": "hf-paged", "max_model_len": engine_loop.engine.max_model_len}]}
+
+    @app.get("/metrics")
+    async def prometheus_metrics():
+        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, request: Request):
+        _check_model(body.model, model_name)
+        return await _serve(engine_loop, completion_job(body), request, model_name, "cmpl")
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request):
+        _check_model(body.model, model_name)
+        return await _serve(engine_loop, chat_job(body), request, model_name, "chatcmpl")
+
+    return app
+
+
+def _check_model(asked: str, served: str) -> None:
+    if asked != served:
+        raise bad_request(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)",
+                          "model", "model_not_found")
+
+
+async def _serve(engine_loop: EngineLoop, job: Job, request: Request, model: str, kind: str):
+    events: asyncio.Queue = asyncio.Queue()
+    sub = engine_loop.submit(job, events, asyncio.get_running_loop())
+    rid, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
+    done = False
+    try:
+        first = await _next(events, request)
+        if isinstance(first, Rejected):
+            done = True
+            raise first.error
+        assert isinstance(first, Accepted)
+        if job.stream:
+            done = True  # the stream owns the request from here
+            return StreamingResponse(_stream(engine_loop, sub, job, events, request, first, model, rid, created),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        finished = await _collect(events, request, len(job.prompts) * job.n)
+        done = True
+        build = responses.chat_completion if job.chat else responses.completion
+        return JSONResponse(build(rid, created, model, finished, first.prompt_lengths))
+    except ClientGone:
+        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+    finally:
+        if not done:  # client gone, or the handler was cancelled (server shutdown)
+            engine_loop.cancel(sub)
+
+
+async def _collect(events: asyncio.Queue, request: Request, num_choices: int) -> list[Finished]:
+    finished: list[Finished] = []
+    while len(finished) < num_choices:
+        event = await _next(events, request)
+        if isinstance(event, Rejected):
+            raise event.error
+        if isinstance(event, Finished):
+            _raise_on_error(event)
+            finished.append(event)
+    return sorted(finished, key=lambda f: f.index)
+
+
+async def _stream(engine_loop: EngineLoop, sub: Submission, job: Job, events: asyncio.Queue, request: Request,
+                  accepted: Accepted, model: str, rid: str, created: int) -> AsyncIterator[str]:
+    num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
+    complete = False
+    try:
+        if job.chat:
+            for index in range(num_choices):
+                yield responses.sse(responses.chat_chunk(rid, created, model, index, {"role": "assistant",
+                                                                                       "content": ""}, None))
+        while finished < num_choices:
+            event = await _next(events, request)
+            if isinstance(event, Delta) and event.text:
+                chunk = (responses.chat_chunk(rid, created, model, event.index, {"content": event.text}, None)
+                         if job.chat else responses.completion_chunk(rid, created, model, event.index, event.text, None))
+                yield responses.sse(chunk)
+            elif isinstance(event, Finished):
+                if event.output.finish_reason == "error":
+                    yield responses.sse(error_body(500, _error_message(event), code="engine_error"))
+                    break
+                finished, tokens = finished + 1, tokens + len(event.output.token_ids)
+                reason = event.output.finish_reason
+                yield responses.sse(responses.chat_chunk(rid, created, model, event.index, {}, reason) if job.chat
+                                    else responses.completion_chunk(rid, created, model, event.index, "", reason))
+            elif isinstance(event, Rejected):
+                yield responses.sse(event.error.body())
+                break
+        else:
+            if job.include_usage:
+                yield responses.sse(responses.usage_chunk(rid, created, model, job.chat, accepted.prompt_lengths,
+                                                          tokens))
+        complete = True
+        yield responses.sse("[DONE]")
+    except ClientGone:
+        pass
+    finally:
+        if not complete or finished < num_choices:
+            engine_loop.cancel(sub)
+
+
+async def _next(events: asyncio.Queue, request: Request) -> Event:
+    """The next event of this request; raises ``ClientGone`` if the client left meanwhile."""
+    while True:
+        try:
+            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+        except asyncio.TimeoutError:
+            if await request.is_disconnected():
+                raise ClientGone from None
+
+
+def _raise_on_error(event: Finished) -> None:
+    if event.output.finish_reason == "error":
+        raise ServerError(500, _error_message(event), code="engine_error")
+
+
+def _error_message(event: Finished) -> str:
+    return f"the engine failed on this request: {event.output.error or 'no reason given'}"
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(ServerError)
+    async def server_error(request: Request, exc: ServerError):
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(request: Request, exc: RequestValidationError):
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        if first.get("type") == "json_invalid":
+            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+        else:
+            param = ".".join(loc) or None
+            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
+        return JSONResponse(error_body(400, message, param, first.get("type")), status_code=400)
+
+    @app.exception_handler(Exception)
+    async def unexpected(request: Request, exc: Exception):
+        logger.exception("hf_paged: unexpected error serving %s", request.url.path)
+        return JSONResponse(error_body(500, f"unexpected {type(exc).__name__}: {exc}"), status_code=500)

@@ -1,0 +1,45 @@
+"""What the engine thread tells an HTTP handler about its request, through the handler's ``asyncio.Queue``."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hf_paged.engine._request_output import RequestOutput
+from hf_paged.server._errors import ServerError
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The request is queued in the engine; ``prompt_lengths[p]`` is the token count of prompt ``p``."""
+
+    prompt_lengths: list[int]
+
+
+@dataclass(frozen=True)
+class Rejected:
+    """Nothing was queued (or the server is stopping): answer with ``error``."""
+
+    error: ServerError
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of choice ``index`` (streamed requests only); ``finish_reason`` is set on its last delta."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Choice ``index`` is done; ``output.finish_reason`` may be ``"error"`` (``output.error`` says why).
+    ``token_texts`` (each new token decoded alone) is set when the request asked for logprobs."""
+
+    index: int
+    output: RequestOutput
+    token_texts: list[str] | None = None
+
+
+Event = Accepted | Rejected | Delta | Finished
