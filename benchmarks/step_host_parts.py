@@ -27,7 +27,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 import torch  # noqa: E402
 
 from engine_overhead import add_workload_arguments, build_engine  # noqa: E402
-from hf_paged.cache import _block_table as block_table_buffer
+from hf_paged.runner import _device_block_table
 from hf_paged.runner import _decode_graphs as cuda_graphs
 from hf_paged.engine import _core as engine_core
 from hf_paged.engine import _handover as handover
@@ -41,7 +41,7 @@ from hf_paged.engine import _steady_decode as steady_decode
 PARTS = (
     (scheduler.Scheduler, "schedule"),
     (cuda_graphs.DecodeGraphs, "_send"),
-    (block_table_buffer.DeviceBlockTable, "sync"),
+    (_device_block_table.DeviceBlockTable, "sync"),
     (staging.StagingBuffer, "host_array"),
     (staging.StagingBuffer, "send"),
     (torch.cuda.CUDAGraph, "replay"),

@@ -4,6 +4,7 @@
 ``model.generate`` to run on paged memory.
 """
 
+from hf_paged._version import __version__
 from hf_paged.attention._dispatch import available_backends
 from hf_paged.cache import BlockAllocator, OutOfBlocksError
 from hf_paged.generate import PagedAttentionCache
@@ -11,7 +12,6 @@ from hf_paged.hf._register import ATTN_IMPLEMENTATION, register
 
 register()
 
-__version__ = "0.1.0"
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

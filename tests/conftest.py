@@ -30,3 +30,13 @@ def single_process_group(tmp_path):
         yield dist.group.WORLD.group_name
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _environment_read_afresh():
+    """Each test reads the ``HF_PAGED_*`` switches afresh (``hf_paged.envs`` reads each once per process)."""
+    from hf_paged import envs
+
+    envs.refresh()
+    yield
+    envs.refresh()

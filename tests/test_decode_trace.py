@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import pytest
 
+from hf_paged import envs
+
 from hf_paged.bench import _decode_trace as dt
 from hf_paged.kernels import _build as build
 
@@ -45,15 +47,16 @@ def test_a_launch_without_traced_ctas_is_an_error():
 
 
 def test_the_trace_points_exist_only_in_the_diagnostic_build(monkeypatch):
-    monkeypatch.delenv(build.TRACE_ENV, raising=False)
+    monkeypatch.delenv(envs.KERNEL_TRACE, raising=False)
     plain_cuda, plain_host, plain_hash = build._cuda_flags("90a"), build._host_flags(), build.source_hash("90a")
     assert "-DHF_PAGED_DECODE_TRACE" not in plain_cuda + plain_host
-    monkeypatch.setenv(build.TRACE_ENV, "1")
+    monkeypatch.setenv(envs.KERNEL_TRACE, "1")
+    envs.refresh()
     assert "-DHF_PAGED_DECODE_TRACE" in build._cuda_flags("90a") and "-DHF_PAGED_DECODE_TRACE" in build._host_flags()
     assert build.source_hash("90a") != plain_hash  # a build folder of its own
 
 
 def test_the_reader_refuses_the_normal_build(monkeypatch):
-    monkeypatch.delenv(build.TRACE_ENV, raising=False)
+    monkeypatch.delenv(envs.KERNEL_TRACE, raising=False)
     with pytest.raises(SystemExit, match="HF_PAGED_KERNEL_TRACE=1"):
         dt.run(1, 1024, 128, 2)

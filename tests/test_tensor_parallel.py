@@ -24,7 +24,9 @@ from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
+from hf_paged import envs
 from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.parallel import _fuse_all_reduce as fusion
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel._tensor_parallel import tensor_parallel
 from hf_paged.kernels import _skinny as skinny
@@ -125,6 +127,7 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
         pickle.dump(record, f)
     # Last: rank 1 fails inside its forward, before the layers' first all-reduce; rank 0 waits in that all-reduce.
     os.environ["HF_PAGED_TP_TIMEOUT_S"] = "3"
+    envs.refresh()
     engine = _engine(model)
     if rank == 1:
         model.model.embed_tokens.forward = lambda *a, **k: _raise()
@@ -209,7 +212,8 @@ def _compiled_run(model, prompts) -> tuple:
         torch._dynamo.reset()
     for local in locals_:
         local.skinny = False  # float32 shards: what refresh() found
-    tensor_parallel = all(layer.__dict__["forward"].tensor_parallel for layer in model.model.layers)
+    tensor_parallel = all(isinstance(layer.__dict__["forward"].owner.how.graph_pass, fusion.LayerPasses)
+                          for layer in model.model.layers)
     return tokens, served, tp_linears.installed(model), traced, packed, tensor_parallel
 
 
@@ -578,19 +582,23 @@ def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
     assert device_map["model.embed_tokens"] == 0 and device_map["lm_head"] == 1 and device_map["model.norm"] == 1
 
 
-def test_the_all_reduce_mode_is_checked_and_one_shot_serves_only_cuda(monkeypatch):
+def test_the_all_reduce_switch_is_checked_and_peer_sum_serves_only_cuda(monkeypatch):
+    from hf_paged import envs
     from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", "ring")
-    with pytest.raises(ValueError, match="'ring' is not one of nccl, one_shot, hf_paged"):
-        tp_all_reduce.mode()
-    for mode in ("one_shot", "hf_paged"):
+    envs.refresh()
+    with pytest.raises(ValueError, match="HF_PAGED_TP_ALL_REDUCE='ring': use one of hf_paged, nccl"):
+        envs.tp_all_reduce()
+    for mode in ("nccl", "hf_paged"):
         monkeypatch.setenv("HF_PAGED_TP_ALL_REDUCE", mode)
-        assert tp_all_reduce.mode() == mode
-        # on the CPU the one-shot paths are not set up (no collective is attempted: no group is needed)
+        envs.refresh()
+        assert envs.tp_all_reduce() == mode
+        # on the CPU peer_sum is not set up (no collective is attempted: no group is needed)
         assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
     monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
-    assert tp_all_reduce.mode() == "hf_paged"  # peer_sum is the default
+    envs.refresh()
+    assert envs.tp_all_reduce() == "hf_paged"  # peer_sum is the default
 
 
 class _NineRanks:

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import importlib
 import logging
-import os
 import pkgutil
 from collections.abc import Sequence
 
 import torch
 
+from hf_paged import envs
 from hf_paged.attention import backends as _backends_pkg
 from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
 from hf_paged.attention._metadata import Phase
@@ -36,7 +36,7 @@ def available_backends() -> list[str]:
 
 
 def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    backend = backend or os.environ.get("HF_PAGED_BACKEND") or None
+    backend = backend or envs.backend()
     if backend is None:
         return None
     names = tuple(n.strip() for n in backend.split(",")) if isinstance(backend, str) else tuple(backend)

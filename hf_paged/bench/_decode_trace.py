@@ -31,11 +31,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 from pathlib import Path
 
 import torch
+
+from hf_paged import envs, kernels
+from hf_paged.bench._kernels import DTYPE, NUM_HEADS, NUM_KV_HEADS, decode_set
 
 WORDS = 16  # kTraceWords in csrc/launch.h
 START, WORK, FIRST_TILE, LOOP_DONE, TICKET, END = range(6)  # TracePoint in csrc/decode_common.cuh
@@ -91,12 +93,8 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     """Trace ``launches`` back-to-back decodes in one CUDA graph (see the module docstring); returns the summary with
     the event time per launch, the settings, whether the traced output equals an untraced launch's bit for bit, and
     with ``raw`` every CTA's words (``raw[launch][cta]``)."""
-    from hf_paged import kernels
-    from hf_paged.bench._kernels import DTYPE, NUM_HEADS, NUM_KV_HEADS, decode_set
-    from hf_paged.kernels._build import TRACE_ENV
-
-    if os.environ.get(TRACE_ENV) != "1":
-        raise SystemExit(f"set {TRACE_ENV}=1 first: the trace points exist only in that build")
+    if not envs.kernel_trace():
+        raise SystemExit(f"set {envs.KERNEL_TRACE}=1 first: the trace points exist only in that build")
     reason = kernels.unavailable_reason()
     if reason is not None:
         raise SystemExit(f"the kernels are unavailable: {reason}")

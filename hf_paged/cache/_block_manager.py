@@ -18,10 +18,24 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Callable
+from typing import Protocol
 
 from hf_paged.cache._block_allocator import BlockAllocator
 from hf_paged.cache._block_table import BlockTableBuffer
-from hf_paged.engine._sequence import Sequence
+
+
+class Sequence(Protocol):
+    """What the block manager reads and writes of a sequence (the engine's ``Sequence`` is one)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    row: int
+    num_computed_tokens: int
+    num_hashed_blocks: int
+    last_block_hash: bytes | None
+
+    @property
+    def num_tokens(self) -> int: ...
 
 
 def block_key(parent: bytes | None, token_bytes: bytes) -> bytes:

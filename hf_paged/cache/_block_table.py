@@ -1,13 +1,11 @@
-"""``BlockTableBuffer``: the block tables of all live sequences in one fixed-capacity host tensor, and
-``DeviceBlockTable``: its copy on the device, kept current by sending only the entries that changed.
+"""``BlockTableBuffer``: the block tables of all live sequences in one fixed-capacity host tensor.
 
 Each sequence holding blocks owns a row; the block manager writes only the entries that change (appended or
 copied-on-write blocks), so a step's ``block_tables`` is one ``index_select`` of the scheduled rows, not a rebuild
 from Python lists. Unused entries hold 0, which the kernels never read (they stop at ``seq_lens_k``).
 
-A decode step served by a CUDA graph reads its rows' tables from the device copy: the host sends the rows' indices
-(``b`` values), not their tables (``b x width`` values: 8 MB a step for 256 sequences of a model with 128k positions
-at block 16), plus the few entries written since the step before (about one per 16 sequences in steady decode).
+A device copy (``hf_paged.runner``'s ``DeviceBlockTable``) follows the writes through the change log
+(:meth:`BlockTableBuffer.log_changes`).
 """
 
 from __future__ import annotations
@@ -16,8 +14,6 @@ from array import array
 
 import numpy as np
 import torch
-
-from hf_paged.runner._staging import StagingBuffer
 
 
 class BlockTableBuffer:
@@ -92,62 +88,3 @@ class BlockTableBuffer:
         assert changes is not None, "take_changes() needs log_changes() first"
         self._changes = (array("i"), array("i"))
         return changes
-
-
-class DeviceBlockTable:
-    """A copy of ``host``'s first ``width`` columns on ``device``: ``[max_rows + 2, width]`` int32. Its row
-    ``pad_row`` stays 0, for a captured step's padding rows; the row after it is scratch, where a captured step's
-    unused update entries land (``trash_index``, a flat index).
-
-    The host's writes reach it in order with the device's work: :meth:`changes` hands them out as flat indices and
-    values (a CUDA graph applies them inside the step that reads them), :meth:`sync` queues them on the current
-    stream (one copy, one ``index_copy_``). Columns at or past ``width`` are not kept: a step of a sequence that long
-    does not read this copy.
-    """
-
-    def __init__(self, host: BlockTableBuffer, width: int, device: torch.device):
-        self.host, self.width, self.device = host, width, torch.device(device)
-        rows = host.table.shape[0]
-        self.pad_row = rows
-        self.trash_index = (rows + 1) * width
-        self.table = torch.zeros(rows + 2, width, dtype=torch.int32, device=self.device)
-        host.log_changes()
-        host.take_changes()  # what the host holds now is copied whole
-        current = host.table[:, :width]
-        self.table[:rows, : current.shape[1]].copy_(current)
-        self._staging = StagingBuffer(1024, self.device) if self.device.type == "cuda" else None
-
-    def changes(self) -> tuple[np.ndarray, np.ndarray]:
-        """The entries written on the host since the last call: int64 flat indices into ``table`` and their int32
-        current values (an entry written twice comes twice, with its last value both times)."""
-        rows, columns = self.host.take_changes()
-        r, c = np.frombuffer(rows, dtype=np.int32), np.frombuffer(columns, dtype=np.int32)
-        if len(c) and c.max() >= self.width:
-            keep = c < self.width
-            r, c = r[keep], c[keep]
-        return r.astype(np.int64) * self.width + c, self.host.entries[r, c]
-
-    def send(self, flat: np.ndarray, values: np.ndarray) -> None:
-        """Queue the writing of ``values`` at ``flat`` (from :meth:`changes`) on the current stream."""
-        n = len(flat)
-        if not n:
-            return
-        if self._staging is None:
-            index, source = torch.from_numpy(flat), torch.from_numpy(values)
-        else:
-            host = self._staging.host_array(3 * n)  # int64 flat indices as int32 pairs (little-endian), then values
-            host[: 2 * n].view(np.int64)[:] = flat
-            host[2 * n :] = values
-            sent = self._staging.send(3 * n)
-            index, source = sent[: 2 * n].view(torch.int64), sent[2 * n :]
-        self.table.view(-1).index_copy_(0, index, source)
-
-    def sync(self) -> int:
-        """Queue the entries written on the host since the last call; returns how many were sent."""
-        flat, values = self.changes()
-        self.send(flat, values)
-        return len(flat)
-
-    def close(self) -> None:
-        """Stop the host's change log (this copy is no longer read)."""
-        self.host.log_changes(False)

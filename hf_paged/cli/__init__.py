@@ -13,7 +13,7 @@ import traceback
 
 import torch
 
-from hf_paged import __version__
+from hf_paged._version import __version__
 from hf_paged.cli import _generate as generate
 from hf_paged.cli import _kernels as kernels
 from hf_paged.cli import _serve as serve

@@ -23,16 +23,15 @@ from __future__ import annotations
 
 import importlib.util
 import logging
-import os
 import threading
-import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass, field
 
 import torch
 import torch.fx.experimental._config as _shape_config
 
-from hf_paged.parallel._fuse_all_reduce import LayerPasses, nested_graph_breaks
+from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.hf import _attention as paged_attention
 from hf_paged.hf._placement import base_model, decoder_layers
 
@@ -57,44 +56,34 @@ def compile_unsupported_reason(model: torch.nn.Module, any_device: bool = False)
     return None
 
 
-#: ``HF_PAGED_COMPILE_PDL`` (read when a model's layers are first compiled): ``1`` on, ``0`` off, unset (the default)
-#: on for a tensor-parallel model only, where it was measured (2x H100, 2026-11-28: with the sharded logits, 0.14 ms
-#: off a 5.45 ms step; alone, 0.07 ms once before). The Triton kernels inductor generates for the layers then use
-#: programmatic dependent launch on compute capability 9.0 on (each may launch while the kernel before it finishes,
-#: and waits for it before its first load), through inductor's own ``triton.enable_pdl``. Torch releases without that
-#: option compile as before.
-COMPILE_PDL_ENV = "HF_PAGED_COMPILE_PDL"
+@dataclass(frozen=True)
+class LayerCompile:
+    """How a model's layers are compiled: ``graph_pass``, the custom pass inductor runs on each layer's graph (the
+    grouped skinny linears by default; tensor parallel adds the fused all-reduces, ``hf_paged.parallel``);
+    ``inductor``, more inductor options of the layers' own compile; ``dynamo``, dynamo settings while the compiled
+    layers serve a call."""
+
+    graph_pass: GroupLinears = field(default_factory=GroupLinears)
+    inductor: dict = field(default_factory=dict)
+    dynamo: dict = field(default_factory=dict)
+
+    def inductor_options(self) -> dict:
+        return {"post_grad_custom_pre_pass": self.graph_pass, **self.inductor}
 
 
-def inductor_options(tensor_parallel: bool = False) -> dict:
-    """The inductor options of the layers' compile: the grouped skinny linears and, under tensor parallel where asked,
-    the all-reduces fused with their residual add and norm (``LayerPasses``); PDL where asked (by default for a
-    ``tensor_parallel`` model) and known."""
-    options = {"post_grad_custom_pre_pass": LayerPasses()}
-    value = os.environ.get(COMPILE_PDL_ENV)
-    if value not in (None, "0", "1"):
-        raise ValueError(f"{COMPILE_PDL_ENV}={value!r}: use 1 (the compiled layers' Triton kernels with programmatic "
-                         "dependent launch), 0 (without), or leave it unset (with it under tensor parallel only)")
-    if value == "1" or (value is None and tensor_parallel):
-        if _inductor_has_pdl():
-            options["triton.enable_pdl"] = True
-        elif value == "1":
-            logger.warning("hf_paged: %s=1 is ignored: this torch's inductor has no triton.enable_pdl option",
-                           COMPILE_PDL_ENV)
-    return options
-
-
-def _inductor_has_pdl() -> bool:
+def inductor_has_pdl() -> bool:
+    """Whether this torch's inductor can launch its Triton kernels with programmatic dependent launch."""
     import torch._inductor.config as inductor_config
 
     return hasattr(inductor_config.triton, "enable_pdl")
 
 
-def compiled_layers(model: torch.nn.Module) -> CompiledLayers:
-    """The model's :class:`CompiledLayers`, installed on first use and shared by every engine of the model."""
+def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> CompiledLayers:
+    """The model's :class:`CompiledLayers`, installed on first use (compiled as ``how`` says) and shared by every
+    engine of the model."""
     layers = getattr(model, _ATTRIBUTE, None)
     if layers is None:
-        layers = CompiledLayers(model)
+        layers = CompiledLayers(model, how or LayerCompile())
         object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
     return layers
 
@@ -102,7 +91,7 @@ def compiled_layers(model: torch.nn.Module) -> CompiledLayers:
 class CompiledLayers:
     """Compiled forwards of ``model``'s decoder layers and base-model children, serving calls inside ``active()``."""
 
-    def __init__(self, model: torch.nn.Module):
+    def __init__(self, model: torch.nn.Module, how: LayerCompile):
         layers = decoder_layers(model)
         if layers is None:
             raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
@@ -114,20 +103,9 @@ class CompiledLayers:
         self._local = threading.local()
         self._modules = [*layers, *others]
         self._recompile_limit = 8 * len(self._modules) + 16
-        self._model_ref = weakref.ref(model)
-        self._group: tuple[str | None] | None = None  # (the tensor-parallel group's name or None), once looked up
+        self.how = how
         for module in self._modules:
             module.forward = _Switch(self, module.forward)
-
-    def _group_name(self) -> str | None:
-        """The name of the model's tensor-parallel group (None where it is not tensor-parallel)."""
-        if self._group is None:
-            from hf_paged.parallel._tensor_parallel import tensor_parallel
-
-            model = self._model_ref()
-            tp = None if model is None else tensor_parallel(model)
-            self._group = (None if tp is None else tp.group.group_name,)
-        return self._group[0]
 
     @property
     def is_active(self) -> bool:
@@ -138,9 +116,8 @@ class CompiledLayers:
         """Serve this thread's model calls with the compiled forwards (eager once a compile has failed).
 
         Each layer's attention module is traced per layer (its ``layer_idx`` is a constant of its graph break),
-        hence a recompile limit above the compiler's default of 8 for the duration of the call (and, for a
-        tensor-parallel model whose all-reduces fuse, dynamo's nested graph breaks:
-        ``fuse_all_reduce.nested_graph_breaks``). Equal
+        hence a recompile limit above the compiler's default of 8 for the duration of the call (and the dynamo
+        settings of :class:`LayerCompile`). Equal
         sizes are not taken for one symbol (duck shaping): the engine's inputs are views of fixed buffers, and a step
         whose token count equals a buffer's width (a full ``max_batch_tokens`` prefill) would otherwise compile
         again, mid-run.
@@ -150,9 +127,7 @@ class CompiledLayers:
         try:
             if depth == 0:
                 dynamo = dict(recompile_limit=self._recompile_limit,
-                              accumulated_recompile_limit=max(256, 4 * self._recompile_limit))
-                if nested_graph_breaks(self._group_name()):
-                    dynamo["nested_graph_breaks"] = True
+                              accumulated_recompile_limit=max(256, 4 * self._recompile_limit), **self.how.dynamo)
                 with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False), _opaque_plans():
                     yield
             else:
@@ -181,8 +156,7 @@ class _Switch:
     def __init__(self, owner: CompiledLayers, eager):
         self.owner, self.eager = owner, eager
         # options: this compile's inductor config only (the skinny linears sharing an input run as one launch)
-        self.tensor_parallel = owner._group_name() is not None  # (PDL by default: inductor_options)
-        self.compiled = torch.compile(eager, dynamic=True, options=inductor_options(self.tensor_parallel))
+        self.compiled = torch.compile(eager, dynamic=True, options=owner.how.inductor_options())
 
     def __call__(self, *args, **kwargs):
         if self.owner.is_active:
@@ -217,9 +191,10 @@ def _compiler_errors() -> tuple[type[BaseException], ...]:
 _COMPILER_ERRORS = _compiler_errors()
 
 
-def for_engine(model: torch.nn.Module, setting: bool | None) -> CompiledLayers | None:
+def for_engine(model: torch.nn.Module, setting: bool | None, how: LayerCompile | None = None) -> CompiledLayers | None:
     """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
-    triton is there, True compiles wherever the compiler runs (the CPU included), False never."""
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never; ``how``: the
+    compile's passes and options (the model's first compile decides)."""
     if setting is False:
         return None
     reason = compile_unsupported_reason(model, any_device=setting is True)
@@ -228,7 +203,7 @@ def for_engine(model: torch.nn.Module, setting: bool | None) -> CompiledLayers |
             raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
         logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
         return None
-    layers = compiled_layers(model)
+    layers = compiled_layers(model, how)
     if not layers.enabled:
         logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
                     layers.failure)

@@ -23,7 +23,6 @@ from contextlib import contextmanager
 
 import torch
 
-from hf_paged.parallel import _linears as tp_linears
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
 from hf_paged.kernels._build import ensure_loaded
@@ -50,16 +49,18 @@ def is_active() -> bool:
     return _active
 
 
-def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear") -> bool:
+def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear",
+               routed_elsewhere: int = 0) -> bool:
     """Whether the engine's model calls run inside :func:`active` per ``Engine(skinny_linear=...)`` (installing
     the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
     load, True the same or an error saying why not, False never. ``option`` names the setting in that error
-    (``hf_paged.optimize_generate`` asks the same with its ``decode_linears``)."""
+    (``hf_paged.optimize_generate`` asks the same with its ``decode_linears``); ``routed_elsewhere``: linears that
+    another patcher routes through the op (a tensor-parallel model's local shards, which :func:`install` passes
+    over)."""
     if setting is False:
         return False
     reason = _unsupported_reason(model)
-    # install() passes over a tensor-parallel model's sharded linears; their local shards route themselves
-    if reason is None and not install(model) and not tp_linears.installed(model):
+    if reason is None and not install(model) and not routed_elsewhere:
         reason = "no linear layer of the model can be served (see the debug log)"
     if reason is not None:
         if setting:

@@ -10,6 +10,7 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, fields
 
+from hf_paged.attention._dispatch import available_backends
 from hf_paged.cache._kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 
 GRAPH_CAPTURE = ("start", "on_demand")  # when the decode CUDA graphs are captured (Engine's docstring)
@@ -86,8 +87,6 @@ def _positive_int(name: str, value, alternative: str = "") -> None:
 def _backend_names(backend) -> tuple[str, ...] | None:
     if backend is None:
         return None
-    from hf_paged.attention._dispatch import available_backends
-
     if isinstance(backend, str):
         names = tuple(n.strip() for n in backend.split(","))
     elif isinstance(backend, SequenceType) and all(isinstance(n, str) for n in backend):

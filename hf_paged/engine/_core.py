@@ -30,10 +30,12 @@ from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.compile import _layers as compiled_layers
+from hf_paged.parallel import _fuse_all_reduce as fuse_all_reduce
+from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel import _lockstep as lockstep
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.engine._config import EngineConfig
-from hf_paged.runner._graph_sizes import engine_graphs
+from hf_paged.runner._decode_graphs import engine_graphs
 from hf_paged.engine._handover import TokenHandover
 from hf_paged.engine._inflight import InFlightStep, TokenReceiver
 from hf_paged.engine._interrupts import InterruptGuard
@@ -65,7 +67,9 @@ class EngineCore(TokenHandover):
         self.max_model_len = max_len = validation.position_limit(model.config)
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
-        self.lockstep, cfg = lockstep.for_model(model, cfg)  # tensor parallel: the ranks step together
+        # tensor parallel: the ranks step together
+        self.lockstep, settings = lockstep.for_model(model, cfg.compile_layers, cfg.cuda_graphs)
+        cfg = replace(cfg, **settings)
         # tensor parallel (unless HF_PAGED_TP_SHARDED_LOGITS=0): each rank's model calls return its vocabulary columns
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
@@ -83,8 +87,9 @@ class EngineCore(TokenHandover):
         self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
                                           self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
-        self.compiled = compiled_layers.for_engine(model, cfg.compile_layers)
-        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear)
+        tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
+        self.compiled = compiled_layers.for_engine(model, cfg.compile_layers, tp_compile)
+        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
         self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
                                   skinny=self.skinny_linear, local_logits=self.vocab_shards is not None)
@@ -120,7 +125,7 @@ class EngineCore(TokenHandover):
             batch = self.scheduler.schedule()
         self._collect_failed()
         if self.lockstep is not None:
-            self.lockstep.check(batch)  # every rank scheduled this batch, or all raise the same error
+            self.lockstep.check(batch.seqs, batch.num_tokens)  # every rank scheduled this batch, or all raise
         clock("schedule")
         touched: list[Sequence] = []
         if steady is None and not batch.is_empty and self._inflight is not None and any(

@@ -29,6 +29,9 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.attention._metadata import PagedMetadata
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.hf import _attention as attention
 
 logger = logging.getLogger("hf_paged")
 
@@ -144,10 +147,6 @@ class DecodeGraphs:
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step with no other tensor input and no
         output flag beyond the known ones."""
-        from hf_paged.generate import PagedAttentionCache
-        from hf_paged.compile import _skinny_linears as skinny_linear
-        from hf_paged.hf import _attention as attention
-
         plan, cache, layout = _plan_of(kwargs.get("attention_mask")), _cache_of(kwargs), None
         if isinstance(kwargs.get("attention_mask"), dict):
             layout = tuple(kwargs["attention_mask"])

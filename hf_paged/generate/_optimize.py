@@ -37,6 +37,9 @@ from transformers import CompileConfig
 from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged.attention._metadata import PagedMetadata
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._attention import plan_forward
 from hf_paged.generate._decode_graphs import GraphedCalls
 
@@ -73,8 +76,6 @@ def _cache_of(kwargs: dict):
 def _paged_decode_step(kwargs: dict) -> bool:
     """Whether ``create_masks_for_generate(**kwargs)`` asks for a decode step's masks on a compileable paged cache
     that already holds the batch, with no extra mask function."""
-    from hf_paged.generate import PagedAttentionCache
-
     cache, embeds, mask = _cache_of(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
     extra = ("or_mask_function", "and_mask_function", "block_sequence_ids")
     return (isinstance(cache, PagedAttentionCache) and cache.is_compileable and cache.get_seq_length() > 0
@@ -111,9 +112,6 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
     """
-    from hf_paged.compile import _skinny_linears as skinny_linear
-    from hf_paged.compile._group_linears import GroupLinears
-
     restore_generate(model)
     linears = skinny_linear.install(model) if skinny_linear.for_engine(model, decode_linears, "decode_linears") else []
     skinny_linear.route_always(linears, True)
@@ -137,8 +135,6 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
 
 def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`optimize_generate` on ``model`` (nothing if it was not optimized); returns ``model``."""
-    from hf_paged.compile import _skinny_linears as skinny_linear
-
     state = model.__dict__.pop(_STATE, None)
     if state is None:
         return model

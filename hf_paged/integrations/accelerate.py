@@ -23,19 +23,19 @@ import torch.distributed as dist
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput
 
-import hf_paged
 from hf_paged.cache._kv_pool import blocks_for_budget
 from hf_paged.engine import _validation as validation
 from hf_paged.parallel._lockstep import KEPT_ERROR_TYPES, agreed_min
 from hf_paged.engine._generate_batch import generate_batch
 from hf_paged.engine._sampling_params import resolve_generation_config
+from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._placement import layer_devices
 from hf_paged.parallel._tensor_parallel import kv_layout, tensor_parallel
 
 logger = logging.getLogger("hf_paged")
 
 
-def paged_cache_for(model: torch.nn.Module, **kwargs) -> hf_paged.PagedAttentionCache:
+def paged_cache_for(model: torch.nn.Module, **kwargs) -> PagedAttentionCache:
     """A ``PagedAttentionCache`` for ``model`` with each layer's KV on that layer's device (``kwargs`` as for
     ``PagedAttentionCache``: ``num_blocks`` or ``memory_budget``, ``block_size``, ``backend``).
 
@@ -47,11 +47,11 @@ def paged_cache_for(model: torch.nn.Module, **kwargs) -> hf_paged.PagedAttention
     kwargs.setdefault("dtype", model.dtype)
     layout, devices = kv_layout(model), layer_devices(model)
     if tensor_parallel(model) is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget"):
-        block_size = kwargs.get("block_size", inspect.signature(hf_paged.PagedAttentionCache).parameters[
+        block_size = kwargs.get("block_size", inspect.signature(PagedAttentionCache).parameters[
             "block_size"].default)
         mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, kwargs.pop("memory_budget"))
         kwargs["num_blocks"] = agreed_min(model, mine)
-    return hf_paged.PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)
+    return PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)
 
 
 def distributed_generate_batch(

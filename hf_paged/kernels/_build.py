@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import hashlib
 import logging
-import os
 import re
 import shutil
 import threading
 from pathlib import Path
 
 import torch
+
+from hf_paged import envs
 
 logger = logging.getLogger("hf_paged")
 
@@ -65,12 +66,8 @@ _warned = False
 
 
 def cache_root() -> Path:
-    """Where built kernels are kept: ``$HF_PAGED_CACHE`` or ``$XDG_CACHE_HOME/hf_paged/kernels``."""
-    env = os.environ.get("HF_PAGED_CACHE")
-    if env:
-        return Path(env).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "hf_paged" / "kernels"
+    """Where built kernels are kept: ``HF_PAGED_CACHE`` (``hf_paged.envs``)."""
+    return envs.kernel_cache_dir()
 
 
 def _arch() -> str:
@@ -85,14 +82,12 @@ def arch_of(major: int, minor: int, cuda: str | None = "12.0") -> str:
     return "90a" if (major, minor) == (9, 0) and has_90a else f"{major}{minor}"
 
 
-#: ``HF_PAGED_KERNEL_TRACE=1`` when the kernels are first loaded in a process: a diagnostic build (its own build
-#: folder) whose decode kernels can store per-CTA timestamps (``hf_paged.bench._decode_trace``); the normal build's
-#: machine code holds no trace code.
-TRACE_ENV = "HF_PAGED_KERNEL_TRACE"
-
+#: ``HF_PAGED_KERNEL_TRACE=1`` (``hf_paged.envs``) when the kernels are first loaded in a process: a diagnostic build
+#: (its own build folder) whose decode kernels can store per-CTA timestamps (``hf_paged.bench._decode_trace``); the
+#: normal build's machine code holds no trace code.
 
 def _host_flags() -> list[str]:
-    return ["-O3"] + (["-DHF_PAGED_DECODE_TRACE"] if os.environ.get(TRACE_ENV) == "1" else [])
+    return ["-O3"] + (["-DHF_PAGED_DECODE_TRACE"] if envs.kernel_trace() else [])
 
 
 def _cuda_flags(arch: str) -> list[str]:

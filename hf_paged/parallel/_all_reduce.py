@@ -2,7 +2,7 @@
 
 Small inputs (decode steps: up to :data:`ONE_SHOT_MAX_BYTES`; 64 rows of hidden 4096 in bf16 are 512 KiB) are summed
 over buffers every rank of the group can read through NVLink (torch's symmetric memory; peer-to-peer loads only, no
-NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE`` picks how:
+NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE`` (``hf_paged.envs``) picks how:
 
 - unset or ``hf_paged`` (the default): hf_paged's own kernel (``csrc/peer_sum.cu``): a fixed grid whose blocks each
   copy their share of the input into this rank's buffer, signal and wait for their peers' matching blocks only, and
@@ -13,8 +13,6 @@ NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE``
 - ``nccl``: transformers' own eager all-reduce: ``dist.all_reduce`` in place (on a copy of the op's input), so NCCL
   runs on the caller's stream, which is what the decode CUDA graphs capture (rather than torch's functional
   all-reduce, an asynchronous op on its own stream).
-- ``one_shot``: torch's ``symm_mem.one_shot_all_reduce_copy``. On two H100s inside the 8B decode step at batch 64 it
-  took 13.7 us per call against NCCL's 12.0 (2026-11-27, ``benchmarks/tp_step_profile.py``).
 
 Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once).
 Where that fails (no peer access between the GPUs, more than 8 ranks, no kernels built), the op sums through NCCL
@@ -26,58 +24,46 @@ ring: compare with ``HF_PAGED_TP_ALL_REDUCE=nccl`` there.
 from __future__ import annotations
 
 import logging
-import os
 import warnings
 
 import torch
+import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
+
+from hf_paged import envs
+from hf_paged.kernels._build import load
 
 logger = logging.getLogger("hf_paged")
 
 ONE_SHOT_MAX_BYTES = 1 << 20  # decode steps of up to 128 rows at hidden 4096 in bf16
-_MODES = ("nccl", "one_shot", "hf_paged")
 _PEER_SUM_MAX_RANKS = 8  # csrc/peer_sum.h's kPeerSumMaxRanks
 _PEER_CONTROL_BYTES = 64 << 10  # room for peer_sum's flags and epochs (4.5 KiB) after its two data halves
 _PEER_SUM_MAX_ROW_BYTES = 512 * 4 * 16  # the fused norm's rows: kPeerSumThreads * kPeerSumMaxRowUnitsPerThread units
-_buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}  # (group name, dtype) -> this rank's symmetric buffer
+_buffers: dict[str, torch.Tensor] = {}  # group name -> this rank's symmetric buffer (kept alive with its mapping)
 # group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
 _peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
 one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
 prefetch_calls = 0  # peer_sum calls (plain or fused) that took an L2 prefetch hint
 
 
-def mode() -> str:
-    """``HF_PAGED_TP_ALL_REDUCE``: ``hf_paged`` (the default, when unset), ``nccl`` or ``one_shot``."""
-    value = os.environ.get("HF_PAGED_TP_ALL_REDUCE", "hf_paged")
-    if value not in _MODES:
-        raise ValueError(f"HF_PAGED_TP_ALL_REDUCE={value!r} is not one of {', '.join(_MODES)}")
-    return value
-
-
 def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
-    """Set up the one-shot path that ``HF_PAGED_TP_ALL_REDUCE`` asks for on CUDA (collective: every rank of the
-    group calls it at the same point); returns whether a one-shot path serves."""
-    which = mode()
-    if which == "nccl" or device.type != "cuda":
+    """Set up peer_sum for ``group`` on CUDA unless ``HF_PAGED_TP_ALL_REDUCE=nccl`` (collective: every rank of the
+    group calls it at the same point); returns whether peer_sum serves."""
+    if envs.tp_all_reduce() == "nccl" or device.type != "cuda":
         return False
-    key = (group.group_name, dtype)
-    if key in _buffers or group.group_name in _peers:
+    if group.group_name in _peers:
         return True
     try:
-        if which == "hf_paged":
-            _prepare_peer_sum(group, device)
-        else:
-            _buffers[key] = _symmetric(group, torch.empty(ONE_SHOT_MAX_BYTES // dtype.itemsize, dtype=dtype,
-                                                          device=device))[0]
-            torch.ops.symm_mem.one_shot_all_reduce_copy  # noqa: B018  (present in this torch?)
+        _prepare_peer_sum(group, device)
     except Exception as exc:  # no symmetric memory here (no peer access, an older torch), no kernels: NCCL serves
-        asked = "HF_PAGED_TP_ALL_REDUCE" in os.environ
+        asked = envs.tp_all_reduce_asked()
         (logger.warning if asked else logger.info)(
             "hf_paged: %s cannot be served (%s: %s); the tensor-parallel layers all-reduce through NCCL",
-            f"HF_PAGED_TP_ALL_REDUCE={which}" if asked else f"the default all-reduce ({which})", type(exc).__name__,
-            str(exc)[:300])
+            "HF_PAGED_TP_ALL_REDUCE=hf_paged" if asked else "the default all-reduce (hf_paged's peer_sum)",
+            type(exc).__name__, str(exc)[:300])
         return False
-    logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run one-shot over symmetric memory (%s)",
-                ONE_SHOT_MAX_BYTES >> 10, which)
+    logger.info("hf_paged: tensor-parallel all-reduces of up to %d KiB run on peer_sum over symmetric memory",
+                ONE_SHOT_MAX_BYTES >> 10)
     return True
 
 
@@ -96,9 +82,6 @@ def _symmetric(group, like: torch.Tensor):
 
 
 def _prepare_peer_sum(group, device: torch.device) -> None:
-    from hf_paged.parallel._lockstep import timeout_s
-    from hf_paged.kernels._build import load
-
     if group.size() > _PEER_SUM_MAX_RANKS:
         raise ValueError(f"peer_sum serves groups of up to {_PEER_SUM_MAX_RANKS} ranks, this one has {group.size()}")
     load()  # the kernel, or the reason it cannot be built
@@ -111,11 +94,11 @@ def _prepare_peer_sum(group, device: torch.device) -> None:
         raise RuntimeError(f"the symmetric buffer lies outside its mapping (offset {offset}, mapping "
                            f"{handle.buffer_size} bytes)")
     offsets: list = [None] * handle.world_size
-    torch.distributed.all_gather_object(offsets, offset, group=group)
+    dist.all_gather_object(offsets, offset, group=group)
     addresses = torch.tensor([p + o for p, o in zip(handle.buffer_ptrs, offsets, strict=True)], dtype=torch.int64,
                              device=device)
-    _buffers[(group.group_name, torch.uint8)] = buffer  # kept alive with its mapping
-    _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), timeout_s())
+    _buffers[group.group_name] = buffer
+    _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), envs.tp_timeout_s())
 
 
 def _hint(prefetch: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
@@ -142,15 +125,8 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str, prefetch: torch.Tensor | No
             hint = _hint(prefetch, x)
             prefetch_calls += hint is not None
             return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers, hint)
-        buffer = _buffers.get((group_name, x.dtype))
-        if buffer is not None:
-            one_shot_calls += 1
-            staged = buffer[: x.numel()].view(x.shape)
-            return torch.ops.symm_mem.one_shot_all_reduce_copy(staged, x.contiguous(), "sum", group_name)
-    from torch.distributed.distributed_c10d import _resolve_process_group
-
     out = x.clone()
-    torch.distributed.all_reduce(out, group=_resolve_process_group(group_name))
+    dist.all_reduce(out, group=_resolve_process_group(group_name))
     return out
 
 

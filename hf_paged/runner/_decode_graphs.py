@@ -32,12 +32,12 @@ import torch
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.runner import _graph_inputs as graph_inputs
-from hf_paged.cache._block_table import BlockTableBuffer, DeviceBlockTable
+from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, one_call_graph_sizes, pool_bytes, size_ranges
 from hf_paged.runner._model_runner import model_call
-from hf_paged.runner._step_plan import DecodeColumns
-from hf_paged.engine._sequence import Sequence
+from hf_paged.runner._step_plan import DecodeColumns, Sequence
 from hf_paged.runner._staging import StagingBuffer
 from hf_paged.hf.compat import cache_keyword
 
@@ -291,3 +291,27 @@ class DecodeGraphs:
             "replays": self.replays,
         }
 
+
+def engine_graphs(core, cfg, tables, max_num_seqs: int):
+    """The decode CUDA graphs of an engine (``core``: its EngineCore; ``cfg``: its EngineConfig; ``tables``: its
+    BlockTableBuffer), captured as ``cfg.cuda_graphs`` and ``cfg.cuda_graph_capture`` ask, or None where decode runs
+    without them (asked so, not on CUDA, a model split over devices, or a capture that failed; the last two say why
+    in the log)."""
+    cuda_graphs = cfg.cuda_graphs
+    if cuda_graphs is False or core.device.type != "cuda":
+        return None
+    split = sorted({str(d) for d in core.kv_devices})
+    if len(split) > 1:
+        logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
+        return None
+    sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
+             else [s for s in cuda_graphs if s <= max_num_seqs])
+    graphs = DecodeGraphs(core.model, core.cache, tables, sizes, core.runner.last_tokens, core.compiled,
+                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
+                          local_logits=core.vocab_shards is not None)
+    reason = graphs.capture()
+    if reason is not None:
+        graphs.device_tables.close()
+        logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
+        return None
+    return graphs

@@ -1,5 +1,5 @@
 """Which batch sizes the decode CUDA graphs are captured for, and when (``DecodeGraphs``, ``Engine(cuda_graphs=...,
-cuda_graph_capture=...)``); :func:`engine_graphs` captures an engine's.
+cuda_graph_capture=...)``).
 
 A decode step of ``n`` sequences replays the graph of the smallest captured size ``b >= n`` (rows ``n..b`` are
 padding). Each size costs a capture: about one traced forward of host time (~20-25 ms for a 1B model on an H100,
@@ -9,11 +9,7 @@ during which the device idles), while a padded row costs its share of the matrix
 
 from __future__ import annotations
 
-import logging
-
 import torch
-
-logger = logging.getLogger("hf_paged")
 
 # On-demand capture: a size is captured once this many decode steps have padded up to a larger graph instead; about
 # where the padding paid equals one capture (ski rental), with the H100 figures above.
@@ -99,30 +95,3 @@ def pool_bytes(device: torch.device, pool) -> int | None:
 def size_ranges(sizes: list[int]) -> str:
     """The sizes for a log line: all of them up to six, else the first five and the last."""
     return ", ".join(map(str, sizes)) if len(sizes) <= 6 else f"{', '.join(map(str, sizes[:5]))}, ..., {sizes[-1]}"
-
-
-def engine_graphs(core, cfg, tables, max_num_seqs: int):
-    """The decode CUDA graphs of an engine (``core``: its EngineCore; ``cfg``: its EngineConfig; ``tables``: its
-    BlockTableBuffer), captured as ``cfg.cuda_graphs`` and ``cfg.cuda_graph_capture`` ask, or None where decode runs
-    without them (asked so, not on CUDA, a model split over devices, or a capture that failed; the last two say why
-    in the log)."""
-    from hf_paged.runner._decode_graphs import DecodeGraphs  # (cuda_graphs imports this module)
-
-    cuda_graphs = cfg.cuda_graphs
-    if cuda_graphs is False or core.device.type != "cuda":
-        return None
-    split = sorted({str(d) for d in core.kv_devices})
-    if len(split) > 1:
-        logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
-        return None
-    sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
-             else [s for s in cuda_graphs if s <= max_num_seqs])
-    graphs = DecodeGraphs(core.model, core.cache, tables, sizes, core.runner.last_tokens, core.compiled,
-                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
-                          local_logits=core.vocab_shards is not None)
-    reason = graphs.capture()
-    if reason is not None:
-        graphs.device_tables.close()
-        logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
-        return None
-    return graphs

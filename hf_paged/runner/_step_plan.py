@@ -11,13 +11,23 @@ from __future__ import annotations
 import operator
 from array import array
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 import torch
 
 from hf_paged.attention._metadata import Phase, step_phase
 from hf_paged.cache._block_table import BlockTableBuffer
-from hf_paged.engine._sequence import Sequence
+
+
+class Sequence(Protocol):
+    """What a step plan reads of a scheduled sequence (the engine's ``Sequence`` is one)."""
+
+    token_ids: list[int]
+    block_table: list[int]
+    row: int
+    num_computed_tokens: int
+    pending_row: int
 
 
 #: The segments of a plan's layout, in order; each is ``T`` (tokens), ``S`` (sources: ``T`` or 0), ``N`` (sampled

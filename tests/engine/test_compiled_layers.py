@@ -14,6 +14,7 @@ import torch
 import hf_paged
 from engine_helpers import greedy_config, hf_greedy, random_prompts
 from hf_paged.compile import _layers as cl
+from hf_paged.compile._group_linears import GroupLinears
 from tiny_models import make_models
 
 
@@ -151,48 +152,22 @@ def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
         hf_paged.Engine(stub, num_blocks=16, block_size=4, compile_layers=True)
 
 
-def test_pdl_in_the_layers_compile_under_tensor_parallel_or_when_asked(monkeypatch, caplog):
-    """HF_PAGED_COMPILE_PDL adds inductor's triton.enable_pdl to the layers' own compile options (never the
-    process-wide inductor config): unset, for a tensor-parallel model only; 1 for any; 0 for none; another value is
-    refused. A torch without the option compiles as before, with a warning where PDL was asked for by name."""
+def test_the_layers_compile_with_the_passes_and_options_they_are_given():
+    """Each compiled forward takes its model's LayerCompile: the grouped linears alone by default, a tensor-parallel
+    model's fused all-reduces, Triton PDL (where inductor has it) and nested graph breaks where given; the process's
+    own inductor config is never changed."""
     import torch._inductor.config as inductor_config
 
-    has_pdl = hasattr(inductor_config.triton, "enable_pdl")
-    grouped = {"post_grad_custom_pre_pass"}
-    monkeypatch.delenv(cl.COMPILE_PDL_ENV, raising=False)
-    assert set(cl.inductor_options()) == grouped
-    assert set(cl.inductor_options(tensor_parallel=True)) == grouped | ({"triton.enable_pdl"} if has_pdl else set())
-    monkeypatch.setenv(cl.COMPILE_PDL_ENV, "0")
-    assert set(cl.inductor_options(tensor_parallel=True)) == grouped
-    monkeypatch.setenv(cl.COMPILE_PDL_ENV, "1")
-    if has_pdl:
-        before = inductor_config.triton.enable_pdl
-        assert cl.inductor_options()["triton.enable_pdl"] is True
-        assert inductor_config.triton.enable_pdl == before
-    monkeypatch.setenv(cl.COMPILE_PDL_ENV, "yes")
-    with pytest.raises(ValueError, match="HF_PAGED_COMPILE_PDL='yes'"):
-        cl.inductor_options()
-    monkeypatch.setattr(cl, "_inductor_has_pdl", lambda: False)
-    monkeypatch.delenv(cl.COMPILE_PDL_ENV)
-    with caplog.at_level(logging.WARNING, logger="hf_paged"):
-        assert set(cl.inductor_options(tensor_parallel=True)) == grouped
-    assert "triton.enable_pdl" not in caplog.text  # the default asks quietly
-    monkeypatch.setenv(cl.COMPILE_PDL_ENV, "1")
-    with caplog.at_level(logging.WARNING, logger="hf_paged"):
-        assert set(cl.inductor_options()) == grouped
-    assert "triton.enable_pdl" in caplog.text
+    from hf_paged.parallel import _fuse_all_reduce as fusion
 
-
-def test_the_layers_compile_with_the_tensor_parallel_options_of_their_model(monkeypatch):
-    """Each compiled forward takes inductor_options(tensor_parallel=...) from its own model: False for a plain one,
-    True where the model has a tensor-parallel group."""
-    seen = []
-    monkeypatch.setattr(cl, "inductor_options", lambda tensor_parallel=False: seen.append(tensor_parallel) or {})
-    cl.CompiledLayers(make_models("llama_gqa")[1])
-    assert seen and set(seen) == {False}
-    seen.clear()
-    monkeypatch.setattr(cl.CompiledLayers, "_group_name", lambda self: "tp0")
-    cl.CompiledLayers(make_models("llama_gqa")[1])
-    assert seen and set(seen) == {True}
+    plain = cl.LayerCompile()
+    assert type(plain.inductor_options()["post_grad_custom_pre_pass"]) is GroupLinears and plain.dynamo == {}
+    tp = fusion.layer_compile("no-such-group")  # peer_sum serves no such group: no nested graph breaks
+    assert isinstance(tp.inductor_options()["post_grad_custom_pre_pass"], fusion.LayerPasses)
+    assert ("triton.enable_pdl" in tp.inductor) == cl.inductor_has_pdl() and tp.dynamo == {}
+    before = getattr(inductor_config.triton, "enable_pdl", None)
+    layers = cl.CompiledLayers(make_models("llama_gqa")[1], tp)
+    assert layers.how is tp
+    assert getattr(inductor_config.triton, "enable_pdl", None) == before
 
 

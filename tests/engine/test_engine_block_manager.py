@@ -16,7 +16,7 @@ from hypothesis import given, settings, strategies as st
 import torch
 from fake_kv import check_table_rows, make_block_manager
 from hf_paged.cache import _block_manager as block_manager
-from hf_paged.cache._block_table import DeviceBlockTable
+from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sequence import Sequence
 

@@ -266,12 +266,12 @@ if __name__ == "__main__":
     worker(*sys.argv[1:4])
 
 
-@pytest.mark.parametrize("all_reduce", ["nccl", "one_shot", "hf_paged"])
+@pytest.mark.parametrize("all_reduce", ["nccl", "hf_paged"])
 def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_reduce):
     """The engine's defaults on two GPUs: compiled layers (each sharded linear a local product, rowwise ones summed
     by the all-reduce op inside the compiled code) under decode CUDA graphs, the greedy tokens of one GPU; with
-    one-shot all-reduces over symmetric memory (HF_PAGED_TP_ALL_REDUCE=hf_paged: csrc/peer_sum.cu, the default;
-    one_shot: torch's kernel) and with NCCL's."""
+    peer_sum's one-shot all-reduces over symmetric memory (HF_PAGED_TP_ALL_REDUCE=hf_paged, csrc/peer_sum.cu, the
+    default) and with NCCL's."""
     output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE=all_reduce)
     records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"

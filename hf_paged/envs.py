@@ -1,0 +1,107 @@
+"""Every ``HF_PAGED_*`` environment variable hf_paged reads: each is read here, once (at its first use in the
+process), checked, and documented below. Nothing else in the package reads the environment; the C++ kernels take
+these choices as arguments.
+
+=============================  ==========================================  =============================================
+variable                       values (default first)                      what it does
+=============================  ==========================================  =============================================
+``HF_PAGED_BACKEND``           unset, or a comma list of ``flash``,         the attention backends tried, in this order,
+                               ``cuda``, ``torch``                          where the caller names none
+``HF_PAGED_CACHE``             ``$XDG_CACHE_HOME/hf_paged/kernels``         where the JIT-built CUDA kernels are kept
+                               (``~/.cache/hf_paged/kernels`` without it)
+``HF_PAGED_KERNEL_TRACE``      unset, ``1``                                 diagnostics: build the kernels (in a build
+                                                                            folder of their own) with decode trace
+                                                                            points, read by ``hf-paged bench trace``
+``HF_PAGED_TP_ALL_REDUCE``     ``hf_paged``, ``nccl``                       how tensor-parallel compiled layers sum a
+                                                                            decode step's rowwise outputs: hf_paged's
+                                                                            one-shot kernel over peer-mapped memory
+                                                                            (NCCL where the GPUs cannot map each
+                                                                            other's memory), or NCCL (compare on GPUs
+                                                                            linked by PCIe only)
+``HF_PAGED_TP_TIMEOUT_S``      ``600``                                      seconds a tensor-parallel rank waits for the
+                                                                            others at a step check
+=============================  ==========================================  =============================================
+
+A test or benchmark that changes one of them inside a process calls :func:`refresh` for the new value to be read.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from pathlib import Path
+
+BACKEND = "HF_PAGED_BACKEND"
+CACHE = "HF_PAGED_CACHE"
+KERNEL_TRACE = "HF_PAGED_KERNEL_TRACE"
+TP_ALL_REDUCE = "HF_PAGED_TP_ALL_REDUCE"
+TP_TIMEOUT_S = "HF_PAGED_TP_TIMEOUT_S"
+
+#: Every variable read here (the docs and the tests check the table above against it).
+VARIABLES = (BACKEND, CACHE, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
+TP_ALL_REDUCE_CHOICES = ("hf_paged", "nccl")
+
+
+def _value(name: str) -> str | None:
+    value = os.environ.get(name)
+    return None if value is None or value.strip() == "" else value.strip()
+
+
+@functools.cache
+def backend() -> tuple[str, ...] | None:
+    """``HF_PAGED_BACKEND`` split into names (checked against the registered backends where it is used), or None."""
+    value = _value(BACKEND)
+    return None if value is None else tuple(name.strip() for name in value.split(","))
+
+
+@functools.cache
+def kernel_cache_dir() -> Path:
+    """``HF_PAGED_CACHE``, else ``$XDG_CACHE_HOME/hf_paged/kernels`` (``~/.cache/hf_paged/kernels``)."""
+    value = _value(CACHE)
+    if value is not None:
+        return Path(value).expanduser()
+    base = _value("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base).expanduser() / "hf_paged" / "kernels"
+
+
+@functools.cache
+def kernel_trace() -> bool:
+    """``HF_PAGED_KERNEL_TRACE=1``: the diagnostic build of the kernels, with decode trace points."""
+    return _choice(KERNEL_TRACE, ("0", "1"), "0") == "1"
+
+
+@functools.cache
+def tp_all_reduce() -> str:
+    """``HF_PAGED_TP_ALL_REDUCE``: ``hf_paged`` (the default) or ``nccl``."""
+    return _choice(TP_ALL_REDUCE, TP_ALL_REDUCE_CHOICES, "hf_paged")
+
+
+def tp_all_reduce_asked() -> bool:
+    """Whether ``HF_PAGED_TP_ALL_REDUCE`` is set (a fallback from a path asked for by name is a warning, not a note)."""
+    return _value(TP_ALL_REDUCE) is not None
+
+
+@functools.cache
+def tp_timeout_s() -> float:
+    """``HF_PAGED_TP_TIMEOUT_S``: seconds, default 600."""
+    value = _value(TP_TIMEOUT_S) or "600"
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = -1.0
+    if not seconds > 0:
+        raise ValueError(f"{TP_TIMEOUT_S}={value!r}: give a positive number of seconds (default 600)")
+    return seconds
+
+
+def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
+    value = _value(name) or default
+    if value not in choices:
+        raise ValueError(f"{name}={value!r}: use one of {', '.join(choices)} (default {default})")
+    return value
+
+
+def refresh() -> None:
+    """Forget the values read so far: the next use of each reads the environment again."""
+    for read in (backend, kernel_cache_dir, kernel_trace, tp_all_reduce, tp_timeout_s):
+        read.cache_clear()
