@@ -12,6 +12,7 @@ sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, wh
 import torch  # noqa: E402
 from transformers import CompileConfig  # noqa: E402
 
+from hf_paged._forward_context import forward_context
 import hf_paged  # noqa: E402
 from hf_paged.hf.compat import with_cache  # noqa: E402
 from hf_paged.generate._optimize import with_options  # noqa: E402
@@ -88,7 +89,7 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         from hf_paged.compile import _skinny_linears as skinny_linear
 
         def call(k):
-            with skinny_linear.active():
+            with forward_context(skinny_linears=True):
                 return model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
 
         return warmed_stance(call, args) if system in COMPILED else call

@@ -17,7 +17,6 @@ import torch
 from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig
 
 import hf_paged
-from hf_paged.hf.compat import with_cache
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="local HF checkpoint (default: an embedded tiny random-init Llama)")
@@ -55,7 +54,7 @@ def run(label: str, **cache_kwargs) -> torch.Tensor:
                                          dtype=model.dtype, **cache_kwargs)
     for call in ("first call", "second call"):  # a compiled path compiles in its first call
         start = time.perf_counter()
-        out = model.generate(**with_cache(model, cache, **batch), **greedy)
+        out = model.generate(**hf_paged.with_cache(model, cache, **batch), **greedy)
         print(f"{label}, {call}: {time.perf_counter() - start:.2f} s, compileable={cache.is_compileable}")
     return out
 

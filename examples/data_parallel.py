@@ -15,8 +15,8 @@ import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
 
+import hf_paged
 from hf_paged.cli.default_model import load_model
-from hf_paged.integrations.accelerate import distributed_generate_batch
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="local HF checkpoint (default: embedded tiny random-init Llama)")
@@ -30,7 +30,7 @@ prompts = ["The capital of France is", "def quicksort(xs):", "Paged attention st
 inputs = [tokenizer.encode(p) for p in prompts]
 generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
 
-results = distributed_generate_batch(model, inputs, generation_config)  # the same dict on every process
+results = hf_paged.distributed_generate_batch(model, inputs, generation_config)  # the same dict on every process
 
 if int(os.environ.get("RANK", 0)) == 0:
     for request_id, output in list(results.items())[:3]:

@@ -10,7 +10,6 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig
 
 import hf_paged
-from hf_paged.hf.compat import with_cache
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--model", help="local HF checkpoint (default: an embedded tiny random-init Llama)")
@@ -41,7 +40,7 @@ batch = dict(input_ids=input_ids, attention_mask=attention_mask)
 cache = hf_paged.PagedAttentionCache(model.config, num_blocks=256, block_size=args.block_size,
                                      device=model.device, dtype=model.dtype)
 greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0)
-out = model.generate(**with_cache(model, cache, **batch), **greedy)
+out = model.generate(**hf_paged.with_cache(model, cache, **batch), **greedy)
 want = reference.generate(**batch, **greedy)
 
 print("paged tokens == eager tokens:", torch.equal(out, want))

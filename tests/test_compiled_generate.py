@@ -257,8 +257,8 @@ def test_custom_ops_match_the_backend_and_pass_opcheck(phase: str):
     from hf_paged.attention._metadata import build_metadata
 
     meta = build_metadata(q_lens=torch.tensor(q_lens), seq_lens_k=seq_lens, block_tables=tables, slot_mapping=slots,
-                          token_index=None, grid=(tokens, 1), block_size=bs, kv_caches=[(k_cache, v_cache)],
-                          dispatcher=None, device=torch.device("cpu"))
+                          token_index=None, grid=(tokens, 1), block_size=bs,
+                          device=torch.device("cpu"))
     torch_backend, params = backend_named("torch"), AttentionParams(scale=dim**-0.5)
     direct_k, direct_v = k_cache.clone(), v_cache.clone()
     torch_backend.write_kv(key, value, direct_k, direct_v, meta)

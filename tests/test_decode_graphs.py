@@ -1,11 +1,11 @@
-"""``optimize_generate``'s decode graphs (``hf_paged/generate/_decode_graphs.py``), driven on the CPU.
+"""``optimize_generate``'s decode steps (``hf_paged/generate/_decode_graphs.py``), driven on the CPU.
 
-A stand-in replaces the CUDA graph capture: "capturing" runs the step once (a real capture runs nothing, but a
-paged decode step run twice on the same plan writes the same K/V to the same slots), and "replaying" runs the
-compiled call on the graph's input buffers and writes its logits into the output captured, as a replay writes its
-output buffers; the Python the compiled forward runs around its graph is the real one each time, so what these
-tests check is the keying, the buffers, the fallbacks and the residual-bytecode check. The real capture runs in
-``tests/gpu/test_compiled_generate_gpu.py``. The oracle is the model's compiled ``generate`` before
+A stand-in replaces the runner's ``CudaGraphs``: "capturing" runs the step once (a real capture runs nothing, but a
+paged decode step run twice on the same plan writes the same K/V to the same slots), and "replaying" runs the step
+again on the graph's input buffers and writes its logits into the ones captured, as a replay writes its output
+buffers, then takes back what the step's Python set on the cache (a replay runs no Python: the decode steps must set
+it themselves). What these tests check is the keying, the buffers, the fallbacks and the output. The real capture
+runs in ``tests/gpu/test_compiled_generate_gpu.py``. The oracle is the model's compiled ``generate`` before
 ``optimize_generate``.
 """
 
@@ -21,26 +21,35 @@ from hf_paged.generate import _decode_graphs as decode_graphs
 from hf_paged.hf.compat import with_cache
 
 
-class StandInCapture:
-    """Runs the compiled call where a graph would replay, and takes back what its Python around the graph set on
-    the cache (a replay runs no Python: the graphs must set it themselves)."""
+class StandInGraphs:
+    """The CudaGraphs of one cache's steps, on the CPU (see the module docstring)."""
 
-    def __init__(self, cache=None):
-        self.cache = cache
+    made: list = []
+
+    def __init__(self, device, cache=None, fail: bool = False):
+        self.steps, self.outputs, self.cache, self.fail = {}, {}, cache, fail
         self.captures = self.replays = 0
+        StandInGraphs.made.append(self)
 
-    def __call__(self, run, device):
-        self.captures += 1
-        output = run()
+    def capture(self, steps, prepare=None, check=None):
+        for key, step, warm in steps:
+            if self.fail:
+                raise RuntimeError("capture failed")
+            self.captures += 1
+            self.steps[key], self.outputs[key] = step, step()
+        return None
 
-        def replay():
-            self.replays += 1
-            before = self.cache.__dict__.copy() if self.cache is not None else None
-            output.logits.copy_(run().logits)
-            if before is not None:
-                self.cache.__dict__.update(_plan_used=before["_plan_used"])
+    def replay(self, key):
+        self.replays += 1
+        before = self.cache._plan_used if self.cache is not None else None
+        self.outputs[key].copy_(self.steps[key]())
+        if self.cache is not None:
+            self.cache._plan_used = before
+        return self.outputs[key]
 
-        return replay, output
+    def drop(self, key):
+        self.steps.pop(key, None)
+        self.outputs.pop(key, None)
 
 
 @pytest.fixture(autouse=True)
@@ -60,13 +69,15 @@ def _run(model, cache, batch, seed: int = 0, **kwargs):
     return model.generate(**with_cache(model, cache, **batch), **kwargs)
 
 
-def _graphed(model, cache=None):
-    """optimize_generate, with the stand-in capture on CPU tensors."""
+def _graphed(model, cache=None, fail: bool = False) -> decode_graphs.DecodeSteps:
+    """optimize_generate, with the stand-in graphs on CPU tensors."""
     hf_paged.optimize_generate(model)
     usual = type(model).get_compiled_call.__get__(model)
-    stand_in = StandInCapture(cache)
-    model.get_compiled_call = decode_graphs.GraphedCalls(model, usual, capture=stand_in, devices=("cpu",))
-    return stand_in
+    StandInGraphs.made = []
+    steps = decode_graphs.DecodeSteps(model, usual, None, skinny=False, devices=("cpu",),
+                                      new_graphs=lambda device: StandInGraphs(device, cache, fail))
+    model.get_compiled_call = steps.get_compiled_call
+    return steps
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", "gemma2"])
@@ -85,14 +96,14 @@ def test_replayed_steps_give_the_compiled_steps_tokens(arch, kwargs):
     batches = [_batch(3), _batch(3), _batch(2, seed=2)]
     reference = [_run(model, cache, b, seed, **kwargs) for seed, b in enumerate(batches)]
     torch._dynamo.reset()
-    stand_in = _graphed(model, cache)
+    decode_steps = _graphed(model, cache)
     outs = [_run(model, cache, b, seed, **kwargs) for seed, b in enumerate(batches)]
     for out, ref in zip(outs, reference):
         assert torch.equal(out, ref)
-    graphs = model.get_compiled_call.current
-    assert graphs.failure is None, graphs.failure
-    assert stand_in.captures == 2, "one graph per batch shape"
-    assert stand_in.replays == graphs.replays == (steps - 1) + steps + (steps - 1)
+    assert decode_steps.failure is None, decode_steps.failure
+    (graphs,) = StandInGraphs.made  # one cache: one set of graphs
+    assert graphs.captures == 2, "one graph per batch shape"
+    assert graphs.replays == decode_steps.replays == (steps - 1) + steps + (steps - 1)
 
 
 def test_steps_that_cannot_be_replayed_run_transformers_compiled_call():
@@ -104,37 +115,31 @@ def test_steps_that_cannot_be_replayed_run_transformers_compiled_call():
     kwargs = dict(max_new_tokens=6, return_dict_in_generate=True, output_hidden_states=True, **GREEDY)
     reference = _run(model, cache, _batch(2), **kwargs).sequences
     torch._dynamo.reset()
-    stand_in = _graphed(model)
+    decode_steps = _graphed(model)
     assert torch.equal(_run(model, cache, _batch(2), **kwargs).sequences, reference)
-    assert stand_in.captures == 0 and stand_in.replays == 0
+    assert StandInGraphs.made == [] and decode_steps.replays == 0
 
 
-def test_an_unknown_residual_keeps_transformers_compiled_call(monkeypatch, caplog):
-    """A forward whose residual bytecode sets something the replay would not (here: the cache flag, taken off the
-    known names) is never replayed, says why, and keeps its tokens."""
+def test_a_capture_that_fails_leaves_the_steps_to_transformers_compiled_call(caplog):
+    """A step whose capture fails is run by transformers' compiled call, as every later one: the tokens stay, and the
+    log says why."""
     model = make_models("llama_gqa", seed=0)[1]
     model.generation_config.compile_config = compile_config(CountingBackend(), fullgraph=True)
     cache = hf_paged.PagedAttentionCache(model.config, num_blocks=64, block_size=8, max_new_tokens=7,
                                          compileable=True)
     reference = _run(model, cache, _batch(2), max_new_tokens=7, **GREEDY)
     torch._dynamo.reset()
-    monkeypatch.setattr(decode_graphs, "KNOWN_NAMES", decode_graphs.KNOWN_NAMES - {"_plan_used"})
-    stand_in = _graphed(model)
-    with caplog.at_level("INFO", logger="hf_paged"):
+    decode_steps = _graphed(model, cache, fail=True)
+    with caplog.at_level("WARNING", logger="hf_paged"):
         assert torch.equal(_run(model, cache, _batch(2), max_new_tokens=7, **GREEDY), reference)
-    assert stand_in.captures == 0
-    assert "_plan_used" in model.get_compiled_call.current.failure
+    assert decode_steps.replays == 0 and "capture failed" in decode_steps.failure
     assert "replays no decode step" in caplog.text
-
-
-def test_residual_names_of_a_function_dynamo_never_compiled():
-    assert decode_graphs.residual_names(lambda x: x) is None
 
 
 def test_restore_removes_the_graphed_calls():
     model = make_models("llama_gqa", seed=0)[1]
     hf_paged.optimize_generate(model)
-    assert isinstance(model.get_compiled_call, decode_graphs.GraphedCalls)
+    assert isinstance(model.get_compiled_call.__self__, decode_graphs.DecodeSteps)
     hf_paged.restore_generate(model)
     assert "get_compiled_call" not in model.__dict__
     hf_paged.optimize_generate(model, graphs=False)
@@ -150,13 +155,12 @@ def test_graphs_do_not_keep_a_cache_alive():
     model.generation_config.compile_config = compile_config(CountingBackend(), fullgraph=True)
     cache = hf_paged.PagedAttentionCache(model.config, num_blocks=64, block_size=8, max_new_tokens=6,
                                          compileable=True)
-    stand_in = _graphed(model, cache)
+    decode_steps = _graphed(model, cache)
     _run(model, cache, _batch(2), max_new_tokens=6, **GREEDY)
-    assert stand_in.replays > 0 and model.get_compiled_call.current.graphs
-    stand_in.cache = None
-    for graphs in model.get_compiled_call.current.graphs.values():
-        for graph in graphs.values():
-            graph.replay = None  # the stand-in's replay closes over the call's kwargs; a CUDA graph holds none
+    assert decode_steps.replays > 0 and len(decode_steps.graphs) == 1
+    for graphs in StandInGraphs.made:  # the stand-in's steps close over the call's kwargs; a CUDA graph holds none
+        graphs.cache, graphs.steps = None, {}
+    StandInGraphs.made, decode_steps.new_graphs = [], None  # (the stand-in's factory holds the cache too)
     gone = weakref.ref(cache)
     del cache
     gc.collect()

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import sys
 import zlib
@@ -114,9 +115,18 @@ def make_paged_step(
     meta = build_metadata(
         q_lens=torch.tensor(new_lens), seq_lens_k=torch.tensor(totals), block_tables=block_tables,
         slot_mapping=slot_mapping, token_index=None, grid=(1, int(slot_mapping.numel())), block_size=block_size,
-        kv_caches=[(k_cache, v_cache)], dispatcher=None, device=torch.device("cpu"),
+        device=torch.device("cpu"),
     )
+    meta = CachedStep(**{f.name: getattr(meta, f.name) for f in dataclasses.fields(PagedMetadata)},
+                      kv_caches=[(k_cache, v_cache)])
     return meta, flat_k[slot_mapping].clone(), flat_v[slot_mapping].clone()
+
+
+@dataclasses.dataclass(frozen=True)
+class CachedStep(PagedMetadata):
+    """A step's metadata with the paged cache its new tokens are in (``kv_caches[0]``), as the tests pass it round."""
+
+    kv_caches: list = dataclasses.field(default_factory=list, repr=False)
 
 
 # phase, block_size, cached prefix lengths, new-token counts (lengths 1, block-size multiples and others)

@@ -12,6 +12,7 @@ from tiny_models import VOCAB, make_config
 from torch._inductor.utils import run_and_get_code
 from transformers import AutoModelForCausalLM
 
+from hf_paged._forward_context import forward_context
 from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears, group_linears
@@ -188,7 +189,7 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
         want = model(ids).logits.float()
     skinny_linear.install(model)
     layers = compiled_layers.compiled_layers(model)
-    with torch.no_grad(), layers.active(), skinny_linear.active(), \
+    with torch.no_grad(), layers.active(), forward_context(skinny_linears=True), \
             torch._inductor.config.patch(fx_graph_cache=False):  # every layer's code, not cache hits
         got, codes = run_and_get_code(lambda: model(ids).logits.float())
     assert layers.enabled, layers.failure

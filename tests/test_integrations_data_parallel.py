@@ -20,7 +20,7 @@ from tiny_models import EOS, PAD, VOCAB, make_models
 from transformers import GenerationConfig
 
 import hf_paged
-import hf_paged.integrations.accelerate as adapter
+from hf_paged.engine import _data_parallel as adapter
 from hf_paged.integrations.accelerate import balanced_shares, distributed_generate_batch
 
 WORLD_SIZE = 2

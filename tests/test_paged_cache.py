@@ -9,7 +9,7 @@ from tiny_models import EOS, PAD, left_padded_batch, make_config, make_models
 
 import hf_paged
 from hf_paged.generate._batch_tables import BatchTables
-from hf_paged.cache._kv_pool import KVLayout, KVPool
+from hf_paged.cache._kv_pool import KVLayout, KVPool, blocks_for_budget
 from hf_paged.hf.compat import with_cache
 
 GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
@@ -24,7 +24,6 @@ GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
         (dict(num_blocks=8, block_size=4096), "block_size"),
         (dict(num_blocks=8, block_size=2.5), "block_size"),
         (dict(num_blocks=8, dtype=torch.int8), "dtype"),
-        (dict(), "num_blocks, or memory_budget"),
         (dict(num_blocks=8, memory_budget=1 << 20), "not both"),
         (dict(memory_budget=1.5), r"\(0, 1\]"),
         (dict(memory_budget=10), "holds no block"),
@@ -38,12 +37,24 @@ def test_invalid_configuration_raises_at_once(kwargs, match):
 
 
 def test_memory_budget_sizes_the_pool():
+    """A fraction of free memory, as the engine takes it; an integer (bytes) still sizes the pool, deprecated; with
+    neither size given, 0.8 of free memory at most 256 sequences of the model's full length."""
     config = make_config("llama_gqa")
-    per_block = KVLayout.from_config(config).bytes_per_block(16, torch.float32)
-    cache = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=10 * per_block + 7)
+    layout = KVLayout.from_config(config)
+    per_block = layout.bytes_per_block(16, torch.float32)
+    with pytest.warns(DeprecationWarning, match="memory_budget=<bytes> is deprecated"):
+        cache = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=10 * per_block + 7)
     assert cache.num_blocks == 10
     frac = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=1e-4)
-    assert frac.num_blocks >= 1
+    free = blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, 1e-4)
+    assert frac.num_blocks >= 1 and abs(frac.num_blocks - free) <= max(2, free // 100)  # (free memory moves)
+    auto = hf_paged.PagedAttentionCache(config)
+    assert auto.num_blocks == min(256 * -(-config.max_position_embeddings // 16),
+                                  blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, 0.8))
+    same = hf_paged.PagedAttentionCache(config, cache_config=hf_paged.CacheConfig(num_blocks=12, block_size=8))
+    assert (same.num_blocks, same.block_size) == (12, 8)
+    with pytest.raises(ValueError, match="either as cache_config"):
+        hf_paged.PagedAttentionCache(config, num_blocks=3, cache_config=hf_paged.CacheConfig())
 
 
 @pytest.mark.parametrize(
@@ -227,12 +238,14 @@ def test_repeat_interleave_and_select_share_blocks_and_keep_results():
     cache.pool.allocator.check_invariants()
 
 
-def test_a_given_plan_serves_every_mask_call_of_the_forward():
-    _, paged = make_models("gemma2", seed=13)  # full + sliding masks: two mask calls per forward
+def test_every_mask_call_of_one_forward_gets_its_one_step():
+    """Models with full and sliding layers ask for two masks per forward: both get the step planned once (the rows
+    take blocks for the forward's tokens once), and the next forward is planned anew."""
+    _, paged = make_models("gemma2", seed=13)
     cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=8, block_size=4)
-    other = hf_paged.PagedAttentionCache(paged.config, num_blocks=8, block_size=4)
-    meta = other.plan_step(None, 1, 5, torch.device("cpu"))  # a plan made elsewhere, as the engine does
-    cache.begin_step(meta)
-    asked = [cache.plan_step(None, 1, 5, torch.device("cpu")) for _ in range(2)]
-    assert cache.stats()["blocks_used"] == 0, "the given plan is used, no rows were planned here"
-    assert asked[0] is meta and asked[1] is meta
+    asked = [cache.plan_forward(paged.config, None, 1, 5, torch.device("cpu")) for _ in range(2)]
+    assert asked[0] is asked[1] and asked[0].step.pool is cache.pool
+    assert cache.stats()["tokens_stored"] == 5
+    cache.update(torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5, 8), 0)  # a layer read the step: the forward ran
+    following = cache.plan_forward(paged.config, None, 1, 1, torch.device("cpu"))
+    assert following is not asked[0] and cache.stats()["tokens_stored"] == 6

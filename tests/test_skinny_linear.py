@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, make_config
 from transformers import AutoModelForCausalLM
 
+from hf_paged._forward_context import forward_context
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.kernels import _build as build
 from hf_paged.kernels import _skinny as skinny
@@ -244,8 +245,8 @@ def test_outside_active_the_original_forward_runs_and_inside_the_op(monkeypatch)
     with torch.no_grad():
         outside = model(ids).logits
         assert calls == [] and not skinny_linear.is_active()
-        with skinny_linear.active():
-            with skinny_linear.active():
+        with forward_context(skinny_linears=True):
+            with forward_context(skinny_linears=True):
                 pass
             assert skinny_linear.is_active()  # nesting restores the outer state
             inside = model(ids).logits
@@ -263,7 +264,7 @@ def test_a_compiled_layer_guards_on_active():
     with torch.no_grad():
         reference = mlp(x)
         assert torch.equal(compiled(x), reference) and recording.op_calls() == 0
-        with skinny_linear.active():
+        with forward_context(skinny_linears=True):
             assert torch.equal(compiled(x), reference) and recording.op_calls() == 3
         assert torch.equal(compiled(x), reference) and len(recording.graphs) == 2  # the first graph again
 
@@ -306,7 +307,7 @@ def test_tiny_llama_generates_the_same_tokens_when_active():
     kwargs = dict(max_new_tokens=6, do_sample=False, pad_token_id=0, eos_token_id=None)
     before = model.generate(ids, **kwargs)
     skinny_linear.install(model)
-    with skinny_linear.active():
+    with forward_context(skinny_linears=True):
         assert torch.equal(model.generate(ids, **kwargs), before)
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+
+from hf_paged.attention._dispatch import Dispatcher
 from tiny_models import EOS, PAD, left_padded_batch, make_models
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig
@@ -106,7 +108,7 @@ def test_advanced_steps_give_the_slots_and_lists_of_appended_ones(block_size: in
     rows.append(max(prompts), valid)
     reserve = sum(-(-(n + new) // block_size) for n in prompts) - sum(len(t) for t in rows.tables)
     rows.reserve(reserve)
-    static = StaticDecode(torch.device("cpu"), block_size, pool.kv_caches, dispatcher=None)
+    static = StaticDecode(torch.device("cpu"), pool, Dispatcher())
     static.size_for(len(prompts), max(-(-(n + new) // block_size) for n in prompts))
     slots = rows.append(1)
     static.plan(rows, slots)
@@ -140,7 +142,7 @@ def test_reading_mid_batch_catches_up_and_stays_armed():
     rows.start(2)
     rows.append(5)
     rows.reserve(2 * (-(-(5 + 8) // 4)) - 4)
-    static = StaticDecode(torch.device("cpu"), 4, pool.kv_caches, dispatcher=None)
+    static = StaticDecode(torch.device("cpu"), pool, Dispatcher())
     static.size_for(2, 4)
     static.plan(rows, rows.append(1))
     left = rows._advances_left

@@ -23,6 +23,7 @@ import torch.multiprocessing as mp
 from tiny_models import EOS, PAD, VOCAB, left_padded_batch, make_models
 from transformers import AutoModelForCausalLM, GenerationConfig
 
+from hf_paged._forward_context import forward_context
 import hf_paged
 from hf_paged import envs
 from hf_paged.compile import _skinny_linears as skinny_linear
@@ -93,8 +94,8 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     sized = hf_paged.Engine(model, num_blocks=None, memory_budget=1e-6, block_size=8)
     record = {
         "compile_refused": (refused, tp_linears.installed(model)),
-        "kv_heads": (kv_layout(model).num_kv_heads, sized.cache.pool.kv_caches[0][0].shape[2]),
-        "sized_blocks": sized.cache.num_blocks,
+        "kv_heads": (kv_layout(model).num_kv_heads, sized.pool.kv_caches[0][0].shape[2]),
+        "sized_blocks": sized.pool.num_blocks,
         "graphs": sized.stats()["cuda_graphs"],
     }
     del sized
@@ -205,7 +206,7 @@ def _compiled_run(model, prompts) -> tuple:
         locals_ = [m.forward for m in (mlp.gate_proj, mlp.up_proj, mlp.down_proj)]
         for local in locals_:
             local.skinny = routed
-        with torch.no_grad(), skinny_linear.active():
+        with torch.no_grad(), forward_context(skinny_linears=True):
             traced_equal = torch.allclose(torch.compile(mlp, backend=recorder, fullgraph=True)(x), mlp(x), atol=1e-6)
         code = recorder.graphs[0].code
         traced.append((traced_equal, "hf_paged.tp_all_reduce" in code, "hf_paged.linear" in code, "DTensor" in code))

@@ -29,7 +29,7 @@ def random_paged_step(q_lens, ctx_lens, num_heads, num_kv_heads, head_dim, block
     meta = build_metadata(
         q_lens=torch.tensor(q_lens), seq_lens_k=torch.tensor(ctx_lens), block_tables=torch.tensor(tables),
         slot_mapping=torch.tensor(slots), token_index=None, grid=(1, sum(q_lens)), block_size=block_size,
-        kv_caches=[(k_cache, v_cache)], dispatcher=Dispatcher(), device=torch.device("cpu"),
+        device=torch.device("cpu"),
     )
     query = torch.randn(sum(q_lens), num_heads, head_dim, generator=gen).to(dtype)
     return query, k_cache, v_cache, meta, tables
@@ -88,7 +88,7 @@ def test_torch_backend_matches_naive_loop(case, heads, extra):
 def test_kv_write_skips_padding_slots():
     gen = torch.Generator().manual_seed(0)
     query, k_cache, v_cache, meta, _ = random_paged_step([2, 1], [2, 3], 2, 2, 4, 4, gen)
-    backend = meta.dispatcher.writer(k_cache)
+    backend = Dispatcher().writer(k_cache)
     before = k_cache.clone()
     key = torch.randn(3, 2, 4, generator=gen)
     object.__setattr__(meta, "has_padding_slots", True)

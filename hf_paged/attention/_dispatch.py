@@ -16,6 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from hf_paged import envs
+from hf_paged.cache._config import backend_names
 from hf_paged.attention import backends as _backends_pkg
 from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
 from hf_paged.attention._metadata import Phase
@@ -35,16 +36,19 @@ def available_backends() -> list[str]:
     return [b.name for b in registered_backends()]
 
 
-def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    backend = backend or envs.backend()
-    if backend is None:
+def check_backend_names(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
+    """``names`` (None: every backend), each checked to name a registered backend."""
+    if names is None:
         return None
-    names = tuple(n.strip() for n in backend.split(",")) if isinstance(backend, str) else tuple(backend)
     known = available_backends()
     unknown = [n for n in names if n not in known]
     if unknown or not names:
-        raise ValueError(f"unknown attention backend(s) {unknown or names}; choose from {known}")
+        raise ValueError(f"unknown attention backend(s) {unknown or list(names)}; choose from {known}")
     return names
+
+
+def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
+    return check_backend_names(backend_names(backend or envs.backend()))
 
 
 class Dispatcher:

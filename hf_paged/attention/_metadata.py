@@ -47,8 +47,6 @@ class PagedMetadata:
             or None when the grid is already packed (every position is a real token, in order).
         grid: ``(batch, q_len)`` shape of the caller's token grid.
         has_padding_slots: whether ``slot_mapping`` contains -1 entries (kept on the host to avoid a sync).
-        kv_caches: per-layer ``(k_cache, v_cache)``, each ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-        dispatcher: picks the backend of each phase (see :mod:`hf_paged.attention._dispatch`).
         static: a decode step of fixed shapes at fixed addresses (``hf_paged/generate/_static_decode.py``), which a
             compiled forward traces, with the KV write and the attention as custom ops, rather than break around.
         plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
@@ -56,8 +54,6 @@ class PagedMetadata:
         scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
             a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
             a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
-        kv_scales: with an fp8 cache, per-layer :class:`~hf_paged.cache._kv_quant.KVScales` beside
-            ``kv_caches``; None for a cache in the model's dtype.
     """
 
     num_seqs: int
@@ -74,18 +70,10 @@ class PagedMetadata:
     token_index: torch.Tensor | None
     grid: tuple[int, int]
     has_padding_slots: bool
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = field(repr=False)
-    dispatcher: object = field(repr=False)
     static: bool = False
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     scratch_per_call: bool = False
-    kv_scales: list | None = field(default=None, repr=False)
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
-
-    # A plan handed to a forward as its attention mask (generate prepares the masks of a compileable cache) is asked
-    # for its ``ndim`` by model and mask code: it answers as a prepared 4D mask would, so no one reshapes it as a
-    # padding mask, and the mask function passes it on as it is.
-    ndim = 4
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")
 
@@ -123,10 +111,7 @@ def build_metadata(
     token_index: torch.Tensor | None,
     grid: tuple[int, int],
     block_size: int,
-    kv_caches: list[tuple[torch.Tensor, torch.Tensor]],
-    dispatcher: object,
     device: torch.device,
-    kv_scales: list | None = None,
 ) -> PagedMetadata:
     """Assemble a :class:`PagedMetadata` from host tensors and move it to ``device`` in one go.
 
@@ -166,7 +151,4 @@ def build_metadata(
         token_index=None if token_index is None else as_dev(token_index, torch.int64),
         grid=grid,
         has_padding_slots=bool((slot_mapping < 0).any()),
-        kv_caches=kv_caches,
-        dispatcher=dispatcher,
-        kv_scales=kv_scales,
     )

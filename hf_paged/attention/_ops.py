@@ -136,6 +136,6 @@ def _step(**fields) -> PagedMetadata:
     """A :class:`PagedMetadata` with what the op was given; what a backend's verb does not read stays empty."""
     defaults = dict(num_seqs=0, num_tokens=0, max_seqlen_q=0, max_seqlen_k=0, block_size=0, phase=Phase.DECODE,
                     cu_seqlens_q=_EMPTY, cu_seqlens_k=_EMPTY, seq_lens_k=_EMPTY, block_tables=_EMPTY,
-                    slot_mapping=_EMPTY, token_index=None, grid=(0, 0), has_padding_slots=False, kv_caches=[],
-                    dispatcher=None, scratch_per_call=True)
+                    slot_mapping=_EMPTY, token_index=None, grid=(0, 0), has_padding_slots=False,
+                    scratch_per_call=True)
     return PagedMetadata(**{**defaults, **fields})

@@ -149,8 +149,8 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
     s0 = sets[0]
     meta = build_metadata(q_lens=torch.ones(len(s0["seq_lens"]), dtype=torch.int32), seq_lens_k=s0["seq_lens"].cpu(),
                           block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(len(s0["seq_lens"]), dtype=torch.long),
-                          token_index=None, grid=(len(s0["seq_lens"]), 1), block_size=16, kv_caches=[],
-                          dispatcher=None, device=torch.device("cuda"))
+                          token_index=None, grid=(len(s0["seq_lens"]), 1), block_size=16,
+                          device=torch.device("cuda"))
     out["torch-bs16"] = [lambda: torch_backend.forward(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)]
     return out
 

@@ -131,12 +131,3 @@ class KVPool:
         """Unset the fp8 scales, so the next write of each layer fixes them afresh (no-op for other dtypes)."""
         for scales in self.kv_scales or ():
             scales.clear()
-
-
-def blocks_from_memory(layout: KVLayout, block_size: int, dtype: torch.dtype, device, budget: float,
-                       cap: int) -> int:
-    """Blocks of ``layout`` (or a model config's) that ``budget`` (a fraction of the free memory of ``device``, or
-    of each layer's device when given one per layer: the tightest decides) holds, at most ``cap``."""
-    layout = layout if isinstance(layout, KVLayout) else KVLayout.from_config(layout)
-    devices = [torch.device(device)] * layout.num_layers if isinstance(device, (str, torch.device)) else device
-    return min(cap, blocks_for_budget(layout, block_size, dtype, devices, budget))

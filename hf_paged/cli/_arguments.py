@@ -129,6 +129,13 @@ def backends(text: str) -> tuple[str, ...]:
     return names
 
 
+def kv_cache_dtype(text: str) -> str | None:
+    """What the KV pool stores: ``auto`` or ``fp8`` (``fp8_e4m3``)."""
+    if text not in ("auto", "fp8", "fp8_e4m3"):
+        raise argparse.ArgumentTypeError(f"expected auto, fp8 or fp8_e4m3, got {text!r}")
+    return None if text == "auto" else text
+
+
 def prompt(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")

@@ -7,16 +7,29 @@ loads a local checkpoint. Prompts come from arguments, ``--prompts-file`` (one p
 from __future__ import annotations
 
 import argparse
-import inspect
 import logging
 import sys
 import time
+from dataclasses import fields
 
 import torch
 from transformers import GenerationConfig
 
-from hf_paged.cli._arguments import backends, checkpoint_dir, device, flags_for_parameters, non_negative_float, non_negative_int, positive_int, probability, prompt, prompt_lines, prompts_file
-from hf_paged.engine import Engine
+from hf_paged.cli._arguments import (
+    backends,
+    checkpoint_dir,
+    device,
+    flags_for_parameters,
+    kv_cache_dtype,
+    non_negative_float,
+    non_negative_int,
+    positive_int,
+    probability,
+    prompt,
+    prompt_lines,
+    prompts_file,
+)
+from hf_paged.engine import Engine, EngineConfig
 
 logger = logging.getLogger("hf_paged")
 
@@ -28,8 +41,10 @@ DEFAULT_PROMPTS = [
 ]
 DESCRIPTION = ("Generate for many prompts with the continuous-batching engine: on the embedded tiny random-init "
                "Llama (no download; its text is noise) unless --model names a local checkpoint.")
-#: The engine's own defaults, so that the command line cannot drift from the library.
-ENGINE_DEFAULTS = {name: p.default for name, p in inspect.signature(Engine).parameters.items()}
+#: How the command line reads each engine flag (the rest of a flag comes from its ``EngineConfig`` field).
+FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
+              "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
+              "kv_cache_dtype": kv_cache_dtype}
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
@@ -68,8 +83,7 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     model, tokenizer = load(args)
     try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
-        engine = Engine(model, num_blocks=args.num_blocks or None, block_size=args.block_size,
-                        max_batch_tokens=args.max_batch_tokens, tokenizer=tokenizer, backend=args.backend)
+        engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
     except NotImplementedError as exc:
         if args.backend is None:
             raise
@@ -168,20 +182,24 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
         print(f"  {name + ':':<20} {value}")
 
 def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = False) -> None:
-    """The engine's options (defaults read from ``Engine``'s signature), shared by the subcommands that run one."""
+    """The engine's options, shared by the subcommands that run one: one flag per ``EngineConfig`` field that carries
+    flag metadata (name, default, help and check from the field), and where to run."""
     e = parser.add_argument_group("engine")
-    e.add_argument("--num-blocks", type=non_negative_int, default=ENGINE_DEFAULTS["num_blocks"], metavar="N",
-                   help="KV blocks in the pool; 0 = as many as free device memory allows")
-    e.add_argument("--block-size", type=positive_int, default=ENGINE_DEFAULTS["block_size"], metavar="N",
-                   help="tokens per block")
-    e.add_argument("--max-batch-tokens", type=positive_int, default=ENGINE_DEFAULTS["max_batch_tokens"], metavar="N",
-                   help="tokens one step may run (prefill chunks and decodes together)")
-    if max_num_seqs:
-        e.add_argument("--max-num-seqs", type=positive_int, default=ENGINE_DEFAULTS["max_num_seqs"], metavar="N",
-                       help="sequences running at once")
-    e.add_argument("--backend", type=backends, metavar="NAMES",
-                   help="attention backends to allow, in order, e.g. 'cuda,torch' (default: flash, cuda, torch, "
-                        "the first that can serve)")
+    for f in fields(EngineConfig):
+        if "help" not in f.metadata or (f.name == "max_num_seqs" and not max_num_seqs):
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        default = 0 if f.name == "num_blocks" and f.default is None else f.default
+        e.add_argument(flag, type=FLAG_TYPES[f.name], default=default, metavar=f.metadata["metavar"],
+                       help=f.metadata["help"])
     e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
     e.add_argument("--dtype", choices=list(DTYPES), default="auto",
                    help="model dtype (auto: the checkpoint's; float32 for the embedded model)")
+
+
+def engine_settings(args: argparse.Namespace) -> dict:
+    """The ``Engine`` keywords of the engine flags on the command line (``--num-blocks 0``: None)."""
+    settings = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
+                if "help" in f.metadata and hasattr(args, f.name)}
+    settings["num_blocks"] = settings["num_blocks"] or None
+    return settings

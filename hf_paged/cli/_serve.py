@@ -12,7 +12,7 @@ import logging
 from pathlib import Path
 
 from hf_paged.cli._arguments import checkpoint_dir, exit_with, non_negative_float, non_negative_int, positive_int
-from hf_paged.cli._generate import add_engine_arguments, load
+from hf_paged.cli._generate import add_engine_arguments, engine_settings, load
 
 logger = logging.getLogger("hf_paged")
 DEFAULT_MODEL_NAME = "hf-paged-tiny"
@@ -54,13 +54,11 @@ def run(args: argparse.Namespace) -> int:
     from hf_paged.engine import Engine
 
     model, tokenizer = load(args)
-    engine = Engine(model, num_blocks=args.num_blocks or None, block_size=args.block_size,
-                    max_batch_tokens=args.max_batch_tokens, max_num_seqs=args.max_num_seqs, tokenizer=tokenizer,
-                    backend=args.backend)
+    engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
     name = args.served_model_name or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME)
     app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout)
     logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens)", name, args.host, args.port,
-                   engine.cache.num_blocks, engine.cache.block_size)
+                   engine.pool.num_blocks, engine.pool.block_size)
     uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
                 timeout_graceful_shutdown=args.shutdown_timeout)
     return 0

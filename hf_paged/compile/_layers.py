@@ -4,9 +4,9 @@ HF's eager modules run each layer of a decode step as ~40 small kernels (RMSNorm
 residual adds) around a few matrix products: at batch 1 their launches are most of the step, even inside a CUDA
 graph. Inductor fuses them into a handful per layer. Every decoder layer's ``forward`` and the base model's other
 children (final norm, rotary embedding) are compiled with dynamic shapes; the KV write and attention stay out of the
-compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler (one graph break per layer; the
-cache's ``update`` is traced as a reshape, see ``PagedAttentionCache.update``), so the compiled graphs hold only
-tensor work on hidden states, and the paged kernels run as they do eager.
+compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler (one graph break per layer, where
+it reads the step from the forward context), so the compiled graphs hold only tensor work on hidden states, and the
+paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
 (``hf_paged.compile._group_linears``, passed in this compile's own inductor options), and under tensor parallel each
 all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.parallel._fuse_all_reduce``;
@@ -31,8 +31,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx.experimental._config as _shape_config
 
+from hf_paged.compile import _patches as patches
 from hf_paged.compile._group_linears import GroupLinears
-from hf_paged.hf import _attention as paged_attention
 from hf_paged.hf._placement import base_model, decoder_layers
 
 logger = logging.getLogger("hf_paged")
@@ -105,7 +105,7 @@ class CompiledLayers:
         self._recompile_limit = 8 * len(self._modules) + 16
         self.how = how
         for module in self._modules:
-            module.forward = _Switch(self, module.forward)
+            patches.install(module, "compiled_layers", lambda eager: _Switch(self, eager))
 
     @property
     def is_active(self) -> bool:
@@ -128,7 +128,7 @@ class CompiledLayers:
             if depth == 0:
                 dynamo = dict(recompile_limit=self._recompile_limit,
                               accumulated_recompile_limit=max(256, 4 * self._recompile_limit), **self.how.dynamo)
-                with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False), _opaque_plans():
+                with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False):
                     yield
             else:
                 yield
@@ -144,9 +144,7 @@ class CompiledLayers:
 
     def restore(self) -> None:
         """Put the eager forwards back on the modules (the compiled ones are dropped)."""
-        for module in self._modules:
-            if isinstance(module.__dict__.get("forward"), _Switch):
-                del module.forward
+        patches.restore(self._modules, "compiled_layers")
         self.enabled = False
 
 
@@ -165,16 +163,6 @@ class _Switch:
             except _COMPILER_ERRORS as exc:
                 self.owner.fail(exc)
         return self.eager(*args, **kwargs)
-
-
-@contextmanager
-def _opaque_plans() -> Iterator[None]:
-    """The attention function hands plans on without the compiler looking into them (``hf_paged.hf._attention``)."""
-    before, paged_attention.opaque_plans = paged_attention.opaque_plans, True
-    try:
-        yield
-    finally:
-        paged_attention.opaque_plans = before
 
 
 def _compiler_errors() -> tuple[type[BaseException], ...]:

@@ -1,12 +1,13 @@
 """Route a model's linear layers through the skinny decode kernel (``hf_paged.kernels._skinny``), only when asked.
 
 :func:`install` gives every plain ``nn.Linear`` of the decoder layers and the output head a per-instance forward
-that calls :func:`hf_paged.kernels._skinny.linear` while :func:`active` is entered (or where :func:`route_always`
-switched the module on), and the module's own forward otherwise: outside ``active()`` the model computes exactly
-what it did before, and a module that no caller asks for costs two flag tests per call. The flag is a module-level
-global read in Python, so a ``torch.compile``'d forward guards on it and holds the skinny op only in graphs traced
-inside ``active()``. The op itself picks the kernel or ``F.linear`` per call (row count, device, dtype), so
-entering ``active()`` for a prefill step is safe, only useless.
+that calls :func:`hf_paged.kernels._skinny.linear` inside a model call whose forward context routes the linears
+(``hf_paged._forward_context``: the engine's calls, when its ``skinny_linear`` setting is on), or where
+:func:`route_always` switched the module on, and the module's own forward otherwise: elsewhere the model computes
+exactly what it did before, and a module that no caller asks for costs two flag tests per call. The flag is a
+plain attribute read in Python, so a ``torch.compile``'d forward guards on it and holds the skinny op only in graphs
+traced inside a routing call. The op itself picks the kernel or ``F.linear`` per call (row count, device, dtype), so
+routing a prefill step is safe, only useless.
 
 Modules whose weights the kernel could not stream are left alone: subclasses of ``nn.Linear`` (quantized or
 otherwise special), weights that are tensor subclasses (quantized parameters, DTensors), on the meta device,
@@ -18,41 +19,29 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import torch
 
+from hf_paged import _forward_context
+from hf_paged.compile import _patches as patches
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
 from hf_paged.kernels._build import ensure_loaded
 
 logger = logging.getLogger("hf_paged")
 
-_EAGER = "_hf_paged_skinny_eager"  # the forward a patched module had before (None: its class's)
 _ALWAYS = "_hf_paged_skinny_always"  # a patched module's own switch: served by the op outside active() too
-_active = False
-
-
-@contextmanager
-def active() -> Iterator[None]:
-    """Serve the patched modules' calls with the skinny op while inside (process-wide; nests)."""
-    global _active
-    before, _active = _active, True
-    try:
-        yield
-    finally:
-        _active = before
 
 
 def is_active() -> bool:
-    return _active
+    """Whether the model call in progress routes the patched linears through the skinny op."""
+    return _forward_context.skinny_linears()
 
 
 def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear",
                routed_elsewhere: int = 0) -> bool:
-    """Whether the engine's model calls run inside :func:`active` per ``Engine(skinny_linear=...)`` (installing
-    the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
+    """Whether the engine's model calls route the linears through the skinny op per ``Engine(skinny_linear=...)``
+    (installing the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
     load, True the same or an error saying why not, False never. ``option`` names the setting in that error
     (``hf_paged.optimize_generate`` asks the same with its ``decode_linears``); ``routed_elsewhere``: linears that
     another patcher routes through the op (a tensor-parallel model's local shards, which :func:`install` passes
@@ -102,7 +91,7 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     dtype = _layers_dtype(layers)
     patched = []
     for module in candidates:
-        if _EAGER not in module.__dict__:
+        if patches.patch_of(module, "skinny_linears") is None:
             reason = skip_reason(module, dtype)
             if reason is not None:
                 logger.debug("hf_paged: skinny linear leaves %s alone: %s", type(module).__name__, reason)
@@ -114,22 +103,20 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
 
 def route_always(modules: list[torch.nn.Linear], always: bool) -> None:
     """Serve the patched ``modules`` through the skinny op on every call (``always=True``: a compiled ``generate``
-    step traced outside :func:`active`, see ``hf_paged.optimize_generate``), or again only inside :func:`active`."""
+    step, which runs outside hf_paged's own model calls; see ``hf_paged.optimize_generate``), or again only inside
+    routing calls."""
     for module in modules:
-        if _EAGER not in module.__dict__:
+        if patches.patch_of(module, "skinny_linears") is None:
             raise ValueError(f"{type(module).__name__} was not patched by skinny_linear.install")
         object.__setattr__(module, _ALWAYS, always)
 
 
 def uninstall(model: torch.nn.Module) -> None:
     """Give every module :func:`install` patched its previous forward back."""
-    for module in model.modules():
-        if _EAGER in module.__dict__:
-            module.__dict__.pop(_ALWAYS, None)
-            eager = module.__dict__.pop(_EAGER)
-            del module.forward
-            if eager is not None:
-                module.forward = eager
+    modules = list(model.modules())
+    for module in patches.patched(modules, "skinny_linears"):
+        module.__dict__.pop(_ALWAYS, None)
+    patches.restore(modules, "skinny_linears")
 
 
 def skip_reason(module: torch.nn.Linear, dtype: torch.dtype | None) -> str | None:
@@ -159,16 +146,16 @@ def skip_reason_of(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch
 
 
 def _patch(module: torch.nn.Linear) -> None:
-    eager = module.forward  # an instance forward set by someone else (a hook) is kept and called
+    def routed(eager):  # an instance forward set by someone else (a hook) is kept and called
+        def forward(input: torch.Tensor) -> torch.Tensor:
+            if _forward_context.skinny_linears() or getattr(module, _ALWAYS):
+                return skinny.linear(input, module.weight, module.bias)
+            return eager(input)
 
-    def forward(input: torch.Tensor) -> torch.Tensor:
-        if _active or getattr(module, _ALWAYS):
-            return skinny.linear(input, module.weight, module.bias)
-        return eager(input)
+        return forward
 
-    object.__setattr__(module, _EAGER, module.__dict__.get("forward"))
     object.__setattr__(module, _ALWAYS, False)
-    module.forward = forward
+    patches.install(module, "skinny_linears", routed)
 
 
 def _layers_dtype(layers: torch.nn.Module) -> torch.dtype | None:

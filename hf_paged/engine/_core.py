@@ -23,9 +23,6 @@ from dataclasses import replace
 
 import torch
 
-from hf_paged.cache._kv_quant import kv_storage_dtype
-from hf_paged.cache._kv_pool import blocks_from_memory
-from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
@@ -52,6 +49,7 @@ from hf_paged.hf import _placement as placement
 from hf_paged.parallel import _logits as tp_logits
 from hf_paged.parallel._tensor_parallel import kv_layout
 from hf_paged.hf._register import use_paged_attention
+from hf_paged.hf._support import paged_kv
 
 logger = logging.getLogger("hf_paged")
 _status = operator.attrgetter("status")
@@ -73,24 +71,25 @@ class EngineCore(TokenHandover):
         # tensor parallel (unless HF_PAGED_TP_SHARDED_LOGITS=0): each rank's model calls return its vocabulary columns
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
-        kv_dtype = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
         if cfg.num_blocks is None:
-            cfg = replace(cfg, num_blocks=blocks_from_memory(layout, block_size, kv_dtype, self.kv_devices,
-                                                             cfg.memory_budget,
-                                                             cap=max_num_seqs * -(-max_len // block_size)))
+            cache_config = cfg.cache_config
+            cfg = replace(cfg, num_blocks=cache_config.pool_blocks(layout, dtype, self.kv_devices,
+                                                                   cap=cache_config.blocks_for(max_num_seqs, max_len)))
         if self.lockstep is not None:
             cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks))
         self.config = cfg
-        self.cache = PagedAttentionCache(model.config, cfg.num_blocks, block_size, self.kv_devices, dtype,
-                                         backend=cfg.backend, layout=layout, kv_cache_dtype=cfg.kv_cache_dtype)
+        self.pool, self.dispatcher = paged_kv(model.config, layout, self.kv_devices, dtype, block_size, cfg.num_blocks,
+                                              cfg.kv_cache_dtype, cfg.backend)
         tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
-        self.block_manager = BlockManager(self.cache.pool.allocator, block_size, tables,
-                                          self.cache.pool.copy_blocks, cfg.enable_prefix_caching)
+        self.block_manager = BlockManager(self.pool.allocator, block_size, tables, self.pool.copy_blocks,
+                                          cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
         tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
         self.compiled = compiled_layers.for_engine(model, cfg.compile_layers, tp_compile)
-        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
-        self.runner = ModelRunner(model, self.cache, cfg.max_batch_tokens, self.device, max_seqs=max_num_seqs,
+        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear,
+                                                      routed_elsewhere=tp_linears.installed(model))
+        self.runner = ModelRunner(model, self.pool, self.dispatcher, cfg.max_batch_tokens, self.device,
+                                  max_seqs=max_num_seqs,
                                   max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
                                   skinny=self.skinny_linear, local_logits=self.vocab_shards is not None)
         if len(set(self.kv_devices)) > 1:
@@ -159,7 +158,7 @@ class EngineCore(TokenHandover):
             touched += self._resolve()
         if not self.async_scheduling:
             touched += self._resolve()
-        self._steady = SteadyDecode.after(batch, self.scheduler, self.cache.block_size, self.max_model_len,
+        self._steady = SteadyDecode.after(batch, self.scheduler, self.pool.block_size, self.max_model_len,
                                           self.async_scheduling)
         clock("update")
         return touched
@@ -210,7 +209,7 @@ class EngineCore(TokenHandover):
             if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
                 self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.cache.block_size, columns=cols)
+                             self.pool.block_size, columns=cols)
             with self._device_work():
                 return self._sample(sampled, self.runner.forward(plan), steady)
         if cols is None:

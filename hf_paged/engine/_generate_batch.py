@@ -20,7 +20,7 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
-from hf_paged.cache._kv_pool import blocks_from_memory
+from hf_paged.cache._config import CacheConfig
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
@@ -133,7 +133,7 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
     except ValueError as exc:
         raise ValueError(f"continuous_batching_config: {exc}") from None
     if config.num_blocks is None:
-        needed = _workload_blocks(model, inputs, gc, config.block_size, config.memory_budget)
+        needed = _workload_blocks(model, inputs, gc, config.cache_config)
     if not persistent and config.cuda_graphs is True and not isinstance(given, EngineConfig):
         # This engine serves this call only: it never runs more sequences at once than the call has, and it
         # captures on every call (each size costs a traced forward, ~25 ms for a 1B model), so it captures that
@@ -146,7 +146,7 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
     kept = model.__dict__.pop(_KEPT, None)
     key = replace(config, num_blocks=None)
     if persistent and kept is not None and kept[0] == key and not kept[1].has_unfinished():
-        size = kept[1].cache.num_blocks
+        size = kept[1].pool.num_blocks
         if size >= needed if config.num_blocks is None else size == config.num_blocks:
             model.__dict__[_KEPT] = kept
             return kept[1]
@@ -175,13 +175,14 @@ def _copies(model, gc: GenerationConfig) -> int:
     return resolve_generation_config(gc, getattr(model, "generation_config", None)).num_return_sequences or 1
 
 
-def _workload_blocks(model, inputs, gc: GenerationConfig, block_size: int, memory_fraction: float) -> int:
+def _workload_blocks(model, inputs, gc: GenerationConfig, config: CacheConfig) -> int:
     """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
+    block_size = config.block_size
     resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
     copies = resolved.num_return_sequences or 1
     limit, needed = validation.position_limit(model.config), 0
     for prompt in inputs:
         new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
         needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    fits = blocks_from_memory(kv_layout(model), block_size, model.dtype, kv_devices(model), memory_fraction, needed)
+    fits = config.pool_blocks(kv_layout(model), model.dtype, kv_devices(model), cap=needed)
     return max(1, agreed_min(model, fits))  # tensor parallel: every rank sizes (and reuses) its engine alike

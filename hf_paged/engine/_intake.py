@@ -21,7 +21,7 @@ Prompt = SequenceType[int] | str
 
 class RequestIntake:
     """The request-intake half of :class:`~hf_paged.Engine` (a mixin: it reads the engine's ``vocab_size``,
-    ``tokenizer``, ``generation_config``, ``model``, ``cache``, ``max_model_len``, ``requests``, ``scheduler``,
+    ``tokenizer``, ``generation_config``, ``model``, ``pool``, ``max_model_len``, ``requests``, ``scheduler``,
     ``counters``, ``_lock`` and ``_refuse_if_closed``)."""
 
     def add_request(
@@ -95,7 +95,7 @@ class RequestIntake:
         return [seq.request_id for seq in seqs]
 
     def _never_runs(self, seq: Sequence) -> str | None:
-        bs, num_blocks = self.cache.block_size, self.cache.num_blocks
+        bs, num_blocks = self.pool.block_size, self.pool.num_blocks
         if seq.num_tokens >= self.max_model_len:
             return validation.past_position_limit(seq.num_tokens, self.max_model_len)
         if -(-seq.num_tokens // bs) > num_blocks:

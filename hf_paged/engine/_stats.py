@@ -31,14 +31,14 @@ class EngineStats:
 
     def note_step(self, engine) -> None:
         self.steps += 1
-        self.peak_used_blocks = max(self.peak_used_blocks, engine.cache.pool.allocator.num_used)
+        self.peak_used_blocks = max(self.peak_used_blocks, engine.pool.allocator.num_used)
 
     def snapshot(self, engine) -> dict:
-        alloc = engine.cache.pool.allocator
-        served = dict(engine.cache.dispatcher.served)
+        alloc = engine.pool.allocator
+        served = dict(engine.dispatcher.served)
         return {
             "num_blocks": alloc.num_blocks,
-            "block_size": engine.cache.block_size,
+            "block_size": engine.pool.block_size,
             "free_blocks": alloc.num_free,  # blocks kept only by the prefix cache count as free
             "used_blocks": alloc.num_used,
             "peak_used_blocks": self.peak_used_blocks,
@@ -53,6 +53,7 @@ class EngineStats:
             "prefill_backend": served.get("prefill") or served.get("extend"),
             "decode_backend": served.get("decode"),
             "backends": served,
+            "kv_cache_dtype": str(engine.pool.dtype).removeprefix("torch."),
             "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()},
             "cuda_graphs": engine.graphs.stats() if engine.graphs is not None else None,
             "compiled_layers": engine.compiled is not None and engine.compiled.enabled,

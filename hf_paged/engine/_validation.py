@@ -11,6 +11,8 @@ from collections.abc import Sequence as SequenceType
 
 from transformers import GenerationConfig
 
+from hf_paged.hf._support import position_limit  # noqa: F401  (the engine reads it here too)
+
 CHILD_MARK = "__child#"  # copies of num_return_sequences are named "<id>__child#<k>", as in transformers
 
 
@@ -91,14 +93,6 @@ def request_id(value) -> str | None:
         raise ValueError(f"request_id {rid!r} is empty or contains {CHILD_MARK!r} (reserved for the copies of "
                          "num_return_sequences); pick another")
     return rid
-
-
-def position_limit(model_config) -> int:
-    """Most tokens (prompt + generated) one sequence of the model may hold: ``max_position_embeddings`` or
-    ``n_positions``; 4096 when the config names neither."""
-    text = model_config.get_text_config(decoder=True)
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
-    return int(limit)
 
 
 def past_position_limit(num_tokens: int, limit: int) -> str:

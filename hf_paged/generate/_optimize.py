@@ -20,9 +20,10 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   The model's linear layers go through hf_paged's skinny kernel (``hf_paged.kernels._skinny``: a decode step's few
   rows stream the weight at close to copy bandwidth; prefill's many rows keep ``F.linear``), and an inductor pass
   groups the products that share an input (q/k/v, gate/up) into one launch each.
-- **Decode graphs** (``graphs=True``). Decode steps are replayed from CUDA graphs hf_paged captures, keyed by the
-  step's plan and input shapes, with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``, which says
-  when that is safe and falls back to transformers' compiled call otherwise).
+- **Decode graphs** (``graphs=True``). Decode steps run as hf_paged's own model calls (the model's compiled layers,
+  as in the engine) and are replayed from CUDA graphs hf_paged captures, keyed by the step and the input shapes,
+  with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``; other calls take transformers'
+  compiled call).
 
 The compile config is set as ``model.generation_config.compile_config`` (CUDA graphs, as transformers' default
 ``mode="reduce-overhead"`` gives them); a ``compile_config`` passed to ``generate`` replaces it for that call.
@@ -36,12 +37,12 @@ import torch
 from transformers import CompileConfig
 from transformers.masking_utils import create_masks_for_generate
 
-from hf_paged.attention._metadata import PagedMetadata
+from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import plan_forward
-from hf_paged.generate._decode_graphs import GraphedCalls
+from hf_paged.hf._attention import StepMask, plan_mask
+from hf_paged.generate._decode_graphs import DecodeSteps
 
 logger = logging.getLogger("hf_paged")
 
@@ -60,7 +61,7 @@ class PlannedMasks:
         decode = not args and _paged_decode_step(kwargs)
         if decode and self.layout not in (None, _NEVER):
             embeds = kwargs["inputs_embeds"]
-            plan = plan_forward(_cache_of(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
+            plan = plan_mask(_cache_of(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
                                 embeds.shape[0], 1, embeds.device)
             return plan if self.layout == _PLAIN else dict.fromkeys(self.layout, plan)
         masks = create_masks_for_generate(*args, **kwargs)
@@ -86,9 +87,9 @@ def _paged_decode_step(kwargs: dict) -> bool:
 
 def _layout_of(masks) -> str | tuple[str, ...]:
     """How the usual path answered a decode step: the plan (``_PLAIN``), one plan per layer type, or otherwise."""
-    if isinstance(masks, PagedMetadata):
+    if isinstance(masks, StepMask):
         return _PLAIN
-    if isinstance(masks, dict) and masks and all(isinstance(m, PagedMetadata) for m in masks.values()) and len(
+    if isinstance(masks, dict) and masks and all(isinstance(m, StepMask) for m in masks.values()) and len(
             {id(m) for m in masks.values()}) == 1:
         return tuple(masks)
     logger.info("hf_paged: optimize_generate keeps transformers' mask path for this model (its decode-step masks "
@@ -106,8 +107,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
             serve, i.e. the model on CUDA in float16/bfloat16 with the kernels loaded; True: the same or an error
             saying why not; False: never).
         skip_module_guards: drop dynamo's guards on nn modules from the compiled decode step.
-        graphs: replay decode steps from CUDA graphs captured by hf_paged, without dynamo on the way
-            (``hf_paged/generate/_decode_graphs.py``: where that is known to be safe, else transformers' compiled call).
+        graphs: run decode steps as hf_paged's own model calls, replayed from CUDA graphs it captures, without
+            dynamo on the way (``hf_paged/generate/_decode_graphs.py``; other calls: transformers' compiled call).
 
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
@@ -128,7 +129,9 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
         logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
     model.generation_config.compile_config = config
     if graphs:
-        model.get_compiled_call = GraphedCalls(model, type(model).get_compiled_call.__get__(model))
+        steps = DecodeSteps(model, type(model).get_compiled_call.__get__(model),
+                            compiled_layers.for_engine(model, None), skinny=bool(linears))
+        model.get_compiled_call = steps.get_compiled_call
     _forget_compiled_call(model)
     return model
 

@@ -8,43 +8,35 @@
                                                                               block 0: f g h i
     (. = padding: no slot)                     slot = block * 4 + offset      block 1: j k l _
 
-Each forward, the registered ``"hf_paged"`` mask function asks this cache to *plan* the step: rows get blocks for
-their new real tokens (padding takes none), and the plan's flat tensors (slot mapping, block tables, sequence
-lengths) are built once and handed to every layer as its ``attention_mask``. Each layer's ``update`` packs the new
-K/V of the real tokens; the attention function writes them into their slots and attends through the block tables.
-What else ``generate`` asks of a cache (sizes, flags, beam reordering, crops) is :class:`CacheInterface`.
+Each forward, the registered ``"hf_paged"`` mask function asks this cache to *plan* the step
+(:meth:`PagedAttentionCache.plan_forward`): rows get blocks for their new real tokens (padding takes none), and the
+plan's flat tensors (slot mapping, block tables, sequence lengths) are built once and handed to every layer as its
+``attention_mask`` (``hf_paged.hf``'s ``StepMask``). The attention function packs the new K/V of the real tokens,
+writes them into their slots and attends through the block tables. The rest of the class answers what ``generate``
+asks of a cache: sizes, flags, beam reordering, crops.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import warnings
 from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_paged.attention._dispatch import Dispatcher
-from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
+from hf_paged.attention._step import PagedStep
+from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
+from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.generate._batch_tables import BatchTables
-from hf_paged.cache._kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool, blocks_for_budget
-from hf_paged.attention._calls import basic_calls
 from hf_paged.generate._static_decode import CompileMode
-from hf_paged.hf import _attention as paged_attention
-from hf_paged.hf._support import check_model_supported
-
-
-class PlanOffset(int):
-    """The query offset ``generate``'s mask code asks the cache for, carrying the cache to the mask function.
-
-    It is an ``int`` (the number of columns seen), so any other reader gets the plain offset.
-    """
-
-    paged_cache: PagedAttentionCache
-
-    def __new__(cls, value: int, cache: PagedAttentionCache):
-        obj = super().__new__(cls, value)
-        obj.paged_cache = cache
-        return obj
+from hf_paged.hf._attention import CacheOffset, StepMask
+from hf_paged.hf._placement import layer_devices
+from hf_paged.hf._support import paged_kv, position_limit
+from hf_paged.parallel._lockstep import agreed_min
+from hf_paged.parallel._tensor_parallel import kv_layout, tensor_parallel
 
 
 class PagedLayer(CacheLayerMixin):
@@ -79,9 +71,83 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
-class CacheInterface:
-    """The ``transformers.Cache`` half of :class:`~hf_paged.PagedAttentionCache` (a mixin: it reads the cache's
-    ``pool``, ``rows``, ``compile_mode``, ``_traced_offset`` and ``_passed_to_generate``, and drops ``_plan``)."""
+class PagedAttentionCache(Cache):
+    """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
+
+    Args:
+        config: the model config (``model.config``).
+        num_blocks, block_size, memory_budget, backend, kv_cache_dtype: the pool's settings, as a
+            :class:`~hf_paged.CacheConfig` has them (its docstring says what each does), or ``cache_config`` (not
+            both). With neither ``num_blocks`` nor ``memory_budget`` the pool takes ``memory_budget=0.8`` of free
+            device memory, at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes)
+            is deprecated: pass ``num_blocks``, or a fraction.
+        device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
+        dtype: the model's dtype (float16, bfloat16 or float32); the pool holds it, or fp8 (``kv_cache_dtype``).
+        max_new_tokens: the ``max_new_tokens`` of the ``generate`` calls this cache serves. Given, each batch takes
+            the blocks for its prompts plus that many tokens before its first forward (``OutOfBlocksError`` up
+            front, never mid-decode), and decode steps can have fixed shapes, which ``generate`` may compile.
+        compileable: whether decode steps take fixed shapes so that ``generate`` compiles them (``is_compileable``):
+            None = where transformers compiles (one CUDA device, capture-safe backends; needs ``max_new_tokens``),
+            True = also elsewhere, e.g. on the CPU with a ``compile_config``; False = never.
+        layout: the KV shape the model's layers produce, when it is not the config's: a tensor-parallel model's
+            layers compute only their process's KV heads (``hf_paged.paged_cache_for`` passes it).
+        cache_config: the pool's settings as one :class:`~hf_paged.CacheConfig`.
+
+    An fp8 pool (``kv_cache_dtype="fp8"``): decode, prefill and the KV write run on the cuda kernels (float16/bfloat16
+    models on a GPU, head_dim 64, 128 or 256; other layers on the torch backend); no compiled decode steps
+    (``is_compileable`` is False); ``docs/cache.md`` gives the scale policy and its accuracy.
+
+    Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
+
+    Reuse: each ``generate`` call starts from an empty cache (what an earlier call left is freed first), so a cache
+    may serve call after call and always gives the tokens a new cache gives. The cache never sees token ids, so it
+    cannot tell whether a new input continues what it holds; an input that does is recomputed. Direct ``model(...)``
+    calls continue the held batch when the attention mask covers the held columns plus the new ones, start afresh
+    when it covers only the new ones, and raise otherwise (see ``docs/cache.md``).
+    """
+
+    def __init__(
+        self,
+        config,
+        num_blocks: int | None = None,
+        block_size: int = CacheConfig.block_size,
+        device: str | torch.device | Sequence[str | torch.device] = "cpu",
+        dtype: torch.dtype = torch.float32,
+        memory_budget: int | float | None = None,
+        backend: str | Sequence[str] | None = None,
+        max_new_tokens: int | None = None,
+        compileable: bool | None = None,
+        layout: KVLayout | None = None,
+        kv_cache_dtype: str | None = None,
+        cache_config: CacheConfig | None = None,
+    ):
+        self.config = config
+        layout = KVLayout.from_config(config) if layout is None else layout
+        devices = _layer_devices(device, layout.num_layers)
+        given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
+                     kv_cache_dtype=kv_cache_dtype)
+        cache_config = _cache_config(cache_config, given, layout, dtype, devices)
+        self.kv_cache_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
+        num_blocks = cache_config.pool_blocks(layout, dtype, devices,
+                                              cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES,
+                                                                          position_limit(config)))
+        block_size, backend = cache_config.block_size, cache_config.backend
+        self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, block_size, num_blocks,
+                                              cache_config.kv_cache_dtype, backend)
+        self.cache_config = dataclasses.replace(cache_config, num_blocks=num_blocks)
+        self.rows = BatchTables(self.pool)
+        self._checked_config = None
+        self.dtype = dtype
+        self._plan: PagedMetadata | None = None
+        self._plan_key: tuple | None = None
+        self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
+        self._mask: StepMask | None = None  # the current plan as the mask function hands it over
+        self._passed_to_generate = False
+        self.max_new_tokens = max_new_tokens
+        self._traced_offset = CacheOffset(0, self)  # made here: a compiler cannot construct it while tracing
+        self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool, self.dispatcher,
+                                        max_new_tokens, compileable)
+        super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
     @property
@@ -104,7 +170,7 @@ class CacheInterface:
     def get_query_offset(self, layer_idx: int = 0) -> int:
         if torch.compiler.is_compiling():  # the plan comes in attention_mask; the mask function says so if not
             return self._traced_offset
-        return PlanOffset(self.rows.num_columns, self)
+        return CacheOffset(self.rows.num_columns, self)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -176,98 +242,18 @@ class CacheInterface:
         self.rows.select_rows(torch.as_tensor(indices).tolist())
         self._plan = None
 
-
-_GIVEN_PLAN = "given"  # plan key of a plan handed over by begin_step
-
-
-class PagedAttentionCache(CacheInterface, Cache):
-    """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
-
-    Args:
-        config: the model config (``model.config``).
-        num_blocks: blocks in the pool; or None to size the pool from ``memory_budget``.
-        block_size: tokens per block (1 to 1024; 16 is a good default, flash-attn's paged kernels want 256).
-        device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
-        dtype: KV dtype; must be the model's dtype (float16, bfloat16 or float32).
-        memory_budget: with ``num_blocks=None``: bytes (int) or a fraction of free device memory (float).
-        backend: restrict attention to these backends, tried in the given order: a name, a sequence of names or a
-            comma-separated string (see ``hf_paged.available_backends()``); None = automatic (flash, cuda, torch).
-        max_new_tokens: the ``max_new_tokens`` of the ``generate`` calls this cache serves. Given, each batch takes
-            the blocks for its prompts plus that many tokens before its first forward (``OutOfBlocksError`` up
-            front, never mid-decode), and decode steps can have fixed shapes, which ``generate`` may compile.
-        compileable: whether decode steps take fixed shapes so that ``generate`` compiles them (``is_compileable``):
-            None = where transformers compiles (one CUDA device, capture-safe backends; needs ``max_new_tokens``),
-            True = also elsewhere, e.g. on the CPU with a ``compile_config``; False = never.
-        layout: the KV shape the model's layers produce, when it is not the config's: a tensor-parallel model's
-            layers compute only their process's KV heads (``hf_paged.parallel._tensor_parallel.kv_layout(model)``).
-        kv_cache_dtype: what the pool stores: None or ``"auto"``, ``dtype``; ``"fp8"`` (or ``"fp8_e4m3"``),
-            ``torch.float8_e4m3fn`` with a float32 scale per layer and KV head, half the bytes of bfloat16 (twice
-            the blocks in a memory budget). Decode, prefill and the KV write run on the cuda kernels
-            (float16/bfloat16 models on a GPU, head_dim 64, 128 or 256; other layers on the torch backend); no
-            compiled decode steps (``is_compileable`` is False);
-            ``docs/cache.md`` gives the scale policy and its accuracy.
-
-    Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
-
-    Reuse: each ``generate`` call starts from an empty cache (what an earlier call left is freed first), so a cache
-    may serve call after call and always gives the tokens a new cache gives. The cache never sees token ids, so it
-    cannot tell whether a new input continues what it holds; an input that does is recomputed. Direct ``model(...)``
-    calls continue the held batch when the attention mask covers the held columns plus the new ones, start afresh
-    when it covers only the new ones, and raise otherwise (see ``docs/cache.md``).
-    """
-
-    def __init__(
-        self,
-        config,
-        num_blocks: int | None = None,
-        block_size: int = 16,
-        device: str | torch.device | Sequence[str | torch.device] = "cpu",
-        dtype: torch.dtype = torch.float32,
-        memory_budget: int | float | None = None,
-        backend: str | Sequence[str] | None = None,
-        max_new_tokens: int | None = None,
-        compileable: bool | None = None,
-        layout: KVLayout | None = None,
-        kv_cache_dtype: str | None = None,
-    ):
-        check_model_supported(config)
-        if not isinstance(block_size, int) or not 1 <= block_size <= 1024:
-            raise ValueError(f"block_size must be an integer in [1, 1024], got {block_size!r}")
-        if dtype not in SUPPORTED_DTYPES:
-            raise ValueError(f"dtype {dtype} is not supported for the KV cache; use one of {SUPPORTED_DTYPES}")
-        self.kv_cache_dtype = kv_dtype = kv_storage_dtype(kv_cache_dtype, dtype)
-        self.config = config
-        layout = KVLayout.from_config(config) if layout is None else layout
-        devices = _layer_devices(device, layout.num_layers)
-        if num_blocks is None:
-            if memory_budget is None:
-                raise ValueError("give num_blocks, or memory_budget (bytes, or a fraction of free memory)")
-            num_blocks = blocks_for_budget(layout, block_size, kv_dtype, devices, memory_budget)
-        elif memory_budget is not None:
-            raise ValueError("give either num_blocks or memory_budget, not both")
-        if not isinstance(num_blocks, int) or isinstance(num_blocks, bool) or num_blocks < 1:
-            raise ValueError(f"num_blocks must be a positive integer, got {num_blocks!r}")
-        self.pool = KVPool(layout, num_blocks, block_size, kv_dtype, devices)
-        self.rows = BatchTables(self.pool)
-        self.dispatcher = Dispatcher(backend)
-        self._checked_config = None
-        self.dispatcher.check_restriction(basic_calls(config, layout, devices, dtype, block_size, kv_dtype))
-        self.dtype = dtype
-        self._plan: PagedMetadata | None = None
-        self._plan_key: tuple | None = None
-        self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
-        self._next_plan: PagedMetadata | None = None
-        self._passed_to_generate = False
-        self.max_new_tokens = max_new_tokens
-        self._traced_offset = PlanOffset(0, self)  # made here: a compiler cannot construct it while tracing
-        self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool.kv_caches,
-                                        self.dispatcher, max_new_tokens, compileable, self.pool.kv_scales)
-        super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
-
     # ----- one step --------------------------------------------------------------------------------------------
-    def begin_step(self, meta: PagedMetadata) -> None:
-        """Hand the next forward a plan made elsewhere (the engine plans its own steps)."""
-        self._next_plan = meta
+    def plan_forward(self, config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
+                     device: torch.device | None = None) -> StepMask:
+        """The step of a forward on this cache, as the mask function hands it to every layer (``attention_mask``:
+        the 2D padding mask or None; ``device``: where the step's tensors go, default the pool's first device)."""
+        self.check_model_config(config)
+        plan = self.plan_step(attention_mask, batch_size, q_length, device or self.pool.kv_caches[0][0].device)
+        if plan is self.compile_mode.static.meta:
+            return self.compile_mode.static.mask  # one object for every step of a compiled batch
+        if self._mask is None or self._mask.step.metadata is not plan:  # (asked again in one forward: the same)
+            self._mask = StepMask(PagedStep(plan, self.pool, self.dispatcher))
+        return self._mask
 
     def plan_step(
         self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device
@@ -279,14 +265,9 @@ class PagedAttentionCache(CacheInterface, Cache):
                 A decode step's mask (``q_len == 1``, one column wider than the cache holds) is not read: its new
                 column is taken as all ones, as ``generate`` makes it, so the step copies nothing to the host.
         """
-        if self._next_plan is not None:
-            self._plan, self._next_plan = self._next_plan, None
-            self._plan_key = _GIVEN_PLAN
-            self._plan_used = False
-            return self._plan
         key = (batch_size, q_len, self.rows.num_columns)
         # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
-        if self._plan is not None and not self._plan_used and self._plan_key in (key, _GIVEN_PLAN):
+        if self._plan is not None and not self._plan_used and self._plan_key == key:
             return self._plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
         if self.rows.num_columns == 0:  # a new batch: its first write fixes fp8 scales afresh, as in a new cache
@@ -318,10 +299,7 @@ class PagedAttentionCache(CacheInterface, Cache):
             token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
             grid=(batch_size, q_len),
             block_size=self.block_size,
-            kv_caches=self.pool.kv_caches,
-            dispatcher=self.dispatcher,
             device=torch.device(device),
-            kv_scales=self.pool.kv_scales,
         )
 
     def check_model_config(self, config) -> None:
@@ -338,51 +316,15 @@ class PagedAttentionCache(CacheInterface, Cache):
         self._checked_config = config
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
-        """Pack this layer's new K/V (``[batch, Hkv, q_len, D]``) to the real tokens: returns ``[T, Hkv, D]`` each.
-
-        The attention function writes them into the pool (its backend picks the write kernel) and attends.
-        """
-        if torch.compiler.is_compiling():
-            if self._plan is not None and self._plan.static:
-                self._plan_used = True  # a compiled decode step of fixed shapes: one real token per row, checked eager
-                return _pack(key_states, None), _pack(value_states, None)
-            if paged_attention.opaque_plans:
-                # The engine's compiled layers: its steps are packed (every token real, no token index) and the
-                # engine built this cache for this model, so there is nothing to check or select here, and the
-                # layer's graph need not break twice (here and at the attention call, which writes the K/V).
-                return _pack(key_states, None), _pack(value_states, None)
-        return self._update(key_states, value_states, layer_idx)
-
-    # Opaque to torch.compile (a compiled layer breaks its graph here; see hf_paged.compile._layers).
-    @torch.compiler.disable
-    def _update(self, key_states, value_states, layer_idx: int):
-        plan = self._plan
-        if plan is None:
+        """This layer's new K/V (``[batch, Hkv, q_len, D]``), as they are: the attention function packs the real
+        tokens, writes them into the pool and attends."""
+        if self._plan is None and not torch.compiler.is_compiling():
             raise RuntimeError(
                 "PagedAttentionCache.update ran before a step was planned: load the model with "
                 'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step'
             )
-        if layer_idx >= len(self.pool.kv_caches) or key_states.shape[1] != self.pool.layout.num_kv_heads or (
-                key_states.shape[-1] != self.pool.layout.head_dim):
-            raise ValueError(
-                f"this cache was built for another model ({self.pool.layout}) but layer {layer_idx} produces "
-                f"{key_states.shape[1]} KV heads of {key_states.shape[-1]}; build the cache from this model's config "
-                "(PagedAttentionCache(model.config, ...))"
-            )
-        k_cache = self.pool.kv_caches[layer_idx][0]
-        if key_states.dtype != self.dtype:
-            raise ValueError(
-                f"the model produces {key_states.dtype} keys but the cache holds {self.dtype}; "
-                f"create the cache with dtype=model.dtype"
-            )
-        if key_states.device != k_cache.device:
-            raise ValueError(
-                f"layer {layer_idx} runs on {key_states.device} but its KV cache is on {k_cache.device}; "
-                "create the cache with device=model.device (or one device per layer for a split model)"
-            )
         self._plan_used = True
-        index = plan.on(k_cache.device).token_index
-        return _pack(key_states, index), _pack(value_states, index)
+        return key_states, value_states
 
     # ----- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
@@ -399,15 +341,37 @@ class PagedAttentionCache(CacheInterface, Cache):
         )
 
 
-def _pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
-    """``[batch, H, q_len, D]`` -> ``[T, H, D]`` keeping the real tokens (``index`` into the grid; None = all)."""
-    batch, heads, q_len, dim = states.shape
-    flat = states.transpose(1, 2).reshape(batch * q_len, heads, dim)
-    return flat if index is None else flat.index_select(0, index)
-
-
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
+
+
+def _cache_config(cache_config: CacheConfig | None, given: dict, layout: KVLayout, dtype: torch.dtype,
+                  devices: list[torch.device]) -> CacheConfig:
+    """The pool's settings from ``cache_config`` or the keywords ``given`` (not both), an integer memory budget
+    (bytes, deprecated) turned into its number of blocks."""
+    defaults = {"num_blocks": None, "block_size": CacheConfig.block_size, "memory_budget": None, "backend": None,
+                "kv_cache_dtype": None}
+    changed = [name for name, value in given.items() if value != defaults[name]]
+    if cache_config is not None:
+        if not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be an hf_paged.CacheConfig, got {type(cache_config).__name__}")
+        if changed:
+            raise ValueError(f"give the pool's settings either as cache_config=CacheConfig(...) or as keywords, not "
+                             f"both (got cache_config and {', '.join(changed)})")
+        return cache_config
+    if given["num_blocks"] is not None and given["memory_budget"] is not None:
+        raise ValueError("give either num_blocks or memory_budget, not both")
+    budget = given.pop("memory_budget")
+    if isinstance(budget, int) and not isinstance(budget, bool):
+        warnings.warn("PagedAttentionCache(memory_budget=<bytes>) is deprecated: memory_budget is a fraction of free "
+                      "device memory everywhere; pass num_blocks for an exact size", DeprecationWarning, stacklevel=3)
+        if budget <= 0:
+            raise ValueError(f"a memory budget in bytes must be positive, got {budget}")
+        kv_dtype = kv_storage_dtype(given["kv_cache_dtype"], dtype)
+        given["num_blocks"] = blocks_for_budget(layout, given["block_size"], kv_dtype, devices, budget)
+    elif budget is not None:
+        given["memory_budget"] = budget
+    return CacheConfig(**given)
 
 
 def _layer_devices(device, num_layers: int) -> list[torch.device]:
@@ -417,3 +381,21 @@ def _layer_devices(device, num_layers: int) -> list[torch.device]:
     if len(devices) != num_layers:
         raise ValueError(f"give one device, or one per decoder layer ({num_layers}); got {len(devices)}")
     return devices
+
+
+def paged_cache_for(model: torch.nn.Module, **kwargs) -> PagedAttentionCache:
+    """A ``PagedAttentionCache`` for ``model`` with each layer's KV on that layer's device (``kwargs`` as for
+    ``PagedAttentionCache``: ``num_blocks`` or ``memory_budget``, ``block_size``, ``backend``).
+
+    For a tensor-parallel model (``tp_plan``), call it on every process: each pool holds the process's own KV heads,
+    and a ``memory_budget`` is turned into the number of blocks the tightest process can hold, so that every process
+    runs out of blocks (or not) at the same step."""
+    if "device" in kwargs or "layout" in kwargs:
+        raise ValueError("paged_cache_for places and shapes the KV by the model; do not pass device= or layout=")
+    kwargs.setdefault("dtype", model.dtype)
+    layout, devices = kv_layout(model), layer_devices(model)
+    if tensor_parallel(model) is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget"):
+        block_size = kwargs.get("block_size", CacheConfig.block_size)
+        mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, kwargs.pop("memory_budget"))
+        kwargs["num_blocks"] = agreed_min(model, mine)
+    return PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)

@@ -31,11 +31,15 @@ import logging
 
 import torch
 
-from hf_paged.cache._kv_quant import is_fp8
+from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.attention._step import PagedStep
+from hf_paged.cache._kv_pool import KVPool
+from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.generate._batch_tables import BatchTables
 from hf_paged.cache._block_allocator import OutOfBlocksError
 from hf_paged.attention._calls import decode_calls
+from hf_paged.hf._attention import StepMask
 from hf_paged.kernels import _build as build
 
 logger = logging.getLogger("hf_paged")
@@ -44,13 +48,12 @@ logger = logging.getLogger("hf_paged")
 class StaticDecode:
     """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
 
-    def __init__(self, device: torch.device, block_size: int, kv_caches, dispatcher, kv_scales=None):
+    def __init__(self, device: torch.device, pool: KVPool, dispatcher: Dispatcher):
         self.device = torch.device(device)
-        self.block_size = block_size
-        self.kv_caches = kv_caches
-        self.kv_scales = kv_scales  # an fp8 cache's per-layer KVScales, else None
-        self.dispatcher = dispatcher
+        self.block_size = pool.block_size
+        self.pool, self.dispatcher = pool, dispatcher
         self.meta: PagedMetadata | None = None
+        self.mask: StepMask | None = None  # meta's step, as every compiled step hands it to the layers
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
         self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
         self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
@@ -65,13 +68,14 @@ class StaticDecode:
         """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
-        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device, self.kv_caches, self.dispatcher,
-                                     self.kv_scales)
+        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device)
+        self.mask = StepMask(PagedStep(self.meta, self.pool, self.dispatcher))
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
         # replay on them, and skip a step whose mutated inputs are not marked so.
+        pool = self.pool
         fixed = [getattr(self.meta, name) for name in PagedMetadata._TENSOR_FIELDS] + [
-            t for pair in self.kv_caches for t in pair] + [t for s in self.kv_scales or () for t in (s.k, s.v)]
+            t for pair in pool.kv_caches for t in pair] + [t for s in pool.kv_scales or () for t in (s.k, s.v)]
         for t in fixed:
             if t is not None:
                 torch._dynamo.mark_static_address(t)
@@ -132,8 +136,7 @@ def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
     dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
 
 
-def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device, kv_caches,
-                     dispatcher, kv_scales=None) -> PagedMetadata:
+def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device) -> PagedMetadata:
     def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return torch.zeros(shape, dtype=dtype, device=device)
 
@@ -143,7 +146,7 @@ def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.d
         cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
         cu_seqlens_k=zeros(num_rows + 1), seq_lens_k=zeros(num_rows), block_tables=zeros(num_rows, width),
         slot_mapping=zeros(num_rows, dtype=torch.int64), token_index=None, grid=(num_rows, 1),
-        has_padding_slots=False, kv_caches=kv_caches, dispatcher=dispatcher, static=True, kv_scales=kv_scales,
+        has_padding_slots=False, static=True,
     )
 
 
@@ -169,7 +172,7 @@ class CompileMode:
     blocks a batch takes ahead (with ``max_new_tokens``)."""
 
     def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
-                 kv_caches, dispatcher, max_new_tokens: int | None, compileable: bool | None, kv_scales=None):
+                 pool: KVPool, dispatcher: Dispatcher, max_new_tokens: int | None, compileable: bool | None):
         if max_new_tokens is not None and (
                 not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
@@ -178,13 +181,13 @@ class CompileMode:
         self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
         self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
         self.block_size = block_size
-        self._kv_dtype = kv_caches[0][0].dtype if is_fp8(kv_caches[0][0].dtype) else None  # an fp8 cache's
+        self._kv_dtype = pool.dtype if is_fp8(pool.dtype) else None  # an fp8 cache's
         self._reason: str | None | object = _UNDECIDED
         if compileable:
             reason = self._static_reason()
             if reason is not None:
                 raise ValueError(f"compileable=True, but {reason}")
-        self.static = StaticDecode(devices[0], block_size, kv_caches, dispatcher, kv_scales)
+        self.static = StaticDecode(devices[0], pool, dispatcher)
 
     @property
     def enabled(self) -> bool:

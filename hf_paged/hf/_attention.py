@@ -1,9 +1,19 @@
 """The ``"hf_paged"`` attention and mask functions registered with transformers.
 
-With a :class:`~hf_paged.PagedAttentionCache`, the mask function plans the step once per forward and returns
-the plan (a :class:`PagedMetadata`), which transformers hands to every layer as ``attention_mask``. Without one
-(``generate`` made its own ``DynamicCache``), both functions fall back to transformers' SDPA path, which gives the
-same results on a contiguous cache.
+Each forward's :class:`~hf_paged.attention.PagedStep` reaches the attention function by one of two doors, one for
+each kind of caller:
+
+- **hf_paged's own model calls** (the engine's steps, decode steps captured in CUDA graphs) pass token ids and
+  positions only and set the step in the forward context (``hf_paged._forward_context``) for the call; the mask
+  function then builds no mask, and every layer reads the step there.
+- **transformers' ``generate``** calls the forward itself; a :class:`~hf_paged.PagedAttentionCache` passed to it
+  plans each forward from the padding mask. transformers gives an attention implementation one channel for that
+  per forward: its registered mask function, whose result every layer gets as ``attention_mask`` (flex attention's
+  ``BlockMask`` travels the same way). The cache's query offset (:class:`CacheOffset`) carries the cache to the
+  mask function, which returns the planned step wrapped as a :class:`StepMask`.
+
+Without either (``generate`` with its own ``DynamicCache``, a plain forward), both functions fall back to
+transformers' SDPA path, which gives the same results on a contiguous cache.
 """
 
 from __future__ import annotations
@@ -11,21 +21,16 @@ from __future__ import annotations
 import functools
 import logging
 import sys
+from typing import Protocol
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
-from hf_paged.attention import _ops as ops
-from hf_paged.attention.backends.base import AttentionCall, AttentionParams
-from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged import _forward_context
+from hf_paged.attention._step import PagedStep, attend, attend_traced, choose_decode_routes
 
 logger = logging.getLogger("hf_paged")
-
-# True while the engine's compiled layers run (``hf_paged.compile._layers``): the traced code then hands the
-# step's plan to the eager path without looking into it. Touching the plan while tracing would make the compiler
-# guard on its fields (the phase, a batch of one sequence), and every new combination would compile again mid-run.
-opaque_plans = False
 
 _UNSERVED_KWARGS = {
     "s_aux": "attention sinks",
@@ -33,16 +38,47 @@ _UNSERVED_KWARGS = {
 }
 
 
-def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
-    """Mask function for ``"hf_paged"``: the step plan when a paged cache is in use, else an SDPA mask.
+class StepPlanner(Protocol):
+    """A cache that plans each ``generate`` forward (``PagedAttentionCache``)."""
 
-    A forward may be handed its plan ready-made as ``attention_mask`` (``generate`` builds the masks of a
-    compileable cache before calling the, possibly compiled, forward): it is passed on as it is.
-    """
-    if isinstance(kwargs.get("attention_mask"), PagedMetadata):
+    def plan_forward(self, config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
+                     device: torch.device | None) -> PagedStep: ...
+
+
+class CacheOffset(int):
+    """The query offset a planning cache gives transformers' mask code (``Cache.get_query_offset``): an ``int`` (the
+    columns seen) that also carries the cache, the one value of a mask function's arguments that comes from the
+    cache, so that the mask function can plan the forward on it."""
+
+    planner: StepPlanner
+
+    def __new__(cls, value: int, planner: StepPlanner):
+        obj = super().__new__(cls, value)
+        obj.planner = planner
+        return obj
+
+
+class StepMask:
+    """A ``generate`` forward's step as its attention mask. transformers' mask code passes a prepared mask through
+    where it is asked for one again (a compiled step's masks are made before the call) and tells a prepared mask
+    from a padding mask by ``ndim``; a plain object, so compiled code takes no guard on its contents."""
+
+    __slots__ = ("step",)
+    ndim = 4
+
+    def __init__(self, step: PagedStep):
+        self.step = step
+
+
+def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
+    """Mask function for ``"hf_paged"`` (see the module docstring): no mask in hf_paged's own calls, the planned
+    step for a planning cache, else transformers' SDPA mask."""
+    if isinstance(kwargs.get("attention_mask"), StepMask):  # planned before a compiled forward: passed on
         return kwargs["attention_mask"]
-    cache = getattr(q_offset, "paged_cache", None)
-    if cache is None:
+    if _forward_context.current_step() is not None:
+        return None
+    planner = getattr(q_offset, "planner", None)
+    if planner is None:
         _note_dense_fallback()
         return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
                          q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
@@ -51,28 +87,17 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             "hf_paged: a compiled forward on a PagedAttentionCache must get its step planned beforehand, as its "
             "attention_mask: generate does so for a cache whose is_compileable is True (give the cache "
             "max_new_tokens=...), and only decode steps may be compiled")
-    return plan_forward(cache, kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
-                        kwargs.get("device"))
+    return plan_mask(planner, kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
+                     kwargs.get("device"))
 
 
-def plan_forward(cache, config, attention_mask, batch_size: int, q_length: int, device=None):
-    """The plan of a forward on paged ``cache`` (what the mask function returns): ``attention_mask`` the 2D
-    padding mask or None, ``device`` where the plan's tensors go (default: the pool's first device)."""
-    cache.check_model_config(config)
-    plan = cache.plan_step(attention_mask, batch_size, q_length, device or cache.pool.kv_caches[0][0].device)
-    if cache.is_compileable:
-        _prepare_routes(plan)
-    return SealedPlan(plan) if opaque_plans else plan
-
-
-class SealedPlan:
-    """A step's plan as the engine's compiled layers hand it from layer to layer: a plain object whose contents the
-    compiler never sees (a dataclass would be taken apart and guarded field by field)."""
-
-    __slots__ = ("plan",)
-
-    def __init__(self, plan: PagedMetadata):
-        self.plan = plan
+def plan_mask(planner: StepPlanner, config, attention_mask, batch_size: int, q_length: int, device=None) -> StepMask:
+    """The mask of a ``generate`` forward on ``planner``: its planned step (``attention_mask``: the 2D padding mask
+    or None), with the decode routes chosen where the forward may be compiled."""
+    mask = planner.plan_forward(config, attention_mask, batch_size, q_length, device)
+    if mask.step.metadata.static:
+        choose_decode_routes(mask.step)
+    return mask
 
 
 def paged_attention_forward(
@@ -91,116 +116,34 @@ def paged_attention_forward(
 
     Args:
         query: ``[batch, H, q_len, D]``.
-        key, value: ``[T, Hkv, D]``, the real new tokens packed by ``PagedAttentionCache.update``
-            (``[batch, Hkv, kv_len, D]`` on the dense fallback).
-        attention_mask: the step's :class:`PagedMetadata` (a tensor or None on the dense fallback).
+        key, value: ``[batch, Hkv, q_len, D]``, the forward's new tokens (``[batch, Hkv, kv_len, D]`` on the dense
+            fallback).
+        attention_mask: a :class:`StepMask` (``generate`` on a paged cache), None (hf_paged's own calls: the step is
+            in the forward context), or an SDPA mask (the dense fallback).
 
     Returns:
         ``([batch, q_len, H, D], None)``; padding positions are zero.
     """
-    if opaque_plans:
-        return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
-                                kwargs)
-    if not isinstance(attention_mask, PagedMetadata):
-        return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                               sliding_window=sliding_window, softcap=softcap, **kwargs)
-    if attention_mask.static and torch.compiler.is_compiling():
+    if isinstance(attention_mask, StepMask) and attention_mask.step.metadata.static and (
+            torch.compiler.is_compiling()):
         _check_served(module, dropout, kwargs)
-        return _static_decode_attention(module, query, key, value, attention_mask, scaling, sliding_window, softcap)
-    return _paged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
+        out = attend_traced(attention_mask.step, module.layer_idx, query, key, value, scaling, sliding_window, softcap)
+        return out, None
+    return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                             kwargs)
 
 
-def _static_decode_attention(module, query, key, value, meta: PagedMetadata, scaling, sliding_window,
-                             softcap) -> tuple[torch.Tensor, None]:
-    """A decode step of fixed shapes being compiled (``hf_paged/generate/_static_decode.py``): traced, with the KV
-    write and the attention as custom ops (opaque to the compiler, the same backends underneath). One real token
-    per row, so no packing; the layer's backend was chosen before the compiled call."""
-    batch, num_heads, _, head_dim = query.shape
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
-    q = query.transpose(1, 2).reshape(batch, num_heads, head_dim)
-    scales = None if meta.kv_scales is None else meta.kv_scales[module.layer_idx]  # an fp8 cache's
-    ops.store_kv(key, value, k_cache, v_cache, meta, writer, scales)
-    out = ops.paged_attention(q, key, value, k_cache, v_cache, meta, backend, params, scales)
-    return out.view(batch, 1, num_heads, head_dim), None
-
-
+# Opaque to torch.compile: a compiled layer (the engine's CompiledLayers) breaks its graph here, and the KV write and
+# attention run as they do eager, reading the step where it is.
 @torch.compiler.disable
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                      kwargs: dict) -> tuple[torch.Tensor, None]:
-    """``paged_attention_forward`` out of the compiler's sight (see ``opaque_plans``)."""
-    if isinstance(attention_mask, SealedPlan):
-        attention_mask = attention_mask.plan
-    if not isinstance(attention_mask, PagedMetadata):
+    step = attention_mask.step if isinstance(attention_mask, StepMask) else _forward_context.current_step()
+    if step is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
-    return _paged_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
-                            kwargs)
-
-
-# Opaque to torch.compile: a compiled layer (the engine's CompiledLayers) breaks its graph here and the KV write and
-# attention run as they do eager, with the step's metadata as it is.
-@torch.compiler.disable
-def _paged_attention(module, query, key, value, attention_mask: PagedMetadata, scaling, dropout, sliding_window,
-                     softcap, kwargs: dict) -> tuple[torch.Tensor, None]:
     _check_served(module, dropout, kwargs)
-    batch, num_heads, q_len, head_dim = query.shape
-    meta = attention_mask.on(query.device)
-    k_cache, v_cache = meta.kv_caches[module.layer_idx]
-    q = query.transpose(1, 2).reshape(batch * q_len, num_heads, head_dim)
-    if meta.token_index is not None:
-        q = q.index_select(0, meta.token_index)
-    backend, writer, params = _route(meta, query, k_cache, scaling, sliding_window, softcap)
-    if meta.kv_scales is None:
-        writer.write_kv(key, value, k_cache, v_cache, meta)
-        out = backend.forward(q, key, value, k_cache, v_cache, meta, params)
-    else:  # an fp8 cache (backends that cannot read one refuse it, so they never get here)
-        scales = meta.kv_scales[module.layer_idx]
-        writer.write_kv(key, value, k_cache, v_cache, meta, kv_scales=scales)
-        out = backend.forward(q, key, value, k_cache, v_cache, meta, params, kv_scales=scales)
-    if meta.token_index is None:
-        return out.view(batch, q_len, num_heads, head_dim), None
-    full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, meta.token_index, out)
-    return full.view(batch, q_len, num_heads, head_dim), None
-
-
-def _route(meta: PagedMetadata, query: torch.Tensor, k_cache: torch.Tensor, scaling: float | None,
-           sliding_window: int | None, softcap: float | None) -> tuple:
-    """The backend, KV writer and params serving this layer in this phase (chosen once, then looked up in the
-    dispatcher's ``routes``: (phase, layer shape, scalars) -> (backend, KV writer, params), so that a layer looks
-    up a plain tuple instead of building and hashing an AttentionCall and its params every step)."""
-    _, num_heads, _, head_dim = query.shape
-    key = (meta.phase, query.dtype, query.device.type, num_heads, head_dim, k_cache.shape[2], meta.block_size,
-           scaling, sliding_window, softcap)
-    route = meta.dispatcher.routes.get(key)
-    if route is None:
-        if torch.compiler.is_compiling():
-            raise RuntimeError(
-                "hf_paged: a compiled forward met an attention layer whose backend was not chosen beforehand; "
-                "compile decode steps only, after an eager forward of the batch (generate's prefill)")
-        route = meta.dispatcher.routes[key] = _choose_route(key, meta.dispatcher, k_cache)
-    return route
-
-
-def _choose_route(key: tuple, dispatcher, k_cache: torch.Tensor) -> tuple:
-    phase, dtype, device_type, num_heads, head_dim, num_kv_heads, block_size, scaling, sliding_window, softcap = key
-    call = AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=head_dim, num_heads=num_heads,
-                         num_kv_heads=num_kv_heads, block_size=block_size, sliding_window=sliding_window,
-                         softcap=softcap, kv_dtype=None if k_cache.dtype == dtype else k_cache.dtype)
-    params = AttentionParams(scale=head_dim**-0.5 if scaling is None else scaling, sliding_window=sliding_window,
-                             softcap=softcap)
-    return dispatcher.select(call), dispatcher.writer(k_cache), params
-
-
-def _prepare_routes(plan: PagedMetadata) -> None:
-    """Before a forward that may be compiled: choose the decode backend of every layer shape an eager forward
-    has met, so that compiled layers only look their route up (choosing runs host code a compiler cannot trace)."""
-    routes = plan.dispatcher.routes
-    if plan.phase is Phase.DECODE:
-        for key in [k for k in routes if k[0] is not Phase.DECODE and (Phase.DECODE, *k[1:]) not in routes]:
-            routes[(Phase.DECODE, *key[1:])] = _choose_route((Phase.DECODE, *key[1:]), plan.dispatcher,
-                                                             plan.kv_caches[0][0])
+    return attend(step, module.layer_idx, query, key, value, scaling, sliding_window, softcap), None
 
 
 def _dense_fallback(module, query, key, value, attention_mask, softcap: float | None = None, **kwargs):

@@ -36,6 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
 from hf_paged.hf._placement import decoder_layers
@@ -87,7 +88,7 @@ def install(model: torch.nn.Module, group) -> str | None:
         return "no list of decoder layers found on the model"
     plans = []
     for name, module in layers.named_modules():
-        if isinstance(local := module.__dict__.get("forward"), LocalLinear):
+        if isinstance(local := patches.patch_of(module, "tp_linears"), LocalLinear):
             local.refresh(module)
             continue
         weight = getattr(module, "weight", None)
@@ -102,10 +103,10 @@ def install(model: torch.nn.Module, group) -> str | None:
     if groups:
         pack_colwise(layers, [m for m, rowwise in plans if not rowwise], groups)
     for module, rowwise in plans:
-        module.forward = LocalLinear(module, module.forward, rowwise, group)
+        patches.install(module, "tp_linears", lambda eager: LocalLinear(module, eager, rowwise, group))
     # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
     sums = {(str(f.weight.dtype), f.weight.dtype, f.weight.device) for m in layers.modules()
-            if isinstance(f := m.__dict__.get("forward"), LocalLinear) and f.rowwise}
+            if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear) and f.rowwise}
     for _, dtype, device in sorted(sums, key=lambda s: s[0]):
         tp_all_reduce.prepare(group, dtype, device)
     # the prefetch hints serve where peer_sum's kernel takes them (its group set up on CUDA)
@@ -138,7 +139,7 @@ def set_prefetch(layers: torch.nn.Module, limit: int) -> int:
     one flat view over as many of them as lie end to end from the first (q/k/v packed: all three). The all-reduce's
     kernel then fetches them into the L2 while it waits for its peers, and the product that reads its sum finds them
     there. The last layer's down_proj, and every shard where ``limit`` is 0, get none. Returns how many got one."""
-    linears = [f for m in layers.modules() if isinstance(f := m.__dict__.get("forward"), LocalLinear)]
+    linears = [f for m in layers.modules() if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear)]
     given = 0
     for i, f in enumerate(linears):
         if not f.rowwise:
@@ -241,7 +242,7 @@ def _own_locals(params: list) -> list[torch.Tensor] | None:
 
 def installed(model: torch.nn.Module) -> int:
     """How many of ``model``'s linears carry a :class:`LocalLinear`."""
-    return sum(isinstance(m.__dict__.get("forward"), LocalLinear) for m in model.modules())
+    return len(patches.patched(model.modules(), "tp_linears"))
 
 
 def is_dtensor(tensor) -> bool:

@@ -25,20 +25,18 @@ engine samples the gathered logits as before.
 from __future__ import annotations
 
 import os
-import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
+from hf_paged import _forward_context
+from hf_paged.compile import _patches as patches
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
 from hf_paged.parallel._linears import is_dtensor
 
 ENV = "HF_PAGED_TP_SHARDED_LOGITS"
 _MAX_EXACT_ID = 1 << 24  # ids travel as float32 next to their values: exact up to here
-_calls = threading.local()
 
 
 def enabled() -> bool:
@@ -49,17 +47,6 @@ def enabled() -> bool:
         raise ValueError(f"{ENV}={value!r}: use 1 (the default: logits sharded over the vocabulary in the engine's "
                          "greedy steps) or 0 (gathered, as transformers does)")
     return value == "1"
-
-
-@contextmanager
-def engine_call() -> Iterator[None]:
-    """The engine's own model calls: a :class:`LocalLogits` inside returns this rank's columns only."""
-    depth = getattr(_calls, "depth", 0)
-    _calls.depth = depth + 1
-    try:
-        yield
-    finally:
-        _calls.depth = depth
 
 
 @dataclass(frozen=True)
@@ -120,7 +107,7 @@ class LocalLogits:
         self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
 
     def __call__(self, *args, **kwargs):
-        if getattr(_calls, "depth", 0) == 0 or len(args) != 1 or kwargs:
+        if not _forward_context.local_logits() or len(args) != 1 or kwargs:
             return self.eager(*args, **kwargs)
         return F.linear(args[0], self.weight, self.bias)
 
@@ -133,13 +120,13 @@ def install(model: torch.nn.Module, tp) -> VocabShards | None:
     head = getattr(model, "lm_head", None)
     if head is None or not enabled():
         return None
-    local = head.__dict__.get("forward")
+    local = patches.patch_of(head, "tp_logits")
     if isinstance(local, LocalLogits):
         return local.shards
     shards = _shards_of(head, tp)
     if shards is None:
         return None
-    head.forward = LocalLogits(head, head.forward, shards)
+    patches.install(head, "tp_logits", lambda eager: LocalLogits(head, eager, shards))
     return shards
 
 

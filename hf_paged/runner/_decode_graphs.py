@@ -29,23 +29,26 @@ from collections.abc import Sequence as SequenceType
 
 import torch
 
+from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase
-from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.attention._step import PagedStep
+from hf_paged.cache._kv_pool import KVPool
 from hf_paged.runner import _graph_inputs as graph_inputs
 from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
-from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, one_call_graph_sizes, pool_bytes, size_ranges
-from hf_paged.runner._model_runner import model_call
+from hf_paged.runner._cuda_graphs import CudaGraphs
+from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges
+from hf_paged.runner._model_runner import call_model, model_call
 from hf_paged.runner._step_plan import DecodeColumns, Sequence
 from hf_paged.runner._staging import StagingBuffer
-from hf_paged.hf.compat import cache_keyword
 
 logger = logging.getLogger("hf_paged")
 _COMPUTED = operator.attrgetter("num_computed_tokens")
 
 class DecodeGraphs:
-    """Captured decode forwards of ``model`` over ``cache``, one per batch size in ``sizes``.
+    """Captured decode forwards of ``model`` over ``pool`` (``dispatcher``: its attention backends), one per batch
+    size in ``sizes``.
 
     Args:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
@@ -59,20 +62,20 @@ class DecodeGraphs:
             (``tp_logits.install``).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, tables: BlockTableBuffer,
+    def __init__(self, model: torch.nn.Module, pool: KVPool, dispatcher: Dispatcher, tables: BlockTableBuffer,
                  sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
                  skinny: bool = False, on_demand: bool = False, local_logits: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
-        self.model, self.cache, self.tables, self.last_tokens = model, cache, tables, last_tokens
+        self.model, self.pool, self.dispatcher = model, pool, dispatcher
+        self.tables, self.last_tokens = tables, last_tokens
         self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
         wanted = sorted(set(sizes))
         # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
         self.sizes = wanted[-1:] if on_demand else wanted
         self._waiting = OnDemandSizes(wanted[:-1] if on_demand else ())
         self.width = tables.table.shape[1]
-        self.device = cache.pool.kv_caches[0][0].device
-        self._cache_kwarg = cache_keyword(model)
+        self.device = pool.kv_caches[0][0].device
         b_max, w = self.sizes[-1], self.width
         dev = dict(device=self.device)
         # never grows: the graphs read its address
@@ -85,14 +88,10 @@ class DecodeGraphs:
         self._lens = torch.zeros(b_max, dtype=torch.int32, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
-        self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
-        self._pool = None
+        self.graphs = CudaGraphs(self.device)  # by batch size
         self.capture_seconds = 0.0
-        self.warmup_seconds = 0.0  # host time of the eager warm-up forwards inside the capture
-        self.size_seconds: dict[int, float] = {}  # host time of each size's capture (graph instantiation included)
         self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
         self.memory_bytes = 0
-        self.replays = 0
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
     def size_for(self, seqs: list[Sequence], num_tokens: list[int], longest: int | None = None) -> int | None:
@@ -101,11 +100,11 @@ class DecodeGraphs:
         context outgrew the captured table width. ``longest``: the largest computed count, when the caller
         knows it."""
         n = len(seqs)
-        if not self._graphs or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
+        if not len(self.graphs) or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
             return None
         if longest is None:
             longest = max(map(_COMPUTED, seqs))
-        if not longest or longest >= self.width * self.cache.block_size:
+        if not longest or longest >= self.width * self.pool.block_size:
             return None
         size = next(s for s in self.sizes if s >= n)
         if self._waiting:
@@ -122,7 +121,7 @@ class DecodeGraphs:
         try:
             reason = self._capture_sizes([want], warm=True)
         except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
-            self._graphs.pop(want, None)
+            self.graphs.drop(want)
             self._waiting.stop()
             torch.cuda.synchronize(self.device)
             logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
@@ -133,7 +132,7 @@ class DecodeGraphs:
         if reason is not None:
             logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
             return size
-        self.sizes = sorted(self._graphs)
+        self.sizes = sorted(self.graphs.keys())
         self.memory_bytes = self._held_bytes(None)
         logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (its steps had padded up to "
                     "%d) in %.3f s", want, size, time.perf_counter() - began)
@@ -151,24 +150,25 @@ class DecodeGraphs:
         try:
             reason = self._capture_sizes(self.sizes)
         except Exception as exc:  # e.g. a model whose forward syncs with the host: it runs eager instead
-            self._graphs.clear()
+            self.graphs.release()
             torch.cuda.synchronize(self.device)
             return f"capturing the decode step failed ({type(exc).__name__}: {str(exc)[:300]})"
         if reason is not None:
             return reason
         self.capture_seconds = time.perf_counter() - start
         self.memory_bytes = self._held_bytes(before)
+        seconds = self.graphs.capture_seconds
         logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
-                    "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self._graphs),
-                    size_ranges(self.sizes), self.capture_seconds, self.warmup_seconds,
-                    self.size_seconds[self.sizes[-1]], self.size_seconds[self.sizes[0]], self.memory_bytes / 2**20)
+                    "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self.graphs),
+                    size_ranges(self.sizes), self.capture_seconds, self.graphs.warmup_seconds,
+                    seconds[self.sizes[-1]], seconds[self.sizes[0]], self.memory_bytes / 2**20)
         return None
 
     def _held_bytes(self, allocated_before: int | None) -> int:
         """Bytes the graphs' memory pool holds (its segments, intermediates included). Where the allocator's
         snapshot does not name pools: live bytes allocated since ``allocated_before`` (never below 0; the warm-up's
         frees can outweigh them), or the last figure."""
-        held = pool_bytes(self.device, self._pool)
+        held = self.graphs.held_bytes()
         if held is not None:
             return held
         if allocated_before is None:
@@ -177,40 +177,22 @@ class DecodeGraphs:
 
     @torch.inference_mode()  # as every step runs: the compiled layers' guards include the grad mode
     def _capture_sizes(self, sizes: list[int], warm: bool = False) -> str | None:
-        """Capture ``sizes`` (largest first) into the graphs' shared memory pool. The first capture of this object
-        warms up eagerly first, and so does each size with ``warm`` (on demand: whatever the compiler has seen, a
-        recompile must not happen inside a capture). Between engine steps, the device work queued before waits
-        for nothing: the capture's own stream waits for the current one."""
-        stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
-        first = self._pool is None
-        if first:
-            self._pool = torch.cuda.graph_pool_handle()
-        for b in reversed(sizes):
-            with torch.cuda.stream(stream):  # after the work queued before (a replay may still read the buffer)
-                self._stage_padding(b)
-            # Compiled layers are warmed up at every size not run before on this model (by an earlier engine): a
-            # compile (batch 1 is a shape of its own) must not happen during a capture.
+        """Capture ``sizes`` (largest first) into the graphs' shared memory pool, each on a step of padding rows.
+        The first capture of this object warms up eagerly first, and so does each size with ``warm`` (on demand:
+        whatever the compiler has seen, a recompile must not happen inside a capture); so does every size the
+        compiled layers have not run yet (batch 1 is a shape of its own)."""
+        first = not len(self.graphs)
+
+        def step(b: int):
             if warm or (first and b == sizes[-1]) or (
                     self.compiled is not None and b not in self.compiled.warm_batch_sizes):
-                began = time.perf_counter()
-                with torch.cuda.stream(stream):
-                    self._forward(b)
-                self.warmup_seconds += time.perf_counter() - began
                 if self.compiled is not None:
                     self.compiled.warm_batch_sizes.add(b)
-                reason = self.cache.dispatcher.graph_unsupported_reason()
-                if reason is not None:
-                    return reason
-            graph = torch.cuda.CUDAGraph()
-            began = time.perf_counter()
-            with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-                logits = self._forward(b)
-            self.size_seconds[b] = time.perf_counter() - began
-            self._graphs[b] = (graph, logits)
-        torch.cuda.current_stream(self.device).wait_stream(stream)
-        torch.cuda.synchronize(self.device)
-        return None
+                return b, (lambda: self._forward(b)), True
+            return b, (lambda: self._forward(b)), False
+
+        return self.graphs.capture([step(b) for b in reversed(sizes)], prepare=self._stage_padding,
+                                   check=self.dispatcher.graph_unsupported_reason)
 
     @torch.inference_mode()
     def replay(self, seqs: list[Sequence], size: int, columns: DecodeColumns | None = None) -> torch.Tensor:
@@ -218,10 +200,7 @@ class DecodeGraphs:
         graph of ``size``; returns ``[size, vocab]`` logits whose first ``len(seqs)`` rows are the sequences' (valid
         until the next replay)."""
         self._send(columns if columns is not None else DecodeColumns.of(seqs), size)
-        graph, logits = self._graphs[size]
-        graph.replay()
-        self.replays += 1
-        return logits
+        return self.graphs.replay(size)
 
     @torch.inference_mode()
     def run_eager(self, seqs: list[Sequence], size: int) -> torch.Tensor:
@@ -232,7 +211,7 @@ class DecodeGraphs:
     def _forward(self, b: int) -> torch.Tensor:
         """Everything the graph of size ``b`` records: widen the staged inputs, gather the rows' block tables,
         compute slots and lengths, then the model forward."""
-        w, bs = self.width, self.cache.block_size
+        w, bs = self.width, self.pool.block_size
         ids, pos, src, rows, update_at, update_values = graph_inputs.read(self._stage, b)
         self.device_tables.table.view(-1).index_copy_(0, update_at, update_values)
         self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
@@ -248,14 +227,10 @@ class DecodeGraphs:
             block_size=bs, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
             cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
             block_tables=tables, slot_mapping=self._slots[:b], token_index=None,
-            grid=(1, b), has_padding_slots=True, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
+            grid=(1, b), has_padding_slots=True,
         )
-        self.cache.begin_step(meta)
-        with model_call(self.compiled, self.skinny, self.local_logits):
-            out = self.model(input_ids=self._ids[:b].view(1, b), position_ids=self._pos[:b].view(1, b), use_cache=True,
-                             logits_to_keep=0, **{self._cache_kwarg: self.cache})
-        return out.logits[0]
+        with model_call(PagedStep(meta, self.pool, self.dispatcher), self.compiled, self.skinny, self.local_logits):
+            return call_model(self.model, self._ids[:b].view(1, b), self._pos[:b].view(1, b), 0)
 
     def _send(self, cols: DecodeColumns, b: int) -> None:
         """Lay the step out in pinned memory and copy it to the device in one go (graph_inputs); table updates beyond
@@ -275,20 +250,18 @@ class DecodeGraphs:
 
     def release(self) -> None:
         """Free the captured graphs (and whatever they hold, collectives included) now; no replay follows."""
-        for graph, _ in self._graphs.values():
-            graph.reset()
-        self._graphs.clear()
+        self.graphs.release()
         self.device_tables.close()
 
     def stats(self) -> dict:
         return {
-            "batch_sizes": sorted(self._graphs),
+            "batch_sizes": sorted(self.graphs.keys()),
             "capture_seconds": round(self.capture_seconds, 3),
             "waiting_sizes": self._waiting.waiting,  # on-demand sizes not captured yet
             "on_demand_seconds": round(self.on_demand_seconds, 3),
-            "warmup_seconds": round(self.warmup_seconds, 3),
+            "warmup_seconds": round(self.graphs.warmup_seconds, 3),
             "memory_bytes": self.memory_bytes,
-            "replays": self.replays,
+            "replays": self.graphs.replays,
         }
 
 
@@ -306,7 +279,7 @@ def engine_graphs(core, cfg, tables, max_num_seqs: int):
         return None
     sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
              else [s for s in cuda_graphs if s <= max_num_seqs])
-    graphs = DecodeGraphs(core.model, core.cache, tables, sizes, core.runner.last_tokens, core.compiled,
+    graphs = DecodeGraphs(core.model, core.pool, core.dispatcher, tables, sizes, core.runner.last_tokens, core.compiled,
                           core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
                           local_logits=core.vocab_shards is not None)
     reason = graphs.capture()

@@ -12,46 +12,53 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
+from hf_paged._forward_context import forward_context
+from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata
-from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.attention._step import PagedStep
+from hf_paged.cache._kv_pool import KVPool
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._staging import StagingBuffer
 from hf_paged.runner._step_plan import StepPlan
-from hf_paged.parallel import _logits as tp_logits
-from hf_paged.hf.compat import cache_keyword
 
 
 @contextmanager
-def model_call(compiled: CompiledLayers | None, skinny: bool, local_logits: bool = False) -> Iterator[None]:
-    """The context of the engine's own model calls: its compiled layers and the skinny linear routing, if on, and
-    a tensor-parallel ``lm_head``'s local logits where the engine asked for them (``local_logits``:
-    ``hf_paged.parallel._logits``)."""
-    with compiled.active() if compiled is not None else nullcontext(), \
-            skinny_linear.active() if skinny else nullcontext(), \
-            tp_logits.engine_call() if local_logits else nullcontext():
+def model_call(step: PagedStep, compiled: CompiledLayers | None, skinny: bool,
+               local_logits: bool = False) -> Iterator[None]:
+    """The context of the engine's own model calls: the step in the forward context, the skinny linear routing
+    (``skinny``) and a tensor-parallel ``lm_head``'s local logits (``local_logits``: ``hf_paged.parallel._logits``)
+    where asked, and the model's compiled layers where it has them."""
+    with forward_context(step, skinny_linears=skinny, local_logits=local_logits), \
+            compiled.active() if compiled is not None else nullcontext():
         yield
 
 
+def call_model(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, logits_to_keep) -> torch.Tensor:
+    """``model``'s ``[N, vocab]`` logits for a packed step ``ids``/``positions`` (``[1, T]``): no cache object and
+    no attention mask (the forward context holds the step)."""
+    out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep)
+    return out.logits[0]
+
+
 class ModelRunner:
-    """Runs planned steps of ``model`` on ``cache``; input buffers hold ``max_tokens`` tokens on the device.
+    """Runs planned steps of ``model`` on ``pool`` (``dispatcher`` picks each layer's attention backend); input buffers
+    hold ``max_tokens`` tokens on the device.
 
     ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``);
     ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``);
     ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``tp_logits.install``).
     """
 
-    def __init__(self, model: torch.nn.Module, cache: PagedAttentionCache, max_tokens: int, device: torch.device,
-                 max_seqs: int = 256, max_blocks_per_seq: int = 256, compiled: CompiledLayers | None = None,
-                 skinny: bool = False, local_logits: bool = False):
+    def __init__(self, model: torch.nn.Module, pool: KVPool, dispatcher: Dispatcher, max_tokens: int,
+                 device: torch.device, max_seqs: int = 256, max_blocks_per_seq: int = 256,
+                 compiled: CompiledLayers | None = None, skinny: bool = False, local_logits: bool = False):
         self.model = model
         self.local_logits = local_logits
         self.compiled = compiled
         self.skinny = skinny
-        self.cache = cache
+        self.pool, self.dispatcher = pool, dispatcher
         self.device = torch.device(device)
         self.output_device = None  # set by the engine for a model split over devices
-        self._cache_kwarg = cache_keyword(model)
         # One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The
         # first part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too);
         # the plan's int32 ids, positions and slots are widened into the rest in one copy, and a step with
@@ -95,11 +102,10 @@ class ModelRunner:
         fields: no host tensor ops."""
         return PagedMetadata(
             num_seqs=plan.num_seqs, num_tokens=plan.num_tokens, max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k, block_size=self.cache.block_size, phase=plan.phase,
+            max_seqlen_k=plan.max_seqlen_k, block_size=self.pool.block_size, phase=plan.phase,
             cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
             block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
-            has_padding_slots=plan.has_padding, kv_caches=self.cache.pool.kv_caches,
-            dispatcher=self.cache.dispatcher, kv_scales=self.cache.pool.kv_scales,
+            has_padding_slots=plan.has_padding,
         )
 
     @torch.inference_mode()
@@ -114,10 +120,6 @@ class ModelRunner:
         self._wide[s:].view(3, m)[:, :t].copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
-        self.cache.begin_step(self.metadata(plan, seg, slots))
-        with model_call(self.compiled, self.skinny, self.local_logits):
-            out = self.model(
-                input_ids=ids.view(1, t), position_ids=pos.view(1, t), use_cache=True,
-                logits_to_keep=self._rows_to_keep(seg["logits_indices"]), **{self._cache_kwarg: self.cache},
-            )
-        return out.logits[0]
+        step = PagedStep(self.metadata(plan, seg, slots), self.pool, self.dispatcher)
+        with model_call(step, self.compiled, self.skinny, self.local_logits):
+            return call_model(self.model, ids.view(1, t), pos.view(1, t), self._rows_to_keep(seg["logits_indices"]))

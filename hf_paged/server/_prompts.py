@@ -24,7 +24,7 @@ class PromptBuilder:
         self.tokenizer = engine.tokenizer
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
-        self.cache_tokens = engine.cache.num_blocks * engine.cache.block_size
+        self.cache_tokens = engine.pool.num_blocks * engine.pool.block_size
         has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
 

@@ -16,8 +16,8 @@ def test_engine_with_fp8_kv_runs_a_workload_to_the_end_without_leaking_blocks():
         stats = engine.stats()
         assert stats["free_blocks"] == stats["num_blocks"] and not engine.has_unfinished()
         assert all(len(t) == 8 for t in results[kv])
-    assert engine.cache.stats()["kv_cache_dtype"] == "float8_e4m3fn"
-    assert engine.cache.stats()["backends"]["decode"] == "torch"
+    assert engine.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    assert engine.stats()["backends"]["decode"] == "torch"
     agree = sum(a == b for x, y in zip(results[None], results["fp8"]) for a, b in zip(x, y)) / 48
     print(f"\nengine fp8 vs float32 KV: greedy token agreement {agree:.3f}")
     assert agree >= 0.5  # random tiny model, flat logits: a near-tie may flip and the run diverge after it
@@ -33,5 +33,5 @@ def test_generate_batch_reads_kv_cache_dtype_from_the_continuous_batching_config
     out = hf_paged.generate_batch(paged, random_prompts(3, 3, 12, seed=4), greedy_config(4),
                                   continuous_batching_config=config, persistent_manager=True)
     engine = paged.__dict__.pop(_KEPT)[1]
-    assert engine.cache.stats()["kv_cache_dtype"] == "float8_e4m3fn"
+    assert engine.stats()["kv_cache_dtype"] == "float8_e4m3fn"
     assert all(len(o.generated_tokens) == 4 for o in out.values())

@@ -6,7 +6,7 @@ import pytest
 from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.runner._decode_graphs import graph_batch_sizes, one_call_graph_sizes
+from hf_paged.runner._graph_sizes import graph_batch_sizes, one_call_graph_sizes
 from engine_helpers import models, random_prompts
 
 

@@ -69,11 +69,11 @@ def test_a_decode_step_padded_to_a_graph_size_gives_the_same_logits():
     plain = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4)
     padded = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4, pad_decode_to=8)
     assert padded.num_tokens == 8 and padded.slot_mapping[3:].eq(-1).all()
-    k_before = [k.clone() for k, _ in engine.cache.pool.kv_caches]
+    k_before = [k.clone() for k, _ in engine.pool.kv_caches]
     want = engine.runner.forward(plain)
     got = engine.runner.forward(padded)  # rewrites the same slots with the same values; padding writes nothing
     assert torch.allclose(got, want, atol=1e-5)
-    for (k, _), before in zip(engine.cache.pool.kv_caches, k_before):
+    for (k, _), before in zip(engine.pool.kv_caches, k_before):
         changed = (k != before).any(-1).any(-1).flatten(0, 1).nonzero().flatten()
         assert set(changed.tolist()) <= set(plain.slot_mapping.tolist())
 
@@ -87,8 +87,7 @@ def _reference_metadata(seqs, counts, sample, tables, block_size, runner):
     meta = build_metadata(
         q_lens=torch.tensor(counts), seq_lens_k=torch.tensor(ctx),
         block_tables=tables.table[torch.tensor([s.row for s in seqs]), :width], slot_mapping=torch.tensor(slots),
-        token_index=None, grid=(1, len(ids)), block_size=block_size, kv_caches=runner.cache.pool.kv_caches,
-        dispatcher=runner.cache.dispatcher, device=torch.device("cpu"))
+        token_index=None, grid=(1, len(ids)), block_size=block_size, device=torch.device("cpu"))
     ends = torch.tensor(counts).cumsum(0) - 1
     sources = [-1] * len(ids)
     for end, s, smp in zip(ends.tolist(), seqs, sample):

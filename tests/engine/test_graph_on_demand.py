@@ -31,12 +31,31 @@ def test_a_size_is_due_after_enough_steps_padded_past_it():
     assert not sizes and sizes.waiting == [] and sizes.due(1, 16) is None
 
 
+class _Captured:
+    """Stands in for a DecodeGraphs' CudaGraphs on the CPU: which sizes are captured, and its pool's bytes."""
+
+    def __init__(self, sizes):
+        self.sizes = dict.fromkeys(sizes)
+
+    def __len__(self):
+        return len(self.sizes)
+
+    def keys(self):
+        return list(self.sizes)
+
+    def drop(self, key):
+        self.sizes.pop(key, None)
+
+    def held_bytes(self):
+        return graph_sizes.pool_bytes(torch.device("cuda", 0), (0, 3))
+
+
 def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tuple[DecodeGraphs, list[int]]:
     graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what serving a step reads
     wanted = sorted(sizes)
-    graphs.sizes, graphs._waiting, graphs._graphs = wanted[-1:], OnDemandSizes(wanted[:-1]), {wanted[-1]: None}
-    graphs.width, graphs.cache, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
-    graphs.device, graphs._pool, graphs.memory_bytes = torch.device("cuda", 0), (0, 3), 0
+    graphs.sizes, graphs._waiting, graphs.graphs = wanted[-1:], OnDemandSizes(wanted[:-1]), _Captured(wanted[-1:])
+    graphs.width, graphs.pool, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
+    graphs.device, graphs.memory_bytes = torch.device("cuda", 0), 0
     captured = []
     # the pool's segments: 1 MiB per captured size (another pool's segment is not the graphs')
     monkeypatch.setattr(cuda_graphs.torch.cuda, "memory_snapshot", lambda: [
@@ -48,7 +67,7 @@ def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tupl
         if batch_sizes[0] in fail:
             raise RuntimeError("capture failed")
         captured.append(batch_sizes[0])
-        graphs._graphs[batch_sizes[0]] = None
+        graphs.graphs.sizes[batch_sizes[0]] = None
 
     graphs._capture_sizes = capture
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda *a: None)
@@ -98,6 +117,6 @@ def test_graph_memory_counts_the_pools_segments_only(monkeypatch):
         {"device": 1, "total_size": 50 << 20, "segment_pool_id": (0, 7)},  # another device
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) == 8 << 20
+    assert graph_sizes.pool_bytes(torch.device("cuda", 0), pool) == 8 << 20
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "total_size": 1}])
-    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) is None
+    assert graph_sizes.pool_bytes(torch.device("cuda", 0), pool) is None

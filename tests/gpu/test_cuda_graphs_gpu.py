@@ -191,6 +191,6 @@ def test_close_frees_the_captured_graphs(f32_model):
     assert len(outputs) == 3 and graphs.stats()["replays"] > 0
     engine.close()
     assert engine.graphs is None and engine.stats()["cuda_graphs"] is None
-    assert not graphs._graphs  # reset and dropped: nothing holds what they captured
+    assert not len(graphs.graphs)  # reset and dropped: nothing holds what they captured
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()

@@ -124,8 +124,7 @@ def _torch_write(key, value, k8, v8, slots, scales: KVScales) -> None:
     meta = PagedMetadata(
         num_seqs=0, num_tokens=key.shape[0], max_seqlen_q=0, max_seqlen_k=0, block_size=k8.shape[1],
         phase=Phase.DECODE, cu_seqlens_q=slots, cu_seqlens_k=slots, seq_lens_k=slots,
-        block_tables=slots, slot_mapping=slots, token_index=None, grid=(1, key.shape[0]), has_padding_slots=True,
-        kv_caches=[], dispatcher=None)
+        block_tables=slots, slot_mapping=slots, token_index=None, grid=(1, key.shape[0]), has_padding_slots=True)
     TorchBackend().write_kv(key, value, k8, v8, meta, kv_scales=scales)
 
 
@@ -206,7 +205,7 @@ def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model, b
                                                                do_sample=False))
     got = torch.tensor([o.token_ids for o in outs], device=DEVICE)
     stats = engine.stats()
-    backends = engine.cache.stats()["backends"]
+    backends = engine.stats()["backends"]
     assert backends["decode"] == "cuda" and backends["write"] == "cuda" and backends["prefill"] == "cuda", backends
     assert stats["cuda_graphs"]["replays"] > 0, stats["cuda_graphs"]
     assert_matches_up_to_ties(got, want, gaps, f"fp8 engine on cuda, stats={stats}")

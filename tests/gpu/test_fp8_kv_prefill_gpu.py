@@ -175,6 +175,6 @@ def test_fp8_engine_prefill_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_
     outs = engine.generate(_prompts(batch), GenerationConfig(max_new_tokens=want.shape[1],
                                                              min_new_tokens=want.shape[1], do_sample=False))
     got = torch.tensor([o.token_ids for o in outs], device=DEVICE)
-    backends = engine.cache.stats()["backends"]
+    backends = engine.stats()["backends"]
     assert backends["prefill"] == "cuda" and backends["decode"] == "cuda" and backends["write"] == "cuda", backends
     assert_matches_up_to_ties(got, want, gaps, f"fp8 engine, cuda prefill, block 48: {engine.stats()}")

@@ -23,6 +23,7 @@ if not torch.cuda.is_available():
 
 from transformers import AutoModelForCausalLM, LlamaConfig  # noqa: E402
 
+from hf_paged._forward_context import forward_context
 from hf_paged import kernels  # noqa: E402
 from hf_paged.compile import _skinny_linears as skinny_linear  # noqa: E402
 from hf_paged.kernels import _skinny as skinny  # noqa: E402
@@ -267,7 +268,7 @@ def test_inductor_compiled_mlp_runs_the_op_for_every_row_count(wide, monkeypatch
     skinny_linear.install(model)
     mlp = model.model.layers[0].mlp
     compiled = torch.compile(mlp, dynamic=True, fullgraph=True)
-    with torch.no_grad(), skinny_linear.active():
+    with torch.no_grad(), forward_context(skinny_linears=True):
         for rows in (1, 3, 8, 9, 40, 64, 80):
             x = torch.randn(rows, 1, CONFIG["hidden_size"], device=DEVICE, dtype=torch.bfloat16)
             want = mlp(x)
@@ -299,7 +300,7 @@ def assert_greedy_matches(model, batch: dict, label: str) -> None:
     skinny_linear.install(model)
     ref = model.generate(**batch, return_dict_in_generate=True, output_logits=True)
     top2 = torch.stack(ref.logits, 1).float().topk(2, dim=-1).values
-    with skinny_linear.active():
+    with forward_context(skinny_linears=True):
         got = model.generate(**batch)
     width = batch["input_ids"].shape[1]
     assert_matches_up_to_ties(got[:, width:], ref.sequences[:, width:], top2[..., 0] - top2[..., 1], label)

@@ -109,8 +109,8 @@ def worker(path: str, out_dir: str, part: str) -> None:
         torch.distributed.destroy_process_group()
         return
     engine = _engine(model)
-    k_cache = engine.cache.pool.kv_caches[0][0]
-    record["pool"] = (k_cache.shape[2], str(k_cache.device), engine.cache.num_blocks)
+    k_cache = engine.pool.kv_caches[0][0]
+    record["pool"] = (k_cache.shape[2], str(k_cache.device), engine.pool.num_blocks)
     for name, config in configs.items():
         record[name] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, config)])
     graphed = _engine(model)
