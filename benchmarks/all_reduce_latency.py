@@ -9,19 +9,17 @@ Every method sums the same bf16 inputs (rank-specific random values) over all ra
 one decode row of hidden 4096, up to 1 MiB, 128 rows):
 
 - ``nccl``: ``dist.all_reduce`` in place on a copy, as ``hf_paged::tp_all_reduce`` does by default;
-- ``torch-one-shot``: ``torch.ops.symm_mem.one_shot_all_reduce_copy`` (``HF_PAGED_TP_ALL_REDUCE=one_shot``);
+- ``torch-one-shot``: ``torch.ops.symm_mem.one_shot_all_reduce_copy``;
 - ``hf_paged``: ``torch.ops.hf_paged.peer_sum`` (``HF_PAGED_TP_ALL_REDUCE=hf_paged``, ``csrc/peer_sum.cu``);
-- ``hf_paged+add`` and ``hf_paged+add+norm``: its fused forms (``HF_PAGED_TP_FUSE_NORM=1``), the sum plus a residual
-  and then that row's RMSNorm, at rows of 4096.
+- ``hf_paged+add`` and ``hf_paged+add+norm``: its fused forms, the sum plus a residual and then that row's RMSNorm,
+  at rows of 4096.
 
 Checks (every method, before timing): the sum against float32 sums of the gathered inputs in rank order (hf_paged's
 must be bit-identical; the others are reported as a max difference), on eager calls whose inputs change between
 calls (so both data halves serve), after a delay on one rank only (the others must wait, not read stale data), and
 from a CUDA graph replay. The fused forms: the residual add bit-identical to the unfused rounding (the sum rounded
 to the dtype, then added), the norm within two units of the dtype's last place of a float64 norm of that sum, at
-widths from 2048 to 16384 and 1 to 128 rows. The L2 prefetch hint (the tensor-parallel layers hand each all-reduce the
-first bytes of the next product's weight, ``HF_PAGED_TP_PREFETCH_MB``): every form gives the same bits with it as
-without, eagerly and from a graph replay; its timing runs pairs of (sum, product) with hints of 0 to 48 MiB.
+widths from 2048 to 16384 and 1 to 128 rows.
 Timing: ``--calls`` back-to-back calls captured in one CUDA graph,
 replayed ``--replays`` times between CUDA events; the median replay over the calls is the time per call, which is
 what a decode graph pays. Rank 0 prints progress, a table, and writes ``--json``.
@@ -45,7 +43,7 @@ import torch.distributed as dist  # noqa: E402
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: E402
 
 METHODS = ("nccl", "torch-one-shot", "hf_paged")
-FUSED = ("hf_paged+add", "hf_paged+add+norm")  # peer_sum_add, peer_sum_add_rms_norm (HF_PAGED_TP_FUSE_NORM=1)
+FUSED = ("hf_paged+add", "hf_paged+add+norm")  # peer_sum_add, peer_sum_add_rms_norm
 HIDDEN = 4096  # the row width of the fused forms' timings
 
 
@@ -196,78 +194,6 @@ def check_fused(methods: Methods, device) -> list[dict]:
     return rows
 
 
-def check_prefetch(methods: Methods, device) -> list[dict]:
-    """peer_sum and its fused forms given an L2 prefetch hint (a weight's bytes, as the tensor-parallel layers pass
-    the next product's): the same bits as without it, eagerly (one rank late once) and from a graph replay."""
-    rows = []
-    gen = torch.Generator(device="cpu").manual_seed(5)
-    hints = {"8 MiB": torch.randn(4 << 20, generator=gen).to(torch.bfloat16).to(device),
-             "48 B": torch.randn(24, generator=gen).to(torch.bfloat16).to(device)}
-    for name, hint in hints.items():
-        for n, hidden in ((64, 4096), (1, 4096)):
-            same = True
-            for call in range(4):
-                x, residual, weight, h_ref, _ = _fused_inputs(n, hidden, torch.bfloat16, 700 + call + n, device)
-                if call == 2 and methods.rank == 1:
-                    torch.cuda._sleep(50_000_000)
-                plain = torch.ops.hf_paged.peer_sum(x, *methods.peers, hint)
-                added = torch.ops.hf_paged.peer_sum_add(x, residual, *methods.peers, hint)
-                h, y = torch.ops.hf_paged.peer_sum_add_rms_norm(x, residual, weight, 1e-5, *methods.peers, hint)
-                _, y_plain = torch.ops.hf_paged.peer_sum_add_rms_norm(x, residual, weight, 1e-5, *methods.peers)
-                summed = _inputs(n * hidden, torch.bfloat16, 700 + call + n, device)[1]
-                same = (same and torch.equal(plain.view(-1), summed) and torch.equal(added, h_ref)
-                        and torch.equal(h, h_ref) and torch.equal(y, y_plain))
-            x, _ = _inputs(n * hidden, torch.bfloat16, 800 + n, device)
-            graph, out = _capture(lambda: torch.ops.hf_paged.peer_sum(x, *methods.peers, hint), calls=3)
-            new, summed = _inputs(n * hidden, torch.bfloat16, 801 + n, device)
-            x.copy_(new)
-            graph.replay()
-            torch.cuda.synchronize()
-            same = same and torch.equal(out, summed)
-            rows.append({"method": "hf_paged prefetch", "hint": name, "rows": n, "hidden": hidden,
-                         "bit_identical": same})
-            if methods.rank == 0:
-                print(f"[check] prefetch {name:6s} {n:4d} x {hidden:5d}: sum, fused sum and norm "
-                      f"{'bit-identical to no hint' if same else 'DIFFER'}", flush=True)
-            del graph
-    return rows
-
-
-def time_prefetch(methods: Methods, replays: int, device, pairs: int = 16) -> list[dict]:
-    """What the hint buys where it is meant to: ``pairs`` of (peer_sum of a batch-64 step's 512 KiB, then a product
-    of its 64 rows with a weight of its own: a rank's packed q/k/v, 3072 x 4096, or gate, 7168 x 4096, bf16) in one
-    CUDA graph, the sum given the first P MiB of the next product's weight as its hint; us per pair, median replay.
-    Each pair has its own weight, so none is in the L2 from the pair before. Also the products alone."""
-    rows = []
-    x, _ = _inputs(64 * HIDDEN, torch.bfloat16, seed=3, device=device)
-    x = x.view(64, HIDDEN)
-    for label, n in (("q/k/v 3072x4096", 3072), ("gate 7168x4096", 7168)):
-        weights = [torch.randn(n, HIDDEN, device=device, dtype=torch.bfloat16) / 64 for _ in range(pairs)]
-        mib = n * HIDDEN * 2 / 2**20
-        for p in (None, 0, 8, 16, 24, 32, 48):
-            if p is not None and p > mib:
-                continue
-            hints = [None if not p else w.view(-1)[: p * 2**19] for w in weights]
-
-            def run(hints=hints, p=p):
-                out = []
-                for w, hint in zip(weights, hints):  # (one stream: each pair after the one before)
-                    h = x if p is None else torch.ops.hf_paged.peer_sum(x, *methods.peers, hint)
-                    out.append(torch.mm(h, w.t()))
-                return out
-
-            graph, _ = _capture(run, calls=1)
-            us = _median_replay_us(graph, replays) / pairs
-            what = "product only" if p is None else f"sum + product, hint {p} MiB"
-            rows.append({"weight": label, "hint_mib": p, "what": what, "us_per_pair": us, "pairs": pairs})
-            if methods.rank == 0:
-                print(f"[time] prefetch {label:16s} {what:28s} {us:7.2f} us", flush=True)
-            del graph
-        del weights
-        torch.cuda.empty_cache()
-    return rows
-
-
 def _median_replay_us(graph, replays: int) -> float:
     """The median of ``replays`` replays of ``graph`` between CUDA events, in microseconds; the ranks start each
     replay together (host-side), as decode steps do."""
@@ -331,9 +257,7 @@ def main(argv=None) -> None:
     methods = Methods(device)
     checks = check(methods, sizes, device)
     fused = check_fused(methods, device)
-    prefetch = check_prefetch(methods, device)
     timings = [] if args.check else time_methods(methods, sizes, args.calls, args.replays, device)
-    prefetch_timings = [] if args.check else time_prefetch(methods, args.replays, device)
     if dist.get_rank() == 0:
         card = torch.cuda.get_device_name(device)
         nccl = {k: v for k, v in os.environ.items() if k.startswith("NCCL_")}
@@ -350,25 +274,16 @@ def main(argv=None) -> None:
         print(f"checks: hf_paged bit-identical in {len(ours) - len(bad)} of {len(ours)} cases", flush=True)
         bad_fused = [r for r in fused if not (r["sum_bit_identical"] and r["norm_within_two_ulps"])]
         print(f"checks: fused forms right in {len(fused) - len(bad_fused)} of {len(fused)} cases", flush=True)
-        bad_prefetch = [r for r in prefetch if not r["bit_identical"]]
-        print(f"checks: prefetch hints change nothing in {len(prefetch) - len(bad_prefetch)} of {len(prefetch)} "
-              "cases", flush=True)
-        if prefetch_timings:
-            print("us per (sum, product) pair, each product's own weight: " + "; ".join(
-                f"{r['weight']} {r['what']} {r['us_per_pair']:.2f}" for r in prefetch_timings))
         if args.json:
             args.json.write_text(json.dumps({"card": card, "world_size": dist.get_world_size(),
                                              "torch": torch.__version__, "nccl_env": nccl,
                                              "commit": os.environ.get("HF_PAGED_COMMIT"),
-                                             "checks": checks, "fused_checks": fused, "prefetch_checks": prefetch,
-                                             "timings": timings, "prefetch_timings": prefetch_timings},
+                                             "checks": checks, "fused_checks": fused, "timings": timings},
                                             indent=1))
         if bad:
             raise SystemExit(f"hf_paged peer_sum differs from the rank-order float32 sum: {bad}")
         if bad_fused:
             raise SystemExit(f"hf_paged's fused peer_sum differs from its reference: {bad_fused}")
-        if bad_prefetch:
-            raise SystemExit(f"hf_paged's peer_sum with a prefetch hint differs from it without: {bad_prefetch}")
     dist.destroy_process_group()
 
 

@@ -1,12 +1,11 @@
-"""The skinny linear kernels against cuBLAS (``F.linear``) at decode row counts: time per call, GB/s, % of copy
+"""The skinny linear kernel against cuBLAS (``F.linear``) at decode row counts: time per call, GB/s, % of copy
 bandwidth.
 
 Shapes: every distinct linear of Llama-3.2-1B and Llama-3.1-8B (q/o, k/v, gate/up, down, lm_head) and of one rank of
 Llama-3.1-8B split over two GPUs by tensor parallelism (``8b-tp2``: q 2048, k/v 512 and gate/up 7168 rows of K=4096,
 o 4096 x 2048, down 4096 x 7168, and lm_head's 64128-row half of the vocabulary: transformers' Llama plan splits it
-by columns and gathers the logits), ``--rows`` (default 1, 2, 4, 8; up to 64) rows of x, ``--dtype``
-(default bf16), with no bias (as in Llama). Up to 8 rows "skinny" is skinny_gemm.cu, from 9 to 64 the wide kernel
-(skinny_gemm_wide.cu), called directly: the benchmark needs no ``HF_PAGED_SKINNY_WIDE``.
+by columns and gathers the logits), ``--rows`` (default 1, 2, 4, 8; up to 8) rows of x, ``--dtype``
+(default bf16), with no bias (as in Llama). "skinny" is skinny_gemm.cu, called directly.
 
 Each time is of a CUDA graph of ``calls`` launches cycling through enough copies of the weight to span twice the L2
 cache, so that every call reads its weight from DRAM as in a decode step, and no host launch cost is timed; time
@@ -18,13 +17,10 @@ skinny = one grouped launch, each in the same graph setup (a "call" is the whole
 The summary adds up one decode step's linears (per layer: each shape its count, e.g. 8B's q/o 2, k/v 2, gate/up 2,
 down 1; then lm_head): all on cuBLAS, all single kernel launches, and as the engine runs them (q+k+v and gate+up
 grouped, the other products per the single op's size rule, ``kernel_wins``).
-``--wgmma`` adds the Hopper kernel (skinny_gemm_wgmma.cu, any row count up to 64; compute capability 9.0 only) as
-two columns of its own, one and two 64-wide panels of K a stage (``wgmma``, ``wgmma2``), each result checked
-against cuBLAS's too (``wgmma_max_rel_diff``, ``wgmma2_max_rel_diff``).
 Progress lines go to stdout as it runs, the table last; ``--json`` writes every row and the settings.
 
-    python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8,16,32,64] [--dtype bf16] [--replays 20]
-        [--extra] [--wgmma] [--json F]
+    python benchmarks/skinny_gemm.py [--models 1b,8b,8b-tp2] [--rows 1,2,4,8] [--dtype bf16] [--replays 20]
+        [--extra] [--json F]
 """
 
 from __future__ import annotations
@@ -32,7 +28,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import statistics
 import sys
 from pathlib import Path
@@ -43,7 +38,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from hf_paged.kernels import unavailable_reason  # noqa: E402
-from hf_paged.kernels._skinny import MAX_ROWS, WIDE_MAX_ROWS, kernel_wins  # noqa: E402
+from hf_paged.kernels._skinny import MAX_ROWS, kernel_wins  # noqa: E402
 
 # shape: (N, K, calls per layer); 0 for lm_head, called once per step
 MODELS = {
@@ -62,7 +57,6 @@ MODELS = {
 # the model's q and o have one shape
 GROUPS = {"q+k+v": ("q", "k/v", "k/v"), "gate+up": ("gate/up", "gate/up")}
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
-PANELS_ENV = "HF_PAGED_SKINNY_WGMMA_PANELS"
 
 
 def group_shapes(spec: dict, group: str) -> tuple[str, ...]:
@@ -74,17 +68,13 @@ def _cublas_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Te
     return [F.linear(x, w) for w in weights]
 
 
-# the kernels themselves, by rows of x (the routed ops would send small single products to cuBLAS, and more than 8
-# rows to cuBLAS unless HF_PAGED_SKINNY_WIDE=1)
+# the kernel itself (the routed op would send small single products to cuBLAS)
 def _skinny(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    ops = torch.ops.hf_paged
-    return (ops.skinny_gemm if x.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide)(x, weight, None)
+    return torch.ops.hf_paged.skinny_gemm(x, weight, None)
 
 
 def _skinny_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
-    ops = torch.ops.hf_paged
-    group = ops.skinny_gemm_group if x.shape[0] <= MAX_ROWS else ops.skinny_gemm_wide_group
-    return group(x, weights, [None] * len(weights))
+    return torch.ops.hf_paged.skinny_gemm_group(x, weights, [None] * len(weights))
 
 
 SYSTEMS = {"cublas": F.linear, "skinny": _skinny}
@@ -115,24 +105,6 @@ def extra_systems(grouped: bool, weights: list) -> dict:
         sizes = [w.shape[0] for w in weights[0]]
         out["packed"] = lambda x, ws: torch.split_with_sizes_copy(F.linear(x, packed[id(ws[0])]), sizes, dim=-1)
     return out
-
-
-def wgmma_systems(grouped: bool) -> dict:
-    """--wgmma: the Hopper kernel, one launch per product or per group, with one 64-wide panel of K a stage
-    (``wgmma``, its default) and with two (``wgmma2``: ``HF_PAGED_SKINNY_WGMMA_PANELS=2``, read per launch, so a
-    graph captured inside keeps it)."""
-    ops = torch.ops.hf_paged
-
-    def call(x, w):
-        return ops.skinny_gemm_wgmma_group(x, w, [None] * len(w)) if grouped else ops.skinny_gemm_wgmma(x, w, None)
-
-    def two_panels(x, w):
-        os.environ[PANELS_ENV] = "2"
-        try:
-            return call(x, w)
-        finally:
-            del os.environ[PANELS_ENV]
-    return {"wgmma": call, "wgmma2": two_panels}
 
 
 def copy_bandwidth(replays: int) -> float:
@@ -202,12 +174,6 @@ def measure(model: str, shape: str, rows: int, weights: list, args, copy_bw: flo
                small=not kernel_wins(first[0]))
     if args.extra:
         systems = {**systems, **extra_systems(grouped, weights)}
-    if args.wgmma:
-        systems = {**systems, **wgmma_systems(grouped)}
-        for name in ("wgmma", "wgmma2"):
-            got = systems[name](x, weights[0])
-            got = torch.cat(got if grouped else [got], 1).float()
-            row[f"{name}_max_rel_diff"] = float(((got - want).abs() / (want.abs() + 1)).max())
     for system, fn in systems.items():
         seconds = time_per_call(fn, x, weights, args.replays)
         row[f"{system}_us"] = round(seconds * 1e6, 2)
@@ -244,7 +210,7 @@ def step_totals(rows: list[dict], models: list[str], row_counts: list[int]) -> l
 
 
 def table(rows: list[dict]) -> str:
-    extra = [name for name in ("cublaslt", "packed", "wgmma", "wgmma2") if any(f"{name}_us" in r for r in rows)]
+    extra = [name for name in ("cublaslt", "packed") if any(f"{name}_us" in r for r in rows)]
     lines = ["| model | shape | N x K | M | cuBLAS us | skinny us | speedup | cuBLAS GB/s | skinny GB/s "
              "| cuBLAS % copy | skinny % copy |" + "".join(f" {name} us |" for name in extra),
              "|---|---|---|---|---|---|---|---|---|---|---|" + "---|" * len(extra)]
@@ -258,24 +224,20 @@ def table(rows: list[dict]) -> str:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="1b,8b", help=f"comma-separated, of {sorted(MODELS)}")
-    parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated row counts of x (1 to {WIDE_MAX_ROWS})")
+    parser.add_argument("--rows", default="1,2,4,8", help=f"comma-separated row counts of x (1 to {MAX_ROWS})")
     parser.add_argument("--dtype", default="bf16", choices=sorted(DTYPES))
     parser.add_argument("--replays", type=int, default=20, help="timed graph replays per measurement")
     parser.add_argument("--extra", action="store_true",
                         help="also time cuBLAS through torch's cuBLASLt path, and each group as one product over "
                              "its weights packed end to end (columns cublaslt / packed)")
-    parser.add_argument("--wgmma", action="store_true",
-                        help="also time the Hopper kernel (skinny_gemm_wgmma.cu; compute capability 9.0 only)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args(argv)
     args.models = [m for m in args.models.split(",") if m]
     args.rows = [int(r) for r in args.rows.split(",") if r]
     if set(args.models) - set(MODELS):
         parser.error(f"unknown models {sorted(set(args.models) - set(MODELS))}; choose from {sorted(MODELS)}")
-    if args.wgmma and torch.cuda.is_available() and torch.cuda.get_device_capability() != (9, 0):
-        parser.error("--wgmma needs a compute capability 9.0 GPU (the kernel is sm_90a code)")
-    if not all(0 < m <= WIDE_MAX_ROWS for m in args.rows):
-        parser.error(f"--rows must be 1 to {WIDE_MAX_ROWS} (the skinny kernels serve no more), got {args.rows}")
+    if not all(0 < m <= MAX_ROWS for m in args.rows):
+        parser.error(f"--rows must be 1 to {MAX_ROWS} (the skinny kernel serves no more), got {args.rows}")
     return args
 
 
@@ -283,13 +245,11 @@ def report(rows: list[dict], args, device: str, copy_bw: float) -> None:
     """Print the last row as it comes and rewrite the JSON file with every row so far."""
     row = rows[-1]
     extra = "".join(f", {name} {row[f'{name}_us']:.1f} us ({row[f'{name}_pct_copy']:.0f}% copy)"
-                    for name in ("cublaslt", "packed", "wgmma", "wgmma2") if f"{name}_us" in row)
+                    for name in ("cublaslt", "packed") if f"{name}_us" in row)
     print(f"{row['model']} {row['shape']} {row['n']}x{row['k']} M={row['rows']}: cuBLAS {row['cublas_us']:.1f} us "
           f"({row['cublas_gbs']:.0f} GB/s, {row['cublas_pct_copy']:.0f}% copy), skinny {row['skinny_us']:.1f} us "
           f"({row['skinny_gbs']:.0f} GB/s, {row['skinny_pct_copy']:.0f}% copy){extra}, max rel diff "
-          f"{row['max_rel_diff']:.1e}" + (f" (wgmma {row['wgmma_max_rel_diff']:.1e}, two panels "
-                                          f"{row['wgmma2_max_rel_diff']:.1e})" if "wgmma_max_rel_diff" in row else ""),
-          flush=True)
+          f"{row['max_rel_diff']:.1e}", flush=True)
     if args.json is not None:
         settings = {**{name: str(v) for name, v in vars(args).items()}, "device": device,
                     "json": args.json.name,  # the file's name only: where it was written is the machine's own

@@ -19,23 +19,12 @@ system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` 
     python benchmarks/tensor_parallel.py --gpus 1,2 --json tp.json      # launches torchrun per count, then the table
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-eager          # also hf_paged with eager decode on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-layers-eager   # also hf_paged with eager layers on TP
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-one-shot       # also hf_paged with one-shot all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-nccl           # also hf_paged with NCCL all-reduces
     python benchmarks/tensor_parallel.py --gpus 1,2 --tp-peer-sum       # also hf_paged, peer_sum named (the default)
     python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only       # hf_paged without the batch-64 pair of calls
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pack        # also hf_paged with q/k/v shards unpacked
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-pack-all       # also hf_paged with gate/up packed too
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-views       # also hf_paged with q/k/v split by copies
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-fuse        # also hf_paged with add+norm apart
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-prefetch       # also hf_paged with the L2 prefetch
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-gathered-logits  # also hf_paged sampling gathered logits
-    python benchmarks/tensor_parallel.py --gpus 1,2 --tp-no-pdl         # also hf_paged without PDL on TP
     python benchmarks/tensor_parallel.py --gpus 1,2 --steady-only --no-latency  # the steady step only (faster)
-    python benchmarks/tensor_parallel.py --gpus 2 --variants-only --tp-no-pdl --keep-model DIR  # no plain runs
-    python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wide       # also hf_paged with the 9-64-row skinny GEMM
+    python benchmarks/tensor_parallel.py --gpus 2 --variants-only --tp-nccl --keep-model DIR  # no plain runs
     python benchmarks/tensor_parallel.py --gpus 1,2 --cublaslt          # also hf_paged with products on cuBLASLt
-    python benchmarks/tensor_parallel.py --gpus 1,2 --compile-pdl       # also hf_paged with PDL in compiled layers
-    python benchmarks/tensor_parallel.py --gpus 1,2 --skinny-wgmma      # also hf_paged with the wgmma skinny GEMM
     python benchmarks/tensor_parallel.py --gpus 1,2 --split             # also hf_paged on the model split by layers
     python benchmarks/tensor_parallel.py --gpus 2 --keep-model DIR      # save the model once, reuse it in later calls
     python benchmarks/tensor_parallel.py --tiny                         # a tiny model on CPU processes (gloo)
@@ -70,63 +59,21 @@ LAUNCH_TIMEOUT_S = 420  # a launch that hangs (a rank stuck in a collective) is 
 # flag -> (variant suffix, environment, what it runs): launches on the tensor-parallel counts only, then ones on every
 # count (each count against the same variant on one GPU), in launch order; parse_args makes a --flag of each
 TP_VARIANTS = {
-    "tp_eager": (" (eager)", {"HF_PAGED_TP_CUDA_GRAPHS": "0"}, "eager decode; graphs are the default"),
+    "tp_eager": (" (eager)", {"HF_PAGED_BENCH_GRAPHS": "0"},
+                 "cuda_graphs=False: eager decode; graphs are the default"),
     "tp_layers_eager": (" (layers eager)", {"HF_PAGED_BENCH_COMPILE": "0"},
                         "compile_layers=False: eager layers under decode graphs; compiled layers are the default"),
-    "tp_one_shot": (" (one-shot)", {"HF_PAGED_TP_ALL_REDUCE": "one_shot"},
-                    "small all-reduces through torch's symmetric-memory kernel; experimental"),
     "tp_peer_sum": (" (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"},
-                    "small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu, named: the default since "
-                    "2026-11-27, so this repeats the plain run"),
-    "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"},
-                "the layers' all-reduces through NCCL, the default before peer_sum"),
-    "tp_no_pack": (" (unpacked)", {"HF_PAGED_TP_PACK": "0"},
-                   "q/k/v local shards left in their own buffers: three products instead of one"),
-    "tp_pack_all": (" (gate/up packed)", {"HF_PAGED_TP_PACK": "all"}, "gate/up shards packed too, beside q/k/v"),
-    "tp_pack_views": (" (packed views)", {"HF_PAGED_PACK_VIEWS": "1"},
-                      "the packed q/k/v product's output taken as views, without the three copies that split it: "
-                      "the default since 2026-11-27, so this repeats the plain run"),
-    "tp_no_views": (" (views off)", {"HF_PAGED_PACK_VIEWS": "0"},
-                    "the packed q/k/v product split by three copies, the default before views"),
-    "tp_fuse_norm": (" (fused norm)", {"HF_PAGED_TP_FUSE_NORM": "1"},
-                     "each all-reduce's residual add and RMSNorm in peer_sum's kernel: the default since "
-                     "2026-11-27, so this repeats the plain run"),
-    "tp_no_fuse": (" (norm apart)", {"HF_PAGED_TP_FUSE_NORM": "0"},
-                   "each all-reduce's residual add and RMSNorm in a kernel of their own, the default before"),
-    "tp_prefetch": (" (prefetch 16 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "16"},
-                    "16 MiB of the next product's weight prefetched into the L2 during each all-reduce; opt-in"),
-    "tp_prefetch_4": (" (prefetch 4 MiB)", {"HF_PAGED_TP_PREFETCH_MB": "4"},
-                      "4 MiB of the next product's weight prefetched into the L2 during each all-reduce; opt-in"),
-    "tp_no_prefetch": (" (no prefetch)", {"HF_PAGED_TP_PREFETCH_MB": "0"},
-                       "no L2 prefetch: the default, so this repeats the plain run"),
-    "tp_sharded_logits": (" (sharded logits)", {"HF_PAGED_TP_SHARDED_LOGITS": "1"},
-                          "greedy steps exchange each rank's (max logit, id) instead of gathering the logits: the "
-                          "default since 2026-11-28, so this repeats the plain run"),
-    "tp_gathered_logits": (" (logits gathered)", {"HF_PAGED_TP_SHARDED_LOGITS": "0"},
-                           "every step samples the gathered logits, the default before 2026-11-28"),
-    "tp_sharded_pdl": (" (sharded logits, compile PDL)",
-                       {"HF_PAGED_TP_SHARDED_LOGITS": "1", "HF_PAGED_COMPILE_PDL": "1"},
-                       "--tp-sharded-logits and --tp-pdl together: the default since 2026-11-28, so this repeats "
-                       "the plain run"),
-    "tp_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
-               "the compiled layers' Triton kernels with programmatic dependent launch, on the tensor-parallel "
-               "counts only (--compile-pdl runs every count): the default there since 2026-11-28, so this repeats "
-               "the plain run"),
-    "tp_no_pdl": (" (PDL off)", {"HF_PAGED_COMPILE_PDL": "0"},
-                  "the compiled layers' Triton kernels without programmatic dependent launch, the default before "
-                  "2026-11-28"),
-    "tp_before_2026_11_28": (" (logits gathered, PDL off)",
-                             {"HF_PAGED_TP_SHARDED_LOGITS": "0", "HF_PAGED_COMPILE_PDL": "0"},
-                             "--tp-gathered-logits and --tp-no-pdl together: the defaults before 2026-11-28"),
+                    "small all-reduces on hf_paged's one-shot kernel, csrc/peer_sum.cu, named: the default, so this "
+                    "repeats the plain run"),
+    "tp_nccl": (" (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}, "the layers' all-reduces through NCCL"),
 }
 EVERY_COUNT_VARIANTS = {
     "cublaslt": (" (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}, "torch's matrix products through cuBLASLt"),
-    "skinny_wgmma": (" (skinny wgmma)", {"HF_PAGED_SKINNY_WIDE": "wgmma"},
-                     "products of 9 to 64 rows on the Hopper skinny kernel (csrc/skinny_gemm_wgmma.cu); opt-in"),
-    "compile_pdl": (" (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"},
-                    "the compiled layers' Triton kernels with programmatic dependent launch (the tensor-parallel "
-                    "counts take it by default)"),
 }
+# The benchmark's own settings (HF_PAGED_BENCH_*), passed to its torchrun workers: engine options, not hf_paged
+# switches.
+BENCH_SETTINGS = {"HF_PAGED_BENCH_GRAPHS": "cuda_graphs", "HF_PAGED_BENCH_COMPILE": "compile_layers"}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -139,9 +86,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             setting = " ".join(f"{k}={v}" for k, v in env.items())
             parser.add_argument("--" + flag.replace("_", "-"), action="store_true",
                                 help=f"also run hf_paged on {counts} with {setting} ({what})")
-    parser.add_argument("--skinny-wide", action="store_true",
-                        help="also run hf_paged on every count with HF_PAGED_SKINNY_WIDE=1 (the skinny GEMM for 9 "
-                             "to 64 rows; with --tp-peer-sum the tensor-parallel counts take peer_sum too)")
     parser.add_argument("--tp-graphs", action="store_true",
                         help="deprecated: decode CUDA graphs are the default under tensor parallel (ignored)")
     parser.add_argument("--split", action="store_true",
@@ -231,7 +175,7 @@ def worker(args: argparse.Namespace) -> None:
     rows = []
     for system in args.systems.split(","):
         if system == "hf_paged":
-            layers = {"compile_layers": False} if os.environ.get("HF_PAGED_BENCH_COMPILE") == "0" else {}
+            layers = {option: False for name, option in BENCH_SETTINGS.items() if os.environ.get(name) == "0"}
             generate = hf_paged_system(model, budget, layers)
         else:  # transformers' continuous batching takes its own attention ("sdpa", run as "paged|sdpa")
             model.set_attn_implementation("sdpa")
@@ -410,12 +354,6 @@ def planned_runs(args: argparse.Namespace, counts: list[int]) -> list[tuple[int,
     for flag, (suffix, env, _) in TP_VARIANTS.items():
         if getattr(args, flag):
             runs += [(c, suffix, dict(env)) for c in counts if c > 1]
-    if args.skinny_wide:
-        for c in counts:
-            env = {"HF_PAGED_SKINNY_WIDE": "1"}
-            if c > 1 and args.tp_peer_sum:
-                env["HF_PAGED_TP_ALL_REDUCE"] = "hf_paged"
-            runs.append((c, " (skinny wide" + (", peer_sum)" if len(env) > 1 else ")"), env))
     if args.split and max(counts) > 1:  # one process (torchrun of 1) holding every GPU
         runs.append((1, " (split)", {"HF_PAGED_BENCH_SPLIT": str(max(counts))}))
     for flag, (suffix, env, _) in EVERY_COUNT_VARIANTS.items():
@@ -433,9 +371,9 @@ def print_table(rows: list[dict]) -> None:
     print(f"{'system':<{width}}{'GPUs':>5}{'decode tok/s (b64)':>20}{'vs 1 GPU':>10}{'steady ms/step (b64)':>22}"
           f"{'steady tok/s':>14}{'vs 1 GPU':>10}{'ms/token (b1)':>15}{'vs 1 GPU':>10}")
     for r in rows:
-        # against the same variant on one GPU where it ran there (--skinny-wide), else the plain system's one-GPU run
+        # against the same variant on one GPU where it ran there (--cublaslt), else the plain system's one-GPU run
         ones = {b["system"]: b for b in rows if b["gpus"] == 1 and b["status"] == "ok"}
-        base = ones.get(r["system"].replace(", peer_sum)", ")")) or ones.get(r["system"].split(" ")[0])
+        base = ones.get(r["system"]) or ones.get(r["system"].split(" ")[0])
         if r["status"] != "ok":
             print(f"{r['system']:<{width}}{r['gpus']:>5}  failed: {r['error'][:80]}")
             continue

@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
 
+from hf_paged import envs
 from hf_paged.parallel import _fuse_all_reduce as fusion
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
@@ -32,9 +33,8 @@ def group(single_process_group):
 
 @pytest.fixture
 def served(monkeypatch, group):
-    """The group declared served by peer_sum and the pass switched on."""
+    """The group declared served by peer_sum."""
     monkeypatch.setattr(tp_all_reduce, "fused_ready", lambda name: name == group)
-    monkeypatch.setenv(fusion.FUSE_ENV, "1")
     return group
 
 
@@ -45,11 +45,9 @@ class RowLinear(torch.nn.Linear):
         super().__init__(linear.in_features, linear.out_features, bias=False)
         self.weight = linear.weight
         self.group_name = group_name
-        self.prefetch = None  # the L2 prefetch hint, passed as tp_linears.LocalLinear passes it
 
     def forward(self, x):
-        hint = () if self.prefetch is None else (self.prefetch,)
-        return torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group_name, *hint)
+        return torch.ops.hf_paged.tp_all_reduce(F.linear(x, self.weight), self.group_name)
 
 
 class Layer(torch.nn.Module):
@@ -96,7 +94,7 @@ def test_a_llama_layers_all_reduces_take_the_residual_adds_and_the_norm(served, 
     fused, graphs = compiled_graphs(layer, hidden)
     targets = [t for g in graphs for t in g]
     assert targets.count(ADD_NORM) == 1 and targets.count(ADD) == 1 and REDUCE not in targets
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")
+    monkeypatch.setattr(tp_all_reduce, "fused_ready", lambda name: False)  # NCCL serves: the unfused compile
     plain, graphs = compiled_graphs(layer, hidden)
     targets = [t for g in graphs for t in g]
     assert targets.count(REDUCE) == 2 and ADD not in targets and ADD_NORM not in targets
@@ -108,40 +106,9 @@ def test_a_llama_layers_all_reduces_take_the_residual_adds_and_the_norm(served, 
     assert fused.abs().sum() > 0
 
 
-def test_the_prefetch_hint_goes_with_the_sum_into_the_fused_op(served):
-    """An all-reduce given an L2 prefetch hint (the next product's weight) hands it to the fused op that replaces
-    it: each fused call's last argument is the hint its all-reduce had, and the values are those without hints."""
-    layer = Layer(torch.float32, served).eval()
-    hidden = torch.randn(1, 5, 64)
-    plain, _ = compiled_graphs(layer, hidden)
-    layer.layer.self_attn.o_proj.prefetch = torch.zeros(96)  # (any tensors: shapes tell them apart below)
-    layer.layer.mlp.down_proj.prefetch = torch.zeros(40)
-    hints = {}
-
-    class Seen(fusion.LayerPasses):
-        def __call__(self, graph):
-            super().__call__(graph)
-            for node in graph.nodes:
-                if node.target in (ADD, ADD_NORM, REDUCE):
-                    hints[node.target] = tuple(node.args[-1].meta["val"].shape)
-
-    torch._dynamo.reset()
-    with torch.no_grad():
-        hinted = torch.compile(layer, dynamic=True, options={"post_grad_custom_pre_pass": Seen(),
-                                                             "fx_graph_cache": False})(hidden)
-    torch._dynamo.reset()
-    assert hints == {ADD_NORM: (96,), ADD: (40,)}  # attention's sum (and norm) and the MLP's, no plain one left
-    torch.testing.assert_close(hinted, plain, rtol=1e-5, atol=1e-5)
-
-
-def test_nothing_is_fused_with_the_switch_off_or_without_peer_sum(group, monkeypatch):
+def test_nothing_is_fused_without_peer_sum(group, monkeypatch):
     layer = Layer(torch.float32, group).eval()
     hidden = torch.randn(1, 5, 64)
-    monkeypatch.setattr(tp_all_reduce, "fused_ready", lambda name: name == group)
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")  # switched off
-    _, graphs = compiled_graphs(layer, hidden)
-    assert [t for g in graphs for t in g].count(REDUCE) == 2
-    monkeypatch.setenv(fusion.FUSE_ENV, "1")
     monkeypatch.setattr(tp_all_reduce, "fused_ready", lambda name: False)  # NCCL serves the group: nothing to gain
     _, graphs = compiled_graphs(layer, hidden)
     targets = [t for g in graphs for t in g]
@@ -199,14 +166,15 @@ def test_the_fused_ops_fall_back_to_their_parts(group, dtype):
         assert torch.equal(normed, want)
 
 
-def test_the_switch_is_checked_and_keys_the_fx_graph_cache(monkeypatch):
-    monkeypatch.setenv(fusion.FUSE_ENV, "0")
-    off = fusion.LayerPasses().uuid()
-    assert fusion.fuse_setting() is False
-    monkeypatch.delenv(fusion.FUSE_ENV)
-    assert fusion.fuse_setting() is True and fusion.LayerPasses().uuid() != off  # on by default
-    monkeypatch.setenv(fusion.FUSE_ENV, "1")
-    assert fusion.fuse_setting() is True
-    monkeypatch.setenv(fusion.FUSE_ENV, "yes")
-    with pytest.raises(ValueError, match="HF_PAGED_TP_FUSE_NORM='yes'"):
-        fusion.fuse_setting()
+def test_the_all_reduce_choice_keys_the_fx_graph_cache(monkeypatch):
+    """The pass fuses only where peer_sum serves, so a graph compiled under HF_PAGED_TP_ALL_REDUCE=nccl must not be
+    served from the cache to a process on peer_sum, nor the other way round."""
+    monkeypatch.setenv(envs.TP_ALL_REDUCE, "nccl")
+    envs.refresh()
+    nccl = fusion.LayerPasses().uuid()
+    monkeypatch.setenv(envs.TP_ALL_REDUCE, "hf_paged")
+    envs.refresh()
+    peer_sum = fusion.LayerPasses().uuid()
+    monkeypatch.delenv(envs.TP_ALL_REDUCE)
+    envs.refresh()
+    assert nccl != peer_sum and fusion.LayerPasses().uuid() == peer_sum  # peer_sum is the default

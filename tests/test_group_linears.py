@@ -201,7 +201,7 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 
 
-# ----- end-to-end weights as views of one product (HF_PAGED_PACK_VIEWS, on by default) ------------------------
+# ----- end-to-end weights as views of one product ------------------------------------------------------------
 PACKED = torch.ops.hf_paged.linear_packed.default
 import hf_paged.attention.backends._torch  # noqa: E402,F401  (registers the "torch" KV writer)
 
@@ -262,16 +262,15 @@ def test_linear_packed_is_the_products_side_by_side_in_one_product_where_the_wei
 
 
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_with_pack_views_the_pass_slices_one_product_of_end_to_end_weights(monkeypatch, with_bias):
+def test_the_pass_slices_one_product_of_end_to_end_weights(with_bias):
     inputs = _kv_inputs(5)
-    for views, apart, packed in ((True, False, 1), (False, False, 0), (True, True, 0)):
+    for apart, packed in ((False, 1), (True, 0)):
         module = PackedQKV(apart=apart, with_bias=with_bias).eval()
-        monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1" if views else "0")
         gm = traced(module, *inputs)
         assert group_linears(gm.graph) == 1
         gm.graph.lint()
         gm.recompile()
-        # one product sliced three ways where the weights lie end to end and the switch is on, else the grouped op
+        # one product sliced three ways where the weights lie end to end, else the grouped op
         assert count(gm, PACKED) == packed and count(gm, GROUP) == 1 - packed and count(gm, LINEAR) == 0
         assert count(gm, torch.ops.aten.slice.Tensor) >= 3 * packed
         got_cache, want_cache = _kv_inputs(5), _kv_inputs(5)
@@ -283,8 +282,7 @@ def test_with_pack_views_the_pass_slices_one_product_of_end_to_end_weights(monke
         assert want_cache[2].abs().sum() > 0  # the KV write happened
 
 
-def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values(monkeypatch):
-    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1")
+def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values():
     module = PackedQKV(with_bias=True).eval()
     compiled = torch.compile(module, fullgraph=True, options={"post_grad_custom_pre_pass": GroupLinears()})
     compiled_codes = 0
@@ -304,18 +302,3 @@ def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values(
         assert torch.equal(got_inputs[2], want_inputs[2]) and want_inputs[2].abs().sum() > 0
         torch.testing.assert_close(got_inputs[1], want_inputs[1], rtol=1e-6, atol=1e-6)
     assert compiled_codes >= 1
-
-
-def test_the_pack_views_switch_is_checked_and_keys_the_fx_graph_cache(monkeypatch):
-    from hf_paged.compile import _group_linears as module
-
-    monkeypatch.delenv("HF_PAGED_PACK_VIEWS", raising=False)  # on by default
-    default = GroupLinears().uuid()
-    assert module.pack_views() is True
-    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1")
-    assert module.pack_views() is True and GroupLinears().uuid() == default
-    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "0")
-    assert module.pack_views() is False and GroupLinears().uuid() != default
-    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "yes")
-    with pytest.raises(ValueError, match="HF_PAGED_PACK_VIEWS='yes'"):
-        module.pack_views()

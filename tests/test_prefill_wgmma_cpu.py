@@ -1,7 +1,7 @@
 """The Hopper prefill (``impl="wgmma"``) without a GPU: its build target and sources, the refusals that need no
-device, the cuda backend's routing (wgmma on Hopper where it serves the layer, ``HF_PAGED_PREFILL_WGMMA`` to
-override), and its benchmark row. The kernel
-itself is tested on a compute capability 9.0 GPU by tests/gpu/test_prefill_wgmma_gpu.py."""
+device, the cuda backend's routing (on Hopper the wgmma form the per-head-size table names, where it serves the
+layer), and its benchmark row. The kernel itself is tested on a compute capability 9.0 GPU by
+tests/gpu/test_prefill_wgmma_gpu.py."""
 
 from __future__ import annotations
 
@@ -94,7 +94,6 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
     calls: list[dict] = []
     monkeypatch.setattr(cuda_backend, "paged_prefill", lambda *args, **kwargs: calls.append(kwargs))
     monkeypatch.setattr(cuda_backend, "_device_has_wgmma", lambda device: True)
-    monkeypatch.delenv(cuda_backend.PREFILL_WGMMA_ENV, raising=False)
     return calls
 
 
@@ -105,35 +104,30 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
     cuda_backend.CudaBackend().forward(query, query, query, k_cache, v_cache, meta, AttentionParams(scale=0.1))
 
 
-@pytest.mark.parametrize(("env", "shape", "impl"), [
-    (None, {}, "wgmma"), ("auto", {}, "wgmma"), (None, {"head_dim": 64}, "wgmma-serial"),
-    (None, {"dtype": torch.float16, "head_dim": 256}, "wgmma"), (None, {"head_dim": 80}, "wgmma"),
-    ("1", {"head_dim": 160}, "wgmma"),
-    (None, {"dtype": torch.float32}, "mma"), (None, {"kv_dtype": torch.float8_e4m3fn}, "mma"),
-    ("0", {}, "mma"), ("0", {"head_dim": 64}, "mma"), ("1", {}, "wgmma"), ("serial", {}, "wgmma-serial"),
-    ("1", {"dtype": torch.float16, "head_dim": 64}, "wgmma"), ("serial", {"head_dim": 72}, "mma"),
-    ("1", {"head_dim": 256}, "wgmma"), ("1", {"dtype": torch.float32}, "mma"), ("1", {"head_dim": 72}, "mma"),
-    ("1", {"kv_dtype": torch.float8_e4m3fn}, "mma"), (None, {"head_dim": 96}, "wgmma-serial"), ("1", {"head_dim": 96}, "wgmma"),
-    ("serial", {"head_dim": 192}, "wgmma-serial"), ("1", {"head_dim": 32}, "wgmma"), (None, {"head_dim": 32}, "wgmma-serial"),
-    (None, {"head_dim": 112}, "wgmma"), (None, {"head_dim": 160}, "wgmma"), (None, {"head_dim": 192}, "wgmma"),
-    (None, {"dtype": torch.float16, "head_dim": 96}, "wgmma-serial"), ("0", {"head_dim": 192}, "mma"),
+@pytest.mark.parametrize(("shape", "impl"), [
+    ({}, "wgmma"), ({"head_dim": 64}, "wgmma-serial"), ({"dtype": torch.float16, "head_dim": 256}, "wgmma"),
+    ({"head_dim": 80}, "wgmma"), ({"head_dim": 32}, "wgmma-serial"), ({"head_dim": 96}, "wgmma-serial"),
+    ({"dtype": torch.float16, "head_dim": 96}, "wgmma-serial"), ({"head_dim": 112}, "wgmma"),
+    ({"head_dim": 160}, "wgmma"), ({"head_dim": 192}, "wgmma"), ({"head_dim": 72}, "mma"),
+    ({"dtype": torch.float32}, "mma"), ({"kv_dtype": torch.float8_e4m3fn}, "mma"),
 ])
-def test_backend_routes_hopper_prefill_to_wgmma_where_it_serves(recorded, monkeypatch, env, shape: dict, impl: str):
-    """By default the faster kernel for the head size on Hopper (serial wgmma at 32, 64 and 96); 0 / 1 / serial override; the
-    layers the kernel does not serve (other sizes, float32, fp8 KV) keep mma."""
-    if env is not None:
-        monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)
+def test_backend_routes_hopper_prefill_to_wgmma_where_it_serves(recorded, shape: dict, impl: str):
+    """On Hopper the faster kernel for the head size (serial wgmma at 32, 64 and 96, pipelined elsewhere); the layers
+    the kernel does not serve (other sizes, float32, fp8 KV) keep mma."""
     _prefill(**shape)
     assert [c["impl"] for c in recorded] == [impl]
 
 
-@pytest.mark.parametrize("env", [None, "1", "serial"])
-def test_other_gpus_keep_the_mma_kernel(recorded, monkeypatch, env):
+def test_the_routing_table_names_a_wgmma_form_for_every_size_the_kernel_serves():
+    assert set(cuda_backend._WGMMA_BY_HEAD_DIM) == set(WGMMA_HEAD_DIMS)
+    assert set(cuda_backend._WGMMA_BY_HEAD_DIM.values()) == {"wgmma", "wgmma-serial"}
+
+
+def test_other_gpus_keep_the_mma_kernel(recorded, monkeypatch):
     monkeypatch.setattr(cuda_backend, "_device_has_wgmma", lambda device: False)
-    if env is not None:
-        monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, env)
     _prefill()
-    assert [c["impl"] for c in recorded] == ["mma"]
+    _prefill(head_dim=64)
+    assert [c["impl"] for c in recorded] == ["mma", "mma"]
 
 
 @pytest.mark.parametrize(("capability", "cuda", "has"), [((9, 0), "13.0", True), ((9, 0), "11.8", False),
@@ -143,13 +137,6 @@ def test_wgmma_needs_hopper_and_an_sm_90a_build(monkeypatch, capability, cuda: s
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     monkeypatch.setattr(torch.version, "cuda", cuda)
     assert cuda_backend._device_has_wgmma(torch.device("cuda", 0)) is has
-
-
-def test_a_misspelt_switch_is_refused_with_its_values(recorded, monkeypatch):
-    monkeypatch.setenv(cuda_backend.PREFILL_WGMMA_ENV, "yes")
-    with pytest.raises(ValueError, match="use 0 .* 1 .* serial"):
-        _prefill()
-    assert recorded == []
 
 
 @pytest.mark.parametrize(("capability", "present"), [((9, 0), True), ((8, 0), False), ((10, 0), False)])

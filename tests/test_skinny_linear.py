@@ -1,7 +1,7 @@
 """The skinny linear on the CPU: the ``hf_paged::linear`` op falls back to ``F.linear`` bit for bit, traces as one
-opaque call under ``torch.compile`` (no guard on the row count), routes rows to the kernels' ops by count (9 to 64
-only with ``HF_PAGED_SKINNY_WIDE=1``; the ops faked on the CPU), and ``skinny_linear.install`` / ``active`` route a
-model's linear layers through it only while active (the GPU kernels themselves: tests/gpu/test_skinny_linear_gpu.py)."""
+opaque call under ``torch.compile`` (no guard on the row count), routes rows to the kernel's ops by count (1 to 8;
+the ops faked on the CPU), and ``skinny_linear.install`` / ``active`` route a model's linear layers through it only
+while active (the GPU kernel itself: tests/gpu/test_skinny_linear_gpu.py)."""
 
 from __future__ import annotations
 
@@ -71,8 +71,7 @@ def test_training_keeps_autograd():
 def test_max_rows_matches_the_kernel():
     header = (build.CSRC / "skinny_gemm.h").read_text()
     assert int(re.search(r"kSkinnyMaxRows = (\d+);", header).group(1)) == skinny.MAX_ROWS
-    assert int(re.search(r"kSkinnyWideMaxRows = (\d+);", header).group(1)) == skinny.WIDE_MAX_ROWS
-    assert {"skinny_gemm.cu", "skinny_gemm_wide.cu", "skinny_gemm_wgmma.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
+    assert {"skinny_gemm.cu", "skinny_ops.cpp"} <= set(build.SOURCES)
 
 
 REAL_LINEAR = F.linear  # the tests below record calls to F.linear; the fake kernels compute with this one
@@ -80,7 +79,7 @@ REAL_LINEAR = F.linear  # the tests below record calls to F.linear; the fake ker
 
 @pytest.fixture
 def fake_kernels(monkeypatch):
-    """The kernels' four ops as F.linear on the CPU, each call recorded as (op name, rows of x); CPU tensors pass
+    """The kernel's two ops as F.linear on the CPU, each call recorded as (op name, rows of x); CPU tensors pass
     the kernels' device check and the kernels count as loaded. Every weight size takes the kernel (no cuBLAS rule)."""
     calls = []
 
@@ -96,41 +95,22 @@ def fake_kernels(monkeypatch):
             return [REAL_LINEAR(x, w, b) for w, b in zip(weights, biases, strict=True)]
         return op
 
-    for name in ("skinny_gemm", "skinny_gemm_wide", "skinny_gemm_wgmma"):
-        monkeypatch.setattr(torch.ops.hf_paged, name, single(name), raising=False)
-        monkeypatch.setattr(torch.ops.hf_paged, f"{name}_group", group(f"{name}_group"), raising=False)
+    monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm", single("skinny_gemm"), raising=False)
+    monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_group", group("skinny_gemm_group"), raising=False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
     monkeypatch.setattr(skinny, "_kernels_ready", True)
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
-    monkeypatch.setattr(skinny, "_capability", lambda device: (9, 0))  # a Hopper GPU (see the wgmma test)
     return calls
 
 
-def set_wide(monkeypatch, value: str | None) -> None:
-    if value is None:
-        monkeypatch.delenv(skinny.WIDE_ENV, raising=False)
-    else:
-        monkeypatch.setenv(skinny.WIDE_ENV, value)
-
-
-def expected_op(rows: int, wide: str | None) -> str | None:
-    if 0 < rows <= skinny.MAX_ROWS:
-        return "skinny_gemm"
-    if rows > skinny.WIDE_MAX_ROWS:
-        return None
-    return {"1": "skinny_gemm_wide", "wgmma": "skinny_gemm_wgmma"}.get(wide)
-
-
-@pytest.mark.parametrize("wide", [None, "0", "1", "wgmma"], ids=["unset", "off", "on", "wgmma"])
 @pytest.mark.parametrize("rows", [1, 8, 9, 16, 17, 33, 64, 65])
-def test_rows_reach_the_op_the_switch_allows(fake_kernels, monkeypatch, rows, wide):
-    set_wide(monkeypatch, wide)
+def test_up_to_max_rows_reach_the_kernel(fake_kernels, rows):
     gen = torch.Generator().manual_seed(rows)
     x = torch.randn(rows, 64, generator=gen).to(torch.bfloat16)
     weights = [torch.randn(n, 64, generator=gen).to(torch.bfloat16) for n in (40, 24)]
     biases = [torch.randn(40, generator=gen).to(torch.bfloat16), None]
     want = [REAL_LINEAR(x, w, b) for w, b in zip(weights, biases, strict=True)]
-    op = expected_op(rows, wide)
+    op = "skinny_gemm" if rows <= skinny.MAX_ROWS else None
     assert skinny.kernel_serves(x, weights[0], biases[0]) == (op is not None)
     assert torch.equal(skinny.linear(x, weights[0], biases[0]), want[0])
     assert fake_kernels == ([(op, rows)] if op else [])
@@ -140,34 +120,17 @@ def test_rows_reach_the_op_the_switch_allows(fake_kernels, monkeypatch, rows, wi
     assert fake_kernels == ([(f"{op}_group", rows)] if op else [])
 
 
-def test_the_switch_is_read_per_call_and_leading_dims_count_as_rows(fake_kernels, monkeypatch):
-    x, weight = torch.randn(4, 5, 32, dtype=torch.bfloat16), torch.randn(24, 32, dtype=torch.bfloat16)
-    for wide in ("1", None, "1"):
-        set_wide(monkeypatch, wide)
-        out = skinny.linear(x, weight)
-        assert out.shape == (4, 5, 24) and torch.equal(out, REAL_LINEAR(x, weight))
-    assert fake_kernels == [("skinny_gemm_wide", 20), ("skinny_gemm_wide", 20)]
-
-
-@pytest.mark.parametrize("capability", [(9, 0), (8, 0), (10, 0)])
-def test_wgmma_rows_go_to_the_wide_kernel_off_hopper(fake_kernels, monkeypatch, capability):
-    """HF_PAGED_SKINNY_WIDE=wgmma: 9 to 64 rows on the wgmma kernel on a compute capability 9.0 GPU only (its sm_90a
-    code runs nowhere else), on the wide kernel elsewhere; up to 8 rows on the narrow kernel either way."""
-    monkeypatch.setattr(skinny, "_capability", lambda device: capability)
-    set_wide(monkeypatch, "wgmma")
+def test_leading_dims_count_as_rows(fake_kernels):
     weight = torch.randn(24, 32, dtype=torch.bfloat16)
-    for rows in (8, 40):
-        x = torch.randn(rows, 32, dtype=torch.bfloat16)
-        assert torch.equal(skinny.linear(x, weight), REAL_LINEAR(x, weight))
-        skinny.linear_group(x, [weight, weight], [None, None])
-    wide = "skinny_gemm_wgmma" if capability == (9, 0) else "skinny_gemm_wide"
-    assert fake_kernels == [("skinny_gemm", 8), ("skinny_gemm_group", 8), (wide, 40), (f"{wide}_group", 40)]
+    for x in (torch.randn(2, 4, 32, dtype=torch.bfloat16), torch.randn(4, 5, 32, dtype=torch.bfloat16)):
+        out = skinny.linear(x, weight)
+        assert out.shape == (*x.shape[:-1], 24) and torch.equal(out, REAL_LINEAR(x, weight))
+    assert fake_kernels == [("skinny_gemm", 8)]  # 20 rows: F.linear
 
 
-@pytest.mark.parametrize("case", ["0 rows", "65 rows", "K % 8", "float32", "weight view", "bias view"])
-def test_with_the_switch_on_what_no_kernel_serves_is_f_linear(fake_kernels, monkeypatch, case):
-    set_wide(monkeypatch, "1")
-    rows, k = {"0 rows": 0, "65 rows": 65}.get(case, 20), 60 if case == "K % 8" else 64
+@pytest.mark.parametrize("case", ["0 rows", "9 rows", "K % 8", "float32", "weight view", "bias view"])
+def test_what_the_kernel_does_not_serve_is_f_linear(fake_kernels, case):
+    rows, k = {"0 rows": 0, "9 rows": 9}.get(case, 5), 60 if case == "K % 8" else 64
     dtype = torch.float32 if case == "float32" else torch.bfloat16
     x, weight = torch.randn(rows, k).to(dtype), torch.randn(48, k).to(dtype)
     bias = torch.randn(96).to(dtype)[::2] if case == "bias view" else None  # not contiguous
@@ -179,33 +142,31 @@ def test_with_the_switch_on_what_no_kernel_serves_is_f_linear(fake_kernels, monk
     assert fake_kernels == []
 
 
-@pytest.mark.parametrize("wide", [None, "1"], ids=["off", "on"])
-def test_weights_end_to_end_take_the_wide_kernel_when_on_else_one_f_linear(fake_kernels, monkeypatch, wide):
-    set_wide(monkeypatch, wide)
+@pytest.mark.parametrize("rows", [2, 16], ids=["kernel", "f_linear"])
+def test_weights_end_to_end_take_the_kernel_up_to_max_rows_else_one_f_linear(fake_kernels, monkeypatch, rows):
     gen = torch.Generator().manual_seed(5)
     buffer = torch.randint(-4, 5, (40, 32), generator=gen).to(torch.bfloat16)  # q/k/v of 24, 8, 8 rows end to end
-    weights, x = [buffer[:24], buffer[24:32], buffer[32:]], torch.randint(-4, 5, (2, 16, 32), generator=gen).bfloat16()
+    weights, x = [buffer[:24], buffer[24:32], buffer[32:]], torch.randint(-4, 5, (rows, 32), generator=gen).bfloat16()
     assert skinny.packed_rows(weights, [None] * 3) is not None
     linear_calls = []
     monkeypatch.setattr(skinny.F, "linear", lambda *a: linear_calls.append(a[1].shape) or REAL_LINEAR(*a))
     outs = skinny.linear_group(x, weights, [None] * 3)
-    assert all(torch.equal(o, REAL_LINEAR(x, w)) and o.shape == (2, 16, w.shape[0])
+    assert all(torch.equal(o, REAL_LINEAR(x, w)) and o.shape == (rows, w.shape[0])
                for o, w in zip(outs, weights, strict=True))
-    if wide:
-        assert fake_kernels == [("skinny_gemm_wide_group", 32)] and linear_calls == []
+    if rows <= skinny.MAX_ROWS:
+        assert fake_kernels == [("skinny_gemm_group", rows)] and linear_calls == []
     else:
         assert fake_kernels == [] and linear_calls == [torch.Size([40, 32])]
 
 
-def test_a_compiled_call_routes_rows_when_it_runs(fake_kernels, monkeypatch):
-    set_wide(monkeypatch, "1")
+def test_a_compiled_call_routes_rows_when_it_runs(fake_kernels):
     recording = RecordingBackend()
     fn = torch.compile(lambda x, w: skinny.linear(x, w) * 2, fullgraph=True, dynamic=True, backend=recording)
     weight = torch.randn(24, 32, dtype=torch.bfloat16)
     for rows in (5, 20, 70):
         x = torch.randn(rows, 32, dtype=torch.bfloat16)
         assert torch.equal(fn(x, weight), REAL_LINEAR(x, weight) * 2)
-    assert fake_kernels == [("skinny_gemm", 5), ("skinny_gemm_wide", 20)]
+    assert fake_kernels == [("skinny_gemm", 5)]
     assert len(recording.graphs) == 1 and recording.op_calls() == 1
 
 
@@ -328,7 +289,7 @@ def test_the_benchmark_says_it_needs_a_gpu(monkeypatch):
     with pytest.raises(SystemExit, match="needs a CUDA GPU"):
         benchmark().main(["--rows", "1"])
     with pytest.raises(SystemExit):
-        benchmark().main(["--rows", "16,65"])  # past the wide kernel: refused before anything runs
+        benchmark().main(["--rows", "4,9"])  # past the kernel: refused before anything runs
 
 
 def test_the_benchmark_adds_up_a_tensor_parallel_step_as_the_engine_runs_it():
@@ -337,12 +298,12 @@ def test_the_benchmark_adds_up_a_tensor_parallel_step_as_the_engine_runs_it():
     products = {**{name: (name,) for name in spec["shapes"]}, **{g: bench.group_shapes(spec, g) for g in bench.GROUPS}}
     assert products["q+k+v"] == ("q", "k/v", "k/v") and bench.group_shapes(bench.MODELS["8b"], "q+k+v")[0] == "q/o"
     # cuBLAS 10 us a call, the kernel 1 us, a group 3 us; o is small enough for cuBLAS
-    rows = [dict(model=spec["name"], shape=name, rows=32, cublas_us=10.0, small=name == "o",
+    rows = [dict(model=spec["name"], shape=name, rows=8, cublas_us=10.0, small=name == "o",
                  skinny_us=3.0 if name in bench.GROUPS else 1.0) for name in products]
-    (line,) = bench.step_totals(rows, ["8b-tp2"], [32])
+    (line,) = bench.step_totals(rows, ["8b-tp2"], [8])
     # per layer: cuBLAS q, k, v, o, gate, up, down = 70 us; single launches 7 us; the engine: two groups (6 us), o on
     # cuBLAS (10 us), down on the kernel (1 us); then lm_head's half of the vocabulary once per step (10 / 1 / 1 us)
-    assert line == (f"{spec['name']} M=32: a decode step's linears take {32 * 70 + 10} us with cuBLAS, "
+    assert line == (f"{spec['name']} M=8: a decode step's linears take {32 * 70 + 10} us with cuBLAS, "
                     f"{32 * 7 + 1} us with single skinny launches, {32 * 17 + 1} us as the engine runs them (grouped)")
 
 

@@ -139,17 +139,15 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
 
 
 def _sharded_logits_run(model, prompts) -> tuple:
-    """HF_PAGED_TP_SHARDED_LOGITS=1: the engine's greedy, seeded-sampling, logprob and min_new_tokens tokens (and the
-    logprobs), how many steps took the (value, id) exchange and how many gathered, and the lm_head's own path
-    restored afterwards; then an engine built with it set to 0 while the first engine's head is still installed:
-    its greedy tokens, whether it took shards, and how many exchanges and gathers it ran (none)."""
+    """The engine's logits left sharded over the vocabulary: its greedy, seeded-sampling, logprob and min_new_tokens
+    tokens (and the logprobs), how many steps took the (value, id) exchange and how many gathered, and the lm_head's
+    own path restored afterwards."""
     from hf_paged.parallel import _logits as tp_logits
 
     argmaxes, gathers = [], []
     argmax, gather = tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather
     tp_logits.VocabShards.argmax = lambda self, x: (argmaxes.append(x.shape), argmax(self, x))[1]
     tp_logits.VocabShards.gather = lambda self, x: (gathers.append(x.shape), gather(self, x))[1]
-    os.environ[tp_logits.ENV] = "1"
     head = model.lm_head
     try:
         engine = _engine(model)
@@ -160,17 +158,11 @@ def _sharded_logits_run(model, prompts) -> tuple:
         held = [o.token_ids for o in engine.generate(prompts[:3], _greedy(min_new_tokens=8))]
         widths = {shape[-1] for shape in argmaxes + gathers}
         local = isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits)
-        os.environ[tp_logits.ENV] = "0"
-        before = len(argmaxes) + len(gathers)
-        gathered_engine = _engine(model)
-        off = ([o.token_ids for o in gathered_engine.generate(prompts, _greedy())],
-               gathered_engine.vocab_shards is None, len(argmaxes) + len(gathers) - before)
     finally:
-        del os.environ[tp_logits.ENV]
         tp_logits.VocabShards.argmax, tp_logits.VocabShards.gather = argmax, gather
         if isinstance(head.__dict__.get("forward"), tp_logits.LocalLogits):
             head.forward = head.forward.eager  # transformers' own gathered head for the parts after this one
-    return greedy, seeded, logprobs, held, greedy_steps > 0, len(gathers) > 0, widths, local, off
+    return greedy, seeded, logprobs, held, greedy_steps > 0, len(gathers) > 0, widths, local
 
 
 def _compiled_run(model, prompts) -> tuple:
@@ -186,8 +178,8 @@ def _compiled_run(model, prompts) -> tuple:
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
     served = (engine.compiled is not None and engine.compiled.enabled
               and compiled >= model.config.num_hidden_layers)  # one graph or more per layer
-    # each layer's q/k/v shards lie end to end in one buffer (the default packing), its gate/up shards do not
-    # (HF_PAGED_TP_PACK=all); the local products read the shards where they lie
+    # each layer's q/k/v shards lie end to end in one buffer, its gate/up shards do not; the local products read the
+    # shards where they lie
     qkv = [[getattr(layer.self_attn, n) for n in ("q_proj", "k_proj", "v_proj")] for layer in model.model.layers]
     gate_up = [[getattr(layer.mlp, n) for n in ("gate_proj", "up_proj")] for layer in model.model.layers]
 
@@ -219,31 +211,33 @@ def _compiled_run(model, prompts) -> tuple:
 
 
 def _fused_run(model, prompts) -> tuple:
-    """The engine's compiled layers with HF_PAGED_TP_FUSE_NORM=1, HF_PAGED_TP_PREFETCH_MB=1 and peer_sum declared
-    present (on CPU the fused ops then run their parts, the sum over gloo, and drop the hints): its tokens, for each
-    compiled graph that holds an all-reduce the (fused add+norm, fused add, plain all-reduce) calls the passes left
-    in it, and how many fused calls carry an L2 hint and how many do not."""
+    """The engine's compiled layers with peer_sum declared present (on CPU the fused ops then run their parts, the
+    sum over gloo): its tokens, and for each compiled graph that holds an all-reduce the (fused add+norm, fused add,
+    plain all-reduce) calls the passes left in it. The model's first compile decides how its layers compile
+    (``compiled_layers``), and that was ``_compiled_run``'s engine, without peer_sum: the layers take what a first
+    compile with peer_sum serving the group takes (``fusion.layer_compile``) for this run."""
     import torch._inductor.config as inductor_config
 
+    from hf_paged.compile._layers import compiled_layers
     from hf_paged.parallel import _fuse_all_reduce as fusion
     from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     ops = (torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default, torch.ops.hf_paged.tp_all_reduce_add.default,
            torch.ops.hf_paged.tp_all_reduce.default)
-    seen, hinted, fuse, ready = [], [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
+    seen, fuse, ready = [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
 
     def counting(graph):
         made = fuse(graph)
         targets = [n.target for n in graph.nodes]
         counts = tuple(targets.count(op) for op in ops)
-        hinted.extend(len(n.args) == (7 if n.target is ops[0] else 4) for n in graph.nodes if n.target in ops[:2])
         if any(counts):
             seen.append(counts)
         return made
 
-    os.environ[fusion.FUSE_ENV] = "1"
-    os.environ[tp_linears.PREFETCH_ENV] = "1"  # the L2 hints ride along into the fused calls (the CPU drops them)
     fusion.fuse_all_reduce, tp_all_reduce.fused_ready = counting, lambda name: True
+    group_name = tensor_parallel(model).group.group_name
+    layers = compiled_layers(model, fusion.layer_compile(group_name))
+    first_compile, layers.how = layers.how, fusion.layer_compile(group_name)
     torch._dynamo.reset()
     try:
         with inductor_config.patch(fx_graph_cache=False):  # a cached graph would skip the passes
@@ -251,12 +245,11 @@ def _fused_run(model, prompts) -> tuple:
                                      compile_layers=True)
             tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     finally:
-        nested = fusion.nested_graph_breaks(tensor_parallel(model).group.group_name)
-        del os.environ[fusion.FUSE_ENV], os.environ[tp_linears.PREFETCH_ENV]
+        nested = fusion.nested_graph_breaks(group_name)
         fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
+        layers.how = first_compile
         torch._dynamo.reset()
-    hints = (sum(hinted), hinted.count(False))  # fused calls with an L2 hint, without
-    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested, hints
+    return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested
 
 
 def _raise():
@@ -366,31 +359,27 @@ def test_compiled_layers_run_sharded_linears_as_local_products_and_give_the_toke
 
 
 @pytest.mark.slow
-def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it_when_asked(ranks, single):
-    """HF_PAGED_TP_FUSE_NORM=1 in the engine's own compiled layers (hf_paged/parallel/_fuse_all_reduce.py), and the
-    tokens of one process. With dynamo's nested graph breaks (this torch has them; the switch turns them on), a
-    layer's work after attention is one graph: attention's all-reduce takes the residual add and the norm after
-    it, the MLP's the residual add, and no plain all-reduce is left. Without them the attention module's rest (o_proj
-    and its all-reduce, returned) is a graph of its own and only the MLP's all-reduce takes its add. With
-    HF_PAGED_TP_PREFETCH_MB set, each fused call keeps its all-reduce's L2 hint."""
+def test_compiled_layers_fold_each_add_and_norm_into_the_all_reduce_before_it(ranks, single):
+    """The engine's own compiled layers fuse (hf_paged/parallel/_fuse_all_reduce.py) where peer_sum serves, and give
+    the tokens of one process. With dynamo's nested graph breaks (where this torch has them), a layer's work after
+    attention is one graph: attention's all-reduce takes the residual add and the norm after it, the MLP's the
+    residual add, and no plain all-reduce is left. Without them the attention module's rest (o_proj and its
+    all-reduce, returned) is a graph of its own and only the MLP's all-reduce takes its add."""
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _greedy())]
     nested = "nested_graph_breaks" in torch._dynamo.config._config
     # (fused add+norm, fused add, plain all-reduce) per compiled graph holding any
     graphs = [(1, 1, 0)] if nested else [(0, 0, 1), (0, 1, 0)]
     for rank in ranks:
-        # (fused calls with an L2 hint, without): each layer's two, but the last layer's MLP (no product after it)
-        layers = single.config.num_hidden_layers
-        hints = (2 * layers - 1, 1) if nested else (layers - 1, 1)
-        assert rank["compiled_fused"] == ("ok", (expected, graphs, True, nested, hints))
+        assert rank["compiled_fused"] == ("ok", (expected, graphs, True, nested))
 
 
 @pytest.mark.slow
 def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, single):
-    """HF_PAGED_TP_SHARDED_LOGITS=1 (hf_paged/parallel/_logits.py; also the default): the engine's model calls return
+    """The engine's logits left sharded over the vocabulary (hf_paged/parallel/_logits.py): its model calls return
     each rank's half of the vocabulary; plain-greedy steps exchange (value, id) pairs, every other step gathers the
     halves first. Greedy, seeded sampling, logprobs and min_new_tokens (a processed greedy row) give one process's
     tokens, logprobs within float tolerance; both paths served, on half-width logits; the lm_head's own path is back
-    afterwards. A later engine built with the switch at 0 samples the gathered logits: the same greedy tokens."""
+    afterwards."""
     engine = _engine(single)
     prompts = _prompts(0)
     greedy = [o.token_ids for o in engine.generate(prompts, _greedy())]
@@ -401,14 +390,12 @@ def test_logits_left_sharded_give_the_tokens_and_logprobs_of_one_process(ranks, 
     for rank in ranks:
         status, result = rank["sharded_logits"]
         assert status == "ok", result
-        got_greedy, got_seeded, got_logprobs, got_held, exchanged, gathered, widths, local, off = result
+        got_greedy, got_seeded, got_logprobs, got_held, exchanged, gathered, widths, local = result
         assert (got_greedy, got_seeded, got_held) == (greedy, seeded, held)
         assert [t for t, _ in got_logprobs] == [t for t, _ in logprobs]
         for (_, got), (_, want) in zip(got_logprobs, logprobs):
             assert got == pytest.approx(want, abs=1e-4)
         assert exchanged and gathered and widths == {VOCAB // WORLD_SIZE} and local
-        # HF_PAGED_TP_SHARDED_LOGITS=0 for a later engine of the same model: the full logits, sampled as gathered
-        assert off == (greedy, True, 0)
 
 
 def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
@@ -429,20 +416,6 @@ def test_the_argmax_of_shard_maxima_is_the_argmax_of_the_row():
     want = torch.from_numpy(rows.numpy().argmax(-1))  # numpy: first maximum, first NaN (the CPU sampler's argmax)
     assert torch.equal(pick(everyone, 5), want)
     assert torch.equal(rows.argmax(-1), want)  # (and torch's, which the GPU sampler takes)
-
-
-def test_sharded_logits_are_on_unless_turned_off_and_refuse_a_bad_value(monkeypatch):
-    from hf_paged.parallel import _logits as tp_logits
-
-    monkeypatch.delenv(tp_logits.ENV, raising=False)
-    assert tp_logits.enabled() is True
-    monkeypatch.setenv(tp_logits.ENV, "0")
-    assert tp_logits.enabled() is False
-    monkeypatch.setenv(tp_logits.ENV, "1")
-    assert tp_logits.enabled() is True
-    monkeypatch.setenv(tp_logits.ENV, "yes")
-    with pytest.raises(ValueError, match="HF_PAGED_TP_SHARDED_LOGITS='yes'"):
-        tp_logits.enabled()
 
 
 @pytest.mark.slow
@@ -519,12 +492,12 @@ def test_the_benchmarks_steady_only_mode_skips_the_batch_64_calls(tmp_path, caps
     assert set(row["phase_s"]) == {"load", "latency", "steady"} and all(v >= 0 for v in row["phase_s"].values())
     # --no-latency: the steady step alone; --variants-only: no plain run, only the variant asked for
     tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--steady-only", "--no-latency",
-                          "--variants-only", "--tp-gathered-logits", "--json", str(out)])
+                          "--variants-only", "--tp-nccl", "--json", str(out)])
     [row] = json.loads(out.read_text())["rows"]
-    assert row["status"] == "ok" and row["system"] == "hf_paged (logits gathered)"
+    assert row["status"] == "ok" and row["system"] == "hf_paged (NCCL)"
     assert "latency" not in row and "ms_per_token" not in row and row["steady"]["tok_per_s"] > 0
     assert set(row["phase_s"]) == {"load", "steady"}
-    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("hf_paged (logits gathered)"))
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.startswith("hf_paged (NCCL)"))
     assert line.split()[-1] == "-"  # the batch-1 column left empty
 
 
@@ -532,30 +505,23 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
     import tensor_parallel
 
-    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--tp-nccl", "--cublaslt", "--compile-pdl"])
+    args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--tp-nccl", "--cublaslt"])
     runs = tensor_parallel.planned_runs(args, [1, 2])
     assert runs == [(1, "", {}), (2, "", {}), (2, " (peer_sum)", {"HF_PAGED_TP_ALL_REDUCE": "hf_paged"}),
                     (2, " (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"}),
                     (1, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
-                    (2, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"}),
-                    (1, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"}),
-                    (2, " (compile PDL)", {"HF_PAGED_COMPILE_PDL": "1"})]
+                    (2, " (cublaslt)", {"TORCH_BLAS_PREFER_CUBLASLT": "1"})]
     assert tensor_parallel.planned_runs(tensor_parallel.parse_args(["--gpus", "2"]), [2]) == [(2, "", {})]
-    only = tensor_parallel.parse_args(["--gpus", "1,2", "--variants-only", "--tp-gathered-logits", "--tp-no-pdl",
-                                       "--tp-before-2026-11-28"])
-    assert tensor_parallel.planned_runs(only, [1, 2]) == [
-        (2, " (logits gathered)", {"HF_PAGED_TP_SHARDED_LOGITS": "0"}),
-        (2, " (PDL off)", {"HF_PAGED_COMPILE_PDL": "0"}),
-        (2, " (logits gathered, PDL off)", {"HF_PAGED_TP_SHARDED_LOGITS": "0", "HF_PAGED_COMPILE_PDL": "0"})]
-    every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-no-pack", "--tp-pack-views",
-                                        "--tp-no-views", "--tp-no-fuse", "--tp-prefetch", "--tp-pdl",
-                                        "--skinny-wide", "--split"])
+    only = tensor_parallel.parse_args(["--gpus", "1,2", "--variants-only", "--tp-nccl"])
+    assert tensor_parallel.planned_runs(only, [1, 2]) == [(2, " (NCCL)", {"HF_PAGED_TP_ALL_REDUCE": "nccl"})]
+    every = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-eager", "--tp-layers-eager", "--split"])
     assert [(c, v) for c, v, _ in tensor_parallel.planned_runs(every, [1, 2])] == [
-        (1, ""), (2, ""), (2, " (eager)"), (2, " (unpacked)"), (2, " (packed views)"), (2, " (views off)"),
-        (2, " (norm apart)"), (2, " (prefetch 16 MiB)"), (2, " (compile PDL)"),
-        (1, " (skinny wide)"),
-        (2, " (skinny wide)"),
-        (1, " (split)")]
+        (1, ""), (2, ""), (2, " (eager)"), (2, " (layers eager)"), (1, " (split)")]
+    for removed in ("--tp-no-pack", "--tp-pack-all", "--tp-no-views", "--tp-no-fuse", "--tp-prefetch",
+                    "--tp-gathered-logits", "--tp-one-shot", "--tp-no-pdl", "--compile-pdl", "--skinny-wide",
+                    "--skinny-wgmma"):
+        with pytest.raises(SystemExit):
+            tensor_parallel.parse_args(["--gpus", "2", removed])
 
 
 @pytest.mark.slow

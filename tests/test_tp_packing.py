@@ -1,7 +1,7 @@
-"""Packing the colwise shards that read one input (q/k/v, gate/up) end to end (``hf_paged.parallel._linears.pack_colwise``),
-on one CPU process over gloo: the DTensors keep their shapes and values, only their storage moves; a packed group
-is found packed again rather than moved; one product over the buffer equals the separate ones; groups that cannot
-be packed (a bias missing, shards not given) stay where they are. The two-process engine test
+"""Packing the colwise shards that read one input (q/k/v) end to end (``hf_paged.parallel._linears.pack_colwise``), on
+one CPU process over gloo: the DTensors keep their shapes and values, only their storage moves; a packed group is
+found packed again rather than moved; one product over the buffer equals the separate ones; groups that cannot be
+packed (a bias missing, shards not given) stay where they are, and gate/up stay apart. The two-process engine test
 (tests/test_tensor_parallel.py) checks that a real model's layers are served packed."""
 
 from __future__ import annotations
@@ -12,7 +12,8 @@ import torch
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.kernels import _skinny as skinny
 
-GROUPS = {"attention": (("q_proj", 16), ("k_proj", 8), ("v_proj", 8)), "mlp": (("gate_proj", 20), ("up_proj", 20))}
+GROUPS = {"attention": (("q_proj", 16), ("k_proj", 8), ("v_proj", 8))}
+MLP = {"mlp": (("gate_proj", 20), ("up_proj", 20))}  # never packed: two products cost what one and its split copy do
 
 
 @pytest.fixture
@@ -27,7 +28,7 @@ def sharded_module(mesh, group: str, bias: tuple[bool, ...]) -> torch.nn.Module:
     from torch.distributed.tensor import DTensor, Shard
 
     parent = torch.nn.Module()
-    for (name, n), b in zip(GROUPS[group], bias):
+    for (name, n), b in zip({**GROUPS, **MLP}[group], bias):
         linear = torch.nn.Linear(12, n, bias=b)
         linear.weight = torch.nn.Parameter(DTensor.from_local(linear.weight.detach(), mesh, [Shard(0)]))
         if b:
@@ -37,7 +38,7 @@ def sharded_module(mesh, group: str, bias: tuple[bool, ...]) -> torch.nn.Module:
 
 
 def shards(parent, group: str, what: str = "weight") -> list:
-    return [getattr(getattr(parent, name), what) for name, _ in GROUPS[group]]
+    return [getattr(getattr(parent, name), what) for name, _ in {**GROUPS, **MLP}[group]]
 
 
 @pytest.mark.parametrize("group", GROUPS)
@@ -76,25 +77,9 @@ def test_every_packed_group_is_tested():
     assert tuple(tuple(name for name, _ in GROUPS[g]) for g in GROUPS) == tp_linears.PACKED_GROUPS
 
 
-@pytest.mark.parametrize(("value", "groups"), [(None, 1), ("1", 1), ("all", 2), ("0", 0)])
-def test_the_switch_picks_the_groups(monkeypatch, value, groups: int):
-    """Unset or 1: q/k/v only (the default since gate/up packing showed no gain); all: gate/up too; 0: nothing."""
-    if value is None:
-        monkeypatch.delenv(tp_linears.PACK_ENV, raising=False)
-    else:
-        monkeypatch.setenv(tp_linears.PACK_ENV, value)
-    assert tp_linears.packed_groups() == tp_linears.PACKED_GROUPS[:groups]
-
-
-def test_a_bad_switch_value_says_what_to_use(monkeypatch):
-    monkeypatch.setenv(tp_linears.PACK_ENV, "yes")
-    with pytest.raises(ValueError, match="use 1 .* all .* or 0"):
-        tp_linears.packed_groups()
-
-
-def test_only_the_groups_asked_for_are_packed(mesh):
+def test_gate_and_up_are_left_apart(mesh):
     mlp = sharded_module(mesh, "mlp", (False, False))
-    assert tp_linears.pack_colwise(mlp, list(mlp.children()), tp_linears.PACKED_GROUPS[:1]) == 0
+    addresses = [t.to_local().data_ptr() for t in shards(mlp, "mlp")]
+    assert tp_linears.pack_colwise(mlp, list(mlp.children())) == 0
+    assert [t.to_local().data_ptr() for t in shards(mlp, "mlp")] == addresses
     assert skinny.packed_rows([t.to_local() for t in shards(mlp, "mlp")], [None, None]) is None
-    assert tp_linears.pack_colwise(mlp, list(mlp.children()), tp_linears.PACKED_GROUPS) == 1
-    assert skinny.packed_rows([t.to_local() for t in shards(mlp, "mlp")], [None, None]) is not None

@@ -9,11 +9,12 @@ K/V loop drained), ticket (partial stored and ticket taken, or the output writte
 combine for the split that combines).
 
     HF_PAGED_KERNEL_TRACE=1 python -m hf_paged.bench._decode_trace [--batch 1] [--ctx 8192] [--head-dim 128]
-        [--launches 8] [--json F] [--raw]
+        [--launches 8] [--no-pdl] [--json F] [--raw]
 
 It captures one CUDA graph of ``--launches`` back-to-back decodes over rotating input sets (the kernel benchmark's
 layout: bf16, 32 query / 8 KV heads, block size 16, the split length the kernel picks), each launch with a trace
-buffer of its own, replays it, times it with CUDA events, and prints per launch and as medians over launches 2..n
+buffer of its own (with programmatic dependent launch where the GPU allows it, unless ``--no-pdl``), replays it,
+times it with CUDA events, and prints per launch and as medians over launches 2..n
 (the first one follows the graph's start):
 
 - ``span``: last CTA end - first CTA start, the launch as its CTAs see it; ``event``: graph time / launches;
@@ -89,7 +90,8 @@ def summarize(launches: list[list[list[int]]]) -> dict:
     return {"launches": per_launch, "medians": medians}
 
 
-def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, raw: bool = False) -> dict:
+def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, raw: bool = False,
+        pdl: bool = True) -> dict:
     """Trace ``launches`` back-to-back decodes in one CUDA graph (see the module docstring); returns the summary with
     the event time per launch, the settings, whether the traced output equals an untraced launch's bit for bit, and
     with ``raw`` every CTA's words (``raw[launch][cta]``)."""
@@ -113,7 +115,7 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
         s = sets[i % len(sets)]
         torch.ops.hf_paged.decode_trace_buffer(buffers[i])  # read at launch: the captured launch keeps it
         kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
-                             out=outs[i % len(sets)], split_len=split, workspace=workspace)
+                             out=outs[i % len(sets)], split_len=split, workspace=workspace, pdl=pdl)
 
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -149,7 +151,7 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     summary["medians"]["event_ns"] = statistics.median(times)
     summary["settings"] = {"batch": batch, "ctx": ctx, "head_dim": head_dim, "launches": launches,
                            "split_len": split, "block_size": 16, "dtype": str(DTYPE), "heads": NUM_HEADS,
-                           "kv_heads": NUM_KV_HEADS, "device": torch.cuda.get_device_name()}
+                           "kv_heads": NUM_KV_HEADS, "pdl": pdl, "device": torch.cuda.get_device_name()}
     return summary
 
 
@@ -177,12 +179,13 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--ctx", type=int, default=8192)
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--launches", type=int, default=8)
+    parser.add_argument("--no-pdl", action="store_true", help="launch without programmatic dependent launch")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--raw", action="store_true", help="also write every CTA's trace words to the JSON")
     args = parser.parse_args(argv)
     if args.launches < 2:
         parser.error("--launches must be at least 2 (the gaps are between launches)")
-    summary = run(args.batch, args.ctx, args.head_dim, args.launches, raw=args.raw)
+    summary = run(args.batch, args.ctx, args.head_dim, args.launches, raw=args.raw, pdl=not args.no_pdl)
     print(table(summary), flush=True)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1) + "\n")

@@ -6,9 +6,7 @@ size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (whe
 backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
 writes everything as JSON. From compute capability 9.0 on, decode is launched with programmatic dependent launch
 (each launch may start while the one before finishes, so back-to-back launches overlap); ``ours-nopdl-bs16`` is the
-block-size-16 decode without it (``HF_PAGED_DECODE_PDL=0``: each launch alone, as flash-attn's), and
-``ours-cluster-bs16`` the default decode with the split-K combine inside a thread-block cluster
-(``HF_PAGED_DECODE_CLUSTER=1``; launches of 2 to 16 splits, otherwise it is the plain launch).
+block-size-16 decode without it (``paged_decode(..., pdl=False)``: each launch alone, as flash-attn's).
 ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
 scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
 quantization's error, not the kernel's).
@@ -22,7 +20,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -91,26 +88,6 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
     return s
 
 
-PDL_ENV = "HF_PAGED_DECODE_PDL"
-CLUSTER_ENV = "HF_PAGED_DECODE_CLUSTER"
-
-
-def with_env(name: str, value: str, fn):
-    """``fn`` called with the environment variable set (the decode op reads it at launch, so under CUDA-graph capture
-    the captured launch keeps it), and restored after."""
-    def call():
-        old = os.environ.get(name)
-        os.environ[name] = value
-        try:
-            return fn()
-        finally:
-            if old is None:
-                del os.environ[name]
-            else:
-                os.environ[name] = old
-    return call
-
-
 def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                softcap: float = 0.0) -> dict[str, list]:
     """name -> one zero-argument callable per input set."""
@@ -122,9 +99,12 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                                                     scale, max_seq_len=ctx, window=window, softcap=softcap)
             for s in sets
         ]
-    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch, clusters: Hopper on
-        for name, env, value in (("ours-nopdl-bs16", PDL_ENV, "0"), ("ours-cluster-bs16", CLUSTER_ENV, "1")):
-            out[name] = [with_env(env, value, call) for call in out["ours-bs16"]]  # bs16 decode, switch set
+    if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch: Hopper on
+        out["ours-nopdl-bs16"] = [
+            lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale,
+                                             max_seq_len=ctx, window=window, softcap=softcap, pdl=False)
+            for s in sets
+        ]
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
         out["ours-fp8-bs16"] = [
             lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
@@ -267,8 +247,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
 
 def print_table(result: dict) -> None:
     """Per shape: time / % of copy bandwidth for each implementation, and ours (bs 16) over flash (bs 256)."""
-    impls = ["ours-bs16", "ours-nopdl-bs16", "ours-cluster-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256",
-             "torch-bs16"]
+    impls = ["ours-bs16", "ours-nopdl-bs16", "ours-fp8-bs16", "ours-bs256", "flash-bs256", "torch-bs16"]
     print(f"\n{result['device']}, copy {result['copy_tbps']:.2f} TB/s; bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; "
           "each cell: us (% of copy)")
     print(f"{'hd':>4} {'B':>4} {'ctx':>5} {'window':>6} {'cap':>4} | " + " | ".join(f"{i:>17}" for i in impls)

@@ -8,9 +8,9 @@ the op decides at run time between one kernel launch and one ``F.linear`` per we
 
 Where the group's weights lie end to end in one buffer (a tensor-parallel rank's q/k/v shards, packed by
 ``hf_paged.parallel._linears``; the fake tensors of the graph's inputs keep their shared storage and offsets), the pass
-puts one ``hf_paged::linear_packed`` call there instead (unless ``HF_PAGED_PACK_VIEWS=0``; the default since
-2026-11-27), whose single output the graph slices into the members' outputs as views: the grouped op would otherwise
-copy each output out of its one product (three copy kernels per layer for q/k/v at 64 rows).
+puts one ``hf_paged::linear_packed`` call there instead, whose single output the graph slices into the members'
+outputs as views: the grouped op would otherwise copy each output out of its one product (three copy kernels per
+layer for q/k/v at 64 rows).
 
 The engine's compiled layers hand the pass to inductor as ``post_grad_custom_pre_pass`` in their own
 ``torch.compile`` options (``hf_paged.compile._layers``), so other compiles in the process are untouched.
@@ -21,7 +21,6 @@ inductor's FX graph cache tells graphs compiled with and without it (or with ano
 from __future__ import annotations
 
 import operator
-import os
 from collections import defaultdict
 
 import torch
@@ -30,19 +29,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 
 from hf_paged.kernels import _skinny as skinny
 
-__all__ = ["PACK_VIEWS_ENV", "GroupLinears", "group_linears", "pack_views"]
-
-PACK_VIEWS_ENV = "HF_PAGED_PACK_VIEWS"
-
-
-def pack_views() -> bool:
-    """Whether groups of end-to-end weights become one ``hf_paged::linear_packed`` call sliced into views: yes
-    unless ``HF_PAGED_PACK_VIEWS=0`` (read when a graph compiles; part of the pass's cache key)."""
-    value = os.environ.get(PACK_VIEWS_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{PACK_VIEWS_ENV}={value!r}: use 1 (packed groups as views of one product, the default) "
-                         "or 0 (the grouped op, which copies each output out of its product)")
-    return value == "1"
+__all__ = ["GroupLinears", "group_linears"]
 
 
 class GroupLinears(CustomGraphPass):
@@ -52,7 +39,7 @@ class GroupLinears(CustomGraphPass):
         group_linears(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,)) + (b"views" if pack_views() else b"")
+        return get_hash_for_files((__file__,))
 
     # Every instance does the same. generate deep-copies its compile config each call and compiles afresh when the
     # copy differs from the config it compiled with: equal passes keep its compiled step.
@@ -68,7 +55,6 @@ def group_linears(graph: torch.fx.Graph) -> int:
     ``hf_paged.linear_group`` calls of up to ``MAX_GROUP`` weights each (of one dtype and K; calls whose weight or
     bias is computed after the first call of the group stay single). Returns the number of grouped calls made."""
     linear = torch.ops.hf_paged.linear.default
-    views = pack_views()
     groups: dict[tuple, list[torch.fx.Node]] = defaultdict(list)
     for node in graph.nodes:
         if node.target is linear:
@@ -83,7 +69,7 @@ def group_linears(graph: torch.fx.Graph) -> int:
             members = [first] + [c for c in calls[1:] if _defined_before(c, first, position)][:skinny.MAX_GROUP - 1]
             calls = [c for c in calls[1:] if all(c is not m for m in members)]
             if len(members) >= 2:
-                if views and (in_storage_order := _lie_end_to_end(members)) is not None:
+                if (in_storage_order := _lie_end_to_end(members)) is not None:
                     _replace_packed(graph, in_storage_order, before=members[0])
                 else:
                     _replace(graph, members)

@@ -9,8 +9,8 @@ it reads the step from the forward context), so the compiled graphs hold only te
 paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
 (``hf_paged.compile._group_linears``, passed in this compile's own inductor options), and under tensor parallel each
-all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.parallel._fuse_all_reduce``;
-``HF_PAGED_TP_FUSE_NORM=0`` turns that off).
+all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.parallel._fuse_all_reduce``, the
+passes the engine gives a tensor-parallel model's layers).
 
 The compiled forwards are set on the module instances but serve only calls made inside :meth:`CompiledLayers.active`
 (the engine's model calls); any other caller of the model in the process (``generate``, another library) runs the

@@ -28,8 +28,8 @@ __device__ __forceinline__ int block_of(int t, const DecodeParams& p) {
   return p.block_shift >= 0 ? (t >> p.block_shift) : t / p.block_size;
 }
 
-// Programmatic dependent launch (decode_launch.cpp launches decode with it on compute capability 9.0 on, unless
-// HF_PAGED_DECODE_PDL=0): the grid may start while the kernel before it in the stream is still running. A CTA reads its
+// Programmatic dependent launch (decode_launch.cpp launches decode with it on compute capability 9.0 on, unless the
+// op's `pdl` argument is false): the grid may start while the kernel before it in the stream is still running. A CTA reads its
 // sequence length and block-table slice (cta_work: written when the step was laid out, before the layers ran); the
 // tensor-core kernel then starts copying the K/V of its first tiles that hold only keys older than the sequence's
 // newest one; then the CTA waits for that kernel to complete and its writes to be visible before it reads the

@@ -16,16 +16,13 @@ std::pair<int, int> decode_residency(const DecodeKernel& k, int device);
 // Dynamic shared memory of a launch: the kernel's ring plus its split's block-table slice.
 int decode_smem_bytes(const DecodeKernel& k, const DecodeParams& p);
 
-// Whether decode launches on `device` use programmatic dependent launch (sm_90 on, unless HF_PAGED_DECODE_PDL=0).
+// Whether decode launches on `device` can use programmatic dependent launch (compute capability 9.0 on, CUDA 12.3
+// on in the driver and the runtime).
 bool decode_pdl(int device);
-
-// Whether this launch (p's splits set) takes the cluster combine (HF_PAGED_DECODE_CLUSTER=1, 2 to 16 splits, a
-// cluster kernel compiled, and clusters of that size schedulable on `device`).
-bool decode_cluster(const DecodeKernel& k, const DecodeParams& p, int device);
 
 // One launch over `rows` query rows (grid z), p's split_len / max_splits splits each.
 void launch_decode(const DecodeKernel& k, const DecodeParams& p, int64_t rows, int device, cudaStream_t stream,
-                   bool pdl = false, bool cluster = false);
+                   bool pdl = false);
 
 // DecodeParams::trace for a launch of `ctas` CTAs on `device`: nullptr unless a trace buffer is set.
 unsigned long long* decode_trace_for(const at::Device& device, int64_t ctas);

@@ -143,7 +143,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
                      int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window,
                      double softcap, const std::optional<at::Tensor>& counters_arg,
-                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale) {
+                     const std::optional<at::Tensor>& k_scale, const std::optional<at::Tensor>& v_scale, bool pdl) {
   const AttentionShape s = check_query_and_cache(out, query, k_cache, v_cache, "batch", /*allow_e4m3=*/true);
   check_kv_scales(k_cache, k_scale, v_scale, query.device());
   check_lengths_and_tables(seq_lens, "seq_lens", block_tables, s.rows, query.device());
@@ -207,7 +207,7 @@ int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& 
   }
   p.trace = decode_trace_for(query.device(), max_splits * kv_heads * p.head_groups * batch);
   const int device = query.get_device();
-  launch_decode(k, p, batch, device, stream, decode_pdl(device), decode_cluster(k, p, device));
+  launch_decode(k, p, batch, device, stream, pdl && decode_pdl(device));
   return split_len;
 }
 

@@ -71,9 +71,6 @@ struct DecodeKernel {
   int min_split = 0;         // shortest split worth its partial-output traffic
   int smem_bytes = 0;        // dynamic shared memory, without the block-table slice
   int heads_per_cta = 0;     // query heads of one kv head that one CTA serves (more make several head groups)
-  // The same kernel with the split-K combine inside a thread-block cluster (decode_cluster.cuh; sm_90 on, launched
-  // with one cluster per (sequence, head group) when HF_PAGED_DECODE_CLUSTER=1); nullptr where not compiled.
-  const void* cluster_fn = nullptr;
 };
 
 // group_size: query heads per kv head. fp16/bf16 kernels run on tensor cores, float32 on CUDA cores.

@@ -120,7 +120,8 @@ void advance_decode(at::Tensor seq_lens, at::Tensor cu_seqlens_k, at::Tensor pos
 TORCH_LIBRARY(hf_paged, m) {
   m.def("paged_decode(Tensor(a!) out, Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, "
         "Tensor seq_lens, int max_seq_len, float scale, int split_len, Tensor? workspace=None, int window=0, "
-        "float softcap=0.0, Tensor(b!)? counters=None, Tensor? k_scale=None, Tensor? v_scale=None) -> int");
+        "float softcap=0.0, Tensor(b!)? counters=None, Tensor? k_scale=None, Tensor? v_scale=None, bool pdl=True) "
+        "-> int");
   m.def("paged_decode_split_len(Tensor query, Tensor k_cache, int max_seq_len, int window=0) -> int");
   m.def("decode_trace_buffer(Tensor? buffer) -> int", &hf_paged::decode_trace_buffer);  // any device, or None
   m.def("write_kv(Tensor key, Tensor value, Tensor(a!) k_cache, Tensor(b!) v_cache, Tensor slot_mapping, "

@@ -16,12 +16,13 @@ namespace hf_paged {
 // workspace shrinks with them); softcap > 0: scores become softcap * tanh(score / softcap) before the softmax.
 // counters: the split tickets (int32, zero, left at zero), else one buffer per (device, stream) kept for good.
 // A float8_e4m3fn cache (fp16 / bf16 query) needs k_scale / v_scale (float32 [Hkv]: value = fp8 * scale); other
-// caches refuse them.
+// caches refuse them. pdl: launch with programmatic dependent launch where the device allows it (decode_launch.cpp);
+// false launches plainly (the same kernel and split: the same bits).
 int64_t paged_decode(at::Tensor out, const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, int64_t max_seq_len, double scale,
                      int64_t split_len, const std::optional<at::Tensor>& workspace, int64_t window, double softcap,
                      const std::optional<at::Tensor>& counters, const std::optional<at::Tensor>& k_scale,
-                     const std::optional<at::Tensor>& v_scale);
+                     const std::optional<at::Tensor>& v_scale, bool pdl);
 
 // The split length the heuristic picks for such a launch (for benchmarks and tests).
 // Diagnostics: every later paged_decode launch stores per-CTA timestamps into `buffer` (int64, kTraceWords per CTA,

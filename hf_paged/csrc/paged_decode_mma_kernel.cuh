@@ -2,7 +2,6 @@
 // paged_decode_mma.cuh describes the work split.
 #pragma once
 
-#include "decode_cluster.cuh"
 #include "paged_decode_mma_fp8.cuh"
 
 namespace hf_paged {
@@ -117,21 +116,15 @@ __device__ __forceinline__ void store_mma_state(MmaState<D>& st, unsigned char* 
   __syncthreads();
 }
 
-// KV: the cache's element type, T (the query's) or E4M3. kCluster: the splits of a (sequence, head group) are one
-// thread-block cluster and combine through distributed shared memory (decode_cluster.cuh).
-template <typename T, typename KV, int D, bool kCluster = false>
+// KV: the cache's element type, T (the query's) or E4M3.
+template <typename T, typename KV, int D>
 __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid_constant__ DecodeParams p) {
   using C = MmaConfig<D, sizeof(KV)>;
   constexpr bool kFp8 = sizeof(KV) == 1;
-  static_assert(!kCluster || ClusterPartial<D, C::kRows>::kOffset + ClusterPartial<D, C::kRows>::kBytes <=
-                                 C::kSmemBytes, "the cluster partial fits beside the Reduce area");
   extern __shared__ __align__(128) unsigned char smem[];
   int* table = reinterpret_cast<int*>(smem + C::kSmemBytes);
   CtaWork w;
-  if (!cta_work(p, C::kRows, table, w)) {
-    if constexpr (kCluster) cluster_finish_empty();
-    return;
-  }
+  if (!cta_work(p, C::kRows, table, w)) return;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   // This warp's tiles: warp, warp + 4, ... of the split's 16-token tiles.
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) + warp * C::kWarpRingBytes;
@@ -190,11 +183,7 @@ __global__ void __launch_bounds__(kThreads) paged_decode_mma_kernel(const __grid
   if (threadIdx.x == 0) trace_point(p, kTraceLoopDone);
   let_dependents_launch();  // (a warp with pdl_lead or fewer tiles; repeats are no-ops)
   store_mma_state<D, kFp8>(st, smem, w, lane, warp, sc.v_scale);
-  if constexpr (kCluster) {
-    cluster_finish<T, D, C::kRows>(p, smem, w);
-  } else {
-    finish_cta<T, D, C::kRows>(p, smem, w);
-  }
+  finish_cta<T, D, C::kRows>(p, smem, w);
 }
 
 template <typename T, typename KV, int D>
@@ -207,7 +196,6 @@ DecodeKernel make_mma_entry() {
   k.min_split = C::kMinSplit;
   k.smem_bytes = C::kSmemBytes;
   k.heads_per_cta = C::kRows;
-  if constexpr (sizeof(KV) == 2) k.cluster_fn = reinterpret_cast<const void*>(&paged_decode_mma_kernel<T, KV, D, true>);
   return k;
 }
 

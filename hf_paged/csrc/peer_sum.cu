@@ -30,30 +30,6 @@ __device__ __forceinline__ uint64_t load_acquire_sys(const uint64_t* addr) {
   return value;
 }
 
-// Ask the L2 to fetch `bytes` from `p` (16-byte aligned, a multiple of 16), without waiting for it: one bulk request
-// on sm_90 and later, one prefetch per 128-byte line before.
-__device__ __forceinline__ void prefetch_l2(const uint8_t* p, int64_t bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(p), "r"(static_cast<uint32_t>(bytes)) : "memory");
-#else
-  for (int64_t o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];\n" ::"l"(p + o));
-#endif
-}
-
-// This block's share of the prefetch (see PeerSumArgs::prefetch), issued by the threads from warp 1 on (warp 0 holds
-// the threads that signal and wait): pieces b, b + kPeerSumBlocks, ..., one per thread.
-__device__ __forceinline__ void prefetch_share(const PeerSumArgs& a, int b) {
-  constexpr int64_t kIssuers = kPeerSumThreads - 32;
-  const int64_t pieces = (a.prefetch_bytes + kPeerSumPrefetchPiece - 1) / kPeerSumPrefetchPiece;
-  for (int64_t k = b + static_cast<int64_t>(threadIdx.x - 32) * kPeerSumBlocks; k < pieces;
-       k += kIssuers * kPeerSumBlocks) {
-    const int64_t start = k * kPeerSumPrefetchPiece;
-    const int64_t bytes = a.prefetch_bytes - start < kPeerSumPrefetchPiece ? a.prefetch_bytes - start
-                                                                           : kPeerSumPrefetchPiece;
-    prefetch_l2(static_cast<const uint8_t*>(a.prefetch) + start, bytes);
-  }
-}
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t t;
   asm volatile("mov.u64 %0, %%globaltimer;\n" : "=l"(t));
@@ -161,9 +137,6 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
   }
   __syncthreads();
 
-  // The prefetch is issued here, after the barrier, by threads that store no flag: a release store orders the
-  // memory operations its thread issued or observed before it, and must not wait for these.
-  if (a.prefetch_bytes > 0 && threadIdx.x >= 32) prefetch_share(a, b);
   const int peer = threadIdx.x;
   if (peer < a.world_size && peer != a.rank) {
     uint8_t* theirs = reinterpret_cast<uint8_t*>(a.buffers[peer]);

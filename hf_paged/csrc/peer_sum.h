@@ -44,15 +44,7 @@ struct PeerSumArgs {
   void* norm_out;                // n16 units, where weight is given
   int row_units;                 // units per row (hidden size * element size / 16), where weight is given
   float eps;                     // the norm's epsilon: rstd = rsqrt(mean(out^2) + eps) in float32
-  // A hint, never read back: bytes from `prefetch` (16-byte aligned, a multiple of 16) that the blocks ask the L2 to
-  // fetch before they wait for their peers, so that the weight of the product after this sum streams from memory
-  // while the ranks exchange data (null or 0: none).
-  const void* prefetch;
-  int64_t prefetch_bytes;
 };
-
-// The prefetch is issued in pieces of this many bytes, one per thread, each block taking an even share.
-constexpr int64_t kPeerSumPrefetchPiece = 16 << 10;
 
 // The rows of a fused norm a block holds in registers: row_units <= kPeerSumThreads * kPeerSumMaxRowUnitsPerThread
 // (hidden 16384 in bf16).

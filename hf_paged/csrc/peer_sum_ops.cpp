@@ -1,14 +1,13 @@
 // Registers torch.ops.hf_paged.peer_sum (the kernel in peer_sum.cu): the sum of `x` over the ranks of a
 // tensor-parallel group whose symmetric buffers `buffers` addresses, on the current stream, allocating only the
 // output; and its fused forms peer_sum_add (plus a residual) and peer_sum_add_rms_norm (plus a residual, then an
-// RMSNorm of each row). hf_paged/hf/tp_all_reduce.py sets the buffers up and calls them.
+// RMSNorm of each row). hf_paged/parallel/_all_reduce.py sets the buffers up and calls them.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
 #include <cmath>
-#include <optional>
 #include <tuple>
 
 #include "checks.h"
@@ -54,18 +53,6 @@ PeerSumArgs common_args(const at::Tensor& x, const at::Tensor& buffers, int64_t 
   return args;
 }
 
-// The optional L2 prefetch (PeerSumArgs::prefetch): all of `prefetch`'s bytes, a contiguous tensor on x's device
-// whose start is 16-byte aligned, rounded down to 16 bytes.
-void set_prefetch(PeerSumArgs& args, const std::optional<at::Tensor>& prefetch, const at::Tensor& x) {
-  if (!prefetch.has_value()) return;
-  const at::Tensor& p = *prefetch;
-  check_cuda_tensor(p, "prefetch", x.device());
-  TORCH_CHECK_VALUE(p.is_contiguous() && aligned16(p),
-                    format("prefetch must be a contiguous tensor starting on a 16-byte boundary, got %s",
-                           shape_of(p).c_str()));
-  args.prefetch = p.data_ptr(), args.prefetch_bytes = p.numel() * p.element_size() / 16 * 16;
-}
-
 int dtype_code(const at::Tensor& x) {
   return x.scalar_type() == at::kFloat ? 0 : x.scalar_type() == at::kHalf ? 1 : 2;
 }
@@ -79,10 +66,9 @@ void check_like(const at::Tensor& t, const char* name, const at::Tensor& x) {
 }
 
 at::Tensor peer_sum(const at::Tensor& x, const at::Tensor& buffers, int64_t rank, int64_t buffer_bytes,
-                    double timeout_s, const std::optional<at::Tensor>& prefetch) {
+                    double timeout_s) {
   at::Tensor out;
   PeerSumArgs args = common_args(x, buffers, rank, buffer_bytes, timeout_s, out);
-  set_prefetch(args, prefetch, x);
   if (args.n16 == 0) return out;
   const c10::cuda::CUDAGuard guard(x.device());
   C10_CUDA_CHECK(launch_peer_sum(args, dtype_code(x), c10::cuda::getCurrentCUDAStream()));
@@ -91,11 +77,10 @@ at::Tensor peer_sum(const at::Tensor& x, const at::Tensor& buffers, int64_t rank
 
 // residual + (the sum of x over the ranks), each rounded to x's dtype as the unfused layer rounds them.
 at::Tensor peer_sum_add(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& buffers, int64_t rank,
-                        int64_t buffer_bytes, double timeout_s, const std::optional<at::Tensor>& prefetch) {
+                        int64_t buffer_bytes, double timeout_s) {
   at::Tensor out;
   PeerSumArgs args = common_args(x, buffers, rank, buffer_bytes, timeout_s, out);
   check_like(residual, "residual", x);
-  set_prefetch(args, prefetch, x);
   if (args.n16 == 0) return out;
   args.residual = residual.data_ptr();
   const c10::cuda::CUDAGuard guard(x.device());
@@ -108,12 +93,10 @@ at::Tensor peer_sum_add(const at::Tensor& x, const at::Tensor& residual, const a
 std::tuple<at::Tensor, at::Tensor> peer_sum_add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
                                                          const at::Tensor& weight, double eps,
                                                          const at::Tensor& buffers, int64_t rank,
-                                                         int64_t buffer_bytes, double timeout_s,
-                                                         const std::optional<at::Tensor>& prefetch) {
+                                                         int64_t buffer_bytes, double timeout_s) {
   at::Tensor out;
   PeerSumArgs args = common_args(x, buffers, rank, buffer_bytes, timeout_s, out);
   check_like(residual, "residual", x);
-  set_prefetch(args, prefetch, x);
   TORCH_CHECK_VALUE(x.dim() >= 1, "x must have a last (hidden) dimension");
   const int64_t hidden = x.size(-1);
   const int64_t row_bytes = hidden * x.element_size();
@@ -141,14 +124,11 @@ std::tuple<at::Tensor, at::Tensor> peer_sum_add_rms_norm(const at::Tensor& x, co
 }  // namespace hf_paged
 
 TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
-  // prefetch: an optional tensor whose bytes the kernel asks the L2 to fetch while it waits for its peers (a hint:
-  // nothing of it is read back), e.g. the weight of the product that follows the sum.
-  m.def("peer_sum(Tensor x, Tensor buffers, int rank, int buffer_bytes, float timeout_s, Tensor? prefetch=None) -> "
+  m.def("peer_sum(Tensor x, Tensor buffers, int rank, int buffer_bytes, float timeout_s) -> Tensor");
+  m.def("peer_sum_add(Tensor x, Tensor residual, Tensor buffers, int rank, int buffer_bytes, float timeout_s) -> "
         "Tensor");
-  m.def("peer_sum_add(Tensor x, Tensor residual, Tensor buffers, int rank, int buffer_bytes, float timeout_s, "
-        "Tensor? prefetch=None) -> Tensor");
   m.def("peer_sum_add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps, Tensor buffers, int rank, "
-        "int buffer_bytes, float timeout_s, Tensor? prefetch=None) -> (Tensor, Tensor)");
+        "int buffer_bytes, float timeout_s) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {

@@ -33,7 +33,7 @@ namespace hf_paged {
 namespace {
 
 namespace cg = cooperative_groups;
-using namespace skinny;  // the tiles, loads and stores both skinny kernels share
+using namespace skinny;  // the tiles, loads, stores and launch of skinny_gemm_common.cuh
 
 constexpr int kUnroll = 4;        // 32-wide chunks of K per batch
 constexpr int kWarpsPerSm = 24;   // resident warps per SM the launch bounds below guarantee
@@ -89,7 +89,7 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
                   static_cast<int>((split + 1) * chunks / splits), g, t);
   }
   if (parts == 1 && cluster == 1) {
-    if (owns_tile) store<T>(p, s, acc, 0, g, t);
+    if (owns_tile) store<T>(p, s, acc, g, t);
     return;
   }
   partial[warp][lane] = make_float4(acc[0], acc[1], acc[2], acc[3]);
@@ -102,7 +102,7 @@ __global__ void __launch_bounds__(kThreads, kWarpsPerSm / kWarps)
       for (int q = 0; q < parts; ++q) add(acc, remote[q * 32 + lane]);
     }
 #endif
-    store<T>(p, s, acc, 0, g, t);
+    store<T>(p, s, acc, g, t);
   }
   partials_read(cluster);  // rank 0 has read every block's partial sums
 }
@@ -129,8 +129,8 @@ cudaError_t launch(const SkinnyGemmParams& p, cudaStream_t stream) {
   int parts = 1, cluster = 1;
   choose_split(p, tiles, parts, cluster);
   const int64_t tiles_per_block = kWarps / parts;
-  return launch_clusters(skinny_gemm_kernel<T>, (tiles + tiles_per_block - 1) / tiles_per_block, cluster, 0, stream,
-                         l, parts, cluster);
+  return launch_clusters(skinny_gemm_kernel<T>, (tiles + tiles_per_block - 1) / tiles_per_block, cluster, stream, l,
+                         parts, cluster);
 }
 
 }  // namespace

@@ -1,5 +1,5 @@
-// Plain C++ interface between the skinny-GEMM ops (skinny_ops.cpp) and their kernels (skinny_gemm.cu up to 8 rows of
-// x, skinny_gemm_wide.cu for 9 to 64, skinny_gemm_wgmma.cu for 1 to 64 on Hopper); no torch headers.
+// Plain C++ interface between the skinny-GEMM ops (skinny_ops.cpp) and their kernel (skinny_gemm.cu, up to 8 rows of
+// x); no torch headers.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,8 +10,6 @@ namespace hf_paged {
 
 // Rows of x one launch serves: the x rows are the n side (8 wide) of one m16n8k16 tensor-core product.
 constexpr int kSkinnyMaxRows = 8;
-// Rows of x the wide kernel serves (above kSkinnyMaxRows): up to 8 n-tiles of 8 rows meet each weight fragment.
-constexpr int kSkinnyWideMaxRows = 64;
 // Weights one launch serves (products sharing x: q/k/v, gate/up).
 constexpr int kSkinnyMaxGroup = 4;
 
@@ -25,16 +23,12 @@ struct SkinnyGemmParams {
   int n[kSkinnyMaxGroup];                 // N_i >= 1
   int count;                              // 1 <= count <= kSkinnyMaxGroup
   int64_t x_stride;
-  int m, k;  // 1 <= m <= kSkinnyMaxRows (kSkinnyMaxRows < m <= kSkinnyWideMaxRows for the wide kernel), k >= 0
+  int m, k;                               // 1 <= m <= kSkinnyMaxRows, k >= 0
   bool bf16;                              // else float16
   int sms;                                // the device's multiprocessor count (sizes the split of K)
   bool clusters;  // thread-block clusters available (sm_90+): K may be split across the blocks of a cluster
 };
 
 cudaError_t launch_skinny_gemm(const SkinnyGemmParams& p, cudaStream_t stream);
-cudaError_t launch_skinny_gemm_wide(const SkinnyGemmParams& p, cudaStream_t stream);
-// skinny_gemm_wgmma.cu (Hopper, 1 <= M <= kSkinnyWideMaxRows): only where skinny_gemm_wgmma_built() (an sm_90a build).
-cudaError_t launch_skinny_gemm_wgmma(const SkinnyGemmParams& p, cudaStream_t stream);
-bool skinny_gemm_wgmma_built();
 
 }  // namespace hf_paged

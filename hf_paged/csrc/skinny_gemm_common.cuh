@@ -1,15 +1,10 @@
-// What both skinny-GEMM kernels share (skinny_gemm.cu for up to 8 rows of x, skinny_gemm_wide.cu for 9 to 64): the
-// group's list of weight tiles, the weight loads that fill an m16n8k16 A fragment straight from global memory, the
-// store of one 16 x 8 accumulator tile, the shared-memory opt-in, and the launch in thread-block clusters
-// (skinny_gemm_wgmma.cu takes the tiles' store, the opt-in and the launch too).
+// The pieces of the skinny-GEMM kernel (skinny_gemm.cu) apart from its main loop: the group's list of weight tiles,
+// the weight loads that fill an m16n8k16 A fragment straight from global memory, the store of one 16 x 8 accumulator
+// tile, the barriers around the split-K partial sums, and the launch in thread-block clusters.
 #pragma once
 
 #include <cooperative_groups.h>
 #include <cuda_runtime.h>
-
-#include <map>
-#include <mutex>
-#include <utility>
 
 #include "ptx.cuh"
 #include "skinny_gemm.h"
@@ -28,11 +23,10 @@ struct GroupLaunch {
   int tile_begin[kSkinnyMaxGroup + 1];
 };
 
-// tile_rows: weight rows per tile (kTileRows, a warp's, unless a kernel's tiles are larger).
-inline GroupLaunch group_launch(const SkinnyGemmParams& p, int tile_rows = kTileRows) {
+inline GroupLaunch group_launch(const SkinnyGemmParams& p) {
   GroupLaunch l{};
   l.p = p;
-  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + tile_rows - 1) / tile_rows;
+  for (int i = 0; i < p.count; ++i) l.tile_begin[i + 1] = l.tile_begin[i] + (p.n[i] + kTileRows - 1) / kTileRows;
   for (int i = p.count + 1; i <= kSkinnyMaxGroup; ++i) l.tile_begin[i] = l.tile_begin[p.count];
   return l;
 }
@@ -81,11 +75,11 @@ __device__ __forceinline__ __half from_float<__half>(float v) { return __float2h
 template <>
 __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
-// One accumulator tile of lane (g, t): weight rows g and g + 8 of the slice's tile, x rows m0 + 2t and m0 + 2t + 1.
-// Bias added in fp32, rounded once; only rows below N and x rows below M are written.
+// One accumulator tile of lane (g, t): weight rows g and g + 8 of the slice's tile, x rows 2t and 2t + 1. Bias added
+// in fp32, rounded once; only rows below N and x rows below M are written.
 template <typename T>
-__device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>& s, const float (&acc)[4], int m0,
-                                      int g, int t) {
+__device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>& s, const float (&acc)[4], int g,
+                                      int t) {
 #pragma unroll
   for (int half = 0; half < 2; ++half) {
     const int n = s.tile * kTileRows + g + 8 * half;
@@ -93,7 +87,7 @@ __device__ __forceinline__ void store(const SkinnyGemmParams& p, const Slice<T>&
     const float b = s.bias != nullptr ? to_float(s.bias[n]) : 0.f;
 #pragma unroll
     for (int i = 0; i < 2; ++i) {
-      const int m = m0 + 2 * t + i;
+      const int m = 2 * t + i;
       if (m < p.m) s.out[static_cast<int64_t>(m) * s.n + n] = from_float<T>(acc[2 * half + i] + b);
     }
   }
@@ -121,35 +115,12 @@ __device__ __forceinline__ void partials_read(int cluster) {
 #endif
 }
 
-// Once per (device, kernel): the opt-in to its dynamic shared memory, and how many of its blocks fit on an SM.
-inline cudaError_t prepare(const void* kernel, int smem, int& blocks_per_sm) {
-  static std::mutex mu;
-  static std::map<std::pair<int, const void*>, int> known;
-  int device = 0;
-  cudaError_t error = cudaGetDevice(&device);
-  if (error != cudaSuccess) return error;
-  const std::lock_guard<std::mutex> lock(mu);
-  const auto it = known.find({device, kernel});
-  if (it != known.end()) {
-    blocks_per_sm = it->second;
-    return cudaSuccess;
-  }
-  error = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem);
-  if (error == cudaSuccess)
-    error = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks_per_sm, kernel, kThreads, smem);
-  if (error == cudaSuccess && blocks_per_sm < 1) error = cudaErrorInvalidConfiguration;
-  if (error == cudaSuccess) known[{device, kernel}] = blocks_per_sm;
-  return error;
-}
-
 // `kernel` on a grid of (blocks, cluster) blocks of kThreads, the cluster's blocks along y (blockIdx.y is the rank).
 template <typename Kernel, typename... Args>
-cudaError_t launch_clusters(Kernel kernel, int64_t blocks, int cluster, size_t smem, cudaStream_t stream,
-                            const Args&... args) {
+cudaError_t launch_clusters(Kernel kernel, int64_t blocks, int cluster, cudaStream_t stream, const Args&... args) {
   cudaLaunchConfig_t config = {};
   config.gridDim = dim3(static_cast<unsigned>(blocks), static_cast<unsigned>(cluster));
   config.blockDim = dim3(kThreads);
-  config.dynamicSmemBytes = smem;
   config.stream = stream;
   cudaLaunchAttribute attribute[1];
   attribute[0].id = cudaLaunchAttributeClusterDimension;

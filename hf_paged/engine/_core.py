@@ -68,7 +68,7 @@ class EngineCore(TokenHandover):
         # tensor parallel: the ranks step together
         self.lockstep, settings = lockstep.for_model(model, cfg.compile_layers, cfg.cuda_graphs)
         cfg = replace(cfg, **settings)
-        # tensor parallel (unless HF_PAGED_TP_SHARDED_LOGITS=0): each rank's model calls return its vocabulary columns
+        # tensor parallel: each rank's model calls return its vocabulary columns
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
         if cfg.num_blocks is None:

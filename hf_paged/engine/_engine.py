@@ -61,10 +61,9 @@ class Engine(RequestIntake, EngineLifecycle, EngineCore):
             a compiler failure switches back to the eager modules with a warning. Only the engine's own model
             calls use the compiled code.
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
-            kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS (up to 64
-            with ``HF_PAGED_SKINNY_WIDE=1``: slower than cuBLAS on an H100, kept opt-in; docs/e2e.md). None: on for CUDA models in
-            float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the engine's own model
-            calls use it.
+            kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
+            for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
+            engine's own model calls use it.
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see

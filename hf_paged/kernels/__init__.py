@@ -131,6 +131,7 @@ def paged_decode(
     counters: torch.Tensor | None = None,
     k_scale: torch.Tensor | None = None,
     v_scale: torch.Tensor | None = None,
+    pdl: bool = True,
 ) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
@@ -159,6 +160,8 @@ def paged_decode(
             pool that must hold no long-lived allocation (``torch.compile``'s CUDA graph trees) passes its own.
         k_scale, v_scale: an fp8 cache's float32 ``[Hkv]`` dequantization scales (value = fp8 * scale), read on the
             device (K's folded into the softmax scale, V's into the output); None for other caches.
+        pdl: launch with programmatic dependent launch where the device allows it (below); False launches plainly
+            (the same kernel and split, so the same bits: tests and benchmarks compare the two).
 
     Returns:
         ``[B, H, D]`` in query's dtype. The softmax runs in float32.
@@ -166,8 +169,7 @@ def paged_decode(
     From compute capability 9.0 on the launch uses programmatic dependent launch: it may start while the kernel
     before it in the stream finishes, and copies cache entries of keys older than each sequence's newest one before
     it waits for that kernel. So the kernel right before it may write each sequence's newest key and value (as
-    :func:`write_kv` does in a decode step) and the query, but no older key; ``HF_PAGED_DECODE_PDL=0`` turns this
-    off.
+    :func:`write_kv` does in a decode step) and the query, but no older key.
     """
     _check_kv_scales(k_cache, k_scale, v_scale)
     if not query.is_cuda:
@@ -184,7 +186,7 @@ def paged_decode(
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     _ops().paged_decode(out, query, k_cache, v_cache, block_tables, seq_lens, max_seq_len, scale, split_len,
-                        workspace, max(window, 0), max(softcap, 0.0), counters, k_scale, v_scale)
+                        workspace, max(window, 0), max(softcap, 0.0), counters, k_scale, v_scale, pdl)
     return out
 
 

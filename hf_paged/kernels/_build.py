@@ -46,8 +46,6 @@ SOURCES = (
     "paged_prefill_wgmma_bf16.cu",
     "skinny_ops.cpp",
     "skinny_gemm.cu",
-    "skinny_gemm_wide.cu",
-    "skinny_gemm_wgmma.cu",  # Hopper only: a stub unless built for sm_90a
     "peer_sum_ops.cpp",
     "peer_sum.cu",
 )
@@ -95,7 +93,7 @@ def _cuda_flags(arch: str) -> list[str]:
     # nvcc 13.0's -arch=sm_90a shorthand also runs a plain sm_90 pass, which rejects wgmma.
     flags = ["-O3", f"-gencode=arch=compute_{arch},code=sm_{arch}", "-lineinfo"]
     if arch == "90a":
-        flags.append("-DHF_PAGED_SM90A")  # compiles the wgmma kernels (paged_prefill_wgmma_*.cu, skinny_gemm_wgmma.cu)
+        flags.append("-DHF_PAGED_SM90A")  # compiles the wgmma kernels (paged_prefill_wgmma_*.cu)
     return flags + _host_flags()[1:]
 
 

@@ -2,13 +2,8 @@
 
 At a few rows of ``x`` (a decode step at small batch) a linear layer is bound by reading its weight, and cuBLAS's
 GEMMs reach only part of the bandwidth there. ``hf_paged/csrc/skinny_gemm.cu`` serves up to :data:`MAX_ROWS` rows
-on tensor cores (fp32 accumulation); with ``HF_PAGED_SKINNY_WIDE=1`` in the environment (read per call; opt-in: on
-an H100 it was slower than cuBLAS on single products, docs/e2e.md) ``hf_paged/csrc/skinny_gemm_wide.cu`` serves up
-to :data:`WIDE_MAX_ROWS` (decode at batch 9 to 64, where a tensor-parallel rank's products are still bound by the
-weight's bytes); with ``HF_PAGED_SKINNY_WIDE=wgmma`` (opt-in, not yet measured) those rows go to
-``hf_paged/csrc/skinny_gemm_wgmma.cu`` instead on a compute capability 9.0 GPU (Hopper's warpgroup products: the
-weight as wgmma's A, x's rows as its N), and to the wide kernel elsewhere. Everything else goes to
-``torch.nn.functional.linear``, and so do the small weights where cuBLAS is as fast (:func:`kernel_wins`).
+on tensor cores (fp32 accumulation). Everything else goes to ``torch.nn.functional.linear``, and so do the small
+weights where cuBLAS is as fast (:func:`kernel_wins`).
 :func:`linear_group` runs 2 to 4 products that share x (q/k/v, gate/up) in one launch: at batch 1 such products are
 bound by launch latency more than by bytes, so the group always takes the kernel where it serves.
 
@@ -21,7 +16,6 @@ the engine's compiled graphs).
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 
 import torch
@@ -30,8 +24,6 @@ import torch.nn.functional as F
 from hf_paged.kernels._build import ensure_loaded
 
 MAX_ROWS = 8  # rows of x the kernel serves (kSkinnyMaxRows in csrc/skinny_gemm.h)
-WIDE_MAX_ROWS = 64  # rows of x the wide kernel serves above MAX_ROWS (kSkinnyWideMaxRows), when wide_enabled()
-WIDE_ENV = "HF_PAGED_SKINNY_WIDE"
 MAX_GROUP = 4  # weights one grouped launch serves (kSkinnyMaxGroup)
 # A single product goes to cuBLAS below both: on an H100 at M=1, cuBLAS takes 6.1 us for Llama-3.2-1B's q/o
 # (2048 x 2048, 8 MiB) against the kernel's 7.0, and ties on its k/v (512 x 2048); from K=4096 on the kernel wins
@@ -41,8 +33,8 @@ CUBLAS_MAX_K = 2048
 DTYPES = (torch.float16, torch.bfloat16)
 _kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
-__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "WIDE_ENV", "WIDE_MAX_ROWS", "kernel_serves", "kernel_wins", "linear",
-           "linear_group", "linear_packed", "packed_rows", "wgmma_serves", "wide_enabled"]
+__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group",
+           "linear_packed", "packed_rows"]
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -105,57 +97,24 @@ def linear_packed(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 def kernel_serves(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> bool:
     """Whether :func:`linear` runs a kernel for these tensors: :func:`kernel_wins` for the weight, x on CUDA in
-    float16/bfloat16 with 1 to :data:`MAX_ROWS` rows (the product of its leading dims; :data:`WIDE_MAX_ROWS` where
-    :func:`wide_enabled`), K a multiple of 8, weight contiguous ``[N, K]`` of x's dtype and device, bias contiguous
-    ``[N]`` of the same, rows and weight 16-byte aligned, and the kernels load."""
+    float16/bfloat16 with 1 to :data:`MAX_ROWS` rows (the product of its leading dims), K a multiple of 8, weight
+    contiguous ``[N, K]`` of x's dtype and device, bias contiguous ``[N]`` of the same, rows and weight 16-byte
+    aligned, and the kernels load."""
     return kernel_wins(weight) and _kernel_input(x, weight, bias) is not None
 
 
 def kernel_wins(weight: torch.Tensor) -> bool:
     """Whether a single product with ``weight`` is faster on the kernel than on cuBLAS at decode row counts: false
     for weights under :data:`CUBLAS_BELOW_BYTES` with K up to :data:`CUBLAS_MAX_K` (measured on an H100 up to
-    :data:`MAX_ROWS` rows; the wide kernel, opt-in, follows the same rule)."""
+    :data:`MAX_ROWS` rows)."""
     return weight.numel() * weight.element_size() >= CUBLAS_BELOW_BYTES or weight.shape[-1] > CUBLAS_MAX_K
-
-
-def wide_enabled() -> bool:
-    """Whether 9 to :data:`WIDE_MAX_ROWS` rows go to a kernel: ``HF_PAGED_SKINNY_WIDE=1`` (the wide kernel) or
-    ``wgmma`` (:func:`wgmma_serves`), read on every call (the switch lives inside the ops, so compiled graphs and
-    captured CUDA graphs see it when they run or capture)."""
-    return os.environ.get(WIDE_ENV) in ("1", "wgmma")
-
-
-def wgmma_serves(x: torch.Tensor) -> bool:
-    """Whether 9 to :data:`WIDE_MAX_ROWS` rows of ``x`` go to the wgmma kernel (``csrc/skinny_gemm_wgmma.cu``) rather
-    than the wide one: ``HF_PAGED_SKINNY_WIDE=wgmma`` and x on a compute capability 9.0 GPU (the kernels are built
-    with its sm_90a code there)."""
-    return os.environ.get(WIDE_ENV) == "wgmma" and _capability(x.device) == (9, 0)
-
-
-_capabilities: dict[int, tuple[int, int]] = {}
-
-
-def _capability(device: torch.device) -> tuple[int, int]:
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _capabilities:
-        _capabilities[index] = torch.cuda.get_device_capability(index)
-    return _capabilities[index]
-
-
-def _wide_ops(x2: torch.Tensor):
-    """(single, group) ops for ``x2``'s 9 to :data:`WIDE_MAX_ROWS` rows: the wgmma kernel's or the wide kernel's."""
-    ops = torch.ops.hf_paged
-    if wgmma_serves(x2):
-        return ops.skinny_gemm_wgmma, ops.skinny_gemm_wgmma_group
-    return ops.skinny_gemm_wide, ops.skinny_gemm_wide_group
 
 
 def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     x2 = _kernel_input(x, weight, bias) if kernel_wins(weight) else None
     if x2 is None:
         return F.linear(x, weight, bias).contiguous()  # the fake promises a contiguous output
-    op = torch.ops.hf_paged.skinny_gemm if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[0]
-    return op(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
+    return torch.ops.hf_paged.skinny_gemm(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
 _op = torch.library.custom_op("hf_paged::linear", _linear, mutates_args=())
@@ -175,8 +134,7 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
             full = F.linear(x, *packed)
             return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
         return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
-    ops = torch.ops.hf_paged
-    outs = (ops.skinny_gemm_group if x2.shape[0] <= MAX_ROWS else _wide_ops(x2)[1])(x2, weights, biases)
+    outs = torch.ops.hf_paged.skinny_gemm_group(x2, weights, biases)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
 
 
@@ -209,8 +167,7 @@ def packed_rows(weights: Sequence[torch.Tensor],
     """``(weight, bias)`` views spanning every weight (and bias) when they lie end to end in one buffer, in order
     (contiguous ``[N_i, K]`` of one dtype, device and K; biases all None or likewise end to end), else None.
     ``hf_paged.parallel._linears`` packs the q/k/v shards of a tensor-parallel model so; the group then runs as one
-    product where the skinny kernels do not serve it (more than :data:`MAX_ROWS` rows, or :data:`WIDE_MAX_ROWS` where
-    :func:`wide_enabled`)."""
+    product where the skinny kernel does not serve it (more than :data:`MAX_ROWS` rows)."""
     if len(weights) < 2 or not _end_to_end(weights, matrix=True):
         return None
     first = weights[0]
@@ -238,8 +195,8 @@ def _kernel_input(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         return None
     k = x.shape[-1]
     rows = x.numel() // k if k else 0
-    if not 0 < rows <= MAX_ROWS and not (MAX_ROWS < rows <= WIDE_MAX_ROWS and wide_enabled()):
-        return None  # (the switch is read only above MAX_ROWS: the small-batch path stays free of it)
+    if not 0 < rows <= MAX_ROWS:
+        return None
     x2 = x.reshape(rows, k)
     if x2.stride(-1) != 1 or (rows > 1 and x2.stride(0) % 8) or x2.data_ptr() % 16:
         x2 = x2.contiguous()

@@ -43,7 +43,6 @@ _buffers: dict[str, torch.Tensor] = {}  # group name -> this rank's symmetric bu
 # group name -> (peer buffer addresses, this rank, buffer bytes, timeout s)
 _peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
 one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
-prefetch_calls = 0  # peer_sum calls (plain or fused) that took an L2 prefetch hint
 
 
 def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
@@ -101,44 +100,31 @@ def _prepare_peer_sum(group, device: torch.device) -> None:
     _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), envs.tp_timeout_s())
 
 
-def _hint(prefetch: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor | None:
-    """``prefetch`` where peer_sum's kernel can take it as its L2 prefetch (contiguous, on ``x``'s device, starting
-    on a 16-byte boundary), else None: it is a hint, never a reason to fail."""
-    if (prefetch is None or prefetch.device != x.device or not prefetch.is_contiguous()
-            or prefetch.data_ptr() % 16):
-        return None
-    return prefetch
-
-
 @torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
-def _tp_all_reduce(x: torch.Tensor, group_name: str, prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group named ``group_name`` (see the module docstring), opaque to the
-    compiler. ``prefetch``: a tensor (the weight of the product that reads the sum, or its first bytes) whose bytes
-    peer_sum's kernel asks the L2 to fetch while it waits for the other ranks; a hint that changes no value, taken
-    only where that kernel serves (``hf_paged.parallel._linears`` passes it, ``HF_PAGED_TP_PREFETCH_MB``)."""
-    global one_shot_calls, prefetch_calls
+    compiler."""
+    global one_shot_calls
     nbytes = x.numel() * x.element_size()
     if x.is_cuda and nbytes <= ONE_SHOT_MAX_BYTES:
         peers = _peers.get(group_name)
         if peers is not None and nbytes % 16 == 0 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
             one_shot_calls += 1
-            hint = _hint(prefetch, x)
-            prefetch_calls += hint is not None
-            return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers, hint)
+            return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
     out = x.clone()
     dist.all_reduce(out, group=_resolve_process_group(group_name))
     return out
 
 
 @_tp_all_reduce.register_fake
-def _(x, group_name, prefetch=None):
+def _(x, group_name):
     return torch.empty_like(x)
 
 
 # ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
-# The engine's graph pass (hf_paged.parallel._fuse_all_reduce, on by default: HF_PAGED_TP_FUSE_NORM) puts these where a
-# layer adds the all-reduce's output to its residual stream (and, after attention, takes the next RMSNorm of it), so
-# that peer_sum's kernel does the add and the norm instead of a kernel of their own after it.
+# The engine's graph pass (hf_paged.parallel._fuse_all_reduce) puts these where a layer adds the all-reduce's output
+# to its residual stream (and, after attention, takes the next RMSNorm of it), so that peer_sum's kernel does the add
+# and the norm instead of a kernel of their own after it.
 
 fused_calls = 0  # calls that took a fused peer_sum kernel (eager runs and captures)
 
@@ -181,34 +167,30 @@ def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce_add", mutates_args=())
-def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str,
-                       prefetch: torch.Tensor | None = None) -> torch.Tensor:
+def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str) -> torch.Tensor:
     """``residual + tp_all_reduce(x)``, on one peer_sum kernel where it serves (each rounded to the dtype, as the
-    unfused layer rounds them); ``prefetch`` as for ``tp_all_reduce``."""
-    global fused_calls, prefetch_calls
+    unfused layer rounds them)."""
+    global fused_calls
     peers = _peer_args(x, group_name, residual)
     if peers is not None:
         fused_calls += 1
-        hint = _hint(prefetch, x)
-        prefetch_calls += hint is not None
-        return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers, hint)
-    return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name, prefetch)).contiguous()
+        return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers)
+    return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
 
 
 # The outputs are contiguous whatever the inputs' strides (the kernel's and the fallback's alike), as the fakes say.
 @_tp_all_reduce_add.register_fake
-def _(x, residual, group_name, prefetch=None):
+def _(x, residual, group_name):
     return torch.empty_like(x, memory_format=torch.contiguous_format)
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
 def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
-                                eps_tensor: torch.Tensor | None, group_name: str,
-                                prefetch: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                                eps_tensor: torch.Tensor | None, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
     """``(h, rms_norm(h, weight, eps))`` with ``h = residual + tp_all_reduce(x)``, on one peer_sum kernel where it
     serves. The epsilon is ``eps_tensor`` where given (a 0-d tensor: torch.compile passes a module's float attribute
-    as one), else ``eps``; ``prefetch`` as for ``tp_all_reduce``."""
-    global fused_calls, prefetch_calls
+    as one), else ``eps``."""
+    global fused_calls
     peers = _peer_args(x, group_name, residual)
     hidden = x.shape[-1] if x.dim() else 0
     row_bytes = hidden * x.element_size()
@@ -217,15 +199,12 @@ def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight:
             and row_bytes and row_bytes % 16 == 0 and row_bytes <= _PEER_SUM_MAX_ROW_BYTES):
         fused_calls += 1
         value = float(eps_tensor) if eps_tensor is not None else eps
-        hint = _hint(prefetch, x)
-        prefetch_calls += hint is not None
-        return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers,
-                                                        hint)
-    h = (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name, prefetch)).contiguous()
+        return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers)
+    h = (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
     return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps).contiguous()
 
 
 @_tp_all_reduce_add_rms_norm.register_fake
-def _(x, residual, weight, eps, eps_tensor, group_name, prefetch=None):
+def _(x, residual, weight, eps, eps_tensor, group_name):
     return (torch.empty_like(x, memory_format=torch.contiguous_format),
             torch.empty_like(x, memory_format=torch.contiguous_format))

@@ -14,22 +14,19 @@ microseconds each at 64 rows. Where peer_sum serves the group (``hf_paged.parall
 peer_sum's kernel then does the add and the norm in the same launch as the sum. Any other shape of graph (another
 norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is. In the engine's compiled layers
 the attention function breaks the graph, so the attention module's all-reduce ends a graph of its own (its add and
-norm are in the next one) unless dynamo resumes such a break in the calling frame: with the switch on, the compiled
-layers trace with dynamo's ``nested_graph_breaks`` where this torch has it (:func:`nested_graph_breaks`), so that a
-layer's work after attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and
-add) is one graph and both forms serve. Without it only the MLP's all-reduce takes its residual add.
+norm are in the next one) unless dynamo resumes such a break in the calling frame: the compiled layers trace with
+dynamo's ``nested_graph_breaks`` where this torch has it (:func:`nested_graph_breaks`), so that a layer's work after
+attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and add) is one graph and both
+forms serve. Without it only the MLP's all-reduce takes its residual add.
 
-It is on by default (``HF_PAGED_TP_FUSE_NORM=0`` turns it off): on two H200s it took 0.03 ms off the 4.35 ms decode
-step of an 8B-shaped model at batch 64, with the greedy tokens of one GPU (2026-11-27, docs/multi_gpu.md). The setting
-is read when a layer compiles and is part of the pass's cache key. An all-reduce's L2 prefetch hint
-(``hf_paged.parallel._linears.set_prefetch``) goes with it into the fused call. :class:`LayerPasses` runs the engine's
-graph passes (grouped linears, then this one) as the one custom pass inductor takes.
+On two H200s it took 0.03 ms off the 4.35 ms decode step of an 8B-shaped model at batch 64, with the greedy tokens of
+one GPU (docs/multi_gpu.md). :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one) as
+the one custom pass inductor takes.
 """
 
 from __future__ import annotations
 
 import operator
-import os
 
 import torch
 from torch._inductor.custom_graph_pass import get_hash_for_files
@@ -40,30 +37,18 @@ from hf_paged.compile._group_linears import _KEPT_META, GroupLinears, group_line
 from hf_paged.compile._layers import LayerCompile, inductor_has_pdl
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
-__all__ = ["FUSE_ENV", "LayerPasses", "fuse_all_reduce", "fuse_setting", "layer_compile", "nested_graph_breaks"]
-
-FUSE_ENV = "HF_PAGED_TP_FUSE_NORM"
+__all__ = ["LayerPasses", "fuse_all_reduce", "layer_compile", "nested_graph_breaks"]
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 
-def fuse_setting() -> bool:
-    """``HF_PAGED_TP_FUSE_NORM``: ``1`` or unset (the default) fuses, ``0`` does not."""
-    value = os.environ.get(FUSE_ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{FUSE_ENV}={value!r}: use 1 (the residual add and RMSNorm in the all-reduce's kernel, the "
-                         "default) or 0 (a kernel of their own after it)")
-    return value == "1"
-
-
 def nested_graph_breaks(group_name: str | None) -> bool:
     """Whether the compiled layers of a tensor-parallel model whose group is named ``group_name`` (None: not
-    tensor-parallel) trace with dynamo's nested graph breaks: where the pass is on, peer_sum serves the group and
-    this torch's dynamo has the option (a graph break inside the attention module then resumes in one graph with
-    the rest of the decoder layer, so the attention all-reduce meets its residual add and norm). Other models trace
-    as they always have."""
-    return (group_name is not None and fuse_setting() and tp_all_reduce.fused_ready(group_name)
+    tensor-parallel) trace with dynamo's nested graph breaks: where peer_sum serves the group and this torch's dynamo
+    has the option (a graph break inside the attention module then resumes in one graph with the rest of the decoder
+    layer, so the attention all-reduce meets its residual add and norm). Other models trace as they always have."""
+    return (group_name is not None and tp_all_reduce.fused_ready(group_name)
             and "nested_graph_breaks" in torch._dynamo.config._config)
 
 
@@ -86,23 +71,20 @@ class LayerPasses(GroupLinears):
         fuse_all_reduce(graph)
 
     def uuid(self) -> bytes:
-        fuse = b"fuse:" + envs.tp_all_reduce().encode() if fuse_setting() else b""
-        return super().uuid() + get_hash_for_files((__file__,)) + fuse
+        return super().uuid() + get_hash_for_files((__file__,)) + b"fuse:" + envs.tp_all_reduce().encode()
 
 
 def fuse_all_reduce(graph: torch.fx.Graph) -> int:
     """Replace, in place, each ``tp_all_reduce`` of a peer_sum group whose only use is an add to a tensor of its
     shape and dtype (and the RMSNorm of that sum, where one follows) by the fused op. Returns the number of fused
-    calls made (0 with ``HF_PAGED_TP_FUSE_NORM=0``)."""
-    if not fuse_setting():
-        return 0
+    calls made."""
     reduce = torch.ops.hf_paged.tp_all_reduce.default
     order = {node: i for i, node in enumerate(graph.nodes)}
     made = 0
     for node in list(graph.nodes):
-        if node.target is not reduce or not 2 <= len(node.args) <= 3 or set(node.kwargs) - {"prefetch"}:
+        if node.target is not reduce or len(node.args) != 2 or node.kwargs:
             continue
-        x, group, prefetch = (*node.args, node.kwargs.get("prefetch"))[:3]
+        x, group = node.args
         if not isinstance(group, str) or not tp_all_reduce.fused_ready(group):
             continue
         add = _sole_user(node)
@@ -111,9 +93,9 @@ def fuse_all_reduce(graph: torch.fx.Graph) -> int:
             continue
         norm = _rms_norm_of(add)
         if norm is not None and all(order.get(n, -1) < order[add] for n in norm[:2] if isinstance(n, torch.fx.Node)):
-            _replace_with_norm(graph, node, add, x, residual, group, prefetch, *norm)
+            _replace_with_norm(graph, node, add, x, residual, group, *norm)
         else:
-            _replace_with_add(graph, node, add, x, residual, group, prefetch)
+            _replace_with_add(graph, node, add, x, residual, group)
         made += 1
     return made
 
@@ -212,10 +194,9 @@ def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
     new.meta.update({k: old.meta[k] for k in _KEPT_META if k in old.meta})
 
 
-def _replace_with_add(graph, reduce, add, x, residual, group, prefetch) -> None:
+def _replace_with_add(graph, reduce, add, x, residual, group) -> None:
     with graph.inserting_before(add):
-        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add.default,
-                                    (x, residual, group) + ((prefetch,) if prefetch is not None else ()))
+        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add.default, (x, residual, group))
     _keep_meta(fused, add)
     fused.meta["val"] = add.meta["val"]
     add.replace_all_uses_with(fused)
@@ -223,12 +204,11 @@ def _replace_with_add(graph, reduce, add, x, residual, group, prefetch) -> None:
     graph.erase_node(reduce)
 
 
-def _replace_with_norm(graph, reduce, add, x, residual, group, prefetch, weight, eps, out, chain) -> None:
+def _replace_with_norm(graph, reduce, add, x, residual, group, weight, eps, out, chain) -> None:
     eps_value, eps_tensor = (0.0, eps) if isinstance(eps, torch.fx.Node) else (float(eps), None)
     with graph.inserting_before(add):
         fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default,
-                                    (x, residual, weight, eps_value, eps_tensor, group)
-                                    + ((prefetch,) if prefetch is not None else ()))
+                                    (x, residual, weight, eps_value, eps_tensor, group))
         h = graph.call_function(operator.getitem, (fused, 0))
         normed = graph.call_function(operator.getitem, (fused, 1))
     for new, old in ((fused, add), (h, add), (normed, out)):

@@ -14,13 +14,10 @@ opaque (so a layer stays one graph around it). The compiled decoder layers then 
 inference path: the same local products, the same sum over ranks, the bias added once after it.
 
 :func:`install` also moves each attention's q/k/v local shards end to end into one buffer (:func:`pack_colwise`), so
-that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it: ``HF_PAGED_TP_PACK``
-(:func:`packed_groups`) says which groups, ``all`` adds each MLP's gate/up, ``0`` leaves every shard where it is.
-
-With ``HF_PAGED_TP_PREFETCH_MB`` set (opt-in, :func:`set_prefetch`) each rowwise shard's all-reduce also carries an L2
-prefetch hint: the first bytes of the weight the next product reads (after o_proj the MLP's gate, after down_proj the
-next layer's packed q/k/v). peer_sum's kernel asks the L2 to fetch them while it waits for the other ranks, when the
-memory would otherwise idle, so that the product may find part of its weight in the cache.
+that the grouped product runs as one cuBLAS call where the skinny kernel does not serve it: one product where cuBLAS
+ran three (25.6 us for a rank's three shards of the 8B shape at 16-64 rows on an H100, whose k and v shards alone
+read at 0.8 TB/s). Each MLP's gate/up stay apart: two 7168-row products cost what one 14336-row product and the copy
+that splits its output cost.
 
 Only the two plain styles are taken (colwise with a sharded output, rowwise with a replicated one, as the Llama,
 Mistral, Qwen and Gemma plans use); any other sharded linear makes :func:`install` refuse with the reason, and the
@@ -30,7 +27,6 @@ engine runs the layers eagerly.
 from __future__ import annotations
 
 import inspect
-import os
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +45,6 @@ class LocalLinear:
 
     def __init__(self, module: torch.nn.Linear, eager, rowwise: bool, group):
         self.eager, self.rowwise, self.group = eager, rowwise, group
-        self.prefetch: torch.Tensor | None = None  # a rowwise shard's L2 prefetch hint (set by install)
         self.refresh(module)
 
     def refresh(self, module: torch.nn.Linear) -> None:
@@ -74,8 +69,7 @@ class LocalLinear:
         x = args[0]
         if not self.rowwise:
             return self._product(x, self.bias)
-        hint = () if self.prefetch is None else (self.prefetch,)
-        out = torch.ops.hf_paged.tp_all_reduce(self._product(x, None), self.group.group_name, *hint)
+        out = torch.ops.hf_paged.tp_all_reduce(self._product(x, None), self.group.group_name)
         return out if self.bias is None else out + self.bias
 
 
@@ -99,9 +93,7 @@ def install(model: torch.nn.Module, group) -> str | None:
             return (f"layers.{name} is sharded in a way hf_paged does not compile ({type(module).__name__}, "
                     f"{'an unknown' if style is None else 'a'} tensor-parallel style)")
         plans.append((module, style))
-    groups = packed_groups()
-    if groups:
-        pack_colwise(layers, [m for m, rowwise in plans if not rowwise], groups)
+    pack_colwise(layers, [m for m, rowwise in plans if not rowwise])
     for module, rowwise in plans:
         patches.install(module, "tp_linears", lambda eager: LocalLinear(module, eager, rowwise, group))
     # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
@@ -109,96 +101,22 @@ def install(model: torch.nn.Module, group) -> str | None:
             if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear) and f.rowwise}
     for _, dtype, device in sorted(sums, key=lambda s: s[0]):
         tp_all_reduce.prepare(group, dtype, device)
-    # the prefetch hints serve where peer_sum's kernel takes them (its group set up on CUDA)
-    set_prefetch(layers, prefetch_bytes() if tp_all_reduce.fused_ready(group.group_name) else 0)
     return None
 
 
-PREFETCH_ENV = "HF_PAGED_TP_PREFETCH_MB"
-DEFAULT_PREFETCH_MB = 0
+#: Colwise shards of one module that read the same input, packed end to end (see :func:`pack_colwise`): q/k/v.
+PACKED_GROUPS = (("q_proj", "k_proj", "v_proj"),)
 
 
-def prefetch_bytes() -> int:
-    """``HF_PAGED_TP_PREFETCH_MB`` (read when an engine is built) in bytes: how much of the next product's weight each
-    rowwise shard's all-reduce asks the L2 to fetch while the ranks exchange. Off (0) by default: 16 MiB made the
-    8B-shaped decode step at batch 64 on two H200s 0.10 ms slower, not faster (2026-11-27, docs/multi_gpu.md)."""
-    value = os.environ.get(PREFETCH_ENV, str(DEFAULT_PREFETCH_MB))
-    try:
-        mb = float(value)
-    except ValueError:
-        mb = -1.0
-    if not 0 <= mb <= 1024:
-        raise ValueError(f"{PREFETCH_ENV}={value!r}: use a number of MiB from 0 (no prefetch) to 1024; the default is "
-                         f"{DEFAULT_PREFETCH_MB}")
-    return int(mb * (1 << 20)) // 16 * 16
-
-
-def set_prefetch(layers: torch.nn.Module, limit: int) -> int:
-    """Give each rowwise :class:`LocalLinear` of ``layers`` its L2 prefetch: the first ``limit`` bytes of the weights
-    of the colwise shards after it in module order (o_proj: the MLP's gate; down_proj: the next layer's q/k/v), as
-    one flat view over as many of them as lie end to end from the first (q/k/v packed: all three). The all-reduce's
-    kernel then fetches them into the L2 while it waits for its peers, and the product that reads its sum finds them
-    there. The last layer's down_proj, and every shard where ``limit`` is 0, get none. Returns how many got one."""
-    linears = [f for m in layers.modules() if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear)]
-    given = 0
-    for i, f in enumerate(linears):
-        if not f.rowwise:
-            continue
-        run = []
-        for g in linears[i + 1:]:
-            if g.rowwise:
-                break
-            run.append(g.weight)
-        f.prefetch = _head(run, limit) if run and limit > 0 else None
-        given += f.prefetch is not None
-    return given
-
-
-def _head(weights: list[torch.Tensor], limit: int) -> torch.Tensor | None:
-    """A flat view of the first ``limit`` bytes of the longest run of ``weights`` from the first that lie end to end
-    in one storage (contiguous, one dtype and device), or None where the first is not contiguous."""
-    first = weights[0]
-    if not first.is_contiguous():
-        return None
-    end = first.data_ptr() + first.numel() * first.element_size()
-    for w in weights[1:]:
-        if (not w.is_contiguous() or w.dtype != first.dtype or w.device != first.device or w.data_ptr() != end
-                or w.untyped_storage().data_ptr() != first.untyped_storage().data_ptr()):
-            break
-        end += w.numel() * w.element_size()
-    numel = min(end - first.data_ptr(), limit) // first.element_size()
-    return first.detach().as_strided((numel,), (1,)) if numel else None
-
-
-#: Colwise shards of one module that read the same input, which can be packed end to end (see :func:`pack_colwise`).
-PACKED_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
-PACK_ENV = "HF_PAGED_TP_PACK"
-_PACK_CHOICES = {"0": (), "1": PACKED_GROUPS[:1], "all": PACKED_GROUPS}
-
-
-def packed_groups() -> tuple[tuple[str, ...], ...]:
-    """The groups :func:`install` packs, from ``HF_PAGED_TP_PACK`` (read when an engine is built): unset or ``1``,
-    q/k/v (one product where cuBLAS ran three: 25.6 us for a rank's three shards of the 8B shape at 16-64 rows on an
-    H100, whose k and v shards alone read at 0.8 TB/s); ``all``, gate/up too (opt-in: two 7168-row products cost
-    what one 14336-row product and the copy that splits its output cost, and two GPU runs on different machines did
-    not show a gain; docs/multi_gpu.md); ``0``, none."""
-    value = os.environ.get(PACK_ENV, "1")
-    if value not in _PACK_CHOICES:
-        raise ValueError(f"{PACK_ENV}={value!r}: use 1 (pack q/k/v, the default), all (q/k/v and gate/up) or 0 "
-                         "(pack nothing)")
-    return _PACK_CHOICES[value]
-
-
-def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module],
-                 groups: tuple[tuple[str, ...], ...] = PACKED_GROUPS) -> int:
-    """Move the local shards of each group of ``groups`` (of :data:`PACKED_GROUPS`) among ``colwise`` linears into
-    one buffer, end to end (the DTensors keep their shapes and values; only their storage moves, the old one is
-    freed). Inside the compiled layers the group's products then run as one (``hf_paged.kernels._skinny.packed_rows``)
-    where the skinny kernel does not serve them. Returns the number of groups packed (or found packed)."""
+def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module]) -> int:
+    """Move the local shards of each group of :data:`PACKED_GROUPS` among ``colwise`` linears into one buffer, end to
+    end (the DTensors keep their shapes and values; only their storage moves, the old one is freed). Inside the
+    compiled layers the group's products then run as one (``hf_paged.kernels._skinny.packed_rows``) where the skinny
+    kernel does not serve them. Returns the number of groups packed (or found packed)."""
     wanted = {id(m) for m in colwise}
     packed = 0
     for parent in layers.modules():
-        for names in groups:
+        for names in PACKED_GROUPS:
             group = [getattr(parent, n, None) for n in names]
             if all(isinstance(m, torch.nn.Linear) and id(m) in wanted for m in group) and _pack(group):
                 packed += 1

@@ -23,7 +23,6 @@ so; ending the process then ends the others (torchrun stops every worker when on
 from __future__ import annotations
 
 import logging
-import os
 import zlib
 from array import array
 from datetime import timedelta
@@ -162,7 +161,7 @@ def for_model(model: torch.nn.Module, compile_layers: bool | None,
     every decode graph size captured at start (an on-demand capture mid-run would have to happen on every rank at
     the same step), and compiled layers as asked, their sharded linears run as local products with an opaque
     all-reduce (``hf_paged.parallel._linears``; where the model's sharding is not one it compiles, the layers run
-    eagerly, and ``compile_layers=True`` is refused). ``HF_PAGED_TP_CUDA_GRAPHS=0`` runs decode eagerly."""
+    eagerly, and ``compile_layers=True`` is refused)."""
     tp = tensor_parallel(model)
     if tp is None:
         return None, {}
@@ -174,9 +173,4 @@ def for_model(model: torch.nn.Module, compile_layers: bool | None,
                                  "pass compile_layers=False or None")
             logger.info("hf_paged: the engine runs the tensor-parallel model's layers eagerly: %s", reason)
             compile_layers = False
-    graphs = False if os.environ.get("HF_PAGED_TP_CUDA_GRAPHS") == "0" else cuda_graphs
-    on_cuda = any(p.device.type == "cuda" for p in model.parameters())
-    if cuda_graphs and not graphs and on_cuda:
-        logger.warning("hf_paged: decode runs without CUDA graphs (HF_PAGED_TP_CUDA_GRAPHS=0): eager "
-                       "tensor-parallel decode is slow (on 2 H100s 8x slower than one GPU for an 8B model)")
-    return Lockstep(tp), dict(cuda_graphs=graphs, compile_layers=compile_layers, cuda_graph_capture="start")
+    return Lockstep(tp), dict(cuda_graphs=cuda_graphs, compile_layers=compile_layers, cuda_graph_capture="start")

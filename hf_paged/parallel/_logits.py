@@ -4,9 +4,8 @@ transformers shards a ``tp_plan="auto"`` model's ``lm_head`` by output rows and 
 (Llama's ``colwise_gather_output``): at batch 64 of a 128k vocabulary that is 16 MiB of bf16 logits gathered over
 the group and put in place every decode step. A plain-greedy step needs only each row's largest logit and its id.
 
-By default (``HF_PAGED_TP_SHARDED_LOGITS=0`` turns it off; read when an engine is built) :func:`install`
-puts a :class:`LocalLogits` in front of ``lm_head``'s ``forward``: inside the engine's model calls (and the decode
-graphs they capture) it returns this rank's columns only, the local product. The engine then samples with
+:func:`install` puts a :class:`LocalLogits` in front of ``lm_head``'s ``forward``: inside the engine's model calls (and
+the decode graphs they capture) it returns this rank's columns only, the local product. The engine then samples with
 :class:`VocabShards`:
 
 - every row plain greedy and no logprobs: :meth:`VocabShards.argmax`. Each rank takes its shard's largest logit and
@@ -24,7 +23,6 @@ engine samples the gathered logits as before.
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -35,18 +33,9 @@ from hf_paged.compile import _patches as patches
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
 from hf_paged.parallel._linears import is_dtensor
 
-ENV = "HF_PAGED_TP_SHARDED_LOGITS"
 _MAX_EXACT_ID = 1 << 24  # ids travel as float32 next to their values: exact up to here
 
 
-def enabled() -> bool:
-    """``HF_PAGED_TP_SHARDED_LOGITS``: ``1`` or unset (the default since 2026-11-28) leaves the engine's logits
-    sharded, ``0`` does not."""
-    value = os.environ.get(ENV, "1")
-    if value not in ("0", "1"):
-        raise ValueError(f"{ENV}={value!r}: use 1 (the default: logits sharded over the vocabulary in the engine's "
-                         "greedy steps) or 0 (gathered, as transformers does)")
-    return value == "1"
 
 
 @dataclass(frozen=True)
@@ -113,12 +102,11 @@ class LocalLogits:
 
 
 def install(model: torch.nn.Module, tp) -> VocabShards | None:
-    """Unless ``HF_PAGED_TP_SHARDED_LOGITS=0``: a :class:`LocalLogits` on ``model``'s ``lm_head`` (installed by the
-    first engine that asks; it returns local columns only inside the model calls of engines that took it) and the
-    :class:`VocabShards` the engine samples with; None where the switch is off or the head is not sharded so (the
-    engine then samples gathered logits)."""
+    """A :class:`LocalLogits` on ``model``'s ``lm_head`` (installed by the first engine that asks; it returns local
+    columns only inside the model calls of engines that took it) and the :class:`VocabShards` the engine samples
+    with; None where the head is not sharded so (the engine then samples gathered logits)."""
     head = getattr(model, "lm_head", None)
-    if head is None or not enabled():
+    if head is None:
         return None
     local = patches.patch_of(head, "tp_logits")
     if isinstance(local, LocalLogits):

@@ -36,9 +36,10 @@ ROOT = Path(__file__).resolve().parents[2]
 def _trace(tmp_path: Path, batch: int, ctx: int, launches: int = 3, pdl: bool = True) -> dict:
     out = tmp_path / "trace.json"
     path = f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"
-    env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path, "HF_PAGED_DECODE_PDL": "1" if pdl else "0"}
+    env = {**os.environ, "HF_PAGED_KERNEL_TRACE": "1", "PYTHONPATH": path}
     done = subprocess.run([sys.executable, "-m", "hf_paged.bench._decode_trace", "--batch", str(batch), "--ctx",
-                           str(ctx), "--launches", str(launches), "--json", str(out), "--raw"],
+                           str(ctx), "--launches", str(launches), "--json", str(out), "--raw"]
+                          + ([] if pdl else ["--no-pdl"]),
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-4000:]
     assert "decode trace" in done.stdout
@@ -72,7 +73,7 @@ def test_traced_launches_record_every_cta_in_order(tmp_path, batch: int, ctx: in
 
 
 def test_launches_overlap_under_programmatic_dependent_launch(tmp_path):
-    """Compute capability 9.0 on, decode launches with PDL unless HF_PAGED_DECODE_PDL=0: back to back at B=1 x 8192,
+    """Compute capability 9.0 on, decode launches with PDL unless asked not to (pdl=False): back to back at B=1 x 8192,
     each launch's first CTAs start before the one before it has ended (its last CTAs still combine), and its CTAs
     still record their points in order."""
     if torch.cuda.get_device_capability()[0] < 9:

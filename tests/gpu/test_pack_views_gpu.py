@@ -1,11 +1,11 @@
-"""On the GPU: with ``HF_PAGED_PACK_VIEWS`` on (the default), a layer's q/k/v products over weights that lie end to
-end in one buffer run as one ``hf_paged::linear_packed`` product whose output the compiled layer takes as views
+"""On the GPU: a layer's q/k/v products over weights that lie end to end in one buffer run as one
+``hf_paged::linear_packed`` product whose output the compiled layer takes as views
 (``hf_paged/compile/_group_linears.py``), inside the engine's compiled layers and decode CUDA graphs.
 
 A bf16 Llama's q/k/v weights are moved end to end into one buffer per layer, as ``hf_paged.parallel._linears`` packs a
 tensor-parallel rank's shards, so one GPU serves the path. Greedy tokens of the engine equal eager's up to rounding
-ties, at decode batches of 6 rows (the skinny kernel over the packed weight) and 20 rows (cuBLAS), with the switch on
-and off, and the packed op served only with it on.
+ties, at decode batches of 6 rows (the skinny kernel over the packed weight) and 20 rows (cuBLAS), and the packed op
+served.
 """
 
 from __future__ import annotations
@@ -67,10 +67,8 @@ def prompts_and_eager(rows: int) -> tuple[list[list[int]], torch.Tensor, torch.T
     return prompts, torch.stack(outs), torch.stack(gaps)
 
 
-@pytest.mark.parametrize("views", [True, False], ids=["views", "grouped"])
 @pytest.mark.parametrize("rows", sorted(LENGTHS))
-def test_packed_qkv_gives_eager_tokens_with_and_without_views(monkeypatch, rows, views):
-    monkeypatch.setenv("HF_PAGED_PACK_VIEWS", "1" if views else "0")
+def test_packed_qkv_gives_eager_tokens_as_views_of_one_product(monkeypatch, rows):
     prompts, want, gaps = prompts_and_eager(rows)
     callers = []
     packed_rows = skinny.packed_rows
@@ -88,7 +86,7 @@ def test_packed_qkv_gives_eager_tokens_with_and_without_views(monkeypatch, rows,
         outs = engine.generate(prompts, config)
         stats = engine.stats()
     got = torch.tensor([o.token_ids for o in outs], device="cuda")
-    assert_matches_up_to_ties(got, want, gaps, f"packed q/k/v, views={views}, {rows} rows, stats={stats}")
-    assert ("_linear_packed" in callers) == views, f"the packed op served: {sorted(set(callers))}"
+    assert_matches_up_to_ties(got, want, gaps, f"packed q/k/v, {rows} rows, stats={stats}")
+    assert "_linear_packed" in callers, f"the packed op did not serve: {sorted(set(callers))}"
     assert stats["free_blocks"] == stats["num_blocks"]
     torch._dynamo.reset()

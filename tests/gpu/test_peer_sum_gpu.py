@@ -5,8 +5,7 @@ bf16 sizes from 16 bytes to 1 MiB, fp16 and fp32, peer_sum must equal the float3
 order bit for bit, over consecutive eager calls with changing inputs (both data halves), a call that one rank reaches
 ~25 ms late, and CUDA graph replays that read a new input. Its fused forms (plus a residual, then an RMSNorm of each
 row) must give the unfused rounding of the residual add bit for bit and the norm within two units in the last place
-of a float64 norm, at widths of 2048 to 16384 and 1 to 128 rows. Every form given an L2 prefetch hint must give the
-bits it gives without one. Skipped without two CUDA devices.
+of a float64 norm, at widths of 2048 to 16384 and 1 to 128 rows. Skipped without two CUDA devices.
 """
 
 from __future__ import annotations
@@ -39,12 +38,9 @@ def test_peer_sum_is_the_rank_order_sum_bit_for_bit(tmp_path):
         (8 << 10, "bfloat16"), (512 << 10, "bfloat16"), (1 << 20, "bfloat16"), (8192, "float16"),
         (8192, "float32"), (16, "bfloat16")}
     assert all(r["bit_identical"] for r in checks), checks
-    fused = json.loads(out.read_text())["fused_checks"]  # peer_sum_add / peer_sum_add_rms_norm (HF_PAGED_TP_FUSE_NORM)
+    fused = json.loads(out.read_text())["fused_checks"]  # peer_sum_add / peer_sum_add_rms_norm
     assert {(r["rows"], r["hidden"], r["dtype"]) for r in fused} == {
         (64, 4096, "bfloat16"), (1, 4096, "bfloat16"), (128, 4096, "bfloat16"), (3, 8192, "float16"),
         (5, 2048, "float32"), (2, 16384, "bfloat16")}
     assert all(r["sum_bit_identical"] and r["norm_within_two_ulps"] for r in fused), fused
-    prefetch = json.loads(out.read_text())["prefetch_checks"]  # the L2 prefetch hint (HF_PAGED_TP_PREFETCH_MB)
-    assert {(r["hint"], r["rows"]) for r in prefetch} == {("8 MiB", 64), ("8 MiB", 1), ("48 B", 64), ("48 B", 1)}
-    assert all(r["bit_identical"] for r in prefetch), prefetch
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

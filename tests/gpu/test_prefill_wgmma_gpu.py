@@ -7,7 +7,7 @@ of 16, as compiled): prompt lengths crossing its 128-row query tiles and 128-key
 block sizes 16 and 48 (not a power of two; 256 for the exact rows), GQA, MHA and MQA, extends after paged prefixes,
 long runs, sliding windows and softcaps; outputs NaN-poisoned first, judged over the batch and row by row, and on
 inputs with exact answers. Then: the same inputs twice give identical bits (a race moves them), a CUDA-graph replay
-equals the eager call, and the cuda backend routes prefill here by default (``HF_PAGED_PREFILL_WGMMA`` overrides).
+equals the eager call, and the cuda backend routes prefill here (the form its per-head-size table names).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ if torch.cuda.get_device_capability() != (9, 0):
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402
 from hf_paged.attention.backends.base import backend_named  # noqa: E402
-from hf_paged.attention.backends._cuda import _WGMMA_BY_HEAD_DIM, PREFILL_WGMMA_ENV  # noqa: E402
+from hf_paged.attention.backends._cuda import _WGMMA_BY_HEAD_DIM  # noqa: E402
 from hf_paged.kernels._prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill  # noqa: E402
 
 from kernel_oracle import assert_rows_close, sparse_allowance  # noqa: E402
@@ -187,24 +187,15 @@ def test_wgmma_replays_in_a_cuda_graph(impl: str):
     assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=impl))
 
 
-def test_cuda_backend_routes_prefill_here_by_default_and_the_switch_overrides(monkeypatch: pytest.MonkeyPatch):
-    """Unset: the cuda backend's prefill is, bit for bit, the answer of the kernel the routing table names for each
-    head size (pipelined wgmma at 128, serial at 32, 64 and 96, ...); HF_PAGED_PREFILL_WGMMA=0 gives the mma
-    kernel's, =serial the serial one's."""
+def test_cuda_backend_routes_prefill_here():
+    """The cuda backend's prefill is, bit for bit, the answer of the kernel the routing table names for each head
+    size (pipelined wgmma at 128, serial at 32, 64 and 96, ...), and within the oracle's bounds."""
     backend = backend_named("cuda")
     defaults = {**{d: "mma" for d in WGMMA_HEAD_DIMS}, **_WGMMA_BY_HEAD_DIM}
     assert defaults[128] == "wgmma" and defaults[32] == defaults[64] == defaults[96] == "wgmma-serial"
     for head_dim, default in ((d, defaults[d]) for d in HEAD_DIMS):
         meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8,
                                                                          head_dim, torch.bfloat16, seeded("env"))
-        monkeypatch.delenv(PREFILL_WGMMA_ENV, raising=False)
         out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
         assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=default))
         check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"backend {default}")
-        monkeypatch.setenv(PREFILL_WGMMA_ENV, "0")
-        mma = backend.forward(query, key, value, k_cache, v_cache, meta, params)
-        assert torch.equal(mma, paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k,
-                                              meta.block_tables, params.scale, max_seqlen_q=meta.max_seqlen_q))
-        monkeypatch.setenv(PREFILL_WGMMA_ENV, "serial")
-        serial = backend.forward(query, key, value, k_cache, v_cache, meta, params)
-        assert torch.equal(serial, run_wgmma(query, k_cache, v_cache, meta, params, impl="wgmma-serial"))

@@ -50,9 +50,8 @@ GROUPS = {"1b-qkv": ((2048, 512, 512), 2048), "1b-gate-up": ((8192, 8192), 2048)
 @pytest.fixture(autouse=True)
 def kernel_at_every_size(monkeypatch):
     """The kernel at every shape here: the size rule that gives small single products to cuBLAS is off; more than 8
-    rows go to F.linear (the wide kernel, HF_PAGED_SKINNY_WIDE=1: test_skinny_wide_gpu.py)."""
+    rows go to F.linear."""
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
-    monkeypatch.delenv(skinny.WIDE_ENV, raising=False)
 
 
 @pytest.fixture(autouse=True)
@@ -259,10 +258,7 @@ def test_group_refusals_say_what_to_do():
 
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="inductor needs triton on CUDA")
-@pytest.mark.parametrize("wide", [False, True], ids=["narrow", "wide"])
-def test_inductor_compiled_mlp_runs_the_op_for_every_row_count(wide, monkeypatch):
-    if wide:
-        monkeypatch.setenv(skinny.WIDE_ENV, "1")  # 9 to 64 rows on skinny_gemm_wide.cu
+def test_inductor_compiled_mlp_runs_the_op_for_every_row_count():
     torch._dynamo.reset()
     model = tiny_llama()
     skinny_linear.install(model)

@@ -46,13 +46,13 @@ def _configs():
                                        eos_token_id=EOS)}
 
 
-def _engine(model):
+def _engine(model, **settings):
     """Small steps (chunked prefills) and a pool the prompts preempt each other in; eager layers on one GPU too
     (compiled ones round differently)."""
     import hf_paged
 
     return hf_paged.Engine(model, num_blocks=40, block_size=16, max_batch_tokens=64, max_num_seqs=8,
-                           compile_layers=False)
+                           compile_layers=False, **settings)
 
 
 def _batch_settings():
@@ -86,8 +86,8 @@ def worker(path: str, out_dir: str, part: str) -> None:
                                                  dtype=torch.float32).eval()
     prompts, configs = _prompts(0), _configs()
     record: dict = {}
-    if part == "eager":  # HF_PAGED_TP_CUDA_GRAPHS=0 in the environment
-        engine = _engine(model)
+    if part == "eager":  # decode without CUDA graphs
+        engine = _engine(model, cuda_graphs=False)
         record["graphs"] = engine.stats()["cuda_graphs"]
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         _write(out_dir, f"eager{rank}", record)
@@ -100,9 +100,7 @@ def worker(path: str, out_dir: str, part: str) -> None:
         record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
         record["one_shot"] = tp_all_reduce.one_shot_calls + tp_all_reduce.fused_calls > 0  # (fused: peer_sum too)
         record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
-        record["fused"] = tp_all_reduce.fused_calls > 0  # the add and norm in its kernel (HF_PAGED_TP_FUSE_NORM)
-        record["prefetch"] = tp_all_reduce.prefetch_calls > 0  # the L2 hints taken (HF_PAGED_TP_PREFETCH_MB)
-        # the engine's logits left split over the vocabulary (HF_PAGED_TP_SHARDED_LOGITS)
+        record["fused"] = tp_all_reduce.fused_calls > 0  # the add and norm in its kernel
         record["sharded_logits"] = engine.vocab_shards is not None
         _write(out_dir, f"compiled{rank}", record)
         engine.close()  # its graphs hold NCCL collectives: destroy_process_group would wait for them forever
@@ -252,8 +250,8 @@ def test_decode_graphs_under_tensor_parallel_by_default(ranks, single):
 
 
 def test_eager_decode_under_tensor_parallel_when_asked(saved, single, tmp_path):
-    """``HF_PAGED_TP_CUDA_GRAPHS=0``: no graph captured, the tokens of one GPU."""
-    output = _launch(saved, tmp_path, "eager", HF_PAGED_TP_CUDA_GRAPHS="0")
+    """``Engine(cuda_graphs=False)``: no graph captured, the tokens of one GPU."""
+    output = _launch(saved, tmp_path, "eager")
     records = [_read(tmp_path, f"eager{r}") for r in range(WORLD_SIZE)]
     assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
     expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
@@ -280,39 +278,9 @@ def test_compiled_layers_under_tensor_parallel(saved, single, tmp_path, all_redu
         assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
         assert record["one_shot"] == (all_reduce != "nccl"), "the one-shot all-reduce did not serve as asked"
         assert record["peer_sum"] == (all_reduce == "hf_paged")
-        assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel by default
-        assert record["prefetch"] is False  # opt-in
-        # the logits left split over the vocabulary by default (HF_PAGED_TP_SHARDED_LOGITS); on the tensor-parallel
-        # group: hf_paged/parallel/_logits.py's (value, id) exchange rides whichever all-reduce serves
+        assert record["fused"] is (all_reduce == "hf_paged")  # the add and norm in peer_sum's kernel
+        # the logits left split over the vocabulary; on the tensor-parallel group: hf_paged/parallel/_logits.py's
+        # (value, id) exchange rides whichever all-reduce serves
         assert record["sharded_logits"] is True
-        assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
-        assert record["greedy"] == ("ok", expected)
-
-
-def test_compiled_layers_with_the_logits_gathered(saved, single, tmp_path):
-    """HF_PAGED_TP_SHARDED_LOGITS=0 (hf_paged/parallel/_logits.py; the default leaves them sharded, tested above): the
-    decode graphs return transformers' gathered logits and every step samples them: the greedy tokens of one GPU."""
-    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_SHARDED_LOGITS="0")
-    records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
-    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
-    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
-    for record in records:
-        assert record["sharded_logits"] is False and record["peer_sum"]
-        assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
-        assert record["greedy"] == ("ok", expected)
-
-
-def test_compiled_layers_with_the_add_and_norm_apart_and_l2_prefetch(saved, single, tmp_path):
-    """HF_PAGED_TP_FUSE_NORM=0 and HF_PAGED_TP_PREFETCH_MB=16: peer_sum sums, each call given the next product's
-    weight as its L2 prefetch hint, and the residual add and RMSNorm after each all-reduce run in a kernel of their
-    own (the default folds them into peer_sum's, above); under decode CUDA graphs, the greedy tokens of one GPU."""
-    output = _launch(saved, tmp_path, "compiled", HF_PAGED_TP_ALL_REDUCE="hf_paged", HF_PAGED_TP_FUSE_NORM="0",
-                     HF_PAGED_TP_PREFETCH_MB="16")
-    records = [_read(tmp_path, f"compiled{r}") for r in range(WORLD_SIZE)]
-    assert all(records), f"a rank wrote nothing; torchrun said:\n{output[-4000:]}"
-    expected = [o.token_ids for o in _engine(single).generate(_prompts(0), _configs()["greedy"])]
-    for record in records:
-        assert record["compiled"] == (True, 7 * SHAPE["num_hidden_layers"])
-        assert record["peer_sum"] and not record["fused"] and record["prefetch"]
         assert record["graphs"] and record["graphs"]["replays"] > 10, "the graphs served no decode step"
         assert record["greedy"] == ("ok", expected)

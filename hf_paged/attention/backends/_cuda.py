@@ -15,14 +15,12 @@ decode and the write are capture-safe. Other fp8 models (float32, other head siz
 On a Hopper GPU (compute capability 9.0, CUDA 12 or newer: the build targets sm_90a) prefill / extend go to the wgmma
 prefill kernel (fp16 / bf16 over a cache of the same dtype, every compiled head size), in the form measured faster on
 an H100: the serial one at head_dim 32, 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256
-(docs/kernels.md); other layers and other GPUs keep the mma.sync kernel. ``HF_PAGED_PREFILL_WGMMA`` overrides: ``0``
-the mma.sync kernel everywhere, ``1`` the pipelined wgmma kernel, ``serial`` its serial form, on Hopper for every
-layer the kernel serves.
+(docs/kernels.md); other layers and other GPUs keep the mma.sync kernel. Tests and benchmarks pick a kernel by
+calling ``hf_paged.kernels._prefill.paged_prefill`` with ``impl=``.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -38,8 +36,6 @@ from hf_paged.cache._kv_quant import KVScales, is_fp8
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.kernels._build import arch_of
 from hf_paged.kernels._prefill import paged_prefill, wgmma_unsupported_reason
-
-PREFILL_WGMMA_ENV = "HF_PAGED_PREFILL_WGMMA"
 
 
 def _device_reason(device_type: str) -> str | None:
@@ -68,7 +64,6 @@ def _fp8_reason(call: AttentionCall) -> str | None:
     return None
 
 
-_WGMMA_BY_ENV = {"0": "mma", "1": "wgmma", "serial": "wgmma-serial"}
 # The faster kernel per head_dim on an H100 (docs/kernels.md, "Hopper prefill (wgmma)" and "Every compiled head size
 # on the wgmma kernels"): the serial wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112,
 # 128, 160, 192 and 256.
@@ -90,13 +85,8 @@ def _device_has_wgmma(device: torch.device) -> bool:
 
 def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
     """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (the form
-    of ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"; ``HF_PAGED_PREFILL_WGMMA=0|1|serial``
-    overrides (module docstring). Read per call (prefill steps only), so a benchmark can switch it between runs."""
-    forced = os.environ.get(PREFILL_WGMMA_ENV, "")
-    if forced not in _WGMMA_BY_ENV and forced not in ("", "auto"):
-        raise ValueError(f"{PREFILL_WGMMA_ENV}={forced!r}: use 0 (mma.sync kernel), 1 (wgmma), serial (wgmma's serial "
-                         "form) or leave it unset (wgmma on Hopper where it serves the layer)")
-    impl = _WGMMA_BY_ENV.get(forced) or _WGMMA_BY_HEAD_DIM.get(head_dim, "mma")
+    of ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"."""
+    impl = _WGMMA_BY_HEAD_DIM.get(head_dim, "mma")
     if impl == "mma" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
         return "mma"
     return impl if _device_has_wgmma(device) else "mma"
