@@ -15,6 +15,7 @@ import pytest
 
 import hf_paged
 from hf_paged.cli import build_parser, main
+from hf_paged.cli._generate import engine_settings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
@@ -39,7 +40,7 @@ def test_python_m_hf_paged_shows_help_with_defaults():
     help_text = " ".join(run.stdout.split())
     assert help_text.startswith("usage: python -m hf_paged generate ")
     engine_defaults = inspect.signature(hf_paged.Engine).parameters
-    for flag, default in [("--num-blocks", engine_defaults["num_blocks"].default),
+    for flag, default in [("--num-blocks", 0), ("--memory-budget", engine_defaults["memory_budget"].default),
                           ("--block-size", engine_defaults["block_size"].default),
                           ("--max-batch-tokens", engine_defaults["max_batch_tokens"].default),
                           ("--max-new-tokens", 32), ("--top-p", 1.0), ("--temperature", 0.0)]:
@@ -55,10 +56,15 @@ def test_python_m_hf_paged_reports_bad_input_in_one_line():
                           "(see 'python -m hf_paged generate --help')\n")
 
 
-@pytest.mark.parametrize("name", ["num_blocks", "block_size", "max_batch_tokens"])
+@pytest.mark.parametrize("name", ["num_blocks", "block_size", "max_batch_tokens", "memory_budget", "backend",
+                                  "kv_cache_dtype"])
 def test_engine_sizes_default_to_the_engines_own(name):
+    """Every engine flag's default is the Engine's, and so is what the command line passes on (``--num-blocks 0``
+    is the flag's spelling of None: sized from free memory)."""
     args = build_parser().parse_args(["generate"])
-    assert getattr(args, name) == inspect.signature(hf_paged.Engine).parameters[name].default
+    engine_default = inspect.signature(hf_paged.Engine).parameters[name].default
+    assert engine_settings(args)[name] == engine_default
+    assert getattr(args, name) == (0 if name == "num_blocks" else engine_default)
 
 
 def test_every_command_help_exits_0(capsys):

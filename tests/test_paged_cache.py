@@ -42,7 +42,7 @@ def test_memory_budget_sizes_the_pool():
     config = make_config("llama_gqa")
     layout = KVLayout.from_config(config)
     per_block = layout.bytes_per_block(16, torch.float32)
-    with pytest.warns(DeprecationWarning, match="memory_budget=<bytes> is deprecated"):
+    with pytest.warns(DeprecationWarning, match=r"memory_budget=<bytes>\) is deprecated"):
         cache = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=10 * per_block + 7)
     assert cache.num_blocks == 10
     frac = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=1e-4)

@@ -83,7 +83,7 @@ def _layer_kv(step: PagedStep, layer_idx: int, key: torch.Tensor) -> tuple[torch
     layout, caches = step.pool.layout, step.pool.kv_caches
     if layer_idx >= len(caches) or key.shape[1] != layout.num_kv_heads or key.shape[-1] != layout.head_dim:
         raise ValueError(
-            f"this KV pool was built for another model ({layout}) but layer {layer_idx} produces {key.shape[1]} KV "
+            f"this cache was built for another model ({layout}) but layer {layer_idx} produces {key.shape[1]} KV "
             f"heads of {key.shape[-1]}; build the cache from this model's config (PagedAttentionCache(model.config, "
             "...))")
     k_cache, v_cache = caches[layer_idx]

@@ -43,10 +43,10 @@ class CacheConfig:
     """
 
     num_blocks: int | None = field(default=None, metadata=_flag(
-        "KV blocks in the pool; 0 = as many as --memory-budget of free device memory holds", "N"))
+        "KV blocks in the pool; 0 = as many as the memory budget holds", "N"))
     block_size: int = field(default=16, metadata=_flag("tokens per block", "N"))
     memory_budget: float = field(default=DEFAULT_MEMORY_BUDGET, metadata=_flag(
-        "with --num-blocks 0: the fraction of free device memory the KV pool may take", "F"))
+        "the fraction of free device memory the KV pool may take, when its number of blocks is automatic", "F"))
     kv_cache_dtype: str | None = field(default=None, metadata=_flag(
         "what the KV pool stores: auto (the model's dtype) or fp8 (e4m3, half the bytes of bf16)", "DTYPE"))
     backend: str | tuple[str, ...] | None = field(default=None, metadata=_flag(

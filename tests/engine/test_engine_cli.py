@@ -9,6 +9,8 @@ import re
 
 import torch
 
+import hf_paged
+from hf_paged.cache import KVLayout
 from hf_paged.cli import main
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
@@ -18,6 +20,15 @@ SUMMARY_ROWS = ["requests:", "generated tokens:", "tokens/s:", "peak blocks in u
 
 def summary_value(out: str, row: str) -> str:
     return re.search(rf"^  {re.escape(row)}:\s+(.*)$", out, re.MULTILINE).group(1)
+
+
+def default_pool() -> int:
+    """The pool the engine sizes itself for the embedded model on this machine (no --num-blocks): 0.8 of free
+    memory, at most 256 sequences of its 2048 positions."""
+    config = tiny_llama().config
+    layout = KVLayout.from_config(config)
+    cap = hf_paged.CacheConfig().blocks_for(256, config.max_position_embeddings)
+    return hf_paged.CacheConfig().pool_blocks(layout, torch.float32, [torch.device("cpu")] * layout.num_layers, cap)
 
 
 def test_generate_with_no_other_arguments_runs_the_embedded_default(capsys):
@@ -31,7 +42,7 @@ def test_generate_with_no_other_arguments_runs_the_embedded_default(capsys):
     assert set(reasons) <= {"length", "stop"}
     generated = int(summary_value(out, "generated tokens"))
     assert 32 * reasons.get("length", 0) + reasons.get("stop", 0) <= generated <= 1024
-    assert summary_value(out, "peak blocks in use").endswith("of 512 (block size 16)")
+    assert summary_value(out, "peak blocks in use").endswith(f"of {default_pool()} (block size 16)")
 
 
 def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
@@ -114,7 +125,7 @@ def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
     logs = caplog.text
     assert "prefill attention served by the torch backend" in logs
     assert "decode attention served by the torch backend" in logs
-    assert "engine 512 KV blocks of 16 tokens" in logs and "1 prompts, up to 3 new tokens each, greedy" in logs
+    assert f"engine {default_pool()} KV blocks of 16 tokens" in logs and "1 prompts, up to 3 new tokens each, greedy" in logs
 
     assert main(argv[:-1]) == 0
     assert "steps:" not in capsys.readouterr().out
