@@ -8,9 +8,11 @@ them is set here for the duration of the call (vLLM's ``set_forward_context`` do
 - ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``hf_paged.parallel``);
 - ``skinny_linears``: the linear layers patched by ``hf_paged.compile`` run on the skinny decode kernel.
 
-``step`` and ``local_logits`` are read in eager code only and belong to the calling thread. ``skinny_linears`` is
-read inside compiled code, whose compiler guards on plain attributes (not on thread-local ones), so it is one value
-for the process: compiled graphs traced inside a call that routes hold the skinny op, the others do not.
+``step`` and ``local_logits`` are read in eager code only and belong to the calling thread. ``skinny_linears`` and
+whether one of hf_paged's own calls is running (:func:`in_own_call`) are read inside compiled code, whose compiler
+guards on plain attributes (not on thread-local ones), so they are one value for the process: graphs traced inside
+such a call hold what it asks for, the others do not. (So a plain forward of the same model in another thread,
+while an engine steps, is not served.)
 """
 
 from __future__ import annotations
@@ -27,10 +29,11 @@ class _ThreadState(threading.local):
 
 
 class _ProcessState:
-    __slots__ = ("skinny_linears",)
+    __slots__ = ("skinny_linears", "own_call")
 
     def __init__(self) -> None:
         self.skinny_linears = False
+        self.own_call = False
 
 
 _thread = _ThreadState()
@@ -40,13 +43,13 @@ _process = _ProcessState()
 @contextmanager
 def forward_context(step: Any = None, *, skinny_linears: bool = False, local_logits: bool = False) -> Iterator[None]:
     """Set the context of one model call (see the module docstring); the previous one is back afterwards."""
-    saved = (_thread.step, _thread.local_logits, _process.skinny_linears)
+    saved = (_thread.step, _thread.local_logits, _process.skinny_linears, _process.own_call)
     _thread.step, _thread.local_logits = step, local_logits
-    _process.skinny_linears = skinny_linears
+    _process.skinny_linears, _process.own_call = skinny_linears, step is not None
     try:
         yield
     finally:
-        _thread.step, _thread.local_logits, _process.skinny_linears = saved
+        _thread.step, _thread.local_logits, _process.skinny_linears, _process.own_call = saved
 
 
 def current_step() -> Any:
@@ -60,3 +63,8 @@ def local_logits() -> bool:
 
 def skinny_linears() -> bool:
     return _process.skinny_linears
+
+
+def in_own_call() -> bool:
+    """Whether one of hf_paged's own model calls (a step in the context) is running."""
+    return _process.own_call

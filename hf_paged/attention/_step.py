@@ -44,22 +44,29 @@ def attend(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tens
            scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Layer ``layer_idx``'s paged attention in eager code: returns ``[batch, q_len, H, D]``."""
     batch, num_heads, q_len, head_dim = query.shape
-    meta = step.metadata.on(query.device)
-    k_cache, v_cache = _layer_kv(step, layer_idx, key)
-    index = meta.token_index
-    q, k, v = _pack(query, index), _pack(key, index), _pack(value, index)
-    backend, writer, params = route(step, query, k_cache, scaling, sliding_window, softcap)
-    scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]  # an fp8 pool's
-    if scales is None:
-        writer.write_kv(k, v, k_cache, v_cache, meta)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, params)
-    else:  # an fp8 cache (backends that cannot read one refuse it, so they never get here)
-        writer.write_kv(k, v, k_cache, v_cache, meta, kv_scales=scales)
-        out = backend.forward(q, k, v, k_cache, v_cache, meta, params, kv_scales=scales)
+    index = step.metadata.on(query.device).token_index
+    out = attend_packed(step, layer_idx, pack(query, index), pack(key, index), pack(value, index), scaling,
+                        sliding_window, softcap)
     if index is None:
         return out.view(batch, q_len, num_heads, head_dim)
     full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, index, out)
     return full.view(batch, q_len, num_heads, head_dim)
+
+
+def attend_packed(step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+    """:func:`attend` on the step's real tokens, packed: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``; returns
+    ``[T, H, D]``."""
+    meta = step.metadata.on(q.device)
+    k_cache, v_cache = _layer_kv(step, layer_idx, k)
+    backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
+    scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]  # an fp8 pool's
+    if scales is None:
+        writer.write_kv(k, v, k_cache, v_cache, meta)
+        return backend.forward(q, k, v, k_cache, v_cache, meta, params)
+    # an fp8 cache (backends that cannot read one refuse it, so they never get here)
+    writer.write_kv(k, v, k_cache, v_cache, meta, kv_scales=scales)
+    return backend.forward(q, k, v, k_cache, v_cache, meta, params, kv_scales=scales)
 
 
 def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -70,8 +77,8 @@ def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: tor
     batch, num_heads, _, head_dim = query.shape
     meta = step.metadata
     k_cache, v_cache = step.pool.kv_caches[layer_idx]
-    backend, writer, params = route(step, query, k_cache, scaling, sliding_window, softcap)
-    q, k, v = _pack(query, None), _pack(key, None), _pack(value, None)
+    q, k, v = pack(query, None), pack(key, None), pack(value, None)
+    backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
     scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]
     ops.store_kv(k, v, k_cache, v_cache, meta, writer, scales)
     out = ops.paged_attention(q, k, v, k_cache, v_cache, meta, backend, params, scales)
@@ -79,11 +86,12 @@ def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: tor
 
 
 def _layer_kv(step: PagedStep, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K/V tensors of layer ``layer_idx``, after checking that the layer's keys fit them."""
+    """The pool's K/V tensors of layer ``layer_idx``, after checking that the layer's keys (``[T, Hkv, D]``) fit
+    them."""
     layout, caches = step.pool.layout, step.pool.kv_caches
-    if layer_idx >= len(caches) or key.shape[1] != layout.num_kv_heads or key.shape[-1] != layout.head_dim:
+    if layer_idx >= len(caches) or key.shape[-2] != layout.num_kv_heads or key.shape[-1] != layout.head_dim:
         raise ValueError(
-            f"this cache was built for another model ({layout}) but layer {layer_idx} produces {key.shape[1]} KV "
+            f"this cache was built for another model ({layout}) but layer {layer_idx} produces {key.shape[-2]} KV "
             f"heads of {key.shape[-1]}; build the cache from this model's config (PagedAttentionCache(model.config, "
             "...))")
     k_cache, v_cache = caches[layer_idx]
@@ -94,7 +102,7 @@ def _layer_kv(step: PagedStep, layer_idx: int, key: torch.Tensor) -> tuple[torch
     return k_cache, v_cache
 
 
-def _pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
+def pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
     """``[batch, H, q_len, D]`` -> ``[T, H, D]`` keeping the real tokens (``index`` into the grid; None = all)."""
     batch, heads, q_len, dim = states.shape
     flat = states.transpose(1, 2).reshape(batch * q_len, heads, dim)
@@ -103,11 +111,11 @@ def _pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
 
 def route(step: PagedStep, query: torch.Tensor, k_cache: torch.Tensor, scaling: float | None,
           sliding_window: int | None, softcap: float | None) -> tuple:
-    """The backend, KV writer and params serving this layer in this phase: chosen once, then looked up in the
-    dispatcher's ``routes`` (phase, layer shape, scalars) -> (backend, KV writer, params), a plain tuple lookup per
-    layer and step instead of building and hashing an AttentionCall."""
+    """The backend, KV writer and params serving this layer (``query``: its packed ``[T, H, D]``) in this phase:
+    chosen once, then looked up in the dispatcher's ``routes`` (phase, layer shape, scalars) -> (backend, KV writer,
+    params), a plain tuple lookup per layer and step instead of building and hashing an AttentionCall."""
     meta = step.metadata
-    _, num_heads, _, head_dim = query.shape
+    num_heads, head_dim = query.shape[-2:]
     key = (meta.phase, query.dtype, query.device.type, num_heads, head_dim, k_cache.shape[2], meta.block_size,
            scaling, sliding_window, softcap)
     found = step.dispatcher.routes.get(key)

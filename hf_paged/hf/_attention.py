@@ -28,7 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from hf_paged import _forward_context
-from hf_paged.attention._step import PagedStep, attend, attend_traced, choose_decode_routes
+from hf_paged.attention._step import PagedStep, attend, attend_packed, attend_traced, choose_decode_routes, pack
 
 logger = logging.getLogger("hf_paged")
 
@@ -124,6 +124,13 @@ def paged_attention_forward(
     Returns:
         ``([batch, q_len, H, D], None)``; padding positions are zero.
     """
+    if _forward_context.in_own_call():
+        # hf_paged's own calls: every token real, packed in one row (or one token per row), the step in the context.
+        # Packed here, in the layer's compiled code where it has one, so that the packing fuses into what made q/k/v.
+        batch, num_heads, q_len, head_dim = query.shape
+        q, k, v = pack(query, None), pack(key, None), pack(value, None)
+        out = _own_call_attention(module, q, k, v, scaling, dropout, sliding_window, softcap, kwargs)
+        return out.view(batch, q_len, num_heads, head_dim), None
     if isinstance(attention_mask, StepMask) and attention_mask.step.metadata.static and (
             torch.compiler.is_compiling()):
         _check_served(module, dropout, kwargs)
@@ -134,11 +141,21 @@ def paged_attention_forward(
 
 
 # Opaque to torch.compile: a compiled layer (the engine's CompiledLayers) breaks its graph here, and the KV write and
-# attention run as they do eager, reading the step where it is.
+# attention run as they do eager, on the step in the forward context.
+@torch.compiler.disable
+def _own_call_attention(module, q, k, v, scaling, dropout, sliding_window, softcap, kwargs: dict) -> torch.Tensor:
+    step = _forward_context.current_step()
+    if step is None or step.metadata.token_index is not None:
+        raise RuntimeError("hf_paged: a model call of another thread ran while one of hf_paged's own calls did; a "
+                           "model serves one hf_paged call at a time")
+    _check_served(module, dropout, kwargs)
+    return attend_packed(step, module.layer_idx, q, k, v, scaling, sliding_window, softcap)
+
+
 @torch.compiler.disable
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                      kwargs: dict) -> tuple[torch.Tensor, None]:
-    step = attention_mask.step if isinstance(attention_mask, StepMask) else _forward_context.current_step()
+    step = attention_mask.step if isinstance(attention_mask, StepMask) else None
     if step is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
