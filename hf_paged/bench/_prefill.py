@@ -30,6 +30,7 @@ from pathlib import Path
 
 import torch
 
+from hf_paged import _compat
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends._flash import window_size
 from hf_paged.bench import input_sets, time_calls
@@ -139,7 +140,8 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
                                for s in sets]
     # torch's built-in kernel aligns causal masks top-left (only comparable without a prefix) and takes no softcap
     if prefix == 0 and not window and not softcap:
-        out["torch-fa2"] = [lambda s=s: torch.ops.aten._flash_attention_forward(
+        fa2 = _compat.flash_attention_forward()
+        out["torch-fa2"] = [lambda s=s: fa2(
             s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new, ctx, 0.0, True, False, scale=scale)[0] for s in sets]
     return out
 

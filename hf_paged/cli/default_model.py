@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
+from hf_paged import _compat
+
 SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2; byte b is id 3 + b
 
 
@@ -41,7 +43,7 @@ def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> LlamaForCau
         pad_token_id=0, bos_token_id=1, eos_token_id=2,
     )
     torch.manual_seed(seed)
-    return LlamaForCausalLM._from_config(config, attn_implementation="hf_paged", dtype=dtype).eval()
+    return _compat.model_from_config(LlamaForCausalLM, config, attn_implementation="hf_paged", dtype=dtype).eval()
 
 
 def load_model(

@@ -24,9 +24,9 @@ import operator
 from collections import defaultdict
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass, get_hash_for_files
-from torch.multiprocessing.reductions import StorageWeakRef
 
+from hf_paged import _compat
+from hf_paged._compat import CustomGraphPass
 from hf_paged.kernels import _skinny as skinny
 
 __all__ = ["GroupLinears", "group_linears"]
@@ -39,7 +39,7 @@ class GroupLinears(CustomGraphPass):
         group_linears(graph)
 
     def uuid(self) -> bytes:
-        return get_hash_for_files((__file__,))
+        return _compat.get_hash_for_files((__file__,))
 
     # Every instance does the same. generate deep-copies its compile config each call and compiles afresh when the
     # copy differs from the config it compiled with: equal passes keep its compiled step.
@@ -139,8 +139,7 @@ def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
         first = vals[0]
         if any(not v.is_contiguous() or v.dtype != first.dtype or v.dim() != first.dim() for v in vals):
             return False
-        storage = StorageWeakRef(first.untyped_storage())
-        return all(StorageWeakRef(b.untyped_storage()) == storage
+        return all(_compat.same_storage(b, first)
                    and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(vals, vals[1:]))
 
     weights = values([_arguments(m)[1] for m in members])

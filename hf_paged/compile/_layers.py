@@ -29,8 +29,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
-import torch.fx.experimental._config as _shape_config
 
+from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.hf._placement import base_model, decoder_layers
@@ -68,14 +68,12 @@ class LayerCompile:
     dynamo: dict = field(default_factory=dict)
 
     def inductor_options(self) -> dict:
-        return {"post_grad_custom_pre_pass": self.graph_pass, **self.inductor}
+        return {_compat.INDUCTOR_CUSTOM_PRE_PASS: self.graph_pass, **self.inductor}
 
 
 def inductor_has_pdl() -> bool:
     """Whether this torch's inductor can launch its Triton kernels with programmatic dependent launch."""
-    import torch._inductor.config as inductor_config
-
-    return hasattr(inductor_config.triton, "enable_pdl")
+    return _compat.inductor_has_option(_compat.INDUCTOR_PDL)
 
 
 def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> CompiledLayers:
@@ -128,7 +126,7 @@ class CompiledLayers:
             if depth == 0:
                 dynamo = dict(recompile_limit=self._recompile_limit,
                               accumulated_recompile_limit=max(256, 4 * self._recompile_limit), **self.how.dynamo)
-                with torch._dynamo.config.patch(**dynamo), _shape_config.patch(use_duck_shape=False):
+                with _compat.dynamo_config_patch(**dynamo), _compat.no_duck_shaping():
                     yield
             else:
                 yield
@@ -165,18 +163,7 @@ class _Switch:
         return self.eager(*args, **kwargs)
 
 
-def _compiler_errors() -> tuple[type[BaseException], ...]:
-    errors: list[type[BaseException]] = [torch._dynamo.exc.TorchDynamoException]
-    try:
-        from torch._inductor.exc import InductorError
-
-        errors.append(InductorError)
-    except ImportError:  # older torch
-        pass
-    return tuple(errors)
-
-
-_COMPILER_ERRORS = _compiler_errors()
+_COMPILER_ERRORS = _compat.compiler_errors()
 
 
 def for_engine(model: torch.nn.Module, setting: bool | None, how: LayerCompile | None = None) -> CompiledLayers | None:

@@ -15,8 +15,8 @@ import os
 import torch
 import torch.distributed as dist
 from transformers import GenerationConfig
-from transformers.generation.continuous_batching.requests import GenerationOutput
 
+from hf_paged._compat import GenerationOutput
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._generate_batch import generate_batch
 from hf_paged.engine._sampling_params import resolve_generation_config

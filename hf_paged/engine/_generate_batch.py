@@ -18,8 +18,8 @@ from dataclasses import replace
 
 import torch
 from transformers import GenerationConfig
-from transformers.generation.continuous_batching.requests import GenerationOutput, RequestStatus
 
+from hf_paged._compat import GenerationOutput, RequestStatus
 from hf_paged.cache._config import CacheConfig
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig

@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 from transformers import GenerationConfig
 
+from hf_paged import _compat
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -130,7 +132,7 @@ def resolve_generation_config(config: GenerationConfig | None, model_config: Gen
     gc = GenerationConfig() if config is None else copy.deepcopy(config)
     if model_config is not None:
         gc.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    gc.update(**GenerationConfig._get_default_generation_params(), defaults_only=True)
+    gc.update(**_compat.default_generation_params(), defaults_only=True)
     return gc
 
 

@@ -37,6 +37,7 @@ import torch
 from transformers import CompileConfig
 from transformers.masking_utils import create_masks_for_generate
 
+from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
@@ -118,7 +119,7 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     skinny_linear.route_always(linears, True)
     options = {"guard_filter_fn": torch.compiler.skip_guard_on_all_nn_modules_unsafe} if skip_module_guards else {}
     if linears:
-        options["post_grad_custom_pre_pass"] = GroupLinears()
+        options[_compat.INDUCTOR_CUSTOM_PRE_PASS] = GroupLinears()
     before = getattr(model.generation_config, "compile_config", None)
     config = with_options(before or CompileConfig(), options)
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears,
@@ -160,15 +161,15 @@ def with_options(config: CompileConfig, options: dict) -> CompileConfig:
         if mode != "reduce-overhead" or config.backend != "inductor":
             raise ValueError(f"the compile config's mode {mode!r} (backend {config.backend!r}) cannot take options; "
                              "set generation_config.compile_config with mode=None and its options instead")
-        merged["triton.cudagraphs"], mode = True, None
+        merged[_compat.INDUCTOR_CUDAGRAPHS], mode = True, None
     merged.update(options)
     out = CompileConfig(fullgraph=config.fullgraph, dynamic=config.dynamic, backend=config.backend, mode=mode,
                         options=merged or None)
-    out._compile_all_devices = config._compile_all_devices
+    _compat.set_compile_all_devices(out, _compat.compile_all_devices(config))
     return out
 
 
 def _forget_compiled_call(model: torch.nn.Module) -> None:
     """Drop the compiled forward generate keeps on the model: the next compiled step traces the model anew."""
-    for name in ("_compiled_call", "_last_compile_config"):
+    for name in _compat.COMPILED_CALL_ATTRIBUTES:
         model.__dict__.pop(name, None)

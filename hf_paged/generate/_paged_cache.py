@@ -25,6 +25,7 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
+from hf_paged import _compat
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
@@ -71,6 +72,7 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
+@_compat.user_defined_flag_from("_generate_call_flag")
 class PagedAttentionCache(Cache):
     """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
 
@@ -203,15 +205,15 @@ class PagedAttentionCache(Cache):
     def is_croppable(self) -> bool:
         return True
 
-    # generate (transformers 5.17 to 5.24) sets this on a cache the caller passed, once at the start of each call:
-    # the one sign a cache gets that a new call begins, before generate asks get_seq_length() how much of the input
-    # to skip. An empty cache makes it feed the whole input.
+    # generate (transformers 5.17 to 5.24) sets this (as Cache's private user-defined flag: _compat) on a cache the
+    # caller passed, once at the start of each call: the one sign a cache gets that a new call begins, before generate
+    # asks get_seq_length() how much of the input to skip. An empty cache makes it feed the whole input.
     @property
-    def _is_user_defined(self) -> bool:
+    def _generate_call_flag(self) -> bool:
         return self._passed_to_generate
 
-    @_is_user_defined.setter
-    def _is_user_defined(self, value: bool) -> None:
+    @_generate_call_flag.setter
+    def _generate_call_flag(self, value: bool) -> None:
         self._passed_to_generate = value
         if value:
             self.reset()

@@ -31,6 +31,7 @@ import logging
 
 import torch
 
+from hf_paged import _compat
 from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.attention._step import PagedStep
@@ -78,7 +79,7 @@ class StaticDecode:
             t for pair in pool.kv_caches for t in pair] + [t for s in pool.kv_scales or () for t in (s.k, s.v)]
         for t in fixed:
             if t is not None:
-                torch._dynamo.mark_static_address(t)
+                _compat.mark_static_address(t)
 
     def plan(self, rows: BatchTables, slots: torch.Tensor) -> PagedMetadata:
         """The step's metadata after ``rows.append`` gave each row its one new token (``slots``: ``[B]`` host)."""

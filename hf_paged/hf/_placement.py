@@ -10,6 +10,7 @@ import re
 
 import torch
 
+from hf_paged import _compat
 from hf_paged.cache._kv_pool import KVLayout
 
 
@@ -75,7 +76,7 @@ def hidden_states_device(model: torch.nn.Module) -> torch.device:
 def keep_argument_in_place(model: torch.nn.Module, name: str) -> None:
     """Tell accelerate's hook on a dispatched model (which moves every tensor argument to the first device) to leave
     the keyword argument ``name`` where the caller put it."""
-    hook = getattr(model, "_hf_hook", None)
+    hook = _compat.accelerate_hook(model)
     if hook is None or not hasattr(hook, "skip_keys"):
         return
     keys = hook.skip_keys

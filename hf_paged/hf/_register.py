@@ -8,6 +8,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from hf_paged import _compat
 from hf_paged.hf._attention import paged_attention_forward, paged_mask
 
 # transformers reads any name containing "flash" as a flash-attn kernel request: keep it out of ours.
@@ -22,7 +23,7 @@ def register() -> None:
 
 def use_paged_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the paged attention (with a log line) and warn if it is in training mode."""
-    if getattr(model.config, "_attn_implementation", None) != ATTN_IMPLEMENTATION:
+    if _compat.attn_implementation(model.config) != ATTN_IMPLEMENTATION:
         logger.info("hf_paged: switching the model's attention to %r for the engine", ATTN_IMPLEMENTATION)
         model.set_attn_implementation(ATTN_IMPLEMENTATION)
     if model.training:

@@ -24,13 +24,11 @@ ring: compare with ``HF_PAGED_TP_ALL_REDUCE=nccl`` there.
 from __future__ import annotations
 
 import logging
-import warnings
 
 import torch
 import torch.distributed as dist
-from torch.distributed.distributed_c10d import _resolve_process_group
 
-from hf_paged import envs
+from hf_paged import _compat, envs
 from hf_paged.kernels._build import load
 
 logger = logging.getLogger("hf_paged")
@@ -69,15 +67,11 @@ def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
 def _symmetric(group, like: torch.Tensor):
     """A symmetric-memory tensor shaped like ``like``, with ``like``'s contents, exchanged with the group's ranks:
     ``(tensor, handle)``."""
-    from torch.distributed import _symmetric_memory as symm_mem
-
-    with warnings.catch_warnings():  # needed before rendezvous in older torch, deprecated (a no-op) in newer
-        warnings.simplefilter("ignore", FutureWarning)
-        symm_mem.enable_symm_mem_for_group(group.group_name)
-    buffer = symm_mem.empty(like.shape, dtype=like.dtype, device=like.device)
+    _compat.enable_symmetric_memory(group.group_name)  # needed before rendezvous in older torch, a no-op in newer
+    buffer = _compat.symmetric_empty(like.shape, dtype=like.dtype, device=like.device)
     buffer.copy_(like)
     torch.cuda.synchronize(like.device)  # every rank's copy is done before any peer can pass the rendezvous
-    return buffer, symm_mem.rendezvous(buffer, group)
+    return buffer, _compat.symmetric_rendezvous(buffer, group)
 
 
 def _prepare_peer_sum(group, device: torch.device) -> None:
@@ -112,7 +106,7 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
             one_shot_calls += 1
             return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
     out = x.clone()
-    dist.all_reduce(out, group=_resolve_process_group(group_name))
+    dist.all_reduce(out, group=_compat.resolve_process_group(group_name))
     return out
 
 

@@ -29,10 +29,9 @@ from __future__ import annotations
 import operator
 
 import torch
-from torch._inductor.custom_graph_pass import get_hash_for_files
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hf_paged import envs
+from hf_paged import _compat, envs
 from hf_paged.compile._group_linears import _KEPT_META, GroupLinears, group_linears
 from hf_paged.compile._layers import LayerCompile, inductor_has_pdl
 from hf_paged.parallel import _all_reduce as tp_all_reduce
@@ -49,7 +48,7 @@ def nested_graph_breaks(group_name: str | None) -> bool:
     has the option (a graph break inside the attention module then resumes in one graph with the rest of the decoder
     layer, so the attention all-reduce meets its residual add and norm). Other models trace as they always have."""
     return (group_name is not None and tp_all_reduce.fused_ready(group_name)
-            and "nested_graph_breaks" in torch._dynamo.config._config)
+            and _compat.has_dynamo_option(_compat.NESTED_GRAPH_BREAKS))
 
 
 def layer_compile(group_name: str) -> LayerCompile:
@@ -57,8 +56,8 @@ def layer_compile(group_name: str) -> LayerCompile:
     with their residual add and norm after the grouped linears (:class:`LayerPasses`), dynamo's nested graph breaks
     where they serve (:func:`nested_graph_breaks`), and the Triton kernels with programmatic dependent launch where
     inductor has it (0.14 ms off a 5.45 ms 8B decode step on two H100s, with the sharded logits)."""
-    dynamo = {"nested_graph_breaks": True} if nested_graph_breaks(group_name) else {}
-    inductor = {"triton.enable_pdl": True} if inductor_has_pdl() else {}
+    dynamo = {_compat.NESTED_GRAPH_BREAKS: True} if nested_graph_breaks(group_name) else {}
+    inductor = {_compat.INDUCTOR_PDL: True} if inductor_has_pdl() else {}
     return LayerCompile(LayerPasses(), inductor, dynamo)
 
 
@@ -71,7 +70,7 @@ class LayerPasses(GroupLinears):
         fuse_all_reduce(graph)
 
     def uuid(self) -> bytes:
-        return super().uuid() + get_hash_for_files((__file__,)) + b"fuse:" + envs.tp_all_reduce().encode()
+        return super().uuid() + _compat.get_hash_for_files((__file__,)) + b"fuse:" + envs.tp_all_reduce().encode()
 
 
 def fuse_all_reduce(graph: torch.fx.Graph) -> int:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
+from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
@@ -151,7 +152,7 @@ def _own_locals(params: list) -> list[torch.Tensor] | None:
     this torch keeps it elsewhere."""
     if not all(is_dtensor(p) for p in params):
         return None
-    locals_ = [getattr(p, "_local_tensor", None) for p in params]
+    locals_ = [_compat.dtensor_local_tensor(p) for p in params]
     if any(not isinstance(t, torch.Tensor) or t.data_ptr() != p.to_local().data_ptr()
            for t, p in zip(locals_, params)):
         return None
