@@ -4,7 +4,7 @@ Builds the engine of ``engine_overhead.py`` (256 running requests of ~1k tokens;
 Llama, so decode steps replay CUDA graphs on a GPU) and wraps the step's parts in wall-clock timers (a fraction of a
 microsecond each): scheduling, the graph inputs' layout (the block-table sync and the staging copies within it), the graph launch (or, on the eager path, the step plan, its copy and the forward), the sampling batch, the sampler's
 launches, the token copy, the wait for the tokens, the hand-over and the commit (in a steady decode step, see
-``engine/steady_decode.py``: its schedule, and its hand-over and commit in one). Each timed step is bracketed by a
+``engine/_steady_decode.py``: its schedule, and its hand-over and commit in one). Each timed step is bracketed by a
 device synchronization, as in ``engine_overhead.py``. On a GPU it then times ``CUDAGraph.replay()`` alone for
 graphs of 1 to 400 small kernels, and counts the kernels one eager decode step of the tiny model launches, so the
 launch cost of the engine's graph can be read against the host's cost per graph node.

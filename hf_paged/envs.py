@@ -11,7 +11,8 @@ variable                       values (default first)                      what 
                                (``~/.cache/hf_paged/kernels`` without it)
 ``HF_PAGED_KERNEL_TRACE``      unset, ``1``                                 diagnostics: build the kernels (in a build
                                                                             folder of their own) with decode trace
-                                                                            points, read by ``hf-paged bench trace``
+                                                                            points, read by ``python -m
+                                                                            hf_paged.bench._decode_trace``
 ``HF_PAGED_TP_ALL_REDUCE``     ``hf_paged``, ``nccl``                       how tensor-parallel compiled layers sum a
                                                                             decode step's rowwise outputs: hf_paged's
                                                                             one-shot kernel over peer-mapped memory

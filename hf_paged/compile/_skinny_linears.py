@@ -41,8 +41,8 @@ def is_active() -> bool:
 def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear",
                routed_elsewhere: int = 0) -> bool:
     """Whether the engine's model calls route the linears through the skinny op per ``Engine(skinny_linear=...)``
-    (installing the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the kernels
-    load, True the same or an error saying why not, False never. ``option`` names the setting in that error
+    (installing the routing when they do): None (automatic) where the model is on CUDA in float16/bfloat16 and the
+    kernels load, True the same or an error saying why not, False never. ``option`` names the setting in that error
     (``hf_paged.optimize_generate`` asks the same with its ``decode_linears``); ``routed_elsewhere``: linears that
     another patcher routes through the op (a tensor-parallel model's local shards, which :func:`install` passes
     over)."""

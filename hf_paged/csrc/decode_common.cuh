@@ -49,9 +49,9 @@ __device__ __forceinline__ void let_dependents_launch() {
 }
 
 // Decode tracing, compiled only into the diagnostic build (HF_PAGED_DECODE_TRACE, set by HF_PAGED_KERNEL_TRACE=1 in
-// kernels/build.py; the normal build's machine code holds none of it). There, a launch with DecodeParams::trace set
+// kernels/_build.py; the normal build's machine code holds none of it). There, a launch with DecodeParams::trace set
 // has the CTA's first thread store %globaltimer and clock64 at each point; the host-side reader is
-// hf_paged/bench/decode_trace.py.
+// hf_paged/bench/_decode_trace.py.
 enum TracePoint : int {
   kTraceStart = 0,      // first instruction
   kTraceWork = 1,       // sequence length and block-table slice in shared memory

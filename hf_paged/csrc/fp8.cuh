@@ -13,7 +13,7 @@ namespace hf_paged {
 
 using E4M3 = __nv_fp8_e4m3;
 constexpr float kE4M3Max = 448.f;  // largest finite e4m3fn value: writes saturate here, never to NaN
-// A fresh scale is absmax * 4 / 448 (hf_paged/attention/kv_quant.py); the same float32 constant as torch's.
+// A fresh scale is absmax * 4 / 448 (hf_paged/cache/_kv_quant.py); the same float32 constant as torch's.
 constexpr float kScaleHeadroom = static_cast<float>(4.0 / 448.0);
 
 // The e4m3 bytes 0 (low half) and 1 (high half) of `pair` as two T values in one register, low byte in the low half.

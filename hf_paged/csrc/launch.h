@@ -92,7 +92,7 @@ enum class KvSource { kFloat, kHalf, kBFloat16 };
 // Quantize T tokens of K and V ([T, Hkv, D] rows, row strides in elements, 16-byte aligned, D a multiple of 8) into
 // e4m3 caches at their slots (-1 = padding, skipped): x / scale of the head (1 where it is 0), rounded to nearest,
 // saturating at +-448. First sets the scales still 0 from the rows written (absmax * 4 / 448; 0 if a value is NaN or
-// infinite), as hf_paged/attention/kv_quant.py does. Two launches, no host sync.
+// infinite), as hf_paged/cache/_kv_quant.py does. Two launches, no host sync.
 cudaError_t launch_write_kv_e4m3(KvSource source, const void* key, const void* value, void* k_cache, void* v_cache,
                                  float* k_scale, float* v_scale, const int64_t* slot_mapping, int64_t num_tokens,
                                  int num_kv_heads, int head_dim, int64_t key_row_stride, int64_t value_row_stride,

@@ -60,7 +60,7 @@ PrefillKernel prefill_kernel_bf16_e4m3(int head_dim, int config);
 // Hopper's warpgroup tensor cores (wgmma, paged_prefill_wgmma*.cuh), chosen by the cuda backend, not by auto: config
 // kPrefillConfigWgmma (softmax overlapped with the tensor cores inside each warpgroup) or kPrefillConfigWgmmaSerial
 // (each product waited for before the softmax). fp16 / bf16 over a cache in the query's dtype, head sizes 32, 64,
-// 80, 96, 112, 128, 160, 192 and 256. Compiled only when the library is built for sm_90a (HF_PAGED_SM90A, set by kernels/build.py on compute
+// 80, 96, 112, 128, 160, 192 and 256. Compiled only when the library is built for sm_90a (HF_PAGED_SM90A, set by kernels/_build.py on compute
 // capability 9.0 devices); otherwise fn == nullptr.
 constexpr int kPrefillConfigWgmma = 3;
 constexpr int kPrefillConfigWgmmaSerial = 4;

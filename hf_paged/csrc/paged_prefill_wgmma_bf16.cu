@@ -1,4 +1,4 @@
-// The __nv_bfloat16 wgmma prefill kernels (Hopper). Built for sm_90a only: kernels/build.py defines HF_PAGED_SM90A
+// The __nv_bfloat16 wgmma prefill kernels (Hopper). Built for sm_90a only: kernels/_build.py defines HF_PAGED_SM90A
 // with that target; any other build compiles just the stub below, and the op refuses the configuration.
 #include "paged_prefill.cuh"
 

@@ -7,7 +7,7 @@ before it takes in step N's tokens. A step commits whole or not at all: a failed
 rerun one sequence at a time, so that only a faulty request ends with an error.
 
 The requests' state is guarded by ``_lock`` (held by a step except during its device work) and Ctrl-C is held back
-during the bookkeeping (``InterruptGuard``); ``TokenHandover`` (``engine/handover.py``) writes the sampled tokens
+during the bookkeeping (``InterruptGuard``); ``TokenHandover`` (``engine/_handover.py``) writes the sampled tokens
 into their sequences; :class:`~hf_paged.Engine` adds requests and hands outputs over.
 """
 
@@ -106,7 +106,7 @@ class EngineCore(TokenHandover):
         self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
         self._receiver = TokenReceiver(max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None
-        self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/steady_decode.py)
+        self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/_steady_decode.py)
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any

@@ -49,7 +49,7 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished outside a step (errors, aborts), reported by the next step
-        self.version = 0  # counts the changes to ``running`` (``engine/steady_decode.py`` relies on it)
+        self.version = 0  # counts the changes to ``running`` (``engine/_steady_decode.py`` relies on it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

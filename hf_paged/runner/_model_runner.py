@@ -1,4 +1,4 @@
-"""``ModelRunner``: the model call that consumes a step plan (``engine/step_plan.py``).
+"""``ModelRunner``: the model call that consumes a step plan (``runner/_step_plan.py``).
 
 It sends the plan's int32 layout to the device in one copy, reads the attention metadata as views of it, and runs
 the model with ``logits_to_keep`` set to the sampled positions only.

@@ -3,7 +3,7 @@
 ``plan_step`` is pure: it reads the scheduled sequences (or a decode step's kept :class:`DecodeColumns`) and the
 block-table buffer, and returns a :class:`StepPlan` whose every array (ids, positions, slots, lengths, block
 tables, sampled rows) lies in one int32 layout, built in numpy or in one pass of per-sequence Python (never per
-token). ``ModelRunner`` (``engine/runner.py``) sends that layout to the device in one copy.
+token). ``ModelRunner`` (``runner/_model_runner.py``) sends that layout to the device in one copy.
 """
 
 from __future__ import annotations
@@ -93,7 +93,7 @@ class DecodeColumns:
     ``ids``: each token's id where the host knows it; ``positions``: its position (the sequence's computed count);
     ``sources``: the row of the in-flight step's sampled tokens that holds it (-1: the id is known); ``rows``: the
     sequence's block-table row. Read from the sequences (:meth:`of`), or kept as arrays across steps
-    (``engine/steady_decode.py``).
+    (``engine/_steady_decode.py``).
     """
 
     ids: np.ndarray
