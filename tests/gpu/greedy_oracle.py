@@ -3,7 +3,8 @@
 bf16 rounding differs between attention implementations, so two correct paths may pick different tokens where the
 top two logits are within rounding of each other. :func:`assert_matches_up_to_ties` passes a run whose tokens equal
 the oracle's up to the first step where the oracle's own top-2 logit gap is below ``TIE_GAP`` (the rest of that row
-is then not compared); any earlier difference fails. It prints how many tokens matched before any tie.
+is then not compared); any earlier difference fails. It returns how many tokens matched before any tie, and can
+require a share of them (``min_exact``).
 
 The oracles: eager attention on a small bf16 Llama (``CONFIG``; fixtures ``models``, ``batch`` and ``eager_run``), and
 greedy ``generate`` over an fp8 cache served by the torch backend alone (:func:`torch_fp8_generate`, on
@@ -56,8 +57,11 @@ def eager_run(models, batch):
     return out.sequences[:, batch["input_ids"].shape[1]:], top2[..., 0] - top2[..., 1]
 
 
-def assert_matches_up_to_ties(got: torch.Tensor, want: torch.Tensor, gaps: torch.Tensor, label: str) -> None:
-    """Fails at a row's first difference from ``want`` unless the oracle's top-2 gap there is below ``TIE_GAP``."""
+def assert_matches_up_to_ties(got: torch.Tensor, want: torch.Tensor, gaps: torch.Tensor, label: str,
+                              min_exact: float = 0.0) -> int:
+    """Fails at a row's first difference from ``want`` unless the oracle's top-2 gap there is below ``TIE_GAP``;
+    returns the tokens equal to ``want`` before each row's first difference, and fails unless they are at least
+    ``min_exact`` of all."""
     exact = 0
     for row in range(want.shape[0]):
         diff = (got[row] != want[row]).nonzero()
@@ -69,6 +73,10 @@ def assert_matches_up_to_ties(got: torch.Tensor, want: torch.Tensor, gaps: torch
                 f"{float(gaps[row, first]):.3f} (not a rounding tie)"
             )
     print(f"{label}: {exact}/{want.numel()} tokens equal to eager before any rounding tie")
+    assert exact >= min_exact * want.numel(), (
+        f"{label}: only {exact}/{want.numel()} tokens equal to eager before the rows part at rounding ties, fewer "
+        f"than {min_exact:.0%}: rows part at near-ties far more often than correct paths do")
+    return exact
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,11 @@
 """On the GPU: greedy tokens of `model.generate` and of the engine with each backend equal eager's (bf16).
 
-bf16 rounding differs between attention implementations, so two correct paths may pick different tokens where
-the top two logits are within rounding of each other. A run passes when its tokens equal eager's up to the first
-step where eager's own top-2 logit gap is below ``TIE_GAP`` (and the rest is then not compared); any earlier
-difference fails (tests/gpu/greedy_oracle.py). The test prints how many tokens matched exactly.
+Each run's tokens must equal eager's up to bf16 rounding ties (the rule of tests/gpu/greedy_oracle.py: a row may
+part from eager only at a step where eager's own top-2 logit gap is below ``TIE_GAP``), and at least ``MIN_EXACT`` of
+all its tokens must equal eager's before the rows part. The count is what holds a path to eager: this random model's
+logits are small (~0.4), so most steps count as ties (109 of the 144 in bf16 on the CPU) and a row may part at its
+first token. There, paths whose attention scale was 1.5x, 3x or 0 all passed the tie rule, with 44, 19 and 29 tokens
+equal to eager's.
 """
 
 from __future__ import annotations
@@ -15,6 +17,10 @@ from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged.hf.compat import with_cache
+
+# Of the 6 x 24 tokens. Measured: 131 with the cuda and with the flash path on an H100 (docs/kernels.md); the torch
+# backend's float32 attention parts from eager's bf16 rounding more often (on the CPU in bf16: 106, SDPA 126).
+MIN_EXACT = 0.7
 
 # (allowed backends, block size): which path serves prefill / decode
 RUNS = [
@@ -37,7 +43,7 @@ def test_generate_matches_eager(models, batch, eager_run, allowed, block_size):
                          pad_token_id=0, eos_token_id=None)
     served = cache.stats()["backends"]
     label = f"generate {allowed} bs={block_size} served={served}"
-    assert_matches_up_to_ties(out[:, batch["input_ids"].shape[1]:], *eager_run, label)
+    assert_matches_up_to_ties(out[:, batch["input_ids"].shape[1]:], *eager_run, label, min_exact=MIN_EXACT)
     if allowed[0] == "cuda":
         assert served["decode"] == "cuda" and served["write"] == "cuda", served
     if allowed[0] == "flash":
@@ -56,5 +62,6 @@ def test_engine_matches_eager(models, batch, eager_run, allowed, block_size):
     outs = engine.generate(prompts, config)
     got = torch.tensor([o.token_ids for o in outs], device="cuda")
     stats = engine.stats()
-    assert_matches_up_to_ties(got, *eager_run, f"engine {allowed} bs={block_size} stats={stats}")
+    assert_matches_up_to_ties(got, *eager_run, f"engine {allowed} bs={block_size} stats={stats}",
+                              min_exact=MIN_EXACT)
     assert stats["free_blocks"] == stats["num_blocks"]
