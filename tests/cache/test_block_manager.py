@@ -178,6 +178,7 @@ def registered_keys(prompt: list[int], block_size: int) -> list[str]:
     return keys
 
 
+@pytest.mark.slow
 def test_keys_are_sha256_of_the_chain_and_the_same_in_every_process():
     prompt, bs = list(range(1000, 1013)) + [0, 2**40], 4  # 15 tokens: 3 full blocks
     keys = registered_keys(prompt, bs)

@@ -34,6 +34,7 @@ def test_version_is_the_package_version(capsys):
     assert hf_paged.__version__ == VERSION == importlib.metadata.version("hf-paged")
 
 
+@pytest.mark.slow
 def test_python_m_hf_paged_shows_help_with_defaults():
     run = python_m_hf_paged("generate", "--help")
     assert run.returncode == 0 and run.stderr == ""
@@ -48,6 +49,7 @@ def test_python_m_hf_paged_shows_help_with_defaults():
     assert "exit status:" in help_text and "--verbose adds the traceback" in help_text
 
 
+@pytest.mark.slow
 def test_python_m_hf_paged_reports_bad_input_in_one_line():
     run = python_m_hf_paged("generate", "--model", "/no/such/checkpoint")
     assert run.returncode == 2 and run.stdout == ""

@@ -38,6 +38,7 @@ def _count_compiled_calls(model, monkeypatch) -> list[int]:
     return calls
 
 
+@pytest.mark.slow
 def test_compiled_layers_give_the_eager_tokens_and_serve_only_the_engine(model, monkeypatch):
     prompts = random_prompts(6, 3, 30, seed=3)
     refs = hf_greedy("llama_gqa", prompts, 8)
@@ -117,6 +118,7 @@ def test_compile_layers_is_validated():
         hf_paged.EngineConfig(compile_layers="yes")
 
 
+@pytest.mark.slow
 def test_steps_of_new_sizes_do_not_compile_again(model):
     """Compiled after two steps only, one that fills ``max_batch_tokens`` exactly (its input views as wide as the
     buffers) and one of a single token (a shape of its own): steps of any other token count, and a second engine,

@@ -180,6 +180,7 @@ def test_the_pass_keys_the_fx_graph_cache():
     assert GroupLinears().uuid() == GroupLinears().uuid() and GroupLinears().uuid()
 
 
+@pytest.mark.slow
 def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_logits():
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_config("llama_gqa"), attn_implementation="eager",

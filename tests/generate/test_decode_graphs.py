@@ -80,10 +80,11 @@ def _graphed(model, cache=None, fail: bool = False) -> decode_graphs.DecodeSteps
     return steps
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama_gqa", pytest.param("gemma2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kwargs", [
     dict(max_new_tokens=9, **GREEDY),
-    dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS),
+    pytest.param(dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=8, pad_token_id=PAD,
+                      eos_token_id=EOS), marks=pytest.mark.slow),
 ], ids=["greedy", "sampling"])
 def test_replayed_steps_give_the_compiled_steps_tokens(arch, kwargs):
     """Two calls at one batch size and one at another: the tokens of the compiled step before optimize_generate,
@@ -106,6 +107,7 @@ def test_replayed_steps_give_the_compiled_steps_tokens(arch, kwargs):
     assert graphs.replays == decode_steps.replays == (steps - 1) + steps + (steps - 1)
 
 
+@pytest.mark.slow
 def test_steps_that_cannot_be_replayed_run_transformers_compiled_call():
     """Output flags the graphs do not hold (hidden states) leave every step to transformers' compiled call."""
     model = make_models("llama_gqa", seed=0)[1]
@@ -120,6 +122,7 @@ def test_steps_that_cannot_be_replayed_run_transformers_compiled_call():
     assert StandInGraphs.made == [] and decode_steps.replays == 0
 
 
+@pytest.mark.slow
 def test_a_capture_that_fails_leaves_the_steps_to_transformers_compiled_call(caplog):
     """A step whose capture fails is run by transformers' compiled call, as every later one: the tokens stay, and the
     log says why."""

@@ -60,10 +60,11 @@ class MaskCalls:
         monkeypatch.setattr(fast_generate, "create_masks_for_generate", counted)
 
 
-@pytest.mark.parametrize("arch", ["llama_gqa", "gemma2"])
+@pytest.mark.parametrize("arch", ["llama_gqa", pytest.param("gemma2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kwargs", [
     dict(max_new_tokens=10, **GREEDY),
-    dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=8, pad_token_id=PAD, eos_token_id=EOS),
+    pytest.param(dict(do_sample=True, top_k=20, num_return_sequences=2, max_new_tokens=8, pad_token_id=PAD,
+                      eos_token_id=EOS), marks=pytest.mark.slow),
 ], ids=["greedy", "sampling"])
 def test_optimized_generate_gives_the_compiled_steps_tokens_without_transformers_mask_code(arch, kwargs,
                                                                                              monkeypatch):

@@ -87,6 +87,7 @@ def compiled_graphs(fn, *args):
     return out, graphs
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_a_llama_layers_all_reduces_take_the_residual_adds_and_the_norm(served, monkeypatch, dtype):
     layer = Layer(dtype, served).eval()
@@ -106,6 +107,7 @@ def test_a_llama_layers_all_reduces_take_the_residual_adds_and_the_norm(served, 
     assert fused.abs().sum() > 0
 
 
+@pytest.mark.slow
 def test_nothing_is_fused_without_peer_sum(group, monkeypatch):
     layer = Layer(torch.float32, group).eval()
     hidden = torch.randn(1, 5, 64)
@@ -116,6 +118,7 @@ def test_nothing_is_fused_without_peer_sum(group, monkeypatch):
     assert tp_all_reduce.fused_ready("no such group") is False  # the real one: no peer_sum buffers on CPU
 
 
+@pytest.mark.slow
 def test_other_shapes_are_left_alone(served):
     weight = torch.randn(64)
     bias = torch.randn(64)
