@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
-sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))  # tiny_models
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests" / "helpers"))  # tiny_models
 
 import torch  # noqa: E402
 from generate_latency import GUARD_FILTERS  # noqa: E402
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=5, help="timed calls per round")
     parser.add_argument("--rounds", type=int, default=3, help="rounds, the systems in turn (compiled afresh)")
-    parser.add_argument("--arch", default="llama_gqa", help="a tiny model of tests/tiny_models.py")
+    parser.add_argument("--arch", default="llama_gqa", help="a tiny model of tests/helpers/tiny_models.py")
     parser.add_argument("--layers", type=int, help="decoder layers (default: the tiny model's own); the guards "
                                                    "dynamo evaluates per step grow with them")
     parser.add_argument("--guard-filter", choices=sorted(GUARD_FILTERS), default="none",

@@ -1,10 +1,14 @@
+"""The suite's shared setup. Test files sit in a folder per package of ``hf_paged`` (tests of the package as a whole
+here, GPU tests under gpu/); what several of them share lives in helpers/ (no tests there), which is put on the path
+so that a test imports a helper by its bare name (``from tiny_models import make_models``)."""
+
 import os
 import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
 

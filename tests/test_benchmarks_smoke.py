@@ -50,12 +50,14 @@ def smoke(tmp_path_factory) -> tuple[Path, str]:
     return path, out
 
 
+@pytest.mark.slow
 def test_e2e_smoke_prints_the_plan_first_and_the_table_last(smoke):
     lines = smoke[1].splitlines()
     assert "runs, in order: hf_paged: anchor, latency, profile; transformers: anchor, latency" in lines[0]
     assert any("hf_paged / transformers" in line for line in lines[-4:])
 
 
+@pytest.mark.slow
 def test_e2e_smoke_every_run_does_all_its_work(smoke):
     rows = {(r["system"], r["workload"]): r for r in json.loads(smoke[0].read_text())["rows"]}
     assert set(rows) == {("hf_paged", "anchor"), ("hf_paged", "latency"), ("hf_paged", "profile"),
@@ -70,6 +72,7 @@ def test_e2e_smoke_every_run_does_all_its_work(smoke):
     assert anchor["tok_per_s"] == pytest.approx(anchor["tokens"] / anchor["seconds"])
 
 
+@pytest.mark.slow
 def test_e2e_smoke_profile_is_steady_decode(smoke):
     row = next(r for r in json.loads(smoke[0].read_text())["rows"] if r["workload"] == "profile")
     assert row["pure_decode"] and row["batch"] == 4 and row["tokens"] == row["steps"] * row["batch"]
@@ -77,6 +80,7 @@ def test_e2e_smoke_profile_is_steady_decode(smoke):
     assert row["ms_per_step"] == pytest.approx(1e3 * row["seconds"] / row["steps"])
 
 
+@pytest.mark.slow
 def test_merge_keeps_one_row_per_label_and_workload_and_plots(smoke, tmp_path):
     merged = tmp_path / "merged.json"
     out = _run(e2e_throughput.main, ["--merge", str(smoke[0]), str(smoke[0]), "--json", str(merged)])
@@ -135,6 +139,7 @@ def test_stub_model_keeps_rows_like_a_causal_lm():
     assert stub(ids, logits_to_keep=1).logits.shape == (1, 1, 32)
 
 
+@pytest.mark.slow
 def test_generate_latency_smoke(tmp_path):
     """Every system of the plain-generate benchmark runs (flash-attn's skips on the CPU), the compiled ones compile
     (one graph for the decode step) and every system gives hf_paged eager's tokens on the tiny float32 model."""
@@ -155,6 +160,7 @@ def test_generate_latency_smoke(tmp_path):
     assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
 
 
+@pytest.mark.slow
 def test_generate_latency_isolated_runs(tmp_path):
     """--isolate: each run in a process of its own, its row and tokens brought back (tokens_match needs them)."""
     path = tmp_path / "latency.json"
@@ -166,12 +172,14 @@ def test_generate_latency_isolated_runs(tmp_path):
     assert rows["hf_paged_optimized"]["graphs"] == 1
 
 
+@pytest.mark.slow
 def test_generate_host_overhead_smoke():
     """Every system of the host-overhead benchmark runs every decode step compiled (the script asserts it)."""
     out = _run(generate_host_overhead.main, ["--batch", "2", "--new-tokens", "4", "--repeats", "1", "--rounds", "1"])
     assert "| static |" in out and "| hf_paged_compiled |" in out
 
 
+@pytest.mark.slow
 def test_generate_host_overhead_guard_filter_reaches_dynamo(monkeypatch):
     """--guard-filter: dynamo hands the compile's guards to the filter, which drops those on nn modules; every step
     still runs compiled (the script asserts it) on a model of the --layers asked for."""
@@ -189,6 +197,7 @@ def test_generate_host_overhead_guard_filter_reaches_dynamo(monkeypatch):
     assert len(seen) >= 2 and all(dropped > 0 for _, dropped in seen), seen
 
 
+@pytest.mark.slow
 def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     """The host split wraps generate's prepare and compiled calls without breaking generate's kwargs check, and
     counts one compiled call per decode step (on the CPU: a tiny model compiled with the eager backend)."""
@@ -206,6 +215,7 @@ def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     assert "prepare_inputs_for_generation" not in model.__dict__, "the timing wrappers are removed"
 
 
+@pytest.mark.slow
 def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
     import data_parallel
 

@@ -48,6 +48,7 @@ def _import_from(path: pathlib.Path, cwd: pathlib.Path) -> pathlib.Path:
     return pathlib.Path(done.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_integrations_import_from_a_checkout(tmp_path):
     where = _import_from(ROOT, cwd=tmp_path)
     assert where == ROOT / "hf_paged" / "integrations" / "accelerate.py"

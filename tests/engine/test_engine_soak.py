@@ -25,6 +25,8 @@ import hf_paged
 from engine_helpers import greedy_config, hf_greedy, models, random_prompts
 from hf_paged.engine._request_registry import family
 
+pytestmark = pytest.mark.slow  # the soak
+
 ARCH = "llama_gqa"
 POISON_POSITION = 35  # only poisoned prompts are that long; the others stay below it (20 + 10 new tokens)
 

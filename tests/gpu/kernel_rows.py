@@ -1,11 +1,11 @@
-"""What the exact-answer kernel tests (test_kernel_rows_*.py) share: the cases, and one check per kernel.
+"""What the exact-answer kernel tests (kernels/test_kernel_rows_*.py) share: the cases, and one check per kernel.
 
-Keys are zero and values encode their position (tests/kernel_oracle.py), so every (row, head) of the output is the
-exact mean of the visible keys' values: one key dropped or read twice at a block, split, tile or window edge fails
-that row (tests/test_kernel_oracle.py proves the check catches it). Zero keys score 0 under any softcap, so a softcap
-changes nothing in the answer and only exercises its code path. Each check builds its step once and runs every split
-length or tile configuration asked for on it (the step and its float64 oracle are the slow part). The torch backend
-in float64 is the oracle (and must itself equal the exact answer); it is not under test.
+Keys are zero and values encode their position (tests/helpers/kernel_oracle.py), so every (row, head) of the output
+is the exact mean of the visible keys' values: one key dropped or read twice at a block, split, tile or window edge
+fails that row (tests/kernels/test_kernel_oracle.py proves the check catches it). Zero keys score 0 under any softcap,
+so a softcap changes nothing in the answer and only exercises its code path. Each check builds its step once and runs
+every split length or tile configuration asked for on it (the step and its float64 oracle are the slow part). The
+torch backend in float64 is the oracle (and must itself equal the exact answer); it is not under test.
 """
 
 from __future__ import annotations
@@ -13,13 +13,12 @@ from __future__ import annotations
 import zlib
 
 import torch
+from kernel_oracle import assert_rows_close, exact_position_means, position_allowance, position_step
 
 from hf_paged import kernels
 from hf_paged.attention import AttentionParams
 from hf_paged.attention.backends._torch import paged_attention_reference
 from hf_paged.kernels._prefill import paged_prefill, prefill_configs
-
-from kernel_oracle import assert_rows_close, exact_position_means, position_allowance, position_step
 
 DEVICE = torch.device("cuda")
 # Context lengths (new token included) on and around block, split and tile edges.
@@ -35,7 +34,7 @@ DTYPE_HEAD_DIMS = {
     "bf16-d128": (torch.bfloat16, 128), "fp16-d64": (torch.float16, 64), "bf16-d256": (torch.bfloat16, 256),
     "fp32-d128": (torch.float32, 128),
 }
-# Issue 11's other head sizes: the padded shared-memory pitch (80, 96, 112, 160), the fp32 kernel's padded lanes.
+# The other compiled head sizes: the padded shared-memory pitch (80, 96, 112, 160), the fp32 kernel's padded lanes.
 NEW_DTYPE_HEAD_DIMS = {
     "fp16-d32": (torch.float16, 32), "bf16-d80": (torch.bfloat16, 80), "fp16-d96": (torch.float16, 96),
     "bf16-d112": (torch.bfloat16, 112), "fp16-d160": (torch.float16, 160), "bf16-d192": (torch.bfloat16, 192),

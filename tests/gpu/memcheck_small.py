@@ -13,8 +13,8 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from test_flash_backend import make_paged_step  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "helpers"))
+from paged_steps import make_paged_step  # noqa: E402
 
 from hf_paged import kernels  # noqa: E402
 from hf_paged.attention import AttentionParams  # noqa: E402

@@ -1,5 +1,5 @@
 """On the GPU: models with sliding-window layers and logit softcapping, served by the cuda backend, give eager's greedy
-tokens (bf16, the tie-aware rule of test_end_to_end_gpu.py).
+tokens (bf16, the tie-aware rule of tests/gpu/greedy_oracle.py).
 
 A Gemma2-like model (alternating sliding and full layers, softcapped scores), a Mistral-like one (every layer
 windowed) and a Qwen2 with its upper layers windowed; windows of 64 tokens under prompts of up to 300, so the windows
@@ -13,19 +13,13 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from greedy_oracle import NEW_TOKENS, assert_matches_up_to_ties, eager_run  # noqa: F401 (fixture)
 from transformers import AutoModelForCausalLM, GenerationConfig
 
 import hf_paged
-from hf_paged import kernels
 from hf_paged.hf.compat import with_cache
 
-from test_end_to_end_gpu import NEW_TOKENS, assert_matches_up_to_ties, eager_run  # noqa: F401  (fixture; same folder)
-
-pytestmark = pytest.mark.cuda
-if not torch.cuda.is_available():
-    pytest.skip("needs a CUDA GPU", allow_module_level=True)
-if kernels.unavailable_reason() is not None:
-    pytest.skip(f"hf_paged kernels unavailable: {kernels.unavailable_reason()}", allow_module_level=True)
+pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
 
 WINDOW = 64
 COMMON = dict(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, num_attention_heads=8,
@@ -59,7 +53,7 @@ def models(request):
                                              dtype=torch.bfloat16).cuda().eval()
     paged.load_state_dict(eager.state_dict())
     assert paged.config.sliding_window == WINDOW, request.param
-    return eager, paged, request.param  # eager first: test_end_to_end_gpu's eager_run fixture reads models[0]
+    return eager, paged, request.param  # eager first: greedy_oracle's eager_run fixture reads models[0]
 
 
 @pytest.fixture(scope="module")

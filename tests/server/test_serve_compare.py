@@ -37,6 +37,7 @@ def test_word_tokenizer_reads_prompt_text_back_as_its_ids():
     assert tokenizer(chat)["input_ids"] == [5, 6]
 
 
+@pytest.mark.slow
 def test_serve_compare_both_servers_do_the_same_exact_work(tmp_path, model_dir):
     out = tmp_path / "compare.json"
     argv = ["--smoke", "--requests", str(REQUESTS), "--clients", str(CLIENTS), "--max-tokens", str(MAX_TOKENS),
@@ -58,6 +59,7 @@ def test_serve_compare_both_servers_do_the_same_exact_work(tmp_path, model_dir):
         assert (tmp_path / row["log"]).is_file()
 
 
+@pytest.mark.slow
 def test_serve_compare_stops_a_system_out_of_time(tmp_path, model_dir):
     out = tmp_path / "compare.json"
     start = time.monotonic()

@@ -23,6 +23,8 @@ from hf_paged.cli.default_model import load_model  # noqa: E402
 from hf_paged.server._prompts import SIMPLE_CHAT_TEMPLATE  # noqa: E402
 from server_process import metric, running_server  # noqa: E402
 
+pytestmark = pytest.mark.slow  # a server subprocess
+
 MODEL = "hf-paged-tiny"
 NUM_BLOCKS, MAX_SEQS, MAX_QUEUED = 96, 32, 8  # a 1536-token cache, below the model's 2048 positions
 FLAGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED))

@@ -1,0 +1,75 @@
+"""The ``hf-paged`` entry point: ``--version``, ``python -m hf_paged``, defaults in ``--help`` (the engine's own)."""
+
+from __future__ import annotations
+
+import importlib.metadata
+import inspect
+import os
+import pathlib
+import re
+import subprocess
+import sys
+import tomllib
+
+import pytest
+
+import hf_paged
+from hf_paged.cli import build_parser, main
+from hf_paged.cli._generate import engine_settings
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+
+
+def python_m_hf_paged(*argv: str) -> subprocess.CompletedProcess:
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    return subprocess.run([sys.executable, "-m", "hf_paged", *argv], capture_output=True, text=True, env=env,
+                          timeout=300)
+
+
+def test_version_is_the_package_version(capsys):
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out == f"hf-paged {VERSION}\n"
+    assert hf_paged.__version__ == VERSION == importlib.metadata.version("hf-paged")
+
+
+@pytest.mark.slow
+def test_python_m_hf_paged_shows_help_with_defaults():
+    run = python_m_hf_paged("generate", "--help")
+    assert run.returncode == 0 and run.stderr == ""
+    help_text = " ".join(run.stdout.split())
+    assert help_text.startswith("usage: python -m hf_paged generate ")
+    engine_defaults = inspect.signature(hf_paged.Engine).parameters
+    for flag, default in [("--num-blocks", 0), ("--memory-budget", engine_defaults["memory_budget"].default),
+                          ("--block-size", engine_defaults["block_size"].default),
+                          ("--max-batch-tokens", engine_defaults["max_batch_tokens"].default),
+                          ("--max-new-tokens", 32), ("--top-p", 1.0), ("--temperature", 0.0)]:
+        assert re.search(rf"{flag} \w+ [^-]*\(default: {default}\)", help_text), flag
+    assert "exit status:" in help_text and "--verbose adds the traceback" in help_text
+
+
+@pytest.mark.slow
+def test_python_m_hf_paged_reports_bad_input_in_one_line():
+    run = python_m_hf_paged("generate", "--model", "/no/such/checkpoint")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == ("python -m hf_paged generate: error: argument --model: no such directory "
+                          "'/no/such/checkpoint'; give a local checkpoint directory "
+                          "(see 'python -m hf_paged generate --help')\n")
+
+
+@pytest.mark.parametrize("name", ["num_blocks", "block_size", "max_batch_tokens", "memory_budget", "backend",
+                                  "kv_cache_dtype"])
+def test_engine_sizes_default_to_the_engines_own(name):
+    """Every engine flag's default is the Engine's, and so is what the command line passes on (``--num-blocks 0``
+    is the flag's spelling of None: sized from free memory)."""
+    args = build_parser().parse_args(["generate"])
+    engine_default = inspect.signature(hf_paged.Engine).parameters[name].default
+    assert engine_settings(args)[name] == engine_default
+    assert getattr(args, name) == (0 if name == "num_blocks" else engine_default)
+
+
+def test_every_command_help_exits_0(capsys):
+    for argv in (["--help"], ["generate", "--help"], ["build-kernels", "--help"], ["bench", "kernels", "--help"]):
+        assert main(argv) == 0
+        assert capsys.readouterr().out.startswith("usage: hf-paged")

@@ -1,0 +1,194 @@
+"""On the GPU: decode steps replayed from CUDA graphs compute what the same steps compute eagerly.
+
+- Bit for bit: a padded decode step replayed from its graph gives exactly the logits of the same padded step run
+  without a graph, for batch sizes on and between the captured sizes.
+- End to end (float32, so that two correct runs cannot pick different tokens by rounding): an engine with graphs
+  and asynchronous scheduling gives the tokens of a synchronous engine without graphs, under preemption, prefix-cache hits, aborts, seeded sampling and
+  prefill chunks mixed with decodes; and the graphs really served the decode steps.
+- On-demand capture adds the smaller sizes mid-run, with the tokens unchanged.
+- Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
+- The decode kernel with a caller's workspace equals the one that allocates its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+
+import hf_paged
+from hf_paged import kernels
+
+CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
+              eos_token_id=2)
+
+
+def _model(dtype: torch.dtype):
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(LlamaConfig(**CONFIG), attn_implementation="hf_paged", dtype=dtype)
+    return model.cuda().eval()
+
+
+@pytest.fixture(scope="module")
+def bf16_model():
+    return _model(torch.bfloat16)
+
+
+@pytest.fixture(scope="module")
+def f32_model():
+    return _model(torch.float32)
+
+
+def _prompts(n: int, seed: int, lo: int = 5, hi: int = 200, prefix: list[int] | None = None) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [(prefix or []) + [rng.randrange(3, 512) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
+
+
+@pytest.mark.parametrize("block_size, backend, decode_backend", [(16, None, "cuda"), (256, "flash,cuda", "flash")])
+def test_replay_equals_the_same_step_run_eagerly_bit_for_bit(bf16_model, block_size, backend, decode_backend):
+    if decode_backend == "flash":
+        pytest.importorskip("flash_attn")
+    engine = hf_paged.Engine(bf16_model, num_blocks=32768 // block_size, block_size=block_size, max_num_seqs=40,
+                             cuda_graphs=[1, 2, 8, 16, 40], backend=backend)
+    assert engine.graphs is not None, f"graphs should capture with the {decode_backend} backend"
+    assert engine.stats()["decode_backend"] == decode_backend
+    for p in _prompts(37, seed=1):
+        engine.add_request(p, GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
+    while engine.scheduler.waiting or any(s.num_generated < 3 for s in engine.scheduler.running):
+        engine.step()
+    running = list(engine.scheduler.running)
+    for seq in running:  # room for the next token, as the scheduler would reserve it
+        assert engine.block_manager.reserve_up_to(seq, 1) == 1
+    for n in (1, 2, 5, 8, 16, 29, 37):
+        seqs = running[:n]
+        size = engine.graphs.size_for(seqs, [1] * n)
+        assert size == min(s for s in engine.graphs.sizes if s >= n)
+        eager = engine.graphs.run_eager(seqs, size)[:n].clone()
+        replayed = engine.graphs.replay(seqs, size)[:n].clone()
+        assert torch.equal(eager, replayed), f"batch {n} (graph {size}): max diff {(eager - replayed).abs().max()}"
+
+
+def _run(model, cuda_graphs, prompts, configs, abort_at: dict[int, int] | None = None, **engine_kwargs):
+    engine = hf_paged.Engine(model, cuda_graphs=cuda_graphs, **engine_kwargs)
+    ids, outs, step = [], {}, 0
+    pending = list(zip(prompts, configs))
+    while pending or engine.has_unfinished():
+        for _ in range(3):  # requests arrive while others decode: mixed prefill + decode steps
+            if pending:
+                ids.append(engine.add_request(*pending.pop(0)))
+        for out in engine.step():
+            outs[out.request_id] = out
+        step += 1
+        for i, at in (abort_at or {}).items():
+            if at == step and i < len(ids):
+                engine.abort(ids[i])
+    return [outs[i] for i in ids], engine
+
+
+@pytest.mark.parametrize("num_blocks", [1024, 90])  # 90: too few for everything at once, so it preempts
+def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, num_blocks):
+    prefix = _prompts(1, seed=7, lo=40, hi=40)[0]
+    prompts = _prompts(10, seed=2, prefix=prefix) + _prompts(14, seed=3, lo=1, hi=60)
+    configs = [GenerationConfig(max_new_tokens=30 + i % 7, do_sample=False, eos_token_id=None) for i in range(24)]
+    for i in range(0, 24, 4):  # seeded sampling rows too
+        configs[i] = GenerationConfig(max_new_tokens=25, do_sample=True, temperature=0.9, top_p=0.9, seed=100 + i,
+                                      eos_token_id=None)
+    kwargs = dict(num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_num_seqs=24)
+    ref, ref_engine = _run(f32_model, False, prompts, configs, abort_at={5: 12}, async_scheduling=False, **kwargs)
+    got, engine = _run(f32_model, True, prompts, configs, abort_at={5: 12}, async_scheduling=True, **kwargs)
+    assert engine.graphs is not None and ref_engine.graphs is None
+    for i, (a, b) in enumerate(zip(ref, got)):
+        if i == 5:  # aborted at the same step; asynchronous scheduling had one more token in flight (dropped)
+            assert a.finish_reason == b.finish_reason == "abort"
+            assert b.token_ids == a.token_ids[: len(b.token_ids)] and len(b.token_ids) >= len(a.token_ids) - 1
+            continue
+        assert (a.request_id, a.finish_reason, a.token_ids) == (b.request_id, b.finish_reason, b.token_ids)
+    stats = engine.stats()
+    assert stats["cuda_graphs"]["replays"] > 20
+    assert stats["prefix_cache_hit_tokens"] > 0
+    if num_blocks == 90:
+        assert stats["preemptions"] > 0
+    assert stats["used_blocks"] == 0
+
+
+def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f32_model, monkeypatch):
+    """``cuda_graph_capture="on_demand"``: only the largest size at start; a smaller size is captured mid-run once
+    enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
+    scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
+    same step as its eager run, bit for bit."""
+    from hf_paged.runner import _graph_sizes as graph_sizes
+
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
+    prompts = _prompts(16, seed=11, lo=5, hi=120)
+    # lengths 4..64: the batch shrinks through every size as the short requests finish
+    configs = [GenerationConfig(max_new_tokens=4 + 4 * i, do_sample=False, eos_token_id=None) for i in range(16)]
+    kwargs = dict(num_blocks=512, block_size=16, max_batch_tokens=4096, max_num_seqs=16)
+    ref, _ = _run(f32_model, False, prompts, configs, async_scheduling=False, **kwargs)
+    got, engine = _run(f32_model, [1, 2, 4, 8, 16], prompts, configs, async_scheduling=True,
+                       cuda_graph_capture="on_demand", **kwargs)
+    assert [(a.finish_reason, a.token_ids) for a in ref] == [(b.finish_reason, b.token_ids) for b in got]
+    stats = engine.stats()["cuda_graphs"]
+    assert stats["batch_sizes"] == [1, 2, 4, 8, 16] and stats["waiting_sizes"] == []
+    assert stats["on_demand_seconds"] > 0 and stats["replays"] > 40
+
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 10**9)  # nothing captured while it gets going
+    fresh = hf_paged.Engine(f32_model, cuda_graphs=[4, 16], cuda_graph_capture="on_demand", **kwargs)
+    assert fresh.stats()["cuda_graphs"]["batch_sizes"] == [16]
+    assert fresh.stats()["cuda_graphs"]["waiting_sizes"] == [4]
+    for p in prompts[:3]:
+        fresh.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
+    while fresh.scheduler.waiting or any(s.num_generated < 2 for s in fresh.scheduler.running):
+        fresh.step()
+    seqs = list(fresh.scheduler.running)
+    for seq in seqs:
+        assert fresh.block_manager.reserve_up_to(seq, 1) == 1
+    assert fresh.graphs.sizes == [16]
+    monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
+    fresh.graphs._waiting.restart(4)  # the steps above counted toward it: count from here
+    sizes = [fresh.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
+    assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
+    eager = fresh.graphs.run_eager(seqs, 4)[:3].clone()
+    assert torch.equal(eager, fresh.graphs.replay(seqs, 4)[:3])
+
+
+def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
+    with caplog.at_level(logging.INFO, logger="hf_paged"):
+        engine = hf_paged.Engine(bf16_model, num_blocks=256, block_size=16, max_num_seqs=4, backend="torch")
+    assert engine.graphs is None
+    assert any("without CUDA graphs" in r.message and "not capture-safe" in r.message for r in caplog.records)
+    out = engine.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
+    assert len(out[0].token_ids) == 4
+
+
+def test_decode_with_a_given_workspace_equals_its_own_allocation():
+    torch.manual_seed(3)
+    b, h, hkv, d, bs, ctx = 3, 8, 2, 128, 16, 700
+    q = torch.randn(b, h, d, device="cuda", dtype=torch.bfloat16)
+    k = torch.randn(64, bs, hkv, d, device="cuda", dtype=torch.bfloat16)
+    v = torch.randn_like(k)
+    tables = torch.randint(0, 64, (b, 44), device="cuda", dtype=torch.int32)
+    lens = torch.tensor([ctx, 17, 512], device="cuda", dtype=torch.int32)
+    split = 128
+    ws = torch.full((kernels.decode_workspace_numel(b, h, d, 44 * bs, split),), float("nan"), device="cuda")
+    own = kernels.paged_decode(q, k, v, tables, lens, d**-0.5, max_seq_len=44 * bs, split_len=split)
+    given = kernels.paged_decode(q, k, v, tables, lens, d**-0.5, max_seq_len=44 * bs, split_len=split, workspace=ws)
+    assert torch.equal(own, given)
+    with pytest.raises(ValueError, match="workspace"):
+        kernels.paged_decode(q, k, v, tables, lens, d**-0.5, max_seq_len=44 * bs, split_len=split, workspace=ws[:10])
+
+
+def test_close_frees_the_captured_graphs(f32_model):
+    engine = hf_paged.Engine(f32_model, num_blocks=64, block_size=16, max_batch_tokens=256, max_num_seqs=4)
+    graphs = engine.graphs
+    assert graphs is not None and graphs.stats()["batch_sizes"]
+    outputs = engine.generate(_prompts(3, seed=9), GenerationConfig(max_new_tokens=6, do_sample=False))
+    assert len(outputs) == 3 and graphs.stats()["replays"] > 0
+    engine.close()
+    assert engine.graphs is None and engine.stats()["cuda_graphs"] is None
+    assert not len(graphs.graphs)  # reset and dropped: nothing holds what they captured
+    with pytest.raises(RuntimeError, match="closed"):
+        engine.step()
