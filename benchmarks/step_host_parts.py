@@ -30,7 +30,7 @@ from engine_overhead import add_workload_arguments, build_engine  # noqa: E402
 from hf_paged.runner import _device_block_table
 from hf_paged.runner import _decode_graphs as cuda_graphs
 from hf_paged.engine import _core as engine_core
-from hf_paged.engine import _handover as handover
+from hf_paged.engine import _core as handover
 from hf_paged.engine import _inflight as inflight
 from hf_paged.runner import _model_runner as runner
 from hf_paged.engine import _sampler as sampler
@@ -51,11 +51,11 @@ PARTS = (
     (sampler.Sampler, "__call__"),
     (inflight.TokenReceiver, "send"),
     (inflight.InFlightStep, "wait"),
-    (handover.TokenHandover, "_take_tokens"),
+    (handover.EngineCore, "_take_tokens"),
     (engine_core.EngineCore, "_commit"),
     (steady_decode.SteadyDecode, "schedule"),
     (steady_decode.SteadyDecode, "commit"),
-    (handover.TokenHandover, "_take_steady"),
+    (handover.EngineCore, "_take_steady"),
 )
 
 

@@ -1,9 +1,13 @@
-"""``Engine``: continuous batching over a :class:`~hf_paged.PagedAttentionCache`, for any number of callers.
+"""``Engine``: continuous batching over a paged KV pool, for any number of callers.
 
-Requests join and leave the running batch every step (``EngineCore`` runs the steps). The engine checks requests at
-the door (``validation``), keeps them in a ``RequestRegistry`` until their outputs are handed over, and hands them
-to the right reader: ``step()`` takes every finished request, ``generate`` and ``stream(prompts)`` their own, which
-they abort when their caller stops. ``add_request`` and ``abort`` may come from any thread.
+Requests join and leave the running batch every step (``EngineCore`` runs the steps). The engine checks requests
+whole at the door (``validation``, ``SamplingParams``; several requests of one call are all checked before any is
+queued, their shared generation config resolved once), keeps them in a ``RequestRegistry`` until their outputs are
+handed over, and hands them to the right reader: ``step()`` takes every finished request, ``generate`` and
+``stream(prompts)`` their own, which they abort when their caller stops. ``add_request`` and ``abort`` may come from
+any thread. ``close()`` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at a known point: they
+keep what they captured alive, NCCL collectives included under tensor parallel, where
+``torch.distributed.destroy_process_group()`` would otherwise wait for them forever.
 """
 
 from __future__ import annotations
@@ -20,17 +24,17 @@ from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
 from hf_paged.engine._core import EngineCore
-from hf_paged.engine._intake import Prompt, RequestIntake
-from hf_paged.engine._lifecycle import EngineLifecycle
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
+from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sequence import Sequence
 
 logger = logging.getLogger("hf_paged")
+Prompt = SequenceType[int] | str
+CLOSED = "this engine is closed (Engine.close()); create a new Engine to generate again"
 
 
-
-class Engine(RequestIntake, EngineLifecycle, EngineCore):
+class Engine(EngineCore):
     """Continuous-batching generation for a decoder-only transformers model.
 
     Args:
@@ -108,11 +112,101 @@ class Engine(RequestIntake, EngineLifecycle, EngineCore):
         super().__init__(model, cfg, tokenizer)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self._closed = False
         self._step_running = False
         self._stepper: int | None = None  # the thread inside a step
         self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
 
-    # ----- requests (added through ``RequestIntake``: add_request, add_requests) -----------------------------
+    # ----- requests -------------------------------------------------------------------------------------------
+
+    def add_request(
+        self, prompt: Prompt, generation_config: GenerationConfig | None = None, request_id: str | int | None = None
+    ) -> str:
+        """Queue a prompt (token ids, or a string with a tokenizer); returns its request id.
+
+        Raises ``ValueError`` (one line, nothing queued) for anything the engine cannot serve: an empty prompt,
+        token ids that are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
+        ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
+        model's position limit) finishes with ``finish_reason="error"`` and a message instead.
+        """
+        seq = self._new_sequence(prompt, generation_config, request_id)
+        return self._enqueue([seq])[0]
+
+    def add_requests(
+        self, prompts: list[Prompt], generation_config: GenerationConfig | list[GenerationConfig] | None = None,
+        request_ids: list[str | int] | None = None,
+    ) -> list[str]:
+        """Queue several prompts (one config for all, or one each); returns their request ids, in order.
+
+        Every prompt is checked before any is queued: a ``ValueError`` (as :meth:`add_request` raises it) queues
+        nothing. A config shared by the prompts is resolved once, which makes this cheaper than a loop of
+        ``add_request`` for many prompts.
+        """
+        if request_ids is not None and len(request_ids) != len(prompts):
+            raise ValueError(f"got {len(request_ids)} request ids for {len(prompts)} prompts; give one each or none")
+        return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
+
+    def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
+                      resolved: dict[int, GenerationConfig] | None = None) -> Sequence:
+        """Validate a request and build its sequence (id and arrival are given when it is queued); changes
+        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call."""
+        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
+        config = validation.generation_config(config) or self.generation_config
+        gc = None if resolved is None else resolved.get(id(config))
+        if gc is None:
+            gc = SamplingParams.resolve(config, getattr(self.model, "generation_config", None))
+            if resolved is not None:
+                resolved[id(config)] = gc
+        params = SamplingParams.from_resolved(gc, len(ids))
+        if params.stop_strings and self.tokenizer is None:
+            raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
+        seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
+        return Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
+
+    def _enqueue(self, seqs: list[Sequence]) -> list[str]:
+        """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
+        with self._lock:
+            self._refuse_if_closed()
+            return self._enqueue_locked(seqs)
+
+    def _enqueue_locked(self, seqs: list[Sequence]) -> list[str]:
+        given = [s.request_id for s in seqs if s.request_id is not None]
+        clash = next((rid for rid in given if rid in self.requests.open), None)
+        if clash is None and len(set(given)) < len(given):
+            clash = next(rid for rid in given if given.count(rid) > 1)
+        if clash is not None:  # before any is queued
+            raise ValueError(f"request id {clash!r} is already live or given twice; pick another")
+        for seq in seqs:
+            seq.request_id, arrival = self.requests.new_id(seq.request_id)
+            seq.arrival = (arrival, 0)
+            self.requests.track(seq)
+            self.counters.prompt_tokens += seq.num_tokens
+            error = self._never_runs(seq)
+            if error is not None:
+                seq.finish("error", error)
+                self.scheduler.failed.append(seq)
+            else:
+                self.scheduler.add(seq)
+        return [seq.request_id for seq in seqs]
+
+    def _never_runs(self, seq: Sequence) -> str | None:
+        bs, num_blocks = self.pool.block_size, self.pool.num_blocks
+        if seq.num_tokens >= self.max_model_len:
+            return validation.past_position_limit(seq.num_tokens, self.max_model_len)
+        if -(-seq.num_tokens // bs) > num_blocks:
+            return (f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache ({num_blocks} blocks "
+                    f"of {bs}); create the Engine with more num_blocks")
+        return None
+
+    def _new_sequences(self, prompts, config, what: str, request_ids: list | None = None) -> list[Sequence]:
+        """Validate every prompt (and its config) before any is queued; a config shared by several prompts is
+        resolved once (the configs do not change during the call)."""
+        prompts = validation.prompt_list(prompts, what)
+        configs = validation.generation_configs(config, len(prompts))
+        resolved: dict[int, GenerationConfig] = {}
+        return [self._new_sequence(p, c, rid, resolved)
+                for p, c, rid in zip(prompts, configs, request_ids or [None] * len(prompts))]
+
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
         An id that is not live (unknown, or finished already) is ignored."""
@@ -223,6 +317,49 @@ class Engine(RequestIntake, EngineLifecycle, EngineCore):
         """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
         with self._lock:
             return self.counters.snapshot(self)
+
+    # ----- closing --------------------------------------------------------------------------------------------
+
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called."""
+        return self._closed
+
+    def close(self) -> None:
+        """Abort every unfinished request (their outputs are dropped), wait for the device's work, and free the
+        decode CUDA graphs now. Later ``add_request``, ``step``, ``stream`` and ``generate`` calls raise
+        ``RuntimeError``; ``stats()`` still answers. The KV pool is freed with the engine object. Call it from the
+        thread that steps (or when no step runs); a second call does nothing. Under tensor parallel every rank
+        closes its own engine (no collective runs)."""
+        if self._closed:
+            return
+        self.abort_all()  # (takes the engine's lock itself)
+        with self._stepping():
+            if self.device.type == "cuda":
+                torch.cuda.synchronize(self.device)  # an in-flight step may still replay a graph
+            graphs, self.graphs = self.graphs, None
+            if graphs is not None:
+                graphs.release()
+            self._steady = self._inflight = None
+            self._closed = True
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # the block's own error goes on; a failure to close (a broken device, say) is only logged
+            self.close()
+        except Exception as err:
+            logger.warning("hf_paged: closing the engine after %s failed too (%s: %s)", exc_type.__name__,
+                           type(err).__name__, err)
+
+    def _refuse_if_closed(self) -> None:
+        if self._closed:
+            raise RuntimeError(CLOSED)
 
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
