@@ -320,7 +320,6 @@ class Engine(EngineCore):
 
     # ----- closing --------------------------------------------------------------------------------------------
 
-
     @property
     def closed(self) -> bool:
         """Whether :meth:`close` was called."""

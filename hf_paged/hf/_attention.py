@@ -118,8 +118,8 @@ def paged_attention_forward(
         query: ``[batch, H, q_len, D]``.
         key, value: ``[batch, Hkv, q_len, D]``, the forward's new tokens (``[batch, Hkv, kv_len, D]`` on the dense
             fallback).
-        attention_mask: a :class:`StepMask` (``generate`` on a paged cache), None (hf_paged's own calls: the step is
-            in the forward context), or an SDPA mask (the dense fallback).
+        attention_mask: a :class:`StepMask` (``generate`` on a paged cache), an SDPA mask (the dense fallback), or
+            in hf_paged's own calls a placeholder it ignores (the step is in the forward context).
 
     Returns:
         ``([batch, q_len, H, D], None)``; padding positions are zero.

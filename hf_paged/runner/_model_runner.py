@@ -33,10 +33,21 @@ def model_call(step: PagedStep, compiled: CompiledLayers | None, skinny: bool,
         yield
 
 
+# The attention mask of every own call: an empty 4-D tensor, which transformers' mask code hands to the layers as a
+# prepared mask without looking at it (hf_paged's attention ignores it: the step is in the forward context). Given
+# no mask and no cache, that code would instead probe position_ids for packed sequences, a host sync in every step
+# (it would stall asynchronous scheduling, and a tensor-parallel rank whose peer failed).
+_NO_MASK: dict[torch.device, torch.Tensor] = {}
+
+
 def call_model(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, logits_to_keep) -> torch.Tensor:
     """``model``'s ``[N, vocab]`` logits for a packed step ``ids``/``positions`` (``[1, T]``): no cache object and
     no attention mask (the forward context holds the step)."""
-    out = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=logits_to_keep)
+    mask = _NO_MASK.get(ids.device)
+    if mask is None:
+        mask = _NO_MASK[ids.device] = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=ids.device)
+    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
+                logits_to_keep=logits_to_keep)
     return out.logits[0]
 
 
