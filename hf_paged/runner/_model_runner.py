@@ -36,7 +36,7 @@ def model_call(step: PagedStep, compiled: CompiledLayers | None, skinny: bool,
 # The attention mask of every own call: an empty 4-D tensor, which transformers' mask code hands to the layers as a
 # prepared mask without looking at it (hf_paged's attention ignores it: the step is in the forward context). Given
 # no mask and no cache, that code would instead probe position_ids for packed sequences, a host sync in every step
-# (it would stall asynchronous scheduling, and a tensor-parallel rank whose peer failed).
+# (the host would wait for the device, which asynchronous scheduling avoids).
 _NO_MASK: dict[torch.device, torch.Tensor] = {}
 
 

@@ -1,5 +1,6 @@
-"""The engine's own model calls skip transformers' mask building: position_ids are not probed for packed sequences (a host sync in every step, which would stall asynchronous scheduling and leave a tensor-parallel
-rank waiting on a peer that failed), and the tokens stay those of ``model.generate`` with eager attention."""
+"""The engine's own model calls skip transformers' mask building: position_ids are not probed for packed sequences
+(a host sync in every step, a wait for the device that asynchronous scheduling avoids), and the tokens stay those of
+``model.generate`` with eager attention."""
 
 from __future__ import annotations
 
