@@ -29,6 +29,7 @@ import os
 import re
 import statistics
 import sys
+import textwrap
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -82,7 +83,8 @@ def caption(names: list[str], doc: Path, command: str = "") -> str:
     date = info["date"] or name_date(names[0]) or "date not recorded"
     links = ", ".join(f"[`{Path(n).name}`]({os.path.relpath(ROOT / n, doc.parent)})" for n in names)
     parts = [info["card"] or "card not recorded", versions or "versions not recorded", date]
-    return f"_{'; '.join(parts)}. {command}Results: {links}._"
+    text = f"_{'; '.join(parts)}. {command}Results: {links}._"
+    return textwrap.fill(text, width=116, break_long_words=False, break_on_hyphens=False)
 
 
 def table(header: list[str], rows: list[list[str]], align: str = "") -> str:
