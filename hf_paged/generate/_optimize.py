@@ -1,7 +1,7 @@
 """``optimize_generate(model)``: a leaner compiled ``generate`` decode step on a :class:`PagedAttentionCache`.
 
 With ``PagedAttentionCache(max_new_tokens=...)`` transformers' ``generate`` compiles its decode step by itself
-(``docs/cache.md``, "Compiled generate"). At batch 1 that step is bound by the host: ``generate`` waits for every
+(``docs/guides/cache.md``, "Compiled decode steps"). At batch 1 that step is bound by the host: ``generate`` waits for every
 step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
 CUDA graph launches. ``optimize_generate`` trims that host path and the step's GPU work, on one model:
 
