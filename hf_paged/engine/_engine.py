@@ -71,7 +71,7 @@ class Engine(EngineCore):
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
-            ``PagedAttentionCache`` and ``docs/cache.md``.
+            ``PagedAttentionCache`` and ``docs/guides/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
