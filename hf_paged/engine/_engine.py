@@ -124,8 +124,9 @@ class Engine(EngineCore):
     ) -> str:
         """Queue a prompt (token ids, or a string with a tokenizer); returns its request id.
 
-        Raises ``ValueError`` (one line, nothing queued) for anything the engine cannot serve: an empty prompt,
-        token ids that are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
+        Raises ``ValueError`` (one line naming the field, nothing queued) for anything the engine cannot serve: an
+        empty prompt, text that is not well-formed (a lone surrogate) or that the tokenizer refuses, token ids that
+        are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
         ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
         model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
@@ -147,10 +148,11 @@ class Engine(EngineCore):
         return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
 
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
-                      resolved: dict[int, GenerationConfig] | None = None) -> Sequence:
+                      resolved: dict[int, GenerationConfig] | None = None, field: str = "prompt") -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
-        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call."""
-        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
+        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call;
+        ``field`` names the prompt in errors."""
+        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
         config = validation.generation_config(config) or self.generation_config
         gc = None if resolved is None else resolved.get(id(config))
         if gc is None:
@@ -204,8 +206,8 @@ class Engine(EngineCore):
         prompts = validation.prompt_list(prompts, what)
         configs = validation.generation_configs(config, len(prompts))
         resolved: dict[int, GenerationConfig] = {}
-        return [self._new_sequence(p, c, rid, resolved)
-                for p, c, rid in zip(prompts, configs, request_ids or [None] * len(prompts))]
+        return [self._new_sequence(p, c, rid, resolved, f"prompts[{i}]")
+                for i, (p, c, rid) in enumerate(zip(prompts, configs, request_ids or [None] * len(prompts)))]
 
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.

@@ -16,7 +16,8 @@ class RequestOutput:
     """A finished sequence.
 
     ``token_ids`` holds the new tokens only (an EOS that stopped generation included, as ``model.generate`` keeps it;
-    a stop string cut, with the token in which it begins and those after it). ``finish_reason``: ``"stop"`` (EOS or
+    after a stop string, those up to and including the token in which it begins: the tokens that cover ``text``,
+    which ``usage`` counts). ``finish_reason``: ``"stop"`` (EOS or
     a stop string), ``"length"`` (``max_new_tokens``), ``"abort"`` or ``"error"`` (``error`` says why).
     ``logprobs[i]`` is the model's log-probability of ``token_ids[i]`` when asked for
     (``GenerationConfig(output_logprobs=True)``), else None. ``text`` is set when the engine has a tokenizer: the

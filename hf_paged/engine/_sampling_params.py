@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from transformers import GenerationConfig
 
 from hf_paged import _compat
+from hf_paged.engine import _validation as validation
 
 
 @dataclass(frozen=True)
@@ -61,6 +62,8 @@ class SamplingParams:
                f"eos_token_id must be non-negative integers, got {list(self.eos_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        for i, s in enumerate(self.stop_strings):
+            validation.text(s, f"stop_strings[{i}]")
 
     @property
     def is_greedy(self) -> bool:
