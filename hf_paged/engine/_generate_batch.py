@@ -26,7 +26,7 @@ from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
 from hf_paged.runner._graph_sizes import one_call_graph_sizes
 from hf_paged.parallel._lockstep import agreed_min
-from hf_paged.engine._sampling_params import resolve_generation_config
+from hf_paged.engine._sampling_params import SamplingParams, resolve_generation_config
 from hf_paged.hf._placement import kv_devices
 from hf_paged.parallel._tensor_parallel import kv_layout
 
@@ -83,6 +83,7 @@ def generate_batch(
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
     if opt("return_logprobs", False):
         gc.output_logprobs = True
+    SamplingParams.from_generation_config(gc, 1, getattr(model, "generation_config", None))  # (checked before sizing)
     engine = _engine_for(model, inputs, gc, opt, persistent_manager, continuous_batching_config)
     seed = opt("seed", None)
     start = time.perf_counter()
