@@ -74,8 +74,13 @@ class Engine(EngineCore):
             ``PagedAttentionCache`` and ``docs/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
-    Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
-    thread while one thread runs ``step``, ``stream`` or ``generate``.
+    Threads: ``add_request``, ``abort``, ``abort_all``, ``reset_prefix_cache``, ``has_unfinished`` and ``stats`` may be
+    called from any thread while one thread runs ``step``, ``stream`` or ``generate``.
+
+    Weights: the KV computed so far belongs to the model's weights at the time. Each step compares the parameters'
+    version counters with those the KV was computed under; an in-place change (an optimizer step,
+    ``load_state_dict``) makes the engine forget that KV (prefix cache included) and compute running requests afresh.
+    After other changes, call :meth:`reset_prefix_cache`.
 
     Closing: :meth:`close` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at once; do it before
     ``torch.distributed.destroy_process_group()`` under tensor parallel, which waits for collectives a live graph
@@ -224,6 +229,17 @@ class Engine(EngineCore):
                 stopped += self.scheduler.abort(rid)
             self.scheduler.failed.extend(stopped)
         return [s.request_id for s in stopped]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every KV the engine has computed: no cached prefix is reused, and running requests are computed
+        afresh (their tokens so far kept) before their next token. Call it after changing the model's weights in a
+        way that leaves the parameters' version counters alone: a write through ``param.data``, parameters or buffers
+        replaced. Changes in place (an optimizer step, ``load_state_dict``, ``param.copy_(...)``) are found at the next
+        step without it. Any thread; while a step runs elsewhere, it takes effect at the next step."""
+        self._kv_stale = True
+        with self._interrupts.held(), self._lock:
+            if not self._step_running and not self._closed:
+                self._forget_kv()
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
