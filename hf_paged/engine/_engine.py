@@ -241,6 +241,12 @@ class Engine(EngineCore):
             if not self._step_running and not self._closed:
                 self._forget_kv()
 
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this engine runs: one token short of the model's position limit, and within the whole
+        KV cache (a longer one ends at once with ``finish_reason="error"``)."""
+        return min(self.max_model_len - 1, self.pool.num_blocks * self.pool.block_size)
+
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
         return self.scheduler.has_unfinished() or self._inflight is not None or bool(self.requests.outbox)
