@@ -430,10 +430,11 @@ class Engine(EngineCore):
     def _cancel(self, families: set[str]) -> None:
         """The reader of ``families`` is gone: stop those still running and drop their outputs. Inside a step of
         this thread (a stream closed by the garbage collector) it waits for the step's next consistent point."""
-        self._to_cancel.append(set(families))
-        if self._stepper != threading.get_ident():
-            with self._interrupts.held(), self._lock:
-                self._apply_cancels()
+        with self._interrupts.held():  # (a second Ctrl-C must not leave the requests running)
+            self._to_cancel.append(set(families))
+            if self._stepper != threading.get_ident():
+                with self._lock:
+                    self._apply_cancels()
 
     def _apply_cancels(self) -> None:
         while self._to_cancel:
