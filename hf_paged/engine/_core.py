@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from hf_paged import _compat
 from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
@@ -112,12 +113,20 @@ class EngineCore:
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+        # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
+        # optimizer step, load_state_dict) raises its version counter, which each step compares (_forget_kv).
+        self._weights = list(model.parameters())
+        self._weights_version = _compat.version_sum(self._weights)
+        self._kv_stale = False  # reset_prefix_cache() asked for it
 
     def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
         the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
         finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
+        touched: list[Sequence] = []
+        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
+            touched += self._forget_kv()
         self._collect_failed()
         steady = self._steady
         batch = steady.schedule(self.scheduler) if steady is not None else None
@@ -128,7 +137,6 @@ class EngineCore:
         if self.lockstep is not None:
             self.lockstep.check(batch.seqs, batch.num_tokens)  # every rank scheduled this batch, or all raise
         clock("schedule")
-        touched: list[Sequence] = []
         if steady is None and not batch.is_empty and self._inflight is not None and any(
                 s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
             touched += self._resolve()  # the penalty reads the tokens themselves
@@ -163,6 +171,22 @@ class EngineCore:
         self._steady = SteadyDecode.after(batch, self.scheduler, self.pool.block_size, self.max_model_len,
                                           self.async_scheduling)
         clock("update")
+        return touched
+
+    def _forget_kv(self) -> list[Sequence]:
+        """Drop every KV computed with the weights the model had before: the in-flight step's tokens are taken in
+        (they were sampled already), every running sequence is queued to be computed afresh with its tokens so far,
+        no prefix stays findable, and fp8 scales are fixed anew. Returns the sequences that got a token."""
+        touched = self._resolve()
+        self._steady = None
+        self.scheduler.recompute_all()
+        dropped = self.block_manager.reset_prefix_cache()
+        self.pool.clear_scales()
+        self._weights_version = _compat.version_sum(self._weights)
+        self._kv_stale = False
+        self.counters.kv_resets += 1
+        logger.info("hf_paged: the KV computed so far is forgotten (%d cached blocks; the model's weights changed, "
+                    "or reset_prefix_cache()); running requests are computed afresh", dropped)
         return touched
 
     def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:

@@ -16,7 +16,8 @@ class RequestOutput:
     """A finished sequence.
 
     ``token_ids`` holds the new tokens only (an EOS that stopped generation included, as ``model.generate`` keeps it;
-    a stop string cut, with the token in which it begins and those after it). ``finish_reason``: ``"stop"`` (EOS or
+    after a stop string, those up to and including the token in which it begins: the tokens that cover ``text``,
+    which ``usage`` counts). ``finish_reason``: ``"stop"`` (EOS or
     a stop string), ``"length"`` (``max_new_tokens``), ``"abort"`` or ``"error"`` (``error`` says why).
     ``logprobs[i]`` is the model's log-probability of ``token_ids[i]`` when asked for
     (``GenerationConfig(output_logprobs=True)``), else None. ``text`` is set when the engine has a tokenizer: the
@@ -54,23 +55,27 @@ class TokenDelta:
 def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
     """A finished sequence's output: its tokens (and text, with a detokenizer) cut before a stop string that
     stopped it."""
-    out, text = seq.output_token_ids, None
+    out, text, reason, error = seq.output_token_ids, None, seq.finish_reason, seq.error
     if detokenizer is not None:
         try:
             kept, text = detokenizer.final(seq)
             out = out[:kept]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+        except Exception as exc:  # a tokenizer that cannot decode these ids: the request fails, tokens kept
+            reason, error = "error", error or _undecodable(seq, exc)
     logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
-    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason, seq.error,
-                         logprobs, text)
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, reason, error, logprobs, text)
+
+
+def _undecodable(seq: Sequence, exc: Exception) -> str:
+    logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+    return f"the tokenizer could not decode the generated tokens: {type(exc).__name__}: {exc}"
 
 
 def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> TokenDelta | None:
     """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
     the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
     text come out together (``detokenizer.py`` says what waits)."""
-    tokens, text = seq.output_token_ids, None
+    tokens, text, reason = seq.output_token_ids, None, seq.finish_reason
     if detokenizer is None:
         new = tokens[seq.num_streamed :]
     else:
@@ -82,13 +87,14 @@ def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> Tok
             else:
                 kept, shown = detokenizer.ready(seq)
                 text = detokenizer.state(seq).text[sent:shown]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-            kept, text = len(tokens), None
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only, and the request fails
+            kept, text, reason = len(tokens), None, "error"
+            if not final:
+                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
         new = tokens[seq.num_streamed : kept]
     if not new and not text and not final:
         return None
-    return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
+    return TokenDelta(seq.request_id, new, reason if final else None, text)
 
 
 def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:

@@ -11,6 +11,12 @@ from dataclasses import dataclass
 from transformers import GenerationConfig
 
 from hf_paged import _compat
+from hf_paged.engine import _validation as validation
+
+#: Most tokens a request may ask for (token counts and positions are int32 on the device).
+MAX_TOKENS = 2**31 - 1
+#: Most copies of one prompt (``num_return_sequences``): all of them are made in the step that computes the prompt.
+MAX_RETURN_SEQUENCES = 1024
 
 
 @dataclass(frozen=True)
@@ -37,10 +43,12 @@ class SamplingParams:
     logprobs: bool = False
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
-               f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_TOKENS,
+               f"max_new_tokens must be an integer in [1, 2**31 - 1], got {self.max_new_tokens!r}")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= MAX_TOKENS,
+               f"min_new_tokens must be an integer in [0, 2**31 - 1], got {self.min_new_tokens!r}")
+        _check(isinstance(self.do_sample, bool), f"do_sample must be True or False, got {self.do_sample!r}")
+        _check(isinstance(self.logprobs, bool), f"logprobs must be True or False, got {self.logprobs!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
@@ -53,14 +61,17 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(_is_int(self.num_return_sequences) and self.num_return_sequences >= 1,
-               f"num_return_sequences must be a positive integer, got {self.num_return_sequences!r}")
+        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES,
+               f"num_return_sequences must be an integer in [1, {MAX_RETURN_SEQUENCES}] (for more copies, add the "
+               f"prompt several times), got {self.num_return_sequences!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
                f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         _check(all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
                f"eos_token_id must be non-negative integers, got {list(self.eos_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        for i, s in enumerate(self.stop_strings):
+            validation.text(s, f"stop_strings[{i}]")
 
     @property
     def is_greedy(self) -> bool:
@@ -90,30 +101,34 @@ class SamplingParams:
 
     @staticmethod
     def resolve(config: GenerationConfig | None, model_config: GenerationConfig | None = None) -> GenerationConfig:
-        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings, fill the unset
-        fields (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
+        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings and values of the
+        wrong type, fill the unset fields (a deep copy and two dict merges: worth doing once for many prompts of one
+        config)."""
         _refuse_unserved(config)
-        return resolve_generation_config(config, model_config)
+        _check_types(config)
+        try:
+            return resolve_generation_config(config, model_config)
+        except (TypeError, AttributeError) as exc:  # transformers' own checks, on a value of the wrong type
+            raise ValueError(f"generation_config holds a value of the wrong type ({exc})") from None
 
     @classmethod
     def from_resolved(cls, gc: GenerationConfig, prompt_len: int) -> SamplingParams:
         """The settings of a prompt of ``prompt_len`` tokens under ``gc``, a config from :meth:`resolve`."""
         max_new = gc.max_new_tokens
         if max_new is None:
-            max_new = max(1, (gc.max_length or 20) - prompt_len)
+            max_new = max(1, _as_int(gc.max_length or 20, "max_length") - prompt_len)
         min_new = gc.min_new_tokens
         if min_new is None:
-            min_new = max(0, (gc.min_length or 0) - prompt_len)
-        if _as_int(gc.num_beams or 1, "num_beams") > 1:
+            min_new = max(0, _as_int(gc.min_length or 0, "min_length") - prompt_len)
+        num_beams = _as_int(_num(gc.num_beams, 1), "num_beams")
+        if num_beams != 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
-                             "PagedAttentionCache for beam search")
-        stop = gc.stop_strings
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+                             f"PagedAttentionCache for beam search (got num_beams={num_beams})")
         seed = getattr(gc, "seed", None)
         return cls(
             max_new_tokens=_as_int(max_new, "max_new_tokens"),
             min_new_tokens=_as_int(min_new, "min_new_tokens"),
-            do_sample=bool(gc.do_sample),
+            do_sample=_as_bool(gc.do_sample, "do_sample"),
             temperature=_as_real(_num(gc.temperature, 1.0), "temperature"),
             top_k=_as_int(_num(gc.top_k, 0), "top_k"),
             top_p=_as_real(_num(gc.top_p, 1.0), "top_p"),
@@ -121,9 +136,10 @@ class SamplingParams:
             repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
             seed=None if seed is None else _as_int(seed, "seed"),
             eos_token_ids=_eos_tuple(gc.eos_token_id),
-            stop_strings=stop,
+            stop_strings=_stop_tuple(gc.stop_strings),
             num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
-            logprobs=bool(getattr(gc, "output_logprobs", False) or gc.output_scores),
+            logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
+                gc.output_scores, "output_scores"),
         )
 
 
@@ -141,7 +157,7 @@ def _eos_tuple(eos) -> tuple[int, ...]:
         return ()
     if isinstance(eos, numbers.Integral):
         return (_as_int(eos, "eos_token_id"),)
-    if isinstance(eos, str) or not hasattr(eos, "__iter__"):
+    if isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
         raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
     return tuple(_as_int(e, "eos_token_id") for e in (eos.tolist() if hasattr(eos, "tolist") else eos))
 
@@ -166,6 +182,46 @@ def _refuse_unserved(config: GenerationConfig | None) -> None:
     if unserved:
         raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                          "with a PagedAttentionCache, which applies every generation setting")
+
+
+def _stop_tuple(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop_strings must be a string or a list of strings, got {type(stop).__name__}")
+    return tuple(stop)
+
+
+#: The settings read from a GenerationConfig, by the type they must have (None: unset).
+_INTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length", "num_beams", "top_k",
+         "num_return_sequences", "seed")
+_REALS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_BOOLS = ("do_sample", "output_logprobs", "output_scores")
+
+
+def _check_types(config: GenerationConfig | None) -> None:
+    """Refuse a setting of the wrong type before transformers' own checks meet it (they raise ``TypeError``, and
+    ``bool("no")`` is True)."""
+    if config is None:
+        return
+    for names, check in ((_INTS, _as_int), (_REALS, _as_real), (_BOOLS, _as_bool)):
+        for name in names:
+            value = getattr(config, name, None)
+            if value is not None:
+                check(value, name)
+
+
+def _as_bool(value, name: str) -> bool:
+    """``value`` as a bool (None: False; numpy bools taken); anything else refused (``"no"`` is not False)."""
+    if value is None:
+        return False
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _as_real(value, name: str) -> float:

@@ -147,6 +147,17 @@ class Scheduler:
         self.enqueue(seq)
         self.num_preemptions += 1
 
+    def recompute_all(self) -> None:
+        """Free every running sequence's blocks and queue it again, its tokens kept: its KV is computed afresh when it
+        runs next (once the model's weights have changed). Unlike a preemption, nothing is counted."""
+        if not self.running:
+            return
+        for seq in reversed(self.running):
+            self.block_manager.free(seq)
+            self.enqueue(seq)
+        self.running.clear()
+        self.version += 1
+
     def _fail(self, seq: Sequence) -> None:
         """Finish a sequence that needs more blocks than the whole cache holds."""
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)

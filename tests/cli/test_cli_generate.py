@@ -104,9 +104,11 @@ def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
     assert f"'abc' -> {want!r} [length]" in out
 
 
-def test_a_prompt_longer_than_the_cache_fails_alone(capsys):
-    argv = ["generate", "short", "x" * 40, "--num-blocks", "2", "--block-size", "16", "--max-new-tokens", "2",
-            "--no-progress", "--device", "cpu"]
+def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
+    """A prompt too long to run is refused before anything runs (status 2, ``test_cli_arguments.py``); a request
+    that fails while running (here the cache, of one block less than it needs) ends alone, named in the summary."""
+    argv = ["generate", "short", "x" * 31, "--num-blocks", "2", "--block-size", "16", "--max-new-tokens", "4",
+            "--no-progress", "--device", "cpu", "--ignore-eos"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "'short' -> " in out and out.count("[length]") == 1 and out.count("[error]") == 1
