@@ -158,12 +158,12 @@ def _optional_int(value, name: str) -> int | None:
 
 
 def _schema_text(schema) -> str | None:
-    """A JSON schema given as a dict or as JSON text, as canonical JSON text (hashable, as the params must be)."""
+    """A JSON schema given as a dict or as JSON text, as JSON text (hashable, as the params must be)."""
     if schema is None or isinstance(schema, str):
         return schema
     if not isinstance(schema, dict):
         raise ValueError(f"json_schema must be a JSON schema (a dict or its JSON text), got {type(schema).__name__}")
-    return json.dumps(schema, sort_keys=True, ensure_ascii=False)
+    return json.dumps(schema, ensure_ascii=False)  # (key order kept: the grammar writes properties in it)
 
 
 def resolve_generation_config(config: GenerationConfig | None, model_config: GenerationConfig | None):

@@ -127,7 +127,7 @@ def json_schema(req: SamplingFields) -> str | None:
     if fmt.json_schema is None or fmt.json_schema.schema_ is None:
         raise bad_request("response_format json_schema needs json_schema.schema, the JSON schema of the answer",
                           "response_format.json_schema.schema")
-    return json.dumps(fmt.json_schema.schema_, sort_keys=True, ensure_ascii=False)
+    return json.dumps(fmt.json_schema.schema_, ensure_ascii=False)
 
 
 def sampling_settings(req: SamplingFields) -> dict:
