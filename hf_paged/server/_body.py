@@ -70,7 +70,9 @@ def check_text(text: str, param: str | None) -> None:
                           "character itself", param, "invalid_text") from None
 
 
-def _check(value: Any, path: str, depth: int) -> None:
+def _check(value: Any, path: str, depth: int, exact: bool = True) -> None:
+    """Walk ``value``; ``path`` names where it is, as far as the names are the request's own fields (``exact``): a
+    key the models do not know ends the name there (it is no field, and may hold any text)."""
     if depth > MAX_DEPTH:
         raise bad_request(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     kind = type(value)
@@ -79,10 +81,11 @@ def _check(value: Any, path: str, depth: int) -> None:
     elif kind is dict:
         for key, item in value.items():
             check_text(key, path or None)
-            _check(item, f"{path}.{key}" if path else key, depth + 1)
+            known = exact and key in FIELD_NAMES
+            _check(item, (f"{path}.{key}" if path else key) if known else path, depth + 1, known)
     elif kind is list and not set(map(type, value)) <= _LEAVES:
         for i, item in enumerate(value):
-            _check(item, f"{path}.{i}", depth + 1)
+            _check(item, f"{path}.{i}" if exact else path, depth + 1, exact)
 
 
 def _from_validation_error(exc: ValidationError) -> ServerError:
