@@ -70,7 +70,9 @@ def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s")
+    log.seek(0)
+    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s; its output: "
+                       f"{log.read().decode(errors='replace')[-2000:]}")
 
 
 def wait_idle(server: str, timeout: float = 20.0) -> str:
