@@ -21,6 +21,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hf_paged.server import _responses as responses
 from hf_paged.server._access import AccessCheck
@@ -247,6 +248,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def invalid(request: Request, exc: RequestValidationError):
         first = (exc.errors() or [{}])[0]
         return JSONResponse(error_body(400, f"invalid request: {first.get('msg', 'invalid value')}"), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):  # (left while sending its body: no one reads)
+        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):

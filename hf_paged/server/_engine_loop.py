@@ -323,9 +323,9 @@ class EngineLoop:
         for rows in alternatives:
             for row in rows or ():
                 wanted.update(t for t, _ in row or ())
-        cache, decode = self._token_texts, self.engine.tokenizer.decode
+        cache, tokenizer = self._token_texts, self.engine.tokenizer
         for t in wanted - cache.keys():
-            cache[t] = decode([t])
+            cache[t] = tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
         return {t: cache[t] for t in wanted}
 
     def _forget(self, sub: Submission) -> None:
