@@ -57,7 +57,8 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
                    help="larger request bodies are refused with 413 before they are read")
     p.add_argument("--read-timeout", type=positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
-                   help="a client that sends no part of its request body for S seconds gets 408")
+                   help="a client that sends no part of its request body for S seconds gets 408; one whose "
+                        "request line and headers are not in S seconds after it connects is disconnected")
     p.add_argument("--max-queued-requests", type=non_negative_int, default=256, metavar="N",
                    help="sequences that may wait beyond --max-num-seqs running ones; more are answered 429")
     p.add_argument("--chat-template", metavar="FILE", type=_template_file,
@@ -90,7 +91,10 @@ def run(args: argparse.Namespace) -> int:
         app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
                          api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
                          read_timeout=args.read_timeout)
+        from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
+
         config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                                http=with_header_timeout(args.read_timeout),
                                 timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
         server = uvicorn.Server(config)
         _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)

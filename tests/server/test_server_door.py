@@ -155,10 +155,17 @@ def test_a_50_mb_body_is_refused_at_once_while_other_requests_keep_their_latency
     wait_idle(live_server)
 
 
-def test_a_slow_client_gets_408_and_a_foreign_host_403():
+def test_a_slow_client_gets_408_or_is_disconnected_and_a_foreign_host_403():
     with running_server("--num-blocks", "32", "--read-timeout", "1") as (url, _):
         answer, seconds = send_headers_and_some_body(url, 100, b'{"model": ')
         assert answer.startswith(b"HTTP/1.1 408") and 0.9 < seconds < 5, (answer, seconds)
+        host, port = url.removeprefix("http://").split(":")
+        with socket.create_connection((host, int(port)), timeout=30) as s:  # headers that never end (slowloris)
+            start = time.perf_counter()
+            s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\n")
+            time.sleep(0.5)
+            s.sendall(b"X-Slow: 1\r\n")
+            assert s.recv(100) == b"" and 0.9 < time.perf_counter() - start < 5  # closed by the server
         error = openai_error(httpx.post(f"{url}/v1/completions", json=PROBE, headers={"Host": "evil.example:80"},
                                         timeout=TIMEOUT), 403)
         assert error["code"] == "host_not_allowed"
