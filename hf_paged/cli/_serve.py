@@ -75,45 +75,61 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         return exit_with(args.prog, f"{INSTALL_HINT} ({exc})", status=1)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
     try:
-        api_key = args.api_key or envs.api_key()
-        allowed = args.allowed_hosts
-        if allowed is None and is_loopback(args.host) and not api_key:
-            allowed = LOOPBACK_HOSTS
-        model, tokenizer = load(args)
-        engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
-        name = args.served_model_name or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME)
-        died: list[str] = []
-        app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
-                         api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
-                         read_timeout=args.read_timeout)
-        from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
-
-        config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
-                                http=with_header_timeout(args.read_timeout),
-                                timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
-        server = uvicorn.Server(config)
-        _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)
-
-        def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
-            died.append(reason)
-            server.should_exit = True
-
-        app.state.engine_loop.on_death = engine_died
+        app, name, api_key = _app(args)
+        server, died = _server(args, app)
         host, bound_port = sock.getsockname()[:2]
+        pool = app.state.engine_loop.engine.pool
         logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens)%s", name,
-                       f"[{host}]" if ":" in host else host, bound_port, engine.pool.num_blocks,
-                       engine.pool.block_size, "; API key required" if api_key else "")
+                       f"[{host}]" if ":" in host else host, bound_port, pool.num_blocks, pool.block_size,
+                       "; API key required" if api_key else "")
         server.run(sockets=[sock])
     finally:
         sock.close()
     if died:
         return exit_with(args.prog, f"the engine loop died ({died[-1]}); the server stopped", status=1)
     return 0
+
+
+def _app(args: argparse.Namespace):
+    """The app serving the model ``args`` name, its served name and its API key (None: none)."""
+    api_key = args.api_key or envs.api_key()
+    allowed = args.allowed_hosts
+    if allowed is None and is_loopback(args.host) and not api_key:
+        allowed = LOOPBACK_HOSTS
+    model, tokenizer = load(args)
+    engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
+    name = args.served_model_name or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME)
+    app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
+                     api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
+                     read_timeout=args.read_timeout)
+    return app, name, api_key
+
+
+def _server(args: argparse.Namespace, app):
+    """uvicorn's server for ``app``, and the list that holds why the engine loop died, if it does (the server then
+    stops at once)."""
+    import uvicorn
+
+    from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
+
+    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                            http=with_header_timeout(args.read_timeout),
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
+    server = uvicorn.Server(config)
+    _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)
+    died: list[str] = []
+
+    def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
+        died.append(reason)
+        server.should_exit = True
+
+    app.state.engine_loop.on_death = engine_died
+    return server, died
 
 
 def _answer_late_requests(server, engine_loop, grace: float) -> None:

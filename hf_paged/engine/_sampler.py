@@ -26,7 +26,8 @@ from hf_paged.engine._structured_output import allowed_tokens
 _NEG_INF = float("-inf")
 _GOLDEN = -0x61C88647  # 0x9E3779B9 as a signed 32-bit word
 _M2 = -0x7B935975  # 0x846CA68B as a signed 32-bit word
-_PARAMS, _LOGPROBS, _PLAIN_GREEDY = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy"))
+_PARAMS, _LOGPROBS, _PLAIN_GREEDY, _SCHEMA = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy",
+                                                                              "json_schema"))
 
 
 @dataclass(frozen=True)
@@ -86,7 +87,8 @@ class SamplingBatch:
         rows = greedy + sampled
         if not rows:
             return cls(len(seqs), want_logprobs, top)
-        constrained = [j for j, i in enumerate(rows) if seqs[i].grammar is not None]
+        constrained = ([j for j, i in enumerate(rows) if seqs[i].grammar is not None]
+                       if any(map(_SCHEMA, params)) else [])
         allowed_at = None
         if constrained:
             mask = allowed_tokens([seqs[rows[j]].grammar for j in constrained], vocab_size)
