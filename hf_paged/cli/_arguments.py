@@ -78,6 +78,8 @@ def _checked(parse: Callable[[str], T], ok: Callable[[T], bool], rule: str) -> C
 positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(_float, lambda v: v >= 0, ">= 0")
+positive_float = _checked(_float, lambda v: v > 0, "> 0")
+port = _checked(_int, lambda v: 1 <= v <= 65535, "a positive integer up to 65535 (a TCP port)")
 probability = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 

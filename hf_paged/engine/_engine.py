@@ -168,7 +168,10 @@ class Engine(EngineCore):
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
-        return Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
+        seq = Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
+        if params.json_schema is not None:  # compiled here: a schema that cannot be is refused at the door
+            seq.grammar = self.structured.matcher(params.json_schema)
+        return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""

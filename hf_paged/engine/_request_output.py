@@ -22,6 +22,10 @@ class RequestOutput:
     ``logprobs[i]`` is the model's log-probability of ``token_ids[i]`` when asked for
     (``GenerationConfig(output_logprobs=True)``), else None. ``text`` is set when the engine has a tokenizer: the
     new tokens' text, special tokens skipped, cut before a stop string that stopped the request.
+    ``top_logprobs[i]``: the ``(token id, logprob)`` pairs of the likeliest tokens at ``token_ids[i]``'s place,
+    most likely first, when asked for (``GenerationConfig(top_logprobs=k)``). ``prompt_logprobs[p]``: the
+    log-probability of prompt token ``p`` given those before it (None for the first), and
+    ``prompt_top_logprobs[p]`` its alternatives, when asked for (``GenerationConfig(prompt_logprobs=k)``).
     """
 
     request_id: str
@@ -31,6 +35,9 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] | None = None
     text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -39,13 +46,16 @@ class TokenDelta:
 
     With a tokenizer, ``text`` is the new text (possibly empty: an unfinished multi-byte character, or the tail a stop
     string may still cut, waits for a later delta, with its tokens); a request's deltas concatenate to its final
-    ``RequestOutput``'s ``token_ids`` and ``text``. Without one, ``text`` is None.
+    ``RequestOutput``'s ``token_ids`` and ``text``. Without one, ``text`` is None. ``logprobs`` and
+    ``top_logprobs`` are those of ``token_ids`` when the request asked for them.
     """
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     text: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,8 +72,15 @@ def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
             out = out[:kept]
         except Exception as exc:  # a tokenizer that cannot decode these ids: the request fails, tokens kept
             reason, error = "error", error or _undecodable(seq, exc)
-    logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
-    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, reason, error, logprobs, text)
+    params = seq.params
+    logprobs = list(seq.logprobs[: len(out)]) if params.logprobs else None
+    top = list(seq.top_logprobs[: len(out)]) if params.logprobs and params.top_logprobs else None
+    prompt = prompt_top = None
+    if params.prompt_logprobs is not None:
+        prompt = [None] + [lp for lp, _ in seq.prompt_logprobs]
+        prompt_top = [None] + [alternatives for _, alternatives in seq.prompt_logprobs]
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, reason, error, logprobs, text,
+                         top, prompt, prompt_top)
 
 
 def _undecodable(seq: Sequence, exc: Exception) -> str:
@@ -94,7 +111,12 @@ def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> Tok
         new = tokens[seq.num_streamed : kept]
     if not new and not text and not final:
         return None
-    return TokenDelta(seq.request_id, new, reason if final else None, text)
+    logprobs = top = None
+    if seq.params.logprobs:
+        at = seq.num_streamed
+        logprobs = seq.logprobs[at : at + len(new)]
+        top = seq.top_logprobs[at : at + len(new)] if seq.params.top_logprobs else None
+    return TokenDelta(seq.request_id, new, reason if final else None, text, logprobs, top)
 
 
 def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:

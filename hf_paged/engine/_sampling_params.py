@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -17,6 +18,8 @@ from hf_paged.engine import _validation as validation
 MAX_TOKENS = 2**31 - 1
 #: Most copies of one prompt (``num_return_sequences``): all of them are made in the step that computes the prompt.
 MAX_RETURN_SEQUENCES = 1024
+#: The most alternatives a token's log-probability comes with (OpenAI's chat API allows 20).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -26,6 +29,9 @@ class SamplingParams:
     ``top_k == 0``, ``top_p == 1.0``, ``min_p == 0.0`` and ``repetition_penalty == 1.0`` mean off. With
     ``do_sample=False`` the request is greedy (repetition penalty and ``min_new_tokens`` still apply, as in
     ``model.generate``). ``seed`` makes a sampled request reproducible whatever its batch neighbours are.
+    ``top_logprobs``: with ``logprobs``, each new token's ``top_logprobs`` likeliest alternatives too;
+    ``prompt_logprobs`` (None: off): the log-probability of every prompt token after the first, and that many
+    alternatives; ``json_schema`` (a JSON schema as JSON text, None: off): the new text is masked to match it.
     """
 
     max_new_tokens: int
@@ -41,6 +47,9 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     num_return_sequences: int = 1
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
         _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_TOKENS,
@@ -72,6 +81,13 @@ class SamplingParams:
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         for i, s in enumerate(self.stop_strings):
             validation.text(s, f"stop_strings[{i}]")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        _check(self.json_schema is None or isinstance(self.json_schema, str),
+               f"json_schema must be a JSON schema (a dict or its JSON text) or None, got {self.json_schema!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -81,12 +97,18 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to adjust the logits: the sampler's one-argmax fast path."""
         return not self.do_sample and self.repetition_penalty == 1.0 and not (
-            self.min_new_tokens and self.eos_token_ids)
+            self.min_new_tokens and self.eos_token_ids) and self.json_schema is None
+
+    @functools.cached_property
+    def reads_own_tokens(self) -> bool:
+        """The logits of the next token depend on the tokens before it on the host (a repetition penalty, a grammar):
+        a step with this request waits for its in-flight token first."""
+        return self.repetition_penalty != 1.0 or self.json_schema is not None
 
     @functools.cached_property
     def stops_on_eos_or_length(self) -> bool:
-        """No stop strings and no logprobs: the host's work per new token is an EOS check and a length check."""
-        return not self.stop_strings and not self.logprobs
+        """No stop strings, logprobs or grammar: the host's work per new token is an EOS check and a length check."""
+        return not self.stop_strings and not self.logprobs and self.json_schema is None
 
     @classmethod
     def from_generation_config(
@@ -95,7 +117,8 @@ class SamplingParams:
         """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults).
 
         ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
-        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``.
+        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
+        ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
         """
         return cls.from_resolved(cls.resolve(config, model_config), prompt_len)
 
@@ -139,8 +162,24 @@ class SamplingParams:
             stop_strings=_stop_tuple(gc.stop_strings),
             num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
             logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
-                gc.output_scores, "output_scores"),
+                gc.output_scores, "output_scores") or bool(getattr(gc, "top_logprobs", 0)),
+            top_logprobs=_as_int(getattr(gc, "top_logprobs", None) or 0, "top_logprobs"),
+            prompt_logprobs=_optional_int(getattr(gc, "prompt_logprobs", None), "prompt_logprobs"),
+            json_schema=_schema_text(getattr(gc, "json_schema", None)),
         )
+
+
+def _optional_int(value, name: str) -> int | None:
+    return None if value is None else _as_int(value, name)
+
+
+def _schema_text(schema) -> str | None:
+    """A JSON schema given as a dict or as JSON text, as JSON text (hashable, as the params must be)."""
+    if schema is None or isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON schema (a dict or its JSON text), got {type(schema).__name__}")
+    return json.dumps(schema, ensure_ascii=False)  # (key order kept: the grammar writes properties in it)
 
 
 def resolve_generation_config(config: GenerationConfig | None, model_config: GenerationConfig | None):

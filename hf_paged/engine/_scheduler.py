@@ -122,7 +122,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and bm.tables.num_free_rows:
             seq = self.waiting[0]
-            hits = bm.find_prefix(seq)
+            hits = bm.find_prefix(seq) if not seq.needs_prompt_logprobs else []  # (its prompt must be computed)
             n = bm.max_tokens_fitting(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget), hits)
             if n == 0:
                 if not self.running:  # the whole cache cannot hold it
