@@ -79,6 +79,7 @@ BATCHING_NO_EFFECT = frozenset({
 #: hf_paged's own settings, read from the continuous-batching config under these names (an ``EngineConfig`` passed
 #: as the config is taken as it is).
 OWN_SETTINGS = ("cuda_graphs", "cuda_graph_capture", "compile_layers", "skinny_linear", "kv_cache_dtype")
+_SAMPLING = ("temperature", "top_k", "top_p", "min_p")
 TRANSFORMERS_BLOCK = 256  # transformers' default page (block) size
 
 
@@ -91,9 +92,12 @@ def generation_config(given: GenerationConfig | None, model, max_new_tokens: int
     gc = copy.deepcopy(given if given is not None else getattr(model, "generation_config", None) or GenerationConfig())
     if max_new_tokens is not None:
         gc.max_new_tokens = max_new_tokens
-    # Every field the engine reads is set, so that the engine's resolution merges nothing of the model's
-    # generation config into it (transformers' generate_batch reads the config alone)
+    # Every field the engine reads is set, so that the engine's resolution merges nothing of the model's generation
+    # config into it (transformers' generate_batch reads the config alone); the sampling ones only when sampling
+    # (greedy ignores them, and transformers' check warns of one set beside do_sample=False)
     for name, off in {**GENERATION_READ, **GENERATION_APPLIED_HERE, "num_beams": 1}.items():
+        if name in _SAMPLING and not gc.do_sample:
+            continue
         if getattr(gc, name, None) is None and off is not None:
             setattr(gc, name, off)
     if gc.min_new_tokens is None and not gc.min_length:
