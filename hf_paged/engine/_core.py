@@ -120,6 +120,8 @@ class EngineCore:
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+        if self.compiled is not None and self.compiled.artifacts is not None:
+            self.compiled.artifacts.save()  # what the start compiled, for the next process
         logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, reasons, self.graphs is not None))
 
     def _advance(self) -> list[Sequence]:

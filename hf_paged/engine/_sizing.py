@@ -100,7 +100,7 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         reasons["max_num_seqs"] = f"automatic: {rule.note}"
         if workload is not None and workload.one_call and workload.num_sequences < seqs:
             seqs = max(1, workload.num_sequences)
-            reasons["max_num_seqs"] = f"automatic: the call's {workload.num_sequences} sequences"
+            reasons["max_num_seqs"] = f"automatic: the call's sequences ({workload.num_sequences})"
     if tokens is None:
         tokens = rule.max_batch_tokens
         reasons["max_batch_tokens"] = f"automatic: {rule.note}"
@@ -175,7 +175,7 @@ def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: 
         return cfg.num_blocks, None
     cache = cfg.cache_config
     if workload is not None:
-        cap, use = workload.blocks(cfg.block_size, position_limit), f"the call's {workload.num_sequences} sequences"
+        cap, use = workload.blocks(cfg.block_size, position_limit), f"the call's sequences ({workload.num_sequences})"
     else:
         cap = cache.blocks_for(cfg.max_num_seqs, position_limit)
         use = f"{cfg.max_num_seqs} sequences of {position_limit} tokens"

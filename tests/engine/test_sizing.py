@@ -119,4 +119,4 @@ def test_generate_batch_sizes_its_engine_for_the_call_and_gives_the_same_tokens(
     assert [o.generated_tokens for o in out.values()] == hf_greedy(ARCH, prompts, 6)
     stats = seen[0].stats()
     assert stats["max_num_seqs"] == 5 and stats["num_blocks"] == sum(-(-(len(p) + 6) // 16) for p in prompts)
-    assert "the call's 5 sequences" in stats["sizing"]["num_blocks"]
+    assert "the call's sequences (5)" in stats["sizing"]["num_blocks"]
