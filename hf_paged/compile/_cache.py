@@ -63,7 +63,7 @@ class CompileArtifacts:
         self.path = (directory or envs.compile_cache_dir()) / (key + _SUFFIX)
         self.loaded = False  # whether a bundle was handed to torch
         self.load_seconds = 0.0
-        self._saved_digest: str | None = None
+        self._known: set[tuple[str, str]] = set()  # the artifacts loaded or saved: (kind, torch's key)
         self._lock = threading.Lock()
         self._exit_hook = False
 
@@ -78,11 +78,13 @@ class CompileArtifacts:
         began = time.perf_counter()
         try:
             data = self.path.read_bytes()
-            torch.compiler.load_cache_artifacts(data)
+            info = torch.compiler.load_cache_artifacts(data)
         except Exception as exc:  # noqa: BLE001 - a stale or broken bundle costs a compile, never a failure
             logger.debug("hf_paged: not loading compile artifacts %s (%s: %s)", self.path, type(exc).__name__, exc)
             return False
-        self._saved_digest = hashlib.sha256(data).hexdigest()
+        if info is None:  # torch found nothing it could use in the file (it says why in its own log)
+            return False
+        self._known |= _keys(info)
         self.loaded = True
         self.load_seconds = time.perf_counter() - began
         logger.info("hf_paged: loaded compile artifacts %s (%.1f MiB) in %.2f s", self.path.name, len(data) / 2**20,
@@ -90,8 +92,8 @@ class CompileArtifacts:
         return True
 
     def save(self) -> bool:
-        """Write torch's artifacts of this process (everything compiled or loaded so far) when they changed since the
-        last load or save; whether a file was written."""
+        """Write torch's artifacts of this process (everything it compiled or found in torch's caches so far) when
+        they hold one that was not in the last load or save; whether a file was written."""
         if not self.enabled:
             return False
         with self._lock:
@@ -102,9 +104,8 @@ class CompileArtifacts:
                 return False
             if bundle is None or not bundle[0]:
                 return False
-            data = bundle[0]
-            digest = hashlib.sha256(data).hexdigest()
-            if digest == self._saved_digest:
+            data, keys = bundle[0], _keys(bundle[1])
+            if keys <= self._known:  # nothing new since the last load or save (the bytes differ from run to run)
                 return False
             try:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -114,7 +115,7 @@ class CompileArtifacts:
             except OSError as exc:
                 logger.debug("hf_paged: not saving compile artifacts to %s (%s)", self.path, exc)
                 return False
-            self._saved_digest = digest
+            self._known |= keys
             return True
 
     def save_at_exit(self) -> None:
@@ -123,6 +124,12 @@ class CompileArtifacts:
         if not self._exit_hook:
             self._exit_hook = True
             atexit.register(self.save)
+
+
+def _keys(info) -> set[tuple[str, str]]:
+    """The artifacts a ``CacheInfo`` (of a load or a save) names: (kind, key); none when torch says nothing."""
+    artifacts = getattr(info, "artifacts", None) or {}
+    return {(kind, str(key)) for kind, keys in artifacts.items() for key in keys}
 
 
 def _device_name(device: torch.device) -> str:
