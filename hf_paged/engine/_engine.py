@@ -46,8 +46,8 @@ class Engine(EngineCore):
         max_batch_tokens: token budget of one step (prefill chunks and decodes together); None picks it from the
             device and its free memory (8192 on CUDA, 2048 elsewhere, less where a step would not fit the memory the
             KV pool leaves; ``hf_paged/engine/_sizing.py``).
-        max_num_seqs: most sequences running at once; None picks it as ``max_batch_tokens`` (256, or the
-            ``workload``'s sequences when fewer).
+        max_num_seqs: most sequences running at once; None picks it from the device and its free memory too (256,
+            or the ``workload``'s sequences when fewer).
         tokenizer: needed for string prompts, stop strings and ``text`` in outputs.
         generation_config: default settings of requests added without one (default: the model's).
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
