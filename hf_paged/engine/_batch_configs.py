@@ -18,6 +18,7 @@ import numbers
 from transformers import GenerationConfig
 
 from hf_paged.engine._config import EngineConfig
+from hf_paged.engine._sampling_params import UNSERVED
 
 logger = logging.getLogger("hf_paged")
 
@@ -34,14 +35,7 @@ GENERATION_APPLIED_HERE = {"min_new_tokens": None, "min_length": None, "repetiti
                            "output_logprobs": False, "output_scores": False}
 #: Settings refused (the engine's own check, ``SamplingParams``): hf_paged does not apply them, and serving the
 #: request without them would give other tokens. Their value that means off is accepted.
-GENERATION_REFUSED = {
-    "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
-    "bad_words_ids": None, "force_words_ids": None, "constraints": None, "sequence_bias": None,
-    "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
-    "forced_eos_token_id": None, "exponential_decay_length_penalty": None, "guidance_scale": 1.0,
-    "penalty_alpha": None, "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None,
-    "watermarking_config": None, "max_time": None, "num_beams": 1, "stop_strings": None,
-}
+GENERATION_REFUSED = {**UNSERVED, "num_beams": 1, "stop_strings": None}
 #: Settings that change nothing in ``generate_batch``'s tokens, there as here: what ``generate`` (not
 #: ``generate_batch``) reads (output formats, caches, compile, assisted decoding, beam scoring), token ids used
 #: only for padding and prompts, and bookkeeping.
