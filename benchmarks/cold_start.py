@@ -332,8 +332,11 @@ def _generate_call(hf_paged, model, torch, device: str, new_tokens: int):
             cache = hf_paged.PagedAttentionCache(model.config, num_blocks=-(-(ids.shape[1] + new_tokens) // 16) + 8,
                                                  device=device, dtype=model.dtype, max_new_tokens=new_tokens)
         streamer = FirstToken() if first else None
+        # as keywords, as generate_latency.py passes them: the model's generation config keeps the compile config
+        # optimize_generate set
         model.generate(**with_cache(model, cache, input_ids=ids, attention_mask=torch.ones_like(ids)),
-                       generation_config=config, streamer=streamer)
+                       max_new_tokens=config.max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None,
+                       streamer=streamer)
         return streamer.at if streamer is not None else None
 
     return run

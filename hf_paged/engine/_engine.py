@@ -82,7 +82,7 @@ class Engine(EngineCore):
             ``PagedAttentionCache`` and ``docs/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
         workload: what the engine will run, when it is built for known prompts (``generate_batch`` passes its
-            call's): the automatic sizes fit it (``hf_paged.engine._sizing.Workload``).
+            call's): the automatic sizes fit it (``hf_paged.engine.Workload``: each sequence's most tokens).
 
     ``stats()["sizing"]`` and the engine's start-up log line (logger ``"hf_paged"``, INFO) say which sizes were
     automatic and why; ``config`` holds the sizes picked.
