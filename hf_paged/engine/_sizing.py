@@ -131,7 +131,14 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device."""
     if not devices:
         return tokens, seqs
-    room = min(free_memory_bytes(d) for d in set(devices)) * (1.0 - cfg.memory_budget) * ACTIVATION_SHARE
+    free = min(free_memory_bytes(d) for d in set(devices))
+    if cfg.num_blocks is None:
+        left = free * (1.0 - cfg.memory_budget)
+    else:  # a given pool takes its own bytes (spread over the devices that hold layers)
+        kv = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+        pool = KVLayout.from_config(model_config).bytes_per_block(cfg.block_size, kv) * cfg.num_blocks
+        left = max(0.0, free - pool / len(set(devices)))
+    room = left * ACTIVATION_SHARE
     per_token, per_seq = step_bytes(model_config, dtype)
     auto_tokens, auto_seqs = "max_batch_tokens" in reasons, "max_num_seqs" in reasons
     cut = False
@@ -144,8 +151,7 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
             break
         cut = True
     if cut:
-        note = (f"; cut to fit {ACTIVATION_SHARE:.0%} of the {1 - cfg.memory_budget:.0%} of free memory the KV "
-                f"pool leaves ({room / ACTIVATION_SHARE / 2**30:.1f} GiB)")
+        note = f"; cut to fit {ACTIVATION_SHARE:.0%} of the free memory the KV pool leaves ({left / 2**30:.1f} GiB)"
         for name in ("max_batch_tokens", "max_num_seqs"):
             if name in reasons:
                 reasons[name] += note

@@ -58,6 +58,15 @@ def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_le
         assert not fits(2 * tokens, seqs) if seqs == 256 else not fits(tokens, 2 * seqs)
 
 
+def test_a_given_pool_leaves_the_rest_of_free_memory_to_the_step(monkeypatch):
+    devices = _on_cuda(monkeypatch, 8 * GIB)
+    small_pool = size_engine(hf_paged.EngineConfig(num_blocks=64), LLAMA_1B, torch.bfloat16, devices)
+    assert (small_pool.config.max_batch_tokens, small_pool.config.max_num_seqs) == (8192, 256)
+    per_block = 2 * 16 * 16 * 8 * 64 * 2  # K and V, 16 layers, 16 tokens, 8 heads of 64, bf16
+    whole = size_engine(hf_paged.EngineConfig(num_blocks=8 * GIB // per_block), LLAMA_1B, torch.bfloat16, devices)
+    assert (whole.config.max_batch_tokens, whole.config.max_num_seqs) == (512, 16)  # nothing left: the floors
+
+
 def test_explicit_settings_win_whatever_the_memory(monkeypatch):
     devices = _on_cuda(monkeypatch, GIB // 4)
     cfg = hf_paged.EngineConfig(max_batch_tokens=16384, max_num_seqs=512, cuda_graph_capture="start")
