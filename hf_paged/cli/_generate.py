@@ -164,8 +164,8 @@ def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, 
     stats = engine.stats()
     logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model or "embedded tiny random-init",
                 type(model).__name__, params / 1e6, model.dtype, model.device)
-    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, backends %s",
-                stats["num_blocks"], stats["block_size"], args.max_batch_tokens,
+    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, %d sequences at once, backends %s",
+                stats["num_blocks"], stats["block_size"], stats["max_batch_tokens"], stats["max_num_seqs"],
                 ", ".join(args.backend) if args.backend else "any (flash, cuda, torch)")
     how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
            if args.temperature > 0 else "greedy")

@@ -6,6 +6,7 @@ from hf_paged.engine._engine import Engine
 from hf_paged.engine._generate_batch import generate_batch
 from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sizing import Workload
 
-__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "TokenDelta", "distributed_generate_batch",
-           "generate_batch"]
+__all__ = ["Engine", "EngineConfig", "RequestOutput", "SamplingParams", "TokenDelta", "Workload",
+           "distributed_generate_batch", "generate_batch"]
