@@ -29,10 +29,10 @@ def _on_cuda(monkeypatch, free_bytes: int) -> list[torch.device]:
 def test_on_a_large_gpu_the_rule_gives_the_measured_best(monkeypatch):
     devices = _on_cuda(monkeypatch, 130 * GIB)  # an H200 with a 1B model loaded
     sized = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices)
-    assert (sized.config.max_batch_tokens, sized.config.max_num_seqs) == (8192, 256) == (
+    assert (sized.config.max_batch_tokens, sized.config.max_num_seqs) == (16384, 256) == (
         sizing.RULES["cuda"].max_batch_tokens, sizing.RULES["cuda"].max_num_seqs)
     assert sized.config.cuda_graph_capture == "first_use" and sized.config.cuda_graphs is True
-    assert "40.7k" in sized.reasons["max_batch_tokens"] and "cut" not in sized.reasons["max_batch_tokens"]
+    assert "41.0k" in sized.reasons["max_batch_tokens"] and "cut" not in sized.reasons["max_batch_tokens"]
 
 
 @pytest.mark.parametrize("free_gib", [0.5, 2, 6, 24])
@@ -48,8 +48,8 @@ def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_le
         return t * per_token + s * per_seq <= room
 
     assert tokens >= sizing.MIN_BATCH_TOKENS and seqs >= sizing.MIN_NUM_SEQS
-    if fits(8192, 256):
-        assert (tokens, seqs) == (8192, 256)
+    if fits(16384, 256):
+        assert (tokens, seqs) == (16384, 256)
     else:
         assert "cut to fit" in sized.reasons["max_batch_tokens"]
         # the largest of the halvings that fits (the tokens first), or the floors when nothing does
@@ -61,7 +61,7 @@ def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_le
 def test_a_given_pool_leaves_the_rest_of_free_memory_to_the_step(monkeypatch):
     devices = _on_cuda(monkeypatch, 8 * GIB)
     small_pool = size_engine(hf_paged.EngineConfig(num_blocks=64), LLAMA_1B, torch.bfloat16, devices)
-    assert (small_pool.config.max_batch_tokens, small_pool.config.max_num_seqs) == (8192, 256)
+    assert (small_pool.config.max_batch_tokens, small_pool.config.max_num_seqs) == (16384, 256)
     per_block = 2 * 16 * 16 * 8 * 64 * 2  # K and V, 16 layers, 16 tokens, 8 heads of 64, bf16
     whole = size_engine(hf_paged.EngineConfig(num_blocks=8 * GIB // per_block), LLAMA_1B, torch.bfloat16, devices)
     assert (whole.config.max_batch_tokens, whole.config.max_num_seqs) == (512, 16)  # nothing left: the floors
@@ -79,7 +79,7 @@ def test_explicit_settings_win_whatever_the_memory(monkeypatch):
 def test_a_one_call_workload_caps_the_sequences_and_graph_sizes_a_kept_engine_does_not(monkeypatch):
     devices = _on_cuda(monkeypatch, 130 * GIB)
     one_call = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((700,) * 64))
-    assert one_call.config.max_num_seqs == 64 and one_call.config.max_batch_tokens == 8192
+    assert one_call.config.max_num_seqs == 64 and one_call.config.max_batch_tokens == 16384
     assert one_call.config.cuda_graphs == (1, 2, 4, 8, 16, 32, 64) and one_call.config.cuda_graph_capture == "on_demand"
     kept = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices,
                        Workload((700,) * 64, one_call=False))
