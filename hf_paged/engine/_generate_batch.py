@@ -135,10 +135,8 @@ def generate_batch(
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)
-    # transformers' order: each prompt's copies (its "__child#k" ids) first, then the prompt's own request
-    order = lambda rid: (ids[rid.partition(validation.CHILD_MARK)[0]],
-                         int(rid.partition(validation.CHILD_MARK)[2] or 2**62))
-    return {rid: finished[rid] for rid in sorted(finished, key=order)}
+    order = lambda rid: (ids[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
+    return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
 
 
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True

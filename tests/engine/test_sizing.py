@@ -106,7 +106,7 @@ def test_the_engine_reports_what_it_picked_and_why(caplog):
     assert "max_num_seqs=4 (given)" in lines[0] and f"num_blocks={4 * limit // 8} (automatic" in lines[0]
 
 
-def test_generate_batch_sizes_its_engine_for_the_call_and_gives_the_same_tokens():
+def test_generate_batch_sizes_its_engine_for_the_call_and_gives_the_same_tokens(monkeypatch):
     """No settings: the pool holds the call's sequences at full length, as many run at once as the call has, and
     the tokens are the eager model's."""
     from hf_paged.engine import _generate_batch as module
@@ -119,12 +119,8 @@ def test_generate_batch_sizes_its_engine_for_the_call_and_gives_the_same_tokens(
         seen.append(real(model, config=config, workload=workload))
         return seen[-1]
 
-    mp = pytest.MonkeyPatch()
-    mp.setattr(module, "Engine", recording)
-    try:
-        out = hf_paged.generate_batch(models(ARCH)[1], prompts, GenerationConfig(max_new_tokens=6, eos_token_id=2))
-    finally:
-        mp.undo()
+    monkeypatch.setattr(module, "Engine", recording)
+    out = hf_paged.generate_batch(models(ARCH)[1], prompts, GenerationConfig(max_new_tokens=6, eos_token_id=2))
     assert [o.generated_tokens for o in out.values()] == hf_greedy(ARCH, prompts, 6)
     stats = seen[0].stats()
     assert stats["max_num_seqs"] == 5 and stats["num_blocks"] == sum(-(-(len(p) + 6) // 16) for p in prompts)
