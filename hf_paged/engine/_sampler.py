@@ -1,7 +1,9 @@
 """``Sampler``: picks each row's next token on the logits' device, for all rows at once, without a host sync.
 
 The host sorts the rows when it builds the batch. Plain greedy rows take the argmax of the model's logits as they
-are. The other rows get a float32 copy that is processed in ``model.generate``'s order: repetition penalty, EOS
+are; greedy rows whose only adjustment is EOS suppression until ``min_new_tokens`` take it too, with their EOS
+entries set to -inf in place for that argmax and put back after it (no copy of the logits). The other rows get a
+float32 copy that is processed in ``model.generate``'s order: repetition penalty, EOS
 suppression until ``min_new_tokens``, then the tokens a structured-output grammar forbids (its mask is computed on
 the host, from the tokens taken in so far). Greedy rows then take its argmax; sampled rows alone go on to temperature,
 top-k, top-p, min-p and a draw.
@@ -44,6 +46,8 @@ class SamplingBatch:
         penalty: ``[M]`` float32 repetition penalty of those rows (1.0 = off); None when no row has one.
         penalty_at: ``([P], [P])`` int64 (position in ``rows``, token id) of every token a penalised row has seen.
         banned_at: ``([B], [B])`` int64 (position in ``rows``, EOS id) suppressed by ``min_new_tokens``, or None.
+        masked_at: ``([E], [E])`` int64 (row of the logits, EOS id) of the greedy rows that need nothing but EOS
+            suppression: masked in place around the plain argmax, or None.
         allowed_at: ``([G], [G, V])`` (int64 position in ``rows``, bool mask) of the rows a grammar constrains.
         temperature, top_p, min_p: ``[S]`` float32. top_k: ``[S]`` int64 (0 = off).
         seeds: ``[S, 2]`` int32 low and high words of each seed. steps: ``[S]`` int32 tokens generated so far.
@@ -61,6 +65,7 @@ class SamplingBatch:
     penalty: torch.Tensor | None = None
     penalty_at: tuple[torch.Tensor, torch.Tensor] | None = None
     banned_at: tuple[torch.Tensor, torch.Tensor] | None = None
+    masked_at: tuple[torch.Tensor, torch.Tensor] | None = None
     allowed_at: tuple[torch.Tensor, torch.Tensor] | None = None
     temperature: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
@@ -83,10 +88,13 @@ class SamplingBatch:
             return cls(len(seqs), want_logprobs, top)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
         greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.is_plain_greedy and not p.do_sample
-                  and (p.repetition_penalty != 1.0 or s.num_generated < p.min_new_tokens or s.grammar is not None)]
+                  and (p.repetition_penalty != 1.0 or s.grammar is not None)]
+        eos_only = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
+                    and p.repetition_penalty == 1.0 and s.grammar is None and s.num_generated < p.min_new_tokens]
+        masked_at = _eos_masked(seqs, eos_only, vocab_size, device) if eos_only else None
         rows = greedy + sampled
         if not rows:
-            return cls(len(seqs), want_logprobs, top)
+            return cls(len(seqs), want_logprobs, top, masked_at=masked_at)
         constrained = ([j for j, i in enumerate(rows) if seqs[i].grammar is not None]
                        if any(map(_SCHEMA, params)) else [])
         allowed_at = None
@@ -107,6 +115,7 @@ class SamplingBatch:
         penalty, temperature, top_p_t, min_p_t = floats.to(device)
         return cls(
             len(seqs), want_logprobs, top, rows=rows_t, num_greedy=len(greedy), allowed_at=allowed_at,
+            masked_at=masked_at,
             penalty=penalty if seen_ids else None,
             penalty_at=(torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t) if seen_ids else None,
             banned_at=(ban_pos_t, ban_ids_t) if ban_pos else None,
@@ -117,6 +126,16 @@ class SamplingBatch:
             sort_rows=sort_t if sort_pos else None,
             use_min_p=any(min_p),
         )
+
+
+def _eos_masked(seqs: list[Sequence], eos_only: list[int], vocab_size: int,
+                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(row, EOS id)`` of every EOS the greedy rows ``eos_only`` of ``seqs`` may not take yet, on ``device``."""
+    pairs = [(i, e) for i in eos_only for e in seqs[i].params.eos_token_ids if e < vocab_size]  # (as HF)
+    if not pairs:
+        return None
+    at = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
+    return at[:, 0], at[:, 1]
 
 
 def _penalised_and_banned(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], ...]:
@@ -168,9 +187,17 @@ class Sampler:
         instead: the chosen token's logprob, the ``K`` largest logprobs, their token ids (as floats, exact below
         2**24; :func:`split_logprob_row` reads a row)."""
         n = batch.num_rows
-        rows = batch.rows
+        rows, masked = batch.rows, batch.masked_at
         if rows is None or rows.shape[0] < n:
-            tokens = _argmax(logits)
+            if masked is None:
+                tokens = _argmax(logits)
+            else:  # EOS held back until min_new_tokens: out of the argmax's way, then back
+                with torch.inference_mode():  # (the logits may be an inference tensor; the sampler may run outside)
+                    kept = logits[masked]
+                    logits.index_put_(masked, logits.new_full((), _NEG_INF))  # (a device value: no sync)
+                tokens = _argmax(logits)
+                with torch.inference_mode():
+                    logits.index_put_(masked, kept)
         else:
             tokens = torch.empty(n, dtype=torch.int64, device=logits.device)
         if rows is not None:

@@ -55,7 +55,7 @@ class VocabShards:
         got the same tokens by construction: plain greedy rows without logprobs take :meth:`argmax` (every rank picks
         from the same exchanged bits, so the leader's broadcast is not needed); anything else samples the gathered
         logits."""
-        if batch.rows is None and not batch.want_logprobs:
+        if batch.rows is None and batch.masked_at is None and not batch.want_logprobs:
             return self.argmax(local), None, True
         return *sampler(self.gather(local), batch), False
 
