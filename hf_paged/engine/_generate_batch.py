@@ -133,7 +133,7 @@ def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, give
     except ValueError as exc:
         raise ValueError(f"continuous_batching_config: {exc}") from None
     if config.num_blocks is None:
-        needed = _workload_blocks(model, inputs, gc, config.cache_config)
+        needed = workload_blocks(model, inputs, gc, config.cache_config)
     if not persistent and config.cuda_graphs is True and not isinstance(given, EngineConfig):
         # This engine serves this call only: it never runs more sequences at once than the call has, and it
         # captures on every call (each size costs a traced forward, ~25 ms for a 1B model), so it captures that
@@ -175,7 +175,7 @@ def _copies(model, gc: GenerationConfig) -> int:
     return resolve_generation_config(gc, getattr(model, "generation_config", None)).num_return_sequences or 1
 
 
-def _workload_blocks(model, inputs, gc: GenerationConfig, config: CacheConfig) -> int:
+def workload_blocks(model, inputs, gc: GenerationConfig, config: CacheConfig) -> int:
     """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
     block_size = config.block_size
     resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))

@@ -1,4 +1,5 @@
-"""Start ``hf-paged serve`` on the embedded model in a subprocess on a free loopback port, and always stop it."""
+"""Start ``hf-paged serve`` (with the flags given: tests pass ``--model tiny``) in a subprocess on a free loopback port,
+and always stop it."""
 
 from __future__ import annotations
 

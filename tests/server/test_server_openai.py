@@ -27,7 +27,7 @@ pytestmark = pytest.mark.slow  # a server subprocess
 
 MODEL = "hf-paged-tiny"
 NUM_BLOCKS, MAX_SEQS, MAX_QUEUED = 96, 32, 8  # a 1536-token cache, below the model's 2048 positions
-FLAGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED))
+FLAGS = ("--model", "tiny", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED))
 TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
@@ -39,7 +39,7 @@ def server():
 
 @pytest.fixture(scope="module")
 def engine():
-    model, tokenizer = load_model(None, "cpu", None, 0)  # the server's model: seed 0
+    model, tokenizer = load_model("tiny", "cpu", None, 0)  # the server's model: seed 0
     return Engine(model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, tokenizer=tokenizer)
 
 
@@ -257,7 +257,7 @@ def test_metrics_parse_as_prometheus_text(server, client):
 
 def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
     # A request far longer than the 1 s of grace (2,000 tokens: the embedded model's position limit is 2,048)
-    with running_server("--num-blocks", "160", "--shutdown-timeout", "1") as (url, proc):
+    with running_server("--model", "tiny", "--num-blocks", "160", "--shutdown-timeout", "1") as (url, proc):
         body = {"model": MODEL, "prompt": "endless", "max_tokens": 2000, "temperature": 0, "stream": True}
         seen: list[str] = []
 
