@@ -1,0 +1,115 @@
+"""How much an fp8 KV cache changes a real model's predictions, teacher-forced on the model's own continuation.
+
+Each chat prompt gets a greedy continuation of ``--new-tokens`` tokens from the engine with the model-dtype cache
+(EOS masked, so every continuation has its full length): the reference. Then prompt and reference go through the
+model twice on a ``PagedAttentionCache``, once with the model-dtype pool and once with the fp8 one (e4m3, a scale per
+layer and KV head): the prompt as one prefill, which fixes the fp8 scales as serving would, then the whole
+continuation as a second chunk, every query of which reads its context from the pool (the torch backend gathers the
+written K/V back, quantized, even for the chunk's own tokens), as a decode step would. At each continuation position
+it compares the two runs: whether their top-1 tokens agree, and the absolute difference of the log-probability each
+gives the reference token.
+
+    python benchmarks/fp8_kv_quality.py                          # SmolLM2-135M-Instruct on the CPU, 8 x 256 positions
+    python benchmarks/fp8_kv_quality.py --model DIR --device cuda --json out.json
+
+Where a GPU's own backends serve fp8 (flash, cuda), this script still measures the storage format on the torch
+backend: it is the oracle those kernels are tested against.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+from transformers import GenerationConfig
+
+import hf_paged
+from hf_paged.cli.default_model import load_model
+
+PROMPTS = [
+    "Write a long story about a lighthouse keeper who finds a message in a bottle.",
+    "Explain in detail how a refrigerator keeps food cold.",
+    "Describe a walk through a busy market in Marrakech, with its sounds and smells.",
+    "Give a step-by-step recipe for baking bread at home, and explain each step.",
+    "Write a letter to a friend about your first week at a new job.",
+    "Explain the water cycle to a ten-year-old, with examples.",
+    "Tell the history of the bicycle, from its invention to today.",
+    "Write an essay on why people enjoy music.",
+]
+
+
+def chat_ids(tokenizer, prompt: str) -> list[int]:
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def reference(model, tokenizer, prompts: list[list[int]], new_tokens: int) -> list[list[int]]:
+    """Greedy continuations on the model-dtype cache, exactly ``new_tokens`` long."""
+    engine = hf_paged.Engine(model, tokenizer=tokenizer,
+                             num_blocks=len(prompts) * -(-(max(map(len, prompts)) + new_tokens) // 16))
+    config = GenerationConfig(max_new_tokens=new_tokens, min_new_tokens=new_tokens, do_sample=False)
+    return [o.token_ids for o in engine.generate(prompts, config)]
+
+
+@torch.no_grad()
+def continuation_logprobs(model, prompt: list[int], continuation: list[int], kv_cache_dtype: str | None):
+    """Log-probabilities [len(continuation), vocab] of each continuation position, teacher-forced, with the KV cache
+    in ``kv_cache_dtype`` (prompt prefilled first, then the continuation as one chunk reading the pool)."""
+    total = len(prompt) + len(continuation)
+    cache = hf_paged.PagedAttentionCache(model.config, num_blocks=-(-total // 16), block_size=16, device=model.device,
+                                         dtype=model.dtype, kv_cache_dtype=kv_cache_dtype)
+    ids = torch.tensor([prompt + continuation], device=model.device)
+    first = model(**hf_paged.with_cache(model, cache, input_ids=ids[:, : len(prompt)],
+                                        attention_mask=torch.ones_like(ids[:, : len(prompt)])))
+    rest = model(**hf_paged.with_cache(model, cache, input_ids=ids[:, len(prompt) : -1],
+                                       attention_mask=torch.ones_like(ids[:, :-1])))
+    logits = torch.cat([first.logits[0, -1:], rest.logits[0]]).float()
+    return torch.log_softmax(logits, dim=-1)
+
+
+def measure(model, tokenizer, prompts: list[str], new_tokens: int) -> dict:
+    """Top-1 agreement and mean absolute log-probability difference of fp8 against the model-dtype KV cache."""
+    ids = [chat_ids(tokenizer, p) for p in prompts]
+    refs = reference(model, tokenizer, ids, new_tokens)
+    agree, diffs, ref_top1 = [], [], []
+    for prompt, ref in zip(ids, refs):
+        base = continuation_logprobs(model, prompt, ref, None)
+        fp8 = continuation_logprobs(model, prompt, ref, "fp8")
+        target = torch.tensor(ref, device=base.device)[:, None]
+        agree.append(base.argmax(-1) == fp8.argmax(-1))
+        ref_top1.append(base.argmax(-1) == target[:, 0])
+        diffs.append((base.gather(-1, target) - fp8.gather(-1, target)).abs()[:, 0])
+    agree, diffs, ref_top1 = torch.cat(agree), torch.cat(diffs), torch.cat(ref_top1)
+    return {
+        "positions": agree.numel(),
+        "top1_agreement": agree.float().mean().item(),
+        "mean_abs_logprob_diff": diffs.mean().item(),
+        "max_abs_logprob_diff": diffs.max().item(),
+        "model_dtype_top1_is_reference": ref_top1.float().mean().item(),
+    }
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", default="smollm2", help="smollm2, tiny or a local checkpoint directory")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--new-tokens", type=int, default=256, help="continuation length per prompt")
+    parser.add_argument("--json", help="write the result here too")
+    args = parser.parse_args(argv)
+    model, tokenizer = load_model(args.model, args.device)
+    start = time.perf_counter()
+    result = measure(model, tokenizer, PROMPTS, args.new_tokens)
+    result.update(model=args.model, device=args.device, dtype=str(model.dtype), torch=torch.__version__,
+                  seconds=round(time.perf_counter() - start, 1))
+    print(json.dumps(result, indent=2))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+    return result
+
+
+if __name__ == "__main__":
+    main()
