@@ -9,7 +9,7 @@ written K/V back, quantized, even for the chunk's own tokens), as a decode step 
 it compares the two runs: whether their top-1 tokens agree, and the absolute difference of the log-probability each
 gives the reference token.
 
-    python benchmarks/fp8_kv_quality.py                          # SmolLM2-135M-Instruct on the CPU, 8 x 256 positions
+    python benchmarks/fp8_kv_quality.py                          # SmolLM2-135M-Instruct on the CPU, 16 x 128 positions
     python benchmarks/fp8_kv_quality.py --model DIR --device cuda --json out.json
 
 Where a GPU's own backends serve fp8 (flash, cuda), this script still measures the storage format on the torch
@@ -37,6 +37,14 @@ PROMPTS = [
     "Explain the water cycle to a ten-year-old, with examples.",
     "Tell the history of the bicycle, from its invention to today.",
     "Write an essay on why people enjoy music.",
+    "Describe how to plant and care for a vegetable garden.",
+    "Write a story about a cat who learns to play the piano.",
+    "Explain how airplanes stay in the air.",
+    "Describe your perfect holiday, day by day.",
+    "Write a speech for the opening of a new library.",
+    "Explain what a computer does when you press a key.",
+    "Tell a fairy tale about a dragon and a baker.",
+    "Give advice to a student starting university.",
 ]
 
 
@@ -96,7 +104,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", default="smollm2", help="smollm2, tiny or a local checkpoint directory")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--new-tokens", type=int, default=256, help="continuation length per prompt")
+    parser.add_argument("--new-tokens", type=int, default=128, help="continuation length per prompt")
     parser.add_argument("--json", help="write the result here too")
     args = parser.parse_args(argv)
     model, tokenizer = load_model(args.model, args.device)
