@@ -49,6 +49,50 @@ def chat_ids(tokenizer, messages: list[dict]) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
+def decode(tokenizer, ids: list[int]) -> str:
+    return tokenizer.decode(ids, skip_special_tokens=True)
+
+
+class Answer:
+    """A greedy answer: its tokens, its text, and where each token's text ends; the stop-string cases made of it."""
+
+    def __init__(self, tokenizer, prompt: list[int], tokens: list[int]):
+        self.prompt, self.tokens, self.text = prompt, tokens, decode(tokenizer, tokens)
+        self.ends = [len(decode(tokenizer, tokens[: i + 1])) for i in range(len(tokens))]
+
+    def token_text(self, k: int) -> str:
+        return self.text[self.ends[k - 1] : self.ends[k]]
+
+    def stops(self) -> dict[str, tuple[list[str], int]]:
+        """Stop-string cases and where in the text each stops it (the first occurrence of any of its strings)."""
+        k = next(k for k in range(2, len(self.tokens) - 2) if len(self.token_text(k).strip()) >= 3)
+        mid = self.text[self.ends[k - 1] + 1 : self.ends[k] + 2]  # from the token's second character into the next
+        j = next(j for j in range(k + 3, len(self.tokens) - 2) if self.token_text(j).strip())
+        two = self.text[self.ends[j - 1] : self.ends[j + 1]]  # two whole tokens: begins at a token boundary
+        assert self.text.find(mid) == self.ends[k - 1] + 1 and self.text.find(two) == self.ends[j - 1]
+        return {
+            "spans_two_tokens": ([two], self.ends[j - 1]),
+            "begins_mid_token": ([mid], self.ends[k - 1] + 1),
+            "several_at_once": (["no such text", two, mid], self.ends[k - 1] + 1),
+        }
+
+
+def assert_openai_stop(tokenizer, answer: Answer, text: str, token_ids: list[int], stop_at: int) -> None:
+    """OpenAI: the text is cut before the stop string; the tokens are the answer's up to the token in which the stop
+    string begins (so they cover the text, and no token lies wholly after its start)."""
+    assert text == answer.text[:stop_at]
+    assert token_ids == answer.tokens[: len(token_ids)]
+    assert decode(tokenizer, token_ids).startswith(text)
+    assert len(decode(tokenizer, token_ids[:-1])) <= stop_at
+
+
+def stop_token_counts(tokenizer, answer: Answer, stop_at: int) -> set[int]:
+    """The token counts :func:`assert_openai_stop` allows for a stop string that begins at ``stop_at``."""
+    text = answer.text[:stop_at]
+    return {n for n in range(len(answer.tokens) + 1) if decode(tokenizer, answer.tokens[:n]).startswith(text)
+            and len(decode(tokenizer, answer.tokens[: max(n - 1, 0)])) <= stop_at}
+
+
 class EagerOracle:
     """Greedy new tokens of ``model.generate`` with eager attention, one prompt at a time (memoized)."""
 

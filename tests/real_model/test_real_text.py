@@ -8,7 +8,17 @@ from __future__ import annotations
 import os
 
 import pytest
-from real_chats import CHATS, HANDBOOK, HANDBOOK_QUESTIONS, MULTI_BYTE_CHATS, NEW_TOKENS, chat_ids
+from real_chats import (
+    CHATS,
+    HANDBOOK,
+    HANDBOOK_QUESTIONS,
+    MULTI_BYTE_CHATS,
+    NEW_TOKENS,
+    Answer,
+    assert_openai_stop,
+    chat_ids,
+    decode,
+)
 from transformers import GenerationConfig
 
 import hf_paged
@@ -28,10 +38,6 @@ def engine(paged):
     return hf_paged.Engine(model, tokenizer=tokenizer, num_blocks=128, block_size=16)
 
 
-def decode(tokenizer, ids: list[int]) -> str:
-    return tokenizer.decode(ids, skip_special_tokens=True)
-
-
 def streamed(engine, prompt: list[int], config: GenerationConfig) -> tuple[str, list[int], str | None]:
     text, ids, reason = "", [], None
     for delta in engine.stream([prompt], config):
@@ -41,30 +47,6 @@ def streamed(engine, prompt: list[int], config: GenerationConfig) -> tuple[str, 
 
 # ----- stop strings ---------------------------------------------------------------------------------------------
 
-class Answer:
-    """The oracle's greedy answer to the "sea" chat: its tokens, its text, and where each token's text ends."""
-
-    def __init__(self, tokenizer, prompt: list[int], tokens: list[int]):
-        self.prompt, self.tokens, self.text = prompt, tokens, decode(tokenizer, tokens)
-        self.ends = [len(decode(tokenizer, tokens[: i + 1])) for i in range(len(tokens))]
-
-    def token_text(self, k: int) -> str:
-        return self.text[self.ends[k - 1] : self.ends[k]]
-
-    def stops(self) -> dict[str, tuple[list[str], int]]:
-        """Stop-string cases and where in the text each stops it (the first occurrence of any of its strings)."""
-        k = next(k for k in range(2, len(self.tokens) - 2) if len(self.token_text(k).strip()) >= 3)
-        mid = self.text[self.ends[k - 1] + 1 : self.ends[k] + 2]  # from the token's second character into the next
-        j = next(j for j in range(k + 3, len(self.tokens) - 2) if self.token_text(j).strip())
-        two = self.text[self.ends[j - 1] : self.ends[j + 1]]  # two whole tokens: begins at a token boundary
-        assert self.text.find(mid) == self.ends[k - 1] + 1 and self.text.find(two) == self.ends[j - 1]
-        return {
-            "spans_two_tokens": ([two], self.ends[j - 1]),
-            "begins_mid_token": ([mid], self.ends[k - 1] + 1),
-            "several_at_once": (["no such text", two, mid], self.ends[k - 1] + 1),
-        }
-
-
 @pytest.fixture(scope="module")
 def answer(tokenizer, oracle) -> Answer:
     prompt = chat_ids(tokenizer, CHATS["sea"])
@@ -72,15 +54,6 @@ def answer(tokenizer, oracle) -> Answer:
 
 
 ENGINE_BUG = pytest.mark.xfail(strict=True, reason="issue 37 item 2")
-
-
-def assert_openai_stop(tokenizer, answer: Answer, text: str, token_ids: list[int], stop_at: int) -> None:
-    """OpenAI: the text is cut before the stop string; the tokens are the answer's up to the token in which the stop
-    string begins (so they cover the text, and no token lies wholly after its start)."""
-    assert text == answer.text[:stop_at]
-    assert token_ids == answer.tokens[: len(token_ids)]
-    assert decode(tokenizer, token_ids).startswith(text)
-    assert len(decode(tokenizer, token_ids[:-1])) <= stop_at
 
 
 @pytest.mark.parametrize("case", [
