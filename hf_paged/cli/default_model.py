@@ -96,6 +96,16 @@ def choose_model(model: str | None = None, device: str | torch.device = "cpu") -
         return ModelChoice(TINY_NAME, None, torch.float32)
 
 
+def prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """The token ids of ``prompt``: as one user message through the tokenizer's chat template where it has one (a
+    chat model answers then), else of the plain text."""
+    if not getattr(tokenizer, "chat_template", None):
+        return list(tokenizer.encode(prompt))
+    text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}], tokenize=False,
+                                         add_generation_prompt=True)
+    return list(tokenizer.encode(text, add_special_tokens=False))
+
+
 def load_model(
     path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0,
     attn_implementation: str = "hf_paged",
