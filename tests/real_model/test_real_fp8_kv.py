@@ -1,6 +1,7 @@
 """fp8 KV cache quality on real text: SmolLM2's predictions over 2,048 generated positions (16 chat prompts x 128
-tokens), teacher-forced on the model-dtype cache's own greedy continuation, with the fp8 pool against the float32
-one (``benchmarks/fp8_kv_quality.py`` is the measurement; run it to see the numbers).
+tokens), teacher-forced on the float32 cache's own greedy continuation: how often the fp8 pool's most likely token
+is the one the float32 cache chose, and how far apart their log-probabilities of it are
+(``benchmarks/fp8_kv_quality.py`` is the measurement; run it to see the numbers).
 
 Measured on the CPU (torch 2.13, transformers 5.24): top-1 agreement 0.964, mean absolute log-probability difference
 of the reference token 0.051 (largest 1.2). The bounds below leave room for other torch and transformers versions,
@@ -31,7 +32,5 @@ def test_fp8_kv_cache_keeps_real_predictions_close(paged, record_property):
     result = fp8_kv_quality.measure(model, tokenizer, fp8_kv_quality.PROMPTS, new_tokens=128)
     record_property("fp8_kv_quality", result)
     assert result["positions"] >= 2000
-    # The teacher-forced model-dtype run reproduces the engine's own greedy choices: the comparison is sound.
-    assert result["model_dtype_top1_is_reference"] >= 0.99, result
     assert result["top1_agreement"] >= MIN_TOP1_AGREEMENT, result
     assert result["mean_abs_logprob_diff"] <= MAX_MEAN_ABS_LOGPROB_DIFF, result

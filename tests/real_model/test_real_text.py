@@ -73,22 +73,23 @@ def test_stop_strings_cut_the_text_and_the_tokens_as_openai_does(engine, tokeniz
 
 # ----- multi-byte text -------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("name", sorted(MULTI_BYTE_CHATS))
-def test_streamed_multi_byte_text_is_byte_identical_to_the_finished_text(engine, tokenizer, name):
-    prompt = chat_ids(tokenizer, MULTI_BYTE_CHATS[name])
+def test_streamed_multi_byte_text_is_byte_identical_to_the_finished_text(engine, tokenizer):
+    names = sorted(MULTI_BYTE_CHATS)
+    prompts = [chat_ids(tokenizer, MULTI_BYTE_CHATS[name]) for name in names]
     config = greedy(MULTI_BYTE_TOKENS)
-    [out] = engine.generate([prompt], config)
-    assert out.text == decode(tokenizer, out.token_ids)
-    assert any(ord(ch) > 127 for ch in out.text), out.text  # the chat does produce multi-byte text
-    text, ids, reason = streamed(engine, prompt, config)
-    assert text.encode("utf-8") == out.text.encode("utf-8")
-    assert (ids, reason) == (out.token_ids, out.finish_reason)
-
-
-def test_some_multi_byte_character_is_split_over_tokens(engine, tokenizer):
-    """The streaming test above means something: a character's bytes arrive in more than one token."""
-    outs = engine.generate([chat_ids(tokenizer, MULTI_BYTE_CHATS[name]) for name in sorted(MULTI_BYTE_CHATS)],
-                           greedy(MULTI_BYTE_TOKENS))
+    outs = engine.generate(prompts, config)
+    engine.add_requests(prompts, config, request_ids=names)
+    texts, ids, reasons = dict.fromkeys(names, ""), {n: [] for n in names}, dict.fromkeys(names)
+    for delta in engine.stream():  # one stream of all three, their deltas interleaved
+        texts[delta.request_id] += delta.text or ""
+        ids[delta.request_id] += delta.token_ids
+        reasons[delta.request_id] = delta.finish_reason or reasons[delta.request_id]
+    for name, out in zip(names, outs, strict=True):
+        assert out.text == decode(tokenizer, out.token_ids)
+        assert any(ord(ch) > 127 for ch in out.text), out.text  # the chat does produce multi-byte text
+        assert texts[name].encode("utf-8") == out.text.encode("utf-8")
+        assert (ids[name], reasons[name]) == (out.token_ids, out.finish_reason)
+    # and the comparison means something: some character's bytes arrive in more than one token
     assert any("\ufffd" in decode(tokenizer, [t]) for out in outs for t in out.token_ids)
 
 
@@ -104,8 +105,8 @@ def test_prefix_caching_on_a_shared_system_prompt_gives_the_same_tokens_and_hits
     for caching in (False, True):
         engine = hf_paged.Engine(model, tokenizer=tokenizer, num_blocks=128, block_size=16,
                                  enable_prefix_caching=caching)
-        first = engine.generate(prompts[:1], greedy())  # its blocks are cached when it is done
-        rest = engine.generate(prompts[1:], greedy())
+        first = engine.generate(prompts[:1], greedy(12))  # its blocks are cached when it is done
+        rest = engine.generate(prompts[1:], greedy(12))
         tokens[caching] = [o.token_ids for o in first + rest]
         hits = engine.stats()["prefix_cache_hit_tokens"]
         assert hits >= (len(prompts) - 1) * (shared // 16 * 16) if caching else hits == 0
