@@ -1,6 +1,6 @@
 """Grouped bars of an end-to-end result file: output tokens/s per workload and system, and batch-1 decode latency.
 
-    python benchmarks/plot_e2e.py docs/e2e.json [more.json ...] --out docs/e2e.png
+    python benchmarks/plot_e2e.py results.json [more.json ...] --out results.png
 
 Several files are merged as ``e2e_throughput.py --merge`` does. Failed or skipped runs get no bar.
 """

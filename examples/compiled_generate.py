@@ -1,7 +1,7 @@
 """Plain `model.generate` with compiled decode steps on a paged KV cache, then `hf_paged.optimize_generate`.
 
 Give `PagedAttentionCache` the call's `max_new_tokens` and transformers' `generate` compiles its decode step by itself
-(on CUDA, with CUDA graphs); `hf_paged.optimize_generate(model)` makes that step leaner (docs/generate.md). Both
+(on CUDA, with CUDA graphs); `hf_paged.optimize_generate(model)` makes that step leaner (docs/guides/cache.md). Both
 are checked against the eager paged run.
 
 Runs on a CPU on SmolLM2-135M-Instruct (fetched and converted once on first use; the tiny random-init model, with a
@@ -40,7 +40,7 @@ greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=
 
 def run(label: str, **cache_kwargs) -> torch.Tensor:
     if device == "cpu" and "max_new_tokens" in cache_kwargs:
-        cache_kwargs["compileable"] = True  # fixed-shape decode steps off CUDA too (see docs/cache.md)
+        cache_kwargs["compileable"] = True  # fixed-shape decode steps off CUDA too (see docs/guides/cache.md)
     cache = hf_paged.PagedAttentionCache(model.config, num_blocks=256, block_size=16, device=device,
                                          dtype=model.dtype, **cache_kwargs)
     for call in ("first call", "second call"):  # a compiled path compiles in its first call

@@ -67,6 +67,10 @@ buffer_ptrs, rank, world_size, buffer_size)                                     
 DTensor._local_tensor                                       moving a rank's q/k/v        parallel/_linears.py:
                                                             shards into one buffer       dtensor_local_tensor
 
+Tensor._version (the version counter of a tensor)          whether the model's weights  engine/_core.py:
+                                                            changed in place since the   version_sum
+                                                            KV was computed
+
 torch.ops.aten._flash_attention_forward                     torch's own varlen FA2,      bench/_prefill.py:
                                                             timed beside hf_paged's      flash_attention_forward
                                                             prefill
@@ -114,6 +118,7 @@ import contextlib
 import functools
 import hashlib
 import logging
+import operator
 import re
 import warnings
 from collections.abc import Callable
@@ -130,7 +135,7 @@ __all__ = [
     "dtensor_local_tensor", "dynamo_config_patch", "enable_symmetric_memory", "flash_attention_forward",
     "get_hash_for_files", "has_dynamo_option", "inductor_has_option", "mark_static_address", "model_from_config",
     "no_duck_shaping", "resolve_process_group", "same_storage", "set_compile_all_devices", "symmetric_empty",
-    "symmetric_rendezvous", "user_defined_flag_from",
+    "symmetric_rendezvous", "user_defined_flag_from", "version_sum",
 ]
 
 
@@ -411,6 +416,20 @@ def dtensor_local_tensor(tensor) -> torch.Tensor | None:
     return getattr(tensor, "_local_tensor", None)
 
 
+def version_sum(tensors: list[torch.Tensor]) -> int:
+    """The sum of the tensors' version counters: it grows whenever one of them is changed in place.
+
+    Symbol: ``torch.Tensor._version``, which every in-place op on a tensor (or a view of it) raises by one, autograd
+    on or off: an optimizer step, ``load_state_dict``, ``param.copy_(...)`` under ``no_grad``; not a write through
+    ``param.data``, which has a counter of its own. The engine compares the sum over the model's parameters with the
+    one its KV was computed under, once per step (a C-speed sum: ~0.1 us a tensor), and forgets the KV computed with
+    weights that have changed since (``engine/_core.py``). Checked on torch 2.11 and 2.13."""
+    return sum(map(_VERSION, tensors))
+
+
+_VERSION = operator.attrgetter("_version")
+
+
 # ===== torch: ops ===================================================================================================
 
 def flash_attention_forward():
@@ -488,7 +507,7 @@ def attn_implementation(config) -> str | None:
 PRIVATE_ATTRIBUTES = (
     "_attn_implementation", "_compile_all_devices", "_compiled_call", "_from_config", "_get_default_generation_params",
     "_hf_hook", "_is_user_defined", "_last_compile_config", "_local_tensor", "_resolve_process_group",
-    "_symmetric_memory", "_flash_attention_forward",
+    "_symmetric_memory", "_flash_attention_forward", "_version",
 )
 
 

@@ -5,6 +5,9 @@ these choices as arguments.
 =============================  ==========================================  =============================================
 variable                       values (default first)                      what it does
 =============================  ==========================================  =============================================
+``HF_PAGED_API_KEY``           unset, or a key                             the API key ``hf-paged serve`` requires on
+                                                                            its ``/v1`` routes when ``--api-key`` is
+                                                                            not given
 ``HF_PAGED_BACKEND``           unset, or a comma list of ``flash``,         the attention backends tried, in this order,
                                ``cuda``, ``torch``                          where the caller names none
 ``HF_PAGED_CACHE``             ``$XDG_CACHE_HOME/hf_paged/kernels``         where the JIT-built CUDA kernels are kept
@@ -32,6 +35,7 @@ import functools
 import os
 from pathlib import Path
 
+API_KEY = "HF_PAGED_API_KEY"
 BACKEND = "HF_PAGED_BACKEND"
 CACHE = "HF_PAGED_CACHE"
 KERNEL_TRACE = "HF_PAGED_KERNEL_TRACE"
@@ -39,13 +43,19 @@ TP_ALL_REDUCE = "HF_PAGED_TP_ALL_REDUCE"
 TP_TIMEOUT_S = "HF_PAGED_TP_TIMEOUT_S"
 
 #: Every variable read here (the docs and the tests check the table above against it).
-VARIABLES = (BACKEND, CACHE, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
+VARIABLES = (API_KEY, BACKEND, CACHE, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
 TP_ALL_REDUCE_CHOICES = ("hf_paged", "nccl")
 
 
 def _value(name: str) -> str | None:
     value = os.environ.get(name)
     return None if value is None or value.strip() == "" else value.strip()
+
+
+@functools.cache
+def api_key() -> str | None:
+    """``HF_PAGED_API_KEY``: the key ``hf-paged serve`` requires when ``--api-key`` is not given, or None."""
+    return _value(API_KEY)
 
 
 @functools.cache
@@ -115,5 +125,5 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 def refresh() -> None:
     """Forget the values read so far: the next use of each reads the environment again."""
-    for read in (backend, kernel_cache_dir, model_cache_dir, kernel_trace, tp_all_reduce, tp_timeout_s):
+    for read in (api_key, backend, kernel_cache_dir, model_cache_dir, kernel_trace, tp_all_reduce, tp_timeout_s):
         read.cache_clear()

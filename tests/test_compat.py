@@ -274,6 +274,26 @@ def test_dtensor_local_tensor_is_the_storage_to_local_views(single_process_group
 
 # ===== torch: ops ===================================================================================================
 
+def test_version_sum_grows_with_every_in_place_change_of_a_weight_and_only_then():
+    model = torch.nn.Linear(4, 4)
+    params = list(model.parameters())
+    before = _compat.version_sum(params)
+    require(isinstance(before, int), "torch.Tensor._version", "every tensor has an integer version counter")
+    with torch.no_grad():
+        model(torch.ones(2, 4)), params[0].sum(), params[0].clone().add_(1)  # reads, and a copy's change
+    require(_compat.version_sum(params) == before, "torch.Tensor._version", "reads leave the counter alone")
+    changes = [lambda: model.load_state_dict({k: v + 1 for k, v in model.state_dict().items()}),
+               lambda: torch.optim.SGD(model.parameters(), lr=0.1).step(),
+               lambda: params[0].copy_(torch.zeros(4, 4)), lambda: params[1][0:2].mul_(2)]  # a view's change too
+    for change in changes:
+        model(torch.ones(2, 4)).sum().backward()
+        last = _compat.version_sum(params)
+        with torch.no_grad():
+            change()
+        require(_compat.version_sum(params) > last, "torch.Tensor._version",
+                "load_state_dict, an optimizer step and in-place ops (on a view too) raise the counter")
+
+
 def test_flash_attention_forward_takes_what_the_benchmark_passes():
     schema = _compat.flash_attention_forward().default._schema
     names = [a.name for a in schema.arguments]

@@ -1,7 +1,7 @@
-"""The package's ``HF_PAGED_*`` switches are read in one place, ``hf_paged/envs.py``, and documented there and in the
-README: no other module reads the environment for one, the C++ kernels read no environment at all (a choice they need
-comes as an argument of the op), and ``envs.VARIABLES``, envs.py's docstring table and the README's table list the
-same variables. The scans are checked on planted violations too, so that a scan that finds nothing cannot pass."""
+"""The package's ``HF_PAGED_*`` switches are read in one place, ``hf_paged/envs.py``, and documented there and in
+``docs/guides/configuration.md``: no other module reads the environment for one, the C++ kernels read no environment
+at all (a choice they need comes as an argument of the op), and ``envs.VARIABLES``, envs.py's docstring table and the
+guide's table (generated from that docstring by ``docs/tables.py``) list the same variables. The scans are checked on planted violations too, so that a scan that finds nothing cannot pass."""
 
 from __future__ import annotations
 
@@ -41,9 +41,10 @@ def docstring_variables() -> list[str]:
     return re.findall(r"^``(HF_PAGED_[A-Z0-9_]+)``", envs.__doc__, flags=re.MULTILINE)
 
 
-def readme_variables() -> list[str]:
-    """The variables of the README's "Environment variables" table, in order."""
-    text = (ROOT / "README.md").read_text().split("## Environment variables", 1)[1].split("\n## ", 1)[0]
+def guide_variables() -> list[str]:
+    """The variables of the configuration guide's "Environment switches" table, in order."""
+    text = (ROOT / "docs" / "guides" / "configuration.md").read_text()
+    text = text.split("## Environment switches", 1)[1].split("\n## ", 1)[0]
     return re.findall(r"^\| `(HF_PAGED_[A-Z0-9_]+)` \|", text, flags=re.MULTILINE)
 
 
@@ -56,10 +57,10 @@ def test_the_kernels_read_no_environment():
     assert cpp_readers(CSRC) == [], "pass the choice to the op as an argument instead"
 
 
-def test_envs_reads_exactly_the_variables_its_docstring_and_the_readme_list():
+def test_envs_reads_exactly_the_variables_its_docstring_and_the_guide_list():
     assert len(set(envs.VARIABLES)) == len(envs.VARIABLES)
     assert docstring_variables() == list(envs.VARIABLES)
-    assert readme_variables() == list(envs.VARIABLES)
+    assert guide_variables() == list(envs.VARIABLES)
     # and envs.py names no HF_PAGED_ variable outside that list (a read without a VARIABLES entry)
     named = set(re.findall(r"""["'](HF_PAGED_[A-Z0-9_]+)["']""", ENVS.read_text()))
     assert named == set(envs.VARIABLES)

@@ -113,6 +113,15 @@ class BlockManager:
                 self._block_key[block] = (key, parent, tokens)
             seq.last_block_hash, seq.num_hashed_blocks = key, i + 1
 
+    def reset_prefix_cache(self) -> int:
+        """Make no block findable any more (the KV in the pool was computed with weights that have changed since);
+        returns how many were. Sequences holding blocks must be freed first: their later blocks would register under
+        keys chained to the forgotten ones."""
+        findable = len(self._key_to_block)
+        self._key_to_block.clear()
+        self._block_key.clear()
+        return findable
+
     def _allocate(self, n: int) -> list[int]:
         blocks = self.allocator.allocate(n)
         for b in blocks:  # these blocks get new content: their old prefix-cache keys are stale

@@ -17,6 +17,8 @@ from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget
 from hf_paged.cache._kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 
 MAX_BLOCK_SIZE = 1024
+#: Token slots a pool may hold: slot ids (``block * block_size + offset``) are int32.
+MAX_SLOTS = 2**31 - 1
 DEFAULT_MEMORY_BUDGET = 0.8
 #: Sequences of the model's full length an automatically sized pool holds at most (an engine: its max_num_seqs).
 DEFAULT_POOL_SEQUENCES = 256
@@ -59,6 +61,9 @@ class CacheConfig:
         positive_int("block_size", self.block_size)
         if self.block_size > MAX_BLOCK_SIZE:
             raise ValueError(f"block_size must be an integer in [1, {MAX_BLOCK_SIZE}], got {self.block_size!r}")
+        if self.num_blocks is not None and self.num_blocks > MAX_SLOTS // self.block_size:
+            raise ValueError(f"num_blocks={self.num_blocks} of {self.block_size} tokens is more token slots than a pool "
+                             f"holds (2**31 - 1, int32 slot ids): give at most {MAX_SLOTS // self.block_size} blocks")
         budget = self.memory_budget
         if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
             raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, got {budget!r}")
@@ -77,7 +82,8 @@ class CacheConfig:
         if self.num_blocks is not None:
             return self.num_blocks
         kv_dtype = kv_storage_dtype(self.kv_cache_dtype, dtype)
-        return min(cap, blocks_for_budget(layout, self.block_size, kv_dtype, devices, self.memory_budget))
+        fits = blocks_for_budget(layout, self.block_size, kv_dtype, devices, self.memory_budget)
+        return min(cap, fits, MAX_SLOTS // self.block_size)
 
     def blocks_for(self, sequences: int, tokens: int) -> int:
         """Blocks that hold ``sequences`` sequences of ``tokens`` tokens."""

@@ -54,6 +54,31 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def total_memory_bytes(device: torch.device) -> int | None:
+    """All the memory of ``device`` (device memory for CUDA, physical memory for CPU); None where unknown."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory
+    if device.type == "cpu" and hasattr(os, "sysconf"):
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    return None
+
+
+def check_pool_fits(layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                    layer_devices: Sequence[torch.device]) -> None:
+    """Refuse a pool larger than the memory of a device its layers are on (before anything is allocated: a pool of
+    ``10**11`` blocks would otherwise fill memory for minutes before it fails)."""
+    per_layer = layout.bytes_per_block(block_size, dtype) // layout.num_layers * num_blocks
+    counts: dict[torch.device, int] = {}
+    for d in layer_devices:
+        counts[torch.device(d)] = counts.get(torch.device(d), 0) + 1
+    for device, layers in counts.items():
+        total = total_memory_bytes(device)
+        if total is not None and per_layer * layers > total:
+            raise ValueError(f"num_blocks={num_blocks} would take {per_layer * layers / 2**30:.1f} GiB of KV cache on "
+                             f"{device}, which has {total / 2**30:.1f} GiB in all; give fewer blocks, or "
+                             "num_blocks=None to size the pool from free memory")
+
+
 def blocks_for_budget(
     layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device], budget: int | float
 ) -> int:
@@ -100,6 +125,7 @@ class KVPool:
     ):
         if len(layer_devices) != layout.num_layers:
             raise ValueError(f"need one device per layer ({layout.num_layers}), got {len(layer_devices)}")
+        check_pool_fits(layout, num_blocks, block_size, dtype, layer_devices)
         self.layout = layout
         self.block_size = block_size
         self.dtype = dtype

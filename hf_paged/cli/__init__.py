@@ -2,13 +2,17 @@
 OpenAI-compatible server), ``build-kernels`` and ``bench kernels``.
 
 Errors: a bad flag, file, checkpoint or request is reported in one line on stderr with exit status 2 (argparse's
-convention); anything else unexpected is one line and status 1, with the traceback under ``--verbose``.
+convention); anything else unexpected is one line and status 1, with the traceback under ``--verbose``. Output
+closed early (``| head``) ends quietly with status 141, as SIGPIPE ends other tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import io
 import logging
+import os
+import sys
 import traceback
 
 import torch
@@ -21,7 +25,7 @@ from hf_paged.cli._arguments import Parser, exit_with, flags_for_parameters
 
 EXIT_STATUS = ("exit status: 0 done; 1 some requests failed, or the run could not complete (one line on stderr; "
                "--verbose adds the traceback); 2 bad input (a flag, file, checkpoint or prompt), named in one line "
-               "on stderr")
+               "on stderr; 130 interrupted; 141 the output was closed early (as '| head' does), quietly")
 
 
 def build_parser(prog: str = "hf-paged") -> Parser:
@@ -32,6 +36,16 @@ def build_parser(prog: str = "hf-paged") -> Parser:
     serve.add_parser(sub, epilog=EXIT_STATUS)
     kernels.add_parsers(sub, epilog=EXIT_STATUS)
     return parser
+
+
+def _drop_stdout() -> None:
+    """Point stdout at the null device, so that the flush at exit does not fail (and print) again."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, io.UnsupportedOperation):  # (no file descriptor behind it: nothing to flush)
+        pass
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
@@ -65,6 +79,9 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
                                     "--max-batch-tokens, or run on a larger device", status=1)
     except KeyboardInterrupt:
         return exit_with(args.prog, "interrupted", status=130)
+    except BrokenPipeError:  # the reader of the output left (| head): end quietly, as SIGPIPE ends other tools
+        _drop_stdout()
+        return 141
     except Exception as exc:
         if verbose:
             raise

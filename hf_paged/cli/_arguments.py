@@ -78,6 +78,8 @@ def _checked(parse: Callable[[str], T], ok: Callable[[T], bool], rule: str) -> C
 positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(_float, lambda v: v >= 0, ">= 0")
+positive_float = _checked(_float, lambda v: v > 0, "> 0")
+port = _checked(_int, lambda v: 1 <= v <= 65535, "a positive integer up to 65535 (a TCP port)")
 probability = _checked(_float, lambda v: 0 < v <= 1, "in (0, 1] (1 = off)")
 
 
@@ -139,6 +141,21 @@ def kv_cache_dtype(text: str) -> str | None:
 def prompt(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")
+    try:
+        return utf8_text(text, "a prompt")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def utf8_text(text: str, source: str) -> str:
+    """``text`` if UTF-8 can encode it; else ``ValueError`` naming ``source``. Bytes that are not UTF-8 reach Python
+    as lone surrogates (the command line's arguments, and text streams under the C locale)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
+        raise ValueError(f"{source} is not UTF-8 text ({what} at character {exc.start}); give UTF-8 text") from None
     return text
 
 
@@ -149,12 +166,7 @@ def prompts_file(path: str) -> list[str]:
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
     try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise argparse.ArgumentTypeError(f"{path!r} is not UTF-8 text (byte {data[exc.start]:#04x} at offset "
-                                         f"{exc.start}); give a text file with one prompt per line") from None
-    try:
-        return prompt_lines(text, repr(path))
+        return prompt_lines(utf8_bytes(data, repr(path)), repr(path))
     except ValueError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
@@ -199,6 +211,15 @@ def flags_for_parameters(message: str, args: argparse.Namespace) -> str:
         if "_" in dest:
             message = re.sub(rf"\b{dest}\b", "--" + dest.replace("_", "-"), message)
     return message
+
+
+def utf8_bytes(data: bytes, source: str) -> str:
+    """``data`` decoded as UTF-8; else ``ValueError`` naming ``source`` and the first byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); give "
+                         "UTF-8 text, one prompt per line") from None
 
 
 def exit_with(prog: str, message: object, status: int = 2) -> int:

@@ -30,6 +30,8 @@ from hf_paged.cli._arguments import (
     prompt,
     prompt_lines,
     prompts_file,
+    utf8_bytes,
+    utf8_text,
 )
 from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
 from hf_paged.engine import Engine, EngineConfig, workload_blocks
@@ -103,13 +105,29 @@ def run(args: argparse.Namespace) -> int:
             raise
         raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
     log_setup(args, model, engine, len(prompts))
+    check_lengths(engine, ids)
     start = time.perf_counter()
     outputs = engine.generate(ids, gen_config, progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
     for text, out in list(zip(prompts, outputs))[: args.show]:
-        print(f"{text!r} -> {out.text!r} [{out.finish_reason}]")
+        print(f"{clip(text)!r} -> {out.text!r} [{out.finish_reason}]")
     print_summary(args, engine.stats(), outputs, elapsed)
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
+
+
+def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
+    """``ValueError`` (exit status 2) naming, never echoing, the first prompt too long for the model's positions or
+    the KV cache, before anything runs."""
+    limit = engine.max_prompt_tokens
+    for i, p in enumerate(ids, 1):
+        if len(p) > limit:
+            raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most {limit} tokens "
+                             "(the model's positions, and the KV cache: num_blocks x block_size); shorten it")
+
+
+def clip(text: str, width: int = 60) -> str:
+    """``text`` as a summary line shows it: at most ``width`` characters."""
+    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def load(args: argparse.Namespace):
@@ -145,11 +163,13 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 
 def read_stdin() -> list[str]:
-    try:
-        text = sys.stdin.read()
-    except UnicodeDecodeError as exc:
-        raise ValueError(f"stdin ('-') is not UTF-8 text ({exc.reason} at offset {exc.start})") from None
-    return prompt_lines(text, "stdin ('-')")
+    """The prompts on stdin, read as bytes and decoded as UTF-8 whatever the locale (a text stream under the C
+    locale would pass bytes that are not UTF-8 on as lone surrogates)."""
+    source = "stdin ('-')"
+    stream = getattr(sys.stdin, "buffer", sys.stdin)
+    data = stream.read()
+    text = utf8_bytes(data, source) if isinstance(data, bytes) else utf8_text(data, source)
+    return prompt_lines(text, source)
 
 
 def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, num_prompts: int) -> None:

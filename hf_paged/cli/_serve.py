@@ -2,20 +2,38 @@
 ``/health``, ``/metrics``) on SmolLM2-135M-Instruct (chat with its own template), the tiny random-init model
 (``--model tiny``) or ``--model PATH``, under uvicorn.
 
-SIGTERM or Ctrl-C stops accepting connections, lets in-flight requests finish for ``--shutdown-timeout`` seconds,
-then aborts the rest and stops the engine.
+The port is bound before the model is loaded, so a port that is taken or invalid is one line on stderr (exit 2)
+before anything says it is serving. SIGTERM or Ctrl-C stops accepting connections and lets in-flight requests finish
+for ``--shutdown-timeout`` seconds; those still running then are answered 503 (streams end with an error event), and
+the engine stops. If the engine's thread ever dies, the server stops at once and exits with status 1, for a
+supervisor to restart it.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
+import socket
 from pathlib import Path
 
-from hf_paged.cli._arguments import exit_with, model, non_negative_float, non_negative_int, positive_int
+from hf_paged import envs
+from hf_paged.cli._arguments import (
+    exit_with,
+    model,
+    non_negative_float,
+    non_negative_int,
+    positive_float,
+    positive_int,
+    port,
+)
 from hf_paged.cli._generate import MODEL_HELP, add_engine_arguments, engine_settings, load
+from hf_paged.engine import Engine
+from hf_paged.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT, create_app
+from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 
 logger = logging.getLogger("hf_paged")
+SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
 
 
 def add_parser(subparsers, epilog: str | None = None) -> None:
@@ -29,13 +47,24 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
                    help="the model name clients send (default: SmolLM2-135M-Instruct, hf-paged-tiny or the "
                         "checkpoint's folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    p.add_argument("--port", type=positive_int, default=8000, help="port to listen on")
+    p.add_argument("--port", type=port, default=8000, help="port to listen on")
+    p.add_argument("--api-key", metavar="KEY",
+                   help=f"require 'Authorization: Bearer KEY' on the /v1 routes (default: ${envs.API_KEY}, else "
+                        "none)")
+    p.add_argument("--allowed-hosts", type=_host_list, metavar="H1,H2",
+                   help="Host header names requests may be addressed to, or '*' for any (default: loopback names "
+                        "when --host is loopback and there is no API key, against DNS rebinding; else any)")
+    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+                   help="larger request bodies are refused with 413 before they are read")
+    p.add_argument("--read-timeout", type=positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+                   help="a client that sends no part of its request body for S seconds gets 408; one whose "
+                        "request line and headers are not in S seconds after it connects is disconnected")
     p.add_argument("--max-queued-requests", type=non_negative_int, default=256, metavar="N",
                    help="sequences that may wait beyond --max-num-seqs running ones; more are answered 429")
     p.add_argument("--chat-template", metavar="FILE", type=_template_file,
                    help="Jinja chat template to use instead of the tokenizer's")
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
-                   help="on SIGTERM, seconds in-flight requests may take to finish before they are aborted")
+                   help="on SIGTERM, seconds in-flight requests may take to finish before they are answered 503")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
                    help="seed of the tiny model's random weights")
     p.add_argument("--verbose", action="store_true", help="log requests and the engine's setup")
@@ -44,24 +73,105 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from hf_paged.server import INSTALL_HINT, create_app
-
     try:
         import fastapi  # noqa: F401
-        import uvicorn
+        import uvicorn  # noqa: F401
     except ImportError as exc:
         return exit_with(args.prog, f"{INSTALL_HINT} ({exc})", status=1)
-    from hf_paged.engine import Engine
+    sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
+    try:
+        app, name, api_key = _app(args)
+        server, died = _server(args, app)
+        host, bound_port = sock.getsockname()[:2]
+        pool = app.state.engine_loop.engine.pool
+        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens)%s", name,
+                       f"[{host}]" if ":" in host else host, bound_port, pool.num_blocks, pool.block_size,
+                       "; API key required" if api_key else "")
+        server.run(sockets=[sock])
+    finally:
+        sock.close()
+    if died:
+        return exit_with(args.prog, f"the engine loop died ({died[-1]}); the server stopped", status=1)
+    return 0
 
+
+def _app(args: argparse.Namespace):
+    """The app serving the model ``args`` name, its served name and its API key (None: none)."""
+    api_key = args.api_key or envs.api_key()
+    allowed = args.allowed_hosts
+    if allowed is None and is_loopback(args.host) and not api_key:
+        allowed = LOOPBACK_HOSTS
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
     name = args.served_model_name or args.model_name
-    app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout)
-    logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens)", name, args.host, args.port,
-                   engine.pool.num_blocks, engine.pool.block_size)
-    uvicorn.run(app, host=args.host, port=args.port, log_level="info" if args.verbose else "warning",
-                timeout_graceful_shutdown=args.shutdown_timeout)
-    return 0
+    app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
+                     api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
+                     read_timeout=args.read_timeout)
+    return app, name, api_key
+
+
+def _server(args: argparse.Namespace, app):
+    """uvicorn's server for ``app``, and the list that holds why the engine loop died, if it does (the server then
+    stops at once)."""
+    import uvicorn
+
+    from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
+
+    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                            http=with_header_timeout(args.read_timeout),
+                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
+    server = uvicorn.Server(config)
+    _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)
+    died: list[str] = []
+
+    def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
+        died.append(reason)
+        server.should_exit = True
+
+    app.state.engine_loop.on_death = engine_died
+    return server, died
+
+
+def _answer_late_requests(server, engine_loop, grace: float) -> None:
+    """Make ``server``'s shutdown answer the requests still live after ``grace`` seconds with 503: their handlers
+    then finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
+    shutdown = server.shutdown
+
+    async def graceful_shutdown(sockets=None) -> None:
+        timer = asyncio.get_running_loop().call_later(grace, engine_loop.begin_stop)
+        try:
+            await shutdown(sockets)
+        finally:
+            timer.cancel()
+
+    server.shutdown = graceful_shutdown
+
+
+def bind(host: str, port_number: int) -> socket.socket:
+    """A socket bound to ``host:port_number`` (listening starts with the server); ``ValueError`` in one line if the
+    address cannot be had."""
+    try:
+        family, kind, proto, _, address = socket.getaddrinfo(host, port_number, type=socket.SOCK_STREAM,
+                                                             flags=socket.AI_PASSIVE)[0]
+    except socket.gaierror as exc:
+        raise ValueError(f"cannot listen on --host {host!r}: {exc.strerror}") from None
+    sock = socket.socket(family, kind, proto)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind(address)
+    except OSError as exc:
+        sock.close()
+        hint = "pick another --port, or stop what uses it" if exc.errno == 98 else "check --host and --port"
+        raise ValueError(f"cannot listen on {host}:{port_number}: {exc.strerror}; {hint}") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+def _host_list(text: str) -> tuple[str, ...]:
+    names = tuple(name.strip() for name in text.split(",") if name.strip())
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected comma-separated host names or '*', got {text!r}")
+    return names
 
 
 def _template_file(path: str) -> str:

@@ -55,7 +55,7 @@ int decode_smem_bytes(const DecodeKernel& k, const DecodeParams& p) {
 // length and block-table slice and start copying the K/V of keys older than each sequence's newest one before they
 // wait for that kernel (decode_common.cuh, wait_for_prior_grid, states the contract), and each warp lets the next
 // grid launch kDecodePdlLeadTiles tiles before the end of its K/V loop. On an H100, back to back: B=1 x 8192
-// 17.1 -> 13.6 us (82% of the copy bandwidth), B=64 x 512 50.4 -> 46.3 us (docs/kernels.md).
+// 17.1 -> 13.6 us (82% of the copy bandwidth), B=64 x 512 50.4 -> 46.3 us (docs/design/decisions.md).
 bool decode_pdl(int device) {
   static std::mutex mu;
   static std::map<int, bool> capable;

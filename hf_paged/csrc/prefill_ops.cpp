@@ -53,7 +53,7 @@ int smem_optin(int device) {
   return optin;
 }
 
-// Measured on H200 (docs/kernels.md, prefill): 4 warps x 32 rows (config 0) is 20% faster than the 16-row-per-warp
+// Measured on H200: 4 warps x 32 rows (config 0) is 20% faster than the 16-row-per-warp
 // tiles from 2k tokens up and even at 16 x 512; 64-row tiles (config 1) only where 128-row tiles cannot fill the SMs.
 // Above head_dim 128 config 0 is not compiled (registers); 8 warps x 16 rows (config 2) keeps its 128-row tiles.
 // A tile whose K/V stages exceed the card's shared memory (head_dim 256 on cards below ~200 KB) drops to config 1.

@@ -14,7 +14,7 @@ from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
 from hf_paged.attention._dispatch import check_backend_names
-from hf_paged.cache._config import CacheConfig, positive_int
+from hf_paged.cache._config import MAX_SLOTS, CacheConfig, positive_int
 
 GRAPH_CAPTURE = ("start", "on_demand")  # when the decode CUDA graphs are captured (Engine's docstring)
 _CACHE = {f.name: f for f in fields(CacheConfig)}
@@ -59,6 +59,8 @@ class EngineConfig:
         object.__setattr__(self, "backend", check_backend_names(cache.backend))
         for name in ("max_batch_tokens", "max_num_seqs"):
             positive_int(name, getattr(self, name))
+            if getattr(self, name) > MAX_SLOTS:  # (token offsets and sequence rows are int32)
+                raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("async_scheduling", "compile_layers", "skinny_linear"):

@@ -25,6 +25,7 @@ from dataclasses import replace
 
 import torch
 
+from hf_paged import _compat
 from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
@@ -40,12 +41,14 @@ from hf_paged.engine._interrupts import InterruptGuard
 from hf_paged.engine._request_registry import RequestRegistry
 from hf_paged.runner._model_runner import ModelRunner
 from hf_paged.runner._step_plan import DecodeColumns, plan_step
-from hf_paged.engine._sampler import Sampler, SamplingBatch
+from hf_paged.engine._prompt_logprobs import prompt_rows, score
+from hf_paged.engine._sampler import Sampler, SamplingBatch, split_logprob_row
 from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine._stats import EngineStats
 from hf_paged.engine._steady_decode import SteadyDecode
 from hf_paged.engine._stop_checker import StopChecker
+from hf_paged.engine._structured_output import StructuredOutput
 from hf_paged.hf import _placement as placement
 from hf_paged.parallel import _logits as tp_logits
 from hf_paged.parallel._tensor_parallel import kv_layout
@@ -100,6 +103,7 @@ class EngineCore:
             self.runner.output_device = placement.hidden_states_device(model)
             placement.keep_argument_in_place(model, "logits_to_keep")
         self.sampler = Sampler()
+        self.structured = StructuredOutput(tokenizer, model.config.get_text_config(decoder=True).vocab_size)
         self.stop_checker = StopChecker(tokenizer)
         self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
         self.counters = EngineStats()
@@ -112,12 +116,20 @@ class EngineCore:
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+        # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
+        # optimizer step, load_state_dict) raises its version counter, which each step compares (_forget_kv).
+        self._weights = list(model.parameters())
+        self._weights_version = _compat.version_sum(self._weights)
+        self._kv_stale = False  # reset_prefix_cache() asked for it
 
     def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
         the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
         finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
+        touched: list[Sequence] = []
+        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
+            touched += self._forget_kv()
         self._collect_failed()
         steady = self._steady
         batch = steady.schedule(self.scheduler) if steady is not None else None
@@ -128,10 +140,9 @@ class EngineCore:
         if self.lockstep is not None:
             self.lockstep.check(batch.seqs, batch.num_tokens)  # every rank scheduled this batch, or all raise
         clock("schedule")
-        touched: list[Sequence] = []
         if steady is None and not batch.is_empty and self._inflight is not None and any(
-                s.pending_row >= 0 and s.params.repetition_penalty != 1.0 for s in batch.seqs):
-            touched += self._resolve()  # the penalty reads the tokens themselves
+                s.pending_row >= 0 and s.params.reads_own_tokens for s in batch.seqs):
+            touched += self._resolve()  # a penalty or a grammar reads the tokens themselves
             batch = _without_finished(batch)
         if not batch.is_empty:
             self.counters.note_step(self)
@@ -163,6 +174,22 @@ class EngineCore:
         self._steady = SteadyDecode.after(batch, self.scheduler, self.pool.block_size, self.max_model_len,
                                           self.async_scheduling)
         clock("update")
+        return touched
+
+    def _forget_kv(self) -> list[Sequence]:
+        """Drop every KV computed with the weights the model had before: the in-flight step's tokens are taken in
+        (they were sampled already), every running sequence is queued to be computed afresh with its tokens so far,
+        no prefix stays findable, and fp8 scales are fixed anew. Returns the sequences that got a token."""
+        touched = self._resolve()
+        self._steady = None
+        self.scheduler.recompute_all()
+        dropped = self.block_manager.reset_prefix_cache()
+        self.pool.clear_scales()
+        self._weights_version = _compat.version_sum(self._weights)
+        self._kv_stale = False
+        self.counters.kv_resets += 1
+        logger.info("hf_paged: the KV computed so far is forgotten (%d cached blocks; the model's weights changed, "
+                    "or reset_prefix_cache()); running requests are computed afresh", dropped)
         return touched
 
     def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
@@ -203,17 +230,26 @@ class EngineCore:
         step commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
         cols = steady.columns() if steady is not None else None
         sampled = batch.seqs if steady is not None else list(compress(batch.seqs, batch.sample))
+        scored = prompt_rows(batch.seqs, batch.num_tokens) if steady is None else None
         size = None
-        if self.graphs is not None:
+        if self.graphs is not None and scored is None:
             longest = int(cols.positions.max()) if cols is not None else None
             size = self.graphs.size_for(batch.seqs, batch.num_tokens, longest)
         if size is None:
             if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
                 self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.pool.block_size, columns=cols)
+                             self.pool.block_size, columns=cols, extra_rows=scored.rows if scored else None)
             with self._device_work():
-                return self._sample(sampled, self.runner.forward(plan), steady)
+                logits = self.runner.forward(plan)
+                if scored is not None:
+                    logits, extra = logits[: len(sampled)], logits[len(sampled) :]
+                    scores = score(extra if self.vocab_shards is None else self.vocab_shards.gather(extra), scored)
+                launched = self._sample(sampled, logits, steady)
+            if scored is not None:
+                for (seq, _), values in zip(scored.owners, scores):
+                    seq.prompt_logprobs.extend(values)
+            return launched
         if cols is None:
             cols = DecodeColumns.of(batch.seqs, batch.sample)
         with self._interrupts.allowed():
@@ -334,13 +370,18 @@ class EngineCore:
             if (n < seq.stop_at and n < max_len and params.stops_on_eos_or_length and not seq.pending_children
                     and token not in params.eos_token_ids):
                 continue
-            if logprob is not None and seq.params.logprobs:
+            if logprob is not None and params.logprobs:
+                logprob, top = split_logprob_row(logprob, params.top_logprobs)
                 seq.logprobs.append(logprob)
+                if params.top_logprobs:
+                    seq.top_logprobs.append(top)
             if seq.pending_children and seq.num_generated == 1:
                 self._fork(seq)
             error = None
             try:
                 reason = finish_reason(seq)
+                if seq.grammar is not None and reason is None:
+                    reason, error = self._advance_grammar(seq, token)
             except Exception as exc:
                 reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
             if reason is None and len(seq.token_ids) >= max_len:
@@ -348,6 +389,17 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(seq, reason, error)
                 self.requests.outbox.append(seq)
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> tuple[str | None, str | None]:
+        """Take ``token`` into ``seq``'s grammar: ``"stop"`` once the grammar is complete (nothing may follow),
+        ``"error"`` if it refuses the token (its mask allowed nothing the sampler could pick)."""
+        grammar = seq.grammar
+        if token in seq.params.eos_token_ids:
+            return None, None
+        if not grammar.consume_token(token):
+            return "error", f"the structured-output grammar refused a token: {grammar.get_error()}"
+        return ("stop", None) if grammar.is_stopped() else (None, None)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
@@ -357,6 +409,9 @@ class EngineCore:
         for i in range(n):
             child = Sequence(f"{parent.request_id}{validation.CHILD_MARK}{i}", prompt, parent.params,
                              (parent.arrival[0], i + 1), (parent.seed * 1_000_003 + i + 1) % 2**62)
+            child.prompt_logprobs = list(parent.prompt_logprobs)
+            if parent.params.json_schema is not None:
+                child.grammar = self.structured.matcher(parent.params.json_schema)
             self.requests.track(child)
             sched = self.scheduler
             room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows

@@ -7,10 +7,13 @@ without the new ones and the difference is the new text; text ending in U+FFFD i
 is complete. Special tokens are skipped, as in the final text. The streamed pieces therefore concatenate to the
 final text, and the final text of a request that was never streamed is one ``decode`` of all its tokens.
 
-Stop strings (OpenAI style): the text is cut before the first stop string, and the tokens before the token in
-which it begins are kept (that token's text before the stop string stays in the text). While a request with stop
-strings is streamed, its last ``len(longest stop string) - 1`` characters are held back, and the tokens whose text
-is not out yet with them, so no delta shows text that the stop string later cuts.
+Stop strings (OpenAI style): the text is cut before the first stop string, and the tokens are kept up to and
+including the token in which it begins (a stop string that begins inside a token, or inside a character whose bytes
+span tokens, keeps that token: the kept tokens cover the text). Each read token's text end is known exactly
+(``TextState.ends``, a token of an unfinished character ending after that character), so the cut is the same
+however the tokens arrived. While a request with stop strings is streamed, its last ``len(longest stop string) - 1``
+characters are held back with the tokens they came from, so no delta shows text or tokens that the stop string later
+cuts: a delta's text is always the text of its tokens.
 """
 
 from __future__ import annotations
@@ -22,8 +25,8 @@ from hf_paged.engine._sequence import Sequence
 
 class TextState:
     """One sequence's text so far: ``text`` is the text of its first ``read_offset`` generated tokens, ``ends[i]``
-    the length of ``text`` once token ``i`` was read; ``sent`` characters were streamed; ``stop_at`` is where
-    the first stop string begins (None: none found)."""
+    the length of ``text`` through token ``i``; ``sent`` characters were streamed; ``stop_at`` is where the first
+    stop string begins (None: none found)."""
 
     __slots__ = ("prefix_offset", "read_offset", "text", "ends", "sent", "stop_at")
 
@@ -50,45 +53,63 @@ class Detokenizer:
         return seq.text_state
 
     def read(self, seq: Sequence, flush: bool = False) -> int:
-        """Take in the tokens not read yet (all of them with ``flush``, else up to a complete character); returns
-        the length of the text before."""
+        """Take in the tokens not read yet (all of them with ``flush``, else up to a complete character) and look
+        for a stop string in the text they add; returns the length of the text before."""
         st, tokens = self.state(seq), seq.output_token_ids
         before = len(st.text)
         if st.read_offset >= len(tokens):
             return before
-        prefix = self._decode(tokens[st.prefix_offset : st.read_offset])
-        full = self._decode(tokens[st.prefix_offset :])
+        window = tokens[st.prefix_offset :]
+        prefix = self._decode(window[: st.read_offset - st.prefix_offset])
+        full = self._decode(window)
         if not flush and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return before  # nothing visible yet, or an unfinished character: wait for more tokens
+        new = len(full) - len(prefix)
+        if len(tokens) - st.read_offset > 1:
+            st.ends += self._token_ends(window, st.read_offset - st.prefix_offset, len(prefix), before, new)
+        else:
+            st.ends.append(before + new)
         st.text += full[len(prefix) :]
-        st.ends += [len(st.text)] * (len(tokens) - st.read_offset)
         st.prefix_offset, st.read_offset = st.read_offset, len(tokens)
+        stops = seq.params.stop_strings
+        if stops and st.stop_at is None:
+            start = max(0, before - max(map(len, stops)) + 1)
+            found = [i for i in (st.text.find(s, start) for s in stops) if i >= 0]
+            if found:
+                st.stop_at = min(found)
         return before
 
-    def stop_string_found(self, seq: Sequence) -> bool:
-        """Read the newest tokens and look for a stop string in the text they may have completed."""
-        st, stops = self.state(seq), seq.params.stop_strings
-        before = self.read(seq)
-        if len(st.text) == before:
-            return False
-        start = max(0, before - max(len(s) for s in stops) + 1)
-        found = [i for i in (st.text.find(s, start) for s in stops) if i >= 0]
-        if found:
-            st.stop_at = min(found)
-        return bool(found)
+    def _token_ends(self, window: list[int], first: int, prefix_len: int, before: int, new: int) -> list[int]:
+        """Where the text ends through each of ``window[first:]``, read together: decoded one prefix at a time (a
+        token that ends inside a character ends after it, as its U+FFFD stands for it), kept in order and within
+        the chunk."""
+        ends, last = [], before
+        for j in range(first + 1, len(window)):
+            last = min(max(last, before + len(self._decode(window[:j])) - prefix_len), before + new)
+            ends.append(last)
+        return ends + [before + new]
+
+    def stop_string_found(self, seq: Sequence, flush: bool = False) -> bool:
+        """Read the newest tokens (all of them with ``flush``: the sequence ends with this token anyway) and say
+        whether the text holds a stop string."""
+        self.read(seq, flush)
+        return self.state(seq).stop_at is not None
 
     def final(self, seq: Sequence) -> tuple[int, str]:
-        """``(number of tokens kept, text)`` of a finished sequence (cut before a stop string if one stopped it)."""
+        """``(number of tokens kept, text)`` of a finished sequence (cut before a stop string, the token in which it
+        begins kept)."""
         st = self.state(seq)
         self.read(seq, flush=True)
         if st.stop_at is None:
             return len(seq.output_token_ids), st.text
-        return bisect.bisect_right(st.ends, st.stop_at), st.text[: st.stop_at]
+        return bisect.bisect_right(st.ends, st.stop_at) + 1, st.text[: st.stop_at]
 
     def ready(self, seq: Sequence) -> tuple[int, int]:
-        """``(tokens, characters)`` of an unfinished sequence that a stream may show now."""
+        """``(tokens, characters)`` of an unfinished sequence that a stream may show now: whole tokens, and their
+        text."""
         st = self.state(seq)
         self.read(seq)
         stops = seq.params.stop_strings
-        shown = max(st.sent, len(st.text) - (max(len(s) for s in stops) - 1 if stops else 0))
-        return max(seq.num_streamed, bisect.bisect_right(st.ends, shown)), shown
+        limit = len(st.text) - (max(map(len, stops)) - 1 if stops else 0)
+        kept = max(seq.num_streamed, bisect.bisect_right(st.ends, limit))
+        return kept, max(st.sent, st.ends[kept - 1] if kept else 0)

@@ -71,11 +71,16 @@ class Engine(EngineCore):
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
-            ``PagedAttentionCache`` and ``docs/cache.md``.
+            ``PagedAttentionCache`` and ``docs/guides/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
 
-    Threads: ``add_request``, ``abort``, ``abort_all``, ``has_unfinished`` and ``stats`` may be called from any
-    thread while one thread runs ``step``, ``stream`` or ``generate``.
+    Threads: ``add_request``, ``abort``, ``abort_all``, ``reset_prefix_cache``, ``has_unfinished`` and ``stats`` may be
+    called from any thread while one thread runs ``step``, ``stream`` or ``generate``.
+
+    Weights: the KV computed so far belongs to the model's weights at the time. Each step compares the parameters'
+    version counters with those the KV was computed under; an in-place change (an optimizer step,
+    ``load_state_dict``) makes the engine forget that KV (prefix cache included) and compute running requests afresh.
+    After other changes, call :meth:`reset_prefix_cache`.
 
     Closing: :meth:`close` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at once; do it before
     ``torch.distributed.destroy_process_group()`` under tensor parallel, which waits for collectives a live graph
@@ -124,8 +129,9 @@ class Engine(EngineCore):
     ) -> str:
         """Queue a prompt (token ids, or a string with a tokenizer); returns its request id.
 
-        Raises ``ValueError`` (one line, nothing queued) for anything the engine cannot serve: an empty prompt,
-        token ids that are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
+        Raises ``ValueError`` (one line naming the field, nothing queued) for anything the engine cannot serve: an
+        empty prompt, text that is not well-formed (a lone surrogate) or that the tokenizer refuses, token ids that
+        are not integers of the vocabulary, invalid or unserved sampling settings, a duplicate live
         ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
         model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
@@ -147,10 +153,11 @@ class Engine(EngineCore):
         return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
 
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
-                      resolved: dict[int, GenerationConfig] | None = None) -> Sequence:
+                      resolved: dict[int, GenerationConfig] | None = None, field: str = "prompt") -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
-        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call."""
-        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer)
+        nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call;
+        ``field`` names the prompt in errors."""
+        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
         config = validation.generation_config(config) or self.generation_config
         gc = None if resolved is None else resolved.get(id(config))
         if gc is None:
@@ -161,7 +168,10 @@ class Engine(EngineCore):
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
-        return Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
+        seq = Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
+        if params.json_schema is not None:  # compiled here: a schema that cannot be is refused at the door
+            seq.grammar = self.structured.matcher(params.json_schema)
+        return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
@@ -204,8 +214,8 @@ class Engine(EngineCore):
         prompts = validation.prompt_list(prompts, what)
         configs = validation.generation_configs(config, len(prompts))
         resolved: dict[int, GenerationConfig] = {}
-        return [self._new_sequence(p, c, rid, resolved)
-                for p, c, rid in zip(prompts, configs, request_ids or [None] * len(prompts))]
+        return [self._new_sequence(p, c, rid, resolved, f"prompts[{i}]")
+                for i, (p, c, rid) in enumerate(zip(prompts, configs, request_ids or [None] * len(prompts)))]
 
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
@@ -222,6 +232,23 @@ class Engine(EngineCore):
                 stopped += self.scheduler.abort(rid)
             self.scheduler.failed.extend(stopped)
         return [s.request_id for s in stopped]
+
+    def reset_prefix_cache(self) -> None:
+        """Forget every KV the engine has computed: no cached prefix is reused, and running requests are computed
+        afresh (their tokens so far kept) before their next token. Call it after changing the model's weights in a
+        way that leaves the parameters' version counters alone: a write through ``param.data``, parameters or buffers
+        replaced. Changes in place (an optimizer step, ``load_state_dict``, ``param.copy_(...)``) are found at the next
+        step without it. Any thread; while a step runs elsewhere, it takes effect at the next step."""
+        self._kv_stale = True
+        with self._interrupts.held(), self._lock:
+            if not self._step_running and not self._closed:
+                self._forget_kv()
+
+    @property
+    def max_prompt_tokens(self) -> int:
+        """The longest prompt this engine runs: one token short of the model's position limit, and within the whole
+        KV cache (a longer one ends at once with ``finish_reason="error"``)."""
+        return min(self.max_model_len - 1, self.pool.num_blocks * self.pool.block_size)
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
@@ -406,10 +433,11 @@ class Engine(EngineCore):
     def _cancel(self, families: set[str]) -> None:
         """The reader of ``families`` is gone: stop those still running and drop their outputs. Inside a step of
         this thread (a stream closed by the garbage collector) it waits for the step's next consistent point."""
-        self._to_cancel.append(set(families))
-        if self._stepper != threading.get_ident():
-            with self._interrupts.held(), self._lock:
-                self._apply_cancels()
+        with self._interrupts.held():  # (a second Ctrl-C must not leave the requests running)
+            self._to_cancel.append(set(families))
+            if self._stepper != threading.get_ident():
+                with self._lock:
+                    self._apply_cancels()
 
     def _apply_cancels(self) -> None:
         while self._to_cancel:

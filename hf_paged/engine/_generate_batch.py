@@ -26,7 +26,7 @@ from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
 from hf_paged.runner._graph_sizes import one_call_graph_sizes
 from hf_paged.parallel._lockstep import agreed_min
-from hf_paged.engine._sampling_params import resolve_generation_config
+from hf_paged.engine._sampling_params import SamplingParams, resolve_generation_config
 from hf_paged.hf._placement import kv_devices
 from hf_paged.parallel._tensor_parallel import kv_layout
 
@@ -43,6 +43,7 @@ def generate_batch(
     persistent_manager: bool = False,
     warmup: bool = True,
     indices: list[int] | None = None,
+    reset_prefix_cache: bool = False,
     **kwargs,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
@@ -56,12 +57,17 @@ def generate_batch(
     for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
-    held until a call without it. ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
+    held until a call without it. A kept engine notices in-place changes of the model's weights (an optimizer step,
+    ``load_state_dict``) and computes again what they invalidate; ``reset_prefix_cache=True`` (hf_paged's own) makes it
+    forget its cached prefixes in any case (after weights were changed through ``param.data`` or replaced).
+    ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
     ``indices`` (hf_paged's own): each prompt's position in a larger workload that this call serves part of (distinct,
     non-negative); request ids (``"req_<index>"``) and the per-request seeds of ``continuous_batching_config.seed``
     follow it, so a share of the prompts gets what one call over all of them gives its prompts (data parallel).
     """
     validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
+    if not isinstance(reset_prefix_cache, bool):
+        raise ValueError(f"reset_prefix_cache must be True or False, got {reset_prefix_cache!r}")
     if isinstance(continuous_batching_config, dict):
         raise ValueError("continuous_batching_config must be transformers' ContinuousBatchingConfig (or an object "
                          "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
@@ -83,7 +89,10 @@ def generate_batch(
         gc.max_new_tokens = kwargs.pop("max_new_tokens")
     if opt("return_logprobs", False):
         gc.output_logprobs = True
+    SamplingParams.from_generation_config(gc, 1, getattr(model, "generation_config", None))  # (checked before sizing)
     engine = _engine_for(model, inputs, gc, opt, persistent_manager, continuous_batching_config)
+    if reset_prefix_cache:
+        engine.reset_prefix_cache()
     seed = opt("seed", None)
     start = time.perf_counter()
     configs = gc

@@ -17,7 +17,8 @@ from hf_paged.engine._sequence import Sequence
 
 @dataclass
 class InFlightStep:
-    """``seqs[i]`` sampled ``tokens[i]`` (host buffers, valid once ``event`` has completed)."""
+    """``seqs[i]`` sampled ``tokens[i]`` (host buffers, valid once ``event`` has completed); ``logprobs``: the
+    sampler's (``[N]``, or ``[N, 1 + 2K]`` rows with alternatives)."""
 
     seqs: list[Sequence]
     tokens: torch.Tensor
@@ -58,7 +59,11 @@ class TokenReceiver:
         self._turn ^= 1
         n = len(seqs)
         token_buf[:n].copy_(tokens, non_blocking=True)
+        host_logprobs = None
         if logprobs is not None:
-            logprob_buf[:n].copy_(logprobs, non_blocking=True)
+            # rows with alternatives ([N, 1 + 2K], asked for rarely) get a pinned buffer of their own
+            host_logprobs = (logprob_buf[:n] if logprobs.dim() == 1
+                             else torch.empty(logprobs.shape, dtype=torch.float32, pin_memory=True))
+            host_logprobs.copy_(logprobs, non_blocking=True)
         event.record(torch.cuda.current_stream(tokens.device))  # the logits' device: the last one of a split model
-        return InFlightStep(seqs, token_buf[:n], logprob_buf[:n] if logprobs is not None else None, event)
+        return InFlightStep(seqs, token_buf[:n], host_logprobs, event)

@@ -1,57 +1,94 @@
-"""``InterruptGuard``: Ctrl-C waits until the engine's state is consistent again.
+"""``InterruptGuard``: a signal handler's exception (Ctrl-C) waits until the engine's state is consistent again.
 
 A step's bookkeeping (scheduling, committing, writing sampled tokens into sequences, stop checks) must run whole:
-a ``KeyboardInterrupt`` between two of its lines could leave a request holding a placeholder forever, or running
-past ``max_new_tokens``. While the guard is held, SIGINT is only recorded, and raised when the guard is left; the
-device work in between (:meth:`InterruptGuard.allowed`) stays interruptible, since the engine can drop a step that
-did not run. Signals reach only the main thread, so elsewhere, or when the program installed its own SIGINT
-handler, the guard does nothing.
+a ``KeyboardInterrupt`` between two of its lines could leave a request holding a placeholder forever, return the
+placeholder as a token, or run a request past ``max_new_tokens``. Such exceptions come from signal handlers, which
+Python runs between any two lines of the main thread: the default SIGINT handler, asyncio's (whose second Ctrl-C
+raises), an application's own, a SIGALRM or SIGTERM handler that raises. While the guard is held, each of those
+signals (``_WATCHED``) that has a Python handler is only recorded, and its handler runs when the guard is left (or at :meth:`raise_pending`, a
+consistent point inside), where what it raises propagates; the device work in between (:meth:`allowed`) stays
+interruptible, since the engine can drop a step that did not run. Signals' handlers run only in the main thread, so
+elsewhere the guard does nothing.
 """
 
 from __future__ import annotations
 
 import signal
 import threading
-from collections.abc import Iterator
+
+# The C functions behind signal.getsignal/signal.signal: the public ones convert every answer to an enum, which costs
+# ~1 us a call; the guard reads ten handlers and sets one or two each step.
+import _signal
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+
+#: The signals whose handlers programs raise from: interrupts, termination, timers, user signals (reading every
+#: signal's handler would cost ~30 us a step; these take ~3).
+_WATCHED = tuple(getattr(signal, name) for name in (
+    "SIGINT", "SIGTERM", "SIGALRM", "SIGVTALRM", "SIGPROF", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2", "SIGBREAK")
+    if hasattr(signal, name))
 
 
 class InterruptGuard:
     def __init__(self) -> None:
         self._held = False
-        self._pending = False
-        self._interruptible = False  # inside allowed(): a SIGINT raises at once
+        self._saved: dict[int, Callable] = {}  # while held: the handlers in place before, by signal
+        self._pending: list[tuple[Callable, int]] = []  # handlers of the signals received while held, in order
+        self._interruptible = False  # inside allowed(): a handler runs at once
 
-    def _record(self, signum, frame) -> None:
+    def _defer(self, signum: int, frame) -> None:
+        handler = self._saved.get(signum)
+        if handler is None:
+            return
         if self._interruptible:
-            raise KeyboardInterrupt
-        self._pending = True
+            handler(signum, frame)
+        else:
+            self._pending.append((handler, signum))
 
     @contextmanager
     def held(self) -> Iterator[None]:
-        """Defer SIGINT for the block; a Ctrl-C received meanwhile is raised as ``KeyboardInterrupt`` on leaving."""
-        if (self._held or threading.current_thread() is not threading.main_thread()
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler):
+        """Defer the handlers of signals received in the block; they run on leaving it (what they raise, such as a
+        ``KeyboardInterrupt``, propagates from there)."""
+        if self._held or threading.current_thread() is not threading.main_thread():
             yield
             return
-        signal.signal(signal.SIGINT, self._record)
-        self._held = True
+        saved = {}
+        for signum in _WATCHED:
+            handler = _signal.getsignal(signum)
+            if callable(handler):  # (a Python handler: not SIG_DFL, SIG_IGN, or one installed from C)
+                saved[signum] = handler
+        self._saved, self._held = saved, True
         try:
+            for signum in saved:
+                _signal.signal(signum, self._defer)
             yield
         finally:
             self._held = False
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+            for signum, handler in saved.items():
+                if _signal.getsignal(signum) == self._defer:
+                    _signal.signal(signum, handler)
+            self._saved = {}
             self.raise_pending()
 
     def raise_pending(self) -> None:
-        """Raise a Ctrl-C recorded so far (at a point where the state is consistent)."""
-        if self._pending:
-            self._pending = False
-            raise KeyboardInterrupt
+        """Run the handlers of the signals received so far (at a point where the state is consistent); the first
+        exception one of them raises propagates, after all of them ran."""
+        if not self._pending:
+            return
+        pending, self._pending = self._pending, []
+        error = None
+        for handler, signum in pending:
+            try:
+                handler(signum, None)
+            except BaseException as exc:
+                error = error or exc
+        if error is not None:
+            raise error
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
-        """Inside :meth:`held`: let SIGINT interrupt this block (the caller undoes what the block began)."""
+        """Inside :meth:`held`: let signals' handlers run (and raise) at once in this block (the caller undoes what
+        the block began)."""
         if not self._held:
             yield
             return

@@ -16,11 +16,16 @@ class RequestOutput:
     """A finished sequence.
 
     ``token_ids`` holds the new tokens only (an EOS that stopped generation included, as ``model.generate`` keeps it;
-    a stop string cut, with the token in which it begins and those after it). ``finish_reason``: ``"stop"`` (EOS or
+    after a stop string, those up to and including the token in which it begins: the tokens that cover ``text``,
+    which ``usage`` counts). ``finish_reason``: ``"stop"`` (EOS or
     a stop string), ``"length"`` (``max_new_tokens``), ``"abort"`` or ``"error"`` (``error`` says why).
     ``logprobs[i]`` is the model's log-probability of ``token_ids[i]`` when asked for
     (``GenerationConfig(output_logprobs=True)``), else None. ``text`` is set when the engine has a tokenizer: the
     new tokens' text, special tokens skipped, cut before a stop string that stopped the request.
+    ``top_logprobs[i]``: the ``(token id, logprob)`` pairs of the likeliest tokens at ``token_ids[i]``'s place,
+    most likely first, when asked for (``GenerationConfig(top_logprobs=k)``). ``prompt_logprobs[p]``: the
+    log-probability of prompt token ``p`` given those before it (None for the first), and
+    ``prompt_top_logprobs[p]`` its alternatives, when asked for (``GenerationConfig(prompt_logprobs=k)``).
     """
 
     request_id: str
@@ -30,6 +35,9 @@ class RequestOutput:
     error: str | None = None
     logprobs: list[float] | None = None
     text: str | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -38,13 +46,16 @@ class TokenDelta:
 
     With a tokenizer, ``text`` is the new text (possibly empty: an unfinished multi-byte character, or the tail a stop
     string may still cut, waits for a later delta, with its tokens); a request's deltas concatenate to its final
-    ``RequestOutput``'s ``token_ids`` and ``text``. Without one, ``text`` is None.
+    ``RequestOutput``'s ``token_ids`` and ``text``. Without one, ``text`` is None. ``logprobs`` and
+    ``top_logprobs`` are those of ``token_ids`` when the request asked for them.
     """
 
     request_id: str
     token_ids: list[int]
     finish_reason: str | None = None
     text: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -54,23 +65,34 @@ class TokenDelta:
 def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
     """A finished sequence's output: its tokens (and text, with a detokenizer) cut before a stop string that
     stopped it."""
-    out, text = seq.output_token_ids, None
+    out, text, reason, error = seq.output_token_ids, None, seq.finish_reason, seq.error
     if detokenizer is not None:
         try:
             kept, text = detokenizer.final(seq)
             out = out[:kept]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-    logprobs = list(seq.logprobs[: len(out)]) if seq.params.logprobs else None
-    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, seq.finish_reason, seq.error,
-                         logprobs, text)
+        except Exception as exc:  # a tokenizer that cannot decode these ids: the request fails, tokens kept
+            reason, error = "error", error or _undecodable(seq, exc)
+    params = seq.params
+    logprobs = list(seq.logprobs[: len(out)]) if params.logprobs else None
+    top = list(seq.top_logprobs[: len(out)]) if params.logprobs and params.top_logprobs else None
+    prompt = prompt_top = None
+    if params.prompt_logprobs is not None:
+        prompt = [None] + [lp for lp, _ in seq.prompt_logprobs]
+        prompt_top = [None] + [alternatives for _, alternatives in seq.prompt_logprobs]
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, reason, error, logprobs, text,
+                         top, prompt, prompt_top)
+
+
+def _undecodable(seq: Sequence, exc: Exception) -> str:
+    logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
+    return f"the tokenizer could not decode the generated tokens: {type(exc).__name__}: {exc}"
 
 
 def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> TokenDelta | None:
     """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
     the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
     text come out together (``detokenizer.py`` says what waits)."""
-    tokens, text = seq.output_token_ids, None
+    tokens, text, reason = seq.output_token_ids, None, seq.finish_reason
     if detokenizer is None:
         new = tokens[seq.num_streamed :]
     else:
@@ -82,13 +104,19 @@ def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> Tok
             else:
                 kept, shown = detokenizer.ready(seq)
                 text = detokenizer.state(seq).text[sent:shown]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only
-            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-            kept, text = len(tokens), None
+        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only, and the request fails
+            kept, text, reason = len(tokens), None, "error"
+            if not final:
+                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
         new = tokens[seq.num_streamed : kept]
     if not new and not text and not final:
         return None
-    return TokenDelta(seq.request_id, new, seq.finish_reason if final else None, text)
+    logprobs = top = None
+    if seq.params.logprobs:
+        at = seq.num_streamed
+        logprobs = seq.logprobs[at : at + len(new)]
+        top = seq.top_logprobs[at : at + len(new)] if seq.params.top_logprobs else None
+    return TokenDelta(seq.request_id, new, reason if final else None, text, logprobs, top)
 
 
 def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:

@@ -2,7 +2,8 @@
 
 The host sorts the rows when it builds the batch. Plain greedy rows take the argmax of the model's logits as they
 are. The other rows get a float32 copy that is processed in ``model.generate``'s order: repetition penalty, EOS
-suppression until ``min_new_tokens``. Greedy rows then take its argmax; sampled rows alone go on to temperature,
+suppression until ``min_new_tokens``, then the tokens a structured-output grammar forbids (its mask is computed on
+the host, from the tokens taken in so far). Greedy rows then take its argmax; sampled rows alone go on to temperature,
 top-k, top-p, min-p and a draw.
 
 The draw is the Gumbel-max trick, ``argmax(x - log(-log u))``. Its uniforms ``u`` are a hash of
@@ -20,11 +21,13 @@ from dataclasses import dataclass
 import torch
 
 from hf_paged.engine._sequence import Sequence
+from hf_paged.engine._structured_output import allowed_tokens
 
 _NEG_INF = float("-inf")
 _GOLDEN = -0x61C88647  # 0x9E3779B9 as a signed 32-bit word
 _M2 = -0x7B935975  # 0x846CA68B as a signed 32-bit word
-_PARAMS, _LOGPROBS, _PLAIN_GREEDY = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy"))
+_PARAMS, _LOGPROBS, _PLAIN_GREEDY, _SCHEMA = (operator.attrgetter(a) for a in ("params", "logprobs", "is_plain_greedy",
+                                                                              "json_schema"))
 
 
 @dataclass(frozen=True)
@@ -35,11 +38,13 @@ class SamplingBatch:
     Attributes:
         num_rows: ``N``.
         want_logprobs: return the model's log-probability of each chosen token.
+        top_logprobs: ``K``, with ``want_logprobs``: also each row's ``K`` likeliest tokens and their logprobs.
         rows: ``[M]`` int64 rows that need more than an argmax of the raw logits: ``num_greedy`` processed greedy
             rows, then ``S = M - num_greedy`` sampled rows. None: every row is plain greedy.
         penalty: ``[M]`` float32 repetition penalty of those rows (1.0 = off); None when no row has one.
         penalty_at: ``([P], [P])`` int64 (position in ``rows``, token id) of every token a penalised row has seen.
         banned_at: ``([B], [B])`` int64 (position in ``rows``, EOS id) suppressed by ``min_new_tokens``, or None.
+        allowed_at: ``([G], [G, V])`` (int64 position in ``rows``, bool mask) of the rows a grammar constrains.
         temperature, top_p, min_p: ``[S]`` float32. top_k: ``[S]`` int64 (0 = off).
         seeds: ``[S, 2]`` int32 low and high words of each seed. steps: ``[S]`` int32 tokens generated so far.
         max_top_k: largest ``top_k`` of the sampled rows (0: no top-k).
@@ -50,11 +55,13 @@ class SamplingBatch:
 
     num_rows: int
     want_logprobs: bool
+    top_logprobs: int = 0
     rows: torch.Tensor | None = None
     num_greedy: int = 0
     penalty: torch.Tensor | None = None
     penalty_at: tuple[torch.Tensor, torch.Tensor] | None = None
     banned_at: tuple[torch.Tensor, torch.Tensor] | None = None
+    allowed_at: tuple[torch.Tensor, torch.Tensor] | None = None
     temperature: torch.Tensor | None = None
     top_k: torch.Tensor | None = None
     top_p: torch.Tensor | None = None
@@ -71,14 +78,21 @@ class SamplingBatch:
         """Sort the rows on the host, gather their settings into one int64 and one float32 tensor, move each once."""
         params = list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
         want_logprobs = any(map(_LOGPROBS, params))
+        top = max(p.top_logprobs for p in params) if want_logprobs else 0
         if all(map(_PLAIN_GREEDY, params)):
-            return cls(len(seqs), want_logprobs)
+            return cls(len(seqs), want_logprobs, top)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
         greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.is_plain_greedy and not p.do_sample
-                  and (p.repetition_penalty != 1.0 or s.num_generated < p.min_new_tokens)]
+                  and (p.repetition_penalty != 1.0 or s.num_generated < p.min_new_tokens or s.grammar is not None)]
         rows = greedy + sampled
         if not rows:
-            return cls(len(seqs), want_logprobs)
+            return cls(len(seqs), want_logprobs, top)
+        constrained = ([j for j, i in enumerate(rows) if seqs[i].grammar is not None]
+                       if any(map(_SCHEMA, params)) else [])
+        allowed_at = None
+        if constrained:
+            mask = allowed_tokens([seqs[rows[j]].grammar for j in constrained], vocab_size)
+            allowed_at = (torch.tensor(constrained, device=device), mask.to(device, non_blocking=True))
         seen, seen_ids, ban_pos, ban_ids = _penalised_and_banned([seqs[i] for i in rows], vocab_size)
         ss = [seqs[i] for i in sampled]
         smp = [s.params for s in ss]
@@ -92,7 +106,7 @@ class SamplingBatch:
         rows_t, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, top_k_t, lo, hi, steps = ints.to(device)
         penalty, temperature, top_p_t, min_p_t = floats.to(device)
         return cls(
-            len(seqs), want_logprobs, rows=rows_t, num_greedy=len(greedy),
+            len(seqs), want_logprobs, top, rows=rows_t, num_greedy=len(greedy), allowed_at=allowed_at,
             penalty=penalty if seen_ids else None,
             penalty_at=(torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t) if seen_ids else None,
             banned_at=(ban_pos_t, ban_ids_t) if ban_pos else None,
@@ -150,7 +164,9 @@ class Sampler:
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits: ``[N, V]`` in the model's dtype, left unchanged. Returns ``[N]`` int64 tokens and, if asked,
-        ``[N]`` float32 log-probabilities of the raw logits."""
+        ``[N]`` float32 log-probabilities of the raw logits; with ``batch.top_logprobs = K``, ``[N, 1 + 2K]`` rows
+        instead: the chosen token's logprob, the ``K`` largest logprobs, their token ids (as floats, exact below
+        2**24; :func:`split_logprob_row` reads a row)."""
         n = batch.num_rows
         rows = batch.rows
         if rows is None or rows.shape[0] < n:
@@ -167,18 +183,37 @@ class Sampler:
                 tokens.index_copy_(0, rows[g:], _draw(x[g:], batch))
         logprobs = None
         if batch.want_logprobs:
-            logprobs = torch.log_softmax(logits, -1, dtype=torch.float32).gather(1, tokens[:, None]).squeeze(1)
+            all_logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
+            logprobs = all_logprobs.gather(1, tokens[:, None])
+            if batch.top_logprobs:
+                top = all_logprobs.topk(min(batch.top_logprobs, logits.shape[-1]), -1)
+                logprobs = torch.cat([logprobs, top.values, top.indices.float()], 1)
+            else:
+                logprobs = logprobs.squeeze(1)
         return tokens, logprobs
 
 
+def split_logprob_row(row: float | list[float], k: int) -> tuple[float, list[tuple[int, float]]]:
+    """A row of the sampler's logprobs as ``(logprob of the chosen token, [(token id, logprob)] of its k
+    likeliest)``."""
+    if not isinstance(row, list):
+        return row, []
+    width = (len(row) - 1) // 2
+    return row[0], [(int(row[1 + width + j]), row[1 + j]) for j in range(min(k, width))]
+
+
 def _process(x: torch.Tensor, b: SamplingBatch) -> None:
-    """Repetition penalty (HF's: divide positive logits, multiply negative ones) and EOS suppression, in place."""
+    """Repetition penalty (HF's: divide positive logits, multiply negative ones), EOS suppression and grammar
+    masks, in place."""
     if b.penalty_at is not None:
         score = x[b.penalty_at]
         pen = b.penalty[b.penalty_at[0]]
         x[b.penalty_at] = torch.where(score < 0, score * pen, score / pen)
     if b.banned_at is not None:
         x.index_put_(b.banned_at, x.new_full((), _NEG_INF))  # a device value: a Python one is copied with a sync
+    if b.allowed_at is not None:
+        at, allowed = b.allowed_at
+        x.index_copy_(0, at, x.index_select(0, at).masked_fill_(~allowed, _NEG_INF))
 
 
 def _draw(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:

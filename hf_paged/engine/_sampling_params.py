@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import json
 import math
 import numbers
 from dataclasses import dataclass
@@ -11,6 +12,14 @@ from dataclasses import dataclass
 from transformers import GenerationConfig
 
 from hf_paged import _compat
+from hf_paged.engine import _validation as validation
+
+#: Most tokens a request may ask for (token counts and positions are int32 on the device).
+MAX_TOKENS = 2**31 - 1
+#: Most copies of one prompt (``num_return_sequences``): all of them are made in the step that computes the prompt.
+MAX_RETURN_SEQUENCES = 1024
+#: The most alternatives a token's log-probability comes with (OpenAI's chat API allows 20).
+MAX_TOP_LOGPROBS = 20
 
 
 @dataclass(frozen=True)
@@ -20,6 +29,9 @@ class SamplingParams:
     ``top_k == 0``, ``top_p == 1.0``, ``min_p == 0.0`` and ``repetition_penalty == 1.0`` mean off. With
     ``do_sample=False`` the request is greedy (repetition penalty and ``min_new_tokens`` still apply, as in
     ``model.generate``). ``seed`` makes a sampled request reproducible whatever its batch neighbours are.
+    ``top_logprobs``: with ``logprobs``, each new token's ``top_logprobs`` likeliest alternatives too;
+    ``prompt_logprobs`` (None: off): the log-probability of every prompt token after the first, and that many
+    alternatives; ``json_schema`` (a JSON schema as JSON text, None: off): the new text is masked to match it.
     """
 
     max_new_tokens: int
@@ -35,12 +47,17 @@ class SamplingParams:
     stop_strings: tuple[str, ...] = ()
     num_return_sequences: int = 1
     logprobs: bool = False
+    top_logprobs: int = 0
+    prompt_logprobs: int | None = None
+    json_schema: str | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_new_tokens) and self.max_new_tokens >= 1,
-               f"max_new_tokens must be a positive integer, got {self.max_new_tokens!r}")
-        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens,
-               f"min_new_tokens must be a non-negative integer, got {self.min_new_tokens!r}")
+        _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_TOKENS,
+               f"max_new_tokens must be an integer in [1, 2**31 - 1], got {self.max_new_tokens!r}")
+        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= MAX_TOKENS,
+               f"min_new_tokens must be an integer in [0, 2**31 - 1], got {self.min_new_tokens!r}")
+        _check(isinstance(self.do_sample, bool), f"do_sample must be True or False, got {self.do_sample!r}")
+        _check(isinstance(self.logprobs, bool), f"logprobs must be True or False, got {self.logprobs!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
@@ -53,14 +70,24 @@ class SamplingParams:
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(_is_int(self.num_return_sequences) and self.num_return_sequences >= 1,
-               f"num_return_sequences must be a positive integer, got {self.num_return_sequences!r}")
+        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES,
+               f"num_return_sequences must be an integer in [1, {MAX_RETURN_SEQUENCES}] (for more copies, add the "
+               f"prompt several times), got {self.num_return_sequences!r}")
         _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
                f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         _check(all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
                f"eos_token_id must be non-negative integers, got {list(self.eos_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
+        for i, s in enumerate(self.stop_strings):
+            validation.text(s, f"stop_strings[{i}]")
+        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
+               f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
+        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
+                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
+               f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
+        _check(self.json_schema is None or isinstance(self.json_schema, str),
+               f"json_schema must be a JSON schema (a dict or its JSON text) or None, got {self.json_schema!r}")
 
     @property
     def is_greedy(self) -> bool:
@@ -70,12 +97,18 @@ class SamplingParams:
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to adjust the logits: the sampler's one-argmax fast path."""
         return not self.do_sample and self.repetition_penalty == 1.0 and not (
-            self.min_new_tokens and self.eos_token_ids)
+            self.min_new_tokens and self.eos_token_ids) and self.json_schema is None
+
+    @functools.cached_property
+    def reads_own_tokens(self) -> bool:
+        """The logits of the next token depend on the tokens before it on the host (a repetition penalty, a grammar):
+        a step with this request waits for its in-flight token first."""
+        return self.repetition_penalty != 1.0 or self.json_schema is not None
 
     @functools.cached_property
     def stops_on_eos_or_length(self) -> bool:
-        """No stop strings and no logprobs: the host's work per new token is an EOS check and a length check."""
-        return not self.stop_strings and not self.logprobs
+        """No stop strings, logprobs or grammar: the host's work per new token is an EOS check and a length check."""
+        return not self.stop_strings and not self.logprobs and self.json_schema is None
 
     @classmethod
     def from_generation_config(
@@ -84,36 +117,41 @@ class SamplingParams:
         """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults).
 
         ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
-        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``.
+        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
+        ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
         """
         return cls.from_resolved(cls.resolve(config, model_config), prompt_len)
 
     @staticmethod
     def resolve(config: GenerationConfig | None, model_config: GenerationConfig | None = None) -> GenerationConfig:
-        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings, fill the unset
-        fields (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
+        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings and values of the
+        wrong type, fill the unset fields (a deep copy and two dict merges: worth doing once for many prompts of one
+        config)."""
         _refuse_unserved(config)
-        return resolve_generation_config(config, model_config)
+        _check_types(config)
+        try:
+            return resolve_generation_config(config, model_config)
+        except (TypeError, AttributeError) as exc:  # transformers' own checks, on a value of the wrong type
+            raise ValueError(f"generation_config holds a value of the wrong type ({exc})") from None
 
     @classmethod
     def from_resolved(cls, gc: GenerationConfig, prompt_len: int) -> SamplingParams:
         """The settings of a prompt of ``prompt_len`` tokens under ``gc``, a config from :meth:`resolve`."""
         max_new = gc.max_new_tokens
         if max_new is None:
-            max_new = max(1, (gc.max_length or 20) - prompt_len)
+            max_new = max(1, _as_int(gc.max_length or 20, "max_length") - prompt_len)
         min_new = gc.min_new_tokens
         if min_new is None:
-            min_new = max(0, (gc.min_length or 0) - prompt_len)
-        if _as_int(gc.num_beams or 1, "num_beams") > 1:
+            min_new = max(0, _as_int(gc.min_length or 0, "min_length") - prompt_len)
+        num_beams = _as_int(_num(gc.num_beams, 1), "num_beams")
+        if num_beams != 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
-                             "PagedAttentionCache for beam search")
-        stop = gc.stop_strings
-        stop = () if stop is None else (stop,) if isinstance(stop, str) else tuple(stop)
+                             f"PagedAttentionCache for beam search (got num_beams={num_beams})")
         seed = getattr(gc, "seed", None)
         return cls(
             max_new_tokens=_as_int(max_new, "max_new_tokens"),
             min_new_tokens=_as_int(min_new, "min_new_tokens"),
-            do_sample=bool(gc.do_sample),
+            do_sample=_as_bool(gc.do_sample, "do_sample"),
             temperature=_as_real(_num(gc.temperature, 1.0), "temperature"),
             top_k=_as_int(_num(gc.top_k, 0), "top_k"),
             top_p=_as_real(_num(gc.top_p, 1.0), "top_p"),
@@ -121,10 +159,27 @@ class SamplingParams:
             repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
             seed=None if seed is None else _as_int(seed, "seed"),
             eos_token_ids=_eos_tuple(gc.eos_token_id),
-            stop_strings=stop,
+            stop_strings=_stop_tuple(gc.stop_strings),
             num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
-            logprobs=bool(getattr(gc, "output_logprobs", False) or gc.output_scores),
+            logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
+                gc.output_scores, "output_scores") or bool(getattr(gc, "top_logprobs", 0)),
+            top_logprobs=_as_int(getattr(gc, "top_logprobs", None) or 0, "top_logprobs"),
+            prompt_logprobs=_optional_int(getattr(gc, "prompt_logprobs", None), "prompt_logprobs"),
+            json_schema=_schema_text(getattr(gc, "json_schema", None)),
         )
+
+
+def _optional_int(value, name: str) -> int | None:
+    return None if value is None else _as_int(value, name)
+
+
+def _schema_text(schema) -> str | None:
+    """A JSON schema given as a dict or as JSON text, as JSON text (hashable, as the params must be)."""
+    if schema is None or isinstance(schema, str):
+        return schema
+    if not isinstance(schema, dict):
+        raise ValueError(f"json_schema must be a JSON schema (a dict or its JSON text), got {type(schema).__name__}")
+    return json.dumps(schema, ensure_ascii=False)  # (key order kept: the grammar writes properties in it)
 
 
 def resolve_generation_config(config: GenerationConfig | None, model_config: GenerationConfig | None):
@@ -141,7 +196,7 @@ def _eos_tuple(eos) -> tuple[int, ...]:
         return ()
     if isinstance(eos, numbers.Integral):
         return (_as_int(eos, "eos_token_id"),)
-    if isinstance(eos, str) or not hasattr(eos, "__iter__"):
+    if isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
         raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
     return tuple(_as_int(e, "eos_token_id") for e in (eos.tolist() if hasattr(eos, "tolist") else eos))
 
@@ -166,6 +221,46 @@ def _refuse_unserved(config: GenerationConfig | None) -> None:
     if unserved:
         raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                          "with a PagedAttentionCache, which applies every generation setting")
+
+
+def _stop_tuple(stop) -> tuple[str, ...]:
+    if stop is None:
+        return ()
+    if isinstance(stop, str):
+        return (stop,)
+    if not isinstance(stop, (list, tuple)):
+        raise ValueError(f"stop_strings must be a string or a list of strings, got {type(stop).__name__}")
+    return tuple(stop)
+
+
+#: The settings read from a GenerationConfig, by the type they must have (None: unset).
+_INTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length", "num_beams", "top_k",
+         "num_return_sequences", "seed")
+_REALS = ("temperature", "top_p", "min_p", "repetition_penalty")
+_BOOLS = ("do_sample", "output_logprobs", "output_scores")
+
+
+def _check_types(config: GenerationConfig | None) -> None:
+    """Refuse a setting of the wrong type before transformers' own checks meet it (they raise ``TypeError``, and
+    ``bool("no")`` is True)."""
+    if config is None:
+        return
+    for names, check in ((_INTS, _as_int), (_REALS, _as_real), (_BOOLS, _as_bool)):
+        for name in names:
+            value = getattr(config, name, None)
+            if value is not None:
+                check(value, name)
+
+
+def _as_bool(value, name: str) -> bool:
+    """``value`` as a bool (None: False; numpy bools taken); anything else refused (``"no"`` is not False)."""
+    if value is None:
+        return False
+    if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
+        value = value.item()
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False, got {value!r}")
+    return value
 
 
 def _as_real(value, name: str) -> float:

@@ -122,7 +122,7 @@ class Scheduler:
         bm = self.block_manager
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and bm.tables.num_free_rows:
             seq = self.waiting[0]
-            hits = bm.find_prefix(seq)
+            hits = bm.find_prefix(seq) if not seq.needs_prompt_logprobs else []  # (its prompt must be computed)
             n = bm.max_tokens_fitting(seq, min(seq.num_tokens - len(hits) * bm.block_size, budget), hits)
             if n == 0:
                 if not self.running:  # the whole cache cannot hold it
@@ -146,6 +146,17 @@ class Scheduler:
         self.block_manager.free(seq)
         self.enqueue(seq)
         self.num_preemptions += 1
+
+    def recompute_all(self) -> None:
+        """Free every running sequence's blocks and queue it again, its tokens kept: its KV is computed afresh when it
+        runs next (once the model's weights have changed). Unlike a preemption, nothing is counted."""
+        if not self.running:
+            return
+        for seq in reversed(self.running):
+            self.block_manager.free(seq)
+            self.enqueue(seq)
+        self.running.clear()
+        self.version += 1
 
     def _fail(self, seq: Sequence) -> None:
         """Finish a sequence that needs more blocks than the whole cache holds."""

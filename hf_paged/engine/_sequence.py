@@ -29,7 +29,8 @@ class Sequence:
     __slots__ = (
         "request_id", "token_ids", "num_prompt_tokens", "stop_at", "params", "arrival", "seed", "pending_children", "status",
         "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
-        "logprobs", "finish_reason", "error", "pending_row", "text_state",
+        "logprobs", "finish_reason", "error", "pending_row", "text_state", "top_logprobs", "prompt_logprobs",
+        "grammar",
     )
 
     def __init__(
@@ -57,6 +58,10 @@ class Sequence:
         self.last_block_hash: bytes | None = None  # prefix-cache key (SHA-256) of block num_hashed_blocks - 1
         self.num_streamed = 0  # generated tokens already handed to a stream reader
         self.logprobs: list[float] = []
+        self.top_logprobs: list[list[tuple[int, float]]] = []  # each new token's alternatives (params.top_logprobs)
+        # (logprob, alternatives) of prompt tokens 1, 2, ... as far as computed (params.prompt_logprobs)
+        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
+        self.grammar = None  # the structured-output matcher of params.json_schema (engine/_structured_output.py)
         self.finish_reason: str | None = None
         self.error: str | None = None
         # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
@@ -79,6 +84,11 @@ class Sequence:
     def output_token_ids(self) -> list[int]:
         """Generated tokens known on the host (an in-flight placeholder is left out)."""
         return self.token_ids[self.num_prompt_tokens : len(self.token_ids) - (self.pending_row >= 0)]
+
+    @property
+    def needs_prompt_logprobs(self) -> bool:
+        """Asks for prompt logprobs not all computed yet (its prompt must be computed, not found in the cache)."""
+        return self.params.prompt_logprobs is not None and len(self.prompt_logprobs) < self.num_prompt_tokens - 1
 
     @property
     def is_finished(self) -> bool:

@@ -15,6 +15,7 @@ class EngineStats:
     generated_tokens: int = 0
     steps: int = 0
     peak_used_blocks: int = 0
+    kv_resets: int = 0  # times the KV was forgotten: the weights changed, or reset_prefix_cache()
     phase_seconds: dict[str, float] = field(default_factory=dict)
 
     def clock(self) -> Callable[[str], None]:
@@ -44,6 +45,7 @@ class EngineStats:
             "peak_used_blocks": self.peak_used_blocks,
             "cached_blocks": engine.block_manager.num_cached_blocks,
             "preemptions": engine.scheduler.num_preemptions,
+            "kv_resets": self.kv_resets,
             "prefix_cache_hit_tokens": engine.block_manager.prefix_hit_tokens,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,

@@ -24,7 +24,7 @@ import operator
 import numpy as np
 
 from hf_paged.runner._step_plan import DecodeColumns
-from hf_paged.engine._sampler import SamplingBatch
+from hf_paged.engine._sampler import SamplingBatch, split_logprob_row
 from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine._sequence import PLACEHOLDER, Sequence
 
@@ -75,8 +75,8 @@ class SteadyDecode:
         seqs = batch.seqs
         if not seqs or batch.total_tokens != len(seqs) or not all(batch.sample) or seqs != scheduler.running:
             return None
-        if any(p.repetition_penalty != 1.0 for p in set(map(_PARAMS, seqs))):
-            return None  # the penalty reads the tokens themselves before each step: the general step does that
+        if any(p.reads_own_tokens for p in set(map(_PARAMS, seqs))):
+            return None  # a penalty or a grammar reads the tokens before each step: the general step does that
         if pending != (min(map(_PENDING_ROW, seqs)) >= 0):
             return None
         return cls(seqs, scheduler.version, block_size, max_model_len, pending)
@@ -124,7 +124,11 @@ class SteadyDecode:
         prefix cache's ``register_full_blocks``, or None; ``logprobs``: the step's, kept by the rows that ask."""
         seqs = self.seqs
         for i in self.logprob_rows:
-            seqs[i].logprobs.append(logprobs[i])
+            seq = seqs[i]
+            logprob, top = split_logprob_row(logprobs[i], seq.params.top_logprobs)
+            seq.logprobs.append(logprob)
+            if seq.params.top_logprobs:
+                seq.top_logprobs.append(top)
         if self.pending:
             for seq, token in zip(seqs, tokens):
                 ids = seq.token_ids

@@ -17,10 +17,11 @@ class StopChecker:
         """``"stop"``, ``"length"`` or None (keep going). EOS cannot come before ``min_new_tokens``: the sampler
         suppresses it."""
         params = seq.params
-        if seq.token_ids[-1] in params.eos_token_ids:
+        eos = seq.token_ids[-1] in params.eos_token_ids
+        length = len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
+        # (before the EOS: an EOS that is not a special token has text, which may complete a stop string)
+        if params.stop_strings and self.detokenizer.stop_string_found(seq, flush=eos or length):
             return "stop"
-        if params.stop_strings and self.detokenizer.stop_string_found(seq):
+        if eos:
             return "stop"
-        if len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens:
-            return "length"
-        return None
+        return "length" if length else None

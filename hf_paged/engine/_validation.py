@@ -16,13 +16,20 @@ from hf_paged.hf._support import position_limit  # noqa: F401  (the engine reads
 CHILD_MARK = "__child#"  # copies of num_return_sequences are named "<id>__child#<k>", as in transformers
 
 
-def prompt_token_ids(prompt, vocab_size: int, tokenizer=None) -> list[int]:
+def prompt_token_ids(prompt, vocab_size: int, tokenizer=None, field: str = "prompt") -> list[int]:
     """``prompt`` (a string, or one sequence of token ids: list, tuple, 1-D tensor or array) as a list of ints in
-    ``[0, vocab_size)``. Numpy and torch integers are taken; bools, floats and nested lists are refused."""
+    ``[0, vocab_size)``. Numpy and torch integers are taken; bools, floats and nested lists are refused. A string
+    must be well-formed text (:func:`text`); a tokenizer that cannot encode it is a ``ValueError`` too. ``field``
+    names the prompt in the errors (``prompts[3]``)."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("string prompts need a tokenizer: create the Engine with tokenizer=..., or pass ids")
-        prompt = tokenizer.encode(prompt)
+        prompt = text(prompt, field)
+        try:
+            prompt = tokenizer.encode(prompt)
+        except Exception as exc:  # (a tokenizer's own refusal of this text is bad input, not an engine fault)
+            raise ValueError(f"{field}: the tokenizer cannot encode it ({type(exc).__name__}: "
+                             f"{_first_line(exc)})") from exc
     if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):
         if prompt.ndim != 1:
             raise ValueError(f"a prompt is one sequence of token ids, got an array of shape {tuple(prompt.shape)} "
@@ -40,6 +47,26 @@ def prompt_token_ids(prompt, vocab_size: int, tokenizer=None) -> list[int]:
         bad = next(t for t in ids if not 0 <= t < vocab_size)
         raise ValueError(f"prompt token ids must be integers in [0, {vocab_size}), got {bad}")
     return ids
+
+
+def text(value, field: str) -> str:
+    """``value`` as a plain ``str`` that UTF-8 can encode; else ``ValueError`` naming ``field``. A lone surrogate
+    (half of a UTF-16 pair: JSON's ``"\\ud800"``, a split emoji from a JavaScript client) is the one thing a Python
+    string can hold that text encoders refuse."""
+    if not isinstance(value, str):
+        raise ValueError(f"{field} must be a string, got {type(value).__name__}")
+    if not value.isascii():
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise ValueError(f"{field} is not valid Unicode text: a lone surrogate U+{ord(value[exc.start]):04X} at "
+                             f"character {exc.start} (half of a UTF-16 pair); send whole characters") from None
+    return str(value)  # (a str subclass as the plain str)
+
+
+def _first_line(exc: BaseException) -> str:
+    lines = str(exc).strip().splitlines()
+    return lines[0] if lines else ""
 
 
 def _token_id(value, vocab_size: int) -> int:
@@ -88,7 +115,7 @@ def request_id(value) -> str | None:
         return None
     if isinstance(value, bool) or not isinstance(value, (str, numbers.Integral)):
         raise ValueError(f"request_id must be a string or an integer, got {type(value).__name__}")
-    rid = str(int(value)) if isinstance(value, numbers.Integral) else value
+    rid = str(int(value)) if isinstance(value, numbers.Integral) else text(value, "request_id")
     if not rid or CHILD_MARK in rid:
         raise ValueError(f"request_id {rid!r} is empty or contains {CHILD_MARK!r} (reserved for the copies of "
                          "num_return_sequences); pick another")

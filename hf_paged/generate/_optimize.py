@@ -1,7 +1,7 @@
 """``optimize_generate(model)``: a leaner compiled ``generate`` decode step on a :class:`PagedAttentionCache`.
 
 With ``PagedAttentionCache(max_new_tokens=...)`` transformers' ``generate`` compiles its decode step by itself
-(``docs/cache.md``, "Compiled generate"). At batch 1 that step is bound by the host: ``generate`` waits for every
+(``docs/guides/cache.md``, "Compiled decode steps"). At batch 1 that step is bound by the host: ``generate`` waits for every
 step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
 CUDA graph launches. ``optimize_generate`` trims that host path and the step's GPU work, on one model:
 
@@ -100,8 +100,15 @@ def _layout_of(masks) -> str | tuple[str, ...]:
 
 def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
                       skip_module_guards: bool = True, graphs: bool = True) -> torch.nn.Module:
-    """Make ``model.generate``'s compiled decode steps on a compileable :class:`PagedAttentionCache` cheaper (see
-    this module's docstring); returns ``model``. Calling it again replaces the earlier settings.
+    """Make ``model.generate``'s compiled decode steps on a compileable :class:`PagedAttentionCache` cheaper;
+    returns ``model``. Calling it again replaces the earlier settings; :func:`restore_generate` undoes it.
+
+    At small batch a compiled decode step is bound by the host, so this trims what runs between two steps: on
+    decode steps the model's mask builder returns the cache's planned step directly, dynamo skips its guards on nn
+    modules, the linear layers run on hf_paged's skinny kernel (q/k/v and gate/up in one launch each), and each
+    decode step replays a CUDA graph hf_paged captured. Prefill, other caches and other models are untouched.
+    After changing a module of ``model`` (``model.train()``, a swapped layer), call it again: with the guards
+    skipped, the compiled step would not notice.
 
     Args:
         decode_linears: route the linear layers through hf_paged's skinny kernel, grouped (None: where it can

@@ -78,11 +78,16 @@ class PagedAttentionCache(Cache):
 
     Args:
         config: the model config (``model.config``).
-        num_blocks, block_size, memory_budget, backend, kv_cache_dtype: the pool's settings, as a
-            :class:`~hf_paged.CacheConfig` has them (its docstring says what each does), or ``cache_config`` (not
-            both). With neither ``num_blocks`` nor ``memory_budget`` the pool takes ``memory_budget=0.8`` of free
-            device memory, at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes)
-            is deprecated: pass ``num_blocks``, or a fraction.
+        num_blocks: blocks in the pool. This and the next four are the pool's settings, as a
+            :class:`~hf_paged.CacheConfig` has them (its docstring says what each does), or give ``cache_config``
+            instead (not both).
+        block_size: tokens per block.
+        memory_budget: with ``num_blocks`` unset, the fraction of free device memory the pool may take. With
+            neither ``num_blocks`` nor ``memory_budget`` the pool takes ``memory_budget=0.8`` of free device
+            memory, at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes) is
+            deprecated: pass ``num_blocks``, or a fraction.
+        backend: the attention backends allowed, in the order tried.
+        kv_cache_dtype: what the pool stores: None or ``"auto"`` (the model's dtype), or ``"fp8"``.
         device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
         dtype: the model's dtype (float16, bfloat16 or float32); the pool holds it, or fp8 (``kv_cache_dtype``).
         max_new_tokens: the ``max_new_tokens`` of the ``generate`` calls this cache serves. Given, each batch takes
@@ -97,7 +102,7 @@ class PagedAttentionCache(Cache):
 
     An fp8 pool (``kv_cache_dtype="fp8"``): decode, prefill and the KV write run on the cuda kernels (float16/bfloat16
     models on a GPU, head_dim 64, 128 or 256; other layers on the torch backend); no compiled decode steps
-    (``is_compileable`` is False); ``docs/cache.md`` gives the scale policy and its accuracy.
+    (``is_compileable`` is False); ``docs/guides/cache.md`` gives the scale policy and its accuracy.
 
     Per layer the pool holds ``k_cache``/``v_cache`` of shape ``[num_blocks, block_size, num_kv_heads, head_dim]``.
 
@@ -105,7 +110,7 @@ class PagedAttentionCache(Cache):
     may serve call after call and always gives the tokens a new cache gives. The cache never sees token ids, so it
     cannot tell whether a new input continues what it holds; an input that does is recomputed. Direct ``model(...)``
     calls continue the held batch when the attention mask covers the held columns plus the new ones, start afresh
-    when it covers only the new ones, and raise otherwise (see ``docs/cache.md``).
+    when it covers only the new ones, and raise otherwise (see ``docs/guides/cache.md``).
     """
 
     def __init__(

@@ -12,6 +12,8 @@ from hf_paged import _compat
 from hf_paged.hf._attention import paged_attention_forward, paged_mask
 
 # transformers reads any name containing "flash" as a flash-attn kernel request: keep it out of ours.
+#: The name to pass as ``attn_implementation`` (``from_pretrained(path, attn_implementation="hf_paged")``),
+#: registered with transformers' attention and mask interfaces by ``import hf_paged``.
 ATTN_IMPLEMENTATION = "hf_paged"
 logger = logging.getLogger("hf_paged")
 

@@ -26,5 +26,8 @@ def cache_keyword(model: torch.nn.Module) -> str:
 
 
 def with_cache(model: torch.nn.Module, cache, **kwargs) -> dict:
-    """``kwargs`` plus the cache under the keyword this transformers release expects."""
+    """``kwargs`` plus ``cache`` under the keyword with which this transformers release's ``model.generate`` takes
+    a cache: ``past_key_values`` in transformers 5.17, ``cache`` in later 5.x releases (which also still take the old
+    name). ``model.generate(**batch, **hf_paged.with_cache(model, cache), max_new_tokens=64)``.
+    """
     return {**kwargs, cache_keyword(model): cache}

@@ -10,7 +10,7 @@ widened to the query's dtype in shared memory (``csrc/paged_prefill_fp8.cuh``).
 ``impl="wgmma"`` asks for the Hopper kernel instead (``csrc/paged_prefill_wgmma*.cuh``: sm_90a warpgroup matrix
 products, the softmax overlapped with the tensor cores; compute capability 9.0 only, fp16 / bf16 over a cache of the
 same dtype, :data:`WGMMA_HEAD_DIMS`), ``impl="wgmma-serial"`` for its simpler form (each product waited for before
-the softmax). The cuda backend picks them on Hopper where they serve the layer (docs/kernels.md, "Hopper prefill");
+the softmax). The cuda backend picks them on Hopper where they serve the layer (docs/design/kernels.md, "Prefill and extend");
 called directly, ``impl`` defaults to the mma.sync kernel.
 """
 

@@ -20,7 +20,7 @@ attention (o_proj and its all-reduce, the residual add and norm, the MLP, its al
 forms serve. Without it only the MLP's all-reduce takes its residual add.
 
 On two H200s it took 0.03 ms off the 4.35 ms decode step of an 8B-shaped model at batch 64, with the greedy tokens of
-one GPU (docs/multi_gpu.md). :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one) as
+one GPU (docs/guides/multi_gpu.md). :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one) as
 the one custom pass inductor takes.
 """
 

@@ -122,6 +122,7 @@ def plan_step(
     block_size: int,
     pad_decode_to: int | None = None,
     columns: DecodeColumns | None = None,
+    extra_rows: list[int] | None = None,
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
@@ -130,13 +131,16 @@ def plan_step(
     token ids into flat arrays (per-sequence Python; a prefill chunk's positions and slots are ranges, extended in
     C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
     step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
-    captured graph's shape.
+    captured graph's shape. ``extra_rows``: positions in ``[0, T)`` whose logits the step returns too, after the
+    sampled rows' (prompt logprobs).
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
-    if columns is not None or sum(num_tokens) == len(seqs):
+    if columns is not None or (sum(num_tokens) == len(seqs) and not extra_rows):
         return _plan_decode(columns if columns is not None else DecodeColumns.of(seqs, sample), sample, tables,
                             block_size, pad_decode_to)
     ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
+    if extra_rows:
+        keep.extend(extra_rows)
     t, num_seqs = len(ids), len(seqs)
     sources = array("i")
     if pending:

@@ -7,14 +7,23 @@
 
 from __future__ import annotations
 
+from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+
 INSTALL_HINT = "the server needs FastAPI and uvicorn: pip install 'hf-paged[serve]'"
 
 
 def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_template: str | None = None,
-               shutdown_timeout: float = 30.0):
+               shutdown_timeout: float = 30.0, *, api_key: str | None = None,
+               allowed_hosts: tuple[str, ...] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               read_timeout: float = DEFAULT_READ_TIMEOUT_S, on_engine_death=None):
     """The OpenAI-compatible app serving ``engine`` as ``model_name``: at most ``engine.config.max_num_seqs +
     max_queued_requests`` sequences live at once (more get 429); ``chat_template`` (Jinja) overrides the
-    tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted."""
+    tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted.
+
+    ``api_key``: the ``/v1`` routes need ``Authorization: Bearer <key>``; ``allowed_hosts``: the ``Host`` names
+    requests may be addressed to (None: any); ``max_body_bytes``: larger bodies get 413; ``read_timeout``: a client
+    that sends no part of its body for this long gets 408; ``on_engine_death(reason)``: called (from the engine
+    thread) if the thread that runs the engine dies. The app's ``state.engine_loop`` is that thread's owner."""
     try:
         from hf_paged.server._app import build_app
     except ImportError as exc:
@@ -23,5 +32,9 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
     from hf_paged.server._metrics import ServerMetrics
 
     metrics = ServerMetrics(model_name)
-    loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template)
-    return build_app(loop, metrics, model_name, shutdown_timeout)
+    loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template,
+                      on_engine_death)
+    app = build_app(loop, metrics, model_name, shutdown_timeout, api_key, allowed_hosts, max_body_bytes,
+                    read_timeout)
+    app.state.engine_loop = loop
+    return app

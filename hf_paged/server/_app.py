@@ -1,8 +1,11 @@
 """``build_app``: the FastAPI application, its routes and its error handlers.
 
-Handlers hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their own
-``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
-waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step.
+A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body
+limits (size, read timeout: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
+``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
+own ``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
+waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step. Every
+error, unknown routes and methods included, is answered in OpenAI's error shape.
 """
 
 from __future__ import annotations
@@ -17,27 +20,35 @@ from collections.abc import AsyncIterator
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from hf_paged.server import _responses as responses
+from hf_paged.server._access import AccessCheck
+from hf_paged.server._body import parse
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError, bad_request, error_body
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
+from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, RequestLimits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._sampling import Job, chat_job, completion_job
 
 logger = logging.getLogger("hf_paged")
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
+ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
 
 
 class ClientGone(Exception):
     pass
 
 
-def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str,
-              shutdown_timeout: float = 30.0) -> FastAPI:
+def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, shutdown_timeout: float = 30.0,
+              api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = None,
+              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
     """The OpenAI-compatible app for ``model_name``; its lifespan starts ``engine_loop`` and stops it (aborting
-    what is still live) when the server shuts down."""
+    what is still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
+    ``max_body_bytes``, ``read_timeout``: ``_limits.RequestLimits``."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -50,44 +61,64 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str,
     app = FastAPI(title="hf-paged", lifespan=lifespan)
     created = int(time.time())
     _add_error_handlers(app)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+    app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
+    card = {"id": model_name, "object": "model", "created": created, "owned_by": "hf-paged",
+            "max_model_len": engine_loop.engine.max_model_len}
 
     @app.get("/health")
     async def health():
         if not engine_loop.is_alive():
-            return JSONResponse(error_body(503, "the engine loop is not running"), status_code=503)
+            why = f": {engine_loop.death}" if engine_loop.death else ""
+            return JSONResponse(error_body(503, f"the engine loop is not running{why}", code="engine_dead"),
+                                status_code=503)
         return {"status": "ok"}
 
     @app.get("/v1/models")
     async def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created,
-                                            "owned_by": "hf-paged", "max_model_len": engine_loop.engine.max_model_len}]}
+        return {"object": "list", "data": [card]}
+
+    @app.get("/v1/models/{model_id:path}")
+    async def model(model_id: str):
+        if model_id != model_name:
+            raise ServerError(404, f"the model {model_id!r} does not exist here; this server serves {model_name!r}",
+                              "model", "model_not_found")
+        return card
 
     @app.get("/metrics")
     async def prometheus_metrics():
         return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        _check_model(body.model, model_name)
-        return await _serve(engine_loop, completion_job(body), request, model_name, "cmpl")
+    async def completions(request: Request):
+        job = await _job(request, CompletionRequest, completion_job, model_name)
+        return await _serve(engine_loop, job, request, model_name, "cmpl")
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest, request: Request):
-        _check_model(body.model, model_name)
-        return await _serve(engine_loop, chat_job(body), request, model_name, "chatcmpl")
+    async def chat_completions(request: Request):
+        job = await _job(request, ChatCompletionRequest, chat_job, model_name)
+        return await _serve(engine_loop, job, request, model_name, "chatcmpl")
 
     return app
 
 
-def _check_model(asked: str, served: str) -> None:
-    if asked != served:
-        raise bad_request(f"model {asked!r} is not served here; this server serves {served!r} (GET /v1/models)",
-                          "model", "model_not_found")
+async def _job(request: Request, model, make_job, served: str) -> Job:
+    """The request's body, parsed and checked in a worker thread (a large body never blocks the event loop)."""
+    body = await request.body()
+
+    def check() -> Job:
+        req = parse(body, model)
+        if req.model != served:
+            raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} "
+                              "(GET /v1/models)", "model", "model_not_found")
+        return make_job(req)
+
+    return await asyncio.to_thread(check)
 
 
 async def _serve(engine_loop: EngineLoop, job: Job, request: Request, model: str, kind: str):
     events: asyncio.Queue = asyncio.Queue()
-    sub = engine_loop.submit(job, events, asyncio.get_running_loop())
+    sub = await engine_loop.submit(job, events)
     rid, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
     done = False
     try:
@@ -102,8 +133,11 @@ async def _serve(engine_loop: EngineLoop, job: Job, request: Request, model: str
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finished = await _collect(events, request, len(job.prompts) * job.n)
         done = True
-        build = responses.chat_completion if job.chat else responses.completion
-        return JSONResponse(build(rid, created, model, finished, first.prompt_lengths))
+        if job.chat:
+            return JSONResponse(responses.chat_completion(rid, created, model, finished, first.prompt_lengths))
+        prepared = sub.prepared
+        return JSONResponse(responses.completion(rid, created, model, finished, first.prompt_lengths,
+                                                 prepared.echo_texts, prepared.token_texts, job.max_tokens == 0))
     except ClientGone:
         return JSONResponse(error_body(499, "client closed the request"), status_code=499)
     finally:
@@ -126,17 +160,29 @@ async def _collect(events: asyncio.Queue, request: Request, num_choices: int) ->
 async def _stream(engine_loop: EngineLoop, sub: Submission, job: Job, events: asyncio.Queue, request: Request,
                   accepted: Accepted, model: str, rid: str, created: int) -> AsyncIterator[str]:
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
+    offsets = [0] * num_choices  # characters of each choice's text sent so far
     complete = False
     try:
-        if job.chat:
-            for index in range(num_choices):
+        for index in range(num_choices):
+            if job.chat:
                 yield responses.sse(responses.chat_chunk(rid, created, model, index, {"role": "assistant",
-                                                                                       "content": ""}, None))
+                                                                                      "content": ""}, None))
+            elif job.echo:
+                text = sub.prepared.echo_texts[index // job.n]
+                offsets[index] = len(text)
+                yield responses.sse(responses.completion_chunk(rid, created, model, index, text, None))
         while finished < num_choices:
             event = await _next(events, request)
-            if isinstance(event, Delta) and event.text:
-                chunk = (responses.chat_chunk(rid, created, model, event.index, {"content": event.text}, None)
-                         if job.chat else responses.completion_chunk(rid, created, model, event.index, event.text, None))
+            if isinstance(event, Delta) and (event.text or event.token_ids):
+                if not event.text and event.logprobs is None:
+                    continue
+                if job.chat:
+                    chunk = responses.chat_chunk(rid, created, model, event.index, {"content": event.text}, None,
+                                                 event)
+                else:
+                    chunk = responses.completion_chunk(rid, created, model, event.index, event.text, None, event,
+                                                       offsets[event.index])
+                    offsets[event.index] += len(event.text)
                 yield responses.sse(chunk)
             elif isinstance(event, Finished):
                 if event.output.finish_reason == "error":
@@ -186,19 +232,29 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def server_error(request: Request, exc: ServerError):
         return JSONResponse(exc.body(), status_code=exc.status)
 
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException):
+        if exc.status_code == 404:
+            message, code = f"no route {request.method} {request.url.path}; this server serves {ROUTES}", "not_found"
+        elif exc.status_code == 405:
+            message, code = (f"{request.url.path} does not take {request.method}; this server serves {ROUTES}",
+                             "method_not_allowed")
+        else:
+            message, code = str(exc.detail), None
+        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
+                            headers=getattr(exc, "headers", None))
+
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
-        errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        if first.get("type") == "json_invalid":
-            message, param = f"the body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
-        else:
-            param = ".".join(loc) or None
-            message = f"{param or 'body'}: {first.get('msg', 'invalid request')}"
-        return JSONResponse(error_body(400, message, param, first.get("type")), status_code=400)
+        first = (exc.errors() or [{}])[0]
+        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', 'invalid value')}"), status_code=400)
+
+    @app.exception_handler(ClientDisconnect)
+    async def client_gone(request: Request, exc: ClientDisconnect):  # (left while sending its body: no one reads)
+        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         logger.exception("hf_paged: unexpected error serving %s", request.url.path)
-        return JSONResponse(error_body(500, f"unexpected {type(exc).__name__}: {exc}"), status_code=500)
+        return JSONResponse(error_body(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"),
+                            status_code=500)

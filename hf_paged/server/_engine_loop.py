@@ -4,7 +4,13 @@ HTTP handlers never call the engine. They :meth:`~EngineLoop.submit` a :class:`~
 :meth:`~EngineLoop.cancel` it through a thread-safe command queue, and receive :mod:`~hf_paged.server._events` on
 their own ``asyncio.Queue`` (posted with ``loop.call_soon_threadsafe``). The thread drains the commands between
 steps, steps while anything is live and sleeps on the command queue when idle. Tokenizing, the chat template and
-the length checks run on this thread too, so the tokenizer is only ever used by one thread.
+the length checks run before, on a tokenizer thread of their own (:mod:`~hf_paged.server._prompts`), so a long
+prompt never holds up the steps of the requests already running.
+
+Nothing one request carries can stop the thread: a request whose admission or step fails is answered with an error
+and the thread goes on. Should the thread itself ever die (a bug), every waiting client is answered at once,
+``/health`` says why, and ``on_death`` is called (``hf-paged serve`` then exits non-zero, for a supervisor to
+restart it) instead of leaving requests hanging.
 
 Tokens are matched to requests by the ids the engine reports, never by the step that scheduled them: under
 asynchronous scheduling a step hands back the tokens of the step before.
@@ -18,6 +24,8 @@ import logging
 import queue
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from hf_paged.engine import Engine
@@ -26,7 +34,7 @@ from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._metrics import ServerMetrics
-from hf_paged.server._prompts import PromptBuilder
+from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
 
 logger = logging.getLogger("hf_paged")
@@ -42,6 +50,7 @@ class Submission:
     events: asyncio.Queue
     loop: asyncio.AbstractEventLoop
     arrival: float
+    prepared: Prepared | None = None
     request_ids: list[str] = field(default_factory=list)
     remaining: int = 0
     abandoned: bool = False
@@ -64,11 +73,15 @@ class _Timing:
 
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
-    at once, more are refused with 429 by :meth:`submit`."""
+    at once, more are refused with 429 by :meth:`submit`. ``on_death`` (any thread may call it) is told if the
+    thread ever dies."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, capacity: int, chat_template: str | None = None):
+    def __init__(self, engine: Engine, metrics: ServerMetrics, capacity: int, chat_template: str | None = None,
+                 on_death: Callable[[str], None] | None = None):
         self.engine, self.metrics, self.capacity = engine, metrics, capacity
         self.prompts = PromptBuilder(engine, chat_template)
+        self.on_death = on_death
+        self.death: str | None = None  # why the thread died, once it has
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._reserved = 0
@@ -76,17 +89,56 @@ class EngineLoop:
         self._ids = itertools.count()
         self._live: dict[str, Submission] = {}  # by engine request id (one per prompt)
         self._timings: dict[str, _Timing] = {}
+        self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-tokenizer")
         self.stats: dict = engine.stats()
 
     # ----- the HTTP side (any thread) --------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
-    def submit(self, job: Job, events: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Submission:
-        """Queue ``job``; its events go to ``events``. Raises 429 when the server is full, 503 when stopping."""
+    async def submit(self, job: Job, events: asyncio.Queue) -> Submission:
+        """Reserve room for ``job`` (429 when the server is full, 503 when it stops), tokenize and check its
+        prompts on the tokenizer thread (400s), and queue it; its events go to ``events``."""
+        loop = asyncio.get_running_loop()
+        sub = self._reserve(job, events, loop)
+        try:
+            sub.prepared = await loop.run_in_executor(self._tokenizer_pool, self._prepare, job)
+        except BaseException as exc:  # a 400, an unexpected error, or the handler cancelled
+            self._release(sub)
+            if isinstance(exc, ServerError) and exc.status == 400:
+                self.metrics.rejected("invalid")
+            raise
+        self._commands.put(("submit", sub))
+        if self.death is not None:  # (the thread died meanwhile: nothing would answer)
+            raise ServerError(503, f"the engine loop is not running: {self.death}", code="engine_dead")
+        return sub
+
+    def cancel(self, sub: Submission) -> None:
+        """The client is gone: abort ``sub``'s requests (their blocks are freed by the next step)."""
+        self._commands.put(("cancel", sub))
+
+    def begin_stop(self) -> None:
+        """Refuse new jobs and abort what is live, each answered 503 (returns at once)."""
+        with self._lock:
+            self._stopping = True
+        self._commands.put(("stop", None))
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Abort what is live, let the engine hand it back, and end the threads."""
+        self.begin_stop()
+        self._thread.join(timeout)
+        self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+
+    def is_alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _reserve(self, job: Job, events: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Submission:
         seqs = len(job.prompts) * job.n
         with self._lock:
+            if self.death is not None:
+                raise ServerError(503, f"the engine loop is not running: {self.death}", code="engine_dead")
             if self._stopping:
                 raise ServerError(503, "the server is shutting down; retry on another instance", code="shutting_down")
             if self._reserved + seqs > self.capacity:
@@ -95,50 +147,80 @@ class EngineLoop:
                                        f"{self.capacity}: --max-num-seqs + --max-queued-requests); retry later",
                                   code="queue_full")
             self._reserved += seqs
-            sub = Submission(f"{next(self._ids)}", job, events, loop, time.perf_counter())
-        self._commands.put(("submit", sub))
-        return sub
+            return Submission(f"{next(self._ids)}", job, events, loop, time.perf_counter())
 
-    def cancel(self, sub: Submission) -> None:
-        """The client is gone: abort ``sub``'s requests (their blocks are freed by the next step)."""
-        self._commands.put(("cancel", sub))
-
-    def stop(self, timeout: float | None = None) -> None:
-        """Abort what is live, let the engine hand it back, and end the thread."""
+    def _release(self, sub: Submission) -> None:
         with self._lock:
-            self._stopping = True
-        self._commands.put(("stop", None))
-        self._thread.join(timeout)
+            self._reserved -= len(sub.job.prompts) * sub.job.n
 
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
+    def _prepare(self, job: Job) -> Prepared:
+        """(The tokenizer thread.) The job's prompts and configs; its grammar compiled once, here."""
+        schema = job.settings.get("json_schema")
+        if schema is not None:
+            try:
+                self.engine.structured.grammar(schema)
+            except ValueError as exc:
+                raise bad_request(str(exc), "response_format", "invalid_json_schema") from None
+        return self.prompts.prepare(job)
 
     # ----- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._serve()
+        except BaseException as exc:
+            logger.exception("hf_paged: the engine loop died; the server cannot serve any more")
+            self._die(f"{type(exc).__name__}: {exc}")
+
+    def _serve(self) -> None:
         stopping, last_stats = False, 0.0
         while True:
             busy = self.engine.has_unfinished()
             if not busy and stopping:
                 break
             for kind, sub in self._take_commands(block=not busy):
-                if kind == "submit":
-                    self._admit(sub) if not stopping else self._reject(sub, ServerError(503, "shutting down"))
-                elif kind == "cancel":
-                    sub.abandoned = True
-                    self._abort(sub)
-                else:
+                if kind == "stop":
                     stopping = True
-                    for s in self._live_submissions():
-                        s.post(Rejected(ServerError(503, "the server is shutting down; the request was aborted",
-                                                    code="shutting_down")))
-                        s.abandoned = True
-                        self._abort(s)
+                    self._abort_live(ServerError(503, "the server is shutting down; the request was aborted",
+                                                 code="shutting_down"))
+                else:
+                    self._command(kind, sub, stopping)
             if self.engine.has_unfinished():
                 self._step()
             now = time.perf_counter()
             if now - last_stats > STATS_EVERY_S or not self.engine.has_unfinished():
                 self.stats, last_stats = self.engine.stats(), now
                 self.metrics.engine_stats(self.stats)
+
+    def _command(self, kind: str, sub: Submission, stopping: bool) -> None:
+        """One handler's command; whatever it raises ends that request only."""
+        try:
+            if kind == "submit":
+                if stopping:
+                    self._forget(sub)
+                    self._reject(sub, ServerError(503, "the server is shutting down", code="shutting_down"))
+                else:
+                    self._admit(sub)
+            else:  # cancel
+                sub.abandoned = True
+                self._abort(sub)
+        except Exception as exc:
+            logger.exception("hf_paged: serving one request failed; the others go on")
+            self._abort(sub)
+            self._forget(sub)
+            self._reject(sub, ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
+
+    def _die(self, reason: str) -> None:
+        self.death = reason
+        with self._lock:
+            self._stopping = True
+        error = ServerError(500, f"the engine loop died: {reason}", code="engine_dead")
+        for sub in self._live_submissions():
+            sub.post(Rejected(error))
+        for kind, sub in self._take_commands(block=False):
+            if kind == "submit":
+                sub.post(Rejected(error))
+        if self.on_death is not None:
+            self.on_death(reason)
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
@@ -149,23 +231,20 @@ class EngineLoop:
                 return commands
 
     def _admit(self, sub: Submission) -> None:
-        job = sub.job
+        prepared = sub.prepared
         try:
-            prompts = [self.prompts.token_ids(p, job.chat) for p in job.prompts]
-            configs = [job.generation_config(self.prompts.max_new_tokens(len(ids), job.max_tokens, job.chat))
-                       for ids in prompts]
-            for p, (ids, config) in enumerate(zip(prompts, configs)):
+            for p, (ids, config) in enumerate(zip(prepared.prompts, prepared.configs)):
                 rid = f"{sub.id}-{p}"
                 self.engine.add_request(ids, config, request_id=rid)
                 sub.request_ids.append(rid)
                 self._live[rid] = sub
-        except (ServerError, ValueError) as exc:
+        except ValueError as exc:
             self._abort(sub)  # the prompts queued already; their abort outputs find no job and are dropped
             self._forget(sub)
-            self._reject(sub, exc if isinstance(exc, ServerError) else bad_request(str(exc)))
+            self._reject(sub, bad_request(str(exc)))
             return
-        sub.remaining = len(prompts) * job.n
-        sub.post(Accepted([len(ids) for ids in prompts]))
+        sub.remaining = len(prepared.prompts) * sub.job.n
+        sub.post(Accepted([len(ids) for ids in prepared.prompts]))
 
     def _reject(self, sub: Submission, error: ServerError) -> None:
         self.metrics.rejected("invalid" if error.status == 400 else str(error.status))
@@ -175,12 +254,18 @@ class EngineLoop:
         for rid in sub.request_ids:
             self.engine.abort(rid)
 
+    def _abort_live(self, error: ServerError) -> None:
+        for s in self._live_submissions():
+            s.post(Rejected(error))
+            s.abandoned = True
+            self._abort(s)  # their abort outputs come from the next step and release their capacity then
+
     def _step(self) -> None:
         try:
             outputs, deltas = self.engine.step_with_deltas()
         except Exception as exc:  # the engine commits a step whole; a step that raises fails what is live
             logger.exception("hf_paged: an engine step failed; failing the live requests")
-            self._fail_all(f"the engine failed: {type(exc).__name__}: {exc}")
+            self._abort_live(ServerError(500, f"the engine failed: {type(exc).__name__}: {exc}", code="engine_error"))
             return
         now = time.perf_counter()
         for delta in deltas:
@@ -208,7 +293,9 @@ class EngineLoop:
             timing.last, timing.tokens = now, timing.tokens + len(delta.token_ids)
             self.metrics.generated(len(delta.token_ids), now)
         if sub.job.stream:
-            sub.post(Delta(index, list(delta.token_ids), delta.text or "", delta.finish_reason))
+            texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
+            sub.post(Delta(index, list(delta.token_ids), delta.text or "", delta.finish_reason, delta.logprobs,
+                           delta.top_logprobs, texts))
 
     def _take_output(self, out: RequestOutput, now: float) -> None:
         sub, index = self._choice(out.request_id)
@@ -219,7 +306,9 @@ class EngineLoop:
             self.metrics.per_output_token((timing.last - timing.first) / (timing.tokens - 1))
         self.metrics.finished(out.finish_reason)
         if not sub.abandoned:
-            texts = [self.engine.tokenizer.decode([t]) for t in out.token_ids] if sub.job.logprobs else None
+            texts = None
+            if sub.job.logprobs:
+                texts = self._texts(out.token_ids, out.top_logprobs, out.prompt_top_logprobs)
             sub.post(Finished(index, out, texts))
         sub.remaining -= 1
         if sub.remaining <= 0 or out.finish_reason in ("error", "abort"):
@@ -228,17 +317,22 @@ class EngineLoop:
             self._abort(sub)
             self._forget(sub)
 
+    def _texts(self, ids: list[int], *alternatives) -> dict[int, str]:
+        """Each id of ``ids`` and of the ``(id, logprob)`` lists in ``alternatives``, decoded alone."""
+        wanted = set(ids)
+        for rows in alternatives:
+            for row in rows or ():
+                wanted.update(t for t, _ in row or ())
+        cache, tokenizer = self._token_texts, self.engine.tokenizer
+        for t in wanted - cache.keys():
+            cache[t] = tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
+        return {t: cache[t] for t in wanted}
+
     def _forget(self, sub: Submission) -> None:
         for rid in sub.request_ids:
             self._live.pop(rid, None)
-        with self._lock:
-            self._reserved -= len(sub.job.prompts) * sub.job.n
-
-    def _fail_all(self, reason: str) -> None:
-        for sub in self._live_submissions():
-            sub.post(Rejected(ServerError(500, reason, code="engine_error")))
-            sub.abandoned = True
-            self._abort(sub)  # their abort outputs come from the next step and release their capacity then
+        sub.request_ids = []
+        self._release(sub)
 
     def _live_submissions(self) -> list[Submission]:
         return list({id(s): s for s in self._live.values()}.values())

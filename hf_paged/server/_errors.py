@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import json
+
 #: OpenAI's ``type`` for each status the server answers with.
-ERROR_TYPES = {400: "invalid_request_error", 404: "not_found_error", 429: "rate_limit_error",
-               500: "internal_server_error", 503: "service_unavailable_error"}
+ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
+               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
+               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
+               503: "service_unavailable_error"}
 
 
 class ServerError(Exception):
@@ -26,3 +30,12 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
 
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServerError:
     return ServerError(400, message, param, code)
+
+
+async def send_error(send, error: ServerError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
+    """Answer an ASGI request with ``error`` (for middleware, which answers before any route runs)."""
+    body = json.dumps(error.body()).encode()
+    await send({"type": "http.response.start", "status": error.status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                            *headers]})
+    await send({"type": "http.response.body", "body": body})

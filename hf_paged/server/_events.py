@@ -24,22 +24,27 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Delta:
-    """New tokens of choice ``index`` (streamed requests only); ``finish_reason`` is set on its last delta."""
+    """New tokens of choice ``index`` (streamed requests only); ``finish_reason`` is set on its last delta.
+    ``logprobs``/``top_logprobs`` are the tokens' when asked for, ``token_texts`` the text of each id they name."""
 
     index: int
     token_ids: list[int]
     text: str
     finish_reason: str | None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+    token_texts: dict[int, str] | None = None
 
 
 @dataclass(frozen=True)
 class Finished:
     """Choice ``index`` is done; ``output.finish_reason`` may be ``"error"`` (``output.error`` says why).
-    ``token_texts`` (each new token decoded alone) is set when the request asked for logprobs."""
+    ``token_texts`` (each id of the new tokens and their alternatives, decoded alone) is set when the request asked
+    for logprobs."""
 
     index: int
     output: RequestOutput
-    token_texts: list[str] | None = None
+    token_texts: dict[int, str] | None = None
 
 
 Event = Accepted | Rejected | Delta | Finished

@@ -1,15 +1,26 @@
-"""``PromptBuilder``: a request's prompt as token ids, and how many new tokens it may ask for.
+"""``PromptBuilder``: a request's prompts as token ids, and how many new tokens each may ask for.
 
-Runs on the engine thread (the tokenizer is used by that thread only). A prompt that cannot be served, too long
-for the model's position limit or for the whole KV cache, is refused here with a 400, before anything is queued.
+It runs on a tokenizer thread of its own (``EngineLoop.prepare``), off the engine's thread and off the event loop,
+with its own copy of the tokenizer, so that a long prompt delays neither the running requests' steps nor the other
+clients' requests. Before any work, a text prompt whose characters could not fit the model even at the most
+characters a token covers is refused at once; after tokenizing, a prompt that cannot be served (too long for the
+model's position limit or for the whole KV cache) is refused with a 400, before anything is queued.
 """
 
 from __future__ import annotations
 
+import copy
+import logging
+from dataclasses import dataclass
+
 from jinja2 import TemplateError
+from transformers import GenerationConfig
 
 from hf_paged.engine import Engine
 from hf_paged.server._errors import bad_request
+from hf_paged.server._sampling import Job
+
+logger = logging.getLogger("hf_paged")
 
 #: The chat template of a tokenizer that has none (the embedded default model's): one ``role: content`` line per
 #: message, then ``assistant:`` for the model to continue.
@@ -17,41 +28,67 @@ SIMPLE_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant:{% endif %}"
 )
+#: Slack on the characters-per-token bound (a normalizer may drop characters before the tokens are made).
+CHARS_SLACK = 4
+
+
+@dataclass(frozen=True)
+class Prepared:
+    """A job's prompts as the engine takes them; ``echo``: each prompt's text and its tokens' texts (by id)."""
+
+    prompts: list[list[int]]
+    configs: list[GenerationConfig]
+    echo_texts: list[str] | None = None
+    token_texts: dict[int, str] | None = None
 
 
 class PromptBuilder:
     def __init__(self, engine: Engine, chat_template: str | None = None):
-        self.tokenizer = engine.tokenizer
+        self.tokenizer = _own_copy(engine.tokenizer)
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
         self.cache_tokens = engine.pool.num_blocks * engine.pool.block_size
         has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
+        longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
+        self.max_chars = min(self.max_model_len, self.cache_tokens + 1) * max(longest, 1) * CHARS_SLACK
+
+    def prepare(self, job: Job) -> Prepared:
+        """The token ids and generation config of each prompt of ``job``; a 400 for one that cannot be served."""
+        prompts = [self.token_ids(p, job.chat) for p in job.prompts]
+        configs = [job.generation_config(self.max_new_tokens(len(ids), job.max_tokens, job.chat)) for ids in prompts]
+        if not job.echo:
+            return Prepared(prompts, configs)
+        texts = [p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)]
+        token_texts = {t: self.decode([t]) for t in {t for ids in prompts for t in ids}} if job.logprobs else None
+        return Prepared(prompts, configs, texts, token_texts)
 
     def token_ids(self, prompt, chat: bool) -> list[int]:
         """Token ids of a completion prompt (a string or ids) or of a chat (a list of messages), length-checked."""
         param = "messages" if chat else "prompt"
+        limit = min(self.max_model_len, self.cache_tokens + 1)
         if chat:
+            self._check_chars(sum(len(m["content"]) for m in prompt), limit, param)
             ids = self._encode(self._render_chat(prompt), add_special_tokens=False)
         elif isinstance(prompt, str):
+            self._check_chars(len(prompt), limit, param)
             ids = self._encode(prompt, add_special_tokens=True)
         else:
-            ids = list(prompt)
-            bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-            if bad is not None:
-                raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), got {bad}", param)
+            ids = prompt
+            if len(ids) < limit:
+                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
+                if bad is not None:
+                    raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), got {bad}", param)
         if not ids:
             raise bad_request("the prompt has no tokens", param)
-        limit = min(self.max_model_len, self.cache_tokens + 1)
         if len(ids) >= limit:
-            where = ("the model's position limit" if limit == self.max_model_len
-                     else "the server's KV cache (--num-blocks x --block-size)")
-            raise bad_request(f"the prompt has {len(ids)} tokens; {where} leaves room for at most {limit - 1} "
-                              "prompt tokens and one new token: shorten it", param, "context_length_exceeded")
+            raise bad_request(f"the prompt has {len(ids)} tokens; {self._where(limit)} leaves room for at most "
+                              f"{limit - 1} prompt tokens and one new token: shorten it", param,
+                              "context_length_exceeded")
         return ids
 
     def max_new_tokens(self, prompt_len: int, asked: int | None, chat: bool) -> int:
-        """``asked``, checked against what the prompt leaves; None: all it leaves."""
+        """``asked``, checked against what the prompt leaves; None: all it leaves; 0 (echo alone): one."""
         room = min(self.max_model_len, self.cache_tokens) - prompt_len
         if asked is None:
             return room
@@ -60,7 +97,19 @@ class PromptBuilder:
             raise bad_request(f"{param}={asked} with a prompt of {prompt_len} tokens passes the limit of "
                               f"{prompt_len + room} tokens (the model's and the KV cache's); ask for at most {room}",
                               param, "context_length_exceeded")
-        return asked
+        return max(asked, 1)
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
+
+    def _check_chars(self, chars: int, limit: int, param: str) -> None:
+        if chars > self.max_chars:
+            raise bad_request(f"the prompt has {chars} characters: more than {self._where(limit)} can hold ("
+                              f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
+
+    def _where(self, limit: int) -> str:
+        return ("the model's position limit" if limit == self.max_model_len
+                else "the server's KV cache (--num-blocks x --block-size)")
 
     def _render_chat(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
@@ -75,3 +124,14 @@ class PromptBuilder:
         if self.tokenizer is None:
             raise bad_request("text prompts need a tokenizer, and this server has none; send token ids", "prompt")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _own_copy(tokenizer):
+    """A copy of ``tokenizer`` for the tokenizer thread alone (the engine's thread decodes with the original)."""
+    if tokenizer is None:
+        return None
+    try:
+        return copy.deepcopy(tokenizer)
+    except Exception as exc:  # a tokenizer that cannot be copied: shared, as before (reads only)
+        logger.warning("hf_paged: the tokenizer cannot be copied (%s); the server's threads share it", exc)
+        return tokenizer

@@ -1,10 +1,14 @@
 """The request bodies of OpenAI's completions and chat completions APIs, as pydantic models.
 
-Types are checked here (a wrong type is a 400 naming the field); ranges and what the engine can serve are checked
-in :mod:`hf_paged.server._sampling`. Fields OpenAI defines that the engine does not serve are declared so that a
-request setting them is refused rather than silently served otherwise; unknown fields are ignored, as OpenAI does.
-``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` (generate exactly ``max_tokens``) are
-extensions (pass them in the client's ``extra_body``).
+Types are checked here, strictly (``"max_tokens": true`` or ``"n": "2"`` is a 400 naming the field, as a JSON
+``true`` is not a count); ranges and what the engine can serve are checked in :mod:`hf_paged.server._sampling`.
+Fields whose type is a union (``prompt``, ``stop``, a message's ``content``) are typed ``Any`` here and checked by
+hand there, so that their errors name the field and say what it may be. Every string of a body was checked before
+(:mod:`hf_paged.server._body`: valid Unicode, bounded nesting). Fields OpenAI defines that the engine does not serve
+are declared so that a request setting them is refused rather than silently served otherwise; unknown fields are
+ignored, as OpenAI does. ``top_k``, ``min_p``, ``repetition_penalty`` and ``ignore_eos`` (generate exactly
+``max_tokens``) are extensions (pass them in the client's ``extra_body``), as is ``response_format`` on
+``/v1/completions``.
 """
 
 from __future__ import annotations
@@ -13,72 +17,89 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-TokenIds = list[int]
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class StreamOptions(_Strict):
+    include_usage: bool | None = False
 
 
-class SamplingFields(BaseModel):
+class JsonSchemaFormat(_Strict):
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(default=None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Strict):
+    """``{"type": "text"}``, ``{"type": "json_object"}`` or ``{"type": "json_schema", "json_schema": {...}}``."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class SamplingFields(_Strict):
     """What both endpoints share."""
-
-    model_config = ConfigDict(extra="ignore")
 
     model: str
     max_tokens: int | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
-    stream: bool = False
+    n: int | None = None
+    stream: bool | None = False
     stream_options: StreamOptions | None = None
-    stop: str | list[str] | None = None
+    stop: Any = None
     seed: int | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
+    response_format: ResponseFormat | None = None
     top_k: int | None = None
     min_p: float | None = None
     repetition_penalty: float | None = None
-    ignore_eos: bool = False
+    ignore_eos: bool | None = False
 
 
 class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: ``prompt`` is a string, a list of strings, token ids, or a list of token-id lists
-    (each prompt gets ``n`` choices, numbered prompt by prompt). ``logprobs`` is an integer: 0 returns the chosen
-    tokens' log-probabilities (no alternatives); more is refused, the engine has no top-k alternatives."""
+    (each prompt gets ``n`` choices, numbered prompt by prompt). ``logprobs`` (0 to 5): each new token's
+    log-probability and that many likeliest alternatives; ``echo``: the prompt is returned before the new text
+    (and, with ``logprobs``, its tokens' log-probabilities, the first one null)."""
 
-    prompt: str | list[str] | TokenIds | list[TokenIds]
+    prompt: Any
     max_tokens: int | None = 16
     logprobs: int | None = None
-    echo: bool = False
+    echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="ignore")
-
-    type: str
-    text: str | None = None
-
-
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: str | list[TextPart] | None = None
+    content: Any = None
+    name: str | None = None
 
 
 class ChatCompletionRequest(SamplingFields):
     """``POST /v1/chat/completions``: ``messages`` go through the tokenizer's chat template. ``logprobs: true``
-    returns the chosen tokens' log-probabilities; ``top_logprobs`` above 0 is refused."""
+    returns the chosen tokens' log-probabilities, ``top_logprobs`` (0 to 20) that many likeliest alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = None
-    logprobs: bool = False
+    logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[Any] | None = None
     functions: list[Any] | None = None
-    response_format: dict[str, Any] | None = None
+    tool_choice: Any = None
+
+
+#: Every field name of the request models: what an error's ``param`` may name (pydantic's union tags may not).
+FIELD_NAMES = frozenset(
+    name for model in (StreamOptions, JsonSchemaFormat, ResponseFormat, CompletionRequest, ChatMessage,
+                       ChatCompletionRequest)
+    for field_name, info in model.model_fields.items() for name in (field_name, info.alias) if name)

@@ -1,13 +1,14 @@
 """From an OpenAI request body to what the engine runs: the prompts, and the settings of a ``GenerationConfig``.
 
 Everything that can be checked without the tokenizer is checked here, with a 400 naming the field; the prompt's
-length (against the model's position limit and the KV cache) is checked where it is tokenized, on the engine
-thread (:mod:`hf_paged.server._engine_loop`). Sampling fields left unset take the model's generation config, as
+length (against the model's position limit and the KV cache) is checked where it is tokenized
+(:mod:`hf_paged.server._prompts`). Sampling fields left unset take the model's generation config, as
 ``model.generate`` does (so a model whose config says greedy stays greedy); ``temperature: 0`` is greedy.
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -17,13 +18,20 @@ from hf_paged.server._errors import bad_request
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
 MAX_N = 128
+MAX_PROMPTS = 1024
 MAX_STOP_STRINGS = 16
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's completions API
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's chat API
+MAX_TOKENS_ASKED = 2**31  # beyond any model's context: larger counts are typos, refused before any arithmetic
 
 
 @dataclass(frozen=True)
 class Job:
     """One HTTP request as the engine thread takes it: ``prompts`` are strings or token-id lists (completions) or
-    one list of chat messages (chat). ``max_tokens`` None means as many as the model's position limit leaves."""
+    one list of chat messages (chat). ``max_tokens`` None means as many as the model's position limit leaves.
+    ``logprobs``: each new token's log-probability, with ``top_logprobs`` alternatives; ``echo``: the prompt comes
+    back before the new text, with ``prompt_logprobs`` when ``logprobs`` is asked; ``max_tokens == 0`` (with
+    ``echo`` only): the prompt alone (one token is computed and dropped)."""
 
     chat: bool
     prompts: list
@@ -34,61 +42,64 @@ class Job:
     stream: bool = False
     include_usage: bool = False
     ignore_eos: bool = False
+    top_logprobs: int = 0
+    echo: bool = False
 
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
+        extra = {}
+        if self.logprobs:
+            extra = {"output_logprobs": True, "top_logprobs": self.top_logprobs}
+            if self.echo:
+                extra["prompt_logprobs"] = self.top_logprobs
         return GenerationConfig(max_new_tokens=max_new_tokens, num_return_sequences=self.n,
-                                output_logprobs=self.logprobs, min_new_tokens=max_new_tokens if self.ignore_eos else None,
-                                **self.settings)
+                                min_new_tokens=max_new_tokens if self.ignore_eos else None, **extra, **self.settings)
 
 
 def completion_job(req: CompletionRequest) -> Job:
-    prompts = req.prompt if isinstance(req.prompt, list) and req.prompt and not _is_ids(req.prompt) else [req.prompt]
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise bad_request("prompt is empty; give a non-empty string or token-id list", "prompt")
-    if req.echo:
-        raise bad_request("echo is not served; send echo: false and prepend the prompt yourself", "echo")
+    prompts = _completion_prompts(req.prompt)
     if req.suffix:
         raise bad_request("suffix (insertion) is not served; leave it out", "suffix")
-    if req.best_of is not None and req.best_of != req.n:
+    n = 1 if req.n is None else req.n
+    if req.best_of is not None and req.best_of != n:
         raise bad_request("best_of is not served (the engine does not rank copies); use n", "best_of")
-    if req.logprobs is not None and req.logprobs != 0:
-        raise bad_request("logprobs > 0 asks for alternative tokens, which the engine does not return; send "
-                          "logprobs: 0 for the chosen tokens' log-probabilities", "logprobs")
-    return _job(req, chat=False, prompts=prompts, max_tokens=req.max_tokens, logprobs=req.logprobs is not None)
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+        raise bad_request(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}", "logprobs")
+    echo = bool(req.echo)
+    if req.max_tokens == 0 and not echo:
+        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt's log-probabilities alone)",
+                          "max_tokens")
+    return _job(req, chat=False, prompts=prompts, max_tokens=req.max_tokens, logprobs=req.logprobs is not None,
+                top_logprobs=req.logprobs or 0, echo=echo)
 
 
 def chat_job(req: ChatCompletionRequest) -> Job:
     for name in ("tools", "functions"):
         if getattr(req, name):
             raise bad_request(f"{name} (tool calling) is not served; leave it out", name)
-    if req.response_format and req.response_format.get("type", "text") != "text":
-        raise bad_request("response_format other than text is not served", "response_format")
-    if req.top_logprobs:
-        raise bad_request("top_logprobs > 0 asks for alternative tokens, which the engine does not return; send "
-                          "logprobs: true alone for the chosen tokens' log-probabilities", "top_logprobs")
-    messages = []
-    for i, m in enumerate(req.messages):
-        if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise bad_request("only text content parts are served", f"messages[{i}].content")
-            content = "".join(p.text for p in m.content)
-        else:
-            content = m.content or ""
-        messages.append({"role": m.role, "content": content})
+    if req.top_logprobs is not None:
+        if not 0 <= req.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+            raise bad_request(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {req.top_logprobs}",
+                              "top_logprobs")
+        if req.top_logprobs and not req.logprobs:
+            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+    messages = [{"role": m.role, "content": _content(m.content, f"messages.{i}.content")}
+                for i, m in enumerate(req.messages)]
     max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _job(req, chat=True, prompts=[messages], max_tokens=max_tokens, logprobs=req.logprobs, param=param)
+    return _job(req, chat=True, prompts=[messages], max_tokens=max_tokens, logprobs=bool(req.logprobs),
+                top_logprobs=req.top_logprobs or 0, param=param)
 
 
-def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None, logprobs: bool,
-         param: str = "max_tokens") -> Job:
-    if max_tokens is not None and max_tokens < 1:
-        raise bad_request(f"{param} must be at least 1, got {max_tokens}", param)
-    if not 1 <= req.n <= MAX_N:
-        raise bad_request(f"n must be in [1, {MAX_N}], got {req.n}", "n")
-    if req.stream and logprobs:
-        raise bad_request("logprobs with stream: true are not served yet (the engine's streamed deltas carry no "
-                          "log-probabilities); ask without stream", "logprobs")
+def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None, logprobs: bool, top_logprobs: int,
+         param: str = "max_tokens", echo: bool = False) -> Job:
+    if max_tokens is not None and not (0 if echo else 1) <= max_tokens < MAX_TOKENS_ASKED:
+        raise bad_request(f"{param} must be in [1, {MAX_TOKENS_ASKED}), got {max_tokens}", param)
+    n = 1 if req.n is None else req.n
+    if not 1 <= n <= MAX_N:
+        raise bad_request(f"n must be in [1, {MAX_N}], got {n}", "n")
+    if len(prompts) * n > MAX_PROMPTS:
+        raise bad_request(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most "
+                          f"{MAX_PROMPTS} per request", "n")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise bad_request(f"{name} is not served; use the repetition_penalty extension", name)
@@ -96,10 +107,27 @@ def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None,
         raise bad_request("logit_bias is not served; leave it out", "logit_bias")
     include_usage = bool(req.stream_options and req.stream_options.include_usage)
     settings = sampling_settings(req)
-    if req.n > 1 and settings.get("do_sample") is False:
+    if n > 1 and settings.get("do_sample") is False:
         raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
                           "ask for n = 1", "n")
-    return Job(chat, prompts, req.n, max_tokens, settings, logprobs, req.stream, include_usage, req.ignore_eos)
+    schema = json_schema(req)
+    if schema is not None:
+        settings["json_schema"] = schema
+    return Job(chat, prompts, n, max_tokens, settings, logprobs, bool(req.stream), include_usage,
+               bool(req.ignore_eos), top_logprobs, echo)
+
+
+def json_schema(req: SamplingFields) -> str | None:
+    """``response_format`` as the JSON schema the engine masks the new text to (None: free text)."""
+    fmt = req.response_format
+    if fmt is None or fmt.type == "text":
+        return None
+    if fmt.type == "json_object":
+        return json.dumps({"type": "object"})
+    if fmt.json_schema is None or fmt.json_schema.schema_ is None:
+        raise bad_request("response_format json_schema needs json_schema.schema, the JSON schema of the answer",
+                          "response_format.json_schema.schema")
+    return json.dumps(fmt.json_schema.schema_, ensure_ascii=False)
 
 
 def sampling_settings(req: SamplingFields) -> dict:
@@ -109,13 +137,13 @@ def sampling_settings(req: SamplingFields) -> dict:
     if t is not None:
         _finite("temperature", t, lambda v: 0 <= v <= 2, "in [0, 2]")
     for name, ok, rule in (("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
-                           ("repetition_penalty", lambda v: v > 0, "> 0")):
+                           ("repetition_penalty", lambda v: 0 < v <= 100, "in (0, 100]")):
         value = getattr(req, name)
         if value is not None:
             out[name] = _finite(name, value, ok, rule)
     if req.top_k is not None:
-        if req.top_k < -1:
-            raise bad_request(f"top_k must be >= 0 (0 or -1: off), got {req.top_k}", "top_k")
+        if not -1 <= req.top_k < 2**31:
+            raise bad_request(f"top_k must be in [-1, 2**31) (0 or -1: off), got {req.top_k}", "top_k")
         out["top_k"] = max(req.top_k, 0)
     if t == 0:
         out = {k: v for k, v in out.items() if k == "repetition_penalty"}
@@ -128,12 +156,61 @@ def sampling_settings(req: SamplingFields) -> dict:
         if not 0 <= req.seed < 2**63:
             raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
         out["seed"] = req.seed
-    stop = [req.stop] if isinstance(req.stop, str) else req.stop or []
-    if len(stop) > MAX_STOP_STRINGS or any(not s for s in stop):
-        raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    stop = _stop(req.stop)
     if stop:
         out["stop_strings"] = stop
     return out
+
+
+def _completion_prompts(prompt) -> list:
+    """``prompt`` as a list of prompts, each a non-empty string or a non-empty list of token ids."""
+    what = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays"
+    if isinstance(prompt, str):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+        prompts = [prompt]
+    elif isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(_is_id(t) for t in p)) for p in prompt):
+        prompts = prompt
+    else:
+        bad = prompt if not isinstance(prompt, list) or not prompt else next(
+            (p for p in prompt if not (isinstance(p, (str, list)) or _is_id(p))), prompt)
+        raise bad_request(f"{what}; got {_kind(bad)}", "prompt")
+    if len(prompts) > MAX_PROMPTS:
+        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise bad_request("prompt is empty; give a non-empty string or token-id list",
+                              "prompt" if len(prompts) == 1 else f"prompt.{i}")
+    return prompts
+
+
+def _content(content, param: str) -> str:
+    """A chat message's content: a string, null, or text parts (joined)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        texts = []
+        for j, part in enumerate(content):
+            if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
+                raise bad_request("only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are served",
+                                  f"{param}.{j}")
+            texts.append(part["text"])
+        return "".join(texts)
+    raise bad_request(f"content must be a string or an array of text parts, got {_kind(content)}", param)
+
+
+def _stop(stop) -> list[str]:
+    if stop is None:
+        return []
+    stops = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+        raise bad_request(f"stop must be a string or an array of strings, got {_kind(stop)}", "stop")
+    if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
+        raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
+    return stops
 
 
 def _finite(name: str, value: float, ok, rule: str) -> float:
@@ -142,5 +219,11 @@ def _finite(name: str, value: float, ok, rule: str) -> float:
     return float(value)
 
 
-def _is_ids(prompt: list) -> bool:
-    return all(isinstance(t, int) for t in prompt)
+def _is_id(value) -> bool:
+    return type(value) is int
+
+
+def _kind(value) -> str:
+    if isinstance(value, list):
+        return "an empty array" if not value else "an array of mixed or other values"
+    return {dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")

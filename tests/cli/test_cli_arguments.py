@@ -81,6 +81,50 @@ def test_stdin_that_holds_no_prompts_is_refused(monkeypatch, capsys, text, want)
     assert_one_line_error(capsys, "hf-paged generate: error: stdin ('-') ", [want])
 
 
+class BinaryStdin(io.TextIOWrapper):
+    """A stdin whose text layer would pass bytes that are not UTF-8 on as lone surrogates (the C locale)."""
+
+    def __init__(self, data: bytes):
+        super().__init__(io.BytesIO(data), encoding="utf-8", errors="surrogateescape")
+
+
+@pytest.mark.parametrize("stdin", [BinaryStdin(b"ok\nab\xff\xfe cd\n"), io.StringIO("ok\nab\udcff cd\n")],
+                         ids=["bytes", "surrogates"])
+def test_stdin_that_is_not_utf8_is_one_line_and_status_2(monkeypatch, capsys, stdin):
+    """It was an "unexpected TypeError ... please report it" (the tokenizer met the surrogates), status 1."""
+    monkeypatch.setattr("sys.stdin", stdin)
+    assert main(GENERATE + ["-"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: stdin ('-') is not UTF-8 text (byte 0xff at ",
+                          ["UTF-8 text"])
+
+
+def test_a_prompt_argument_that_is_not_utf8_is_refused(capsys):
+    assert main(GENERATE + ["fine", "bad \udcff"]) == 2  # (how Python passes on an argument's byte 0xff)
+    assert_one_line_error(capsys, "hf-paged generate: error: argument prompts: a prompt is not UTF-8 text (byte "
+                                  "0xff at character 4)", [])
+
+
+def test_a_prompt_too_long_to_run_is_named_not_echoed_and_status_2(capsys):
+    """The 100k-character prompt was echoed in full, its error buried in the summary, status 1."""
+    assert main(GENERATE + ["short", "x" * 5000]) == 2
+    err = assert_one_line_error(capsys, "hf-paged generate: error: prompt 2 is 5000 tokens long; this engine runs "
+                                        "prompts of at most 2047 tokens", ["--num-blocks", "shorten it"])
+    assert "xxxxx" not in err
+    assert main(GENERATE + ["x" * 40, "--num-blocks", "2", "--block-size", "16"]) == 2
+    assert_one_line_error(capsys, "hf-paged generate: error: prompt 1 is 40 tokens long; this engine runs prompts "
+                                  "of at most 32 tokens", [])
+
+
+def test_a_closed_output_ends_quietly_with_status_141(monkeypatch, capsys):
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr("sys.stdout", ClosedPipe())
+    assert main(GENERATE + ["a prompt"]) == 141
+    assert capsys.readouterr().err == ""
+
+
 def test_a_folder_that_is_no_checkpoint_is_refused(tmp_path, capsys):
     assert main(GENERATE + ["--model", str(tmp_path)]) == 2
     assert_one_line_error(capsys, "hf-paged generate: error: argument --model: ", ["no config.json"])

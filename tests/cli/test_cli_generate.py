@@ -52,7 +52,8 @@ def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
     path.write_text("from a file\n\nsecond line\n")
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
     argv = ["generate", "an argument", "-", "--prompts-file", str(path), "--max-new-tokens", "3", "--no-progress",
-            "--show", "4", "--model", "tiny", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8", "--device", "cpu"]
+            "--show", "4", "--model", "tiny", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8",
+            "--device", "cpu"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     shown = re.findall(r"^'(.*)' -> ", out, re.MULTILINE)
@@ -106,9 +107,11 @@ def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
     assert f"'abc' -> {want!r} [length]" in out
 
 
-def test_a_prompt_longer_than_the_cache_fails_alone(capsys):
-    argv = ["generate", "short", "x" * 40, "--model", "tiny", "--num-blocks", "2", "--block-size", "16", "--max-new-tokens", "2",
-            "--no-progress", "--device", "cpu"]
+def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
+    """A prompt too long to run is refused before anything runs (status 2, ``test_cli_arguments.py``); a request
+    that fails while running (here the cache, of one block less than it needs) ends alone, named in the summary."""
+    argv = ["generate", "short", "x" * 31, "--model", "tiny", "--num-blocks", "2", "--block-size", "16",
+            "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--ignore-eos"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "'short' -> " in out and out.count("[length]") == 1 and out.count("[error]") == 1
@@ -117,7 +120,8 @@ def test_a_prompt_longer_than_the_cache_fails_alone(capsys):
 
 
 def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
-    argv = ["generate", "abc", "--model", "tiny", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--verbose"]
+    argv = ["generate", "abc", "--model", "tiny", "--max-new-tokens", "3", "--no-progress", "--device", "cpu",
+            "--verbose"]
     with caplog.at_level(logging.DEBUG, logger="hf_paged"):
         assert main(argv) == 0
     out = capsys.readouterr().out
@@ -127,7 +131,8 @@ def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
     logs = caplog.text
     assert "prefill attention served by the torch backend" in logs
     assert "decode attention served by the torch backend" in logs
-    assert f"engine {workload_pool(['abc'], 3)} KV blocks of 16 tokens" in logs and "1 prompts, up to 3 new tokens each, greedy" in logs
+    assert f"engine {workload_pool(['abc'], 3)} KV blocks of 16 tokens" in logs
+    assert "1 prompts, up to 3 new tokens each, greedy" in logs
 
     assert main(argv[:-1]) == 0
     assert "steps:" not in capsys.readouterr().out

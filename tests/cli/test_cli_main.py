@@ -58,6 +58,21 @@ def test_python_m_hf_paged_reports_bad_input_in_one_line():
                           "(see 'python -m hf_paged generate --help')\n")
 
 
+@pytest.mark.slow
+def test_output_closed_early_ends_quietly():
+    """``hf-paged generate ... | head -1``: it reported an "unexpected BrokenPipeError" (status 1)."""
+    path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
+    argv = ["generate", "--model", "tiny", "--num-prompts", "1500", "--max-new-tokens", "1", "--show", "1500",
+            "--no-progress", "--device", "cpu"]  # (more output than a pipe buffers)
+    proc = subprocess.Popen([sys.executable, "-m", "hf_paged", *argv], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env=env)
+    assert proc.stdout.readline().startswith(b"'What is the capital of France?'")
+    proc.stdout.close()
+    err = proc.stderr.read()
+    assert proc.wait(timeout=300) == 141 and err == b""
+
+
 @pytest.mark.parametrize("name", ["num_blocks", "block_size", "max_batch_tokens", "memory_budget", "backend",
                                   "kv_cache_dtype"])
 def test_engine_sizes_default_to_the_engines_own(name):

@@ -20,7 +20,8 @@ ARCH = "llama_gqa"
     dict(block_size=16.0), dict(max_batch_tokens=0), dict(memory_budget=0), dict(memory_budget=1.5),
     dict(memory_budget=float("nan")), dict(enable_prefix_caching="yes"), dict(async_scheduling=1),
     dict(backend="no-such-backend"), dict(backend=[1]), dict(cuda_graphs=[0]), dict(cuda_graphs="yes"),
-    dict(cuda_graph_capture="lazy"), dict(cuda_graph_capture=None),
+    dict(cuda_graph_capture="lazy"), dict(cuda_graph_capture=None), dict(num_blocks=10**11),
+    dict(num_blocks=2**27, block_size=16), dict(max_batch_tokens=2**31), dict(max_num_seqs=2**31),
 ], ids=str)
 def test_bad_settings_raise_one_line_from_the_config_and_the_engine(bad):
     with pytest.raises(ValueError) as err:
@@ -28,6 +29,20 @@ def test_bad_settings_raise_one_line_from_the_config_and_the_engine(bad):
     assert "\n" not in str(err.value)
     with pytest.raises(ValueError):
         hf_paged.Engine(models(ARCH)[1], **bad)
+
+
+def test_a_pool_larger_than_the_memory_it_would_take_is_refused_before_anything_is_allocated():
+    """Within the int32 slot ids but beyond the machine: the engine says so at once (it filled memory for minutes)."""
+    from hf_paged.cache._kv_pool import total_memory_bytes
+
+    model = models(ARCH)[1]
+    per_block = 2 * 2 * 16 * 2 * 16 * 4  # K and V, 2 layers, 16 tokens, 2 KV heads of 16, float32
+    blocks = total_memory_bytes(model.device) // per_block + 1
+    with pytest.raises(ValueError, match="GiB of KV cache") as err:
+        hf_paged.Engine(model, num_blocks=int(blocks))
+    assert "\n" not in str(err.value)
+    with pytest.raises(ValueError, match="GiB of KV cache"):
+        hf_paged.PagedAttentionCache(model.config, num_blocks=int(blocks), dtype=model.dtype)
 
 
 def test_engine_signature_shows_the_config_defaults():

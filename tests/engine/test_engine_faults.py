@@ -15,7 +15,7 @@ import pytest
 from transformers import GenerationConfig
 
 import hf_paged
-from engine_helpers import models, random_prompts
+from engine_helpers import hf_greedy, models, random_prompts
 
 ARCH = "llama_gqa"
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
@@ -194,3 +194,34 @@ def test_outputs_queued_before_a_failed_step_are_reported_by_the_next_one(async_
     while engine.has_unfinished():
         rest += engine.step()
     assert [o.request_id for o in rest] == [b] and engine.stats()["used_blocks"] == 0
+
+
+@ASYNC
+def test_a_tokenizer_that_cannot_decode_a_requests_tokens_ends_only_that_request(async_scheduling):
+    """Its output and its last delta say "error" (they said "length" with no text); the others get their text."""
+    prompts = random_prompts(3, 3, 9, seed=12)
+    prompts.insert(1, prompts[0])  # the same prompt twice: with and without stop strings (whose check decodes)
+    refs = hf_greedy(ARCH, prompts, 6)
+    bad = next(t for t in refs[0] if all(t not in r for r in refs[2:]))  # in the first two outputs only
+
+    class Picky:
+        def decode(self, ids, skip_special_tokens=True):
+            if bad in ids:
+                raise ValueError(f"no text for token {bad}")
+            return " ".join(map(str, ids))
+
+    engine = hf_paged.Engine(models(ARCH)[1], num_blocks=64, block_size=4, tokenizer=Picky(),
+                             async_scheduling=async_scheduling)
+    configs = [GenerationConfig(max_new_tokens=6, do_sample=False, stop_strings=s) for s in (None, ["zz"], None, ["zz"])]
+    outs = engine.generate(prompts, configs)
+    assert outs[0].token_ids == refs[0]  # (it fails once done, when its text is made)
+    assert outs[1].token_ids == refs[1][: refs[1].index(bad) + 1]  # (its stop check fails at the token)
+    for out in outs[:2]:
+        assert out.finish_reason == "error" and f"no text for token {bad}" in out.error and out.text is None
+    for out, ref in zip(outs[2:], refs[2:]):
+        assert out.token_ids == ref and out.finish_reason != "error" and out.text == " ".join(map(str, ref))
+    last = {}
+    for delta in engine.stream(prompts, configs):
+        last[delta.request_id] = delta
+    assert [last[rid].finish_reason == "error" for rid in sorted(last, key=int)] == [True, True, False, False]
+    assert engine.stats()["used_blocks"] == 0 and not engine.has_unfinished()

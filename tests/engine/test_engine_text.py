@@ -1,5 +1,6 @@
 """Streaming text: deltas concatenate to the final text (no broken multi-byte characters, SentencePiece spaces
-right, special tokens skipped as in the final text), and stop strings are cut from the text and the tokens.
+right, special tokens skipped as in the final text), and stop strings are cut from the text and the tokens
+(``test_stop_strings.py`` holds the table of edge cases).
 
 A scripted model emits a chosen token sequence (the encoding of a chosen text with a real tokenizer built offline),
 so the expected text, and where a stop string cuts it, are known exactly.
@@ -7,44 +8,15 @@ so the expected text, and where a stop string cuts it, are known exactly.
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
-import torch
-from transformers import GenerationConfig, LlamaConfig, PreTrainedTokenizerFast
+from transformers import GenerationConfig, PreTrainedTokenizerFast
 
 import hf_paged
 from hf_paged.cli.default_model import byte_tokenizer
+from scripted_model import ScriptedModel
 
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 TEXT = "Héllo wörld, 中文 and 🙂 ok; the end is near and the end"
-
-
-class ScriptedModel(torch.nn.Module):
-    """Quacks like a causal LM for the engine: the token after position ``p`` is always ``script[p + 1]``."""
-
-    def __init__(self, script: list[int], vocab_size: int):
-        super().__init__()
-        self.config = LlamaConfig(vocab_size=vocab_size, hidden_size=64, num_hidden_layers=1, num_attention_heads=1,
-                                  num_key_value_heads=1, max_position_embeddings=512)
-        self.config._attn_implementation = hf_paged.ATTN_IMPLEMENTATION
-        self.generation_config = GenerationConfig(eos_token_id=None)
-        self.register_buffer("script", torch.tensor(script + [0]))
-        self.eval()
-
-    @property
-    def device(self) -> torch.device:
-        return self.script.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return torch.float32
-
-    def forward(self, input_ids, position_ids=None, logits_to_keep=None, past_key_values=None, cache=None, **kw):
-        nxt = self.script[(position_ids[0, logits_to_keep] + 1).clamp(max=len(self.script) - 1)]
-        logits = torch.full((1, len(nxt), self.config.vocab_size), -1e4)
-        logits[0, torch.arange(len(nxt)), nxt] = 0.0
-        return SimpleNamespace(logits=logits)
 
 
 def metaspace_tokenizer() -> PreTrainedTokenizerFast:
@@ -114,9 +86,9 @@ def test_special_tokens_are_skipped_in_deltas_as_in_the_final_text(kind, async_s
 
 
 def expected_cut(tok, ids: list[int], stop: str) -> tuple[list[int], str]:
-    """The oracle: the text before the first ``stop``, and the tokens before the one in which it begins."""
+    """The oracle: the text before the first ``stop``, and the tokens up to the one in which it begins."""
     idx = TEXT.index(stop)
-    kept = max(k for k in range(len(ids) + 1) if len(tok.decode(ids[:k], skip_special_tokens=True)) <= idx)
+    kept = min(k for k in range(1, len(ids) + 1) if len(tok.decode(ids[:k], skip_special_tokens=True)) > idx)
     return ids[:kept], TEXT[:idx]
 
 

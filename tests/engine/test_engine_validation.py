@@ -47,6 +47,69 @@ def test_values_the_engine_cannot_serve_raise_one_line_and_queue_nothing(bad):
     assert not eng.has_unfinished() and eng.stats()["used_blocks"] == 0
 
 
+WRONG_TYPES = [
+    ("do_sample", "no"), ("do_sample", 1), ("output_logprobs", "yes"), ("max_new_tokens", "5"), ("min_length", "2"),
+    ("num_return_sequences", True), ("num_return_sequences", "2"), ("top_k", 2.0), ("temperature", "hot"),
+    ("stop_strings", 5), ("stop_strings", b"ab"), ("eos_token_id", b"x"), ("num_beams", 0), ("seed", True),
+]
+OUT_OF_BOUNDS = [
+    dict(max_new_tokens=2**63), dict(max_new_tokens=2**31), dict(min_new_tokens=2**63),
+    dict(num_return_sequences=10**6),
+    dict(max_new_tokens=None, max_length=2**64),
+]
+
+
+@pytest.mark.parametrize("name, value", WRONG_TYPES, ids=str)
+def test_settings_of_the_wrong_type_are_refused_naming_the_setting(name, value):
+    """``do_sample="no"`` sampled, and transformers' own checks raised ``TypeError`` on a string count."""
+    eng = engine()
+    config = GenerationConfig(max_new_tokens=4)
+    setattr(config, name, value)  # (past GenerationConfig's constructor, as a deserialised config may be)
+    with pytest.raises(ValueError, match=name) as err:
+        eng.add_request([5, 6, 7], config)
+    assert "\n" not in str(err.value)
+    assert not eng.has_unfinished() and eng.stats()["used_blocks"] == 0
+
+
+@pytest.mark.parametrize("bad", OUT_OF_BOUNDS, ids=str)
+def test_counts_beyond_what_the_engine_holds_are_refused_at_the_door(bad):
+    """``max_new_tokens=2**63`` made every later step raise OverflowError; 10**6 copies took a minute in one step."""
+    eng = engine()
+    with pytest.raises(ValueError) as err:
+        eng.add_request([5, 6, 7], GenerationConfig(**bad))
+    assert "\n" not in str(err.value) and not eng.has_unfinished()
+
+
+def test_text_that_is_not_well_formed_is_a_value_error_naming_the_field():
+    """A lone surrogate (JSON's "\\ud800", half of a split emoji) raised TypeError from inside the tokenizer."""
+    from hf_paged.cli.default_model import byte_tokenizer
+
+    tok = byte_tokenizer()
+    eng = hf_paged.Engine(models(ARCH)[1], num_blocks=64, block_size=4, tokenizer=tok)
+    for call, field in [(lambda: eng.add_request("bad \ud800"), "prompt "),
+                        (lambda: eng.generate(["fine", "bad \udfff end"]), r"prompts\[1\]"),
+                        (lambda: eng.add_request("ok", GenerationConfig(stop_strings=["x", "\ud83d"])),
+                         r"stop_strings\[1\]"),
+                        (lambda: eng.add_request([5, 6], request_id="id \ud800"), "request_id")]:
+        with pytest.raises(ValueError, match=field) as err:
+            call()
+        assert "surrogate" in str(err.value) and "\n" not in str(err.value)
+    assert not eng.has_unfinished()
+
+    class Refusing:  # a tokenizer that refuses some text with an error of its own
+        def encode(self, text):
+            raise TypeError("cannot encode\nthis")
+
+        def decode(self, ids, skip_special_tokens=True):
+            return ""
+
+    eng = hf_paged.Engine(models(ARCH)[1], num_blocks=64, block_size=4, tokenizer=Refusing())
+    with pytest.raises(ValueError, match=r"prompts\[0\]: the tokenizer cannot encode it \(TypeError: cannot encode\)"):
+        eng.generate(["x"])
+    out = eng.generate([[5, 6, 7]], greedy_config(3))[0]  # the engine still serves
+    assert out.token_ids == hf_greedy(ARCH, [[5, 6, 7]], 3)[0]
+
+
 @pytest.mark.parametrize("prompt", [[True, False], [5, 6.0], [[5, 6]], ["5"], {"input_ids": [5]}, b"\x05",
                                     torch.tensor([[5, 6], [7, 8]]), [5, VOCAB], [-1], np.array([], dtype=np.int64)],
                          ids=repr)

@@ -60,7 +60,7 @@ def test_decode_steps_do_not_read_the_mask(decode_masks_unreadable, arch: str, s
 
 
 def test_the_new_column_of_a_decode_step_is_taken_as_real_without_reading_it():
-    """What the cache assumes (docs/cache.md): a one-token step's new column is ones, whatever the mask says."""
+    """What the cache assumes (docs/guides/cache.md): a one-token step's new column is ones, whatever the mask says."""
     _, paged = make_models("llama_gqa", seed=21)
     batch = left_padded_batch([3, 6], torch.Generator().manual_seed(21))
     cache = hf_paged.PagedAttentionCache(paged.config, num_blocks=16, block_size=4)
@@ -112,7 +112,7 @@ def test_one_plan_and_one_backend_choice_per_forward(monkeypatch, arch: str):
 
 
 @pytest.mark.cuda
-@pytest.mark.parametrize("max_new_tokens", [None, 10])  # 10: fixed-shape decode plans (docs/cache.md), run eagerly
+@pytest.mark.parametrize("max_new_tokens", [None, 10])  # 10: fixed-shape decode plans (docs/guides/cache.md), run eagerly
 def test_decode_plan_makes_no_host_sync_on_the_gpu(monkeypatch, max_new_tokens):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")

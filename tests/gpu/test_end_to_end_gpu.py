@@ -18,7 +18,7 @@ from transformers import GenerationConfig
 import hf_paged
 from hf_paged.hf.compat import with_cache
 
-# Of the 6 x 24 tokens. Measured: 131 with the cuda and with the flash path on an H100 (docs/kernels.md); the torch
+# Of the 6 x 24 tokens. Measured: 131 with the cuda and with the flash path on an H100; the torch
 # backend's float32 attention parts from eager's bf16 rounding more often (on the CPU in bf16: 106, SDPA 126).
 MIN_EXACT = 0.7
 

@@ -1,5 +1,5 @@
-"""Start ``hf-paged serve`` (with the flags given: tests pass ``--model tiny``) in a subprocess on a free loopback port,
-and always stop it."""
+"""Start ``hf-paged serve`` in a subprocess on a free loopback port (on the tiny model unless the flags name another
+with ``--model``), and always stop it."""
 
 from __future__ import annotations
 
@@ -14,7 +14,12 @@ import time
 
 import httpx
 
-START_TIMEOUT_S = 60
+START_TIMEOUT_S = 90
+MODEL = "hf-paged-tiny"
+NUM_BLOCKS, MAX_SEQS, MAX_QUEUED = 96, 32, 8  # a 1536-token cache, below the model's 2048 positions
+#: The flags of the suite's shared server (``live_server`` in conftest.py).
+FLAGS = ("--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED))
+TIMEOUT = httpx.Timeout(60.0, connect=5.0)
 
 
 def free_port() -> int:
@@ -24,13 +29,17 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running_server(*flags: str):
-    """Yields ``(base_url, process)``; the process is killed on the way out whatever happened."""
+def running_server(*flags: str, env: dict | None = None, command: tuple[str, ...] = ("-m", "hf_paged")):
+    """Yields ``(base_url, process)``; the process is killed on the way out whatever happened. The process's
+    output goes to ``process.log`` (a file); ``command``: what runs before ``serve`` (a script may patch first)."""
+    if "--model" not in flags:
+        flags = ("--model", "tiny", *flags)
     port = free_port()
     log = tempfile.TemporaryFile()
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "hf_paged", "serve", "--host", "127.0.0.1", "--port", str(port),
+    env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))
+    proc = subprocess.Popen([sys.executable, *command, "serve", "--host", "127.0.0.1", "--port", str(port),
                              "--device", "cpu", *flags], stdout=log, stderr=subprocess.STDOUT, env=env)
+    proc.log = log
     url = f"http://127.0.0.1:{port}"
     try:
         wait_healthy(url, proc, log)
@@ -46,6 +55,12 @@ def running_server(*flags: str):
         log.close()
 
 
+def output(proc: subprocess.Popen) -> str:
+    """What a ``running_server`` process has printed so far."""
+    proc.log.seek(0)
+    return proc.log.read().decode(errors="replace")
+
+
 def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     while time.monotonic() < deadline:
@@ -58,7 +73,21 @@ def wait_healthy(url: str, proc: subprocess.Popen, log) -> None:
         except httpx.HTTPError:
             pass
         time.sleep(0.2)
-    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s")
+    log.seek(0)
+    raise RuntimeError(f"the server did not answer /health within {START_TIMEOUT_S} s; its output: "
+                       f"{log.read().decode(errors='replace')[-2000:]}")
+
+
+def wait_idle(server: str, timeout: float = 20.0) -> str:
+    """The /metrics page once no sequence is running or waiting and no KV block is held."""
+    deadline = time.monotonic() + timeout
+    while True:
+        page = httpx.get(f"{server}/metrics", timeout=5).text
+        busy = [metric(page, f"hf_paged_{n}") for n in ("requests_running", "requests_waiting", "kv_blocks_used")]
+        if not any(busy) or time.monotonic() > deadline:
+            assert not any(busy), f"still busy after {timeout} s: running, waiting, blocks = {busy}"
+            return page
+        time.sleep(0.1)
 
 
 def metric(text: str, name: str) -> float:

@@ -103,7 +103,8 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
                              max_num_seqs=6, async_scheduling=async_scheduling)
     checked = []
 
-    def checked_plan(seqs, counts, sample, tables, block_size, columns=None):
+    def checked_plan(seqs, counts, sample, tables, block_size, columns=None, extra_rows=None):
+        assert extra_rows is None  # (no request here asks for prompt logprobs)
         plan = plan_step(seqs, counts, sample, tables, block_size, columns=columns)  # (steady steps pass columns)
         want, ids, pos, sources, keep = _reference_metadata(seqs, counts, sample, tables, block_size, engine.runner)
         seg = plan.segments()

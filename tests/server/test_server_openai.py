@@ -19,28 +19,20 @@ pytest.importorskip("uvicorn")
 from transformers import GenerationConfig  # noqa: E402
 
 from hf_paged import Engine  # noqa: E402
-from hf_paged.cli.default_model import load_model  # noqa: E402
 from hf_paged.server._prompts import SIMPLE_CHAT_TEMPLATE  # noqa: E402
-from server_process import metric, running_server  # noqa: E402
+from server_process import MAX_QUEUED, MAX_SEQS, MODEL, NUM_BLOCKS, TIMEOUT, metric, running_server, wait_idle  # noqa: E402,E501
 
 pytestmark = pytest.mark.slow  # a server subprocess
 
-MODEL = "hf-paged-tiny"
-NUM_BLOCKS, MAX_SEQS, MAX_QUEUED = 96, 32, 8  # a 1536-token cache, below the model's 2048 positions
-FLAGS = ("--model", "tiny", "--num-blocks", str(NUM_BLOCKS), "--max-num-seqs", str(MAX_SEQS), "--max-queued-requests", str(MAX_QUEUED))
-TIMEOUT = httpx.Timeout(60.0, connect=5.0)
+
+@pytest.fixture
+def server(live_server):
+    return live_server
 
 
-@pytest.fixture(scope="module")
-def server():
-    with running_server(*FLAGS) as (url, _):
-        yield url
-
-
-@pytest.fixture(scope="module")
-def engine():
-    model, tokenizer = load_model("tiny", "cpu", None, 0)  # the server's model: seed 0
-    return Engine(model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, tokenizer=tokenizer)
+@pytest.fixture
+def engine(tiny_engine):
+    return tiny_engine
 
 
 @pytest.fixture
@@ -60,18 +52,6 @@ def chat_ids(engine: Engine, messages: list[dict]) -> list[int]:
 
 def streamed_text(engine: Engine, prompt, config: GenerationConfig) -> str:
     return "".join(d.text or "" for d in engine.stream([prompt], config))
-
-
-def wait_idle(server: str, timeout: float = 20.0) -> str:
-    """The /metrics page once no sequence is running or waiting and no KV block is held."""
-    deadline = time.monotonic() + timeout
-    while True:
-        page = httpx.get(f"{server}/metrics", timeout=5).text
-        busy = [metric(page, f"hf_paged_{n}") for n in ("requests_running", "requests_waiting", "kv_blocks_used")]
-        if not any(busy) or time.monotonic() > deadline:
-            assert not any(busy), f"still busy after {timeout} s: running, waiting, blocks = {busy}"
-            return page
-        time.sleep(0.1)
 
 
 def test_health_and_models(server, client):
@@ -208,11 +188,12 @@ BAD_INPUTS = {
     "no messages": ("/v1/chat/completions", {"model": MODEL, "messages": []}, "messages"),
     "bad role": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "wizard", "content": "hi"}]},
                  "messages.0.role"),
-    "top_logprobs": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
-                                              "logprobs": True, "top_logprobs": 3}, "top_logprobs"),
-    "completion logprobs 5": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 5}, "logprobs"),
-    "logprobs with stream": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 0, "stream": True},
-                             "logprobs"),
+    "top_logprobs 21": ("/v1/chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                                                 "logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    "top_logprobs without logprobs": ("/v1/chat/completions", {"model": MODEL, "top_logprobs": 2,
+                                                               "messages": [{"role": "user", "content": "hi"}]},
+                                      "top_logprobs"),
+    "completion logprobs 6": ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 6}, "logprobs"),
     "frequency_penalty": ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 0.5},
                           "frequency_penalty"),
 }
@@ -257,7 +238,7 @@ def test_metrics_parse_as_prometheus_text(server, client):
 
 def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
     # A request far longer than the 1 s of grace (2,000 tokens: the embedded model's position limit is 2,048)
-    with running_server("--model", "tiny", "--num-blocks", "160", "--shutdown-timeout", "1") as (url, proc):
+    with running_server("--num-blocks", "160", "--shutdown-timeout", "1") as (url, proc):
         body = {"model": MODEL, "prompt": "endless", "max_tokens": 2000, "temperature": 0, "stream": True}
         seen: list[str] = []
 
@@ -279,7 +260,8 @@ def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
         assert proc.wait(20) in (0, -signal.SIGTERM)
         assert time.monotonic() - start < 10
         reader.join(20)
-        assert not reader.is_alive() and seen and seen[-1] != "data: [DONE]"  # cut short, not run to the end
+        assert not reader.is_alive() and seen
+        assert any("shutting_down" in line for line in seen)  # cut short with a 503 event, not run to the end
 
 
 def test_serve_bench_smoke(server, tmp_path):

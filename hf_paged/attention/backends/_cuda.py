@@ -4,7 +4,7 @@ Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K 
 and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel, both for float16,
 bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, sliding
 windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every phase. No
-backend serves ALiBi (docs/kernels.md says why). The kernels are built on the first CUDA call; if that is impossible
+backend serves ALiBi (docs/design/decisions.md says why). The kernels are built on the first CUDA call; if that is impossible
 (no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
 
 An fp8 (e4m3) KV cache: this backend serves every phase over it, decode, prefill and extend, for float16/bfloat16
@@ -15,7 +15,7 @@ decode and the write are capture-safe. Other fp8 models (float32, other head siz
 On a Hopper GPU (compute capability 9.0, CUDA 12 or newer: the build targets sm_90a) prefill / extend go to the wgmma
 prefill kernel (fp16 / bf16 over a cache of the same dtype, every compiled head size), in the form measured faster on
 an H100: the serial one at head_dim 32, 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256
-(docs/kernels.md); other layers and other GPUs keep the mma.sync kernel. Tests and benchmarks pick a kernel by
+(docs/benchmarks.md, "Kernels"); other layers and other GPUs keep the mma.sync kernel. Tests and benchmarks pick a kernel by
 calling ``hf_paged.kernels._prefill.paged_prefill`` with ``impl=``.
 """
 
@@ -64,9 +64,8 @@ def _fp8_reason(call: AttentionCall) -> str | None:
     return None
 
 
-# The faster kernel per head_dim on an H100 (docs/kernels.md, "Hopper prefill (wgmma)" and "Every compiled head size
-# on the wgmma kernels"): the serial wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112,
-# 128, 160, 192 and 256.
+# The faster kernel per head_dim on an H100 (docs/benchmarks.md, "Kernels", whose table reads this one): the serial
+# wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256.
 _WGMMA_BY_HEAD_DIM = {32: "wgmma-serial", 64: "wgmma-serial", 80: "wgmma", 96: "wgmma-serial", 112: "wgmma",
                       128: "wgmma", 160: "wgmma", 192: "wgmma", 256: "wgmma"}
 _has_wgmma: dict[int, bool] = {}

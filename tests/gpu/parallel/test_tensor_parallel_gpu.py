@@ -7,6 +7,7 @@ Skipped without two CUDA devices.
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import random
@@ -134,7 +135,9 @@ def worker(path: str, out_dir: str, part: str) -> None:
     engine = _engine(model)
     if rank == 1:
         model.model.embed_tokens.forward = lambda *a, **k: _raise()
+    faulthandler.dump_traceback_later(45)  # a rank still here after 45 s prints where it waits (the check's limit: 60)
     _write(out_dir, f"stuck{rank}", _outcome(lambda: engine.generate(prompts[:2], configs["greedy"])))
+    faulthandler.cancel_dump_traceback_later()
     os._exit(STUCK_EXIT if rank == 1 else 0)
 
 
@@ -230,13 +233,13 @@ def test_generate_batch_and_generate_on_two_gpus_give_the_tokens_of_one(ranks, s
 
 
 def test_a_failure_on_one_gpu_is_raised_on_both(ranks):
-    records, stuck, _ = ranks
+    records, stuck, output = ranks
     assert records[0]["failed_step"][:2] == ("error", "RuntimeError")
     assert "failed on rank 1 of 2: RuntimeError: injected failure" in records[0]["failed_step"][2]
     assert records[1]["failed_step"] == records[0]["failed_step"]
     # inside the forward: the other rank's host is not blocked by NCCL, so it raises the same error
-    assert stuck[1] is not None and "injected failure" in stuck[1][2]
-    assert stuck[0] == stuck[1]
+    assert stuck[1] is not None and "injected failure" in stuck[1][2], output[-6000:]
+    assert stuck[0] == stuck[1], output[-6000:]
 
 
 def test_decode_graphs_under_tensor_parallel_by_default(ranks, single):

@@ -37,8 +37,10 @@ def test_a_step_launches_without_waiting_for_the_device(backend, request, monkey
     configs = [GenerationConfig(max_new_tokens=12, do_sample=False),
                GenerationConfig(max_new_tokens=12, do_sample=True, top_k=20, top_p=0.9, temperature=0.8, seed=3)]
     # small steps: chunked prefills beside decodes; eager decode (a capture on demand would wait on purpose)
-    engine = hf_paged.Engine(model, num_blocks=256, block_size=16, max_batch_tokens=64, max_num_seqs=6,
-                             cuda_graphs=False, compile_layers=False)
+    # flash-attn reads a paged cache in extend steps only with blocks of 256 tokens
+    block_size = 256 if backend == "flash" else 16
+    engine = hf_paged.Engine(model, num_blocks=4096 // block_size, block_size=block_size, max_batch_tokens=64,
+                             max_num_seqs=6, cuda_graphs=False, compile_layers=False)
     engine.generate(prompts[:2], configs[0])  # lazy initialisation (libraries, workspaces) out of the way
     launch, launched = EngineCore._launch, []
 

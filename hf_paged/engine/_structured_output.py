@@ -1,0 +1,71 @@
+"""Structured output: a request's new text held to a JSON schema by masking, at each step, the tokens its grammar
+does not allow (``GenerationConfig(json_schema=...)``; the server's ``response_format``).
+
+The grammar library is llguidance (``pip install llguidance``, in the ``serve`` extra), imported when a request
+first asks. A schema is compiled and checked when the request is added (a ``ValueError`` names what is wrong, nothing
+is queued); each sequence keeps its own matcher, which the engine advances with every token it takes in and asks
+for the next mask before the step that samples it.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+
+INSTALL_HINT = "structured output (json_schema, response_format) needs llguidance: pip install llguidance"
+
+
+def _llguidance():
+    try:
+        import llguidance
+        import llguidance.hf
+        import llguidance.torch
+    except ImportError as exc:
+        raise ValueError(f"{INSTALL_HINT} ({exc})") from None
+    return llguidance
+
+
+class StructuredOutput:
+    """Grammars and matchers for one tokenizer (vocabulary of ``vocab_size`` ids, the model's)."""
+
+    def __init__(self, tokenizer, vocab_size: int):
+        self.tokenizer, self.vocab_size = tokenizer, vocab_size
+
+    @functools.cached_property
+    def _tokenizer(self):
+        llg = _llguidance()
+        try:
+            return llg.hf.from_tokenizer(self.tokenizer, n_vocab=self.vocab_size)
+        except Exception as exc:  # (a slow tokenizer, say)
+            raise ValueError(f"structured output cannot use this tokenizer: {exc}") from None
+
+    @functools.lru_cache(maxsize=64)
+    def grammar(self, json_schema: str) -> str:
+        """The checked grammar of ``json_schema`` (JSON text); ``ValueError`` saying why it cannot be compiled."""
+        if self.tokenizer is None:
+            raise ValueError("json_schema needs a tokenizer: create the Engine with tokenizer=...")
+        llg, tokenizer = _llguidance(), self._tokenizer
+        try:
+            # no free whitespace between JSON tokens: a weak model would otherwise pad with spaces until its limit
+            grammar = llg.LLMatcher.grammar_from_json_schema(json_schema, defaults={"whitespace_flexible": False})
+        except ValueError as exc:
+            raise ValueError(f"json_schema is not a JSON object: {exc}") from None
+        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
+        if error and not error.startswith("WARNING"):
+            raise ValueError(f"json_schema cannot be compiled: {error}")
+        return grammar
+
+    def matcher(self, json_schema: str):
+        """A fresh matcher of ``json_schema`` (compiled once per schema)."""
+        return _llguidance().LLMatcher(self._tokenizer, self.grammar(json_schema), log_level=0)
+
+
+def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
+    """``[G, vocab_size]`` bool: the tokens each matcher allows next (host tensor)."""
+    lt = _llguidance().torch
+    bits = lt.allocate_token_bitmask(len(matchers), vocab_size)
+    for i, m in enumerate(matchers):
+        lt.fill_next_token_bitmask(m, bits, i)
+    shifts = torch.arange(32, dtype=torch.int32)
+    return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]

@@ -1,0 +1,59 @@
+"""``HeaderTimeoutH11``: uvicorn's HTTP/1.1 protocol with a deadline on the request line and headers.
+
+uvicorn times a connection out only between requests (``timeout_keep_alive``, armed after a response); a client that
+opens a connection and sends its headers slowly, or not at all, holds it for ever (slowloris). This protocol closes
+a connection whose request line and headers are not complete ``header_timeout`` seconds after the connection opened
+or the response before was sent. (The body's deadline is the app's: :mod:`hf_paged.server._limits`.)
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import h11
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+
+class HeaderTimeoutH11(H11Protocol):
+    header_timeout: float = 30.0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._header_deadline: asyncio.TimerHandle | None = None
+        self._watch_headers()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        self._watch_headers()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._watch_headers()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_deadline()
+        super().connection_lost(exc)
+
+    def _watch_headers(self) -> None:
+        """Arm the deadline while the client owes a request's headers (h11: its state is IDLE), drop it once they
+        are in."""
+        waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
+        if waiting and self._header_deadline is None:
+            self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+        elif not waiting:
+            self._cancel_header_deadline()
+
+    def _cancel_header_deadline(self) -> None:
+        if getattr(self, "_header_deadline", None) is not None:
+            self._header_deadline.cancel()
+            self._header_deadline = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_deadline = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def with_header_timeout(seconds: float) -> type[HeaderTimeoutH11]:
+    """The protocol class to pass as uvicorn's ``http=``, with ``seconds`` of deadline."""
+    return type("HeaderTimeoutH11", (HeaderTimeoutH11,), {"header_timeout": seconds})

@@ -1,0 +1,66 @@
+"""``RequestLimits``: ASGI middleware bounding what a client may make the server read.
+
+A body larger than ``max_body_bytes`` is refused with a 413: at once when its ``Content-Length`` says so (nothing of
+it is read), or as soon as a chunked body passes the limit. A client that sends its body slower than one message
+every ``read_timeout`` seconds gets a 408 (a slow client must not hold a connection and a request's memory for
+ever); the wait is on the body only, never on a response being streamed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+from hf_paged.server._errors import ServerError, send_error
+
+DEFAULT_MAX_BODY_BYTES = 16 * 2**20
+DEFAULT_READ_TIMEOUT_S = 30.0
+
+
+class RequestLimits:
+    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+                 read_timeout: float = DEFAULT_READ_TIMEOUT_S):
+        self.app, self.max_body_bytes, self.read_timeout = app, max_body_bytes, read_timeout
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        declared = dict(scope["headers"]).get(b"content-length")
+        if declared is not None:
+            try:
+                size = int(declared)
+            except ValueError:
+                size = -1
+            if size < 0:
+                return await send_error(send, ServerError(400, "the Content-Length header is not a number"),
+                                        ((b"connection", b"close"),))
+            if size > self.max_body_bytes:
+                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+        return await self.app(scope, self._bounded(receive), send)
+
+    def _too_large(self, size: int | None) -> ServerError:
+        got = f"{size} bytes" if size is not None else "more"
+        return ServerError(413, f"the body has {got}; this server takes at most {self.max_body_bytes} "
+                                "(--max-body-bytes)", code="body_too_large")
+
+    def _bounded(self, receive):
+        read, done = 0, False
+
+        async def bounded_receive():
+            nonlocal read, done
+            if done:
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), self.read_timeout)
+            except asyncio.TimeoutError:
+                raise ServerError(408, f"the client sent no part of the body for {self.read_timeout:g} s "
+                                       "(--read-timeout)", code="read_timeout") from None
+            if message["type"] == "http.request":
+                read += len(message.get("body", b""))
+                if read > self.max_body_bytes:
+                    raise self._too_large(None)
+                done = not message.get("more_body", False)
+            else:
+                done = True
+            return message
+
+        return bounded_receive
