@@ -3,6 +3,8 @@ time, greedy (``model.generate``)."""
 
 from __future__ import annotations
 
+import bisect
+
 import torch
 
 NEW_TOKENS = 24
@@ -77,20 +79,18 @@ class Answer:
         }
 
 
+    def stop_token_count(self, stop_at: int) -> int:
+        """How many tokens a stop string that begins at character ``stop_at`` leaves: up to and including the token
+        in which it begins (OpenAI counts the tokens generated; they cover the text)."""
+        return bisect.bisect_right(self.ends, stop_at) + 1
+
+
 def assert_openai_stop(tokenizer, answer: Answer, text: str, token_ids: list[int], stop_at: int) -> None:
-    """OpenAI: the text is cut before the stop string; the tokens are the answer's up to the token in which the stop
-    string begins (so they cover the text, and no token lies wholly after its start)."""
+    """OpenAI: the text is cut before the stop string; the tokens are the answer's up to and including the token in
+    which the stop string begins (so they cover the text, and none lies wholly after its start)."""
     assert text == answer.text[:stop_at]
-    assert token_ids == answer.tokens[: len(token_ids)]
+    assert token_ids == answer.tokens[: answer.stop_token_count(stop_at)]
     assert decode(tokenizer, token_ids).startswith(text)
-    assert len(decode(tokenizer, token_ids[:-1])) <= stop_at
-
-
-def stop_token_counts(tokenizer, answer: Answer, stop_at: int) -> set[int]:
-    """The token counts :func:`assert_openai_stop` allows for a stop string that begins at ``stop_at``."""
-    text = answer.text[:stop_at]
-    return {n for n in range(len(answer.tokens) + 1) if decode(tokenizer, answer.tokens[:n]).startswith(text)
-            and len(decode(tokenizer, answer.tokens[: max(n - 1, 0)])) <= stop_at}
 
 
 class EagerOracle:

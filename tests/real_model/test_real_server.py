@@ -20,7 +20,6 @@ from real_chats import (  # noqa: E402
     Answer,
     chat_ids,
     decode,
-    stop_token_counts,
 )
 from server_process import running_server  # noqa: E402
 
@@ -74,9 +73,7 @@ def test_the_capital_of_france_is_paris(client):
     assert "Paris" in answer.choices[0].message.content
 
 
-ISSUE_37 = pytest.mark.xfail(strict=True, reason="issue 37 item 2")
-STOP_CASES = ["spans_two_tokens", pytest.param("begins_mid_token", marks=ISSUE_37),
-              pytest.param("several_at_once", marks=ISSUE_37)]
+STOP_CASES = ["spans_two_tokens", "begins_mid_token", "several_at_once"]
 
 
 def sea_answer(tokenizer, oracle) -> Answer:
@@ -92,13 +89,10 @@ def test_stop_strings_cut_the_text_and_count_the_tokens_as_openai_does(client, t
                                            stop=stops)
     assert reply.choices[0].message.content == answer.text[:stop_at]
     assert reply.choices[0].finish_reason == "stop"
-    assert reply.usage.completion_tokens in stop_token_counts(tokenizer, answer, stop_at)
+    assert reply.usage.completion_tokens == answer.stop_token_count(stop_at)
 
 
-# The server drops a delta that carries text but no token (the engine holds tokens back with the text a stop string
-# may cut, and a token's first characters can come out before it): the stream loses characters.
-@pytest.mark.parametrize("case", [pytest.param(case, marks=ISSUE_37) for case in
-                                  ("spans_two_tokens", "begins_mid_token", "several_at_once")])
+@pytest.mark.parametrize("case", STOP_CASES)
 def test_streamed_stop_strings_give_the_same_text(client, tokenizer, oracle, case):
     answer = sea_answer(tokenizer, oracle)
     stops, stop_at = answer.stops()[case]

@@ -53,14 +53,7 @@ def answer(tokenizer, oracle) -> Answer:
     return Answer(tokenizer, prompt, oracle.greedy(prompt))
 
 
-ENGINE_BUG = pytest.mark.xfail(strict=True, reason="issue 37 item 2")
-
-
-@pytest.mark.parametrize("case", [
-    "spans_two_tokens",
-    pytest.param("begins_mid_token", marks=ENGINE_BUG),
-    pytest.param("several_at_once", marks=ENGINE_BUG),
-])
+@pytest.mark.parametrize("case", ["spans_two_tokens", "begins_mid_token", "several_at_once"])
 def test_stop_strings_cut_the_text_and_the_tokens_as_openai_does(engine, tokenizer, answer, case):
     stops, stop_at = answer.stops()[case]
     config = greedy(stop_strings=stops)
