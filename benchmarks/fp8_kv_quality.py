@@ -12,8 +12,8 @@ difference of the log-probabilities the two give the reference token.
     python benchmarks/fp8_kv_quality.py                          # SmolLM2-135M-Instruct on the CPU, 16 x 128 positions
     python benchmarks/fp8_kv_quality.py --model DIR --device cuda --json out.json
 
-Where a GPU's own backends serve fp8 (flash, cuda), this script still measures the storage format on the torch
-backend: it is the oracle those kernels are tested against.
+On a CPU the torch backend serves both runs (the oracle the GPU kernels are tested against); on a GPU the model runs
+in bfloat16 and the backends that serve there read the pool.
 """
 
 from __future__ import annotations
