@@ -8,6 +8,7 @@ generation config (transformers' ``generate_batch`` writes ``eos_token_id=-1`` i
 from __future__ import annotations
 
 import copy
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -25,18 +26,27 @@ Generate = Callable[..., dict]
 
 @dataclass(frozen=True)
 class Budget:
-    """What every system may schedule per step: tokens (prefill chunks and decodes together) and sequences."""
+    """What every system may schedule per step: tokens (prefill chunks and decodes together) and sequences; None:
+    the system's own default (``--defaults``: no settings at all)."""
 
-    max_batch_tokens: int
-    max_requests: int
+    max_batch_tokens: int | None
+    max_requests: int | None
+
+    @property
+    def is_default(self) -> bool:
+        return self.max_batch_tokens is None and self.max_requests is None
 
 
 def hf_paged_system(model: torch.nn.Module, budget: Budget, engine_kwargs: dict) -> Generate:
     """``hf_paged.generate_batch``; it reads its options by name from the continuous-batching config, so
-    ``engine_kwargs`` (``block_size`` and options the engine may grow) travel as attributes of that config."""
-    options = {"block_size": 16, **engine_kwargs}
-    config = SimpleNamespace(max_batch_tokens=budget.max_batch_tokens, max_requests_per_batch=budget.max_requests,
-                             **options)
+    ``engine_kwargs`` (``block_size`` and options the engine may grow) travel as attributes of that config. With a
+    default budget and no engine kwargs it passes no config at all."""
+    options = {**({} if budget.is_default else {"block_size": 16}), **engine_kwargs}
+    if budget.max_batch_tokens is not None:
+        options["max_batch_tokens"] = budget.max_batch_tokens
+    if budget.max_requests is not None:
+        options["max_requests_per_batch"] = budget.max_requests
+    config = SimpleNamespace(**options) if options else None
     return lambda prompts, gc, **kwargs: hf_paged.generate_batch(model, prompts, copy.deepcopy(gc),
                                                                  continuous_batching_config=config, **kwargs)
 
@@ -48,8 +58,9 @@ def transformers_system(model: torch.nn.Module, budget: Budget, num_blocks: int 
     from transformers.generation.configuration_utils import ContinuousBatchingConfig
 
     def generate(prompts, gc, **kwargs):
-        config = ContinuousBatchingConfig(max_batch_tokens=budget.max_batch_tokens,
-                                          max_requests_per_batch=budget.max_requests, num_blocks=num_blocks)
+        settings = dict(max_batch_tokens=budget.max_batch_tokens, max_requests_per_batch=budget.max_requests,
+                        num_blocks=num_blocks)
+        config = None if all(v is None for v in settings.values()) else ContinuousBatchingConfig(**settings)
         return model.generate_batch(prompts, generation_config=copy.deepcopy(gc), continuous_batching_config=config,
                                     progress_bar=False, **kwargs)
 
@@ -70,10 +81,11 @@ def warm_up(model: torch.nn.Module, generate: Generate, prompts: list[list[int]]
 
 
 def timed_throughput(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int,
-                     warm: Workload) -> dict:
-    """Wall clock of one call on the workload, after a warm-up call on ``warm``."""
+                     warm: Workload | None) -> dict:
+    """Wall clock of one call on the workload, after a warm-up call on ``warm`` (None: none, the caller warmed the
+    model up)."""
     prompts = workload.prompts(vocab)
-    attention = warm_up(model, generate, warm.prompts(vocab), warm.generation_config())
+    attention = warm_up(model, generate, warm.prompts(vocab), warm.generation_config()) if warm else None
     seconds, out = _timed_call(generate, prompts, workload.generation_config())
     return {"tokens": _num_generated(out), "expected_tokens": len(prompts) * workload.new_tokens, "seconds": seconds,
             "attention": attention}
@@ -109,6 +121,32 @@ def _timed_call(generate: Generate, prompts: list[list[int]], gc: GenerationConf
     out = generate(prompts, gc, **kwargs)
     sync()
     return time.perf_counter() - start, out
+
+
+class EngineSizing(logging.Handler):
+    """The start-up lines of the engines hf_paged builds meanwhile (logger ``hf_paged``, INFO): what each picked
+    and why. ``with EngineSizing() as sizing: ...`` then ``sizing.last``."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.last: str | None = None
+        self._logger, self._level = logging.getLogger("hf_paged"), None
+
+    def emit(self, record: logging.LogRecord) -> None:
+        message = record.getMessage()
+        if "engine on " in message:
+            self.last = message.removeprefix("hf_paged: ")
+
+    def __enter__(self) -> EngineSizing:
+        self._level = self._logger.level
+        if self._logger.getEffectiveLevel() > logging.INFO:
+            self._logger.setLevel(logging.INFO)
+        self._logger.addHandler(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._logger.removeHandler(self)
+        self._logger.setLevel(self._level)
 
 
 def sync() -> None:

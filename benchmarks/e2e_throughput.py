@@ -41,8 +41,21 @@ to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a k
 ``hf_paged.generate_batch`` reads its options from by name (those it does not know are ignored there), and passed
 to ``hf_paged.Engine`` for the profile (keys the Engine does not take are listed in the profile row).
 
+``--defaults`` gives neither system any setting: each picks its own budget and cache (hf_paged's automatic sizing;
+its start-up line, what it picked and why, goes into the row as ``engine``).
+
+``--sweep`` runs hf_paged alone on one loaded model over ``--sweep-tokens`` (default 2048,4096,8192,16384)
+max_batch_tokens x ``--sweep-seqs`` (default 64,128,256,512) max_requests_per_batch, and its automatic choice (no
+settings), on the anchor, the 64-request workload and batch-1 latency (or ``--workloads``): one warm-up for the whole
+sweep, one timed call per point (latency: its own pairs of calls), then a table per workload with the best point and
+where the automatic choice lands against it. Rows carry the card and versions; the JSON is rewritten after each point.
+
+    python benchmarks/e2e_throughput.py --defaults --systems hf_paged,transformers --workloads anchor,r64,latency
+    python benchmarks/e2e_throughput.py --sweep --json sweep.json
+
 ``--smoke`` runs every path on a tiny model on the CPU (1/64 of the requests, 1/16 of the prompt lengths, 4 new
-tokens, budget 256 tokens / 16 sequences, transformers' cache capped at 32 blocks); its numbers mean nothing.
+tokens, budget 256 tokens / 16 sequences, transformers' cache capped at 32 blocks and its budget kept under
+``--defaults``; the sweep's grid 128,256 x 2,4); its numbers mean nothing.
 """
 
 from __future__ import annotations
@@ -65,7 +78,8 @@ import transformers  # noqa: E402
 import hf_paged  # noqa: E402
 from decode_profile import profile_decode  # noqa: E402
 from e2e_report import make_row, print_table, read_rows, write_json  # noqa: E402
-from e2e_systems import Budget, hf_paged_system, timed_latency, timed_throughput, transformers_system  # noqa: E402
+from e2e_systems import (  # noqa: E402
+    Budget, EngineSizing, hf_paged_system, timed_latency, timed_throughput, transformers_system, warm_up)
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model  # noqa: E402
 from other_transformers import run_other_transformers  # noqa: E402
 
@@ -75,23 +89,30 @@ DEFAULT_SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transfo
 HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False},
                      "hf_paged_cublas": {"skinny_linear": False}}
 HF_PAGED_ONLY = ("profile",)
+SWEEP_WORKLOADS = ("anchor", "r64", "latency")
 _DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter, epilog=__doc__)
-    parser.add_argument("--workloads", default=",".join(WORKLOADS), help="comma list of " + ", ".join(WORKLOADS))
+    parser.add_argument("--workloads", help="comma list of " + ", ".join(WORKLOADS) + " (default: all; the sweep: "
+                        + ", ".join(SWEEP_WORKLOADS) + ")")
     parser.add_argument("--systems", default=",".join(DEFAULT_SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     parser.add_argument("--json", help="write every row here (rewritten after each run)")
     parser.add_argument("--merge", nargs="+", metavar="JSON", help="merge result files into one table (and --json)")
     parser.add_argument("--engine-kwargs", default="{}", help="JSON dict of hf_paged engine options")
     parser.add_argument("--max-batch-tokens", type=int, help="tokens per step, every system (default 8192)")
     parser.add_argument("--max-requests", type=int, help="sequences per step, every system (default 256)")
+    parser.add_argument("--defaults", action="store_true", help="no settings for either system")
+    parser.add_argument("--sweep", action="store_true", help="hf_paged over a grid of budgets and its automatic one")
+    parser.add_argument("--sweep-tokens", default="2048,4096,8192,16384", help="the sweep's max_batch_tokens")
+    parser.add_argument("--sweep-seqs", default="64,128,256,512", help="the sweep's max_requests_per_batch")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     parser.add_argument("--as-subprocess", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.workloads = _names(args.workloads, WORKLOADS, "--workloads")
+    args.workloads = _names(args.workloads or ",".join(SWEEP_WORKLOADS if args.sweep else WORKLOADS), WORKLOADS,
+                            "--workloads")
     args.systems = _names(args.systems, SYSTEMS, "--systems")
     args.engine_kwargs = json.loads(args.engine_kwargs)
     if not isinstance(args.engine_kwargs, dict):
@@ -112,8 +133,13 @@ def main(argv: list[str] | None = None) -> None:
     # transformers' continuous batching warns on every call that the request has no EOS; errors still show
     logging.getLogger("ContinuousBatchingLogger").setLevel(logging.ERROR)
     workloads = [WORKLOADS[name].smoke() if args.smoke else WORKLOADS[name] for name in args.workloads]
+    if args.sweep:
+        run_sweep(args, workloads, Progress())
+        return
     budget = Budget(args.max_batch_tokens or (256 if args.smoke else 8192),
                     args.max_requests or (16 if args.smoke else 256))
+    if args.defaults:
+        budget = Budget(args.max_batch_tokens, args.max_requests)
     plan = {s: [w for w in workloads if s in HF_PAGED_VARIANTS or w.name not in HF_PAGED_ONLY] for s in args.systems}
     log = Progress(prefix="  (subprocess) " if args.as_subprocess else "")
     if not args.as_subprocess:
@@ -148,7 +174,10 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
     ours = system in HF_PAGED_VARIANTS
     engine_kwargs = {**args.engine_kwargs, **HF_PAGED_VARIANTS[system]} if ours else {}
     label = system if ours else f"transformers {transformers.__version__}"
-    settings = {"budget": vars(budget), "smoke": args.smoke, "engine_kwargs": engine_kwargs}
+    if not ours and args.smoke and budget.is_default:
+        budget = Budget(256, 16)  # on the CPU transformers would size its cache and warm-up from the RAM
+    settings = {"budget": vars(budget), "smoke": args.smoke, "engine_kwargs": engine_kwargs,
+                "defaults": args.defaults}
     try:
         model = load_model(shape, device, hf_paged.ATTN_IMPLEMENTATION if ours else "sdpa")
     except Exception as exc:  # e.g. out of memory: report, keep the other systems
@@ -163,12 +192,15 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
         log(f"{label} / {w.name}: {w.num_sent} requests, {w.new_tokens} new tokens ...")
         start = time.perf_counter()
         try:
-            if w.name == "profile":
-                result = profile_decode(model, w, budget, engine_kwargs, vocab, steps=steps)
-            elif w.is_latency:
-                result = timed_latency(model, generate, w, vocab, reps=reps)
-            else:
-                result = timed_throughput(model, generate, w, vocab, warm)
+            with EngineSizing() as sizing:
+                if w.name == "profile":
+                    result = profile_decode(model, w, budget, engine_kwargs, vocab, steps=steps)
+                elif w.is_latency:
+                    result = timed_latency(model, generate, w, vocab, reps=reps)
+                else:
+                    result = timed_throughput(model, generate, w, vocab, warm)
+            if ours:
+                result = {**result, "engine": sizing.last}
             row = make_row(system, label, w.name, result, **settings)
         except Exception as exc:  # a system that cannot run a workload is reported; the others still run
             traceback.print_exc(limit=-3)
@@ -178,6 +210,65 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
         yield row
     del model, generate
     _release()
+
+
+def run_sweep(args: argparse.Namespace, workloads: list[Workload], log) -> list[dict]:
+    """hf_paged on one loaded model over the grid of budgets and its automatic choice, one timed call per point and
+    workload after one warm-up for the whole sweep; a table per workload."""
+    shape, device = (SMOKE_SHAPE, "cpu") if args.smoke else (LLAMA_1B, "cuda")
+    tokens = [int(t) for t in ("128,256" if args.smoke else args.sweep_tokens).split(",")]
+    seqs = [int(n) for n in ("2,4" if args.smoke else args.sweep_seqs).split(",")]
+    points = [Budget(None, None)] + [Budget(t, n) for t in tokens for n in seqs]
+    log(f"sweep: {len(points)} points (automatic first) x {', '.join(w.name for w in workloads)}; torch "
+        f"{torch.__version__}, transformers {transformers.__version__}")
+    model = load_model(shape, device, hf_paged.ATTN_IMPLEMENTATION)
+    vocab, warm = shape["vocab_size"], WARM.smoke() if args.smoke else WARM
+    reps = 1 if args.smoke else 3
+    warm_up(model, hf_paged_system(model, Budget(max(tokens), max(seqs)), args.engine_kwargs),
+            warm.prompts(vocab), warm.generation_config())  # compiles once for every point
+    rows: list[dict] = []
+    for w in workloads:
+        for budget in points:
+            label = "hf_paged auto" if budget.is_default else f"hf_paged {budget.max_batch_tokens}x{budget.max_requests}"
+            generate = hf_paged_system(model, budget, args.engine_kwargs)
+            try:
+                with EngineSizing() as sizing:
+                    result = (timed_latency(model, generate, w, vocab, reps=reps) if w.is_latency
+                              else timed_throughput(model, generate, w, vocab, None))
+                row = make_row("hf_paged", label, w.name, {**result, "engine": sizing.last}, budget=vars(budget),
+                               smoke=args.smoke, engine_kwargs=args.engine_kwargs, sweep=True)
+            except Exception as exc:  # noqa: BLE001 - one point failing (out of memory) must not end the sweep
+                row = make_row("hf_paged", label, w.name, error=_error(exc), budget=vars(budget), sweep=True)
+            log(f"{label} / {w.name}: {_summary(row) if row['status'] != 'failed' else row['error']}")
+            rows.append(row)
+            _release()
+            if args.json:
+                write_json(args.json, rows, sweep={"tokens": tokens, "seqs": seqs,
+                                                   "workloads": {w.name: w.description for w in workloads}})
+    print(sweep_table(rows))
+    return rows
+
+
+def sweep_table(rows: list[dict]) -> str:
+    """Per workload: every point's figure, the best point, and the automatic choice against the best."""
+    lines = []
+    for workload in dict.fromkeys(r["workload"] for r in rows):
+        ok = [r for r in rows if r["workload"] == workload and r["status"] != "failed"]
+        if not ok:
+            continue
+        latency = workload == "latency"
+        value = (lambda r: r["ms_per_token"]) if latency else (lambda r: r["tok_per_s"] or 0.0)
+        best = (min if latency else max)(ok, key=value)
+        lines.append(f"{workload} ({'ms per output token' if latency else 'output tok/s'}):")
+        for r in ok:
+            mark = " <- best" if r is best else ""
+            lines.append(f"  {r['label']:<24} {value(r):>12,.2f}{mark}")
+        auto = next((r for r in ok if r["label"] == "hf_paged auto"), None)
+        if auto is not None:
+            ratio = value(best) / value(auto) if latency else value(auto) / value(best)
+            picked = re.findall(r"(max_batch_tokens=\d+|max_num_seqs=\d+)", auto.get("engine") or "")
+            lines.append(f"  automatic / best: {ratio:.3f} (automatic: {', '.join(picked) or 'not seen'})")
+    return "\n".join(lines)
 
 
 class Progress:
@@ -218,9 +309,13 @@ def _result(row: dict) -> str:
 
 
 def _child_args(args: argparse.Namespace, budget: Budget, workloads: list[Workload]) -> list[str]:
-    child = ["--systems", "transformers", "--workloads", ",".join(w.name for w in workloads),
-             "--max-batch-tokens", str(budget.max_batch_tokens), "--max-requests", str(budget.max_requests)]
-    return child + ["--as-subprocess"] + (["--smoke"] if args.smoke else [])
+    child = ["--systems", "transformers", "--workloads", ",".join(w.name for w in workloads)]
+    if budget.max_batch_tokens is not None:
+        child += ["--max-batch-tokens", str(budget.max_batch_tokens)]
+    if budget.max_requests is not None:
+        child += ["--max-requests", str(budget.max_requests)]
+    return child + ["--as-subprocess"] + (["--smoke"] if args.smoke else []) + (["--defaults"] if args.defaults
+                                                                                 else [])
 
 
 def _names(text: str, known, flag: str) -> list[str]:

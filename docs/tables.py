@@ -148,6 +148,56 @@ def e2e(doc: Path, name: str) -> str:
     return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py`. ")
 
 
+def sweep(doc: Path, name: str) -> str:
+    """``benchmarks/e2e_throughput.py --sweep``: hf_paged alone over a grid of ``max_batch_tokens`` x
+    ``max_num_seqs`` and its automatic choice of that run, per workload; the row of today's automatic point on CUDA
+    (``RULES["cuda"]`` of ``hf_paged/engine/_sizing.py``) in bold."""
+    from hf_paged.engine._sizing import RULES
+
+    rows = [r for r in load(name)["rows"] if r.get("status") == "ok" and r["workload"] in E2E_WORKLOADS]
+    workloads = [w for w in E2E_WORKLOADS if any(r["workload"] == w for r in rows)]
+    value = {(r["label"], r["workload"]): r["ms_per_token"] if r["workload"] == "latency" else r["tok_per_s"]
+             for r in rows}
+    rule = f"{RULES['cuda'].max_batch_tokens}x{RULES['cuda'].max_num_seqs}"
+    out = []
+    for r in rows:
+        if r["workload"] != workloads[0]:
+            continue
+        budget = r["budget"]
+        if budget["max_batch_tokens"] is None:
+            chose = re.search(r"max_batch_tokens=(\d+).*?max_num_seqs=(\d+)", r.get("engine") or "")
+            label = f"automatic in that run ({chose[1]} x {chose[2]})" if chose else "automatic in that run"
+        else:
+            label = f"{budget['max_batch_tokens']} x {budget['max_requests']}"
+        cells = [(f"{ms(value[r['label'], w])} ms" if w == "latency" else tok(value[r["label"], w]))
+                 if (r["label"], w) in value else "-" for w in workloads]
+        if label.replace(" ", "") == rule:
+            label, cells = f"**{label}** (automatic on CUDA)", [f"**{c}**" for c in cells]
+        out.append([label] + cells)
+    header = ["max_batch_tokens x max_num_seqs"] + [
+        "batch 1: ms per output token" if w == "latency" else f"{E2E_WORKLOADS[w]}: tok/s" for w in workloads]
+    return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py --sweep`. ")
+
+
+COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "engine": "`Engine`, `stream`",
+                "generate": "`generate` + `optimize_generate`, batch 1", "serve": "`hf-paged serve`",
+                "transformers": "transformers' `generate_batch`"}
+
+
+def cold_start(doc: Path, name: str) -> str:
+    """``benchmarks/cold_start.py``: seconds from the process's spawn to import, load, first token and steady state,
+    in a first process (empty caches) and a second one, per system; the same call again; dynamo's compile time."""
+    data = load(name)
+    out = [[COLD_SYSTEMS.get(r["system"], r["system"]), r["process"]]
+           + [f"{r[k]:.2f}" for k in ("import", "load", "first_token", "steady", "second_call", "dynamo_s")]
+           for r in data["rows"] if r.get("status") == "ok"]
+    header = ["system", "process", "import", "load", "first token", "steady", "the call again", "dynamo"]
+    work = data.get("meta", {})
+    line = (f"{work['prompts']} prompts of the anchor, {work['new_tokens']} new tokens each, seconds. "
+            if "prompts" in work and "new_tokens" in work else "seconds. ")
+    return table(header, out, "llrrrrrr") + "\n\n" + caption([name], doc, line + "`benchmarks/cold_start.py`. ")
+
+
 AB_FIGURES = {
     "hf_paged anchor": ("anchor, `generate_batch`, output tok/s", tok),
     "hf_paged latency": ("batch 1, `generate_batch`, ms per output token", ms),
@@ -375,8 +425,8 @@ def results(doc: Path) -> str:
     return table(["file", "card", "torch", "transformers", "flash-attn", "date"], out, "llllll")
 
 
-RENDERERS = {"e2e": e2e, "ab": ab, "tp": tp, "dp": dp, "serve": serve, "generate": generate, "decode": decode,
-             "prefill": prefill, "allreduce": allreduce, "envs": envs_table, "engine-config": engine_config,
+RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "ab": ab, "tp": tp, "dp": dp, "serve": serve,
+             "generate": generate, "decode": decode, "prefill": prefill, "allreduce": allreduce, "envs": envs_table, "engine-config": engine_config,
              "results": results}
 
 

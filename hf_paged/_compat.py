@@ -38,6 +38,10 @@ triton.enable_pdl, triton.cudagraphs                        compiles: the graph 
                                                                                          INDUCTOR_PDL,
                                                                                          INDUCTOR_CUDAGRAPHS
 
+torch._inductor.config.force_disable_caches                 whether torch's compile      compile/_cache.py:
+                                                            caches are off (hf_paged's   compile_caches_disabled
+                                                            artifact files then too)
+
 torch._dynamo.exc.TorchDynamoException,                     compiler failures told from  compile/_layers.py:
 torch._inductor.exc.InductorError                           the model's own errors       compiler_errors
 
@@ -131,8 +135,9 @@ logger = logging.getLogger("hf_paged")
 __all__ = [
     "COMPILED_CALL_ATTRIBUTES", "INDUCTOR_CUDAGRAPHS", "INDUCTOR_CUSTOM_PRE_PASS", "INDUCTOR_PDL",
     "NESTED_GRAPH_BREAKS", "PRIVATE_ATTRIBUTES", "PrivateSymbolMissing", "TORCH_VERSION", "TRANSFORMERS_VERSION",
-    "accelerate_hook", "attn_implementation", "compile_all_devices", "compiler_errors", "default_generation_params",
-    "dtensor_local_tensor", "dynamo_config_patch", "enable_symmetric_memory", "flash_attention_forward",
+    "accelerate_hook", "attn_implementation", "compile_all_devices", "compile_caches_disabled", "compiler_errors",
+    "default_generation_params", "dtensor_local_tensor", "dynamo_config_patch", "enable_symmetric_memory",
+    "flash_attention_forward",
     "get_hash_for_files", "has_dynamo_option", "inductor_has_option", "mark_static_address", "model_from_config",
     "no_duck_shaping", "resolve_process_group", "same_storage", "set_compile_all_devices", "symmetric_empty",
     "symmetric_rendezvous", "user_defined_flag_from", "version_sum",
@@ -250,6 +255,20 @@ def inductor_has_option(name: str) -> bool:
             return False
         node = getattr(node, part)
     return True
+
+
+def compile_caches_disabled() -> bool:
+    """Whether torch's on-disk compile caches are switched off (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``, or the
+    option set in the process): hf_paged then neither loads nor saves its bundles of cache artifacts
+    (``compile/_cache.py``).
+
+    Symbol: ``torch._inductor.config.force_disable_caches``. Falls back to False (caches on, torch's default) where
+    this torch lacks the option. Checked on torch 2.11 and 2.13."""
+    try:
+        from torch._inductor import config as inductor_config
+    except ImportError:
+        return False
+    return bool(getattr(inductor_config, "force_disable_caches", False))
 
 
 def compiler_errors() -> tuple[type[BaseException], ...]:

@@ -27,6 +27,9 @@ variable                       values (default first)                      what 
 =============================  ==========================================  =============================================
 
 A test or benchmark that changes one of them inside a process calls :func:`refresh` for the new value to be read.
+Beside the kernels, hf_paged keeps torch's compile artifacts of each model under
+``$XDG_CACHE_HOME/hf_paged/compile`` (``~/.cache/hf_paged/compile`` without it; :func:`compile_cache_dir`), off with
+torch's own caches (``TORCHINDUCTOR_FORCE_DISABLE_CACHES=1``).
 """
 
 from __future__ import annotations
@@ -87,6 +90,13 @@ def _cache_home() -> Path:
 
 
 @functools.cache
+def compile_cache_dir() -> Path:
+    """``$XDG_CACHE_HOME/hf_paged/compile`` (``~/.cache/hf_paged/compile``): torch's compile artifacts of each model
+    and engine setting (``hf_paged/compile/_cache.py``)."""
+    return _cache_home() / "compile"
+
+
+@functools.cache
 def kernel_trace() -> bool:
     """``HF_PAGED_KERNEL_TRACE=1``: the diagnostic build of the kernels, with decode trace points."""
     return _choice(KERNEL_TRACE, ("0", "1"), "0") == "1"
@@ -125,5 +135,6 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 def refresh() -> None:
     """Forget the values read so far: the next use of each reads the environment again."""
-    for read in (api_key, backend, kernel_cache_dir, model_cache_dir, kernel_trace, tp_all_reduce, tp_timeout_s):
+    for read in (api_key, backend, kernel_cache_dir, model_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce,
+                 tp_timeout_s):
         read.cache_clear()

@@ -19,6 +19,7 @@ BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
 import anchor_repeat  # noqa: E402
+import cold_start  # noqa: E402
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
 import generate_host_overhead  # noqa: E402
@@ -263,3 +264,53 @@ def test_anchor_repeat_refuses_without_a_gpu():
     with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
         anchor_repeat.main(["--reps", "1"])
     assert "needs a CUDA GPU" in err.getvalue()
+
+
+@pytest.mark.slow
+def test_e2e_sweep_runs_every_point_once_and_compares_the_automatic_choice(tmp_path):
+    path = tmp_path / "sweep.json"
+    out = _run(e2e_throughput.main, ["--sweep", "--smoke", "--json", str(path)])
+    data = json.loads(path.read_text())
+    rows = data["rows"]
+    labels = ["hf_paged auto"] + [f"hf_paged {t}x{n}" for t in (128, 256) for n in (2, 4)]
+    assert [(r["workload"], r["label"]) for r in rows] == [(w, label) for w in ("anchor", "r64", "latency")
+                                                             for label in labels]
+    for row in rows:
+        assert row["status"] == "ok" and row["card"] and row["torch"] and row["transformers"], row
+        assert row["tokens"] == row["expected_tokens"] > 0
+    auto = next(r for r in rows if r["label"] == "hf_paged auto" and r["workload"] == "anchor")
+    assert auto["budget"] == {"max_batch_tokens": None, "max_requests": None}
+    assert "max_batch_tokens=2048 (automatic" in auto["engine"]  # what the engine picked, from its start-up line
+    fixed = next(r for r in rows if r["label"] == "hf_paged 256x2" and r["workload"] == "anchor")
+    assert "max_batch_tokens=256 (given)" in fixed["engine"] and "max_num_seqs=2 (given)" in fixed["engine"]
+    assert out.count("automatic / best:") == 3 and out.count("<- best") == 3
+
+
+@pytest.mark.slow
+def test_e2e_defaults_gives_hf_paged_no_settings(tmp_path):
+    path = tmp_path / "defaults.json"
+    _run(e2e_throughput.main, ["--defaults", "--smoke", "--systems", "hf_paged", "--workloads", "anchor",
+                               "--json", str(path)])
+    (row,) = json.loads(path.read_text())["rows"]
+    assert row["status"] == "ok" and row["defaults"] and row["budget"] == {"max_batch_tokens": None,
+                                                                           "max_requests": None}
+    assert "max_num_seqs=4 (automatic: the call's sequences (4))" in row["engine"]
+
+
+@pytest.mark.slow
+def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
+    path = tmp_path / "cold.json"
+    out = _run(cold_start.main, ["--smoke", "--prompts", "2", "--new-tokens", "2", "--json", str(path),
+                                 "--model-dir", str(tmp_path / "model")])
+    data = json.loads(path.read_text())
+    assert data["meta"]["card"] == "cpu" and data["meta"]["hf_paged"]
+    rows = {(r["system"], r["process"]): r for r in data["rows"]}
+    assert set(rows) == {(s, p) for s in cold_start.SYSTEMS for p in ("first", "second")}
+    for (system, _), row in rows.items():
+        assert row["status"] == "ok", row
+        assert 0 < row["first_token"] <= row["steady"] and row["second_call"] > 0, row
+        if system == "serve":
+            assert row["ready"] <= row["first_token"]
+        else:
+            assert 0 < row["import"] <= row["load"] <= row["first_token"], row
+    assert "| generate_batch | second |" in out

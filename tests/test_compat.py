@@ -172,6 +172,27 @@ def test_compiler_errors_catch_compiler_failures_and_not_the_models_own():
         torch._dynamo.reset()
 
 
+def test_compile_caches_disabled_follows_torchs_switch_and_then_inductor_caches_nothing():
+    from torch._dynamo.utils import counters
+    from torch._inductor import config as inductor_config
+
+    require(hasattr(inductor_config, "force_disable_caches"), "torch._inductor.config.force_disable_caches",
+            "the option exists")
+    with inductor_config.patch(force_disable_caches=False):
+        assert not _compat.compile_caches_disabled()
+    torch._dynamo.reset()
+    counters.clear()
+    try:
+        with inductor_config.patch(force_disable_caches=True):
+            assert _compat.compile_caches_disabled()
+            torch.compile(lambda x: x * 3 + 1)(torch.ones(3))
+        looked_up = sum(counters["inductor"][k] for k in ("fxgraph_cache_hit", "fxgraph_cache_miss"))
+        require(looked_up == 0, "torch._inductor.config.force_disable_caches",
+                "with it set, inductor neither reads nor writes its FX graph cache")
+    finally:
+        torch._dynamo.reset()
+
+
 def test_mark_static_address_marks_the_compiled_input_static():
     import torch._dynamo
 
@@ -314,11 +335,12 @@ def test_generation_output_takes_what_generate_batch_fills():
         require(hasattr(RequestStatus, status), "transformers.generation.continuous_batching.requests.RequestStatus",
                 f"it has {status}")
     out = GenerationOutput(request_id="req_0", prompt_ids=[1, 2], generated_tokens=[3], logprobs=[-0.5], error=None,
-                           status=RequestStatus.FAILED, created_time=1.0, lifespan=(1.0, 2.0))
-    require((out.request_id, out.prompt_ids, out.generated_tokens, out.status, out.lifespan)
-            == ("req_0", [1, 2], [3], RequestStatus.FAILED, (1.0, 2.0)) and out.is_finished(),
+                           status=RequestStatus.FAILED, created_time=1.0, lifespan=(1.0, 2.0), timestamps=[1.5])
+    require((out.request_id, out.prompt_ids, out.generated_tokens, out.status, out.lifespan, out.timestamps)
+            == ("req_0", [1, 2], [3], RequestStatus.FAILED, (1.0, 2.0), [1.5]) and out.is_finished(),
             "transformers.generation.continuous_batching.requests.GenerationOutput",
-            "it takes request_id, prompt_ids, generated_tokens, logprobs, error, status, created_time, lifespan")
+            "it takes request_id, prompt_ids, generated_tokens, logprobs, error, status, created_time, lifespan, "
+            "timestamps")
     with pytest.raises(AttributeError):
         _compat.no_such_name  # noqa: B018
 

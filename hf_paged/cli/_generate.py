@@ -34,7 +34,7 @@ from hf_paged.cli._arguments import (
     utf8_text,
 )
 from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
-from hf_paged.engine import Engine, EngineConfig, workload_blocks
+from hf_paged.engine import Engine, EngineConfig, Workload
 
 logger = logging.getLogger("hf_paged")
 
@@ -94,12 +94,10 @@ def run(args: argparse.Namespace) -> int:
     prompts = read_prompts(args)
     model, tokenizer = load(args)
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
-    gen_config = generation_config(args)
-    settings = engine_settings(args)
-    if settings["num_blocks"] is None:  # a pool for this workload, not for the free memory: a real model's is GBs
-        settings["num_blocks"] = workload_blocks(model, ids, gen_config, EngineConfig(**settings).cache_config)
+    # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
+    workload = Workload(tuple(len(p) + args.max_new_tokens for p in ids))
     try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
-        engine = Engine(model, tokenizer=tokenizer, **settings)
+        engine = Engine(model, tokenizer=tokenizer, workload=workload, **engine_settings(args))
     except NotImplementedError as exc:
         if args.backend is None:
             raise
@@ -107,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     log_setup(args, model, engine, len(prompts))
     check_lengths(engine, ids)
     start = time.perf_counter()
-    outputs = engine.generate(ids, gen_config, progress_bar=not args.no_progress)
+    outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
     for text, out in list(zip(prompts, outputs))[: args.show]:
         print(f"{clip(text)!r} -> {out.text!r} [{out.finish_reason}]")
@@ -178,8 +176,8 @@ def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, 
     stats = engine.stats()
     logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model_name,
                 type(model).__name__, params / 1e6, model.dtype, model.device)
-    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, backends %s",
-                stats["num_blocks"], stats["block_size"], args.max_batch_tokens,
+    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, %d sequences at once, backends %s",
+                stats["num_blocks"], stats["block_size"], stats["max_batch_tokens"], stats["max_num_seqs"],
                 ", ".join(args.backend) if args.backend else "any (flash, cuda, torch)")
     how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
            if args.temperature > 0 else "greedy")

@@ -32,6 +32,7 @@ import torch
 
 from hf_paged import _compat
 from hf_paged.compile import _patches as patches
+from hf_paged.compile._cache import CompileArtifacts, artifact_key
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.hf._placement import base_model, decoder_layers
 
@@ -70,6 +71,14 @@ class LayerCompile:
     def inductor_options(self) -> dict:
         return {_compat.INDUCTOR_CUSTOM_PRE_PASS: self.graph_pass, **self.inductor}
 
+    def cache_settings(self) -> dict:
+        """What of this compile decides the compiled code, as plain values (the compile artifacts' key): the pass's
+        ``uuid`` (a hash of its source and settings), the options, and the process's rank in a distributed run."""
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        return {"pass": self.graph_pass.uuid().hex(), "inductor": sorted(map(str, self.inductor.items())),
+                "dynamo": sorted(map(str, self.dynamo.items())),
+                "rank": [torch.distributed.get_rank(), torch.distributed.get_world_size()] if distributed else None}
+
 
 def inductor_has_pdl() -> bool:
     """Whether this torch's inductor can launch its Triton kernels with programmatic dependent launch."""
@@ -83,6 +92,11 @@ def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> 
     if layers is None:
         layers = CompiledLayers(model, how or LayerCompile())
         object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
+        # what an earlier process compiled for this model goes to torch's caches before anything compiles; what this
+        # one compiles is saved after the engine's start (its owner calls save) and at exit
+        layers.artifacts = CompileArtifacts(artifact_key(model, layers.how.cache_settings()))
+        layers.artifacts.load()
+        layers.artifacts.save_at_exit()
     return layers
 
 
@@ -102,6 +116,7 @@ class CompiledLayers:
         self._modules = [*layers, *others]
         self._recompile_limit = 8 * len(self._modules) + 16
         self.how = how
+        self.artifacts: CompileArtifacts | None = None  # torch's artifacts of this model, kept across processes
         for module in self._modules:
             patches.install(module, "compiled_layers", lambda eager: _Switch(self, eager))
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from hf_paged.attention._dispatch import check_backend_names
 from hf_paged.cache._config import MAX_SLOTS, CacheConfig, positive_int
 
-GRAPH_CAPTURE = ("start", "on_demand")  # when the decode CUDA graphs are captured (Engine's docstring)
+GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
 _CACHE = {f.name: f for f in fields(CacheConfig)}
 
 
@@ -34,15 +34,19 @@ class EngineConfig:
     """Settings of an :class:`~hf_paged.Engine` (its docstring says what each does).
 
     ``backend`` is kept as a tuple of names (a comma-separated string is split) and ``cuda_graphs`` as True, False
-    or a tuple of batch sizes, so two configs that mean the same compare equal. Fields with flag metadata are the
+    or a tuple of batch sizes, so two configs that mean the same compare equal. None in ``num_blocks``,
+    ``max_batch_tokens``, ``max_num_seqs`` and ``cuda_graph_capture`` means automatic: the engine picks them
+    (``hf_paged/engine/_sizing.py``), and its ``config`` holds what it picked. Fields with flag metadata are the
     options of ``hf-paged generate`` and ``hf-paged serve``.
     """
 
     num_blocks: int | None = _cache_field("num_blocks")
     block_size: int = _cache_field("block_size")
-    max_batch_tokens: int = field(default=2048, metadata=_flag(
-        "tokens one step may run (prefill chunks and decodes together)"))
-    max_num_seqs: int = field(default=256, metadata=_flag("sequences running at once"))
+    max_batch_tokens: int | None = field(default=None, metadata=_flag(
+        "tokens one step may run (prefill chunks and decodes together; default: automatic, from the device and its "
+        "free memory)"))
+    max_num_seqs: int | None = field(default=None, metadata=_flag(
+        "sequences running at once (default: automatic, from the device and its free memory)"))
     enable_prefix_caching: bool = True
     backend: str | tuple[str, ...] | None = _cache_field("backend")
     memory_budget: float = _cache_field("memory_budget")
@@ -51,24 +55,27 @@ class EngineConfig:
     compile_layers: bool | None = None
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
-    cuda_graph_capture: str = "start"
+    cuda_graph_capture: str | None = None
 
     def __post_init__(self) -> None:
         cache = CacheConfig(**{name: getattr(self, name) for name in _CACHE})  # the pool's checks
         object.__setattr__(self, "memory_budget", cache.memory_budget)
         object.__setattr__(self, "backend", check_backend_names(cache.backend))
         for name in ("max_batch_tokens", "max_num_seqs"):
-            positive_int(name, getattr(self, name))
-            if getattr(self, name) > MAX_SLOTS:  # (token offsets and sequence rows are int32)
-                raise ValueError(f"{name} must be an integer in [1, 2**31 - 1], got {getattr(self, name)!r}")
+            if getattr(self, name) is not None:
+                positive_int(name, getattr(self, name), "or None (automatic)")
+                if getattr(self, name) > MAX_SLOTS:  # (token offsets and sequence rows are int32)
+                    raise ValueError(f"{name} must be an integer in [1, 2**31 - 1] or None (automatic), got "
+                                     f"{getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("async_scheduling", "compile_layers", "skinny_linear"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
-        if self.cuda_graph_capture not in GRAPH_CAPTURE:
-            raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))}, got "
+        if self.cuda_graph_capture is not None and self.cuda_graph_capture not in GRAPH_CAPTURE:
+            raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))} or None "
+                             f"(automatic), got "
                              f"{self.cuda_graph_capture!r}")
 
     @property

@@ -34,7 +34,9 @@ from hf_paged.parallel import _fuse_all_reduce as fuse_all_reduce
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel import _lockstep as lockstep
 from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.engine import _sizing as sizing
 from hf_paged.engine._config import EngineConfig
+from hf_paged.engine._sizing import Workload
 from hf_paged.runner._decode_graphs import engine_graphs
 from hf_paged.engine._inflight import InFlightStep, TokenReceiver
 from hf_paged.engine._interrupts import InterruptGuard
@@ -63,26 +65,32 @@ _STATUS, _PENDING_ROW = _status, operator.attrgetter("pending_row")
 class EngineCore:
     """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
 
-    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None):
+    def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None, workload: Workload | None = None):
         use_paged_attention(model)
         self.model, self.tokenizer = model, tokenizer
         self.device, dtype = model.device, model.dtype
         self.max_model_len = max_len = validation.position_limit(model.config)
-        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         # tensor parallel: the ranks step together
         self.lockstep, settings = lockstep.for_model(model, cfg.compile_layers, cfg.cuda_graphs)
+        forced = {"cuda_graph_capture": "tensor parallel: every size at start, on every rank alike"} if (
+            settings and cfg.cuda_graph_capture is None) else {}
         cfg = replace(cfg, **settings)
         # tensor parallel: each rank's model calls return its vocabulary columns
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
-        if cfg.num_blocks is None:
-            cache_config = cfg.cache_config
-            cfg = replace(cfg, num_blocks=cache_config.pool_blocks(layout, dtype, self.kv_devices,
-                                                                   cap=cache_config.blocks_for(max_num_seqs, max_len)))
-        if self.lockstep is not None:
-            cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks))
-        self.config = cfg
+        sized = sizing.size_engine(cfg, model.config, dtype, self.kv_devices, workload)
+        cfg, reasons = sized.config, {**sized.reasons, **forced}
+        num_blocks, why = sizing.pool_size(cfg, layout, dtype, self.kv_devices, max_len, workload)
+        cfg = replace(cfg, num_blocks=num_blocks)
+        if why is not None:
+            reasons["num_blocks"] = why
+        if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
+            cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks),
+                          max_batch_tokens=self.lockstep.agree_min(cfg.max_batch_tokens),
+                          max_num_seqs=self.lockstep.agree_min(cfg.max_num_seqs))
+        self.config, self.sizing = cfg, reasons
+        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.pool, self.dispatcher = paged_kv(model.config, layout, self.kv_devices, dtype, block_size, cfg.num_blocks,
                                               cfg.kv_cache_dtype, cfg.backend)
         tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
@@ -121,6 +129,9 @@ class EngineCore:
         self._weights = list(model.parameters())
         self._weights_version = _compat.version_sum(self._weights)
         self._kv_stale = False  # reset_prefix_cache() asked for it
+        if self.compiled is not None and self.compiled.artifacts is not None:
+            self.compiled.artifacts.save()  # what the start compiled, for the next process
+        logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, reasons, self.graphs is not None))
 
     def _advance(self) -> list[Sequence]:
         """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:

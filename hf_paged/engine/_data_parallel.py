@@ -124,8 +124,9 @@ def _digest(costs: list[int]) -> str:
 
 
 def _request_order(rid: str) -> tuple[int, int]:
-    parent, _, copy_index = rid.partition(validation.CHILD_MARK)
-    return int(parent.removeprefix("req_")), int(copy_index or -1)
+    """``generate_batch``'s order: by prompt, each prompt's copies first."""
+    parent, rank = validation.family_and_rank(rid)
+    return int(parent.removeprefix("req_")), rank
 
 
 def _raise_on_failure(everyone: list, rank: int, failure: Exception | None) -> None:

@@ -27,6 +27,7 @@ from hf_paged.engine._core import EngineCore
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
 from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sizing import Workload
 from hf_paged.engine._sequence import Sequence
 
 logger = logging.getLogger("hf_paged")
@@ -39,10 +40,14 @@ class Engine(EngineCore):
 
     Args:
         model: a causal LM; its attention is switched to ``"hf_paged"`` if it was loaded with another one.
-        num_blocks: KV blocks in the pool; None sizes the pool from free device memory (``memory_budget``).
+        num_blocks: KV blocks in the pool; None sizes the pool from free device memory (``memory_budget``), at most
+            what ``max_num_seqs`` sequences of the model's full length (or the ``workload``) use.
         block_size: tokens per block.
-        max_batch_tokens: token budget of one step (prefill chunks and decodes together).
-        max_num_seqs: most sequences running at once.
+        max_batch_tokens: token budget of one step (prefill chunks and decodes together); None picks it from the
+            device and its free memory (8192 on CUDA, 2048 elsewhere, less where a step would not fit the memory the
+            KV pool leaves; ``hf_paged/engine/_sizing.py``).
+        max_num_seqs: most sequences running at once; None picks it from the device and its free memory too (256,
+            or the ``workload``'s sequences when fewer).
         tokenizer: needed for string prompts, stop strings and ``text`` in outputs.
         generation_config: default settings of requests added without one (default: the model's).
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
@@ -51,10 +56,13 @@ class Engine(EngineCore):
         cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
             ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
-        cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start), or
+        cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start);
             ``"on_demand"``: the largest size at start, each smaller one once 32 decode steps would have used it
             (``hf_paged.runner._graph_sizes.ON_DEMAND_STEPS``), until then padding up to a larger graph; what
-            ``generate_batch`` does for the engine of one call, which few steps of each small size do not pay back.
+            ``generate_batch`` does for the engine of one call, which few steps of each small size do not pay back;
+            ``"first_use"``: the smallest and the largest size at start, each other one at the first step that would
+            use it. None (automatic): ``"on_demand"`` for an engine built for one call (a ``workload``), else
+            ``"first_use"`` (a server's start then costs two captures, not one per size).
         async_scheduling: launch each step before taking in the tokens of the one before, so the host schedules
             while the device computes (one step of lag: a sequence that stops computes one token more, which is
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
@@ -73,6 +81,11 @@ class Engine(EngineCore):
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
             ``PagedAttentionCache`` and ``docs/guides/cache.md``.
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
+        workload: what the engine will run, when it is built for known prompts (``generate_batch`` passes its
+            call's): the automatic sizes fit it (``hf_paged.engine.Workload``: each sequence's most tokens).
+
+    ``stats()["sizing"]`` and the engine's start-up log line (logger ``"hf_paged"``, INFO) say which sizes were
+    automatic and why; ``config`` holds the sizes picked.
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``reset_prefix_cache``, ``has_unfinished`` and ``stats`` may be
     called from any thread while one thread runs ``step``, ``stream`` or ``generate``.
@@ -92,8 +105,8 @@ class Engine(EngineCore):
         model: torch.nn.Module,
         num_blocks: int | None = EngineConfig.num_blocks,
         block_size: int = EngineConfig.block_size,
-        max_batch_tokens: int = EngineConfig.max_batch_tokens,
-        max_num_seqs: int = EngineConfig.max_num_seqs,
+        max_batch_tokens: int | None = EngineConfig.max_batch_tokens,
+        max_num_seqs: int | None = EngineConfig.max_num_seqs,
         tokenizer=None,
         generation_config: GenerationConfig | None = None,
         enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
@@ -105,7 +118,9 @@ class Engine(EngineCore):
         skinny_linear: bool | None = EngineConfig.skinny_linear,
         config: EngineConfig | None = None,
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
-        cuda_graph_capture: str = EngineConfig.cuda_graph_capture,
+        cuda_graph_capture: str | None = EngineConfig.cuda_graph_capture,
+        *,
+        workload: Workload | None = None,
     ):
         cfg = EngineConfig.resolve(
             config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
@@ -114,7 +129,7 @@ class Engine(EngineCore):
             compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype,
             cuda_graph_capture=cuda_graph_capture)
         generation_config = validation.generation_config(generation_config)
-        super().__init__(model, cfg, tokenizer)
+        super().__init__(model, cfg, tokenizer, workload)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
         self._closed = False

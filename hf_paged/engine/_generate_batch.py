@@ -6,7 +6,8 @@ Moving over is two lines::
     results = hf_paged.generate_batch(model, inputs, generation_config)   # was: model.generate_batch(inputs, ...)
 
 Results are ``{request_id: GenerationOutput}`` (transformers' own class) in input order, ids ``"req_0"``,
-``"req_1"``, ... and ``"req_0__child#0"``, ... for the extra ``num_return_sequences`` copies.
+``"req_1"``, ... and ``"req_0__child#0"``, ... for the extra ``num_return_sequences`` copies (before their prompt's
+own, as transformers orders them).
 """
 
 from __future__ import annotations
@@ -14,20 +15,19 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from dataclasses import replace
 
 import torch
-from transformers import GenerationConfig
+from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_paged._compat import GenerationOutput, RequestStatus
-from hf_paged.cache._config import CacheConfig
+from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
-from hf_paged.runner._graph_sizes import one_call_graph_sizes
-from hf_paged.parallel._lockstep import agreed_min
-from hf_paged.engine._sampling_params import SamplingParams, resolve_generation_config
+from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
+from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout
 
 logger = logging.getLogger("hf_paged")
@@ -48,19 +48,32 @@ def generate_batch(
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
 
-    Reads ``block_size``, ``num_blocks``, ``max_batch_tokens``, ``max_requests_per_batch``, ``allow_block_sharing``,
-    ``return_logprobs``, ``seed``, ``max_memory_percent`` and hf_paged's own ``cuda_graphs``,
-    ``cuda_graph_capture``, ``compile_layers``, ``skinny_linear`` and ``kv_cache_dtype``
-    from ``continuous_batching_config`` when given (an
-    :class:`~hf_paged.EngineConfig` is taken as it is; its ``num_blocks=None`` sizes the pool for the workload);
-    ``max_new_tokens`` may be passed as a keyword, as with transformers. Without ``num_blocks`` the cache is sized
-    for the whole workload, within ``max_memory_percent`` (default 0.8) of free device memory.
+    The configs mean what they mean to transformers' own ``model.generate_batch`` (``engine/_batch_configs.py`` has
+    the table of every field): ``generation_config`` (default: the model's) is read alone, an unset sampling setting
+    being off; ``eos_token_id`` None or -1 is no EOS; without ``max_new_tokens`` (here a keyword too, as with
+    transformers) requests run to EOS or the model's position limit. ``min_new_tokens``, ``min_length`` and
+    ``repetition_penalty``, whose processors transformers' ``generate_batch`` drops, are applied as ``generate``
+    applies them; settings the engine cannot apply (beam search, ``typical_p``, ``stop_strings`` without a
+    tokenizer, ...) raise ``ValueError`` naming them.
+
+    From ``continuous_batching_config`` (transformers' ``ContinuousBatchingConfig``, or any object with its
+    attribute names): ``num_blocks`` (of ``page_size``/``block_size`` tokens: the same KV capacity), ``block_size``
+    (256, transformers' default, reads as hf_paged's 16), ``max_batch_tokens``, ``max_requests_per_batch``,
+    ``max_memory_percent``, ``allow_block_sharing``, ``use_async_batching``, ``use_cuda_graph``, ``return_logprobs``,
+    ``seed``, and hf_paged's own ``cuda_graphs``, ``cuda_graph_capture``, ``compile_layers``, ``skinny_linear`` and
+    ``kv_cache_dtype``; the knobs of transformers' own runner change nothing here. An :class:`~hf_paged.EngineConfig`
+    is taken as it is. Unset sizes are automatic and fit the call (``engine/_sizing.py``): the pool holds the whole
+    workload within the memory budget (default 0.8 of free device memory).
+
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
     held until a call without it. A kept engine notices in-place changes of the model's weights (an optimizer step,
-    ``load_state_dict``) and computes again what they invalidate; ``reset_prefix_cache=True`` (hf_paged's own) makes it
-    forget its cached prefixes in any case (after weights were changed through ``param.data`` or replaced).
-    ``record_timestamps`` and ``warmup`` are accepted for compatibility and ignored.
+    ``load_state_dict``) and computes again what they invalidate; ``reset_prefix_cache=True`` (hf_paged's own) makes
+    it forget its cached prefixes in any case (after weights were changed through ``param.data`` or replaced).
+    ``record_timestamps=True`` fills each result's ``timestamps`` (the time each token reached the host,
+    ``time.perf_counter``); ``warmup`` is accepted for compatibility (the engine captures what it needs itself).
+    Results are ordered as transformers orders them: for each prompt its copies (``"req_0__child#0"``, ...) and then
+    its own ``"req_0"``.
     ``indices`` (hf_paged's own): each prompt's position in a larger workload that this call serves part of (distinct,
     non-negative); request ids (``"req_<index>"``) and the per-request seeds of ``continuous_batching_config.seed``
     follow it, so a share of the prompts gets what one call over all of them gives its prompts (data parallel).
@@ -71,6 +84,10 @@ def generate_batch(
     if isinstance(continuous_batching_config, dict):
         raise ValueError("continuous_batching_config must be transformers' ContinuousBatchingConfig (or an object "
                          "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
+    if continuous_batching_config is None and isinstance(getattr(generation_config, "continuous_batching_config",
+                                                                 None), ContinuousBatchingConfig):
+        continuous_batching_config = generation_config.continuous_batching_config  # (transformers' older route)
+    config = batch_configs.engine_config(continuous_batching_config)
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
     inputs = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, "generate_batch")]
     if indices is None:
@@ -83,90 +100,69 @@ def generate_batch(
         return {}
     opt = lambda name, default: default if getattr(continuous_batching_config, name, None) is None else getattr(
         continuous_batching_config, name)
-    generation_config = validation.generation_config(generation_config)
-    gc = copy.deepcopy(generation_config or getattr(model, "generation_config", None) or GenerationConfig())
-    if kwargs.get("max_new_tokens") is not None:
-        gc.max_new_tokens = kwargs.pop("max_new_tokens")
+    limit = validation.position_limit(model.config)
+    gc = batch_configs.generation_config(validation.generation_config(generation_config), model,
+                                         kwargs.get("max_new_tokens"), limit)
     if opt("return_logprobs", False):
         gc.output_logprobs = True
-    SamplingParams.from_generation_config(gc, 1, getattr(model, "generation_config", None))  # (checked before sizing)
-    engine = _engine_for(model, inputs, gc, opt, persistent_manager, continuous_batching_config)
+    copies = SamplingParams.from_generation_config(gc, len(inputs[0])).num_return_sequences  # (checked before the
+    # engine is built; the engine checks every prompt again)
+    workload = Workload(tuple(len(p) + (gc.max_new_tokens or limit - len(p)) for p in inputs for _ in range(copies)),
+                        one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
+    engine = _engine_for(model, config, workload, persistent_manager)
     if reset_prefix_cache:
         engine.reset_prefix_cache()
-    seed = opt("seed", None)
     start = time.perf_counter()
-    configs = gc
-    if seed is not None:
-        configs = [copy.deepcopy(gc) for _ in inputs]
-        for i, cfg in zip(indices, configs):
-            cfg.seed = (seed * 1_000_003 + i) % 2**62
+    configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
     queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in indices])
     ids = {rid: i for i, rid in enumerate(queued)}
-    finished = {}
+    finished, stamps = {}, {} if record_timestamps else None
     from tqdm.auto import tqdm
 
-    desc = f"Solving {len(inputs)} requests"
-    with tqdm(total=len(inputs), disable=not progress_bar, desc=desc, unit="request") as bar:
+    desc = f"Solving {len(inputs) * copies} requests"
+    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
         while engine.has_unfinished():
-            for out in engine.step():
-                finished[out.request_id] = _to_generation_output(out, start)
-                bar.update(out.request_id in ids)
+            if stamps is None:
+                outs = engine.step()
+            else:
+                outs, deltas = engine.step_with_deltas()
+                now = time.perf_counter()
+                for delta in deltas:
+                    stamps.setdefault(delta.request_id, []).extend([now] * len(delta.token_ids))
+            for out in outs:
+                finished[out.request_id] = _to_generation_output(out, start, stamps)
+            bar.update(len(outs))
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)
-    order = lambda rid: (ids[rid.partition("__child#")[0]], int(rid.partition("__child#")[2] or -1))
-    return {rid: finished[rid] for rid in sorted(finished, key=order)}
+    order = lambda rid: (ids[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
+    return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
 
 
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
 
 
-def _engine_for(model, inputs, gc: GenerationConfig, opt, persistent: bool, given) -> Engine:
-    """An engine sized for this workload (``given``: an ``EngineConfig`` to use as it is, else the engine settings
-    read from transformers' continuous-batching config); transformers' default block size (256) is read as "not
-    chosen"."""
-    defaults = EngineConfig()
-    block_size = opt("block_size", defaults.block_size)
-    try:
-        config = given if isinstance(given, EngineConfig) else EngineConfig(
-            num_blocks=opt("num_blocks", None), block_size=defaults.block_size if block_size == 256 else block_size,
-            max_batch_tokens=opt("max_batch_tokens", defaults.max_batch_tokens),
-            max_num_seqs=opt("max_requests_per_batch", defaults.max_num_seqs),
-            enable_prefix_caching=opt("allow_block_sharing", defaults.enable_prefix_caching),
-            memory_budget=opt("max_memory_percent", defaults.memory_budget),
-            cuda_graphs=opt("cuda_graphs", defaults.cuda_graphs),
-            compile_layers=opt("compile_layers", defaults.compile_layers),
-            skinny_linear=opt("skinny_linear", defaults.skinny_linear),
-            kv_cache_dtype=opt("kv_cache_dtype", defaults.kv_cache_dtype),
-            cuda_graph_capture=opt("cuda_graph_capture", defaults.cuda_graph_capture))
-    except ValueError as exc:
-        raise ValueError(f"continuous_batching_config: {exc}") from None
-    if config.num_blocks is None:
-        needed = workload_blocks(model, inputs, gc, config.cache_config)
-    if not persistent and config.cuda_graphs is True and not isinstance(given, EngineConfig):
-        # This engine serves this call only: it never runs more sequences at once than the call has, and it
-        # captures on every call (each size costs a traced forward, ~25 ms for a 1B model), so it captures that
-        # count at start and the powers of two below it on demand: a call's batch passes each smaller size only
-        # for the few steps in which its sequences finish, unless their lengths differ a lot. On an H100 the
-        # anchor of the end-to-end benchmark took 1.84 s this way against 2.03-2.28 s with 9 sizes at start.
-        most = min(len(inputs) * _copies(model, gc), config.max_num_seqs)
-        config = replace(config, cuda_graphs=tuple(one_call_graph_sizes(most)),
-                         cuda_graph_capture=opt("cuda_graph_capture", "on_demand"))
+def _engine_for(model, config: EngineConfig, workload: Workload, persistent: bool) -> Engine:
+    """An engine of ``config`` for ``workload`` (automatic sizes fit it: ``engine/_sizing.py``); with ``persistent``,
+    the one kept on the model when it has the same settings, is idle and its pool holds the workload."""
     kept = model.__dict__.pop(_KEPT, None)
-    key = replace(config, num_blocks=None)
-    if persistent and kept is not None and kept[0] == key and not kept[1].has_unfinished():
+    if persistent and kept is not None and kept[0] == config and not kept[1].has_unfinished():
         size = kept[1].pool.num_blocks
-        if size >= needed if config.num_blocks is None else size == config.num_blocks:
+        if config.num_blocks is not None:
+            fits = size == config.num_blocks
+        else:  # every rank under tensor parallel decides alike (each reads its own free memory)
+            fits = size >= agreed_min(model, _pool_blocks(model, config, workload))
+        if fits:
             model.__dict__[_KEPT] = kept
             return kept[1]
     del kept  # a kept engine that does not fit goes before the new one takes memory
-    engine = Engine(model, config=config if config.num_blocks is not None else replace(config, num_blocks=needed))
+    engine = Engine(model, config=config, workload=workload)
     if persistent:
-        model.__dict__[_KEPT] = (key, engine)
+        model.__dict__[_KEPT] = (config, engine)
     return engine
 
 
-def _to_generation_output(out, start: float) -> GenerationOutput:
+def _to_generation_output(out, start: float, stamps: dict[str, list[float]] | None) -> GenerationOutput:
     return GenerationOutput(
         request_id=out.request_id,
         prompt_ids=list(out.prompt_token_ids),
@@ -176,22 +172,35 @@ def _to_generation_output(out, start: float) -> GenerationOutput:
         status=RequestStatus.FAILED if out.finish_reason == "error" else RequestStatus.FINISHED,
         created_time=start,
         lifespan=(start, time.perf_counter()),
+        timestamps=None if stamps is None else stamps.get(out.request_id, []),
     )
 
 
-def _copies(model, gc: GenerationConfig) -> int:
-    """Sequences per prompt (``num_return_sequences``)."""
-    return resolve_generation_config(gc, getattr(model, "generation_config", None)).num_return_sequences or 1
+def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: list[int], seed: int | None,
+                     limit: int) -> GenerationConfig | list[GenerationConfig]:
+    """The config of each request: ``gc`` for all, or one each with its seed (``continuous_batching_config.seed``,
+    by position in the workload) and, where ``gc`` sets no ``max_new_tokens``, the room left to the model's position
+    limit (transformers' "no limit"; set here so that the model's generation config fills nothing in)."""
+    if seed is None and gc.max_new_tokens is not None:
+        return gc
+    by_length: dict[int, GenerationConfig] = {}
+    configs = []
+    for i, prompt in zip(indices, inputs):
+        cfg = by_length.get(len(prompt)) if seed is None else None
+        if cfg is None:
+            cfg = copy.deepcopy(gc)
+            if gc.max_new_tokens is None:
+                cfg.max_new_tokens = max(1, limit - len(prompt))
+            if seed is not None:
+                cfg.seed = (seed * 1_000_003 + i) % 2**62
+            by_length[len(prompt)] = cfg
+        configs.append(cfg)
+    return configs
 
 
-def workload_blocks(model, inputs, gc: GenerationConfig, config: CacheConfig) -> int:
-    """Blocks for every request at full length at once (so nothing is preempted), within the memory budget."""
-    block_size = config.block_size
-    resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
-    copies = resolved.num_return_sequences or 1
-    limit, needed = validation.position_limit(model.config), 0
-    for prompt in inputs:
-        new = resolved.max_new_tokens or max(1, (resolved.max_length or 20) - len(prompt))
-        needed += copies * -(-min(len(prompt) + new, limit) // block_size)
-    fits = config.pool_blocks(kv_layout(model), model.dtype, kv_devices(model), cap=needed)
-    return max(1, agreed_min(model, fits))  # tensor parallel: every rank sizes (and reuses) its engine alike
+def _pool_blocks(model, config: EngineConfig, workload: Workload) -> int:
+    """The blocks an engine of ``config`` would take for ``workload`` (every sequence at full length, within the
+    memory budget)."""
+    blocks, _ = pool_size(config, kv_layout(model), model.dtype, kv_devices(model),
+                          validation.position_limit(model.config), workload)
+    return max(1, blocks)

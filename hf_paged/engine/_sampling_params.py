@@ -203,7 +203,7 @@ def _eos_tuple(eos) -> tuple[int, ...]:
 
 #: GenerationConfig settings that change which tokens ``model.generate`` picks but that the engine does not apply,
 #: with the value that means off: a request setting one is refused rather than served with other tokens.
-_UNSERVED = {
+UNSERVED = {
     "typical_p": 1.0, "epsilon_cutoff": 0.0, "eta_cutoff": 0.0, "top_h": None, "no_repeat_ngram_size": 0,
     "bad_words_ids": None, "force_words_ids": None, "constraints": None, "sequence_bias": None,
     "suppress_tokens": None, "begin_suppress_tokens": None, "forced_bos_token_id": None,
@@ -217,7 +217,7 @@ def _refuse_unserved(config: GenerationConfig | None) -> None:
     """Raise for settings of ``config`` (as given, before the model's defaults fill it) the engine ignores."""
     if config is None:
         return
-    unserved = [f"{k}={v!r}" for k, off in _UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
+    unserved = [f"{k}={v!r}" for k, off in UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
     if unserved:
         raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                          "with a PagedAttentionCache, which applies every generation setting")

@@ -60,4 +60,8 @@ class EngineStats:
             "cuda_graphs": engine.graphs.stats() if engine.graphs is not None else None,
             "compiled_layers": engine.compiled is not None and engine.compiled.enabled,
             "skinny_linear": engine.skinny_linear,
+            "max_batch_tokens": engine.config.max_batch_tokens,
+            "max_num_seqs": engine.config.max_num_seqs,
+            "cuda_graph_capture": engine.config.cuda_graph_capture if engine.graphs is not None else None,
+            "sizing": dict(engine.sizing),  # the automatic settings, each with why it was picked (given: absent)
         }

@@ -38,7 +38,7 @@ from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._cuda_graphs import CudaGraphs
-from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges
+from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, start_sizes
 from hf_paged.runner._model_runner import call_model, model_call
 from hf_paged.runner._step_plan import DecodeColumns, Sequence
 from hf_paged.runner._staging import StagingBuffer
@@ -54,8 +54,10 @@ class DecodeGraphs:
         tables: the engine's block-table buffer; its width at construction is the captured table width.
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
-        on_demand: capture only the largest size at start; a smaller one once ``graph_sizes.ON_DEMAND_STEPS``
-            decode steps would have used it (each of them pads up to a larger graph meanwhile).
+        capture: when each size is captured (``EngineConfig.cuda_graph_capture``): ``"start"``, every size at start;
+            ``"on_demand"``, the largest at start, a smaller one once ``graph_sizes.ON_DEMAND_STEPS`` decode steps
+            would have used it (each of them pads up to a larger graph meanwhile); ``"first_use"``, the smallest and
+            the largest at start, each other one at the first step that would use it.
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
         local_logits: capture a tensor-parallel ``lm_head`` returning this rank's vocabulary columns
@@ -64,7 +66,7 @@ class DecodeGraphs:
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, dispatcher: Dispatcher, tables: BlockTableBuffer,
                  sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
-                 skinny: bool = False, on_demand: bool = False, local_logits: bool = False):
+                 skinny: bool = False, capture: str = "start", local_logits: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.pool, self.dispatcher = model, pool, dispatcher
@@ -72,8 +74,8 @@ class DecodeGraphs:
         self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
         wanted = sorted(set(sizes))
         # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
-        self.sizes = wanted[-1:] if on_demand else wanted
-        self._waiting = OnDemandSizes(wanted[:-1] if on_demand else ())
+        self.sizes = start_sizes(wanted, capture)
+        self._waiting = OnDemandSizes([s for s in wanted if s not in self.sizes], first_use=capture == "first_use")
         self.width = tables.table.shape[1]
         self.device = pool.kv_caches[0][0].device
         b_max, w = self.sizes[-1], self.width
@@ -280,7 +282,7 @@ def engine_graphs(core, cfg, tables, max_num_seqs: int):
     sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
              else [s for s in cuda_graphs if s <= max_num_seqs])
     graphs = DecodeGraphs(core.model, core.pool, core.dispatcher, tables, sizes, core.runner.last_tokens, core.compiled,
-                          core.skinny_linear, on_demand=cfg.cuda_graph_capture == "on_demand",
+                          core.skinny_linear, capture=cfg.cuda_graph_capture,
                           local_logits=core.vocab_shards is not None)
     reason = graphs.capture()
     if reason is not None:

@@ -27,6 +27,17 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
     return sorted(set(sizes) | {max_num_seqs})
 
 
+def start_sizes(sizes: list[int], capture: str) -> list[int]:
+    """Which of the (sorted) ``sizes`` an engine captures at start under ``cuda_graph_capture=capture``: all of them
+    (``"start"``), the largest (``"on_demand"``), or the smallest and the largest (``"first_use"``: a server's first
+    requests run one at a time; the largest also compiles and warms the general shape)."""
+    if capture == "on_demand":
+        return sizes[-1:]
+    if capture == "first_use":
+        return sorted({sizes[0], sizes[-1]})
+    return list(sizes)
+
+
 def one_call_graph_sizes(num_seqs: int) -> list[int]:
     """The sizes for an engine that serves one call of ``num_seqs`` sequences (``generate_batch``): the powers of two
     below it, and itself.
@@ -45,11 +56,13 @@ class OnDemandSizes:
     """Sizes not captured yet, each with the number of decode steps that would have used it.
 
     A step of ``n`` sequences served by the captured size ``size`` counts toward the smallest waiting size that
-    fits it and is smaller than ``size``; that size is due once it has ``ON_DEMAND_STEPS`` steps.
+    fits it and is smaller than ``size``; that size is due once it has ``ON_DEMAND_STEPS`` steps, or at its first
+    step with ``first_use`` (an engine that serves many calls: each size will serve many steps).
     """
 
-    def __init__(self, sizes=()):
+    def __init__(self, sizes=(), first_use: bool = False):
         self._steps = dict.fromkeys(sizes, 0)
+        self.first_use = first_use
 
     def __bool__(self) -> bool:
         return bool(self._steps)
@@ -66,7 +79,7 @@ class OnDemandSizes:
             return None
         want = min(fits)
         self._steps[want] += 1
-        if self._steps[want] < ON_DEMAND_STEPS:
+        if self._steps[want] < (1 if self.first_use else ON_DEMAND_STEPS):
             return None
         del self._steps[want]
         return want

@@ -43,9 +43,10 @@ def test_python_m_hf_paged_shows_help_with_defaults():
     engine_defaults = inspect.signature(hf_paged.Engine).parameters
     for flag, default in [("--num-blocks", 0), ("--memory-budget", engine_defaults["memory_budget"].default),
                           ("--block-size", engine_defaults["block_size"].default),
-                          ("--max-batch-tokens", engine_defaults["max_batch_tokens"].default),
                           ("--max-new-tokens", 32), ("--top-p", 1.0), ("--temperature", 0.0)]:
         assert re.search(rf"{flag} \w+ [^-]*\(default: {default}\)", help_text), flag
+    assert engine_defaults["max_batch_tokens"].default is None  # automatic, which the flag's help says
+    assert re.search(r"--max-batch-tokens N [^(]*\(prefill chunks and decodes together; default: automatic", help_text)
     assert "exit status:" in help_text and "--verbose adds the traceback" in help_text
 
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 from transformers import GenerationConfig
@@ -20,8 +21,9 @@ ARCH = "llama_gqa"
     dict(block_size=16.0), dict(max_batch_tokens=0), dict(memory_budget=0), dict(memory_budget=1.5),
     dict(memory_budget=float("nan")), dict(enable_prefix_caching="yes"), dict(async_scheduling=1),
     dict(backend="no-such-backend"), dict(backend=[1]), dict(cuda_graphs=[0]), dict(cuda_graphs="yes"),
-    dict(cuda_graph_capture="lazy"), dict(cuda_graph_capture=None), dict(num_blocks=10**11),
-    dict(num_blocks=2**27, block_size=16), dict(max_batch_tokens=2**31), dict(max_num_seqs=2**31),
+    dict(cuda_graph_capture="lazy"), dict(cuda_graph_capture=""), dict(max_batch_tokens=-1), dict(max_num_seqs=0.5),
+    dict(num_blocks=10**11), dict(num_blocks=2**27, block_size=16), dict(max_batch_tokens=2**31),
+    dict(max_num_seqs=2**31),
 ], ids=str)
 def test_bad_settings_raise_one_line_from_the_config_and_the_engine(bad):
     with pytest.raises(ValueError) as err:
@@ -59,7 +61,9 @@ def test_config_and_keywords_build_the_same_engine_and_cannot_be_mixed():
     by_config = hf_paged.Engine(model, config=cfg)
     by_keywords = hf_paged.Engine(model, num_blocks=40, block_size=4, max_batch_tokens=16, max_num_seqs=2,
                                   backend=["torch"])
-    assert by_config.config == by_keywords.config == cfg and cfg.backend == ("torch",)
+    # the engine's config is the given one with the automatic setting it picked (the graphs' capture)
+    assert by_config.config == by_keywords.config == replace(cfg, cuda_graph_capture="first_use")
+    assert cfg.backend == ("torch",) and set(by_config.stats()["sizing"]) == {"cuda_graph_capture"}
     refs = hf_greedy(ARCH, prompts, 5)
     assert [o.token_ids for o in by_config.generate(prompts, greedy_config(5))] == refs
     assert by_config.stats()["num_blocks"] == 40 and by_config.scheduler.max_num_seqs == 2

@@ -50,10 +50,13 @@ class _Captured:
         return graph_sizes.pool_bytes(torch.device("cuda", 0), (0, 3))
 
 
-def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tuple[DecodeGraphs, list[int]]:
+def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset(),
+            capture: str = "on_demand") -> tuple[DecodeGraphs, list[int]]:
     graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what serving a step reads
     wanted = sorted(sizes)
-    graphs.sizes, graphs._waiting, graphs.graphs = wanted[-1:], OnDemandSizes(wanted[:-1]), _Captured(wanted[-1:])
+    start = graph_sizes.start_sizes(wanted, capture)
+    graphs.sizes, graphs.graphs = start, _Captured(start)
+    graphs._waiting = OnDemandSizes([s for s in wanted if s not in start], first_use=capture == "first_use")
     graphs.width, graphs.pool, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
     graphs.device, graphs.memory_bytes = torch.device("cuda", 0), 0
     captured = []
@@ -62,14 +65,14 @@ def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset()) -> tupl
         {"device": 0, "total_size": (1 + len(captured)) << 20, "segment_pool_id": (0, 3)},
         {"device": 0, "total_size": 64 << 20, "segment_pool_id": (0, 0)}])
 
-    def capture(batch_sizes, warm=False):
+    def capture_sizes(batch_sizes, warm=False):
         assert len(batch_sizes) == 1 and warm  # one size, warmed up first whatever the compiler has seen
         if batch_sizes[0] in fail:
             raise RuntimeError("capture failed")
         captured.append(batch_sizes[0])
         graphs.graphs.sizes[batch_sizes[0]] = None
 
-    graphs._capture_sizes = capture
+    graphs._capture_sizes = capture_sizes
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda *a: None)
     return graphs, captured
 
@@ -89,6 +92,22 @@ def test_the_step_that_makes_a_size_due_captures_it_and_runs_in_it(monkeypatch):
     assert [_step(graphs, 3) for _ in range(k + 1)] == [4] * (k + 1) and captured == [4]
     assert _step(graphs, 17) is None  # more than the largest: eager, nothing counted
     assert graphs._waiting.waiting == [1, 2, 8]
+
+
+def test_first_use_captures_the_smallest_and_largest_at_start_and_each_other_size_at_its_first_step(monkeypatch):
+    """``cuda_graph_capture="first_use"`` (an engine that serves many calls): no step pads past a size it would use
+    more than once; a size never used is never captured."""
+    assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "first_use") == [1, 16]
+    assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "on_demand") == [16]
+    assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "start") == [1, 2, 4, 8, 16]
+    assert graph_sizes.start_sizes([8], "first_use") == [8]
+    graphs, captured = _graphs([1, 2, 4, 8, 16], monkeypatch, capture="first_use")
+    assert graphs.sizes == [1, 16] and _step(graphs, 1) == 1 and captured == []
+    assert _step(graphs, 3) == 4 and captured == [4]  # its first step captures it and runs in it
+    assert [_step(graphs, n) for n in (3, 4, 16, 1)] == [4, 4, 16, 1] and captured == [4]
+    assert _step(graphs, 2) == 2 and captured == [4, 2] and graphs._waiting.waiting == [8]
+    sizes = OnDemandSizes([2, 4], first_use=True)
+    assert sizes.due(3, 8) == 4 and sizes.due(3, 8) is None and sizes.waiting == [2]
 
 
 def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(monkeypatch, caplog):

@@ -34,30 +34,34 @@ def test_cuda_graphs_are_a_no_op_on_the_cpu():
 def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
     """A one-call engine never runs more sequences at once than the call has (prompts x num_return_sequences) and
     captures on every call, so it captures powers of two up to that, the smaller ones on demand; a persistent
-    engine, an explicit size list or an EngineConfig given as it is keep theirs, and a config may ask for every
-    size at start."""
+    engine or an EngineConfig given as it is keep every size (captured at start and at first use), an explicit
+    size list is kept, and a config may ask for every size at start."""
     from hf_paged.engine import _generate_batch as module
 
     built = []
     real = module.Engine
 
-    def recording(model, config):
-        built.append(config)
-        return real(model, config=config)
+    def recording(model, config, workload=None):
+        engine = real(model, config=config, workload=workload)
+        built.append(engine.config)  # what the engine resolved
+        return engine
 
-    monkeypatch.setattr(module, "Engine", lambda model, config: recording(model, config))
+    monkeypatch.setattr(module, "Engine", recording)
     _, paged = models("llama_gqa")
     prompts = random_prompts(3, 4, 12, seed=6)
     greedy = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
     out = hf_paged.generate_batch(paged, prompts, greedy)
-    assert built[-1].cuda_graphs == (1, 2, 3) and built[-1].max_num_seqs == 256
+    assert built[-1].cuda_graphs == (1, 2, 3) and built[-1].max_num_seqs == 3  # the call's sequences
     assert built[-1].cuda_graph_capture == "on_demand"  # the count at start, the smaller sizes when needed
     sampled = GenerationConfig(max_new_tokens=3, do_sample=True, num_return_sequences=2, eos_token_id=None)
     hf_paged.generate_batch(paged, prompts, sampled)
     assert built[-1].cuda_graphs == (1, 2, 4, 6)
     hf_paged.generate_batch(paged, prompts, greedy, persistent_manager=True)
-    assert built[-1].cuda_graphs is True and built[-1].cuda_graph_capture == "start"
+    assert built[-1].cuda_graphs is True and built[-1].cuda_graph_capture == "first_use"
+    assert built[-1].max_num_seqs == 256
     paged.__dict__.pop(module._KEPT)
+    hf_paged.generate_batch(paged, prompts, greedy, hf_paged.EngineConfig())
+    assert built[-1].cuda_graphs is True and built[-1].cuda_graph_capture == "first_use"
     many = random_prompts(40, 4, 8, seed=7)
     hf_paged.generate_batch(paged, many, greedy)
     assert built[-1].cuda_graphs == (1, 2, 4, 8, 16, 32, 40)
@@ -66,7 +70,7 @@ def test_generate_batch_captures_only_the_sizes_its_call_can_reach(monkeypatch):
     assert built[-1].cuda_graphs == (1, 2, 4, 8, 16)  # 40 sequences, at most 16 at once
     listed = type("C", (), {"cuda_graphs": [2, 4]})()
     hf_paged.generate_batch(paged, prompts, greedy, continuous_batching_config=listed)
-    assert built[-1].cuda_graphs == (2, 4) and built[-1].cuda_graph_capture == "start"
+    assert built[-1].cuda_graphs == (2, 4) and built[-1].cuda_graph_capture == "on_demand"
     at_start = type("C", (), {"cuda_graph_capture": "start"})()
     hf_paged.generate_batch(paged, prompts, greedy, continuous_batching_config=at_start)
     assert built[-1].cuda_graphs == (1, 2, 3) and built[-1].cuda_graph_capture == "start"

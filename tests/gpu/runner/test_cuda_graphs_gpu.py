@@ -5,7 +5,8 @@
 - End to end (float32, so that two correct runs cannot pick different tokens by rounding): an engine with graphs
   and asynchronous scheduling gives the tokens of a synchronous engine without graphs, under preemption, prefix-cache hits, aborts, seeded sampling and
   prefill chunks mixed with decodes; and the graphs really served the decode steps.
-- On-demand capture adds the smaller sizes mid-run, with the tokens unchanged.
+- On-demand capture adds the smaller sizes mid-run, with the tokens unchanged; so does an engine's default capture
+  (each size at its first use), and an engine with no settings takes the automatic sizes of a CUDA device.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
 """
@@ -153,6 +154,44 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
     eager = fresh.graphs.run_eager(seqs, 4)[:3].clone()
     assert torch.equal(eager, fresh.graphs.replay(seqs, 4)[:3])
+
+
+def test_an_engine_captures_at_first_use_by_default_and_keeps_the_tokens(f32_model):
+    """With no ``cuda_graph_capture`` an engine (a server's) captures the smallest and the largest size at start and
+    each other size at the first decode step that needs it, mid-run with a step in flight; the tokens stay those of
+    an engine without graphs."""
+    prompts = _prompts(16, seed=12, lo=5, hi=120)
+    configs = [GenerationConfig(max_new_tokens=4 + 4 * i, do_sample=False, eos_token_id=None) for i in range(16)]
+    kwargs = dict(num_blocks=512, block_size=16, max_batch_tokens=4096, max_num_seqs=16)
+    ref, _ = _run(f32_model, False, prompts, configs, async_scheduling=False, **kwargs)
+    fresh = hf_paged.Engine(f32_model, cuda_graphs=[1, 2, 4, 8, 16], **kwargs)
+    assert fresh.config.cuda_graph_capture == "first_use" and fresh.stats()["cuda_graphs"]["batch_sizes"] == [1, 16]
+    assert "cuda_graph_capture" in fresh.stats()["sizing"]
+    fresh.close()
+    got, engine = _run(f32_model, [1, 2, 4, 8, 16], prompts, configs, async_scheduling=True, **kwargs)
+    assert [(a.finish_reason, a.token_ids) for a in ref] == [(b.finish_reason, b.token_ids) for b in got]
+    stats = engine.stats()["cuda_graphs"]
+    assert stats["batch_sizes"] == [1, 2, 4, 8, 16] and stats["waiting_sizes"] == []
+    assert stats["on_demand_seconds"] > 0
+
+
+def test_an_engine_with_no_settings_takes_the_cuda_rule_and_generate_batch_keeps_the_tokens(bf16_model, f32_model):
+    from hf_paged.engine import _sizing as sizing
+
+    engine = hf_paged.Engine(bf16_model)
+    rule, stats = sizing.RULES["cuda"], engine.stats()
+    free = torch.cuda.mem_get_info()[0]
+    if free > 20 * 2**30:  # room for the rule's step whatever else holds the GPU
+        assert (stats["max_batch_tokens"], stats["max_num_seqs"]) == (rule.max_batch_tokens, rule.max_num_seqs)
+    assert stats["cuda_graphs"]["batch_sizes"] == [1, stats["max_num_seqs"]]
+    assert set(stats["sizing"]) == {"max_batch_tokens", "max_num_seqs", "num_blocks", "cuda_graph_capture"}
+    engine.close()
+    prompts = _prompts(6, seed=13)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None)
+    auto = hf_paged.generate_batch(f32_model, prompts, config)  # float32: no rounding tie between two step plans
+    fixed = hf_paged.generate_batch(f32_model, prompts, config, hf_paged.EngineConfig(
+        max_batch_tokens=2048, max_num_seqs=256, cuda_graphs=False, block_size=16))
+    assert [o.generated_tokens for o in auto.values()] == [o.generated_tokens for o in fixed.values()]
 
 
 def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):

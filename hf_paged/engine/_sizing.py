@@ -1,0 +1,204 @@
+"""Automatic engine sizing: the step budget, the sequences at once, the KV pool and the graph capture of an engine
+whose settings leave them open (``None``), from the model, its device, the device's free memory and, for an engine
+built for one call (``generate_batch``), that call's workload.
+
+The whole rule is here: :data:`RULES` (one row per kind of device, each with the measurement that set it) and
+:func:`size_engine`. An explicit setting always wins. What was chosen, and why, goes to ``Engine.stats()["sizing"]``
+and to the engine's start-up log line.
+
+Re-tuning after a sweep (``benchmarks/e2e_throughput.py --sweep``): change the row of :data:`RULES` and its note.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+import torch
+
+from hf_paged.cache._kv_pool import KVLayout, free_memory_bytes
+from hf_paged.cache._kv_quant import kv_storage_dtype
+from hf_paged.engine._config import EngineConfig
+from hf_paged.runner._graph_sizes import one_call_graph_sizes
+
+
+@dataclass(frozen=True)
+class Rule:
+    """The automatic sizes on one kind of device: ``max_batch_tokens`` (the step budget) and ``max_num_seqs``,
+    before the memory check; ``note``: the measurement that set them."""
+
+    max_batch_tokens: int
+    max_num_seqs: int
+    note: str
+
+
+RULES = {
+    # Measured on one H200 (2026-11-28; Llama-3.2-1B-shaped bf16, generate_batch on the anchor workload: 256 prompts
+    # of 128-1024 tokens, 256 new, greedy), a sweep of max_batch_tokens x max_num_seqs: 16384 x 256 gave 41.0k output
+    # tok/s, within 1% of the best point (16384 x 512, 41.2k); 8192 x 256 36.1-38.3k, 2048 x 256 18.4k. With 64
+    # requests and at batch 1 the points of 8192 and 16384 were within the run-to-run spread. An H100 is assumed
+    # alike until its sweep says otherwise.
+    "cuda": Rule(16384, 256, "on CUDA, 16384 x 256 gave 41.0k tok/s on an H200, within 1% of the best point of a "
+                             "sweep of budgets and sequences (1B model, bf16, 256 prompts)"),
+    # Not measured: the defaults from before automatic sizing (the CPU serves tests and smoke runs).
+    "other": Rule(2048, 256, "off CUDA, the defaults from before automatic sizing (not measured)"),
+}
+
+#: The share of the memory the KV pool leaves free (``1 - memory_budget`` of free memory) that one step's activations
+#: (``max_batch_tokens`` tokens through a layer) and sampled logits (``max_num_seqs`` rows) may take; above it the
+#: step budget, then the sequences, are halved.
+ACTIVATION_SHARE = 0.5
+#: The automatic sizes never go below these (a smaller memory budget or an explicit setting does).
+MIN_BATCH_TOKENS = 512
+MIN_NUM_SEQS = 16
+#: Bytes of a sampled row per vocabulary entry beyond the logits' own dtype: a float32 copy and the sampler's
+#: temporaries (softmax, sort for top-k/top-p).
+_SAMPLER_BYTES = 12
+
+#: How decode CUDA graphs are captured when ``cuda_graph_capture`` is None: an engine built for one call captures
+#: its largest batch at start and smaller ones once they would have served enough steps ("on_demand"); any other
+#: engine (a server's) captures batch 1 and its largest at start, the sizes between at their first step
+#: ("first_use"): the first requests of a server run few at a time, and each size then serves many steps.
+CAPTURE_ONE_CALL = "on_demand"
+CAPTURE_OTHERS = "first_use"
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What an engine built for one call will run (``generate_batch``): each sequence's most tokens (prompt plus
+    new tokens; ``num_return_sequences`` copies count once each). ``one_call``: the engine serves this call only (not
+    kept for the next one), so its sequences and graph sizes may be cut to the call's."""
+
+    sequence_tokens: tuple[int, ...]
+    one_call: bool = True
+
+    @property
+    def num_sequences(self) -> int:
+        return len(self.sequence_tokens)
+
+    def blocks(self, block_size: int, position_limit: int) -> int:
+        """Blocks that hold every sequence at full length at once (so nothing is preempted)."""
+        return sum(-(-min(n, position_limit) // block_size) for n in self.sequence_tokens)
+
+
+@dataclass(frozen=True)
+class Sizing:
+    """The resolved settings (every automatic field filled but ``num_blocks``) and, per automatic field, why."""
+
+    config: EngineConfig
+    reasons: dict[str, str]
+
+
+def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device],
+                workload: Workload | None = None) -> Sizing:
+    """Fill ``cfg``'s open ``max_batch_tokens``, ``max_num_seqs`` and ``cuda_graph_capture`` (and, for a one-call
+    workload with ``cuda_graphs=True``, the graph sizes) for a model of ``model_config`` computing in ``dtype`` on
+    ``devices`` (one per layer)."""
+    kind = "cuda" if devices and devices[0].type == "cuda" else "other"
+    rule, reasons = RULES[kind], {}
+    tokens, seqs = cfg.max_batch_tokens, cfg.max_num_seqs
+    if seqs is None:
+        seqs = rule.max_num_seqs
+        reasons["max_num_seqs"] = f"automatic: {rule.note}"
+        if workload is not None and workload.one_call and workload.num_sequences < seqs:
+            seqs = max(1, workload.num_sequences)
+            reasons["max_num_seqs"] = f"automatic: the call's sequences ({workload.num_sequences})"
+    if tokens is None:
+        tokens = rule.max_batch_tokens
+        reasons["max_batch_tokens"] = f"automatic: {rule.note}"
+    if reasons:
+        tokens, seqs = _fit_memory(cfg, model_config, dtype, devices, tokens, seqs, reasons)
+    capture = cfg.cuda_graph_capture
+    one_call = workload is not None and workload.one_call
+    if capture is None:
+        capture = CAPTURE_ONE_CALL if one_call else CAPTURE_OTHERS
+        reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at start, "
+                                         "smaller ones once they served 32 steps" if one_call else
+                                         "automatic: batch 1 and the largest at start, the others at their first "
+                                         "step")
+    graphs = cfg.cuda_graphs
+    if graphs is True and one_call:
+        # Such an engine never runs more sequences at once than the call has, and captures on every call (each size
+        # costs a traced forward, ~25 ms for a 1B model): on an H100 the anchor of the end-to-end benchmark took
+        # 1.84 s this way against 2.03-2.28 s with 9 sizes at start.
+        graphs = tuple(one_call_graph_sizes(min(workload.num_sequences, seqs)))
+        reasons["cuda_graphs"] = "automatic: the powers of two up to the call's sequences at once"
+    return Sizing(replace(cfg, max_batch_tokens=tokens, max_num_seqs=seqs, cuda_graph_capture=capture,
+                          cuda_graphs=graphs), reasons)
+
+
+def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device], tokens: int,
+                seqs: int, reasons: dict[str, str]) -> tuple[int, int]:
+    """Halve the automatic step budget, then the automatic sequences, while a step's activations and sampled logits
+    would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device."""
+    if not devices:
+        return tokens, seqs
+    free = min(free_memory_bytes(d) for d in set(devices))
+    if cfg.num_blocks is None:
+        left = free * (1.0 - cfg.memory_budget)
+    else:  # a given pool takes its own bytes (spread over the devices that hold layers)
+        kv = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+        pool = KVLayout.from_config(model_config).bytes_per_block(cfg.block_size, kv) * cfg.num_blocks
+        left = max(0.0, free - pool / len(set(devices)))
+    room = left * ACTIVATION_SHARE
+    per_token, per_seq = step_bytes(model_config, dtype)
+    auto_tokens, auto_seqs = "max_batch_tokens" in reasons, "max_num_seqs" in reasons
+    cut = False
+    while tokens * per_token + seqs * per_seq > room:
+        if auto_tokens and tokens // 2 >= MIN_BATCH_TOKENS:
+            tokens //= 2
+        elif auto_seqs and seqs // 2 >= MIN_NUM_SEQS:
+            seqs //= 2
+        else:
+            break
+        cut = True
+    if cut:
+        note = f"; cut to fit {ACTIVATION_SHARE:.0%} of the free memory the KV pool leaves ({left / 2**30:.1f} GiB)"
+        for name in ("max_batch_tokens", "max_num_seqs"):
+            if name in reasons:
+                reasons[name] += note
+    return tokens, seqs
+
+
+def step_bytes(model_config, dtype: torch.dtype) -> tuple[int, int]:
+    """Bytes a step takes per token (one layer's largest live activations: the residual stream and its norms, q/k/v
+    and the MLP's gate, up and product) and per sampled sequence (its logits row and the sampler's work on it)."""
+    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    hidden = text.hidden_size
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    inter = getattr(text, "intermediate_size", None) or 4 * hidden
+    item = torch.empty((), dtype=dtype).element_size()
+    per_token = (4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter) * item
+    return per_token, text.vocab_size * (item + _SAMPLER_BYTES)
+
+
+def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],
+              position_limit: int, workload: Workload | None = None) -> tuple[int, str | None]:
+    """The KV pool's blocks and why (None when ``cfg.num_blocks`` was given): as many as ``memory_budget`` of free
+    memory holds, at most what the engine can use: the workload's sequences at full length, else ``max_num_seqs``
+    sequences of the model's ``position_limit``."""
+    if cfg.num_blocks is not None:
+        return cfg.num_blocks, None
+    cache = cfg.cache_config
+    if workload is not None:
+        cap, use = workload.blocks(cfg.block_size, position_limit), f"the call's sequences ({workload.num_sequences})"
+    else:
+        cap = cache.blocks_for(cfg.max_num_seqs, position_limit)
+        use = f"{cfg.max_num_seqs} sequences of {position_limit} tokens"
+    blocks = cache.pool_blocks(layout, dtype, devices, cap=cap)
+    kv_dtype = str(kv_storage_dtype(cfg.kv_cache_dtype, dtype)).removeprefix("torch.")
+    room = (f"{cfg.memory_budget:.0%} of free memory holds it" if blocks >= cap else
+            f"cut from {cap} to what {cfg.memory_budget:.0%} of free memory holds")
+    return blocks, f"automatic: {use} at full length, {kv_dtype} KV; {room}"
+
+
+def describe(config: EngineConfig, reasons: dict[str, str], graphs: bool) -> str:
+    """The start-up log line's account of the sizes, each with why (``given`` for an explicit setting);
+    ``graphs``: whether decode CUDA graphs are captured (else their capture is not named)."""
+    parts = []
+    for name in ("max_batch_tokens", "max_num_seqs", "num_blocks") + (("cuda_graph_capture",) if graphs else ()):
+        how = reasons.get(name)
+        parts.append(f"{name}={getattr(config, name)} ({how if how is not None else 'given'})")
+    return "; ".join(parts)
