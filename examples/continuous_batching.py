@@ -28,7 +28,8 @@ model, tokenizer = load_model(args.model, "cuda" if torch.cuda.is_available() el
 prompts = ["What is the capital of France?", "Write a Python function that reverses a list.",
            "Explain in one sentence what a cache is."] * 4
 inputs = [prompt_ids(tokenizer, p) for p in prompts]  # through the chat template, where the model has one
-generation_config = GenerationConfig(max_new_tokens=48, do_sample=False)
+# As with transformers' generate_batch, the config given is the one used: name EOS (model.generate takes the model's).
+generation_config = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=tokenizer.eos_token_id)
 
 results = hf_paged.generate_batch(model, inputs, generation_config)  # was: model.generate_batch(inputs, ...)
 

@@ -29,7 +29,8 @@ model, tokenizer = load_model(args.model, f"cuda:{local_rank}" if torch.cuda.is_
 prompts = ["What is the capital of France?", "Write a Python function that reverses a list.",
            "Explain in one sentence what a cache is."] * 8
 inputs = [prompt_ids(tokenizer, p) for p in prompts]  # through the chat template, where the model has one
-generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False)
+generation_config = GenerationConfig(max_new_tokens=args.max_new_tokens, do_sample=False,
+                                     eos_token_id=tokenizer.eos_token_id)  # the config given is the one used
 
 results = hf_paged.distributed_generate_batch(model, inputs, generation_config)  # the same dict on every process
 

@@ -45,6 +45,7 @@ def test_cli_generate_answers_the_capital_of_france_with_paris(smollm2_dir, caps
     assert main(["generate", "What is the capital of France?", "--no-progress", "--device", "cpu"]) == 0
     line = capsys.readouterr().out.splitlines()[0]
     assert line.startswith("'What is the capital of France?' -> '") and "Paris" in line, line
+    assert line.endswith("[stop]"), line  # the model's end of turn ends it
 
 
 def test_generate_on_a_paged_cache_equals_eager_on_a_padded_batch(paged, eager, prompts):
@@ -68,9 +69,11 @@ def test_beam_search_on_a_paged_cache_equals_eager(paged, eager, prompts):
 
 
 def test_generate_batch_equals_eager_prompt_by_prompt(paged, oracle, prompts):
-    model, _ = paged
+    model, tokenizer = paged
     inputs = list(prompts.values())
-    results = hf_paged.generate_batch(model, inputs, GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False))
+    # generate_batch reads the config it is given as transformers' does: EOS named here (generate takes the model's)
+    config = GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=tokenizer.eos_token_id)
+    results = hf_paged.generate_batch(model, inputs, config)
     outputs = sorted(results.values(), key=lambda o: int(o.request_id.split("_")[1]))
     for prompt, out in zip(inputs, outputs, strict=True):
         assert out.generated_tokens == oracle.greedy(prompt)
