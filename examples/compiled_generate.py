@@ -4,47 +4,38 @@ Give `PagedAttentionCache` the call's `max_new_tokens` and transformers' `genera
 (on CUDA, with CUDA graphs); `hf_paged.optimize_generate(model)` makes that step leaner (docs/guides/cache.md). Both
 are checked against the eager paged run.
 
-Runs on a CPU in seconds: a tiny random-init float32 Llama built from a config, compiled with torch.compile's "eager"
-backend (transformers compiles only on CUDA unless its compile config says otherwise; on a CPU there are no CUDA
-graphs, so this shows the API and checks the tokens, not the speed). Pass `--model PATH` and run on a CUDA GPU for
-the real thing.
+Runs on a CPU on SmolLM2-135M-Instruct (fetched and converted once on first use; the tiny random-init model, with a
+note, where it cannot be had; `--model tiny` for it, `--model PATH` for another), compiled with torch.compile's
+"eager" backend (transformers compiles only on CUDA unless its compile config says otherwise; on a CPU there are no
+CUDA graphs, so this shows the API and checks the tokens, not the speed). Run on a CUDA GPU for the real thing.
 """
 
 import argparse
 import time
 
 import torch
-from transformers import AutoModelForCausalLM, CompileConfig, LlamaConfig
+from transformers import CompileConfig
 
 import hf_paged
+from hf_paged.cli.default_model import load_model, prompt_ids
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", help="local HF checkpoint (default: an embedded tiny random-init Llama)")
+parser.add_argument("--model", help="smollm2 (the default), tiny, or a local HF checkpoint")
 parser.add_argument("--max-new-tokens", type=int, default=32)
 args = parser.parse_args()
 
 device = "cuda" if torch.cuda.is_available() else "cpu"
-torch.manual_seed(0)
-if args.model:
-    model = AutoModelForCausalLM.from_pretrained(args.model, attn_implementation="hf_paged", dtype=torch.bfloat16)
-else:
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="hf_paged")
-model = model.to(device).eval()
+model, tokenizer = load_model(args.model, device)  # bfloat16 on a GPU, float32 on a CPU
 if device == "cpu":
     cpu_compile = CompileConfig(backend="eager", mode=None)
     cpu_compile._compile_all_devices = True  # transformers compiles only on CUDA unless told
     model.generation_config.compile_config = cpu_compile
 
-lengths = [3, 17, 40, 64]  # a left-padded batch of prompts of different lengths
-input_ids = torch.zeros(len(lengths), max(lengths), dtype=torch.long)
-attention_mask = torch.zeros_like(input_ids)
-for i, n in enumerate(lengths):
-    input_ids[i, -n:] = torch.randint(3, model.config.vocab_size, (n,))
-    attention_mask[i, -n:] = 1
-batch = dict(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device))
-greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=0, eos_token_id=None)
+# A left-padded batch of prompts of different lengths (through the chat template, where the model has one).
+prompts = ["Hi!", "What is the capital of France?", "Write a short poem about the sea, in four lines."]
+batch = tokenizer.pad({"input_ids": [prompt_ids(tokenizer, p) for p in prompts]}, padding_side="left",
+                      return_tensors="pt").to(device)
+greedy = dict(max_new_tokens=args.max_new_tokens, do_sample=False, pad_token_id=tokenizer.pad_token_id)
 
 
 def run(label: str, **cache_kwargs) -> torch.Tensor:
@@ -65,3 +56,5 @@ hf_paged.optimize_generate(model)
 optimized = run("compiled decode steps after optimize_generate", max_new_tokens=args.max_new_tokens)
 print("compiled tokens == eager tokens:", torch.equal(compiled, eager))
 print("optimized tokens == eager tokens:", torch.equal(optimized, eager))
+for prompt, row in zip(prompts, optimized[:, batch["input_ids"].shape[1]:].tolist()):
+    print(f"{prompt!r} -> {tokenizer.decode(row, skip_special_tokens=True)!r}")

@@ -6,8 +6,9 @@
     import hf_paged
     results = hf_paged.generate_batch(model, inputs, generation_config)
 
-Same inputs (lists of token ids), same result: ``{request_id: GenerationOutput}``. Runs on a CPU in seconds on the
-embedded tiny random-init Llama; pass ``--model PATH`` for a local checkpoint.
+Same inputs (lists of token ids), same result: ``{request_id: GenerationOutput}``. Runs on a CPU in seconds on
+SmolLM2-135M-Instruct (fetched and converted once on first use; the tiny random-init model, with a note, where it
+cannot be had); ``--model tiny`` or ``--model PATH`` for another.
 """
 
 import argparse
@@ -16,17 +17,19 @@ import torch
 from transformers import GenerationConfig
 
 import hf_paged
-from hf_paged.cli.default_model import load_model
+from hf_paged.cli.default_model import load_model, prompt_ids
 
 parser = argparse.ArgumentParser()
-parser.add_argument("--model", help="local HF checkpoint (default: embedded tiny random-init Llama)")
+parser.add_argument("--model", help="smollm2 (the default), tiny, or a local HF checkpoint")
 args = parser.parse_args()
 
 model, tokenizer = load_model(args.model, "cuda" if torch.cuda.is_available() else "cpu")
 
-prompts = ["The capital of France is", "def quicksort(xs):", "Paged attention stores the KV cache in"] * 4
-inputs = [tokenizer.encode(p) for p in prompts]
-generation_config = GenerationConfig(max_new_tokens=24, do_sample=False)
+prompts = ["What is the capital of France?", "Write a Python function that reverses a list.",
+           "Explain in one sentence what a cache is."] * 4
+inputs = [prompt_ids(tokenizer, p) for p in prompts]  # through the chat template, where the model has one
+# As with transformers' generate_batch, the config given is the one used: name EOS (model.generate takes the model's).
+generation_config = GenerationConfig(max_new_tokens=48, do_sample=False, eos_token_id=tokenizer.eos_token_id)
 
 results = hf_paged.generate_batch(model, inputs, generation_config)  # was: model.generate_batch(inputs, ...)
 

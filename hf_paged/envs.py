@@ -74,16 +74,26 @@ def kernel_cache_dir() -> Path:
     value = _value(CACHE)
     if value is not None:
         return Path(value).expanduser()
+    return _cache_home() / "kernels"
+
+
+@functools.cache
+def model_cache_dir() -> Path:
+    """Where the models hf_paged converts for itself are kept (the command line's default model):
+    ``$XDG_CACHE_HOME/hf_paged/models`` (``~/.cache/hf_paged/models``)."""
+    return _cache_home() / "models"
+
+
+def _cache_home() -> Path:
     base = _value("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "hf_paged" / "kernels"
+    return Path(base).expanduser() / "hf_paged"
 
 
 @functools.cache
 def compile_cache_dir() -> Path:
     """``$XDG_CACHE_HOME/hf_paged/compile`` (``~/.cache/hf_paged/compile``): torch's compile artifacts of each model
     and engine setting (``hf_paged/compile/_cache.py``)."""
-    base = _value("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base).expanduser() / "hf_paged" / "compile"
+    return _cache_home() / "compile"
 
 
 @functools.cache
@@ -125,5 +135,6 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 def refresh() -> None:
     """Forget the values read so far: the next use of each reads the environment again."""
-    for read in (api_key, backend, kernel_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce, tp_timeout_s):
+    for read in (api_key, backend, kernel_cache_dir, model_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce,
+                 tp_timeout_s):
         read.cache_clear()

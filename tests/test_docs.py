@@ -60,7 +60,7 @@ def prose(doc: Path) -> str:
 def saved_tiny_model(tmp_path_factory):
     from hf_paged.cli.default_model import load_model
 
-    model, tokenizer = load_model(None, "cpu", torch.float32, 0)
+    model, tokenizer = load_model("tiny", "cpu", torch.float32, 0)
     path = tmp_path_factory.mktemp("tiny")
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)

@@ -13,7 +13,7 @@ README = Path(__file__).resolve().parents[1] / "README.md"
 def test_quick_start_and_engine_snippets_run(tmp_path):
     from hf_paged.cli.default_model import load_model
 
-    model, tokenizer = load_model(None, "cpu", torch.float32, 0)
+    model, tokenizer = load_model("tiny", "cpu", torch.float32, 0)
     model.save_pretrained(tmp_path)
     tokenizer.save_pretrained(tmp_path)
     quick_start, engine = re.findall(r"```python\n(.*?)```", README.read_text(), re.S)[:2]

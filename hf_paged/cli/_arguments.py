@@ -191,6 +191,13 @@ def checkpoint_dir(path: str) -> str:
     return path
 
 
+def model(text: str) -> str:
+    """``tiny``, ``smollm2`` or a local checkpoint directory (see :mod:`hf_paged.cli.default_model`)."""
+    if text in ("tiny", "smollm2"):
+        return text
+    return checkpoint_dir(text)
+
+
 def output_path(path: str) -> str:
     """A file path whose folder exists, so that a long run does not fail at the end when it writes."""
     if not Path(path).resolve().parent.is_dir():

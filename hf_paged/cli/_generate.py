@@ -1,7 +1,9 @@
 """``hf-paged generate``: continuous batching over many prompts, with a progress bar and a summary.
 
-With no arguments it runs on the embedded tiny random-init Llama (no download, CPU is enough); ``--model PATH``
-loads a local checkpoint. Prompts come from arguments, ``--prompts-file`` (one per line) or stdin (``-``).
+With no ``--model`` it runs SmolLM2-135M-Instruct (fetched and converted on first use; the tiny random-init model
+where it cannot be had); ``--model tiny`` the tiny model, ``--model PATH`` a local checkpoint. Prompts come from
+arguments, ``--prompts-file`` (one per line) or stdin (``-``); each is sent as one user message through the
+tokenizer's chat template where it has one (``--no-chat-template``: as plain text).
 """
 
 from __future__ import annotations
@@ -17,10 +19,10 @@ from transformers import GenerationConfig
 
 from hf_paged.cli._arguments import (
     backends,
-    checkpoint_dir,
     device,
     flags_for_parameters,
     kv_cache_dtype,
+    model,
     non_negative_float,
     non_negative_int,
     positive_int,
@@ -31,18 +33,22 @@ from hf_paged.cli._arguments import (
     utf8_bytes,
     utf8_text,
 )
-from hf_paged.engine import Engine, EngineConfig
+from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
+from hf_paged.engine import Engine, EngineConfig, Workload
 
 logger = logging.getLogger("hf_paged")
 
 DEFAULT_PROMPTS = [
-    "The paged KV cache splits memory into blocks",
-    "Continuous batching lets requests join and leave",
-    "Once upon a time, in a land of tensors,",
-    "def fibonacci(n):",
+    "What is the capital of France?",
+    "Name three colours of the rainbow.",
+    "Write one sentence about the sea.",
+    "What is 12 times 12?",
 ]
-DESCRIPTION = ("Generate for many prompts with the continuous-batching engine: on the embedded tiny random-init "
-               "Llama (no download; its text is noise) unless --model names a local checkpoint.")
+DESCRIPTION = ("Generate for many prompts with the continuous-batching engine, on SmolLM2-135M-Instruct (a real "
+               "chat model, fetched and converted once on first use) unless --model says otherwise.")
+MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct, fetched and cached on first use), tiny (a random-init Llama built in "
+              "code: no download, its text is noise) or a local HF checkpoint directory (default: smollm2, or tiny "
+              "with a note where it cannot be had)")
 #: How the command line reads each engine flag (the rest of a flag comes from its ``EngineConfig`` field).
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
@@ -54,11 +60,13 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p = subparsers.add_parser("generate", help="generate for many prompts with the continuous-batching engine",
                               description=DESCRIPTION, epilog=epilog)
     p.add_argument("prompts", nargs="*", type=prompt, help="prompts ('-' reads one per line from stdin)")
-    p.add_argument("--model", type=checkpoint_dir, metavar="DIR",
-                   help="local HF checkpoint directory (default: the embedded tiny random-init Llama)")
+    p.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--prompts-file", type=prompts_file, metavar="FILE", help="UTF-8 text, one prompt per line")
     p.add_argument("--num-prompts", type=positive_int, default=32, metavar="N",
                    help="with no prompts given: how many requests to make of the demo prompts")
+    p.add_argument("--no-chat-template", action="store_true",
+                   help="send each prompt as plain text, not as a user message through the tokenizer's chat template "
+                        "(used by default where the tokenizer has one)")
     p.add_argument("--show", type=non_negative_int, default=3, metavar="N", help="print this many completions")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--verbose", action="store_true",
@@ -75,8 +83,9 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     s.add_argument("--top-p", type=probability, default=1.0, metavar="P",
                    help="sample among the likeliest tokens whose probabilities add up to P; 1 = off")
     s.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
-                   help="seed of the sampler (and of the embedded model's random weights)")
-    add_engine_arguments(p)
+                   help="seed of the sampler (and of the tiny model's random weights)")
+    add_engine_arguments(p, helps={"num_blocks": "KV blocks in the pool; 0 = what these prompts need at full length, "
+                                                 "at most what the memory budget holds"})
     p.set_defaults(func=run, prog=p.prog)
 
 
@@ -84,14 +93,17 @@ def run(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
     prompts = read_prompts(args)
     model, tokenizer = load(args)
+    ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
+    # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
+    workload = Workload(tuple(len(p) + args.max_new_tokens for p in ids))
     try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
-        engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
+        engine = Engine(model, tokenizer=tokenizer, workload=workload, **engine_settings(args))
     except NotImplementedError as exc:
         if args.backend is None:
             raise
         raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
     log_setup(args, model, engine, len(prompts))
-    ids = prompt_ids(engine, prompts)
+    check_lengths(engine, ids)
     start = time.perf_counter()
     outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
@@ -101,16 +113,14 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
 
 
-def prompt_ids(engine: Engine, prompts: list[str]) -> list[list[int]]:
-    """Each prompt's token ids; ``ValueError`` (exit status 2) naming, never echoing, the first prompt too long for
-    the model's positions or the KV cache, before anything runs."""
+def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
+    """``ValueError`` (exit status 2) naming, never echoing, the first prompt too long for the model's positions or
+    the KV cache, before anything runs."""
     limit = engine.max_prompt_tokens
-    ids = [engine.tokenizer.encode(p) for p in prompts]
     for i, p in enumerate(ids, 1):
         if len(p) > limit:
             raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most {limit} tokens "
                              "(the model's positions, and the KV cache: num_blocks x block_size); shorten it")
-    return ids
 
 
 def clip(text: str, width: int = 60) -> str:
@@ -119,13 +129,15 @@ def clip(text: str, width: int = 60) -> str:
 
 
 def load(args: argparse.Namespace):
-    from hf_paged.cli.default_model import load_model
-
+    """``(model, tokenizer)`` of ``--model``; sets ``args.model_name`` to the name it goes by."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if args.model is None:
-        return load_model(None, device, DTYPES[args.dtype], args.seed)
     try:
-        return load_model(args.model, device, DTYPES[args.dtype])
+        choice = choose_model(args.model, device)
+    except ModelUnavailable as exc:  # --model smollm2, asked for by name
+        raise ValueError(f"--model {args.model}: {exc}") from exc
+    args.model_name = choice.name
+    try:
+        return load_choice(choice, device, DTYPES[args.dtype], args.seed)
     except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
         raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
 
@@ -144,7 +156,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
         prompts += read_stdin() if p == "-" else [p]
     prompts += args.prompts_file or []
     if not prompts:
-        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] + f" (request {i})" for i in range(args.num_prompts)]
+        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
     return prompts
 
 
@@ -162,7 +174,7 @@ def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, 
     """With ``--verbose``: what runs where, before the run starts."""
     params = sum(p.numel() for p in model.parameters())
     stats = engine.stats()
-    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model or "embedded tiny random-init",
+    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model_name,
                 type(model).__name__, params / 1e6, model.dtype, model.device)
     logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, %d sequences at once, backends %s",
                 stats["num_blocks"], stats["block_size"], stats["max_batch_tokens"], stats["max_num_seqs"],
@@ -203,9 +215,12 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
     for name, value in rows:
         print(f"  {name + ':':<20} {value}")
 
-def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = False) -> None:
+def add_engine_arguments(
+    parser: argparse.ArgumentParser, max_num_seqs: bool = False, helps: dict[str, str] | None = None
+) -> None:
     """The engine's options, shared by the subcommands that run one: one flag per ``EngineConfig`` field that carries
-    flag metadata (name, default, help and check from the field), and where to run."""
+    flag metadata (name, default, help and check from the field; ``helps`` replaces a field's help), and where to
+    run."""
     e = parser.add_argument_group("engine")
     for f in fields(EngineConfig):
         if "help" not in f.metadata or (f.name == "max_num_seqs" and not max_num_seqs):
@@ -213,10 +228,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = F
         flag = "--" + f.name.replace("_", "-")
         default = 0 if f.name == "num_blocks" and f.default is None else f.default
         e.add_argument(flag, type=FLAG_TYPES[f.name], default=default, metavar=f.metadata["metavar"],
-                       help=f.metadata["help"])
+                       help=(helps or {}).get(f.name, f.metadata["help"]))
     e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
     e.add_argument("--dtype", choices=list(DTYPES), default="auto",
-                   help="model dtype (auto: the checkpoint's; float32 for the embedded model)")
+                   help="model dtype (auto: the checkpoint's; for smollm2 bfloat16 on a GPU and float32 on a CPU; "
+                        "float32 for tiny)")
 
 
 def engine_settings(args: argparse.Namespace) -> dict:

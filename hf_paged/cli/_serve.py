@@ -1,5 +1,6 @@
 """``hf-paged serve``: the OpenAI-compatible server (``/v1/completions``, ``/v1/chat/completions``, ``/v1/models``,
-``/health``, ``/metrics``) on the embedded tiny model, or on ``--model PATH``, under uvicorn.
+``/health``, ``/metrics``) on SmolLM2-135M-Instruct (chat with its own template), the tiny random-init model
+(``--model tiny``) or ``--model PATH``, under uvicorn.
 
 The port is bound before the model is loaded, so a port that is taken or invalid is one line on stderr (exit 2)
 before anything says it is serving. SIGTERM or Ctrl-C stops accepting connections and lets in-flight requests finish
@@ -18,34 +19,33 @@ from pathlib import Path
 
 from hf_paged import envs
 from hf_paged.cli._arguments import (
-    checkpoint_dir,
     exit_with,
+    model,
     non_negative_float,
     non_negative_int,
     positive_float,
     positive_int,
     port,
 )
-from hf_paged.cli._generate import add_engine_arguments, engine_settings, load
+from hf_paged.cli._generate import MODEL_HELP, add_engine_arguments, engine_settings, load
 from hf_paged.engine import Engine
 from hf_paged.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT, create_app
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 
 logger = logging.getLogger("hf_paged")
-DEFAULT_MODEL_NAME = "hf-paged-tiny"
 SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
 
 
 def add_parser(subparsers, epilog: str | None = None) -> None:
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
-                              description="Serve the embedded tiny random-init Llama (no download; its text is "
-                                          "noise) or --model PATH behind an OpenAI-compatible HTTP API.",
+                              description="Serve SmolLM2-135M-Instruct (fetched and converted once on first use), "
+                                          "the tiny random-init Llama (--model tiny) or --model PATH behind an "
+                                          "OpenAI-compatible HTTP API.",
                               epilog=epilog)
-    p.add_argument("--model", type=checkpoint_dir, metavar="DIR",
-                   help="local HF checkpoint directory (default: the embedded tiny random-init Llama)")
+    p.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--served-model-name", metavar="NAME",
-                   help=f"the model name clients send (default: the checkpoint's folder name, or "
-                        f"{DEFAULT_MODEL_NAME})")
+                   help="the model name clients send (default: SmolLM2-135M-Instruct, hf-paged-tiny or the "
+                        "checkpoint's folder name)")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port, default=8000, help="port to listen on")
     p.add_argument("--api-key", metavar="KEY",
@@ -66,7 +66,7 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.add_argument("--shutdown-timeout", type=non_negative_float, default=30.0, metavar="S",
                    help="on SIGTERM, seconds in-flight requests may take to finish before they are answered 503")
     p.add_argument("--seed", type=non_negative_int, default=0, metavar="N",
-                   help="seed of the embedded model's random weights")
+                   help="seed of the tiny model's random weights")
     p.add_argument("--verbose", action="store_true", help="log requests and the engine's setup")
     add_engine_arguments(p, max_num_seqs=True)
     p.set_defaults(func=run, prog=p.prog)
@@ -103,7 +103,7 @@ def _app(args: argparse.Namespace):
         allowed = LOOPBACK_HOSTS
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
-    name = args.served_model_name or (Path(args.model).resolve().name if args.model else DEFAULT_MODEL_NAME)
+    name = args.served_model_name or args.model_name
     app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
                      api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
                      read_timeout=args.read_timeout)

@@ -11,7 +11,7 @@ import torch
 import hf_paged
 from hf_paged.cli import main
 
-GENERATE = ["generate", "--no-progress", "--device", "cpu", "--max-new-tokens", "2"]
+GENERATE = ["generate", "--model", "tiny", "--no-progress", "--device", "cpu", "--max-new-tokens", "2"]
 
 
 def write(path, data: bytes) -> str:

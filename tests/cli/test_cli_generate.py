@@ -12,6 +12,7 @@ import torch
 import hf_paged
 from hf_paged.cache import KVLayout
 from hf_paged.cli import main
+from hf_paged.cli._generate import DEFAULT_PROMPTS
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
 SUMMARY_ROWS = ["requests:", "generated tokens:", "tokens/s:", "peak blocks in use:", "preemptions:",
@@ -22,17 +23,17 @@ def summary_value(out: str, row: str) -> str:
     return re.search(rf"^  {re.escape(row)}:\s+(.*)$", out, re.MULTILINE).group(1)
 
 
-def default_pool() -> int:
-    """The pool the engine sizes itself for the embedded model on this machine (no --num-blocks): 0.8 of free
-    memory, at most 256 sequences of its 2048 positions."""
+def workload_pool(prompts: list[str], max_new_tokens: int, block_size: int = 16) -> int:
+    """The pool ``generate`` sizes without --num-blocks: every prompt of the tiny model at full length at once (it
+    has no chat template: a prompt is its bytes), within 0.8 of free memory."""
     config = tiny_llama().config
+    needed = sum(-(-(len(p.encode()) + max_new_tokens) // block_size) for p in prompts)
     layout = KVLayout.from_config(config)
-    cap = hf_paged.CacheConfig().blocks_for(256, config.max_position_embeddings)
-    return hf_paged.CacheConfig().pool_blocks(layout, torch.float32, [torch.device("cpu")] * layout.num_layers, cap)
+    return hf_paged.CacheConfig().pool_blocks(layout, torch.float32, [torch.device("cpu")] * layout.num_layers, needed)
 
 
-def test_generate_with_no_other_arguments_runs_the_embedded_default(capsys):
-    assert main(["generate", "--device", "cpu"]) == 0
+def test_generate_with_no_other_arguments_runs_the_demo_prompts_on_the_tiny_model(capsys):
+    assert main(["generate", "--model", "tiny", "--device", "cpu"]) == 0
     out = capsys.readouterr().out
     for row in SUMMARY_ROWS:
         assert row in out
@@ -42,7 +43,8 @@ def test_generate_with_no_other_arguments_runs_the_embedded_default(capsys):
     assert set(reasons) <= {"length", "stop"}
     generated = int(summary_value(out, "generated tokens"))
     assert 32 * reasons.get("length", 0) + reasons.get("stop", 0) <= generated <= 1024
-    assert summary_value(out, "peak blocks in use").endswith(f"of {default_pool()} (block size 16)")
+    demo = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(32)]
+    assert summary_value(out, "peak blocks in use").endswith(f"of {workload_pool(demo, 32)} (block size 16)")
 
 
 def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
@@ -50,7 +52,8 @@ def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
     path.write_text("from a file\n\nsecond line\n")
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
     argv = ["generate", "an argument", "-", "--prompts-file", str(path), "--max-new-tokens", "3", "--no-progress",
-            "--show", "4", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8", "--device", "cpu"]
+            "--show", "4", "--model", "tiny", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8",
+            "--device", "cpu"]
     assert main(argv) == 0
     out = capsys.readouterr().out
     shown = re.findall(r"^'(.*)' -> ", out, re.MULTILINE)
@@ -107,8 +110,8 @@ def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
 def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
     """A prompt too long to run is refused before anything runs (status 2, ``test_cli_arguments.py``); a request
     that fails while running (here the cache, of one block less than it needs) ends alone, named in the summary."""
-    argv = ["generate", "short", "x" * 31, "--num-blocks", "2", "--block-size", "16", "--max-new-tokens", "4",
-            "--no-progress", "--device", "cpu", "--ignore-eos"]
+    argv = ["generate", "short", "x" * 31, "--model", "tiny", "--num-blocks", "2", "--block-size", "16",
+            "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--ignore-eos"]
     assert main(argv) == 1
     out = capsys.readouterr().out
     assert "'short' -> " in out and out.count("[length]") == 1 and out.count("[error]") == 1
@@ -117,7 +120,8 @@ def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
 
 
 def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
-    argv = ["generate", "abc", "--max-new-tokens", "3", "--no-progress", "--device", "cpu", "--verbose"]
+    argv = ["generate", "abc", "--model", "tiny", "--max-new-tokens", "3", "--no-progress", "--device", "cpu",
+            "--verbose"]
     with caplog.at_level(logging.DEBUG, logger="hf_paged"):
         assert main(argv) == 0
     out = capsys.readouterr().out
@@ -127,7 +131,8 @@ def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
     logs = caplog.text
     assert "prefill attention served by the torch backend" in logs
     assert "decode attention served by the torch backend" in logs
-    assert f"engine {default_pool()} KV blocks of 16 tokens" in logs and "1 prompts, up to 3 new tokens each, greedy" in logs
+    assert f"engine {workload_pool(['abc'], 3)} KV blocks of 16 tokens" in logs
+    assert "1 prompts, up to 3 new tokens each, greedy" in logs
 
     assert main(argv[:-1]) == 0
     assert "steps:" not in capsys.readouterr().out

@@ -113,7 +113,7 @@ def matches(text: str) -> bool:
 
 @pytest.mark.parametrize("async_scheduling", [False, True])
 def test_json_schema_output_matches_the_schema(async_scheduling):
-    model, tokenizer = load_model(None, "cpu", None, 0)
+    model, tokenizer = load_model("tiny", "cpu", None, 0)
     engine = Engine(model, num_blocks=64, tokenizer=tokenizer, async_scheduling=async_scheduling)
     prompts = ["Answer in JSON:", "Colour?", "The paged cache"]
     greedy = engine.generate(prompts, GenerationConfig(max_new_tokens=40, do_sample=False, json_schema=SCHEMA))
@@ -132,7 +132,7 @@ def test_json_schema_output_matches_the_schema(async_scheduling):
 
 
 def test_a_schema_that_cannot_be_compiled_is_refused_and_nothing_is_queued():
-    model, tokenizer = load_model(None, "cpu", None, 0)
+    model, tokenizer = load_model("tiny", "cpu", None, 0)
     engine = Engine(model, num_blocks=32, tokenizer=tokenizer)
     for schema, words in (({"type": "wat"}, "wat"), ({"$ref": "#/nowhere"}, "nowhere"), ("{not json", "JSON")):
         with pytest.raises(ValueError, match=words):

@@ -174,7 +174,8 @@ def test_balanced_shares_cover_every_request_within_the_bound():
 @pytest.mark.slow
 def test_the_example_under_torchrun_prints_what_one_process_prints(tmp_path):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(EXAMPLE.parents[1])}
-    run = lambda *launcher: subprocess.run([sys.executable, *launcher, str(EXAMPLE), "--max-new-tokens", "6"],
+    run = lambda *launcher: subprocess.run([sys.executable, *launcher, str(EXAMPLE), "--model", "tiny",
+                                            "--max-new-tokens", "6"],
                                            cwd=tmp_path, env=env, capture_output=True, text=True, timeout=DEADLINE_S)
     alone = run()
     assert alone.returncode == 0, alone.stderr

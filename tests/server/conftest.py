@@ -21,5 +21,5 @@ def tiny_engine():
     from hf_paged import Engine
     from hf_paged.cli.default_model import load_model
 
-    model, tokenizer = load_model(None, "cpu", None, 0)  # the server's model: seed 0
+    model, tokenizer = load_model("tiny", "cpu", None, 0)  # the server's model: seed 0
     return Engine(model, num_blocks=NUM_BLOCKS, max_num_seqs=MAX_SEQS, tokenizer=tokenizer)

