@@ -131,11 +131,17 @@ class SamplingBatch:
 def _eos_masked(seqs: list[Sequence], eos_only: list[int], vocab_size: int,
                 device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
     """``(row, EOS id)`` of every EOS the greedy rows ``eos_only`` of ``seqs`` may not take yet, on ``device``."""
-    pairs = [(i, e) for i in eos_only for e in seqs[i].params.eos_token_ids if e < vocab_size]  # (as HF)
-    if not pairs:
+    rows, ids = [], []
+    for i in eos_only:
+        eos = [e for e in seqs[i].params.eos_token_ids if e < vocab_size]  # (as HF: ids outside the vocabulary)
+        rows += [i] * len(eos)
+        ids += eos
+    if not ids:
         return None
-    at = torch.tensor(pairs, dtype=torch.int64).to(device, non_blocking=True)
-    return at[:, 0], at[:, 1]
+    pack = _Pack("q")
+    pack.add(rows, ids)
+    at_rows, at_ids = pack.to(device)
+    return at_rows, at_ids
 
 
 def _penalised_and_banned(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], ...]:
