@@ -60,6 +60,7 @@ from __future__ import annotations
 
 import bisect
 import copy
+import gc
 import re
 import time
 from dataclasses import dataclass
@@ -255,6 +256,9 @@ def run_roofline(model: torch.nn.Module, workload: Workload, budget: Budget, eng
     seconds, tokens = _run_to_end(timed)
     timed.close()
     del timed
+    gc.collect()  # its pool, before the next engine sizes its own from the free memory
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
     profiled = engine()
     recorder = StepRecorder(profiled)
     on_cuda = device.type == "cuda"
