@@ -241,14 +241,14 @@ def run_roofline(model: torch.nn.Module, workload: Workload, budget: Budget, eng
              else measure_rates(device, model.dtype))
     options = {**({} if budget.is_default else {"block_size": 16}), **engine_kwargs}
     accepted, ignored = engine_kwargs_split(options)
-    prompts, gc = workload.prompts(vocab), workload.generation_config()
+    prompts, generation = workload.prompts(vocab), workload.generation_config()
     sizes = EngineWorkload(tuple(len(p) + workload.new_tokens for p in prompts))
 
     def engine() -> hf_paged.Engine:
         built = hf_paged.Engine(model, max_batch_tokens=budget.max_batch_tokens, max_num_seqs=budget.max_requests,
                                 workload=sizes, **accepted)
         for prompt in prompts:
-            built.add_request(prompt, copy.deepcopy(gc))
+            built.add_request(prompt, copy.deepcopy(generation))
         return built
 
     # the timed run (tok/s without a profiler); the engine's compile and autotuning warm up here too
