@@ -84,7 +84,7 @@ def print_table(rows: list[dict]) -> None:
     """workload x system tok/s (latency: ms per output token), and hf_paged / newest transformers."""
     labels, newest = labels_in_order(rows), newest_transformers(rows)
     cell = {(r["label"], r["workload"]): r for r in rows}
-    names = [w for w in workloads_in_order(rows) if w != "profile"]
+    names = [w for w in workloads_in_order(rows) if w not in ("profile", "roofline")]
     cards = sorted({r["card"] for r in rows})
     print(f"\nOutput tokens/s (latency: ms per output token at batch 1, decode only); {'; '.join(cards)}", flush=True)
     ratio_head = f"hf_paged / {newest}" if newest and "hf_paged" in labels else ""

@@ -14,6 +14,11 @@ Workloads (``--workloads``, in this order by default):
            spacing goes in the JSON beside it as a cross-check.
   profile  hf_paged only: an ``hf_paged.Engine`` on the anchor, stepped past every prefill, then 20 decode steps
            timed (ms per step at batch 256) and 20 profiled (GPU busy fraction: kernel time, overlaps merged / wall)
+  roofline hf_paged only: the anchor through an ``hf_paged.Engine`` (as ``generate_batch`` builds it), timed, then
+           again with the whole run under ``torch.profiler``: per phase (prefill / mixed / decode GEMMs and
+           attention, KV write, sampler, norms/rotary/elementwise, copies, other, host gaps) the GPU time, the work
+           (FLOPs, bytes) and its roofline time at the copy and matrix rates measured on the card in the same run;
+           ``roofline.py`` says how kernels are sorted and the work counted
 
 Systems (``--systems``; all but ``hf_paged_cublas`` by default, in this order):
   hf_paged          ``hf_paged.generate_batch``, block_size 16
@@ -31,7 +36,7 @@ default) tokens and ``--max-requests`` (default 256) sequences per step. Time is
 a warm-up call of 16 short requests. A run that fails is reported and the others still run. Progress lines go
 to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
 
-    python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile]
+    python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile,roofline]
         [--systems hf_paged,transformers,transformers_box] [--json F] [--engine-kwargs '{"block_size": 16}']
         [--max-batch-tokens 8192] [--max-requests 256] [--smoke]
     python benchmarks/e2e_throughput.py --merge a.json b.json [--json merged.json]
@@ -82,13 +87,14 @@ from e2e_systems import (  # noqa: E402
     Budget, EngineSizing, hf_paged_system, timed_latency, timed_throughput, transformers_system, warm_up)
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model  # noqa: E402
 from other_transformers import run_other_transformers  # noqa: E402
+from roofline import format_table, run_roofline  # noqa: E402
 
 SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "hf_paged_cublas", "transformers", "transformers_box")
 DEFAULT_SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transformers_box")
 # hf_paged variants: the engine options each adds to --engine-kwargs
 HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False},
                      "hf_paged_cublas": {"skinny_linear": False}}
-HF_PAGED_ONLY = ("profile",)
+HF_PAGED_ONLY = ("profile", "roofline")
 SWEEP_WORKLOADS = ("anchor", "r64", "latency")
 _DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
@@ -125,6 +131,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.merge:
         rows = read_rows(args.merge)
         print_table(rows)
+        print_roofline_tables(rows)
         if args.json:
             write_json(args.json, rows, merged_from=[Path(p).name for p in args.merge])
         return
@@ -166,6 +173,13 @@ def main(argv: list[str] | None = None) -> None:
             save()
     if not args.as_subprocess:
         print_table(rows)
+        print_roofline_tables(rows)
+
+
+def print_roofline_tables(rows: list[dict]) -> None:
+    for row in rows:
+        if row["workload"] == "roofline" and row["status"] != "failed":
+            print("\n" + format_table(row), flush=True)
 
 
 def run_system(system: str, workloads: list[Workload], args: argparse.Namespace, budget: Budget, log):
@@ -195,6 +209,9 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
             with EngineSizing() as sizing:
                 if w.name == "profile":
                     result = profile_decode(model, w, budget, engine_kwargs, vocab, steps=steps)
+                elif w.name == "roofline":
+                    warm_up(model, generate, warm.prompts(vocab), warm.generation_config())
+                    result = run_roofline(model, w, budget, engine_kwargs, vocab, smoke=args.smoke)
                 elif w.is_latency:
                     result = timed_latency(model, generate, w, vocab, reps=reps)
                 else:
@@ -301,6 +318,10 @@ def _result(row: dict) -> str:
     if row["tok_per_s"] is None:
         return f"{row['tokens']:,} tokens, {row['seconds']:.3f} s: no rate ({row['status']})"
     text = f"{row['tokens']:,} tokens in {row['seconds']:.2f} s = {row['tok_per_s']:,.0f} tok/s ({row['status']})"
+    if row["workload"] == "roofline":
+        total = row["total"]
+        text += (f"; GPU kernels {total['gpu_ms']:.0f} ms against a roofline of {total['roofline_ms']:.0f} ms "
+                 f"({total['wall_ms']:.0f} ms wall profiled)")
     if row["workload"] == "profile":
         busy = row["busy_fraction"]
         text += f", {row['ms_per_step']:.2f} ms per step at batch {row['batch']}, busy " + (

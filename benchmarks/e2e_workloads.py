@@ -81,6 +81,8 @@ WORKLOADS = {
                  description="batch 1, 512-token prompt: ms per output token, decode only"),
         Workload("profile", 256, 256, description="hf_paged Engine, steady decode at the anchor's batch: "
                                                   "ms per step and GPU busy fraction"),
+        Workload("roofline", 256, 256, description="hf_paged Engine on the anchor, the whole run profiled: GPU time "
+                                                   "per phase against the card's measured roofline"),
     )
 }
 # A small call of each shape before the timed one (compiles, autotunes, allocator warm-up)
