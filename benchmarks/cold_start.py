@@ -30,6 +30,10 @@ time went.
     python benchmarks/cold_start.py [--systems generate_batch,engine,generate,serve,transformers]
         [--prompts 64] [--new-tokens 128] [--portable] [--json F] [--model-dir DIR] [--timeout 600] [--smoke]
 
+``--profile-dir D`` adds, per system, one more second process whose first call runs under ``cProfile`` (its stats
+file goes to ``D/<system>.prof``, and the functions with the most cumulative time are printed): where the time of a
+warm start goes. Its row is labelled ``second_profiled``; profiling slows Python, so it is not a timing.
+
 ``--smoke`` runs every path on the CPU with a tiny model (4 prompts, 4 new tokens, the tiny serve checkpoint);
 its numbers mean nothing.
 """
@@ -62,7 +66,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write the rows here (rewritten after each process)")
     p.add_argument("--model-dir", type=Path, help="the serve checkpoint's folder (built there unless it holds it)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one process may take")
+    p.add_argument("--profile-dir", type=Path, help="profile one more warm process per system (cProfile) into here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
+    p.add_argument("--cprofile", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=[s for s in SYSTEMS if s != "serve"], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -107,7 +113,8 @@ def parent(args: argparse.Namespace) -> list[dict]:
                        stdout=subprocess.DEVNULL)
     kernels = str(envs.kernel_cache_dir())
     rows: list[dict] = []
-    processes = ("first", "second") + (("portable",) if args.portable else ())
+    processes = ("first", "second") + (("portable",) if args.portable else ()) + (
+        ("second_profiled",) if args.profile_dir else ())
     for system in args.systems:
         root = Path(tempfile.mkdtemp(prefix=f"cold_start_{system}_"))
         for which in processes:
@@ -115,8 +122,15 @@ def parent(args: argparse.Namespace) -> list[dict]:
             env = {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
                    "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels}
             log(f"{system} / {which} process ...")
+            profile = None
+            if which == "second_profiled":
+                if system == "serve":
+                    continue
+                args.profile_dir.mkdir(parents=True, exist_ok=True)
+                profile = args.profile_dir / f"{system}.prof"
             try:
-                row = (run_server(args, model_dir, env) if system == "serve" else run_child(system, args, env))
+                row = (run_server(args, model_dir, env) if system == "serve"
+                       else run_child(system, args, env, profile))
             except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
                 row = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
             row = {"system": system, "process": which, **row}
@@ -126,7 +140,18 @@ def parent(args: argparse.Namespace) -> list[dict]:
             if args.json:
                 Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(table(rows))
+    for system in args.systems if args.profile_dir else ():
+        if (args.profile_dir / f"{system}.prof").is_file():
+            print_profile(system, args.profile_dir / f"{system}.prof")
     return rows
+
+
+def print_profile(system: str, path: Path, limit: int = 45) -> None:
+    """The functions of a profiled warm process's first call with the most cumulative time."""
+    import pstats
+
+    print(f"\n== {system}: the warm process's first call, by cumulative time ==")
+    pstats.Stats(str(path)).sort_stats("cumulative").print_stats(limit)
 
 
 def _env(extra: dict) -> dict:
@@ -135,12 +160,13 @@ def _env(extra: dict) -> dict:
     return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
 
 
-def run_child(system: str, args: argparse.Namespace, env: dict) -> dict:
+def run_child(system: str, args: argparse.Namespace, env: dict, profile: Path | None = None) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         result = Path(tmp) / "result.json"
         cmd = [sys.executable, str(Path(__file__).resolve()), "--child", system, "--result", str(result),
                "--prompts", str(args.prompts), "--new-tokens", str(args.new_tokens)] + (["--smoke"] if args.smoke
-                                                                                          else [])
+                                                                                          else []) + (
+            ["--cprofile", str(profile)] if profile else [])
         spawned = time.time()
         run = subprocess.run(cmd, cwd=ROOT, env=_env(env), capture_output=True, text=True, timeout=args.timeout)
         if run.returncode != 0 or not result.is_file():
@@ -255,7 +281,15 @@ def child(args: argparse.Namespace) -> None:
            "transformers": _batch_call(_transformers_call(model, transformers, args.smoke)),
            "engine": _engine_call(hf_paged, model),
            "generate": _generate_call(hf_paged, model, torch, device, args.new_tokens)}[args.child]
-    first = run(prompts, config, True)
+    if args.cprofile:
+        import cProfile
+
+        profiler = cProfile.Profile()
+        first = profiler.runcall(run, prompts, config, True)
+        sync()
+        profiler.dump_stats(args.cprofile)
+    else:
+        first = run(prompts, config, True)
     sync()
     at["steady"], at["first_token"] = time.time(), first
     began = time.perf_counter()
