@@ -14,10 +14,10 @@ microseconds each at 64 rows. Where peer_sum serves the group (``hf_paged.parall
 peer_sum's kernel then does the add and the norm in the same launch as the sum. Any other shape of graph (another
 norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is. In the engine's compiled layers
 the attention function breaks the graph, so the attention module's all-reduce ends a graph of its own (its add and
-norm are in the next one) unless dynamo resumes such a break in the calling frame: the compiled layers trace with
-dynamo's ``nested_graph_breaks`` where this torch has it (:func:`nested_graph_breaks`), so that a layer's work after
-attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and add) is one graph and both
-forms serve. Without it only the MLP's all-reduce takes its residual add.
+norm are in the next one) unless dynamo resumes such a break in the calling frame: every compile of the layers
+traces with dynamo's ``nested_graph_breaks`` where this torch has it (``compile._layers.DYNAMO_DEFAULTS``), so that a
+layer's work after attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and add)
+is one graph and both forms serve. Without it only the MLP's all-reduce takes its residual add.
 
 On two H200s it took 0.03 ms off the 4.35 ms decode step of an 8B-shaped model at batch 64, with the greedy tokens of
 one GPU (docs/guides/multi_gpu.md). :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one) as
@@ -36,29 +36,18 @@ from hf_paged.compile._group_linears import _KEPT_META, GroupLinears, group_line
 from hf_paged.compile._layers import LayerCompile, inductor_has_pdl
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
-__all__ = ["LayerPasses", "fuse_all_reduce", "layer_compile", "nested_graph_breaks"]
+__all__ = ["LayerPasses", "fuse_all_reduce", "layer_compile"]
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
 
 
-def nested_graph_breaks(group_name: str | None) -> bool:
-    """Whether the compiled layers of a tensor-parallel model whose group is named ``group_name`` (None: not
-    tensor-parallel) trace with dynamo's nested graph breaks: where peer_sum serves the group and this torch's dynamo
-    has the option (a graph break inside the attention module then resumes in one graph with the rest of the decoder
-    layer, so the attention all-reduce meets its residual add and norm). Other models trace as they always have."""
-    return (group_name is not None and tp_all_reduce.fused_ready(group_name)
-            and _compat.has_dynamo_option(_compat.NESTED_GRAPH_BREAKS))
-
-
 def layer_compile(group_name: str) -> LayerCompile:
     """How the layers of a tensor-parallel model over the group named ``group_name`` compile: the all-reduces fused
-    with their residual add and norm after the grouped linears (:class:`LayerPasses`), dynamo's nested graph breaks
-    where they serve (:func:`nested_graph_breaks`), and the Triton kernels with programmatic dependent launch where
+    with their residual add and norm after the grouped linears (:class:`LayerPasses`), and the Triton kernels with programmatic dependent launch where
     inductor has it (0.14 ms off a 5.45 ms 8B decode step on two H100s, with the sharded logits)."""
-    dynamo = {_compat.NESTED_GRAPH_BREAKS: True} if nested_graph_breaks(group_name) else {}
     inductor = {_compat.INDUCTOR_PDL: True} if inductor_has_pdl() else {}
-    return LayerCompile(LayerPasses(), inductor, dynamo)
+    return LayerCompile(LayerPasses(), inductor)
 
 
 class LayerPasses(GroupLinears):

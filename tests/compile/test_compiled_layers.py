@@ -156,20 +156,29 @@ def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
 
 def test_the_layers_compile_with_the_passes_and_options_they_are_given():
     """Each compiled forward takes its model's LayerCompile: the grouped linears alone by default, a tensor-parallel
-    model's fused all-reduces, Triton PDL (where inductor has it) and nested graph breaks where given; the process's
-    own inductor config is never changed."""
+    model's fused all-reduces, Triton PDL (where inductor has it); every compile traces with dynamo's nested graph
+    breaks where this torch has them, set only while the layers serve a call; the process's own inductor config is
+    never changed."""
     import torch._inductor.config as inductor_config
 
     from hf_paged.parallel import _fuse_all_reduce as fusion
 
     plain = cl.LayerCompile()
-    assert type(plain.inductor_options()["post_grad_custom_pre_pass"]) is GroupLinears and plain.dynamo == {}
-    tp = fusion.layer_compile("no-such-group")  # peer_sum serves no such group: no nested graph breaks
+    nested = "nested_graph_breaks" in torch._dynamo.config._config
+    assert cl.DYNAMO_DEFAULTS == ({"nested_graph_breaks": True} if nested else {})
+    assert type(plain.inductor_options()["post_grad_custom_pre_pass"]) is GroupLinears
+    assert plain.dynamo == cl.DYNAMO_DEFAULTS
+    tp = fusion.layer_compile("no-such-group")
     assert isinstance(tp.inductor_options()["post_grad_custom_pre_pass"], fusion.LayerPasses)
-    assert ("triton.enable_pdl" in tp.inductor) == cl.inductor_has_pdl() and tp.dynamo == {}
+    assert ("triton.enable_pdl" in tp.inductor) == cl.inductor_has_pdl() and tp.dynamo == cl.DYNAMO_DEFAULTS
     before = getattr(inductor_config.triton, "enable_pdl", None)
     layers = cl.CompiledLayers(make_models("llama_gqa")[1], tp)
     assert layers.how is tp
     assert getattr(inductor_config.triton, "enable_pdl", None) == before
+    if nested:
+        outside = torch._dynamo.config.nested_graph_breaks
+        with layers.active():
+            assert torch._dynamo.config.nested_graph_breaks is True
+        assert torch._dynamo.config.nested_graph_breaks == outside
 
 

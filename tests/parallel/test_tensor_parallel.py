@@ -27,6 +27,7 @@ from hf_paged._forward_context import forward_context
 import hf_paged
 from hf_paged import envs
 from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.compile._layers import DYNAMO_DEFAULTS
 from hf_paged.parallel import _fuse_all_reduce as fusion
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel._tensor_parallel import tensor_parallel
@@ -245,7 +246,7 @@ def _fused_run(model, prompts) -> tuple:
                                      compile_layers=True)
             tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     finally:
-        nested = fusion.nested_graph_breaks(group_name)
+        nested = bool(DYNAMO_DEFAULTS)
         fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
         layers.how = first_compile
         torch._dynamo.reset()
