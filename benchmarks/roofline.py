@@ -79,6 +79,7 @@ KINDS = ("prefill", "mixed", "decode")
 PHASES = ("prefill GEMMs", "prefill attention", "mixed GEMMs", "mixed attention", "decode GEMMs", "decode attention",
           "KV write", "sampler", "norms/rotary/elementwise", "copies", "other")
 HOST_GAPS = "host gaps"
+TOP_KERNELS = 40  # the kernels with the most GPU time, by name, kept in the row (and the first 15 printed)
 STEP_RANGE, SAMPLER_RANGE = "roofline.step", "roofline.sampler"
 
 # Kernel-name patterns, tried in this order (case-insensitive); what matches none is "other".
@@ -341,13 +342,18 @@ class Kernel:
     launched_at: float | None
 
 
-def kernels_of(events, on_cuda: bool) -> tuple[list[Kernel], list[tuple[str, float, float]]]:
-    """The run's kernels (or leaf host operators) and the profiler ranges ``(name, start, end)`` of its steps and
-    sampler calls, from ``prof.events()``."""
+def kernels_of(events, on_cuda: bool) -> tuple[list[Kernel], list[tuple[str, float, float]],
+                                                list[tuple[str, float, float]]]:
+    """The run's kernels (or leaf host operators), the profiler ranges ``(name, start, end)`` of its steps and
+    sampler calls on the host, and the same ranges on the device (the profiler's GPU-side spans of a
+    ``record_function`` range: from the first kernel launched inside it to the end of the last), from
+    ``prof.events()``."""
     kind = torch.autograd.DeviceType.CUDA if on_cuda else torch.autograd.DeviceType.CPU
     cpu = torch.autograd.DeviceType.CPU
     ranges = [(e.name, e.time_range.start, e.time_range.end) for e in events
               if e.device_type == cpu and e.name.startswith((STEP_RANGE, SAMPLER_RANGE))]
+    device_ranges = [(e.name, e.time_range.start, e.time_range.end) for e in events
+                     if on_cuda and e.device_type == kind and e.name.startswith((STEP_RANGE, SAMPLER_RANGE))]
     if on_cuda:
         ops = {e.id: e.time_range.start for e in events
                if e.device_type == cpu and not getattr(e, "linked_correlation_id", 0)}
@@ -359,27 +365,30 @@ def kernels_of(events, on_cuda: bool) -> tuple[list[Kernel], list[tuple[str, flo
         kernels = [Kernel(e.name, e.time_range.start, e.time_range.end, e.self_cpu_time_total, e.time_range.start)
                    for e in events if e.device_type == kind and not _is_annotation(e)
                    and not e.name.startswith("roofline.")]
-    return kernels, ranges
+    return kernels, ranges, device_ranges
 
 
-def place(kernels: list[Kernel], ranges: list[tuple[str, float, float]]) -> tuple[list[int | None], list[bool], int]:
+def place(kernels: list[Kernel], ranges: list[tuple[str, float, float]],
+          device_ranges: list[tuple[str, float, float]] = ()) -> tuple[list[int | None], list[bool], int]:
     """Each kernel's step (index into the recorded steps, None: no step) and whether the sampler launched it; and
-    how many kernels were placed by their order on the device (launched outside every step range, or unlinked)."""
-    steps = sorted((start, end, int(name.split("#")[1].split(".")[0]))
-                   for name, start, end in ranges if name.startswith(STEP_RANGE))
-    samplers = sorted((start, end) for name, start, end in ranges if name == SAMPLER_RANGE)
-    step_starts, sampler_starts = [s[0] for s in steps], [s[0] for s in samplers]
+    how many kernels were placed by their order on the device.
 
-    def within(starts, spans, t):
-        i = bisect.bisect_right(starts, t) - 1
-        return i if i >= 0 and t <= spans[i][1] else None
-
+    A kernel linked to the host operator that launched it takes the step (and sampler) range around that launch;
+    one without such a link (the profiler of some torch releases links none; a replayed CUDA graph's kernels) takes
+    the device-side span of a range that holds its start; what neither places takes the step of the kernel before
+    it on the device."""
+    host_steps, host_samplers = _spans(ranges)
+    device_steps, device_samplers = _spans(device_ranges)
     step_of: list[int | None] = []
     in_sampler: list[bool] = []
     for k in kernels:
-        i = within(step_starts, steps, k.launched_at) if k.launched_at is not None else None
-        step_of.append(steps[i][2] if i is not None else None)
-        in_sampler.append(k.launched_at is not None and within(sampler_starts, samplers, k.launched_at) is not None)
+        step = _within(host_steps, k.launched_at) if k.launched_at is not None else None
+        sampler = k.launched_at is not None and _within(host_samplers, k.launched_at) is not None
+        if step is None:
+            step = _within(device_steps, k.start)
+            sampler = sampler or _within(device_samplers, k.start) is not None
+        step_of.append(step)
+        in_sampler.append(sampler)
     # the unplaced take the step of the kernel before them on the device (the first ones: the one after)
     order = sorted(range(len(kernels)), key=lambda j: kernels[j].start)
     unplaced = sum(s is None for s in step_of)
@@ -398,6 +407,22 @@ def place(kernels: list[Kernel], ranges: list[tuple[str, float, float]]) -> tupl
     return step_of, in_sampler, unplaced
 
 
+def _spans(ranges) -> tuple[tuple[list[float], list[tuple[float, float, int]]], tuple[list[float], list]]:
+    """Step ranges ``(starts, [(start, end, step index)])`` and sampler ranges ``(starts, [(start, end, 0)])``,
+    sorted by start."""
+    steps = sorted((start, end, int(name.split("#")[1].split(".")[0]))
+                   for name, start, end in ranges if name.startswith(STEP_RANGE))
+    samplers = sorted((start, end, 0) for name, start, end in ranges if name == SAMPLER_RANGE)
+    return ([s[0] for s in steps], steps), ([s[0] for s in samplers], samplers)
+
+
+def _within(spans, t: float) -> int | None:
+    """The value (step index) of the last span starting at or before ``t`` if it still holds ``t``."""
+    starts, items = spans
+    i = bisect.bisect_right(starts, t) - 1
+    return items[i][2] if i >= 0 and t <= items[i][1] else None
+
+
 def phase_of(cls: str, kind: str | None, sampler_range: bool) -> str:
     """The table row of a kernel of class ``cls`` launched by a step of ``kind`` (None: no step)."""
     if cls == "copy":
@@ -412,15 +437,20 @@ def phase_of(cls: str, kind: str | None, sampler_range: bool) -> str:
 def analyse(events, steps: list[Step], shape: Shape, rates: dict, wall_s: float, on_cuda: bool) -> dict:
     """The phase table of a profiled run: ``phases`` (one dict per row of :data:`PHASES`), ``total``, host gaps,
     per step kind a summary (``step_kinds``), and how the kernels were placed."""
-    kernels, ranges = kernels_of(events, on_cuda)
-    step_of, in_sampler, unplaced = place(kernels, ranges)
+    kernels, ranges, device_ranges = kernels_of(events, on_cuda)
+    step_of, in_sampler, unplaced = place(kernels, ranges, device_ranges)
     gpu_us = dict.fromkeys(PHASES, 0.0)
     kind_us = dict.fromkeys(KINDS, 0.0)
+    by_name: dict[tuple[str, str], list[float]] = {}  # (kernel name, phase): [GPU us, count]
     for k, s, smp in zip(kernels, step_of, in_sampler):
         kind = steps[s].kind if s is not None and s < len(steps) else None
-        gpu_us[phase_of(classify_kernel(k.name), kind, smp)] += k.duration
+        phase = phase_of(classify_kernel(k.name), kind, smp)
+        gpu_us[phase] += k.duration
+        entry = by_name.setdefault((k.name, phase), [0.0, 0])
+        entry[0], entry[1] = entry[0] + k.duration, entry[1] + 1
         if kind is not None:
             kind_us[kind] += k.duration
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:TOP_KERNELS]
     matrix, copy_rate = rates["matmul_flops_per_s"], rates["copy_bytes_per_s"]
     work = {p: [0.0, 0.0, 0.0] for p in PHASES}  # FLOPs, bytes, roofline seconds
     kind_roof = dict.fromkeys(KINDS, 0.0)
@@ -454,6 +484,9 @@ def analyse(events, steps: list[Step], shape: Shape, rates: dict, wall_s: float,
                               "efficiency": kind_roof[kind] * 1e6 / kind_us[kind] if kind_us[kind] else None}
                        for kind in KINDS},
         "kernels": len(kernels), "kernels_placed_by_order": unplaced,
+        "device_ranges": len(device_ranges),
+        "top_kernels": [{"name": name[:160], "phase": phase, "gpu_ms": us / 1e3, "count": count}
+                        for (name, phase), (us, count) in top],
     }
 
 
@@ -487,4 +520,8 @@ def format_table(row: dict) -> str:
     rate = lambda v: "n/a" if not v else f"{v:,.0f}"
     lines.append(f"tok/s: {rate(row.get('tok_per_s'))} unprofiled, {rate(row.get('profiled_tok_per_s'))} profiled; "
                  f"{row['kernels']:,} kernels, {row['kernels_placed_by_order']:,} placed by device order")
+    if row.get("top_kernels"):
+        lines.append("kernels with the most GPU time:")
+        lines += [f"  {k['gpu_ms']:>9.1f} ms {k['count']:>7,}x  {k['phase']:<26} {k['name'][:90]}"
+                  for k in row["top_kernels"][:15]]
     return "\n".join(lines)

@@ -157,6 +157,20 @@ def test_kernels_without_a_link_take_the_step_that_ran_them():
     assert in_sampler == [False, False, True, False, False, False]
 
 
+def test_unlinked_kernels_take_the_device_span_of_their_step():
+    """Where the profiler links no kernel to its launch (all unlinked), the device-side spans of the step and sampler
+    ranges place them; a kernel outside every span takes the step of the kernel before it."""
+    host = [("roofline.step#0.prefill", 0, 10), ("roofline.step#1.decode", 10, 20), ("roofline.sampler", 18, 19)]
+    device = [("roofline.step#0.prefill", 30, 40), ("roofline.step#1.decode", 41, 60), ("roofline.sampler", 55, 60)]
+    kernels = [Kernel("a", 30, 35, 5, None), Kernel("b", 35, 40, 5, None), Kernel("c", 40.5, 41, 0.5, None),
+               Kernel("d", 41, 50, 9, None), Kernel("e", 56, 58, 2, None)]
+    step_of, in_sampler, unplaced = place(kernels, host, device)
+    assert step_of == [0, 0, 0, 1, 1] and unplaced == 1  # "c" falls between the spans: the step before it
+    assert in_sampler == [False, False, False, False, True]
+    # without the device spans nothing is placed but by order, and with no placed kernel at all, nothing
+    assert place(kernels, host)[0] == [None] * 5
+
+
 def _run(argv: list[str]) -> str:
     threads, out = torch.get_num_threads(), io.StringIO()
     try:
@@ -180,6 +194,10 @@ def test_roofline_smoke_gives_every_phase_summing_to_the_total(tmp_path):
     assert sum(r["gpu_ms"] for r in row["phases"]) == pytest.approx(row["total"]["gpu_ms"], rel=1e-9)
     assert sum(v["gpu_ms"] for v in row["step_kinds"].values()) == pytest.approx(row["total"]["gpu_ms"], rel=1e-9)
     assert row["total"]["gpu_ms"] > 0 and row["kernels"] > 0
+    top = row["top_kernels"]
+    assert top and [k["gpu_ms"] for k in top] == sorted((k["gpu_ms"] for k in top), reverse=True)
+    assert {k["phase"] for k in top} <= set(roofline.PHASES)
+    assert sum(k["gpu_ms"] for k in top) <= row["total"]["gpu_ms"] + 1e-9
     matrix, copy_rate = row["matmul_flops_per_s"], row["copy_bytes_per_s"]
     assert matrix > 0 and copy_rate > 0
     for r in row["phases"]:
