@@ -272,7 +272,7 @@ def test_e2e_sweep_runs_every_point_once_and_compares_the_automatic_choice(tmp_p
     out = _run(e2e_throughput.main, ["--sweep", "--smoke", "--json", str(path)])
     data = json.loads(path.read_text())
     rows = data["rows"]
-    labels = ["hf_paged auto"] + [f"hf_paged {t}x{n}" for t in (128, 256) for n in (2, 4)]
+    labels = [f"hf_paged {t}x{n}" for t in (128, 256) for n in (2, 4)] + ["hf_paged auto"]  # automatic last
     assert [(r["workload"], r["label"]) for r in rows] == [(w, label) for w in ("anchor", "r64", "latency")
                                                              for label in labels]
     for row in rows:
