@@ -16,7 +16,11 @@ device work is microseconds: its decode steps take the engine's production path 
 the stub cannot (a graph needs an attention call to capture), so the time is the engine's overhead as a real
 decode step pays it. ``--profile N`` prints the N functions of most host time (cProfile) over the timed steps.
 
+``--min-new-tokens N`` gives every request an EOS id and ``min_new_tokens=N``: the sampler then masks each row's EOS
+column every step (on the CPU with a 128k vocabulary: what that costs beside the argmax).
+
     python benchmarks/engine_overhead.py [--vocab 1024] [--steps 200] [--device cpu|cuda] [--threads 1]
+        [--min-new-tokens N]
         [--model stub|tiny] [--profile 25] [--engine-kwargs '{"async_scheduling": false}']
 """
 
@@ -98,10 +102,15 @@ def build_engine(args: argparse.Namespace) -> hf_paged.Engine:
         model, defaults = tiny_model(args.vocab, args.device), {"compile_layers": False}  # (no layer to speak of)
     else:
         model, defaults = StubModel(args.vocab, max_batch_tokens, args.device), {}
+        if args.min_new_tokens:  # the EOS (the last id) is every row's top token: held back only by the mask
+            model.logits[..., -1] = model.logits.max() + 1
     engine = hf_paged.Engine(model, **{"num_blocks": blocks, "block_size": block_size,
                                        "max_batch_tokens": max_batch_tokens, "max_num_seqs": args.requests,
                                        "enable_prefix_caching": True, **defaults, **args.engine_kwargs})
-    config = GenerationConfig(max_new_tokens=10**6, do_sample=False)
+    # --min-new-tokens: every request holds its EOS (the vocabulary's last id) back for that many tokens, so each
+    # step's sampler masks the EOS column of every row (the greedy path with min_new_tokens)
+    eos = {"eos_token_id": args.vocab - 1, "min_new_tokens": args.min_new_tokens} if args.min_new_tokens else {}
+    config = GenerationConfig(max_new_tokens=10**6, do_sample=False, **eos)
     g = torch.Generator().manual_seed(0)
     for _ in range(args.requests):
         n = args.context + int(torch.randint(-50, 50, (), generator=g))
@@ -116,8 +125,8 @@ def time_steps(engine: hf_paged.Engine, steps: int, sync,
                profile: int = 0) -> tuple[list[float], list[float], dict, float]:
     """Per-step seconds (each step bracketed by ``sync``), the calling thread's CPU seconds in each ``step()`` (time
     the host spent elsewhere, descheduled on a busy machine, is not in them), mean ms per phase over the steps, and
-    the mean seconds per step of as many steps again with one ``sync`` at the end. ``profile``: print the functions of most host time
-    over an extra ``steps`` steps (cProfile; its own overhead inflates the total)."""
+    the mean seconds per step of as many steps again with one ``sync`` at the end. ``profile``: print the functions
+    of most host time over an extra ``steps`` steps (cProfile; its own overhead inflates the total)."""
     if profile:
         import cProfile
         import pstats
@@ -148,6 +157,8 @@ def time_steps(engine: hf_paged.Engine, steps: int, sync,
 def add_workload_arguments(parser: argparse.ArgumentParser, model: str = "stub") -> None:
     """The options that shape the engine and its requests (``build_engine`` reads them); ``model``: the default."""
     parser.add_argument("--requests", type=int, default=256)
+    parser.add_argument("--min-new-tokens", type=int, default=0,
+                        help="each request's min_new_tokens, with an EOS id (0: no EOS, no minimum)")
     parser.add_argument("--context", type=int, default=1000)
     parser.add_argument("--vocab", type=int, default=1024)
     parser.add_argument("--steps", type=int, default=200)
@@ -177,7 +188,7 @@ def main(argv: list[str] | None = None) -> None:
     graphs = (stats.get("cuda_graphs") or {}).get("replays", 0)
     print(f"{args.requests} running requests, ~{args.context} tokens of context, vocab {args.vocab}, {args.model} "
           f"model on {where} (decode steps served by CUDA graphs: {graphs}), {args.threads} CPU thread(s), torch "
-          f"{torch.__version__}, engine kwargs {args.engine_kwargs}")
+          f"{torch.__version__}, engine kwargs {args.engine_kwargs}, min_new_tokens {args.min_new_tokens}")
     ms = [t * 1e3 for t in times]
     unsynced = f"; without per-step sync: mean {unsynced * 1e3:.3f} ms" if args.device == "cuda" else ""
     print(f"engine overhead per decode step: median {statistics.median(ms):.3f} ms, mean {statistics.mean(ms):.3f} "

@@ -112,6 +112,14 @@ def test_engine_overhead_smoke():
     assert "8 running requests" in out and "engine overhead per decode step: median" in out
 
 
+def test_engine_overhead_with_min_new_tokens_keeps_every_request_running():
+    """With --min-new-tokens the stub's top token is the EOS on every row: only the sampler's EOS mask keeps the
+    requests running (the benchmark raises when one finished)."""
+    out = _run(engine_overhead.main, ["--requests", "4", "--context", "60", "--steps", "4", "--vocab", "512",
+                                      "--min-new-tokens", "1000"])
+    assert "4 running requests" in out and "min_new_tokens 1000" in out
+
+
 def test_engine_overhead_reports_the_stepping_threads_cpu_time():
     out = _run(engine_overhead.main, ["--requests", "4", "--context", "60", "--steps", "4"])
     line = next(l for l in out.splitlines() if l.startswith("CPU time of the stepping thread per step: median"))
