@@ -34,7 +34,9 @@ def test_a_step_launches_without_waiting_for_the_device(backend, request, monkey
                                              dtype=torch.bfloat16).cuda().eval()
     rng = random.Random(0)
     prompts = [[rng.randrange(3, 512) for _ in range(rng.randrange(5, 90))] for _ in range(10)]
+    # greedy, greedy holding its EOS back (the sampler masks the EOS column in place), and sampled
     configs = [GenerationConfig(max_new_tokens=12, do_sample=False),
+               GenerationConfig(max_new_tokens=12, min_new_tokens=12, eos_token_id=2, do_sample=False),
                GenerationConfig(max_new_tokens=12, do_sample=True, top_k=20, top_p=0.9, temperature=0.8, seed=3)]
     # small steps: chunked prefills beside decodes; eager decode (a capture on demand would wait on purpose)
     # flash-attn reads a paged cache in extend steps only with blocks of 256 tokens
@@ -58,6 +60,8 @@ def test_a_step_launches_without_waiting_for_the_device(backend, request, monkey
         outputs = engine.generate(prompts, config)
         # a launch that synchronised raised; its sequences would have ended with finish_reason="error"
         assert "error" not in [o.finish_reason for o in outputs]
-    assert len(launched) > 2 * 12
+        if config.min_new_tokens:
+            assert all(len(o.token_ids) == 12 for o in outputs)  # no EOS before the minimum
+    assert len(launched) > 3 * 12
     stats = engine.stats()
     assert stats["prefill_backend"] == backend
