@@ -2,6 +2,8 @@
 
 Systems (``--systems``, in this order by default), each with no settings:
   generate_batch  ``hf_paged.generate_batch(model, prompts, config)``
+  generate_batch_eager  the same with the layers left eager (``compile_layers=False`` in the continuous-batching
+                  config): what a one-off call gets without torch.compile's first compile
   engine          ``hf_paged.Engine(model)``, then ``engine.stream(prompts, config)``
   generate        ``model.generate`` on a compileable ``PagedAttentionCache`` after ``hf_paged.optimize_generate``,
                   batch 1 (the first prompt)
@@ -27,7 +29,7 @@ call done: everything compiled and captured; serve: the first response done), ``
 counters (inductor's FX graph cache and the AOTAutograd cache: hits / misses) show where a process's compile
 time went.
 
-    python benchmarks/cold_start.py [--systems generate_batch,engine,generate,serve,transformers]
+    python benchmarks/cold_start.py [--systems generate_batch,generate_batch_eager,engine,generate,serve,transformers]
         [--prompts 64] [--new-tokens 128] [--portable] [--json F] [--model-dir DIR] [--timeout 600] [--smoke]
 
 ``--profile-dir D`` adds, per system, one more second process whose first call runs under ``cProfile`` (its stats
@@ -49,10 +51,11 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from types import SimpleNamespace
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-SYSTEMS = ("generate_batch", "engine", "generate", "serve", "transformers")
+SYSTEMS = ("generate_batch", "generate_batch_eager", "engine", "generate", "serve", "transformers")
 COLUMNS = ("import", "load", "first_token", "steady", "ready", "second_call")
 
 
@@ -277,7 +280,10 @@ def child(args: argparse.Namespace) -> None:
     at["load"] = time.time()
     prompts = first_prompts(args, shape["vocab_size"])
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
+    eager = SimpleNamespace(compile_layers=False)  # read by name, as transformers' ContinuousBatchingConfig
     run = {"generate_batch": _batch_call(lambda p, c, **kw: hf_paged.generate_batch(model, p, c, **kw)),
+           "generate_batch_eager": _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
+               model, p, c, continuous_batching_config=eager, **kw)),
            "transformers": _batch_call(_transformers_call(model, transformers, args.smoke)),
            "engine": _engine_call(hf_paged, model),
            "generate": _generate_call(hf_paged, model, torch, device, args.new_tokens)}[args.child]

@@ -180,7 +180,8 @@ def sweep(doc: Path, name: str) -> str:
     return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py --sweep`. ")
 
 
-COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "engine": "`Engine`, `stream`",
+COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "generate_batch_eager": "`generate_batch`, layers eager",
+                "engine": "`Engine`, `stream`",
                 "generate": "`generate` + `optimize_generate`, batch 1", "serve": "`hf-paged serve`",
                 "transformers": "transformers' `generate_batch`"}
 
