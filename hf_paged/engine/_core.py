@@ -50,7 +50,7 @@ from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine._stats import EngineStats
 from hf_paged.engine._steady_decode import SteadyDecode
 from hf_paged.engine._stop_checker import StopChecker
-from hf_paged.engine._structured_output import StructuredOutput
+from hf_paged.engine._structured_output import StructuredOutput, advance as advance_grammar
 from hf_paged.hf import _placement as placement
 from hf_paged.parallel import _logits as tp_logits
 from hf_paged.parallel._tensor_parallel import kv_layout
@@ -392,7 +392,7 @@ class EngineCore:
             try:
                 reason = finish_reason(seq)
                 if seq.grammar is not None and reason is None:
-                    reason, error = self._advance_grammar(seq, token)
+                    reason, error = advance_grammar(seq.grammar, token, params.eos_token_ids)
             except Exception as exc:
                 reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
             if reason is None and len(seq.token_ids) >= max_len:
@@ -400,17 +400,6 @@ class EngineCore:
             if reason is not None:
                 self.scheduler.finish(seq, reason, error)
                 self.requests.outbox.append(seq)
-
-    @staticmethod
-    def _advance_grammar(seq: Sequence, token: int) -> tuple[str | None, str | None]:
-        """Take ``token`` into ``seq``'s grammar: ``"stop"`` once the grammar is complete (nothing may follow),
-        ``"error"`` if it refuses the token (its mask allowed nothing the sampler could pick)."""
-        grammar = seq.grammar
-        if token in seq.params.eos_token_ids:
-            return None, None
-        if not grammar.consume_token(token):
-            return "error", f"the structured-output grammar refused a token: {grammar.get_error()}"
-        return ("stop", None) if grammar.is_stopped() else (None, None)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last

@@ -69,3 +69,14 @@ def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
         lt.fill_next_token_bitmask(m, bits, i)
     shifts = torch.arange(32, dtype=torch.int32)
     return ((bits[:, :, None] >> shifts) & 1).bool().flatten(1)[:, :vocab_size]
+
+
+def advance(matcher, token: int, eos_token_ids) -> tuple[str | None, str | None]:
+    """Take ``token`` into a sequence's ``matcher``: ``(finish reason, error)``, ``"stop"`` once the grammar is
+    complete (nothing may follow), ``"error"`` if it refuses the token (its mask allowed nothing the sampler could
+    pick); an EOS is not the grammar's to take."""
+    if token in eos_token_ids:
+        return None, None
+    if not matcher.consume_token(token):
+        return "error", f"the structured-output grammar refused a token: {matcher.get_error()}"
+    return ("stop", None) if matcher.is_stopped() else (None, None)
