@@ -54,6 +54,10 @@ class PagedMetadata:
         scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
             a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
             a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
+        single_token_prefix: how many sequences at the front of a prefill / extend step bring one new token each
+            (the decode rows of a step that mixes decode with prefill chunks: the engine's scheduler puts running
+            sequences first). A backend may serve them with its decode kernel and the rest with its prefill kernel;
+            0 (the default) when unknown.
     """
 
     num_seqs: int
@@ -73,6 +77,7 @@ class PagedMetadata:
     static: bool = False
     plans: dict = field(default_factory=dict, repr=False, compare=False)
     scratch_per_call: bool = False
+    single_token_prefix: int = 0
     _per_device: dict = field(default_factory=dict, repr=False, compare=False)
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")

@@ -116,7 +116,7 @@ class ModelRunner:
             max_seqlen_k=plan.max_seqlen_k, block_size=self.pool.block_size, phase=plan.phase,
             cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
             block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
-            has_padding_slots=plan.has_padding,
+            has_padding_slots=plan.has_padding, single_token_prefix=plan.single_token_prefix,
         )
 
     @torch.inference_mode()

@@ -56,7 +56,8 @@ class StepPlan:
         q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step; cu_seqlens_q/k: ``[B + 1]``.
         block_tables: ``[B, W]``, padded with 0.
     Plain fields: the sizes, and what the attention metadata needs on the host (``max_seqlen_q/k``, ``phase``,
-    whether padding rows with slot -1 are present).
+    whether padding rows with slot -1 are present, ``single_token_prefix``: the leading sequences that bring one
+    token each in a step that is not all decode).
     """
 
     layout: torch.Tensor
@@ -69,6 +70,7 @@ class StepPlan:
     max_seqlen_k: int
     phase: Phase
     has_padding: bool = False
+    single_token_prefix: int = 0
 
     def segments(self, layout: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """The named segments as views of ``layout`` (default: the host one; or its copy on a device)."""
@@ -158,7 +160,13 @@ def plan_step(
     out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
     np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out)
     return StepPlan(torch.from_numpy(layout), num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
-                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs))
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), single_token_prefix=_ones_in_front(q))
+
+
+def _ones_in_front(q_lens: array) -> int:
+    """How many of the first q lengths are 1 (the decode rows in front of a mixed step's prefill chunks)."""
+    ones = np.frombuffer(q_lens, dtype=np.int32) == 1
+    return len(ones) if ones.all() else int(ones.argmin())
 
 
 def _cumulative_lengths(layout: np.ndarray, cu: int, b: int) -> None:

@@ -12,7 +12,7 @@ import torch
 import hf_paged
 from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
-from hf_paged.attention._metadata import build_metadata
+from hf_paged.attention._metadata import Phase, build_metadata
 from hf_paged.engine import _core as engine_core
 from hf_paged.runner._step_plan import plan_step
 from hf_paged.engine._sampling_params import SamplingParams
@@ -118,12 +118,15 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
         assert seg["input_ids"].tolist() == ids and seg["position_ids"].tolist() == pos
         assert seg["logits_indices"].tolist() == keep
         assert (None if seg["token_sources"] is None else seg["token_sources"].tolist()) == sources
-        checked.append((want.phase, sources is not None))
+        ones = next((i for i, n in enumerate(counts) if n != 1), len(counts))
+        assert got.single_token_prefix == (0 if want.phase is Phase.DECODE else ones)
+        checked.append((want.phase, sources is not None, got.single_token_prefix))
         return plan
 
     monkeypatch.setattr(engine_core, "plan_step", checked_plan)
     prompts = random_prompts(9, 1, 30, seed=3)
     engine.generate(prompts, greedy_config(6))
-    phases = {phase.value for phase, _ in checked}
+    phases = {phase.value for phase, _, _ in checked}
     assert {"prefill", "extend", "decode"} <= phases, phases
-    assert any(pending for _, pending in checked) == async_scheduling
+    assert any(pending for _, pending, _ in checked) == async_scheduling
+    assert any(phase is Phase.EXTEND and ones for phase, _, ones in checked)  # decode rows ahead of a chunk

@@ -208,24 +208,44 @@ class CudaBackend(AttentionBackend):
         window, softcap = params.sliding_window or 0, params.softcap or 0.0
         k_scale = None if kv_scales is None else kv_scales.k
         v_scale = None if kv_scales is None else kv_scales.v
-        if meta.phase is not Phase.DECODE:
-            # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel
-            # serves prefill and extend alike. max_seqlen_q is a host int: no sync.
-            return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables,
-                                 params.scale, max_seqlen_q=meta.max_seqlen_q, window=window, softcap=softcap,
-                                 k_scale=k_scale, v_scale=v_scale,
-                                 impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
-        # Decode: query is [B, H, D] (one token per sequence). meta.max_seqlen_k is a host int (no sync) that sizes
-        # the grid; under a CUDA graph it is the capture's upper bound and each CTA reads its real length.
+        if meta.phase is Phase.DECODE:
+            return self._decode(query, k_cache, v_cache, meta, meta.block_tables, meta.seq_lens_k, params, window,
+                                softcap, k_scale, v_scale)
+        # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel serves
+        # prefill and extend alike. max_seqlen_q is a host int: no sync. The decode rows in front of a mixed step's
+        # prefill chunks (single_token_prefix) go to the decode kernel: in the prefill kernel each would fill a whole
+        # query tile with one row (and size the grid by the longest chunk), 7% of the copy-rate roofline on the
+        # anchor's mixed steps (docs/design/kernels.md, "Mixed steps").
+        d = meta.single_token_prefix
+        out = None
+        if d:
+            out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+            self._decode(query[:d], k_cache, v_cache, meta, meta.block_tables[:d], meta.seq_lens_k[:d], params,
+                         window, softcap, k_scale, v_scale, out=out[:d])
+            if d == meta.num_seqs:
+                return out
+        return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q[d:], meta.seq_lens_k[d:],
+                             meta.block_tables[d:], params.scale, max_seqlen_q=meta.max_seqlen_q, out=out,
+                             window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+                             impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
+
+    @staticmethod
+    def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
+                block_tables: torch.Tensor, seq_lens_k: torch.Tensor, params: AttentionParams, window: int,
+                softcap: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
+        """One token per row: query ``[B, H, D]``. meta.max_seqlen_k is a host int (no sync) that sizes the grid;
+        under a CUDA graph it is the capture's upper bound and each CTA reads its real length."""
         plan = plan_decode(query, k_cache, meta, window)
         return kernels.paged_decode(
             query,
             k_cache,
             v_cache,
-            meta.block_tables,
-            meta.seq_lens_k,
+            block_tables,
+            seq_lens_k,
             params.scale,
             max_seq_len=meta.max_seqlen_k,
+            out=out,
             split_len=plan.split_len,
             workspace=plan.workspace,
             window=window,
