@@ -13,10 +13,12 @@ import torch
 
 from kernel_steps import check, params_for, prefill_step, reference
 
+from hf_paged import available_backends
 from hf_paged.attention import Phase
 from hf_paged.attention.backends.base import backend_named
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
+available_backends()  # registers every backend module (the cuda one among them)
 
 # (cached prefix lengths, new-token counts, single_token_prefix): decode rows first, then chunks; a one-token row
 # after the first chunk stays with the prefill kernel; contexts that cross key tiles and blocks.
