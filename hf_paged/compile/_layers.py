@@ -8,7 +8,9 @@ compiled graphs: the ``"hf_paged"`` attention function is opaque to the compiler
 it reads the step from the forward context), so the compiled graphs hold only tensor work on hidden states, and the
 paged kernels run as they do eager.
 Inside them the skinny linears that share an input (q/k/v, gate/up) run as one grouped call
-(``hf_paged.compile._group_linears``, passed in this compile's own inductor options), and under tensor parallel each
+(``hf_paged.compile._group_linears``, passed in this compile's own inductor options), as one product where more
+rows than the skinny kernel serves come (the model's first compile lays their weights end to end in one buffer:
+``hf_paged.compile._packed_weights``), and under tensor parallel each
 all-reduce takes the residual add and RMSNorm after it into its kernel (``hf_paged.parallel._fuse_all_reduce``, the
 passes the engine gives a tensor-parallel model's layers).
 
@@ -34,6 +36,7 @@ from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile._cache import CompileArtifacts, artifact_key
 from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.compile._packed_weights import pack_siblings
 from hf_paged.hf._placement import base_model, decoder_layers
 
 logger = logging.getLogger("hf_paged")
@@ -99,6 +102,7 @@ def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> 
     engine of the model."""
     layers = getattr(model, _ATTRIBUTE, None)
     if layers is None:
+        pack_siblings(model)  # before the first trace: the grouped-linears pass reads the weights' layout
         layers = CompiledLayers(model, how or LayerCompile())
         object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
         # what an earlier process compiled for this model goes to torch's caches before anything compiles; what this

@@ -35,6 +35,7 @@ from torch.distributed.tensor import DTensor
 from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.compile._packed_weights import move_end_to_end
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
@@ -139,11 +140,7 @@ def _pack(modules: list[torch.nn.Linear]) -> bool:
         if skinny.packed_rows(weights, bias_locals or [None] * len(weights)) is not None:
             return True  # (an earlier engine packed them)
         for tensors in (weights, bias_locals) if bias_locals else (weights,):
-            buffer = torch.cat([t.reshape(-1) for t in tensors])
-            offset = 0
-            for t in tensors:
-                t.set_(buffer.untyped_storage(), offset, t.shape, t.stride())
-                offset += t.numel()
+            move_end_to_end(tensors)
     return True
 
 

@@ -181,7 +181,10 @@ def test_the_pass_keys_the_fx_graph_cache():
 
 
 @pytest.mark.slow
-def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_logits():
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "apart"])
+def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_logits(monkeypatch, packed):
+    """The model's first compile lays q/k/v and gate/up end to end, so each group is one product sliced into views
+    (``linear_packed``); weights left apart (packing refused) run as a grouped call each."""
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_config("llama_gqa"), attn_implementation="eager",
                                              dtype=torch.bfloat16).eval()
@@ -189,15 +192,21 @@ def test_tiny_llama_with_compiled_layers_groups_qkv_and_gate_up_and_keeps_the_lo
     with torch.no_grad():
         want = model(ids).logits.float()
     skinny_linear.install(model)
+    if not packed:
+        monkeypatch.setattr(compiled_layers, "pack_siblings", lambda model: 0)
     layers = compiled_layers.compiled_layers(model)
+    attn = model.model.layers[0].self_attn
+    qkv = [attn.q_proj.weight, attn.k_proj.weight, attn.v_proj.weight]
+    assert (skinny.packed_rows(qkv, [None] * 3) is not None) == packed
     with torch.no_grad(), layers.active(), forward_context(skinny_linears=True), \
             torch._inductor.config.patch(fx_graph_cache=False):  # every layer's code, not cache hits
         got, codes = run_and_get_code(lambda: model(ids).logits.float())
     assert layers.enabled, layers.failure
     layer_codes = [c for c in codes if "hf_paged" in c]
     assert len(layer_codes) == model.config.num_hidden_layers
+    grouped = "linear_packed" if packed else "linear_group"
     for code in layer_codes:  # q/k/v and gate/up grouped; o_proj and down_proj single
-        assert code.count("= torch.ops.hf_paged.linear_group.default(") == 2
+        assert code.count(f"= torch.ops.hf_paged.{grouped}.default(") == 2
         assert code.count("= torch.ops.hf_paged.linear.default(") == 2
     torch.testing.assert_close(got, want, rtol=2e-2, atol=2e-2)
 

@@ -100,7 +100,7 @@ def recorded(monkeypatch: pytest.MonkeyPatch) -> list[dict]:
 def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
     query, k_cache, v_cache, cu_q, lens, tables = _args(dtype, head_dim, kv_dtype)
     meta = SimpleNamespace(phase=Phase.PREFILL, cu_seqlens_q=cu_q, seq_lens_k=lens, block_tables=tables,
-                           max_seqlen_q=4)
+                           max_seqlen_q=4, single_token_prefix=0)
     cuda_backend.CudaBackend().forward(query, query, query, k_cache, v_cache, meta, AttentionParams(scale=0.1))
 
 

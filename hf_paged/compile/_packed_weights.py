@@ -1,0 +1,70 @@
+"""Sibling weights laid end to end: the linears of a layer that read one input (q/k/v, gate/up) get their weights
+moved into one buffer, so that the grouped-linears pass (``hf_paged.compile._group_linears``) runs them as one matrix
+product where the skinny kernel does not serve them (more than 8 rows: prefill chunks and decode batches above 8).
+
+On the anchor (Llama-3.2-1B shape, decode at batch 256 on an H200) q, k and v were three cuBLAS launches per layer,
+k and v of 512 outputs each taking as long as a launch's floor; gate and up two launches of 8192 outputs.
+
+What moves is each parameter's storage: the ``Parameter`` objects, their shapes, strides, dtypes and values stay, so
+the user's references, ``state_dict`` and optimizer keep working; ``save_pretrained`` saves the weights as before
+(transformers clones tensors that share a storage without overlapping). Only plain tensors are packed: a quantized
+or offloaded (meta) weight, a tensor-parallel shard (``hf_paged.parallel._linears`` packs those itself) or weights
+of differing dtype, device or input size are left where they are.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hf_paged.kernels import _skinny as skinny
+
+#: Linears of one module that read the same input, in the order their weights are laid out.
+SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+def pack_siblings(model: torch.nn.Module) -> int:
+    """Lay out each :data:`SIBLINGS` group of ``model``'s modules end to end in one buffer (weights in one, biases
+    in another). Returns how many groups are packed now (those packed before included)."""
+    packed = 0
+    for parent in model.modules():
+        for names in SIBLINGS:
+            group = [getattr(parent, n, None) for n in names]
+            if all(isinstance(m, torch.nn.Linear) for m in group) and _pack_linears(group):
+                packed += 1
+    return packed
+
+
+def move_end_to_end(tensors: list[torch.Tensor]) -> None:
+    """Give ``tensors`` (contiguous, one dtype and device) one new storage in which they lie end to end, their values
+    kept; the old storages are freed where nothing else holds them."""
+    with torch.no_grad():
+        buffer = torch.cat([t.reshape(-1) for t in tensors])
+        offset = 0
+        for t in tensors:
+            t.set_(buffer.untyped_storage(), offset, t.shape, t.stride())
+            offset += t.numel()
+
+
+def _pack_linears(group: list[torch.nn.Linear]) -> bool:
+    weights = [m.weight for m in group]
+    biases = [m.bias for m in group]
+    if any(b is None for b in biases) and not all(b is None for b in biases):
+        return False
+    tensors = weights + [b for b in biases if b is not None]
+    first = weights[0]
+    if any(not _plain(t) or t.dtype != first.dtype or t.device != first.device for t in tensors):
+        return False
+    if any(w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights):
+        return False
+    if skinny.packed_rows(weights, biases) is None:  # (else an earlier compile packed them)
+        move_end_to_end(weights)
+        if biases[0] is not None:
+            move_end_to_end(biases)
+    return True
+
+
+def _plain(t: torch.Tensor) -> bool:
+    """A dense tensor of its own (no subclass, no meta, nothing that stands for a weight kept elsewhere)."""
+    data = t.data if isinstance(t, torch.nn.Parameter) else t
+    return type(data) is torch.Tensor and data.device.type != "meta" and data.is_contiguous() and data.layout is \
+        torch.strided and data.is_floating_point()
