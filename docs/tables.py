@@ -227,6 +227,28 @@ def ab(doc: Path, name: str) -> str:
     return head + "\n\n" + caption([name], doc, "`benchmarks/ab_checkouts.py`. ")
 
 
+def roofline(doc: Path, *names: str) -> str:
+    """``e2e_throughput.py --workloads roofline``: GPU time per phase of each file's run (in the files' order), the
+    phase's roofline (the last file's rates) and the last run's efficiency; then the total, host gaps and tok/s."""
+    rows = [next(r for r in load(n)["rows"] if r["workload"] == "roofline") for n in names]
+    last = rows[-1]
+    out = []
+    for i, phase in enumerate(last["phases"]):
+        times = [ms(r["phases"][i]["gpu_ms"]) if r["phases"][i]["phase"] == phase["phase"] else "-" for r in rows]
+        line = "-" if phase["roofline_ms"] is None else ms(phase["roofline_ms"])
+        eff = "-" if phase["efficiency"] is None else f"{phase['efficiency']:.0%}"
+        out.append([phase["phase"], *times, line, eff])
+    out.append(["**total kernel time**", *(ms(r["total"]["gpu_ms"]) for r in rows), ms(last["total"]["roofline_ms"]),
+                f"{last['total']['efficiency']:.0%}"])
+    out.append(["host gaps", *(ms(r["host_gaps"]["gpu_ms"]) for r in rows), "0.00", "-"])
+    out.append(["tok/s, profiled run", *(tok(r["profiled_tok_per_s"]) for r in rows), "-", "-"])
+    labels = [f"GPU ms, file {i}" if len(names) > 1 else "GPU ms" for i in range(1, len(names) + 1)]
+    head = table(["phase", *labels, "roofline ms", "efficiency"], out)
+    rates = (f"Copy rate {last['copy_bytes_per_s'] / 1e12:.2f} TB/s and matrix rate "
+             f"{last['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, measured in the last run. ")
+    return head + "\n\n" + caption(list(names), doc, rates + "`benchmarks/roofline.py`. ")
+
+
 def tp(doc: Path, *names: str) -> str:
     """``benchmarks/tensor_parallel.py``: each multi-GPU row against the file's one-GPU row of the same system.
     hf_paged rows: the steady decode step at batch 64; transformers rows: its decode rate by subtracting a 1-token
@@ -428,9 +450,9 @@ def results(doc: Path) -> str:
     return table(["file", "card", "torch", "transformers", "flash-attn", "date"], out, "llllll")
 
 
-RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "ab": ab, "tp": tp, "dp": dp, "serve": serve,
-             "generate": generate, "decode": decode, "prefill": prefill, "allreduce": allreduce, "envs": envs_table, "engine-config": engine_config,
-             "results": results}
+RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "ab": ab, "roofline": roofline, "tp": tp, "dp": dp,
+             "serve": serve, "generate": generate, "decode": decode, "prefill": prefill, "allreduce": allreduce,
+             "envs": envs_table, "engine-config": engine_config, "results": results}
 
 
 # ----------------------------------------------------------------------------------------------------------------
