@@ -6,6 +6,9 @@ import pytest
 
 import hf_paged
 from engine_helpers import greedy_config, hf_greedy, models, random_prompts
+from hf_paged.attention._metadata import Phase
+from hf_paged.engine import _core as engine_core
+from hf_paged.runner._step_plan import plan_step
 
 
 def run_engine(arch: str, prompts, max_new: int, **engine_kwargs):
@@ -24,13 +27,29 @@ def assert_matches(outs, refs):
 
 
 @pytest.mark.parametrize("prefix_caching", [True, False])
-def test_preemption_with_a_small_cache(prefix_caching):
+def test_preemption_with_a_small_cache(prefix_caching, monkeypatch):
+    """Every request ends with the tokens of eager ``generate``. In every step that mixes decode rows with prefill
+    chunks (a preempted sequence's recompute included) the decode rows lead, so the metadata's one-token prefix
+    (which attention's decode kernel serves) covers every one of them."""
+    mixed = []
+
+    def recorded(seqs, num_tokens, sample, tables, block_size, **kwargs):
+        plan = plan_step(seqs, num_tokens, sample, tables, block_size, **kwargs)
+        if plan.phase is not Phase.DECODE:
+            decode_rows = [i for i, (seq, n) in enumerate(zip(seqs, num_tokens))
+                           if n == 1 and seq.num_computed_tokens >= seq.num_prompt_tokens]
+            assert all(i < plan.single_token_prefix for i in decode_rows), (list(num_tokens), decode_rows)
+            mixed.append(len(decode_rows))
+        return plan
+
+    monkeypatch.setattr(engine_core, "plan_step", recorded)
     prompts = random_prompts(14, 4, 36, seed=1)
     refs = hf_greedy("llama_gqa", prompts, 10)
     outs, stats = run_engine("llama_gqa", prompts, 10, num_blocks=14, block_size=4, max_batch_tokens=64,
                              enable_prefix_caching=prefix_caching)
     assert stats["preemptions"] >= 3
     assert_matches(outs, refs)
+    assert sum(mixed) > 0  # decode rows beside prefill chunks did occur
 
 
 def test_prefix_caching_with_shared_prefixes():
