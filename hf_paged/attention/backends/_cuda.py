@@ -1,9 +1,10 @@
 """The ``cuda`` backend: hf_paged's own kernels (``hf_paged/csrc``) for every phase and KV writes.
 
 Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K decode kernel, ``Phase.PREFILL``
-and ``Phase.EXTEND`` (mixed prefill + decode steps included) with the paged prefill kernel, both for float16,
-bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with GQA, sliding
-windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every phase. No
+and ``Phase.EXTEND`` with the paged prefill kernel (a mixed step's leading decode rows with the decode kernel), both
+for float16, bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with
+GQA, sliding windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every
+phase. No
 backend serves ALiBi (docs/design/decisions.md says why). The kernels are built on the first CUDA call; if that is impossible
 (no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
 
