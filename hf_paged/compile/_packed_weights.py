@@ -9,14 +9,19 @@ What moves is each parameter's storage: the ``Parameter`` objects, their shapes,
 the user's references, ``state_dict`` and optimizer keep working; ``save_pretrained`` saves the weights as before
 (transformers clones tensors that share a storage without overlapping). Only plain tensors are packed: a quantized
 or offloaded (meta) weight, a tensor-parallel shard (``hf_paged.parallel._linears`` packs those itself) or weights
-of differing dtype, device or input size are left where they are.
+of differing dtype, device or input size are left where they are, and so is a group whose move finds no device
+memory for its second copy (the engine's KV pool is allocated first).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from hf_paged.kernels import _skinny as skinny
+
+logger = logging.getLogger("hf_paged")
 
 #: Linears of one module that read the same input, in the order their weights are laid out.
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
@@ -57,9 +62,14 @@ def _pack_linears(group: list[torch.nn.Linear]) -> bool:
     if any(w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights):
         return False
     if skinny.packed_rows(weights, biases) is None:  # (else an earlier compile packed them)
-        move_end_to_end(weights)
-        if biases[0] is not None:
-            move_end_to_end(biases)
+        try:  # the move holds a second copy of the group for a moment: the KV pool may have left no room
+            move_end_to_end(weights)
+            if biases[0] is not None:
+                move_end_to_end(biases)
+        except torch.OutOfMemoryError:
+            logger.info("hf_paged: no room to lay %s end to end; they stay apart (one product each)",
+                        ", ".join(type(m).__name__ for m in group))
+            return False
     return True
 
 

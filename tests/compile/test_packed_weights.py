@@ -91,3 +91,26 @@ def test_a_group_that_cannot_be_packed_is_left_as_it_is(how: str):
     assert pack_siblings(model) == 2 * model.config.num_hidden_layers - 1  # all but this layer's q/k/v
     assert [m.weight.data_ptr() for m in (attn.q_proj, attn.k_proj, attn.v_proj)] == pointers
     assert not _packed([attn.q_proj, attn.k_proj, attn.v_proj])
+
+
+def test_a_group_with_no_room_for_its_move_stays_apart(monkeypatch):
+    """The move holds a second copy of the group for a moment; out of memory, the group keeps its own storages
+    (values and logits as before) and the others are packed."""
+    model = _model()
+    ids = torch.randint(3, VOCAB, (1, 5), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        want = model(ids).logits
+    real_cat, calls = torch.cat, []
+
+    def cat_out_of_memory(tensors, *args, **kwargs):
+        calls.append(len(tensors))
+        if len(calls) == 1:
+            raise torch.OutOfMemoryError("no room")
+        return real_cat(tensors, *args, **kwargs)
+
+    monkeypatch.setattr(torch, "cat", cat_out_of_memory)
+    assert pack_siblings(model) == 2 * model.config.num_hidden_layers - 1
+    monkeypatch.undo()
+    assert [_packed(g) for g in _groups(model)].count(False) == 1
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, want)
