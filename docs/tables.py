@@ -206,6 +206,8 @@ AB_FIGURES = {
     "hf_paged latency": ("batch 1, `generate_batch`, ms per output token", ms),
     "generate optimized B1 ms/step": ("`generate` + `optimize_generate`, batch 1, ms per decode step", ms),
     "generate optimized B64 ms/step": ("`generate` + `optimize_generate`, batch 64, ms per decode step", ms),
+    "generate optimized B64 ms/token all-in": ("`generate` + `optimize_generate`, batch 64, ms per token, whole call",
+                                               ms),
 }
 
 
