@@ -76,5 +76,5 @@ def _pack_linears(group: list[torch.nn.Linear]) -> bool:
 def _plain(t: torch.Tensor) -> bool:
     """A dense tensor of its own (no subclass, no meta, nothing that stands for a weight kept elsewhere)."""
     data = t.data if isinstance(t, torch.nn.Parameter) else t
-    return type(data) is torch.Tensor and data.device.type != "meta" and data.is_contiguous() and data.layout is \
-        torch.strided and data.is_floating_point()
+    return (type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided
+            and data.is_contiguous() and data.is_floating_point())

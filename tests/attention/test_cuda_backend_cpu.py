@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import re
 
@@ -9,7 +10,9 @@ import pytest
 import torch
 
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
+from hf_paged.attention._metadata import build_metadata
+from hf_paged.attention.backends import _cuda as cuda_backend
 from hf_paged.attention.backends._cuda import CudaBackend
 from hf_paged.kernels import _build as build
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, prefill_configs
@@ -136,3 +139,31 @@ def test_kernel_entry_points_raise_the_reason(no_gpu):
     with pytest.raises(ValueError, match="CUDA"):
         kernels.paged_decode(torch.zeros(1, 32, 128), torch.zeros(1, 16, 8, 128), torch.zeros(1, 16, 8, 128),
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
+
+
+def test_a_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel(monkeypatch):
+    """The routing alone (the kernels recorded, not run; tests/gpu/attention/test_mixed_step_gpu.py judges the
+    numbers): the first ``single_token_prefix`` rows to the decode kernel, the chunks to the prefill kernel with the
+    tail of ``cu_seqlens_q``, both into one output, the step's cut made once for every layer."""
+    decode, prefill = [], []
+    monkeypatch.setattr(cuda_backend, "plan_decode", lambda *a: cuda_backend.DecodePlan(64, None))
+    monkeypatch.setattr(cuda_backend.kernels, "paged_decode", lambda *a, **k: decode.append((a, k)))
+    monkeypatch.setattr(cuda_backend, "paged_prefill", lambda *a, **k: prefill.append((a, k)) or k["out"])
+    monkeypatch.setattr(cuda_backend, "prefill_impl", lambda *a: "mma")
+    gen = torch.Generator().manual_seed(6)
+    q_lens, lens = [1, 1, 5, 1], [9, 30, 5, 12]  # decode, decode, a prompt chunk, a one-token row behind it
+    meta = build_metadata(q_lens=torch.tensor(q_lens), seq_lens_k=torch.tensor(lens),
+                          block_tables=torch.randint(0, 50, (4, 8), generator=gen), slot_mapping=torch.arange(8),
+                          token_index=None, grid=(1, 8), block_size=4, device=torch.device("cpu"))
+    meta = dataclasses.replace(meta, single_token_prefix=2)
+    query, cache = torch.randn(8, 4, 32, generator=gen), torch.zeros(50, 4, 2, 32)
+    for _ in range(2):  # two layers of one step
+        out = cuda_backend.CudaBackend().forward(query, query, query, cache, cache, meta, AttentionParams(scale=0.1))
+    (d_args, d_kwargs), (p_args, p_kwargs) = decode[-1], prefill[-1]
+    assert torch.equal(d_args[0], query[:2]) and torch.equal(d_args[3], meta.block_tables[:2])
+    assert d_args[4].tolist() == lens[:2] and d_kwargs["out"].data_ptr() == out.data_ptr()
+    assert d_kwargs["out"].shape == (2, 4, 32)
+    assert p_args[0] is query and p_kwargs["out"] is out
+    assert p_args[3].tolist() == [2, 7, 8] and p_args[4].tolist() == lens[2:]  # cu q offsets index the whole query
+    assert torch.equal(p_args[5], meta.block_tables[2:])
+    assert decode[0][0][3] is decode[1][0][3] and prefill[0][0][3] is prefill[1][0][3]  # cut once per step

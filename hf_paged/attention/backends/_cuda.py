@@ -4,9 +4,8 @@ Tried after flash and before torch. It serves ``Phase.DECODE`` with the split-K 
 and ``Phase.EXTEND`` with the paged prefill kernel (a mixed step's leading decode rows with the decode kernel), both
 for float16, bfloat16 and float32 and every head size in ``kernels.HEAD_DIMS`` (32 to 256), at any block size with
 GQA, sliding windows and logit softcapping included (Mistral, Gemma2/3, windowed Qwen2), and the KV write of every
-phase. No
-backend serves ALiBi (docs/design/decisions.md says why). The kernels are built on the first CUDA call; if that is impossible
-(no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
+phase. No backend serves ALiBi (docs/design/decisions.md says why). The kernels are built on the first CUDA call; if
+that is impossible (no nvcc, no ninja) this backend declines with the reason and the torch backend serves.
 
 An fp8 (e4m3) KV cache: this backend serves every phase over it, decode, prefill and extend, for float16/bfloat16
 models with head_dim in ``kernels.FP8_HEAD_DIMS`` (the kernels widen the e4m3 tiles to the model's dtype on the
@@ -143,6 +142,30 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
     return plan
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """A mixed step's metadata cut at its ``single_token_prefix``: the decode rows' block tables and lengths, the
+    chunks' ``cu_seqlens_q`` (whose offsets still index the whole query), lengths and block tables."""
+
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    chunk_cu_q: torch.Tensor
+    chunk_lens: torch.Tensor
+    chunk_tables: torch.Tensor
+
+
+def split_rows(meta: PagedMetadata) -> SplitRows:
+    """The step's :class:`SplitRows`, cut by the first layer that needs them and reused by the others (per device:
+    a model split over devices reads each device's copy of the metadata)."""
+    d = meta.single_token_prefix
+    key = ("cuda-split", meta.seq_lens_k.device, d)
+    rows = meta.plans.get(key)
+    if rows is None:
+        rows = meta.plans[key] = SplitRows(meta.block_tables[:d], meta.seq_lens_k[:d], meta.cu_seqlens_q[d:],
+                                           meta.seq_lens_k[d:], meta.block_tables[d:])
+    return rows
+
+
 @register_backend
 class CudaBackend(AttentionBackend):
     """Decode, prefill / extend and KV write through hf_paged's CUDA kernels."""
@@ -220,14 +243,18 @@ class CudaBackend(AttentionBackend):
         d = meta.single_token_prefix
         out = None
         if d:
+            rows = split_rows(meta)
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            self._decode(query[:d], k_cache, v_cache, meta, meta.block_tables[:d], meta.seq_lens_k[:d], params,
-                         window, softcap, k_scale, v_scale, out=out[:d])
+            self._decode(query[:d], k_cache, v_cache, meta, rows.decode_tables, rows.decode_lens, params, window,
+                         softcap, k_scale, v_scale, out=out[:d])
             if d == meta.num_seqs:
                 return out
-        return paged_prefill(query, k_cache, v_cache, meta.cu_seqlens_q[d:], meta.seq_lens_k[d:],
-                             meta.block_tables[d:], params.scale, max_seqlen_q=meta.max_seqlen_q, out=out,
-                             window=window, softcap=softcap, k_scale=k_scale, v_scale=v_scale,
+            cu_q, lens, tables = rows.chunk_cu_q, rows.chunk_lens, rows.chunk_tables
+        else:
+            cu_q, lens, tables = meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables
+        return paged_prefill(query, k_cache, v_cache, cu_q, lens, tables, params.scale,
+                             max_seqlen_q=meta.max_seqlen_q, out=out, window=window, softcap=softcap,
+                             k_scale=k_scale, v_scale=v_scale,
                              impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
 
     @staticmethod
