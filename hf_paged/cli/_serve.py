@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import socket
 from pathlib import Path
@@ -81,6 +82,10 @@ def run(args: argparse.Namespace) -> int:
     sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
     try:
         app, name, api_key = _app(args)
+        # What exists now (the model, its compiled layers, the libraries) lives as long as this process: set aside
+        # from the collector for good, so that no full collection walks it while requests wait (as frozen_heap does
+        # for one call: engine/_frozen_heap.py)
+        gc.freeze()
         server, died = _server(args, app)
         host, bound_port = sock.getsockname()[:2]
         pool = app.state.engine_loop.engine.pool

@@ -18,11 +18,13 @@ from collections.abc import Iterator, Sequence as SequenceType
 from contextlib import contextmanager
 
 import torch
+from tqdm.auto import tqdm
 from transformers import GenerationConfig
 
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
+from hf_paged.engine._frozen_heap import frozen_heap
 from hf_paged.engine._core import EngineCore
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
@@ -328,10 +330,8 @@ class Engine(EngineCore):
         call."""
         ids = self._enqueue(self._new_sequences(prompts, generation_config, "generate"))
         owned, done = set(ids), []
-        from tqdm.auto import tqdm
-
         try:
-            with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
+            with frozen_heap(), tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
                 while self.requests.any_open(owned):
                     outs = self._step(want_deltas=False, owned=owned)[0]
                     done += outs

@@ -17,6 +17,7 @@ import logging
 import time
 
 import torch
+from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
 from hf_paged._compat import GenerationOutput, RequestStatus
@@ -24,6 +25,7 @@ from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
+from hf_paged.engine._frozen_heap import frozen_heap
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
@@ -109,18 +111,16 @@ def generate_batch(
     # engine is built; the engine checks every prompt again)
     workload = Workload(tuple(len(p) + (gc.max_new_tokens or limit - len(p)) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    engine = _engine_for(model, config, workload, persistent_manager)
-    if reset_prefix_cache:
-        engine.reset_prefix_cache()
-    start = time.perf_counter()
     configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
-    queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in indices])
-    ids = {rid: i for i, rid in enumerate(queued)}
     finished, stamps = {}, {} if record_timestamps else None
-    from tqdm.auto import tqdm
-
     desc = f"Solving {len(inputs) * copies} requests"
-    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+    with frozen_heap(), tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+        engine = _engine_for(model, config, workload, persistent_manager)
+        if reset_prefix_cache:
+            engine.reset_prefix_cache()
+        start = time.perf_counter()
+        queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in indices])
+        ids = {rid: i for i, rid in enumerate(queued)}
         while engine.has_unfinished():
             if stamps is None:
                 outs = engine.step()
@@ -132,6 +132,7 @@ def generate_batch(
             for out in outs:
                 finished[out.request_id] = _to_generation_output(out, start, stamps)
             bar.update(len(outs))
+        del engine  # (a one-call engine and its pool go here, while the heap is still set aside)
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)
