@@ -81,14 +81,19 @@ def warm_up(model: torch.nn.Module, generate: Generate, prompts: list[list[int]]
 
 
 def timed_throughput(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int,
-                     warm: Workload | None) -> dict:
-    """Wall clock of one call on the workload, after a warm-up call on ``warm`` (None: none, the caller warmed the
-    model up)."""
+                     warm: Workload | None, calls: int = 1) -> dict:
+    """Wall clock of the first call on the workload, after a warm-up call on ``warm`` (None: none, the caller warmed
+    the model up). With ``calls`` > 1 the same call runs again that many times in all: ``later_tok_per_s`` is the
+    median rate of the later calls (the first big call of a process also pays the device memory it maps first)."""
     prompts = workload.prompts(vocab)
     attention = warm_up(model, generate, warm.prompts(vocab), warm.generation_config()) if warm else None
-    seconds, out = _timed_call(generate, prompts, workload.generation_config())
-    return {"tokens": _num_generated(out), "expected_tokens": len(prompts) * workload.new_tokens, "seconds": seconds,
-            "attention": attention}
+    timed = [_timed_call(generate, prompts, workload.generation_config()) for _ in range(calls)]
+    seconds, out = timed[0]
+    tokens = _num_generated(out)
+    later = [s for s, _ in timed[1:]]
+    return {"tokens": tokens, "expected_tokens": len(prompts) * workload.new_tokens, "seconds": seconds,
+            "attention": attention,
+            **({"later_calls_s": later, "later_tok_per_s": tokens / statistics.median(later)} if later else {})}
 
 
 def timed_latency(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int, reps: int = 3) -> dict:

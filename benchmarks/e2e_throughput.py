@@ -33,7 +33,9 @@ Systems (``--systems``; all but ``hf_paged_cublas`` by default, in this order):
 
 Every system gets the same prompts and the same budget: ``--max-batch-tokens`` (default 8192, transformers' own
 default) tokens and ``--max-requests`` (default 256) sequences per step. Time is the wall clock of one call after
-a warm-up call of 16 short requests. A run that fails is reported and the others still run. Progress lines go
+a warm-up call of 16 short requests; ``--calls N`` times N calls in a row and reports the first (the figure: the
+process's first big call, which also maps the device memory it needs first) and beside it the later calls' median
+rate, for every system alike. A run that fails is reported and the others still run. Progress lines go
 to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
 
     python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile,roofline]
@@ -114,6 +116,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--sweep", action="store_true", help="hf_paged over a grid of budgets and its automatic one")
     parser.add_argument("--sweep-tokens", default="2048,4096,8192,16384", help="the sweep's max_batch_tokens")
     parser.add_argument("--sweep-seqs", default="64,128,256,512", help="the sweep's max_requests_per_batch")
+    parser.add_argument("--calls", type=int, default=1, help="timed calls per throughput workload (default 1): the "
+                        "first is the figure, the later ones' median rate goes beside it")
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     parser.add_argument("--as-subprocess", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -215,7 +219,7 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
                 elif w.is_latency:
                     result = timed_latency(model, generate, w, vocab, reps=reps)
                 else:
-                    result = timed_throughput(model, generate, w, vocab, warm)
+                    result = timed_throughput(model, generate, w, vocab, warm, calls=args.calls)
             if ours:
                 result = {**result, "engine": sizing.last}
             row = make_row(system, label, w.name, result, **settings)
@@ -323,6 +327,8 @@ def _result(row: dict) -> str:
     if row["tok_per_s"] is None:
         return f"{row['tokens']:,} tokens, {row['seconds']:.3f} s: no rate ({row['status']})"
     text = f"{row['tokens']:,} tokens in {row['seconds']:.2f} s = {row['tok_per_s']:,.0f} tok/s ({row['status']})"
+    if row.get("later_tok_per_s"):
+        text += f"; later calls {row['later_tok_per_s']:,.0f} tok/s"
     if row["workload"] == "roofline":
         total = row["total"]
         text += (f"; GPU kernels {total['gpu_ms']:.0f} ms against a roofline of {total['roofline_ms']:.0f} ms "

@@ -317,6 +317,7 @@ class Engine(EngineCore):
             if owned:
                 self._cancel(owned)
 
+    @frozen_heap()  # the whole call (engine/_frozen_heap.py)
     def generate(
         self,
         prompts: list[Prompt],
@@ -331,7 +332,7 @@ class Engine(EngineCore):
         ids = self._enqueue(self._new_sequences(prompts, generation_config, "generate"))
         owned, done = set(ids), []
         try:
-            with frozen_heap(), tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
+            with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
                 while self.requests.any_open(owned):
                     outs = self._step(want_deltas=False, owned=owned)[0]
                     done += outs

@@ -4,8 +4,9 @@ Python's cyclic collector walks every tracked object in a full (oldest-generatio
 compiled a process holds about 0.5-0.6 million of them (the model, transformers, dynamo's and inductor's caches),
 and a full collection takes 0.3-0.5 s, during which the host launches nothing and the device idles. The compile
 leaves many new long-lived objects behind, which makes the next full collection due soon: measured on an H200, it
-fell inside the first anchor call after a warm-up and took 0.34 s of its 1.93 s (``benchmarks/results`` has the
-A/B).
+fell inside the first anchor call after a warm-up and took 0.34 s of its 1.93 s. It falls at the first burst of
+allocations after the compiling call, so the freeze covers a call from its first line (the prompts' checks
+included).
 
 :func:`frozen_heap` moves every object that exists at its start into the collector's permanent generation
 (``gc.freeze()``, constant time) and back at its end (``gc.unfreeze()``), so a collection inside the call walks only
@@ -31,7 +32,8 @@ _froze = False  # whether the first holder froze (and the last one must unfreeze
 
 @contextlib.contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Set aside, for the ``with`` block, every object the collector tracks at its start (see the module)."""
+    """Set aside, for the ``with`` block (or each call of a function decorated with ``@frozen_heap()``), every
+    object the collector tracks at its start (see the module)."""
     global _holders, _froze
     with _lock:
         if _holders == 0:

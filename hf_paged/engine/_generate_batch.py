@@ -35,6 +35,7 @@ from hf_paged.parallel._tensor_parallel import kv_layout
 logger = logging.getLogger("hf_paged")
 
 
+@frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (engine/_frozen_heap.py)
 def generate_batch(
     model: torch.nn.Module,
     inputs: list[list[int]],
@@ -114,7 +115,7 @@ def generate_batch(
     configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
-    with frozen_heap(), tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
         engine = _engine_for(model, config, workload, persistent_manager)
         if reset_prefix_cache:
             engine.reset_prefix_cache()
@@ -132,7 +133,6 @@ def generate_batch(
             for out in outs:
                 finished[out.request_id] = _to_generation_output(out, start, stamps)
             bar.update(len(outs))
-        del engine  # (a one-call engine and its pool go here, while the heap is still set aside)
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)

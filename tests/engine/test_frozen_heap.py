@@ -14,6 +14,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from engine_helpers import models, random_prompts
+from hf_paged.engine import _validation as validation
 from hf_paged.engine._engine import Engine
 from hf_paged.engine._frozen_heap import frozen_heap
 
@@ -47,11 +48,14 @@ def seen_during_steps(monkeypatch):
     return seen
 
 
-def test_generate_batch_sets_old_objects_aside_while_it_steps_and_puts_them_back(seen_during_steps):
+def test_generate_batch_sets_old_objects_aside_while_it_steps_and_puts_them_back(seen_during_steps, monkeypatch):
     _, paged = models("llama_gqa")
     before = weakref.ref(_Cycle())  # a reference cycle made before the call, garbage already
+    checks, check = [], validation.prompt_list
+    monkeypatch.setattr(validation, "prompt_list", lambda *a: checks.append(gc.get_freeze_count()) or check(*a))
     results = hf_paged.generate_batch(paged, random_prompts(3, 3, 9, seed=1), CONFIG)
     assert len(results) == 3 and all(len(r.generated_tokens) == 4 for r in results.values())
+    assert checks and checks[0] > 1000  # from the call's first line: the prompts' checks allocate too
     assert seen_during_steps and all(frozen > 1000 and not tracked for frozen, tracked in seen_during_steps)
     assert gc.get_freeze_count() == 0  # put back
     gc.collect()
