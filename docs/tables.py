@@ -122,18 +122,25 @@ E2E_SYSTEMS = {"hf_paged": "hf_paged", "hf_paged_eager_layers": "hf_paged, `comp
 
 def e2e(doc: Path, name: str) -> str:
     """``benchmarks/e2e_throughput.py`` rows: output tok/s (ms per token for latency) per system, and hf_paged's
-    ratio to transformers' continuous batching (the baseline, in the same run)."""
+    ratio to transformers' continuous batching (the baseline, in the same run); a run with ``--calls`` adds a row of
+    the later calls' median rate under each workload's first call."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok" and r["workload"] in E2E_WORKLOADS]
     systems = list(dict.fromkeys(r["system"] for r in rows))
     value = {(r["system"], r["workload"]): r["ms_per_token"] if r["workload"] == "latency" else r["tok_per_s"]
              for r in rows}
+    labels = dict(E2E_WORKLOADS)
+    for r in rows:
+        if r.get("later_tok_per_s"):
+            value[r["system"], r["workload"] + "/later"] = r["later_tok_per_s"]
+            labels.setdefault(r["workload"] + "/later", f"{E2E_WORKLOADS[r['workload']]}, later calls")
+    labels = {w: labels[w] for w in sorted(labels, key=lambda w: list(E2E_WORKLOADS).index(w.split("/")[0]))}
     version = {r["system"]: r.get("transformers", "") for r in rows}
     header = ["workload"] + [E2E_SYSTEMS.get(s, s).format(v=version[s]) for s in systems]
     baseline = "transformers" in systems and "hf_paged" in systems
     if baseline:
         header.append("hf_paged vs transformers")
     out = []
-    for workload, label in E2E_WORKLOADS.items():
+    for workload, label in labels.items():
         if not any(w == workload for _, w in value):
             continue
         latency = workload == "latency"
