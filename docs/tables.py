@@ -126,32 +126,28 @@ def e2e(doc: Path, name: str) -> str:
     the later calls' median rate under each workload's first call."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok" and r["workload"] in E2E_WORKLOADS]
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    value = {(r["system"], r["workload"]): r["ms_per_token"] if r["workload"] == "latency" else r["tok_per_s"]
+    first = {(r["system"], r["workload"]): r["ms_per_token"] if r["workload"] == "latency" else r["tok_per_s"]
              for r in rows}
-    labels = dict(E2E_WORKLOADS)
-    for r in rows:
-        if r.get("later_tok_per_s"):
-            value[r["system"], r["workload"] + "/later"] = r["later_tok_per_s"]
-            labels.setdefault(r["workload"] + "/later", f"{E2E_WORKLOADS[r['workload']]}, later calls")
-    labels = {w: labels[w] for w in sorted(labels, key=lambda w: list(E2E_WORKLOADS).index(w.split("/")[0]))}
+    later = {(r["system"], r["workload"]): r["later_tok_per_s"] for r in rows if r.get("later_tok_per_s")}
     version = {r["system"]: r.get("transformers", "") for r in rows}
     header = ["workload"] + [E2E_SYSTEMS.get(s, s).format(v=version[s]) for s in systems]
     baseline = "transformers" in systems and "hf_paged" in systems
     if baseline:
         header.append("hf_paged vs transformers")
     out = []
-    for workload, label in labels.items():
-        if not any(w == workload for _, w in value):
-            continue
-        latency = workload == "latency"
-        cells = [label] + [(f"{ms(value[s, workload])} ms" if latency else f"{tok(value[s, workload])} tok/s")
-                           if (s, workload) in value else "-" for s in systems]
-        if baseline and ("hf_paged", workload) in value and ("transformers", workload) in value:
-            a, b = value["hf_paged", workload], value["transformers", workload]
-            cells.append(ratio(b / a) + " faster" if latency else ratio(a / b))
-        elif baseline:
-            cells.append("-")
-        out.append(cells)
+    for workload, name_of_row in E2E_WORKLOADS.items():
+        for label, value in ((name_of_row, first), (f"{name_of_row}, later calls", later)):
+            if not any(w == workload for _, w in value):
+                continue
+            latency = workload == "latency"
+            cells = [label] + [(f"{ms(value[s, workload])} ms" if latency else f"{tok(value[s, workload])} tok/s")
+                               if (s, workload) in value else "-" for s in systems]
+            if baseline and ("hf_paged", workload) in value and ("transformers", workload) in value:
+                a, b = value["hf_paged", workload], value["transformers", workload]
+                cells.append(ratio(b / a) + " faster" if latency else ratio(a / b))
+            elif baseline:
+                cells.append("-")
+            out.append(cells)
     return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py`. ")
 
 
