@@ -281,12 +281,15 @@ def child(args: argparse.Namespace) -> None:
     prompts = first_prompts(args, shape["vocab_size"])
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = SimpleNamespace(compile_layers=False)  # read by name, as transformers' ContinuousBatchingConfig
-    run = {"generate_batch": _batch_call(lambda p, c, **kw: hf_paged.generate_batch(model, p, c, **kw)),
-           "generate_batch_eager": _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
-               model, p, c, continuous_batching_config=eager, **kw)),
-           "transformers": _batch_call(_transformers_call(model, transformers, args.smoke)),
-           "engine": _engine_call(hf_paged, model),
-           "generate": _generate_call(hf_paged, model, torch, device, args.new_tokens)}[args.child]
+    # only the system's own call is built: building another's would set up its system on this model
+    # (optimize_generate installs its decode linears on every model it is given)
+    make = {"generate_batch": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(model, p, c, **kw)),
+            "generate_batch_eager": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
+                model, p, c, continuous_batching_config=eager, **kw)),
+            "transformers": lambda: _batch_call(_transformers_call(model, transformers, args.smoke)),
+            "engine": lambda: _engine_call(hf_paged, model),
+            "generate": lambda: _generate_call(hf_paged, model, torch, device, args.new_tokens)}
+    run = make[args.child]()
     if args.cprofile:
         import cProfile
 
@@ -302,7 +305,10 @@ def child(args: argparse.Namespace) -> None:
     run(prompts, config, False)
     sync()
     second = time.perf_counter() - began
-    Path(args.result).write_text(json.dumps({"at": at, "second_call": round(second, 3), **compile_counters()}))
+    # modules holding an hf_paged forward patch (compiled layers, skinny linears): 0 for transformers' own system
+    patched = sum(1 for m in model.modules() if "_hf_paged_patches" in m.__dict__)
+    Path(args.result).write_text(json.dumps({"at": at, "second_call": round(second, 3), "hf_paged_patches": patched,
+                                             **compile_counters()}))
 
 
 def _batch_call(generate):

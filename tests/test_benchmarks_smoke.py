@@ -321,4 +321,23 @@ def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
             assert row["ready"] <= row["first_token"]
         else:
             assert 0 < row["import"] <= row["load"] <= row["first_token"], row
+            # transformers' baseline runs on a model hf_paged never touched
+            if system == "transformers":  # transformers' baseline runs on a model hf_paged never touched
+                assert row["hf_paged_patches"] == 0, row
     assert "| generate_batch | second |" in out
+
+
+@pytest.mark.slow
+def test_cold_start_child_sets_up_only_its_own_system(tmp_path, monkeypatch):
+    """A child process builds only its system's call: transformers' baseline must not run on a model that
+    ``optimize_generate`` (the ``generate`` system's set-up) has routed through hf_paged's linears."""
+    import hf_paged
+
+    setups = []
+    monkeypatch.setattr(hf_paged, "optimize_generate", lambda model, *a, **kw: setups.append(model))
+    result = tmp_path / "result.json"
+    cold_start.main(["--child", "transformers", "--smoke", "--prompts", "2", "--new-tokens", "2",
+                     "--result", str(result)])
+    row = json.loads(result.read_text())
+    assert setups == [] and row["hf_paged_patches"] == 0
+    assert row["second_call"] > 0 and row["at"]["load"] <= row["at"]["steady"]
