@@ -3,8 +3,8 @@
 The library is built for the present GPU's architecture only (on compute capability 9.0 its arch-specific target,
 sm_90a, which the wgmma prefill needs) and kept under
 ``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged/kernels``) in a folder named by torch version, CUDA version, arch
-and a hash of the sources, so a second run (or a second process) loads it in about a second. Without a CUDA GPU,
-nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
+and a hash of the sources, so a second run (or a second process) loads the library it finds there directly. Without
+a CUDA GPU, nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
 backend serve.
 """
 
@@ -151,12 +151,27 @@ def load(verbose: bool = False) -> Path:
         return folder
 
 
+#: A file a build folder gets once its library was built and loaded. A later process loads that library itself
+#: (``torch.ops.load_library``) without ninja's up-to-date check: 0.24 s against 0.00 s in a process on an H200 host.
+#: The folder's name holds the hash of the sources and flags and the torch, CUDA and arch it is for, so a marked
+#: library is the one these sources make.
+BUILT_MARKER = "built"
+
+
 def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     global _failure
     from torch.utils import cpp_extension
 
+    library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
+    if marker.is_file() and library.is_file():
+        try:
+            torch.ops.load_library(str(library))
+            return True
+        except OSError as exc:  # removed or damaged since: build it again
+            logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
+            marker.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
-    if not (folder / f"{_LIB_NAME}.so").exists():
+    if not library.exists():
         logger.info("hf_paged: building CUDA kernels for sm_%s in %s (first use; about a minute)", arch, folder)
     try:
         cpp_extension.load(
@@ -172,6 +187,7 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     except Exception as exc:  # compiler or loader failure: report it as the reason, keep serving via torch
         _failure = f"building the CUDA kernels failed ({type(exc).__name__}: {str(exc).strip()[-2000:]})"
         raise KernelsUnavailable(_failure) from exc
+    marker.write_text(f"{torch.__version__} cuda {torch.version.cuda} sm_{arch}\n")
     return True
 
 
