@@ -111,13 +111,21 @@ def build_dir(arch: str) -> Path:
     return cache_root() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 
 
-def missing_requirement() -> str | None:
-    """Why the kernels cannot be built here (None if they can)."""
+def missing_device() -> str | None:
+    """Why no kernels can run here (None if a CUDA GPU is there)."""
     if torch.version.cuda is None:
         return "this torch build has no CUDA support"
     if not torch.cuda.is_available():
         return "no CUDA GPU is visible"
-    from torch.utils import cpp_extension
+    return None
+
+
+def missing_requirement() -> str | None:
+    """Why the kernels cannot be built here (None if they can)."""
+    reason = missing_device()
+    if reason is not None:
+        return reason
+    from torch.utils import cpp_extension  # imports setuptools: only where a build may be needed
 
     home = cpp_extension.CUDA_HOME
     if not (home and (Path(home) / "bin" / "nvcc").exists()) and shutil.which("nvcc") is None:
@@ -139,37 +147,48 @@ def load(verbose: bool = False) -> Path:
     with _lock:
         if _failure is not None:
             raise KernelsUnavailable(_failure)
-        reason = missing_requirement()
+        reason = missing_device()
         if reason is not None:
             _failure = reason
             raise KernelsUnavailable(reason)
         arch = _arch()
         folder = build_dir(arch)
         if not _loaded:
-            _loaded = _build_and_load(folder, arch, verbose)
+            _loaded = _load_built(folder) or _build_and_load(folder, arch, verbose)
         _folder = folder
         return folder
 
 
 #: A file a build folder gets once its library was built and loaded. A later process loads that library itself
-#: (``torch.ops.load_library``) without ninja's up-to-date check: 0.24 s against 0.00 s in a process on an H200 host.
-#: The folder's name holds the hash of the sources and flags and the torch, CUDA and arch it is for, so a marked
-#: library is the one these sources make.
+#: (``torch.ops.load_library``), without importing torch's extension builder (and setuptools with it) or running
+#: ninja's up-to-date check. The folder's name holds the hash of the sources and flags and the torch, CUDA and arch
+#: it is for, so a marked library is the one these sources make.
 BUILT_MARKER = "built"
+
+
+def _load_built(folder: Path) -> bool:
+    """Load the folder's library if a build marked it; False if there is none (or it fails to load: build again)."""
+    library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
+    if not (marker.is_file() and library.is_file()):
+        return False
+    try:
+        torch.ops.load_library(str(library))
+        return True
+    except OSError as exc:  # removed or damaged since
+        logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
+        marker.unlink(missing_ok=True)
+        return False
 
 
 def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     global _failure
+    reason = missing_requirement()
+    if reason is not None:
+        _failure = reason
+        raise KernelsUnavailable(reason)
     from torch.utils import cpp_extension
 
     library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
-    if marker.is_file() and library.is_file():
-        try:
-            torch.ops.load_library(str(library))
-            return True
-        except OSError as exc:  # removed or damaged since: build it again
-            logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
-            marker.unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     if not library.exists():
         logger.info("hf_paged: building CUDA kernels for sm_%s in %s (first use; about a minute)", arch, folder)

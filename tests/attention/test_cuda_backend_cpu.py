@@ -23,6 +23,7 @@ DECODE_CPU = AttentionCall(Phase.DECODE, "cpu", torch.bfloat16, 128, 32, 8, 16)
 @pytest.fixture
 def no_gpu(monkeypatch: pytest.MonkeyPatch):
     """Make the kernels unbuildable here, whatever this machine has, and forget earlier attempts."""
+    monkeypatch.setattr(build, "missing_device", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(build, "missing_requirement", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(build, "_loaded", False)
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)

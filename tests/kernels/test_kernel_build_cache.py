@@ -13,6 +13,7 @@ from hf_paged.kernels import _build
 @pytest.fixture
 def calls(monkeypatch):
     seen = {"load_library": [], "build": []}
+    monkeypatch.setattr(_build, "missing_requirement", lambda: None)  # nvcc and ninja "there"
 
     def load_library(path):
         seen["load_library"].append(path)
@@ -27,16 +28,17 @@ def calls(monkeypatch):
 def test_a_marked_build_is_loaded_without_building(tmp_path, calls):
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")
     (tmp_path / _build.BUILT_MARKER).write_text("x")
-    assert _build._build_and_load(tmp_path, "90a", False)
+    assert _build._load_built(tmp_path)
     assert calls["load_library"] == [str(tmp_path / "hf_paged_kernels.so")] and calls["build"] == []
 
 
 def test_an_unmarked_folder_is_built_and_then_marked(tmp_path, calls):
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")  # a library from before the mark, or a cut build
+    assert not _build._load_built(tmp_path)
     assert _build._build_and_load(tmp_path, "90a", False)
     assert calls["build"] == [str(tmp_path)] and calls["load_library"] == []
     assert (tmp_path / _build.BUILT_MARKER).is_file()
-    assert _build._build_and_load(tmp_path, "90a", False)  # the next process loads it directly
+    assert _build._load_built(tmp_path)  # the next process loads it directly
     assert calls["build"] == [str(tmp_path)] and len(calls["load_library"]) == 1
 
 
@@ -44,6 +46,7 @@ def test_a_marked_library_that_fails_to_load_is_built_again(tmp_path, calls):
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"damaged")
     (tmp_path / _build.BUILT_MARKER).write_text("x")
     calls["fail_load"] = True
+    assert not _build._load_built(tmp_path)
     assert _build._build_and_load(tmp_path, "90a", False)
     assert calls["build"] == [str(tmp_path)] and (tmp_path / _build.BUILT_MARKER).is_file()
 
@@ -57,3 +60,20 @@ def test_a_failed_build_leaves_no_mark(tmp_path, monkeypatch, calls):
     with pytest.raises(_build.KernelsUnavailable, match="nvcc: error"):
         _build._build_and_load(tmp_path, "90a", False)
     assert not (tmp_path / _build.BUILT_MARKER).exists()
+
+
+def test_load_takes_a_marked_build_without_the_build_tools(tmp_path, monkeypatch, calls):
+    """``load`` itself: a GPU and a marked build folder are all it needs (no nvcc/ninja probe, no build)."""
+    monkeypatch.setattr(_build, "missing_device", lambda: None)
+    monkeypatch.setattr(_build, "missing_requirement", lambda: pytest.fail("probed the build tools"))
+    monkeypatch.setattr(_build, "_arch", lambda: "90a")
+    monkeypatch.setattr(_build, "build_dir", lambda arch: tmp_path)
+    monkeypatch.setattr(_build, "_loaded", False)
+    (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")
+    (tmp_path / _build.BUILT_MARKER).write_text("x")
+    _build._reset_for_tests()
+    try:
+        assert _build.load() == tmp_path and _build.is_loaded()
+        assert calls["load_library"] == [str(tmp_path / "hf_paged_kernels.so")] and calls["build"] == []
+    finally:
+        _build._reset_for_tests()
