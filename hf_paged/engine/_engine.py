@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
-from hf_paged.engine._frozen_heap import frozen_heap
+from hf_paged.runner._frozen_heap import frozen_heap
 from hf_paged.engine._core import EngineCore
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
@@ -317,7 +317,7 @@ class Engine(EngineCore):
             if owned:
                 self._cancel(owned)
 
-    @frozen_heap()  # the whole call (engine/_frozen_heap.py)
+    @frozen_heap()  # the whole call (runner/_frozen_heap.py)
     def generate(
         self,
         prompts: list[Prompt],

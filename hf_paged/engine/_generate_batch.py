@@ -25,7 +25,7 @@ from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
-from hf_paged.engine._frozen_heap import frozen_heap
+from hf_paged.runner._frozen_heap import frozen_heap
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
@@ -35,7 +35,7 @@ from hf_paged.parallel._tensor_parallel import kv_layout
 logger = logging.getLogger("hf_paged")
 
 
-@frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (engine/_frozen_heap.py)
+@frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (runner/_frozen_heap.py)
 def generate_batch(
     model: torch.nn.Module,
     inputs: list[list[int]],

@@ -20,6 +20,9 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   The model's linear layers go through hf_paged's skinny kernel (``hf_paged.kernels._skinny``: a decode step's few
   rows stream the weight at close to copy bandwidth; prefill's many rows keep ``F.linear``), and an inductor pass
   groups the products that share an input (q/k/v, gate/up) into one launch each.
+- **No collector pause inside a call.** ``model.generate`` sets the objects that exist when it starts aside from
+  Python's garbage collector until it returns, as ``generate_batch`` does (``hf_paged/runner/_frozen_heap.py``): the
+  compile leaves a full collection due, which would otherwise fall inside a later call.
 - **Decode graphs** (``graphs=True``). Decode steps run as hf_paged's own model calls (the model's compiled layers,
   as in the engine) and are replayed from CUDA graphs hf_paged captures, keyed by the step and the input shapes,
   with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``; other calls take transformers'
@@ -31,6 +34,7 @@ The compile config is set as ``model.generation_config.compile_config`` (CUDA gr
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
@@ -44,6 +48,7 @@ from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._attention import StepMask, plan_mask
 from hf_paged.generate._decode_graphs import DecodeSteps
+from hf_paged.runner._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
@@ -130,7 +135,9 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     before = getattr(model.generation_config, "compile_config", None)
     config = with_options(before or CompileConfig(), options)
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears,
-                                       "masks": model.__dict__.get("create_masks_for_generate")})
+                                       "masks": model.__dict__.get("create_masks_for_generate"),
+                                       "generate": model.__dict__.get("generate")})
+    object.__setattr__(model, "generate", FrozenHeapGenerate(model))
     if getattr(type(model), "create_masks_for_generate", None) is None:
         model.create_masks_for_generate = PlannedMasks()
     else:  # the model's class makes its own masks (token types, images): those stay as they are
@@ -144,6 +151,23 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     return model
 
 
+class FrozenHeapGenerate:
+    """``model.generate`` under :func:`optimize_generate`: the generate the model had (its class's, or an instance
+    one set before), run with the collector's old objects set aside (``hf_paged/runner/_frozen_heap.py``). It holds
+    the model itself, so a deep copy of the model gets one for the copy."""
+
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self.inner = model.__dict__.get("generate")
+        functools.update_wrapper(self, type(model).generate)
+
+    def __call__(self, *args, **kwargs):
+        with frozen_heap():
+            if self.inner is not None:
+                return self.inner(*args, **kwargs)
+            return type(self.model).generate(self.model, *args, **kwargs)
+
+
 def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     """Undo :func:`optimize_generate` on ``model`` (nothing if it was not optimized); returns ``model``."""
     state = model.__dict__.pop(_STATE, None)
@@ -152,8 +176,11 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     skinny_linear.route_always(state["linears"], False)
     model.__dict__.pop("create_masks_for_generate", None)
     model.__dict__.pop("get_compiled_call", None)
+    model.__dict__.pop("generate", None)
     if state["masks"] is not None:
         model.create_masks_for_generate = state["masks"]
+    if state["generate"] is not None:
+        object.__setattr__(model, "generate", state["generate"])
     model.generation_config.compile_config = state["compile_config"]
     _forget_compiled_call(model)
     return model

@@ -7,6 +7,7 @@ compile backend and the same arithmetic), which ``test_compiled_generate.py`` ho
 from __future__ import annotations
 
 import copy
+import gc
 
 import pytest
 import torch
@@ -121,7 +122,7 @@ def test_optimize_sets_a_guard_filter_and_restore_undoes_everything():
     assert model.generation_config.compile_config.options is None
     assert hf_paged.restore_generate(model) is model
     assert model.generation_config.compile_config is mine
-    assert "create_masks_for_generate" not in model.__dict__
+    assert "create_masks_for_generate" not in model.__dict__ and "generate" not in model.__dict__
     hf_paged.restore_generate(model)  # restoring twice changes nothing
 
 
@@ -148,3 +149,50 @@ def test_grouping_passes_compare_equal_after_generate_deep_copies_them():
     """generate deep-copies its compile config each call and compiles again when the copy differs."""
     config = CompileConfig(mode=None, options={"post_grad_custom_pre_pass": GroupLinears()})
     assert copy.deepcopy(config) == config
+
+
+def _freeze_seen_in_forwards(model) -> list[int]:
+    """The collector's frozen object count at each forward of ``model`` (a hook that stays on)."""
+    seen = []
+    model.register_forward_pre_hook(lambda *_: seen.append(gc.get_freeze_count()))
+    return seen
+
+
+def test_generate_sets_the_collectors_old_objects_aside_for_the_call():
+    """Under optimize_generate a generate call runs with what existed at its start frozen (a full collection in it
+    walks only what the call made), the same tokens; after the call nothing stays frozen, and restore_generate
+    takes it off."""
+    assert gc.isenabled() and gc.get_freeze_count() == 0
+    model, batch, cache = _setup("llama_gqa", 5)
+    seen = _freeze_seen_in_forwards(model)
+    reference = _run(model, cache, batch, max_new_tokens=5, **GREEDY)
+    assert seen and set(seen) == {0}
+    hf_paged.optimize_generate(model)
+    seen.clear()
+    try:
+        out = _run(model, cache, batch, max_new_tokens=5, **GREEDY)
+        assert seen and min(seen) > 0 and gc.get_freeze_count() == 0
+        assert torch.equal(out, reference)
+        assert model.generate.__doc__ == type(model).generate.__doc__  # still reads as generate
+    finally:
+        gc.unfreeze()
+    hf_paged.restore_generate(model)
+    seen.clear()
+    _run(model, cache, batch, max_new_tokens=5, **GREEDY)
+    assert set(seen) == {0}
+
+
+def test_a_deep_copy_of_an_optimized_model_generates_with_its_own_weights():
+    """The frozen-heap generate holds its model: a deep copy's generate runs the copy, not the original."""
+    model, batch, _ = _setup("llama_gqa", 4)
+    hf_paged.optimize_generate(model)
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.add_(0.5)
+    seen = _freeze_seen_in_forwards(twin)
+    cache = lambda m: hf_paged.PagedAttentionCache(m.config, num_blocks=64, block_size=8)  # noqa: E731
+    assert twin.generate.model is twin
+    out = twin.generate(**with_cache(twin, cache(twin), **batch), max_new_tokens=4, **GREEDY)
+    assert seen and not torch.equal(out, model.generate(**with_cache(model, cache(model), **batch), max_new_tokens=4,
+                                                        **GREEDY))
