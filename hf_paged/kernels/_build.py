@@ -3,9 +3,9 @@
 The library is built for the present GPU's architecture only (on compute capability 9.0 its arch-specific target,
 sm_90a, which the wgmma prefill needs) and kept under
 ``$HF_PAGED_CACHE`` (default ``~/.cache/hf_paged/kernels``) in a folder named by torch version, CUDA version, arch
-and a hash of the sources, so a second run (or a second process) loads the library it finds there directly. Without
-a CUDA GPU, nvcc or ninja, :func:`load` fails with the reason, and :func:`ensure_loaded` warns once and lets the torch
-backend serve.
+and a hash of the sources, so a second run (or a second process) loads the library it finds there directly, without
+the build tools. Without a CUDA GPU (or, where a build is needed, nvcc or ninja), :func:`load` fails with the reason,
+and :func:`ensure_loaded` warns once and lets the torch backend serve.
 """
 
 from __future__ import annotations
