@@ -22,9 +22,10 @@ with torch's caches empty again but hf_paged's artifact files kept (a new contai
 The CUDA kernels' JIT build keeps its usual cache and is built (timed apart) before anything is timed.
 
 Columns, in seconds from the process's spawn (``python`` starting included): ``import`` (torch, transformers and,
-for hf_paged's systems, hf_paged imported; transformers' own runs without hf_paged), ``load`` (model on the device), ``first_token`` (the first new token on the host: the earliest
-of the results' token timestamps for the batch calls, the first streamed token otherwise), ``steady`` (the first
-call done: everything compiled and captured; serve: the first response done), ``ready`` (serve); and
+for hf_paged's systems, hf_paged imported; transformers' own runs without hf_paged), ``load`` (model on the
+device), ``first_token`` (the first new token on the host: the earliest of the results' token timestamps for the
+batch calls, the first streamed token otherwise), ``steady`` (the first call done: everything compiled and captured;
+serve: the first response done), ``ready`` (serve); and
 ``second_call`` (the same call again, its own duration: the steady cost of the work). ``dynamo_s`` and the cache
 counters (inductor's FX graph cache and the AOTAutograd cache: hits / misses) show where a process's compile
 time went.

@@ -171,7 +171,8 @@ def sweep(doc: Path, name: str) -> str:
         if budget["max_batch_tokens"] is None:
             chose = re.search(r"max_batch_tokens=(\d+).*?max_num_seqs=(\d+)", r.get("engine") or "")
             first = E2E_WORKLOADS[workloads[0]].split(" (")[0]
-            label = f"automatic in that run ({chose[1]} x {chose[2]} on the {first})" if chose else "automatic in that run"
+            label = (f"automatic in that run ({chose[1]} x {chose[2]} on the {first})" if chose
+                     else "automatic in that run")
         else:
             label = f"{budget['max_batch_tokens']} x {budget['max_requests']}"
         cells = [(f"{ms(value[r['label'], w])} ms" if w == "latency" else tok(value[r["label"], w]))

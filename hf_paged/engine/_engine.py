@@ -24,13 +24,13 @@ from transformers import GenerationConfig
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
-from hf_paged.runner._frozen_heap import frozen_heap
 from hf_paged.engine._core import EngineCore
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload
 from hf_paged.engine._sequence import Sequence
+from hf_paged.runner._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 Prompt = SequenceType[int] | str

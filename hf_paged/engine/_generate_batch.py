@@ -25,12 +25,12 @@ from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._engine import Engine
-from hf_paged.runner._frozen_heap import frozen_heap
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
 from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout
+from hf_paged.runner._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
