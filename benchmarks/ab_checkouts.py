@@ -8,6 +8,8 @@ Parts (``--parts``):
   anchor    ``e2e_throughput.py --workloads anchor,latency --systems hf_paged``: the anchor workload's output tok/s
             (256 prompts of 128-1024 random tokens, 256 new, greedy, Llama-3.2-1B-shaped bf16, 8192-token budget)
             and batch-1 decode ms per output token
+  defaults  ``e2e_throughput.py --workloads anchor --systems hf_paged --defaults --calls 3``: the anchor workload with
+            no settings, the process's first call (the figure) and the median of the two later calls
   generate  ``generate_latency.py --systems hf_paged_optimized --batches 1,64``: plain ``model.generate`` with
             ``optimize_generate``, ms per decode step at batch 1 and 64, and ms per token of the whole call
             (prefill included)
@@ -30,7 +32,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("anchor", "generate")
+PARTS = ("anchor", "defaults", "generate")
 
 
 SMOKE: list[str] = []  # ["--smoke"] with --smoke: every script on its tiny CPU model
@@ -65,6 +67,19 @@ def _anchor(folder: Path, systems: str, timeout: float) -> dict:
         k: rows[0].get(k) for k in ("torch", "transformers", "flash_attn", "date") if k in rows[0]}}
 
 
+def _defaults(folder: Path, timeout: float) -> dict:
+    rows, seconds, _ = _run(folder, ["benchmarks/e2e_throughput.py", "--workloads", "anchor", "--systems", "hf_paged",
+                                     "--defaults", "--calls", "3"], timeout)
+    row = rows[0]
+    if row.get("status") != "ok":
+        raise RuntimeError(f"hf_paged anchor, no settings: {row.get('status')} {row.get('error', '')}")
+    figures = {"anchor, no settings, first call tok/s": row["tok_per_s"]}
+    if row.get("later_tok_per_s"):
+        figures["anchor, no settings, later calls tok/s"] = row["later_tok_per_s"]
+    return {"figures": figures, "seconds": seconds, "card": row.get("card"), "versions": {
+        k: row.get(k) for k in ("torch", "transformers", "flash_attn", "date") if k in row}}
+
+
 GENERATE_NEW_TOKENS = 128
 
 
@@ -85,7 +100,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, help="the checkout before the change")
     parser.add_argument("--new", type=Path, help="the checkout with the change")
-    parser.add_argument("--parts", default=",".join(PARTS))
+    parser.add_argument("--parts", default="anchor,generate", help="comma list of " + ", ".join(PARTS))
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--first", choices=("old", "new"), default="new")
     parser.add_argument("--baseline", action="store_true", help="transformers' continuous batching on the anchor too")
@@ -108,6 +123,8 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "anchor":
                     systems = "hf_paged,transformers" if args.baseline and r == 0 and tag == order[0] else "hf_paged"
                     got = _anchor(folders[tag], systems, args.timeout)
+                elif part == "defaults":
+                    got = _defaults(folders[tag], args.timeout)
                 else:
                     got = _generate(folders[tag], args.timeout)
                 result["rounds"].append({"round": r, "checkout": tag, "part": part, **got})

@@ -250,7 +250,8 @@ class EngineCore:
             if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
                 self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
             plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.pool.block_size, columns=cols, extra_rows=scored.rows if scored else None)
+                             self.pool.block_size, columns=cols, extra_rows=scored.rows if scored else None,
+                             pad_logits=self.runner.pad_logits)
             with self._device_work():
                 logits = self.runner.forward(plan)
                 if scored is not None:

@@ -70,6 +70,7 @@ class ModelRunner:
         self.pool, self.dispatcher = pool, dispatcher
         self.device = torch.device(device)
         self.output_device = None  # set by the engine for a model split over devices
+        self.pad_logits = self.device.type == "cuda"  # plan_step(pad_logits=...): on a GPU (runner/_step_plan.py)
         # One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The
         # first part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too);
         # the plan's int32 ids, positions and slots are widened into the rest in one copy, and a step with
@@ -121,7 +122,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device)."""
+        """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device), computed
+        for the plan's padded rows."""
         t, m = plan.num_tokens, self._max_tokens
         if t > m:
             raise ValueError(f"a step of {t} tokens exceeds the runner's {m} (max_batch_tokens)")
@@ -133,4 +135,5 @@ class ModelRunner:
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         step = PagedStep(self.metadata(plan, seg, slots), self.pool, self.dispatcher)
         with model_call(step, self.compiled, self.skinny, self.local_logits):
-            return call_model(self.model, ids.view(1, t), pos.view(1, t), self._rows_to_keep(seg["logits_indices"]))
+            logits = call_model(self.model, ids.view(1, t), pos.view(1, t), self._rows_to_keep(seg["logits_indices"]))
+        return logits[: plan.num_sampled]  # (the plan pads the rows: runner/_step_plan.py)

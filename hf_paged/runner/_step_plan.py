@@ -4,6 +4,13 @@
 block-table buffer, and returns a :class:`StepPlan` whose every array (ids, positions, slots, lengths, block
 tables, sampled rows) lies in one int32 layout, built in numpy or in one pass of per-sequence Python (never per
 token). ``ModelRunner`` (``runner/_model_runner.py``) sends that layout to the device in one copy.
+
+On a GPU the rows whose logits a step computes are padded to a few sizes (``plan_step(pad_logits=True)``,
+:func:`logit_rows`). cuBLAS picks a kernel for each new shape of a product on the host, and the ``lm_head``
+product (``[rows, hidden] x [hidden, vocab]``) is the costly one to pick for: on an H200 a 1B model's first product
+of a new row count took 13-27 ms of host time (2026-11-29, 128k vocabulary), enough to stall the steps behind it.
+Unpadded, a workload's mixed steps bring a new row count almost every step; padded, a process meets at most a
+dozen. On the CPU nothing is picked, and a padded row would cost its full share of the product: no padding.
 """
 
 from __future__ import annotations
@@ -37,11 +44,21 @@ _SEGMENTS = ("input_ids", "position_ids", "slot_mapping", "token_sources", "logi
              "cu_seqlens_q", "cu_seqlens_k", "block_tables")
 
 
+def logit_rows(n: int) -> int:
+    """The rows a padded step computes logits for when it returns ``n``: the next power of two up to 256 (at most
+    twice ``n``), then the next multiple of 256 (at most 255 more). On a GPU, ``lm_head`` at these row counts reads
+    its weights once whatever the rows, so the padding costs little beside a new shape's kernel choice (module
+    docstring)."""
+    if n <= 256:
+        return 0 if n <= 0 else 1 << (n - 1).bit_length()
+    return -(-n // 256) * 256
+
+
 @dataclass(frozen=True)
 class StepPlan:
     """One step (``T`` tokens of ``B`` sequences, ``N`` sampled rows) as one flat int32 host tensor, ``layout``::
 
-        [ ids (T) | positions (T) | slots (T) | sources (T or 0) | logits indices (N) | q lens (B) |
+        [ ids (T) | positions (T) | slots (T) | sources (T or 0) | logits indices (L) | q lens (B) |
           context lengths (B) | cu q (B + 1) | cu k (B + 1) | block tables (B x W) ]
 
     so that a step's inputs reach the device in one copy (``ModelRunner``); the segments are read as views, of the
@@ -52,7 +69,8 @@ class StepPlan:
         slot_mapping: ``[T]`` physical slot ``block * block_size + offset``; -1 = padding token (no write).
         token_sources: ``[T]`` for steps with in-flight tokens (``PLACEHOLDER`` ids): the row of the previous
             step's sampled tokens that holds the token, -1 for ids known on the host; None when there are none.
-        logits_indices: ``[N]`` position in ``[0, T)`` of each sampled row's last token.
+        logits_indices: ``[L]`` position in ``[0, T)`` of each sampled row's last token, then ``L - N`` repeats of
+            the last one (``padded_rows``: their logits are computed and dropped).
         q_lens, seq_lens_k: ``[B]`` new tokens / context length after the step; cu_seqlens_q/k: ``[B + 1]``.
         block_tables: ``[B, W]``, padded with 0.
     Plain fields: the sizes, and what the attention metadata needs on the host (``max_seqlen_q/k``, ``phase``,
@@ -71,11 +89,17 @@ class StepPlan:
     phase: Phase
     has_padding: bool = False
     single_token_prefix: int = 0
+    padded_rows: int = 0
+
+    @property
+    def num_logit_rows(self) -> int:
+        """The length ``L`` of the logits indices: the rows the model's ``lm_head`` computes."""
+        return self.num_sampled + self.padded_rows
 
     def segments(self, layout: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """The named segments as views of ``layout`` (default: the host one; or its copy on a device)."""
         t, b = self.num_tokens, self.num_seqs
-        sizes = (t, t, t, t if self.has_sources else 0, self.num_sampled, b, b, b + 1, b + 1, b * self.width)
+        sizes = (t, t, t, t if self.has_sources else 0, self.num_logit_rows, b, b, b + 1, b + 1, b * self.width)
         views = dict(zip(_SEGMENTS, (self.layout if layout is None else layout)[: sum(sizes)].split(sizes)))
         views["block_tables"] = views["block_tables"].view(b, self.width)
         if not self.has_sources:
@@ -125,6 +149,7 @@ def plan_step(
     pad_decode_to: int | None = None,
     columns: DecodeColumns | None = None,
     extra_rows: list[int] | None = None,
+    pad_logits: bool = False,
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
@@ -134,15 +159,18 @@ def plan_step(
     C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
     step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
     captured graph's shape. ``extra_rows``: positions in ``[0, T)`` whose logits the step returns too, after the
-    sampled rows' (prompt logprobs).
+    sampled rows' (prompt logprobs). ``pad_logits``: pad the logits rows to :func:`logit_rows` (on a GPU).
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
     if columns is not None or (sum(num_tokens) == len(seqs) and not extra_rows):
         return _plan_decode(columns if columns is not None else DecodeColumns.of(seqs, sample), sample, tables,
-                            block_size, pad_decode_to)
+                            block_size, pad_decode_to, pad_logits)
     ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
     if extra_rows:
         keep.extend(extra_rows)
+    sampled = len(keep)
+    if pad_logits and keep:
+        keep.extend(keep[-1:] * (logit_rows(sampled) - sampled))
     t, num_seqs = len(ids), len(seqs)
     sources = array("i")
     if pending:
@@ -159,8 +187,9 @@ def plan_step(
     _cumulative_lengths(layout, cu, num_seqs)
     out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
     np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out)
-    return StepPlan(torch.from_numpy(layout), num_seqs, t, len(keep), width, bool(pending), max(q), max_k,
-                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), single_token_prefix=_ones_in_front(q))
+    return StepPlan(torch.from_numpy(layout), num_seqs, t, sampled, width, bool(pending), max(q), max_k,
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), single_token_prefix=_ones_in_front(q),
+                    padded_rows=len(keep) - sampled)
 
 
 def _ones_in_front(q_lens: array) -> int:
@@ -178,7 +207,7 @@ def _cumulative_lengths(layout: np.ndarray, cu: int, b: int) -> None:
 
 
 def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuffer, bs: int,
-                 pad_decode_to: int | None) -> StepPlan:
+                 pad_decode_to: int | None, pad_logits: bool) -> StepPlan:
     """The layout of a decode step, one numpy write per segment: slots from the block-table rows, in-flight ids as
     sources, padding rows (token 0 at position 0, slot -1, context 1) up to ``pad_decode_to``."""
     pos, n = cols.positions, len(cols.positions)
@@ -188,7 +217,8 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
     has_sources = bool((cols.sources >= 0).any())
     all_sampled = all(sample)
     k = n if all_sampled else sum(sample)
-    cu = (4 if has_sources else 3) * b + k + 2 * b  # then cu q, cu k (B + 1 each), block tables
+    rows = logit_rows(k) if pad_logits else k
+    cu = (4 if has_sources else 3) * b + rows + 2 * b  # then cu q, cu k (B + 1 each), block tables
     layout = np.empty(cu + 2 * (b + 1) + b * width, dtype=np.int32)
     ids, positions, slots = layout[:b], layout[b : 2 * b], layout[2 * b : 3 * b]
     ids[:n], positions[:n] = cols.ids, pos
@@ -199,8 +229,10 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
         layout[at + n : at + b] = -1
         at += b
     layout[at : at + k] = _first(n) if all_sampled else np.flatnonzero(sample)
-    layout[at + k : at + k + b] = 1  # q lengths
-    ctx = layout[at + k + b : cu]
+    layout[at + k : at + rows] = layout[at + k - 1] if k else 0
+    at += rows
+    layout[at : at + b] = 1  # q lengths
+    ctx = layout[at + b : cu]
     np.add(pos, 1, out=ctx[:n])
     if b > n:
         ids[n:] = positions[n:] = 0
@@ -211,7 +243,7 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
     np.take(tables.entries[:, :width], cols.rows, axis=0, out=out[:n])
     out[n:] = 0
     return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k,
-                    step_phase(b, max_k > 1, True), has_padding=b > n)
+                    step_phase(b, max_k > 1, True), has_padding=b > n, padded_rows=rows - k)
 
 
 _RANGE = np.arange(1024, dtype=np.int32)

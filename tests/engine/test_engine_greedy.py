@@ -95,6 +95,35 @@ def test_chunked_prefill_under_a_small_token_budget():
     assert_matches(outs, refs)
 
 
+def test_lm_head_sees_only_padded_row_counts_and_the_tokens_stay_exact(monkeypatch):
+    """On a GPU, steps that run without a CUDA graph compute logits for a padded row count (``logit_rows``: each
+    new count costs cuBLAS a kernel choice); the padded rows are dropped, so the tokens still match the oracle.
+    Padding on (as on a GPU), on the CPU."""
+    prompts = random_prompts(11, 2, 30, seed=9)
+    refs = hf_greedy("llama_gqa", prompts, 6)
+    model = models("llama_gqa")[1]
+    engine = hf_paged.Engine(model, num_blocks=96, block_size=4, max_batch_tokens=37, max_num_seqs=11)
+    assert not engine.runner.pad_logits  # (the CPU's default)
+    engine.runner.pad_logits = True
+    sampled, rows = [], []
+
+    def recorded(*args, **kwargs):
+        plan = plan_step(*args, **kwargs)
+        sampled.append(plan.num_sampled)
+        return plan
+
+    monkeypatch.setattr(engine_core, "plan_step", recorded)
+    hook = model.lm_head.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[-2]))
+    try:
+        outs = engine.generate(prompts, greedy_config(6))
+    finally:
+        hook.remove()
+    assert_matches(outs, refs)
+    assert engine.stats()["free_blocks"] == engine.stats()["num_blocks"]
+    assert set(sampled) - {1, 2, 4, 8, 16}, sampled  # (the padding had work to do)
+    assert rows and set(rows) <= {1, 2, 4, 8, 16}, rows
+
+
 def test_requests_added_between_steps_and_one_aborted():
     prompts = random_prompts(8, 3, 30, seed=6)
     refs = hf_greedy("llama_gqa", prompts, 12)

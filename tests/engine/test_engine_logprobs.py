@@ -52,11 +52,15 @@ def scored(max_new_tokens: int = 5, **kw) -> GenerationConfig:
                             prompt_logprobs=K, **kw)
 
 
-def test_prompt_and_top_logprobs_equal_the_eager_models_through_chunks_and_the_prefix_cache():
+@pytest.mark.parametrize("pad_logits", [False, True])
+def test_prompt_and_top_logprobs_equal_the_eager_models_through_chunks_and_the_prefix_cache(pad_logits):
+    """Also with the logits rows padded (as on a GPU: ``runner/_step_plan.py``): the scored rows after the
+    sampled ones, then the padding, which is dropped."""
     _, paged = models("llama_gqa")
     shared = random_prompts(1, 40, 40, seed=11)[0]
     prompts = random_prompts(5, 3, 30, seed=12, prefixes=[shared])
     engine = Engine(paged, num_blocks=96, block_size=4, max_batch_tokens=24, max_num_seqs=4)
+    engine.runner.pad_logits = pad_logits
     engine.generate([shared + [7, 8]], GenerationConfig(max_new_tokens=2, do_sample=False))  # fills the cache
     outs = engine.generate(prompts, scored())
     for out in outs:

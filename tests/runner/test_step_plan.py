@@ -14,7 +14,7 @@ from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
 from hf_paged.attention._metadata import Phase, build_metadata
 from hf_paged.engine import _core as engine_core
-from hf_paged.runner._step_plan import plan_step
+from hf_paged.runner._step_plan import logit_rows, plan_step
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sequence import Sequence
 
@@ -28,6 +28,21 @@ def naive_plan(seqs, counts, block_size):
             pos.append(p)
             slots.append(seq.block_table[p // block_size] * block_size + p % block_size)
     return ids, pos, slots
+
+
+def padded_rows(keep: list[int]) -> list[int]:
+    """The logits indices a plan holds: ``keep``, then its last entry again up to the next power of two (at most
+    256; beyond, the next multiple of 256)."""
+    size = 1 << (len(keep) - 1).bit_length() if 0 < len(keep) <= 256 else -(-len(keep) // 256) * 256
+    return keep + keep[-1:] * (size - len(keep))
+
+
+def test_logit_rows_pads_to_few_sizes():
+    assert [logit_rows(n) for n in (0, 1, 2, 3, 5, 8, 9, 31, 33, 129, 256, 257, 511, 513)] == [
+        0, 1, 2, 4, 8, 8, 16, 32, 64, 256, 256, 512, 512, 768]
+    sizes = {logit_rows(n) for n in range(1, 1025)}
+    assert len(sizes) == 12  # 1 .. 256 (nine), 512, 768, 1024
+    assert all(n <= logit_rows(n) <= 2 * n and logit_rows(n) - n < 256 for n in range(1, 4097))
 
 
 def test_plan_matches_a_token_by_token_layout():
@@ -54,7 +69,8 @@ def test_plan_matches_a_token_by_token_layout():
     assert plan.q_lens.tolist() == counts
     assert plan.seq_lens_k.tolist() == [s.num_computed_tokens + n for s, n in zip(seqs, counts)]
     ends = torch.tensor(counts).cumsum(0) - 1
-    assert plan.logits_indices.tolist() == ends[torch.tensor(sample)].tolist()
+    assert plan.logits_indices.tolist() == padded_rows(ends[torch.tensor(sample)].tolist())
+    assert plan.num_sampled == sum(sample)
     for row, seq in zip(plan.block_tables.tolist(), seqs):
         assert row[: len(seq.block_table)] == seq.block_table
 
@@ -103,8 +119,8 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
                              max_num_seqs=6, async_scheduling=async_scheduling)
     checked = []
 
-    def checked_plan(seqs, counts, sample, tables, block_size, columns=None, extra_rows=None):
-        assert extra_rows is None  # (no request here asks for prompt logprobs)
+    def checked_plan(seqs, counts, sample, tables, block_size, columns=None, extra_rows=None, pad_logits=False):
+        assert extra_rows is None and not pad_logits  # (no prompt logprobs asked; the CPU pads no logits rows)
         plan = plan_step(seqs, counts, sample, tables, block_size, columns=columns)  # (steady steps pass columns)
         want, ids, pos, sources, keep = _reference_metadata(seqs, counts, sample, tables, block_size, engine.runner)
         seg = plan.segments()
@@ -116,7 +132,7 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
             assert getattr(got, name).dtype == getattr(want, name).dtype, name
             assert torch.equal(getattr(got, name), getattr(want, name)), name
         assert seg["input_ids"].tolist() == ids and seg["position_ids"].tolist() == pos
-        assert seg["logits_indices"].tolist() == keep
+        assert seg["logits_indices"].tolist() == keep and plan.num_sampled == len(keep)
         assert (None if seg["token_sources"] is None else seg["token_sources"].tolist()) == sources
         ones = next((i for i, n in enumerate(counts) if n != 1), len(counts))
         assert got.single_token_prefix == (0 if want.phase is Phase.DECODE else ones)
