@@ -209,6 +209,8 @@ def cold_start(doc: Path, name: str) -> str:
 AB_FIGURES = {
     "hf_paged anchor": ("anchor, `generate_batch`, output tok/s", tok),
     "hf_paged latency": ("batch 1, `generate_batch`, ms per output token", ms),
+    "anchor, no settings, first call tok/s": ("anchor, no settings, a process's first call, output tok/s", tok),
+    "anchor, no settings, later calls tok/s": ("anchor, no settings, its later calls, output tok/s", tok),
     "generate optimized B1 ms/step": ("`generate` + `optimize_generate`, batch 1, ms per decode step", ms),
     "generate optimized B64 ms/step": ("`generate` + `optimize_generate`, batch 64, ms per decode step", ms),
     "generate optimized B64 ms/token all-in": ("`generate` + `optimize_generate`, batch 64, ms per token, whole call",
