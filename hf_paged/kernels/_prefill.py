@@ -64,7 +64,9 @@ def paged_prefill(
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, already holding every token of each
             context (the new tokens included); any ``block_size``. Or ``float8_e4m3fn`` with ``k_scale``/``v_scale``
             (query float16 or bfloat16, ``D`` in :data:`~hf_paged.kernels.FP8_HEAD_DIMS`).
-        cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the new-token counts.
+        cu_seqlens_q: ``[B + 1]`` int32 prefix sums of the new-token counts. The tensor-core kernels also take
+            offsets that start past 0 (rows before ``cu_seqlens_q[0]`` are left as they are); float32 computes
+            every row of ``query`` and needs them to start at 0.
         seq_lens_k: ``[B]`` int32 context lengths, new tokens included: new token ``i`` of sequence ``b`` sits at
             position ``seq_lens_k[b] - q_len[b] + i`` and sees keys ``j <= `` that position.
         block_tables: ``[B, max_blocks]`` int32 physical block ids; entries past a sequence's length are not read.

@@ -142,10 +142,10 @@ def test_kernel_entry_points_raise_the_reason(no_gpu):
                              torch.zeros(1, 1, dtype=torch.int32), torch.ones(1, dtype=torch.int32), 0.1)
 
 
-def test_a_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel(monkeypatch):
-    """The routing alone (the kernels recorded, not run; tests/gpu/attention/test_mixed_step_gpu.py judges the
-    numbers): the first ``single_token_prefix`` rows to the decode kernel, the chunks to the prefill kernel with the
-    tail of ``cu_seqlens_q``, both into one output, the step's cut made once for every layer."""
+def _mixed_step(monkeypatch, dtype: torch.dtype):
+    """A mixed step of a decode, a decode, a prompt chunk and a one-token row behind it (``single_token_prefix``
+    2), run through two layers of the cuda backend with its kernels recorded, not run: (decode calls, prefill calls,
+    the last output, query, metadata, context lengths)."""
     decode, prefill = [], []
     monkeypatch.setattr(cuda_backend, "plan_decode", lambda *a: cuda_backend.DecodePlan(64, None))
     monkeypatch.setattr(cuda_backend.kernels, "paged_decode", lambda *a, **k: decode.append((a, k)))
@@ -157,9 +157,18 @@ def test_a_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel(monkeyp
                           block_tables=torch.randint(0, 50, (4, 8), generator=gen), slot_mapping=torch.arange(8),
                           token_index=None, grid=(1, 8), block_size=4, device=torch.device("cpu"))
     meta = dataclasses.replace(meta, single_token_prefix=2)
-    query, cache = torch.randn(8, 4, 32, generator=gen), torch.zeros(50, 4, 2, 32)
+    query, cache = torch.randn(8, 4, 32, generator=gen).to(dtype), torch.zeros(50, 4, 2, 32, dtype=dtype)
     for _ in range(2):  # two layers of one step
         out = cuda_backend.CudaBackend().forward(query, query, query, cache, cache, meta, AttentionParams(scale=0.1))
+    return decode, prefill, out, query, meta, lens
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_a_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel(monkeypatch, dtype: torch.dtype):
+    """The routing alone (tests/gpu/attention/test_mixed_step_gpu.py judges the numbers): the first
+    ``single_token_prefix`` rows to the decode kernel, the chunks to the prefill kernel with the tail of
+    ``cu_seqlens_q``, both into one output, the step's cut made once for every layer."""
+    decode, prefill, out, query, meta, lens = _mixed_step(monkeypatch, dtype)
     (d_args, d_kwargs), (p_args, p_kwargs) = decode[-1], prefill[-1]
     assert torch.equal(d_args[0], query[:2]) and torch.equal(d_args[3], meta.block_tables[:2])
     assert d_args[4].tolist() == lens[:2] and d_kwargs["out"].data_ptr() == out.data_ptr()
@@ -168,3 +177,14 @@ def test_a_mixed_step_sends_its_leading_decode_rows_to_the_decode_kernel(monkeyp
     assert p_args[3].tolist() == [2, 7, 8] and p_args[4].tolist() == lens[2:]  # cu q offsets index the whole query
     assert torch.equal(p_args[5], meta.block_tables[2:])
     assert decode[0][0][3] is decode[1][0][3] and prefill[0][0][3] is prefill[1][0][3]  # cut once per step
+
+
+def test_a_float32_mixed_step_goes_to_the_prefill_path_whole(monkeypatch):
+    """float32's prefill runs every query row as a decode of a sequence of its ``cu_seqlens_q``: handed the tail of
+    a split step, it overwrote the decode rows the decode kernel had written (a GPU engine in float32 then gave
+    other tokens once its schedule changed). So float32 takes no split: one prefill call over the whole step."""
+    decode, prefill, out, query, meta, lens = _mixed_step(monkeypatch, torch.float32)
+    assert decode == [] and len(prefill) == 2
+    p_args, p_kwargs = prefill[-1]
+    assert p_args[0] is query and p_args[3].tolist() == [0, 1, 2, 7, 8] and p_args[4].tolist() == lens
+    assert torch.equal(p_args[5], meta.block_tables) and p_kwargs["out"] is None

@@ -239,8 +239,10 @@ class CudaBackend(AttentionBackend):
         # prefill and extend alike. max_seqlen_q is a host int: no sync. The decode rows in front of a mixed step's
         # prefill chunks (single_token_prefix) go to the decode kernel: in the prefill kernel each would fill a whole
         # query tile with one row (and size the grid by the longest chunk), 7% of the copy-rate roofline on the
-        # anchor's mixed steps (docs/design/kernels.md, "Mixed steps").
-        d = meta.single_token_prefix
+        # anchor's mixed steps (docs/design/kernels.md, "Mixed steps"). Not in float32, whose prefill runs every
+        # query row as a decode of its own (kernels/_prefill.py): it gains nothing from the split, and it would
+        # write the decode rows too (each row of the query belongs to a sequence of its cu_seqlens_q there).
+        d = meta.single_token_prefix if query.dtype != torch.float32 else 0
         out = None
         if d:
             rows = split_rows(meta)

@@ -1,7 +1,8 @@
 """A mixed step through the cuda backend: the decode rows in front of the prefill chunks (``single_token_prefix``)
 go to the decode kernel, the rest to the prefill kernel, into one output. Judged against the float64 torch oracle
 on fresh random data, and against the same step served by the prefill kernel alone; a prefix that is the whole step
-(only the decode kernel runs) and one that stops before a later one-token row (which the prefill kernel keeps)."""
+(only the decode kernel runs) and one that stops before a later one-token row (which the prefill kernel keeps).
+float32 is served by the prefill path alone, split or not."""
 
 from __future__ import annotations
 
@@ -35,9 +36,11 @@ def seeded(label: str) -> torch.Generator:
 
 
 @pytest.mark.parametrize("head_dim", [64, 128])
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32], ids=["bf16", "fp16", "fp32"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_decode_rows_in_front_go_to_the_decode_kernel(step: str, dtype: torch.dtype, head_dim: int):
+    """float32 takes no split (its prefill runs each row as a decode and writes every row): the split step must
+    still equal the oracle, which the split once broke (the prefill pass overwrote the decode rows)."""
     prefix, new, ones = STEPS[step]
     meta, query, key, value, k_cache, v_cache, params = prefill_step(prefix, new, 16, 32, 8, head_dim, dtype,
                                                                      seeded(f"{step}-{dtype}-{head_dim}"))
