@@ -7,6 +7,8 @@
   prefill chunks mixed with decodes; and the graphs really served the decode steps.
 - On-demand capture adds the smaller sizes mid-run, with the tokens unchanged; so does an engine's default capture
   (each size at its first use), and an engine with no settings takes the automatic sizes of a CUDA device.
+- Steps without a graph compute logits for rows padded to a power of two, with the tokens of the same engine
+  without padding.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
 """
@@ -114,6 +116,24 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, nu
     if num_blocks == 90:
         assert stats["preemptions"] > 0
     assert stats["used_blocks"] == 0
+
+
+def test_eager_steps_pad_their_logits_rows_and_keep_the_tokens(f32_model):
+    prompts = _prompts(9, seed=4, lo=1, hi=90)
+    configs = [GenerationConfig(max_new_tokens=12 + i % 5, do_sample=False, eos_token_id=None) for i in range(9)]
+    kwargs = dict(num_blocks=512, block_size=16, max_batch_tokens=128, max_num_seqs=12, cuda_graphs=False)
+    padded, plain = hf_paged.Engine(f32_model, **kwargs), hf_paged.Engine(f32_model, **kwargs)
+    assert padded.runner.pad_logits  # (a GPU's default)
+    plain.runner.pad_logits = False
+    rows = []
+    hook = f32_model.lm_head.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[-2]))
+    try:
+        got = padded.generate(prompts, configs)
+    finally:
+        hook.remove()
+    want = plain.generate(prompts, configs)
+    assert [o.token_ids for o in got] == [o.token_ids for o in want]
+    assert rows and set(rows) <= {1, 2, 4, 8, 16}, sorted(set(rows))
 
 
 def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f32_model, monkeypatch):
