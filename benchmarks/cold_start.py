@@ -37,6 +37,14 @@ time went.
 file goes to ``D/<system>.prof``, and the functions with the most cumulative time are printed): where the time of a
 warm start goes. Its row is labelled ``second_profiled``; profiling slows Python, so it is not a timing.
 
+Bytecode (``--bytecode``): a pip install compiles every package's bytecode once, and each process then loads it.
+A Python that writes none (``PYTHONDONTWRITEBYTECODE``, a read-only site folder without ``__pycache__``) compiles
+the source of every module each process imports instead: several seconds of import and of the first compile that
+a user's installation does not pay. ``auto`` (the default) then compiles the packages the children import (those of
+the modules they hold after importing, each package whole) into one cache folder beforehand (``compileall``, timed
+apart, as an install does it) and points every child there (``PYTHONPYCACHEPREFIX``), for every system alike;
+``compile`` does so always, ``as-is`` never. The result's ``meta.bytecode`` says which.
+
 ``--smoke`` runs every path on the CPU with a tiny model (4 prompts, 4 new tokens, the tiny serve checkpoint);
 its numbers mean nothing.
 """
@@ -72,6 +80,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", type=Path, help="the serve checkpoint's folder (built there unless it holds it)")
     p.add_argument("--timeout", type=float, default=600, help="seconds one process may take")
     p.add_argument("--profile-dir", type=Path, help="profile one more warm process per system (cProfile) into here")
+    p.add_argument("--bytecode", choices=("auto", "compile", "as-is"), default="auto",
+                   help="compile the packages' bytecode beforehand: where this Python writes none (auto), always, "
+                        "or never (default auto)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     p.add_argument("--cprofile", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=[s for s in SYSTEMS if s != "serve"], help=argparse.SUPPRESS)
@@ -116,6 +127,18 @@ def parent(args: argparse.Namespace) -> list[dict]:
         subprocess.run([sys.executable, str(BENCH / "serve_model.py"), "--out", str(model_dir)]
                        + (["--smoke", "--device", "cpu"] if args.smoke else []), check=True, cwd=ROOT, env=_env({}),
                        stdout=subprocess.DEVNULL)
+    bytecode_env = {}
+    if args.bytecode == "compile" or (args.bytecode == "auto" and writes_no_bytecode()):
+        prefix = Path(tempfile.mkdtemp(prefix="cold_start_bytecode_"))
+        began = time.perf_counter()
+        folders = package_folders(args.systems)
+        compile_bytecode(folders, prefix)
+        bytecode_env = {"PYTHONPYCACHEPREFIX": str(prefix)}
+        meta["bytecode"] = (f"compiled beforehand into one cache folder for every child ({len(folders)} package "
+                            f"folders, {time.perf_counter() - began:.1f} s)")
+        log(meta["bytecode"])
+    else:
+        meta["bytecode"] = "as installed" if not writes_no_bytecode() else "none: each process compiles its sources"
     kernels = str(envs.kernel_cache_dir())
     rows: list[dict] = []
     processes = ("first", "second") + (("portable",) if args.portable else ()) + (
@@ -125,7 +148,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
         for which in processes:
             caches = root / ("portable" if which == "portable" else "torch")
             env = {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
-                   "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels}
+                   "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels, **bytecode_env}
             log(f"{system} / {which} process ...")
             profile = None
             if which == "second_profiled":
@@ -160,9 +183,49 @@ def print_profile(system: str, path: Path, limit: int = 45) -> None:
 
 
 def _env(extra: dict) -> dict:
-    """This checkout's hf_paged, no network, and ``extra`` (the process's cache folders)."""
+    """This checkout's hf_paged, no network, and ``extra`` (the process's cache folders; with a bytecode folder
+    (``PYTHONPYCACHEPREFIX``), the process reads and writes bytecode there)."""
     path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+    env = {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
+    if "PYTHONPYCACHEPREFIX" in extra:
+        env.pop("PYTHONDONTWRITEBYTECODE", None)
+    return env
+
+
+def writes_no_bytecode() -> bool:
+    """Whether this Python leaves imported modules without bytecode (``-B`` or ``PYTHONDONTWRITEBYTECODE``)."""
+    return sys.dont_write_bytecode or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
+
+
+# What a child imports before its first call (the serve system's server too); the packages of the modules these
+# leave loaded get their bytecode compiled
+_CHILD_IMPORTS = ("torch", "transformers", "hf_paged", "torch._inductor.compile_fx", "torch._dynamo")
+
+
+def package_folders(systems: list[str]) -> list[str]:
+    """The folders of the installed packages whose modules a child holds after its imports (this checkout's
+    hf_paged included; the standard library left out), found in a process of their own."""
+    imports = _CHILD_IMPORTS + (("hf_paged.server",) if "serve" in systems else ())
+    code = ("import importlib, importlib.util, json, sys, sysconfig\n"
+            f"for name in {imports!r}: importlib.import_module(name)\n"
+            "if importlib.util.find_spec('triton'): import triton\n"
+            "std = sysconfig.get_paths()['stdlib']\n"
+            "out = set()\n"
+            "for top in sorted({n.split('.')[0] for n in list(sys.modules)}):\n"
+            "    spec = getattr(sys.modules.get(top), '__spec__', None)\n"
+            "    for where in (spec.submodule_search_locations or []) if spec else []:\n"
+            "        if not where.startswith(std) or 'packages' in where:\n"
+            "            out.add(where)\n"
+            "print(json.dumps(sorted(out)))\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env({}), capture_output=True, text=True,
+                          check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def compile_bytecode(folders: list[str], prefix: Path) -> None:
+    """Compile every module of ``folders`` into the bytecode cache folder ``prefix``, on every core."""
+    subprocess.run([sys.executable, "-m", "compileall", "-q", "-j", "0", *folders], cwd=ROOT,
+                   env=_env({"PYTHONPYCACHEPREFIX": str(prefix)}), stdout=subprocess.DEVNULL, check=False)
 
 
 def run_child(system: str, args: argparse.Namespace, env: dict, profile: Path | None = None) -> dict:

@@ -312,6 +312,8 @@ def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
                                  "--model-dir", str(tmp_path / "model")])
     data = json.loads(path.read_text())
     assert data["meta"]["card"] == "cpu" and data["meta"]["hf_paged"]
+    assert data["meta"]["bytecode"].startswith("as installed" if not cold_start.writes_no_bytecode()
+                                               else "compiled beforehand")
     rows = {(r["system"], r["process"]): r for r in data["rows"]}
     assert set(rows) == {(s, p) for s in cold_start.SYSTEMS for p in ("first", "second")}
     for (system, _), row in rows.items():
@@ -327,6 +329,28 @@ def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
             else:
                 assert row["hf_paged_imported"], row
     assert "| generate_batch | second |" in out
+
+
+@pytest.mark.slow
+def test_cold_start_compiles_the_childrens_bytecode_where_python_writes_none(tmp_path, monkeypatch):
+    """Where this Python writes no bytecode, the children get one folder of compiled bytecode
+    (``PYTHONPYCACHEPREFIX``) for the packages they import, the standard library left out; elsewhere nothing
+    changes."""
+    monkeypatch.delenv("PYTHONDONTWRITEBYTECODE", raising=False)
+    monkeypatch.setattr(sys, "dont_write_bytecode", False)
+    assert not cold_start.writes_no_bytecode()
+    monkeypatch.setenv("PYTHONDONTWRITEBYTECODE", "1")
+    assert cold_start.writes_no_bytecode()
+    assert cold_start._env({})["PYTHONDONTWRITEBYTECODE"] == "1"
+    env = cold_start._env({"PYTHONPYCACHEPREFIX": str(tmp_path)})
+    assert "PYTHONDONTWRITEBYTECODE" not in env and env["PYTHONPYCACHEPREFIX"] == str(tmp_path)
+    folders = [Path(f) for f in cold_start.package_folders(["generate_batch"])]
+    assert {"torch", "transformers", "hf_paged"} <= {f.name for f in folders}
+    assert not {"json", "asyncio", "email"} & {f.name for f in folders}  # the standard library has its own
+    small = cold_start.ROOT / "hf_paged" / "cli"
+    cold_start.compile_bytecode([str(small)], tmp_path)
+    compiled = {p.name.split(".")[0] for p in tmp_path.rglob("*.pyc")}
+    assert {p.stem for p in small.glob("*.py")} <= compiled
 
 
 @pytest.mark.slow
