@@ -63,8 +63,13 @@ def _anchor(folder: Path, systems: str, timeout: float) -> dict:
             raise RuntimeError(f"{row['system']} {row['workload']}: {row.get('status')} {row.get('error', '')}")
         key = f"{row['system']} {row['workload']}"
         figures[key] = row["ms_per_token"] if row["workload"] == "latency" else row["tok_per_s"]
-    return {"figures": figures, "seconds": seconds, "card": rows[0].get("card"), "versions": {
-        k: rows[0].get(k) for k in ("torch", "transformers", "flash_attn", "date") if k in rows[0]}}
+    return _measured(figures, seconds, rows[0])
+
+
+def _measured(figures: dict, seconds: float, row: dict) -> dict:
+    """A part's figures with its wall time and the card and versions an e2e row records."""
+    return {"figures": figures, "seconds": seconds, "card": row.get("card"), "versions": {
+        k: row.get(k) for k in ("torch", "transformers", "flash_attn", "date") if k in row}}
 
 
 def _defaults(folder: Path, timeout: float) -> dict:
@@ -76,8 +81,7 @@ def _defaults(folder: Path, timeout: float) -> dict:
     figures = {"anchor, no settings, first call tok/s": row["tok_per_s"]}
     if row.get("later_tok_per_s"):
         figures["anchor, no settings, later calls tok/s"] = row["later_tok_per_s"]
-    return {"figures": figures, "seconds": seconds, "card": row.get("card"), "versions": {
-        k: row.get(k) for k in ("torch", "transformers", "flash_attn", "date") if k in row}}
+    return _measured(figures, seconds, row)
 
 
 GENERATE_NEW_TOKENS = 128

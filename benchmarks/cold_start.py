@@ -197,8 +197,8 @@ def writes_no_bytecode() -> bool:
     return sys.dont_write_bytecode or bool(os.environ.get("PYTHONDONTWRITEBYTECODE"))
 
 
-# What a child imports before its first call (the serve system's server too); the packages of the modules these
-# leave loaded get their bytecode compiled
+# What a child imports, before its first call and in its compile (the serve system's server too); the packages of
+# the modules these leave loaded get their bytecode compiled
 _CHILD_IMPORTS = ("torch", "transformers", "hf_paged", "torch._inductor.compile_fx", "torch._dynamo")
 
 
