@@ -8,6 +8,8 @@ Parts (``--parts``):
   anchor    ``e2e_throughput.py --workloads anchor,latency --systems hf_paged``: the anchor workload's output tok/s
             (256 prompts of 128-1024 random tokens, 256 new, greedy, Llama-3.2-1B-shaped bf16, 8192-token budget)
             and batch-1 decode ms per output token
+  latency   the anchor part's batch-1 decode alone (``--workloads latency``): a process that compiles the layers
+            for batch 1 only
   defaults  ``e2e_throughput.py --workloads anchor --systems hf_paged --defaults --calls 3``: the anchor workload with
             no settings, the process's first call (the figure) and the median of the two later calls
   generate  ``generate_latency.py --systems hf_paged_optimized --batches 1,64``: plain ``model.generate`` with
@@ -32,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("anchor", "defaults", "generate")
+PARTS = ("anchor", "latency", "defaults", "generate")
 
 
 SMOKE: list[str] = []  # ["--smoke"] with --smoke: every script on its tiny CPU model
@@ -54,8 +56,8 @@ def _run(folder: Path, argv: list[str], timeout: float) -> tuple[list[dict], flo
         return (data["rows"] if isinstance(data, dict) and "rows" in data else data), seconds, tail
 
 
-def _anchor(folder: Path, systems: str, timeout: float) -> dict:
-    rows, seconds, _ = _run(folder, ["benchmarks/e2e_throughput.py", "--workloads", "anchor,latency",
+def _anchor(folder: Path, systems: str, timeout: float, workloads: str = "anchor,latency") -> dict:
+    rows, seconds, _ = _run(folder, ["benchmarks/e2e_throughput.py", "--workloads", workloads,
                                      "--systems", systems], timeout)
     figures = {}
     for row in rows:
@@ -127,6 +129,8 @@ def main(argv: list[str] | None = None) -> int:
                 if part == "anchor":
                     systems = "hf_paged,transformers" if args.baseline and r == 0 and tag == order[0] else "hf_paged"
                     got = _anchor(folders[tag], systems, args.timeout)
+                elif part == "latency":
+                    got = _anchor(folders[tag], "hf_paged", args.timeout, workloads="latency")
                 elif part == "defaults":
                     got = _defaults(folders[tag], args.timeout)
                 else:

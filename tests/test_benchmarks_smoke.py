@@ -18,6 +18,7 @@ import torch
 BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
 sys.path.insert(0, str(BENCH))
 
+import ab_checkouts  # noqa: E402
 import anchor_repeat  # noqa: E402
 import cold_start  # noqa: E402
 import e2e_throughput  # noqa: E402
@@ -222,6 +223,25 @@ def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     prepare_us, compiled_us = generate_step_parts.host_parts(model, call)
     assert prepare_us > 0 and compiled_us > 0
     assert "prepare_inputs_for_generation" not in model.__dict__, "the timing wrappers are removed"
+
+
+@pytest.mark.slow
+def test_ab_checkouts_smoke_runs_each_part_in_each_checkout(tmp_path):
+    """Two parts, one round, this checkout as both sides: each part's figures come back for each side, from a process
+    of its own, and the medians pair them."""
+    out = tmp_path / "ab.json"
+    root = str(BENCH.parent)
+    _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", "latency,defaults",
+                             "--smoke", "--json", str(out)])
+    result = json.loads(out.read_text())
+    runs = {(run["checkout"], run["part"]): run["figures"] for run in result["rounds"]}
+    assert set(runs) == {(side, part) for side in ("old", "new") for part in ("latency", "defaults")}
+    for side in ("old", "new"):
+        assert set(runs[side, "latency"]) == {"hf_paged latency"} and runs[side, "latency"]["hf_paged latency"] > 0
+        assert set(runs[side, "defaults"]) == {"anchor, no settings, first call tok/s",
+                                               "anchor, no settings, later calls tok/s"}
+        assert all(v > 0 for v in runs[side, "defaults"].values())
+    assert all(set(by) == {"old", "new"} for by in ab_checkouts.medians(result).values())
 
 
 @pytest.mark.slow
