@@ -52,7 +52,7 @@ class EngineConfig:
     memory_budget: float = _cache_field("memory_budget")
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
-    compile_layers: bool | None = None
+    compile_layers: bool | str | None = None
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None
@@ -69,9 +69,13 @@ class EngineConfig:
                                      f"{getattr(self, name)!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        for name in ("async_scheduling", "compile_layers", "skinny_linear"):
+        for name in ("async_scheduling", "skinny_linear"):
             if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
                 raise ValueError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
+        if self.compile_layers is not None and not isinstance(self.compile_layers, bool) and (
+                self.compile_layers != "background"):
+            raise ValueError(f"compile_layers must be True, False, None (automatic) or 'background', got "
+                             f"{self.compile_layers!r}")
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
         if self.cuda_graph_capture is not None and self.cuda_graph_capture not in GRAPH_CAPTURE:
             raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))} or None "

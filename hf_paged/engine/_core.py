@@ -29,11 +29,11 @@ from hf_paged import _compat
 from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
-from hf_paged.compile import _layers as compiled_layers
 from hf_paged.parallel import _fuse_all_reduce as fuse_all_reduce
 from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel import _lockstep as lockstep
 from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.engine import _background_compile as background_compile
 from hf_paged.engine import _sizing as sizing
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._sizing import Workload
@@ -98,7 +98,9 @@ class EngineCore:
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
         tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
-        self.compiled = compiled_layers.for_engine(model, cfg.compile_layers, tp_compile)
+        self.compiled = background_compile.layers_for_engine(
+            model, cfg.compile_layers, tp_compile,
+            {name: getattr(cfg, name) for name in background_compile.HELPER_SETTINGS})
         self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear,
                                                       routed_elsewhere=tp_linears.installed(model))
         self.runner = ModelRunner(model, self.pool, self.dispatcher, cfg.max_batch_tokens, self.device,

@@ -73,7 +73,10 @@ class Engine(EngineCore):
             graph-captured steps alike. None: on for CUDA models where triton is installed; True also compiles on
             the CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process;
             a compiler failure switches back to the eager modules with a warning. Only the engine's own model
-            calls use the compiled code.
+            calls use the compiled code. ``"background"``: where nothing of the model is compiled yet (in this
+            process or on disk), this engine runs the layers eagerly while a helper process compiles a slim copy
+            of the model into torch's caches, and engines started after it compile from them
+            (``engine/_background_compile.py``); a long-lived engine keeps what it started with.
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
@@ -116,7 +119,7 @@ class Engine(EngineCore):
         memory_budget: float = EngineConfig.memory_budget,
         cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
         async_scheduling: bool | None = EngineConfig.async_scheduling,
-        compile_layers: bool | None = EngineConfig.compile_layers,
+        compile_layers: bool | str | None = EngineConfig.compile_layers,
         skinny_linear: bool | None = EngineConfig.skinny_linear,
         config: EngineConfig | None = None,
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
