@@ -4,11 +4,16 @@ Systems (``--systems``, in this order by default), each with no settings:
   generate_batch  ``hf_paged.generate_batch(model, prompts, config)``
   generate_batch_eager  the same with the layers left eager (``compile_layers=False`` in the continuous-batching
                   config): what a one-off call gets without torch.compile's first compile
+  generate_batch_background  the same with ``compile_layers="background"``: eager calls while a helper process
+                  compiles a slim copy of the model; after the two timed calls the child waits for the helper and
+                  times two more calls (``helper``, ``helper_done``, ``compiled_call``: the first compiled call, its
+                  compile from torch's caches included; ``compiled_again``)
   engine          ``hf_paged.Engine(model)``, then ``engine.stream(prompts, config)``
   generate        ``model.generate`` on a compileable ``PagedAttentionCache`` after ``hf_paged.optimize_generate``,
                   batch 1 (the first prompt)
   serve           ``hf-paged serve --model DIR`` (no engine flags): ready (``/health`` answers), then one streamed
                   completion of the first prompt
+  serve_background  the same with ``--compile-layers background``
   transformers    transformers' own ``model.generate_batch`` (sdpa; it switches to flash-attn where installed): the
                   baseline of generate_batch's first call on the same work
 
@@ -65,7 +70,9 @@ from types import SimpleNamespace
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
-SYSTEMS = ("generate_batch", "generate_batch_eager", "engine", "generate", "serve", "transformers")
+SYSTEMS = ("generate_batch", "generate_batch_eager", "generate_batch_background", "engine", "generate", "serve",
+           "serve_background", "transformers")
+SERVERS = ("serve", "serve_background")
 COLUMNS = ("import", "load", "first_token", "steady", "ready", "second_call")
 
 
@@ -85,7 +92,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "or never (default auto)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     p.add_argument("--cprofile", help=argparse.SUPPRESS)
-    p.add_argument("--child", choices=[s for s in SYSTEMS if s != "serve"], help=argparse.SUPPRESS)
+    p.add_argument("--child", choices=[s for s in SYSTEMS if s not in SERVERS], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
@@ -121,7 +128,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
         meta["kernels_build_s"] = round(time.perf_counter() - began, 2)
         log(f"kernels ready ({meta['kernels_build_s']} s)")
     model_dir = None
-    if "serve" in args.systems:
+    if set(SERVERS) & set(args.systems):
         model_dir = args.model_dir or Path(tempfile.gettempdir()) / ("cold_start_model" + ("_smoke" if args.smoke
                                                                                           else ""))
         subprocess.run([sys.executable, str(BENCH / "serve_model.py"), "--out", str(model_dir)]
@@ -152,12 +159,12 @@ def parent(args: argparse.Namespace) -> list[dict]:
             log(f"{system} / {which} process ...")
             profile = None
             if which == "second_profiled":
-                if system == "serve":
+                if system in SERVERS:
                     continue
                 args.profile_dir.mkdir(parents=True, exist_ok=True)
                 profile = args.profile_dir / f"{system}.prof"
             try:
-                row = (run_server(args, model_dir, env) if system == "serve"
+                row = (run_server(args, model_dir, env, system) if system in SERVERS
                        else run_child(system, args, env, profile))
             except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
                 row = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
@@ -205,7 +212,7 @@ _CHILD_IMPORTS = ("torch", "transformers", "hf_paged", "torch._inductor.compile_
 def package_folders(systems: list[str]) -> list[str]:
     """The folders of the installed packages whose modules a child holds after its imports (this checkout's
     hf_paged included; the standard library left out), found in a process of their own."""
-    imports = _CHILD_IMPORTS + (("hf_paged.server",) if "serve" in systems else ())
+    imports = _CHILD_IMPORTS + (("hf_paged.server",) if set(SERVERS) & set(systems) else ())
     code = ("import importlib, importlib.util, json, sys, sysconfig\n"
             f"for name in {imports!r}: importlib.import_module(name)\n"
             "if importlib.util.find_spec('triton'): import triton\n"
@@ -245,13 +252,14 @@ def run_child(system: str, args: argparse.Namespace, env: dict, profile: Path | 
     return {"status": "ok", **at, **stamps}
 
 
-def run_server(args: argparse.Namespace, model_dir: Path, env: dict) -> dict:
+def run_server(args: argparse.Namespace, model_dir: Path, env: dict, system: str = "serve") -> dict:
     from bench_server import ServerProcess, free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--model", str(model_dir), "--served-model-name", "m",
            "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"] + (
-        ["--device", "cpu"] if args.smoke else [])
+        ["--device", "cpu"] if args.smoke else []) + (
+        ["--compile-layers", "background"] if system == "serve_background" else [])
     prompt = first_prompts(args, 128256 if not args.smoke else 2000)[0]
     with tempfile.TemporaryDirectory() as tmp:
         spawned = time.time()
@@ -345,11 +353,14 @@ def child(args: argparse.Namespace) -> None:
     prompts = first_prompts(args, shape["vocab_size"])
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = SimpleNamespace(compile_layers=False)  # read by name, as transformers' ContinuousBatchingConfig
+    background = SimpleNamespace(compile_layers="background")
     # only the system's own call is built: building another's would set up its system on this model
     # (optimize_generate installs its decode linears on every model it is given)
     make = {"generate_batch": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(model, p, c, **kw)),
             "generate_batch_eager": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
                 model, p, c, continuous_batching_config=eager, **kw)),
+            "generate_batch_background": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
+                model, p, c, continuous_batching_config=background, **kw)),
             "transformers": lambda: _batch_call(_transformers_call(model, transformers, args.smoke)),
             "engine": lambda: _engine_call(hf_paged, model),
             "generate": lambda: _generate_call(hf_paged, model, torch, device, args.new_tokens)}
@@ -369,10 +380,29 @@ def child(args: argparse.Namespace) -> None:
     run(prompts, config, False)
     sync()
     second = time.perf_counter() - began
+    later = _after_the_helper(model, run, prompts, config, sync, at, args) if args.child.endswith("_background") else {}
     # modules holding an hf_paged forward patch (compiled layers, skinny linears): 0 for transformers' own system
     patched = sum(1 for m in model.modules() if "_hf_paged_patches" in m.__dict__)
     Path(args.result).write_text(json.dumps({"at": at, "second_call": round(second, 3), "hf_paged_patches": patched,
-                                             "hf_paged_imported": "hf_paged" in sys.modules, **compile_counters()}))
+                                             "hf_paged_imported": "hf_paged" in sys.modules, **later,
+                                             **compile_counters()}))
+
+
+def _after_the_helper(model, run, prompts, config, sync, at: dict, args: argparse.Namespace) -> dict:
+    """``compile_layers="background"``: wait for the helper process (``at["helper_done"]``), then time the first
+    call that compiles (from torch's caches) and the one after it."""
+    from hf_paged.engine import _background_compile as background_compile
+
+    helper = background_compile.helper(model)
+    state = helper.wait(args.timeout) if helper is not None else "none"
+    at["helper_done"] = time.time()
+    seconds = []
+    for _ in range(2):
+        began = time.perf_counter()
+        run(prompts, config, False)
+        sync()
+        seconds.append(round(time.perf_counter() - began, 3))
+    return {"helper": state, "compiled_call": seconds[0], "compiled_again": seconds[1]}
 
 
 def _batch_call(generate):

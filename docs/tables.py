@@ -186,8 +186,10 @@ def sweep(doc: Path, name: str) -> str:
 
 
 COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "generate_batch_eager": "`generate_batch`, layers eager",
+                "generate_batch_background": "`generate_batch`, compile in the background",
                 "engine": "`Engine`, `stream`",
                 "generate": "`generate` + `optimize_generate`, batch 1", "serve": "`hf-paged serve`",
+                "serve_background": "`hf-paged serve --compile-layers background`",
                 "transformers": "transformers' `generate_batch`"}
 
 

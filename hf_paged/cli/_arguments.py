@@ -138,6 +138,14 @@ def kv_cache_dtype(text: str) -> str | None:
     return None if text == "auto" else text
 
 
+def compile_layers(text: str) -> bool | str | None:
+    """``Engine(compile_layers=...)``: ``auto`` (None), ``on``, ``off`` or ``background``."""
+    choices = {"auto": None, "on": True, "off": False, "background": "background"}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected auto, on, off or background, got {text!r}")
+    return choices[text]
+
+
 def prompt(text: str) -> str:
     if text == "":
         raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")

@@ -19,6 +19,7 @@ from transformers import GenerationConfig
 
 from hf_paged.cli._arguments import (
     backends,
+    compile_layers,
     device,
     flags_for_parameters,
     kv_cache_dtype,
@@ -52,7 +53,7 @@ MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct, fetched and cached on first use),
 #: How the command line reads each engine flag (the rest of a flag comes from its ``EngineConfig`` field).
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
-              "kv_cache_dtype": kv_cache_dtype}
+              "kv_cache_dtype": kv_cache_dtype, "compile_layers": compile_layers}
 DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 
 

@@ -14,8 +14,10 @@ An engine compiles at once where that is cheap already: compile artifacts of thi
 earlier process compiled it, ``hf_paged.compile._cache``) or compiled code in this process. Where the helper cannot
 help (a config without ``num_hidden_layers``) or fails (a model class its config does not rebuild, no memory), the
 engine compiles in this process, as ``compile_layers=True`` does, and a failure is logged with the helper's last
-lines. An engine decides at its start: a long-lived one (a server) started before the helper is done keeps its
-layers eager. A helper still running when the process exits is stopped.
+lines. An engine of one call (``generate_batch``) decides at its start; a long-lived one (``Engine``, a server)
+started before the helper is done switches to the compiled layers between two steps once it is (``EngineCore.
+_take_compiled_layers``: its decode graphs captured anew), or keeps its layers eager if the helper failed. A helper
+still running when the process exits is stopped.
 
 The helper runs ``python -m hf_paged.engine._background_helper SPEC`` (a JSON file: the slim config, dtype, device and
 engine settings).
@@ -83,6 +85,13 @@ class Helper:
             pass
         return self.state()
 
+    def report(self, then: str) -> None:
+        """Warn once that the helper failed, with its last lines, and what happens ``then``."""
+        if not self.reported:
+            self.reported = True
+            logger.warning("hf_paged: the helper process compiling the layers failed (exit %s: %s); %s",
+                           self.process.returncode, self.log_tail(), then)
+
     def log_tail(self, lines: int = 5) -> str:
         try:
             return " | ".join(self.log.read_text(errors="replace").strip().splitlines()[-lines:])
@@ -132,10 +141,8 @@ def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
     state = helper.state()
     if state == "running":
         return None
-    if state == "failed" and not helper.reported:
-        helper.reported = True
-        logger.warning("hf_paged: the helper process compiling the layers failed (exit %s: %s); compiling them in "
-                       "this process", helper.process.returncode, helper.log_tail())
+    if state == "failed":
+        helper.report("compiling them in this process")
     return layers
 
 

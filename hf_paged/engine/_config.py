@@ -52,7 +52,10 @@ class EngineConfig:
     memory_budget: float = _cache_field("memory_budget")
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
-    compile_layers: bool | str | None = None
+    compile_layers: bool | str | None = field(default=None, metadata=_flag(
+        "compile the layers' work outside attention with torch.compile: auto (default: on for CUDA models where "
+        "triton is installed), on, off, or background (eager until a helper process has compiled a slim copy of the "
+        "model into torch's caches)", metavar="{auto,on,off,background}"))
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None

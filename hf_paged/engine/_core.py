@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+import time
 from collections.abc import Iterator
 from itertools import compress
 from contextlib import contextmanager
@@ -126,6 +127,12 @@ class EngineCore:
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+        # compile_layers="background" in an engine that serves many calls: once the helper process is done, the
+        # layers switch to compiled ones between two steps (_take_compiled_layers); an engine of one call keeps its
+        # eager layers (a switch inside a call would make its tokens depend on timing)
+        self._tables = tables
+        self._helper = background_compile.helper(model) if (
+            cfg.compile_layers == background_compile.BACKGROUND and self.compiled is None and workload is None) else None
         # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
         # optimizer step, load_state_dict) raises its version counter, which each step compares (_forget_kv).
         self._weights = list(model.parameters())
@@ -143,6 +150,8 @@ class EngineCore:
         touched: list[Sequence] = []
         if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
             touched += self._forget_kv()
+        if self._helper is not None and self._helper.state() != "running":
+            touched += self._take_compiled_layers()
         self._collect_failed()
         steady = self._steady
         batch = steady.schedule(self.scheduler) if steady is not None else None
@@ -187,6 +196,33 @@ class EngineCore:
         self._steady = SteadyDecode.after(batch, self.scheduler, self.pool.block_size, self.max_model_len,
                                           self.async_scheduling)
         clock("update")
+        return touched
+
+    def _take_compiled_layers(self) -> list[Sequence]:
+        """``compile_layers="background"``: the helper process ended; from the next step on the layers run compiled
+        (from torch's caches) in decode graphs captured anew (the eager ones are freed), the in-flight step's tokens
+        taken in first; if the helper failed they stay eager. Returns the sequences that got a token."""
+        helper, self._helper = self._helper, None
+        if helper.state() == "failed":  # compiling here would hold up the running requests for the whole compile
+            helper.report("this engine keeps its layers eager; engines started later compile them at start")
+            return []
+        touched = self._resolve()
+        self._steady = None
+        layers = background_compile.layers_for_engine(self.model, self.config.compile_layers, None, {})
+        if layers is None:
+            return touched
+        began = time.perf_counter()
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            graphs.release()
+        self.compiled = self.runner.compiled = layers
+        self.graphs = engine_graphs(self, self.config, self._tables, self.config.max_num_seqs)
+        if layers.artifacts is not None:
+            layers.artifacts.save()
+        logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
+                    time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
         return touched
 
     def _forget_kv(self) -> list[Sequence]:

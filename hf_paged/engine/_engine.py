@@ -75,8 +75,8 @@ class Engine(EngineCore):
             a compiler failure switches back to the eager modules with a warning. Only the engine's own model
             calls use the compiled code. ``"background"``: where nothing of the model is compiled yet (in this
             process or on disk), this engine runs the layers eagerly while a helper process compiles a slim copy
-            of the model into torch's caches, and engines started after it compile from them
-            (``engine/_background_compile.py``); a long-lived engine keeps what it started with.
+            of the model into torch's caches; engines started after it compile from them, and this one switches
+            to them between two steps once it is done (``engine/_background_compile.py``).
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the

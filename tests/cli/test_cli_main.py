@@ -75,7 +75,7 @@ def test_output_closed_early_ends_quietly():
 
 
 @pytest.mark.parametrize("name", ["num_blocks", "block_size", "max_batch_tokens", "memory_budget", "backend",
-                                  "kv_cache_dtype"])
+                                  "kv_cache_dtype", "compile_layers"])
 def test_engine_sizes_default_to_the_engines_own(name):
     """Every engine flag's default is the Engine's, and so is what the command line passes on (``--num-blocks 0``
     is the flag's spelling of None: sized from free memory)."""
@@ -83,6 +83,16 @@ def test_engine_sizes_default_to_the_engines_own(name):
     engine_default = inspect.signature(hf_paged.Engine).parameters[name].default
     assert engine_settings(args)[name] == engine_default
     assert getattr(args, name) == (0 if name == "num_blocks" else engine_default)
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_compile_layers_flag_spells_the_engines_values(command, capsys):
+    parser = build_parser()
+    for text, value in (("auto", None), ("on", True), ("off", False), ("background", "background")):
+        assert engine_settings(parser.parse_args([command, "--compile-layers", text]))["compile_layers"] == value
+    with pytest.raises(SystemExit):
+        parser.parse_args([command, "--compile-layers", "yes"])
+    assert "expected auto, on, off or background, got 'yes'" in capsys.readouterr().err
 
 
 def test_every_command_help_exits_0(capsys):

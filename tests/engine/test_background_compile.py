@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from transformers import LlamaConfig, LlamaForCausalLM, PretrainedConfig
+from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 import hf_paged
 from hf_paged.engine import _background_compile as bc
@@ -36,20 +36,23 @@ model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediat
                                      num_attention_heads=4, num_key_value_heads=2)).eval()
 prompts = [[int(t) for t in torch.randint(0, 128, (n,))] for n in (5, 3, 11)]
 config = GenerationConfig(max_new_tokens=6, do_sample=False)
-tokens = lambda out: [list(out[k].generated_tokens) for k in sorted(out)]
-first = hf_paged.Engine(model, compile_layers="background", max_batch_tokens=64, max_num_seqs=4)
-out = {"first_eager": first.compiled is None, "first_graphs": counters["stats"]["unique_graphs"]}
-first_tokens = [o.token_ids for o in first.generate(prompts, config)]
+settings = dict(max_batch_tokens=64, max_num_seqs=4)
+reference = [o.token_ids for o in hf_paged.Engine(model, compile_layers=False, **settings).generate(prompts, config)]
+# a long-lived engine: eager while the helper runs, compiled from its next step after the helper is done
+first = hf_paged.Engine(model, compile_layers="background", **settings)
+out = {"first_eager": first.compiled is None and not first.stats()["compiled_layers"]}
+tokens = [[o.token_ids for o in first.generate(prompts, config)]]
+out["graphs_while_eager"] = counters["stats"]["unique_graphs"]
 helper = bc.helper(model)
 out["helper"] = helper.wait(600)
-second = hf_paged.Engine(model, compile_layers="background", max_batch_tokens=64, max_num_seqs=4)
-out["second_compiled"] = second.compiled is not None
-second_tokens = [o.token_ids for o in second.generate(prompts, config)]
+tokens.append([o.token_ids for o in first.generate(prompts, config)])
+out["first_switched"] = first.compiled is not None and first.stats()["compiled_layers"]
+# an engine started after the helper: compiled from its start, one helper per model
+second = hf_paged.Engine(model, compile_layers="background", **settings)
+out["second_compiled"] = second.compiled is not None and bc.helper(model) is helper
+tokens.append([o.token_ids for o in second.generate(prompts, config)])
 out["hits"], out["misses"] = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
-eager = hf_paged.Engine(model, compile_layers=False, max_batch_tokens=64, max_num_seqs=4)
-reference = [o.token_ids for o in eager.generate(prompts, config)]
-out["same"] = [first_tokens == reference, second_tokens == reference]
-out["helper_again"] = bc.helper(model) is helper  # one helper per model
+out["same"] = [t == reference for t in tokens]
 print(json.dumps(out))
 """
 
@@ -62,12 +65,11 @@ def test_eager_first_then_compiled_from_the_helpers_caches(tmp_path):
                          timeout=900)
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
-    assert out["first_eager"] and out["first_graphs"] == 0  # nothing compiled in this process for the first engine
+    assert out["first_eager"] and out["graphs_while_eager"] == 0  # nothing compiled here while the helper ran
     assert out["helper"] == "done"
-    assert out["second_compiled"]
+    assert out["first_switched"] and out["second_compiled"]
     assert out["hits"] > 0 and out["misses"] == 0  # every graph of the 3-layer model came from the 1-layer copy's
-    assert out["same"] == [True, True]
-    assert out["helper_again"]
+    assert out["same"] == [True, True, True]
 
 
 def _tiny() -> LlamaForCausalLM:
@@ -93,6 +95,23 @@ def test_a_failed_helper_leaves_the_compile_to_this_process(tmp_path, monkeypatc
     assert "No module named" in warnings[0]  # the helper's own last lines say why
     assert bc.layers_for_engine(model, "background", None, SETTINGS) is layers
     layers.restore()
+
+
+def test_a_long_lived_engine_keeps_its_eager_layers_when_the_helper_fails(tmp_path, monkeypatch, caplog):
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    monkeypatch.setattr(bc, "HELPER_MODULE", "hf_paged.no_such_helper")
+    model = _tiny()
+    prompts = [[3, 5, 7, 9], [2, 4]]
+    config = GenerationConfig(max_new_tokens=5, do_sample=False)
+    reference = [o.token_ids for o in hf_paged.Engine(model, compile_layers=False).generate(prompts, config)]
+    engine = hf_paged.Engine(model, compile_layers="background")
+    assert engine.compiled is None and bc.helper(model).wait(120) == "failed"
+    with caplog.at_level(logging.WARNING, logger="hf_paged"):
+        assert [o.token_ids for o in engine.generate(prompts, config)] == reference
+        assert [o.token_ids for o in engine.generate(prompts, config)] == reference
+    assert engine.compiled is None and not engine.stats()["compiled_layers"]
+    warnings = [r.getMessage() for r in caplog.records]
+    assert len(warnings) == 1 and "keeps its layers eager" in warnings[0] and "No module named" in warnings[0]
 
 
 def test_compiled_code_in_this_process_compiles_at_once_without_a_helper(tmp_path, monkeypatch):
