@@ -135,7 +135,7 @@ def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
         helper = Helper(spec)
         object.__setattr__(model, _ATTRIBUTE, helper)  # not a submodule
         logger.info("hf_paged: the engine runs the model's layers eagerly while a helper process compiles a slim "
-                    "copy of them (pid %d); engines started after it compiles from torch's caches",
+                    "copy of them (pid %d); engines started after it compile from torch's caches",
                     helper.process.pid)
         return None
     state = helper.state()
