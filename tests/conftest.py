@@ -3,7 +3,9 @@ here, GPU tests under gpu/); what several of them share lives in helpers/ (no te
 so that a test imports a helper by its bare name (``from tiny_models import make_models``)."""
 
 import os
+import signal
 import sys
+import threading
 
 import pytest
 import torch
@@ -44,3 +46,19 @@ def _environment_read_afresh():
     envs.refresh()
     yield
     envs.refresh()
+
+
+@pytest.fixture(autouse=True)
+def _ctrl_c_raises():
+    """Ctrl-C raises ``KeyboardInterrupt`` in every test, as in a run from a terminal. A suite started in the
+    background by a shell without job control inherits SIGINT ignored, and Python then installs no handler: the tests
+    that send their own process SIGINT (``tests/engine/test_engine_faults.py``, ``test_engine_interrupts.py``) would
+    see nothing."""
+    if threading.current_thread() is threading.main_thread() and signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.SIG_IGN)
+    else:
+        yield
