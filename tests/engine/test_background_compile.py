@@ -168,6 +168,15 @@ def test_the_slim_copy_keeps_one_layer_of_each_kind():
     assert bc.slim_config(PretrainedConfig()) is None  # no num_hidden_layers: the engine compiles in-process
 
 
+def test_a_tensor_parallel_engine_refuses_background_and_says_what_to_pass(monkeypatch):
+    from hf_paged.parallel import _lockstep as lockstep
+
+    monkeypatch.setattr(lockstep, "tensor_parallel", lambda model: object())  # as for a model sharded by tp_plan
+    with pytest.raises(ValueError, match="compile_layers='background' serves a model on one device.*pass "
+                                         "compile_layers=None or True"):
+        lockstep.for_model(_tiny(), "background", True)
+
+
 def test_compile_layers_background_is_a_setting_and_other_words_are_refused():
     assert hf_paged.EngineConfig(compile_layers="background").compile_layers == "background"
     with pytest.raises(ValueError, match="compile_layers must be True, False, None .* or 'background'"):
