@@ -376,10 +376,7 @@ def child(args: argparse.Namespace) -> None:
         first = run(prompts, config, True)
     sync()
     at["steady"], at["first_token"] = time.time(), first
-    began = time.perf_counter()
-    run(prompts, config, False)
-    sync()
-    second = time.perf_counter() - began
+    second = _timed_call(run, prompts, config, sync)
     later = _after_the_helper(model, run, prompts, config, sync, at, args) if args.child.endswith("_background") else {}
     # modules holding an hf_paged forward patch (compiled layers, skinny linears): 0 for transformers' own system
     patched = sum(1 for m in model.modules() if "_hf_paged_patches" in m.__dict__)
@@ -396,13 +393,16 @@ def _after_the_helper(model, run, prompts, config, sync, at: dict, args: argpars
     helper = background_compile.helper(model)
     state = helper.wait(args.timeout) if helper is not None else "none"
     at["helper_done"] = time.time()
-    seconds = []
-    for _ in range(2):
-        began = time.perf_counter()
-        run(prompts, config, False)
-        sync()
-        seconds.append(round(time.perf_counter() - began, 3))
-    return {"helper": state, "compiled_call": seconds[0], "compiled_again": seconds[1]}
+    first, again = (round(_timed_call(run, prompts, config, sync), 3) for _ in range(2))
+    return {"helper": state, "compiled_call": first, "compiled_again": again}
+
+
+def _timed_call(run, prompts, config, sync) -> float:
+    """Seconds of one more call of the work, its device work included."""
+    began = time.perf_counter()
+    run(prompts, config, False)
+    sync()
+    return time.perf_counter() - began
 
 
 def _batch_call(generate):

@@ -130,7 +130,6 @@ class EngineCore:
         # compile_layers="background" in an engine that serves many calls: once the helper process is done, the
         # layers switch to compiled ones between two steps (_take_compiled_layers); an engine of one call keeps its
         # eager layers (a switch inside a call would make its tokens depend on timing)
-        self._tables = tables
         self._helper = background_compile.helper(model) if (
             cfg.compile_layers == background_compile.BACKGROUND and self.compiled is None and workload is None) else None
         # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
@@ -212,18 +211,22 @@ class EngineCore:
         if layers is None:
             return touched
         began = time.perf_counter()
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        graphs, self.graphs = self.graphs, None
-        if graphs is not None:
-            graphs.release()
+        self._release_graphs()
         self.compiled = self.runner.compiled = layers
-        self.graphs = engine_graphs(self, self.config, self._tables, self.config.max_num_seqs)
+        self.graphs = engine_graphs(self, self.config, self.block_manager.tables, self.config.max_num_seqs)
         if layers.artifacts is not None:
             layers.artifacts.save()
         logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
                     time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
         return touched
+
+    def _release_graphs(self) -> None:
+        """Free the decode CUDA graphs now, once the device is done with any step that may still replay one."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graphs, self.graphs = self.graphs, None
+        if graphs is not None:
+            graphs.release()
 
     def _forget_kv(self) -> list[Sequence]:
         """Drop every KV computed with the weights the model had before: the in-flight step's tokens are taken in

@@ -381,11 +381,7 @@ class Engine(EngineCore):
             return
         self.abort_all()  # (takes the engine's lock itself)
         with self._stepping():
-            if self.device.type == "cuda":
-                torch.cuda.synchronize(self.device)  # an in-flight step may still replay a graph
-            graphs, self.graphs = self.graphs, None
-            if graphs is not None:
-                graphs.release()
+            self._release_graphs()  # (an in-flight step may still replay a graph)
             self._steady = self._inflight = None
             self._closed = True
 
