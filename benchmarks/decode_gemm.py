@@ -1,0 +1,190 @@
+"""A decode step's linear layers at batch rows against their roofline: cuBLAS, cuBLASLt and inductor's autotuned GEMMs.
+
+Above 8 rows the engine runs every linear of a decode step on cuBLAS (``F.linear``), q/k/v and gate/up each as one
+product over the weights packed end to end. This times those products at ``--rows`` (default 64, 128, 256) rows of
+x, each against its roofline max(FLOPs / matrix rate, bytes / copy rate), both rates measured in the same run (a
+bf16 8192^3 product; a 1 GiB device-to-device copy, read and write counted). Systems:
+  cublas     ``F.linear``, as the engine's compiled layers call it
+  cublaslt   the same through torch's cuBLASLt path (``torch.backends.cuda.preferred_blas_library("cublaslt")``)
+  autotuned  at the row counts of ``--autotune`` (default none): the product compiled alone with ``torch.compile(mode="max-autotune-no-cudagraphs")``,
+             inductor's Triton GEMM templates benchmarked against cuBLAS and the fastest kept (about 20-30 s of
+             tuning per product and row count)
+Products (``--models``): ``1b`` (Llama-3.2-1B: q/k/v 3072 x 2048, o 2048 x 2048, gate/up 16384 x 2048, down 2048 x
+8192 per layer, 16 layers; lm_head 128256 x 2048 once per step) and ``8b`` (Llama-3.1-8B, 32 layers).
+
+Each time is of a CUDA graph cycling through enough copies of the weight to span twice the L2 cache, as
+``skinny_gemm.py`` times (every call reads its weight from DRAM, no host launch cost). Each system's output is checked
+against a float32 product first. The summary adds one decode step's products per model and row count. Progress lines
+go to stdout as it runs, the table last; ``--json`` writes every row, the card, the versions and the date.
+
+    python benchmarks/decode_gemm.py [--models 1b] [--rows 64,128,256] [--autotune 256] [--replays 20] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # skinny_gemm's timing helpers
+sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+import transformers  # noqa: E402
+from skinny_gemm import _with_blas, copy_bandwidth, group_copies, time_per_call  # noqa: E402
+
+import hf_paged  # noqa: E402
+
+# product: (N, K, per layer; 0: once per step), as the engine runs them above 8 rows
+MODELS = {
+    "1b": dict(name="Llama-3.2-1B", layers=16, products={"q+k+v": (3072, 2048, 1), "o": (2048, 2048, 1),
+                                                         "gate+up": (16384, 2048, 1), "down": (2048, 8192, 1),
+                                                         "lm_head": (128256, 2048, 0)}),
+    "8b": dict(name="Llama-3.1-8B", layers=32, products={"q+k+v": (6144, 4096, 1), "o": (4096, 4096, 1),
+                                                         "gate+up": (28672, 4096, 1), "down": (4096, 14336, 1),
+                                                         "lm_head": (128256, 4096, 0)}),
+}
+DTYPE = torch.bfloat16
+
+
+def matrix_rate(replays: int) -> float:
+    """FLOPs per second of a bf16 8192 x 8192 x 8192 product (median of ``replays``)."""
+    n = 8192
+    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
+    times = []
+    for i in range(replays + 3):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.mm(a, b)
+        end.record()
+        end.synchronize()
+        if i >= 3:
+            times.append(start.elapsed_time(end) / 1e3)
+    return 2 * n**3 / statistics.median(times)
+
+
+def autotuned():
+    """A fresh compiled product per shape: dynamo's caches are reset so that no earlier shape's code is reused or
+    counted against its recompile limit."""
+    torch._dynamo.reset()
+    return torch.compile(lambda x, w: F.linear(x, w), mode="max-autotune-no-cudagraphs", dynamic=False)
+
+
+def measure(model: str, product: str, n: int, k: int, rows: int, weights: list[torch.Tensor], args,
+            rates: dict) -> dict:
+    """One row: every system's time for ``rows`` x ``k`` times the ``n`` x ``k`` weights (copies in ``weights``)."""
+    x = torch.randn(rows, k, device="cuda").to(DTYPE)
+    want = F.linear(x.float(), weights[0].float())
+    flops, moved = 2 * rows * n * k, (n * k + rows * k + rows * n) * DTYPE.itemsize
+    roof = max(flops / rates["matrix"], moved / rates["copy"])
+    row = dict(model=model, product=product, n=n, k=k, rows=rows, flops=flops, bytes=moved,
+               roofline_us=round(roof * 1e6, 2), bound="matrix" if flops / rates["matrix"] > moved / rates["copy"]
+               else "copy")
+    systems = {"cublas": F.linear, "cublaslt": _with_blas("cublaslt", F.linear)}
+    if rows in args.autotune:
+        systems["autotuned"] = autotuned()
+    for system, fn in systems.items():
+        got = fn(x, weights[0]).float()
+        error = float(((got - want).abs() / (want.abs() + 1)).max())
+        if error > 0.05:
+            raise AssertionError(f"{system} {product} M={rows}: max relative difference {error:.3g} to float32")
+        seconds = time_per_call(fn, x, weights, args.replays)
+        row[f"{system}_us"] = round(seconds * 1e6, 2)
+        row[f"{system}_pct_roofline"] = round(100 * roof / seconds, 1)
+    return row
+
+
+def step_totals(rows: list[dict], systems: list[str]) -> list[dict]:
+    """One decode step's products per model and row count, in microseconds, per system and at the roofline."""
+    totals = []
+    for spec in MODELS.values():
+        for m in sorted({r["rows"] for r in rows if r["model"] == spec["name"]}):
+            at = [r for r in rows if r["model"] == spec["name"] and r["rows"] == m]
+            if len(at) != len(spec["products"]):
+                continue
+            calls = {r["product"]: spec["products"][r["product"]][2] * spec["layers"] or 1 for r in at}
+            total = {"model": spec["name"], "rows": m}
+            for key in ["roofline", *systems]:
+                if all(f"{key}_us" in r for r in at):
+                    total[f"{key}_us"] = round(sum(calls[r["product"]] * r[f"{key}_us"] for r in at), 1)
+            totals.append(total)
+    return totals
+
+
+def table(rows: list[dict], totals: list[dict], systems: list[str]) -> str:
+    lines = ["| model | product | N x K | M | roofline us | " + " | ".join(f"{s} us (% roofline)" for s in systems)
+             + " |", "|---|---|---|---|---|" + "---|" * len(systems)]
+    lines += [f"| {r['model']} | {r['product']} | {r['n']} x {r['k']} | {r['rows']} | {r['roofline_us']:.1f} | "
+              + " | ".join(f"{r[f'{s}_us']:.1f} ({r[f'{s}_pct_roofline']:.0f}%)" if f"{s}_us" in r else "-"
+                           for s in systems) + " |" for r in rows]
+    lines += [f"| {t['model']} | one decode step | | {t['rows']} | {t['roofline_us']:.0f} | "
+              + " | ".join(f"{t[f'{s}_us']:.0f} ({100 * t['roofline_us'] / t[f'{s}_us']:.0f}%)" if f"{s}_us" in t
+                           else "-" for s in systems) + " |" for t in totals]
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="1b", help=f"comma-separated, of {sorted(MODELS)}")
+    parser.add_argument("--rows", default="64,128,256", help="comma-separated row counts of x")
+    parser.add_argument("--autotune", default="", help="comma-separated row counts at which to also time "
+                        "inductor's max-autotune product (~25 s of tuning each)")
+    parser.add_argument("--replays", type=int, default=20, help="timed graph replays per measurement")
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    args.models = [m for m in args.models.split(",") if m]
+    args.rows = [int(r) for r in args.rows.split(",") if r]
+    args.autotune = [int(r) for r in args.autotune.split(",") if r]
+    if set(args.models) - set(MODELS):
+        parser.error(f"unknown models {sorted(set(args.models) - set(MODELS))}; choose from {sorted(MODELS)}")
+    if not args.rows or min(args.rows) < 1:
+        parser.error(f"--rows must be positive integers, got {args.rows}")
+    if set(args.autotune) - set(args.rows):
+        parser.error(f"--autotune row counts must be among --rows, got {args.autotune} of {args.rows}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/decode_gemm.py needs a CUDA GPU: it times cuBLAS and Triton kernels")
+    card = torch.cuda.get_device_name()
+    rates = {"copy": copy_bandwidth(args.replays), "matrix": matrix_rate(args.replays)}
+    print(f"{card}: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matrix {rates['matrix'] / 1e12:.0f} TFLOP/s",
+          flush=True)
+    systems = ["cublas", "cublaslt"] + (["autotuned"] if args.autotune else [])
+    meta = {"card": card, "torch": torch.__version__, "transformers": transformers.__version__,
+            "hf_paged": hf_paged.__version__, "date": datetime.date.today().isoformat(),
+            "copy_bytes_per_s": rates["copy"], "matrix_flops_per_s": rates["matrix"],
+            "settings": {"models": args.models, "rows": args.rows, "autotune": args.autotune,
+                         "replays": args.replays}}
+    rows: list[dict] = []
+    for key in args.models:
+        spec = MODELS[key]
+        for product, (n, k, _) in spec["products"].items():
+            weights = [ws[0] for ws in group_copies([n], k, DTYPE)]
+            for m in args.rows:
+                rows.append(measure(spec["name"], product, n, k, m, weights, args, rates))
+                r = rows[-1]
+                print(f"{r['model']} {product} {n}x{k} M={m}: roofline {r['roofline_us']:.1f} us ({r['bound']}); "
+                      + ", ".join(f"{s} {r[f'{s}_us']:.1f} us ({r[f'{s}_pct_roofline']:.0f}%)" for s in systems
+                                  if f"{s}_us" in r),
+                      flush=True)
+                if args.json is not None:
+                    args.json.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+            del weights
+            torch.cuda.empty_cache()
+    totals = step_totals(rows, systems)
+    if args.json is not None:
+        args.json.write_text(json.dumps({"meta": meta, "rows": rows, "step_totals": totals}, indent=1))
+    print(table(rows, totals, systems))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
