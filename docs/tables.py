@@ -450,6 +450,28 @@ def _clauses(text: str) -> list[str]:
     return [c for c in out if c]
 
 
+def decode_gemm(doc: Path, name: str) -> str:
+    """``benchmarks/decode_gemm.py``: a decode step's linear products per row count, us (% of their roofline) per
+    system, and the step's sum."""
+    data = load(name)
+    systems = [s for s in ("cublas", "cublaslt", "autotuned") if any(f"{s}_us" in r for r in data["rows"])]
+    labels = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "autotuned": "inductor max-autotune"}
+
+    def cell(r: dict, s: str, digits: int = 1) -> str:
+        us = r.get(f"{s}_us")
+        return "-" if us is None else f"{us:.{digits}f} ({100 * r['roofline_us'] / us:.0f}%)"
+
+    out = [[f"{r['product']} ({r['n']} x {r['k']})", str(r["rows"]), f"{r['roofline_us']:.1f}"]
+           + [cell(r, s) for s in systems] for r in data["rows"]]
+    out += [[f"one decode step of {t['model']}", str(t["rows"]), f"{t['roofline_us']:.0f}"]
+            + [cell(t, s, 0) for s in systems] for t in data.get("step_totals", [])]
+    rates = data["meta"]
+    line = (f"us (% of the roofline); copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matrix "
+            f"{rates['matrix_flops_per_s'] / 1e12:.0f} TFLOP/s in the same run. `benchmarks/decode_gemm.py`. ")
+    return table(["product (N x K)", "rows", "roofline us"] + [labels[s] for s in systems], out) + "\n\n" + caption(
+        [name], doc, line)
+
+
 def results(doc: Path) -> str:
     """Every file under ``benchmarks/results/`` with what it records of card, versions and date."""
     out = []
@@ -462,7 +484,8 @@ def results(doc: Path) -> str:
 
 
 RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "ab": ab, "roofline": roofline, "tp": tp, "dp": dp,
-             "serve": serve, "generate": generate, "decode": decode, "prefill": prefill, "allreduce": allreduce,
+             "serve": serve, "generate": generate, "decode": decode, "decode-gemm": decode_gemm,
+             "prefill": prefill, "allreduce": allreduce,
              "envs": envs_table, "engine-config": engine_config, "results": results}
 
 

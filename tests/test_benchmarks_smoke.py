@@ -21,6 +21,7 @@ sys.path.insert(0, str(BENCH))
 import ab_checkouts  # noqa: E402
 import anchor_repeat  # noqa: E402
 import cold_start  # noqa: E402
+import decode_gemm  # noqa: E402
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
 import generate_host_overhead  # noqa: E402
@@ -391,3 +392,26 @@ def test_cold_start_child_sets_up_only_its_own_system(tmp_path, monkeypatch):
     row = json.loads(result.read_text())
     assert setups == [] and row["hf_paged_patches"] == 0
     assert row["second_call"] > 0 and row["at"]["load"] <= row["at"]["steady"]
+
+
+def test_decode_gemm_adds_a_step_from_each_products_calls_and_checks_its_row_counts():
+    """A decode step is each layer's products times the layer count plus lm_head once; a row count left without
+    every product, or a system missing from one product, gives no total for it."""
+    products = decode_gemm.MODELS["1b"]["products"]
+    times = {name: random.uniform(1, 100) for name in products}
+    rows = [dict(model="Llama-3.2-1B", product=name, rows=m, roofline_us=times[name] / 2, cublas_us=times[name],
+                 **({"autotuned_us": times[name] * 3} if m == 256 and name != "down" else {}))
+            for m in (64, 256) for name in products]
+    rows.append(dict(model="Llama-3.2-1B", product="o", rows=128, roofline_us=1.0, cublas_us=2.0))
+    totals = decode_gemm.step_totals(rows, ["cublas", "autotuned"])
+    want = 16 * sum(t for name, t in times.items() if name != "lm_head") + times["lm_head"]
+    assert [t["rows"] for t in totals] == [64, 256]
+    for total in totals:
+        assert total["cublas_us"] == pytest.approx(want, abs=0.1)
+        assert total["roofline_us"] == pytest.approx(want / 2, abs=0.1)
+        assert "autotuned_us" not in total
+    args = decode_gemm.parse_args(["--rows", "64,256", "--autotune", "256"])
+    assert (args.rows, args.autotune, args.models) == ([64, 256], [256], ["1b"])
+    for bad in (["--rows", "64", "--autotune", "256"], ["--models", "70b"], ["--rows", "0"]):
+        with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+            decode_gemm.parse_args(bad)
