@@ -6,6 +6,10 @@ x, each against its roofline max(FLOPs / matrix rate, bytes / copy rate), both r
 bf16 8192^3 product; a 1 GiB device-to-device copy, read and write counted). Systems:
   cublas     ``F.linear``, as the engine's compiled layers call it
   cublaslt   the same through torch's cuBLASLt path (``torch.backends.cuda.preferred_blas_library("cublaslt")``)
+  splitk2, splitk4  split-K on cuBLAS: x and the weight cut into 2 (4) slices along K, one strided-batched product
+             over the slices with float32 partials (``torch.bmm(..., out_dtype=torch.float32)``), summed and cast
+             back: more output tiles for the card's SMs at a second, small kernel's cost (inside a compiled layer the
+             sum would fuse into the next elementwise kernel; here it is timed as its own kernel)
   autotuned  at the row counts of ``--autotune`` (default none): the product compiled alone with ``torch.compile(mode="max-autotune-no-cudagraphs")``,
              inductor's Triton GEMM templates benchmarked against cuBLAS and the fastest kept (about 20-30 s of
              tuning per product and row count)
@@ -68,6 +72,16 @@ def matrix_rate(replays: int) -> float:
     return 2 * n**3 / statistics.median(times)
 
 
+def split_k(splits: int):
+    """``F.linear`` as one strided-batched product over ``splits`` slices of K, float32 partials summed."""
+    def call(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        (m, k), n = x.shape, w.shape[0]
+        xs = x.view(m, splits, k // splits).transpose(0, 1)  # [splits, m, k/splits], no copy
+        ws = w.view(n, splits, k // splits).permute(1, 2, 0)  # [splits, k/splits, n], no copy
+        return torch.bmm(xs, ws, out_dtype=torch.float32).sum(0).to(x.dtype)
+    return call
+
+
 def autotuned():
     """A fresh compiled product per shape: dynamo's caches are reset so that no earlier shape's code is reused or
     counted against its recompile limit."""
@@ -85,7 +99,8 @@ def measure(model: str, product: str, n: int, k: int, rows: int, weights: list[t
     row = dict(model=model, product=product, n=n, k=k, rows=rows, flops=flops, bytes=moved,
                roofline_us=round(roof * 1e6, 2), bound="matrix" if flops / rates["matrix"] > moved / rates["copy"]
                else "copy")
-    systems = {"cublas": F.linear, "cublaslt": _with_blas("cublaslt", F.linear)}
+    systems = {"cublas": F.linear, "cublaslt": _with_blas("cublaslt", F.linear), "splitk2": split_k(2),
+               "splitk4": split_k(4)}
     if rows in args.autotune:
         systems["autotuned"] = autotuned()
     for system, fn in systems.items():
@@ -157,7 +172,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rates = {"copy": copy_bandwidth(args.replays), "matrix": matrix_rate(args.replays)}
     print(f"{card}: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matrix {rates['matrix'] / 1e12:.0f} TFLOP/s",
           flush=True)
-    systems = ["cublas", "cublaslt"] + (["autotuned"] if args.autotune else [])
+    systems = ["cublas", "cublaslt", "splitk2", "splitk4"] + (["autotuned"] if args.autotune else [])
     meta = {"card": card, "torch": torch.__version__, "transformers": transformers.__version__,
             "hf_paged": hf_paged.__version__, "date": datetime.date.today().isoformat(),
             "copy_bytes_per_s": rates["copy"], "matrix_flops_per_s": rates["matrix"],

@@ -454,8 +454,9 @@ def decode_gemm(doc: Path, name: str) -> str:
     """``benchmarks/decode_gemm.py``: a decode step's linear products per row count, us (% of their roofline) per
     system, and the step's sum."""
     data = load(name)
-    systems = [s for s in ("cublas", "cublaslt", "autotuned") if any(f"{s}_us" in r for r in data["rows"])]
-    labels = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "autotuned": "inductor max-autotune"}
+    labels = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "splitk2": "split-K 2", "splitk4": "split-K 4",
+              "autotuned": "inductor max-autotune"}
+    systems = [s for s in labels if any(f"{s}_us" in r for r in data["rows"])]
 
     def cell(r: dict, s: str, digits: int = 1) -> str:
         us = r.get(f"{s}_us")
