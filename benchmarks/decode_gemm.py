@@ -2,19 +2,21 @@
 
 Above 8 rows the engine runs every linear of a decode step on cuBLAS (``F.linear``), q/k/v and gate/up each as one
 product over the weights packed end to end. This times those products at ``--rows`` (default 64, 128, 256) rows of
-x, each against its roofline max(FLOPs / matrix rate, bytes / copy rate), both rates measured in the same run (a
-bf16 8192^3 product; a 1 GiB device-to-device copy, read and write counted). Systems:
+x, each against its roofline max(FLOPs / matrix rate, bytes / copy rate), both rates measured in the same run as
+``roofline.py`` measures them (a bf16 8192^3 product; a 4 GiB device-to-device copy, read and write counted; the best
+of 5 each). Systems:
   cublas     ``F.linear``, as the engine's compiled layers call it
   cublaslt   the same through torch's cuBLASLt path (``torch.backends.cuda.preferred_blas_library("cublaslt")``)
   splitk2, splitk4  split-K on cuBLAS: x and the weight cut into 2 (4) slices along K, one strided-batched product
              over the slices with float32 partials (``torch.bmm(..., out_dtype=torch.float32)``), summed and cast
              back: more output tiles for the card's SMs at a second, small kernel's cost (inside a compiled layer the
              sum would fuse into the next elementwise kernel; here it is timed as its own kernel)
-  autotuned  at the row counts of ``--autotune`` (default none): the product compiled alone with ``torch.compile(mode="max-autotune-no-cudagraphs")``,
-             inductor's Triton GEMM templates benchmarked against cuBLAS and the fastest kept (about 20-30 s of
-             tuning per product and row count)
+  autotuned  at the row counts of ``--autotune`` (default none): the product compiled alone with
+             ``torch.compile(mode="max-autotune-no-cudagraphs")``, inductor's Triton GEMM templates benchmarked
+             against cuBLAS and the fastest kept (about 20-30 s of tuning per product and row count)
 Products (``--models``): ``1b`` (Llama-3.2-1B: q/k/v 3072 x 2048, o 2048 x 2048, gate/up 16384 x 2048, down 2048 x
-8192 per layer, 16 layers; lm_head 128256 x 2048 once per step) and ``8b`` (Llama-3.1-8B, 32 layers).
+8192 per layer, 16 layers; lm_head 128256 x 2048 once per step) and ``8b`` (Llama-3.1-8B, 32 layers); the shapes are
+``skinny_gemm.py``'s.
 
 Each time is of a CUDA graph cycling through enough copies of the weight to span twice the L2 cache, as
 ``skinny_gemm.py`` times (every call reads its weight from DRAM, no host launch cost). Each system's output is checked
@@ -29,47 +31,35 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 from pathlib import Path
 
-sys.path.insert(1, str(Path(__file__).resolve().parent))  # skinny_gemm's timing helpers
+sys.path.insert(1, str(Path(__file__).resolve().parent))  # skinny_gemm's shapes and timing, roofline's rates
 sys.path.insert(1, str(Path(__file__).resolve().parents[1]))  # the checkout, when hf_paged is not installed
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 import transformers  # noqa: E402
-from skinny_gemm import _with_blas, copy_bandwidth, group_copies, time_per_call  # noqa: E402
+import skinny_gemm  # noqa: E402
+from roofline import measure_rates  # noqa: E402
+from skinny_gemm import _with_blas, group_copies, time_per_call  # noqa: E402
 
 import hf_paged  # noqa: E402
 
-# product: (N, K, per layer; 0: once per step), as the engine runs them above 8 rows
-MODELS = {
-    "1b": dict(name="Llama-3.2-1B", layers=16, products={"q+k+v": (3072, 2048, 1), "o": (2048, 2048, 1),
-                                                         "gate+up": (16384, 2048, 1), "down": (2048, 8192, 1),
-                                                         "lm_head": (128256, 2048, 0)}),
-    "8b": dict(name="Llama-3.1-8B", layers=32, products={"q+k+v": (6144, 4096, 1), "o": (4096, 4096, 1),
-                                                         "gate+up": (28672, 4096, 1), "down": (4096, 14336, 1),
-                                                         "lm_head": (128256, 4096, 0)}),
-}
+
+def engine_products(spec: dict) -> dict[str, tuple[int, int, int]]:
+    """A model's decode products as the engine runs them above 8 rows, from ``skinny_gemm``'s shapes of its single
+    linears: product -> (N, K, per layer; 0: once per step), q/k/v and gate/up each one product over their packed
+    weights."""
+    shapes = spec["shapes"]
+    (q, k, _), (kv, _, _), (gate_up, _, _) = shapes["q/o"], shapes["k/v"], shapes["gate/up"]
+    return {"q+k+v": (q + 2 * kv, k, 1), "o": shapes["q/o"][:2] + (1,), "gate+up": (2 * gate_up, k, 1),
+            "down": shapes["down"][:2] + (1,), "lm_head": shapes["lm_head"][:2] + (0,)}
+
+
+MODELS = {key: dict(name=skinny_gemm.MODELS[key]["name"], layers=skinny_gemm.MODELS[key]["layers"],
+                    products=engine_products(skinny_gemm.MODELS[key])) for key in ("1b", "8b")}
 DTYPE = torch.bfloat16
-
-
-def matrix_rate(replays: int) -> float:
-    """FLOPs per second of a bf16 8192 x 8192 x 8192 product (median of ``replays``)."""
-    n = 8192
-    a = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    b = torch.randn(n, n, device="cuda", dtype=DTYPE)
-    times = []
-    for i in range(replays + 3):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        torch.mm(a, b)
-        end.record()
-        end.synchronize()
-        if i >= 3:
-            times.append(start.elapsed_time(end) / 1e3)
-    return 2 * n**3 / statistics.median(times)
 
 
 def split_k(splits: int):
@@ -169,7 +159,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/decode_gemm.py needs a CUDA GPU: it times cuBLAS and Triton kernels")
     card = torch.cuda.get_device_name()
-    rates = {"copy": copy_bandwidth(args.replays), "matrix": matrix_rate(args.replays)}
+    measured = measure_rates(torch.device("cuda"), DTYPE)
+    rates = {"copy": measured["copy_bytes_per_s"], "matrix": measured["matmul_flops_per_s"]}
     print(f"{card}: copy {rates['copy'] / 1e12:.2f} TB/s, bf16 matrix {rates['matrix'] / 1e12:.0f} TFLOP/s",
           flush=True)
     systems = ["cublas", "cublaslt", "splitk2", "splitk4"] + (["autotuned"] if args.autotune else [])
