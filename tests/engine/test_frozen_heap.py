@@ -1,7 +1,7 @@
 """``generate_batch`` and ``Engine.generate`` set the objects that exist when they start aside from the garbage
 collector for the call (``runner/_frozen_heap.py``), so that a full collection inside it walks only what the call
 made, and put them back after: nothing is kept from collection once the call is over, and a process's own freeze is
-left as it is."""
+left as it is (the call then holds off full collections instead)."""
 
 from __future__ import annotations
 
@@ -80,6 +80,48 @@ def test_a_process_that_froze_objects_of_its_own_keeps_its_freeze(seen_during_st
     hf_paged.generate_batch(paged, random_prompts(2, 3, 9, seed=3), CONFIG)
     assert seen_during_steps and all(count > 1000 for count, _ in seen_during_steps)
     assert not any(o is mine for o in gc.get_objects())  # still frozen: the call did not unfreeze it
+
+
+def _churn(n: int = 200_000) -> None:
+    """Make reference cycles of which the last ~2,000 stay alive a while: they outlive young collections, which
+    makes full collections due."""
+    alive = []
+    for _ in range(n):
+        alive.append(_Cycle())
+        if len(alive) > 2000:
+            del alive[:1000]
+
+
+def test_a_process_with_a_freeze_of_its_own_gets_no_full_collection_inside_a_call(seen_during_steps):
+    _, paged = models("llama_gqa")
+    mine = _Cycle()
+    gc.freeze()  # the process's own freeze (an interpreter may freeze a few hundred objects at start)
+    gc.collect()  # (sizes the collector's "long-lived" count to what is not frozen, so that the churn makes full
+    # collections due whatever this process holds)
+    thresholds = gc.get_threshold()
+    full = []
+    record = lambda phase, info: phase == "stop" and info["generation"] == 2 and full.append(info["collected"])
+    gc.callbacks.append(record)
+    try:
+        _churn()
+        assert full, "the control made no full collection: the churn does not make one due"
+        held = [_Cycle()]
+        old = weakref.ref(held[0])
+        gc.collect()  # (old ones: in the oldest generation, where only a full collection reaches them)
+        del held  # garbage from before the call
+        full.clear()
+        with frozen_heap():
+            _churn()
+            hf_paged.generate_batch(paged, random_prompts(2, 3, 9, seed=5), CONFIG)
+            assert old() is not None
+            inside = list(full)
+        assert inside == []  # none inside the call (the one it held off may fall right after it)
+    finally:
+        gc.callbacks.remove(record)
+    assert seen_during_steps and gc.get_threshold() == thresholds  # put back
+    assert not any(o is mine for o in gc.get_objects())  # the process's freeze stays
+    gc.collect()
+    assert old() is None  # and what the call held off is collected after it
 
 
 def test_with_the_collector_off_nothing_is_frozen(seen_during_steps):
