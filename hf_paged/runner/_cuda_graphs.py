@@ -66,8 +66,8 @@ class CudaGraphs:
                         return reason
                 graph = torch.cuda.CUDAGraph()
                 began = time.perf_counter()
-                with torch.cuda.stream(stream):
-                    outputs = _captured(graph, self._pool, step)
+                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
+                    outputs = step()
                 self.capture_seconds[key] = time.perf_counter() - began
                 self._graphs[key] = (graph, outputs)
         finally:
@@ -95,22 +95,3 @@ class CudaGraphs:
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
-
-
-def _captured(graph: torch.cuda.CUDAGraph, pool, step: Callable[[], object]) -> object:
-    """Record ``step`` into ``graph`` on the current stream; returns what it returned.
-
-    ``torch.cuda.graph`` would first wait for the whole device and empty the allocator's device and pinned-host
-    caches: at a capture in the middle of a call that stalls the queued steps and hands back the memory the next
-    steps allocate again. The pool is private to the graphs either way."""
-    graph.capture_begin(pool=pool, capture_error_mode="thread_local")
-    try:
-        outputs = step()
-    except BaseException:
-        try:
-            graph.capture_end()  # (ends the stream's capture; the graph is not used)
-        except RuntimeError:
-            pass  # a capture the failure invalidated: the step's own error is the one to see
-        raise
-    graph.capture_end()
-    return outputs
