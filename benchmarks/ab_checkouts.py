@@ -99,7 +99,7 @@ def _generate(folder: Path, timeout: float) -> dict:
         figures[f"generate optimized B{row['batch']} ms/step"] = row["ms_per_step"]
         # the whole call (prefill, setup and every step) over its new tokens: what a caller waits per token
         figures[f"generate optimized B{row['batch']} ms/token all-in"] = row["warm_call_s"] / GENERATE_NEW_TOKENS * 1e3
-    return {"figures": figures, "seconds": seconds}
+    return _measured(figures, seconds, rows[0])
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -57,6 +57,7 @@ import torch  # noqa: E402
 import torch._inductor.config  # noqa: E402
 from torch._dynamo.utils import counters  # noqa: E402
 
+from e2e_report import environment  # noqa: E402
 from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model  # noqa: E402
 from generate_systems import (  # noqa: E402, F401  (the other generate benchmarks take these from here too)
     ATTN, COMPILED, GUARD_FILTERS, SYSTEMS, generate_call, prompts, skip_reason)
@@ -207,7 +208,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows, models, tokens = [], {}, {}
     for i, (system, batch_size) in enumerate(runs, 1):
         print(f"[{i}/{len(runs)}] {system}, batch {batch_size} ...", flush=True)
-        row = {"system": system, "batch": batch_size, "new_tokens": args.new_tokens, "device": where}
+        row = {"system": system, "batch": batch_size, "new_tokens": args.new_tokens, "device": where, **environment()}
         reason = skip_reason(system, device)
         if reason is not None:
             rows.append({**row, "status": f"skipped: {reason}"})

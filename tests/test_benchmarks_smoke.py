@@ -166,6 +166,7 @@ def test_generate_latency_smoke(tmp_path):
         # noise, so only that it was measured is checked here; warm_call_s is one wall)
         assert row["status"] == "ok" and math.isfinite(row["ms_per_step"]) and row["warm_call_s"] > 0, row
         assert row["tokens_match"] == 2, row
+        assert row["card"].startswith("CPU") and row["torch"] == torch.__version__ and row["date"], row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert rows["hf_paged_optimized"]["graphs"] == 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
