@@ -16,9 +16,8 @@ Where the process froze objects of its own (a server that calls ``gc.freeze()`` 
 does, or an interpreter set up to freeze a few hundred objects at start, as one GPU box's Python was), an unfreeze
 would undo that freeze, so the call leaves the permanent generation alone and holds off full collections instead
 (the oldest generation's threshold raised for the call, put back after it): young collections still run, and garbage
-that outlives them waits for the first full collection after the call. Measured on that box, where the freeze had
-been skipped: anchor calls of ``generate_batch`` with no settings took 1.45-1.59 s with a full collection of 0.37 s
-inside one in six, against 1.44-1.48 s and none with the objects set aside (H200, one process).
+that outlives them waits for the first full collection after the call. On that box a full collection of 0.37-0.53 s
+had fallen inside one anchor call in six to eight (``docs/design/decisions.md`` has the A/B).
 
 Nested and concurrent calls share one cover (the first in sets it, the last out lifts it). Where the collector is off
 it changes nothing.
