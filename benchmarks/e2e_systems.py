@@ -8,6 +8,7 @@ generation config (transformers' ``generate_batch`` writes ``eos_token_id=-1`` i
 from __future__ import annotations
 
 import copy
+import gc
 import logging
 import statistics
 import time
@@ -87,13 +88,40 @@ def timed_throughput(model: torch.nn.Module, generate: Generate, workload: Workl
     median rate of the later calls (the first big call of a process also pays the device memory it maps first)."""
     prompts = workload.prompts(vocab)
     attention = warm_up(model, generate, warm.prompts(vocab), warm.generation_config()) if warm else None
-    timed = [_timed_call(generate, prompts, workload.generation_config()) for _ in range(calls)]
+    timed, pauses = [], []
+    for _ in range(calls):
+        with FullCollections() as full:
+            timed.append(_timed_call(generate, prompts, workload.generation_config()))
+        pauses.append(full.seconds)
     seconds, out = timed[0]
     tokens = _num_generated(out)
     later = [s for s, _ in timed[1:]]
     return {"tokens": tokens, "expected_tokens": len(prompts) * workload.new_tokens, "seconds": seconds,
-            "attention": attention,
+            "attention": attention, "full_collections_s": pauses,
             **({"later_calls_s": later, "later_tok_per_s": tokens / statistics.median(later)} if later else {})}
+
+
+class FullCollections:
+    """The seconds of each full (oldest-generation) collection of Python's garbage collector inside a ``with`` block:
+    a pause of the host, 0.3-0.5 s after a compile, that a timed call should not hide (``full.seconds``)."""
+
+    def __enter__(self) -> FullCollections:
+        self.seconds: list[float] = []
+        self._began = None
+        gc.callbacks.append(self._record)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._record)
+
+    def _record(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2:
+            return
+        if phase == "start":
+            self._began = time.perf_counter()
+        elif self._began is not None:
+            self.seconds.append(time.perf_counter() - self._began)
+            self._began = None
 
 
 def timed_latency(model: torch.nn.Module, generate: Generate, workload: Workload, vocab: int, reps: int = 3) -> dict:
@@ -119,11 +147,12 @@ def timed_latency(model: torch.nn.Module, generate: Generate, workload: Workload
             "ms_per_token_timestamps": 1e3 * statistics.median(spacing) if spacing else None}
 
 
-def _timed_call(generate: Generate, prompts: list[list[int]], gc: GenerationConfig, **kwargs) -> tuple[float, dict]:
+def _timed_call(generate: Generate, prompts: list[list[int]], config: GenerationConfig,
+                **kwargs) -> tuple[float, dict]:
     """Wall seconds of one call, and its outputs."""
     sync()
     start = time.perf_counter()
-    out = generate(prompts, gc, **kwargs)
+    out = generate(prompts, config, **kwargs)
     sync()
     return time.perf_counter() - start, out
 

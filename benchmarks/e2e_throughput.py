@@ -35,8 +35,9 @@ Every system gets the same prompts and the same budget: ``--max-batch-tokens`` (
 default) tokens and ``--max-requests`` (default 256) sequences per step. Time is the wall clock of one call after
 a warm-up call of 16 short requests; ``--calls N`` times N calls in a row and reports the first (the figure: the
 process's first big call, which also maps the device memory it needs first) and beside it the later calls' median
-rate, for every system alike. A run that fails is reported and the others still run. Progress lines go
-to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
+rate, for every system alike. Each timed call's full collections of Python's garbage collector (host pauses that
+would otherwise hide in a figure) go into the row as ``full_collections_s`` (seconds of each, per call) and into its
+progress line. A run that fails is reported and the others still run. Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
 
     python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile,roofline]
         [--systems hf_paged,transformers,transformers_box] [--json F] [--engine-kwargs '{"block_size": 16}']
@@ -329,6 +330,10 @@ def _result(row: dict) -> str:
     text = f"{row['tokens']:,} tokens in {row['seconds']:.2f} s = {row['tok_per_s']:,.0f} tok/s ({row['status']})"
     if row.get("later_tok_per_s"):
         text += f"; later calls {row['later_tok_per_s']:,.0f} tok/s"
+    pauses = [(i, sum(p)) for i, p in enumerate(row.get("full_collections_s") or []) if p]
+    if pauses:
+        text += "; full collections of the collector inside: " + ", ".join(f"{s:.2f} s in call {i + 1}"
+                                                                           for i, s in pauses)
     if row["workload"] == "roofline":
         total = row["total"]
         text += (f"; GPU kernels {total['gpu_ms']:.0f} ms against a roofline of {total['roofline_ms']:.0f} ms "

@@ -73,6 +73,25 @@ def test_e2e_smoke_every_run_does_all_its_work(smoke):
     assert rows["hf_paged", "latency"]["tokens"] == 3  # 4 new tokens, the first one is prefill's
     anchor = rows["hf_paged", "anchor"]
     assert anchor["tok_per_s"] == pytest.approx(anchor["tokens"] / anchor["seconds"])
+    for system in ("hf_paged", "transformers"):  # one list per timed call
+        pauses = rows[system, "anchor"]["full_collections_s"]
+        assert len(pauses) == 1 and all(s > 0 for s in pauses[0])
+
+
+def test_full_collections_records_only_full_collections_inside_its_block():
+    import gc
+
+    from e2e_systems import FullCollections
+
+    gc.collect()
+    with FullCollections() as full:
+        gc.collect(0)
+        gc.collect(1)
+        assert full.seconds == []
+        gc.collect()
+        gc.collect(2)
+    gc.collect()
+    assert len(full.seconds) == 2 and all(0 < s < 10 for s in full.seconds)
 
 
 @pytest.mark.slow
