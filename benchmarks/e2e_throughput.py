@@ -37,7 +37,8 @@ a warm-up call of 16 short requests; ``--calls N`` times N calls in a row and re
 process's first big call, which also maps the device memory it needs first) and beside it the later calls' median
 rate, for every system alike. Each timed call's full collections of Python's garbage collector (host pauses that
 would otherwise hide in a figure) go into the row as ``full_collections_s`` (seconds of each, per call) and into its
-progress line. A run that fails is reported and the others still run. Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
+progress line. A run that fails is reported and the others still run. Progress lines go to stdout as it runs; the
+JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
 
     python benchmarks/e2e_throughput.py [--workloads anchor,min_new,r64,r1024,latency,profile,roofline]
         [--systems hf_paged,transformers,transformers_box] [--json F] [--engine-kwargs '{"block_size": 16}']

@@ -13,11 +13,11 @@ what the call made; garbage the call makes is collected as usual, and what was s
 after the call.
 
 Where the process froze objects of its own (a server that calls ``gc.freeze()`` after start, as ``hf-paged serve``
-does, or an interpreter set up to freeze a few hundred objects at start, as one GPU box's Python was), an unfreeze
-would undo that freeze, so the call leaves the permanent generation alone and holds off full collections instead
-(the oldest generation's threshold raised for the call, put back after it): young collections still run, and garbage
-that outlives them waits for the first full collection after the call. On that box a full collection of 0.37-0.53 s
-had fallen inside one anchor call in six to eight (``docs/design/decisions.md`` has the A/B).
+does, or an interpreter that freezes a few hundred objects as it starts), an unfreeze would undo that freeze, so the
+call leaves the permanent generation alone and holds off full collections instead (the oldest generation's threshold
+raised for the call, put back after it): young collections still run, and garbage that outlives them waits for the
+first full collection after the call. On an H200 box whose Python froze 375 objects at start, a full collection of
+0.37-0.53 s had fallen inside one anchor call in six to eight (``docs/design/decisions.md`` has the A/B).
 
 Nested and concurrent calls share one cover (the first in sets it, the last out lifts it). Where the collector is off
 it changes nothing.
@@ -67,7 +67,7 @@ def _set_aside() -> tuple | None:
         gc.freeze()
         return ("unfreeze",)
     thresholds = gc.get_threshold()
-    gc.set_threshold(thresholds[0], thresholds[1] if len(thresholds) > 1 else 10, _NO_FULL_COLLECTION)
+    gc.set_threshold(*thresholds[:2], _NO_FULL_COLLECTION)
     return ("thresholds", thresholds)
 
 
