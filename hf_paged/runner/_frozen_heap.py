@@ -16,8 +16,9 @@ Where the process froze objects of its own (a server that calls ``gc.freeze()`` 
 does, or an interpreter that freezes a few hundred objects as it starts), an unfreeze would undo that freeze, so the
 call leaves the permanent generation alone and holds off full collections instead (the oldest generation's threshold
 raised for the call and put back after it, which also undoes a threshold set meanwhile): young collections run, and
-garbage that outlives them waits for the first full collection after the call. On an H200 box whose Python froze 375 objects at start, a full collection of
-0.37-0.53 s had fallen inside one anchor call in six to eight (``docs/design/decisions.md`` has the A/B).
+garbage that outlives them waits for the first full collection after the call. On an H200 box whose Python froze
+375 objects at start, a full collection of 0.37-0.53 s had fallen inside one anchor call in six to eight
+(``docs/design/decisions.md`` has the A/B).
 
 Nested and concurrent calls share one cover (the first in sets it, the last out lifts it). Where the collector is off
 it changes nothing.
