@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import gc
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = ["frozen_heap"]
 
@@ -37,7 +37,7 @@ _NO_FULL_COLLECTION = 1 << 30  # young collections between two full ones: none f
 
 _lock = threading.Lock()
 _holders = 0
-_undo: tuple | None = None  # ("unfreeze",) or ("thresholds", the thresholds before): what the last holder undoes
+_undo: Callable[[], None] | None = None  # what the last holder out calls
 
 
 @contextlib.contextmanager
@@ -54,28 +54,20 @@ def frozen_heap() -> Iterator[None]:
     finally:
         with _lock:
             _holders -= 1
-            if _holders == 0:
-                _put_back(_undo)
+            if _holders == 0 and _undo is not None:
+                _undo()
                 _undo = None
 
 
-def _set_aside() -> tuple | None:
+def _set_aside() -> Callable[[], None] | None:
+    """Freeze, or hold off full collections; returns what puts it back (None: the collector is off)."""
     if not gc.isenabled():
         return None
     # get_freeze_count() walks the permanent generation: constant time while it is empty, as it is unless the process
     # froze objects of its own
     if gc.get_freeze_count() == 0:
         gc.freeze()
-        return ("unfreeze",)
+        return gc.unfreeze
     thresholds = gc.get_threshold()
     gc.set_threshold(*thresholds[:2], _NO_FULL_COLLECTION)
-    return ("thresholds", thresholds)
-
-
-def _put_back(undo: tuple | None) -> None:
-    if undo is None:
-        return
-    if undo[0] == "unfreeze":
-        gc.unfreeze()
-    else:
-        gc.set_threshold(*undo[1])
+    return lambda: gc.set_threshold(*thresholds)
