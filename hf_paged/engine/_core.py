@@ -94,7 +94,12 @@ class EngineCore:
         block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
         self.pool, self.dispatcher = paged_kv(model.config, layout, self.kv_devices, dtype, block_size, cfg.num_blocks,
                                               cfg.kv_cache_dtype, cfg.backend)
-        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-max_len // block_size)))
+        # Columns: a sequence's most blocks (the decode graphs' captured width; wider steps run eager), for a one-call
+        # engine those of its workload's longest sequence (+1 token: a stopped sequence's step of lag), else of the
+        # model's position limit; the host table and its pinned staging scale with it.
+        longest = max_len if workload is None or not workload.one_call else min(
+            max_len, max(workload.sequence_tokens, default=max_len) + 1)
+        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-longest // block_size)))
         self.block_manager = BlockManager(self.pool.allocator, block_size, tables, self.pool.copy_blocks,
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)

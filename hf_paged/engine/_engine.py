@@ -59,9 +59,11 @@ class Engine(EngineCore):
             ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
         cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start);
-            ``"on_demand"``: the largest size at start, each smaller one once 32 decode steps would have used it
-            (``hf_paged.runner._graph_sizes.ON_DEMAND_STEPS``), until then padding up to a larger graph; what
-            ``generate_batch`` does for the engine of one call, which few steps of each small size do not pay back;
+            ``"on_demand"``: the largest size at the first step a graph can serve (host work while the device runs
+            the steps queued before it: for a call's engine, its prompts'), each smaller one once 32 decode steps
+            would have used it (``hf_paged.runner._graph_sizes.ON_DEMAND_STEPS``), until then padding up to a
+            larger graph; what ``generate_batch`` does for the engine of one call, which few steps of each small
+            size do not pay back;
             ``"first_use"``: the smallest and the largest size at start, each other one at the first step that would
             use it. None (automatic): ``"on_demand"`` for an engine built for one call (a ``workload``), else
             ``"first_use"`` (a server's start then costs two captures, not one per size).
@@ -173,11 +175,13 @@ class Engine(EngineCore):
         return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
 
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
-                      resolved: dict[int, GenerationConfig] | None = None, field: str = "prompt") -> Sequence:
+                      resolved: dict[int, GenerationConfig] | None = None, field: str = "prompt",
+                      checked: bool = False) -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
         nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call;
-        ``field`` names the prompt in errors."""
-        ids = validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
+        ``field`` names the prompt in errors; ``checked``: ``prompt`` is already what ``prompt_token_ids`` returns
+        for it."""
+        ids = prompt if checked else validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
         config = validation.generation_config(config) or self.generation_config
         gc = None if resolved is None else resolved.get(id(config))
         if gc is None:
@@ -228,13 +232,15 @@ class Engine(EngineCore):
                     f"of {bs}); create the Engine with more num_blocks")
         return None
 
-    def _new_sequences(self, prompts, config, what: str, request_ids: list | None = None) -> list[Sequence]:
+    def _new_sequences(self, prompts, config, what: str, request_ids: list | None = None,
+                       checked: bool = False) -> list[Sequence]:
         """Validate every prompt (and its config) before any is queued; a config shared by several prompts is
-        resolved once (the configs do not change during the call)."""
+        resolved once (the configs do not change during the call). ``checked``: the prompts are lists of token ids
+        that ``validation.prompt_token_ids`` returned (``generate_batch`` checks them before it builds the engine)."""
         prompts = validation.prompt_list(prompts, what)
         configs = validation.generation_configs(config, len(prompts))
         resolved: dict[int, GenerationConfig] = {}
-        return [self._new_sequence(p, c, rid, resolved, f"prompts[{i}]")
+        return [self._new_sequence(p, c, rid, resolved, f"prompts[{i}]", checked)
                 for i, (p, c, rid) in enumerate(zip(prompts, configs, request_ids or [None] * len(prompts)))]
 
     def abort(self, request_id: str | int) -> None:

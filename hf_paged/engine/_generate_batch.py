@@ -109,7 +109,7 @@ def generate_batch(
     if opt("return_logprobs", False):
         gc.output_logprobs = True
     copies = SamplingParams.from_generation_config(gc, len(inputs[0])).num_return_sequences  # (checked before the
-    # engine is built; the engine checks every prompt again)
+    # engine is built; the engine checks each prompt's config again, not its ids)
     workload = Workload(tuple(len(p) + (gc.max_new_tokens or limit - len(p)) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
     configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
@@ -120,7 +120,8 @@ def generate_batch(
         if reset_prefix_cache:
             engine.reset_prefix_cache()
         start = time.perf_counter()
-        queued = engine.add_requests(inputs, configs, request_ids=[f"req_{i}" for i in indices])
+        queued = engine._enqueue(engine._new_sequences(inputs, configs, "generate_batch",  # (the ids checked above)
+                                                       [f"req_{i}" for i in indices], checked=True))
         ids = {rid: i for i, rid in enumerate(queued)}
         while engine.has_unfinished():
             if stamps is None:

@@ -56,7 +56,8 @@ MIN_NUM_SEQS = 16
 _SAMPLER_BYTES = 12
 
 #: How decode CUDA graphs are captured when ``cuda_graph_capture`` is None: an engine built for one call captures
-#: its largest batch at start and smaller ones once they would have served enough steps ("on_demand"); any other
+#: its largest batch at its first decode step, while the device runs the prompts' steps, and smaller ones once they
+#: would have served enough steps ("on_demand"); any other
 #: engine (a server's) captures batch 1 and its largest at start, the sizes between at their first step
 #: ("first_use"): the first requests of a server run few at a time, and each size then serves many steps.
 CAPTURE_ONE_CALL = "on_demand"
@@ -112,8 +113,8 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     one_call = workload is not None and workload.one_call
     if capture is None:
         capture = CAPTURE_ONE_CALL if one_call else CAPTURE_OTHERS
-        reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at start, "
-                                         "smaller ones once they served 32 steps" if one_call else
+        reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at its "
+                                         "first decode step, smaller ones once they served 32 steps" if one_call else
                                          "automatic: batch 1 and the largest at start, the others at their first "
                                          "step")
     graphs = cfg.cuda_graphs

@@ -46,33 +46,37 @@ class CudaGraphs:
                 check: Callable[[], str | None] | None = None) -> str | None:
         """Capture each ``(key, step, warm)`` in turn; ``warm``: run the step eagerly first. ``prepare(key)`` runs
         on the capture stream before each (filling the step's buffers); ``check()``, after a warm-up, says why the
-        step must not be captured (None: it may). Returns None, or that reason (what was captured before stays)."""
+        step must not be captured (None: it may). Returns None, or that reason (what was captured before stays).
+
+        The host does not wait for the device: the warm-ups run on the side stream after the work queued before,
+        the captures record without running, and the device work queued after waits for the side stream. So a
+        capture in the middle of a run (an engine's first decode step, an on-demand size) is host work that
+        overlaps the steps the device is still running (``torch.cuda.graph`` would first wait for the device and
+        empty the allocator's caches, which the next steps then fill again)."""
         stream = torch.cuda.Stream(self.device)
-        stream.wait_stream(torch.cuda.current_stream(self.device))
+        current = torch.cuda.current_stream(self.device)
+        stream.wait_stream(current)
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
         try:
-            for key, step, warm in steps:
-                if prepare is not None:
-                    with torch.cuda.stream(stream):
+            with torch.cuda.stream(stream):
+                for key, step, warm in steps:
+                    if prepare is not None:
                         prepare(key)
-                if warm:
-                    began = time.perf_counter()
-                    with torch.cuda.stream(stream):
+                    if warm:
+                        began = time.perf_counter()
                         step()
-                    self.warmup_seconds += time.perf_counter() - began
-                    reason = check() if check is not None else None
-                    if reason is not None:
-                        return reason
-                graph = torch.cuda.CUDAGraph()
-                began = time.perf_counter()
-                with torch.cuda.graph(graph, pool=self._pool, stream=stream, capture_error_mode="thread_local"):
-                    outputs = step()
-                self.capture_seconds[key] = time.perf_counter() - began
-                self._graphs[key] = (graph, outputs)
+                        self.warmup_seconds += time.perf_counter() - began
+                        reason = check() if check is not None else None
+                        if reason is not None:
+                            return reason
+                    graph = torch.cuda.CUDAGraph()
+                    began = time.perf_counter()
+                    outputs = _recorded(graph, self._pool, step)
+                    self.capture_seconds[key] = time.perf_counter() - began
+                    self._graphs[key] = (graph, outputs)
         finally:
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
+            current.wait_stream(stream)
         return None
 
     def replay(self, key: Hashable):
@@ -95,3 +99,19 @@ class CudaGraphs:
         for graph, _ in self._graphs.values():
             graph.reset()
         self._graphs.clear()
+
+
+def _recorded(graph: torch.cuda.CUDAGraph, pool, step: Callable[[], object]) -> object:
+    """Record ``step`` into ``graph`` on the current stream, in ``pool``; returns what it returned. Capture errors
+    are this thread's only (``thread_local``): other threads may use the device meanwhile."""
+    graph.capture_begin(pool, capture_error_mode="thread_local")
+    try:
+        outputs = step()
+    except BaseException:
+        try:
+            graph.capture_end()  # ends the stream's capture; the graph is not kept
+        except RuntimeError:
+            pass  # a capture the failure invalidated: the step's own error is the one to see
+        raise
+    graph.capture_end()
+    return outputs

@@ -55,9 +55,10 @@ class DecodeGraphs:
         last_tokens: the fixed device buffer holding the previous step's sampled tokens (``ModelRunner``).
         sizes: batch sizes to capture (ascending, positive); a step of more sequences than the largest runs eager.
         capture: when each size is captured (``EngineConfig.cuda_graph_capture``): ``"start"``, every size at start;
-            ``"on_demand"``, the largest at start, a smaller one once ``graph_sizes.ON_DEMAND_STEPS`` decode steps
-            would have used it (each of them pads up to a larger graph meanwhile); ``"first_use"``, the smallest and
-            the largest at start, each other one at the first step that would use it.
+            ``"on_demand"``, the largest at the first step that a graph can serve (its capture is host work while
+            the device runs the steps queued before), a smaller one once ``graph_sizes.ON_DEMAND_STEPS`` decode
+            steps would have used it (each of them pads up to a larger graph meanwhile); ``"first_use"``, the
+            smallest and the largest at start, each other one at the first step that would use it.
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
         local_logits: capture a tensor-parallel ``lm_head`` returning this rank's vocabulary columns
@@ -73,12 +74,15 @@ class DecodeGraphs:
         self.tables, self.last_tokens = tables, last_tokens
         self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
         wanted = sorted(set(sizes))
-        # Captured at start (``sizes``: kept sorted as on-demand captures join) and waiting to be needed
+        # Captured at start (``sizes``: kept sorted as later captures join), the largest when none is (captured at
+        # the first step a graph can serve), and the others waiting to be needed
         self.sizes = start_sizes(wanted, capture)
-        self._waiting = OnDemandSizes([s for s in wanted if s not in self.sizes], first_use=capture == "first_use")
+        self._first = None if self.sizes else wanted[-1]
+        self._waiting = OnDemandSizes([s for s in wanted[:-1] if s not in self.sizes],
+                                      first_use=capture == "first_use")
         self.width = tables.table.shape[1]
         self.device = pool.kv_caches[0][0].device
-        b_max, w = self.sizes[-1], self.width
+        b_max, w = wanted[-1], self.width
         dev = dict(device=self.device)
         # never grows: the graphs read its address
         self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)
@@ -93,7 +97,8 @@ class DecodeGraphs:
         self.graphs = CudaGraphs(self.device)  # by batch size
         self.capture_seconds = 0.0
         self.on_demand_seconds = 0.0  # host time of the captures made after start (warm-ups included)
-        self.memory_bytes = 0
+        self._memory_bytes: int | None = 0  # the graphs' pool, read from the allocator when asked (None: not yet)
+        self._live_bytes = 0  # bytes allocated during the captures: the figure where the allocator names no pools
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
     def size_for(self, seqs: list[Sequence], num_tokens: list[int], longest: int | None = None) -> int | None:
@@ -102,42 +107,44 @@ class DecodeGraphs:
         context outgrew the captured table width. ``longest``: the largest computed count, when the caller
         knows it."""
         n = len(seqs)
-        if not len(self.graphs) or n > self.sizes[-1] or len(num_tokens) != n or sum(num_tokens) != n:
+        largest = self._first or (self.sizes[-1] if self.sizes else 0)
+        if n > largest or len(num_tokens) != n or sum(num_tokens) != n:
             return None
         if longest is None:
             longest = max(map(_COMPUTED, seqs))
         if not longest or longest >= self.width * self.pool.block_size:
             return None
+        if self._first is not None:
+            self._first = None
+            if self._capture_now(largest, None) is None:
+                return None
         size = next(s for s in self.sizes if s >= n)
         if self._waiting:
-            size = self._on_demand(n, size)
+            want = self._waiting.due(n, size)  # (graph_sizes.OnDemandSizes)
+            if want is not None:
+                size = self._capture_now(want, size)
         return size
 
-    def _on_demand(self, n: int, size: int) -> int:
-        """Count the step toward the waiting sizes; capture the one that is due (``graph_sizes.OnDemandSizes``) and
-        serve the step with it."""
-        want = self._waiting.due(n, size)
-        if want is None:
-            return size
+    def _capture_now(self, want: int, fallback: int | None) -> int | None:
+        """Capture size ``want`` for the step being launched and return it; where that fails, ``fallback`` (the
+        captured size the step pads up to; None: it runs eager), and no more sizes are captured."""
         began = time.perf_counter()
         try:
             reason = self._capture_sizes([want], warm=True)
         except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
             self.graphs.drop(want)
-            self._waiting.stop()
             torch.cuda.synchronize(self.device)
-            logger.warning("hf_paged: capturing the decode CUDA graph of batch size %d failed (%s: %s); no more "
-                           "sizes are captured on demand: steps pad up to the captured ones (%s)", want,
-                           type(exc).__name__, str(exc)[:300], size_ranges(self.sizes))
-            return size
-        self.on_demand_seconds += time.perf_counter() - began
+            reason = f"capturing it failed ({type(exc).__name__}: {str(exc)[:300]})"
         if reason is not None:
-            logger.warning("hf_paged: not capturing the decode CUDA graph of batch size %d: %s", want, reason)
-            return size
+            self._waiting.stop()
+            logger.warning("hf_paged: no decode CUDA graph of batch size %d: %s; no more sizes are captured: %s",
+                           want, reason, f"steps pad up to the captured ones ({size_ranges(self.sizes)})"
+                           if self.sizes else "decode steps run without CUDA graphs")
+            return fallback
+        self.on_demand_seconds += time.perf_counter() - began
         self.sizes = sorted(self.graphs.keys())
-        self.memory_bytes = self._held_bytes(None)
-        logger.info("hf_paged: captured the decode CUDA graph of batch size %d on demand (its steps had padded up to "
-                    "%d) in %.3f s", want, size, time.perf_counter() - began)
+        logger.info("hf_paged: captured the decode CUDA graph of batch size %d at a step that needed it%s in %.3f s",
+                    want, f" (its steps had padded up to {fallback})" if fallback else "", time.perf_counter() - began)
         return want
 
     # ----- capture and replay ----------------------------------------------------------------------------------
@@ -146,9 +153,9 @@ class DecodeGraphs:
         """Capture every size (largest first, sharing one memory pool); None on success, else why graphs are
         off (logged). An eager warm-up of the largest size runs first, so lazy initialisation (libraries,
         workspaces) stays out of the graphs and the dispatcher shows which backends serve decode."""
+        if not self.sizes:  # ("on_demand": the first step a graph can serve captures the largest)
+            return None
         start = time.perf_counter()
-        torch.cuda.synchronize(self.device)
-        before = torch.cuda.memory_allocated(self.device)
         try:
             reason = self._capture_sizes(self.sizes)
         except Exception as exc:  # e.g. a model whose forward syncs with the host: it runs eager instead
@@ -158,24 +165,22 @@ class DecodeGraphs:
         if reason is not None:
             return reason
         self.capture_seconds = time.perf_counter() - start
-        self.memory_bytes = self._held_bytes(before)
         seconds = self.graphs.capture_seconds
         logger.info("hf_paged: captured %d decode CUDA graphs (batch sizes %s) in %.2f s (eager warm-up %.2f s, "
-                    "the largest size %.3f s, the smallest %.3f s); they hold %.1f MiB", len(self.graphs),
-                    size_ranges(self.sizes), self.capture_seconds, self.graphs.warmup_seconds,
-                    seconds[self.sizes[-1]], seconds[self.sizes[0]], self.memory_bytes / 2**20)
+                    "the largest size %.3f s, the smallest %.3f s)", len(self.graphs), size_ranges(self.sizes),
+                    self.capture_seconds, self.graphs.warmup_seconds, seconds[self.sizes[-1]],
+                    seconds[self.sizes[0]])
         return None
 
-    def _held_bytes(self, allocated_before: int | None) -> int:
-        """Bytes the graphs' memory pool holds (its segments, intermediates included). Where the allocator's
-        snapshot does not name pools: live bytes allocated since ``allocated_before`` (never below 0; the warm-up's
-        frees can outweigh them), or the last figure."""
-        held = self.graphs.held_bytes()
-        if held is not None:
-            return held
-        if allocated_before is None:
-            return self.memory_bytes
-        return max(0, torch.cuda.memory_allocated(self.device) - allocated_before)
+    @property
+    def memory_bytes(self) -> int:
+        """Bytes the graphs' memory pool holds (its segments, intermediates included), read from the allocator's
+        snapshot (a few ms) when first asked after a capture. Where the snapshot does not name pools: the live
+        bytes the captures allocated (never below 0; a warm-up's frees can outweigh them)."""
+        if self._memory_bytes is None:
+            held = self.graphs.held_bytes()
+            self._memory_bytes = held if held is not None else max(0, self._live_bytes)
+        return self._memory_bytes
 
     @torch.inference_mode()  # as every step runs: the compiled layers' guards include the grad mode
     def _capture_sizes(self, sizes: list[int], warm: bool = False) -> str | None:
@@ -184,6 +189,7 @@ class DecodeGraphs:
         whatever the compiler has seen, a recompile must not happen inside a capture); so does every size the
         compiled layers have not run yet (batch 1 is a shape of its own)."""
         first = not len(self.graphs)
+        self._memory_bytes, allocated = None, torch.cuda.memory_allocated(self.device)
 
         def step(b: int):
             if warm or (first and b == sizes[-1]) or (
@@ -193,8 +199,11 @@ class DecodeGraphs:
                 return b, (lambda: self._forward(b)), True
             return b, (lambda: self._forward(b)), False
 
-        return self.graphs.capture([step(b) for b in reversed(sizes)], prepare=self._stage_padding,
-                                   check=self.dispatcher.graph_unsupported_reason)
+        try:
+            return self.graphs.capture([step(b) for b in reversed(sizes)], prepare=self._stage_padding,
+                                       check=self.dispatcher.graph_unsupported_reason)
+        finally:
+            self._live_bytes += torch.cuda.memory_allocated(self.device) - allocated
 
     @torch.inference_mode()
     def replay(self, seqs: list[Sequence], size: int, columns: DecodeColumns | None = None) -> torch.Tensor:

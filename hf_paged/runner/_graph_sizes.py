@@ -3,8 +3,9 @@ cuda_graph_capture=...)``).
 
 A decode step of ``n`` sequences replays the graph of the smallest captured size ``b >= n`` (rows ``n..b`` are
 padding). Each size costs a capture: about one traced forward of host time (~20-25 ms for a 1B model on an H100,
-during which the device idles), while a padded row costs its share of the matrix products and a one-token context
-(on an H100, 4 sequences take 1.50 ms in their own graph of a 1B model, 1.79 ms padded to 16, 2.39 ms to 256).
+which the device waits out unless steps were queued before it), while a padded row costs its share of the matrix
+products and a one-token context (on an H100, 4 sequences take 1.50 ms in their own graph of a 1B model, 1.79 ms
+padded to 16, 2.39 ms to 256).
 """
 
 from __future__ import annotations
@@ -29,10 +30,11 @@ def graph_batch_sizes(max_num_seqs: int) -> list[int]:
 
 def start_sizes(sizes: list[int], capture: str) -> list[int]:
     """Which of the (sorted) ``sizes`` an engine captures at start under ``cuda_graph_capture=capture``: all of them
-    (``"start"``), the largest (``"on_demand"``), or the smallest and the largest (``"first_use"``: a server's first
-    requests run one at a time; the largest also compiles and warms the general shape)."""
+    (``"start"``), none (``"on_demand"``: the largest at the first step a graph can serve, while the device runs the
+    steps before it, which for a call's engine are its prompts'), or the smallest and the largest (``"first_use"``:
+    a server's first requests run one at a time; the largest also compiles and warms the general shape)."""
     if capture == "on_demand":
-        return sizes[-1:]
+        return []
     if capture == "first_use":
         return sorted({sizes[0], sizes[-1]})
     return list(sizes)

@@ -25,7 +25,7 @@ class StagingBuffer:
 
     def _allocate(self, size: int) -> None:
         self.device_buffer = torch.zeros(size, dtype=torch.int32, device=self.device)
-        self._host = [torch.zeros(size, dtype=torch.int32).pin_memory() for _ in range(2)]
+        self._host = [torch.empty(size, dtype=torch.int32, pin_memory=True) for _ in range(2)]  # (filled before sent)
         self._host_arrays = [h.numpy() for h in self._host]  # the same memory, for numpy's cheaper small ops
 
     def host_array(self, n: int):

@@ -125,3 +125,31 @@ def test_generate_batch_sizes_its_engine_for_the_call_and_gives_the_same_tokens(
     stats = seen[0].stats()
     assert stats["max_num_seqs"] == 5 and stats["num_blocks"] == sum(-(-(len(p) + 6) // 16) for p in prompts)
     assert "the call's sequences (5)" in stats["sizing"]["num_blocks"]
+
+
+def test_a_one_call_engine_sizes_its_block_tables_for_the_call_and_checks_each_prompt_once(monkeypatch):
+    """The block tables of ``generate_batch``'s one-call engine (and so the decode graphs' captured width and the
+    pinned staging) hold the call's longest sequence, not the model's position limit; a kept engine's may serve
+    longer sequences later and hold the limit (at most the pool). The call checks each prompt's ids once."""
+    from hf_paged.engine import _generate_batch as module
+    from hf_paged.engine import _validation as validation
+
+    prompts = random_prompts(5, 3, 40, seed=32)
+    seen, checked = [], []
+    real, real_check = module.Engine, validation.prompt_token_ids
+    monkeypatch.setattr(module, "Engine", lambda model, config, workload=None: seen.append(
+        real(model, config=config, workload=workload)) or seen[-1])
+    monkeypatch.setattr(validation, "prompt_token_ids", lambda p, *a, **k: checked.append(p) or real_check(p, *a, **k))
+    model = models(ARCH)[1]
+    config = GenerationConfig(max_new_tokens=6, eos_token_id=2)
+    out = hf_paged.generate_batch(model, prompts, config)
+    assert [o.generated_tokens for o in out.values()] == hf_greedy(ARCH, prompts, 6)
+    assert checked == prompts
+    block = seen[0].pool.block_size
+    assert seen[0].block_manager.tables.table.shape[1] == -(-(max(map(len, prompts)) + 6 + 1) // block)
+    kept = hf_paged.generate_batch(model, prompts, config, persistent_manager=True)
+    assert [o.generated_tokens for o in kept.values()] == hf_greedy(ARCH, prompts, 6)
+    limit = model.config.max_position_embeddings
+    assert seen[1].block_manager.tables.table.shape[1] == min(seen[1].pool.num_blocks, -(-limit // block))
+    assert seen[1].block_manager.tables.table.shape[1] > seen[0].block_manager.tables.table.shape[1]
+    hf_paged.generate_batch(model, prompts[:1], config)  # (lets the kept engine go)

@@ -32,10 +32,11 @@ def test_a_size_is_due_after_enough_steps_padded_past_it():
 
 
 class _Captured:
-    """Stands in for a DecodeGraphs' CudaGraphs on the CPU: which sizes are captured, and its pool's bytes."""
+    """Stands in for a DecodeGraphs' CudaGraphs on the CPU: records what is captured (failing for the sizes in
+    ``fail``), and its pool's bytes."""
 
-    def __init__(self, sizes):
-        self.sizes = dict.fromkeys(sizes)
+    def __init__(self, sizes, fail, captured):
+        self.sizes, self.fail, self.captured = dict.fromkeys(sizes), fail, captured
 
     def __len__(self):
         return len(self.sizes)
@@ -46,6 +47,14 @@ class _Captured:
     def drop(self, key):
         self.sizes.pop(key, None)
 
+    def capture(self, steps, prepare=None, check=None):
+        for key, _, warm in steps:
+            assert warm  # each size is warmed up first, whatever the compiler has seen
+            if key in self.fail:
+                raise RuntimeError("capture failed")
+            self.captured.append(key)
+            self.sizes[key] = None
+
     def held_bytes(self):
         return graph_sizes.pool_bytes(torch.device("cuda", 0), (0, 3))
 
@@ -55,24 +64,18 @@ def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset(),
     graphs = object.__new__(DecodeGraphs)  # the capture needs a GPU: build only what serving a step reads
     wanted = sorted(sizes)
     start = graph_sizes.start_sizes(wanted, capture)
-    graphs.sizes, graphs.graphs = start, _Captured(start)
-    graphs._waiting = OnDemandSizes([s for s in wanted if s not in start], first_use=capture == "first_use")
-    graphs.width, graphs.pool, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
-    graphs.device, graphs.memory_bytes = torch.device("cuda", 0), 0
     captured = []
+    graphs.sizes, graphs.graphs = start, _Captured(start, fail, captured)
+    graphs._first = None if start else wanted[-1]  # as DecodeGraphs.__init__ sets them
+    graphs._waiting = OnDemandSizes([s for s in wanted[:-1] if s not in start], first_use=capture == "first_use")
+    graphs.width, graphs.pool, graphs.on_demand_seconds = 8, SimpleNamespace(block_size=16), 0.0
+    graphs.device, graphs._memory_bytes, graphs._live_bytes = torch.device("cuda", 0), 0, 0
+    graphs.compiled, graphs.dispatcher = None, SimpleNamespace(graph_unsupported_reason=lambda: None)
     # the pool's segments: 1 MiB per captured size (another pool's segment is not the graphs')
     monkeypatch.setattr(cuda_graphs.torch.cuda, "memory_snapshot", lambda: [
-        {"device": 0, "total_size": (1 + len(captured)) << 20, "segment_pool_id": (0, 3)},
+        {"device": 0, "total_size": len(captured) << 20, "segment_pool_id": (0, 3)},
         {"device": 0, "total_size": 64 << 20, "segment_pool_id": (0, 0)}])
-
-    def capture_sizes(batch_sizes, warm=False):
-        assert len(batch_sizes) == 1 and warm  # one size, warmed up first whatever the compiler has seen
-        if batch_sizes[0] in fail:
-            raise RuntimeError("capture failed")
-        captured.append(batch_sizes[0])
-        graphs.graphs.sizes[batch_sizes[0]] = None
-
-    graphs._capture_sizes = capture_sizes
+    monkeypatch.setattr(cuda_graphs.torch.cuda, "memory_allocated", lambda *a: 0)
     monkeypatch.setattr(cuda_graphs.torch.cuda, "synchronize", lambda *a: None)
     return graphs, captured
 
@@ -85,20 +88,36 @@ def _step(graphs: DecodeGraphs, n: int) -> int | None:
 def test_the_step_that_makes_a_size_due_captures_it_and_runs_in_it(monkeypatch):
     graphs, captured = _graphs([1, 2, 4, 8, 16], monkeypatch)
     k = graph_sizes.ON_DEMAND_STEPS
-    assert [_step(graphs, 16) for _ in range(k + 1)] == [16] * (k + 1) and captured == []  # the largest serves
+    assert graphs.sizes == [] and graphs.memory_bytes == 0  # "on_demand": nothing at start
+    assert _step(graphs, 17) is None and captured == []  # more than the largest: eager, nothing captured
+    assert graphs.size_for([SimpleNamespace(num_computed_tokens=0)] * 2, [5, 1]) is None and captured == []  # prompts
+    assert [_step(graphs, 16) for _ in range(k + 1)] == [16] * (k + 1) and captured == [16]  # its first step
+    assert graphs.memory_bytes == 1 << 20 and graphs.on_demand_seconds > 0
     assert [_step(graphs, 3) for _ in range(k - 1)] == [16] * (k - 1)  # padded up to 16 meanwhile
-    assert _step(graphs, 4) == 4 and captured == [4] and graphs.sizes == [4, 16]
+    assert _step(graphs, 4) == 4 and captured == [16, 4] and graphs.sizes == [4, 16]
     assert graphs.memory_bytes == 2 << 20, "the pool's memory after the on-demand capture"
-    assert [_step(graphs, 3) for _ in range(k + 1)] == [4] * (k + 1) and captured == [4]
+    assert [_step(graphs, 3) for _ in range(k + 1)] == [4] * (k + 1) and captured == [16, 4]
     assert _step(graphs, 17) is None  # more than the largest: eager, nothing counted
     assert graphs._waiting.waiting == [1, 2, 8]
+
+
+def test_the_first_step_a_graph_can_serve_captures_the_largest_size_and_a_failure_leaves_decode_eager(
+        monkeypatch, caplog):
+    """``"on_demand"`` captures the largest size at the first step a graph can serve, whatever its batch; where
+    that capture fails, every decode step runs eager and nothing more is captured."""
+    graphs, captured = _graphs([1, 2, 4, 8], monkeypatch)
+    assert _step(graphs, 3) == 8 and captured == [8] and graphs.sizes == [8]
+    graphs, captured = _graphs([1, 2, 4, 8], monkeypatch, fail={8})
+    assert [_step(graphs, n) for n in (8, 4, 1, 8)] == [None] * 4 and captured == []
+    assert graphs.sizes == [] and not graphs._waiting and graphs._first is None
+    assert any("batch size 8" in r.message and "without CUDA graphs" in r.message for r in caplog.records)
 
 
 def test_first_use_captures_the_smallest_and_largest_at_start_and_each_other_size_at_its_first_step(monkeypatch):
     """``cuda_graph_capture="first_use"`` (an engine that serves many calls): no step pads past a size it would use
     more than once; a size never used is never captured."""
     assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "first_use") == [1, 16]
-    assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "on_demand") == [16]
+    assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "on_demand") == []
     assert graph_sizes.start_sizes([1, 2, 4, 8, 16], "start") == [1, 2, 4, 8, 16]
     assert graph_sizes.start_sizes([8], "first_use") == [8]
     graphs, captured = _graphs([1, 2, 4, 8, 16], monkeypatch, capture="first_use")
@@ -115,14 +134,15 @@ def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(m
     k = graph_sizes.ON_DEMAND_STEPS
     assert [_step(graphs, 2) for _ in range(k + 5)] == [8] * (k + 5)
     assert [_step(graphs, 1) for _ in range(k + 5)] == [8] * (k + 5)  # 1 is not tried either
-    assert captured == [] and not graphs._waiting and graphs.sizes == [8]
-    assert any("batch size 2 failed" in r.message and "no more" in r.message for r in caplog.records)
+    assert captured == [8] and not graphs._waiting and graphs.sizes == [8]
+    assert any("batch size 2" in r.message and "failed" in r.message and "no more" in r.message
+               for r in caplog.records)
 
 
 @pytest.mark.parametrize("sizes", [[1], [5]])
 def test_one_size_waits_for_nothing(sizes, monkeypatch):
     graphs, captured = _graphs(sizes, monkeypatch)
-    assert [_step(graphs, 1) for _ in range(3)] == sizes * 3 and captured == []
+    assert [_step(graphs, 1) for _ in range(3)] == sizes * 3 and captured == sizes  # captured once, at its first step
 
 
 def test_graph_memory_counts_the_pools_segments_only(monkeypatch):

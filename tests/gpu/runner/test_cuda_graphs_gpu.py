@@ -9,6 +9,8 @@
   (each size at its first use), and an engine with no settings takes the automatic sizes of a CUDA device.
 - Steps without a graph compute logits for rows padded to a power of two, with the tokens of the same engine
   without padding.
+- A capture does not wait for the device: the steps queued before it keep running, and the work queued after it
+  runs after its warm-up.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
 """
@@ -137,7 +139,8 @@ def test_eager_steps_pad_their_logits_rows_and_keep_the_tokens(f32_model):
 
 
 def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f32_model, monkeypatch):
-    """``cuda_graph_capture="on_demand"``: only the largest size at start; a smaller size is captured mid-run once
+    """``cuda_graph_capture="on_demand"``: nothing at start, the largest size at the first decode step; a smaller
+    size is captured mid-run once
     enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
     scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
     same step as its eager run, bit for bit."""
@@ -158,7 +161,7 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
 
     monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 10**9)  # nothing captured while it gets going
     fresh = hf_paged.Engine(f32_model, cuda_graphs=[4, 16], cuda_graph_capture="on_demand", **kwargs)
-    assert fresh.stats()["cuda_graphs"]["batch_sizes"] == [16]
+    assert fresh.stats()["cuda_graphs"]["batch_sizes"] == []  # the largest comes at the first decode step
     assert fresh.stats()["cuda_graphs"]["waiting_sizes"] == [4]
     for p in prompts[:3]:
         fresh.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
@@ -251,3 +254,33 @@ def test_close_frees_the_captured_graphs(f32_model):
     assert not len(graphs.graphs)  # reset and dropped: nothing holds what they captured
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()
+
+
+def test_a_capture_does_not_wait_for_the_device_and_orders_the_work_after_it(monkeypatch):
+    """``CudaGraphs.capture`` neither synchronizes nor empties the allocator's cache (a capture in the middle of a run
+    is host work beside the queued steps); its warm-up runs after the work queued before it, the work queued after
+    it runs after the warm-up, and the replay computes the step again."""
+    from hf_paged.runner._cuda_graphs import CudaGraphs
+
+    x = torch.randn(1 << 22, device="cuda")
+    out = torch.empty_like(x)
+    x.mul_(0).add_(3)  # queued before the capture: the warm-up must see it
+
+    def step():
+        out.copy_(x * 2)
+        return out
+
+    calls = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: calls.append("synchronize"))
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda *a, **k: calls.append("empty_cache"))
+    graphs = CudaGraphs(torch.device("cuda"))
+    assert graphs.capture([("k", step, True)]) is None
+    seen = out.clone()  # queued after the capture: runs after its warm-up
+    monkeypatch.undo()
+    assert calls == []
+    torch.cuda.synchronize()
+    assert torch.equal(seen, torch.full_like(x, 6.0))
+    x.fill_(5)
+    assert torch.equal(graphs.replay("k"), torch.full_like(x, 10.0))
+    graphs.release()
+
