@@ -6,8 +6,8 @@ model on it; N: ``tp_plan="auto"``, each GPU holding its shard and its own KV he
 system (``hf_paged.generate_batch``, and transformers' ``model.generate_batch`` as the baseline):
 
 - decode at batch 64: 64 prompts of 512 random tokens, 256 new tokens, greedy, no EOS. Decode time is the wall of
-  the call for 256 new tokens minus the wall of the call for 1 (prefill and setup cancel out), over 255 steps;
-  reported as output tokens per second.
+  the call for 256 new tokens minus the wall of the call for 2 (prefill, setup and the first decode step cancel
+  out), over 254 steps; reported as output tokens per second.
 - batch-1 latency: one 512-token prompt, ms per output token, the same way.
 - hf_paged only, steady decode at batch 64 (``steady`` in the JSON, the table's last columns): the batch-64 requests
   added to one ``hf_paged.Engine`` (the options ``generate_batch`` gets), stepped past every prefill and 3 more

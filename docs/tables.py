@@ -262,8 +262,8 @@ def roofline(doc: Path, *names: str) -> str:
 
 def tp(doc: Path, *names: str) -> str:
     """``benchmarks/tensor_parallel.py``: each multi-GPU row against the file's one-GPU row of the same system.
-    hf_paged rows: the steady decode step at batch 64; transformers rows: its decode rate by subtracting a 1-token
-    call from a 256-token call (the only measure the benchmark has for it)."""
+    hf_paged rows: the steady decode step at batch 64; transformers rows: its decode rate by subtracting a short
+    call (1 or 2 new tokens, as the row says) from a 256-token call (the only measure the benchmark has for it)."""
     out = []
     for name in names:
         rows = [r for r in load(name)["rows"] if r.get("status") == "ok"]
@@ -274,7 +274,8 @@ def tp(doc: Path, *names: str) -> str:
             one = next((o for o in rows if o["gpus"] == 1 and o["system"] == base), None)
             if base == "transformers":
                 rate, one_rate, step = r["decode_tok_per_s"], one and one["decode_tok_per_s"], "-"
-                method = "256-token call minus 1-token call"
+                short = r.get("decode", {}).get("short_call_new_tokens", 1)  # (files before the field: 1)
+                method = f"256-token call minus {short}-token call"
             else:
                 rate, one_rate, step = r["steady"]["tok_per_s"], one and one["steady"]["tok_per_s"], ms(
                     r["steady"]["ms_per_step"])

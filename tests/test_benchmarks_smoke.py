@@ -70,7 +70,8 @@ def test_e2e_smoke_every_run_does_all_its_work(smoke):
         assert row["tokens"] == row["expected_tokens"] > 0
         assert row["budget"] == {"max_batch_tokens": 256, "max_requests": 16}
     assert rows["hf_paged", "anchor"]["tokens"] == rows["transformers", "anchor"]["tokens"] == 4 * 4
-    assert rows["hf_paged", "latency"]["tokens"] == 3  # 4 new tokens, the first one is prefill's
+    assert rows["hf_paged", "latency"]["tokens"] == 2  # 4 new tokens less the 2 of the shorter call
+    assert rows["hf_paged", "latency"]["short_call_new_tokens"] == 2
     anchor = rows["hf_paged", "anchor"]
     assert anchor["tok_per_s"] == pytest.approx(anchor["tokens"] / anchor["seconds"])
     for system in ("hf_paged", "transformers"):  # one list per timed call

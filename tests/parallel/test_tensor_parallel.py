@@ -467,7 +467,7 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
     # (on CPU processes the peer_sum mode has no CUDA buffers to set up: gloo serves, the run completes)
     assert peer_sum["status"] == "ok" and peer_sum["system"] == "hf_paged (peer_sum)"
     assert row["decode"]["full_call_s"] > 0 and row["latency"]["full_call_s"] > 0
-    assert len(row["decode"]["first_token_calls_s"]) == len(row["decode"]["full_calls_s"]) == 1  # every rep kept
+    assert len(row["decode"]["short_calls_s"]) == len(row["decode"]["full_calls_s"]) == 1  # every rep kept
     # the steady decode: every request of the batch decoding in each timed step, on both ranks in step
     assert row["steady"]["batch"] == 4 and row["steady"]["steps"] == 4 and row["steady"]["ms_per_step"] > 0
     assert split["status"] == "ok" and split["gpus"] == 2 and split["system"] == "hf_paged (split)"
