@@ -55,8 +55,9 @@ class Engine(EngineCore):
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
         backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
         memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
-        cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs at start (one per padded batch size,
-            ``graph_batch_sizes(max_num_seqs)``, or the sizes given) and replay them; False runs every step eager.
+        cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs (one per padded batch size,
+            ``graph_batch_sizes(max_num_seqs)``, or the sizes given; when: ``cuda_graph_capture``) and replay them;
+            False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
         cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start);
             ``"on_demand"``: the largest size at the first step a graph can serve (host work while the device runs
