@@ -128,18 +128,21 @@ class DecodeGraphs:
     def _capture_now(self, want: int, fallback: int | None) -> int | None:
         """Capture size ``want`` for the step being launched and return it; where that fails, ``fallback`` (the
         captured size the step pads up to; None: it runs eager), and no more sizes are captured."""
-        began = time.perf_counter()
+        began, failed = time.perf_counter(), False
         try:
             reason = self._capture_sizes([want], warm=True)
         except Exception as exc:  # the captured graphs still serve; a failed capture may leave the pool unusable
             self.graphs.drop(want)
             torch.cuda.synchronize(self.device)
-            reason = f"capturing it failed ({type(exc).__name__}: {str(exc)[:300]})"
-        if reason is not None:
+            reason, failed = f"capturing it failed ({type(exc).__name__}: {str(exc)[:300]})", True
+        if reason is not None:  # (a backend that is not capture-safe: the same for every size)
             self._waiting.stop()
-            logger.warning("hf_paged: no decode CUDA graph of batch size %d: %s; no more sizes are captured: %s",
-                           want, reason, f"steps pad up to the captured ones ({size_ranges(self.sizes)})"
-                           if self.sizes else "decode steps run without CUDA graphs")
+            if self.sizes:
+                logger.warning("hf_paged: no decode CUDA graph of batch size %d: %s; no more sizes are captured: "
+                               "steps pad up to the captured ones (%s)", want, reason, size_ranges(self.sizes))
+            else:  # as an engine that captures at start says it
+                (logger.warning if failed else logger.info)(
+                    "hf_paged: decode runs without CUDA graphs: batch size %d: %s", want, reason)
             return fallback
         self.on_demand_seconds += time.perf_counter() - began
         self.sizes = sorted(self.graphs.keys())

@@ -224,6 +224,15 @@ def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
     assert any("without CUDA graphs" in r.message and "not capture-safe" in r.message for r in caplog.records)
     out = engine.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
     assert len(out[0].token_ids) == 4
+    # "on_demand" finds it at the first decode step, says so as the start does, and decodes eagerly
+    lazy = hf_paged.Engine(bf16_model, num_blocks=256, block_size=16, max_num_seqs=4, backend="torch",
+                           cuda_graph_capture="on_demand")
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_paged"):
+        again = lazy.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
+    assert again[0].token_ids == out[0].token_ids and lazy.graphs.sizes == [] and lazy.graphs.stats()["replays"] == 0
+    assert any("without CUDA graphs" in r.message and "not capture-safe" in r.message and r.levelname == "INFO"
+               for r in caplog.records)
 
 
 def test_decode_with_a_given_workspace_equals_its_own_allocation():
