@@ -140,10 +140,9 @@ def test_eager_steps_pad_their_logits_rows_and_keep_the_tokens(f32_model):
 
 def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f32_model, monkeypatch):
     """``cuda_graph_capture="on_demand"``: nothing at start, the largest size at the first decode step; a smaller
-    size is captured mid-run once
-    enough decode steps padded up to a larger graph, between steps with a step in flight (asynchronous
-    scheduling), and the tokens stay those of an engine without graphs. A size captured on demand replays the
-    same step as its eager run, bit for bit."""
+    size is captured mid-run once enough decode steps padded up to a larger graph, between steps with a step in
+    flight (asynchronous scheduling), and the tokens stay those of an engine without graphs. A size captured on
+    demand replays the same step as its eager run, bit for bit."""
     from hf_paged.runner import _graph_sizes as graph_sizes
 
     monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
@@ -292,4 +291,3 @@ def test_a_capture_does_not_wait_for_the_device_and_orders_the_work_after_it(mon
     x.fill_(5)
     assert torch.equal(graphs.replay("k"), torch.full_like(x, 10.0))
     graphs.release()
-
