@@ -56,7 +56,8 @@ class Engine(EngineCore):
         backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
         memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
         cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs (one per padded batch size,
-            ``graph_batch_sizes(max_num_seqs)``, or the sizes given; when: ``cuda_graph_capture``) and replay them;
+            ``graph_batch_sizes(max_num_seqs)``: 2 rows and up, or the sizes given up to the first that holds
+            ``max_num_seqs``; when: ``cuda_graph_capture``) and replay them;
             False runs every step eager.
             Graphs are switched off, with a log line saying why, when a backend serving decode is not capture-safe.
         cuda_graph_capture: when the graphs are captured: ``"start"`` (every size at engine start);

@@ -115,8 +115,8 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         capture = CAPTURE_ONE_CALL if one_call else CAPTURE_OTHERS
         reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at its "
                                          "first decode step, smaller ones once they served 32 steps" if one_call else
-                                         "automatic: batch 1 and the largest at start, the others at their first "
-                                         "step")
+                                         "automatic: the smallest and the largest at start, the others at their "
+                                         "first step")
     graphs = cfg.cuda_graphs
     if graphs is True and one_call:
         # Such an engine never runs more sequences at once than the call has, and captures on every call (each size

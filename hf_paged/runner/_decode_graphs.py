@@ -38,7 +38,7 @@ from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._cuda_graphs import CudaGraphs
-from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, start_sizes
+from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, sizes_for, start_sizes
 from hf_paged.runner._model_runner import call_model, model_call
 from hf_paged.runner._step_plan import DecodeColumns, Sequence
 from hf_paged.runner._staging import StagingBuffer
@@ -291,8 +291,7 @@ def engine_graphs(core, cfg, tables, max_num_seqs: int):
     if len(split) > 1:
         logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
         return None
-    sizes = (graph_batch_sizes(max_num_seqs) if cuda_graphs is True
-             else [s for s in cuda_graphs if s <= max_num_seqs])
+    sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else sizes_for(cuda_graphs, max_num_seqs)
     graphs = DecodeGraphs(core.model, core.pool, core.dispatcher, tables, sizes, core.runner.last_tokens, core.compiled,
                           core.skinny_linear, capture=cfg.cuda_graph_capture,
                           local_logits=core.vocab_shards is not None)

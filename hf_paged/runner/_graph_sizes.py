@@ -16,16 +16,31 @@ import torch
 # where the padding paid equals one capture (ski rental), with the H100 figures above.
 ON_DEMAND_STEPS = 32
 
+# The smallest automatic graph: a decode step of one sequence replays a graph of two rows. The compiled layers
+# specialise a one-token step into graphs of their own (torch.compile treats a size of 1 apart), so a graph of one
+# row costs a compile of every layer's code; on an H200 (1B model, artifacts on disk) a server's engine started in
+# 5.0-5.8 s with graphs of 2 and 256 rows against 6.4-7.7 s with 1 and 256, its batch-1 decode at 1.21-1.22 ms per
+# token either way (the padding row is a one-token context and a row of each product).
+SMALLEST_GRAPH = 2
+
 
 def graph_batch_sizes(max_num_seqs: int) -> list[int]:
-    """1, 2, 4, 8, 16, 32, then every multiple of 32 up to ``max_num_seqs`` (which is always included): what an
-    engine that serves many calls (``Engine``, a server) captures at start.
+    """2, 4, 8, 16, 32, then every multiple of 32 up to ``max_num_seqs`` (which is always included, and at least
+    ``SMALLEST_GRAPH``): what an engine that serves many calls (``Engine``, a server) captures.
 
     Few sizes keep the capture short; a padded row costs little, since a decode step reads the weights once
     whatever the batch.
     """
-    sizes = [s for s in (1, 2, 4, 8, 16) if s < max_num_seqs] + list(range(32, max_num_seqs, 32))
-    return sorted(set(sizes) | {max_num_seqs})
+    sizes = [s for s in (2, 4, 8, 16) if s < max_num_seqs] + list(range(32, max_num_seqs, 32))
+    return sorted(set(sizes) | {max(max_num_seqs, SMALLEST_GRAPH)})
+
+
+def sizes_for(sizes, max_num_seqs: int) -> list[int]:
+    """The given graph ``sizes`` an engine of at most ``max_num_seqs`` sequences at once can use: those up to it
+    and the smallest one above it, which its full batches pad up to."""
+    wanted = sorted(set(sizes))
+    above = [s for s in wanted if s >= max_num_seqs][:1]
+    return [s for s in wanted if s < max_num_seqs] + above
 
 
 def start_sizes(sizes: list[int], capture: str) -> list[int]:
@@ -42,16 +57,16 @@ def start_sizes(sizes: list[int], capture: str) -> list[int]:
 
 def one_call_graph_sizes(num_seqs: int) -> list[int]:
     """The sizes for an engine that serves one call of ``num_seqs`` sequences (``generate_batch``): the powers of two
-    below it, and itself.
+    from ``SMALLEST_GRAPH`` below it, and itself (at least ``SMALLEST_GRAPH``).
 
     Such an engine pays its captures on every call, and its batches pass each size below the largest only for the
     steps in which its sequences finish; it captures these sizes on demand (:class:`OnDemandSizes`).
     """
-    sizes, s = [], 1
+    sizes, s = [], SMALLEST_GRAPH
     while s < num_seqs:
         sizes.append(s)
         s *= 2
-    return sizes + [num_seqs]
+    return sizes + [max(num_seqs, SMALLEST_GRAPH)]
 
 
 class OnDemandSizes:

@@ -80,13 +80,13 @@ def test_a_one_call_workload_caps_the_sequences_and_graph_sizes_a_kept_engine_do
     devices = _on_cuda(monkeypatch, 130 * GIB)
     one_call = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((700,) * 64))
     assert one_call.config.max_num_seqs == 64 and one_call.config.max_batch_tokens == 16384
-    assert one_call.config.cuda_graphs == (1, 2, 4, 8, 16, 32, 64) and one_call.config.cuda_graph_capture == "on_demand"
+    assert one_call.config.cuda_graphs == (2, 4, 8, 16, 32, 64) and one_call.config.cuda_graph_capture == "on_demand"
     kept = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices,
                        Workload((700,) * 64, one_call=False))
     assert kept.config.max_num_seqs == 256 and kept.config.cuda_graphs is True
     assert kept.config.cuda_graph_capture == "first_use"
     latency = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((768,)))
-    assert latency.config.max_num_seqs == 1 and latency.config.cuda_graphs == (1,)
+    assert latency.config.max_num_seqs == 1 and latency.config.cuda_graphs == (2,)  # batch 1 replays two rows
 
 
 def test_the_engine_reports_what_it_picked_and_why(caplog):

@@ -205,7 +205,7 @@ def test_an_engine_with_no_settings_takes_the_cuda_rule_and_generate_batch_keeps
     free = torch.cuda.mem_get_info()[0]
     if free > 20 * 2**30:  # room for the rule's step whatever else holds the GPU
         assert (stats["max_batch_tokens"], stats["max_num_seqs"]) == (rule.max_batch_tokens, rule.max_num_seqs)
-    assert stats["cuda_graphs"]["batch_sizes"] == [1, stats["max_num_seqs"]]
+    assert stats["cuda_graphs"]["batch_sizes"] == [2, stats["max_num_seqs"]]
     assert set(stats["sizing"]) == {"max_batch_tokens", "max_num_seqs", "num_blocks", "cuda_graph_capture"}
     engine.close()
     prompts = _prompts(6, seed=13)
@@ -214,6 +214,30 @@ def test_an_engine_with_no_settings_takes_the_cuda_rule_and_generate_batch_keeps
     fixed = hf_paged.generate_batch(f32_model, prompts, config, hf_paged.EngineConfig(
         max_batch_tokens=2048, max_num_seqs=256, cuda_graphs=False, block_size=16))
     assert [o.generated_tokens for o in auto.values()] == [o.generated_tokens for o in fixed.values()]
+
+
+def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own(f32_model):
+    """Batch 1 replays the smallest automatic graph (two rows, one of them padding), so an engine's start and its
+    decode of one sequence trace no one-token shape of the compiled layers (torch.compile would specialise one); the
+    tokens are those of an engine without graphs."""
+    from torch._dynamo.utils import counters
+
+    prompts = _prompts(1, seed=14, lo=20, hi=60)
+    config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None)
+    torch._dynamo.reset()  # forget the one-token shapes other tests compiled
+    frames = counters["frames"]["total"]
+    engine = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, max_num_seqs=8)
+    assert engine.stats()["compiled_layers"] is True and engine.stats()["cuda_graphs"]["batch_sizes"] == [2, 8]
+    at_start = counters["frames"]["total"] - frames
+    got = engine.generate(prompts, config)
+    assert counters["frames"]["total"] - frames == at_start  # the prompt's step and the decode compiled nothing
+    assert engine.stats()["cuda_graphs"]["replays"] >= 22
+    engine.close()
+    # a one-token step run eagerly is a shape of its own: the same count of frames again
+    eager = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, cuda_graphs=False)
+    assert [o.token_ids for o in eager.generate(prompts, config)] == [o.token_ids for o in got]
+    assert counters["frames"]["total"] - frames >= 2 * at_start
+    eager.close()
 
 
 def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
