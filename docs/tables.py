@@ -208,6 +208,26 @@ def cold_start(doc: Path, name: str) -> str:
     return table(header, out, "llrrrrrrr") + "\n\n" + caption([name], doc, line + "`benchmarks/cold_start.py`. ")
 
 
+def engine_start(doc: Path, name: str) -> str:
+    """``benchmarks/engine_start.py``: per variant (decode-graph sizes) and process kind, the medians of a kept
+    engine's start, its batch-1 decode and the dynamo frames traced by the end of the engine's start."""
+    data = load(name)
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for r in data["rows"]:
+        if r.get("status") == "ok":
+            groups.setdefault((r["variant"], r["process"]), []).append(r)
+    out = []
+    for (variant, process), rows in groups.items():
+        med = lambda key: statistics.median(r[key] for r in rows)  # noqa: E731
+        spread = (f" ({min(r['engine_s'] for r in rows):.2f}-{max(r['engine_s'] for r in rows):.2f})"
+                  if len(rows) > 1 else "")
+        out.append([variant, process, str(len(rows)), ", ".join(map(str, rows[0]["sizes"] or [])) or "-",
+                    f"{med('engine_s'):.2f}{spread}", f"{med('b1_ms'):.3f}", f"{med('frames_at_start'):.0f}"])
+    header = ["variant", "process", "n", "graphs at start", "`Engine(...)`, s (range)", "batch 1, ms per token",
+              "dynamo frames"]
+    return table(header, out, "llrlrrr") + "\n\n" + caption([name], doc, "`benchmarks/engine_start.py`. ")
+
+
 AB_FIGURES = {
     "hf_paged anchor": ("anchor, `generate_batch`, output tok/s", tok),
     "hf_paged latency": ("batch 1, `generate_batch`, ms per output token", ms),
@@ -485,8 +505,8 @@ def results(doc: Path) -> str:
     return table(["file", "card", "torch", "transformers", "flash-attn", "date"], out, "llllll")
 
 
-RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "ab": ab, "roofline": roofline, "tp": tp, "dp": dp,
-             "serve": serve, "generate": generate, "decode": decode, "decode-gemm": decode_gemm,
+RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "engine-start": engine_start, "ab": ab,
+             "roofline": roofline, "tp": tp, "dp": dp, "serve": serve, "generate": generate, "decode": decode, "decode-gemm": decode_gemm,
              "prefill": prefill, "allreduce": allreduce,
              "envs": envs_table, "engine-config": engine_config, "results": results}
 

@@ -24,6 +24,7 @@ import cold_start  # noqa: E402
 import decode_gemm  # noqa: E402
 import e2e_throughput  # noqa: E402
 import engine_overhead  # noqa: E402
+import engine_start  # noqa: E402
 import generate_host_overhead  # noqa: E402
 import graph_capture  # noqa: E402
 import generate_latency  # noqa: E402
@@ -345,6 +346,30 @@ def test_e2e_defaults_gives_hf_paged_no_settings(tmp_path):
     assert row["status"] == "ok" and row["defaults"] and row["budget"] == {"max_batch_tokens": None,
                                                                            "max_requests": None}
     assert "max_num_seqs=4 (automatic: the call's sequences (4))" in row["engine"]
+
+
+def test_engine_start_variants_name_the_graph_sizes_they_give():
+    assert engine_start.split_variants("auto-1,auto+1") == ["auto-1", "auto+1"]
+    assert engine_start.split_variants("1,2,4;auto") == ["1,2,4", "auto"]
+    assert engine_start.split_variants("1,2,4") == ["1,2,4"]
+    assert engine_start.graph_sizes("auto") is None
+    without, with_one = engine_start.graph_sizes("auto-1"), engine_start.graph_sizes("auto+1")
+    assert without[0] == 2 and without[-1] == 256 and with_one == [1, *without]
+    assert engine_start.graph_sizes("4,1,2") == [1, 2, 4]
+
+
+@pytest.mark.slow
+def test_engine_start_smoke_times_a_first_and_a_later_process_per_variant(tmp_path):
+    path = tmp_path / "start.json"
+    out = _run(engine_start.main, ["--smoke", "--rounds", "1", "--variants", "auto;1,2", "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["meta"]["card"] == "cpu" and data["meta"]["smoke"]
+    assert [(r["variant"], r["process"]) for r in data["rows"]] == [
+        ("auto", "first"), ("1,2", "first"), ("auto", "second"), ("1,2", "second")]
+    for row in data["rows"]:
+        assert row["status"] == "ok", row
+        assert 0 < row["import"] <= row["load"] and row["engine_s"] > 0 and row["b1_ms"] > 0, row
+    assert "| auto | second | 1 |" in out.splitlines()[-2]
 
 
 @pytest.mark.slow
