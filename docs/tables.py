@@ -506,7 +506,8 @@ def results(doc: Path) -> str:
 
 
 RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "engine-start": engine_start, "ab": ab,
-             "roofline": roofline, "tp": tp, "dp": dp, "serve": serve, "generate": generate, "decode": decode, "decode-gemm": decode_gemm,
+             "roofline": roofline, "tp": tp, "dp": dp, "serve": serve, "generate": generate, "decode": decode,
+             "decode-gemm": decode_gemm,
              "prefill": prefill, "allreduce": allreduce,
              "envs": envs_table, "engine-config": engine_config, "results": results}
 

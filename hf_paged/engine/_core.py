@@ -132,6 +132,7 @@ class EngineCore:
         self._interrupts = InterruptGuard()
         self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
         self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
+        self.runner.compile_one_token = self.graphs is None  # (a one-token step is rare beside graphs: runner)
         # compile_layers="background" in an engine that serves many calls: once the helper process is done, the
         # layers switch to compiled ones between two steps (_take_compiled_layers); an engine of one call keeps its
         # eager layers (a switch inside a call would make its tokens depend on timing)
@@ -219,6 +220,7 @@ class EngineCore:
         self._release_graphs()
         self.compiled = self.runner.compiled = layers
         self.graphs = engine_graphs(self, self.config, self.block_manager.tables, self.config.max_num_seqs)
+        self.runner.compile_one_token = self.graphs is None
         if layers.artifacts is not None:
             layers.artifacts.save()
         logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
@@ -230,6 +232,7 @@ class EngineCore:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         graphs, self.graphs = self.graphs, None
+        self.runner.compile_one_token = True  # decode of one sequence runs eager from now on
         if graphs is not None:
             graphs.release()
 

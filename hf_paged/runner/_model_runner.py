@@ -55,7 +55,8 @@ class ModelRunner:
     """Runs planned steps of ``model`` on ``pool`` (``dispatcher`` picks each layer's attention backend); input buffers
     hold ``max_tokens`` tokens on the device.
 
-    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``);
+    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``), a
+    one-token step only with ``compile_one_token`` (see there);
     ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``);
     ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``tp_logits.install``).
     """
@@ -66,6 +67,11 @@ class ModelRunner:
         self.model = model
         self.local_logits = local_logits
         self.compiled = compiled
+        # torch.compile specialises a one-token step into graphs of its own, a compile of every layer's code the first
+        # time one comes. Where decode replays CUDA graphs (whose smallest has two rows), a step of one token runs
+        # eagerly only now and then (a one-token prompt, a prompt cached up to its last token), so it takes the eager
+        # modules rather than stall the engine for that compile; the engine sets this False when it has graphs.
+        self.compile_one_token = True
         self.skinny = skinny
         self.pool, self.dispatcher = pool, dispatcher
         self.device = torch.device(device)
@@ -134,6 +140,7 @@ class ModelRunner:
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         step = PagedStep(self.metadata(plan, seg, slots), self.pool, self.dispatcher)
-        with model_call(step, self.compiled, self.skinny, self.local_logits):
+        compiled = self.compiled if t > 1 or self.compile_one_token else None
+        with model_call(step, compiled, self.skinny, self.local_logits):
             logits = call_model(self.model, ids.view(1, t), pos.view(1, t), self._rows_to_keep(seg["logits_indices"]))
         return logits[: plan.num_sampled]  # (the plan pads the rows: runner/_step_plan.py)

@@ -119,6 +119,25 @@ def test_compile_layers_is_validated():
 
 
 @pytest.mark.slow
+def test_beside_cuda_graphs_a_one_token_step_runs_the_eager_modules(model, monkeypatch):
+    """Where decode replays CUDA graphs (the smallest of two rows), a one-token step is rare (here a prompt cached up to
+    its last token) and runs the eager modules rather than compile a shape of its own; without graphs (the CPU) it
+    runs compiled. The tokens are the same either way."""
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=32, compile_layers=True)
+    assert engine.graphs is None and engine.runner.compile_one_token  # the CPU: decode of one sequence compiled
+    prompt = random_prompts(1, 9, 9, seed=21)  # 9 tokens in blocks of 4: a repeat finds 8 of them cached
+    first = engine.generate(prompt, greedy_config(1))
+    calls = _count_compiled_calls(model, monkeypatch)
+    engine.runner.compile_one_token = False  # what an engine with graphs sets
+    again = engine.generate(prompt, greedy_config(1))
+    assert engine.stats()["prefix_cache_hit_tokens"] == 8  # the repeat's only step had one token
+    assert calls[0] == 0 and again[0].token_ids == first[0].token_ids
+    engine.runner.compile_one_token = True
+    third = engine.generate(prompt, greedy_config(1))
+    assert calls[0] >= model.config.num_hidden_layers and third[0].token_ids == first[0].token_ids
+
+
+@pytest.mark.slow
 def test_steps_of_new_sizes_do_not_compile_again(model):
     """Compiled after two steps only, one that fills ``max_batch_tokens`` exactly (its input views as wide as the
     buffers) and one of a single token (a shape of its own): steps of any other token count, and a second engine,

@@ -11,6 +11,7 @@
   without padding.
 - A capture does not wait for the device: the steps queued before it keep running, and the work queued after it
   runs after its warm-up.
+- Batch 1 replays the graph of two rows: neither it nor a one-token prompt step compiles a shape of its own.
 - Capture refuses a decode backend that is not capture-safe (torch), with the reason, and the engine still runs.
 - The decode kernel with a caller's workspace equals the one that allocates its own.
 """
@@ -218,11 +219,12 @@ def test_an_engine_with_no_settings_takes_the_cuda_rule_and_generate_batch_keeps
 
 def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own(f32_model):
     """Batch 1 replays the smallest automatic graph (two rows, one of them padding), so an engine's start and its
-    decode of one sequence trace no one-token shape of the compiled layers (torch.compile would specialise one); the
-    tokens are those of an engine without graphs."""
+    decode of one sequence trace no one-token shape of the compiled layers (torch.compile would specialise one), and
+    a one-token prompt step (a prompt cached up to its last token) runs the eager modules; the tokens are those of an
+    engine without graphs."""
     from torch._dynamo.utils import counters
 
-    prompts = _prompts(1, seed=14, lo=20, hi=60)
+    prompts = _prompts(1, seed=14, lo=40, hi=60)
     config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None)
     torch._dynamo.reset()  # forget the one-token shapes other tests compiled
     frames = counters["frames"]["total"]
@@ -232,6 +234,13 @@ def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own
     got = engine.generate(prompts, config)
     assert counters["frames"]["total"] - frames == at_start  # the prompt's step and the decode compiled nothing
     assert engine.stats()["cuda_graphs"]["replays"] >= 22
+    assert not engine.runner.compile_one_token
+    cached = [prompts[0][:33]]  # twice: the repeat's prompt step has one token (32 of 33 cached in blocks of 16)
+    once = engine.generate(cached, config)
+    hits = engine.stats()["prefix_cache_hit_tokens"]
+    twice = engine.generate(cached, config)
+    assert engine.stats()["prefix_cache_hit_tokens"] - hits == 32 and twice[0].token_ids == once[0].token_ids
+    assert counters["frames"]["total"] - frames == at_start  # that one-token step ran the eager modules
     engine.close()
     # a one-token step run eagerly is a shape of its own: the same count of frames again
     eager = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, cuda_graphs=False)
