@@ -15,6 +15,8 @@ Parts (``--parts``):
   generate  ``generate_latency.py --systems hf_paged_optimized --batches 1,64``: plain ``model.generate`` with
             ``optimize_generate``, ms per decode step at batch 1 and 64, and ms per token of the whole call
             (prefill included)
+  start     ``engine_start.py --variants auto --rounds 1``: a kept engine's start (``Engine(model)``, no settings)
+            in a process that finds the compile artifacts of the one before it, and its batch-1 decode
 
     python benchmarks/ab_checkouts.py --old ../old --new . --rounds 2 --json ab.json
     python benchmarks/ab_checkouts.py --table ab.json
@@ -34,7 +36,7 @@ import tempfile
 import time
 from pathlib import Path
 
-PARTS = ("anchor", "latency", "defaults", "generate")
+PARTS = ("anchor", "latency", "defaults", "generate", "start")
 
 
 SMOKE: list[str] = []  # ["--smoke"] with --smoke: every script on its tiny CPU model
@@ -102,6 +104,15 @@ def _generate(folder: Path, timeout: float) -> dict:
     return _measured(figures, seconds, rows[0])
 
 
+def _start(folder: Path, timeout: float) -> dict:
+    rows, seconds, _ = _run(folder, ["benchmarks/engine_start.py", "--variants", "auto", "--rounds", "1"], timeout)
+    later = [r for r in rows if r.get("process") == "second"]
+    if not later or later[0].get("status") != "ok":
+        raise RuntimeError(f"engine start: {later[0].get('error', '') if later else 'no later process'}")
+    return _measured({"engine start s, a later process": later[0]["engine_s"],
+                      "engine start, batch 1 ms/token": later[0]["b1_ms"]}, seconds, later[0])
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, help="the checkout before the change")
@@ -133,6 +144,8 @@ def main(argv: list[str] | None = None) -> int:
                     got = _anchor(folders[tag], "hf_paged", args.timeout, workloads="latency")
                 elif part == "defaults":
                     got = _defaults(folders[tag], args.timeout)
+                elif part == "start":
+                    got = _start(folders[tag], args.timeout)
                 else:
                     got = _generate(folders[tag], args.timeout)
                 result["rounds"].append({"round": r, "checkout": tag, "part": part, **got})

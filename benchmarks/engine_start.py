@@ -98,7 +98,8 @@ def parent(args: argparse.Namespace) -> list[dict]:
         root = roots[variant]
         env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
                "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels}
-        row = {"variant": variant, "process": which, **run_child(variant, args, env)}
+        row = {"variant": variant, "process": which, **run_child(variant, args, env),
+               **{k: meta[k] for k in ("card", "torch", "transformers", "date")}}
         rows.append(row)
         print(f"{variant} / {which}: " + ", ".join(f"{c} {row[c]}" for c in COLUMNS if c in row)
               + f" sizes {row.get('sizes')}" + ("" if row.get("status") == "ok" else f" ({row.get('error')})"),

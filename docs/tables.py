@@ -233,6 +233,8 @@ AB_FIGURES = {
     "hf_paged latency": ("batch 1, `generate_batch`, ms per output token", ms),
     "anchor, no settings, first call tok/s": ("anchor, no settings, a process's first call, output tok/s", tok),
     "anchor, no settings, later calls tok/s": ("anchor, no settings, its later calls, output tok/s", tok),
+    "engine start s, a later process": ("a kept engine's start (`Engine(model)`), a later process, s", ms),
+    "engine start, batch 1 ms/token": ("that engine's batch-1 decode, ms per output token", ms),
     "generate optimized B1 ms/step": ("`generate` + `optimize_generate`, batch 1, ms per decode step", ms),
     "generate optimized B64 ms/step": ("`generate` + `optimize_generate`, batch 64, ms per decode step", ms),
     "generate optimized B64 ms/token all-in": ("`generate` + `optimize_generate`, batch 64, ms per token, whole call",

@@ -250,15 +250,18 @@ def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
 
 @pytest.mark.slow
 def test_ab_checkouts_smoke_runs_each_part_in_each_checkout(tmp_path):
-    """Two parts, one round, this checkout as both sides: each part's figures come back for each side, from a process
-    of its own, and the medians pair them."""
+    """Three parts, one round, this checkout as both sides: each part's figures come back for each side, from a
+    process of its own, and the medians pair them."""
     out = tmp_path / "ab.json"
     root = str(BENCH.parent)
-    _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", "latency,defaults",
+    _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", "latency,defaults,start",
                              "--smoke", "--json", str(out)])
     result = json.loads(out.read_text())
     runs = {(run["checkout"], run["part"]): run["figures"] for run in result["rounds"]}
-    assert set(runs) == {(side, part) for side in ("old", "new") for part in ("latency", "defaults")}
+    assert set(runs) == {(side, part) for side in ("old", "new") for part in ("latency", "defaults", "start")}
+    for side in ("old", "new"):
+        assert set(runs[side, "start"]) == {"engine start s, a later process", "engine start, batch 1 ms/token"}
+        assert all(v > 0 for v in runs[side, "start"].values())
     for side in ("old", "new"):
         assert set(runs[side, "latency"]) == {"hf_paged latency"} and runs[side, "latency"]["hf_paged latency"] > 0
         assert set(runs[side, "defaults"]) == {"anchor, no settings, first call tok/s",
