@@ -57,9 +57,9 @@ _SAMPLER_BYTES = 12
 
 #: How decode CUDA graphs are captured when ``cuda_graph_capture`` is None: an engine built for one call captures
 #: its largest batch at its first decode step, while the device runs the prompts' steps, and smaller ones once they
-#: would have served enough steps ("on_demand"); any other engine (a server's) captures batch 1 and its largest at
-#: start, the sizes between at their first step ("first_use"): the first requests of a server run few at a time,
-#: and each size then serves many steps.
+#: would have served enough steps ("on_demand"); any other engine (a server's) captures its smallest (two rows, which
+#: batch 1 replays) and its largest at start, the sizes between at their first step ("first_use"): the first requests
+#: of a server run few at a time, and each size then serves many steps.
 CAPTURE_ONE_CALL = "on_demand"
 CAPTURE_OTHERS = "first_use"
 

@@ -190,7 +190,7 @@ class DecodeGraphs:
         """Capture ``sizes`` (largest first) into the graphs' shared memory pool, each on a step of padding rows.
         The first capture of this object warms up eagerly first, and so does each size with ``warm`` (on demand:
         whatever the compiler has seen, a recompile must not happen inside a capture); so does every size the
-        compiled layers have not run yet (batch 1 is a shape of its own)."""
+        compiled layers have not run yet (a given size of 1 is a shape of its own)."""
         first = not len(self.graphs)
         self._memory_bytes, allocated = None, torch.cuda.memory_allocated(self.device)
 
