@@ -6,7 +6,9 @@ comma list of graph batch sizes passed as ``cuda_graphs`` (``1,2,4`` ...), or ``
 automatic sizes for 256 sequences without or with a graph of one row. Each variant has a cache folder of its own
 (torch's inductor and triton caches, hf_paged's compile artifacts): its first process compiles and is reported as
 ``first``; then ``--rounds`` rounds run one process per variant, alternating, each finding what its first left
-(``second``: a user's later start). The CUDA kernels' JIT build keeps its usual cache.
+(``second``: a user's later start). The CUDA kernels' JIT build keeps its usual cache. Where this Python writes no
+bytecode, the children's packages get theirs compiled beforehand into one folder, as ``cold_start.py`` does (its
+``--bytecode auto``; the result's ``meta.bytecode`` says which).
 
 A process: ``import`` (torch, hf_paged), ``load`` (the e2e benchmark's Llama-3.2-1B-shaped random bf16 model on the
 device), ``engine_s`` (``Engine(...)``: pool, compile of the layers, decode graphs captured at start), the dynamo
@@ -31,6 +33,10 @@ from pathlib import Path
 
 BENCH = Path(__file__).resolve().parent
 ROOT = BENCH.parent
+sys.path.insert(0, str(BENCH))
+
+from cold_start import _env, compile_bytecode, package_folders, writes_no_bytecode  # noqa: E402
+
 COLUMNS = ("import", "load", "engine_s", "b1_ms", "frames_at_start", "frames_after")
 
 
@@ -90,6 +96,13 @@ def parent(args: argparse.Namespace) -> list[dict]:
     meta["transformers"] = transformers.__version__
     if torch.cuda.is_available() and not args.smoke:
         subprocess.run([sys.executable, "-m", "hf_paged", "build-kernels"], check=True, cwd=ROOT, env=_env({}))
+    bytecode = {}
+    meta["bytecode"] = "as installed"
+    if writes_no_bytecode():
+        prefix = Path(tempfile.mkdtemp(prefix="engine_start_bytecode_"))
+        compile_bytecode(package_folders(["generate_batch"]), prefix)
+        bytecode = {"PYTHONPYCACHEPREFIX": str(prefix)}
+        meta["bytecode"] = "compiled beforehand into one cache folder for every child"
     kernels = str(envs.kernel_cache_dir())
     roots = {v: Path(tempfile.mkdtemp(prefix="engine_start_")) for v in variants}
     rows: list[dict] = []
@@ -97,7 +110,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
     for variant, which in order:
         root = roots[variant]
         env = {"TORCHINDUCTOR_CACHE_DIR": str(root / "inductor"), "TRITON_CACHE_DIR": str(root / "triton"),
-               "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels}
+               "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels, **bytecode}
         row = {"variant": variant, "process": which, **run_child(variant, args, env),
                **{k: meta[k] for k in ("card", "torch", "transformers", "date")}}
         rows.append(row)
@@ -108,11 +121,6 @@ def parent(args: argparse.Namespace) -> list[dict]:
             Path(args.json).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
     print(table(rows))
     return rows
-
-
-def _env(extra: dict) -> dict:
-    path = os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH", "")) if p)
-    return {**os.environ, "PYTHONPATH": path, "PYTHONUNBUFFERED": "1", "HF_HUB_OFFLINE": "1", **extra}
 
 
 def run_child(variant: str, args: argparse.Namespace, env: dict) -> dict:
@@ -150,7 +158,6 @@ def child(args: argparse.Namespace) -> None:
     import hf_paged
 
     imported = time.time() - began
-    sys.path.insert(0, str(BENCH))
     from e2e_workloads import LLAMA_1B, SMOKE_SHAPE, load_model
     from torch._dynamo.utils import counters
     from transformers import GenerationConfig
