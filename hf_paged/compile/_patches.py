@@ -1,8 +1,9 @@
 """The one registry of the ``forward`` replacements hf_paged puts on a model's modules.
 
-hf_paged changes a model's behaviour in four ways, each by giving modules a ``forward`` of their own: the compiled
+hf_paged changes a model's behaviour in five ways, each by giving modules a ``forward`` of their own: the compiled
 layers (``compile._layers``), the skinny linear routing (``compile._skinny_linears``), a tensor-parallel model's local
-products (``parallel._linears``) and its local logits (``parallel._logits``). Each goes through :func:`install`, which
+products (``parallel._linears``) and its local logits (``parallel._logits``), and ``optimize_generate``'s packed
+prefill on the model itself (``generate._packed_prefill``). Each goes through :func:`install`, which
 records the forward the module had (its class's, or an instance forward someone else set, such as a hook) under the
 patch's kind, so that :func:`restore` puts exactly that back, and :func:`patch_of` finds a module's patch of a kind.
 A module holds one patch per kind; patches of different kinds stack, and come off in reverse order.
@@ -14,7 +15,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-KINDS = ("compiled_layers", "skinny_linears", "tp_linears", "tp_logits")
+KINDS = ("compiled_layers", "skinny_linears", "tp_linears", "tp_logits", "packed_prefill")
 _RECORD = "_hf_paged_patches"  # module attribute: [(kind, forward before the patch or None: its class's)]
 
 

@@ -27,6 +27,9 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   as in the engine) and are replayed from CUDA graphs hf_paged captures, keyed by the step and the input shapes,
   with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``; other calls take transformers'
   compiled call).
+- **Packed prefill** (``packed_prefill=True``). The prompt forward of a left-padded batch runs its real tokens in one
+  row as hf_paged's own model call, with the compiled layers, and computes logits for each row's last token only:
+  no matrix product or eager norm on the padding (``hf_paged/generate/_packed_prefill.py``).
 
 The compile config is set as ``model.generation_config.compile_config`` (CUDA graphs, as transformers' default
 ``mode="reduce-overhead"`` gives them); a ``compile_config`` passed to ``generate`` replaces it for that call.
@@ -43,11 +46,13 @@ from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
+from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._attention import StepMask, plan_mask
 from hf_paged.generate._decode_graphs import DecodeSteps
+from hf_paged.generate._packed_prefill import PackedPrefill
 from hf_paged.runner._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
@@ -104,14 +109,16 @@ def _layout_of(masks) -> str | tuple[str, ...]:
 
 
 def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
-                      skip_module_guards: bool = True, graphs: bool = True) -> torch.nn.Module:
+                      skip_module_guards: bool = True, graphs: bool = True,
+                      packed_prefill: bool = True) -> torch.nn.Module:
     """Make ``model.generate``'s compiled decode steps on a compileable :class:`PagedAttentionCache` cheaper;
     returns ``model``. Calling it again replaces the earlier settings; :func:`restore_generate` undoes it.
 
     At small batch a compiled decode step is bound by the host, so this trims what runs between two steps: on
     decode steps the model's mask builder returns the cache's planned step directly, dynamo skips its guards on nn
     modules, the linear layers run on hf_paged's skinny kernel (q/k/v and gate/up in one launch each), and each
-    decode step replays a CUDA graph hf_paged captured. Prefill, other caches and other models are untouched.
+    decode step replays a CUDA graph hf_paged captured. The prompt forward on a paged cache runs its real tokens
+    packed in one row, through the same compiled layers. Other caches and other models are untouched.
     After changing a module of ``model`` (``model.train()``, a swapped layer), call it again: with the guards
     skipped, the compiled step would not notice.
 
@@ -122,6 +129,9 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
         skip_module_guards: drop dynamo's guards on nn modules from the compiled decode step.
         graphs: run decode steps as hf_paged's own model calls, replayed from CUDA graphs it captures, without
             dynamo on the way (``hf_paged/generate/_decode_graphs.py``; other calls: transformers' compiled call).
+        packed_prefill: run the prompt forward on a :class:`PagedAttentionCache` with its real tokens packed in one
+            row, as hf_paged's own model call with the model's compiled layers (no matrix product or norm on the
+            padding; ``hf_paged/generate/_packed_prefill.py``), on CUDA.
 
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
@@ -143,10 +153,12 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     else:  # the model's class makes its own masks (token types, images): those stay as they are
         logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
     model.generation_config.compile_config = config
+    compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
     if graphs:
-        steps = DecodeSteps(model, type(model).get_compiled_call.__get__(model),
-                            compiled_layers.for_engine(model, None), skinny=bool(linears))
+        steps = DecodeSteps(model, type(model).get_compiled_call.__get__(model), compiled, skinny=bool(linears))
         model.get_compiled_call = steps.get_compiled_call
+    if packed_prefill:
+        patches.install(model, "packed_prefill", lambda forward: PackedPrefill(model, forward, compiled, bool(linears)))
     _forget_compiled_call(model)
     return model
 
@@ -177,6 +189,7 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     model.__dict__.pop("create_masks_for_generate", None)
     model.__dict__.pop("get_compiled_call", None)
     model.__dict__.pop("generate", None)
+    patches.restore([model], "packed_prefill")
     if state["masks"] is not None:
         model.create_masks_for_generate = state["masks"]
     if state["generate"] is not None:

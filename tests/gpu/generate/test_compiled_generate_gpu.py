@@ -117,9 +117,9 @@ def test_an_armed_step_advances_in_one_launch_as_the_torch_ops_do():
 
 
 def test_optimized_generate_matches_eager_with_cuda_graphs(models, batch, eager_run):
-    """``hf_paged.optimize_generate`` (planned masks, no nn-module guards, the skinny decode linears grouped, decode
-    steps run as hf_paged's own calls on the compiled layers and replayed from its CUDA graphs): eager's tokens up to
-    bf16 ties, at two batch sizes; restored, the model is as before."""
+    """``hf_paged.optimize_generate`` (planned masks, no nn-module guards, the skinny decode linears grouped, the
+    prompt forward packed and decode steps run as hf_paged's own calls on the compiled layers, decode replayed from
+    its CUDA graphs): eager's tokens up to bf16 ties, at two batch sizes; restored, the model is as before."""
     paged = models[1]
     torch._dynamo.reset()
     counters.clear()
@@ -129,7 +129,7 @@ def test_optimized_generate_matches_eager_with_cuda_graphs(models, batch, eager_
         assert "post_grad_custom_pre_pass" in paged.generation_config.compile_config.options, "decode linears on"
         outs = [paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=NEW_TOKENS, **GREEDY)
                 for _ in range(2)]
-        graphs = paged.get_compiled_call.__self__
+        graphs, prefill = paged.get_compiled_call.__self__, paged.forward
         half = {k: v[: v.shape[0] // 2] for k, v in batch.items()}  # another batch size: its own graph
         small = paged.generate(**with_cache(paged, compileable_cache(paged, half, ("flash", "cuda", "torch"), 16),
                                             **half), max_new_tokens=NEW_TOKENS, **GREEDY)
@@ -144,4 +144,5 @@ def test_optimized_generate_matches_eager_with_cuda_graphs(models, batch, eager_
     rows = small.shape[0]
     assert_matches_up_to_ties(small[:, width:], eager_run[0][:rows], eager_run[1][:rows], "optimized, fewer rows")
     assert graphs.compiled is not None and graphs.compiled.enabled, "the decode steps ran the compiled layers"
+    assert prefill.packed == 3, "each call's prompt forward ran packed"
     assert "create_masks_for_generate" not in paged.__dict__, "restored"

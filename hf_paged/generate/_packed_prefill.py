@@ -1,0 +1,129 @@
+"""``optimize_generate``'s prefill: the prompt forward of a ``generate`` batch run packed, as hf_paged's own call.
+
+``generate`` runs a batch's prompts as one ``[batch, columns]`` forward, left-padded to the longest prompt. On a
+:class:`PagedAttentionCache` attention already reads and writes the real tokens only, but everything around it (the
+matrix products, norms, rotary, the MLP) runs on the padding too, in the model's eager modules: on an H200, 64
+prompts of 256-768 tokens (68% of the grid real) spent 118 ms in matrix products and ~100 ms in the eager modules'
+elementwise kernels of a 228 ms prefill (Llama-3.2-1B shape, bf16).
+
+:class:`PackedPrefill`, which ``optimize_generate`` sets as ``model.forward``, runs such a forward the way the
+engine runs a prefill: the cache plans the step as usual (from the padding mask, or the plan ``generate`` made
+before the call), the real tokens go in one row (``[1, T]``, their positions as ``generate`` gave them), the step
+sits in the forward context, the model's compiled layers serve the call, and only each row's last token reaches
+``lm_head``. It returns what the usual forward returns: the model's output class with ``[batch, 1, vocab]`` logits
+and the cache.
+
+Every other call goes to the forward the model had: decode steps, hf_paged's own calls, a traced call, another
+cache, ``inputs_embeds`` or other tensor inputs (token types, images), output flags, logits of more than the last
+position, a row with no new token, a model off the devices served (CUDA).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+
+from hf_paged import _forward_context
+from hf_paged.attention._step import PagedStep
+from hf_paged.compile._layers import CompiledLayers
+from hf_paged.generate._paged_cache import PagedAttentionCache
+from hf_paged.hf._attention import StepMask, plan_mask
+from hf_paged.runner._model_runner import model_call
+
+_CACHE_KEYS = ("cache", "past_key_values")  # the cache's keyword (its name before transformers 5.2x)
+_PASSED = ("use_cache", "return_dict")  # flags passed on as they are
+_DROPPED = ("cache_position",)  # tensors the packed call leaves out: it gives the positions itself
+
+
+class PackedPrefill:
+    """``model.forward`` under ``optimize_generate`` (see the module docstring). ``inner``: the forward the model had
+    (bound); ``compiled``: the model's compiled layers (or None); ``skinny``: route the linears through the skinny
+    kernel; ``devices``: the device types served (the CPU tests drive it with ``("cpu",)``)."""
+
+    def __init__(self, model: torch.nn.Module, inner, compiled: CompiledLayers | None, skinny: bool,
+                 devices: tuple[str, ...] = ("cuda",)):
+        self.config, self.inner, self.compiled, self.skinny = model.config, inner, compiled, skinny
+        self.devices = devices
+        self.packed = 0  # forwards run packed
+        functools.update_wrapper(self, inner)  # generate reads the forward's signature (position_ids, logits_to_keep)
+
+    def __call__(self, *args, **kwargs):
+        if args or torch.compiler.is_compiling() or _forward_context.in_own_call() or not self._served(kwargs):
+            return self.inner(*args, **kwargs)
+        ids = kwargs["input_ids"]
+        batch, width = ids.shape
+        cache = next(kwargs[key] for key in _CACHE_KEYS if kwargs.get(key) is not None)
+        mask = _step_mask(kwargs.get("attention_mask"))
+        if mask is None:  # a 2D padding mask (or none): planned here as the mask function would
+            mask = plan_mask(cache, self.config, kwargs.get("attention_mask"), batch, width, ids.device)
+        meta = mask.step.metadata.on(ids.device)
+        cu_seqlens = meta.cu_seqlens_q
+        if not bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()):  # a row without a new token has no logits to give
+            return self.inner(*args, **kwargs)
+        index = meta.token_index
+        packed_ids = ids.reshape(1, -1) if index is None else ids.reshape(-1)[index].view(1, -1)
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = _positions(meta)
+        positions = positions.reshape(1, -1) if index is None else positions.reshape(-1)[index].view(1, -1)
+        packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens), plans={},
+                                               _per_device={}), mask.step.pool, mask.step.dispatcher)
+        passed = {key: value for key, value in kwargs.items() if key not in _DROPPED}
+        passed.update(input_ids=packed_ids, position_ids=positions, attention_mask=None,
+                      logits_to_keep=cu_seqlens[1:].long() - 1)
+        with torch.no_grad(), model_call(packed, self.compiled, self.skinny):
+            out = self.inner(**passed)
+        out.logits = out.logits.view(batch, 1, -1)
+        cache._plan_used = True  # (the layers' cache.update calls set it too)
+        self.packed += 1
+        return out
+
+    def _served(self, kwargs: dict) -> bool:
+        """Whether a call is a prompt forward this class runs: token ids of more than one column on a paged cache,
+        the last position's logits only, and no input or flag beyond the known ones."""
+        ids, caches = kwargs.get("input_ids"), [kwargs.get(key) for key in _CACHE_KEYS]
+        if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 1
+                and ids.device.type in self.devices and _is_one(kwargs.get("logits_to_keep"))
+                and any(isinstance(cache, PagedAttentionCache) for cache in caches)):
+            return False
+        mask = kwargs.get("attention_mask")
+        if not (mask is None or _step_mask(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
+            return False
+        for name, value in kwargs.items():
+            if name in ("input_ids", "attention_mask", "logits_to_keep", *_CACHE_KEYS, *_DROPPED) or value is None:
+                continue
+            if name == "position_ids":
+                if not (isinstance(value, torch.Tensor) and value.shape == ids.shape):
+                    return False
+            elif name in _PASSED:
+                if not isinstance(value, bool):
+                    return False
+            elif name.startswith("output_"):
+                if value:
+                    return False
+            else:
+                return False
+        return True
+
+
+def _is_one(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value == 1
+
+
+def _step_mask(mask) -> StepMask | None:
+    """The planned step a prompt forward got as its mask: the mask itself, or the one every layer type's is."""
+    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
+        mask = next(iter(mask.values()))
+    return mask if isinstance(mask, StepMask) else None
+
+
+def _positions(meta) -> torch.Tensor:
+    """Each packed token's position in its sequence (the tokens its row held before, plus its place among the new
+    ones): what ``generate`` computes from the padding mask."""
+    cu = meta.cu_seqlens_q.long()
+    q_lens = cu[1:] - cu[:-1]
+    starts = meta.seq_lens_k.long() - q_lens - cu[:-1]
+    return torch.arange(meta.num_tokens, device=cu.device) + torch.repeat_interleave(starts, q_lens,
+                                                                                     output_size=meta.num_tokens)
