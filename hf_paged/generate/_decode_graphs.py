@@ -137,10 +137,18 @@ class DecodeSteps:
 
     @torch.no_grad()
     def _run(self, kwargs: dict):
-        """The forward as hf_paged's own model call: the step in the forward context, no mask."""
+        """The forward as hf_paged's own model call: the step in the forward context, no mask, the rows' tokens in
+        one row (``[1, batch]``, as the engine's decode steps and the packed prefill run: the compiled layers then
+        serve both with one trace), the logits given back as ``[batch, 1, vocab]``."""
         step = _mask_of(kwargs["attention_mask"]).step
+        rows = kwargs["input_ids"].shape[0]
+        packed = {name: kwargs[name].view(1, rows) for name in _MOVING if name in kwargs}
+        if "logits_to_keep" in kwargs:
+            packed["logits_to_keep"] = 0  # every token of the one row is a sequence's last
         with model_call(step, self.compiled, self.skinny):
-            return self.model(**{**kwargs, "attention_mask": None})
+            output = self.model(**{**kwargs, **packed, "attention_mask": None})
+        output.logits = output.logits.view(rows, 1, -1)
+        return output
 
     def _capture(self, graphs: CudaGraphs, key, kwargs: dict) -> _Graph | None:
         inputs = {name: kwargs[name].clone() for name in _MOVING if name in kwargs}

@@ -146,3 +146,25 @@ def test_optimized_generate_matches_eager_with_cuda_graphs(models, batch, eager_
     assert graphs.compiled is not None and graphs.compiled.enabled, "the decode steps ran the compiled layers"
     assert prefill.packed == 3, "each call's prompt forward ran packed"
     assert "create_masks_for_generate" not in paged.__dict__, "restored"
+
+
+def test_the_prompt_forward_and_the_decode_steps_share_the_compiled_layers_trace(models, batch):
+    """``optimize_generate`` runs the prompt forward packed (``[1, tokens]``) and its decode steps as one row of
+    ``[1, rows]``: a call that only prefills compiles the layers, a later call's decode steps compile nothing more
+    (as ``[rows, 1]`` they traced every frame again)."""
+    paged = models[1]
+    torch._dynamo.reset()
+    counters.clear()
+    hf_paged.optimize_generate(paged)
+    try:
+        cache = compileable_cache(paged, batch, ("flash", "cuda", "torch"), 16)
+        paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=1, **GREEDY)
+        prompt_only = counters["stats"]["unique_graphs"]
+        out = paged.generate(**with_cache(paged, cache, **batch), max_new_tokens=NEW_TOKENS, **GREEDY)
+        prefill, graphs = paged.forward, paged.get_compiled_call.__self__
+    finally:
+        hf_paged.restore_generate(paged)
+    assert prefill.packed == 2 and graphs.replays == NEW_TOKENS - 3, "packed prompts, replayed decode steps"
+    assert prompt_only > 0, "the prompt forward ran the compiled layers"
+    assert counters["stats"]["unique_graphs"] == prompt_only, "the decode steps traced graphs of their own"
+    assert out.shape[1] == batch["input_ids"].shape[1] + NEW_TOKENS
