@@ -131,7 +131,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
             dynamo on the way (``hf_paged/generate/_decode_graphs.py``; other calls: transformers' compiled call).
         packed_prefill: run the prompt forward on a :class:`PagedAttentionCache` with its real tokens packed in one
             row, as hf_paged's own model call with the model's compiled layers (no matrix product or norm on the
-            padding; ``hf_paged/generate/_packed_prefill.py``), on CUDA.
+            padding; ``hf_paged/generate/_packed_prefill.py``), on CUDA; not for a model whose class makes its own
+            masks (token types, images).
 
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.
@@ -157,7 +158,10 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     if graphs:
         steps = DecodeSteps(model, type(model).get_compiled_call.__get__(model), compiled, skinny=bool(linears))
         model.get_compiled_call = steps.get_compiled_call
-    if packed_prefill:
+    if packed_prefill and getattr(type(model), "create_masks_for_generate", None) is not None:
+        logger.info("hf_paged: optimize_generate leaves %s's prompt forward as it is (its class makes its own masks)",
+                    type(model).__name__)
+    elif packed_prefill:
         patches.install(model, "packed_prefill", lambda forward: PackedPrefill(model, forward, compiled, bool(linears)))
     _forget_compiled_call(model)
     return model

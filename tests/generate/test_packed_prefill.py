@@ -90,6 +90,18 @@ def test_a_chunked_prefill_runs_each_chunk_packed_and_leaves_a_row_without_new_t
     assert torch.equal(got.sequences, want.sequences)
 
 
+def test_beam_search_and_several_returned_sequences_run_the_expanded_rows_packed():
+    eager, paged = make_models("llama_gqa", seed=11)
+    batch = left_padded_batch([7, 16], torch.Generator().manual_seed(11))
+    kwargs = dict(max_new_tokens=5, num_beams=3, num_return_sequences=2)
+    want = eager.generate(**batch, **GREEDY, **kwargs)
+    packed = _optimized(paged)
+    shapes = EmbeddingShapes(paged)
+    got = paged.generate(**with_cache(paged, _cache(paged, False, 5), **batch), **GREEDY, **kwargs)
+    assert packed.packed == 1 and shapes.shapes[0] == (1, 3 * (7 + 16))
+    assert torch.equal(got, want)
+
+
 @pytest.mark.parametrize("call", ["hidden states", "inputs_embeds", "dynamic cache", "off the served devices"])
 def test_calls_it_does_not_serve_run_the_model_as_before(call):
     """Output flags, embeddings in place of ids, another cache, a device not served: the usual forward, the same
@@ -111,6 +123,14 @@ def test_calls_it_does_not_serve_run_the_model_as_before(call):
     assert packed.packed == 0
     torch.testing.assert_close(got.logits[0], want.logits[0], rtol=1e-4, atol=1e-4)
     assert torch.equal(got.sequences[:, -4:], want.sequences[:, -4:])
+
+
+def test_a_model_whose_class_makes_its_own_masks_keeps_its_prompt_forward(monkeypatch):
+    _, paged = make_models("llama_gqa", seed=9)
+    monkeypatch.setattr(type(paged), "create_masks_for_generate", lambda self, **kwargs: None, raising=False)
+    hf_paged.optimize_generate(paged)
+    assert "forward" not in paged.__dict__
+    hf_paged.restore_generate(paged)
 
 
 def test_generate_reads_the_models_own_forward_signature_and_restore_takes_the_packed_forward_away():
