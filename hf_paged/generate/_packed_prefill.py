@@ -8,14 +8,14 @@ elementwise kernels of a 228 ms prefill (Llama-3.2-1B shape, bf16).
 
 :class:`PackedPrefill`, which ``optimize_generate`` sets as ``model.forward``, runs such a forward the way the
 engine runs a prefill: the cache plans the step as usual (from the padding mask, or the plan ``generate`` made
-before the call), the real tokens go in one row (``[1, T]``, their positions as ``generate`` gave them), the step
+before the call), the real tokens go in one row (``[1, T]``, with the positions ``generate`` gave them), the step
 sits in the forward context, the model's compiled layers serve the call, and only each row's last token reaches
 ``lm_head``. It returns what the usual forward returns: the model's output class with ``[batch, 1, vocab]`` logits
 and the cache.
 
 Every other call goes to the forward the model had: decode steps, hf_paged's own calls, a traced call, another
 cache, ``inputs_embeds`` or other tensor inputs (token types, images), output flags, logits of more than the last
-position, a row with no new token, a model off the devices served (CUDA).
+position, no positions given, a row with no new token, a model off the devices served (CUDA).
 """
 
 from __future__ import annotations
@@ -64,9 +64,7 @@ class PackedPrefill:
             return self.inner(*args, **kwargs)
         index = meta.token_index
         packed_ids = ids.reshape(1, -1) if index is None else ids.reshape(-1)[index].view(1, -1)
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = _positions(meta)
+        positions = kwargs["position_ids"]
         positions = positions.reshape(1, -1) if index is None else positions.reshape(-1)[index].view(1, -1)
         packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens), plans={},
                                                _per_device={}), mask.step.pool, mask.step.dispatcher)
@@ -81,10 +79,13 @@ class PackedPrefill:
         return out
 
     def _served(self, kwargs: dict) -> bool:
-        """Whether a call is a prompt forward this class runs: token ids of more than one column on a paged cache,
+        """Whether a call is a prompt forward this class runs: token ids of more than one column and their positions
+        (as ``generate`` gives them: a forward without them counts padding columns as positions) on a paged cache,
         the last position's logits only, and no input or flag beyond the known ones."""
         ids, caches = kwargs.get("input_ids"), [kwargs.get(key) for key in _CACHE_KEYS]
+        positions = kwargs.get("position_ids")
         if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 1
+                and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
                 and ids.device.type in self.devices and _is_one(kwargs.get("logits_to_keep"))
                 and any(isinstance(cache, PagedAttentionCache) for cache in caches)):
             return False
@@ -92,12 +93,10 @@ class PackedPrefill:
         if not (mask is None or _step_mask(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
             return False
         for name, value in kwargs.items():
-            if name in ("input_ids", "attention_mask", "logits_to_keep", *_CACHE_KEYS, *_DROPPED) or value is None:
+            if name in ("input_ids", "position_ids", "attention_mask", "logits_to_keep", *_CACHE_KEYS, *_DROPPED) or (
+                    value is None):
                 continue
-            if name == "position_ids":
-                if not (isinstance(value, torch.Tensor) and value.shape == ids.shape):
-                    return False
-            elif name in _PASSED:
+            if name in _PASSED:
                 if not isinstance(value, bool):
                     return False
             elif name.startswith("output_"):
@@ -118,12 +117,3 @@ def _step_mask(mask) -> StepMask | None:
         mask = next(iter(mask.values()))
     return mask if isinstance(mask, StepMask) else None
 
-
-def _positions(meta) -> torch.Tensor:
-    """Each packed token's position in its sequence (the tokens its row held before, plus its place among the new
-    ones): what ``generate`` computes from the padding mask."""
-    cu = meta.cu_seqlens_q.long()
-    q_lens = cu[1:] - cu[:-1]
-    starts = meta.seq_lens_k.long() - q_lens - cu[:-1]
-    return torch.arange(meta.num_tokens, device=cu.device) + torch.repeat_interleave(starts, q_lens,
-                                                                                     output_size=meta.num_tokens)

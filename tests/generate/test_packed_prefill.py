@@ -125,6 +125,23 @@ def test_calls_it_does_not_serve_run_the_model_as_before(call):
     assert torch.equal(got.sequences[:, -4:], want.sequences[:, -4:])
 
 
+def test_a_forward_without_positions_runs_as_before():
+    """A direct forward of a padded batch with no ``position_ids`` counts the padding columns as positions (the
+    model's own rule): the packed path, which takes generate's positions, leaves it alone."""
+    _, paged = make_models("llama_gqa", seed=13)
+    batch = left_padded_batch([4, 9], torch.Generator().manual_seed(13))
+
+    def forward():
+        cache = _cache(paged, False, 1)
+        return paged(**with_cache(paged, cache, **batch), logits_to_keep=1).logits
+
+    want = forward()
+    packed = _optimized(paged)
+    got = forward()
+    assert packed.packed == 0
+    assert torch.equal(got, want)
+
+
 def test_a_model_whose_class_makes_its_own_masks_keeps_its_prompt_forward(monkeypatch):
     _, paged = make_models("llama_gqa", seed=9)
     monkeypatch.setattr(type(paged), "create_masks_for_generate", lambda self, **kwargs: None, raising=False)
