@@ -98,9 +98,14 @@ def test_replayed_steps_give_the_compiled_steps_tokens(arch, kwargs):
     reference = [_run(model, cache, b, seed, **kwargs) for seed, b in enumerate(batches)]
     torch._dynamo.reset()
     decode_steps = _graphed(model, cache)
+    shapes = []  # the token ids' shape of every forward
+    model.get_input_embeddings().register_forward_pre_hook(lambda module, args: shapes.append(tuple(args[0].shape)))
     outs = [_run(model, cache, b, seed, **kwargs) for seed, b in enumerate(batches)]
     for out, ref in zip(outs, reference):
         assert torch.equal(out, ref)
+    rows = {out.shape[0] for out in outs}  # (with num_return_sequences, each prompt's rows)
+    prompts = {(n, b["input_ids"].shape[1]) for n, b in zip([out.shape[0] for out in outs], batches)}
+    assert {shape for shape in shapes if shape not in prompts} == {(1, n) for n in rows}, "decode steps: one row"
     assert decode_steps.failure is None, decode_steps.failure
     (graphs,) = StandInGraphs.made  # one cache: one set of graphs
     assert graphs.captures == 2, "one graph per batch shape"
