@@ -27,9 +27,9 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   as in the engine) and are replayed from CUDA graphs hf_paged captures, keyed by the step and the input shapes,
   with none of dynamo's per-call work (``hf_paged/generate/_decode_graphs.py``; other calls take transformers'
   compiled call).
-- **Packed prefill** (``packed_prefill=True``). The prompt forward of a left-padded batch runs its real tokens in one
-  row as hf_paged's own model call, with the compiled layers, and computes logits for each row's last token only:
-  no matrix product or eager norm on the padding (``hf_paged/generate/_packed_prefill.py``).
+- **Packed prefill** (``packed_prefill=True``). The prompt forward of a left-padded batch (two rows or more) runs its
+  real tokens in one row as hf_paged's own model call, with the compiled layers, and computes logits for each row's
+  last token only: no matrix product or eager norm on the padding (``hf_paged/generate/_packed_prefill.py``).
 
 The compile config is set as ``model.generation_config.compile_config`` (CUDA graphs, as transformers' default
 ``mode="reduce-overhead"`` gives them); a ``compile_config`` passed to ``generate`` replaces it for that call.
@@ -117,8 +117,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     At small batch a compiled decode step is bound by the host, so this trims what runs between two steps: on
     decode steps the model's mask builder returns the cache's planned step directly, dynamo skips its guards on nn
     modules, the linear layers run on hf_paged's skinny kernel (q/k/v and gate/up in one launch each), and each
-    decode step replays a CUDA graph hf_paged captured. The prompt forward on a paged cache runs its real tokens
-    packed in one row, through the same compiled layers. Other caches and other models are untouched.
+    decode step replays a CUDA graph hf_paged captured. The prompt forward of several rows on a paged cache runs its
+    real tokens packed in one row, through the same compiled layers. Other caches and other models are untouched.
     After changing a module of ``model`` (``model.train()``, a swapped layer), call it again: with the guards
     skipped, the compiled step would not notice.
 
@@ -129,10 +129,10 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
         skip_module_guards: drop dynamo's guards on nn modules from the compiled decode step.
         graphs: run decode steps as hf_paged's own model calls, replayed from CUDA graphs it captures, without
             dynamo on the way (``hf_paged/generate/_decode_graphs.py``; other calls: transformers' compiled call).
-        packed_prefill: run the prompt forward on a :class:`PagedAttentionCache` with its real tokens packed in one
-            row, as hf_paged's own model call with the model's compiled layers (no matrix product or norm on the
-            padding; ``hf_paged/generate/_packed_prefill.py``), on CUDA; not for a model whose class makes its own
-            masks (token types, images).
+        packed_prefill: run the prompt forward of two rows or more on a :class:`PagedAttentionCache` with its real
+            tokens packed in one row, as hf_paged's own model call with the model's compiled layers (no matrix
+            product or norm on the padding; ``hf_paged/generate/_packed_prefill.py``), on CUDA; not for a model
+            whose class makes its own masks (token types, images).
 
     Raises:
         ValueError: ``decode_linears=True`` where the kernel cannot serve the model.

@@ -15,7 +15,8 @@ and the cache.
 
 Every other call goes to the forward the model had: decode steps, hf_paged's own calls, a traced call, another
 cache, ``inputs_embeds`` or other tensor inputs (token types, images), output flags, logits of more than the last
-position, no positions given, a row with no new token, a model off the devices served (CUDA).
+position, no positions given, a row with no new token, a batch of one row (:data:`MIN_ROWS`), a model off the
+devices served (CUDA).
 """
 
 from __future__ import annotations
@@ -31,6 +32,13 @@ from hf_paged.compile._layers import CompiledLayers
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._attention import StepMask, plan_mask
 from hf_paged.runner._model_runner import model_call
+
+#: The fewest rows a packed prompt forward takes. One row has no padding to drop, and its one-token decode steps
+#: (``[1, 1]``: torch.compile treats a size of one apart) trace the compiled layers apart from a ``[1, T]`` prompt: a
+#: packed prompt would add a trace to a process's first call (~4 s; a second process ~1.5-2 s, as an engine's
+#: one-row graph cost, ``engine_start_h200_2026-12-02.json``) to save the eager elementwise kernels of one prompt
+#: (~2 us a token at the 1B shape on an H200, ~1 ms for 512 tokens).
+MIN_ROWS = 2
 
 _CACHE_KEYS = ("cache", "past_key_values")  # the cache's keyword (its name before transformers 5.2x)
 _PASSED = ("use_cache", "return_dict")  # flags passed on as they are
@@ -79,12 +87,12 @@ class PackedPrefill:
         return out
 
     def _served(self, kwargs: dict) -> bool:
-        """Whether a call is a prompt forward this class runs: token ids of more than one column and their positions
-        (as ``generate`` gives them: a forward without them counts padding columns as positions) on a paged cache,
-        the last position's logits only, and no input or flag beyond the known ones."""
+        """Whether a call is a prompt forward this class runs: token ids of two rows or more and more than one
+        column, and their positions (as ``generate`` gives them: a forward without them counts padding columns as
+        positions), on a paged cache, the last position's logits only, and no input or flag beyond the known ones."""
         ids, caches = kwargs.get("input_ids"), [kwargs.get(key) for key in _CACHE_KEYS]
         positions = kwargs.get("position_ids")
-        if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[1] > 1
+        if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] >= MIN_ROWS and ids.shape[1] > 1
                 and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
                 and ids.device.type in self.devices and _is_one(kwargs.get("logits_to_keep"))
                 and any(isinstance(cache, PagedAttentionCache) for cache in caches)):

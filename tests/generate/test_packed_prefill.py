@@ -102,12 +102,13 @@ def test_beam_search_and_several_returned_sequences_run_the_expanded_rows_packed
     assert torch.equal(got, want)
 
 
-@pytest.mark.parametrize("call", ["hidden states", "inputs_embeds", "dynamic cache", "off the served devices"])
+@pytest.mark.parametrize("call", ["hidden states", "inputs_embeds", "dynamic cache", "off the served devices",
+                                  "one row"])
 def test_calls_it_does_not_serve_run_the_model_as_before(call):
-    """Output flags, embeddings in place of ids, another cache, a device not served: the usual forward, the same
-    results."""
+    """Output flags, embeddings in place of ids, another cache, a device not served, a batch of one row: the usual
+    forward, the same results."""
     eager, paged = make_models("llama_gqa", seed=7)
-    batch = left_padded_batch([4, 11], torch.Generator().manual_seed(7))
+    batch = left_padded_batch([11] if call == "one row" else [4, 11], torch.Generator().manual_seed(7))
     kwargs = dict(max_new_tokens=4)
     if call == "hidden states":
         kwargs["output_hidden_states"] = True
