@@ -23,7 +23,9 @@ step: ~3,400 guards for 16 layers are evaluated before each compiled call (the s
 compiled graphs apart ("unsafe": a call that needs a new graph may run an old one; the timed calls never do).
 
 ms per decode step = (median wall of a ``new_tokens`` call - median wall of a 1-new-token call) / (new_tokens - 1)
-over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``first_call_s`` is the
+over ``--repeats`` calls each, after a first call; prefill and per-call setup cancel out. ``one_token_call_s`` is the
+median 1-new-token call (the prompt forward and a call's setup), ``ms_per_token_all_in`` the median ``new_tokens``
+call over its tokens (everything a caller waits for). ``first_call_s`` is the
 wall of the first call (compile and CUDA-graph capture included for the compiled systems), ``compile_s`` that
 minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk
 graph cache is off, so each compiled system compiles from scratch.
@@ -84,7 +86,8 @@ def measure(system: str, model, batch: dict, args: argparse.Namespace, sync) -> 
         one.append(timed(call, 1, sync)[0])
     step_ms = (statistics.median(full) - statistics.median(one)) / (args.new_tokens - 1) * 1e3
     row = {"status": "ok", "ms_per_step": round(step_ms, 3), "first_call_s": round(first, 3),
-           "warm_call_s": round(statistics.median(full), 3)}
+           "warm_call_s": round(statistics.median(full), 3), "one_token_call_s": round(statistics.median(one), 4),
+           "ms_per_token_all_in": round(statistics.median(full) / args.new_tokens * 1e3, 3)}
     if system in COMPILED:
         row.update(compile_s=round(first - statistics.median(full), 3), graphs=graphs)
     return {**row, "tokens": out[:, batch["input_ids"].shape[1]:].cpu()}

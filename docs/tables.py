@@ -346,11 +346,14 @@ def generate(doc: Path, name: str) -> str:
     call, compile included, in seconds)."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok"]
     systems = list(dict.fromkeys(r["system"] for r in rows))
-    cell = {(r["system"], r["batch"]): f"{r['ms_per_step']:.2f} ({r['first_call_s']:.1f} s)" for r in rows}
+    all_in = all("ms_per_token_all_in" in r for r in rows)  # (files written before the field: steps only)
+    cell = {(r["system"], r["batch"]): f"{r['ms_per_step']:.2f}"
+            + (f" / {r['ms_per_token_all_in']:.2f}" if all_in else "") + f" ({r['first_call_s']:.1f} s)" for r in rows}
     batches = sorted({r["batch"] for r in rows})
     out = [[str(b)] + [cell.get((s, b), "-") for s in systems] for b in batches]
+    what = "ms per decode step / ms per token of the whole call" if all_in else "ms per decode step"
     return table(["batch"] + [GENERATE_SYSTEMS.get(s, s) for s in systems], out) + "\n\n" + caption(
-        [name], doc, "`benchmarks/generate_latency.py`, ms per decode step (first call with its compile). ")
+        [name], doc, f"`benchmarks/generate_latency.py`, {what} (first call with its compile). ")
 
 
 def decode(doc: Path, name: str) -> str:

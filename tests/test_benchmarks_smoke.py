@@ -186,11 +186,20 @@ def test_generate_latency_smoke(tmp_path):
         # (ms_per_step is a difference of two walls: on a loaded 2-core CPU with 6 tokens and one repeat its sign is
         # noise, so only that it was measured is checked here; warm_call_s is one wall)
         assert row["status"] == "ok" and math.isfinite(row["ms_per_step"]) and row["warm_call_s"] > 0, row
+        assert row["ms_per_token_all_in"] == pytest.approx(row["warm_call_s"] / 6 * 1e3, abs=0.1), row  # (rounded)
+        assert 0 < row["one_token_call_s"] <= row["warm_call_s"] * 2, row
         assert row["tokens_match"] == 2, row
         assert row["card"].startswith("CPU") and row["torch"] == torch.__version__ and row["date"], row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert rows["hf_paged_optimized"]["graphs"] == 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
+    import runpy
+
+    tables = runpy.run_path(str(BENCH.parent / "docs" / "tables.py"), run_name="docs_tables")
+    text = tables["generate"](BENCH.parent / "docs" / "benchmarks.md", str(path))
+    sdpa = rows["sdpa"]
+    assert f"| {sdpa['ms_per_step']:.2f} / {sdpa['ms_per_token_all_in']:.2f} ({sdpa['first_call_s']:.1f} s) |" in text
+    assert "ms per decode step / ms per token of the whole call" in " ".join(text.split())  # (the caption wraps)
 
 
 @pytest.mark.slow
