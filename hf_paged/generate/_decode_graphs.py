@@ -29,7 +29,8 @@ import torch
 
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import StepMask
+from hf_paged.hf._attention import StepMask, step_mask_of
+from hf_paged.hf.compat import cache_in
 from hf_paged.runner._cuda_graphs import CudaGraphs
 from hf_paged.runner._model_runner import model_call
 
@@ -82,7 +83,7 @@ class DecodeSteps:
         key = None if args or self.failure is not None else self.key(kwargs)
         if key is None:
             return self.usual(self.compile_config)(*args, **kwargs)
-        cache = _cache_of(kwargs)
+        cache = cache_in(kwargs)
         if cache not in self.graphs:
             self.graphs[cache] = (self.new_graphs(kwargs["input_ids"].device), {})
         graphs, by_key = self.graphs[cache]
@@ -109,10 +110,10 @@ class DecodeSteps:
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step on its cache, with no other tensor
         input and no output flag beyond the known ones."""
-        mask, cache, layout = _mask_of(kwargs.get("attention_mask")), _cache_of(kwargs), None
+        mask, cache, layout = step_mask_of(kwargs.get("attention_mask")), cache_in(kwargs), None
         if isinstance(kwargs.get("attention_mask"), dict):
             layout = tuple(kwargs["attention_mask"])
-        if not (isinstance(mask, StepMask) and mask.step.metadata.static and isinstance(cache, PagedAttentionCache)
+        if not (mask is not None and mask.step.metadata.static and isinstance(cache, PagedAttentionCache)
                 and cache._plan is mask.step.metadata):
             return None
         moving, flags = [], []
@@ -140,7 +141,7 @@ class DecodeSteps:
         """The forward as hf_paged's own model call: the step in the forward context, no mask, the rows' tokens in
         one row (``[1, batch]``, as the engine's decode steps and the packed prefill run: the compiled layers then
         serve both with one trace), the logits given back as ``[batch, 1, vocab]``."""
-        step = _mask_of(kwargs["attention_mask"]).step
+        step = step_mask_of(kwargs["attention_mask"]).step
         rows = kwargs["input_ids"].shape[0]
         packed = {name: kwargs[name].view(1, rows) for name in _MOVING if name in kwargs}
         if "logits_to_keep" in kwargs:
@@ -152,7 +153,7 @@ class DecodeSteps:
 
     def _capture(self, graphs: CudaGraphs, key, kwargs: dict) -> _Graph | None:
         inputs = {name: kwargs[name].clone() for name in _MOVING if name in kwargs}
-        cache = _cache_of(kwargs)
+        cache = cache_in(kwargs)
         captured = {}
 
         def step():
@@ -171,16 +172,6 @@ class DecodeSteps:
             return None
         output = captured["output"]
         fields = {name: value for name, value in output.items() if value is not cache and name != "logits"}
-        return _Graph(_mask_of(kwargs["attention_mask"]), inputs, type(output), fields,
+        return _Graph(step_mask_of(kwargs["attention_mask"]), inputs, type(output), fields,
                       tuple(name for name, value in output.items() if value is cache))
 
-
-def _mask_of(mask):
-    """The step's mask: the mask itself, or the one mask every layer type's is (models with sliding layers)."""
-    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
-        return next(iter(mask.values()))
-    return mask
-
-
-def _cache_of(kwargs: dict):
-    return kwargs.get("cache", kwargs.get("past_key_values"))

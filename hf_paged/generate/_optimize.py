@@ -51,6 +51,7 @@ from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf._attention import StepMask, plan_mask
+from hf_paged.hf.compat import cache_in
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
 from hf_paged.runner._frozen_heap import frozen_heap
@@ -72,7 +73,7 @@ class PlannedMasks:
         decode = not args and _paged_decode_step(kwargs)
         if decode and self.layout not in (None, _NEVER):
             embeds = kwargs["inputs_embeds"]
-            plan = plan_mask(_cache_of(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
+            plan = plan_mask(cache_in(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
                                 embeds.shape[0], 1, embeds.device)
             return plan if self.layout == _PLAIN else dict.fromkeys(self.layout, plan)
         masks = create_masks_for_generate(*args, **kwargs)
@@ -81,14 +82,10 @@ class PlannedMasks:
         return masks
 
 
-def _cache_of(kwargs: dict):
-    return kwargs.get("cache", kwargs.get("past_key_values"))  # the keyword's name before transformers 5.2x
-
-
 def _paged_decode_step(kwargs: dict) -> bool:
     """Whether ``create_masks_for_generate(**kwargs)`` asks for a decode step's masks on a compileable paged cache
     that already holds the batch, with no extra mask function."""
-    cache, embeds, mask = _cache_of(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
+    cache, embeds, mask = cache_in(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
     extra = ("or_mask_function", "and_mask_function", "block_sequence_ids")
     return (isinstance(cache, PagedAttentionCache) and cache.is_compileable and cache.get_seq_length() > 0
             and isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[1] == 1

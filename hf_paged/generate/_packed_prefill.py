@@ -30,7 +30,8 @@ from hf_paged import _forward_context
 from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import StepMask, plan_mask
+from hf_paged.hf._attention import plan_mask, step_mask_of
+from hf_paged.hf.compat import cache_in
 from hf_paged.runner._model_runner import model_call
 
 #: The fewest rows a packed prompt forward takes. One row has no padding to drop, and its one-token decode steps
@@ -40,9 +41,9 @@ from hf_paged.runner._model_runner import model_call
 #: (~2 us a token at the 1B shape on an H200, ~1 ms for 512 tokens).
 MIN_ROWS = 2
 
-_CACHE_KEYS = ("cache", "past_key_values")  # the cache's keyword (its name before transformers 5.2x)
 _PASSED = ("use_cache", "return_dict")  # flags passed on as they are
 _DROPPED = ("cache_position",)  # tensors the packed call leaves out: it gives the positions itself
+_READ = ("input_ids", "position_ids", "attention_mask", "logits_to_keep", "cache", "past_key_values", *_DROPPED)
 
 
 class PackedPrefill:
@@ -62,8 +63,8 @@ class PackedPrefill:
             return self.inner(*args, **kwargs)
         ids = kwargs["input_ids"]
         batch, width = ids.shape
-        cache = next(kwargs[key] for key in _CACHE_KEYS if kwargs.get(key) is not None)
-        mask = _step_mask(kwargs.get("attention_mask"))
+        cache = cache_in(kwargs)
+        mask = step_mask_of(kwargs.get("attention_mask"))
         if mask is None:  # a 2D padding mask (or none): planned here as the mask function would
             mask = plan_mask(cache, self.config, kwargs.get("attention_mask"), batch, width, ids.device)
         meta = mask.step.metadata.on(ids.device)
@@ -90,19 +91,18 @@ class PackedPrefill:
         """Whether a call is a prompt forward this class runs: token ids of two rows or more and more than one
         column, and their positions (as ``generate`` gives them: a forward without them counts padding columns as
         positions), on a paged cache, the last position's logits only, and no input or flag beyond the known ones."""
-        ids, caches = kwargs.get("input_ids"), [kwargs.get(key) for key in _CACHE_KEYS]
+        ids = kwargs.get("input_ids")
         positions = kwargs.get("position_ids")
         if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] >= MIN_ROWS and ids.shape[1] > 1
                 and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
                 and ids.device.type in self.devices and _is_one(kwargs.get("logits_to_keep"))
-                and any(isinstance(cache, PagedAttentionCache) for cache in caches)):
+                and isinstance(cache_in(kwargs), PagedAttentionCache)):
             return False
         mask = kwargs.get("attention_mask")
-        if not (mask is None or _step_mask(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
+        if not (mask is None or step_mask_of(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
             return False
         for name, value in kwargs.items():
-            if name in ("input_ids", "position_ids", "attention_mask", "logits_to_keep", *_CACHE_KEYS, *_DROPPED) or (
-                    value is None):
+            if name in _READ or value is None:
                 continue
             if name in _PASSED:
                 if not isinstance(value, bool):
@@ -117,11 +117,4 @@ class PackedPrefill:
 
 def _is_one(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value == 1
-
-
-def _step_mask(mask) -> StepMask | None:
-    """The planned step a prompt forward got as its mask: the mask itself, or the one every layer type's is."""
-    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
-        mask = next(iter(mask.values()))
-    return mask if isinstance(mask, StepMask) else None
 

@@ -70,6 +70,14 @@ class StepMask:
         self.step = step
 
 
+def step_mask_of(mask) -> StepMask | None:
+    """The planned step a forward got as its mask: the mask itself, or the one every layer type's mask is (models
+    with sliding layers get one per type); None for anything else."""
+    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
+        mask = next(iter(mask.values()))
+    return mask if isinstance(mask, StepMask) else None
+
+
 def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
     """Mask function for ``"hf_paged"`` (see the module docstring): no mask in hf_paged's own calls, the planned
     step for a planning cache, else transformers' SDPA mask."""

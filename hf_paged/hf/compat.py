@@ -25,6 +25,11 @@ def cache_keyword(model: torch.nn.Module) -> str:
     return _cache_keyword_of(type(model))
 
 
+def cache_in(kwargs: dict):
+    """The cache among a forward's (or a mask builder's) keyword arguments, under either release's name, or None."""
+    return kwargs.get("cache", kwargs.get("past_key_values"))
+
+
 def with_cache(model: torch.nn.Module, cache, **kwargs) -> dict:
     """``kwargs`` plus ``cache`` under the keyword with which this transformers release's ``model.generate`` takes
     a cache: ``past_key_values`` in transformers 5.17, ``cache`` in later 5.x releases (which also still take the old
