@@ -7,7 +7,7 @@ started in that checkout's folder; a part's figure per checkout is its median ov
 Parts (``--parts``):
   anchor    ``e2e_throughput.py --workloads anchor,latency --systems hf_paged``: the anchor workload's output tok/s
             (256 prompts of 128-1024 random tokens, 256 new, greedy, Llama-3.2-1B-shaped bf16, 8192-token budget)
-            and batch-1 decode ms per output token
+            and batch-1 decode ms per output token (the per-token timestamps' mean spacing, as that script's table)
   latency   the anchor part's batch-1 decode alone (``--workloads latency``): a process that compiles the layers
             for batch 1 only
   defaults  ``e2e_throughput.py --workloads anchor --systems hf_paged --defaults --calls 3``: the anchor workload with
@@ -66,7 +66,10 @@ def _anchor(folder: Path, systems: str, timeout: float, workloads: str = "anchor
         if row.get("status") != "ok":
             raise RuntimeError(f"{row['system']} {row['workload']}: {row.get('status')} {row.get('error', '')}")
         key = f"{row['system']} {row['workload']}"
-        figures[key] = row["ms_per_token"] if row["workload"] == "latency" else row["tok_per_s"]
+        # latency: the per-token timestamps' mean spacing where the row has them, as e2e_throughput's own table
+        # reads it (the difference of two calls' medians can come out below zero on a short, noisy run)
+        figures[key] = ((row.get("ms_per_token_timestamps") or row["ms_per_token"]) if row["workload"] == "latency"
+                        else row["tok_per_s"])
     return _measured(figures, seconds, rows[0])
 
 
