@@ -9,6 +9,7 @@ import io
 import json
 import math
 import random
+import runpy
 import sys
 from pathlib import Path
 
@@ -193,8 +194,6 @@ def test_generate_latency_smoke(tmp_path):
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert rows["hf_paged_optimized"]["graphs"] == 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
-    import runpy
-
     tables = runpy.run_path(str(BENCH.parent / "docs" / "tables.py"), run_name="docs_tables")
     text = tables["generate"](BENCH.parent / "docs" / "benchmarks.md", str(path))
     sdpa = rows["sdpa"]

@@ -3,8 +3,8 @@
 ``generate`` runs a batch's prompts as one ``[batch, columns]`` forward, left-padded to the longest prompt. On a
 :class:`PagedAttentionCache` attention already reads and writes the real tokens only, but everything around it (the
 matrix products, norms, rotary, the MLP) runs on the padding too, in the model's eager modules: on an H200, 64
-prompts of 256-768 tokens (68% of the grid real) spent 118 ms in matrix products and ~100 ms in the eager modules'
-elementwise kernels of a 228 ms prefill (Llama-3.2-1B shape, bf16).
+prompts of 256-768 tokens (68% of the grid real) spent 117.6 ms in matrix products and ~98 ms in the eager modules'
+elementwise kernels of a 238.6 ms prompt forward (Llama-3.2-1B shape, bf16; profiled).
 
 :class:`PackedPrefill`, which ``optimize_generate`` sets as ``model.forward``, runs such a forward the way the
 engine runs a prefill: the cache plans the step as usual (from the padding mask, or the plan ``generate`` made

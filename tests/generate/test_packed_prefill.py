@@ -7,6 +7,8 @@ the real tokens, or, for a call the packed path does not serve, as the padded gr
 
 from __future__ import annotations
 
+import inspect
+
 import pytest
 import torch
 from compiled_generate import GREEDY
@@ -152,8 +154,6 @@ def test_a_model_whose_class_makes_its_own_masks_keeps_its_prompt_forward(monkey
 
 
 def test_generate_reads_the_models_own_forward_signature_and_restore_takes_the_packed_forward_away():
-    import inspect
-
     _, paged = make_models("llama_gqa", seed=9)
     before = inspect.signature(paged.forward)
     _optimized(paged)
