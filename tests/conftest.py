@@ -11,7 +11,7 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "helpers"))
-torch.set_num_threads(min(2, torch.get_num_threads()))
+torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
