@@ -1,6 +1,10 @@
-"""The end-to-end benchmark and the engine-overhead benchmark run on the CPU (``--smoke``), and their pieces measure
-what they say: every run does all its work, the decode profile is pure decode, merged files keep one row per
-(system, workload), the busy-time union matches a brute-force count."""
+"""Every benchmark's smoke mode runs on the CPU, and the pieces measure what they say: every run does all its work,
+the decode profile is pure decode, merged files keep one row per (system, workload), the busy-time union matches a
+brute-force count.
+
+These tests check the structure of what a run writes (rows, counts, which fields are set, timestamps in order), never
+how fast it was: on a loaded CPU a time, or a difference or ratio of times, says nothing (timing is the benchmarks'
+job)."""
 
 from __future__ import annotations
 
@@ -16,24 +20,19 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[1] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import ab_checkouts  # noqa: E402
-import anchor_repeat  # noqa: E402
-import cold_start  # noqa: E402
-import decode_gemm  # noqa: E402
-import e2e_throughput  # noqa: E402
-import engine_overhead  # noqa: E402
-import engine_start  # noqa: E402
-import generate_host_overhead  # noqa: E402
-import graph_capture  # noqa: E402
-import generate_latency  # noqa: E402
-import plot_e2e  # noqa: E402
-import step_host_parts  # noqa: E402
-from decode_profile import _covered_us  # noqa: E402
-from e2e_report import read_rows  # noqa: E402
-from other_transformers import shadowed_transformers_env  # noqa: E402
+from benchmarks import ROOT
+from benchmarks.e2e import ab_checkouts, anchor_repeat, cold_start
+from benchmarks.e2e import plot as plot_e2e
+from benchmarks.e2e import throughput as e2e_throughput
+from benchmarks.e2e.decode_profile import _covered_us
+from benchmarks.e2e.other_transformers import shadowed_transformers_env
+from benchmarks.e2e.report import read_rows
+from benchmarks.engine import graph_capture, step_host_parts
+from benchmarks.engine import overhead as engine_overhead
+from benchmarks.engine import start as engine_start
+from benchmarks.generate import host_overhead as generate_host_overhead
+from benchmarks.generate import latency as generate_latency
+from benchmarks.kernels import decode_gemm
 
 
 def _run(main, argv: list[str]) -> str:
@@ -84,7 +83,7 @@ def test_e2e_smoke_every_run_does_all_its_work(smoke):
 def test_full_collections_records_only_full_collections_inside_its_block():
     import gc
 
-    from e2e_systems import FullCollections
+    from benchmarks.e2e.systems import FullCollections
 
     gc.collect()
     with FullCollections() as full:
@@ -94,7 +93,7 @@ def test_full_collections_records_only_full_collections_inside_its_block():
         gc.collect()
         gc.collect(2)
     gc.collect()
-    assert len(full.seconds) == 2 and all(0 < s < 10 for s in full.seconds)
+    assert len(full.seconds) == 2 and all(s > 0 for s in full.seconds)
 
 
 @pytest.mark.slow
@@ -188,14 +187,15 @@ def test_generate_latency_smoke(tmp_path):
         # noise, so only that it was measured is checked here; warm_call_s is one wall)
         assert row["status"] == "ok" and math.isfinite(row["ms_per_step"]) and row["warm_call_s"] > 0, row
         assert row["ms_per_token_all_in"] == pytest.approx(row["warm_call_s"] / 6 * 1e3, abs=0.1), row  # (rounded)
-        assert 0 < row["one_token_call_s"] <= row["warm_call_s"] * 2, row
+        assert row["one_token_call_s"] > 0, row
         assert row["tokens_match"] == 2, row
         assert row["card"].startswith("CPU") and row["torch"] == torch.__version__ and row["date"], row
+        assert row["hf_paged_commit"] is None or row["hf_paged_commit"][:7].isalnum(), row
     assert rows["hf_paged_compiled"]["graphs"] == 1 and rows["static"]["graphs"] >= 1
     assert rows["hf_paged_optimized"]["graphs"] == 1
     assert "| 2 |" in out.splitlines()[-4] and "[5/7] static, batch 2" in out
-    tables = runpy.run_path(str(BENCH.parent / "docs" / "tables.py"), run_name="docs_tables")
-    text = tables["generate"](BENCH.parent / "docs" / "benchmarks.md", str(path))
+    tables = runpy.run_path(str(ROOT / "docs" / "tables.py"), run_name="docs_tables")
+    text = tables["generate"](ROOT / "docs" / "benchmarks.md", str(path))
     sdpa = rows["sdpa"]
     assert f"| {sdpa['ms_per_step']:.2f} / {sdpa['ms_per_token_all_in']:.2f} ({sdpa['first_call_s']:.1f} s) |" in text
     assert "ms per decode step / ms per token of the whole call" in " ".join(text.split())  # (the caption wraps)
@@ -242,8 +242,8 @@ def test_generate_host_overhead_guard_filter_reaches_dynamo(monkeypatch):
 def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     """The host split wraps generate's prepare and compiled calls without breaking generate's kwargs check, and
     counts one compiled call per decode step (on the CPU: a tiny model compiled with the eager backend)."""
-    import generate_step_parts
-    from e2e_workloads import SMOKE_SHAPE, load_model
+    from benchmarks.e2e.workloads import SMOKE_SHAPE, load_model
+    from benchmarks.generate import step_parts as generate_step_parts
 
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
     settings = generate_latency.parse_args(["--smoke", "--new-tokens", str(generate_step_parts.NEW_TOKENS)])
@@ -261,15 +261,16 @@ def test_ab_checkouts_smoke_runs_each_part_in_each_checkout(tmp_path):
     """Three parts, one round, this checkout as both sides: each part's figures come back for each side, from a
     process of its own, and the medians pair them."""
     out = tmp_path / "ab.json"
-    root = str(BENCH.parent)
+    root = str(ROOT)
     _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", "latency,defaults,start",
                              "--smoke", "--json", str(out)])
     result = json.loads(out.read_text())
     runs = {(run["checkout"], run["part"]): run["figures"] for run in result["rounds"]}
     assert set(runs) == {(side, part) for side in ("old", "new") for part in ("latency", "defaults", "start")}
-    for side in ("old", "new"):
-        assert set(runs[side, "start"]) == {"engine start s, a later process", "engine start, batch 1 ms/token"}
-        assert all(v > 0 for v in runs[side, "start"].values())
+    for side in ("old", "new"):  # (batch 1 ms/token is a difference of two walls: only that it was measured)
+        start = runs[side, "start"]
+        assert set(start) == {"engine start s, a later process", "engine start, batch 1 ms/token"}
+        assert start["engine start s, a later process"] > 0 and math.isfinite(start["engine start, batch 1 ms/token"])
     for side in ("old", "new"):
         assert set(runs[side, "latency"]) == {"hf_paged latency"} and runs[side, "latency"]["hf_paged latency"] > 0
         assert set(runs[side, "defaults"]) == {"anchor, no settings, first call tok/s",
@@ -280,7 +281,7 @@ def test_ab_checkouts_smoke_runs_each_part_in_each_checkout(tmp_path):
 
 @pytest.mark.slow
 def test_data_parallel_smoke_runs_two_processes_and_does_all_the_work(tmp_path):
-    import data_parallel
+    from benchmarks.parallel import data_parallel
 
     out = tmp_path / "dp.json"
     buf = io.StringIO()
@@ -302,7 +303,7 @@ def test_graph_capture_timeline_splits_each_call_into_its_steps(tmp_path):
         assert r["mixed_steps"] >= 1 and r["full_steps"] + r["tail_steps"] >= 3  # 4 new tokens: 3 decode steps
         parts = r["before_first_step_s"] + r["mixed_s"] + r["full_s"] + r["tail_s"]
         assert parts == pytest.approx(r["wall_s"], rel=1e-9)  # every moment of the call is in one part
-        assert 0 < r["setup_s"] < r["before_first_step_s"]
+        assert 0 < r["setup_s"] <= r["before_first_step_s"]  # the set-up is part of what comes before
     assert "padding: CUDA graphs only, skipped on the CPU" in out and "largest" in out.splitlines()[-1]
 
 
@@ -374,12 +375,13 @@ def test_engine_start_smoke_times_a_first_and_a_later_process_per_variant(tmp_pa
     path = tmp_path / "start.json"
     out = _run(engine_start.main, ["--smoke", "--rounds", "1", "--variants", "auto;1,2", "--json", str(path)])
     data = json.loads(path.read_text())
-    assert data["meta"]["card"] == "cpu" and data["meta"]["smoke"]
+    assert data["meta"]["card"].startswith("CPU") and data["meta"]["smoke"] and data["meta"]["date"]
     assert [(r["variant"], r["process"]) for r in data["rows"]] == [
         ("auto", "first"), ("1,2", "first"), ("auto", "second"), ("1,2", "second")]
     for row in data["rows"]:
         assert row["status"] == "ok", row
-        assert 0 < row["import"] <= row["load"] and row["engine_s"] > 0 and row["b1_ms"] > 0, row
+        # (b1_ms is a difference of two walls, its sign noise on a loaded CPU: only that it was measured)
+        assert 0 < row["import"] <= row["load"] and row["engine_s"] > 0 and math.isfinite(row["b1_ms"]), row
     assert "| auto | second | 1 |" in out.splitlines()[-2]
 
 
@@ -389,7 +391,7 @@ def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
     out = _run(cold_start.main, ["--smoke", "--prompts", "2", "--new-tokens", "2", "--json", str(path),
                                  "--model-dir", str(tmp_path / "model")])
     data = json.loads(path.read_text())
-    assert data["meta"]["card"] == "cpu" and data["meta"]["hf_paged"]
+    assert data["meta"]["card"].startswith("CPU") and data["meta"]["hf_paged"] and data["meta"]["date"]
     assert data["meta"]["bytecode"].startswith("as installed" if not cold_start.writes_no_bytecode()
                                                else "compiled beforehand")
     rows = {(r["system"], r["process"]): r for r in data["rows"]}
@@ -429,7 +431,7 @@ def test_cold_start_compiles_the_childrens_bytecode_where_python_writes_none(tmp
     folders = [Path(f) for f in cold_start.package_folders(["generate_batch"])]
     assert {"torch", "transformers", "hf_paged"} <= {f.name for f in folders}
     assert not {"json", "asyncio", "email"} & {f.name for f in folders}  # the standard library has its own
-    small = cold_start.ROOT / "hf_paged" / "cli"
+    small = ROOT / "hf_paged" / "cli"
     cold_start.compile_bytecode([str(small)], tmp_path)
     compiled = {p.name.split(".")[0] for p in tmp_path.rglob("*.pyc")}
     assert {p.stem for p in small.glob("*.py")} <= compiled

@@ -2,7 +2,8 @@
 
 Timings use CUDA events around a CUDA graph that replays many calls (rotating over several input sets, so the
 L2 cache cannot serve them), with warm-up first and the median over repetitions. Callables that cannot be
-captured (host syncs) are timed as an eager loop instead; :class:`Timing` says which.
+captured (host syncs) are timed as an eager loop instead; :class:`Timing` says which. Every result file starts with
+:func:`run_header` (card, versions, hf_paged's own commit, date).
 """
 
 from __future__ import annotations
@@ -14,10 +15,14 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.bench._header import run_header, source_commit
+
+__all__ = ["Timing", "copy_bandwidth", "input_sets", "run_header", "source_commit", "time_calls"]
+
 
 @dataclass(frozen=True)
 class Timing:
-    """Median seconds per call, the spread of repetitions, and how it was measured ("graph" or "eager")."""
+    """Median seconds per call, the spread of repetitions, and how it was measured ("graph", "eager" or "host")."""
 
     median_s: float
     min_s: float
@@ -30,25 +35,54 @@ def _reps_for(seconds_per_call: float, calls_per_rep: int, budget_s: float) -> i
     return int(min(200, max(5, budget_s / max(seconds_per_call * calls_per_rep, 1e-7))))
 
 
-def _eager(calls: Sequence[Callable[[], object]], budget_s: float) -> Timing:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    t0 = time.perf_counter()
-    for fn in calls:
-        fn()
-    torch.cuda.synchronize()
-    reps = _reps_for((time.perf_counter() - t0) / len(calls), len(calls), budget_s)
-    samples = []
+def _samples(run_rep: Callable[[], float], reps: int, before_rep: Callable[[], object] | None) -> list[float]:
+    out = []
     for _ in range(reps):
+        if before_rep is not None:
+            before_rep()
+        out.append(run_rep())
+    return out
+
+
+def _timing(samples: list[float], method: str) -> Timing:
+    return Timing(statistics.median(samples), min(samples), max(samples), method, len(samples))
+
+
+def _host(calls: Sequence[Callable[[], object]], budget_s: float, reps: int | None,
+          before_rep: Callable[[], object] | None) -> Timing:
+    def rep() -> float:
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        return (time.perf_counter() - t0) / len(calls)
+
+    reps = reps or _reps_for(rep(), len(calls), budget_s)
+    return _timing(_samples(rep, reps, before_rep), "host")
+
+
+def _eager(calls: Sequence[Callable[[], object]], budget_s: float, reps: int | None,
+           before_rep: Callable[[], object] | None) -> Timing:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def rep() -> float:
         start.record()
         for fn in calls:
             fn()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / len(calls))
-    return Timing(statistics.median(samples), min(samples), max(samples), "eager", reps)
+        return start.elapsed_time(end) / 1e3 / len(calls)
+
+    if reps is None:
+        t0 = time.perf_counter()
+        for fn in calls:
+            fn()
+        torch.cuda.synchronize()
+        reps = _reps_for((time.perf_counter() - t0) / len(calls), len(calls), budget_s)
+    return _timing(_samples(rep, reps, before_rep), "eager")
 
 
-def _graph(calls: Sequence[Callable[[], object]], budget_s: float, min_calls: int) -> Timing:
+def _graph(calls: Sequence[Callable[[], object]], budget_s: float, min_calls: int, reps: int | None,
+           before_rep: Callable[[], object] | None) -> Timing:
     rounds = max(1, -(-min_calls // len(calls)))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
@@ -63,40 +97,43 @@ def _graph(calls: Sequence[Callable[[], object]], budget_s: float, min_calls: in
                 fn()
     n = rounds * len(calls)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    for _ in range(3):
-        graph.replay()
-    start.record()
-    graph.replay()
-    end.record()
-    end.synchronize()
-    reps = _reps_for(start.elapsed_time(end) / 1e3 / n, n, budget_s)
-    samples = []
-    for _ in range(reps):
+
+    def rep() -> float:
         start.record()
         graph.replay()
         end.record()
         end.synchronize()
-        samples.append(start.elapsed_time(end) / 1e3 / n)
-    return Timing(statistics.median(samples), min(samples), max(samples), "graph", reps)
+        return start.elapsed_time(end) / 1e3 / n
+
+    for _ in range(3):
+        graph.replay()
+    reps = reps or _reps_for(rep(), n, budget_s)
+    return _timing(_samples(rep, reps, before_rep), "graph")
 
 
 def time_calls(
-    calls: Sequence[Callable[[], object]], budget_s: float = 0.4, graph: bool = True, min_calls: int = 20
+    calls: Sequence[Callable[[], object]], budget_s: float = 0.4, graph: bool = True, min_calls: int = 20,
+    reps: int | None = None, before_rep: Callable[[], object] | None = None, device: str | torch.device = "cuda",
 ) -> Timing:
     """Median device time of one call, each rep running every callable in ``calls`` (one per input set) in turn.
 
     With ``graph=True`` the calls are captured once into a CUDA graph of at least ``min_calls`` launches (so the
-    launch overhead of Python and the driver stays out); if capture fails, they run as an eager loop.
+    launch overhead of Python and the driver stays out); if capture fails, they run as an eager loop. ``reps``
+    fixes the number of repetitions (default: as many as fit ``budget_s``, 5 to 200), as collectives need: every
+    rank must run the same count; ``before_rep`` runs before each (a barrier, say), outside the timed span. On a
+    ``device`` that is not CUDA the calls run as a loop timed by the host clock (method "host").
     """
     for fn in calls:  # warm-up (builds, autotuning, allocator)
         fn()
+    if torch.device(device).type != "cuda":
+        return _host(calls, budget_s, reps, before_rep)
     torch.cuda.synchronize()
     if graph:
         try:
-            return _graph(calls, budget_s, min_calls)
+            return _graph(calls, budget_s, min_calls, reps, before_rep)
         except RuntimeError:
             torch.cuda.synchronize()
-    return _eager(calls, budget_s)
+    return _eager(calls, budget_s, reps, before_rep)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, dict[str, float]]:

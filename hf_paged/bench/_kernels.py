@@ -31,7 +31,7 @@ from hf_paged.attention.backends.base import AttentionParams
 from hf_paged.attention.backends._flash import window_size
 from hf_paged.attention.backends._torch import TorchBackend
 from hf_paged.attention._metadata import build_metadata
-from hf_paged.bench import copy_bandwidth, input_sets, time_calls
+from hf_paged.bench import copy_bandwidth, input_sets, run_header, time_calls
 
 ANCHOR_SHAPES = ((1, 8192), (8, 4096), (64, 512), (64, 2048), (64, 8192), (256, 1024))
 OPTION_SHAPES = ((1, 8192), (8, 4096), (64, 2048), (64, 8192))
@@ -236,7 +236,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     rows += [r for hd in head_dims for r in bench_write(hd, copy_bps, gen)]
     if sweep:
         rows += bench_split_sweep(128, 1, 8192, copy_bps, gen) + bench_split_sweep(128, 8, 4096, copy_bps, gen)
-    result = {"device": props.name, "sms": props.multi_processor_count, "torch": torch.__version__,
+    result = {**run_header(), "device": props.name, "sms": props.multi_processor_count,
               "copy_tbps": copy_bps / 1e12, "copy_ways_tbps": {k: v / 1e12 for k, v in copy_ways.items()},
               "rows": [asdict(r) for r in rows]}
     if json_path is not None:

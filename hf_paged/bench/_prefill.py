@@ -33,7 +33,7 @@ import torch
 from hf_paged import _compat
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends._flash import window_size
-from hf_paged.bench import input_sets, time_calls
+from hf_paged.bench import input_sets, run_header, time_calls
 from hf_paged.bench._kernels import score_options
 from hf_paged.kernels import FP8_HEAD_DIMS
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
@@ -188,7 +188,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     rows += bench_shape(b, p, n, 128, gen, sweep)
     rows += [r for window, softcap in score_options(windows, softcaps) for b, p, n in OPTION_SHAPES
              for r in bench_shape(b, p, n, 128, gen, False, window, softcap)]
-    result = {"device": props.name, "torch": torch.__version__, "rows": [asdict(r) for r in rows]}
+    result = {**run_header(), "device": props.name, "rows": [asdict(r) for r in rows]}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=1))
     print_table(result)

@@ -1,6 +1,6 @@
-"""The roofline table of ``benchmarks/roofline.py`` (``e2e_throughput.py --workloads roofline``): kernels are sorted
-into phases by their real names, the work formulas give what a hand count gives, kernels without a link to a host
-operator land in the step that ran them, and a CPU smoke run gives every phase row, rows that sum to the total and
+"""The roofline table of ``benchmarks/e2e/roofline.py`` (``benchmarks.e2e.throughput --workloads roofline``): kernels
+are sorted into phases by their real names, the work formulas give what a hand count gives, kernels without a link to a
+host operator land in the step that ran them, and a CPU smoke run gives every phase row, rows that sum to the total and
 roofline times computed from the rates it measured."""
 
 from __future__ import annotations
@@ -8,18 +8,13 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks"
-sys.path.insert(0, str(BENCH))
-
-import e2e_throughput  # noqa: E402
-import roofline  # noqa: E402
-from roofline import Kernel, Shape, Step, classify_kernel, phase_of, place, step_work  # noqa: E402
+from benchmarks.e2e import roofline
+from benchmarks.e2e import throughput as e2e_throughput
+from benchmarks.e2e.roofline import Kernel, Shape, Step, classify_kernel, phase_of, place, step_work
 
 # Names as the profiler reports them: hf_paged's kernels (hf_paged/csrc), cuBLAS / cuBLASLt, flash-attn 2 and 3,
 # inductor's, torch's own, copies and NCCL.
@@ -136,7 +131,7 @@ def test_a_chunk_that_does_not_end_its_prompt_computes_no_logits():
 def test_the_shape_of_a_llama_config():
     from transformers import LlamaConfig
 
-    from e2e_workloads import LLAMA_1B
+    from benchmarks.e2e.workloads import LLAMA_1B
 
     shape = Shape.of(LlamaConfig(**LLAMA_1B), torch.bfloat16, torch.bfloat16)
     assert shape.kv_bytes_per_token == 32 * 1024  # the issue's 32 KiB per token

@@ -159,11 +159,7 @@ def test_steps_of_new_sizes_do_not_compile_again(model):
 
 def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
     """A model the engine can serve but whose layers it cannot find (no base model, no list of layers)."""
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from engine_overhead import StubModel
+    from benchmarks.engine.overhead import StubModel
 
     stub = StubModel(vocab=300, max_rows=64)
     assert cl.compile_unsupported_reason(stub, any_device=True) == "no list of decoder layers found on the model"

@@ -6,8 +6,6 @@ while active (the GPU kernel itself: tests/gpu/kernels/test_skinny_linear_gpu.py
 from __future__ import annotations
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 import torch
@@ -278,8 +276,7 @@ def test_install_needs_decoder_layers():
 
 
 def benchmark():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import skinny_gemm
+    from benchmarks.kernels import skinny_gemm
 
     return skinny_gemm
 

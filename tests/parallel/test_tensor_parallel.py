@@ -13,9 +13,7 @@ import os
 import pickle
 import random
 import socket
-import sys
 import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -455,8 +453,7 @@ def test_a_model_without_sharded_weights_is_not_tensor_parallel():
 
 @pytest.mark.slow
 def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tensor_parallel
+    from benchmarks.parallel import tensor_parallel
 
     out = tmp_path / "tp.json"
     tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--tp-eager", "--tp-peer-sum", "--split",
@@ -478,8 +475,7 @@ def test_the_benchmark_runs_two_cpu_processes_in_its_tiny_mode(tmp_path, capsys)
 
 @pytest.mark.slow
 def test_the_benchmarks_steady_only_mode_skips_the_batch_64_calls(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tensor_parallel
+    from benchmarks.parallel import tensor_parallel
 
     out = tmp_path / "tp.json"
     tensor_parallel.main(["--tiny", "--gpus", "2", "--systems", "hf_paged", "--steady-only", "--json", str(out)])
@@ -503,8 +499,7 @@ def test_the_benchmarks_steady_only_mode_skips_the_batch_64_calls(tmp_path, caps
 
 
 def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tensor_parallel
+    from benchmarks.parallel import tensor_parallel
 
     args = tensor_parallel.parse_args(["--gpus", "1,2", "--tp-peer-sum", "--tp-nccl", "--cublaslt"])
     runs = tensor_parallel.planned_runs(args, [1, 2])
@@ -527,8 +522,7 @@ def test_the_benchmark_plans_each_variant_on_the_counts_it_compares():
 
 @pytest.mark.slow
 def test_the_benchmark_keeps_its_model_for_a_later_run(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import tensor_parallel
+    from benchmarks.parallel import tensor_parallel
 
     kept = tmp_path / "model"
     for _ in range(2):
@@ -542,8 +536,7 @@ def test_the_benchmark_keeps_its_model_for_a_later_run(tmp_path, capsys):
 
 
 def test_the_benchmark_split_map_gives_each_device_a_run_of_layers():
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    from tensor_parallel import split_map
+    from benchmarks.parallel.tensor_parallel import split_map
 
     device_map = split_map(5, [0, 1])
     assert [device_map[f"model.layers.{i}"] for i in range(5)] == [0, 0, 0, 1, 1]

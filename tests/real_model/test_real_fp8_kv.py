@@ -1,7 +1,7 @@
 """fp8 KV cache quality on real text: SmolLM2's predictions over 2,048 generated positions (16 chat prompts x 128
 tokens), teacher-forced on the float32 cache's own greedy continuation: how often the fp8 pool's most likely token
 is the one the float32 cache chose, and how far apart their log-probabilities of it are
-(``benchmarks/fp8_kv_quality.py`` is the measurement; run it to see the numbers).
+(``benchmarks/e2e/fp8_kv_quality.py`` is the measurement; run it to see the numbers).
 
 Measured on the CPU (torch 2.13, transformers 5.24): top-1 agreement 0.964, mean absolute log-probability difference
 of the reference token 0.051 (largest 1.2). The bounds below leave room for other torch and transformers versions,
@@ -12,14 +12,9 @@ forgiving: 64 times more headroom measured the same as the default.)"""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-
-import fp8_kv_quality  # noqa: E402
+from benchmarks.e2e import fp8_kv_quality
 
 pytestmark = [pytest.mark.real_model, pytest.mark.slow]
 

@@ -1,23 +1,20 @@
-"""``benchmarks/serve_compare.py`` on the CPU: ``hf-paged serve`` and ``transformers serve`` (continuous batching) on
-the tiny checkpoint of ``serve_model.py``; both read every text prompt back as its intended token ids and run every
-request to exactly ``--max-tokens``, and a system out of time is stopped and reported, never waited for."""
+"""``benchmarks/serving/compare.py`` on the CPU: ``hf-paged serve`` and ``transformers serve`` (continuous batching) on
+the tiny checkpoint of ``benchmarks/serving/model.py``; both read every text prompt back as its intended token ids and
+run every request to exactly ``--max-tokens``, and a system out of time is stopped and reported, never waited for."""
 
 from __future__ import annotations
 
 import json
-import sys
 import time
-from pathlib import Path
 
 import pytest
 
 for module in ("httpx", "fastapi", "uvicorn", "openai", "typer"):  # openai and typer: transformers serve's
     pytest.importorskip(module)
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-import serve_compare  # noqa: E402
-from e2e_workloads import WORKLOADS  # noqa: E402
-from serve_model import build, prompt_text, word_tokenizer  # noqa: E402
+from benchmarks.e2e.workloads import WORKLOADS  # noqa: E402
+from benchmarks.serving import compare as serve_compare  # noqa: E402
+from benchmarks.serving.model import build, prompt_text, word_tokenizer  # noqa: E402
 
 REQUESTS, CLIENTS, MAX_TOKENS = 4, 2, 6
 

@@ -266,11 +266,8 @@ def test_sigterm_ends_in_flight_requests_and_exits_cleanly():
 
 def test_serve_bench_smoke(server, tmp_path):
     import json
-    import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
-    import serve_bench
+    from benchmarks.serving import load as serve_bench
 
     out = tmp_path / "bench.json"
     argv = ["--url", server, "--smoke", "--vocab-size", "259", "--clients", "4", "--ignore-eos", "--max-tokens", "8",

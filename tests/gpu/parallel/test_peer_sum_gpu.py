@@ -1,6 +1,6 @@
 """hf_paged's one-shot sum over two GPUs (``torch.ops.hf_paged.peer_sum``, ``csrc/peer_sum.cu``).
 
-Runs ``benchmarks/all_reduce_latency.py --check`` under ``torchrun --nproc-per-node 2`` and reads its JSON: for
+Runs ``python -m benchmarks.parallel.all_reduce_latency --check`` under ``torchrun --nproc-per-node 2`` and reads its JSON: for
 bf16 sizes from 16 bytes to 1 MiB, fp16 and fp32, peer_sum must equal the float32 sum of the gathered inputs in rank
 order bit for bit, over consecutive eager calls with changing inputs (both data halves), a call that one rank reaches
 ~25 ms late, and CUDA graph replays that read a new input. Its fused forms (plus a residual, then an RMSNorm of each
@@ -28,7 +28,7 @@ ROOT = Path(__file__).resolve().parents[3]
 def test_peer_sum_is_the_rank_order_sum_bit_for_bit(tmp_path):
     out = tmp_path / "checks.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-           str(ROOT / "benchmarks" / "all_reduce_latency.py"), "--check", "--sizes", "8,512,1024", "--json", str(out)]
+           "--module", "benchmarks.parallel.all_reduce_latency", "--check", "--sizes", "8,512,1024", "--json", str(out)]
     env = {**os.environ, "PYTHONPATH": str(ROOT) + os.pathsep + os.environ.get("PYTHONPATH", ""),
            "HF_PAGED_TP_TIMEOUT_S": "60"}
     proc = subprocess.run(cmd, env=env, text=True, capture_output=True, timeout=240)

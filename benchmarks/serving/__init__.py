@@ -1,0 +1,1 @@
+"""Serving: ``hf-paged serve`` against ``transformers serve`` under one streaming load, and the pieces they share."""
