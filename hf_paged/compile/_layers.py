@@ -36,6 +36,7 @@ from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile._cache import CompileArtifacts, artifact_key
 from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.compile._kernel_funcs import route_around
 from hf_paged.compile._packed_weights import pack_siblings
 from hf_paged.hf._placement import base_model, decoder_layers
 
@@ -132,6 +133,8 @@ class CompiledLayers:
         self.artifacts: CompileArtifacts | None = None  # torch's artifacts of this model, kept across processes
         for module in self._modules:
             patches.install(module, "compiled_layers", lambda eager: _Switch(self, eager))
+        # traced without kernels' routing wrapper, whose try block would end a graph at each attention's break
+        self._routed = route_around(layers, "compiled_layers")
 
     @property
     def is_active(self) -> bool:
@@ -170,7 +173,7 @@ class CompiledLayers:
 
     def restore(self) -> None:
         """Put the eager forwards back on the modules (the compiled ones are dropped)."""
-        patches.restore(self._modules, "compiled_layers")
+        patches.restore([*self._modules, *self._routed], "compiled_layers")
         self.enabled = False
 
 
