@@ -19,6 +19,8 @@ import torch
 from hf_paged.attention._dispatch import available_backends
 
 T = TypeVar("T", int, float)
+#: A checkpoint folder holding none of these has no tokenizer for ``AutoTokenizer`` to load.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
@@ -190,12 +192,15 @@ def prompt_lines(text: str, source: str) -> list[str]:
 
 
 def checkpoint_dir(path: str) -> str:
-    """A local directory holding a transformers checkpoint (its ``config.json`` at least)."""
+    """A local directory holding a transformers checkpoint: its ``config.json`` and tokenizer files."""
     if not Path(path).is_dir():
         raise argparse.ArgumentTypeError(f"no such directory {path!r}; give a local checkpoint directory")
     if not (Path(path) / "config.json").is_file():
         raise argparse.ArgumentTypeError(f"{path!r} has no config.json; give a transformers checkpoint directory "
                                          "(as save_pretrained writes it)")
+    if not any((Path(path) / name).is_file() for name in TOKENIZER_FILES):
+        raise argparse.ArgumentTypeError(f"{path!r} has no tokenizer files ({' or '.join(TOKENIZER_FILES[:2])}); "
+                                         "save the model's tokenizer beside it (tokenizer.save_pretrained(DIR))")
     return path
 
 

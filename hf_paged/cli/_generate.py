@@ -4,12 +4,17 @@ With no ``--model`` it runs SmolLM2-135M-Instruct (fetched and converted on firs
 where it cannot be had); ``--model tiny`` the tiny model, ``--model PATH`` a local checkpoint. Prompts come from
 arguments, ``--prompts-file`` (one per line) or stdin (``-``); each is sent as one user message through the
 tokenizer's chat template where it has one (``--no-chat-template``: as plain text).
+
+Every answer to a prompt given is printed as plain text under its prompt (of the demo prompts, ``--show`` of them),
+then a summary; ``--jsonl`` prints one JSON object per request instead (the summary goes to stderr).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
+import re
 import sys
 import time
 from dataclasses import fields
@@ -68,7 +73,12 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.add_argument("--no-chat-template", action="store_true",
                    help="send each prompt as plain text, not as a user message through the tokenizer's chat template "
                         "(used by default where the tokenizer has one)")
-    p.add_argument("--show", type=non_negative_int, default=3, metavar="N", help="print this many completions")
+    p.add_argument("--show", type=non_negative_int, default=3, metavar="N",
+                   help="with no prompts given: print this many of the demo's answers (every answer to prompts you "
+                        "give is printed)")
+    p.add_argument("--jsonl", action="store_true",
+                   help="print one JSON object per request (prompt, text, prompt_tokens, generated_tokens, "
+                        "finish_reason, and error where it failed) instead of plain text; the summary goes to stderr")
     p.add_argument("--no-progress", action="store_true", help="hide the progress bar")
     p.add_argument("--verbose", action="store_true",
                    help="log the model, the engine's sizes and which attention backend serves each phase, add "
@@ -93,6 +103,7 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
 def run(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
     prompts = read_prompts(args)
+    demo = not (args.prompts or args.prompts_file)
     model, tokenizer = load(args)
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
@@ -102,16 +113,61 @@ def run(args: argparse.Namespace) -> int:
     except NotImplementedError as exc:
         if args.backend is None:
             raise
-        raise NotImplementedError(f"--backend {','.join(args.backend)}: {exc}") from exc
+        raise NotImplementedError(backend_refusal(args.backend, model.device, exc)) from exc
     log_setup(args, model, engine, len(prompts))
     check_lengths(engine, ids)
     start = time.perf_counter()
     outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
     elapsed = time.perf_counter() - start
-    for text, out in list(zip(prompts, outputs))[: args.show]:
-        print(f"{clip(text)!r} -> {out.text!r} [{out.finish_reason}]")
-    print_summary(args, engine.stats(), outputs, elapsed)
+    if args.jsonl:
+        for text, out in zip(prompts, outputs):
+            print(json.dumps(jsonl_record(text, out)))
+    else:
+        for text, out in list(zip(prompts, outputs))[: args.show if demo else None]:
+            print_answer(args, text, out)
+    print_summary(args, engine.stats(), outputs, elapsed, file=sys.stderr if args.jsonl else sys.stdout)
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
+
+
+def backend_refusal(names: tuple[str, ...], device: torch.device, exc: NotImplementedError) -> str:
+    """The engine's refusal of a ``--backend`` list, in the flag's words: why each cannot serve (the dispatcher's
+    reasons, without its record of the attention call) and what to do."""
+    reasons = re.sub(r"^no attention backend can serve AttentionCall\([^()]*\): ", "", str(exc))
+    reasons = re.sub(r"\. Allow more backends .*$", "", reasons)
+    flag = ",".join(names)
+    return (f"--backend {flag} cannot run this model on {device.type} ({reasons}); leave --backend out to let "
+            f"hf_paged choose, or add torch (--backend {flag},torch)")
+
+
+def print_answer(args: argparse.Namespace, prompt: str, out) -> None:
+    """``> prompt``, the answer as plain text, a note where it did not end by itself, and a blank line."""
+    print(f"> {printable(clip(prompt, 200))}")
+    print(printable(out.text or ""))
+    if out.finish_reason == "length":
+        print(f"(cut at --max-new-tokens {args.max_new_tokens})")
+    elif out.finish_reason == "error":
+        print(f"(failed: {flags_for_parameters(out.error or 'unknown error', args)})")
+    elif out.finish_reason != "stop":
+        print(f"({out.finish_reason})")
+    print()
+
+
+def jsonl_record(prompt: str, out) -> dict:
+    """One ``--jsonl`` line: the prompt, the answer and how it ended."""
+    record = {"prompt": prompt, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
+              "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason}
+    if out.error is not None:
+        record["error"] = out.error
+    return record
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def printable(text: str) -> str:
+    """``text`` with control characters other than newline and tab escaped (``\\x1b``), so that a model's output
+    cannot move the cursor or recolour the terminal."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
 
 
 def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
@@ -186,7 +242,7 @@ def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, 
                 " (EOS ignored)" if args.ignore_eos else "", how)
 
 
-def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float) -> None:
+def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:
     tokens = sum(len(o.token_ids) for o in outputs)
     errors = [o for o in outputs if o.finish_reason == "error"]
     reasons: dict[str, int] = {}
@@ -212,9 +268,9 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
             ("steps", stats["steps"]),
             ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items())),
         ]
-    print("summary:")
+    print("summary:", file=file)
     for name, value in rows:
-        print(f"  {name + ':':<20} {value}")
+        print(f"  {name + ':':<20} {value}", file=file)
 
 def add_engine_arguments(
     parser: argparse.ArgumentParser, max_num_seqs: bool = False, helps: dict[str, str] | None = None

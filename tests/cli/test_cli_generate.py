@@ -1,9 +1,11 @@
-"""``hf-paged generate``: the default run, prompts from a file and stdin, a local checkpoint against HF ``generate``,
-``--ignore-eos``, a prompt that fails alone, and what ``--verbose`` adds."""
+"""``hf-paged generate``: the default run, prompts from a file and stdin (every answer shown), a local checkpoint against
+HF ``generate`` in plain text and in ``--jsonl``, ``--ignore-eos``, a prompt that fails alone, and what ``--verbose``
+adds."""
 
 from __future__ import annotations
 
 import io
+import json
 import logging
 import re
 
@@ -12,7 +14,7 @@ import torch
 import hf_paged
 from hf_paged.cache import KVLayout
 from hf_paged.cli import main
-from hf_paged.cli._generate import DEFAULT_PROMPTS
+from hf_paged.cli._generate import DEFAULT_PROMPTS, printable
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
 SUMMARY_ROWS = ["requests:", "generated tokens:", "tokens/s:", "peak blocks in use:", "preemptions:",
@@ -45,6 +47,16 @@ def test_generate_with_no_other_arguments_runs_the_demo_prompts_on_the_tiny_mode
     assert 32 * reasons.get("length", 0) + reasons.get("stop", 0) <= generated <= 1024
     demo = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(32)]
     assert summary_value(out, "peak blocks in use").endswith(f"of {workload_pool(demo, 32)} (block size 16)")
+    assert re.findall(r"^> (.*)$", out, re.MULTILINE) == demo[:3]  # of the demo, --show's 3 answers
+
+
+def test_show_caps_the_demo_only(capsys):
+    argv = ["generate", "--model", "tiny", "--device", "cpu", "--no-progress", "--max-new-tokens", "2"]
+    assert main(argv + ["--num-prompts", "6", "--show", "5"]) == 0
+    assert len(re.findall(r"^> ", capsys.readouterr().out, re.MULTILINE)) == 5
+    prompts = [f"prompt {i}" for i in range(5)]
+    assert main(argv + prompts + ["--show", "1"]) == 0
+    assert re.findall(r"^> (.*)$", capsys.readouterr().out, re.MULTILINE) == prompts
 
 
 def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
@@ -52,11 +64,10 @@ def test_prompts_from_arguments_file_and_stdin(tmp_path, capsys, monkeypatch):
     path.write_text("from a file\n\nsecond line\n")
     monkeypatch.setattr("sys.stdin", io.StringIO("from stdin\n"))
     argv = ["generate", "an argument", "-", "--prompts-file", str(path), "--max-new-tokens", "3", "--no-progress",
-            "--show", "4", "--model", "tiny", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8",
-            "--device", "cpu"]
+            "--model", "tiny", "--num-blocks", "8", "--block-size", "4", "--max-batch-tokens", "8", "--device", "cpu"]
     assert main(argv) == 0
     out = capsys.readouterr().out
-    shown = re.findall(r"^'(.*)' -> ", out, re.MULTILINE)
+    shown = re.findall(r"^> (.*)$", out, re.MULTILINE)  # all four: --show caps the demo only
     assert shown == ["an argument", "from stdin", "from a file", "second line"]
     assert summary_value(out, "requests").startswith("4 (")
 
@@ -86,7 +97,33 @@ def test_a_local_checkpoint(tmp_path, capsys):
     model, tokenizer = save_checkpoint(tmp_path)
     argv = ["generate", "abc", "--model", str(tmp_path), "--max-new-tokens", "5", "--no-progress", "--device", "cpu"]
     assert main(argv) == 0
-    assert repr(hf_greedy(model, tokenizer, "abc", max_new_tokens=5)) in capsys.readouterr().out
+    want = hf_greedy(model, tokenizer, "abc", max_new_tokens=5)
+    out = capsys.readouterr().out
+    assert out.startswith(f"> abc\n{printable(want)}\n"), out  # plain text, not a repr
+
+
+def test_jsonl_prints_one_object_per_prompt_and_the_summary_on_stderr(tmp_path, capsys):
+    model, tokenizer = save_checkpoint(tmp_path)
+    prompts = ["abc", "a longer prompt", "x"]
+    argv = ["generate", *prompts, "--model", str(tmp_path), "--max-new-tokens", "4", "--no-progress", "--device",
+            "cpu", "--jsonl", "--show", "1"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    records = [json.loads(line) for line in out.splitlines()]
+    assert [r["prompt"] for r in records] == prompts
+    for prompt, record in zip(prompts, records):
+        want = hf_greedy_ids(model, tokenizer, prompt, max_new_tokens=4)
+        assert record["text"] == tokenizer.decode(want, skip_special_tokens=True)
+        assert record["prompt_tokens"] == len(tokenizer.encode(prompt))
+        assert record["generated_tokens"] == len(want)
+        assert record["finish_reason"] == ("stop" if len(want) < 4 else "length") and "error" not in record
+    assert "summary:" in err and "summary:" not in out
+
+
+def test_printable_escapes_control_characters_but_keeps_lines():
+    assert printable("a\tb\nc") == "a\tb\nc"
+    assert printable("\x1b[2Jred\r\x00\x85") == "\\x1b[2Jred\\r\\x00\\x85"
+    assert printable("é 日本") == "é 日本"
 
 
 def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
@@ -98,13 +135,13 @@ def test_ignore_eos_generates_exactly_max_new_tokens(tmp_path, capsys):
 
     assert main(argv) == 0
     out = capsys.readouterr().out
-    assert "[stop]" in out and summary_value(out, "generated tokens") == "1"
+    assert "(cut at" not in out and summary_value(out, "generated tokens") == "1"
 
     assert main(argv + ["--ignore-eos"]) == 0
     out = capsys.readouterr().out
-    assert "[length]" in out and summary_value(out, "generated tokens") == "6"
+    assert summary_value(out, "generated tokens") == "6"
     want = hf_greedy(model, tokenizer, "abc", max_new_tokens=6, min_new_tokens=6)
-    assert f"'abc' -> {want!r} [length]" in out
+    assert f"> abc\n{printable(want)}\n(cut at --max-new-tokens 6)\n" in out
 
 
 def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
@@ -114,7 +151,7 @@ def test_a_request_that_fails_in_the_run_fails_alone(capsys, monkeypatch):
             "--max-new-tokens", "4", "--no-progress", "--device", "cpu", "--ignore-eos"]
     assert main(argv) == 1
     out = capsys.readouterr().out
-    assert "'short' -> " in out and out.count("[length]") == 1 and out.count("[error]") == 1
+    assert "> short\n" in out and out.count("(cut at --max-new-tokens 4)") == 1 and out.count("(failed: ") == 1
     assert summary_value(out, "requests") == "2 (1 error, 1 length)"
     assert "--num-blocks" in summary_value(out, "first error")
 

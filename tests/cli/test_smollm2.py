@@ -99,6 +99,7 @@ def test_the_model_flag_takes_names_and_folders(tmp_path, capsys):
     assert parser.parse_args(["generate", "--model", "tiny"]).model == "tiny"
     assert parser.parse_args(["serve", "--model", "smollm2"]).model == "smollm2"
     (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "tokenizer.json").write_text("{}")
     assert parser.parse_args(["generate", "--model", str(tmp_path)]).model == str(tmp_path)
     assert main(["generate", "--model", "tiny-ish"]) == 2
     assert "no such directory 'tiny-ish'" in capsys.readouterr().err

@@ -43,9 +43,9 @@ def test_the_prompts_differ_a_lot_in_length(prompts):
 def test_cli_generate_answers_the_capital_of_france_with_paris(smollm2_dir, capsys):
     # No --model: the default, SmolLM2 (the fixture made sure it is here); the prompt goes through its chat template.
     assert main(["generate", "What is the capital of France?", "--no-progress", "--device", "cpu"]) == 0
-    line = capsys.readouterr().out.splitlines()[0]
-    assert line.startswith("'What is the capital of France?' -> '") and "Paris" in line, line
-    assert line.endswith("[stop]"), line  # the model's end of turn ends it
+    prompt, answer, blank = capsys.readouterr().out.splitlines()[:3]
+    assert prompt == "> What is the capital of France?" and "Paris" in answer, answer
+    assert blank == "", blank  # no note under the answer: the model's end of turn ends it
 
 
 def test_generate_on_a_paged_cache_equals_eager_on_a_padded_batch(paged, eager, prompts):
