@@ -1,6 +1,6 @@
 """Talk to `hf-paged serve` with the openai client: a completion, a streamed chat, and the server's metrics.
 
-    pip install 'hf-paged[serve]' openai
+    pip install -e ".[serve]" openai   # in the hf_paged clone
     hf-paged serve &            # SmolLM2-135M-Instruct (fetched once on first use); --model DIR for another
     python examples/serve_client.py
 """

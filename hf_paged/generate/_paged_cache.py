@@ -210,7 +210,7 @@ class PagedAttentionCache(Cache):
     def is_croppable(self) -> bool:
         return True
 
-    # generate (transformers 5.17 to 5.24) sets this (as Cache's private user-defined flag: _compat) on a cache the
+    # generate (transformers 5.17 to 5.25) sets this (as Cache's private user-defined flag: _compat) on a cache the
     # caller passed, once at the start of each call: the one sign a cache gets that a new call begins, before generate
     # asks get_seq_length() how much of the input to skip. An empty cache makes it feed the whole input.
     @property

@@ -1,7 +1,7 @@
 """``hf-paged serve``: an OpenAI-compatible HTTP server on the continuous-batching engine.
 
 ``create_app(engine, model_name)`` gives the FastAPI application (FastAPI and uvicorn come with
-``pip install 'hf-paged[serve]'``); ``hf-paged serve`` runs it under uvicorn. One thread owns the engine
+``pip install -e ".[serve]"`` in the clone); ``hf-paged serve`` runs it under uvicorn. One thread owns the engine
 (:mod:`~hf_paged.server._engine_loop`); the routes (:mod:`~hf_paged.server._app`) talk to it through queues.
 """
 
@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
-INSTALL_HINT = "the server needs FastAPI and uvicorn: pip install 'hf-paged[serve]'"
+INSTALL_HINT = ("the server needs FastAPI and uvicorn: pip install -e '.[serve]' in the hf_paged clone (or pip install "
+                "fastapi uvicorn)")
 
 
 def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_template: str | None = None,
