@@ -33,10 +33,12 @@ from hf_paged.engine import (
     generate_batch,
 )
 from hf_paged.generate import PagedAttentionCache, optimize_generate, paged_cache_for, restore_generate
+from hf_paged.generate._default_cache import install as _install_default_cache
 from hf_paged.hf._register import ATTN_IMPLEMENTATION, register
 from hf_paged.hf.compat import with_cache
 
 register()
+_install_default_cache()  # generate on an "hf_paged" model with no cache given: a PagedAttentionCache
 
 __all__ = [
     "ATTN_IMPLEMENTATION",

@@ -124,9 +124,9 @@ def route(step: PagedStep, query: torch.Tensor, k_cache: torch.Tensor, scaling: 
             raise RuntimeError(
                 "hf_paged: a compiled forward met an attention layer whose backend was not chosen beforehand; "
                 "compile decode steps only, after an eager forward of the batch (generate's prefill)")
-        if query.dtype != step.pool.kv_caches[0][0].dtype and step.pool.kv_scales is None:
-            raise ValueError(f"the model computes {query.dtype} but the KV pool holds "
-                             f"{step.pool.kv_caches[0][0].dtype}; create the cache with dtype=model.dtype")
+        if query.dtype != k_cache.dtype and step.pool.kv_scales is None:
+            raise ValueError(f"the model computes {query.dtype} but the KV pool holds {k_cache.dtype}; create the "
+                             "cache with dtype=model.dtype")
         found = step.dispatcher.routes[key] = _choose(key, step.dispatcher, k_cache)
     return found
 

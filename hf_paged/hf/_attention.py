@@ -12,7 +12,9 @@ each kind of caller:
   ``BlockMask`` travels the same way). The cache's query offset (:class:`CacheOffset`) carries the cache to the
   mask function, which returns the planned step wrapped as a :class:`StepMask`.
 
-Without either (``generate`` with its own ``DynamicCache``, a plain forward), both functions fall back to
+Without either, a forward that starts from nothing with plain causal attention (a plain ``model(input_ids)``, the
+prompt forward on a cache transformers made) runs paged all the same, on a KV that lives for that forward
+(``hf_paged.hf._transient``); any other (decode steps on such a cache, extra mask functions) falls back to
 transformers' SDPA path, which gives the same results on a contiguous cache.
 """
 
@@ -29,6 +31,7 @@ from transformers.masking_utils import sdpa_mask
 
 from hf_paged import _forward_context
 from hf_paged.attention._step import PagedStep, attend, attend_packed, attend_traced, choose_decode_routes, pack
+from hf_paged.hf._transient import fresh_step
 
 logger = logging.getLogger("hf_paged")
 
@@ -70,6 +73,22 @@ class StepMask:
         self.step = step
 
 
+class FreshMask(StepMask):
+    """The step of a forward that starts from nothing, on a :class:`~hf_paged.hf._transient.TransientKV`, and the SDPA
+    mask of the same forward for a layer the transient KV cannot hold (made when first asked)."""
+
+    __slots__ = ("_sdpa_args", "_sdpa")
+
+    def __init__(self, step: PagedStep, sdpa_args: dict):
+        super().__init__(step)
+        self._sdpa_args, self._sdpa = sdpa_args, None
+
+    def sdpa(self):
+        if self._sdpa is None:
+            self._sdpa = (sdpa_mask(**self._sdpa_args),)
+        return self._sdpa[0]
+
+
 def step_mask_of(mask) -> StepMask | None:
     """The planned step a forward got as its mask: the mask itself, or the one every layer type's mask is (models
     with sliding layers get one per type); None for anything else."""
@@ -87,9 +106,15 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         return None
     planner = getattr(q_offset, "planner", None)
     if planner is None:
+        sdpa_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
+                         kv_offset=kv_offset, **kwargs)
+        if _starts_from_nothing(q_offset, kv_offset, q_length, kv_length, kwargs):
+            step = fresh_step(kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
+                              kwargs.get("device") or torch.device("cpu"))
+            if step is not None:
+                return FreshMask(step, sdpa_args)
         _note_dense_fallback()
-        return sdpa_mask(batch_size=batch_size, q_length=q_length, kv_length=kv_length,
-                         q_offset=int(q_offset), kv_offset=kv_offset, **kwargs)
+        return sdpa_mask(**sdpa_args)
     if torch.compiler.is_compiling():
         raise RuntimeError(
             "hf_paged: a compiled forward on a PagedAttentionCache must get its step planned beforehand, as its "
@@ -97,6 +122,13 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             "max_new_tokens=...), and only decode steps may be compiled")
     return plan_mask(planner, kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
                      kwargs.get("device"))
+
+
+def _starts_from_nothing(q_offset, kv_offset: int, q_length: int, kv_length: int, kwargs: dict) -> bool:
+    """Whether a forward with no paged cache is plain causal attention over its own tokens only: nothing cached before
+    it, and transformers allows the causal skip (no extra mask function, no packed sequences, not compiled)."""
+    return (not torch.compiler.is_compiling() and bool(kwargs.get("allow_is_causal_skip"))
+            and int(q_offset) == 0 and kv_offset == 0 and kv_length == q_length)
 
 
 def plan_mask(planner: StepPlanner, config, attention_mask, batch_size: int, q_length: int, device=None) -> StepMask:
@@ -164,6 +196,8 @@ def _own_call_attention(module, q, k, v, scaling, dropout, sliding_window, softc
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                      kwargs: dict) -> tuple[torch.Tensor, None]:
     step = attention_mask.step if isinstance(attention_mask, StepMask) else None
+    if isinstance(attention_mask, FreshMask) and not step.pool.claim(module.layer_idx, key):
+        attention_mask, step = attention_mask.sdpa(), None  # a layer the forward's transient KV cannot hold
     if step is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
@@ -198,8 +232,9 @@ def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Te
 @functools.lru_cache(maxsize=1)
 def _note_dense_fallback() -> None:
     logger.warning(
-        "hf_paged: no PagedAttentionCache in this forward, so attention runs dense through SDPA. Pass "
-        "past_key_values=hf_paged.PagedAttentionCache(...) to generate to use paged memory."
+        "hf_paged: this forward continues a cache that is not a PagedAttentionCache (or has extra mask functions), "
+        "so attention runs dense through SDPA. Pass hf_paged.PagedAttentionCache(...) to generate (hf_paged.with_cache) "
+        "to use paged memory."
     )
 
 
