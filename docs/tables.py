@@ -7,13 +7,14 @@ A generated table sits in a Markdown file between two markers:
     <!-- end table -->
 
 ``KIND`` names one of the renderers below and each ``SOURCE`` a result file under ``benchmarks/results/`` (tables of
-``hf_paged.envs`` and ``EngineConfig`` take none). A table names its card, versions, date and file under it, as the
-result file records them ("not recorded" where it does not; the date then comes from the file's name).
+``hf_paged.envs`` and ``EngineConfig`` take none). The files no doc's table shows any more sit in
+``benchmarks/results/archive/``, whose README indexes them. A table names its card, versions, date and file under it,
+as the result file records them ("not recorded" where it does not; the date then comes from the file's name).
 
-    python docs/tables.py             # rewrite every table of README.md and docs/*.md from its sources
+    python docs/tables.py             # rewrite every table of README.md, docs/*.md and the archive's index
     python docs/tables.py --check     # exit 1, naming each table that is not what its sources give
     python docs/tables.py --readme benchmarks/results/NEW.json   # the README's benchmark table from another run
-                                                                 # (an e2e_throughput.py result file)
+                                                                 # (a result file of benchmarks.e2e.throughput)
 
 ``tests/test_docs.py`` runs the check, so a table cannot drift from its sources (a changed default in
 ``EngineConfig``, a new switch in ``hf_paged/envs.py``, an edited result file).
@@ -84,7 +85,9 @@ def caption(names: list[str], doc: Path, command: str = "") -> str:
     links = ", ".join(f"[`{Path(n).name}`]({os.path.relpath(ROOT / n, doc.parent)})" for n in names)
     parts = [info["card"] or "card not recorded", versions or "versions not recorded", date]
     text = f"_{'; '.join(parts)}. {command}Results: {links}._"
-    return textwrap.fill(text, width=116, break_long_words=False, break_on_hyphens=False)
+    # a code span is never cut: its spaces are held as NUL while the lines are filled
+    text = re.sub(r"`[^`]*`", lambda m: m.group(0).replace(" ", "\0"), text)
+    return textwrap.fill(text, width=116, break_long_words=False, break_on_hyphens=False).replace("\0", " ")
 
 
 def table(header: list[str], rows: list[list[str]], align: str = "") -> str:
@@ -121,7 +124,7 @@ E2E_SYSTEMS = {"hf_paged": "hf_paged", "hf_paged_eager_layers": "hf_paged, `comp
 
 
 def e2e(doc: Path, name: str) -> str:
-    """``benchmarks/e2e_throughput.py`` rows: output tok/s (ms per token for latency) per system, and hf_paged's
+    """``benchmarks/e2e/throughput.py`` rows: output tok/s (ms per token for latency) per system, and hf_paged's
     ratio to transformers' continuous batching (the baseline, in the same run); a run with ``--calls`` adds a row of
     the later calls' median rate under each workload's first call."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok" and r["workload"] in E2E_WORKLOADS]
@@ -148,11 +151,11 @@ def e2e(doc: Path, name: str) -> str:
             elif baseline:
                 cells.append("-")
             out.append(cells)
-    return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py`. ")
+    return table(header, out) + "\n\n" + caption([name], doc, "`python -m benchmarks.e2e.throughput`. ")
 
 
 def sweep(doc: Path, name: str) -> str:
-    """``benchmarks/e2e_throughput.py --sweep``: hf_paged alone over a grid of ``max_batch_tokens`` x
+    """``benchmarks/e2e/throughput.py --sweep``: hf_paged alone over a grid of ``max_batch_tokens`` x
     ``max_num_seqs`` and its automatic choice of that run, per workload; the row of today's automatic point on CUDA
     (``RULES["cuda"]`` of ``hf_paged/engine/_sizing.py``) in bold."""
     from hf_paged.engine._sizing import RULES
@@ -182,7 +185,7 @@ def sweep(doc: Path, name: str) -> str:
         out.append([label] + cells)
     header = ["max_batch_tokens x max_num_seqs"] + [
         "batch 1: ms per output token" if w == "latency" else f"{E2E_WORKLOADS[w]}: tok/s" for w in workloads]
-    return table(header, out) + "\n\n" + caption([name], doc, "`benchmarks/e2e_throughput.py --sweep`. ")
+    return table(header, out) + "\n\n" + caption([name], doc, "`python -m benchmarks.e2e.throughput --sweep`. ")
 
 
 COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "generate_batch_eager": "`generate_batch`, layers eager",
@@ -194,7 +197,7 @@ COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "generate_batch_eager": "`
 
 
 def cold_start(doc: Path, name: str) -> str:
-    """``benchmarks/cold_start.py``: seconds from the process's spawn to import, load, first token and steady state,
+    """``benchmarks/e2e/cold_start.py``: seconds from the process's spawn to import, load, first token and steady state,
     in a first process (empty caches) and a second one, per system; the same call again; dynamo's compile time."""
     data = load(name)
     keys = ("import", "load", "ready", "first_token", "steady", "second_call", "dynamo_s")
@@ -205,11 +208,12 @@ def cold_start(doc: Path, name: str) -> str:
     work = data.get("meta", {})
     line = (f"{work['prompts']} prompts of the anchor, {work['new_tokens']} new tokens each, seconds. "
             if "prompts" in work and "new_tokens" in work else "seconds. ")
-    return table(header, out, "llrrrrrrr") + "\n\n" + caption([name], doc, line + "`benchmarks/cold_start.py`. ")
+    return table(header, out, "llrrrrrrr") + "\n\n" + caption(
+        [name], doc, line + "`python -m benchmarks.e2e.cold_start`. ")
 
 
 def engine_start(doc: Path, name: str) -> str:
-    """``benchmarks/engine_start.py``: per variant (decode-graph sizes) and process kind, the medians of a kept
+    """``benchmarks/engine/start.py``: per variant (decode-graph sizes) and process kind, the medians of a kept
     engine's start, its batch-1 decode and the dynamo frames traced by the end of the engine's start."""
     data = load(name)
     groups: dict[tuple[str, str], list[dict]] = {}
@@ -225,7 +229,7 @@ def engine_start(doc: Path, name: str) -> str:
                     f"{med('engine_s'):.2f}{spread}", f"{med('b1_ms'):.3f}", f"{med('frames_at_start'):.0f}"])
     header = ["variant", "process", "n", "graphs at start", "`Engine(...)`, s (range)", "batch 1, ms per token",
               "dynamo frames"]
-    return table(header, out, "llrlrrr") + "\n\n" + caption([name], doc, "`benchmarks/engine_start.py`. ")
+    return table(header, out, "llrlrrr") + "\n\n" + caption([name], doc, "`python -m benchmarks.engine.start`. ")
 
 
 AB_FIGURES = {
@@ -243,7 +247,7 @@ AB_FIGURES = {
 
 
 def ab(doc: Path, name: str) -> str:
-    """``benchmarks/ab_checkouts.py``: each figure's median over the rounds, per checkout, and new / old."""
+    """``benchmarks/e2e/ab_checkouts.py``: each figure's median over the rounds, per checkout, and new / old."""
     data = load(name)
     figures: dict[tuple[str, str], list[float]] = {}
     for r in data["rounds"]:
@@ -257,12 +261,13 @@ def ab(doc: Path, name: str) -> str:
             out.append([label, fmt(old), fmt(new), f"{new / old:.2f}"])
     head = table(["figure (median of %d round%s)" % (rounds, "s" * (rounds > 1)), "code before", "code after",
                   "after / before"], out)
-    return head + "\n\n" + caption([name], doc, "`benchmarks/ab_checkouts.py`. ")
+    return head + "\n\n" + caption([name], doc, "`python -m benchmarks.e2e.ab_checkouts`. ")
 
 
 def roofline(doc: Path, *names: str) -> str:
-    """``e2e_throughput.py --workloads roofline``: GPU time per phase of each file's run (in the files' order), the
-    phase's roofline (the last file's rates) and the last run's efficiency; then the total, host gaps and tok/s."""
+    """``benchmarks.e2e.throughput --workloads roofline``: GPU time per phase of each file's run (in the files'
+    order), the phase's roofline (the last file's rates) and the last run's efficiency; then the total, host gaps and
+    tok/s."""
     rows = [next(r for r in load(n)["rows"] if r["workload"] == "roofline") for n in names]
     last = rows[-1]
     out = []
@@ -279,11 +284,12 @@ def roofline(doc: Path, *names: str) -> str:
     head = table(["phase", *labels, "roofline ms", "efficiency"], out)
     rates = (f"Copy rate {last['copy_bytes_per_s'] / 1e12:.2f} TB/s and matrix rate "
              f"{last['matmul_flops_per_s'] / 1e12:.0f} TFLOP/s, measured in the last run. ")
-    return head + "\n\n" + caption(list(names), doc, rates + "`benchmarks/roofline.py`. ")
+    return head + "\n\n" + caption(
+        list(names), doc, rates + "`python -m benchmarks.e2e.throughput --workloads roofline`. ")
 
 
 def tp(doc: Path, *names: str) -> str:
-    """``benchmarks/tensor_parallel.py``: each multi-GPU row against the file's one-GPU row of the same system.
+    """``benchmarks/parallel/tensor_parallel.py``: each multi-GPU row against the file's one-GPU row of the same system.
     hf_paged rows: the steady decode step at batch 64; transformers rows: its decode rate by subtracting a short
     call (1 or 2 new tokens, as the row says) from a 256-token call (the only measure the benchmark has for it)."""
     out = []
@@ -311,20 +317,21 @@ def tp(doc: Path, *names: str) -> str:
                         ratio(rate / one_rate) if one_rate else "-", latency, f"`{Path(name).name}`"])
     header = ["system", "GPUs", "batch 64 measured by", "1 GPU ms/step", "ms/step", "tok/s", "vs 1 GPU",
               "batch 1 ms/token, 1 GPU / these", "file"]
-    return table(header, out, "lrlrrrrrl") + "\n\n" + caption(list(names), doc, "`benchmarks/tensor_parallel.py`. ")
+    return table(header, out, "lrlrrrrrl") + "\n\n" + caption(
+        list(names), doc, "`python -m benchmarks.parallel.tensor_parallel`. ")
 
 
 def dp(doc: Path, name: str) -> str:
-    """``benchmarks/data_parallel.py``: output tok/s per process count."""
+    """``benchmarks/parallel/data_parallel.py``: output tok/s per process count."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok"]
     one = next(r["tok_per_s"] for r in rows if r["processes"] == 1)
     out = [[str(r["processes"]), tok(r["tok_per_s"]), ratio(r["tok_per_s"] / one)] for r in rows]
     return table(["processes (one GPU each)", "output tok/s", "vs 1"], out) + "\n\n" + caption(
-        [name], doc, "`benchmarks/data_parallel.py`. ")
+        [name], doc, "`python -m benchmarks.parallel.data_parallel`. ")
 
 
 def serve(doc: Path, name: str) -> str:
-    """``benchmarks/serve_compare.py``: both servers under the same streaming load."""
+    """``benchmarks/serving/compare.py``: both servers under the same streaming load."""
     data = load(name)
     labels = {"hf_paged": "`hf-paged serve`", "transformers": "`transformers serve --continuous-batching`"}
     out = [[labels.get(r["system"], r["system"]), tok(r["output_tok_per_s"]), f"{r['ttft_p50_ms']:.0f} ms",
@@ -333,7 +340,7 @@ def serve(doc: Path, name: str) -> str:
     load_line = (f"{data['requests']} requests ({data['prompt_tokens']:,} prompt tokens), {data['clients']} "
                  f"streaming clients, {data['max_tokens']} new tokens each. ")
     return table(["server", "output tok/s", "TTFT p50", "TTFT p99", "TPOT p50", "TPOT p99"], out) + "\n\n" + \
-        caption([name], doc, load_line + "`benchmarks/serve_compare.py`. ")
+        caption([name], doc, load_line + "`python -m benchmarks.serving.compare`. ")
 
 
 GENERATE_SYSTEMS = {"static": '`cache_implementation="static"`', "hf_paged_compiled": "hf_paged, compiled",
@@ -342,7 +349,7 @@ GENERATE_SYSTEMS = {"static": '`cache_implementation="static"`', "hf_paged_compi
 
 
 def generate(doc: Path, name: str) -> str:
-    """``benchmarks/generate_latency.py``: ms per decode step of ``model.generate`` per batch and system (the first
+    """``benchmarks/generate/latency.py``: ms per decode step of ``model.generate`` per batch and system (the first
     call, compile included, in seconds)."""
     rows = [r for r in load(name)["rows"] if r.get("status") == "ok"]
     systems = list(dict.fromkeys(r["system"] for r in rows))
@@ -353,7 +360,7 @@ def generate(doc: Path, name: str) -> str:
     out = [[str(b)] + [cell.get((s, b), "-") for s in systems] for b in batches]
     what = "ms per decode step / ms per token of the whole call" if all_in else "ms per decode step"
     return table(["batch"] + [GENERATE_SYSTEMS.get(s, s) for s in systems], out) + "\n\n" + caption(
-        [name], doc, f"`benchmarks/generate_latency.py`, {what} (first call with its compile). ")
+        [name], doc, f"`python -m benchmarks.generate.latency`, {what} (first call with its compile). ")
 
 
 def decode(doc: Path, name: str) -> str:
@@ -409,7 +416,7 @@ def prefill(doc: Path, *names: str) -> str:
 
 
 def allreduce(doc: Path, name: str) -> str:
-    """``benchmarks/all_reduce_latency.py``: us per all-reduce of a decode step's size, 64 calls per CUDA graph."""
+    """``benchmarks.parallel.all_reduce_latency``: us per all-reduce of a decode step's size, 64 calls per graph."""
     data = load(name)
     methods = {"nccl": "NCCL", "torch-one-shot": "torch one-shot", "hf_paged": "hf_paged `peer_sum`",
                "hf_paged+add": "+ residual add", "hf_paged+add+norm": "+ add and RMSNorm"}
@@ -418,7 +425,8 @@ def allreduce(doc: Path, name: str) -> str:
     out = [[f"{kib} KiB"] + [f"{cell[kib, m]:.2f}" if (kib, m) in cell else "-" for m in present]
            for kib in sorted({k for k, _ in cell})]
     return table(["bf16 size"] + [methods[m] for m in present], out) + "\n\n" + caption(
-        [name], doc, f"{data.get('world_size', 2)} GPUs, `benchmarks/all_reduce_latency.py`, us per call. ")
+        [name], doc,
+        f"{data.get('world_size', 2)} GPUs, `torchrun -m benchmarks.parallel.all_reduce_latency`, us per call. ")
 
 
 def envs_table(doc: Path) -> str:
@@ -477,7 +485,7 @@ def _clauses(text: str) -> list[str]:
 
 
 def decode_gemm(doc: Path, name: str) -> str:
-    """``benchmarks/decode_gemm.py``: a decode step's linear products per row count, us (% of their roofline) per
+    """``benchmarks.kernels.decode_gemm``: a decode step's linear products per row count, us (% of their roofline) per
     system, and the step's sum."""
     data = load(name)
     labels = {"cublas": "cuBLAS", "cublaslt": "cuBLASLt", "splitk2": "split-K 2", "splitk4": "split-K 4",
@@ -494,15 +502,17 @@ def decode_gemm(doc: Path, name: str) -> str:
             + [cell(t, s, 0) for s in systems] for t in data.get("step_totals", [])]
     rates = data["meta"]
     line = (f"us (% of the roofline); copy {rates['copy_bytes_per_s'] / 1e12:.2f} TB/s, bf16 matrix "
-            f"{rates['matrix_flops_per_s'] / 1e12:.0f} TFLOP/s in the same run. `benchmarks/decode_gemm.py`. ")
+            f"{rates['matrix_flops_per_s'] / 1e12:.0f} TFLOP/s in the same run. "
+            "`python -m benchmarks.kernels.decode_gemm`. ")
     return table(["product (N x K)", "rows", "roofline us"] + [labels[s] for s in systems], out) + "\n\n" + caption(
         [name], doc, line)
 
 
-def results(doc: Path) -> str:
-    """Every file under ``benchmarks/results/`` with what it records of card, versions and date."""
+def results(doc: Path, folder: str = "") -> str:
+    """Every result file directly under ``benchmarks/results/`` (``folder`` "archive": under its ``archive/``), with
+    what it records of card, versions and date."""
     out = []
-    for path in sorted(RESULTS.glob("*.json")):
+    for path in sorted((RESULTS / folder).glob("*.json")):
         info = meta(str(path.relative_to(ROOT)))
         date = info["date"] or f"{name_date(path.name) or '?'} (file name)"
         cells = [info["card"] or "not recorded"] + [info[k] or "not recorded" for k in VERSIONS] + [date]
@@ -522,7 +532,7 @@ RENDERERS = {"e2e": e2e, "sweep": sweep, "cold-start": cold_start, "engine-start
 
 
 def documents() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md")), RESULTS / "archive" / "README.md"]
 
 
 def render(doc: Path, spec: str) -> str:

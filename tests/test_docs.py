@@ -122,8 +122,9 @@ def named_paths(doc: Path) -> set[str]:
     text = doc.read_text()
     found = {m.group(1).rstrip(".,;:") for m in PATH.finditer(text)}
     for span in CODE_SPAN.findall(prose(doc)):
-        if RESULT_NAME.match(span):
-            found.add(f"benchmarks/results/{span}")
+        if RESULT_NAME.match(span):  # a result file by its name: the live one, else the archived one
+            live = f"benchmarks/results/{span}"
+            found.add(live if (ROOT / live).exists() else f"benchmarks/results/archive/{span}")
     for target in LINK.findall(text):
         if not re.match(r"^[a-z]+:", target) and not target.startswith("#"):
             found.add(str((doc.parent / target.split("#")[0]).resolve().relative_to(ROOT)))
@@ -220,6 +221,7 @@ def test_the_readme_benchmark_table_has_its_baseline_in_the_same_run():
 
 HISTORY = re.compile(r"\b(?:rounds?(?! trips?)(?! to)|sessions?|re-?runs?|earlier calls?|issues? \d+|item \d+)\b",
                      re.I)
+DATE = re.compile(r"(?<!\d)20\d\d-\d\d-\d\d(?!\d)")  # a day, alone or in a result file's name
 COMMIT = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40}(?![\w/.-])")
 
 
@@ -227,6 +229,13 @@ COMMIT = re.compile(r"(?<![\w/.-])(?=[0-9a-f]*\d)(?=[0-9a-f]*[a-f])[0-9a-f]{7,40
 def test_the_guides_and_the_readme_carry_no_history(doc):
     text = prose(doc)
     assert HISTORY.findall(text) == [], f"{rel(doc)}: history goes to CHANGELOG.md"
+
+
+@pytest.mark.parametrize("doc", GUIDES, ids=rel)
+def test_the_guides_carry_no_dates(doc):
+    """A guide says what is true now; a measurement's date (and its result file) belongs to the benchmarks page,
+    the decisions or the CHANGELOG."""
+    assert DATE.findall(doc.read_text()) == [], f"{rel(doc)}: dates go to docs/benchmarks.md or CHANGELOG.md"
 
 
 @pytest.mark.parametrize("doc", [README, *DOCS], ids=rel)
@@ -249,3 +258,5 @@ def test_the_history_check_finds_history():
         "round", "re-run", "issue 12", "session"]
     assert HISTORY.findall("one round trip; round to nearest even") == []
     assert COMMIT.findall("at commit 14a3f2f, not a word like decade or 2026-11-26") == ["14a3f2f"]
+    assert DATE.findall("on 2026-11-26 (`e2e_h200_2026-11-28_cb.json`), not 2026-11 or 12026-11-260") == [
+        "2026-11-26", "2026-11-28"]

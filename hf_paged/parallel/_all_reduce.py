@@ -9,7 +9,7 @@ NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE``
   sum every rank's share; two alternating data halves, so that no closing barrier is needed, and a float sum in rank
   order, so every rank gets the bit-identical result. A block that waits longer than ``HF_PAGED_TP_TIMEOUT_S`` for a
   peer traps (a CUDA error) rather than hanging. On two H200s the 8B decode step at batch 64 took 4.59 ms with it
-  against 5.13 ms with NCCL, the same call (2026-11-27, ``benchmarks/tensor_parallel.py``'s steady decode).
+  against 5.13 ms with NCCL, the same call (2026-11-27, ``benchmarks/parallel/tensor_parallel.py``'s steady decode).
 - ``nccl``: transformers' own eager all-reduce: ``dist.all_reduce`` in place (on a copy of the op's input), so NCCL
   runs on the caller's stream, which is what the decode CUDA graphs capture (rather than torch's functional
   all-reduce, an asynchronous op on its own stream).
