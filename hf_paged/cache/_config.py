@@ -13,13 +13,12 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
-from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache._kv_pool import CPU_MEMORY_SHARE, DEFAULT_MEMORY_BUDGET, KVLayout, blocks_for_budget
 from hf_paged.cache._kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
 
 MAX_BLOCK_SIZE = 1024
 #: Token slots a pool may hold: slot ids (``block * block_size + offset``) are int32.
 MAX_SLOTS = 2**31 - 1
-DEFAULT_MEMORY_BUDGET = 0.8
 #: Sequences of the model's full length an automatically sized pool holds at most (an engine: its max_num_seqs).
 DEFAULT_POOL_SEQUENCES = 256
 
@@ -37,7 +36,9 @@ class CacheConfig:
         block_size: tokens per block, 1 to 1024 (16 is a good default; flash-attn's paged kernels want 256).
         memory_budget: with ``num_blocks=None``, the fraction in (0, 1] of the free memory of each layer's device the
             pool may take (the tightest device decides), capped at what its owner can use (an engine: ``max_num_seqs``
-            sequences of the model's full length; a ``PagedAttentionCache``: 256 of them).
+            sequences of the model's full length; a ``PagedAttentionCache``: 256 of them). None (automatic): 0.8 of
+            free memory, and on a CPU at most 3% of the machine's RAM (``CPU_MEMORY_SHARE``; there the memory is
+            everyone's).
         kv_cache_dtype: what the pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``):
             e4m3 with a float32 scale per layer and KV head, twice the blocks in the same memory.
         backend: the attention backends allowed, in the order tried: a name, names, or a comma-separated string
@@ -47,8 +48,9 @@ class CacheConfig:
     num_blocks: int | None = field(default=None, metadata=_flag(
         "KV blocks in the pool; 0 = as many as the memory budget holds", "N"))
     block_size: int = field(default=16, metadata=_flag("tokens per block", "N"))
-    memory_budget: float = field(default=DEFAULT_MEMORY_BUDGET, metadata=_flag(
-        "the fraction of free device memory the KV pool may take, when its number of blocks is automatic", "F"))
+    memory_budget: float | None = field(default=None, metadata=_flag(
+        "the fraction of free device memory the KV pool may take, when its number of blocks is automatic (default: "
+        f"{DEFAULT_MEMORY_BUDGET} of free memory, and on a CPU at most {CPU_MEMORY_SHARE} of all its RAM)", "F"))
     kv_cache_dtype: str | None = field(default=None, metadata=_flag(
         "what the KV pool stores: auto (the model's dtype) or fp8 (e4m3, half the bytes of bf16)", "DTYPE"))
     backend: str | tuple[str, ...] | None = field(default=None, metadata=_flag(
@@ -65,9 +67,11 @@ class CacheConfig:
             raise ValueError(f"num_blocks={self.num_blocks} of {self.block_size} tokens is more token slots than a pool "
                              f"holds (2**31 - 1, int32 slot ids): give at most {MAX_SLOTS // self.block_size} blocks")
         budget = self.memory_budget
-        if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
-            raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, got {budget!r}")
-        object.__setattr__(self, "memory_budget", float(budget))
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
+                raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, or None "
+                                 f"(automatic), got {budget!r}")
+            object.__setattr__(self, "memory_budget", float(budget))
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             kv_storage_dtype(self.kv_cache_dtype, None)  # raises, listing the accepted values
         object.__setattr__(self, "backend", backend_names(self.backend))

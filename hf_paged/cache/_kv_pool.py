@@ -79,24 +79,55 @@ def check_pool_fits(layout: KVLayout, num_blocks: int, block_size: int, dtype: t
                              "num_blocks=None to size the pool from free memory")
 
 
-def blocks_for_budget(
-    layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device], budget: int | float
-) -> int:
-    """How many blocks fit in ``budget``: bytes (int), or a fraction in (0, 1] of the free memory (float).
+#: An automatic pool (``memory_budget=None``) takes at most this fraction of a device's free memory.
+DEFAULT_MEMORY_BUDGET = 0.8
+#: On a CPU an automatic pool also takes at most this share of all the machine's RAM: there "device memory" is the RAM
+#: that everything else on the machine shares. On a 24 GB machine that is 0.7 GiB: about 16k tokens of SmolLM2-135M's
+#: float32 KV (two sequences at its 8192 positions), and ``hf-paged serve`` on it stays under 2 GB resident.
+CPU_MEMORY_SHARE = 0.03
 
-    With layers on several devices, the fraction applies to each device and the tightest device decides. ``dtype``
+
+def pool_room(device: torch.device, budget: float | None, free: int) -> float:
+    """Bytes a KV pool may take on ``device``, which has ``free`` bytes free: ``budget`` (a fraction) of them; None
+    (automatic): ``DEFAULT_MEMORY_BUDGET`` of them, on a CPU at most ``CPU_MEMORY_SHARE`` of its RAM."""
+    if budget is not None:
+        return free * budget
+    room = free * DEFAULT_MEMORY_BUDGET
+    total = total_memory_bytes(device) if device.type == "cpu" else None
+    return room if total is None else min(room, total * CPU_MEMORY_SHARE)
+
+
+def describe_budget(budget: float | None, devices: Sequence[torch.device]) -> str:
+    """What bounds a pool of ``budget`` on ``devices`` now, for a log line (``"80% of free memory"``)."""
+    if budget is not None:
+        return f"{budget:.0%} of free memory"
+    for d in {torch.device(d) for d in devices if torch.device(d).type == "cpu"}:
+        total = total_memory_bytes(d)
+        if total is not None and total * CPU_MEMORY_SHARE <= free_memory_bytes(d) * DEFAULT_MEMORY_BUDGET:
+            return f"{CPU_MEMORY_SHARE:.0%} of the machine's RAM (the automatic budget on a CPU)"
+    return f"{DEFAULT_MEMORY_BUDGET:.0%} of free memory"
+
+
+def blocks_for_budget(
+    layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
+    budget: int | float | None,
+) -> int:
+    """How many blocks fit in ``budget``: bytes (int), a fraction in (0, 1] of the free memory (float), or None, the
+    automatic budget (``pool_room``).
+
+    With layers on several devices, the budget applies to each device and the tightest device decides. ``dtype``
     is what the pool stores (1 byte an element for fp8, whose scales come off the budget first).
     """
     per_block = layout.bytes_per_block(block_size, dtype)
     fixed = layout.scale_bytes(dtype)
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0:
+    if budget is None or isinstance(budget, float):
+        if budget is not None and not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional memory budget must be in (0, 1], got {budget}")
         counts: dict[torch.device, int] = {}
         for d in devices:
-            counts[d] = counts.get(d, 0) + 1
+            counts[torch.device(d)] = counts.get(torch.device(d), 0) + 1
         # Each device holds counts[d] of the layers: size by the device with the least room per layer.
-        per_layer = min(free_memory_bytes(d) * budget / counts[d] for d in counts)
+        per_layer = min(pool_room(d, budget, free_memory_bytes(d)) / counts[d] for d in counts)
         num = int((per_layer * layout.num_layers - fixed) // per_block)
     elif isinstance(budget, int) and not isinstance(budget, bool):
         if budget <= 0:
@@ -106,8 +137,8 @@ def blocks_for_budget(
         raise ValueError(f"memory budget must be bytes (int) or a fraction of free memory (float), got {budget!r}")
     if num < 1:
         raise ValueError(
-            f"a memory budget of {budget} holds no block of {per_block} bytes "
-            f"(block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
+            f"a memory budget of {budget if budget is not None else describe_budget(None, devices)} holds no block "
+            f"of {per_block} bytes (block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
         )
     return int(num)
 

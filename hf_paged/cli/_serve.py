@@ -88,9 +88,11 @@ def run(args: argparse.Namespace) -> int:
         gc.freeze()
         server, died = _server(args, app)
         host, bound_port = sock.getsockname()[:2]
-        pool = app.state.engine_loop.engine.pool
-        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens)%s", name,
-                       f"[{host}]" if ":" in host else host, bound_port, pool.num_blocks, pool.block_size,
+        engine = app.state.engine_loop.engine
+        # the pool's size and why (engine/_sizing.py): on a CPU its RAM is everyone's, so the line says what it took
+        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens: %s)%s", name,
+                       f"[{host}]" if ":" in host else host, bound_port, engine.pool.num_blocks,
+                       engine.pool.block_size, engine.sizing.get("num_blocks", "given"),
                        "; API key required" if api_key else "")
         server.run(sockets=[sock])
     finally:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hf_paged.cache._kv_pool import KVLayout, free_memory_bytes
+from hf_paged.cache._kv_pool import KVLayout, describe_budget, free_memory_bytes, pool_room
 from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.engine._config import EngineConfig
 from hf_paged.runner._graph_sizes import one_call_graph_sizes
@@ -44,9 +44,9 @@ RULES = {
     "other": Rule(2048, 256, "off CUDA, the defaults from before automatic sizing (not measured)"),
 }
 
-#: The share of the memory the KV pool leaves free (``1 - memory_budget`` of free memory) that one step's activations
-#: (``max_batch_tokens`` tokens through a layer) and sampled logits (``max_num_seqs`` rows) may take; above it the
-#: step budget, then the sequences, are halved.
+#: The share of the memory the KV pool leaves free (what its budget, ``memory_budget``, leaves of free memory) that one
+#: step's activations (``max_batch_tokens`` tokens through a layer) and sampled logits (``max_num_seqs`` rows) may
+#: take; above it the step budget, then the sequences, are halved.
 ACTIVATION_SHARE = 0.5
 #: The automatic sizes never go below these (a smaller memory budget or an explicit setting does).
 MIN_BATCH_TOKENS = 512
@@ -134,13 +134,13 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device."""
     if not devices:
         return tokens, seqs
-    free = min(free_memory_bytes(d) for d in set(devices))
+    free = {d: free_memory_bytes(d) for d in set(devices)}
     if cfg.num_blocks is None:
-        left = free * (1.0 - cfg.memory_budget)
+        left = min(f - pool_room(d, cfg.memory_budget, f) for d, f in free.items())
     else:  # a given pool takes its own bytes (spread over the devices that hold layers)
         kv = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
         pool = KVLayout.from_config(model_config).bytes_per_block(cfg.block_size, kv) * cfg.num_blocks
-        left = max(0.0, free - pool / len(set(devices)))
+        left = max(0.0, min(free.values()) - pool / len(free))
     room = left * ACTIVATION_SHARE
     per_token, per_seq = step_bytes(model_config, dtype)
     auto_tokens, auto_seqs = "max_batch_tokens" in reasons, "max_num_seqs" in reasons
@@ -178,8 +178,9 @@ def step_bytes(model_config, dtype: torch.dtype) -> tuple[int, int]:
 def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],
               position_limit: int, workload: Workload | None = None) -> tuple[int, str | None]:
     """The KV pool's blocks and why (None when ``cfg.num_blocks`` was given): as many as ``memory_budget`` of free
-    memory holds, at most what the engine can use: the workload's sequences at full length, else ``max_num_seqs``
-    sequences of the model's ``position_limit``."""
+    memory holds (automatic: ``cache/_kv_pool.py``'s ``pool_room``, on a CPU a share of its RAM), at most what the
+    engine can use: the workload's sequences at full length, else ``max_num_seqs`` sequences of the model's
+    ``position_limit``."""
     if cfg.num_blocks is not None:
         return cfg.num_blocks, None
     cache = cfg.cache_config
@@ -189,10 +190,12 @@ def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: 
         cap = cache.blocks_for(cfg.max_num_seqs, position_limit)
         use = f"{cfg.max_num_seqs} sequences of {position_limit} tokens"
     blocks = cache.pool_blocks(layout, dtype, devices, cap=cap)
-    kv_dtype = str(kv_storage_dtype(cfg.kv_cache_dtype, dtype)).removeprefix("torch.")
-    room = (f"{cfg.memory_budget:.0%} of free memory holds it" if blocks >= cap else
-            f"cut from {cap} to what {cfg.memory_budget:.0%} of free memory holds")
-    return blocks, f"automatic: {use} at full length, {kv_dtype} KV; {room}"
+    kv = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
+    budget = describe_budget(cfg.memory_budget, devices)
+    room = f"within {budget}" if blocks >= cap else f"cut from {cap} to what {budget} holds"
+    size = layout.bytes_per_block(cfg.block_size, kv) * blocks / 2**30
+    return blocks, (f"automatic: {use} at full length, {str(kv).removeprefix('torch.')} KV; {room}; "
+                    f"{size:.2f} GiB")
 
 
 def describe(config: EngineConfig, reasons: dict[str, str], graphs: bool) -> str:

@@ -38,7 +38,8 @@ def test_invalid_configuration_raises_at_once(kwargs, match):
 
 def test_memory_budget_sizes_the_pool():
     """A fraction of free memory, as the engine takes it; an integer (bytes) still sizes the pool, deprecated; with
-    neither size given, 0.8 of free memory at most 256 sequences of the model's full length."""
+    neither size given, the automatic budget (its rule: ``tests/cache/test_cpu_pool_sizing.py``), at most 256
+    sequences of the model's full length."""
     config = make_config("llama_gqa")
     layout = KVLayout.from_config(config)
     per_block = layout.bytes_per_block(16, torch.float32)
@@ -50,7 +51,7 @@ def test_memory_budget_sizes_the_pool():
     assert frac.num_blocks >= 1 and abs(frac.num_blocks - free) <= max(2, free // 100)  # (free memory moves)
     auto = hf_paged.PagedAttentionCache(config)
     assert auto.num_blocks == min(256 * -(-config.max_position_embeddings // 16),
-                                  blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, 0.8))
+                                  blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, None))
     same = hf_paged.PagedAttentionCache(config, cache_config=hf_paged.CacheConfig(num_blocks=12, block_size=8))
     assert (same.num_blocks, same.block_size) == (12, 8)
     with pytest.raises(ValueError, match="either as cache_config"):
