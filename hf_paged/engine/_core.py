@@ -55,7 +55,7 @@ from hf_paged.engine._structured_output import StructuredOutput, advance as adva
 from hf_paged.hf import _placement as placement
 from hf_paged.parallel import _logits as tp_logits
 from hf_paged.parallel._tensor_parallel import kv_layout
-from hf_paged.hf._register import use_paged_attention
+from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
 from hf_paged.hf._support import paged_kv
 
 logger = logging.getLogger("hf_paged")
@@ -63,10 +63,23 @@ _status = operator.attrgetter("status")
 _STATUS, _PENDING_ROW = _status, operator.attrgetter("pending_row")
 
 
+def restore_attention(model: torch.nn.Module, implementation: str | None) -> None:
+    """Switch ``model`` back to ``implementation``, the attention it ran before an engine switched it to the paged
+    one, so that its own ``generate`` and transformers' ``generate_batch`` run as the caller loaded them; a model
+    switched elsewhere since (or loaded with the paged attention) is left as it is."""
+    now = _compat.attn_implementation(model.config)
+    if implementation in (None, ATTN_IMPLEMENTATION) or now != ATTN_IMPLEMENTATION:
+        return
+    logger.info("hf_paged: switching the model's attention back to %r", implementation)
+    model.set_attn_implementation(implementation)
+
+
 class EngineCore:
     """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
 
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None, workload: Workload | None = None):
+        # the caller's attention, put back when the engine is done (Engine.close, the end of generate_batch)
+        self.attention_before = _compat.attn_implementation(model.config)
         use_paged_attention(model)
         self.model, self.tokenizer = model, tokenizer
         self.device, dtype = model.device, model.dtype

@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
-from hf_paged.engine._core import EngineCore
+from hf_paged.engine._core import EngineCore, restore_attention
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
 from hf_paged.engine._request_registry import family
 from hf_paged.engine._sampling_params import SamplingParams
@@ -41,12 +41,13 @@ class Engine(EngineCore):
     """Continuous-batching generation for a decoder-only transformers model.
 
     Args:
-        model: a causal LM; its attention is switched to ``"hf_paged"`` if it was loaded with another one.
+        model: a causal LM; its attention is switched to ``"hf_paged"`` if it was loaded with another one, and back
+            by :meth:`close` (the model's own ``generate`` meanwhile runs the paged attention's dense path).
         num_blocks: KV blocks in the pool; None sizes the pool from free device memory (``memory_budget``), at most
             what ``max_num_seqs`` sequences of the model's full length (or the ``workload``) use.
         block_size: tokens per block.
         max_batch_tokens: token budget of one step (prefill chunks and decodes together); None picks it from the
-            device and its free memory (8192 on CUDA, 2048 elsewhere, less where a step would not fit the memory the
+            device and its free memory (16384 on CUDA, 2048 elsewhere, less where a step would not fit the memory the
             KV pool leaves; ``hf_paged/engine/_sizing.py``).
         max_num_seqs: most sequences running at once; None picks it from the device and its free memory too (256,
             or the ``workload``'s sequences when fewer).
@@ -54,7 +55,8 @@ class Engine(EngineCore):
         generation_config: default settings of requests added without one (default: the model's).
         enable_prefix_caching: reuse the KV of full blocks whose prefix was computed before.
         backend: restrict attention to these backends, in order (``hf_paged.available_backends()``).
-        memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take.
+        memory_budget: with ``num_blocks=None``, the fraction of free device memory the pool may take; None: 0.8 of
+            it, and on a CPU at most 3% of the machine's RAM (which everything on the machine shares).
         cuda_graphs: on a CUDA device, capture decode steps as CUDA graphs (one per padded batch size,
             ``graph_batch_sizes(max_num_seqs)``: 2 rows and up, or the sizes given up to the first that holds
             ``max_num_seqs``; when: ``cuda_graph_capture``) and replay them;
@@ -120,7 +122,7 @@ class Engine(EngineCore):
         generation_config: GenerationConfig | None = None,
         enable_prefix_caching: bool = EngineConfig.enable_prefix_caching,
         backend: str | SequenceType[str] | None = EngineConfig.backend,
-        memory_budget: float = EngineConfig.memory_budget,
+        memory_budget: float | None = EngineConfig.memory_budget,
         cuda_graphs: bool | SequenceType[int] = EngineConfig.cuda_graphs,
         async_scheduling: bool | None = EngineConfig.async_scheduling,
         compile_layers: bool | str | None = EngineConfig.compile_layers,
@@ -381,10 +383,11 @@ class Engine(EngineCore):
 
     def close(self) -> None:
         """Abort every unfinished request (their outputs are dropped), wait for the device's work, and free the
-        decode CUDA graphs now. Later ``add_request``, ``step``, ``stream`` and ``generate`` calls raise
-        ``RuntimeError``; ``stats()`` still answers. The KV pool is freed with the engine object. Call it from the
-        thread that steps (or when no step runs); a second call does nothing. Under tensor parallel every rank
-        closes its own engine (no collective runs)."""
+        decode CUDA graphs now, and switch the model back to the attention it ran before the engine. Later
+        ``add_request``, ``step``, ``stream`` and ``generate`` calls raise ``RuntimeError``; ``stats()`` still
+        answers. The KV pool is freed with the engine object. Call it from the thread that steps (or when no step
+        runs); a second call does nothing. Under tensor parallel every rank closes its own engine (no collective
+        runs)."""
         if self._closed:
             return
         self.abort_all()  # (takes the engine's lock itself)
@@ -392,6 +395,7 @@ class Engine(EngineCore):
             self._release_graphs()  # (an in-flight step may still replay a graph)
             self._steady = self._inflight = None
             self._closed = True
+        restore_attention(self.model, self.attention_before)
 
     def __enter__(self):
         return self

@@ -15,19 +15,23 @@ from __future__ import annotations
 import copy
 import logging
 import time
+from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from hf_paged import _compat
 from hf_paged._compat import GenerationOutput, RequestStatus
 from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
+from hf_paged.engine._core import restore_attention
 from hf_paged.engine._engine import Engine
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
+from hf_paged.hf._register import use_paged_attention
 from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout
 from hf_paged.runner._frozen_heap import frozen_heap
@@ -80,6 +84,8 @@ def generate_batch(
     ``indices`` (hf_paged's own): each prompt's position in a larger workload that this call serves part of (distinct,
     non-negative); request ids (``"req_<index>"``) and the per-request seeds of ``continuous_batching_config.seed``
     follow it, so a share of the prompts gets what one call over all of them gives its prompts (data parallel).
+    The model runs the paged attention during the call and the one it was loaded with again after it (as transformers
+    switches and restores it), so its own ``generate`` and ``generate_batch`` serve it as before.
     """
     validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
     if not isinstance(reset_prefix_cache, bool):
@@ -115,8 +121,11 @@ def generate_batch(
     configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
-    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+    attention = _compat.attn_implementation(model.config)  # the caller's, put back when the call ends
+    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar, \
+            _attention_restored(model, attention):
         engine = _engine_for(model, config, workload, persistent_manager)
+        use_paged_attention(model)  # (a kept engine's model was switched back after its last call)
         if reset_prefix_cache:
             engine.reset_prefix_cache()
         start = time.perf_counter()
@@ -142,6 +151,16 @@ def generate_batch(
 
 
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
+
+
+@contextmanager
+def _attention_restored(model, implementation: str | None):
+    """Put ``model`` back on the caller's ``implementation`` when the block ends, however it ends (transformers'
+    own ``generate_batch`` does the same), so that its ``generate`` and ``generate_batch`` work on it afterwards."""
+    try:
+        yield
+    finally:
+        restore_attention(model, implementation)
 
 
 def _engine_for(model, config: EngineConfig, workload: Workload, persistent: bool) -> Engine:
