@@ -185,9 +185,16 @@ def _schema_text(schema) -> str | None:
 def resolve_generation_config(config: GenerationConfig | None, model_config: GenerationConfig | None):
     """Fill the unset fields of ``config`` from ``model_config`` then from transformers' global defaults."""
     gc = GenerationConfig() if config is None else copy.deepcopy(config)
-    if model_config is not None:
-        gc.update(**model_config.to_dict(), defaults_only=True, allow_custom_entries=True)
-    gc.update(**_compat.default_generation_params(), defaults_only=True)
+    # num_return_sequences is merged apart: update() runs transformers' check, which refuses copies of a greedy request
+    # (as model.generate does); transformers' generate_batch serves them, as identical copies, and so does the engine
+    copies, gc.num_return_sequences = gc.num_return_sequences, None
+    layers = ([(model_config.to_dict(), True)] if model_config is not None else []) + [
+        (dict(_compat.default_generation_params()), False)]
+    for values, custom in layers:
+        default = values.pop("num_return_sequences", None)
+        copies = default if copies is None else copies
+        gc.update(**values, defaults_only=True, allow_custom_entries=custom)
+    gc.num_return_sequences = copies
     return gc
 
 
