@@ -1,5 +1,8 @@
-"""Without a PagedAttentionCache, ``"hf_paged"`` attention falls back to dense attention with eager's results: SDPA,
-or for logit softcapping (Gemma2; SDPA refuses it) the model's own eager attention on the same mask."""
+"""Without a PagedAttentionCache passed in, ``"hf_paged"`` gives eager's results: a plain forward runs paged on a
+transient KV (``hf_paged.hf._transient``), ``generate`` gets a paged cache of its own
+(``hf_paged.generate._default_cache``), and what still falls back to dense attention (a forward continuing another
+cache) runs SDPA, or for logit softcapping (Gemma2; SDPA refuses it) the model's own eager attention on the same
+mask."""
 
 from __future__ import annotations
 
