@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
-# The Python packages both servers of benchmarks/serve_compare.py and its load driver need beyond torch and
+# The Python packages both servers of benchmarks/serving/compare.py and its load driver need beyond torch and
 # transformers, as binary wheels for a machine with no package registry (CPython 3.12, manylinux x86_64).
 #
-#   bash benchmarks/serve_wheels.sh download            # here, with a registry: fills .whl/serve/ (git-ignored)
-#   eval "$(bash benchmarks/serve_wheels.sh install)"   # there: into /tmp/site-serve, which goes on PYTHONPATH
+#   bash benchmarks/serving/wheels.sh download            # here, with a registry: fills .whl/serve/ (git-ignored)
+#   eval "$(bash benchmarks/serving/wheels.sh install)"   # there: into /tmp/site-serve, which goes on PYTHONPATH
 #
 # What they serve: `hf-paged serve` (fastapi, uvicorn, pydantic), `transformers serve` (the same, plus openai, whose
 # types its handlers build, typer, which parses its flags, and accelerate, which its device_map loading needs) and
@@ -12,7 +12,7 @@
 # copies of the same packages. accelerate (and psutil) go in without their dependencies, which torch and
 # transformers bring, and only where the machine has no accelerate of its own.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 dir=.whl/serve
 target=${SERVE_SITE:-/tmp/site-serve}
 packages=(fastapi==0.165.0 starlette==1.10.0 uvicorn==0.54.0 pydantic==2.14.4 openai==3.57.0 httpx==0.28.1
@@ -32,7 +32,7 @@ case "${1:-}" in
     ;;
   install)
     if [ ! -d "$dir" ]; then
-      echo "serve_wheels.sh: no $dir here; run 'bash benchmarks/serve_wheels.sh download' where a registry is" >&2
+      echo "wheels.sh: no $dir here; run 'bash benchmarks/serving/wheels.sh download' where a registry is" >&2
       exit 1
     fi
     if [ ! -f "$target/.complete" ]; then
@@ -51,7 +51,7 @@ case "${1:-}" in
     esac
     ;;
   *)
-    echo "usage: bash benchmarks/serve_wheels.sh download|install" >&2
+    echo "usage: bash benchmarks/serving/wheels.sh download|install" >&2
     exit 2
     ;;
 esac
