@@ -5,8 +5,6 @@ calls; a model loaded with ``attn_implementation="hf_paged"`` stays on it and is
 
 from __future__ import annotations
 
-import logging
-
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, ContinuousBatchingConfig, GenerationConfig
@@ -27,16 +25,6 @@ def _config() -> GenerationConfig:
 
 # on the CPU transformers would size its cache from the RAM and warm up over its whole step budget: a small one
 THEIR_CB = dict(num_blocks=16, max_batch_tokens=64)
-
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    """transformers' continuous batching logs warnings on its CPU runs."""
-    cb_logger = logging.getLogger("ContinuousBatchingLogger")
-    level = cb_logger.level
-    cb_logger.setLevel(logging.ERROR)
-    yield
-    cb_logger.setLevel(level)
 
 
 def _loaded(implementation: str) -> torch.nn.Module:

@@ -6,7 +6,6 @@ the same tiny model."""
 from __future__ import annotations
 
 import dataclasses
-import logging
 
 import pytest
 from transformers import ContinuousBatchingConfig, GenerationConfig
@@ -16,15 +15,6 @@ from engine_helpers import hf_greedy, models, random_prompts
 from tiny_models import EOS
 
 ARCH = "llama_gqa"
-
-
-@pytest.fixture(autouse=True)
-def _quiet_transformers():
-    cb_logger = logging.getLogger("ContinuousBatchingLogger")
-    level = cb_logger.level
-    cb_logger.setLevel(logging.ERROR)
-    yield
-    cb_logger.setLevel(level)
 
 
 def _greedy_copies(copies: int, max_new_tokens: int) -> GenerationConfig:
