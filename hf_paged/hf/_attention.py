@@ -12,10 +12,11 @@ each kind of caller:
   ``BlockMask`` travels the same way). The cache's query offset (:class:`CacheOffset`) carries the cache to the
   mask function, which returns the planned step wrapped as a :class:`StepMask`.
 
-Without either, a forward that starts from nothing with plain causal attention (a plain ``model(input_ids)``, the
-prompt forward on a cache transformers made) runs paged all the same, on a KV that lives for that forward
-(``hf_paged.hf._transient``); any other (decode steps on such a cache, extra mask functions) falls back to
-transformers' SDPA path, which gives the same results on a contiguous cache.
+Without either, an inference forward that starts from nothing with plain causal attention (a plain
+``model(input_ids)`` under ``torch.no_grad()``, the prompt forward on a cache transformers made) runs paged all the
+same, on a KV that lives for that forward (``hf_paged.hf._transient``); any other (decode steps on such a cache, extra
+mask functions, autograd on) falls back to transformers' SDPA path, which gives the same results on a contiguous
+cache.
 """
 
 from __future__ import annotations
@@ -126,8 +127,10 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
 
 def _starts_from_nothing(q_offset, kv_offset: int, q_length: int, kv_length: int, kwargs: dict) -> bool:
     """Whether a forward with no paged cache is plain causal attention over its own tokens only: nothing cached before
-    it, and transformers allows the causal skip (no extra mask function, no packed sequences, not compiled)."""
-    return (not torch.compiler.is_compiling() and bool(kwargs.get("allow_is_causal_skip"))
+    it, and transformers allows the causal skip (no extra mask function, no packed sequences, not compiled); and an
+    inference forward (no autograd: the paged path serves no gradients)."""
+    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
+            and bool(kwargs.get("allow_is_causal_skip"))
             and int(q_offset) == 0 and kv_offset == 0 and kv_length == q_length)
 
 
@@ -196,7 +199,7 @@ def _own_call_attention(module, q, k, v, scaling, dropout, sliding_window, softc
 def _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                      kwargs: dict) -> tuple[torch.Tensor, None]:
     step = attention_mask.step if isinstance(attention_mask, StepMask) else None
-    if isinstance(attention_mask, FreshMask) and not step.pool.claim(module.layer_idx, key):
+    if isinstance(attention_mask, FreshMask) and (module.training or not step.pool.claim(module.layer_idx, key)):
         attention_mask, step = attention_mask.sdpa(), None  # a layer the forward's transient KV cannot hold
     if step is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
@@ -232,9 +235,9 @@ def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Te
 @functools.lru_cache(maxsize=1)
 def _note_dense_fallback() -> None:
     logger.warning(
-        "hf_paged: this forward continues a cache that is not a PagedAttentionCache (or has extra mask functions), "
-        "so attention runs dense through SDPA. Pass hf_paged.PagedAttentionCache(...) to generate (hf_paged.with_cache) "
-        "to use paged memory."
+        "hf_paged: this forward runs dense through SDPA: it continues a cache that is not a PagedAttentionCache, has "
+        "extra mask functions, or records gradients. Pass hf_paged.PagedAttentionCache(...) to generate "
+        "(hf_paged.with_cache), or call the model under torch.no_grad(), to use paged attention."
     )
 
 

@@ -3,12 +3,12 @@ that forward only.
 
 A plain ``model(input_ids)`` (log-likelihood scoring, as lm-evaluation-harness's ``hf`` model does it) or the first
 forward on a cache transformers made itself gets no ``PagedAttentionCache``. When its mask is plain causal attention
-over the input's real tokens (transformers then allows the causal skip: no extra mask function, no packed sequences)
-and nothing came before it, the ``"hf_paged"`` mask function plans it here: each row's real tokens get consecutive
-blocks of a :class:`TransientKV`, whose per-layer tensors are made when the layer first writes (on the layer's device,
-in its dtype and KV-head count, so a model split over devices or sharded by tensor parallel is served as it is), and
-every layer writes its new K/V there and attends through the block tables as on any paged cache. The blocks hold just
-this forward's tokens and go with the step.
+over the input's real tokens (transformers then allows the causal skip: no extra mask function, no packed sequences),
+nothing came before it and autograd is off (the paged path serves no gradients), the ``"hf_paged"`` mask function
+plans it here: each row's real tokens get consecutive blocks of a :class:`TransientKV`, whose per-layer tensors are
+made when the layer first writes (on the layer's device, in its dtype and KV-head count, so a model split over devices
+or sharded by tensor parallel is served as it is), and every layer writes its new K/V there and attends through the
+block tables as on any paged cache. The blocks hold just this forward's tokens and go with the step.
 """
 
 from __future__ import annotations

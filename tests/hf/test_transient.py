@@ -63,6 +63,19 @@ def test_a_forward_that_continues_a_dense_cache_stays_dense(arch, paths):
     assert paths["paged"] == 0 and paths["dense"] == paged.config.num_hidden_layers
 
 
+def test_a_forward_that_records_gradients_stays_dense(paths):
+    """Autograd on (a training step, a gradient check): transformers' SDPA path, with eager's logits and gradients."""
+    eager, paged = make_models("llama_gqa", seed=6)
+    ids = torch.randint(3, 100, (2, 9), generator=torch.Generator().manual_seed(6))
+    want, got = eager(ids).logits, paged(ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    want.square().mean().backward()
+    got.square().mean().backward()
+    torch.testing.assert_close(paged.model.layers[0].self_attn.q_proj.weight.grad,
+                               eager.model.layers[0].self_attn.q_proj.weight.grad, rtol=1e-3, atol=1e-6)
+    assert paths == {"paged": 0, "dense": paged.config.num_hidden_layers}
+
+
 def test_the_transient_step_gives_each_row_consecutive_blocks():
     """Rows of 5, 0 and 18 real tokens in 16-token blocks: blocks [0], [], [1, 2]; slots in row order."""
     mask = torch.zeros(3, 18, dtype=torch.bool)
