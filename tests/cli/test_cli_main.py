@@ -21,11 +21,11 @@ ROOT = pathlib.Path(__file__).resolve().parents[2]
 VERSION = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
 
 
-def python_m_hf_paged(*argv: str) -> subprocess.CompletedProcess:
+def python_m_hf_paged(*argv: str, python_flags: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     path = [str(ROOT)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(path)}
-    return subprocess.run([sys.executable, "-m", "hf_paged", *argv], capture_output=True, text=True, env=env,
-                          timeout=300)
+    return subprocess.run([sys.executable, *python_flags, "-m", "hf_paged", *argv], capture_output=True, text=True,
+                          env=env, timeout=300)
 
 
 def test_version_is_the_package_version(capsys):
@@ -99,3 +99,20 @@ def test_every_command_help_exits_0(capsys):
     for argv in (["--help"], ["generate", "--help"], ["build-kernels", "--help"], ["bench", "kernels", "--help"]):
         assert main(argv) == 0
         assert capsys.readouterr().out.startswith("usage: hf-paged")
+
+
+def modules_imported(*argv: str) -> set[str]:
+    """The modules ``python -m hf_paged ARGV`` imports, read from ``-X importtime``."""
+    run = python_m_hf_paged(*argv, python_flags=("-X", "importtime"))
+    assert run.returncode in (0, 2), run.stderr[-2000:]
+    return {line.rsplit("|", 1)[1].strip() for line in run.stderr.splitlines() if line.startswith("import time:")}
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="`import hf_paged` imports torch and transformers (the package registers its "
+                                       "attention on import) before hf_paged.cli can parse: issue 60, item 6")
+@pytest.mark.parametrize("argv", [("generate", "--help"), ("generate", "--max-new-tokens", "0")])
+def test_help_and_argument_errors_come_before_torch_is_imported(argv):
+    imported = modules_imported(*argv)
+    assert "argparse" in imported  # (the reader sees the imports)
+    assert "torch" not in imported and "transformers" not in imported
