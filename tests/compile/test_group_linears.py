@@ -162,6 +162,7 @@ def test_the_pass_groups_calls_on_one_input_and_keeps_the_results(widths, groups
             assert torch.equal(got, want)
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_inductor_runs_the_pass_from_the_compile_options():
     torch.manual_seed(0)
     module = SharedInput((64, 16, 16)).eval()

@@ -81,6 +81,7 @@ def _tiny() -> LlamaForCausalLM:
 SETTINGS = {"block_size": 16, "max_batch_tokens": 64, "max_num_seqs": 4}
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_a_failed_helper_leaves_the_compile_to_this_process(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # no compile artifacts of an earlier run
     monkeypatch.setattr(bc, "HELPER_MODULE", "hf_paged.no_such_helper")
@@ -97,6 +98,7 @@ def test_a_failed_helper_leaves_the_compile_to_this_process(tmp_path, monkeypatc
     layers.restore()
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_a_long_lived_engine_keeps_its_eager_layers_when_the_helper_fails(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     monkeypatch.setattr(bc, "HELPER_MODULE", "hf_paged.no_such_helper")

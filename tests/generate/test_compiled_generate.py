@@ -91,6 +91,7 @@ def test_compiled_decode_gives_the_eager_tokens_with_one_graph(arch: str, scenar
     assert backend.calls == decode_steps > 0, "every decode step ran compiled, the prefill eager"
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_inductor_compiles_the_decode_step_and_writes_the_pool_in_place():
     """inductor functionalizes the in-place KV write (store_kv mutates the pool) and must write the pool itself."""
     _, paged = make_models("llama_gqa", seed=31)
