@@ -5,8 +5,8 @@ _prepare_cache_for_generation``, a ``DynamicCache`` unless ``cache_implementatio
 wraps that method once: where the model's attention implementation is ``"hf_paged"`` and transformers has just made
 its plain ``DynamicCache``, the call gets a ``PagedAttentionCache`` instead (``paged_cache_for``: each layer's KV on
 that layer's device, a tensor-parallel model's own KV heads) with the blocks this call can use: every row its
-``max_length`` tokens, plus one block for a row's copy of a shared block (beam search), at most what the device's
-automatic memory budget holds (the pool is made up front; an ``OutOfBlocksError`` then says when a call needs more). So callers that never name a
+``max_length`` tokens, plus one block for a row's copy of a shared block (beam search), at most what fits in 0.8 of
+the free memory (the pool is made up front; an ``OutOfBlocksError`` then says when a call needs more). So callers that never name a
 cache, such as lm-evaluation-harness's ``hf`` model, generate on paged memory. Every other case (another attention
 implementation, a cache passed in, ``cache_implementation`` set, ``use_cache=False``, a model or dtype the paged
 cache refuses) is transformers' own.
@@ -22,7 +22,7 @@ from transformers.cache_utils import DynamicCache
 
 from hf_paged import _compat
 from hf_paged.cache._config import CacheConfig
-from hf_paged.cache._kv_pool import blocks_for_budget
+from hf_paged.cache._kv_pool import DEFAULT_MEMORY_BUDGET, blocks_for_budget
 from hf_paged.generate._paged_cache import PagedAttentionCache, paged_cache_for
 from hf_paged.hf._placement import layer_devices
 from hf_paged.hf._register import ATTN_IMPLEMENTATION
@@ -41,8 +41,10 @@ def paged_default(model, generation_config, batch_size: int, max_cache_length: i
     ``max_cache_length`` tokens."""
     rows = batch_size * max(generation_config.num_beams or 1, generation_config.num_return_sequences or 1)
     per_row = -(-max(max_cache_length, 1) // CacheConfig.block_size) + 1
-    # at most what the device's automatic budget holds: the pool is made up front, a DynamicCache grows as it goes
-    fits = blocks_for_budget(kv_layout(model), CacheConfig.block_size, model.dtype, layer_devices(model), None)
+    # at most what fits in the share of free memory a pool may take: the pool is made up front, where a DynamicCache
+    # grows as it goes (not the automatic budget's CPU cap, which sizes the engine's long-lived pool)
+    fits = blocks_for_budget(kv_layout(model), CacheConfig.block_size, model.dtype, layer_devices(model),
+                             DEFAULT_MEMORY_BUDGET)
     return paged_cache_for(model, num_blocks=min(rows * per_row, max(fits, per_row)))
 
 
