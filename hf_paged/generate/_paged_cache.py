@@ -83,8 +83,8 @@ class PagedAttentionCache(Cache):
             instead (not both).
         block_size: tokens per block.
         memory_budget: with ``num_blocks`` unset, the fraction of free device memory the pool may take. With
-            neither ``num_blocks`` nor ``memory_budget`` the pool takes ``memory_budget=0.8`` of free device
-            memory, at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes) is
+            neither ``num_blocks`` nor ``memory_budget`` the pool takes 0.8 of free device memory (on a CPU at
+            most 3% of the machine's RAM), at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes) is
             deprecated: pass ``num_blocks``, or a fraction.
         backend: the attention backends allowed, in the order tried.
         kv_cache_dtype: what the pool stores: None or ``"auto"`` (the model's dtype), or ``"fp8"``.
