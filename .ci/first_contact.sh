@@ -13,14 +13,18 @@ STEP_TIMEOUT_S=${FIRST_CONTACT_STEP_TIMEOUT_S:-900}  # each step; a cold fetch a
 pip_cache=$(python3 -m pip cache dir 2>/dev/null || true)  # (read before HOME's caches are swapped for empty ones)
 root=$(mktemp -d)
 server_pid=""
+step_pid=""
 cleanup() {
-  if [[ -n "$server_pid" ]] && kill -0 "$server_pid" 2>/dev/null; then
-    kill -TERM "$server_pid" 2>/dev/null || true
-    wait "$server_pid" 2>/dev/null || true
-  fi
+  for pid in "$step_pid" "$server_pid"; do
+    if [[ -n "$pid" ]] && kill -0 "$pid" 2>/dev/null; then
+      kill -TERM "$pid" 2>/dev/null || true
+      wait "$pid" 2>/dev/null || true
+    fi
+  done
   rm -rf "$root"
 }
 trap cleanup EXIT
+trap 'exit 143' TERM INT  # (stopped from outside, as .ci/run does when it ends: the cleanup still runs)
 
 fail() {  # $1: what failed, then the logs to show
   local what=$1
@@ -36,7 +40,11 @@ fail() {  # $1: what failed, then the logs to show
 step() {  # $1: name, $2: log, $3: another log to show on failure (or ""), then the command; bounded by STEP_TIMEOUT_S
   local name=$1 log=$2 also=$3 start=$SECONDS status=0
   shift 3
-  timeout "$STEP_TIMEOUT_S" "$@" >"$log" 2>&1 || status=$?
+  # In the background and waited for, so that a TERM reaches the trap at once rather than after the step.
+  timeout "$STEP_TIMEOUT_S" "$@" >"$log" 2>&1 &
+  step_pid=$!
+  wait "$step_pid" || status=$?
+  step_pid=""
   if [[ $status -ne 0 ]]; then
     local why="exit status $status"
     [[ $status -eq 124 ]] && why="no result within ${STEP_TIMEOUT_S} s"

@@ -14,6 +14,7 @@ import tomllib
 import pytest
 
 import hf_paged
+from hf_paged.cache._kv_pool import CPU_MEMORY_SHARE, DEFAULT_MEMORY_BUDGET
 from hf_paged.cli import build_parser, main
 from hf_paged.cli._generate import engine_settings
 
@@ -41,12 +42,14 @@ def test_python_m_hf_paged_shows_help_with_defaults():
     help_text = " ".join(run.stdout.split())
     assert help_text.startswith("usage: python -m hf_paged generate ")
     engine_defaults = inspect.signature(hf_paged.Engine).parameters
-    for flag, default in [("--num-blocks", 0), ("--memory-budget", engine_defaults["memory_budget"].default),
-                          ("--block-size", engine_defaults["block_size"].default),
+    for flag, default in [("--num-blocks", 0), ("--block-size", engine_defaults["block_size"].default),
                           ("--max-new-tokens", 32), ("--top-p", 1.0), ("--temperature", 0.0)]:
         assert re.search(rf"{flag} \w+ [^-]*\(default: {default}\)", help_text), flag
-    assert engine_defaults["max_batch_tokens"].default is None  # automatic, which the flag's help says
+    # automatic, which the flags' help says
+    assert engine_defaults["max_batch_tokens"].default is None and engine_defaults["memory_budget"].default is None
     assert re.search(r"--max-batch-tokens N [^(]*\(prefill chunks and decodes together; default: automatic", help_text)
+    assert re.search(rf"--memory-budget F [^(]*\(default: {DEFAULT_MEMORY_BUDGET} of free memory, and on a CPU at "
+                     rf"most {CPU_MEMORY_SHARE} of all its RAM\)", help_text)
     assert "exit status:" in help_text and "--verbose adds the traceback" in help_text
 
 
