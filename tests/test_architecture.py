@@ -1,7 +1,9 @@
 """The shape of the package: imports run one way, at the level of modules and of folders.
 
 The import graph is read from the source with ``ast``, every ``import`` included (inside functions and
-``TYPE_CHECKING`` blocks too: an import written inside a function to dodge a cycle is still a cycle).
+``TYPE_CHECKING`` blocks too: an import written inside a function to dodge a cycle is still a cycle), and so is each
+module a package's lazy table names (``_LAZY = {name: module}``, ``hf_paged/_lazy.py``): a name imported on first use
+is an import all the same.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "hf_paged"
 #: The folders (and top-level modules) of ``hf_paged``, lowest first: a module may import only from its own folder
 #: and from folders earlier in this list.
 LAYERS = (
+    "_lazy",
     "_version",
     "envs",
     "_compat",
@@ -68,9 +71,18 @@ def import_graph() -> dict[str, set[str]]:
                     anchor = module.split(".")[: len(module.split(".")) - node.level + (1 if is_package else 0)]
                     base = ".".join(anchor + ([base] if base else []))
                 targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names]
+            targets += _lazy_table(node)
             edges |= {_resolve(t, modules) for t in targets if t == "hf_paged" or t.startswith("hf_paged.")}
         graph[module] = edges - {module}
     return graph
+
+
+def _lazy_table(node: ast.AST) -> list[str]:
+    """The modules of a ``_LAZY = {"Name": "hf_paged.module", ...}`` assignment (else none)."""
+    if not (isinstance(node, ast.Assign) and isinstance(node.value, ast.Dict)
+            and any(isinstance(t, ast.Name) and t.id == "_LAZY" for t in node.targets)):
+        return []
+    return [v.value for v in node.value.values if isinstance(v, ast.Constant) and isinstance(v.value, str)]
 
 
 def _find_cycle(graph: dict[str, set[str]]) -> list[str] | None:
@@ -136,7 +148,9 @@ def test_folders_import_only_the_layers_below_them():
 def test_the_graph_reader_sees_cycles_and_in_function_imports(tmp_path):
     """The checks above could pass vacuously if the reader missed imports: it must find both kinds here."""
     graph = import_graph()
-    assert "hf_paged.engine" in graph["hf_paged"], "the package's own imports were not read"
+    assert "hf_paged.hf._autoregister" in graph["hf_paged"], "the package's own imports were not read"
+    assert "hf_paged.engine._engine" in graph["hf_paged"], "the package's lazy table was not read"
+    assert "hf_paged.generate._default_cache" in graph["hf_paged"], "an import inside a function was not read"
     cyclic = {"a": {"b"}, "b": {"c"}, "c": {"a"}}
     assert _find_cycle(cyclic) == ["a", "b", "c", "a"]
     assert _find_cycle({"a": {"b"}, "b": set()}) is None

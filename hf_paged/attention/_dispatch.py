@@ -36,19 +36,8 @@ def available_backends() -> list[str]:
     return [b.name for b in registered_backends()]
 
 
-def check_backend_names(names: tuple[str, ...] | None) -> tuple[str, ...] | None:
-    """``names`` (None: every backend), each checked to name a registered backend."""
-    if names is None:
-        return None
-    known = available_backends()
-    unknown = [n for n in names if n not in known]
-    if unknown or not names:
-        raise ValueError(f"unknown attention backend(s) {unknown or list(names)}; choose from {known}")
-    return names
-
-
 def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    return check_backend_names(backend_names(backend or envs.backend()))
+    return backend_names(backend or envs.backend())
 
 
 class Dispatcher:

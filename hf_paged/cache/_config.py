@@ -2,7 +2,9 @@
 
 ``EngineConfig`` holds the same fields under the same names (its ``cache_config``), ``PagedAttentionCache`` takes
 them as keywords or as ``cache_config=``, and the command line's flags are made from the fields' metadata, so each
-setting has one name, one default, one meaning and one check, here.
+setting has one name, one default, one meaning and one check, here. It imports no torch, so that ``hf-paged --help``
+builds its flags at once; what needs tensors (the pool's size in blocks: ``_kv_pool.pool_blocks``) is in the pool's
+modules.
 """
 
 from __future__ import annotations
@@ -11,16 +13,21 @@ import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 
-import torch
-
-from hf_paged.cache._kv_pool import CPU_MEMORY_SHARE, DEFAULT_MEMORY_BUDGET, KVLayout, blocks_for_budget
-from hf_paged.cache._kv_quant import KV_CACHE_DTYPES, kv_storage_dtype
-
 MAX_BLOCK_SIZE = 1024
 #: Token slots a pool may hold: slot ids (``block * block_size + offset``) are int32.
 MAX_SLOTS = 2**31 - 1
 #: Sequences of the model's full length an automatically sized pool holds at most (an engine: its max_num_seqs).
 DEFAULT_POOL_SEQUENCES = 256
+#: An automatic pool (``memory_budget=None``) takes at most this fraction of a device's free memory.
+DEFAULT_MEMORY_BUDGET = 0.8
+#: On a CPU an automatic pool also takes at most this share of all the machine's RAM: there "device memory" is the RAM
+#: that everything else on the machine shares. On a 24 GB machine that is 0.7 GiB: about 16k tokens of SmolLM2-135M's
+#: float32 KV (two sequences at its 8192 positions), and ``hf-paged serve`` on it stays under 2 GB resident.
+CPU_MEMORY_SHARE = 0.03
+#: The values of ``kv_cache_dtype``: None and "auto" keep the model's dtype; "fp8" and "fp8_e4m3" store e4m3.
+KV_CACHE_DTYPES = (None, "auto", "fp8", "fp8_e4m3")
+#: The attention backends (one module each in ``hf_paged/attention/backends``), in the order the dispatcher tries them.
+BACKENDS = ("flash", "cuda", "torch")
 
 
 def _flag(help: str, metavar: str | None = None) -> dict:
@@ -72,22 +79,12 @@ class CacheConfig:
                 raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory, or None "
                                  f"(automatic), got {budget!r}")
             object.__setattr__(self, "memory_budget", float(budget))
-        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
-            kv_storage_dtype(self.kv_cache_dtype, None)  # raises, listing the accepted values
+        check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "backend", backend_names(self.backend))
 
     @classmethod
     def field_names(cls) -> list[str]:
         return [f.name for f in fields(cls)]
-
-    def pool_blocks(self, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device], cap: int) -> int:
-        """The pool's size in blocks: ``num_blocks``, or as many as ``memory_budget`` holds for a model of ``layout``
-        computing in ``dtype`` on ``devices`` (one per layer), at most ``cap`` (what the owner can use)."""
-        if self.num_blocks is not None:
-            return self.num_blocks
-        kv_dtype = kv_storage_dtype(self.kv_cache_dtype, dtype)
-        fits = blocks_for_budget(layout, self.block_size, kv_dtype, devices, self.memory_budget)
-        return min(cap, fits, MAX_SLOTS // self.block_size)
 
     def blocks_for(self, sequences: int, tokens: int) -> int:
         """Blocks that hold ``sequences`` sequences of ``tokens`` tokens."""
@@ -99,9 +96,15 @@ def positive_int(name: str, value, alternative: str = "") -> None:
         raise ValueError(f"{name} must be a positive integer{' ' + alternative if alternative else ''}, got {value!r}")
 
 
+def check_kv_cache_dtype(kv_cache_dtype) -> None:
+    """``ValueError`` listing the accepted values unless ``kv_cache_dtype`` is one of :data:`KV_CACHE_DTYPES`."""
+    if not (kv_cache_dtype is None or isinstance(kv_cache_dtype, str) and kv_cache_dtype in KV_CACHE_DTYPES):
+        raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (None and 'auto' keep the model's dtype), "
+                         f"got {kv_cache_dtype!r}")
+
+
 def backend_names(backend) -> tuple[str, ...] | None:
-    """``backend`` as a tuple of names (a comma-separated string is split); whether each names a backend is checked
-    where the backends are (``hf_paged.attention``'s dispatcher)."""
+    """``backend`` as a tuple of names (a comma-separated string is split), each one of :data:`BACKENDS`."""
     if backend is None:
         return None
     if isinstance(backend, str):
@@ -112,4 +115,7 @@ def backend_names(backend) -> tuple[str, ...] | None:
         raise ValueError(f"backend must be a name, a list of names or a comma-separated string, got {backend!r}")
     if not names or not all(names):
         raise ValueError(f"backend names an empty backend: {backend!r}")
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise ValueError(f"unknown attention backend(s) {unknown}; choose from {list(BACKENDS)}")
     return names

@@ -15,8 +15,9 @@ from dataclasses import dataclass
 
 import torch
 
-from hf_paged.cache._kv_quant import KVScales, is_fp8, raw_bytes
+from hf_paged.cache._kv_quant import KVScales, is_fp8, kv_storage_dtype, raw_bytes
 from hf_paged.cache._block_allocator import BlockAllocator
+from hf_paged.cache._config import CPU_MEMORY_SHARE, DEFAULT_MEMORY_BUDGET, MAX_SLOTS, CacheConfig
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -79,14 +80,6 @@ def check_pool_fits(layout: KVLayout, num_blocks: int, block_size: int, dtype: t
                              "num_blocks=None to size the pool from free memory")
 
 
-#: An automatic pool (``memory_budget=None``) takes at most this fraction of a device's free memory.
-DEFAULT_MEMORY_BUDGET = 0.8
-#: On a CPU an automatic pool also takes at most this share of all the machine's RAM: there "device memory" is the RAM
-#: that everything else on the machine shares. On a 24 GB machine that is 0.7 GiB: about 16k tokens of SmolLM2-135M's
-#: float32 KV (two sequences at its 8192 positions), and ``hf-paged serve`` on it stays under 2 GB resident.
-CPU_MEMORY_SHARE = 0.03
-
-
 def pool_room(device: torch.device, budget: float | None, free: int) -> float:
     """Bytes a KV pool may take on ``device``, which has ``free`` bytes free: ``budget`` (a fraction) of them; None
     (automatic): ``DEFAULT_MEMORY_BUDGET`` of them, on a CPU at most ``CPU_MEMORY_SHARE`` of its RAM."""
@@ -141,6 +134,18 @@ def blocks_for_budget(
             f"of {per_block} bytes (block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
         )
     return int(num)
+
+
+def pool_blocks(config: CacheConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],
+                cap: int) -> int:
+    """The size in blocks of the pool ``config`` describes: its ``num_blocks``, or as many as its ``memory_budget``
+    holds for a model of ``layout`` computing in ``dtype`` on ``devices`` (one per layer), at most ``cap`` (what the
+    owner can use)."""
+    if config.num_blocks is not None:
+        return config.num_blocks
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)
+    fits = blocks_for_budget(layout, config.block_size, kv_dtype, devices, config.memory_budget)
+    return min(cap, fits, MAX_SLOTS // config.block_size)
 
 
 class KVPool:

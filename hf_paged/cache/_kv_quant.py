@@ -17,10 +17,11 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.cache._config import check_kv_cache_dtype
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = 448.0  # largest finite e4m3fn value
 SCALE_HEADROOM = 4.0
-KV_CACHE_DTYPES = (None, "auto", "fp8", "fp8_e4m3")
 FP8_NOT_SERVED_HERE = "fp8 KV cache is served by the cuda (decode, KV write) and torch backends, not this one"
 
 
@@ -43,12 +44,8 @@ class KVScales:
 
 def kv_storage_dtype(kv_cache_dtype: str | None, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the pool stores for ``kv_cache_dtype`` (None / "auto": the model's; "fp8" / "fp8_e4m3": e4m3)."""
-    if kv_cache_dtype is None or (isinstance(kv_cache_dtype, str) and kv_cache_dtype == "auto"):
-        return model_dtype
-    if isinstance(kv_cache_dtype, str) and kv_cache_dtype in ("fp8", "fp8_e4m3"):
-        return FP8_DTYPE
-    raise ValueError(f"kv_cache_dtype must be one of {KV_CACHE_DTYPES} (None and 'auto' keep the model's dtype), "
-                     f"got {kv_cache_dtype!r}")
+    check_kv_cache_dtype(kv_cache_dtype)
+    return model_dtype if kv_cache_dtype in (None, "auto") else FP8_DTYPE
 
 
 def is_fp8(dtype: torch.dtype) -> bool:

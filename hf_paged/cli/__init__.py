@@ -4,6 +4,9 @@ OpenAI-compatible server), ``build-kernels`` and ``bench kernels``.
 Errors: a bad flag, file, checkpoint or request is reported in one line on stderr with exit status 2 (argparse's
 convention); anything else unexpected is one line and status 1, with the traceback under ``--verbose``. Output
 closed early (``| head``) ends quietly with status 141, as SIGPIPE ends other tools.
+
+Parsing imports no torch or transformers (the flags come from torch-free config modules; each command's run imports
+what it needs), so ``--help`` and every bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -14,8 +17,6 @@ import logging
 import os
 import sys
 import traceback
-
-import torch
 
 from hf_paged._version import __version__
 from hf_paged.cli import _generate as generate
@@ -32,10 +33,24 @@ def build_parser(prog: str = "hf-paged") -> Parser:
     parser = Parser(prog=prog, description="vLLM-style paged attention for transformers", epilog=EXIT_STATUS)
     parser.add_argument("--version", action="version", version=f"hf-paged {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate.add_parser(sub, epilog=EXIT_STATUS)
-    serve.add_parser(sub, epilog=EXIT_STATUS)
+    generate.add_parser(sub, run=_run_generate, epilog=EXIT_STATUS)
+    serve.add_parser(sub, run=_run_serve, epilog=EXIT_STATUS)
     kernels.add_parsers(sub, epilog=EXIT_STATUS)
     return parser
+
+
+# The runs import torch, transformers and the engine: only once the command line is parsed, so that --help and a bad
+# flag answer at once (heavy imports made lazy, not a way around a cycle: the runs import the flags' modules).
+def _run_generate(args: argparse.Namespace) -> int:
+    from hf_paged.cli._generate_run import run
+
+    return run(args)
+
+
+def _run_serve(args: argparse.Namespace) -> int:
+    from hf_paged.cli._serve_run import run
+
+    return run(args)
 
 
 def _drop_stdout() -> None:
@@ -72,19 +87,23 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
         if verbose:
             traceback.print_exc()
         return exit_with(args.prog, flags_for_parameters(str(exc), args) if isinstance(exc, ValueError) else exc)
-    except torch.cuda.OutOfMemoryError as exc:
-        if verbose:
-            traceback.print_exc()
-        return exit_with(args.prog, f"out of device memory ({str(exc).splitlines()[0]}); lower --num-blocks or "
-                                    "--max-batch-tokens, or run on a larger device", status=1)
     except KeyboardInterrupt:
         return exit_with(args.prog, "interrupted", status=130)
     except BrokenPipeError:  # the reader of the output left (| head): end quietly, as SIGPIPE ends other tools
         _drop_stdout()
         return 141
     except Exception as exc:
+        if _out_of_device_memory(exc):
+            if verbose:
+                traceback.print_exc()
+            return exit_with(args.prog, f"out of device memory ({str(exc).splitlines()[0]}); lower --num-blocks or "
+                                        "--max-batch-tokens, or run on a larger device", status=1)
         if verbose:
             raise
         return exit_with(args.prog, f"unexpected {type(exc).__name__}: {exc} (run again with --verbose for the "
                                     "traceback, and please report it)", status=1)
 
+
+def _out_of_device_memory(exc: BaseException) -> bool:
+    torch = sys.modules.get("torch")  # (a command that never imported torch cannot run out of device memory)
+    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)

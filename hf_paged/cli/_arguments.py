@@ -1,7 +1,8 @@
 """How the ``hf-paged`` commands parse flags: one-line errors, defaults in ``--help``, and the ``type=`` checks.
 
 Every flag is checked here, while the command line is parsed, so a bad value is refused in one line naming the
-flag (exit status 2, argparse's convention) before a model is loaded.
+flag (exit status 2, argparse's convention) before a model is loaded. Parsing imports no torch (only ``--device``'s
+check needs it, and imports it when the flag is given), so ``--help`` and a bad flag answer at once.
 """
 
 from __future__ import annotations
@@ -14,9 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-import torch
-
-from hf_paged.attention._dispatch import available_backends
+from hf_paged.cache._config import BACKENDS
 
 T = TypeVar("T", int, float)
 #: A checkpoint folder holding none of these has no tokenizer for ``AutoTokenizer`` to load.
@@ -107,6 +106,8 @@ def positive_floats(text: str) -> tuple[float, ...]:
 
 def device(text: str) -> str:
     """A torch device that exists here: ``cpu``, ``cuda``, ``cuda:N``, ``mps``..."""
+    import torch  # (heavy: imported only where the flag is given)
+
     try:
         dev = torch.device(text)
     except RuntimeError:
@@ -125,11 +126,10 @@ def device(text: str) -> str:
 def backends(text: str) -> tuple[str, ...]:
     """Attention backends to allow, comma-separated, in the order to try them."""
     names = tuple(name.strip() for name in text.split(","))
-    known = available_backends()
-    unknown = [name for name in names if name not in known]
+    unknown = [name for name in names if name not in BACKENDS]
     if unknown:
         raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(map(repr, unknown))}; choose from "
-                                         f"{', '.join(known)} (comma-separated, in order of preference)")
+                                         f"{', '.join(BACKENDS)} (comma-separated, in order of preference)")
     return names
 
 

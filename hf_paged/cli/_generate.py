@@ -7,26 +7,21 @@ tokenizer's chat template where it has one (``--no-chat-template``: as plain tex
 
 Every answer to a prompt given is printed as plain text under its prompt (of the demo prompts, ``--show`` of them),
 then a summary; ``--jsonl`` prints one JSON object per request instead (the summary goes to stderr).
+
+This module holds the command's flags and imports no torch; the run itself is ``_generate_run.py``, which
+``hf_paged.cli`` imports once the command line is parsed.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import logging
-import re
-import sys
-import time
+from collections.abc import Callable
 from dataclasses import fields
-
-import torch
-from transformers import GenerationConfig
 
 from hf_paged.cli._arguments import (
     backends,
     compile_layers,
     device,
-    flags_for_parameters,
     kv_cache_dtype,
     model,
     non_negative_float,
@@ -34,15 +29,9 @@ from hf_paged.cli._arguments import (
     positive_int,
     probability,
     prompt,
-    prompt_lines,
     prompts_file,
-    utf8_bytes,
-    utf8_text,
 )
-from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
-from hf_paged.engine import Engine, EngineConfig, Workload
-
-logger = logging.getLogger("hf_paged")
+from hf_paged.engine._config import EngineConfig
 
 DEFAULT_PROMPTS = [
     "What is the capital of France?",
@@ -59,10 +48,12 @@ MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct, fetched and cached on first use),
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
               "kv_cache_dtype": kv_cache_dtype, "compile_layers": compile_layers}
-DTYPES = {"auto": None, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+#: ``--dtype``: auto (the checkpoint's) or a torch dtype's name.
+DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-def add_parser(subparsers, epilog: str | None = None) -> None:
+def add_parser(subparsers, run: Callable[[argparse.Namespace], int], epilog: str | None = None) -> None:
+    """Add the command to an argparse ``subparsers``; ``run(args)`` runs it once parsed."""
     p = subparsers.add_parser("generate", help="generate for many prompts with the continuous-batching engine",
                               description=DESCRIPTION, epilog=epilog)
     p.add_argument("prompts", nargs="*", type=prompt, help="prompts ('-' reads one per line from stdin)")
@@ -100,178 +91,6 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.set_defaults(func=run, prog=p.prog)
 
 
-def run(args: argparse.Namespace) -> int:
-    """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
-    prompts = read_prompts(args)
-    demo = not (args.prompts or args.prompts_file)
-    model, tokenizer = load(args)
-    ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
-    # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
-    workload = Workload(tuple(len(p) + args.max_new_tokens for p in ids))
-    try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
-        engine = Engine(model, tokenizer=tokenizer, workload=workload, **engine_settings(args))
-    except NotImplementedError as exc:
-        if args.backend is None:
-            raise
-        raise NotImplementedError(backend_refusal(args.backend, model.device, exc)) from exc
-    log_setup(args, model, engine, len(prompts))
-    check_lengths(engine, ids)
-    start = time.perf_counter()
-    outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
-    elapsed = time.perf_counter() - start
-    if args.jsonl:
-        for text, out in zip(prompts, outputs):
-            print(json.dumps(jsonl_record(text, out)))
-    else:
-        for text, out in list(zip(prompts, outputs))[: args.show if demo else None]:
-            print_answer(args, text, out)
-    print_summary(args, engine.stats(), outputs, elapsed, file=sys.stderr if args.jsonl else sys.stdout)
-    return 1 if any(o.finish_reason == "error" for o in outputs) else 0
-
-
-def backend_refusal(names: tuple[str, ...], device: torch.device, exc: NotImplementedError) -> str:
-    """The engine's refusal of a ``--backend`` list, in the flag's words: why each cannot serve (the dispatcher's
-    reasons, without its record of the attention call) and what to do."""
-    reasons = re.sub(r"^no attention backend can serve AttentionCall\([^()]*\): ", "", str(exc))
-    reasons = re.sub(r"\. Allow more backends .*$", "", reasons)
-    flag = ",".join(names)
-    return (f"--backend {flag} cannot run this model on {device.type} ({reasons}); leave --backend out to let "
-            f"hf_paged choose, or add torch (--backend {flag},torch)")
-
-
-def print_answer(args: argparse.Namespace, prompt: str, out) -> None:
-    """``> prompt``, the answer as plain text, a note where it did not end by itself, and a blank line."""
-    print(f"> {printable(clip(prompt, 200))}")
-    print(printable(out.text or ""))
-    if out.finish_reason == "length":
-        print(f"(cut at --max-new-tokens {args.max_new_tokens})")
-    elif out.finish_reason == "error":
-        print(f"(failed: {flags_for_parameters(out.error or 'unknown error', args)})")
-    elif out.finish_reason != "stop":
-        print(f"({out.finish_reason})")
-    print()
-
-
-def jsonl_record(prompt: str, out) -> dict:
-    """One ``--jsonl`` line: the prompt, the answer and how it ended."""
-    record = {"prompt": prompt, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
-              "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason}
-    if out.error is not None:
-        record["error"] = out.error
-    return record
-
-
-_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
-
-
-def printable(text: str) -> str:
-    """``text`` with control characters other than newline and tab escaped (``\\x1b``), so that a model's output
-    cannot move the cursor or recolour the terminal."""
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
-    """``ValueError`` (exit status 2) naming, never echoing, the first prompt too long for the model's positions or
-    the KV cache, before anything runs."""
-    limit = engine.max_prompt_tokens
-    for i, p in enumerate(ids, 1):
-        if len(p) > limit:
-            raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most {limit} tokens "
-                             "(the model's positions, and the KV cache: num_blocks x block_size); shorten it")
-
-
-def clip(text: str, width: int = 60) -> str:
-    """``text`` as a summary line shows it: at most ``width`` characters."""
-    return text if len(text) <= width else text[: width - 3] + "..."
-
-
-def load(args: argparse.Namespace):
-    """``(model, tokenizer)`` of ``--model``; sets ``args.model_name`` to the name it goes by."""
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        choice = choose_model(args.model, device)
-    except ModelUnavailable as exc:  # --model smollm2, asked for by name
-        raise ValueError(f"--model {args.model}: {exc}") from exc
-    args.model_name = choice.name
-    try:
-        return load_choice(choice, device, DTYPES[args.dtype], args.seed)
-    except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
-        raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
-
-
-def generation_config(args: argparse.Namespace) -> GenerationConfig:
-    sampling = dict(do_sample=True, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    return GenerationConfig(max_new_tokens=args.max_new_tokens, seed=args.seed,
-                            min_new_tokens=args.max_new_tokens if args.ignore_eos else None,
-                            **(sampling if args.temperature > 0 else dict(do_sample=False)))
-
-
-def read_prompts(args: argparse.Namespace) -> list[str]:
-    """The prompts in the order given (arguments, stdin at its ``-``, then the file), else the demo prompts."""
-    prompts: list[str] = []
-    for p in args.prompts:
-        prompts += read_stdin() if p == "-" else [p]
-    prompts += args.prompts_file or []
-    if not prompts:
-        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
-    return prompts
-
-
-def read_stdin() -> list[str]:
-    """The prompts on stdin, read as bytes and decoded as UTF-8 whatever the locale (a text stream under the C
-    locale would pass bytes that are not UTF-8 on as lone surrogates)."""
-    source = "stdin ('-')"
-    stream = getattr(sys.stdin, "buffer", sys.stdin)
-    data = stream.read()
-    text = utf8_bytes(data, source) if isinstance(data, bytes) else utf8_text(data, source)
-    return prompt_lines(text, source)
-
-
-def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, num_prompts: int) -> None:
-    """With ``--verbose``: what runs where, before the run starts."""
-    params = sum(p.numel() for p in model.parameters())
-    stats = engine.stats()
-    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model_name,
-                type(model).__name__, params / 1e6, model.dtype, model.device)
-    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, %d sequences at once, backends %s",
-                stats["num_blocks"], stats["block_size"], stats["max_batch_tokens"], stats["max_num_seqs"],
-                ", ".join(args.backend) if args.backend else "any (flash, cuda, torch)")
-    how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
-           if args.temperature > 0 else "greedy")
-    logger.info("hf_paged: %d prompts, up to %d new tokens each%s, %s", num_prompts, args.max_new_tokens,
-                " (EOS ignored)" if args.ignore_eos else "", how)
-
-
-def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:
-    tokens = sum(len(o.token_ids) for o in outputs)
-    errors = [o for o in outputs if o.finish_reason == "error"]
-    reasons: dict[str, int] = {}
-    for o in outputs:
-        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
-    rows = [
-        ("requests", f"{len(outputs)} (" + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) + ")"),
-        ("prompt tokens", stats["prompt_tokens"]),
-        ("generated tokens", tokens),
-        ("time", f"{elapsed:.2f} s"),
-        ("tokens/s", f"{tokens / max(elapsed, 1e-9):.1f}"),
-        ("peak blocks in use",
-         f"{stats['peak_used_blocks']} of {stats['num_blocks']} (block size {stats['block_size']})"),
-        ("preemptions", stats["preemptions"]),
-        ("prefix-cache hits", f"{stats['prefix_cache_hit_tokens']} tokens"),
-        ("attention backend", f"prefill {stats['prefill_backend'] or '-'}, decode {stats['decode_backend'] or '-'}"),
-    ]
-    if errors:
-        rows.insert(1, ("first error", flags_for_parameters(errors[0].error, args)))
-    if args.verbose:
-        rows[-1] = ("attention backend", ", ".join(f"{phase} {name}" for phase, name in stats["backends"].items()))
-        rows += [
-            ("steps", stats["steps"]),
-            ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items())),
-        ]
-    print("summary:", file=file)
-    for name, value in rows:
-        print(f"  {name + ':':<20} {value}", file=file)
-
 def add_engine_arguments(
     parser: argparse.ArgumentParser, max_num_seqs: bool = False, helps: dict[str, str] | None = None
 ) -> None:
@@ -287,7 +106,7 @@ def add_engine_arguments(
         e.add_argument(flag, type=FLAG_TYPES[f.name], default=default, metavar=f.metadata["metavar"],
                        help=(helps or {}).get(f.name, f.metadata["help"]))
     e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
-    e.add_argument("--dtype", choices=list(DTYPES), default="auto",
+    e.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="model dtype (auto: the checkpoint's; for smollm2 bfloat16 on a GPU and float32 on a CPU; "
                         "float32 for tiny)")
 

@@ -7,37 +7,25 @@ before anything says it is serving. SIGTERM or Ctrl-C stops accepting connection
 for ``--shutdown-timeout`` seconds; those still running then are answered 503 (streams end with an error event), and
 the engine stops. If the engine's thread ever dies, the server stops at once and exits with status 1, for a
 supervisor to restart it.
+
+This module holds the command's flags and imports no torch; the run itself is ``_serve_run.py``, which
+``hf_paged.cli`` imports once the command line is parsed.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
-import gc
-import logging
-import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from hf_paged import envs
-from hf_paged.cli._arguments import (
-    exit_with,
-    model,
-    non_negative_float,
-    non_negative_int,
-    positive_float,
-    positive_int,
-    port,
-)
-from hf_paged.cli._generate import MODEL_HELP, add_engine_arguments, engine_settings, load
-from hf_paged.engine import Engine
-from hf_paged.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT, create_app
-from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
-
-logger = logging.getLogger("hf_paged")
-SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
+from hf_paged.cli._arguments import model, non_negative_float, non_negative_int, positive_float, positive_int, port
+from hf_paged.cli._generate import MODEL_HELP, add_engine_arguments
+from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
 
-def add_parser(subparsers, epilog: str | None = None) -> None:
+def add_parser(subparsers, run: Callable[[argparse.Namespace], int], epilog: str | None = None) -> None:
+    """Add the command to an argparse ``subparsers``; ``run(args)`` runs it once parsed."""
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                               description="Serve SmolLM2-135M-Instruct (fetched and converted once on first use), "
                                           "the tiny random-init Llama (--model tiny) or --model PATH behind an "
@@ -71,107 +59,6 @@ def add_parser(subparsers, epilog: str | None = None) -> None:
     p.add_argument("--verbose", action="store_true", help="log requests and the engine's setup")
     add_engine_arguments(p, max_num_seqs=True)
     p.set_defaults(func=run, prog=p.prog)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        import fastapi  # noqa: F401
-        import uvicorn  # noqa: F401
-    except ImportError as exc:
-        return exit_with(args.prog, f"{INSTALL_HINT} ({exc})", status=1)
-    sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
-    try:
-        app, name, api_key = _app(args)
-        # What exists now (the model, its compiled layers, the libraries) lives as long as this process: set aside
-        # from the collector for good, so that no full collection walks it while requests wait (as frozen_heap does
-        # for one call: runner/_frozen_heap.py)
-        gc.freeze()
-        server, died = _server(args, app)
-        host, bound_port = sock.getsockname()[:2]
-        engine = app.state.engine_loop.engine
-        # the pool's size and why (engine/_sizing.py): on a CPU its RAM is everyone's, so the line says what it took
-        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens: %s)%s", name,
-                       f"[{host}]" if ":" in host else host, bound_port, engine.pool.num_blocks,
-                       engine.pool.block_size, engine.stats()["sizing"].get("num_blocks", "given"),
-                       "; API key required" if api_key else "")
-        server.run(sockets=[sock])
-    finally:
-        sock.close()
-    if died:
-        return exit_with(args.prog, f"the engine loop died ({died[-1]}); the server stopped", status=1)
-    return 0
-
-
-def _app(args: argparse.Namespace):
-    """The app serving the model ``args`` name, its served name and its API key (None: none)."""
-    api_key = args.api_key or envs.api_key()
-    allowed = args.allowed_hosts
-    if allowed is None and is_loopback(args.host) and not api_key:
-        allowed = LOOPBACK_HOSTS
-    model, tokenizer = load(args)
-    engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
-    name = args.served_model_name or args.model_name
-    app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
-                     api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
-                     read_timeout=args.read_timeout)
-    return app, name, api_key
-
-
-def _server(args: argparse.Namespace, app):
-    """uvicorn's server for ``app``, and the list that holds why the engine loop died, if it does (the server then
-    stops at once)."""
-    import uvicorn
-
-    from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
-
-    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
-                            http=with_header_timeout(args.read_timeout),
-                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
-    server = uvicorn.Server(config)
-    _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)
-    died: list[str] = []
-
-    def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
-        died.append(reason)
-        server.should_exit = True
-
-    app.state.engine_loop.on_death = engine_died
-    return server, died
-
-
-def _answer_late_requests(server, engine_loop, grace: float) -> None:
-    """Make ``server``'s shutdown answer the requests still live after ``grace`` seconds with 503: their handlers
-    then finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
-    shutdown = server.shutdown
-
-    async def graceful_shutdown(sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(grace, engine_loop.begin_stop)
-        try:
-            await shutdown(sockets)
-        finally:
-            timer.cancel()
-
-    server.shutdown = graceful_shutdown
-
-
-def bind(host: str, port_number: int) -> socket.socket:
-    """A socket bound to ``host:port_number`` (listening starts with the server); ``ValueError`` in one line if the
-    address cannot be had."""
-    try:
-        family, kind, proto, _, address = socket.getaddrinfo(host, port_number, type=socket.SOCK_STREAM,
-                                                             flags=socket.AI_PASSIVE)[0]
-    except socket.gaierror as exc:
-        raise ValueError(f"cannot listen on --host {host!r}: {exc.strerror}") from None
-    sock = socket.socket(family, kind, proto)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(address)
-    except OSError as exc:
-        sock.close()
-        hint = "pick another --port, or stop what uses it" if exc.errno == 98 else "check --host and --port"
-        raise ValueError(f"cannot listen on {host}:{port_number}: {exc.strerror}; {hint}") from None
-    sock.set_inheritable(True)
-    return sock
 
 
 def _host_list(text: str) -> tuple[str, ...]:

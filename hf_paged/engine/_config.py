@@ -13,7 +13,6 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
-from hf_paged.attention._dispatch import check_backend_names
 from hf_paged.cache._config import MAX_SLOTS, CacheConfig, positive_int
 
 GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
@@ -63,7 +62,7 @@ class EngineConfig:
     def __post_init__(self) -> None:
         cache = CacheConfig(**{name: getattr(self, name) for name in _CACHE})  # the pool's checks
         object.__setattr__(self, "memory_budget", cache.memory_budget)
-        object.__setattr__(self, "backend", check_backend_names(cache.backend))
+        object.__setattr__(self, "backend", cache.backend)
         for name in ("max_batch_tokens", "max_num_seqs"):
             if getattr(self, name) is not None:
                 positive_int(name, getattr(self, name), "or None (automatic)")

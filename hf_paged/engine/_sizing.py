@@ -16,7 +16,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from hf_paged.cache._kv_pool import KVLayout, describe_budget, free_memory_bytes, pool_room
+from hf_paged.cache._kv_pool import KVLayout, describe_budget, free_memory_bytes, pool_blocks, pool_room
 from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.engine._config import EngineConfig
 from hf_paged.runner._graph_sizes import one_call_graph_sizes
@@ -189,7 +189,7 @@ def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: 
     else:
         cap = cache.blocks_for(cfg.max_num_seqs, position_limit)
         use = f"{cfg.max_num_seqs} sequences of {position_limit} tokens"
-    blocks = cache.pool_blocks(layout, dtype, devices, cap=cap)
+    blocks = pool_blocks(cache, layout, dtype, devices, cap=cap)
     kv = kv_storage_dtype(cfg.kv_cache_dtype, dtype)
     budget = describe_budget(cfg.memory_budget, devices)
     room = f"within {budget}" if blocks >= cap else f"cut from {cap} to what {budget} holds"

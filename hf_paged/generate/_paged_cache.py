@@ -29,7 +29,7 @@ from hf_paged import _compat
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
-from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget
+from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
 from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.generate._batch_tables import BatchTables
 from hf_paged.generate._static_decode import CompileMode
@@ -135,9 +135,8 @@ class PagedAttentionCache(Cache):
                      kv_cache_dtype=kv_cache_dtype)
         cache_config = _cache_config(cache_config, given, layout, dtype, devices)
         self.kv_cache_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
-        num_blocks = cache_config.pool_blocks(layout, dtype, devices,
-                                              cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES,
-                                                                          position_limit(config)))
+        num_blocks = pool_blocks(cache_config, layout, dtype, devices,
+                                 cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES, position_limit(config)))
         block_size, backend = cache_config.block_size, cache_config.backend
         self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, block_size, num_blocks,
                                               cache_config.kv_cache_dtype, backend)

@@ -111,7 +111,7 @@ def test_a_gpu_keeps_its_rule_a_fraction_of_free_memory(monkeypatch):
     monkeypatch.setattr(_kv_pool, "free_memory_bytes", lambda device: int(free))
     monkeypatch.setattr(_kv_pool, "total_memory_bytes", lambda device: pytest.fail("the RAM share read for a GPU"))
     devices = [torch.device("cuda", 0)] * layout.num_layers
-    assert hf_paged.CacheConfig().pool_blocks(layout, torch.float32, devices, cap=10**6) == 1000
+    assert _kv_pool.pool_blocks(hf_paged.CacheConfig(), layout, torch.float32, devices, cap=10**6) == 1000
     assert _kv_pool.describe_budget(None, devices) == "80% of free memory"
     # and PagedAttentionCache's automatic pool follows the same rule on a CPU
     _machine(monkeypatch, total=20.5 * per_block / CPU_SHARE, free=10**12)

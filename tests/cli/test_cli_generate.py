@@ -12,9 +12,10 @@ import re
 import torch
 
 import hf_paged
-from hf_paged.cache import KVLayout
+from hf_paged.cache._kv_pool import KVLayout, pool_blocks
 from hf_paged.cli import main
-from hf_paged.cli._generate import DEFAULT_PROMPTS, printable
+from hf_paged.cli._generate import DEFAULT_PROMPTS
+from hf_paged.cli._generate_run import printable
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
 SUMMARY_ROWS = ["requests:", "generated tokens:", "tokens/s:", "peak blocks in use:", "preemptions:",
@@ -31,7 +32,7 @@ def workload_pool(prompts: list[str], max_new_tokens: int, block_size: int = 16)
     config = tiny_llama().config
     needed = sum(-(-(len(p.encode()) + max_new_tokens) // block_size) for p in prompts)
     layout = KVLayout.from_config(config)
-    return hf_paged.CacheConfig().pool_blocks(layout, torch.float32, [torch.device("cpu")] * layout.num_layers, needed)
+    return pool_blocks(hf_paged.CacheConfig(), layout, torch.float32, [torch.device("cpu")] * layout.num_layers, needed)
 
 
 def test_generate_with_no_other_arguments_runs_the_demo_prompts_on_the_tiny_model(capsys):
