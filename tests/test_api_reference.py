@@ -13,6 +13,8 @@ from pathlib import Path
 import pytest
 
 import hf_paged
+import hf_paged.cache
+import hf_paged.engine
 
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = ROOT / "docs" / "api" / "index.rst"
@@ -23,6 +25,21 @@ def test_the_reference_documents_every_public_name_and_no_other():
                             flags=re.M)
     assert len(documented) == len(set(documented))
     assert sorted(documented) == sorted(hf_paged.__all__)
+
+
+@pytest.mark.parametrize("package", [hf_paged, hf_paged.engine, hf_paged.cache])
+def test_each_lazy_name_is_what_its_module_defines(package):
+    """``import hf_paged`` imports each public name on first use (``hf_paged/_lazy.py``): the table lists exactly
+    ``__all__``, each name is its module's own object, and ``dir()`` shows them before they are touched."""
+    assert sorted(package._LAZY) == sorted(package.__all__)
+    assert set(package.__all__) <= set(dir(package))
+    for name, module in package._LAZY.items():
+        value = getattr(package, name)
+        assert value is getattr(sys.modules[module], name), name
+        if hasattr(value, "__module__") and not isinstance(value, str):
+            assert value.__module__ == module, f"{package.__name__}.{name} is defined in {value.__module__}"
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_name'"):
+        package.no_such_name  # noqa: B018
 
 
 @pytest.mark.slow

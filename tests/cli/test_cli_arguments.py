@@ -9,6 +9,8 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged.attention._dispatch import available_backends
+from hf_paged.cache._config import BACKENDS
 from hf_paged.cli import main
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
@@ -161,6 +163,12 @@ def test_a_backend_that_cannot_serve_the_device_is_refused(capsys):
     err = assert_one_line_error(capsys, "hf-paged generate: error: --backend cuda cannot run this model on cpu (",
                                 ["cuda: ", "leave --backend out", "--backend cuda,torch"])
     assert "AttentionCall" not in err and "Phase." not in err and "torch.float32" not in err
+
+
+def test_the_backend_names_the_flags_accept_are_the_dispatchers():
+    """``--backend`` is checked against a constant (parsing imports no torch); it must name what the dispatcher
+    registers, in its order."""
+    assert list(BACKENDS) == available_backends()
 
 
 def test_a_value_the_engine_refuses_names_the_flag(capsys):
