@@ -39,8 +39,8 @@ def build_parser(prog: str = "hf-paged") -> Parser:
     return parser
 
 
-# The runs import torch, transformers and the engine: only once the command line is parsed, so that --help and a bad
-# flag answer at once (heavy imports made lazy, not a way around a cycle: the runs import the flags' modules).
+# The runs import torch, transformers and the engine, so they are imported only once the command line is parsed:
+# --help and a bad flag answer at once. (Heavy imports made lazy; no cycle: the runs import only modules below this.)
 def _run_generate(args: argparse.Namespace) -> int:
     from hf_paged.cli._generate_run import run
 

@@ -4,7 +4,8 @@
 and ``generate_batch`` pass one. The defaults here are the defaults everywhere (``Engine``'s signature shows them).
 The KV pool's settings (``num_blocks``, ``block_size``, ``memory_budget``, ``kv_cache_dtype``, ``backend``) are a
 :class:`~hf_paged.CacheConfig`'s (``cache_config``), with its defaults and its checks; ``hf-paged``'s engine flags are
-made from the fields' metadata.
+made from the fields' metadata. This module imports no torch: the command line builds those flags before torch is
+loaded.
 """
 
 from __future__ import annotations
