@@ -2,7 +2,8 @@
 
 Every flag is checked here, while the command line is parsed, so a bad value is refused in one line naming the
 flag (exit status 2, argparse's convention) before a model is loaded. Parsing imports no torch (only ``--device``'s
-check needs it, and imports it when the flag is given), so ``--help`` and a bad flag answer at once.
+check needs it, and imports it when the flag names a device other than ``cpu``), so ``--help`` and a bad flag answer
+at once.
 """
 
 from __future__ import annotations
@@ -106,7 +107,9 @@ def positive_floats(text: str) -> tuple[float, ...]:
 
 def device(text: str) -> str:
     """A torch device that exists here: ``cpu``, ``cuda``, ``cuda:N``, ``mps``..."""
-    import torch  # (heavy: imported only where the flag is given)
+    if text == "cpu":  # always there: no need to import torch to parse it
+        return text
+    import torch  # (heavy: imported only where another device is named)
 
     try:
         dev = torch.device(text)

@@ -35,7 +35,6 @@ def test_version_is_the_package_version(capsys):
     assert hf_paged.__version__ == VERSION == importlib.metadata.version("hf-paged")
 
 
-@pytest.mark.slow
 def test_python_m_hf_paged_shows_help_with_defaults():
     run = python_m_hf_paged("generate", "--help")
     assert run.returncode == 0 and run.stderr == ""
@@ -53,7 +52,6 @@ def test_python_m_hf_paged_shows_help_with_defaults():
     assert "exit status:" in help_text and "--verbose adds the traceback" in help_text
 
 
-@pytest.mark.slow
 def test_python_m_hf_paged_reports_bad_input_in_one_line():
     run = python_m_hf_paged("generate", "--model", "/no/such/checkpoint")
     assert run.returncode == 2 and run.stdout == ""
@@ -112,7 +110,8 @@ def modules_imported(*argv: str) -> set[str]:
 
 
 @pytest.mark.parametrize("argv", [("--help",), ("generate", "--help"), ("serve", "--help"), ("generate", "--bogus"),
-                                  ("generate", "--max-new-tokens", "0"), ("serve", "--backend", "cuda,nope")])
+                                  ("generate", "--max-new-tokens", "0"), ("serve", "--backend", "cuda,nope"),
+                                  ("generate", "--device", "cpu", "--top-p", "2")])
 def test_help_and_argument_errors_come_before_torch_is_imported(argv):
     """Issue 60: ``--help`` and every argparse error answer at once (torch and transformers take seconds)."""
     imported = modules_imported(*argv)
