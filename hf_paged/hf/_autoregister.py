@@ -2,7 +2,8 @@
 
 ``import hf_paged`` makes ``attn_implementation="hf_paged"`` known to transformers through this hook: at once where
 ``transformers.modeling_utils`` is already imported, else right after it is (every model class imports it before a
-``from_pretrained`` can ask for an implementation). So ``import hf_paged`` stays light, and a program that never
+``from_pretrained`` can ask for an implementation), or, where one of hf_paged's own modules imported it, once that
+module's import has finished. So ``import hf_paged`` stays light, and a program that never
 loads a transformers model never imports torch because of it. The opt-in start-up file (``hf_paged_autoload``)
 imports ``hf_paged`` and so uses the same hook. This module imports only the standard library.
 """
@@ -17,18 +18,22 @@ TRIGGER = "transformers.modeling_utils"
 
 
 class _AfterImport:
-    """A meta-path finder that finds nothing itself: it lets the other finders locate ``TRIGGER`` and has the found
-    loader run ``action`` right after the module's own code has run. It then leaves ``sys.meta_path``."""
+    """A meta-path finder that finds nothing itself: it lets the other finders locate ``TRIGGER`` and hf_paged's own
+    modules, and wraps their loaders so that ``action`` runs right after ``TRIGGER`` has been imported, once no
+    hf_paged module is half-imported (the action imports hf_paged's modules, and the one that imported transformers
+    may be among them: ``hf_paged.Engine`` first touched before any model). It then leaves ``sys.meta_path``."""
 
     def __init__(self, action: Callable[[], None]):
         self.action = action
+        self.loading = 0  # hf_paged modules whose code is running now
+        self.triggered = False
 
     def find_spec(self, name, path=None, target=None):
-        if name != TRIGGER:
+        ours = name.startswith("hf_paged.")
+        if name != TRIGGER and not ours:
             return None
-        self.remove()
         spec = None
-        for finder in list(sys.meta_path):
+        for finder in [f for f in sys.meta_path if f is not self]:
             find = getattr(finder, "find_spec", None)
             spec = find(name, path, target) if find is not None else None
             if spec is not None:
@@ -38,8 +43,15 @@ class _AfterImport:
         exec_module = spec.loader.exec_module
 
         def exec_then_act(module):
-            exec_module(module)
-            _run_guarded(self.action)
+            self.loading += ours
+            try:
+                exec_module(module)
+            finally:
+                self.loading -= ours
+            self.triggered |= name == TRIGGER
+            if self.triggered and not self.loading and self in sys.meta_path:
+                self.remove()
+                _run_guarded(self.action)
 
         spec.loader.exec_module = exec_then_act
         return spec

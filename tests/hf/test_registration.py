@@ -49,18 +49,21 @@ def _python(code: str) -> subprocess.CompletedProcess:
 
 @pytest.mark.slow
 def test_import_hf_paged_is_light_and_a_model_then_loads_with_it(saved_model):
-    code = (f"DIR = {str(saved_model)!r}\n"
-            "import sys\nimport hf_paged\n"
-            "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & "
-            "set(sys.modules))\n" + CHECK)
-    run = _python(code)
+    run = _python(f"DIR = {str(saved_model)!r}\n"
+                  "import sys\nimport hf_paged\n"
+                  "assert not {'torch', 'transformers'} & set(sys.modules), sorted({'torch', 'transformers'} & "
+                  "set(sys.modules))\n" + CHECK)
     assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-3000:]
+    assert "RuntimeWarning" not in run.stderr, run.stderr[-3000:]
 
 
 @pytest.mark.slow
-def test_transformers_imported_first_then_hf_paged(saved_model):
-    code = (f"DIR = {str(saved_model)!r}\n"
-            "import transformers.modeling_utils\nimport hf_paged\n" + CHECK)
-    run = _python(code)
+@pytest.mark.parametrize("first", [
+    "import transformers.modeling_utils\nimport hf_paged",  # transformers' model code first: registered at once
+    "import hf_paged\nhf_paged.Engine",  # hf_paged's own modules import transformers, mid-way through their import
+    "from hf_paged.cli.default_model import tiny_llama",
+])
+def test_every_import_order_registers(saved_model, first):
+    run = _python(f"DIR = {str(saved_model)!r}\n{first}\n" + CHECK)
     assert run.returncode == 0 and run.stdout.split() == ["ok"], run.stderr[-3000:]
-
+    assert "RuntimeWarning" not in run.stderr, run.stderr[-3000:]
