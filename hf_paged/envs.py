@@ -12,6 +12,8 @@ variable                       values (default first)                      what 
                                ``cuda``, ``torch``                          where the caller names none
 ``HF_PAGED_CACHE``             ``$XDG_CACHE_HOME/hf_paged/kernels``         where the JIT-built CUDA kernels are kept
                                (``~/.cache/hf_paged/kernels`` without it)
+``HF_PAGED_COMMIT``            unset, or a commit                          benchmarks: the project commit a result file
+                                                                            records, where the source is no git checkout
 ``HF_PAGED_KERNEL_TRACE``      unset, ``1``                                 diagnostics: build the kernels (in a build
                                                                             folder of their own) with decode trace
                                                                             points, read by ``python -m
@@ -41,12 +43,13 @@ from pathlib import Path
 API_KEY = "HF_PAGED_API_KEY"
 BACKEND = "HF_PAGED_BACKEND"
 CACHE = "HF_PAGED_CACHE"
+COMMIT = "HF_PAGED_COMMIT"
 KERNEL_TRACE = "HF_PAGED_KERNEL_TRACE"
 TP_ALL_REDUCE = "HF_PAGED_TP_ALL_REDUCE"
 TP_TIMEOUT_S = "HF_PAGED_TP_TIMEOUT_S"
 
 #: Every variable read here (the docs and the tests check the table above against it).
-VARIABLES = (API_KEY, BACKEND, CACHE, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
+VARIABLES = (API_KEY, BACKEND, CACHE, COMMIT, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
 TP_ALL_REDUCE_CHOICES = ("hf_paged", "nccl")
 
 
@@ -66,6 +69,12 @@ def backend() -> tuple[str, ...] | None:
     """``HF_PAGED_BACKEND`` split into names (checked against the registered backends where it is used), or None."""
     value = _value(BACKEND)
     return None if value is None else tuple(name.strip() for name in value.split(","))
+
+
+@functools.cache
+def commit() -> str | None:
+    """``HF_PAGED_COMMIT``: the project commit a benchmark's result file records instead of git's answer, or None."""
+    return _value(COMMIT)
 
 
 @functools.cache
@@ -135,6 +144,6 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 def refresh() -> None:
     """Forget the values read so far: the next use of each reads the environment again."""
-    for read in (api_key, backend, kernel_cache_dir, model_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce,
+    for read in (api_key, backend, commit, kernel_cache_dir, model_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce,
                  tp_timeout_s):
         read.cache_clear()

@@ -9,7 +9,6 @@ not a git checkout (an installed wheel, a tree copied without its history) the c
 from __future__ import annotations
 
 import datetime
-import os
 import platform
 import subprocess
 from importlib.metadata import PackageNotFoundError, version
@@ -17,6 +16,7 @@ from pathlib import Path
 
 import torch
 
+from hf_paged import envs
 from hf_paged._version import __version__
 
 _SOURCE = Path(__file__).resolve().parents[1]
@@ -37,8 +37,8 @@ def run_header(device: str | torch.device | None = None) -> dict:
 def source_commit(source: Path = _SOURCE) -> str | None:
     """The short commit of the git checkout that holds ``source`` (hf_paged's folder) as a tracked folder, with
     ``+dirty`` where its files differ from that commit; ``HF_PAGED_COMMIT`` where set; else None."""
-    if os.environ.get("HF_PAGED_COMMIT"):
-        return os.environ["HF_PAGED_COMMIT"]
+    if envs.commit():
+        return envs.commit()
 
     def git(*args: str) -> str:
         try:
