@@ -6,7 +6,7 @@ The whole rule is here: :data:`RULES` (one row per kind of device, each with the
 :func:`size_engine`. An explicit setting always wins. What was chosen, and why, goes to ``Engine.stats()["sizing"]``
 and to the engine's start-up log line.
 
-Re-tuning after a sweep (``benchmarks/e2e_throughput.py --sweep``): change the row of :data:`RULES` and its note.
+Re-tuning after a sweep (``python -m benchmarks.e2e.throughput --sweep``): change the row of :data:`RULES` and its note.
 """
 
 from __future__ import annotations
