@@ -12,6 +12,7 @@ import inspect
 import pytest
 import torch
 from compiled_generate import GREEDY
+from transformers import DynamicCache
 from tiny_models import left_padded_batch, make_models
 
 import hf_paged
@@ -121,7 +122,7 @@ def test_calls_it_does_not_serve_run_the_model_as_before(call):
     packed = _optimized(paged)
     if call == "off the served devices":
         packed.devices = ("cuda",)
-    cache = None if call == "dynamic cache" else _cache(paged, False, 4)
+    cache = DynamicCache(config=paged.config) if call == "dynamic cache" else _cache(paged, False, 4)
     got = _generate(paged, batch, cache, **kwargs)
     assert packed.packed == 0
     torch.testing.assert_close(got.logits[0], want.logits[0], rtol=1e-4, atol=1e-4)
