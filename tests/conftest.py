@@ -2,6 +2,7 @@
 here, GPU tests under gpu/); what several of them share lives in helpers/ (no tests there), which is put on the path
 so that a test imports a helper by its bare name (``from tiny_models import make_models``)."""
 
+import collections
 import os
 import signal
 import sys
@@ -15,6 +16,10 @@ torch.set_num_threads(1)
 
 
 def pytest_collection_modifyitems(config, items):
+    # The modules with the most slow tests first, each kept whole (its module fixtures built once): under xdist the
+    # long tests then start early, and the two workers finish together instead of one waiting on a late soak.
+    slow_in = collections.Counter(item.module.__name__ for item in items if "slow" in item.keywords)
+    items.sort(key=lambda item: -slow_in[item.module.__name__])
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs an NVIDIA GPU (cuda marker)")
