@@ -256,27 +256,50 @@ def test_generate_step_parts_times_every_compiled_decode_step(monkeypatch):
     assert "prepare_inputs_for_generation" not in model.__dict__, "the timing wrappers are removed"
 
 
+# Each part of the smoke run once in some checkout, latency in both (to pair), in two tests two workers can share
+AB_SMOKE_PARTS = {"latency,defaults@new": {("old", "latency"), ("new", "latency"), ("new", "defaults")},
+                  "start@old": {("old", "start")}}
+
+
 @pytest.mark.slow
-def test_ab_checkouts_smoke_runs_each_part_in_each_checkout(tmp_path):
-    """Three parts, one round, this checkout as both sides: each part's figures come back for each side, from a
-    process of its own, and the medians pair them."""
+@pytest.mark.parametrize("parts", sorted(AB_SMOKE_PARTS))
+def test_ab_checkouts_smoke_runs_each_part_in_its_checkouts(tmp_path, parts):
+    """One round, this checkout as both sides: each part's figures come back for each side it runs in, from a
+    process of its own; the medians pair a part run in both and leave one run in a single checkout unpaired."""
     out = tmp_path / "ab.json"
     root = str(ROOT)
-    _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", "latency,defaults,start",
-                             "--smoke", "--json", str(out)])
+    printed = _run(ab_checkouts.main, ["--old", root, "--new", root, "--rounds", "1", "--parts", parts, "--smoke",
+                                       "--json", str(out)])
     result = json.loads(out.read_text())
     runs = {(run["checkout"], run["part"]): run["figures"] for run in result["rounds"]}
-    assert set(runs) == {(side, part) for side in ("old", "new") for part in ("latency", "defaults", "start")}
-    for side in ("old", "new"):  # (batch 1 ms/token is a difference of two walls: only that it was measured)
-        start = runs[side, "start"]
-        assert set(start) == {"engine start s, a later process", "engine start, batch 1 ms/token"}
-        assert start["engine start s, a later process"] > 0 and math.isfinite(start["engine start, batch 1 ms/token"])
-    for side in ("old", "new"):
-        assert set(runs[side, "latency"]) == {"hf_paged latency"} and runs[side, "latency"]["hf_paged latency"] > 0
-        assert set(runs[side, "defaults"]) == {"anchor, no settings, first call tok/s",
-                                               "anchor, no settings, later calls tok/s"}
-        assert all(v > 0 for v in runs[side, "defaults"].values())
-    assert all(set(by) == {"old", "new"} for by in ab_checkouts.medians(result).values())
+    assert set(runs) == AB_SMOKE_PARTS[parts]
+    assert [run["checkout"] for run in result["rounds"]] == sorted((r["checkout"] for r in result["rounds"]),
+                                                                   key=["new", "old"].index)  # --first new
+    for side, part in runs:
+        figures = runs[side, part]
+        if part == "start":  # (batch 1 ms/token is a difference of two walls: only that it was measured)
+            assert set(figures) == {"engine start s, a later process", "engine start, batch 1 ms/token"}
+            assert figures["engine start s, a later process"] > 0
+            assert math.isfinite(figures["engine start, batch 1 ms/token"])
+        elif part == "latency":
+            assert set(figures) == {"hf_paged latency"} and figures["hf_paged latency"] > 0
+        else:
+            assert set(figures) == {"anchor, no settings, first call tok/s", "anchor, no settings, later calls tok/s"}
+            assert all(v > 0 for v in figures.values())
+    by_figure = ab_checkouts.medians(result)
+    for side, part in runs:
+        paired = (("old" if side == "new" else "new"), part) in runs
+        for name in runs[side, part]:
+            assert set(by_figure[name]) == ({"old", "new"} if paired else {side}), name
+            line = next(l for l in printed.splitlines() if l.startswith(name))
+            assert (" - " in line) != paired, line  # an unpaired figure prints "-" for the other checkout
+
+
+def test_ab_checkouts_parts_name_a_part_and_optionally_a_checkout():
+    assert ab_checkouts.parse_parts("latency, start@new") == [("latency", None), ("start", "new")]
+    for bad in ("latency,warp", "start@both", ""):
+        with pytest.raises(ValueError, match="--parts"):
+            ab_checkouts.parse_parts(bad)
 
 
 @pytest.mark.slow
@@ -371,31 +394,47 @@ def test_engine_start_variants_name_the_graph_sizes_they_give():
 
 
 @pytest.mark.slow
-def test_engine_start_smoke_times_a_first_and_a_later_process_per_variant(tmp_path):
+@pytest.mark.parametrize(("variant", "rounds"), [("auto", 1), ("1,2", 0)])
+def test_engine_start_smoke_times_a_first_and_any_later_process(tmp_path, variant, rounds):
+    """Each variant's path (no settings; a size list) in a test of its own; a later process for the first."""
     path = tmp_path / "start.json"
-    out = _run(engine_start.main, ["--smoke", "--rounds", "1", "--variants", "auto;1,2", "--json", str(path)])
+    out = _run(engine_start.main, ["--smoke", "--rounds", str(rounds), "--variants", variant, "--json", str(path)])
     data = json.loads(path.read_text())
     assert data["meta"]["card"].startswith("CPU") and data["meta"]["smoke"] and data["meta"]["date"]
-    assert [(r["variant"], r["process"]) for r in data["rows"]] == [
-        ("auto", "first"), ("1,2", "first"), ("auto", "second"), ("1,2", "second")]
+    assert [(r["variant"], r["process"]) for r in data["rows"]] == [(variant, "first")] + [(variant, "second")] * rounds
     for row in data["rows"]:
         assert row["status"] == "ok", row
         # (b1_ms is a difference of two walls, its sign noise on a loaded CPU: only that it was measured)
         assert 0 < row["import"] <= row["load"] and row["engine_s"] > 0 and math.isfinite(row["b1_ms"]), row
-    assert "| auto | second | 1 |" in out.splitlines()[-2]
+    assert f"| {variant} | {'second' if rounds else 'first'} | 1 |" in out.splitlines()[-1]
+
+
+# Two halves of the systems, each a test of its own (so two workers can share them), each with one system that also
+# runs a second process: generate_batch_background's finds its helper's artifacts, generate_batch's is a plain one
+COLD_START_GROUPS = {"background": (("generate_batch_background", "generate_batch_eager", "generate", "transformers"),
+                                    ("generate_batch_background",)),
+                     "servers": (("generate_batch", "engine", "serve", "serve_background"), ("generate_batch",))}
+
+
+def test_cold_start_groups_cover_every_system():
+    assert sorted(s for systems, _ in COLD_START_GROUPS.values() for s in systems) == sorted(cold_start.SYSTEMS)
 
 
 @pytest.mark.slow
-def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
+@pytest.mark.parametrize("group", sorted(COLD_START_GROUPS))
+def test_cold_start_smoke_times_every_system_in_a_first_process(tmp_path, group):
+    """Every system in a first process; a second process only for the systems of ``--second``."""
+    systems, second = COLD_START_GROUPS[group]
     path = tmp_path / "cold.json"
     out = _run(cold_start.main, ["--smoke", "--prompts", "2", "--new-tokens", "2", "--json", str(path),
-                                 "--model-dir", str(tmp_path / "model")])
+                                 "--model-dir", str(tmp_path / "model"), "--systems", ",".join(systems),
+                                 "--second", ",".join(second)])
     data = json.loads(path.read_text())
     assert data["meta"]["card"].startswith("CPU") and data["meta"]["hf_paged"] and data["meta"]["date"]
     assert data["meta"]["bytecode"].startswith("as installed" if not cold_start.writes_no_bytecode()
                                                else "compiled beforehand")
     rows = {(r["system"], r["process"]): r for r in data["rows"]}
-    assert set(rows) == {(s, p) for s in cold_start.SYSTEMS for p in ("first", "second")}
+    assert set(rows) == {(s, "first") for s in systems} | {(s, "second") for s in second}
     for (system, _), row in rows.items():
         assert row["status"] == "ok", row
         assert 0 < row["first_token"] <= row["steady"] and row["second_call"] > 0, row
@@ -403,16 +442,25 @@ def test_cold_start_smoke_times_every_system_in_two_processes(tmp_path):
             assert row["ready"] <= row["first_token"]
         else:
             assert 0 < row["import"] <= row["load"] <= row["first_token"], row
-            # transformers' baseline runs on a model hf_paged never touched
             if system == "transformers":  # transformers' baseline runs without hf_paged, on a model it never touched
                 assert row["hf_paged_patches"] == 0 and not row["hf_paged_imported"], row
             else:
                 assert row["hf_paged_imported"], row
-    # the background compile: a helper in the first process, the artifacts it left compile the second at once
-    first, second = rows["generate_batch_background", "first"], rows["generate_batch_background", "second"]
-    assert first["helper"] == "done" and second["helper"] == "none"
-    assert first["helper_done"] >= first["steady"] and first["compiled_call"] > 0 and first["compiled_again"] > 0
-    assert "| generate_batch | second |" in out
+    for system in second:
+        assert f"| {system} | second |" in out
+    if "generate_batch_background" in second:
+        # the background compile: a helper in the first process, the artifacts it left compile the second at once
+        first, later = rows["generate_batch_background", "first"], rows["generate_batch_background", "second"]
+        assert first["helper"] == "done" and later["helper"] == "none"
+        assert first["helper_done"] >= first["steady"] and first["compiled_call"] > 0 and first["compiled_again"] > 0
+
+
+def test_cold_start_second_names_systems_that_run():
+    args = cold_start.parse_args(["--systems", "engine,serve", "--second", "serve"])
+    assert args.second == ["serve"] and cold_start.parse_args(["--systems", "engine"]).second == ["engine"]
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()) as err:
+        cold_start.parse_args(["--systems", "engine", "--second", "serve"])
+    assert "--second: ['serve'] not in --systems" in err.getvalue()
 
 
 @pytest.mark.slow

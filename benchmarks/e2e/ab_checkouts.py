@@ -2,7 +2,8 @@
 
 Each round runs every part once in each checkout, in turn (the ``--first`` one first), each in a process of its own
 started in that checkout's folder; a part's figure per checkout is its median over the rounds. The baseline
-(transformers' own continuous batching, ``--baseline``) runs once, in the first checkout, on the anchor workload.
+(transformers' own continuous batching, ``--baseline``) runs once, on the anchor workload, in the first checkout
+that runs the anchor part.
 
 Parts (``--parts``):
   anchor    ``benchmarks.e2e.throughput --workloads anchor,latency --systems hf_paged``: the anchor workload's
@@ -18,6 +19,9 @@ Parts (``--parts``):
             (prefill included)
   start     ``benchmarks.engine.start --variants auto --rounds 1``: a kept engine's start (``Engine(model)``, no
             settings) in a process that finds the compile artifacts of the one before it, and its batch-1 decode
+
+A part named with a checkout (``start@new``) runs in that checkout alone, its figures unpaired (``-`` in the
+other column): a cheaper run, or a smoke check of every part's plumbing that runs each part once.
 
     python -m benchmarks.e2e.ab_checkouts --old ../old --new . --rounds 2 --json ab.json
     python -m benchmarks.e2e.ab_checkouts --table ab.json
@@ -131,7 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--old", type=Path, help="the checkout before the change")
     parser.add_argument("--new", type=Path, help="the checkout with the change")
-    parser.add_argument("--parts", default="anchor,generate", help="comma list of " + ", ".join(PARTS))
+    parser.add_argument("--parts", default="anchor,generate", help="comma list of " + ", ".join(PARTS)
+                        + "; PART@old or PART@new runs it in that checkout alone")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--first", choices=("old", "new"), default="new")
     parser.add_argument("--baseline", action="store_true", help="transformers' continuous batching on the anchor too")
@@ -145,14 +150,20 @@ def main(argv: list[str] | None = None) -> int:
     if args.table:
         print_table(json.loads(args.table.read_text()))
         return 0
+    try:
+        plan = parse_parts(args.parts)
+    except ValueError as exc:
+        parser.error(str(exc))
     order = ["new", "old"] if args.first == "new" else ["old", "new"]
     folders = {"old": args.old.resolve(), "new": args.new.resolve()}
-    result = {"parts": args.parts.split(","), "rounds": [], "baseline": None}
+    result = {"parts": [part if only is None else f"{part}@{only}" for part, only in plan], "rounds": [],
+              "baseline": None}
     for r in range(args.rounds):
         for tag in order:
-            for part in result["parts"]:
+            for part in (part for part, only in plan if only in (None, tag)):
                 if part == "anchor":
-                    systems = "hf_paged,transformers" if args.baseline and r == 0 and tag == order[0] else "hf_paged"
+                    first = not any(run["part"] == "anchor" for run in result["rounds"])
+                    systems = "hf_paged,transformers" if args.baseline and first else "hf_paged"
                     got = _anchor(folders[tag], systems, args.timeout)
                 elif part == "latency":
                     got = _anchor(folders[tag], "hf_paged", args.timeout, workloads="latency")
@@ -168,6 +179,19 @@ def main(argv: list[str] | None = None) -> int:
                     args.json.write_text(json.dumps(result, indent=1))
     print_table(result)
     return 0
+
+
+def parse_parts(text: str) -> list[tuple[str, str | None]]:
+    """``latency,start@new`` -> ``[("latency", None), ("start", "new")]`` (None: both checkouts)."""
+    plan = []
+    for item in (i.strip() for i in text.split(",") if i.strip()):
+        part, at, only = item.partition("@")
+        if part not in PARTS or (at and only not in ("old", "new")):
+            raise ValueError(f"--parts: {item!r}: name one of {', '.join(PARTS)}, optionally followed by @old or @new")
+        plan.append((part, only or None))
+    if not plan:
+        raise ValueError("--parts: name at least one part")
+    return plan
 
 
 def medians(result: dict) -> dict[str, dict[str, float]]:

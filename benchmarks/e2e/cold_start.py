@@ -37,7 +37,13 @@ time went.
 
     python -m benchmarks.e2e.cold_start
         [--systems generate_batch,generate_batch_eager,engine,generate,serve,transformers]
-        [--prompts 64] [--new-tokens 128] [--portable] [--json F] [--model-dir DIR] [--timeout 600] [--smoke]
+        [--prompts 64] [--new-tokens 128] [--second SYSTEMS] [--portable] [--json F] [--model-dir DIR]
+        [--timeout 600] [--smoke]
+
+``--second S`` (a comma list of systems; default every one) gives only those systems the processes after the
+first (``second``, ``portable``, ``second_profiled``); the others run a first process alone. A smoke check can so
+run every system once and a second process only where it does something else (``generate_batch_background``'s
+finds the helper's artifacts).
 
 ``--profile-dir D`` adds, per system, one more second process whose first call runs under ``cProfile`` (its stats
 file goes to ``D/<system>.prof``, and the functions with the most cumulative time are printed): where the time of a
@@ -83,6 +89,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--systems", default=",".join(SYSTEMS), help="comma list of " + ", ".join(SYSTEMS))
     p.add_argument("--prompts", type=int, help="prompts of the work (default 64; smoke 4)")
     p.add_argument("--new-tokens", type=int, help="new tokens per prompt (default 128; smoke 4)")
+    p.add_argument("--second", help="comma list of the systems that run the processes after the first (default "
+                   "every system)")
     p.add_argument("--portable", action="store_true", help="a third process: torch's caches empty, hf_paged's kept")
     p.add_argument("--json", help="write the rows here (rewritten after each process)")
     p.add_argument("--model-dir", type=Path, help="the serve checkpoint's folder (built there unless it holds it)")
@@ -100,6 +108,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     unknown = sorted(set(args.systems) - set(SYSTEMS))
     if unknown:
         p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args.second = (args.systems if args.second is None
+                   else [s.strip() for s in args.second.split(",") if s.strip()])
+    outside = sorted(set(args.second) - set(args.systems))
+    if outside:
+        p.error(f"--second: {outside} not in --systems; name only systems that --systems runs")
     args.prompts = args.prompts or (4 if args.smoke else 64)
     args.new_tokens = args.new_tokens or (4 if args.smoke else 128)
     return args
@@ -157,6 +170,8 @@ def parent(args: argparse.Namespace) -> list[dict]:
             caches = root / ("portable" if which == "portable" else "torch")
             env = {"TORCHINDUCTOR_CACHE_DIR": str(caches / "inductor"), "TRITON_CACHE_DIR": str(caches / "triton"),
                    "XDG_CACHE_HOME": str(root / "xdg"), "HF_PAGED_CACHE": kernels, **bytecode_env}
+            if which != "first" and system not in args.second:
+                continue
             log(f"{system} / {which} process ...")
             profile = None
             if which == "second_profiled":

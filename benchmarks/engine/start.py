@@ -6,9 +6,10 @@ comma list of graph batch sizes passed as ``cuda_graphs`` (``1,2,4`` ...), or ``
 automatic sizes for 256 sequences without or with a graph of one row. Each variant has a cache folder of its own
 (torch's inductor and triton caches, hf_paged's compile artifacts): its first process compiles and is reported as
 ``first``; then ``--rounds`` rounds run one process per variant, alternating, each finding what its first left
-(``second``: a user's later start). The CUDA kernels' JIT build keeps its usual cache. Where this Python writes no
-bytecode, the children's packages get theirs compiled beforehand into one folder, as ``benchmarks/e2e/cold_start.py``
-does (its ``--bytecode auto``; the result's ``meta.bytecode`` says which).
+(``second``: a user's later start; ``--rounds 0`` runs the first processes alone). The CUDA kernels' JIT build
+keeps its usual cache. Where this Python writes no bytecode, the children's packages get theirs compiled beforehand
+into one folder, as ``benchmarks/e2e/cold_start.py`` does (its ``--bytecode auto``; the result's ``meta.bytecode``
+says which).
 
 A process: ``import`` (torch, hf_paged), ``load`` (the e2e benchmark's Llama-3.2-1B-shaped random bf16 model on the
 device), ``engine_s`` (``Engine(...)``: pool, compile of the layers, decode graphs captured at start), the dynamo
@@ -41,13 +42,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--variants", default="auto-1,auto+1", help="names: auto, auto-1, auto+1 or a comma list of "
                    "sizes; several separated by ';'")
-    p.add_argument("--rounds", type=int, default=3, help="later processes per variant, alternating (default 3)")
+    p.add_argument("--rounds", type=int, default=3,
+                   help="later processes per variant, alternating (default 3; 0: none)")
     p.add_argument("--json", help="write the rows here (rewritten after each process)")
     p.add_argument("--timeout", type=float, default=300, help="seconds one process may take")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.rounds < 0:
+        p.error(f"--rounds {args.rounds}: give 0 (first processes only) or more")
+    return args
 
 
 def split_variants(text: str) -> list[str]:
