@@ -112,6 +112,7 @@ def test_inductor_has_the_options_hf_paged_passes():
     assert not _compat.inductor_has_option("triton.no_such_option")
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_inductor_runs_a_custom_pre_pass_given_in_the_compile_options():
     """The engine's graph passes reach inductor as ``post_grad_custom_pre_pass`` in a compile's own options; a
     ``CustomGraphPass`` subclass is called on the post-grad graph."""

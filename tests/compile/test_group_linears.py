@@ -293,6 +293,7 @@ def test_the_pass_slices_one_product_of_end_to_end_weights(with_bias):
         assert want_cache[2].abs().sum() > 0  # the KV write happened
 
 
+@pytest.mark.slow  # inductor's compile: several seconds on a 2-core CPU
 def test_inductor_runs_a_packed_group_as_views_and_the_kv_write_gets_its_values():
     module = PackedQKV(with_bias=True).eval()
     compiled = torch.compile(module, fullgraph=True, options={"post_grad_custom_pre_pass": GroupLinears()})

@@ -52,6 +52,7 @@ def _routed_model(seed: int):
     return model, layer, routed
 
 
+@pytest.mark.slow  # dynamo traces a whole layer: seconds on a 2-core CPU
 @pytest.mark.skipif(not NESTED, reason="this torch's dynamo has no nested graph breaks")
 def test_the_layer_after_attention_is_one_graph_with_the_eager_values():
     """Attention's break (the "hf_paged" function is opaque to the compiler) resumes in the layer's frame: two graphs,

@@ -56,7 +56,9 @@ def fresh_dynamo():
 
 # Every scenario on one model; on the others (a model that builds its mask from a dict of mask kinds, one with two
 # kinds, softcapping and a sliding window, and one that reshapes its mask itself) the plainest one.
-CASES = [("llama_gqa", s) for s in sorted(SCENARIOS)] + [(arch, "greedy") for arch in ("qwen2", "gemma2", "gpt2")]
+CASES = [("llama_gqa", s) if s == "greedy" else pytest.param("llama_gqa", s, marks=pytest.mark.slow)
+         for s in sorted(SCENARIOS)] + [pytest.param(arch, "greedy", marks=pytest.mark.slow)
+                                        for arch in ("qwen2", "gemma2", "gpt2")]  # (each a trace of its own: slow)
 
 
 @pytest.mark.parametrize(("arch", "scenario"), CASES)

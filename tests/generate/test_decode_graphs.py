@@ -80,6 +80,7 @@ def _graphed(model, cache=None, fail: bool = False) -> decode_graphs.DecodeSteps
     return steps
 
 
+@pytest.mark.slow  # a compile and a capture per case: seconds on a 2-core CPU
 @pytest.mark.parametrize("arch", ["llama_gqa", pytest.param("gemma2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("kwargs", [
     dict(max_new_tokens=9, **GREEDY),
