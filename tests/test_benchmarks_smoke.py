@@ -393,12 +393,20 @@ def test_engine_start_variants_name_the_graph_sizes_they_give():
     assert engine_start.graph_sizes("4,1,2") == [1, 2, 4]
 
 
+@pytest.fixture(scope="session")
+def bytecode_dir(tmp_path_factory) -> Path:
+    """One bytecode folder for the cold-start and engine-start runs of this process: where Python writes no
+    bytecode, the first run compiles the packages there and the later ones find them compiled."""
+    return tmp_path_factory.mktemp("bytecode")
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(("variant", "rounds"), [("auto", 1), ("1,2", 0)])
-def test_engine_start_smoke_times_a_first_and_any_later_process(tmp_path, variant, rounds):
+def test_engine_start_smoke_times_a_first_and_any_later_process(tmp_path, bytecode_dir, variant, rounds):
     """Each variant's path (no settings; a size list) in a test of its own; a later process for the first."""
     path = tmp_path / "start.json"
-    out = _run(engine_start.main, ["--smoke", "--rounds", str(rounds), "--variants", variant, "--json", str(path)])
+    out = _run(engine_start.main, ["--smoke", "--rounds", str(rounds), "--variants", variant, "--json", str(path),
+                                   "--bytecode-dir", str(bytecode_dir)])
     data = json.loads(path.read_text())
     assert data["meta"]["card"].startswith("CPU") and data["meta"]["smoke"] and data["meta"]["date"]
     assert [(r["variant"], r["process"]) for r in data["rows"]] == [(variant, "first")] + [(variant, "second")] * rounds
@@ -409,11 +417,12 @@ def test_engine_start_smoke_times_a_first_and_any_later_process(tmp_path, varian
     assert f"| {variant} | {'second' if rounds else 'first'} | 1 |" in out.splitlines()[-1]
 
 
-# Two halves of the systems, each a test of its own (so two workers can share them), each with one system that also
-# runs a second process: generate_batch_background's finds its helper's artifacts, generate_batch's is a plain one
-COLD_START_GROUPS = {"background": (("generate_batch_background", "generate_batch_eager", "generate", "transformers"),
-                                    ("generate_batch_background",)),
-                     "servers": (("generate_batch", "engine", "serve", "serve_background"), ("generate_batch",))}
+# The systems in two tests that two workers can share, each with one system that also runs a second process:
+# generate_batch_background's first process waits for its helper's compile (the longest by far) and its second
+# finds the helper's artifacts; generate_batch's second is a plain one
+COLD_START_GROUPS = {"background": (("generate_batch_background",), ("generate_batch_background",)),
+                     "others": (("generate_batch", "generate_batch_eager", "engine", "generate", "serve",
+                                 "serve_background", "transformers"), ("generate_batch",))}
 
 
 def test_cold_start_groups_cover_every_system():
@@ -422,13 +431,13 @@ def test_cold_start_groups_cover_every_system():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("group", sorted(COLD_START_GROUPS))
-def test_cold_start_smoke_times_every_system_in_a_first_process(tmp_path, group):
+def test_cold_start_smoke_times_every_system_in_a_first_process(tmp_path, bytecode_dir, group):
     """Every system in a first process; a second process only for the systems of ``--second``."""
     systems, second = COLD_START_GROUPS[group]
     path = tmp_path / "cold.json"
     out = _run(cold_start.main, ["--smoke", "--prompts", "2", "--new-tokens", "2", "--json", str(path),
                                  "--model-dir", str(tmp_path / "model"), "--systems", ",".join(systems),
-                                 "--second", ",".join(second)])
+                                 "--second", ",".join(second), "--bytecode-dir", str(bytecode_dir)])
     data = json.loads(path.read_text())
     assert data["meta"]["card"].startswith("CPU") and data["meta"]["hf_paged"] and data["meta"]["date"]
     assert data["meta"]["bytecode"].startswith("as installed" if not cold_start.writes_no_bytecode()

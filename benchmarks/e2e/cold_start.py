@@ -55,7 +55,8 @@ the source of every module each process imports instead: several seconds of impo
 a user's installation does not pay. ``auto`` (the default) then compiles the packages the children import (those of
 the modules they hold after importing, each package whole) into one cache folder beforehand (``compileall``, timed
 apart, as an install does it) and points every child there (``PYTHONPYCACHEPREFIX``), for every system alike;
-``compile`` does so always, ``as-is`` never. The result's ``meta.bytecode`` says which.
+``compile`` does so always, ``as-is`` never. The result's ``meta.bytecode`` says which. The folder is a new
+temporary one unless ``--bytecode-dir DIR`` names one: kept, so that a later run compiles only what changed.
 
 ``--smoke`` runs every path on the CPU with a tiny model (4 prompts, 4 new tokens, the tiny serve checkpoint);
 its numbers mean nothing.
@@ -99,6 +100,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--bytecode", choices=("auto", "compile", "as-is"), default="auto",
                    help="compile the packages' bytecode beforehand: where this Python writes none (auto), always, "
                         "or never (default auto)")
+    p.add_argument("--bytecode-dir", type=Path, help="compile the bytecode into this folder, kept for later runs "
+                   "(default: a new temporary one)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     p.add_argument("--cprofile", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=[s for s in SYSTEMS if s not in SERVERS], help=argparse.SUPPRESS)
@@ -150,7 +153,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
                        stdout=subprocess.DEVNULL)
     bytecode_env = {}
     if args.bytecode == "compile" or (args.bytecode == "auto" and writes_no_bytecode()):
-        prefix = Path(tempfile.mkdtemp(prefix="cold_start_bytecode_"))
+        prefix = args.bytecode_dir or Path(tempfile.mkdtemp(prefix="cold_start_bytecode_"))
         began = time.perf_counter()
         folders = package_folders(args.systems)
         compile_bytecode(folders, prefix)

@@ -9,7 +9,7 @@ automatic sizes for 256 sequences without or with a graph of one row. Each varia
 (``second``: a user's later start; ``--rounds 0`` runs the first processes alone). The CUDA kernels' JIT build
 keeps its usual cache. Where this Python writes no bytecode, the children's packages get theirs compiled beforehand
 into one folder, as ``benchmarks/e2e/cold_start.py`` does (its ``--bytecode auto``; the result's ``meta.bytecode``
-says which).
+says which): a new temporary one, or ``--bytecode-dir DIR``, kept, so that a later run compiles only what changed.
 
 A process: ``import`` (torch, hf_paged), ``load`` (the e2e benchmark's Llama-3.2-1B-shaped random bf16 model on the
 device), ``engine_s`` (``Engine(...)``: pool, compile of the layers, decode graphs captured at start), the dynamo
@@ -46,6 +46,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="later processes per variant, alternating (default 3; 0: none)")
     p.add_argument("--json", help="write the rows here (rewritten after each process)")
     p.add_argument("--timeout", type=float, default=300, help="seconds one process may take")
+    p.add_argument("--bytecode-dir", type=Path, help="where this Python writes no bytecode: compile it into this "
+                   "folder, kept for later runs (default: a new temporary one)")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     p.add_argument("--child", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -96,7 +98,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
     bytecode = {}
     meta["bytecode"] = "as installed"
     if writes_no_bytecode():
-        prefix = Path(tempfile.mkdtemp(prefix="engine_start_bytecode_"))
+        prefix = args.bytecode_dir or Path(tempfile.mkdtemp(prefix="engine_start_bytecode_"))
         compile_bytecode(package_folders(["generate_batch"]), prefix)
         bytecode = {"PYTHONPYCACHEPREFIX": str(prefix)}
         meta["bytecode"] = "compiled beforehand into one cache folder for every child"
