@@ -41,8 +41,8 @@ time went.
         [--timeout 600] [--smoke]
 
 ``--second S`` (a comma list of systems; default every one) gives only those systems the processes after the
-first (``second``, ``portable``, ``second_profiled``); the others run a first process alone. A smoke check can so
-run every system once and a second process only where it does something else (``generate_batch_background``'s
+first (``second``, ``portable``, ``second_profiled``); the others run a first process alone. So a smoke check can
+run every system once, and a second process only where it does something else (``generate_batch_background``'s
 finds the helper's artifacts).
 
 ``--profile-dir D`` adds, per system, one more second process whose first call runs under ``cProfile`` (its stats
