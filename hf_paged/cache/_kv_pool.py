@@ -94,9 +94,9 @@ def describe_budget(budget: float | None, devices: Sequence[torch.device]) -> st
     """What bounds a pool of ``budget`` on ``devices`` now, for a log line (``"80% of free memory"``)."""
     if budget is not None:
         return f"{budget:.0%} of free memory"
-    for d in {torch.device(d) for d in devices if torch.device(d).type == "cpu"}:
-        total = total_memory_bytes(d)
-        if total is not None and total * CPU_MEMORY_SHARE <= free_memory_bytes(d) * DEFAULT_MEMORY_BUDGET:
+    for d in {torch.device(d) for d in devices}:
+        free = free_memory_bytes(d)
+        if pool_room(d, None, free) < free * DEFAULT_MEMORY_BUDGET:  # the CPU cap binds
             return f"{CPU_MEMORY_SHARE:.0%} of the machine's RAM (the automatic budget on a CPU)"
     return f"{DEFAULT_MEMORY_BUDGET:.0%} of free memory"
 
