@@ -104,6 +104,9 @@ Cache._is_user_defined (a property hf_paged overrides)      the sign that a gene
 PreTrainedModel._from_config                                the CLI's embedded default   cli/default_model.py:
                                                             model, random weights        model_from_config
 
+GenerationMixin._prepare_cache_for_generation               generate's default paged     generate/_default_cache.py:
+                                                            cache (wrapped once)         wrap_prepare_cache
+
 model._hf_hook (accelerate's AlignDevicesHook)              a keyword argument           hf/_placement.py:
                                                             accelerate's hook leaves in  accelerate_hook
                                                             place
@@ -140,7 +143,7 @@ __all__ = [
     "flash_attention_forward",
     "get_hash_for_files", "has_dynamo_option", "inductor_has_option", "mark_static_address", "model_from_config",
     "no_duck_shaping", "resolve_process_group", "same_storage", "set_compile_all_devices", "symmetric_empty",
-    "symmetric_rendezvous", "user_defined_flag_from", "version_sum",
+    "symmetric_rendezvous", "user_defined_flag_from", "version_sum", "wrap_prepare_cache",
 ]
 
 
@@ -525,7 +528,8 @@ def attn_implementation(config) -> str | None:
 #: and nowhere else (``tests/test_compat.py`` checks that no other module of hf_paged names them).
 PRIVATE_ATTRIBUTES = (
     "_attn_implementation", "_compile_all_devices", "_compiled_call", "_from_config", "_get_default_generation_params",
-    "_hf_hook", "_is_user_defined", "_last_compile_config", "_local_tensor", "_resolve_process_group",
+    "_hf_hook", "_is_user_defined", "_last_compile_config", "_local_tensor", "_prepare_cache_for_generation",
+    "_resolve_process_group",
     "_symmetric_memory", "_flash_attention_forward", "_version",
 )
 
@@ -546,6 +550,21 @@ def user_defined_flag_from(name: str) -> Callable[[type], type]:
         return cls
 
     return decorate
+
+
+def wrap_prepare_cache(wrap: Callable[[Callable], Callable]) -> bool:
+    """Replace ``generate``'s cache maker with ``wrap(current)``; False where this transformers has none.
+
+    Symbol: ``GenerationMixin._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
+    batch_size, max_cache_length)``, which puts the cache ``generate`` makes (a ``DynamicCache`` unless
+    ``cache_implementation`` says otherwise) into ``model_kwargs``. Checked on transformers 5.17 and 5.25."""
+    from transformers import GenerationMixin
+
+    current = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
+    if current is None:
+        return False
+    GenerationMixin._prepare_cache_for_generation = wrap(current)
+    return True
 
 
 def model_from_config(model_class: type, config, **kwargs) -> torch.nn.Module:

@@ -427,6 +427,33 @@ def test_generate_sets_the_user_defined_flag_before_reading_the_cache():
         _compat.user_defined_flag_from("no_such_property")(Recording)
 
 
+def test_wrap_prepare_cache_sees_the_cache_generate_makes_and_generate_uses_it():
+    """The wrapped maker runs once per ``generate`` call and leaves a ``DynamicCache`` in ``model_kwargs`` under the
+    cache keyword, which generate then fills (its sequence length is the call's last position)."""
+    config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                      num_attention_heads=2, num_key_value_heads=1)
+    model = _compat.model_from_config(transformers.LlamaForCausalLM, config, attn_implementation="eager").eval()
+    original = transformers.GenerationMixin.__dict__["_prepare_cache_for_generation"]
+    made = []
+
+    def wrap(prepare):
+        def recording(self, generation_config, model_kwargs, *args):
+            result = prepare(self, generation_config, model_kwargs, *args)
+            made.extend(v for k, v in model_kwargs.items() if k in ("cache", "past_key_values") and v is not None)
+            return result
+        return recording
+
+    try:
+        require(_compat.wrap_prepare_cache(wrap), "GenerationMixin._prepare_cache_for_generation", "it exists")
+        ids = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(3))
+        model.generate(ids, max_new_tokens=3, do_sample=False, pad_token_id=0)
+    finally:
+        transformers.GenerationMixin._prepare_cache_for_generation = original
+    require(len(made) == 1 and isinstance(made[0], transformers.DynamicCache) and made[0].get_seq_length() == 7,
+            "GenerationMixin._prepare_cache_for_generation",
+            f"it puts the DynamicCache generate then fills into model_kwargs (saw {made})")
+
+
 def test_model_from_config_makes_the_class_with_the_settings():
     config = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                       num_attention_heads=2, num_key_value_heads=1)

@@ -17,7 +17,6 @@ from __future__ import annotations
 import functools
 import logging
 
-from transformers import GenerationMixin
 from transformers.cache_utils import DynamicCache
 
 from hf_paged import _compat
@@ -49,15 +48,18 @@ def paged_default(model, generation_config, batch_size: int, max_cache_length: i
 
 
 def install() -> bool:
-    """Wrap ``GenerationMixin._prepare_cache_for_generation`` (once); False, with a warning, where this transformers
-    has no such method."""
-    prepare = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
-    if prepare is None:
+    """Wrap ``generate``'s cache maker (once, ``_compat.wrap_prepare_cache``); False, with a warning, where this
+    transformers has none."""
+    if not _compat.wrap_prepare_cache(_paged_unless_given):
         logger.warning("hf_paged: this transformers' generate has no _prepare_cache_for_generation; generate on an "
                        '"hf_paged" model without a cache runs dense (pass a PagedAttentionCache)')
         return False
+    return True
+
+
+def _paged_unless_given(prepare):
     if getattr(prepare, _MARK, False):
-        return True
+        return prepare
 
     @functools.wraps(prepare)
     def prepare_cache(self, generation_config, model_kwargs, generation_mode, batch_size, max_cache_length):
@@ -75,5 +77,4 @@ def install() -> bool:
         return result
 
     setattr(prepare_cache, _MARK, True)
-    GenerationMixin._prepare_cache_for_generation = prepare_cache
-    return True
+    return prepare_cache
