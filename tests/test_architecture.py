@@ -20,6 +20,7 @@ LAYERS = (
     "_version",
     "envs",
     "_compat",
+    "_frozen_heap",
     "_forward_context",
     "kernels",
     "cache",

@@ -30,7 +30,7 @@ from hf_paged.engine._request_registry import family
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload
 from hf_paged.engine._sequence import Sequence
-from hf_paged.runner._frozen_heap import frozen_heap
+from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 Prompt = SequenceType[int] | str
@@ -330,7 +330,7 @@ class Engine(EngineCore):
             if owned:
                 self._cancel(owned)
 
-    @frozen_heap()  # the whole call (runner/_frozen_heap.py)
+    @frozen_heap()  # the whole call (hf_paged/_frozen_heap.py)
     def generate(
         self,
         prompts: list[Prompt],

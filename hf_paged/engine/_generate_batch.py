@@ -34,12 +34,12 @@ from hf_paged.hf._placement import kv_devices
 from hf_paged.hf._register import use_paged_attention
 from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout
-from hf_paged.runner._frozen_heap import frozen_heap
+from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
 
-@frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (runner/_frozen_heap.py)
+@frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (hf_paged/_frozen_heap.py)
 def generate_batch(
     model: torch.nn.Module,
     inputs: list[list[int]],

@@ -21,7 +21,7 @@ CUDA graph launches. ``optimize_generate`` trims that host path and the step's G
   rows stream the weight at close to copy bandwidth; prefill's many rows keep ``F.linear``), and an inductor pass
   groups the products that share an input (q/k/v, gate/up) into one launch each.
 - **No collector pause inside a call.** ``model.generate`` sets the objects that exist when it starts aside from
-  Python's garbage collector until it returns, as ``generate_batch`` does (``hf_paged/runner/_frozen_heap.py``): the
+  Python's garbage collector until it returns, as ``generate_batch`` does (``hf_paged/_frozen_heap.py``): the
   compile leaves a full collection due, which would otherwise fall inside a later call.
 - **Decode graphs** (``graphs=True``). Decode steps run as hf_paged's own model calls (the model's compiled layers,
   as in the engine) and are replayed from CUDA graphs hf_paged captures, keyed by the step and the input shapes,
@@ -54,7 +54,7 @@ from hf_paged.hf._attention import StepMask, plan_mask
 from hf_paged.hf.compat import cache_in
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
-from hf_paged.runner._frozen_heap import frozen_heap
+from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
@@ -166,7 +166,7 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
 
 class FrozenHeapGenerate:
     """``model.generate`` under :func:`optimize_generate`: the generate the model had (its class's, or an instance
-    one set before), run with the collector's old objects set aside (``hf_paged/runner/_frozen_heap.py``). It holds
+    one set before), run with the collector's old objects set aside (``hf_paged/_frozen_heap.py``). It holds
     the model itself, so a deep copy of the model gets one for the copy."""
 
     def __init__(self, model: torch.nn.Module):

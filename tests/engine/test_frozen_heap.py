@@ -1,5 +1,5 @@
 """``generate_batch`` and ``Engine.generate`` set the objects that exist when they start aside from the garbage
-collector for the call (``runner/_frozen_heap.py``), so that a full collection inside it walks only what the call
+collector for the call (``hf_paged/_frozen_heap.py``), so that a full collection inside it walks only what the call
 made, and put them back after: nothing is kept from collection once the call is over, and a process's own freeze is
 left as it is (the call then holds off full collections instead)."""
 
@@ -16,7 +16,7 @@ import hf_paged
 from engine_helpers import models, random_prompts
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._engine import Engine
-from hf_paged.runner._frozen_heap import frozen_heap
+from hf_paged._frozen_heap import frozen_heap
 
 CONFIG = GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None)
 
