@@ -25,8 +25,6 @@ order, and ``hf-paged --help`` answers before torch is loaded.
 
 from __future__ import annotations
 
-import warnings
-
 from hf_paged._lazy import lazy_exports
 from hf_paged._version import __version__
 from hf_paged.hf._autoregister import when_transformers_models_load
@@ -50,18 +48,7 @@ _LAZY = {
     "with_cache": "hf_paged.hf.compat",
 }
 __all__ = sorted(_LAZY)
-_MOVED = {"BlockAllocator": "hf_paged.cache.BlockAllocator"}
-_public, __dir__ = lazy_exports(__name__, _LAZY)
-
-
-def __getattr__(name: str):
-    if name in _MOVED:
-        warnings.warn(f"hf_paged.{name} is internal and leaves the public API; import {_MOVED[name]} if you need it",
-                      DeprecationWarning, stacklevel=2)
-        from hf_paged import cache
-
-        return getattr(cache, name)
-    return _public(name)
+__getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 
 def _register_with_transformers() -> None:

@@ -42,6 +42,13 @@ def test_each_lazy_name_is_what_its_module_defines(package):
         package.no_such_name  # noqa: B018
 
 
+def test_internal_names_are_not_public():
+    """``BlockAllocator`` left the public API: ``hf_paged`` no longer hands it out, ``hf_paged.cache`` still does."""
+    with pytest.raises(AttributeError, match="has no attribute 'BlockAllocator'"):
+        hf_paged.BlockAllocator  # noqa: B018
+    assert hf_paged.cache.BlockAllocator(4).num_free == 4
+
+
 @pytest.mark.slow
 def test_the_reference_builds_without_a_warning(tmp_path):
     try:
