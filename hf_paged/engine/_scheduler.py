@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from hf_paged.cache._block_manager import BlockManager
+from hf_paged.engine._request_registry import family
 from hf_paged.engine._sequence import Sequence, SequenceStatus
 
 
@@ -192,7 +193,7 @@ class Scheduler:
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` with ``"abort"``; returns them."""
-        hit = [s for s in self.live if s.request_id == request_id or s.request_id.startswith(request_id + "__child#")]
+        hit = [s for s in self.live if family(s.request_id) == request_id]
         self.version += 1
         for seq in hit:
             if seq.status is SequenceStatus.RUNNING:
