@@ -7,7 +7,7 @@ resets the variable. With no kernel selected (no ``kernelize`` call on the model
 routed call ends in the plain function. But dynamo cannot resume a graph break inside a ``try`` block of a nested
 frame, and the ``"hf_paged"`` attention function is such a break: with the wrapper on the stack, the attention
 module's rest (``o_proj`` and, under tensor parallel, its all-reduce) becomes a graph of its own instead of joining
-the decoder layer's residual add and norm (``hf_paged.parallel._fuse_all_reduce``), and every layer traces as more
+the decoder layer's residual add and norm (``hf_paged.compile._fuse_all_reduce``), and every layer traces as more
 frames.
 
 :func:`route_around` gives each such module of a compiled layer a ``forward`` that, while dynamo traces and no

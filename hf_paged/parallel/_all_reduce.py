@@ -116,7 +116,7 @@ def _(x, group_name):
 
 
 # ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
-# The engine's graph pass (hf_paged.parallel._fuse_all_reduce) puts these where a layer adds the all-reduce's output
+# The engine's graph pass (hf_paged.compile._fuse_all_reduce) puts these where a layer adds the all-reduce's output
 # to its residual stream (and, after attention, takes the next RMSNorm of it), so that peer_sum's kernel does the add
 # and the norm instead of a kernel of their own after it.
 

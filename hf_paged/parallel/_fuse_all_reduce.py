@@ -1,46 +1,17 @@
-"""``fuse_all_reduce``: an inductor graph pass that folds a tensor-parallel layer's residual add and RMSNorm into the
-all-reduce before them.
-
-In a compiled decoder layer of a tensor-parallel model (``hf_paged.parallel._linears``), each rowwise linear's output is
-summed over the ranks by ``hf_paged::tp_all_reduce``, an opaque op, and then added to the residual stream; after
-attention the sum also feeds the next RMSNorm. Inductor cannot fuse into an opaque op, so each all-reduce is followed
-by a small kernel of its own (the add, or the add and the norm): 64 per decode step of a 32-layer model, a few
-microseconds each at 64 rows. Where peer_sum serves the group (``hf_paged.parallel._all_reduce``), this pass replaces
-
-- ``residual + tp_all_reduce(x)`` followed by Llama's RMSNorm (``weight * (h * rsqrt(mean(h^2) + eps)).to(dtype)``
-  in float32) by one ``hf_paged::tp_all_reduce_add_rms_norm`` call whose two outputs are the sum and its norm;
-- ``residual + tp_all_reduce(x)`` with no such norm after it by one ``hf_paged::tp_all_reduce_add`` call.
-
-peer_sum's kernel then does the add and the norm in the same launch as the sum. Any other shape of graph (another
-norm, a bias after the all-reduce, an intermediate used elsewhere) is left as it is. In the engine's compiled layers
-the attention function breaks the graph, so the attention module's all-reduce ends a graph of its own (its add and
-norm are in the next one) unless dynamo resumes such a break in the calling frame: every compile of the layers
-traces with dynamo's ``nested_graph_breaks`` where this torch has it (``compile._layers.DYNAMO_DEFAULTS``), and
-attention modules that transformers routes through the ``kernels`` package's wrapper trace without it (its ``try``
-block stops the resume: ``compile._kernel_funcs``), so that a layer's work after attention (o_proj and its all-reduce, the residual add and norm, the MLP, its all-reduce and add)
-is one graph and both forms serve. Without it only the MLP's all-reduce takes its residual add.
-
-On two H200s it took 0.03 ms off the 4.35 ms decode step of an 8B-shaped model at batch 64, with the greedy tokens of
-one GPU (docs/guides/multi_gpu.md). :class:`LayerPasses` runs the engine's graph passes (grouped linears, then this one) as
-the one custom pass inductor takes.
-"""
+"""How a tensor-parallel model's layers compile: the grouped linears, then the all-reduces fused with their residual
+add and RMSNorm (``hf_paged.compile._fuse_all_reduce``) over the groups peer_sum serves."""
 
 from __future__ import annotations
 
-import operator
-
 import torch
-from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hf_paged import _compat, envs
-from hf_paged.compile._group_linears import _KEPT_META, GroupLinears, group_linears
+from hf_paged.compile import _fuse_all_reduce as fusion
+from hf_paged.compile._group_linears import GroupLinears, group_linears
 from hf_paged.compile._layers import LayerCompile, inductor_has_pdl
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
-__all__ = ["LayerPasses", "fuse_all_reduce", "layer_compile"]
-
-_aten = torch.ops.aten
-_CONVERT = torch.ops.prims.convert_element_type.default
+__all__ = ["LayerPasses", "layer_compile"]
 
 
 def layer_compile(group_name: str) -> LayerCompile:
@@ -54,161 +25,13 @@ def layer_compile(group_name: str) -> LayerCompile:
 
 class LayerPasses(GroupLinears):
     """The engine's compiled layers' custom pass: :func:`~hf_paged.compile._group_linears.group_linears`, then
-    :func:`fuse_all_reduce` (equal instances, as GroupLinears')."""
+    :func:`~hf_paged.compile._fuse_all_reduce.fuse_all_reduce` where peer_sum serves the group (equal instances, as
+    GroupLinears'). Its ``uuid`` keys inductor's FX graph cache by the all-reduce chosen as well."""
 
     def __call__(self, graph: torch.fx.Graph) -> None:
         group_linears(graph)
-        fuse_all_reduce(graph)
+        fusion.fuse_all_reduce(graph, tp_all_reduce.fused_ready)
 
     def uuid(self) -> bytes:
-        return super().uuid() + _compat.get_hash_for_files((__file__,)) + b"fuse:" + envs.tp_all_reduce().encode()
-
-
-def fuse_all_reduce(graph: torch.fx.Graph) -> int:
-    """Replace, in place, each ``tp_all_reduce`` of a peer_sum group whose only use is an add to a tensor of its
-    shape and dtype (and the RMSNorm of that sum, where one follows) by the fused op. Returns the number of fused
-    calls made."""
-    reduce = torch.ops.hf_paged.tp_all_reduce.default
-    order = {node: i for i, node in enumerate(graph.nodes)}
-    made = 0
-    for node in list(graph.nodes):
-        if node.target is not reduce or len(node.args) != 2 or node.kwargs:
-            continue
-        x, group = node.args
-        if not isinstance(group, str) or not tp_all_reduce.fused_ready(group):
-            continue
-        add = _sole_user(node)
-        residual = _other_operand(add, node) if add is not None and add.target is _aten.add.Tensor else None
-        if residual is None or not _like(residual, node) or not _like(add, node):
-            continue
-        norm = _rms_norm_of(add)
-        if norm is not None and all(order.get(n, -1) < order[add] for n in norm[:2] if isinstance(n, torch.fx.Node)):
-            _replace_with_norm(graph, node, add, x, residual, group, *norm)
-        else:
-            _replace_with_add(graph, node, add, x, residual, group)
-        made += 1
-    return made
-
-
-def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
-
-
-def _other_operand(add: torch.fx.Node, node: torch.fx.Node):
-    """The other operand of ``add`` (``a + b``, no alpha), if ``node`` is one of its two."""
-    if add.kwargs or len(add.args) != 2 or node not in add.args or add.args[0] is add.args[1]:
-        return None
-    other = add.args[1] if add.args[0] is node else add.args[0]
-    return other if isinstance(other, torch.fx.Node) else None
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
-
-
-def _like(node: torch.fx.Node, reference: torch.fx.Node) -> bool:
-    """``node``'s value has ``reference``'s shape and dtype (so the add does not broadcast or promote)."""
-    a, b = _val(node), _val(reference)
-    return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
-            and all(statically_known_true(x == y) for x, y in zip(a.shape, b.shape, strict=True)))  # no new guard
-
-
-def _is_convert(node, dtype: torch.dtype) -> bool:
-    return isinstance(node, torch.fx.Node) and node.target is _CONVERT and len(node.args) == 2 and node.args[1] == dtype
-
-
-def _rms_norm_of(h: torch.fx.Node):
-    """``(weight, eps, out, chain)`` where ``h`` feeds Llama's RMSNorm (``out``, ``chain`` its intermediate nodes in
-    graph order, each used only inside the norm; ``eps`` a number or a 0-d tensor node), else None."""
-    dtype = _val(h).dtype
-    if dtype == torch.float32:
-        up = h
-    else:
-        ups = [u for u in h.users if _is_convert(u, torch.float32)]
-        if len(ups) != 1:
-            return None
-        up = ups[0]
-    squares = [u for u in up.users if u.target is _aten.pow.Tensor_Scalar and u.args[1:] == (2,)]
-    if len(squares) != 1:
-        return None
-    square = squares[0]
-    mean = _sole_user(square)
-    last = _val(h).dim() - 1
-    if (mean is None or mean.target is not _aten.mean.dim or len(mean.args) != 3 or mean.args[0] is not square
-            or list(mean.args[1]) not in ([-1], [last]) or mean.args[2] is not True):
-        return None
-    plus = _sole_user(mean)
-    if plus is None or plus.target is not _aten.add.Tensor or plus.kwargs or len(plus.args) != 2:
-        return None
-    eps = plus.args[1] if plus.args[0] is mean else plus.args[0]
-    eps_convert = None
-    if _is_convert(eps, torch.float32):  # a float attribute that torch.compile passes as a 0-d tensor
-        eps_convert, eps = eps, eps.args[0]
-    if isinstance(eps, torch.fx.Node):
-        value = _val(eps)
-        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
-            return None
-    elif not isinstance(eps, (int, float)):
-        return None
-    rsqrt = _sole_user(plus)
-    if rsqrt is None or rsqrt.target is not _aten.rsqrt.default:
-        return None
-    scaled = _sole_user(rsqrt)
-    if scaled is None or scaled.target is not _aten.mul.Tensor or set(scaled.args) != {up, rsqrt}:
-        return None
-    if up is not h and set(up.users) != {square, scaled}:
-        return None
-    down = scaled
-    if dtype != torch.float32:
-        down = _sole_user(scaled)
-        if not _is_convert(down, dtype):
-            return None
-    out = _sole_user(down)
-    if out is None or out.target is not _aten.mul.Tensor or out.kwargs or len(out.args) != 2 or down not in out.args:
-        return None
-    weight = out.args[1] if out.args[0] is down else out.args[0]
-    w = _val(weight)
-    hidden = _val(h).shape[-1]
-    if not (isinstance(w, torch.Tensor) and w.dtype == dtype and w.dim() == 1
-            and statically_known_true(w.shape[0] == hidden)):
-        return None
-    chain = [n for n in (up if up is not h else None, square, mean, eps_convert, plus, rsqrt, scaled,
-                         down if down is not scaled else None) if n is not None]
-    if eps_convert is not None and len(eps_convert.users) != 1:
-        chain.remove(eps_convert)  # used elsewhere too: kept
-    return weight, eps, out, chain
-
-
-def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
-    new.meta.update({k: old.meta[k] for k in _KEPT_META if k in old.meta})
-
-
-def _replace_with_add(graph, reduce, add, x, residual, group) -> None:
-    with graph.inserting_before(add):
-        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add.default, (x, residual, group))
-    _keep_meta(fused, add)
-    fused.meta["val"] = add.meta["val"]
-    add.replace_all_uses_with(fused)
-    graph.erase_node(add)
-    graph.erase_node(reduce)
-
-
-def _replace_with_norm(graph, reduce, add, x, residual, group, weight, eps, out, chain) -> None:
-    eps_value, eps_tensor = (0.0, eps) if isinstance(eps, torch.fx.Node) else (float(eps), None)
-    with graph.inserting_before(add):
-        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default,
-                                    (x, residual, weight, eps_value, eps_tensor, group))
-        h = graph.call_function(operator.getitem, (fused, 0))
-        normed = graph.call_function(operator.getitem, (fused, 1))
-    for new, old in ((fused, add), (h, add), (normed, out)):
-        _keep_meta(new, old)
-    fused.meta["val"] = (add.meta["val"], out.meta["val"])
-    h.meta["val"], normed.meta["val"] = add.meta["val"], out.meta["val"]
-    out.replace_all_uses_with(normed)
-    graph.erase_node(out)
-    for node in reversed(chain):
-        graph.erase_node(node)
-    add.replace_all_uses_with(h)
-    graph.erase_node(add)
-    graph.erase_node(reduce)
+        return (super().uuid() + _compat.get_hash_for_files((__file__, fusion.__file__)) + b"fuse:"
+                + envs.tp_all_reduce().encode())

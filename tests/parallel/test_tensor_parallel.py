@@ -217,23 +217,24 @@ def _fused_run(model, prompts) -> tuple:
     compile with peer_sum serving the group takes (``fusion.layer_compile``) for this run."""
     import torch._inductor.config as inductor_config
 
+    from hf_paged.compile import _fuse_all_reduce as fusion_pass
     from hf_paged.compile._layers import compiled_layers
     from hf_paged.parallel import _fuse_all_reduce as fusion
     from hf_paged.parallel import _all_reduce as tp_all_reduce
 
     ops = (torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default, torch.ops.hf_paged.tp_all_reduce_add.default,
            torch.ops.hf_paged.tp_all_reduce.default)
-    seen, fuse, ready = [], fusion.fuse_all_reduce, tp_all_reduce.fused_ready
+    seen, fuse, ready = [], fusion_pass.fuse_all_reduce, tp_all_reduce.fused_ready
 
-    def counting(graph):
-        made = fuse(graph)
+    def counting(graph, is_ready):
+        made = fuse(graph, is_ready)
         targets = [n.target for n in graph.nodes]
         counts = tuple(targets.count(op) for op in ops)
         if any(counts):
             seen.append(counts)
         return made
 
-    fusion.fuse_all_reduce, tp_all_reduce.fused_ready = counting, lambda name: True
+    fusion_pass.fuse_all_reduce, tp_all_reduce.fused_ready = counting, lambda name: True
     group_name = tensor_parallel(model).group.group_name
     layers = compiled_layers(model, fusion.layer_compile(group_name))
     first_compile, layers.how = layers.how, fusion.layer_compile(group_name)
@@ -245,7 +246,7 @@ def _fused_run(model, prompts) -> tuple:
             tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     finally:
         nested = bool(DYNAMO_DEFAULTS)
-        fusion.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
+        fusion_pass.fuse_all_reduce, tp_all_reduce.fused_ready = fuse, ready
         layers.how = first_compile
         torch._dynamo.reset()
     return tokens, sorted(set(seen)), len(seen) >= model.config.num_hidden_layers, nested
