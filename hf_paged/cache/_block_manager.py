@@ -252,6 +252,30 @@ class BlockManager:
         seq.num_computed_tokens = seq.num_hashed_blocks = 0
         seq.last_block_hash = None
 
+    def blocks_to_reserve(self, seqs: list[Sequence], num_new_tokens: list[int]) -> int:
+        """Free blocks that :meth:`reserve` of ``num_new_tokens[i]`` tokens for each ``seqs[i]`` in turn (those with
+        a nonzero count) takes: each row's growth, and a copy for each writer of a shared block but its last holder."""
+        bs, grow, writers = self.block_size, 0, {}
+        for seq, n in zip(seqs, num_new_tokens):
+            if n:
+                grow += max(0, -(-(seq.num_computed_tokens + n) // bs) - len(seq.block_table))
+                if self._needs_copy(seq):
+                    block = seq.block_table[seq.num_computed_tokens // bs]
+                    writers[block] = writers.get(block, 0) + 1
+        return grow + sum(min(w, self.allocator.ref_count(b) - 1) for b, w in writers.items())
+
+    def truncate(self, seq: Sequence, num_tokens: int) -> None:
+        """Keep the first ``num_tokens`` tokens of ``seq`` (of a manager without prefix caching) and drop the blocks
+        past them, tail first; their table entries become 0."""
+        assert not self.enable_prefix_caching, "truncating would leave cached blocks keyed by tokens dropped"
+        nb = -(-num_tokens // self.block_size)
+        dropped = seq.block_table[nb:]
+        self.allocator.free(reversed(dropped))
+        del seq.block_table[nb:]
+        if dropped and seq.row >= 0:
+            self.tables.write(seq.row, nb, [0] * len(dropped))
+        seq.num_computed_tokens = min(seq.num_computed_tokens, num_tokens)
+
     def check_invariants(self, live: list[Sequence]) -> None:
         """Reference counts equal the number of live tables holding each block; cache keys point at real blocks."""
         self.allocator.check_invariants()

@@ -1,12 +1,13 @@
-"""The one registry of the ``forward`` replacements hf_paged puts on a model's modules.
+"""The one registry of the replacements hf_paged puts on a model's modules (their ``forward``, or another attribute).
 
-hf_paged changes a model's behaviour in five ways, each by giving modules a ``forward`` of their own: the compiled
+hf_paged changes a model's behaviour in six ways, each by giving modules a ``forward`` of their own: the compiled
 layers (``compile._layers``), the skinny linear routing (``compile._skinny_linears``), a tensor-parallel model's local
 products (``parallel._linears``) and its local logits (``parallel._logits``), and ``optimize_generate``'s packed
-prefill on the model itself (``generate._packed_prefill``). Each goes through :func:`install`, which
-records the forward the module had (its class's, or an instance forward someone else set, such as a hook) under the
-patch's kind, so that :func:`restore` puts exactly that back, and :func:`patch_of` finds a module's patch of a kind.
-A module holds one patch per kind; patches of different kinds stack, and come off in reverse order.
+prefill on the model itself (``generate._packed_prefill``); and ``optimize_generate`` gives the model its own
+``generate``, ``create_masks_for_generate`` and ``get_compiled_call`` (``generate._adapter``). Each goes through
+:func:`install`, which records the value the module had (its class's, or an instance one someone else set, such as a
+hook) under the patch's kind, so that :func:`restore` puts exactly that back, and :func:`patch_of` finds a module's
+patch of a kind. A module holds one patch per kind; patches stack, and come off in reverse order.
 """
 
 from __future__ import annotations
@@ -15,34 +16,39 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-KINDS = ("compiled_layers", "skinny_linears", "tp_linears", "tp_logits", "packed_prefill")
-_RECORD = "_hf_paged_patches"  # module attribute: [(kind, forward before the patch or None: its class's)]
+KINDS = ("compiled_layers", "skinny_linears", "tp_linears", "tp_logits", "packed_prefill", "generate",
+         "generate_masks", "compiled_call")
+_RECORD = "_hf_paged_patches"  # module attribute: [(kind, attribute, its value before the patch or None: its class's)]
 
 
-def install(module: torch.nn.Module, kind: str, make: Callable[[Callable], Callable]) -> Callable:
-    """Give ``module`` the forward ``make(current_forward)`` returns, as a patch of ``kind``; returns it. A module
-    that holds a patch of ``kind`` already keeps it (returned as it is)."""
+def install(module: torch.nn.Module, kind: str, make: Callable[[Callable], Callable],
+            attribute: str = "forward") -> Callable:
+    """Give ``module`` the ``attribute`` (its forward, unless named) ``make(current value)`` returns, as a patch of
+    ``kind``; returns it. A module that holds a patch of ``kind`` already keeps it (returned as it is)."""
     if kind not in KINDS:
         raise ValueError(f"unknown patch kind {kind!r}; one of {KINDS}")
     existing = patch_of(module, kind)
     if existing is not None:
         return existing
     record = module.__dict__.setdefault(_RECORD, [])
-    before = module.__dict__.get("forward")
-    patched = make(module.forward)
-    record.append((kind, before))
-    object.__setattr__(module, "forward", patched)
+    before = module.__dict__.get(attribute)
+    patched = make(getattr(module, attribute, None))
+    record.append((kind, attribute, before))
+    object.__setattr__(module, attribute, patched)
     return patched
 
 
 def patch_of(module: torch.nn.Module, kind: str) -> Callable | None:
-    """``module``'s patch of ``kind`` (its current forward, or the one a later patch wraps), or None."""
+    """``module``'s patch of ``kind`` (its current value, or the one a later patch of the same attribute replaced),
+    or None."""
     record = module.__dict__.get(_RECORD, [])
-    kinds = [k for k, _ in record]
+    kinds = [k for k, _, _ in record]
     if kind not in kinds:
         return None
     index = kinds.index(kind)
-    return record[index + 1][1] if index + 1 < len(record) else module.__dict__.get("forward")
+    attribute = record[index][1]
+    later = [before for _, name, before in record[index + 1:] if name == attribute]
+    return later[0] if later else module.__dict__.get(attribute)
 
 
 def patched(modules: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.Module]:
@@ -56,16 +62,16 @@ def restore(modules: Iterable[torch.nn.Module], kind: str) -> int:
     count = 0
     for module in modules:
         record = module.__dict__.get(_RECORD, [])
-        kinds = [k for k, _ in record]
+        kinds = [k for k, _, _ in record]
         if kind not in kinds:
             continue
         index = kinds.index(kind)
-        before = record[index][1]
+        for _, attribute, before in reversed(record[index:]):  # the earliest patch of an attribute is undone last
+            if before is None:
+                module.__dict__.pop(attribute, None)
+            else:
+                object.__setattr__(module, attribute, before)
         del record[index:]
-        if before is None:
-            module.__dict__.pop("forward", None)
-        else:
-            object.__setattr__(module, "forward", before)
         if not record:
             module.__dict__.pop(_RECORD, None)
         count += 1

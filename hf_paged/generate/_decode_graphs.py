@@ -27,9 +27,10 @@ from dataclasses import dataclass
 
 import torch
 
+from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
+from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import StepMask, step_mask_of
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._cuda_graphs import CudaGraphs
 from hf_paged.runner._model_runner import model_call
@@ -43,7 +44,7 @@ _FLAGS = ("use_cache", "return_dict", "logits_to_keep", "output_attentions", "ou
 
 @dataclass
 class _Graph:
-    mask: StepMask  # held, so that the step's id in the key is not reused while the graph lives
+    step: PagedStep  # held, so that the step's id in the key is not reused while the graph lives
     inputs: dict[str, torch.Tensor]  # the graph's copies of the moving inputs
     output_type: type  # the forward's ModelOutput class
     fields: dict  # its fields at capture, the cache's left out (the graph must not keep the cache alive)
@@ -103,18 +104,18 @@ class DecodeSteps:
         for name, buffer in graph.inputs.items():
             buffer.copy_(kwargs[name])
         logits = graphs.replay(key)
-        cache._plan_used = True  # what the forward's cache.update calls do
+        cache.mark_step_read()  # what the forward's cache.update calls do
         self.replays += 1
         return graph.output(logits, cache)
 
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step on its cache, with no other tensor
         input and no output flag beyond the known ones."""
-        mask, cache, layout = step_mask_of(kwargs.get("attention_mask")), cache_in(kwargs), None
+        step, cache, layout = planned_step(kwargs.get("attention_mask")), cache_in(kwargs), None
         if isinstance(kwargs.get("attention_mask"), dict):
             layout = tuple(kwargs["attention_mask"])
-        if not (mask is not None and mask.step.metadata.static and isinstance(cache, PagedAttentionCache)
-                and cache._plan is mask.step.metadata):
+        if not (step is not None and step.metadata.static and isinstance(cache, PagedAttentionCache)
+                and cache.plan is step.metadata):
             return None
         moving, flags = [], []
         for name, value in kwargs.items():
@@ -132,16 +133,16 @@ class DecodeSteps:
                 return None
         if not moving:
             return None
-        meta = mask.step.metadata
+        meta = step.metadata
         shape = (tuple(meta.block_tables.shape), meta.max_seqlen_k, meta.block_size)  # ids of dead steps come back
-        return id(mask), shape, layout, tuple(moving), tuple(sorted(flags))
+        return id(step), shape, layout, tuple(moving), tuple(sorted(flags))
 
     @torch.no_grad()
     def _run(self, kwargs: dict):
         """The forward as hf_paged's own model call: the step in the forward context, no mask, the rows' tokens in
         one row (``[1, batch]``, as the engine's decode steps and the packed prefill run: the compiled layers then
         serve both with one trace), the logits given back as ``[batch, 1, vocab]``."""
-        step = step_mask_of(kwargs["attention_mask"]).step
+        step = planned_step(kwargs["attention_mask"])
         rows = kwargs["input_ids"].shape[0]
         packed = {name: kwargs[name].view(1, rows) for name in _MOVING if name in kwargs}
         if "logits_to_keep" in kwargs:
@@ -172,6 +173,6 @@ class DecodeSteps:
             return None
         output = captured["output"]
         fields = {name: value for name, value in output.items() if value is not cache and name != "logits"}
-        return _Graph(step_mask_of(kwargs["attention_mask"]), inputs, type(output), fields,
+        return _Graph(planned_step(kwargs["attention_mask"]), inputs, type(output), fields,
                       tuple(name for name, value in output.items() if value is cache))
 

@@ -42,67 +42,20 @@ import logging
 
 import torch
 from transformers import CompileConfig
-from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
-from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import StepMask, plan_mask
-from hf_paged.hf.compat import cache_in
+from hf_paged.generate._adapter import bend, unbend
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
 from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
-_STATE = "_hf_paged_generate"  # what optimize_generate changed on a model, for restore_generate
-_PLAIN, _NEVER = "plain", "never"  # mask layouts: the plan itself; the usual path always
-
-
-class PlannedMasks:
-    """A model's ``create_masks_for_generate``: a compileable paged cache's decode steps get their plan directly,
-    everything else transformers' function. ``generate`` passes every argument by keyword."""
-
-    def __init__(self):
-        self.layout: str | tuple[str, ...] | None = None  # learnt from the usual path's first decode-step answer
-
-    def __call__(self, *args, **kwargs):
-        decode = not args and _paged_decode_step(kwargs)
-        if decode and self.layout not in (None, _NEVER):
-            embeds = kwargs["inputs_embeds"]
-            plan = plan_mask(cache_in(kwargs), kwargs.get("config"), kwargs.get("attention_mask"),
-                                embeds.shape[0], 1, embeds.device)
-            return plan if self.layout == _PLAIN else dict.fromkeys(self.layout, plan)
-        masks = create_masks_for_generate(*args, **kwargs)
-        if decode and self.layout is None:
-            self.layout = _layout_of(masks)
-        return masks
-
-
-def _paged_decode_step(kwargs: dict) -> bool:
-    """Whether ``create_masks_for_generate(**kwargs)`` asks for a decode step's masks on a compileable paged cache
-    that already holds the batch, with no extra mask function."""
-    cache, embeds, mask = cache_in(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
-    extra = ("or_mask_function", "and_mask_function", "block_sequence_ids")
-    return (isinstance(cache, PagedAttentionCache) and cache.is_compileable and cache.get_seq_length() > 0
-            and isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[1] == 1
-            and (mask is None or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
-            and all(kwargs.get(name) is None for name in extra))
-
-
-def _layout_of(masks) -> str | tuple[str, ...]:
-    """How the usual path answered a decode step: the plan (``_PLAIN``), one plan per layer type, or otherwise."""
-    if isinstance(masks, StepMask):
-        return _PLAIN
-    if isinstance(masks, dict) and masks and all(isinstance(m, StepMask) for m in masks.values()) and len(
-            {id(m) for m in masks.values()}) == 1:
-        return tuple(masks)
-    logger.info("hf_paged: optimize_generate keeps transformers' mask path for this model (its decode-step masks "
-                "are not the step's plan: %s)", type(masks).__name__)
-    return _NEVER
+_STATE = "_hf_paged_generate"  # the compile config and linears optimize_generate changed, for restore_generate
 
 
 def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
@@ -142,25 +95,16 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
         options[_compat.INDUCTOR_CUSTOM_PRE_PASS] = GroupLinears()
     before = getattr(model.generation_config, "compile_config", None)
     config = with_options(before or CompileConfig(), options)
-    object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears,
-                                       "masks": model.__dict__.get("create_masks_for_generate"),
-                                       "generate": model.__dict__.get("generate")})
-    object.__setattr__(model, "generate", FrozenHeapGenerate(model))
-    if getattr(type(model), "create_masks_for_generate", None) is None:
-        model.create_masks_for_generate = PlannedMasks()
-    else:  # the model's class makes its own masks (token types, images): those stay as they are
-        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
+    object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
     model.generation_config.compile_config = config
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
-    if graphs:
-        steps = DecodeSteps(model, type(model).get_compiled_call.__get__(model), compiled, skinny=bool(linears))
-        model.get_compiled_call = steps.get_compiled_call
+    bend(model, lambda: FrozenHeapGenerate(model), (lambda usual: DecodeSteps(
+        model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None)
     if packed_prefill and getattr(type(model), "create_masks_for_generate", None) is not None:
         logger.info("hf_paged: optimize_generate leaves %s's prompt forward as it is (its class makes its own masks)",
                     type(model).__name__)
     elif packed_prefill:
         patches.install(model, "packed_prefill", lambda forward: PackedPrefill(model, forward, compiled, bool(linears)))
-    _forget_compiled_call(model)
     return model
 
 
@@ -187,16 +131,8 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return model
     skinny_linear.route_always(state["linears"], False)
-    model.__dict__.pop("create_masks_for_generate", None)
-    model.__dict__.pop("get_compiled_call", None)
-    model.__dict__.pop("generate", None)
-    patches.restore([model], "packed_prefill")
-    if state["masks"] is not None:
-        model.create_masks_for_generate = state["masks"]
-    if state["generate"] is not None:
-        object.__setattr__(model, "generate", state["generate"])
+    unbend(model)  # (and the packed prefill, installed after it)
     model.generation_config.compile_config = state["compile_config"]
-    _forget_compiled_call(model)
     return model
 
 
@@ -215,9 +151,3 @@ def with_options(config: CompileConfig, options: dict) -> CompileConfig:
                         options=merged or None)
     _compat.set_compile_all_devices(out, _compat.compile_all_devices(config))
     return out
-
-
-def _forget_compiled_call(model: torch.nn.Module) -> None:
-    """Drop the compiled forward generate keeps on the model: the next compiled step traces the model anew."""
-    for name in _compat.COMPILED_CALL_ATTRIBUTES:
-        model.__dict__.pop(name, None)

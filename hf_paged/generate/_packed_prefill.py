@@ -29,8 +29,8 @@ import torch
 from hf_paged import _forward_context
 from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
+from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import plan_mask, step_mask_of
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._model_runner import model_call
 
@@ -64,10 +64,10 @@ class PackedPrefill:
         ids = kwargs["input_ids"]
         batch, width = ids.shape
         cache = cache_in(kwargs)
-        mask = step_mask_of(kwargs.get("attention_mask"))
-        if mask is None:  # a 2D padding mask (or none): planned here as the mask function would
-            mask = plan_mask(cache, self.config, kwargs.get("attention_mask"), batch, width, ids.device)
-        meta = mask.step.metadata.on(ids.device)
+        step = planned_step(kwargs.get("attention_mask"))
+        if step is None:  # a 2D padding mask (or none): planned here as the mask function would
+            step = cache.plan_forward(self.config, kwargs.get("attention_mask"), batch, width, ids.device).step
+        meta = step.metadata.on(ids.device)
         cu_seqlens = meta.cu_seqlens_q
         if not bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()):  # a row without a new token has no logits to give
             return self.inner(*args, **kwargs)
@@ -76,14 +76,14 @@ class PackedPrefill:
         positions = kwargs["position_ids"]
         positions = positions.reshape(1, -1) if index is None else positions.reshape(-1)[index].view(1, -1)
         packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens), plans={},
-                                               _per_device={}), mask.step.pool, mask.step.dispatcher)
+                                               _per_device={}), step.pool, step.dispatcher)
         passed = {key: value for key, value in kwargs.items() if key not in _DROPPED}
         passed.update(input_ids=packed_ids, position_ids=positions, attention_mask=None,
                       logits_to_keep=cu_seqlens[1:].long() - 1)
         with torch.no_grad(), model_call(packed, self.compiled, self.skinny):
             out = self.inner(**passed)
         out.logits = out.logits.view(batch, 1, -1)
-        cache._plan_used = True  # (the layers' cache.update calls set it too)
+        cache.mark_step_read()  # (the layers' cache.update calls do so too)
         self.packed += 1
         return out
 
@@ -99,7 +99,7 @@ class PackedPrefill:
                 and isinstance(cache_in(kwargs), PagedAttentionCache)):
             return False
         mask = kwargs.get("attention_mask")
-        if not (mask is None or step_mask_of(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
+        if not (mask is None or planned_step(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
             return False
         for name, value in kwargs.items():
             if name in _READ or value is None:

@@ -8,32 +8,29 @@
                                                                               block 0: f g h i
     (. = padding: no slot)                     slot = block * 4 + offset      block 1: j k l _
 
-Each forward, the registered ``"hf_paged"`` mask function asks this cache to *plan* the step
-(:meth:`PagedAttentionCache.plan_forward`): rows get blocks for their new real tokens (padding takes none), and the
-plan's flat tensors (slot mapping, block tables, sequence lengths) are built once and handed to every layer as its
-``attention_mask`` (``hf_paged.hf``'s ``StepMask``). The attention function packs the new K/V of the real tokens,
-writes them into their slots and attends through the block tables. The rest of the class answers what ``generate``
+Each forward, the registered ``"hf_paged"`` mask function asks this cache (by the ways ``generate/_adapter.py``
+describes) to *plan* the step (:meth:`PagedAttentionCache.plan_step`): rows get blocks for their new real tokens
+(padding takes none), and the plan's flat tensors (slot mapping, block tables, sequence lengths) are built once and
+handed to every layer as its ``attention_mask``. The attention function packs the new K/V of the real tokens, writes
+them into their slots and attends through the block tables. The rest of the class answers what ``generate``
 asks of a cache: sizes, flags, beam reordering, crops.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Sequence
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_paged import _compat
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
-from hf_paged.attention._step import PagedStep
 from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
 from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
 from hf_paged.cache._kv_quant import kv_storage_dtype
+from hf_paged.generate._adapter import GenerateHooks
 from hf_paged.generate._batch_tables import BatchTables
 from hf_paged.generate._static_decode import CompileMode
-from hf_paged.hf._attention import CacheOffset, StepMask
 from hf_paged.hf._placement import layer_devices
 from hf_paged.hf._support import paged_kv, position_limit
 from hf_paged.parallel._lockstep import agreed_min
@@ -72,8 +69,7 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
-@_compat.user_defined_flag_from("_generate_call_flag")
-class PagedAttentionCache(Cache):
+class PagedAttentionCache(GenerateHooks, Cache):
     """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
 
     Args:
@@ -82,10 +78,9 @@ class PagedAttentionCache(Cache):
             :class:`~hf_paged.CacheConfig` has them (its docstring says what each does), or give ``cache_config``
             instead (not both).
         block_size: tokens per block.
-        memory_budget: with ``num_blocks`` unset, the fraction of free device memory the pool may take. With
-            neither ``num_blocks`` nor ``memory_budget`` the pool takes 0.8 of free device memory (on a CPU at
-            most 3% of the machine's RAM), at most 256 sequences of the model's full length. An integer ``memory_budget`` (bytes) is
-            deprecated: pass ``num_blocks``, or a fraction.
+        memory_budget: with ``num_blocks`` unset, the fraction in (0, 1] of free device memory the pool may take.
+            With neither ``num_blocks`` nor ``memory_budget`` the pool takes 0.8 of free device memory (on a CPU at
+            most 3% of the machine's RAM), at most 256 sequences of the model's full length.
         backend: the attention backends allowed, in the order tried.
         kv_cache_dtype: what the pool stores: None or ``"auto"`` (the model's dtype), or ``"fp8"``.
         device: where the KV lives: one device, or one per decoder layer (a model split with ``device_map``).
@@ -120,7 +115,7 @@ class PagedAttentionCache(Cache):
         block_size: int = CacheConfig.block_size,
         device: str | torch.device | Sequence[str | torch.device] = "cpu",
         dtype: torch.dtype = torch.float32,
-        memory_budget: int | float | None = None,
+        memory_budget: float | None = None,
         backend: str | Sequence[str] | None = None,
         max_new_tokens: int | None = None,
         compileable: bool | None = None,
@@ -133,7 +128,7 @@ class PagedAttentionCache(Cache):
         devices = _layer_devices(device, layout.num_layers)
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
-        cache_config = _cache_config(cache_config, given, layout, dtype, devices)
+        cache_config = _cache_config(cache_config, given)
         self.kv_cache_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
         num_blocks = pool_blocks(cache_config, layout, dtype, devices,
                                  cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES, position_limit(config)))
@@ -147,10 +142,7 @@ class PagedAttentionCache(Cache):
         self._plan: PagedMetadata | None = None
         self._plan_key: tuple | None = None
         self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
-        self._mask: StepMask | None = None  # the current plan as the mask function hands it over
-        self._passed_to_generate = False
         self.max_new_tokens = max_new_tokens
-        self._traced_offset = CacheOffset(0, self)  # made here: a compiler cannot construct it while tracing
         self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool, self.dispatcher,
                                         max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
@@ -167,16 +159,6 @@ class PagedAttentionCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the ``generate`` batch seen so far (padding included, as transformers counts them)."""
         return self.rows.num_columns
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if torch.compiler.is_compiling():  # unread: the plan is made before a compiled forward (and a step-varying
-            return query_length, 0  # int read while tracing would recompile every step)
-        return self.rows.num_columns + query_length, 0
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        if torch.compiler.is_compiling():  # the plan comes in attention_mask; the mask function says so if not
-            return self._traced_offset
-        return CacheOffset(self.rows.num_columns, self)
 
     def get_max_length(self, layer_idx: int | None = None) -> int:
         return -1
@@ -209,19 +191,6 @@ class PagedAttentionCache(Cache):
     def is_croppable(self) -> bool:
         return True
 
-    # generate (transformers 5.17 to 5.25) sets this (as Cache's private user-defined flag: _compat) on a cache the
-    # caller passed, once at the start of each call: the one sign a cache gets that a new call begins, before generate
-    # asks get_seq_length() how much of the input to skip. An empty cache makes it feed the whole input.
-    @property
-    def _generate_call_flag(self) -> bool:
-        return self._passed_to_generate
-
-    @_generate_call_flag.setter
-    def _generate_call_flag(self, value: bool) -> None:
-        self._passed_to_generate = value
-        if value:
-            self.reset()
-
     # ----- batch edits generate performs -----------------------------------------------------------------------
     def reset(self) -> None:
         """Free every sequence's blocks (each generate call starts with this)."""
@@ -249,18 +218,6 @@ class PagedAttentionCache(Cache):
         self._plan = None
 
     # ----- one step --------------------------------------------------------------------------------------------
-    def plan_forward(self, config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
-                     device: torch.device | None = None) -> StepMask:
-        """The step of a forward on this cache, as the mask function hands it to every layer (``attention_mask``:
-        the 2D padding mask or None; ``device``: where the step's tensors go, default the pool's first device)."""
-        self.check_model_config(config)
-        plan = self.plan_step(attention_mask, batch_size, q_length, device or self.pool.kv_caches[0][0].device)
-        if plan is self.compile_mode.static.meta:
-            return self.compile_mode.static.mask  # one object for every step of a compiled batch
-        if self._mask is None or self._mask.step.metadata is not plan:  # (asked again in one forward: the same)
-            self._mask = StepMask(PagedStep(plan, self.pool, self.dispatcher))
-        return self._mask
-
     def plan_step(
         self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device
     ) -> PagedMetadata:
@@ -281,10 +238,10 @@ class PagedAttentionCache(Cache):
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
         if decode and self.compile_mode.enabled and self.rows.advance():  # armed rows: no host bookkeeping
             return self._planned(self.compile_mode.static.advance())
-        reserve = self.compile_mode.blocks_until_done(self.rows, q_len, valid) if not self.rows.num_columns else None
-        slots = self.rows.append(q_len, valid)
-        if reserve is not None:
-            self.rows.reserve(sum(reserve) - sum(len(t) for t in self.rows.tables))
+        if self.rows.num_columns:
+            slots = self.rows.append(q_len, valid)
+        else:
+            slots = self.compile_mode.first_append(self.rows, q_len, valid)
         if decode and self.compile_mode.enabled:
             self._plan = self.compile_mode.static.plan(self.rows, slots)
         else:
@@ -332,6 +289,16 @@ class PagedAttentionCache(Cache):
         self._plan_used = True
         return key_states, value_states
 
+    @property
+    def plan(self) -> PagedMetadata | None:
+        """The metadata of the forward planned last (None after a reset or a batch edit)."""
+        return self._plan
+
+    def mark_step_read(self) -> None:
+        """Count the planned step as read, as a layer's :meth:`update` does (a forward run without them: a replayed
+        graph), so that the next forward plans afresh."""
+        self._plan_used = True
+
     # ----- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Blocks used and free, tokens stored, internal fragmentation, and which backend served each phase."""
@@ -351,10 +318,8 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def _cache_config(cache_config: CacheConfig | None, given: dict, layout: KVLayout, dtype: torch.dtype,
-                  devices: list[torch.device]) -> CacheConfig:
-    """The pool's settings from ``cache_config`` or the keywords ``given`` (not both), an integer memory budget
-    (bytes, deprecated) turned into its number of blocks."""
+def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:
+    """The pool's settings from ``cache_config`` or the keywords ``given`` (not both)."""
     defaults = {"num_blocks": None, "block_size": CacheConfig.block_size, "memory_budget": None, "backend": None,
                 "kv_cache_dtype": None}
     changed = [name for name, value in given.items() if value != defaults[name]]
@@ -367,16 +332,6 @@ def _cache_config(cache_config: CacheConfig | None, given: dict, layout: KVLayou
         return cache_config
     if given["num_blocks"] is not None and given["memory_budget"] is not None:
         raise ValueError("give either num_blocks or memory_budget, not both")
-    budget = given.pop("memory_budget")
-    if isinstance(budget, int) and not isinstance(budget, bool):
-        warnings.warn("PagedAttentionCache(memory_budget=<bytes>) is deprecated: memory_budget is a fraction of free "
-                      "device memory everywhere; pass num_blocks for an exact size", DeprecationWarning, stacklevel=3)
-        if budget <= 0:
-            raise ValueError(f"a memory budget in bytes must be positive, got {budget}")
-        kv_dtype = kv_storage_dtype(given["kv_cache_dtype"], dtype)
-        given["num_blocks"] = blocks_for_budget(layout, given["block_size"], kv_dtype, devices, budget)
-    elif budget is not None:
-        given["memory_budget"] = budget
     return CacheConfig(**given)
 
 
@@ -402,6 +357,7 @@ def paged_cache_for(model: torch.nn.Module, **kwargs) -> PagedAttentionCache:
     layout, devices = kv_layout(model), layer_devices(model)
     if tensor_parallel(model) is not None and kwargs.get("num_blocks") is None and kwargs.get("memory_budget"):
         block_size = kwargs.get("block_size", CacheConfig.block_size)
-        mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, kwargs.pop("memory_budget"))
+        budget = CacheConfig(memory_budget=kwargs.pop("memory_budget")).memory_budget  # (checked as everywhere)
+        mine = blocks_for_budget(layout, block_size, kwargs["dtype"], devices, budget)
         kwargs["num_blocks"] = agreed_min(model, mine)
     return PagedAttentionCache(model.config, device=devices, layout=layout, **kwargs)

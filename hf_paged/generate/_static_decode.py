@@ -16,9 +16,10 @@ object whose tensors are updated in place before the forward:
     max_seqlen_k = W * block_size                               fixed bound: kernels read each row's real length
 
 The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
-plans each step through the mask function before it calls the compiled forward. Once a batch has decoded a step
-without being rebuilt, its rows are *armed* (``BatchTables.arm``): each gets the reserved blocks of its next tokens,
-the table holding them is uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
+plans each step through the mask function before it calls the compiled forward. A batch's first forward takes the
+blocks of its prompts plus ``max_new_tokens`` (``CompileMode.first_append``). Once it has decoded a step without
+being rebuilt, its rows are *armed* (``BatchTables.arm``): the table holding the blocks of their next tokens is
+uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
 each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
 a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels are loaded, else four torch
 ops), no host list walked, no host-to-device copy, no new tensor.
@@ -32,15 +33,12 @@ import logging
 import torch
 
 from hf_paged import _compat
+from hf_paged.attention._calls import decode_calls
 from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase
-from hf_paged.attention._step import PagedStep
 from hf_paged.cache._kv_pool import KVPool
 from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.generate._batch_tables import BatchTables
-from hf_paged.cache._block_allocator import OutOfBlocksError
-from hf_paged.attention._calls import decode_calls
-from hf_paged.hf._attention import StepMask
 from hf_paged.kernels import _build as build
 
 logger = logging.getLogger("hf_paged")
@@ -49,12 +47,11 @@ logger = logging.getLogger("hf_paged")
 class StaticDecode:
     """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
 
-    def __init__(self, device: torch.device, pool: KVPool, dispatcher: Dispatcher):
+    def __init__(self, device: torch.device, pool: KVPool):
         self.device = torch.device(device)
         self.block_size = pool.block_size
-        self.pool, self.dispatcher = pool, dispatcher
+        self.pool = pool
         self.meta: PagedMetadata | None = None
-        self.mask: StepMask | None = None  # meta's step, as every compiled step hands it to the layers
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
         self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
         self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
@@ -70,7 +67,6 @@ class StaticDecode:
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
         self.meta = _decode_metadata(num_rows, width, self.block_size, self.device)
-        self.mask = StepMask(PagedStep(self.meta, self.pool, self.dispatcher))
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
         # replay on them, and skip a step whose mutated inputs are not marked so.
@@ -151,23 +147,6 @@ def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.d
     )
 
 
-def blocks_until_done(rows: BatchTables, new_tokens: list[int], max_new_tokens: int) -> list[int]:
-    """Blocks each row needs to hold its ``new_tokens`` (a batch's first forward) plus ``max_new_tokens`` more.
-
-    Raises ``OutOfBlocksError`` (with the number needed) when the pool cannot hold them all, before the forward
-    writes anything, so that a decode step never finds the pool empty.
-    """
-    bs, alloc = rows.pool.block_size, rows.pool.allocator
-    per_row = [-(-(n + max_new_tokens) // bs) for n in new_tokens]
-    needed, free = sum(per_row), alloc.num_free + rows.num_reserved
-    if needed > free:
-        raise OutOfBlocksError(
-            needed, free, alloc.num_blocks,
-            hint=(f"({len(per_row)} rows: their prompts plus max_new_tokens={max_new_tokens} tokens each, in "
-                  f"{bs}-token blocks, are taken before decoding starts.)"))
-    return per_row
-
-
 class CompileMode:
     """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, their metadata, and the
     blocks a batch takes ahead (with ``max_new_tokens``)."""
@@ -188,7 +167,7 @@ class CompileMode:
             reason = self._static_reason()
             if reason is not None:
                 raise ValueError(f"compileable=True, but {reason}")
-        self.static = StaticDecode(devices[0], pool, dispatcher)
+        self.static = StaticDecode(devices[0], pool)
 
     @property
     def enabled(self) -> bool:
@@ -198,16 +177,18 @@ class CompileMode:
                 _note_not_compileable(self._reason, self.max_new_tokens is not None)
         return self._reason is None
 
-    def blocks_until_done(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> list[int] | None:
-        """Before a batch's first forward (``q_len`` columns, ``valid`` its real tokens or None = all): with
-        ``max_new_tokens`` given, the blocks each row will need, checked to fit; sizes the decode metadata."""
+    def first_append(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
+        """A batch's first forward (``rows.append``): with ``max_new_tokens`` given, every row takes the blocks of
+        its tokens and ``max_new_tokens`` more, so that a decode step never finds the pool empty (an
+        ``OutOfBlocksError`` before the forward writes anything otherwise), and the decode metadata is sized."""
         if self.max_new_tokens is None:
-            return None
-        new = [q_len] * rows.num_rows if valid is None else valid.sum(1).tolist()
-        per_row = blocks_until_done(rows, new, self.max_new_tokens)
+            return rows.append(q_len, valid)
+        slots = rows.append(q_len, valid, self.max_new_tokens, hint=(
+            f"({rows.num_rows} rows: their prompts plus max_new_tokens={self.max_new_tokens} tokens each, in "
+            f"{self.block_size}-token blocks, are taken before decoding starts.)"))
         if self.enabled:
-            self.static.size_for(len(per_row), max(per_row, default=1))
-        return per_row
+            self.static.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
+        return slots
 
     @property
     def reason(self) -> str | None:

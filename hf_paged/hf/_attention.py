@@ -7,10 +7,9 @@ each kind of caller:
   positions only and set the step in the forward context (``hf_paged._forward_context``) for the call; the mask
   function then builds no mask, and every layer reads the step there.
 - **transformers' ``generate``** calls the forward itself; a :class:`~hf_paged.PagedAttentionCache` passed to it
-  plans each forward from the padding mask. transformers gives an attention implementation one channel for that
-  per forward: its registered mask function, whose result every layer gets as ``attention_mask`` (flex attention's
-  ``BlockMask`` travels the same way). The cache's query offset (:class:`CacheOffset`) carries the cache to the
-  mask function, which returns the planned step wrapped as a :class:`StepMask`.
+  plans each forward from the padding mask. The step reaches every layer as its ``attention_mask``, a
+  :class:`StepMask`, which the mask function gets from the cache that the query offset carries (how, and why so:
+  ``hf_paged/generate/_adapter.py``).
 
 Without either, an inference forward that starts from nothing with plain causal attention (a plain
 ``model(input_ids)`` under ``torch.no_grad()``, the prompt forward on a cache transformers made) runs paged all the
@@ -24,14 +23,13 @@ from __future__ import annotations
 import functools
 import logging
 import sys
-from typing import Protocol
 
 import torch
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from hf_paged import _forward_context
-from hf_paged.attention._step import PagedStep, attend, attend_packed, attend_traced, choose_decode_routes, pack
+from hf_paged.attention._step import PagedStep, attend, attend_packed, attend_traced, pack
 from hf_paged.hf._transient import fresh_step
 
 logger = logging.getLogger("hf_paged")
@@ -40,26 +38,6 @@ _UNSERVED_KWARGS = {
     "s_aux": "attention sinks",
     "position_bias": "additive position bias",
 }
-
-
-class StepPlanner(Protocol):
-    """A cache that plans each ``generate`` forward (``PagedAttentionCache``)."""
-
-    def plan_forward(self, config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
-                     device: torch.device | None) -> PagedStep: ...
-
-
-class CacheOffset(int):
-    """The query offset a planning cache gives transformers' mask code (``Cache.get_query_offset``): an ``int`` (the
-    columns seen) that also carries the cache, the one value of a mask function's arguments that comes from the
-    cache, so that the mask function can plan the forward on it."""
-
-    planner: StepPlanner
-
-    def __new__(cls, value: int, planner: StepPlanner):
-        obj = super().__new__(cls, value)
-        obj.planner = planner
-        return obj
 
 
 class StepMask:
@@ -90,17 +68,9 @@ class FreshMask(StepMask):
         return self._sdpa[0]
 
 
-def step_mask_of(mask) -> StepMask | None:
-    """The planned step a forward got as its mask: the mask itself, or the one every layer type's mask is (models
-    with sliding layers get one per type); None for anything else."""
-    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
-        mask = next(iter(mask.values()))
-    return mask if isinstance(mask, StepMask) else None
-
-
 def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
     """Mask function for ``"hf_paged"`` (see the module docstring): no mask in hf_paged's own calls, the planned
-    step for a planning cache, else transformers' SDPA mask."""
+    step for a query offset that carries a planning cache (its ``planner``), else transformers' SDPA mask."""
     if isinstance(kwargs.get("attention_mask"), StepMask):  # planned before a compiled forward: passed on
         return kwargs["attention_mask"]
     if _forward_context.current_step() is not None:
@@ -121,8 +91,8 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             "hf_paged: a compiled forward on a PagedAttentionCache must get its step planned beforehand, as its "
             "attention_mask: generate does so for a cache whose is_compileable is True (give the cache "
             "max_new_tokens=...), and only decode steps may be compiled")
-    return plan_mask(planner, kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
-                     kwargs.get("device"))
+    return planner.plan_forward(kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
+                                kwargs.get("device"))
 
 
 def _starts_from_nothing(q_offset, kv_offset: int, q_length: int, kv_length: int, kwargs: dict) -> bool:
@@ -132,15 +102,6 @@ def _starts_from_nothing(q_offset, kv_offset: int, q_length: int, kv_length: int
     return (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
             and bool(kwargs.get("allow_is_causal_skip"))
             and int(q_offset) == 0 and kv_offset == 0 and kv_length == q_length)
-
-
-def plan_mask(planner: StepPlanner, config, attention_mask, batch_size: int, q_length: int, device=None) -> StepMask:
-    """The mask of a ``generate`` forward on ``planner``: its planned step (``attention_mask``: the 2D padding mask
-    or None), with the decode routes chosen where the forward may be compiled."""
-    mask = planner.plan_forward(config, attention_mask, batch_size, q_length, device)
-    if mask.step.metadata.static:
-        choose_decode_routes(mask.step)
-    return mask
 
 
 def paged_attention_forward(

@@ -10,6 +10,7 @@ import torch
 
 import hf_paged
 from hf_paged.attention import AttentionParams
+from hf_paged.cache import _kv_pool as kv_pool
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends import _torch as torch_backend
 from hf_paged.attention.backends._torch import TorchBackend, paged_attention_reference
@@ -32,7 +33,7 @@ def test_invalid_kv_cache_dtype_is_refused_with_the_accepted_values():
         assert hf_paged.PagedAttentionCache(config, num_blocks=4, kv_cache_dtype=same).pool.kv_scales is None
 
 
-def test_fp8_pool_holds_e4m3_and_per_head_scales_and_twice_the_blocks():
+def test_fp8_pool_holds_e4m3_and_per_head_scales_and_twice_the_blocks(monkeypatch):
     config = make_config("llama_gqa")  # 2 layers, 2 KV heads of 16
     cache = hf_paged.PagedAttentionCache(config, num_blocks=8, block_size=4, dtype=torch.bfloat16,
                                          kv_cache_dtype="fp8_e4m3")
@@ -45,7 +46,8 @@ def test_fp8_pool_holds_e4m3_and_per_head_scales_and_twice_the_blocks():
     fp8 = blocks_for_budget(layout, 4, FP8, devices, budget)
     assert fp8 == (budget - layout.scale_bytes(FP8)) // layout.bytes_per_block(4, FP8)
     assert 2 * bf16 <= fp8 <= 2 * bf16 + 1
-    sized = hf_paged.PagedAttentionCache(config, memory_budget=budget, block_size=4, dtype=torch.bfloat16,
+    monkeypatch.setattr(kv_pool, "free_memory_bytes", lambda device: 8 * budget)  # a fraction of it: the budget
+    sized = hf_paged.PagedAttentionCache(config, memory_budget=0.125, block_size=4, dtype=torch.bfloat16,
                                          kv_cache_dtype="fp8")
     assert sized.num_blocks == fp8
 

@@ -24,9 +24,11 @@ GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
         (dict(num_blocks=8, block_size=4096), "block_size"),
         (dict(num_blocks=8, block_size=2.5), "block_size"),
         (dict(num_blocks=8, dtype=torch.int8), "dtype"),
-        (dict(num_blocks=8, memory_budget=1 << 20), "not both"),
+        (dict(num_blocks=8, memory_budget=0.5), "not both"),
         (dict(memory_budget=1.5), r"\(0, 1\]"),
-        (dict(memory_budget=10), "holds no block"),
+        (dict(memory_budget=1e-15), "holds no block"),
+        (dict(memory_budget=1 << 20), "for a pool of an exact size pass num_blocks"),  # bytes: no longer taken
+        (dict(memory_budget=1), "a fraction in"),  # as EngineConfig reads it
         (dict(num_blocks=4, device=["cpu"]), "one per decoder layer"),
         (dict(num_blocks=4, backend="nope"), "unknown attention backend"),
     ],
@@ -37,15 +39,12 @@ def test_invalid_configuration_raises_at_once(kwargs, match):
 
 
 def test_memory_budget_sizes_the_pool():
-    """A fraction of free memory, as the engine takes it; an integer (bytes) still sizes the pool, deprecated; with
-    neither size given, the automatic budget (its rule: ``tests/cache/test_cpu_pool_sizing.py``), at most 256
-    sequences of the model's full length."""
+    """A fraction of free memory, as the engine takes it; with neither size given, the automatic budget (its rule:
+    ``tests/cache/test_cpu_pool_sizing.py``), at most 256 sequences of the model's full length; ``num_blocks``
+    exactly (an integer budget in bytes is refused: ``test_bad_arguments_are_refused``)."""
     config = make_config("llama_gqa")
     layout = KVLayout.from_config(config)
-    per_block = layout.bytes_per_block(16, torch.float32)
-    with pytest.warns(DeprecationWarning, match=r"memory_budget=<bytes>\) is deprecated"):
-        cache = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=10 * per_block + 7)
-    assert cache.num_blocks == 10
+    assert hf_paged.PagedAttentionCache(config, block_size=16, num_blocks=10).num_blocks == 10
     frac = hf_paged.PagedAttentionCache(config, block_size=16, memory_budget=1e-4)
     free = blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, 1e-4)
     assert frac.num_blocks >= 1 and abs(frac.num_blocks - free) <= max(2, free // 100)  # (free memory moves)
@@ -250,3 +249,17 @@ def test_every_mask_call_of_one_forward_gets_its_one_step():
     cache.update(torch.zeros(1, 1, 5, 8), torch.zeros(1, 1, 5, 8), 0)  # a layer read the step: the forward ran
     following = cache.plan_forward(paged.config, None, 1, 1, torch.device("cpu"))
     assert following is not asked[0] and cache.stats()["tokens_stored"] == 6
+
+
+def test_an_integer_memory_budget_is_refused_as_the_engine_refuses_it():
+    """Bytes are no longer a memory budget (pre-1.0 removal): the cache and the engine's config both refuse an
+    integer with one message, which names the two ways to size a pool."""
+    config = make_config("llama_gqa")
+    for budget in (1 << 30, 1):
+        with pytest.raises(ValueError) as cache_error:
+            hf_paged.PagedAttentionCache(config, memory_budget=budget)
+        with pytest.raises(ValueError) as engine_error:
+            hf_paged.EngineConfig(memory_budget=budget)
+        assert str(cache_error.value) == str(engine_error.value)
+        assert "fraction in (0, 1] of free device memory" in str(cache_error.value)
+        assert "pass num_blocks" in str(cache_error.value)

@@ -9,7 +9,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hf_paged.attention._dispatch import Dispatcher
 from tiny_models import EOS, PAD, left_padded_batch, make_models
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import CompileConfig
@@ -98,17 +97,16 @@ def test_a_compiled_decode_step_plans_with_in_place_ops_only(monkeypatch):
 def test_advanced_steps_give_the_slots_and_lists_of_appended_ones(block_size: int):
     """Rows armed after a decode step and advanced k steps: the device slots of each step are the slots the per-row
     path gives the same positions, and the lists caught up hold what k appends would; a reorder then settles the
-    rows (unwritten blocks back to the reserve) and the allocator stays consistent."""
+    rows (blocks not written go back to the free list) and the block counts stay consistent."""
     layout = KVLayout(num_layers=1, num_kv_heads=1, head_dim=4)
     pool = KVPool(layout, 64, block_size, torch.float32, [torch.device("cpu")])
     rows = BatchTables(pool)
     prompts, new = [3, 11, 6], 9
     rows.start(len(prompts))
     valid = torch.arange(max(prompts))[None, :] >= (max(prompts) - torch.tensor(prompts))[:, None]
-    rows.append(max(prompts), valid)
-    reserve = sum(-(-(n + new) // block_size) for n in prompts) - sum(len(t) for t in rows.tables)
-    rows.reserve(reserve)
-    static = StaticDecode(torch.device("cpu"), pool, Dispatcher())
+    rows.append(max(prompts), valid, ahead=new)
+    assert [len(t) for t in rows.tables] == [-(-(n + new) // block_size) for n in prompts]
+    static = StaticDecode(torch.device("cpu"), pool)
     static.size_for(len(prompts), max(-(-(n + new) // block_size) for n in prompts))
     slots = rows.append(1)
     static.plan(rows, slots)
@@ -127,8 +125,8 @@ def test_advanced_steps_give_the_slots_and_lists_of_appended_ones(block_size: in
     assert static.meta.cu_seqlens_k.tolist() == [0, *torch.tensor(lens).cumsum(0).tolist()]
     assert rows.stats()["blocks_reserved"] == 0 and rows.stats()["tokens_stored"] == sum(lens)
     rows.select_rows([2, 2, 0])
-    pool.allocator.check_invariants()
-    assert rows.num_tokens == [lens[2], lens[2], lens[0]]
+    rows.manager.check_invariants(rows._rows)
+    assert rows.num_tokens == [lens[2], lens[2], lens[0]] and rows.tables == [tables[2], tables[2], tables[0]]
     rows.reset()
     pool.allocator.check_invariants()
     assert pool.allocator.num_used == 0
@@ -140,9 +138,8 @@ def test_reading_mid_batch_catches_up_and_stays_armed():
     pool = KVPool(layout, 32, 4, torch.float32, [torch.device("cpu")])
     rows = BatchTables(pool)
     rows.start(2)
-    rows.append(5)
-    rows.reserve(2 * (-(-(5 + 8) // 4)) - 4)
-    static = StaticDecode(torch.device("cpu"), pool, Dispatcher())
+    rows.append(5, ahead=8)
+    static = StaticDecode(torch.device("cpu"), pool)
     static.size_for(2, 4)
     static.plan(rows, rows.append(1))
     left = rows._advances_left
