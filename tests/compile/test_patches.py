@@ -48,3 +48,25 @@ def test_a_patch_on_a_plain_module_comes_off_to_its_class_forward():
 def test_an_unknown_kind_is_refused():
     with pytest.raises(ValueError, match="unknown patch kind"):
         patches.install(torch.nn.Linear(1, 1), "mine", _scaled(1.0))
+
+
+def test_patches_of_other_attributes_stack_with_forward_patches_and_come_off_to_what_was_there():
+    """optimize_generate's kinds replace other attributes (``generate``, ``get_compiled_call``, ...): restoring the
+    first kind puts back the instance value set before and the class's, and takes off the forward patch stacked later,
+    while patch_of finds each kind's value, whatever patches of other attributes came after it."""
+    module = torch.nn.Linear(2, 2)
+    x = torch.randn(1, 2)
+    plain = module(x)
+    mine = lambda: "theirs"  # noqa: E731 - an instance attribute someone else set
+    module.generate = mine
+    replaced = patches.install(module, "generate", lambda current: lambda: ("patched", current()), "generate")
+    masks = patches.install(module, "generate_masks", lambda current: "masks", "create_masks_for_generate")
+    forward = patches.install(module, "packed_prefill", _scaled(2.0))
+    assert module.generate() == ("patched", "theirs") and module.create_masks_for_generate == "masks"
+    assert torch.allclose(module(x), 2 * plain)
+    assert [patches.patch_of(module, k) for k in ("generate", "generate_masks", "packed_prefill")] == [
+        replaced, masks, forward]
+    assert patches.restore([module], "generate") == 1
+    assert module.__dict__["generate"] is mine and "create_masks_for_generate" not in module.__dict__
+    assert "forward" not in module.__dict__ and "_hf_paged_patches" not in module.__dict__
+    assert torch.equal(module(x), plain)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from hypothesis import given, settings, strategies as st
 from tiny_models import EOS, PAD, left_padded_batch, make_config, make_models
 
 import hf_paged
@@ -263,3 +264,51 @@ def test_an_integer_memory_budget_is_refused_as_the_engine_refuses_it():
         assert str(cache_error.value) == str(engine_error.value)
         assert "fraction in (0, 1] of free device memory" in str(cache_error.value)
         assert "pass num_blocks" in str(cache_error.value)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from([1, 2, 3, 4]),
+       ops=st.lists(st.tuples(st.sampled_from(["extend", "decode", "ahead", "select", "crop"]), st.integers(0, 10**6)),
+                    max_size=30))
+def test_random_row_edits_keep_every_rows_tokens_and_the_block_counts(block_size: int, ops):
+    """Random forwards (padding, blocks ahead), beam-style reorders and crops on the rows: every row reads back the
+    tokens it was given (shared blocks, copies on write and crops included), each append takes the blocks the block
+    manager said it would (or raises, changing nothing), and reference counts match the rows' tables."""
+    pool = KVPool(KVLayout(num_layers=1, num_kv_heads=1, head_dim=1), 48, block_size, torch.float32,
+                  [torch.device("cpu")])
+    kv = pool.kv_caches[0][0].view(-1)  # one value a slot
+    rows, tokens, values = BatchTables(pool), [[] for _ in range(3)], iter(range(1, 10**6))  # tokens: (column, value)
+    rows.start(3)
+    for op, seed in ops:
+        gen = torch.Generator().manual_seed(seed)
+        if op in ("extend", "decode", "ahead"):
+            q_len = 1 if op == "decode" else 1 + seed % 5
+            valid = None if op == "decode" else torch.rand(rows.num_rows, q_len, generator=gen) < 0.7
+            real = torch.ones(rows.num_rows, q_len, dtype=torch.bool) if valid is None else valid
+            ahead, free, start = (seed % 9 if op == "ahead" else 0), pool.allocator.num_free, rows.num_columns
+            predicted = rows.manager.blocks_to_reserve(rows._rows, [int(n) + ahead for n in real.sum(1)])
+            if predicted > free:
+                with pytest.raises(hf_paged.OutOfBlocksError):
+                    rows.append(q_len, valid, ahead)
+                assert pool.allocator.num_free == free and rows.num_columns == start
+                continue
+            slots = rows.append(q_len, valid, ahead)
+            assert free - pool.allocator.num_free == predicted
+            new = [[(start + j, next(values)) for j in range(q_len) if real[r, j]] for r in range(rows.num_rows)]
+            kv[slots] = torch.tensor([v for row in new for _, v in row], dtype=torch.float32)
+            tokens = [old + added for old, added in zip(tokens, new)]
+        elif op == "select":
+            picked = torch.randint(0, rows.num_rows, (rows.num_rows,), generator=gen).tolist()
+            rows.select_rows(picked)
+            tokens = [list(tokens[r]) for r in picked]
+        else:
+            keep = seed % (rows.num_columns + 1)
+            rows.crop(keep)
+            tokens = [[(c, v) for c, v in row if c < keep] for row in tokens]
+        rows.manager.check_invariants(rows._rows)
+        assert rows.num_tokens == [len(row) for row in tokens]
+        for table, row in zip(rows.tables, tokens):
+            slots = [table[p // block_size] * block_size + p % block_size for p in range(len(row))]
+            assert kv[slots].tolist() == [float(v) for _, v in row]
+    rows.reset()
+    assert pool.allocator.num_free == 48
