@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -30,7 +30,8 @@ class Phase(str, enum.Enum):
 
 @dataclass(frozen=True)
 class PagedMetadata:
-    """Flat tensors describing one step. Integer tensors are int32 unless noted.
+    """Flat tensors describing one step, never changed once built (what backends decide once per step lives in the
+    step: ``PagedStep.plan``). Integer tensors are int32 unless noted.
 
     Attributes:
         num_seqs: sequences in the step (``B``).
@@ -49,8 +50,6 @@ class PagedMetadata:
         has_padding_slots: whether ``slot_mapping`` contains -1 entries (kept on the host to avoid a sync).
         static: a decode step of fixed shapes at fixed addresses (``hf_paged/generate/_static_decode.py``), which a
             compiled forward traces, with the KV write and the attention as custom ops, rather than break around.
-        plans: what backends decide once per step and every layer reuses (split lengths, workspaces), keyed by
-            the backend; filled by the first layer that needs it (see ``AttentionBackend``).
         scratch_per_call: backends allocate their scratch (decode split partials) for each call instead of reusing
             a buffer kept between calls. The custom ops of a compiled forward set it: memory first allocated inside
             a CUDA-graph-captured step may not outlive the step (CUDA graph trees refuse it on the next capture).
@@ -75,28 +74,22 @@ class PagedMetadata:
     grid: tuple[int, int]
     has_padding_slots: bool
     static: bool = False
-    plans: dict = field(default_factory=dict, repr=False, compare=False)
     scratch_per_call: bool = False
     single_token_prefix: int = 0
-    _per_device: dict = field(default_factory=dict, repr=False, compare=False)
+    # Accepted and ignored: former fields that generate/_packed_prefill.py still passes to dataclasses.replace.
+    plans: dataclasses.InitVar[dict | None] = None
+    _per_device: dataclasses.InitVar[dict | None] = None
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")
 
-    def on(self, device: torch.device) -> PagedMetadata:
-        """This metadata with its tensors on ``device``; copied once per step and device (layers split over
-        devices under ``device_map`` each read the copy on their own device)."""
-        device = torch.device(device)
-        if self.slot_mapping.device == device:
+    def on(self, device: torch.device | str) -> PagedMetadata:
+        """This metadata with its tensors on ``device`` (itself when they are there); a step copies it once per
+        device (``PagedStep.on``), for layers split over devices under ``device_map``."""
+        if self.slot_mapping.device == torch.device(device):
             return self
-        cached = self._per_device.get(device)
-        if cached is None:
-            moved = {
-                name: (None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True))
-                for name in self._TENSOR_FIELDS
-            }
-            cached = dataclasses.replace(self, _per_device={}, **moved)
-            self._per_device[device] = cached
-        return cached
+        return dataclasses.replace(self, **{
+            name: None if getattr(self, name) is None else getattr(self, name).to(device, non_blocking=True)
+            for name in self._TENSOR_FIELDS})
 
 
 def step_phase(num_seqs: int, has_prefix: bool, one_token_each: bool) -> Phase:

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.attention.backends.base import AttentionBackend, AttentionParams, backend_named
+from hf_paged.attention.backends.base import AttentionBackend, AttentionInputs, AttentionParams, backend_named
 from hf_paged.cache._kv_quant import KVScales
 from hf_paged.attention._metadata import PagedMetadata, Phase
 
@@ -93,10 +93,9 @@ def _paged_attention(
                  max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
                  num_tokens=query.shape[0])
     params = AttentionParams(scale=scale, sliding_window=sliding_window, softcap=softcap)
-    if k_scale is None:
-        return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params)
-    return backend_named(backend).forward(query, key, value, k_cache, v_cache, meta, params,
-                                          kv_scales=KVScales(k_scale, v_scale))
+    scales = None if k_scale is None else KVScales(k_scale, v_scale)
+    served = backend_named(backend)
+    return served.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params, scales), served.plan(meta))
 
 
 @_paged_attention.register_fake
@@ -120,7 +119,8 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                     v_cache: torch.Tensor, meta: PagedMetadata, backend: AttentionBackend,
                     params: AttentionParams, kv_scales: KVScales | None = None) -> torch.Tensor:
-    """``backend.forward(...)`` through the ``hf_paged::paged_attention`` op; returns ``[T, H, D]``."""
+    """``backend``'s attention (its plan and forward, on this call alone) through the ``hf_paged::paged_attention``
+    op; returns ``[T, H, D]``."""
     k_scale, v_scale = (None, None) if kv_scales is None else (kv_scales.k, kv_scales.v)
     return torch.ops.hf_paged.paged_attention(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.seq_lens_k,

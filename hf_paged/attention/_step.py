@@ -1,8 +1,10 @@
 """``PagedStep``: what every attention layer of one forward needs, and the layer's paged attention on it.
 
 A step is its :class:`~hf_paged.attention.PagedMetadata` (plain step data), the :class:`~hf_paged.cache.KVPool` its
-layers write and read, and the :class:`~hf_paged.attention.Dispatcher` that picks each layer's backend. The engine's
-runner builds one per model call; ``PagedAttentionCache`` builds one per ``generate`` forward.
+layers write and read, and the :class:`~hf_paged.attention.Dispatcher` that picks each layer's backend; it keeps what
+its layers share, made by the first that needs it: the metadata copied to each device, and each backend's plan of the
+step there (``AttentionBackend.plan``). The engine's runner builds one per model call; ``PagedAttentionCache`` builds
+one per ``generate`` forward (one per batch for fixed-shape decode steps, whose metadata changes in place).
 
 :func:`attend` is one layer's work on a step: pack the new tokens, write their K/V into the pool (the backend's KV
 write), and attend through the block tables. It holds no transformers code: the ``"hf_paged"`` attention function
@@ -22,7 +24,7 @@ import torch
 from hf_paged.attention import _ops as ops
 from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase
-from hf_paged.attention.backends.base import AttentionCall, AttentionParams
+from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, AttentionInputs, AttentionParams
 from hf_paged.cache._kv_pool import KVPool
 
 
@@ -30,10 +32,27 @@ class PagedStep:
     """One forward's paged attention state. A plain object (not a dataclass), so that compiled code that passes it
     along takes no guard on its contents."""
 
-    __slots__ = ("metadata", "pool", "dispatcher")
+    __slots__ = ("metadata", "pool", "dispatcher", "_shared")
 
     def __init__(self, metadata: PagedMetadata, pool: KVPool, dispatcher: Dispatcher):
         self.metadata, self.pool, self.dispatcher = metadata, pool, dispatcher
+        self._shared: dict = {}  # device -> the metadata there; (backend, device) -> its plan
+
+    def on(self, device: torch.device) -> PagedMetadata:
+        """The step's metadata on ``device``, copied once per step and device (layers split over devices under
+        ``device_map`` each read the copy on their own)."""
+        meta = self._shared.get(device)
+        if meta is None:
+            meta = self._shared[device] = self.metadata.on(device)
+        return meta
+
+    def plan(self, backend: AttentionBackend, device: torch.device):
+        """``backend``'s plan of the step on ``device`` (:meth:`AttentionBackend.plan`), made once per step and
+        device."""
+        key = (backend, device)
+        if key not in self._shared:
+            self._shared[key] = backend.plan(self.on(device))
+        return self._shared[key]
 
     def __repr__(self) -> str:
         meta = self.metadata
@@ -44,7 +63,7 @@ def attend(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tens
            scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """Layer ``layer_idx``'s paged attention in eager code: returns ``[batch, q_len, H, D]``."""
     batch, num_heads, q_len, head_dim = query.shape
-    index = step.metadata.on(query.device).token_index
+    index = step.on(query.device).token_index
     out = attend_packed(step, layer_idx, pack(query, index), pack(key, index), pack(value, index), scaling,
                         sliding_window, softcap)
     if index is None:
@@ -57,16 +76,13 @@ def attend_packed(step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Ten
                   scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """:func:`attend` on the step's real tokens, packed: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``; returns
     ``[T, H, D]``."""
-    meta = step.metadata.on(q.device)
+    device = q.device
+    meta = step.on(device)
     k_cache, v_cache = _layer_kv(step, layer_idx, k)
     backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
     scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]  # an fp8 pool's
-    if scales is None:
-        writer.write_kv(k, v, k_cache, v_cache, meta)
-        return backend.forward(q, k, v, k_cache, v_cache, meta, params)
-    # an fp8 cache (backends that cannot read one refuse it, so they never get here)
-    writer.write_kv(k, v, k_cache, v_cache, meta, kv_scales=scales)
-    return backend.forward(q, k, v, k_cache, v_cache, meta, params, kv_scales=scales)
+    writer.write_kv(k, v, k_cache, v_cache, meta, scales)
+    return backend.forward(AttentionInputs(q, k, v, k_cache, v_cache, meta, params, scales), step.plan(backend, device))
 
 
 def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, AttentionParams, Dispatcher, Phase
 from hf_paged.attention._metadata import build_metadata
 from hf_paged.attention.backends import _cuda as cuda_backend
 from hf_paged.attention.backends._cuda import CudaBackend
@@ -158,8 +158,10 @@ def _mixed_step(monkeypatch, dtype: torch.dtype):
                           token_index=None, grid=(1, 8), block_size=4, device=torch.device("cpu"))
     meta = dataclasses.replace(meta, single_token_prefix=2)
     query, cache = torch.randn(8, 4, 32, generator=gen).to(dtype), torch.zeros(50, 4, 2, 32, dtype=dtype)
+    backend, params = cuda_backend.CudaBackend(), AttentionParams(scale=0.1)
+    plan = backend.plan(meta)  # once per step
     for _ in range(2):  # two layers of one step
-        out = cuda_backend.CudaBackend().forward(query, query, query, cache, cache, meta, AttentionParams(scale=0.1))
+        out = backend.forward(AttentionInputs(query, query, query, cache, cache, meta, params), plan)
     return decode, prefill, out, query, meta, lens
 
 

@@ -14,7 +14,7 @@ from paged_steps import make_paged_step
 from tiny_models import EOS, PAD, left_padded_batch, make_models
 
 import hf_paged
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, AttentionParams, Dispatcher, Phase
 from hf_paged.attention.backends import _flash as flash
 from hf_paged.attention.backends._torch import paged_attention_reference
 from hf_paged.hf.compat import with_cache
@@ -109,7 +109,7 @@ def test_flash_matches_torch_reference(double, step, features: dict, heads: tupl
     params = AttentionParams(scale=1.3 * head_dim**-0.5, sliding_window=features.get("sliding_window"),
                              softcap=features.get("softcap"))
     k_cache, v_cache = meta.kv_caches[0]
-    out = flash.FlashBackend().forward(query, key, value, k_cache, v_cache, meta, params)
+    out = flash.FlashBackend().forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params), None)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, params, compute_dtype=torch.float64)
     assert out.shape == query.shape and out.dtype == query.dtype
     torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-5)
@@ -124,7 +124,7 @@ def test_flash_matches_torch_reference_half(double, step, dtype: torch.dtype):
     query = torch.randn(meta.num_tokens, 8, 32, generator=gen).to(dtype)
     params = AttentionParams(scale=32**-0.5, sliding_window=20)
     k_cache, v_cache = meta.kv_caches[0]
-    out = flash.FlashBackend().forward(query, key, value, k_cache, v_cache, meta, params)
+    out = flash.FlashBackend().forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params), None)
     expected = paged_attention_reference(query, k_cache, v_cache, meta, params, compute_dtype=torch.float64)
     assert out.dtype == dtype
     torch.testing.assert_close(out.double(), expected.double(), rtol=1e-2, atol=1e-2)

@@ -11,7 +11,7 @@ import torch
 
 import hf_paged
 from hf_paged import kernels
-from hf_paged.attention import AttentionParams, Dispatcher, Phase
+from hf_paged.attention import AttentionInputs, AttentionParams, Dispatcher, Phase
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends.base import AttentionCall
 from hf_paged.attention.backends import _cuda as cuda_backend
@@ -105,7 +105,8 @@ def test_cuda_backend_hands_the_layer_scales_to_decode_and_write(monkeypatch):
     monkeypatch.setattr(kernels, "write_kv", write)
     monkeypatch.setattr(kernels, "decode_split_len", lambda *args: 512)
     cuda = CudaBackend()
-    cuda.forward(query, None, None, k8, v8, meta, AttentionParams(scale=0.125), kv_scales=scales)
+    params = AttentionParams(scale=0.125)
+    cuda.forward(AttentionInputs(query, None, None, k8, v8, meta, params, scales), cuda.plan(meta))
     (args, kwargs), = decode.calls
     assert args[1] is k8 and args[2] is v8
     assert kwargs["k_scale"] is scales.k and kwargs["v_scale"] is scales.v
@@ -118,7 +119,7 @@ def test_cuda_backend_hands_the_layer_scales_to_decode_and_write(monkeypatch):
         cuda.write_kv(key, value, k8, v8, meta)
     # A cache in the model's dtype: no scales anywhere.
     bf16 = torch.zeros(k8.shape, dtype=torch.bfloat16)
-    cuda.forward(query, None, None, bf16, bf16, meta, AttentionParams(scale=0.125))
+    cuda.forward(AttentionInputs(query, None, None, bf16, bf16, meta, params), cuda.plan(meta))
     assert decode.calls[-1][1]["k_scale"] is None and decode.calls[-1][1]["v_scale"] is None
 
 
@@ -129,13 +130,13 @@ def test_cuda_backend_hands_the_layer_scales_to_prefill_and_extend(monkeypatch):
     monkeypatch.setattr(cuda_backend, "paged_prefill", prefill)
     cuda = CudaBackend()
     params = AttentionParams(scale=0.125, sliding_window=5, softcap=30.0)
-    cuda.forward(query, None, None, k8, v8, meta, params, kv_scales=scales)
+    cuda.forward(AttentionInputs(query, None, None, k8, v8, meta, params, scales), cuda.plan(meta))
     (args, kwargs), = prefill.calls
     assert args[1] is k8 and args[2] is v8
     assert kwargs["k_scale"] is scales.k and kwargs["v_scale"] is scales.v
     assert kwargs["window"] == 5 and kwargs["softcap"] == 30.0
     bf16 = torch.zeros(k8.shape, dtype=torch.bfloat16)
-    cuda.forward(query, None, None, bf16, bf16, meta, AttentionParams(scale=0.125))
+    cuda.forward(AttentionInputs(query, None, None, bf16, bf16, meta, AttentionParams(scale=0.125)), cuda.plan(meta))
     assert prefill.calls[-1][1]["k_scale"] is None and prefill.calls[-1][1]["v_scale"] is None
 
 

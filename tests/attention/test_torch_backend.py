@@ -2,15 +2,19 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
 from paged_steps import random_paged_step
 
 from hf_paged.attention import AttentionParams, Dispatcher, Phase
-from hf_paged.attention.backends._torch import paged_attention_reference
+from hf_paged.attention._step import PagedStep, attend_packed
+from hf_paged.attention.backends._torch import TorchBackend, paged_attention_reference
+from hf_paged.cache._kv_pool import KVLayout
 
 
 def naive_attention(query, k_cache, v_cache, q_lens, ctx_lens, tables, params):
@@ -81,7 +85,30 @@ def test_kv_write_skips_padding_slots():
 
 def test_metadata_moves_to_another_device_once_per_step():
     _, _, _, meta, _ = random_paged_step([2, 1], [5, 3], 2, 1, 4, 4, torch.Generator().manual_seed(6))
-    moved = meta.on(torch.device("meta"))
+    step = PagedStep(meta, None, None)
+    moved = step.on(torch.device("meta"))
     assert moved.slot_mapping.device.type == "meta" and moved.block_tables.shape == meta.block_tables.shape
-    assert meta.on("meta") is moved, "a second layer on that device reuses the copy"
-    assert meta.on("cpu") is meta and moved.phase == meta.phase and moved.num_tokens == meta.num_tokens
+    assert step.on(torch.device("meta")) is moved, "a second layer on that device reuses the copy"
+    assert step.on(torch.device("cpu")) is meta and moved.phase == meta.phase and moved.num_tokens == meta.num_tokens
+
+
+def test_layers_share_one_plan_per_step_and_leave_the_metadata_as_built(monkeypatch):
+    """Each layer's forward gets the plan its backend made once for the step; the metadata holds no state of its own
+    (frozen, no per-step dict), so a forward changes none of its fields, and the output is the reference's."""
+    gen = torch.Generator().manual_seed(4)
+    query, k_cache, v_cache, meta, _ = random_paged_step([3, 1], [6, 4], 4, 2, 8, 4, gen)
+    fields = {f.name: getattr(meta, f.name) for f in dataclasses.fields(meta)}
+    plans, seen, forward = [], [], TorchBackend.forward
+    monkeypatch.setattr(TorchBackend, "plan", lambda self, m: plans.append(m) or object())
+    monkeypatch.setattr(TorchBackend, "forward", lambda self, x, plan: seen.append(plan) or forward(self, x, plan))
+    layout = KVLayout(num_layers=2, num_kv_heads=2, head_dim=8)
+    pool = SimpleNamespace(layout=layout, kv_caches=[(k_cache, v_cache)] * 2, kv_scales=None)
+    step = PagedStep(meta, pool, Dispatcher("torch"))
+    key = torch.randn(meta.num_tokens, 2, 8, generator=gen)
+    outs = [attend_packed(step, layer, query, key, key, None, None, None) for layer in (0, 1)]
+    assert plans == [meta] and len(seen) == 2 and seen[0] is seen[1]
+    assert all(getattr(meta, name) is value for name, value in fields.items())
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        meta.num_tokens = 0
+    want = paged_attention_reference(query, k_cache, v_cache, meta, AttentionParams(scale=8**-0.5))
+    torch.testing.assert_close(outs[1], want)

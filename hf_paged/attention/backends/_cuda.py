@@ -21,7 +21,7 @@ calling ``hf_paged.kernels._prefill.paged_prefill`` with ``impl=``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -29,10 +29,10 @@ from hf_paged import kernels
 from hf_paged.attention.backends.base import (
     AttentionBackend,
     AttentionCall,
-    AttentionParams,
+    AttentionInputs,
     register_backend,
 )
-from hf_paged.cache._kv_quant import KVScales, is_fp8
+from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.kernels._build import arch_of
 from hf_paged.kernels._prefill import paged_prefill, wgmma_unsupported_reason
@@ -101,6 +101,28 @@ class DecodePlan:
     counters: torch.Tensor | None = None
 
 
+@dataclass(frozen=True)
+class SplitRows:
+    """A mixed step's metadata cut at its ``single_token_prefix``: the decode rows' block tables and lengths, the
+    chunks' ``cu_seqlens_q`` (whose offsets still index the whole query), lengths and block tables."""
+
+    decode_tables: torch.Tensor
+    decode_lens: torch.Tensor
+    chunk_cu_q: torch.Tensor
+    chunk_lens: torch.Tensor
+    chunk_tables: torch.Tensor
+
+
+@dataclass
+class CudaPlan:
+    """The cuda backend's plan of one step on one device: a mixed step's :class:`SplitRows` (None without a
+    ``single_token_prefix``), cut once for every layer, and one :class:`DecodePlan` per layer shape (``decodes``),
+    made by the first layer of that shape (:func:`plan_decode`)."""
+
+    rows: SplitRows | None
+    decodes: dict[tuple, DecodePlan] = field(default_factory=dict)
+
+
 # Split partials, one growing float32 buffer per (device, stream): launches on one stream run one after another,
 # so the layers of a step and the steps themselves reuse it. A plan keeps a view of the buffer it was given, so a
 # CUDA graph captured with it keeps its memory even after the buffer grows.
@@ -116,14 +138,15 @@ def _workspace(device: torch.device, numel: int) -> torch.Tensor:
     return buf[:numel]
 
 
-def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata, window: int = 0) -> DecodePlan:
+def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata, plan: CudaPlan,
+                window: int = 0) -> DecodePlan:
     """The step's decode plan for layers shaped like ``query`` [B, H, D] over ``k_cache`` with this sliding
-    ``window`` (0 = none), made by the first such layer and reused by the others (one split decision and one
-    workspace per step, not per layer). A window shortens what the splits cover to ``min(max_seqlen_k, window)``
-    keys, so windowed and full layers of one model (Gemma2) get a plan each."""
-    key = ("cuda-decode", query.device, *query.shape, k_cache.shape[2], k_cache.dtype, window)
-    plan = meta.plans.get(key)
-    if plan is None:
+    ``window`` (0 = none), made by the first such layer and kept in the step's ``plan`` for the others (one split
+    decision and one workspace per step, not per layer). A window shortens what the splits cover to
+    ``min(max_seqlen_k, window)`` keys, so windowed and full layers of one model (Gemma2) get a plan each."""
+    key = (*query.shape, k_cache.shape[2], k_cache.dtype, window)
+    found = plan.decodes.get(key)
+    if found is None:
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
         numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
                                                split, window)
@@ -138,32 +161,8 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
             counters = torch.zeros(query.shape[0] * query.shape[1], dtype=torch.int32, device=query.device)
         else:
             workspace = _workspace(query.device, numel)
-        plan = meta.plans[key] = DecodePlan(split, workspace, counters)
-    return plan
-
-
-@dataclass(frozen=True)
-class SplitRows:
-    """A mixed step's metadata cut at its ``single_token_prefix``: the decode rows' block tables and lengths, the
-    chunks' ``cu_seqlens_q`` (whose offsets still index the whole query), lengths and block tables."""
-
-    decode_tables: torch.Tensor
-    decode_lens: torch.Tensor
-    chunk_cu_q: torch.Tensor
-    chunk_lens: torch.Tensor
-    chunk_tables: torch.Tensor
-
-
-def split_rows(meta: PagedMetadata) -> SplitRows:
-    """The step's :class:`SplitRows`, cut by the first layer that needs them and reused by the others (per device:
-    a model split over devices reads each device's copy of the metadata)."""
-    d = meta.single_token_prefix
-    key = ("cuda-split", meta.seq_lens_k.device, d)
-    rows = meta.plans.get(key)
-    if rows is None:
-        rows = meta.plans[key] = SplitRows(meta.block_tables[:d], meta.seq_lens_k[:d], meta.cu_seqlens_q[d:],
-                                           meta.seq_lens_k[d:], meta.block_tables[d:])
-    return rows
+        found = plan.decodes[key] = DecodePlan(split, workspace, counters)
+    return found
 
 
 @register_backend
@@ -202,39 +201,25 @@ class CudaBackend(AttentionBackend):
         reason = kernels.unavailable_reason()
         return None if reason is None else f"CUDA kernels unavailable: {reason}"
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: PagedMetadata,
-        kv_scales: KVScales | None = None,
-    ) -> None:
+    def write_kv(self, key, value, k_cache, v_cache, meta, kv_scales=None) -> None:
         if is_fp8(k_cache.dtype):  # quantized on the device from the model's dtype; unset scales fixed first
             if kv_scales is None:
-                raise RuntimeError("an fp8 KV cache was written without its scales (PagedMetadata.kv_scales unset)")
+                raise RuntimeError("an fp8 KV cache was written without its scales")
             kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=kv_scales.k, v_scale=kv_scales.v)
             return
         kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: PagedMetadata,
-        params: AttentionParams,
-        kv_scales: KVScales | None = None,
-    ) -> torch.Tensor:
-        window, softcap = params.sliding_window or 0, params.softcap or 0.0
-        k_scale = None if kv_scales is None else kv_scales.k
-        v_scale = None if kv_scales is None else kv_scales.v
+    def plan(self, meta: PagedMetadata) -> CudaPlan:
+        d = meta.single_token_prefix
+        return CudaPlan(SplitRows(meta.block_tables[:d], meta.seq_lens_k[:d], meta.cu_seqlens_q[d:],
+                                  meta.seq_lens_k[d:], meta.block_tables[d:]) if d else None)
+
+    def forward(self, inputs: AttentionInputs, plan: CudaPlan) -> torch.Tensor:
+        query, meta, params, scales = inputs.query, inputs.meta, inputs.params, inputs.kv_scales
+        extras = dict(window=params.sliding_window or 0, softcap=params.softcap or 0.0,
+                      k_scale=None if scales is None else scales.k, v_scale=None if scales is None else scales.v)
         if meta.phase is Phase.DECODE:
-            return self._decode(query, k_cache, v_cache, meta, meta.block_tables, meta.seq_lens_k, params, window,
-                                softcap, k_scale, v_scale)
+            return self._decode(inputs, plan, query, meta.block_tables, meta.seq_lens_k, **extras)
         # query [T, H, D] packed by cu_seqlens_q; the new tokens' K/V are already in the cache, so one kernel serves
         # prefill and extend alike. max_seqlen_q is a host int: no sync. The decode rows in front of a mixed step's
         # prefill chunks (single_token_prefix) go to the decode kernel: in the prefill kernel each would fill a whole
@@ -245,42 +230,28 @@ class CudaBackend(AttentionBackend):
         d = meta.single_token_prefix if query.dtype != torch.float32 else 0
         out = None
         if d:
-            rows = split_rows(meta)
+            rows = plan.rows
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            self._decode(query[:d], k_cache, v_cache, meta, rows.decode_tables, rows.decode_lens, params, window,
-                         softcap, k_scale, v_scale, out=out[:d])
+            self._decode(inputs, plan, query[:d], rows.decode_tables, rows.decode_lens, out=out[:d], **extras)
             if d == meta.num_seqs:
                 return out
             cu_q, lens, tables = rows.chunk_cu_q, rows.chunk_lens, rows.chunk_tables
         else:
             cu_q, lens, tables = meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables
-        return paged_prefill(query, k_cache, v_cache, cu_q, lens, tables, params.scale,
-                             max_seqlen_q=meta.max_seqlen_q, out=out, window=window, softcap=softcap,
-                             k_scale=k_scale, v_scale=v_scale,
+        k_cache = inputs.k_cache
+        return paged_prefill(query, k_cache, inputs.v_cache, cu_q, lens, tables, params.scale,
+                             max_seqlen_q=meta.max_seqlen_q, out=out, **extras,
                              impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
 
     @staticmethod
-    def _decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
-                block_tables: torch.Tensor, seq_lens_k: torch.Tensor, params: AttentionParams, window: int,
-                softcap: float, k_scale: torch.Tensor | None, v_scale: torch.Tensor | None,
-                out: torch.Tensor | None = None) -> torch.Tensor:
-        """One token per row: query ``[B, H, D]``. meta.max_seqlen_k is a host int (no sync) that sizes the grid;
+    def _decode(inputs: AttentionInputs, plan: CudaPlan, query: torch.Tensor, block_tables: torch.Tensor,
+                seq_lens_k: torch.Tensor, out: torch.Tensor | None = None, **extras) -> torch.Tensor:
+        """One token per row: ``query`` ``[B, H, D]`` (the step's, or a mixed step's leading rows); ``extras``:
+        the kernels' window, softcap and fp8 scales. meta.max_seqlen_k is a host int (no sync) that sizes the grid;
         under a CUDA graph it is the capture's upper bound and each CTA reads its real length."""
-        plan = plan_decode(query, k_cache, meta, window)
-        return kernels.paged_decode(
-            query,
-            k_cache,
-            v_cache,
-            block_tables,
-            seq_lens_k,
-            params.scale,
-            max_seq_len=meta.max_seqlen_k,
-            out=out,
-            split_len=plan.split_len,
-            workspace=plan.workspace,
-            window=window,
-            softcap=softcap,
-            counters=plan.counters,
-            k_scale=k_scale,
-            v_scale=v_scale,
-        )
+        meta = inputs.meta
+        decode = plan_decode(query, inputs.k_cache, meta, plan, extras["window"])
+        return kernels.paged_decode(query, inputs.k_cache, inputs.v_cache, block_tables, seq_lens_k,
+                                    inputs.params.scale, max_seq_len=meta.max_seqlen_k, out=out,
+                                    split_len=decode.split_len, workspace=decode.workspace,
+                                    counters=decode.counters, **extras)

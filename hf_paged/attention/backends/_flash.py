@@ -22,11 +22,11 @@ import torch
 from hf_paged.attention.backends.base import (
     AttentionBackend,
     AttentionCall,
-    AttentionParams,
+    AttentionInputs,
     register_backend,
 )
-from hf_paged.cache._kv_quant import FP8_NOT_SERVED_HERE, KVScales, is_fp8
-from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.cache._kv_quant import FP8_NOT_SERVED_HERE, is_fp8
+from hf_paged.attention._metadata import Phase
 
 # What the kernels serve. Module-level so the CPU tests (which run a float64 stand-in for flash-attn) can widen them.
 _DEVICE_TYPES: tuple[str, ...] = ("cuda",)
@@ -111,22 +111,11 @@ class FlashBackend(AttentionBackend):
         # lengths and tables on the device and allocates through torch's allocator (a graph's pool when capturing).
         return None
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: PagedMetadata,
-        params: AttentionParams,
-        kv_scales: KVScales | None = None,
-    ) -> torch.Tensor:
-        """``query`` [T, H, D]; ``key``/``value`` [T, Hkv, D] (the step's new tokens, also already in the cache);
-        ``k_cache``/``v_cache`` [num_blocks, block_size, Hkv, D]. Returns [T, H, D] in ``query.dtype``."""
+    def forward(self, inputs: AttentionInputs, plan: None) -> torch.Tensor:
         fa = load_flash_attn()
         if fa is None:
             raise RuntimeError(_import_error)
+        query, meta, params = inputs.query, inputs.meta, inputs.params
         common = dict(
             softmax_scale=params.scale,
             causal=True,
@@ -136,17 +125,17 @@ class FlashBackend(AttentionBackend):
         if meta.phase is Phase.DECODE:
             # One new token per sequence: [T, H, D] is [B, 1, H, D] with the sequence as the batch.
             out = fa.flash_attn_with_kvcache(
-                query.unsqueeze(1), k_cache, v_cache,
+                query.unsqueeze(1), inputs.k_cache, inputs.v_cache,
                 cache_seqlens=meta.seq_lens_k, block_table=meta.block_tables, **common,
             )
             return out.squeeze(1)
         if meta.phase is Phase.PREFILL:
             # Each context is exactly its new tokens, packed like the queries: no cache read, any block size.
             return fa.flash_attn_varlen_func(
-                query, key, value, meta.cu_seqlens_q, meta.cu_seqlens_q,
+                query, inputs.key, inputs.value, meta.cu_seqlens_q, meta.cu_seqlens_q,
                 meta.max_seqlen_q, meta.max_seqlen_q, **common,
             )
         return fa.flash_attn_varlen_func(
-            query, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+            query, inputs.k_cache, inputs.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
             meta.max_seqlen_q, meta.max_seqlen_k, block_table=meta.block_tables, **common,
         )

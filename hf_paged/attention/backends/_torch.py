@@ -12,6 +12,7 @@ import torch
 from hf_paged.attention.backends.base import (
     AttentionBackend,
     AttentionCall,
+    AttentionInputs,
     AttentionParams,
     register_backend,
 )
@@ -96,5 +97,6 @@ class TorchBackend(AttentionBackend):
     def write_unsupported_reason(self, device_type, dtype, head_dim) -> str | None:
         return None
 
-    def forward(self, query, key, value, k_cache, v_cache, meta, params, kv_scales=None):
-        return paged_attention_reference(query, k_cache, v_cache, meta, params, kv_scales=kv_scales)
+    def forward(self, inputs: AttentionInputs, plan: None) -> torch.Tensor:
+        return paged_attention_reference(inputs.query, inputs.k_cache, inputs.v_cache, inputs.meta, inputs.params,
+                                         kv_scales=inputs.kv_scales)

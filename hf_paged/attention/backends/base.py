@@ -1,4 +1,5 @@
-"""The backend contract: what a paged-attention backend declares and the three verbs it implements.
+"""The backend contract: what a paged-attention backend declares, and its verbs: :meth:`~AttentionBackend.plan` once
+per step, :meth:`~AttentionBackend.forward` once per layer on one :class:`AttentionInputs` record, and the KV write.
 
 A backend lives in one file of this package and registers itself with :func:`register_backend`; the dispatcher
 (:mod:`hf_paged.attention._dispatch`) imports every module here, so adding a backend is a one-file change.
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -51,6 +53,24 @@ class AttentionParams:
     softcap: float | None = None
 
 
+@dataclass(slots=True)
+class AttentionInputs:
+    """One layer's attention in one step, as :meth:`AttentionBackend.forward` reads it (shapes above).
+
+    ``key``/``value`` are the step's new tokens, already in the cache when the backend runs, passed too so that a
+    ``Phase.PREFILL`` step can skip reading the cache. ``meta``: the step's metadata on the layer's device.
+    """
+
+    query: torch.Tensor
+    key: torch.Tensor
+    value: torch.Tensor
+    k_cache: torch.Tensor
+    v_cache: torch.Tensor
+    meta: PagedMetadata
+    params: AttentionParams
+    kv_scales: KVScales | None = None
+
+
 class AttentionBackend(ABC):
     """One way to run paged attention. Subclasses set ``name`` and ``priority`` (lower is tried first)."""
 
@@ -73,15 +93,8 @@ class AttentionBackend(ABC):
         """None if this backend has its own KV write for such a cache, else why not (the torch one serves)."""
         return "no KV-write kernel of its own"
 
-    def write_kv(
-        self,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: PagedMetadata,
-        kv_scales: KVScales | None = None,
-    ) -> None:
+    def write_kv(self, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                 meta: PagedMetadata, kv_scales: KVScales | None = None) -> None:
         """Scatter the new ``key``/``value`` into their slots (``meta.slot_mapping``); -1 slots are skipped. An fp8
         cache gets them quantized with ``kv_scales`` (see :mod:`hf_paged.cache._kv_quant`)."""
         slots = meta.slot_mapping
@@ -90,30 +103,23 @@ class AttentionBackend(ABC):
             key, value, slots = key[keep], value[keep], slots[keep]
         if is_fp8(k_cache.dtype):
             if kv_scales is None:
-                raise RuntimeError("an fp8 KV cache was written without its scales (PagedMetadata.kv_scales unset)")
+                raise RuntimeError("an fp8 KV cache was written without its scales")
             write_quantized(key, value, k_cache, v_cache, slots, kv_scales)
             return
         k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
         v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
-    @abstractmethod
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        k_cache: torch.Tensor,
-        v_cache: torch.Tensor,
-        meta: PagedMetadata,
-        params: AttentionParams,
-        kv_scales: KVScales | None = None,
-    ) -> torch.Tensor:
-        """Causal attention of each sequence's new tokens over its whole context (bottom-right aligned).
+    def plan(self, meta: PagedMetadata) -> Any:
+        """What this backend decides once per step, on the device of ``meta``, for every layer's :meth:`forward` to
+        reuse (split lengths, workspaces, rows cut from the metadata), or None (the default). The step keeps it
+        (``PagedStep.plan``), so the metadata stays as it was built."""
+        return None
 
-        The new tokens' K/V are already in the cache when this runs; ``key``/``value`` are passed too so that a
-        ``Phase.PREFILL`` step can skip reading the cache. With an fp8 cache (``call.kv_dtype``), ``kv_scales``
-        dequantize it; a backend that cannot read one refuses it in :meth:`unsupported_reason`.
-        """
+    @abstractmethod
+    def forward(self, inputs: AttentionInputs, plan: Any) -> torch.Tensor:
+        """Causal attention of each sequence's new tokens over its whole context (bottom-right aligned); ``plan``:
+        what :meth:`plan` returned for this step. With an fp8 cache (``call.kv_dtype``), ``inputs.kv_scales``
+        dequantize it; a backend that cannot read one refuses it in :meth:`unsupported_reason`."""
 
 
 _REGISTRY: dict[str, AttentionBackend] = {}
