@@ -25,15 +25,8 @@ from hf_paged.attention._metadata import PagedMetadata, Phase
 
 
 @torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache"))
-def _store_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    writer: str,
-    has_padding_slots: bool,
-) -> None:
+def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+              slot_mapping: torch.Tensor, writer: str, has_padding_slots: bool) -> None:
     meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
 
@@ -46,17 +39,9 @@ def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots) -> 
 # An op of its own rather than optional scales on store_kv: torch 2.11's fake-tensor check of a custom op fails
 # (IndexError) on a mutated argument passed as None.
 @torch.library.custom_op("hf_paged::store_kv_fp8", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
-def _store_kv_fp8(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    writer: str,
-    has_padding_slots: bool,
-    k_scale: torch.Tensor,
-    v_scale: torch.Tensor,
-) -> None:
+def _store_kv_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                  slot_mapping: torch.Tensor, writer: str, has_padding_slots: bool, k_scale: torch.Tensor,
+                  v_scale: torch.Tensor) -> None:
     """An fp8 cache's write: its scales are set on a layer's first write (kv_quant), so the op mutates them too."""
     meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
@@ -68,26 +53,11 @@ def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots, k_s
 
 
 @torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
-def _paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    cu_seqlens_k: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
-    phase: str,
-    max_seqlen_q: int,
-    max_seqlen_k: int,
-    backend: str,
-    scale: float,
-    sliding_window: int | None,
-    softcap: float | None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> torch.Tensor:
+def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                     v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor, cu_seqlens_k: torch.Tensor,
+                     seq_lens_k: torch.Tensor, block_tables: torch.Tensor, phase: str, max_seqlen_q: int,
+                     max_seqlen_k: int, backend: str, scale: float, sliding_window: int | None, softcap: float | None,
+                     k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
     meta = _step(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_lens_k=seq_lens_k,
                  block_tables=block_tables, phase=Phase(phase), max_seqlen_q=max_seqlen_q,
                  max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
