@@ -36,16 +36,12 @@ def available_backends() -> list[str]:
     return [b.name for b in registered_backends()]
 
 
-def _parse_allowed(backend: str | Sequence[str] | None) -> tuple[str, ...] | None:
-    return backend_names(backend or envs.backend())
-
-
 class Dispatcher:
     """Chooses backends and records which one served each phase (``served``: phase name -> backend name)."""
 
     def __init__(self, backend: str | Sequence[str] | None = None):
         _import_backends()
-        self.allowed = _parse_allowed(backend)
+        self.allowed = backend_names(backend or envs.backend())
         by_name = {b.name: b for b in registered_backends()}
         self._order = registered_backends() if self.allowed is None else [by_name[n] for n in self.allowed]
         self.served: dict[str, str] = {}

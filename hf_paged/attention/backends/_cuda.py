@@ -26,12 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hf_paged import kernels
-from hf_paged.attention.backends.base import (
-    AttentionBackend,
-    AttentionCall,
-    AttentionInputs,
-    register_backend,
-)
+from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, AttentionInputs, register_backend
 from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.kernels._build import arch_of

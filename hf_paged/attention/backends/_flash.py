@@ -19,12 +19,7 @@ from types import ModuleType
 
 import torch
 
-from hf_paged.attention.backends.base import (
-    AttentionBackend,
-    AttentionCall,
-    AttentionInputs,
-    register_backend,
-)
+from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, AttentionInputs, register_backend
 from hf_paged.cache._kv_quant import FP8_NOT_SERVED_HERE, is_fp8
 from hf_paged.attention._metadata import Phase
 

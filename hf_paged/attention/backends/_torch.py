@@ -9,13 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.attention.backends.base import (
-    AttentionBackend,
-    AttentionCall,
-    AttentionInputs,
-    AttentionParams,
-    register_backend,
-)
+from hf_paged.attention.backends.base import (AttentionBackend, AttentionCall, AttentionInputs, AttentionParams,
+                                              register_backend)
 from hf_paged.cache._kv_quant import KVScales, dequantize
 from hf_paged.attention._metadata import PagedMetadata
 
