@@ -148,7 +148,7 @@ class BatchTables:
             raise OutOfBlocksError(needed, manager.num_free_blocks, alloc.num_blocks, hint=hint)
         for r, n in zip(self._rows, wanted):
             if n:
-                manager.reserve(r, n)
+                manager.reserve_up_to(r, n)  # (all of n: checked above; most decode steps take its fast path)
         slots = self._slots(q_len, valid)
         manager.commit(self._rows, n_new)
         self._mark_valid(self.num_columns, q_len, valid)
