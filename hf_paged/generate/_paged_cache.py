@@ -320,9 +320,7 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:
     """The pool's settings from ``cache_config`` or the keywords ``given`` (not both)."""
-    defaults = {"num_blocks": None, "block_size": CacheConfig.block_size, "memory_budget": None, "backend": None,
-                "kv_cache_dtype": None}
-    changed = [name for name, value in given.items() if value != defaults[name]]
+    changed = [name for name, value in given.items() if value != getattr(CacheConfig, name)]  # (its defaults)
     if cache_config is not None:
         if not isinstance(cache_config, CacheConfig):
             raise ValueError(f"cache_config must be an hf_paged.CacheConfig, got {type(cache_config).__name__}")
