@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import hf_paged
-from hf_paged.attention import AttentionParams
+from hf_paged.attention import AttentionInputs, AttentionParams
 from hf_paged.cache import _kv_pool as kv_pool
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends import _torch as torch_backend
@@ -106,7 +106,8 @@ def test_torch_backend_attention_over_fp8_kv(q_lens, ctx_lens):
     query, k_cache, v_cache, meta, _ = random_paged_step(q_lens, ctx_lens, 8, 2, 64, 4, gen)
     (k8, ks), (v8, vs) = _fp8_copy(k_cache), _fp8_copy(v_cache)
     params = AttentionParams(scale=64**-0.5)
-    out = TorchBackend().forward(query, None, None, k8, v8, meta, params, kv_scales=KVScales(ks, vs))
+    backend = TorchBackend()
+    out = backend.forward(AttentionInputs(query, None, None, k8, v8, meta, params, KVScales(ks, vs)), backend.plan(meta))
     # Tight: float64 attention over the dequantized values (only the float32 math differs).
     exact = paged_attention_reference(query.double(), kv_quant.dequantize(k8, ks, torch.float64),
                                       kv_quant.dequantize(v8, vs, torch.float64), meta, params, torch.float64)

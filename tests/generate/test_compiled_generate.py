@@ -17,7 +17,7 @@ from transformers.generation.streamers import BaseStreamer
 
 import hf_paged
 from hf_paged.attention import _ops as ops
-from hf_paged.attention.backends.base import AttentionParams, backend_named
+from hf_paged.attention.backends.base import AttentionInputs, AttentionParams, backend_named
 from hf_paged.generate import _static_decode as static_decode
 from hf_paged.cache._block_allocator import BlockAllocator
 from hf_paged.hf.compat import with_cache
@@ -240,7 +240,8 @@ def test_custom_ops_match_the_backend_and_pass_opcheck(phase: str):
     torch_backend.write_kv(key, value, direct_k, direct_v, meta)
     ops.store_kv(key, value, k_cache, v_cache, meta, torch_backend)
     assert torch.equal(k_cache, direct_k) and torch.equal(v_cache, direct_v)
-    want = torch_backend.forward(query, key, value, k_cache, v_cache, meta, params)
+    want = torch_backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params),
+                                 torch_backend.plan(meta))
     assert torch.equal(ops.paged_attention(query, key, value, k_cache, v_cache, meta, torch_backend, params), want)
 
 
