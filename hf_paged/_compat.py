@@ -21,7 +21,7 @@ accumulated_recompile_limit (cache_size_limit,              recompile limits and
 accumulated_cache_size_limit before torch 2.7)              settings while the engine's
                                                             calls run
 
-torch._dynamo.config._config: nested_graph_breaks           whether a tensor-parallel    parallel/_fuse_all_reduce.py:
+torch._dynamo.config._config: nested_graph_breaks           whether a tensor-parallel    compile/_layers.py:
                                                             layer can trace as one       has_dynamo_option,
                                                             graph around attention's     NESTED_GRAPH_BREAKS
                                                             graph break
@@ -97,7 +97,7 @@ PreTrainedModel._last_compile_config                        compiled forward    
 PretrainedConfig._attn_implementation                       whether a model runs the     hf/_register.py:
                                                             paged attention already      attn_implementation
 
-Cache._is_user_defined (a property hf_paged overrides)      the sign that a generate     generate/_paged_cache.py:
+Cache._is_user_defined (a property hf_paged overrides)      the sign that a generate     generate/_adapter.py:
                                                             call begins (the cache       user_defined_flag_from
                                                             resets)
 
@@ -181,7 +181,7 @@ def has_dynamo_option(name: str) -> bool:
 
     Symbol: ``torch._dynamo.config._config`` (the config module's table of options). hf_paged asks it whether
     ``nested_graph_breaks`` exists before tracing a tensor-parallel model's layers with it
-    (``parallel/_fuse_all_reduce.py``). Falls back to ``hasattr`` on the config module where the table is gone.
+    (``compile/_layers.py``). Falls back to ``hasattr`` on the config module where the table is gone.
     Checked on torch 2.11 and 2.13."""
     import torch._dynamo.config as dynamo_config
 
@@ -540,7 +540,7 @@ def user_defined_flag_from(name: str) -> Callable[[type], type]:
     Symbol: ``Cache._is_user_defined``, which ``generate`` sets (to True) on a cache the caller passed, once at the
     start of each call, before it asks ``get_seq_length()`` how much of the input to skip, and reads at the end
     (whether to return the cache). ``PagedAttentionCache`` answers it with a property whose setter resets the cache:
-    the one sign a cache gets that a new call begins (``generate/_paged_cache.py``). Checked on transformers 5.17 and
+    the one sign a cache gets that a new call begins (``generate/_adapter.py``). Checked on transformers 5.17 and
     5.24 (``generate``'s ``_prepare_cache_for_generation`` sets it; ``Cache`` itself does not)."""
     def decorate(cls: type) -> type:
         prop = cls.__dict__.get(name)

@@ -76,9 +76,6 @@ class PagedMetadata:
     static: bool = False
     scratch_per_call: bool = False
     single_token_prefix: int = 0
-    # Accepted and ignored: former fields that generate/_packed_prefill.py still passes to dataclasses.replace.
-    plans: dataclasses.InitVar[dict | None] = None
-    _per_device: dataclasses.InitVar[dict | None] = None
 
     _TENSOR_FIELDS = ("cu_seqlens_q", "cu_seqlens_k", "seq_lens_k", "block_tables", "slot_mapping", "token_index")
 

@@ -27,7 +27,7 @@ import torch
 
 from hf_paged import kernels
 from hf_paged.cache import _kv_quant as kv_quant
-from hf_paged.attention.backends.base import AttentionParams
+from hf_paged.attention.backends.base import AttentionInputs, AttentionParams
 from hf_paged.attention.backends._flash import window_size
 from hf_paged.attention.backends._torch import TorchBackend
 from hf_paged.attention._metadata import build_metadata
@@ -131,7 +131,8 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                           block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(len(s0["seq_lens"]), dtype=torch.long),
                           token_index=None, grid=(len(s0["seq_lens"]), 1), block_size=16,
                           device=torch.device("cuda"))
-    out["torch-bs16"] = [lambda: torch_backend.forward(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)]
+    inputs = AttentionInputs(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)
+    out["torch-bs16"] = [lambda: torch_backend.forward(inputs, None)]
     return out
 
 

@@ -34,7 +34,7 @@ def run(args: argparse.Namespace) -> int:
         app, name, api_key = _app(args)
         # What exists now (the model, its compiled layers, the libraries) lives as long as this process: set aside
         # from the collector for good, so that no full collection walks it while requests wait (as frozen_heap does
-        # for one call: runner/_frozen_heap.py)
+        # for one call: hf_paged/_frozen_heap.py)
         gc.freeze()
         server, died = _server(args, app)
         host, bound_port = sock.getsockname()[:2]

@@ -17,7 +17,6 @@ from hf_paged.engine import _validation as validation
 from hf_paged.engine._generate_batch import generate_batch
 from hf_paged.engine._sampling_params import resolve_generation_config
 from hf_paged.parallel import _data_parallel as data_parallel
-from hf_paged.parallel._data_parallel import balanced_shares  # noqa: F401  (hf_paged.integrations.accelerate's)
 
 
 def distributed_generate_batch(

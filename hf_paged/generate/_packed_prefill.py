@@ -75,8 +75,8 @@ class PackedPrefill:
         packed_ids = ids.reshape(1, -1) if index is None else ids.reshape(-1)[index].view(1, -1)
         positions = kwargs["position_ids"]
         positions = positions.reshape(1, -1) if index is None else positions.reshape(-1)[index].view(1, -1)
-        packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens), plans={},
-                                               _per_device={}), step.pool, step.dispatcher)
+        packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens)), step.pool,
+                           step.dispatcher)
         passed = {key: value for key, value in kwargs.items() if key not in _DROPPED}
         passed.update(input_ids=packed_ids, position_ids=positions, attention_mask=None,
                       logits_to_keep=cu_seqlens[1:].long() - 1)

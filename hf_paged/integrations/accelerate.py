@@ -12,7 +12,8 @@ Both are also ``hf_paged.paged_cache_for`` and ``hf_paged.distributed_generate_b
 path they had.
 """
 
-from hf_paged.engine._data_parallel import balanced_shares, distributed_generate_batch
+from hf_paged.engine._data_parallel import distributed_generate_batch
+from hf_paged.parallel._data_parallel import balanced_shares
 from hf_paged.generate._paged_cache import paged_cache_for
 from hf_paged.hf._placement import layer_devices
 

@@ -6,4 +6,4 @@
 from __future__ import annotations
 
 from hf_paged.kernels._ops import *  # noqa: F403  (the names its __all__ lists)
-from hf_paged.kernels._ops import __all__, _check_fp8_query, _check_kv_scales  # noqa: F401  (_prefill.py's checks)
+from hf_paged.kernels._ops import __all__  # noqa: F401

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels import HEAD_DIMS, _check_fp8_query, _check_kv_scales
+from hf_paged.kernels._ops import HEAD_DIMS, _check_fp8_query, _check_kv_scales
 from hf_paged.kernels._build import load
 
 PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)

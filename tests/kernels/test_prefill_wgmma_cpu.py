@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_paged.attention import AttentionParams, Phase
+from hf_paged.attention import AttentionInputs, AttentionParams, Phase
 from hf_paged.attention.backends import _cuda as cuda_backend
 from hf_paged.bench import _prefill as prefill_bench
 from hf_paged.kernels import _build as build
@@ -101,7 +101,9 @@ def _prefill(dtype=torch.bfloat16, head_dim=128, kv_dtype=None):
     query, k_cache, v_cache, cu_q, lens, tables = _args(dtype, head_dim, kv_dtype)
     meta = SimpleNamespace(phase=Phase.PREFILL, cu_seqlens_q=cu_q, seq_lens_k=lens, block_tables=tables,
                            max_seqlen_q=4, single_token_prefix=0)
-    cuda_backend.CudaBackend().forward(query, query, query, k_cache, v_cache, meta, AttentionParams(scale=0.1))
+    backend = cuda_backend.CudaBackend()
+    backend.forward(AttentionInputs(query, query, query, k_cache, v_cache, meta, AttentionParams(scale=0.1)),
+                    backend.plan(meta))
 
 
 @pytest.mark.parametrize(("shape", "impl"), [

@@ -12,7 +12,7 @@ import pytest
 import torch
 from paged_steps import make_paged_step
 
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, AttentionParams, Dispatcher, Phase
 from hf_paged.attention.backends import _flash as flash
 from hf_paged.attention.backends._torch import paged_attention_reference
 
@@ -60,7 +60,7 @@ def test_flash_matches_float64_reference_on_gpu(step, features: dict, head_dim: 
     assert Dispatcher().select(call).name == "flash"
 
     _poison_allocator(query.numel() * query.element_size())
-    out = flash.FlashBackend().forward(query, key, value, k_cache, v_cache, meta, params)
+    out = flash.FlashBackend().forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params), None)
     expected = paged_attention_reference(query.double(), k_cache.double(), v_cache.double(), meta, params,
                                          compute_dtype=torch.float64)
 

@@ -15,7 +15,7 @@ import torch
 from kernel_steps import check, params_for, prefill_step, reference
 
 from hf_paged import available_backends
-from hf_paged.attention import Phase
+from hf_paged.attention import AttentionInputs, Phase
 from hf_paged.attention.backends.base import backend_named
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
@@ -46,11 +46,13 @@ def test_decode_rows_in_front_go_to_the_decode_kernel(step: str, dtype: torch.dt
                                                                      seeded(f"{step}-{dtype}-{head_dim}"))
     assert meta.phase is not Phase.DECODE
     backend = backend_named("cuda")
-    split = backend.forward(query, key, value, k_cache, v_cache, dataclasses.replace(meta, single_token_prefix=ones),
-                            params)
+    split_meta = dataclasses.replace(meta, single_token_prefix=ones)
+    split = backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, split_meta, params),
+                            backend.plan(split_meta))
     expected = reference(query, k_cache, v_cache, meta, params)
     check(split, expected, dtype, f"{step} split at {ones}")
-    whole = backend.forward(query, key, value, k_cache, v_cache, meta, params)  # the prefill kernel alone
+    whole = backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params),
+                            backend.plan(meta))  # the prefill kernel alone
     check(whole, expected, dtype, f"{step} prefill kernel only")
     if ones:  # the two kernels differ on the decode rows only
         assert torch.equal(split[ones:], whole[ones:])
@@ -64,6 +66,7 @@ def test_a_split_step_keeps_the_window_and_the_softcap(window: int, softcap: flo
                                                                 torch.bfloat16, seeded(f"options-{window}-{softcap}"))
     params = params_for(128, window, softcap)
     query = query * 3.0  # scores large enough for a softcap of 5 to matter
-    out = backend_named("cuda").forward(query, key, value, k_cache, v_cache,
-                                        dataclasses.replace(meta, single_token_prefix=2), params)
+    backend, split_meta = backend_named("cuda"), dataclasses.replace(meta, single_token_prefix=2)
+    out = backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, split_meta, params),
+                          backend.plan(split_meta))
     check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"window {window} softcap {softcap}")

@@ -18,7 +18,7 @@ from kernel_steps import (DEVICE, TOLERANCE, check, decode_step, reference, rela
                           runnable_backends)
 
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, Dispatcher, Phase
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
 
@@ -72,7 +72,8 @@ def check_every_backend(heads, head_dim: int, block_size: int, dtype: torch.dtyp
         expected = reference(query, k_cache, v_cache, meta, params)
         results = {"cuda-kernel": run_decode(query, k_cache, v_cache, meta, params)}
         for backend in backends:
-            results[backend.name] = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+            inputs = AttentionInputs(query, key, value, k_cache, v_cache, meta, params)
+            results[backend.name] = backend.forward(inputs, backend.plan(meta))
         for who, out in results.items():
             assert out.shape == query.shape and out.dtype == dtype, (who, name)
             check(out, expected, dtype, f"{who} on {name}")

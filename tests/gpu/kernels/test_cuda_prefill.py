@@ -18,7 +18,7 @@ import torch
 from kernel_steps import DEVICE, PREFILL_SCENARIOS, check, prefill_step, reference
 
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, AttentionParams, Dispatcher, Phase
 from hf_paged.attention.backends.base import registered_backends
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, paged_prefill, prefill_configs
 
@@ -140,7 +140,7 @@ def test_cuda_backend_serves_prefill_and_extend(phase_case):
     chosen = Dispatcher().select(call).name
     assert chosen == "cuda" or (chosen == "flash" and phase_case == "prefill"), chosen
     backend = next(b for b in registered_backends() if b.name == "cuda")
-    out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+    out = backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params), backend.plan(meta))
     check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, phase_case)
     window = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16, sliding_window=64, softcap=30.0)
     assert backend.unsupported_reason(window) is None  # both are kernel arguments (test_window_softcap.py)

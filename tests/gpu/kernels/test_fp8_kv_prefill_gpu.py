@@ -24,7 +24,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, AttentionParams, Dispatcher
+from hf_paged.attention import AttentionCall, AttentionInputs, AttentionParams, Dispatcher
 from hf_paged.attention.backends._cuda import CudaBackend
 from hf_paged.attention.backends._torch import paged_attention_reference
 from hf_paged.cache import _kv_quant as kv_quant
@@ -139,7 +139,8 @@ def test_cuda_backend_serves_fp8_prefill_and_extend(phase_prefix):
     call = AttentionCall(meta.phase, "cuda", torch.bfloat16, 128, 32, 8, 16, kv_dtype=FP8_DTYPE)
     assert Dispatcher().select(call).name == "cuda"
     params = AttentionParams(scale=128**-0.5)
-    out = CudaBackend().forward(query, None, None, k8, v8, meta, params, kv_scales=scales)
+    backend = CudaBackend()
+    out = backend.forward(AttentionInputs(query, None, None, k8, v8, meta, params, scales), backend.plan(meta))
     expected = dequantized_reference(query, k8, v8, scales, meta, params)
     assert_rows_close(out, expected, random_allowance(expected, ROW_TOLERANCE[torch.bfloat16]), meta.phase.value)
 

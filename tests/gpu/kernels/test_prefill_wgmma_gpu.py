@@ -22,7 +22,7 @@ from kernel_oracle import assert_rows_close, sparse_allowance
 from kernel_rows import check_prefill_rows
 from kernel_steps import ROW_TOLERANCE, check, prefill_step, reference
 
-from hf_paged.attention import AttentionParams
+from hf_paged.attention import AttentionInputs, AttentionParams
 from hf_paged.attention.backends.base import backend_named
 from hf_paged.attention.backends._cuda import _WGMMA_BY_HEAD_DIM
 from hf_paged.kernels._prefill import WGMMA_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
@@ -190,6 +190,6 @@ def test_cuda_backend_routes_prefill_here():
     for head_dim, default in ((d, defaults[d]) for d in HEAD_DIMS):
         meta, query, key, value, k_cache, v_cache, params = prefill_step([0, 40, 300], [9, 1, 120], 16, 32, 8,
                                                                          head_dim, torch.bfloat16, seeded("env"))
-        out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+        out = backend.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params), backend.plan(meta))
         assert torch.equal(out, run_wgmma(query, k_cache, v_cache, meta, params, impl=default))
         check(out, reference(query, k_cache, v_cache, meta, params), torch.bfloat16, f"backend {default}")

@@ -18,7 +18,7 @@ import torch
 from kernel_steps import OPTIONS, QUERY_GAIN, check, decode_step, other_backends, params_for, reference
 
 from hf_paged import kernels
-from hf_paged.attention import AttentionCall, Phase
+from hf_paged.attention import AttentionCall, AttentionInputs, Phase
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
 
@@ -51,7 +51,8 @@ def test_decode_window_and_softcap(heads, head_dim: int, block_size: int, dtype:
         backends = other_backends(call)
         assert "cuda" in [b.name for b in backends]
         for backend in backends:
-            out = backend.forward(query, key, value, k_cache, v_cache, meta, params)
+            inputs = AttentionInputs(query, key, value, k_cache, v_cache, meta, params)
+            out = backend.forward(inputs, backend.plan(meta))
             check(out, expected, dtype, f"{backend.name} backend, {label}")
 
 

@@ -13,7 +13,7 @@ import torch
 from kernel_steps import (OPTIONS, PREFILL_SCENARIOS, QUERY_GAIN, check, other_backends, params_for, prefill_step,
                           reference)
 
-from hf_paged.attention import AttentionCall
+from hf_paged.attention import AttentionCall, AttentionInputs
 from hf_paged.kernels._prefill import paged_prefill, prefill_configs
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
@@ -47,5 +47,5 @@ def test_prefill_window_and_softcap(heads, head_dim: int, block_size: int, dtype
             call = AttentionCall(meta.phase, "cuda", dtype, head_dim, *heads, block_size,
                                  sliding_window=params.sliding_window, softcap=params.softcap)
             for backend in other_backends(call):
-                check(backend.forward(query, key, value, k_cache, v_cache, meta, params), expected, dtype,
-                      f"{backend.name} backend, {label}")
+                inputs = AttentionInputs(query, key, value, k_cache, v_cache, meta, params)
+                check(backend.forward(inputs, backend.plan(meta)), expected, dtype, f"{backend.name} backend, {label}")
