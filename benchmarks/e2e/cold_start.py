@@ -399,7 +399,7 @@ def child(args: argparse.Namespace) -> None:
 def _after_the_helper(model, run, prompts, config, sync, at: dict, args: argparse.Namespace) -> dict:
     """``compile_layers="background"``: wait for the helper process (``at["helper_done"]``), then time the first
     call that compiles (from torch's caches) and the one after it."""
-    from hf_paged.engine import _background_compile as background_compile
+    from hf_paged.runner import _background_compile as background_compile
 
     helper = background_compile.helper(model)
     state = helper.wait(args.timeout) if helper is not None else "none"

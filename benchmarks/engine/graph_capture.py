@@ -27,7 +27,6 @@ tokens; no graphs there, so the variants differ only in name) and skips the padd
 from __future__ import annotations
 
 import argparse
-import functools
 import time
 
 import torch
@@ -39,6 +38,7 @@ from benchmarks.e2e.workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, loa
 import hf_paged
 from hf_paged.bench import run_header, time_calls
 from hf_paged.engine import _core as engine_core
+from hf_paged.runner._step_plan import DecodeColumns
 
 VARIANTS = {"on_demand": {}, "start": {"cuda_graph_capture": "start"}, "largest": "largest"}
 PAD_SIZES = (1, 4, 16, 64, 128, 256)
@@ -55,10 +55,10 @@ class StepClock:
     def __enter__(self) -> StepClock:
         clock, launch, init = self, self._launch, self._init
 
-        def timed_launch(core, batch):  # (not through size_for: it counts steps toward on-demand captures)
+        def timed_launch(core, batch, *rest):  # (not through size_for: it counts steps toward on-demand captures)
             decode = sum(batch.num_tokens) == len(batch.seqs)
             clock.launches.append((time.perf_counter(), len(batch.seqs), decode))
-            return launch(core, batch)
+            return launch(core, batch, *rest)
 
         def timed_init(core, *args, **kwargs):
             began = time.perf_counter()
@@ -133,10 +133,12 @@ def padding(model, say) -> list[dict]:
     rows = []
     for n in (1, 4, 16, 64, 128):
         for b in [s for s in PAD_SIZES if s >= n]:
-            timing = time_calls([functools.partial(engine.graphs.replay, seqs[:n], b)], graph=False, reps=30)
+            graphs = engine.runner.graphs
+            timing = time_calls([lambda: (graphs.stage(DecodeColumns.of(seqs[:n]), b), graphs.replay(b))], graph=False,
+                                reps=30)
             rows.append({"part": "padding", "rows": n, "graph": b, "ms": 1e3 * timing.median_s})
             say(f"{n} rows in the graph of {b}: {rows[-1]['ms']:.3f} ms")
-    for b, seconds in sorted(engine.graphs.size_seconds.items()):
+    for b, seconds in sorted(engine.runner.graphs.size_seconds.items()):
         rows.append({"part": "capture", "graph": b, "seconds": seconds})
     return rows
 

@@ -25,7 +25,6 @@ import torch
 
 from benchmarks.engine.overhead import add_workload_arguments, build_engine
 from hf_paged.engine import _core as engine_core
-from hf_paged.engine import _core as handover
 from hf_paged.engine import _inflight as inflight
 from hf_paged.engine import _sampler as sampler
 from hf_paged.engine import _scheduler as scheduler
@@ -37,7 +36,7 @@ from hf_paged.runner import _staging as staging
 
 PARTS = (
     (scheduler.Scheduler, "schedule"),
-    (cuda_graphs.DecodeGraphs, "_send"),
+    (cuda_graphs.DecodeGraphs, "stage"),
     (_device_block_table.DeviceBlockTable, "sync"),
     (staging.StagingBuffer, "host_array"),
     (staging.StagingBuffer, "send"),
@@ -48,23 +47,23 @@ PARTS = (
     (sampler.Sampler, "__call__"),
     (inflight.TokenReceiver, "send"),
     (inflight.InFlightStep, "wait"),
-    (handover.EngineCore, "_take_tokens"),
+    (engine_core.EngineCore, "_take_tokens"),
     (engine_core.EngineCore, "_commit"),
     (steady_decode.SteadyDecode, "schedule"),
     (steady_decode.SteadyDecode, "commit"),
-    (handover.EngineCore, "_take_steady"),
+    (engine_core.EngineCore, "_take_steady"),
 )
 
 
 def wrap_parts(totals: dict[str, float]) -> Callable[[], None]:
     """Replace each part by a timed wrapper adding its wall seconds to ``totals[name]``; ``step_plan.plan_step`` (a
     module function) is timed where the engine calls it. Returns the function that puts the parts back."""
-    saved = [(engine_core, "plan_step", engine_core.plan_step)]
+    saved = [(runner, "plan_step", runner.plan_step)]
     saved += [(owner, name, owner.__dict__[name]) for owner, name in PARTS]
     for owner, name, raw in saved:
         is_classmethod = isinstance(raw, classmethod)
         fn = raw.__func__ if is_classmethod else raw
-        label = name if owner is engine_core else f"{owner.__name__}.{name}"
+        label = name if owner is runner else f"{owner.__name__}.{name}"
 
         def timed(*args, _fn=fn, _label=label, **kwargs):
             start = time.perf_counter()
@@ -111,7 +110,7 @@ def kernels_per_step(engine) -> int:
     """Kernels one eager decode step of the engine's largest graph size launches (its graph holds as many)."""
     from torch.profiler import ProfilerActivity, profile
 
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     size = graphs.sizes[-1]
     graphs._stage_padding(size)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -163,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
         cost = graph_launch_cost(args.device)
         print("CUDAGraph.replay() host time by graph size:", ", ".join(f"{n} kernels {us:.1f} us"
                                                                     for n, us in cost.items()))
-        if engine.graphs is not None:
+        if engine.runner.graphs is not None:
             print(f"kernels in one decode step of the tiny model (largest graph size): {kernels_per_step(engine)}")
 
 

@@ -1,4 +1,4 @@
-"""The helper process of ``compile_layers="background"`` (``engine/_background_compile.py``): an engine of the given
+"""The helper process of ``compile_layers="background"`` (``runner/_background_compile.py``): an engine of the given
 settings on a random-weight model of the given slim config runs a few short prompts (a prefill, then decode steps),
 which compiles the layers into torch's on-disk caches; then the process exits.
 
@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig
 
-from hf_paged.engine._background_compile import HELPER_BLOCKS
+from hf_paged.runner._background_compile import HELPER_BLOCKS
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._generate_batch import generate_batch
 

@@ -18,45 +18,32 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-import time
 from collections.abc import Iterator
-from itertools import compress
 from contextlib import contextmanager
-from dataclasses import replace
+from functools import partial
+from itertools import compress
 
 import torch
 
 from hf_paged import _compat
-from hf_paged.engine import _validation as validation
 from hf_paged.cache._block_manager import BlockManager
-from hf_paged.cache._block_table import BlockTableBuffer
-from hf_paged.parallel import _fuse_all_reduce as fuse_all_reduce
-from hf_paged.parallel import _linears as tp_linears
-from hf_paged.parallel import _lockstep as lockstep
-from hf_paged.compile import _skinny_linears as skinny_linear
-from hf_paged.engine import _background_compile as background_compile
 from hf_paged.engine import _sizing as sizing
+from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
-from hf_paged.engine._sizing import Workload
-from hf_paged.runner._decode_graphs import engine_graphs
 from hf_paged.engine._inflight import InFlightStep, TokenReceiver
 from hf_paged.engine._interrupts import InterruptGuard
-from hf_paged.engine._request_registry import RequestRegistry
-from hf_paged.runner._model_runner import ModelRunner
-from hf_paged.runner._step_plan import DecodeColumns, plan_step
 from hf_paged.engine._prompt_logprobs import prompt_rows, score
+from hf_paged.engine._request_registry import RequestRegistry
 from hf_paged.engine._sampler import Sampler, SamplingBatch, split_logprob_row
 from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
+from hf_paged.engine._sizing import Workload
 from hf_paged.engine._stats import EngineStats
 from hf_paged.engine._steady_decode import SteadyDecode
 from hf_paged.engine._stop_checker import StopChecker
 from hf_paged.engine._structured_output import StructuredOutput, advance as advance_grammar
-from hf_paged.hf import _placement as placement
-from hf_paged.parallel import _logits as tp_logits
-from hf_paged.parallel._tensor_parallel import kv_layout
 from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
-from hf_paged.hf._support import paged_kv
+from hf_paged.runner._model_runner import ModelRunner
 
 logger = logging.getLogger("hf_paged")
 _status = operator.attrgetter("status")
@@ -75,179 +62,117 @@ def restore_attention(model: torch.nn.Module, implementation: str | None) -> Non
 
 
 class EngineCore:
-    """The pool, the scheduler, the model runner and sampler of ``model``, and the step that drives them."""
+    """The scheduler, the requests and the sampler of ``model``, its ``ModelRunner``, and the step that drives them."""
 
     def __init__(self, model: torch.nn.Module, cfg: EngineConfig, tokenizer=None, workload: Workload | None = None):
-        # the caller's attention, put back when the engine is done (Engine.close, the end of generate_batch)
-        self.attention_before = _compat.attn_implementation(model.config)
+        self.attention_before = _compat.attn_implementation(model.config)  # put back by close() and generate_batch
         use_paged_attention(model)
-        self.model, self.tokenizer = model, tokenizer
-        self.device, dtype = model.device, model.dtype
+        self.model, self.tokenizer, self.device = model, tokenizer, model.device
         self.max_model_len = max_len = validation.position_limit(model.config)
-        self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
-        # tensor parallel: the ranks step together
-        self.lockstep, settings = lockstep.for_model(model, cfg.compile_layers, cfg.cuda_graphs)
-        forced = {"cuda_graph_capture": "tensor parallel: every size at start, on every rank alike"} if (
-            settings and cfg.cuda_graph_capture is None) else {}
-        cfg = replace(cfg, **settings)
-        # tensor parallel: each rank's model calls return its vocabulary columns
-        self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
-        layout = kv_layout(model)  # the KV heads this process computes (its shard under tensor parallel)
-        sized = sizing.size_engine(cfg, model.config, dtype, self.kv_devices, workload)
-        cfg, reasons = sized.config, {**sized.reasons, **forced}
-        num_blocks, why = sizing.pool_size(cfg, layout, dtype, self.kv_devices, max_len, workload)
-        cfg = replace(cfg, num_blocks=num_blocks)
-        if why is not None:
-            reasons["num_blocks"] = why
-        if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
-            cfg = replace(cfg, num_blocks=self.lockstep.agree_min(cfg.num_blocks),
-                          max_batch_tokens=self.lockstep.agree_min(cfg.max_batch_tokens),
-                          max_num_seqs=self.lockstep.agree_min(cfg.max_num_seqs))
-        self.config, self.sizing = cfg, reasons
-        block_size, max_num_seqs = cfg.block_size, cfg.max_num_seqs
-        self.pool, self.dispatcher = paged_kv(model.config, layout, self.kv_devices, dtype, block_size, cfg.num_blocks,
-                                              cfg.kv_cache_dtype, cfg.backend)
-        # Columns: a sequence's most blocks (the decode graphs' captured width; wider steps run eager), for a one-call
-        # engine those of its workload's longest sequence (+1 token: a stopped sequence's step of lag), else of the
-        # model's position limit; the host table and its pinned staging scale with it.
+        # A sequence's most tokens (the block tables' width): for a one-call engine its workload's longest (+1 token:
+        # a stopped sequence's step of lag), else the model's position limit.
         longest = max_len if workload is None or not workload.one_call else min(
             max_len, max(workload.sequence_tokens, default=max_len) + 1)
-        tables = BlockTableBuffer(max_num_seqs, min(cfg.num_blocks, -(-longest // block_size)))
-        self.block_manager = BlockManager(self.pool.allocator, block_size, tables, self.pool.copy_blocks,
+        size = partial(sizing.size_for, model.config, model.dtype, max_len, workload)
+        self.runner = runner = ModelRunner(model, cfg, size, longest, one_call=workload is not None)
+        self.config, self.sizing = cfg, _ = runner.config, runner.sizing
+        self.block_manager = BlockManager(runner.pool.allocator, cfg.block_size, runner.tables, runner.pool.copy_blocks,
                                           cfg.enable_prefix_caching)
-        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, max_num_seqs)
-        tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
-        self.compiled = background_compile.layers_for_engine(
-            model, cfg.compile_layers, tp_compile,
-            {name: getattr(cfg, name) for name in background_compile.HELPER_SETTINGS})
-        self.skinny_linear = skinny_linear.for_engine(model, cfg.skinny_linear,
-                                                      routed_elsewhere=tp_linears.installed(model))
-        self.runner = ModelRunner(model, self.pool, self.dispatcher, cfg.max_batch_tokens, self.device,
-                                  max_seqs=max_num_seqs,
-                                  max_blocks_per_seq=tables.table.shape[1], compiled=self.compiled,
-                                  skinny=self.skinny_linear, local_logits=self.vocab_shards is not None)
-        if len(set(self.kv_devices)) > 1:
-            # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
-            # model (which moves every tensor argument to the first device) leaves them there
-            self.runner.output_device = placement.hidden_states_device(model)
-            placement.keep_argument_in_place(model, "logits_to_keep")
-        self.sampler = Sampler()
-        self.structured = StructuredOutput(tokenizer, model.config.get_text_config(decoder=True).vocab_size)
-        self.stop_checker = StopChecker(tokenizer)
-        self.vocab_size = model.config.get_text_config(decoder=True).vocab_size
-        self.counters = EngineStats()
-        self.requests = RequestRegistry()
-        auto = cfg.async_scheduling is None
-        self.async_scheduling = self.device.type == "cuda" if auto else cfg.async_scheduling
-        self._receiver = TokenReceiver(max_num_seqs, self.device)
-        self._inflight: InFlightStep | None = None
+        self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs)
+        self.vocab_size = vocab = model.config.get_text_config(decoder=True).vocab_size
+        self.sampler, self.stop_checker, self.structured = Sampler(), StopChecker(tokenizer), StructuredOutput(tokenizer,
+                                                                                                               vocab)
+        self.counters, self.requests = EngineStats(), RequestRegistry()
+        self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
+        self._receiver = TokenReceiver(cfg.max_num_seqs, self.device)
+        self._inflight: InFlightStep | None = None  # the launched step whose tokens are on their way
         self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/_steady_decode.py)
-        self._interrupts = InterruptGuard()
-        self._lock = threading.Lock()  # the requests' state: held by a step except during its device work
-        self.graphs = engine_graphs(self, cfg, tables, max_num_seqs)  # decode CUDA graphs, if any
-        self.runner.compile_one_token = self.graphs is None  # (a one-token step is rare beside graphs: runner)
-        # compile_layers="background" in an engine that serves many calls: once the helper process is done, the
-        # layers switch to compiled ones between two steps (_take_compiled_layers); an engine of one call keeps its
-        # eager layers (a switch inside a call would make its tokens depend on timing)
-        self._helper = background_compile.helper(model) if (
-            cfg.compile_layers == background_compile.BACKGROUND and self.compiled is None and workload is None) else None
+        self._interrupts, self._lock = InterruptGuard(), threading.Lock()  # the lock: the requests' state
         # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
-        # optimizer step, load_state_dict) raises its version counter, which each step compares (_forget_kv).
-        self._weights = list(model.parameters())
+        # optimizer step, load_state_dict) raises its version counter, which each step compares (_before_step).
+        self._weights, self._kv_stale = list(model.parameters()), False  # (stale: reset_prefix_cache() asked)
         self._weights_version = _compat.version_sum(self._weights)
-        self._kv_stale = False  # reset_prefix_cache() asked for it
-        if self.compiled is not None and self.compiled.artifacts is not None:
-            self.compiled.artifacts.save()  # what the start compiled, for the next process
-        logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, reasons, self.graphs is not None))
+        logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, self.sizing,
+                                                                            runner.graphs is not None))
 
     def _advance(self) -> list[Sequence]:
-        """Schedule and launch a step, then take in the tokens of the step before it (asynchronous scheduling:
-        the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences that
-        finish go to the outbox; returns those that got a token."""
+        """One step: schedule, run the model, sample, and take in the tokens of the step before (asynchronous
+        scheduling: the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences
+        that finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
-        touched: list[Sequence] = []
-        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
-            touched += self._forget_kv()
-        if self._helper is not None and self._helper.state() != "running":
-            touched += self._take_compiled_layers()
-        self._collect_failed()
-        steady = self._steady
-        batch = steady.schedule(self.scheduler) if steady is not None else None
-        if batch is None:
-            steady = self._steady = None
-            batch = self.scheduler.schedule()
-        self._collect_failed()
-        if self.lockstep is not None:
-            self.lockstep.check(batch.seqs, batch.num_tokens)  # every rank scheduled this batch, or all raise
+        touched = self._before_step()
+        batch, steady, scheduled = self._schedule()
+        touched += scheduled
         clock("schedule")
-        if steady is None and not batch.is_empty and self._inflight is not None and any(
-                s.pending_row >= 0 and s.params.reads_own_tokens for s in batch.seqs):
-            touched += self._resolve()  # a penalty or a grammar reads the tokens themselves
-            batch = _without_finished(batch)
-        if not batch.is_empty:
-            self.counters.note_step(self)
+        if batch.is_empty:
+            touched += self._resolve()
+        else:
             try:
                 launched = self._launch(batch, steady)
             except BaseException as exc:
-                self._steady = None
-                if self.lockstep is not None and isinstance(exc, Exception):
-                    self.lockstep.fail(exc)  # the ranks cannot rerun apart: all raise
-                # The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the
-                # step before's tokens, which the failed launch may have overwritten on the device, and retry.
-                touched += self._resolve()
-                if not isinstance(exc, Exception):
-                    raise
-                touched += self._run_alone(_without_finished(batch), exc)
-                return touched
+                return touched + self._launch_failed(batch, exc)
             clock("forward")
             if steady is not None and self._take_steady(steady, launched):
-                touched += steady.seqs
                 clock("update")
-                return touched
+                return touched + steady.seqs
             touched += self._resolve()
             clock("sample")
             self._commit(batch, launched)
-        else:
-            touched += self._resolve()
         if not self.async_scheduling:
             touched += self._resolve()
-        self._steady = SteadyDecode.after(batch, self.scheduler, self.pool.block_size, self.max_model_len,
+        self._steady = SteadyDecode.after(batch, self.scheduler, self.config.block_size, self.max_model_len,
                                           self.async_scheduling)
         clock("update")
         return touched
 
-    def _take_compiled_layers(self) -> list[Sequence]:
-        """``compile_layers="background"``: the helper process ended; from the next step on the layers run compiled
-        (from torch's caches) in decode graphs captured anew (the eager ones are freed), the in-flight step's tokens
-        taken in first; if the helper failed they stay eager. Returns the sequences that got a token."""
-        helper, self._helper = self._helper, None
-        if helper.state() == "failed":  # compiling here would hold up the running requests for the whole compile
-            helper.report("this engine keeps its layers eager; engines started later compile them at start")
-            return []
-        touched = self._resolve()
-        self._steady = None
-        layers = background_compile.layers_for_engine(self.model, self.config.compile_layers, None, {})
-        if layers is None:
-            return touched
-        began = time.perf_counter()
-        self._release_graphs()
-        self.compiled = self.runner.compiled = layers
-        self.graphs = engine_graphs(self, self.config, self.block_manager.tables, self.config.max_num_seqs)
-        self.runner.compile_one_token = self.graphs is None
-        if layers.artifacts is not None:
-            layers.artifacts.save()
-        logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
-                    time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
+    # ----- the hooks around a step -----------------------------------------------------------------------------
+    def _before_step(self) -> list[Sequence]:
+        """Before scheduling: the weights check (KV computed with other weights is forgotten), the switch to the
+        compiled layers of ``compile_layers="background"`` once its helper is done, and the sequences that ended
+        outside a step (errors, aborts) to the outbox. Returns the sequences that got a token."""
+        touched = []
+        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
+            touched += self._forget_kv()
+        helper = self.runner.helper
+        if helper is not None and helper.state() != "running":
+            if helper.state() != "failed":
+                touched += self._resolve()  # (the in-flight step ran on the layers switched from)
+            self._steady = None
+            self.runner.take_compiled_layers()
+        self.requests.outbox += self.scheduler.take_failed()
         return touched
 
-    def _release_graphs(self) -> None:
-        """Free the decode CUDA graphs now, once the device is done with any step that may still replay one."""
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-        graphs, self.graphs = self.graphs, None
-        self.runner.compile_one_token = True  # decode of one sequence runs eager from now on
-        if graphs is not None:
-            graphs.release()
+    def _schedule(self) -> tuple[ScheduledBatch, SteadyDecode | None, list[Sequence]]:
+        """The step's batch: the steady decode step again where it repeats, else the scheduler's choice (under tensor
+        parallel every rank checks that all scheduled the same, or all raise). A repetition penalty or a grammar reads
+        a sequence's tokens before its step: where such a sequence waits on the in-flight step, its tokens are taken
+        in first (the sequences that finish leave the batch). Returns the batch, the steady step, and the sequences
+        that got a token."""
+        steady, touched = self._steady, []
+        batch = steady.schedule(self.scheduler) if steady is not None else None
+        if batch is None:
+            steady = self._steady = None
+            batch = self.scheduler.schedule()
+        self.requests.outbox += self.scheduler.take_failed()
+        if self.runner.lockstep is not None:
+            self.runner.lockstep.check(batch.seqs, batch.num_tokens)
+        if steady is None and self._inflight is not None and any(
+                s.pending_row >= 0 and s.params.reads_own_tokens for s in batch.seqs):
+            touched = self._resolve()
+            batch = _without_finished(batch)
+        return batch, steady, touched
+
+    def _launch_failed(self, batch: ScheduledBatch, exc: BaseException) -> list[Sequence]:
+        """The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the step
+        before's tokens, which the failed launch may have overwritten on the device, and rerun the batch one
+        sequence at a time. Under tensor parallel the ranks cannot rerun apart: all raise."""
+        self._steady = None
+        if self.runner.lockstep is not None and isinstance(exc, Exception):
+            self.runner.lockstep.fail(exc)
+        touched = self._resolve()
+        if not isinstance(exc, Exception):
+            raise exc
+        return touched + self._run_alone(_without_finished(batch), exc)
 
     def _forget_kv(self) -> list[Sequence]:
         """Drop every KV computed with the weights the model had before: the in-flight step's tokens are taken in
@@ -257,7 +182,7 @@ class EngineCore:
         self._steady = None
         self.scheduler.recompute_all()
         dropped = self.block_manager.reset_prefix_cache()
-        self.pool.clear_scales()
+        self.runner.pool.clear_scales()
         self._weights_version = _compat.version_sum(self._weights)
         self._kv_stale = False
         self.counters.kv_resets += 1
@@ -285,61 +210,38 @@ class EngineCore:
             touched += self._resolve()
         return touched
 
-    def _collect_failed(self) -> None:
-        """Move the scheduler's finished-outside-a-step sequences (errors, aborts) to the outbox."""
-        failed = self.scheduler.failed
-        if failed:
-            self.requests.outbox += failed
-            failed.clear()
-
     def _fail(self, seq: Sequence, error: str) -> None:
         self.scheduler.finish(seq, "error", error)
         self.requests.outbox.append(seq)
 
     def _launch(self, batch: ScheduledBatch, steady: SteadyDecode | None = None) -> InFlightStep | None:
-        """Forward and sample on the device; the sampled tokens start their copy to the host. Called with the lock
-        held: what reads the sequences (the plan, or a graph's inputs) runs under it, the eager forward and the
-        sampler without it, so other threads may add and abort requests meanwhile (an abort is applied when the
-        step commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
+        """Run the model and sample on the device; the sampled tokens start their copy to the host. Called with the
+        lock held: what reads the sequences (``runner.prepare``) runs under it, the device work and the sampler
+        without it, so other threads may add and abort requests meanwhile (an abort is applied when the step
+        commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
+        self.counters.note_step(self.runner.pool.allocator.num_used)
         cols = steady.columns() if steady is not None else None
         sampled = batch.seqs if steady is not None else list(compress(batch.seqs, batch.sample))
         scored = prompt_rows(batch.seqs, batch.num_tokens) if steady is None else None
-        size = None
-        if self.graphs is not None and scored is None:
-            longest = int(cols.positions.max()) if cols is not None else None
-            size = self.graphs.size_for(batch.seqs, batch.num_tokens, longest)
-        if size is None:
-            if self.graphs is not None and self.block_manager.tables.num_changes > 4096:
-                self.graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
-            plan = plan_step(batch.seqs, batch.num_tokens, batch.sample, self.block_manager.tables,
-                             self.pool.block_size, columns=cols, extra_rows=scored.rows if scored else None,
-                             pad_logits=self.runner.pad_logits)
-            with self._device_work():
-                logits = self.runner.forward(plan)
-                if scored is not None:
-                    logits, extra = logits[: len(sampled)], logits[len(sampled) :]
-                    scores = score(extra if self.vocab_shards is None else self.vocab_shards.gather(extra), scored)
-                launched = self._sample(sampled, logits, steady)
-            if scored is not None:
-                for (seq, _), values in zip(scored.owners, scores):
-                    seq.prompt_logprobs.extend(values)
-            return launched
-        if cols is None:
-            cols = DecodeColumns.of(batch.seqs, batch.sample)
-        with self._interrupts.allowed():
-            logits = self.graphs.replay(batch.seqs, size, cols)  # reads the sequences: under the lock
-        if not all(batch.sample):
-            rows = [i for i, smp in enumerate(batch.sample) if smp]
-            logits = logits.index_select(0, torch.tensor(rows, device=logits.device))
+        prepared = self.runner.prepare(batch, cols, scored.rows if scored is not None else None)
         with self._device_work():
-            return self._sample(sampled, logits[: len(sampled)], steady)
+            logits = self.runner.run(prepared)
+            if scored is not None:
+                logits, extra = logits[: len(sampled)], logits[len(sampled) :]
+                shards = self.runner.vocab_shards
+                scores = score(extra if shards is None else shards.gather(extra), scored)
+            launched = self._sample(sampled, logits, steady)
+        if scored is not None:
+            for (seq, _), values in zip(scored.owners, scores):
+                seq.prompt_logprobs.extend(values)
+        return launched
 
     def _sample(self, sampled: list[Sequence], logits: torch.Tensor,
                 steady: SteadyDecode | None = None) -> InFlightStep | None:
         if not sampled:
             return None
         sampling = steady.sampling if steady is not None else None
-        shards = self.vocab_shards
+        shards, lockstep = self.runner.vocab_shards, self.runner.lockstep
         if sampling is None:
             sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
                                            logits.device)
@@ -347,9 +249,9 @@ class EngineCore:
             (tokens, logprobs), agreed = self.sampler(logits, sampling), False
         else:
             tokens, logprobs, agreed = shards.sample(self.sampler, logits, sampling)
-        if self.lockstep is not None and not agreed:
-            self.lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
-        self.runner.last_tokens[: len(sampled)].copy_(tokens, non_blocking=True)  # what the next step may read
+        if lockstep is not None and not agreed:
+            lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
+        self.runner.keep_tokens(tokens)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)
 
     @contextmanager

@@ -82,7 +82,7 @@ class Engine(EngineCore):
             calls use the compiled code. ``"background"``: where nothing of the model is compiled yet (in this
             process or on disk), this engine runs the layers eagerly while a helper process compiles a slim copy
             of the model into torch's caches; engines started after it compile from them, and this one switches
-            to them between two steps once it is done (``engine/_background_compile.py``).
+            to them between two steps once it is done (``runner/_background_compile.py``).
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
@@ -221,14 +221,13 @@ class Engine(EngineCore):
             self.counters.prompt_tokens += seq.num_tokens
             error = self._never_runs(seq)
             if error is not None:
-                seq.finish("error", error)
-                self.scheduler.failed.append(seq)
+                self.scheduler.reject(seq, error)
             else:
                 self.scheduler.add(seq)
         return [seq.request_id for seq in seqs]
 
     def _never_runs(self, seq: Sequence) -> str | None:
-        bs, num_blocks = self.pool.block_size, self.pool.num_blocks
+        bs, num_blocks = self.config.block_size, self.config.num_blocks
         if seq.num_tokens >= self.max_model_len:
             return validation.past_position_limit(seq.num_tokens, self.max_model_len)
         if -(-seq.num_tokens // bs) > num_blocks:
@@ -252,7 +251,7 @@ class Engine(EngineCore):
         An id that is not live (unknown, or finished already) is ignored."""
         rid = validation.request_id(request_id)
         with self._lock:
-            self.scheduler.failed.extend(self.scheduler.abort(rid))
+            self.scheduler.abort(rid)
 
     def abort_all(self) -> list[str]:
         """Abort every live request (as :meth:`abort` does); returns the ids of the sequences stopped."""
@@ -260,7 +259,6 @@ class Engine(EngineCore):
         with self._lock:
             for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
                 stopped += self.scheduler.abort(rid)
-            self.scheduler.failed.extend(stopped)
         return [s.request_id for s in stopped]
 
     def reset_prefix_cache(self) -> None:
@@ -278,7 +276,7 @@ class Engine(EngineCore):
     def max_prompt_tokens(self) -> int:
         """The longest prompt this engine runs: one token short of the model's position limit, and within the whole
         KV cache (a longer one ends at once with ``finish_reason="error"``)."""
-        return min(self.max_model_len - 1, self.pool.num_blocks * self.pool.block_size)
+        return min(self.max_model_len - 1, self.config.num_blocks * self.config.block_size)
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
@@ -372,7 +370,12 @@ class Engine(EngineCore):
     def stats(self) -> dict:
         """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
         with self._lock:
-            return self.counters.snapshot(self)
+            bm, sched, cfg = self.block_manager, self.scheduler, self.config
+            return {**self.runner.stats(), **self.counters.counts(), "cached_blocks": bm.num_cached_blocks,
+                    "preemptions": sched.num_preemptions, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
+                    "running": len(sched.running), "waiting": len(sched.waiting),
+                    "max_batch_tokens": cfg.max_batch_tokens, "max_num_seqs": cfg.max_num_seqs,
+                    "sizing": dict(self.sizing)}  # the automatic settings, each with why it was picked
 
     # ----- closing --------------------------------------------------------------------------------------------
 
@@ -392,7 +395,7 @@ class Engine(EngineCore):
             return
         self.abort_all()  # (takes the engine's lock itself)
         with self._stepping():
-            self._release_graphs()  # (an in-flight step may still replay a graph)
+            self.runner.release_graphs()  # (an in-flight step may still replay a graph)
             self._steady = self._inflight = None
             self._closed = True
         restore_attention(self.model, self.attention_before)
@@ -473,7 +476,7 @@ class Engine(EngineCore):
                 if self.requests.is_open(rid):
                     self.scheduler.abort(rid)
             self.requests.forget(families)
-            self.scheduler.failed[:] = [s for s in self.scheduler.failed if family(s.request_id) not in families]
+            self.scheduler.discard_failed(families, family)
 
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
         deltas, final = [], set(map(id, finished))

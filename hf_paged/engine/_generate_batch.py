@@ -168,7 +168,7 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
     the one kept on the model when it has the same settings, is idle and its pool holds the workload."""
     kept = model.__dict__.pop(_KEPT, None)
     if persistent and kept is not None and kept[0] == config and not kept[1].has_unfinished():
-        size = kept[1].pool.num_blocks
+        size = kept[1].config.num_blocks
         if config.num_blocks is not None:
             fits = size == config.num_blocks
         else:  # every rank under tensor parallel decides alike (each reads its own free memory)

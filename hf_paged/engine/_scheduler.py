@@ -192,7 +192,7 @@ class Scheduler:
         self.version += 1
 
     def abort(self, request_id: str) -> list[Sequence]:
-        """Finish every sequence of ``request_id`` with ``"abort"``; returns them."""
+        """Finish every sequence of ``request_id`` with ``"abort"`` (reported by the next step); returns them."""
         hit = [s for s in self.live if family(s.request_id) == request_id]
         self.version += 1
         for seq in hit:
@@ -202,7 +202,23 @@ class Scheduler:
                 self.waiting.remove(seq)
             self.block_manager.free(seq)
             seq.finish("abort")
+        self.failed += hit
         return hit
+
+    def reject(self, seq: Sequence, error: str) -> None:
+        """End a sequence that never ran (the engine refused it at the door): reported by the next step."""
+        seq.finish("error", error)
+        self.failed.append(seq)
+
+    def take_failed(self) -> list[Sequence]:
+        """The sequences finished outside a step (errors, aborts) since the last call."""
+        failed, self.failed = self.failed, []
+        return failed
+
+    def discard_failed(self, families: set[str], family) -> None:
+        """Forget the finished-outside-a-step sequences of ``families`` (``family``: a sequence id's family), whose
+        reader left."""
+        self.failed = [s for s in self.failed if family(s.request_id) not in families]
 
     def check_invariants(self) -> None:
         live = self.live

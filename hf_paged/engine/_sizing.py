@@ -198,6 +198,19 @@ def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: 
                     f"{size:.2f} GiB")
 
 
+def size_for(model_config, dtype: torch.dtype, max_len: int, workload: Workload | None, cfg: EngineConfig,
+             layout: KVLayout, devices: Sequence[torch.device]) -> tuple[EngineConfig, dict[str, str]]:
+    """``cfg`` with every automatic size filled (the pool's too) for a model of ``model_config`` computing in
+    ``dtype`` (``max_len``: its position limit), whose KV (``layout``) lies on ``devices``, and per automatic field
+    why: the sizing ``ModelRunner`` asks of the engine."""
+    sized = size_engine(cfg, model_config, dtype, devices, workload)
+    reasons = dict(sized.reasons)
+    num_blocks, why = pool_size(sized.config, layout, dtype, devices, max_len, workload)
+    if why is not None:
+        reasons["num_blocks"] = why
+    return replace(sized.config, num_blocks=num_blocks), reasons
+
+
 def describe(config: EngineConfig, reasons: dict[str, str], graphs: bool) -> str:
     """The start-up log line's account of the sizes, each with why (``given`` for an explicit setting);
     ``graphs``: whether decode CUDA graphs are captured (else their capture is not named)."""

@@ -30,38 +30,17 @@ class EngineStats:
 
         return lap
 
-    def note_step(self, engine) -> None:
+    def note_step(self, used_blocks: int) -> None:
         self.steps += 1
-        self.peak_used_blocks = max(self.peak_used_blocks, engine.pool.allocator.num_used)
+        self.peak_used_blocks = max(self.peak_used_blocks, used_blocks)
 
-    def snapshot(self, engine) -> dict:
-        alloc = engine.pool.allocator
-        served = dict(engine.dispatcher.served)
+    def counts(self) -> dict:
+        """The counters' ``stats()`` keys."""
         return {
-            "num_blocks": alloc.num_blocks,
-            "block_size": engine.pool.block_size,
-            "free_blocks": alloc.num_free,  # blocks kept only by the prefix cache count as free
-            "used_blocks": alloc.num_used,
             "peak_used_blocks": self.peak_used_blocks,
-            "cached_blocks": engine.block_manager.num_cached_blocks,
-            "preemptions": engine.scheduler.num_preemptions,
             "kv_resets": self.kv_resets,
-            "prefix_cache_hit_tokens": engine.block_manager.prefix_hit_tokens,
             "prompt_tokens": self.prompt_tokens,
             "generated_tokens": self.generated_tokens,
             "steps": self.steps,
-            "running": len(engine.scheduler.running),
-            "waiting": len(engine.scheduler.waiting),
-            "prefill_backend": served.get("prefill") or served.get("extend"),
-            "decode_backend": served.get("decode"),
-            "backends": served,
-            "kv_cache_dtype": str(engine.pool.dtype).removeprefix("torch."),
             "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()},
-            "cuda_graphs": engine.graphs.stats() if engine.graphs is not None else None,
-            "compiled_layers": engine.compiled is not None and engine.compiled.enabled,
-            "skinny_linear": engine.skinny_linear,
-            "max_batch_tokens": engine.config.max_batch_tokens,
-            "max_num_seqs": engine.config.max_num_seqs,
-            "cuda_graph_capture": engine.config.cuda_graph_capture if engine.graphs is not None else None,
-            "sizing": dict(engine.sizing),  # the automatic settings, each with why it was picked (given: absent)
         }

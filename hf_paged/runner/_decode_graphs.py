@@ -30,7 +30,7 @@ from collections.abc import Sequence as SequenceType
 import torch
 
 from hf_paged.attention._dispatch import Dispatcher
-from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.attention._metadata import Phase
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._kv_pool import KVPool
 from hf_paged.runner import _graph_inputs as graph_inputs
@@ -39,8 +39,8 @@ from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._cuda_graphs import CudaGraphs
 from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, sizes_for, start_sizes
-from hf_paged.runner._model_runner import call_model, model_call
-from hf_paged.runner._step_plan import DecodeColumns, Sequence
+from hf_paged.runner._model_call import call_model, model_call
+from hf_paged.runner._step_plan import DecodeColumns, Sequence, StepPlan, step_metadata
 from hf_paged.runner._staging import StagingBuffer
 
 logger = logging.getLogger("hf_paged")
@@ -208,18 +208,29 @@ class DecodeGraphs:
         finally:
             self._live_bytes += torch.cuda.memory_allocated(self.device) - allocated
 
+    def stage(self, columns: DecodeColumns, size: int) -> None:
+        """Lay the decode step of ``columns`` (one new token per sequence) out for the graph of ``size`` and copy it
+        to the device in one go (``graph_inputs``); table updates beyond ``size`` are queued apart first."""
+        tables = self.device_tables
+        flat, values = tables.changes()
+        if len(flat) > size:
+            tables.send(flat, values)
+            flat, values = flat[:0], values[:0]
+        host = self._staging.host_array(graph_inputs.SEGMENTS * size)
+        graph_inputs.fill_step(host, size, columns.ids, columns.positions, columns.sources, columns.rows,
+                               tables.pad_row, flat, values, tables.trash_index)
+        self._staging.send(graph_inputs.SEGMENTS * size)
+
     @torch.inference_mode()
-    def replay(self, seqs: list[Sequence], size: int, columns: DecodeColumns | None = None) -> torch.Tensor:
-        """Run the step of ``seqs`` (one new token each; ``columns``: theirs, when the caller has them) in the
-        graph of ``size``; returns ``[size, vocab]`` logits whose first ``len(seqs)`` rows are the sequences' (valid
-        until the next replay)."""
-        self._send(columns if columns is not None else DecodeColumns.of(seqs), size)
+    def replay(self, size: int) -> torch.Tensor:
+        """Run the staged step in the graph of ``size``; returns ``[size, vocab]`` logits whose first rows are the
+        staged sequences' (valid until the next replay)."""
         return self.graphs.replay(size)
 
     @torch.inference_mode()
     def run_eager(self, seqs: list[Sequence], size: int) -> torch.Tensor:
-        """The same padded step as :meth:`replay`, run without a graph (the oracle of the graph tests)."""
-        self._send(DecodeColumns.of(seqs), size)
+        """The same padded step as a replay of ``seqs``, run without a graph (the oracle of the graph tests)."""
+        self.stage(DecodeColumns.of(seqs), size)
         return self._forward(size)
 
     def _forward(self, b: int) -> torch.Tensor:
@@ -236,28 +247,12 @@ class DecodeGraphs:
         self._slots[:b].copy_(torch.where(rows < self.device_tables.pad_row, slots, -1))  # padding writes nothing
         seq_lens = torch.add(pos, 1, out=self._lens[:b])
         torch.cumsum(seq_lens, 0, dtype=torch.int32, out=self._cu_k[1 : b + 1])
-        meta = PagedMetadata(
-            num_seqs=b, num_tokens=b, max_seqlen_q=1, max_seqlen_k=w * bs,
-            block_size=bs, phase=Phase.DECODE, cu_seqlens_q=self._cu_q[: b + 1],
-            cu_seqlens_k=self._cu_k[: b + 1], seq_lens_k=seq_lens,
-            block_tables=tables, slot_mapping=self._slots[:b], token_index=None,
-            grid=(1, b), has_padding_slots=True,
-        )
+        plan = StepPlan(None, b, b, b, w, False, 1, w * bs, Phase.DECODE, has_padding=True)  # (computed here)
+        segments = {"cu_seqlens_q": self._cu_q[: b + 1], "cu_seqlens_k": self._cu_k[: b + 1], "seq_lens_k": seq_lens,
+                    "block_tables": tables}
+        meta = step_metadata(plan, segments, self._slots[:b], bs)
         with model_call(PagedStep(meta, self.pool, self.dispatcher), self.compiled, self.skinny, self.local_logits):
             return call_model(self.model, self._ids[:b].view(1, b), self._pos[:b].view(1, b), 0)
-
-    def _send(self, cols: DecodeColumns, b: int) -> None:
-        """Lay the step out in pinned memory and copy it to the device in one go (graph_inputs); table updates beyond
-        ``b`` are queued apart first."""
-        tables = self.device_tables
-        flat, values = tables.changes()
-        if len(flat) > b:
-            tables.send(flat, values)
-            flat, values = flat[:0], values[:0]
-        host = self._staging.host_array(graph_inputs.SEGMENTS * b)
-        graph_inputs.fill_step(host, b, cols.ids, cols.positions, cols.sources, cols.rows, tables.pad_row, flat,
-                               values, tables.trash_index)
-        self._staging.send(graph_inputs.SEGMENTS * b)
 
     def _stage_padding(self, b: int) -> None:
         graph_inputs.fill_padding(self._stage, b, self.device_tables.pad_row, self.device_tables.trash_index)
@@ -277,27 +272,3 @@ class DecodeGraphs:
             "memory_bytes": self.memory_bytes,
             "replays": self.graphs.replays,
         }
-
-
-def engine_graphs(core, cfg, tables, max_num_seqs: int):
-    """The decode CUDA graphs of an engine (``core``: its EngineCore; ``cfg``: its EngineConfig; ``tables``: its
-    BlockTableBuffer), captured as ``cfg.cuda_graphs`` and ``cfg.cuda_graph_capture`` ask, or None where decode runs
-    without them (asked so, not on CUDA, a model split over devices, or a capture that failed; the last two say why
-    in the log)."""
-    cuda_graphs = cfg.cuda_graphs
-    if cuda_graphs is False or core.device.type != "cuda":
-        return None
-    split = sorted({str(d) for d in core.kv_devices})
-    if len(split) > 1:
-        logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
-        return None
-    sizes = graph_batch_sizes(max_num_seqs) if cuda_graphs is True else sizes_for(cuda_graphs, max_num_seqs)
-    graphs = DecodeGraphs(core.model, core.pool, core.dispatcher, tables, sizes, core.runner.last_tokens, core.compiled,
-                          core.skinny_linear, capture=cfg.cuda_graph_capture,
-                          local_logits=core.vocab_shards is not None)
-    reason = graphs.capture()
-    if reason is not None:
-        graphs.device_tables.close()
-        logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
-        return None
-    return graphs

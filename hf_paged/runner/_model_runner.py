@@ -1,102 +1,214 @@
-"""``ModelRunner``: the model call that consumes a step plan (``runner/_step_plan.py``).
+"""``ModelRunner``: the model side of an engine, built once from the model and the engine's settings.
 
-It sends the plan's int32 layout to the device in one copy, reads the attention metadata as views of it, and runs
-the model with ``logits_to_keep`` set to the sampled positions only.
+It owns what runs the model: the KV pool and the dispatcher of its attention backends, the block-table buffer the
+steps read, the compiled layers, the skinny linear routing, a tensor-parallel model's lockstep and vocabulary shards,
+and the decode CUDA graphs. The engine hands it a scheduled batch; :meth:`ModelRunner.prepare` reads the sequences
+(a step plan, ``runner/_step_plan.py``, or a decode graph's staged inputs) and :meth:`ModelRunner.run` does the
+device work, returning the logits of the sampled rows.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from itertools import compress
 
 import numpy as np
 import torch
 
-from hf_paged._forward_context import forward_context
-from hf_paged.attention._dispatch import Dispatcher
-from hf_paged.attention._metadata import PagedMetadata
 from hf_paged.attention._step import PagedStep
-from hf_paged.cache._kv_pool import KVPool
-from hf_paged.compile._layers import CompiledLayers
+from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.compile import _skinny_linears as skinny_linear
+from hf_paged.hf import _placement as placement
+from hf_paged.hf._support import paged_kv
+from hf_paged.parallel import _fuse_all_reduce as fuse_all_reduce
+from hf_paged.parallel import _linears as tp_linears
+from hf_paged.parallel import _lockstep as lockstep
+from hf_paged.parallel import _logits as tp_logits
+from hf_paged.parallel._tensor_parallel import kv_layout
+from hf_paged.runner import _background_compile as background_compile
+from hf_paged.runner._decode_graphs import DecodeGraphs
+from hf_paged.runner._graph_sizes import graph_batch_sizes, sizes_for
+from hf_paged.runner._model_call import call_model, model_call
 from hf_paged.runner._staging import StagingBuffer
-from hf_paged.runner._step_plan import StepPlan
+from hf_paged.runner._step_plan import DecodeColumns, StepPlan, plan_step, step_metadata
+
+logger = logging.getLogger("hf_paged")
 
 
-@contextmanager
-def model_call(step: PagedStep, compiled: CompiledLayers | None, skinny: bool,
-               local_logits: bool = False) -> Iterator[None]:
-    """The context of the engine's own model calls: the step in the forward context, the skinny linear routing
-    (``skinny``) and a tensor-parallel ``lm_head``'s local logits (``local_logits``: ``hf_paged.parallel._logits``)
-    where asked, and the model's compiled layers where it has them."""
-    with forward_context(step, skinny_linears=skinny, local_logits=local_logits), \
-            compiled.active() if compiled is not None else nullcontext():
-        yield
-
-
-# The attention mask of every own call: an empty 4-D tensor, which transformers' mask code hands to the layers as a
-# prepared mask without looking at it (hf_paged's attention ignores it: the step is in the forward context). Given
-# no mask and no cache, that code would instead probe position_ids for packed sequences, a host sync in every step
-# (the host would wait for the device, which asynchronous scheduling avoids).
-_NO_MASK: dict[torch.device, torch.Tensor] = {}
-
-
-def call_model(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, logits_to_keep) -> torch.Tensor:
-    """``model``'s ``[N, vocab]`` logits for a packed step ``ids``/``positions`` (``[1, T]``): no cache object and
-    no attention mask (the forward context holds the step)."""
-    mask = _NO_MASK.get(ids.device)
-    if mask is None:
-        mask = _NO_MASK[ids.device] = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=ids.device)
-    out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
-                logits_to_keep=logits_to_keep)
-    return out.logits[0]
+#: ``size(config, kv_layout, kv_devices) -> (config, reasons)``: the engine's sizing rules, which fill the
+#: automatic sizes (``engine/_sizing.py``).
+Sizer = Callable[..., tuple]
 
 
 class ModelRunner:
-    """Runs planned steps of ``model`` on ``pool`` (``dispatcher`` picks each layer's attention backend); input buffers
-    hold ``max_tokens`` tokens on the device.
+    """Runs steps of ``model`` for an engine of settings ``config`` (an ``EngineConfig``).
 
-    ``compiled``: the model's compiled layers, which then serve its calls (``Engine(compile_layers=...)``), a
-    one-token step only with ``compile_one_token`` (see there);
-    ``skinny``: its calls run with the skinny linear routing on (``Engine(skinny_linear=...)``);
-    ``local_logits``: a tensor-parallel ``lm_head`` returns this rank's vocabulary columns (``tp_logits.install``).
+    ``size`` fills the automatic sizes (see :data:`Sizer`); every rank of a tensor-parallel model then takes the
+    smallest of the ranks' sizes. ``longest``: the most tokens one sequence may hold (the block tables' width).
+    ``one_call``: the engine serves one call (``generate_batch``), which keeps a ``"background"`` compile's eager
+    layers rather than switch mid-call.
+
+    After construction: ``config`` (every size filled) and ``sizing`` (per automatic field, why) are the engine's.
     """
 
-    def __init__(self, model: torch.nn.Module, pool: KVPool, dispatcher: Dispatcher, max_tokens: int,
-                 device: torch.device, max_seqs: int = 256, max_blocks_per_seq: int = 256,
-                 compiled: CompiledLayers | None = None, skinny: bool = False, local_logits: bool = False):
-        self.model = model
-        self.local_logits = local_logits
-        self.compiled = compiled
-        # torch.compile specialises a one-token step into graphs of its own, a compile of every layer's code the first
-        # time one comes. Where decode replays CUDA graphs (whose smallest has two rows), a step of one token runs
-        # eagerly only now and then (a one-token prompt, a prompt cached up to its last token), so it takes the eager
-        # modules rather than stall the engine for that compile; the engine sets this False when it has graphs.
-        self.compile_one_token = True
-        self.skinny = skinny
-        self.pool, self.dispatcher = pool, dispatcher
-        self.device = torch.device(device)
-        self.output_device = None  # set by the engine for a model split over devices
+    def __init__(self, model: torch.nn.Module, config, size: Sizer, longest: int, one_call: bool = False):
+        self.model, self.device = model, model.device
+        self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
+        self.lockstep, forced = lockstep.for_model(model, config.compile_layers, config.cuda_graphs)
+        self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
+        self.config, self.sizing = cfg, _ = self._size(config, forced, size)
+        self.pool, self.dispatcher = paged_kv(model.config, kv_layout(model), self.kv_devices, model.dtype,
+                                              cfg.block_size, cfg.num_blocks, cfg.kv_cache_dtype, cfg.backend)
+        self.tables = BlockTableBuffer(cfg.max_num_seqs, min(cfg.num_blocks, -(-longest // cfg.block_size)))
+        tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
+        self.compiled = background_compile.layers_for_engine(
+            model, cfg.compile_layers, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
+        self.skinny = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
+        # compile_layers="background": once the helper process is done, the layers switch to compiled ones between
+        # two steps (take_compiled_layers); an engine of one call keeps its eager layers (a switch inside a call would
+        # make its tokens depend on timing)
+        self.helper = background_compile.helper(model) if (
+            cfg.compile_layers == background_compile.BACKGROUND and self.compiled is None and not one_call) else None
+        self.output_device = None
+        if len(set(self.kv_devices)) > 1:
+            # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
+            # model (which moves every tensor argument to the first device) leaves them there
+            self.output_device = placement.hidden_states_device(model)
+            placement.keep_argument_in_place(model, "logits_to_keep")
         self.pad_logits = self.device.type == "cuda"  # plan_step(pad_logits=...): on a GPU (runner/_step_plan.py)
-        # One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The
-        # first part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too);
-        # the plan's int32 ids, positions and slots are widened into the rest in one copy, and a step with
-        # in-flight ids gathers its ids from the whole buffer in one index_select. Flat, so a step's [1, t] views
-        # are contiguous whatever t (as compiled layers expect: no new strides).
+        self._buffers(cfg.max_num_seqs, cfg.max_batch_tokens)
+        self.graphs = self._capture_graphs()
+        # torch.compile specialises a one-token step into graphs of its own, a compile of every layer's code the first
+        # time one comes. Beside decode graphs (whose smallest has two rows) a step of one token runs eagerly only now
+        # and then (a one-token prompt, a prompt cached up to its last token): it takes the eager modules rather than
+        # stall the engine for that compile.
+        self.compile_one_token = self.graphs is None
+        if self.compiled is not None and self.compiled.artifacts is not None:
+            self.compiled.artifacts.save()  # what the start compiled, for the next process
+
+    def _size(self, cfg, forced: dict, size: Sizer) -> tuple:
+        """The engine's sizes, under tensor parallel with the settings it forces and the ranks' smallest sizes."""
+        automatic_capture = cfg.cuda_graph_capture is None
+        cfg, reasons = size(replace(cfg, **forced), kv_layout(self.model), self.kv_devices)
+        if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
+            if automatic_capture:
+                reasons["cuda_graph_capture"] = "tensor parallel: every size at start, on every rank alike"
+            agree = self.lockstep.agree_min
+            cfg = replace(cfg, num_blocks=agree(cfg.num_blocks), max_batch_tokens=agree(cfg.max_batch_tokens),
+                          max_num_seqs=agree(cfg.max_num_seqs))
+        return cfg, reasons
+
+    def _buffers(self, max_seqs: int, max_tokens: int) -> None:
+        """The device buffers every step reads.
+
+        One int64 buffer: [ last sampled tokens (max_seqs) | ids | positions | slots (max_tokens each) ]. The first
+        part, at a fixed address, is where a step's in-flight ids are read from (CUDA graphs read it too); a plan's
+        int32 ids, positions and slots are widened into the rest in one copy, and a step with in-flight ids gathers
+        its ids from the whole buffer in one index_select. Flat, so a step's [1, t] views are contiguous whatever t
+        (as compiled layers expect: no new strides). On a GPU a plan's layout travels in one copy through pinned
+        memory; on the CPU the plan's own tensors serve.
+        """
+        device = self.device
         self._max_seqs, self._max_tokens = max_seqs, max_tokens
         self._wide = torch.zeros(max_seqs + 3 * max_tokens, dtype=torch.int64, device=device)
         self.last_tokens = self._wide[:max_seqs]
         self._gathered_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._own_index = np.arange(max_seqs, max_seqs + max_tokens, dtype=np.int32)  # token i's id: entry S + i
-        # On a GPU a plan's layout travels in one copy; on the CPU the plan's own tensors serve.
         self._staging = None
-        if self.device.type == "cuda":
-            self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * max_blocks_per_seq, device)
+        if device.type == "cuda":
+            width = self.tables.table.shape[1]
+            self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * width, device)
 
-    def _rows_to_keep(self, rows: torch.Tensor) -> torch.Tensor:
-        """The sampled rows' indices, on the device of the hidden states they index (the base model's last
-        module: another GPU when the model is split with a device map)."""
-        rows = rows.long()
-        return rows if self.output_device is None else rows.to(self.output_device, non_blocking=True)
+    # ----- decode CUDA graphs ----------------------------------------------------------------------------------
+    def _capture_graphs(self) -> DecodeGraphs | None:
+        """The decode CUDA graphs, captured as ``cuda_graphs`` and ``cuda_graph_capture`` ask, or None where decode
+        runs without them (asked so, not on CUDA, a model split over devices, or a capture that failed; the last
+        two say why in the log)."""
+        cfg = self.config
+        if cfg.cuda_graphs is False or self.device.type != "cuda":
+            return None
+        split = sorted({str(d) for d in self.kv_devices})
+        if len(split) > 1:
+            logger.info("hf_paged: decode runs without CUDA graphs: the model is split over %s", ", ".join(split))
+            return None
+        sizes = (graph_batch_sizes(cfg.max_num_seqs) if cfg.cuda_graphs is True
+                 else sizes_for(cfg.cuda_graphs, cfg.max_num_seqs))
+        graphs = DecodeGraphs(self.model, self.pool, self.dispatcher, self.tables, sizes, self.last_tokens,
+                              self.compiled, self.skinny, capture=cfg.cuda_graph_capture,
+                              local_logits=self.vocab_shards is not None)
+        reason = graphs.capture()
+        if reason is not None:
+            graphs.device_tables.close()
+            logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
+            return None
+        return graphs
+
+    def release_graphs(self) -> None:
+        """Free the decode CUDA graphs now, once the device is done with any step that may still replay one; decode
+        runs eager from then on."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        graphs, self.graphs, self.compile_one_token = self.graphs, None, True
+        if graphs is not None:
+            graphs.release()
+
+    def take_compiled_layers(self) -> None:
+        """``compile_layers="background"``: the helper process ended; from the next step on the layers run compiled
+        (from torch's caches) in decode graphs captured anew (the eager ones are freed); if the helper failed they
+        stay eager. The caller takes in the in-flight step's tokens first."""
+        helper, self.helper = self.helper, None
+        if helper.state() == "failed":  # compiling here would hold up the running requests for the whole compile
+            helper.report("this engine keeps its layers eager; engines started later compile them at start")
+            return
+        layers = background_compile.layers_for_engine(self.model, self.config.compile_layers, None, {})
+        if layers is None:
+            return
+        began = time.perf_counter()
+        self.release_graphs()
+        self.compiled = layers
+        self.graphs = self._capture_graphs()
+        self.compile_one_token = self.graphs is None
+        if layers.artifacts is not None:
+            layers.artifacts.save()
+        logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
+                    time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
+
+    # ----- steps -----------------------------------------------------------------------------------------------
+    def prepare(self, batch, columns: DecodeColumns | None = None, extra_rows: list[int] | None = None):
+        """Read what the step needs of ``batch``'s sequences (``seqs``, ``num_tokens``, ``sample``; ``columns``: a
+        decode step's, when the caller keeps them; ``extra_rows``: positions whose logits the step returns after the
+        sampled rows'): a graph's staged inputs when a decode graph serves the step, else a step plan. Reads the
+        sequences, so the caller holds their lock; :meth:`run` does the device work."""
+        graphs = self.graphs
+        if graphs is not None and extra_rows is None:
+            longest = int(columns.positions.max()) if columns is not None else None
+            size = graphs.size_for(batch.seqs, batch.num_tokens, longest)
+            if size is not None:
+                graphs.stage(columns if columns is not None else DecodeColumns.of(batch.seqs, batch.sample), size)
+                return _Replay(size, batch.sample)
+            if self.tables.num_changes > 4096:
+                graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
+        return plan_step(batch.seqs, batch.num_tokens, batch.sample, self.tables, self.pool.block_size,
+                         columns=columns, extra_rows=extra_rows, pad_logits=self.pad_logits)
+
+    @torch.inference_mode()
+    def run(self, prepared) -> torch.Tensor:
+        """The device work of a prepared step: ``[N, vocab]`` logits of its sampled rows (then of the extra rows)."""
+        if isinstance(prepared, StepPlan):
+            return self.forward(prepared)
+        logits = self.graphs.replay(prepared.size)
+        sample = prepared.sample
+        if not all(sample):
+            logits = logits.index_select(0, torch.tensor(list(compress(range(len(sample)), sample)),
+                                                         device=logits.device))
+        return logits[: sum(sample)]
+
+    def keep_tokens(self, tokens: torch.Tensor) -> None:
+        """The step's sampled tokens, where the next step reads its in-flight ids (asynchronous scheduling)."""
+        self.last_tokens[: len(tokens)].copy_(tokens, non_blocking=True)
 
     def _to_device(self, plan: StepPlan) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
         """The plan's layout and segments on the device: one copy through pinned memory (none on the CPU). The
@@ -115,21 +227,10 @@ class ModelRunner:
             layout = self._staging.send(n)
         return layout, plan.segments(layout)
 
-    def metadata(self, plan: StepPlan, seg: dict[str, torch.Tensor | None], slots: torch.Tensor) -> PagedMetadata:
-        """The step's attention metadata from its segments on the device (``slots``: int64) and the plan's host
-        fields: no host tensor ops."""
-        return PagedMetadata(
-            num_seqs=plan.num_seqs, num_tokens=plan.num_tokens, max_seqlen_q=plan.max_seqlen_q,
-            max_seqlen_k=plan.max_seqlen_k, block_size=self.pool.block_size, phase=plan.phase,
-            cu_seqlens_q=seg["cu_seqlens_q"], cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"],
-            block_tables=seg["block_tables"], slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens),
-            has_padding_slots=plan.has_padding, single_token_prefix=plan.single_token_prefix,
-        )
-
     @torch.inference_mode()
     def forward(self, plan: StepPlan) -> torch.Tensor:
-        """Run the step; returns ``[N, vocab]`` logits of the sampled rows (on the model's output device), computed
-        for the plan's padded rows."""
+        """Run a planned step eagerly; returns ``[N, vocab]`` logits of the sampled rows (on the model's output
+        device), computed for the plan's padded rows."""
         t, m = plan.num_tokens, self._max_tokens
         if t > m:
             raise ValueError(f"a step of {t} tokens exceeds the runner's {m} (max_batch_tokens)")
@@ -139,8 +240,39 @@ class ModelRunner:
         self._wide[s:].view(3, m)[:, :t].copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
-        step = PagedStep(self.metadata(plan, seg, slots), self.pool, self.dispatcher)
+        meta = step_metadata(plan, seg, slots, self.pool.block_size)
         compiled = self.compiled if t > 1 or self.compile_one_token else None
-        with model_call(step, compiled, self.skinny, self.local_logits):
-            logits = call_model(self.model, ids.view(1, t), pos.view(1, t), self._rows_to_keep(seg["logits_indices"]))
+        rows = seg["logits_indices"].long()
+        if self.output_device is not None:  # (the hidden states' device: the base model's last module)
+            rows = rows.to(self.output_device, non_blocking=True)
+        with model_call(PagedStep(meta, self.pool, self.dispatcher), compiled, self.skinny,
+                        self.vocab_shards is not None):
+            logits = call_model(self.model, ids.view(1, t), pos.view(1, t), rows)
         return logits[: plan.num_sampled]  # (the plan pads the rows: runner/_step_plan.py)
+
+    def stats(self) -> dict:
+        """The ``stats()`` keys of the model side."""
+        alloc, served, graphs = self.pool.allocator, dict(self.dispatcher.served), self.graphs
+        return {
+            "num_blocks": alloc.num_blocks,
+            "block_size": self.pool.block_size,
+            "free_blocks": alloc.num_free,  # blocks kept only by the prefix cache count as free
+            "used_blocks": alloc.num_used,
+            "prefill_backend": served.get("prefill") or served.get("extend"),
+            "decode_backend": served.get("decode"),
+            "backends": served,
+            "kv_cache_dtype": str(self.pool.dtype).removeprefix("torch."),
+            "cuda_graphs": graphs.stats() if graphs is not None else None,
+            "compiled_layers": self.compiled is not None and self.compiled.enabled,
+            "skinny_linear": self.skinny,
+            "cuda_graph_capture": self.config.cuda_graph_capture if graphs is not None else None,
+        }
+
+
+class _Replay:
+    """A decode step staged for the graph of ``size`` (``sample``: which of its rows are sampled)."""
+
+    __slots__ = ("size", "sample")
+
+    def __init__(self, size: int, sample: list[bool]):
+        self.size, self.sample = size, sample

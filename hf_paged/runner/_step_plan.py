@@ -23,7 +23,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hf_paged.attention._metadata import Phase, step_phase
+from hf_paged.attention._metadata import PagedMetadata, Phase, step_phase
 from hf_paged.cache._block_table import BlockTableBuffer
 
 
@@ -110,6 +110,17 @@ class StepPlan:
         if name in _SEGMENTS:
             return self.segments()[name]
         raise AttributeError(name)
+
+
+def step_metadata(plan: StepPlan, seg: dict[str, torch.Tensor], slots: torch.Tensor, block_size: int) -> PagedMetadata:
+    """The attention metadata of every engine step: ``plan``'s host fields and its segments on the device (``seg``,
+    with ``slots`` as int64), whether the host laid them out (an eager step) or a decode graph computed them."""
+    return PagedMetadata(
+        num_seqs=plan.num_seqs, num_tokens=plan.num_tokens, max_seqlen_q=plan.max_seqlen_q,
+        max_seqlen_k=plan.max_seqlen_k, block_size=block_size, phase=plan.phase, cu_seqlens_q=seg["cu_seqlens_q"],
+        cu_seqlens_k=seg["cu_seqlens_k"], seq_lens_k=seg["seq_lens_k"], block_tables=seg["block_tables"],
+        slot_mapping=slots, token_index=None, grid=(1, plan.num_tokens), has_padding_slots=plan.has_padding,
+        single_token_prefix=plan.single_token_prefix)
 
 
 @dataclass(frozen=True)

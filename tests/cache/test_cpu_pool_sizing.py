@@ -52,7 +52,7 @@ def test_with_room_enough_the_pool_holds_max_num_seqs_sequences_at_the_position_
     engine = hf_paged.Engine(model, max_num_seqs=max_num_seqs)
     work = max_num_seqs * -(-limit // 16)
     assert work * per_block < CPU_SHARE * 64 * GIB  # (the work binds here)
-    assert engine.pool.num_blocks == engine.config.num_blocks == work
+    assert engine.runner.pool.num_blocks == engine.config.num_blocks == work
     assert "within 3% of the machine's RAM" in engine.stats()["sizing"]["num_blocks"]
     engine.close()
 
@@ -65,8 +65,8 @@ def test_on_a_small_machine_the_pool_takes_the_ram_share_and_never_more(monkeypa
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         engine = hf_paged.Engine(model, max_num_seqs=16)
     assert 16 * -(-limit // 16) > blocks_in_share  # (the work would take more)
-    assert engine.pool.num_blocks == int(blocks_in_share)
-    assert engine.pool.num_blocks * per_block <= CPU_SHARE * total
+    assert engine.runner.pool.num_blocks == int(blocks_in_share)
+    assert engine.runner.pool.num_blocks * per_block <= CPU_SHARE * total
     why = engine.stats()["sizing"]["num_blocks"]
     assert why.startswith(f"automatic: 16 sequences of {limit} tokens at full length, float32 KV; cut from "
                           f"{16 * -(-limit // 16)} to what 3% of the machine's RAM")
@@ -84,7 +84,7 @@ def test_free_memory_bounds_the_pool_below_the_ram_share(monkeypatch):
     total = 1000.5 * per_block / CPU_SHARE
     _machine(monkeypatch, total=total, free=12.5 * per_block / FREE_SHARE)  # 0.8 of free memory: 12.5 blocks
     engine = hf_paged.Engine(model, max_num_seqs=16)
-    assert engine.pool.num_blocks == 12
+    assert engine.runner.pool.num_blocks == 12
     assert "cut from" in engine.stats()["sizing"]["num_blocks"] and "80% of free memory" in engine.stats()[
         "sizing"]["num_blocks"]
 

@@ -88,7 +88,7 @@ def test_a_compiler_failure_falls_back_to_the_eager_modules(monkeypatch, caplog)
     assert engine.stats()["compiled_layers"] is False
     assert "runs them eagerly" in caplog.text
     # A later engine on the model does not try again.
-    assert hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=None).compiled is None
+    assert hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=None).runner.compiled is None
 
 
 def test_errors_of_the_model_itself_pass_through(model):
@@ -124,7 +124,7 @@ def test_beside_cuda_graphs_a_one_token_step_runs_the_eager_modules(model, monke
     its last token) and runs the eager modules rather than compile a shape of its own; without graphs (the CPU) it
     runs compiled. The tokens are the same either way."""
     engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=32, compile_layers=True)
-    assert engine.graphs is None and engine.runner.compile_one_token  # the CPU: decode of one sequence compiled
+    assert engine.runner.graphs is None and engine.runner.compile_one_token  # the CPU: decode of one sequence compiled
     prompt = random_prompts(1, 9, 9, seed=21)  # 9 tokens in blocks of 4: a repeat finds 8 of them cached
     first = engine.generate(prompt, greedy_config(1))
     calls = _count_compiled_calls(model, monkeypatch)
@@ -164,7 +164,7 @@ def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
     stub = StubModel(vocab=300, max_rows=64)
     assert cl.compile_unsupported_reason(stub, any_device=True) == "no list of decoder layers found on the model"
     engine = hf_paged.Engine(stub, num_blocks=16, block_size=4)  # automatic: eager, no error
-    assert engine.compiled is None and engine.stats()["compiled_layers"] is False
+    assert engine.runner.compiled is None and engine.stats()["compiled_layers"] is False
     with pytest.raises(ValueError, match="compile_layers=True cannot be served: no list of decoder layers"):
         hf_paged.Engine(stub, num_blocks=16, block_size=4, compile_layers=True)
 

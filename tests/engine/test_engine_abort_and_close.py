@@ -148,7 +148,7 @@ def test_close_frees_every_block_and_refuses_later_calls(async_scheduling):
         engine.step()
     assert engine.stats()["used_blocks"] > 0
     engine.close()
-    assert engine.closed and engine.graphs is None
+    assert engine.closed and engine.runner.graphs is None
     stats = engine.stats()  # still answers
     assert stats["used_blocks"] == 0 and stats["free_blocks"] == stats["num_blocks"]
     engine.scheduler.check_invariants()

@@ -7,7 +7,7 @@ import pytest
 import hf_paged
 from engine_helpers import greedy_config, hf_greedy, models, random_prompts
 from hf_paged.attention._metadata import Phase
-from hf_paged.engine import _core as engine_core
+from hf_paged.runner import _model_runner as model_runner
 from hf_paged.runner._step_plan import plan_step
 
 
@@ -42,7 +42,7 @@ def test_preemption_with_a_small_cache(prefix_caching, monkeypatch):
             mixed.append(len(decode_rows))
         return plan
 
-    monkeypatch.setattr(engine_core, "plan_step", recorded)
+    monkeypatch.setattr(model_runner, "plan_step", recorded)
     prompts = random_prompts(14, 4, 36, seed=1)
     refs = hf_greedy("llama_gqa", prompts, 10)
     outs, stats = run_engine("llama_gqa", prompts, 10, num_blocks=14, block_size=4, max_batch_tokens=64,
@@ -112,7 +112,7 @@ def test_lm_head_sees_only_padded_row_counts_and_the_tokens_stay_exact(monkeypat
         sampled.append(plan.num_sampled)
         return plan
 
-    monkeypatch.setattr(engine_core, "plan_step", recorded)
+    monkeypatch.setattr(model_runner, "plan_step", recorded)
     hook = model.lm_head.register_forward_pre_hook(lambda mod, args: rows.append(args[0].shape[-2]))
     try:
         outs = engine.generate(prompts, greedy_config(6))

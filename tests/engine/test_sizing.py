@@ -145,11 +145,11 @@ def test_a_one_call_engine_sizes_its_block_tables_for_the_call_and_checks_each_p
     out = hf_paged.generate_batch(model, prompts, config)
     assert [o.generated_tokens for o in out.values()] == hf_greedy(ARCH, prompts, 6)
     assert checked == prompts
-    block = seen[0].pool.block_size
+    block = seen[0].runner.pool.block_size
     assert seen[0].block_manager.tables.table.shape[1] == -(-(max(map(len, prompts)) + 6 + 1) // block)
     kept = hf_paged.generate_batch(model, prompts, config, persistent_manager=True)
     assert [o.generated_tokens for o in kept.values()] == hf_greedy(ARCH, prompts, 6)
     limit = model.config.max_position_embeddings
-    assert seen[1].block_manager.tables.table.shape[1] == min(seen[1].pool.num_blocks, -(-limit // block))
+    assert seen[1].block_manager.tables.table.shape[1] == min(seen[1].runner.pool.num_blocks, -(-limit // block))
     assert seen[1].block_manager.tables.table.shape[1] > seen[0].block_manager.tables.table.shape[1]
     hf_paged.generate_batch(model, prompts[:1], config)  # (lets the kept engine go)

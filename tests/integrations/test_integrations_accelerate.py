@@ -40,7 +40,7 @@ def test_the_engine_places_each_layers_kv_by_the_device_map():
                            "model.norm": "cpu", "lm_head": "cpu"}
     assert kv_devices(paged) == [torch.device("cpu")] * 2
     engine = hf_paged.Engine(paged, num_blocks=None, memory_budget=0.01, block_size=8)
-    assert [k.device for k, _ in engine.pool.kv_caches] == [torch.device("cpu")] * 2
+    assert [k.device for k, _ in engine.runner.pool.kv_caches] == [torch.device("cpu")] * 2
     paged.hf_device_map = {"model": "cpu", "model.layers.1": "disk", "lm_head": "cpu"}
     with pytest.raises(ValueError, match="disk"):
         hf_paged.Engine(paged, num_blocks=16, block_size=8)

@@ -175,7 +175,7 @@ def _compiled_run(model, prompts) -> tuple:
     graphs_before = torch._dynamo.utils.counters["stats"]["unique_graphs"]
     tokens = [o.token_ids for o in engine.generate(prompts, _greedy())]
     compiled = torch._dynamo.utils.counters["stats"]["unique_graphs"] - graphs_before
-    served = (engine.compiled is not None and engine.compiled.enabled
+    served = (engine.runner.compiled is not None and engine.runner.compiled.enabled
               and compiled >= model.config.num_hidden_layers)  # one graph or more per layer
     # each layer's q/k/v shards lie end to end in one buffer, its gate/up shards do not; the local products read the
     # shards where they lie

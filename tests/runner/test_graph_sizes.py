@@ -35,7 +35,7 @@ def test_cuda_graphs_are_a_no_op_on_the_cpu():
     config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
     on = hf_paged.Engine(paged, num_blocks=64, block_size=8, cuda_graphs=True)
     off = hf_paged.Engine(paged, num_blocks=64, block_size=8, cuda_graphs=False)
-    assert on.graphs is None and on.stats()["cuda_graphs"] is None
+    assert on.runner.graphs is None and on.stats()["cuda_graphs"] is None
     assert [o.token_ids for o in on.generate(prompts, config)] == [o.token_ids for o in off.generate(prompts, config)]
 
 

@@ -13,8 +13,8 @@ import hf_paged
 from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
 from hf_paged.attention._metadata import Phase, build_metadata
-from hf_paged.engine import _core as engine_core
-from hf_paged.runner._step_plan import logit_rows, plan_step
+from hf_paged.runner import _model_runner as model_runner
+from hf_paged.runner._step_plan import logit_rows, plan_step, step_metadata
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sequence import Sequence
 
@@ -85,11 +85,11 @@ def test_a_decode_step_padded_to_a_graph_size_gives_the_same_logits():
     plain = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4)
     padded = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4, pad_decode_to=8)
     assert padded.num_tokens == 8 and padded.slot_mapping[3:].eq(-1).all()
-    k_before = [k.clone() for k, _ in engine.pool.kv_caches]
+    k_before = [k.clone() for k, _ in engine.runner.pool.kv_caches]
     want = engine.runner.forward(plain)
     got = engine.runner.forward(padded)  # rewrites the same slots with the same values; padding writes nothing
     assert torch.allclose(got, want, atol=1e-5)
-    for (k, _), before in zip(engine.pool.kv_caches, k_before):
+    for (k, _), before in zip(engine.runner.pool.kv_caches, k_before):
         changed = (k != before).any(-1).any(-1).flatten(0, 1).nonzero().flatten()
         assert set(changed.tolist()) <= set(plain.slot_mapping.tolist())
 
@@ -124,7 +124,7 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
         plan = plan_step(seqs, counts, sample, tables, block_size, columns=columns)  # (steady steps pass columns)
         want, ids, pos, sources, keep = _reference_metadata(seqs, counts, sample, tables, block_size, engine.runner)
         seg = plan.segments()
-        got = engine.runner.metadata(plan, seg, seg["slot_mapping"].long())
+        got = step_metadata(plan, seg, seg["slot_mapping"].long(), block_size)
         for name in ("num_seqs", "num_tokens", "max_seqlen_q", "max_seqlen_k", "block_size", "phase", "grid",
                      "has_padding_slots"):
             assert getattr(got, name) == getattr(want, name), name
@@ -139,7 +139,7 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
         checked.append((want.phase, sources is not None, got.single_token_prefix))
         return plan
 
-    monkeypatch.setattr(engine_core, "plan_step", checked_plan)
+    monkeypatch.setattr(model_runner, "plan_step", checked_plan)
     prompts = random_prompts(9, 1, 30, seed=3)
     engine.generate(prompts, greedy_config(6))
     phases = {phase.value for phase, _, _ in checked}

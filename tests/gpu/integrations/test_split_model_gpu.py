@@ -51,7 +51,7 @@ def test_the_engine_serves_a_split_model_with_each_layers_kv_on_its_gpu(models, 
     reference = hf_paged.Engine(single, num_blocks=256, block_size=8, max_batch_tokens=64).generate(prompts, config)
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         engine = hf_paged.Engine(split, num_blocks=256, block_size=8, max_batch_tokens=64)
-    devices = [k.device for k, _ in engine.pool.kv_caches]
+    devices = [k.device for k, _ in engine.runner.pool.kv_caches]
     assert devices == [torch.device("cuda", 0)] * 2 + [torch.device("cuda", 1)] * 2
     outs = engine.generate(prompts, config)
     assert [o.token_ids for o in outs] == [o.token_ids for o in reference]

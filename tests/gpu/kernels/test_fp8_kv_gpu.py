@@ -24,6 +24,7 @@ from transformers import GenerationConfig
 
 import hf_paged
 from hf_paged import kernels
+from hf_paged.runner._step_plan import DecodeColumns
 from hf_paged.attention import AttentionParams
 from hf_paged.attention._metadata import PagedMetadata, Phase
 from hf_paged.attention.backends._torch import TorchBackend, paged_attention_reference
@@ -171,7 +172,7 @@ def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model, b
     want, gaps = torch_fp8_generate(bf16_model, batch)
 
     engine = hf_paged.Engine(bf16_model, num_blocks=512, block_size=16, max_batch_tokens=1024, kv_cache_dtype="fp8")
-    assert engine.graphs is not None, "an fp8 engine on CUDA should capture its decode steps"
+    assert engine.runner.graphs is not None, "an fp8 engine on CUDA should capture its decode steps"
     outs = engine.generate(prompts, GenerationConfig(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS,
                                                                do_sample=False))
     got = torch.tensor([o.token_ids for o in outs], device=DEVICE)
@@ -185,7 +186,7 @@ def test_fp8_engine_on_cuda_gives_the_tokens_of_torch_fp8_generate(bf16_model, b
 def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model, batch):
     engine = hf_paged.Engine(bf16_model, num_blocks=1024, block_size=16, max_num_seqs=16, cuda_graphs=[1, 4, 16],
                              kv_cache_dtype="fp8")
-    assert engine.graphs is not None
+    assert engine.runner.graphs is not None
     for p in prompts_of(batch):
         engine.add_request(p, GenerationConfig(max_new_tokens=40, do_sample=False, eos_token_id=None))
     while engine.scheduler.waiting or any(s.num_generated < 3 for s in engine.scheduler.running):
@@ -195,9 +196,10 @@ def test_fp8_graph_replay_equals_the_same_step_run_eagerly(bf16_model, batch):
         assert engine.block_manager.reserve_up_to(seq, 1) == 1
     for n in (1, 3, len(running)):
         seqs = running[:n]
-        size = engine.graphs.size_for(seqs, [1] * n)
-        eager = engine.graphs.run_eager(seqs, size)[:n].clone()
-        replayed = engine.graphs.replay(seqs, size)[:n].clone()
+        size = engine.runner.graphs.size_for(seqs, [1] * n)
+        eager = engine.runner.graphs.run_eager(seqs, size)[:n].clone()
+        engine.runner.graphs.stage(DecodeColumns.of(seqs), size)
+        replayed = engine.runner.graphs.replay(size)[:n].clone()
         assert torch.equal(eager, replayed), f"batch {n} (graph {size}): max diff {(eager - replayed).abs().max()}"
 
 

@@ -98,18 +98,18 @@ def worker(path: str, out_dir: str, part: str) -> None:
         engine = hf_paged.Engine(model, num_blocks=40, block_size=16, max_batch_tokens=64, max_num_seqs=8)
         record["greedy"] = _outcome(lambda: [o.token_ids for o in engine.generate(prompts, configs["greedy"])])
         record["graphs"] = engine.stats()["cuda_graphs"]
-        record["compiled"] = (engine.compiled is not None and engine.compiled.enabled, tp_linears.installed(model))
+        record["compiled"] = (engine.runner.compiled is not None and engine.runner.compiled.enabled, tp_linears.installed(model))
         record["one_shot"] = tp_all_reduce.one_shot_calls + tp_all_reduce.fused_calls > 0  # (fused: peer_sum too)
         record["peer_sum"] = bool(tp_all_reduce._peers)  # hf_paged's kernel set up (not torch's one-shot)
         record["fused"] = tp_all_reduce.fused_calls > 0  # the add and norm in its kernel
-        record["sharded_logits"] = engine.vocab_shards is not None
+        record["sharded_logits"] = engine.runner.vocab_shards is not None
         _write(out_dir, f"compiled{rank}", record)
         engine.close()  # its graphs hold NCCL collectives: destroy_process_group would wait for them forever
         torch.distributed.destroy_process_group()
         return
     engine = _engine(model)
-    k_cache = engine.pool.kv_caches[0][0]
-    record["pool"] = (k_cache.shape[2], str(k_cache.device), engine.pool.num_blocks)
+    k_cache = engine.runner.pool.kv_caches[0][0]
+    record["pool"] = (k_cache.shape[2], str(k_cache.device), engine.runner.pool.num_blocks)
     for name, config in configs.items():
         record[name] = _outcome(lambda: [o.token_ids for o in _engine(model).generate(prompts, config)])
     graphed = _engine(model)

@@ -27,6 +27,7 @@ from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 import hf_paged
 from hf_paged import kernels
+from hf_paged.runner._step_plan import DecodeColumns
 
 CONFIG = dict(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3, num_attention_heads=4,
               num_key_value_heads=2, head_dim=64, max_position_embeddings=1024, pad_token_id=0, bos_token_id=1,
@@ -60,7 +61,7 @@ def test_replay_equals_the_same_step_run_eagerly_bit_for_bit(bf16_model, block_s
         pytest.importorskip("flash_attn")
     engine = hf_paged.Engine(bf16_model, num_blocks=32768 // block_size, block_size=block_size, max_num_seqs=40,
                              cuda_graphs=[1, 2, 8, 16, 40], backend=backend)
-    assert engine.graphs is not None, f"graphs should capture with the {decode_backend} backend"
+    assert engine.runner.graphs is not None, f"graphs should capture with the {decode_backend} backend"
     assert engine.stats()["decode_backend"] == decode_backend
     for p in _prompts(37, seed=1):
         engine.add_request(p, GenerationConfig(max_new_tokens=50, do_sample=False, eos_token_id=None))
@@ -71,10 +72,11 @@ def test_replay_equals_the_same_step_run_eagerly_bit_for_bit(bf16_model, block_s
         assert engine.block_manager.reserve_up_to(seq, 1) == 1
     for n in (1, 2, 5, 8, 16, 29, 37):
         seqs = running[:n]
-        size = engine.graphs.size_for(seqs, [1] * n)
-        assert size == min(s for s in engine.graphs.sizes if s >= n)
-        eager = engine.graphs.run_eager(seqs, size)[:n].clone()
-        replayed = engine.graphs.replay(seqs, size)[:n].clone()
+        size = engine.runner.graphs.size_for(seqs, [1] * n)
+        assert size == min(s for s in engine.runner.graphs.sizes if s >= n)
+        eager = engine.runner.graphs.run_eager(seqs, size)[:n].clone()
+        engine.runner.graphs.stage(DecodeColumns.of(seqs), size)
+        replayed = engine.runner.graphs.replay(size)[:n].clone()
         assert torch.equal(eager, replayed), f"batch {n} (graph {size}): max diff {(eager - replayed).abs().max()}"
 
 
@@ -106,7 +108,7 @@ def test_engine_with_graphs_gives_the_tokens_of_the_engine_without(f32_model, nu
     kwargs = dict(num_blocks=num_blocks, block_size=16, max_batch_tokens=256, max_num_seqs=24)
     ref, ref_engine = _run(f32_model, False, prompts, configs, abort_at={5: 12}, async_scheduling=False, **kwargs)
     got, engine = _run(f32_model, True, prompts, configs, abort_at={5: 12}, async_scheduling=True, **kwargs)
-    assert engine.graphs is not None and ref_engine.graphs is None
+    assert engine.runner.graphs is not None and ref_engine.runner.graphs is None
     for i, (a, b) in enumerate(zip(ref, got)):
         if i == 5:  # aborted at the same step; asynchronous scheduling had one more token in flight (dropped)
             assert a.finish_reason == b.finish_reason == "abort"
@@ -170,13 +172,14 @@ def test_on_demand_capture_adds_sizes_as_steps_need_them_and_keeps_the_tokens(f3
     seqs = list(fresh.scheduler.running)
     for seq in seqs:
         assert fresh.block_manager.reserve_up_to(seq, 1) == 1
-    assert fresh.graphs.sizes == [16]
+    assert fresh.runner.graphs.sizes == [16]
     monkeypatch.setattr(graph_sizes, "ON_DEMAND_STEPS", 3)
-    fresh.graphs._waiting.restart(4)  # the steps above counted toward it: count from here
-    sizes = [fresh.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
+    fresh.runner.graphs._waiting.restart(4)  # the steps above counted toward it: count from here
+    sizes = [fresh.runner.graphs.size_for(seqs, [1] * 3) for _ in range(3)]
     assert sizes == [16, 16, 4]  # padded up twice, then the third step captures its own size
-    eager = fresh.graphs.run_eager(seqs, 4)[:3].clone()
-    assert torch.equal(eager, fresh.graphs.replay(seqs, 4)[:3])
+    eager = fresh.runner.graphs.run_eager(seqs, 4)[:3].clone()
+    fresh.runner.graphs.stage(DecodeColumns.of(seqs), 4)
+    assert torch.equal(eager, fresh.runner.graphs.replay(4)[:3])
 
 
 def test_an_engine_captures_at_first_use_by_default_and_keeps_the_tokens(f32_model):
@@ -252,7 +255,7 @@ def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own
 def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         engine = hf_paged.Engine(bf16_model, num_blocks=256, block_size=16, max_num_seqs=4, backend="torch")
-    assert engine.graphs is None
+    assert engine.runner.graphs is None
     assert any("without CUDA graphs" in r.message and "not capture-safe" in r.message for r in caplog.records)
     out = engine.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
     assert len(out[0].token_ids) == 4
@@ -262,7 +265,7 @@ def test_capture_refuses_a_backend_that_is_not_capture_safe(bf16_model, caplog):
     caplog.clear()
     with caplog.at_level(logging.INFO, logger="hf_paged"):
         again = lazy.generate([[5, 6, 7, 8]], GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=None))
-    assert again[0].token_ids == out[0].token_ids and lazy.graphs.sizes == [] and lazy.graphs.stats()["replays"] == 0
+    assert again[0].token_ids == out[0].token_ids and lazy.runner.graphs.sizes == [] and lazy.runner.graphs.stats()["replays"] == 0
     assert any("without CUDA graphs" in r.message and "not capture-safe" in r.message and r.levelname == "INFO"
                for r in caplog.records)
 
@@ -286,12 +289,12 @@ def test_decode_with_a_given_workspace_equals_its_own_allocation():
 
 def test_close_frees_the_captured_graphs(f32_model):
     engine = hf_paged.Engine(f32_model, num_blocks=64, block_size=16, max_batch_tokens=256, max_num_seqs=4)
-    graphs = engine.graphs
+    graphs = engine.runner.graphs
     assert graphs is not None and graphs.stats()["batch_sizes"]
     outputs = engine.generate(_prompts(3, seed=9), GenerationConfig(max_new_tokens=6, do_sample=False))
     assert len(outputs) == 3 and graphs.stats()["replays"] > 0
     engine.close()
-    assert engine.graphs is None and engine.stats()["cuda_graphs"] is None
+    assert engine.runner.graphs is None and engine.stats()["cuda_graphs"] is None
     assert not len(graphs.graphs)  # reset and dropped: nothing holds what they captured
     with pytest.raises(RuntimeError, match="closed"):
         engine.step()

@@ -1,9 +1,9 @@
-"""On the GPU: ``compile_layers="background"`` (``engine/_background_compile.py``). A long-lived engine captures its
+"""On the GPU: ``compile_layers="background"`` (``runner/_background_compile.py``). A long-lived engine captures its
 decode graphs with the eager layers while the helper process compiles a slim copy of the model on the same device;
 once the helper is done the engine switches between two steps to the compiled layers, its graphs captured anew,
 every graph of the full model found in torch's caches; a ``generate_batch`` call started after the helper compiles
 at its start. float32, so the compiled and the eager layers give the same greedy tokens. The CPU side:
-``tests/engine/test_background_compile.py``."""
+``tests/runner/test_background_compile.py``."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ import json, torch
 from torch._dynamo.utils import counters
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 import hf_paged
-from hf_paged.engine import _background_compile as bc
+from hf_paged.runner import _background_compile as bc
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=4,
@@ -36,13 +36,13 @@ config = GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None)
 settings = dict(max_batch_tokens=256, max_num_seqs=8)
 reference = [o.token_ids for o in hf_paged.Engine(model, compile_layers=False, **settings).generate(prompts, config)]
 engine = hf_paged.Engine(model, compile_layers="background", **settings)
-out = {"eager": engine.compiled is None, "eager_graphs": engine.stats()["cuda_graphs"] is not None}
+out = {"eager": engine.runner.compiled is None, "eager_graphs": engine.stats()["cuda_graphs"] is not None}
 tokens = [[o.token_ids for o in engine.generate(prompts, config)]]
 out["helper"] = bc.helper(model).wait(600)
 out["helper_log"] = bc.helper(model).log_tail(8)
 tokens.append([o.token_ids for o in engine.generate(prompts, config)])
 stats = engine.stats()
-out["switched"] = engine.compiled is not None and stats["compiled_layers"]
+out["switched"] = engine.runner.compiled is not None and stats["compiled_layers"]
 out["graphs_anew"] = stats["cuda_graphs"] is not None and stats["cuda_graphs"]["replays"] > 0
 batch = hf_paged.generate_batch(model, prompts, config, hf_paged.EngineConfig(compile_layers="background", **settings))
 tokens.append([list(batch[f"req_{i}"].generated_tokens) for i in range(len(prompts))])

@@ -15,8 +15,8 @@ earlier process compiled it, ``hf_paged.compile._cache``) or compiled code in th
 help (a config without ``num_hidden_layers``) or fails (a model class its config does not rebuild, no memory), the
 engine compiles in this process, as ``compile_layers=True`` does, and a failure is logged with the helper's last
 lines. An engine of one call (``generate_batch``) decides at its start; a long-lived one (``Engine``, a server)
-started before the helper is done switches to the compiled layers between two steps once it is (``EngineCore.
-_take_compiled_layers``: its decode graphs captured anew), or keeps its layers eager if the helper failed. A helper
+started before the helper is done switches to the compiled layers between two steps once it is (``ModelRunner.
+take_compiled_layers``: its decode graphs captured anew), or keeps its layers eager if the helper failed. A helper
 still running when the process exits is stopped.
 
 The helper runs ``python -m hf_paged.engine._background_helper SPEC`` (a JSON file: the slim config, dtype, device and

@@ -1,4 +1,4 @@
-"""``Engine(compile_layers="background")`` (``engine/_background_compile.py``): an engine with nothing compiled yet runs
+"""``Engine(compile_layers="background")`` (``runner/_background_compile.py``): an engine with nothing compiled yet runs
 the layers eagerly while a helper process compiles a slim copy of the model into torch's caches; an engine started
 after the helper compiles from them (cache hits, no misses) and gives the eager engine's tokens. A helper that fails
 leaves the compile to this process (with a warning that says why), one still running at exit is stopped, and the
@@ -19,7 +19,7 @@ import torch
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, PretrainedConfig
 
 import hf_paged
-from hf_paged.engine import _background_compile as bc
+from hf_paged.runner import _background_compile as bc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -29,7 +29,7 @@ import json, torch
 from torch._dynamo.utils import counters
 from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
 import hf_paged
-from hf_paged.engine import _background_compile as bc
+from hf_paged.runner import _background_compile as bc
 
 torch.manual_seed(0)
 model = LlamaForCausalLM(LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
@@ -40,16 +40,16 @@ settings = dict(max_batch_tokens=64, max_num_seqs=4)
 reference = [o.token_ids for o in hf_paged.Engine(model, compile_layers=False, **settings).generate(prompts, config)]
 # a long-lived engine: eager while the helper runs, compiled from its next step after the helper is done
 first = hf_paged.Engine(model, compile_layers="background", **settings)
-out = {"first_eager": first.compiled is None and not first.stats()["compiled_layers"]}
+out = {"first_eager": first.runner.compiled is None and not first.stats()["compiled_layers"]}
 tokens = [[o.token_ids for o in first.generate(prompts, config)]]
 out["graphs_while_eager"] = counters["stats"]["unique_graphs"]
 helper = bc.helper(model)
 out["helper"] = helper.wait(600)
 tokens.append([o.token_ids for o in first.generate(prompts, config)])
-out["first_switched"] = first.compiled is not None and first.stats()["compiled_layers"]
+out["first_switched"] = first.runner.compiled is not None and first.stats()["compiled_layers"]
 # an engine started after the helper: compiled from its start, one helper per model
 second = hf_paged.Engine(model, compile_layers="background", **settings)
-out["second_compiled"] = second.compiled is not None and bc.helper(model) is helper
+out["second_compiled"] = second.runner.compiled is not None and bc.helper(model) is helper
 tokens.append([o.token_ids for o in second.generate(prompts, config)])
 out["hits"], out["misses"] = counters["inductor"]["fxgraph_cache_hit"], counters["inductor"]["fxgraph_cache_miss"]
 out["same"] = [t == reference for t in tokens]
@@ -107,11 +107,11 @@ def test_a_long_lived_engine_keeps_its_eager_layers_when_the_helper_fails(tmp_pa
     config = GenerationConfig(max_new_tokens=5, do_sample=False)
     reference = [o.token_ids for o in hf_paged.Engine(model, compile_layers=False).generate(prompts, config)]
     engine = hf_paged.Engine(model, compile_layers="background")
-    assert engine.compiled is None and bc.helper(model).wait(120) == "failed"
+    assert engine.runner.compiled is None and bc.helper(model).wait(120) == "failed"
     with caplog.at_level(logging.WARNING, logger="hf_paged"):
         assert [o.token_ids for o in engine.generate(prompts, config)] == reference
         assert [o.token_ids for o in engine.generate(prompts, config)] == reference
-    assert engine.compiled is None and not engine.stats()["compiled_layers"]
+    assert engine.runner.compiled is None and not engine.stats()["compiled_layers"]
     warnings = [r.getMessage() for r in caplog.records]
     assert len(warnings) == 1 and "keeps its layers eager" in warnings[0] and "No module named" in warnings[0]
 
