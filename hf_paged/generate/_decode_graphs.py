@@ -33,7 +33,7 @@ from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._cuda_graphs import CudaGraphs
-from hf_paged.runner._model_runner import model_call
+from hf_paged.runner._model_call import model_call
 
 logger = logging.getLogger("hf_paged")
 

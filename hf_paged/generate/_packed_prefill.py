@@ -32,7 +32,7 @@ from hf_paged.compile._layers import CompiledLayers
 from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf.compat import cache_in
-from hf_paged.runner._model_runner import model_call
+from hf_paged.runner._model_call import model_call
 
 #: The fewest rows a packed prompt forward takes. One row has no padding to drop, and its one-token decode steps
 #: (``[1, 1]``: torch.compile treats a size of one apart) trace the compiled layers apart from a ``[1, T]`` prompt: a
