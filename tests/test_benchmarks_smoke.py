@@ -150,15 +150,15 @@ def test_engine_overhead_reports_the_stepping_threads_cpu_time():
 
 
 def test_step_host_parts_times_the_parts_and_puts_them_back():
-    """The parts a step calls are timed (the eager path's plan and forward on the CPU; the engine's decode steps
-    are steady ones by then), and the engine's classes are as before once it returns."""
+    """The parts a step calls are timed (the eager path's plan and forward on the CPU), and the engine's classes are
+    as before once it returns."""
     from hf_paged.engine import _scheduler as scheduler
     from hf_paged.runner import _model_runner as model_runner
 
     before = (scheduler.Scheduler.__dict__["schedule"], model_runner.plan_step)
     out = _run(step_host_parts.main, ["--requests", "4", "--context", "60", "--steps", "4", "--model", "stub"])
     parts = {l.split()[0]: float(l.split()[1]) for l in out.splitlines() if l.endswith("ms per step")}
-    assert {"SteadyDecode.schedule", "plan_step", "ModelRunner.forward", "SteadyDecode.commit"} <= set(parts), out
+    assert {"Scheduler.schedule", "plan_step", "ModelRunner.forward", "EngineCore._commit"} <= set(parts), out
     assert all(ms > 0 for ms in parts.values()), parts
     assert (scheduler.Scheduler.__dict__["schedule"], model_runner.plan_step) == before
 

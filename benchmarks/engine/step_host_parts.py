@@ -4,8 +4,7 @@ Builds the engine of ``benchmarks/engine/overhead.py`` (256 running requests of 
 one-layer Llama, so decode steps replay CUDA graphs on a GPU) and wraps the step's parts in wall-clock timers (a
 fraction of a microsecond each): scheduling, the graph inputs' layout (the block-table sync and the staging copies
 within it), the graph launch (or, on the eager path, the step plan, its copy and the forward), the sampling batch, the
-sampler's launches, the token copy, the wait for the tokens, the hand-over and the commit (in a steady decode step, see
-``engine/_steady_decode.py``: its schedule, and its hand-over and commit in one). Each timed step is bracketed by a
+sampler's launches, the token copy, the wait for the tokens, the hand-over and the commit. Each timed step is bracketed by a
 device synchronization, as in ``benchmarks/engine/overhead.py``. On a GPU it then times ``CUDAGraph.replay()`` alone for
 graphs of 1 to 400 small kernels, and counts the kernels one eager decode step of the tiny model launches, so the launch
 cost of the engine's graph can be read against the host's cost per graph node.
@@ -28,7 +27,6 @@ from hf_paged.engine import _core as engine_core
 from hf_paged.engine import _inflight as inflight
 from hf_paged.engine import _sampler as sampler
 from hf_paged.engine import _scheduler as scheduler
-from hf_paged.engine import _steady_decode as steady_decode
 from hf_paged.runner import _device_block_table
 from hf_paged.runner import _decode_graphs as cuda_graphs
 from hf_paged.runner import _model_runner as runner
@@ -49,9 +47,6 @@ PARTS = (
     (inflight.InFlightStep, "wait"),
     (engine_core.EngineCore, "_take_tokens"),
     (engine_core.EngineCore, "_commit"),
-    (steady_decode.SteadyDecode, "schedule"),
-    (steady_decode.SteadyDecode, "commit"),
-    (engine_core.EngineCore, "_take_steady"),
 )
 
 

@@ -39,7 +39,6 @@ from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine._sizing import Workload
 from hf_paged.engine._stats import EngineStats
-from hf_paged.engine._steady_decode import SteadyDecode
 from hf_paged.engine._stop_checker import StopChecker
 from hf_paged.engine._structured_output import StructuredOutput, advance as advance_grammar
 from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
@@ -86,7 +85,6 @@ class EngineCore:
         self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
         self._receiver = TokenReceiver(cfg.max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None  # the launched step whose tokens are on their way
-        self._steady: SteadyDecode | None = None  # the decode step that may repeat (engine/_steady_decode.py)
         self._interrupts, self._lock = InterruptGuard(), threading.Lock()  # the lock: the requests' state
         # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
         # optimizer step, load_state_dict) raises its version counter, which each step compares (_before_step).
@@ -101,27 +99,22 @@ class EngineCore:
         that finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
         touched = self._before_step()
-        batch, steady, scheduled = self._schedule()
+        batch, scheduled = self._schedule()
         touched += scheduled
         clock("schedule")
         if batch.is_empty:
             touched += self._resolve()
         else:
             try:
-                launched = self._launch(batch, steady)
+                launched = self._launch(batch)
             except BaseException as exc:
                 return touched + self._launch_failed(batch, exc)
             clock("forward")
-            if steady is not None and self._take_steady(steady, launched):
-                clock("update")
-                return touched + steady.seqs
             touched += self._resolve()
             clock("sample")
             self._commit(batch, launched)
         if not self.async_scheduling:
             touched += self._resolve()
-        self._steady = SteadyDecode.after(batch, self.scheduler, self.config.block_size, self.max_model_len,
-                                          self.async_scheduling)
         clock("update")
         return touched
 
@@ -137,36 +130,28 @@ class EngineCore:
         if helper is not None and helper.state() != "running":
             if helper.state() != "failed":
                 touched += self._resolve()  # (the in-flight step ran on the layers switched from)
-            self._steady = None
             self.runner.take_compiled_layers()
         self.requests.outbox += self.scheduler.take_failed()
         return touched
 
-    def _schedule(self) -> tuple[ScheduledBatch, SteadyDecode | None, list[Sequence]]:
-        """The step's batch: the steady decode step again where it repeats, else the scheduler's choice (under tensor
-        parallel every rank checks that all scheduled the same, or all raise). A repetition penalty or a grammar reads
-        a sequence's tokens before its step: where such a sequence waits on the in-flight step, its tokens are taken
-        in first (the sequences that finish leave the batch). Returns the batch, the steady step, and the sequences
-        that got a token."""
-        steady, touched = self._steady, []
-        batch = steady.schedule(self.scheduler) if steady is not None else None
-        if batch is None:
-            steady = self._steady = None
-            batch = self.scheduler.schedule()
+    def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
+        """The scheduler's batch (under tensor parallel every rank checks that all scheduled the same, or all raise).
+        A repetition penalty or a grammar reads a sequence's tokens before its step: where such a sequence waits on
+        the in-flight step, its tokens are taken in first (the sequences that finish leave the batch). Returns the
+        batch and the sequences that got a token."""
+        batch, touched = self.scheduler.schedule(), []
         self.requests.outbox += self.scheduler.take_failed()
         if self.runner.lockstep is not None:
             self.runner.lockstep.check(batch.seqs, batch.num_tokens)
-        if steady is None and self._inflight is not None and any(
-                s.pending_row >= 0 and s.params.reads_own_tokens for s in batch.seqs):
+        if self._inflight is not None and any(s.pending_row >= 0 and s.params.reads_own_tokens for s in batch.seqs):
             touched = self._resolve()
             batch = _without_finished(batch)
-        return batch, steady, touched
+        return batch, touched
 
     def _launch_failed(self, batch: ScheduledBatch, exc: BaseException) -> list[Sequence]:
         """The batch did not run (its blocks stay reserved, its KV is rewritten when it runs): take in the step
         before's tokens, which the failed launch may have overwritten on the device, and rerun the batch one
         sequence at a time. Under tensor parallel the ranks cannot rerun apart: all raise."""
-        self._steady = None
         if self.runner.lockstep is not None and isinstance(exc, Exception):
             self.runner.lockstep.fail(exc)
         touched = self._resolve()
@@ -179,7 +164,6 @@ class EngineCore:
         (they were sampled already), every running sequence is queued to be computed afresh with its tokens so far,
         no prefix stays findable, and fp8 scales are fixed anew. Returns the sequences that got a token."""
         touched = self._resolve()
-        self._steady = None
         self.scheduler.recompute_all()
         dropped = self.block_manager.reset_prefix_cache()
         self.runner.pool.clear_scales()
@@ -214,37 +198,32 @@ class EngineCore:
         self.scheduler.finish(seq, "error", error)
         self.requests.outbox.append(seq)
 
-    def _launch(self, batch: ScheduledBatch, steady: SteadyDecode | None = None) -> InFlightStep | None:
+    def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
         """Run the model and sample on the device; the sampled tokens start their copy to the host. Called with the
         lock held: what reads the sequences (``runner.prepare``) runs under it, the device work and the sampler
         without it, so other threads may add and abort requests meanwhile (an abort is applied when the step
-        commits). ``steady``: the step repeats a steady decode step, whose columns it keeps."""
+        commits)."""
         self.counters.note_step(self.runner.pool.allocator.num_used)
-        cols = steady.columns() if steady is not None else None
-        sampled = batch.seqs if steady is not None else list(compress(batch.seqs, batch.sample))
-        scored = prompt_rows(batch.seqs, batch.num_tokens) if steady is None else None
-        prepared = self.runner.prepare(batch, cols, scored.rows if scored is not None else None)
+        sampled = list(compress(batch.seqs, batch.sample))
+        scored = prompt_rows(batch.seqs, batch.num_tokens)
+        prepared = self.runner.prepare(batch, scored.rows if scored is not None else None)
         with self._device_work():
             logits = self.runner.run(prepared)
             if scored is not None:
                 logits, extra = logits[: len(sampled)], logits[len(sampled) :]
                 shards = self.runner.vocab_shards
                 scores = score(extra if shards is None else shards.gather(extra), scored)
-            launched = self._sample(sampled, logits, steady)
+            launched = self._sample(sampled, logits)
         if scored is not None:
             for (seq, _), values in zip(scored.owners, scores):
                 seq.prompt_logprobs.extend(values)
         return launched
 
-    def _sample(self, sampled: list[Sequence], logits: torch.Tensor,
-                steady: SteadyDecode | None = None) -> InFlightStep | None:
+    def _sample(self, sampled: list[Sequence], logits: torch.Tensor) -> InFlightStep | None:
         if not sampled:
             return None
-        sampling = steady.sampling if steady is not None else None
         shards, lockstep = self.runner.vocab_shards, self.runner.lockstep
-        if sampling is None:
-            sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab,
-                                           logits.device)
+        sampling = SamplingBatch.build(sampled, logits.shape[-1] if shards is None else shards.vocab, logits.device)
         if shards is None:
             (tokens, logprobs), agreed = self.sampler(logits, sampling), False
         else:
@@ -314,23 +293,6 @@ class EngineCore:
         rows = [seq.pending_row for seq in got]
         self._take_tokens(got, [tokens[r] for r in rows], [logprobs[r] for r in rows])
         return got
-
-    def _take_steady(self, steady: SteadyDecode, launched: InFlightStep | None) -> bool:
-        """The hand-over and the commit of a steady decode step in one pass (``SteadyDecode.commit``), when its
-        tokens end nothing and no sequence changed; False: the general hand-over and commit take the step."""
-        step = launched if not steady.pending else self._inflight
-        if (launched is None or step is None or self.scheduler.version != steady.version
-                or (step.seqs is not steady.seqs and step.seqs != steady.seqs)):
-            return False
-        tokens = step.wait_array()
-        if not steady.take_in(tokens):
-            return False
-        bm = self.block_manager
-        logprobs = step.logprobs.tolist() if steady.logprob_rows else None
-        steady.commit(tokens.tolist(), bm.register_full_blocks if bm.enable_prefix_caching else None, logprobs)
-        self.counters.generated_tokens += len(steady.seqs)
-        self._inflight = launched if steady.pending else None
-        return True
 
     def _take_tokens(self, seqs: list[Sequence], tokens: list[int], logprobs: list[float | None]) -> None:
         """Write each sequence's newest token in place of its placeholder and do its bookkeeping; a finished

@@ -396,7 +396,7 @@ class Engine(EngineCore):
         self.abort_all()  # (takes the engine's lock itself)
         with self._stepping():
             self.runner.release_graphs()  # (an in-flight step may still replay a graph)
-            self._steady = self._inflight = None
+            self._inflight = None
             self._closed = True
         restore_attention(self.model, self.attention_before)
 

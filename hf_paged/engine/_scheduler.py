@@ -50,7 +50,6 @@ class Scheduler:
         self.running: list[Sequence] = []  # sorted by arrival
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished outside a step (errors, aborts), reported by the next step
-        self.version = 0  # counts the changes to ``running`` (``engine/_steady_decode.py`` relies on it)
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -135,7 +134,6 @@ class Scheduler:
             bm.reserve(seq, n)
             seq.status = SequenceStatus.RUNNING
             bisect.insort(self.running, seq, key=lambda s: s.arrival)
-            self.version += 1
             seqs.append(seq)
             counts.append(n)
             sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
@@ -143,7 +141,6 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.version += 1
         self.block_manager.free(seq)
         self.enqueue(seq)
         self.num_preemptions += 1
@@ -157,12 +154,10 @@ class Scheduler:
             self.block_manager.free(seq)
             self.enqueue(seq)
         self.running.clear()
-        self.version += 1
 
     def _fail(self, seq: Sequence) -> None:
         """Finish a sequence that needs more blocks than the whole cache holds."""
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-        self.version += 1
         self.block_manager.free(seq)
         bm = self.block_manager
         seq.finish("error", (
@@ -181,7 +176,6 @@ class Scheduler:
         """End a live sequence: its blocks go back (full ones stay findable in the prefix cache). Under
         asynchronous scheduling a sequence may learn that it is done while preempted (waiting)."""
         (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-        self.version += 1
         self.block_manager.free(seq)
         seq.finish(reason, error)
 
@@ -189,12 +183,10 @@ class Scheduler:
         """Add a sequence that already holds blocks (a forked copy) to the running list."""
         seq.status = SequenceStatus.RUNNING
         bisect.insort(self.running, seq, key=lambda s: s.arrival)
-        self.version += 1
 
     def abort(self, request_id: str) -> list[Sequence]:
         """Finish every sequence of ``request_id`` with ``"abort"`` (reported by the next step); returns them."""
         hit = [s for s in self.live if family(s.request_id) == request_id]
-        self.version += 1
         for seq in hit:
             if seq.status is SequenceStatus.RUNNING:
                 self.running.remove(seq)

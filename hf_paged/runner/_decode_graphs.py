@@ -101,17 +101,15 @@ class DecodeGraphs:
         self._live_bytes = 0  # bytes allocated during the captures: the figure where the allocator names no pools
 
     # ----- which steps a graph serves --------------------------------------------------------------------------
-    def size_for(self, seqs: list[Sequence], num_tokens: list[int], longest: int | None = None) -> int | None:
+    def size_for(self, seqs: list[Sequence], num_tokens: list[int]) -> int | None:
         """The captured size that serves this step, or None when it must run eager: not every sequence brings
         one token, none has a cached prefix (a prefill), it has more sequences than the largest graph, or a
-        context outgrew the captured table width. ``longest``: the largest computed count, when the caller
-        knows it."""
+        context outgrew the captured table width."""
         n = len(seqs)
         largest = self._first or (self.sizes[-1] if self.sizes else 0)
         if n > largest or len(num_tokens) != n or sum(num_tokens) != n:
             return None
-        if longest is None:
-            longest = max(map(_COMPUTED, seqs))
+        longest = max(map(_COMPUTED, seqs))
         if not longest or longest >= self.width * self.pool.block_size:
             return None
         if self._first is not None:

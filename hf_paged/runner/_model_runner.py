@@ -177,22 +177,21 @@ class ModelRunner:
                     time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
 
     # ----- steps -----------------------------------------------------------------------------------------------
-    def prepare(self, batch, columns: DecodeColumns | None = None, extra_rows: list[int] | None = None):
-        """Read what the step needs of ``batch``'s sequences (``seqs``, ``num_tokens``, ``sample``; ``columns``: a
-        decode step's, when the caller keeps them; ``extra_rows``: positions whose logits the step returns after the
-        sampled rows'): a graph's staged inputs when a decode graph serves the step, else a step plan. Reads the
-        sequences, so the caller holds their lock; :meth:`run` does the device work."""
+    def prepare(self, batch, extra_rows: list[int] | None = None):
+        """Read what the step needs of ``batch``'s sequences (``seqs``, ``num_tokens``, ``sample``; ``extra_rows``:
+        positions whose logits the step returns after the sampled rows'): a graph's staged inputs when a decode graph
+        serves the step, else a step plan. Reads the sequences, so the caller holds their lock; :meth:`run` does the
+        device work."""
         graphs = self.graphs
         if graphs is not None and extra_rows is None:
-            longest = int(columns.positions.max()) if columns is not None else None
-            size = graphs.size_for(batch.seqs, batch.num_tokens, longest)
+            size = graphs.size_for(batch.seqs, batch.num_tokens)
             if size is not None:
-                graphs.stage(columns if columns is not None else DecodeColumns.of(batch.seqs, batch.sample), size)
+                graphs.stage(DecodeColumns.of(batch.seqs, batch.sample), size)
                 return _Replay(size, batch.sample)
             if self.tables.num_changes > 4096:
                 graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
         return plan_step(batch.seqs, batch.num_tokens, batch.sample, self.tables, self.pool.block_size,
-                         columns=columns, extra_rows=extra_rows, pad_logits=self.pad_logits)
+                         extra_rows=extra_rows, pad_logits=self.pad_logits)
 
     @torch.inference_mode()
     def run(self, prepared) -> torch.Tensor:

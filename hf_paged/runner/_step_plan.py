@@ -129,8 +129,7 @@ class DecodeColumns:
 
     ``ids``: each token's id where the host knows it; ``positions``: its position (the sequence's computed count);
     ``sources``: the row of the in-flight step's sampled tokens that holds it (-1: the id is known); ``rows``: the
-    sequence's block-table row. Read from the sequences (:meth:`of`), or kept as arrays across steps
-    (``engine/_steady_decode.py``).
+    sequence's block-table row.
     """
 
     ids: np.ndarray
@@ -158,14 +157,12 @@ def plan_step(
     tables: BlockTableBuffer,
     block_size: int,
     pad_decode_to: int | None = None,
-    columns: DecodeColumns | None = None,
     extra_rows: list[int] | None = None,
     pad_logits: bool = False,
 ) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
-    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns` (``columns``, when
-    the caller keeps them; else read from the sequences). Any other step gathers the sequences' counters and new
+    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns`. Any other step gathers the sequences' counters and new
     token ids into flat arrays (per-sequence Python; a prefill chunk's positions and slots are ranges, extended in
     C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
     step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
@@ -173,9 +170,8 @@ def plan_step(
     sampled rows' (prompt logprobs). ``pad_logits``: pad the logits rows to :func:`logit_rows` (on a GPU).
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
-    if columns is not None or (sum(num_tokens) == len(seqs) and not extra_rows):
-        return _plan_decode(columns if columns is not None else DecodeColumns.of(seqs, sample), sample, tables,
-                            block_size, pad_decode_to, pad_logits)
+    if sum(num_tokens) == len(seqs) and not extra_rows:
+        return _plan_decode(DecodeColumns.of(seqs, sample), sample, tables, block_size, pad_decode_to, pad_logits)
     ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
     if extra_rows:
         keep.extend(extra_rows)

@@ -20,20 +20,20 @@ from transformers import GenerationConfig
 import hf_paged
 from engine_helpers import models, random_prompts
 from hf_paged.cli.default_model import byte_tokenizer
-from hf_paged.engine import _core, _engine, _request_output, _steady_decode, _stop_checker
+from hf_paged.engine import _core, _engine, _request_output, _stop_checker
 from hf_paged.engine._sequence import PLACEHOLDER
 
 ARCH = "llama_gqa"
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 #: The hand-over: taking in a step's tokens, committing it, stop checks, forks, handing outputs over.
 HAND_OVER = {f.__code__ for f in (
-    _core.EngineCore._resolve, _core.EngineCore._take_tokens, _core.EngineCore._take_steady, _core.EngineCore._commit,
+    _core.EngineCore._resolve, _core.EngineCore._take_tokens, _core.EngineCore._commit,
     _core.EngineCore._commit_decode, _core.EngineCore._fork, _stop_checker.StopChecker.finish_reason,
-    _steady_decode.SteadyDecode.commit, _engine.Engine._step, _request_output.output_of)}
+    _engine.Engine._step, _request_output.output_of)}
 
 
 def workload(stop: str) -> list[tuple[list[int], GenerationConfig]]:
-    """Greedy rows long enough for steady decode steps, early EOS with logprobs, a stop string, seeded copies."""
+    """Greedy rows long enough for many decode steps, early EOS with logprobs, a stop string, seeded copies."""
     prompts = random_prompts(5, 3, 12, seed=8)
     kinds = [dict(max_new_tokens=24, eos_token_id=None), dict(max_new_tokens=10, eos_token_id=list(range(3, 40)),
                                                               output_logprobs=True),

@@ -119,9 +119,9 @@ def test_the_metadata_read_from_the_plan_equals_build_metadata_of_a_token_by_tok
                              max_num_seqs=6, async_scheduling=async_scheduling)
     checked = []
 
-    def checked_plan(seqs, counts, sample, tables, block_size, columns=None, extra_rows=None, pad_logits=False):
+    def checked_plan(seqs, counts, sample, tables, block_size, extra_rows=None, pad_logits=False):
         assert extra_rows is None and not pad_logits  # (no prompt logprobs asked; the CPU pads no logits rows)
-        plan = plan_step(seqs, counts, sample, tables, block_size, columns=columns)  # (steady steps pass columns)
+        plan = plan_step(seqs, counts, sample, tables, block_size)
         want, ids, pos, sources, keep = _reference_metadata(seqs, counts, sample, tables, block_size, engine.runner)
         seg = plan.segments()
         got = step_metadata(plan, seg, seg["slot_mapping"].long(), block_size)
