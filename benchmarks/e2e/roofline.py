@@ -254,7 +254,7 @@ def run_roofline(model: torch.nn.Module, workload: Workload, budget: Budget, eng
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if on_cuda else [])
     with profile(activities=activities) as prof:
         profiled_seconds, profiled_tokens = _run_to_end(profiled)
-    shape = Shape.of(model.config, model.dtype, profiled.pool.dtype)
+    shape = Shape.of(model.config, model.dtype, profiled.runner.pool.dtype)
     backends = {k: profiled.stats().get(k) for k in ("prefill_backend", "decode_backend")}
     profiled.close()
     analysis = analyse(prof.events(), recorder.steps, shape, rates, profiled_seconds, on_cuda)

@@ -93,8 +93,8 @@ def _worker(rank: int, port: int, path: str, out_dir: str) -> None:
     sized = hf_paged.Engine(model, num_blocks=None, memory_budget=1e-6, block_size=8)
     record = {
         "compile_refused": (refused, tp_linears.installed(model)),
-        "kv_heads": (kv_layout(model).num_kv_heads, sized.pool.kv_caches[0][0].shape[2]),
-        "sized_blocks": sized.pool.num_blocks,
+        "kv_heads": (kv_layout(model).num_kv_heads, sized.runner.pool.kv_caches[0][0].shape[2]),
+        "sized_blocks": sized.runner.pool.num_blocks,
         "graphs": sized.stats()["cuda_graphs"],
     }
     del sized
