@@ -283,11 +283,11 @@ class StepRecorder:
         self.steps: list[Step] = []
         launch, sampler = engine._launch, engine.sampler
 
-        def recorded_launch(batch, steady=None):
-            step = self._step(batch, steady)
+        def recorded_launch(batch):
+            step = self._step(batch)
             self.steps.append(step)
             with record_function(f"{STEP_RANGE}#{len(self.steps) - 1}.{step.kind}"):
-                return launch(batch, steady)
+                return launch(batch)
 
         def recorded_sampler(logits, sampling):
             if self.steps:
@@ -298,10 +298,7 @@ class StepRecorder:
         engine._launch, engine.sampler = recorded_launch, recorded_sampler
 
     @staticmethod
-    def _step(batch, steady) -> Step:
-        if steady is not None:  # a steady decode step: one token per sequence, each samples
-            c = steady.computed
-            return Step.of(c, np.ones_like(c), np.ones(len(c), bool), np.ones(len(c), bool))
+    def _step(batch) -> Step:
         seqs = batch.seqs
         c = np.fromiter((s.num_computed_tokens for s in seqs), np.int64, len(seqs))
         prompt = np.fromiter((s.num_prompt_tokens for s in seqs), np.int64, len(seqs))

@@ -55,10 +55,10 @@ class StepClock:
     def __enter__(self) -> StepClock:
         clock, launch, init = self, self._launch, self._init
 
-        def timed_launch(core, batch, *rest):  # (not through size_for: it counts steps toward on-demand captures)
+        def timed_launch(core, batch):  # (not through size_for: it counts steps toward on-demand captures)
             decode = sum(batch.num_tokens) == len(batch.seqs)
             clock.launches.append((time.perf_counter(), len(batch.seqs), decode))
-            return launch(core, batch, *rest)
+            return launch(core, batch)
 
         def timed_init(core, *args, **kwargs):
             began = time.perf_counter()

@@ -41,8 +41,8 @@ def run(args: argparse.Namespace) -> int:
         engine = app.state.engine_loop.engine
         # the pool's size and why (engine/_sizing.py): on a CPU its RAM is everyone's, so the line says what it took
         logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens: %s)%s", name,
-                       f"[{host}]" if ":" in host else host, bound_port, engine.runner.pool.num_blocks,
-                       engine.runner.pool.block_size, engine.stats()["sizing"].get("num_blocks", "given"),
+                       f"[{host}]" if ":" in host else host, bound_port, engine.config.num_blocks,
+                       engine.config.block_size, engine.stats()["sizing"].get("num_blocks", "given"),
                        "; API key required" if api_key else "")
         server.run(sockets=[sock])
     finally:

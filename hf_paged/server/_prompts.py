@@ -47,7 +47,7 @@ class PromptBuilder:
         self.tokenizer = _own_copy(engine.tokenizer)
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
-        self.cache_tokens = engine.runner.pool.num_blocks * engine.runner.pool.block_size
+        self.cache_tokens = engine.config.num_blocks * engine.config.block_size
         has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1

@@ -94,11 +94,11 @@ def test_an_explicit_budget_or_pool_wins_over_the_ram_share(monkeypatch):
     total = 10.5 * per_block / CPU_SHARE  # the share would hold 10 blocks
     _machine(monkeypatch, total=total, free=total)
     half = hf_paged.Engine(model, max_num_seqs=2, memory_budget=0.5)
-    assert half.pool.num_blocks == min(2 * -(-limit // 16), int(0.5 * total // per_block)) > 10
+    assert half.runner.pool.num_blocks == min(2 * -(-limit // 16), int(0.5 * total // per_block)) > 10
     assert "50% of free memory" in half.stats()["sizing"]["num_blocks"]
     half.close()
     given = hf_paged.Engine(model, max_num_seqs=2, num_blocks=48)
-    assert given.pool.num_blocks == 48 and "num_blocks" not in given.stats()["sizing"]
+    assert given.runner.pool.num_blocks == 48 and "num_blocks" not in given.stats()["sizing"]
     given.close()
 
 

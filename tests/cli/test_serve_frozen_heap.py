@@ -21,7 +21,7 @@ def test_serve_freezes_after_the_engine_is_up_and_before_it_serves(monkeypatch):
     seen = {}
     engine_made = [object()]  # a list, which the collector tracks: what the engine's start left behind
     app = SimpleNamespace(state=SimpleNamespace(engine_loop=SimpleNamespace(
-        engine=SimpleNamespace(pool=SimpleNamespace(num_blocks=8, block_size=16),
+        engine=SimpleNamespace(config=SimpleNamespace(num_blocks=8, block_size=16),
                                stats=lambda: {"sizing": {"num_blocks": "given"}}))))
 
     def app_of(args):
