@@ -159,3 +159,27 @@ def test_the_graph_reader_sees_cycles_and_in_function_imports(tmp_path):
     tree = ast.parse(source)
     found = [n for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)]
     assert found and found[0].module == "hf_paged.engine"
+
+
+def _names_of_the_engine(tree: ast.AST) -> list[str]:
+    """Where a module's code receives or reads an engine: a parameter called ``engine`` or ``core``, or an attribute
+    read on a name of that kind."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.arg) and node.arg in ("engine", "core"):
+            found.append(f"parameter {node.arg!r} (line {node.lineno})")
+        elif (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+              and node.value.id in ("engine", "core")):
+            found.append(f"{node.value.id}.{node.attr} (line {node.lineno})")
+    return found
+
+
+def test_the_runner_receives_no_engine_and_the_engine_step_holds_no_model_side():
+    """The model side is the runner's: nothing in ``runner/`` is handed the engine (its core) to read back from, and
+    the engine's step module reaches tensor parallel and the compiler only through its ``ModelRunner``."""
+    for path in sorted((PACKAGE / "runner").glob("*.py")):
+        found = _names_of_the_engine(ast.parse(path.read_text()))
+        assert not found, f"runner/{path.name} reads an engine: {found}"
+    core = import_graph()["hf_paged.engine._core"]
+    assert not {t for t in core if _folder(t) in ("parallel", "compile")}, sorted(core)
+    assert _names_of_the_engine(ast.parse("def f(core):\n    return core.pool\n"))  # (the reader sees both kinds)
