@@ -74,7 +74,8 @@ class EngineCore:
             max_len, max(workload.sequence_tokens, default=max_len) + 1)
         size = partial(sizing.size_for, model.config, model.dtype, max_len, workload)
         self.runner = runner = ModelRunner(model, cfg, size, longest, one_call=workload is not None)
-        self.config, self.sizing = cfg, _ = runner.config, runner.sizing
+        self.config = cfg = runner.config
+        self.sizing = runner.sizing  # the automatic settings, each with why it was picked
         self.block_manager = BlockManager(runner.pool.allocator, cfg.block_size, runner.tables, runner.pool.copy_blocks,
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs)

@@ -59,7 +59,8 @@ class ModelRunner:
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, forced = lockstep.for_model(model, config.compile_layers, config.cuda_graphs)
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
-        self.config, self.sizing = cfg, _ = self._size(config, forced, size)
+        self.config, self.sizing = self._size(config, forced, size)
+        cfg = self.config
         self.pool, self.dispatcher = paged_kv(model.config, kv_layout(model), self.kv_devices, model.dtype,
                                               cfg.block_size, cfg.num_blocks, cfg.kv_cache_dtype, cfg.backend)
         self.tables = BlockTableBuffer(cfg.max_num_seqs, min(cfg.num_blocks, -(-longest // cfg.block_size)))
