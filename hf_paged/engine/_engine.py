@@ -187,12 +187,10 @@ class Engine(EngineCore):
         for it."""
         ids = prompt if checked else validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
         config = validation.generation_config(config) or self.generation_config
-        gc = None if resolved is None else resolved.get(id(config))
-        if gc is None:
-            gc = SamplingParams.resolve(config, getattr(self.model, "generation_config", None))
-            if resolved is not None:
-                resolved[id(config)] = gc
-        params = SamplingParams.from_resolved(gc, len(ids))
+        resolved = {} if resolved is None else resolved
+        if id(config) not in resolved:
+            resolved[id(config)] = SamplingParams.resolve(config, getattr(self.model, "generation_config", None))
+        params = SamplingParams.from_resolved(resolved[id(config)], len(ids))
         if params.stop_strings and self.tokenizer is None:
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
@@ -205,26 +203,23 @@ class Engine(EngineCore):
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
         with self._lock:
             self._refuse_if_closed()
-            return self._enqueue_locked(seqs)
-
-    def _enqueue_locked(self, seqs: list[Sequence]) -> list[str]:
-        given = [s.request_id for s in seqs if s.request_id is not None]
-        clash = next((rid for rid in given if rid in self.requests.open), None)
-        if clash is None and len(set(given)) < len(given):
-            clash = next(rid for rid in given if given.count(rid) > 1)
-        if clash is not None:  # before any is queued
-            raise ValueError(f"request id {clash!r} is already live or given twice; pick another")
-        for seq in seqs:
-            seq.request_id, arrival = self.requests.new_id(seq.request_id)
-            seq.arrival = (arrival, 0)
-            self.requests.track(seq)
-            self.counters.prompt_tokens += seq.num_tokens
-            error = self._never_runs(seq)
-            if error is not None:
-                self.scheduler.reject(seq, error)
-            else:
-                self.scheduler.add(seq)
-        return [seq.request_id for seq in seqs]
+            given = [s.request_id for s in seqs if s.request_id is not None]
+            clash = next((rid for rid in given if rid in self.requests.open), None)
+            if clash is None and len(set(given)) < len(given):
+                clash = next(rid for rid in given if given.count(rid) > 1)
+            if clash is not None:  # before any is queued
+                raise ValueError(f"request id {clash!r} is already live or given twice; pick another")
+            for seq in seqs:
+                seq.request_id, arrival = self.requests.new_id(seq.request_id)
+                seq.arrival = (arrival, 0)
+                self.requests.track(seq)
+                self.counters.prompt_tokens += seq.num_tokens
+                error = self._never_runs(seq)
+                if error is not None:
+                    self.scheduler.reject(seq, error)
+                else:
+                    self.scheduler.add(seq)
+            return [seq.request_id for seq in seqs]
 
     def _never_runs(self, seq: Sequence) -> str | None:
         bs, num_blocks = self.config.block_size, self.config.num_blocks
@@ -351,10 +346,8 @@ class Engine(EngineCore):
         except BaseException:
             self._cancel(owned)
             raise
-        by_request: dict[str, list[RequestOutput]] = {}
-        for out in done:
-            by_request.setdefault(family(out.request_id), []).append(out)
-        return [o for rid in ids for o in sorted(by_request[rid], key=_copy_index)]
+        place = {rid: i for i, rid in enumerate(ids)}
+        return sorted(done, key=lambda out: (place[family(out.request_id)], _copy_index(out)))
 
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests and debugging): block reference counts match the live
@@ -404,12 +397,11 @@ class Engine(EngineCore):
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
+        try:
             self.close()
-            return
-        try:  # the block's own error goes on; a failure to close (a broken device, say) is only logged
-            self.close()
-        except Exception as err:
+        except Exception as err:  # the block's own error goes on; a failure to close (a broken device) is only logged
+            if exc_type is None:
+                raise
             logger.warning("hf_paged: closing the engine after %s failed too (%s: %s)", exc_type.__name__,
                            type(err).__name__, err)
 
@@ -454,9 +446,9 @@ class Engine(EngineCore):
         seqs = dict.fromkeys(touched + self.requests.outbox)
         return [s for s in seqs if owned is None or family(s.request_id) in owned]
 
-    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta, from_outbox: bool = True) -> None:
+    def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
         mark_streamed(seq, delta)
-        if from_outbox and delta.finished and seq in self.requests.outbox:
+        if delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)
 
@@ -476,14 +468,14 @@ class Engine(EngineCore):
                 if self.requests.is_open(rid):
                     self.scheduler.abort(rid)
             self.requests.forget(families)
-            self.scheduler.discard_failed(families, family)
+            self.scheduler.discard_failed(families)
 
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
         deltas, final = [], set(map(id, finished))
         for seq in dict.fromkeys(touched + finished):
             delta = delta_of(seq, self.detokenizer, id(seq) in final)
             if delta is not None:
-                self._hand_over_delta(seq, delta, from_outbox=False)
+                self._hand_over_delta(seq, delta)
                 deltas.append(delta)
         return deltas
 

@@ -36,15 +36,14 @@ class RequestRegistry:
         self._taken_numbers: set[int] = set()  # user ids that read as automatic ids the counter has not reached
 
     def new_id(self, user_id: str | None) -> tuple[str, int]:
-        """``(request id, arrival number)`` of a new request, to be tracked next; raises if a user's id is open."""
+        """``(request id, arrival number)`` of a new request, to be tracked next (the engine has checked that a user's
+        id is not open)."""
         if user_id is None:
             while self._next_auto in self._taken_numbers:
                 self._taken_numbers.discard(self._next_auto)
                 self._next_auto += 1
             self._next_auto += 1
             return str(self._next_auto - 1), self.next_arrival
-        if user_id in self.open:
-            raise ValueError(f"request id {user_id!r} is already live; pick another")
         if user_id.isascii() and user_id.isdigit() and str(int(user_id)) == user_id and int(user_id) >= self._next_auto:
             self._taken_numbers.add(int(user_id))
         return user_id, self.next_arrival
@@ -83,10 +82,8 @@ class RequestRegistry:
             self.untrack(seq)
         return taken
 
-    def forget(self, families: Collection[str]) -> list[Sequence]:
-        """Drop every open sequence of ``families`` (their reader is gone); returns them."""
-        dropped = [s for rid, s in self.open.items() if family(rid) in families]
-        self.outbox = [s for s in self.outbox if family(s.request_id) not in families]
-        for seq in dropped:
+    def forget(self, families: Collection[str]) -> None:
+        """Drop every open sequence of ``families`` (their reader is gone)."""
+        self.take(families)
+        for seq in [s for rid, s in self.open.items() if family(rid) in families]:
             self.untrack(seq)
-        return dropped

@@ -132,8 +132,7 @@ class Scheduler:
             self.waiting.popleft()
             bm.admit(seq, hits)
             bm.reserve(seq, n)
-            seq.status = SequenceStatus.RUNNING
-            bisect.insort(self.running, seq, key=lambda s: s.arrival)
+            self.insert_running(seq)
             seqs.append(seq)
             counts.append(n)
             sample.append(seq.num_computed_tokens + n == len(seq.token_ids))
@@ -157,10 +156,8 @@ class Scheduler:
 
     def _fail(self, seq: Sequence) -> None:
         """Finish a sequence that needs more blocks than the whole cache holds."""
-        (self.running if seq.status is SequenceStatus.RUNNING else self.waiting).remove(seq)
-        self.block_manager.free(seq)
         bm = self.block_manager
-        seq.finish("error", (
+        self.finish(seq, "error", (
             f"this sequence needs more KV-cache blocks than the cache holds ({bm.allocator.num_blocks} blocks of "
             f"{bm.block_size} tokens for {seq.num_tokens} tokens); create the Engine with more num_blocks or ask "
             "for fewer max_new_tokens"
@@ -188,12 +185,7 @@ class Scheduler:
         """Finish every sequence of ``request_id`` with ``"abort"`` (reported by the next step); returns them."""
         hit = [s for s in self.live if family(s.request_id) == request_id]
         for seq in hit:
-            if seq.status is SequenceStatus.RUNNING:
-                self.running.remove(seq)
-            else:
-                self.waiting.remove(seq)
-            self.block_manager.free(seq)
-            seq.finish("abort")
+            self.finish(seq, "abort")
         self.failed += hit
         return hit
 
@@ -207,9 +199,8 @@ class Scheduler:
         failed, self.failed = self.failed, []
         return failed
 
-    def discard_failed(self, families: set[str], family) -> None:
-        """Forget the finished-outside-a-step sequences of ``families`` (``family``: a sequence id's family), whose
-        reader left."""
+    def discard_failed(self, families: set[str]) -> None:
+        """Forget the finished-outside-a-step sequences of ``families``, whose reader left."""
         self.failed = [s for s in self.failed if family(s.request_id) not in families]
 
     def check_invariants(self) -> None:
