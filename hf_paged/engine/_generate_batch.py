@@ -15,7 +15,6 @@ from __future__ import annotations
 import copy
 import logging
 import time
-from contextlib import contextmanager
 
 import torch
 from tqdm.auto import tqdm
@@ -90,9 +89,6 @@ def generate_batch(
     validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
     if not isinstance(reset_prefix_cache, bool):
         raise ValueError(f"reset_prefix_cache must be True or False, got {reset_prefix_cache!r}")
-    if isinstance(continuous_batching_config, dict):
-        raise ValueError("continuous_batching_config must be transformers' ContinuousBatchingConfig (or an object "
-                         "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
     if continuous_batching_config is None and isinstance(getattr(generation_config, "continuous_batching_config",
                                                                  None), ContinuousBatchingConfig):
         continuous_batching_config = generation_config.continuous_batching_config  # (transformers' older route)
@@ -107,42 +103,44 @@ def generate_batch(
                          f"the whole workload), one per prompt; got {indices!r}")
     if not inputs:
         return {}
-    opt = lambda name, default: default if getattr(continuous_batching_config, name, None) is None else getattr(
-        continuous_batching_config, name)
     limit = validation.position_limit(model.config)
     gc = batch_configs.generation_config(validation.generation_config(generation_config), model,
                                          kwargs.get("max_new_tokens"), limit)
-    if opt("return_logprobs", False):
+    if getattr(continuous_batching_config, "return_logprobs", None):
         gc.output_logprobs = True
     copies = SamplingParams.from_generation_config(gc, len(inputs[0])).num_return_sequences  # (checked before the
     # engine is built; the engine checks each prompt's config again, not its ids)
     workload = Workload(tuple(len(p) + (gc.max_new_tokens or limit - len(p)) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    configs = _request_configs(gc, inputs, indices, opt("seed", None), limit)
+    configs = _request_configs(gc, inputs, indices, getattr(continuous_batching_config, "seed", None), limit)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
-    attention = _compat.attn_implementation(model.config)  # the caller's, put back when the call ends
-    with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar, \
-            _attention_restored(model, attention):
-        engine = _engine_for(model, config, workload, persistent_manager)
-        use_paged_attention(model)  # (a kept engine's model was switched back after its last call)
-        if reset_prefix_cache:
-            engine.reset_prefix_cache()
-        start = time.perf_counter()
-        queued = engine._enqueue(engine._new_sequences(inputs, configs, "generate_batch",  # (the ids checked above)
-                                                       [f"req_{i}" for i in indices], checked=True))
-        ids = {rid: i for i, rid in enumerate(queued)}
-        while engine.has_unfinished():
-            if stamps is None:
-                outs = engine.step()
-            else:
-                outs, deltas = engine.step_with_deltas()
-                now = time.perf_counter()
-                for delta in deltas:
-                    stamps.setdefault(delta.request_id, []).extend([now] * len(delta.token_ids))
-            for out in outs:
-                finished[out.request_id] = _to_generation_output(out, start, stamps)
-            bar.update(len(outs))
+    # the caller's attention, put back however the call ends (as transformers' generate_batch does), so that the
+    # model's own generate and generate_batch work on it afterwards
+    attention = _compat.attn_implementation(model.config)
+    try:
+        with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+            engine = _engine_for(model, config, workload, persistent_manager)
+            use_paged_attention(model)  # (a kept engine's model was switched back after its last call)
+            if reset_prefix_cache:
+                engine.reset_prefix_cache()
+            start = time.perf_counter()
+            queued = engine._enqueue(engine._new_sequences(inputs, configs, "generate_batch",  # (the ids checked above)
+                                                           [f"req_{i}" for i in indices], checked=True))
+            ids = {rid: i for i, rid in enumerate(queued)}
+            while engine.has_unfinished():
+                if stamps is None:
+                    outs = engine.step()
+                else:
+                    outs, deltas = engine.step_with_deltas()
+                    now = time.perf_counter()
+                    for delta in deltas:
+                        stamps.setdefault(delta.request_id, []).extend([now] * len(delta.token_ids))
+                for out in outs:
+                    finished[out.request_id] = _to_generation_output(out, start, stamps)
+                bar.update(len(outs))
+    finally:
+        restore_attention(model, attention)
     failed = [k for k, o in finished.items() if o.error is not None]
     if failed:
         logger.error("Requests %s failed during generation.", failed)
@@ -151,16 +149,6 @@ def generate_batch(
 
 
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
-
-
-@contextmanager
-def _attention_restored(model, implementation: str | None):
-    """Put ``model`` back on the caller's ``implementation`` when the block ends, however it ends (transformers'
-    own ``generate_batch`` does the same), so that its ``generate`` and ``generate_batch`` work on it afterwards."""
-    try:
-        yield
-    finally:
-        restore_attention(model, implementation)
 
 
 def _engine_for(model, config: EngineConfig, workload: Workload, persistent: bool) -> Engine:
