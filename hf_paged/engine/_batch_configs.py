@@ -18,7 +18,7 @@ import numbers
 from transformers import GenerationConfig
 
 from hf_paged.engine._config import EngineConfig
-from hf_paged.engine._sampling_params import UNSERVED
+from hf_paged.engine._sampling_params import UNSERVED, eos_tuple
 
 logger = logging.getLogger("hf_paged")
 
@@ -113,20 +113,7 @@ def generation_config(given: GenerationConfig | None, model, max_new_tokens: int
 def eos_token_ids(eos) -> list[int]:
     """``eos_token_id`` as transformers' ``generate_batch`` means it: None or -1 is no EOS, an integer or a list its
     tokens (a negative entry, which no token matches, is dropped)."""
-    if eos is None:
-        return []
-    items = eos.tolist() if hasattr(eos, "tolist") else eos
-    items = [items] if isinstance(items, numbers.Integral) else items
-    if isinstance(items, str) or not hasattr(items, "__iter__"):
-        raise ValueError(f"eos_token_id must be an integer or a list of integers (-1 or None: no EOS), got {eos!r}")
-    out = []
-    for e in items:
-        if isinstance(e, bool) or not isinstance(e, numbers.Integral):
-            raise ValueError(f"eos_token_id must be an integer or a list of integers (-1 or None: no EOS), got "
-                             f"{eos!r}")
-        if e >= 0:
-            out.append(int(e))
-    return out
+    return [e for e in eos_tuple(eos) if e >= 0]
 
 
 def engine_config(given) -> EngineConfig:

@@ -7,15 +7,13 @@ same prompts; each generates for a share of them balanced by tokens, and every p
 
 from __future__ import annotations
 
-import copy
-
 import torch
 from transformers import GenerationConfig
 
 from hf_paged._compat import GenerationOutput
+from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._generate_batch import generate_batch
-from hf_paged.engine._sampling_params import resolve_generation_config
 from hf_paged.parallel import _data_parallel as data_parallel
 
 
@@ -51,15 +49,12 @@ def distributed_generate_batch(
 def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[list[int]], list[int]]:
     """The prompts as token-id lists and each one's cost in tokens (prompt + new tokens at most)."""
     vocab_size = model.config.get_text_config(decoder=True).vocab_size
-    what = "distributed_generate_batch"
-    prompts = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, what)]
-    gc = copy.deepcopy(validation.generation_config(generation_config) or getattr(model, "generation_config", None)
-                       or GenerationConfig())
-    if engine_kwargs.get("max_new_tokens") is not None:
-        gc.max_new_tokens = engine_kwargs["max_new_tokens"]
-    resolved = resolve_generation_config(gc, getattr(model, "generation_config", None))
-    new = lambda n: resolved.max_new_tokens or max(1, (resolved.max_length or 20) - n)
-    return prompts, [len(p) + new(len(p)) for p in prompts]
+    prompts = [validation.prompt_token_ids(p, vocab_size)
+               for p in validation.prompt_list(inputs, "distributed_generate_batch")]
+    limit = validation.position_limit(model.config)
+    gc = batch_configs.generation_config(validation.generation_config(generation_config), model,
+                                         engine_kwargs.get("max_new_tokens"), limit)
+    return prompts, [len(p) + (gc.max_new_tokens or limit - len(p)) for p in prompts]
 
 
 def _request_order(rid: str) -> tuple[int, int]:

@@ -158,7 +158,7 @@ class SamplingParams:
             min_p=_as_real(_num(gc.min_p, 0.0), "min_p"),
             repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
             seed=None if seed is None else _as_int(seed, "seed"),
-            eos_token_ids=_eos_tuple(gc.eos_token_id),
+            eos_token_ids=eos_tuple(gc.eos_token_id),
             stop_strings=_stop_tuple(gc.stop_strings),
             num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
             logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
@@ -198,14 +198,16 @@ def resolve_generation_config(config: GenerationConfig | None, model_config: Gen
     return gc
 
 
-def _eos_tuple(eos) -> tuple[int, ...]:
-    if eos is None:
+def eos_tuple(eos) -> tuple[int, ...]:
+    """``eos_token_id`` (None, an integer, or a list, tuple, array or tensor of them) as a tuple of ints."""
+    items = eos.tolist() if hasattr(eos, "tolist") else eos
+    if items is None:
         return ()
-    if isinstance(eos, numbers.Integral):
-        return (_as_int(eos, "eos_token_id"),)
-    if isinstance(eos, (str, bytes)) or not hasattr(eos, "__iter__"):
+    if isinstance(items, numbers.Integral):
+        items = [items]
+    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
         raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
-    return tuple(_as_int(e, "eos_token_id") for e in (eos.tolist() if hasattr(eos, "tolist") else eos))
+    return tuple(_as_int(e, "eos_token_id") for e in items)
 
 
 #: GenerationConfig settings that change which tokens ``model.generate`` picks but that the engine does not apply,

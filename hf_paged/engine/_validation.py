@@ -35,8 +35,8 @@ def prompt_token_ids(prompt, vocab_size: int, tokenizer=None, field: str = "prom
         try:
             prompt = tokenizer.encode(prompt)
         except Exception as exc:  # (a tokenizer's own refusal of this text is bad input, not an engine fault)
-            raise ValueError(f"{field}: the tokenizer cannot encode it ({type(exc).__name__}: "
-                             f"{_first_line(exc)})") from exc
+            first_line = (str(exc).strip().splitlines() or [""])[0]
+            raise ValueError(f"{field}: the tokenizer cannot encode it ({type(exc).__name__}: {first_line})") from exc
     if hasattr(prompt, "tolist") and hasattr(prompt, "ndim"):
         if prompt.ndim != 1:
             raise ValueError(f"a prompt is one sequence of token ids, got an array of shape {tuple(prompt.shape)} "
@@ -69,11 +69,6 @@ def text(value, field: str) -> str:
             raise ValueError(f"{field} is not valid Unicode text: a lone surrogate U+{ord(value[exc.start]):04X} at "
                              f"character {exc.start} (half of a UTF-16 pair); send whole characters") from None
     return str(value)  # (a str subclass as the plain str)
-
-
-def _first_line(exc: BaseException) -> str:
-    lines = str(exc).strip().splitlines()
-    return lines[0] if lines else ""
 
 
 def _token_id(value, vocab_size: int) -> int:
