@@ -17,11 +17,13 @@ Shapes (``T`` packed new tokens, ``B`` sequences, ``H`` query heads, ``Hkv`` KV 
 
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from hf_paged.attention.backends.base import AttentionBackend, AttentionInputs, AttentionParams, backend_named
 from hf_paged.cache._kv_quant import KVScales
-from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.attention._metadata import PagedMetadata, Phase, build_metadata
 
 
 @torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache"))
@@ -100,12 +102,14 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
 
 
 _EMPTY = torch.empty(0, dtype=torch.int32)
+# The step of no sequence, whose fields an op overrides with what it was given: what a backend's verb does not read
+# stays empty, and backends allocate their scratch per call.
+_NO_STEP = dataclasses.replace(
+    build_metadata(q_lens=_EMPTY, seq_lens_k=_EMPTY, block_tables=_EMPTY, slot_mapping=_EMPTY, token_index=None,
+                   grid=(0, 0), block_size=0, device=torch.device("cpu")),
+    phase=Phase.DECODE, cu_seqlens_q=_EMPTY, cu_seqlens_k=_EMPTY, slot_mapping=_EMPTY, scratch_per_call=True)
 
 
 def _step(**fields) -> PagedMetadata:
-    """A :class:`PagedMetadata` with what the op was given; what a backend's verb does not read stays empty."""
-    defaults = dict(num_seqs=0, num_tokens=0, max_seqlen_q=0, max_seqlen_k=0, block_size=0, phase=Phase.DECODE,
-                    cu_seqlens_q=_EMPTY, cu_seqlens_k=_EMPTY, seq_lens_k=_EMPTY, block_tables=_EMPTY,
-                    slot_mapping=_EMPTY, token_index=None, grid=(0, 0), has_padding_slots=False,
-                    scratch_per_call=True)
-    return PagedMetadata(**{**defaults, **fields})
+    """A :class:`PagedMetadata` with what the op was given (:data:`_NO_STEP` elsewhere)."""
+    return dataclasses.replace(_NO_STEP, **fields)

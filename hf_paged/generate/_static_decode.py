@@ -27,6 +27,7 @@ ops), no host list walked, no host-to-device copy, no new tensor.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import logging
 
@@ -35,7 +36,7 @@ import torch
 from hf_paged import _compat
 from hf_paged.attention._calls import decode_calls
 from hf_paged.attention._dispatch import Dispatcher
-from hf_paged.attention._metadata import PagedMetadata, Phase
+from hf_paged.attention._metadata import PagedMetadata, Phase, build_metadata
 from hf_paged.cache._kv_pool import KVPool
 from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.generate._batch_tables import BatchTables
@@ -134,17 +135,15 @@ def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
 
 
 def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device) -> PagedMetadata:
-    def zeros(*shape: int, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        return torch.zeros(shape, dtype=dtype, device=device)
-
-    return PagedMetadata(
-        num_seqs=num_rows, num_tokens=num_rows, max_seqlen_q=1, max_seqlen_k=width * block_size,
-        block_size=block_size, phase=Phase.DECODE,
-        cu_seqlens_q=torch.arange(num_rows + 1, dtype=torch.int32, device=device),
-        cu_seqlens_k=zeros(num_rows + 1), seq_lens_k=zeros(num_rows), block_tables=zeros(num_rows, width),
-        slot_mapping=zeros(num_rows, dtype=torch.int64), token_index=None, grid=(num_rows, 1),
-        has_padding_slots=False, static=True,
-    )
+    """A decode step of ``num_rows`` rows of up to ``width`` blocks, its lengths, slots and tables zero until
+    :meth:`StaticDecode.plan` writes them; ``max_seqlen_k`` is the fixed bound of ``width`` blocks."""
+    meta = build_metadata(q_lens=torch.ones(num_rows, dtype=torch.int32),
+                          seq_lens_k=torch.zeros(num_rows, dtype=torch.int32),
+                          block_tables=torch.zeros(num_rows, width, dtype=torch.int32),
+                          slot_mapping=torch.zeros(num_rows, dtype=torch.int64), token_index=None,
+                          grid=(num_rows, 1), block_size=block_size, device=device)
+    return dataclasses.replace(meta, max_seqlen_q=1, max_seqlen_k=width * block_size, phase=Phase.DECODE,
+                               static=True)
 
 
 class CompileMode:
