@@ -125,30 +125,20 @@ def engine_config(given) -> EngineConfig:
     if isinstance(given, dict):
         raise ValueError("continuous_batching_config must be transformers' ContinuousBatchingConfig (or an object "
                          "with its attributes), got a dict: pass ContinuousBatchingConfig(**settings)")
-
-    def opt(name: str):
-        return getattr(given, name, None)
-
-    page = opt("block_size") if opt("block_size") is not None else opt("page_size")
-    defaults = EngineConfig()
-    block_size = defaults.block_size if page is None or page == TRANSFORMERS_BLOCK else page
-    num_blocks, tokens = opt("num_blocks"), TRANSFORMERS_BLOCK if page is None else page
+    fields = EngineConfig.field_names()
+    settings = {ours: getattr(given, theirs) for theirs, ours in BATCHING_READ.items()  # (block_size over page_size)
+                if ours in fields and getattr(given, theirs, None) is not None}
+    if isinstance(settings.get("cuda_graphs"), tuple):  # use_cuda_graph as (varlen, decode): the decode one
+        settings["cuda_graphs"] = bool(settings["cuda_graphs"][-1])
+    settings.update({name: getattr(given, name) for name in OWN_SETTINGS if getattr(given, name, None) is not None})
+    page = settings.pop("block_size", None)
+    if page is not None and page != TRANSFORMERS_BLOCK:
+        settings["block_size"] = page
+    num_blocks, tokens = settings.get("num_blocks"), TRANSFORMERS_BLOCK if page is None else page
+    block_size = settings.get("block_size", EngineConfig.block_size)
     if all(isinstance(v, numbers.Integral) and not isinstance(v, bool) and v > 0
            for v in (num_blocks, tokens, block_size)):
-        num_blocks = -(-num_blocks * tokens // block_size)  # the same tokens of KV, in hf_paged's blocks
-    graphs = opt("cuda_graphs")
-    if graphs is None and opt("use_cuda_graph") is not None:
-        graphs = opt("use_cuda_graph")
-        graphs = bool(graphs[-1]) if isinstance(graphs, tuple) else graphs  # (varlen, decode): the decode one
-    settings = dict(
-        num_blocks=num_blocks, block_size=block_size, max_batch_tokens=opt("max_batch_tokens"),
-        max_num_seqs=opt("max_requests_per_batch"),
-        enable_prefix_caching=defaults.enable_prefix_caching if opt("allow_block_sharing") is None
-        else opt("allow_block_sharing"),
-        memory_budget=defaults.memory_budget if opt("max_memory_percent") is None else opt("max_memory_percent"),
-        async_scheduling=opt("use_async_batching"),
-        cuda_graphs=defaults.cuda_graphs if graphs is None else graphs,
-        **{name: opt(name) for name in OWN_SETTINGS if name != "cuda_graphs" and opt(name) is not None})
+        settings["num_blocks"] = -(-num_blocks * tokens // block_size)  # the same tokens of KV, in hf_paged's blocks
     try:
         return EngineConfig(**settings)
     except ValueError as exc:
@@ -157,8 +147,7 @@ def engine_config(given) -> EngineConfig:
 
 def _transformers_names(message: str) -> str:
     """The engine names its fields; a ContinuousBatchingConfig user knows transformers' names."""
-    for theirs, ours in (("max_requests_per_batch", "max_num_seqs"), ("max_memory_percent", "memory_budget"),
-                         ("allow_block_sharing", "enable_prefix_caching"), ("use_async_batching", "async_scheduling")):
-        if message.startswith(ours):
+    for theirs, ours in BATCHING_READ.items():
+        if ours not in BATCHING_READ and ours not in OWN_SETTINGS and message.startswith(ours):
             return f"{theirs} ({ours}){message[len(ours):]}"
     return message

@@ -89,12 +89,6 @@ class Detokenizer:
             ends.append(last)
         return ends + [before + new]
 
-    def stop_string_found(self, seq: Sequence, flush: bool = False) -> bool:
-        """Read the newest tokens (all of them with ``flush``: the sequence ends with this token anyway) and say
-        whether the text holds a stop string."""
-        self.read(seq, flush)
-        return self.state(seq).stop_at is not None
-
     def final(self, seq: Sequence) -> tuple[int, str]:
         """``(number of tokens kept, text)`` of a finished sequence (cut before a stop string, the token in which it
         begins kept)."""

@@ -65,38 +65,33 @@ class TokenDelta:
 def output_of(seq: Sequence, detokenizer: Detokenizer | None) -> RequestOutput:
     """A finished sequence's output: its tokens (and text, with a detokenizer) cut before a stop string that
     stopped it."""
-    out, text, reason, error = seq.output_token_ids, None, seq.finish_reason, seq.error
-    if detokenizer is not None:
-        try:
-            kept, text = detokenizer.final(seq)
-            out = out[:kept]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: the request fails, tokens kept
-            reason, error = "error", error or _undecodable(seq, exc)
-    params = seq.params
-    logprobs = list(seq.logprobs[: len(out)]) if params.logprobs else None
-    top = list(seq.top_logprobs[: len(out)]) if params.logprobs and params.top_logprobs else None
+    tokens, text, reason, error, logprobs, top = _unread(seq, detokenizer, True, 0, 0)
     prompt = prompt_top = None
-    if params.prompt_logprobs is not None:
+    if seq.params.prompt_logprobs is not None:
         prompt = [None] + [lp for lp, _ in seq.prompt_logprobs]
         prompt_top = [None] + [alternatives for _, alternatives in seq.prompt_logprobs]
-    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], out, reason, error, logprobs, text,
-                         top, prompt, prompt_top)
-
-
-def _undecodable(seq: Sequence, exc: Exception) -> str:
-    logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-    return f"the tokenizer could not decode the generated tokens: {type(exc).__name__}: {exc}"
+    return RequestOutput(seq.request_id, seq.token_ids[: seq.num_prompt_tokens], tokens, reason, error, logprobs,
+                         text, top, prompt, prompt_top)
 
 
 def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> TokenDelta | None:
     """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
     the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
     text come out together (``detokenizer.py`` says what waits)."""
-    tokens, text, reason = seq.output_token_ids, None, seq.finish_reason
-    if detokenizer is None:
-        new = tokens[seq.num_streamed :]
-    else:
-        sent = detokenizer.state(seq).sent
+    sent = detokenizer.state(seq).sent if detokenizer is not None else 0
+    new, text, reason, _, logprobs, top = _unread(seq, detokenizer, final, seq.num_streamed, sent)
+    if not new and not text and not final:
+        return None
+    return TokenDelta(seq.request_id, new, reason if final else None, text, logprobs, top)
+
+
+def _unread(seq: Sequence, detokenizer: Detokenizer | None, final: bool, streamed: int, sent: int) -> tuple:
+    """``(tokens, text, finish reason, error, logprobs, top logprobs)`` of ``seq`` from token ``streamed`` and
+    character ``sent`` on, as far as they may be shown (all of them when ``final``: cut before a stop string). A
+    tokenizer that cannot decode the ids fails the request, its tokens kept and its text None."""
+    tokens, text, reason, error = seq.output_token_ids, None, seq.finish_reason, seq.error
+    kept = len(tokens)
+    if detokenizer is not None:
         try:
             if final:
                 kept, full = detokenizer.final(seq)
@@ -104,19 +99,14 @@ def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> Tok
             else:
                 kept, shown = detokenizer.ready(seq)
                 text = detokenizer.state(seq).text[sent:shown]
-        except Exception as exc:  # a tokenizer that cannot decode these ids: tokens only, and the request fails
+        except Exception as exc:
+            logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
             kept, text, reason = len(tokens), None, "error"
-            if not final:
-                logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
-        new = tokens[seq.num_streamed : kept]
-    if not new and not text and not final:
-        return None
-    logprobs = top = None
-    if seq.params.logprobs:
-        at = seq.num_streamed
-        logprobs = seq.logprobs[at : at + len(new)]
-        top = seq.top_logprobs[at : at + len(new)] if seq.params.top_logprobs else None
-    return TokenDelta(seq.request_id, new, reason if final else None, text, logprobs, top)
+            error = error or f"the tokenizer could not decode the generated tokens: {type(exc).__name__}: {exc}"
+    new, params = tokens[streamed:kept], seq.params
+    logprobs = seq.logprobs[streamed : streamed + len(new)] if params.logprobs else None
+    top = seq.top_logprobs[streamed : streamed + len(new)] if params.logprobs and params.top_logprobs else None
+    return new, text, reason, error, logprobs, top
 
 
 def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:

@@ -91,7 +91,12 @@ class SamplingBatch:
                   and (p.repetition_penalty != 1.0 or s.grammar is not None)]
         eos_only = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                     and p.repetition_penalty == 1.0 and s.grammar is None and s.num_generated < p.min_new_tokens]
-        masked_at = _eos_masked(seqs, eos_only, vocab_size, device) if eos_only else None
+        masked_at = None
+        at_rows, at_ids = _banned_eos([seqs[i] for i in eos_only], vocab_size)
+        if at_ids:  # (positions in eos_only, as rows of the logits)
+            pack = _Pack("q")
+            pack.add([eos_only[j] for j in at_rows], at_ids)
+            masked_at = pack.to(device)
         rows = greedy + sampled
         if not rows:
             return cls(len(seqs), want_logprobs, top, masked_at=masked_at)
@@ -128,37 +133,29 @@ class SamplingBatch:
         )
 
 
-def _eos_masked(seqs: list[Sequence], eos_only: list[int], vocab_size: int,
-                device: torch.device) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """``(row, EOS id)`` of every EOS the greedy rows ``eos_only`` of ``seqs`` may not take yet, on ``device``."""
-    rows, ids = [], []
-    for i in eos_only:
-        eos = [e for e in seqs[i].params.eos_token_ids if e < vocab_size]  # (as HF: ids outside the vocabulary)
-        rows += [i] * len(eos)
-        ids += eos
-    if not ids:
-        return None
-    pack = _Pack("q")
-    pack.add(rows, ids)
-    at_rows, at_ids = pack.to(device)
-    return at_rows, at_ids
+def _banned_eos(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[int]]:
+    """``(position in seqs, EOS id)`` of every EOS a sequence may not emit yet (``min_new_tokens``), as two lists;
+    as in transformers, ids outside the vocabulary are ignored."""
+    positions, ids = [], []
+    for j, s in enumerate(seqs):
+        p = s.params
+        if p.min_new_tokens and s.num_generated < p.min_new_tokens:
+            eos = [e for e in p.eos_token_ids if e < vocab_size]
+            positions += [j] * len(eos)
+            ids += eos
+    return positions, ids
 
 
 def _penalised_and_banned(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], ...]:
     """How many tokens each row has seen that its penalty applies to, and those token ids, flat; the (row, EOS id)
     pairs a row may not emit yet."""
-    seen, seen_ids, ban_pos, ban_ids = [], [], [], []
-    for j, s in enumerate(seqs):
-        p = s.params
-        penalised = p.repetition_penalty != 1.0
+    seen, seen_ids = [], []
+    for s in seqs:
+        penalised = s.params.repetition_penalty != 1.0
         seen.append(len(s.token_ids) if penalised else 0)
         if penalised:
             seen_ids += s.token_ids
-        if p.min_new_tokens and p.eos_token_ids and s.num_generated < p.min_new_tokens:
-            eos = [e for e in p.eos_token_ids if e < vocab_size]  # as HF: ids outside the vocabulary are ignored
-            ban_pos += [j] * len(eos)
-            ban_ids += eos
-    return seen, seen_ids, ban_pos, ban_ids
+    return seen, seen_ids, *_banned_eos(seqs, vocab_size)
 
 
 class _Pack:

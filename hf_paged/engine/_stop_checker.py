@@ -10,7 +10,6 @@ class StopChecker:
     """Host-side checks on the tokens already copied back; stop strings need the ``tokenizer``."""
 
     def __init__(self, tokenizer=None):
-        self.tokenizer = tokenizer
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
 
     def finish_reason(self, seq: Sequence) -> str | None:
@@ -19,9 +18,10 @@ class StopChecker:
         params = seq.params
         eos = seq.token_ids[-1] in params.eos_token_ids
         length = len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
-        # (before the EOS: an EOS that is not a special token has text, which may complete a stop string)
-        if params.stop_strings and self.detokenizer.stop_string_found(seq, flush=eos or length):
-            return "stop"
-        if eos:
-            return "stop"
-        return "length" if length else None
+        # (before the EOS: an EOS that is not a special token has text, which may complete a stop string); all the
+        # tokens are read when the sequence ends with this one anyway
+        if params.stop_strings:
+            self.detokenizer.read(seq, flush=eos or length)
+            if seq.text_state.stop_at is not None:
+                return "stop"
+        return "stop" if eos else "length" if length else None
