@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
-from hf_paged.cache._config import MAX_SLOTS, CacheConfig, positive_int
+from hf_paged.cache._config import MAX_SLOTS, CacheConfig
 
 GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
 _CACHE = {f.name: f for f in fields(CacheConfig)}
@@ -64,12 +64,11 @@ class EngineConfig:
         cache = CacheConfig(**{name: getattr(self, name) for name in _CACHE})  # the pool's checks
         object.__setattr__(self, "memory_budget", cache.memory_budget)
         object.__setattr__(self, "backend", cache.backend)
-        for name in ("max_batch_tokens", "max_num_seqs"):
-            if getattr(self, name) is not None:
-                positive_int(name, getattr(self, name), "or None (automatic)")
-                if getattr(self, name) > MAX_SLOTS:  # (token offsets and sequence rows are int32)
-                    raise ValueError(f"{name} must be an integer in [1, 2**31 - 1] or None (automatic), got "
-                                     f"{getattr(self, name)!r}")
+        for name in ("max_batch_tokens", "max_num_seqs"):  # (token offsets and sequence rows are int32)
+            value = getattr(self, name)
+            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
+                                      or not 1 <= value <= MAX_SLOTS):
+                raise ValueError(f"{name} must be an integer in [1, 2**31 - 1] or None (automatic), got {value!r}")
         if not isinstance(self.enable_prefix_caching, bool):
             raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
         for name in ("async_scheduling", "skinny_linear"):

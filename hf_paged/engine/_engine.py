@@ -224,7 +224,8 @@ class Engine(EngineCore):
     def _never_runs(self, seq: Sequence) -> str | None:
         bs, num_blocks = self.config.block_size, self.config.num_blocks
         if seq.num_tokens >= self.max_model_len:
-            return validation.past_position_limit(seq.num_tokens, self.max_model_len)
+            return (f"the prompt ({seq.num_tokens} tokens) leaves no room for a new token within the model's position "
+                    f"limit ({self.max_model_len} tokens, max_position_embeddings); shorten the prompt")
         if -(-seq.num_tokens // bs) > num_blocks:
             return (f"the prompt ({seq.num_tokens} tokens) is longer than the whole KV cache ({num_blocks} blocks "
                     f"of {bs}); create the Engine with more num_blocks")
@@ -308,7 +309,9 @@ class Engine(EngineCore):
             while self.requests.any_open(owned) if owned is not None else self.has_unfinished():
                 with self._stepping():
                     touched = self._advance()
-                    ready = [(seq, seq in self.requests.outbox) for seq in self._stream_order(touched, owned)]
+                    # the sequences that got tokens, then the finished ones, each with whether it is finished
+                    ready = [(s, s in self.requests.outbox) for s in dict.fromkeys(touched + self.requests.outbox)
+                             if owned is None or family(s.request_id) in owned]
                 for seq, final in ready:
                     with self._lock:
                         delta = delta_of(seq, self.detokenizer, final)
@@ -440,11 +443,6 @@ class Engine(EngineCore):
                 self._apply_cancels()
             finally:
                 self._step_running, self._stepper = False, None
-
-    def _stream_order(self, touched: list[Sequence], owned: set[str] | None) -> list[Sequence]:
-        """The sequences a stream hands a delta to after a step: those that got tokens, then the finished ones."""
-        seqs = dict.fromkeys(touched + self.requests.outbox)
-        return [s for s in seqs if owned is None or family(s.request_id) in owned]
 
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
         mark_streamed(seq, delta)

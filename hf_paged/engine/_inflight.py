@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from hf_paged.engine._sequence import Sequence
@@ -25,15 +24,11 @@ class InFlightStep:
     logprobs: torch.Tensor | None
     event: torch.cuda.Event | None
 
-    def wait_array(self) -> np.ndarray:
-        """Block until the tokens are on the host; returns them as an int64 array (a view of the host buffer)."""
-        if self.event is not None:
-            self.event.synchronize()
-        return self.tokens.numpy()
-
     def wait(self) -> tuple[list[int], list[float | None]]:
         """Block until the tokens are on the host; returns them (and the logprobs, or Nones) as lists."""
-        tokens = self.wait_array().tolist()
+        if self.event is not None:
+            self.event.synchronize()
+        tokens = self.tokens.tolist()
         logprobs = self.logprobs.tolist() if self.logprobs is not None else [None] * len(tokens)
         return tokens, logprobs
 

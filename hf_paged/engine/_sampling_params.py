@@ -127,8 +127,7 @@ class SamplingParams:
         """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings and values of the
         wrong type, fill the unset fields (a deep copy and two dict merges: worth doing once for many prompts of one
         config)."""
-        _refuse_unserved(config)
-        _check_types(config)
+        _check_given(config)
         try:
             return resolve_generation_config(config, model_config)
         except (TypeError, AttributeError) as exc:  # transformers' own checks, on a value of the wrong type
@@ -222,14 +221,6 @@ UNSERVED = {
 }
 
 
-def _refuse_unserved(config: GenerationConfig | None) -> None:
-    """Raise for settings of ``config`` (as given, before the model's defaults fill it) the engine ignores."""
-    if config is None:
-        return
-    unserved = [f"{k}={v!r}" for k, off in UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
-    if unserved:
-        raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
-                         "with a PagedAttentionCache, which applies every generation setting")
 
 
 def _stop_tuple(stop) -> tuple[str, ...]:
@@ -249,11 +240,16 @@ _REALS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOLS = ("do_sample", "output_logprobs", "output_scores")
 
 
-def _check_types(config: GenerationConfig | None) -> None:
-    """Refuse a setting of the wrong type before transformers' own checks meet it (they raise ``TypeError``, and
-    ``bool("no")`` is True)."""
+def _check_given(config: GenerationConfig | None) -> None:
+    """Refuse settings of ``config`` (as given, before the model's defaults fill it) the engine ignores, and a setting
+    of the wrong type before transformers' own checks meet it (they raise ``TypeError``, and ``bool("no")`` is
+    True)."""
     if config is None:
         return
+    unserved = [f"{k}={v!r}" for k, off in UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
+    if unserved:
+        raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
+                         "with a PagedAttentionCache, which applies every generation setting")
     for names, check in ((_INTS, _as_int), (_REALS, _as_real), (_BOOLS, _as_bool)):
         for name in names:
             value = getattr(config, name, None)

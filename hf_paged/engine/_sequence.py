@@ -94,11 +94,6 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status is SequenceStatus.FINISHED
 
-    def append_token(self, token_id: int, logprob: float | None) -> None:
-        self.token_ids.append(token_id)
-        if logprob is not None:
-            self.logprobs.append(logprob)
-
     def finish(self, reason: str, error: str | None = None) -> None:
         self.status = SequenceStatus.FINISHED
         self.finish_reason = reason

@@ -98,10 +98,11 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     kind = "cuda" if devices and devices[0].type == "cuda" else "other"
     rule, reasons = RULES[kind], {}
     tokens, seqs = cfg.max_batch_tokens, cfg.max_num_seqs
+    one_call = workload is not None and workload.one_call
     if seqs is None:
         seqs = rule.max_num_seqs
         reasons["max_num_seqs"] = f"automatic: {rule.note}"
-        if workload is not None and workload.one_call and workload.num_sequences < seqs:
+        if one_call and workload.num_sequences < seqs:
             seqs = max(1, workload.num_sequences)
             reasons["max_num_seqs"] = f"automatic: the call's sequences ({workload.num_sequences})"
     if tokens is None:
@@ -110,7 +111,6 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     if reasons:
         tokens, seqs = _fit_memory(cfg, model_config, dtype, devices, tokens, seqs, reasons)
     capture = cfg.cuda_graph_capture
-    one_call = workload is not None and workload.one_call
     if capture is None:
         capture = CAPTURE_ONE_CALL if one_call else CAPTURE_OTHERS
         reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at its "
@@ -164,7 +164,7 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
 def step_bytes(model_config, dtype: torch.dtype) -> tuple[int, int]:
     """Bytes a step takes per token (one layer's largest live activations: the residual stream and its norms, q/k/v
     and the MLP's gate, up and product) and per sampled sequence (its logits row and the sampler's work on it)."""
-    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    text = model_config.get_text_config(decoder=True)
     hidden = text.hidden_size
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads

@@ -124,11 +124,6 @@ def request_id(value) -> str | None:
     return rid
 
 
-def past_position_limit(num_tokens: int, limit: int) -> str:
-    return (f"the prompt ({num_tokens} tokens) leaves no room for a new token within the model's position limit "
-            f"({limit} tokens, max_position_embeddings); shorten the prompt")
-
-
 def reached_position_limit(num_prompt_tokens: int, limit: int) -> str:
     return (f"reached the model's position limit ({limit} tokens, max_position_embeddings) before max_new_tokens; "
             f"ask for at most {limit - num_prompt_tokens} new tokens with this prompt")

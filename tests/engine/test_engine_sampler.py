@@ -20,7 +20,7 @@ def seqs_with(params: SamplingParams, prompts: list[list[int]], generated: list[
     for i, p in enumerate(prompts):
         seq = Sequence(str(i), p, params, (i, 0), seed=seed + i)
         for _ in range((generated or [0] * len(prompts))[i]):
-            seq.append_token(p[0], None)
+            seq.token_ids.append(p[0])
         out.append(seq)
     return out
 

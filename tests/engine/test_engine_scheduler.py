@@ -73,7 +73,7 @@ def test_random_workloads(num_blocks, block_size, max_batch_tokens, max_num_seqs
         sched.commit(batch)
         for seq, sample in zip(batch.seqs, batch.sample):
             if sample:
-                seq.append_token(next_token(seq.token_ids), None)
+                seq.token_ids.append(next_token(seq.token_ids))
                 if seq.num_generated >= seq.params.max_new_tokens:
                     sched.finish(seq, "length")
         sched.check_invariants()
