@@ -139,11 +139,8 @@ def _paged_decode_step(kwargs: dict) -> bool:
 
 def _layout_of(masks) -> str | tuple[str, ...]:
     """How the usual path answered a decode step: the plan (``_PLAIN``), one plan per layer type, or otherwise."""
-    if isinstance(masks, StepMask):
-        return _PLAIN
-    if isinstance(masks, dict) and masks and all(isinstance(m, StepMask) for m in masks.values()) and len(
-            {id(m) for m in masks.values()}) == 1:
-        return tuple(masks)
+    if planned_step(masks) is not None:
+        return tuple(masks) if isinstance(masks, dict) else _PLAIN
     logger.info("hf_paged: optimize_generate keeps transformers' mask path for this model (its decode-step masks "
                 "are not the step's plan: %s)", type(masks).__name__)
     return _NEVER

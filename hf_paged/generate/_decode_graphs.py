@@ -111,9 +111,8 @@ class DecodeSteps:
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step on its cache, with no other tensor
         input and no output flag beyond the known ones."""
-        step, cache, layout = planned_step(kwargs.get("attention_mask")), cache_in(kwargs), None
-        if isinstance(kwargs.get("attention_mask"), dict):
-            layout = tuple(kwargs["attention_mask"])
+        mask, cache = kwargs.get("attention_mask"), cache_in(kwargs)
+        step, layout = planned_step(mask), tuple(mask) if isinstance(mask, dict) else None
         if not (step is not None and step.metadata.static and isinstance(cache, PagedAttentionCache)
                 and cache.plan is step.metadata):
             return None

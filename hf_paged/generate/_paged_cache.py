@@ -243,18 +243,8 @@ class PagedAttentionCache(GenerateHooks, Cache):
         else:
             slots = self.compile_mode.first_append(self.rows, q_len, valid)
         if decode and self.compile_mode.enabled:
-            self._plan = self.compile_mode.static.plan(self.rows, slots)
-        else:
-            self._plan = self._build_plan(batch_size, q_len, valid, slots, device)
-        return self._planned(self._plan)
-
-    def _planned(self, plan: PagedMetadata) -> PagedMetadata:
-        self._plan, self._plan_key, self._plan_used = plan, (plan.grid[0], plan.grid[1], self.rows.num_columns), False
-        return plan
-
-    def _build_plan(self, batch_size: int, q_len: int, valid: torch.Tensor | None, slots: torch.Tensor,
-                    device: torch.device) -> PagedMetadata:
-        return build_metadata(
+            return self._planned(self.compile_mode.static.plan(self.rows, slots))
+        return self._planned(build_metadata(
             q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
             seq_lens_k=torch.tensor(self.rows.num_tokens),
             block_tables=self.rows.block_table_tensor(),
@@ -263,7 +253,11 @@ class PagedAttentionCache(GenerateHooks, Cache):
             grid=(batch_size, q_len),
             block_size=self.block_size,
             device=torch.device(device),
-        )
+        ))
+
+    def _planned(self, plan: PagedMetadata) -> PagedMetadata:
+        self._plan, self._plan_key, self._plan_used = plan, (plan.grid[0], plan.grid[1], self.rows.num_columns), False
+        return plan
 
     def check_model_config(self, config) -> None:
         """Refuse a model whose decoder has another number of layers than this cache (the mask function passes the

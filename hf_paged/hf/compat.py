@@ -14,15 +14,14 @@ import inspect
 import torch
 
 
-@functools.lru_cache(maxsize=None)
-def _cache_keyword_of(forward_cls: type) -> str:
-    params = inspect.signature(forward_cls.forward).parameters
-    return "cache" if "cache" in params else "past_key_values"
-
-
 def cache_keyword(model: torch.nn.Module) -> str:
     """The keyword under which ``model.forward`` (and ``generate``) takes a ``Cache`` object."""
     return _cache_keyword_of(type(model))
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_keyword_of(forward_cls: type) -> str:
+    return "cache" if "cache" in inspect.signature(forward_cls.forward).parameters else "past_key_values"
 
 
 def cache_in(kwargs: dict):
