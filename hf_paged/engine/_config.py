@@ -81,8 +81,7 @@ class EngineConfig:
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
         if self.cuda_graph_capture is not None and self.cuda_graph_capture not in GRAPH_CAPTURE:
             raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))} or None "
-                             f"(automatic), got "
-                             f"{self.cuda_graph_capture!r}")
+                             f"(automatic), got {self.cuda_graph_capture!r}")
 
     @property
     def cache_config(self) -> CacheConfig:

@@ -161,8 +161,7 @@ class Engine(EngineCore):
         ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
         model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
-        seq = self._new_sequence(prompt, generation_config, request_id)
-        return self._enqueue([seq])[0]
+        return self._enqueue([self._new_sequence(prompt, generation_config, request_id)])[0]
 
     def add_requests(
         self, prompts: list[Prompt], generation_config: GenerationConfig | list[GenerationConfig] | None = None,

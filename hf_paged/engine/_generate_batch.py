@@ -86,7 +86,10 @@ def generate_batch(
     The model runs the paged attention during the call and the one it was loaded with again after it (as transformers
     switches and restores it), so its own ``generate`` and ``generate_batch`` serve it as before.
     """
-    validation.check_names(kwargs, ["max_new_tokens"], "generate_batch()")
+    unknown = sorted(set(kwargs) - {"max_new_tokens"})
+    if unknown:  # (a typo must not be ignored silently)
+        raise TypeError(f"generate_batch() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
+                        "accepted: max_new_tokens")
     if not isinstance(reset_prefix_cache, bool):
         raise ValueError(f"reset_prefix_cache must be True or False, got {reset_prefix_cache!r}")
     if continuous_batching_config is None and isinstance(getattr(generation_config, "continuous_batching_config",

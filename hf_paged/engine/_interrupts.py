@@ -52,11 +52,8 @@ class InterruptGuard:
         if self._held or threading.current_thread() is not threading.main_thread():
             yield
             return
-        saved = {}
-        for signum in _WATCHED:
-            handler = _signal.getsignal(signum)
-            if callable(handler):  # (a Python handler: not SIG_DFL, SIG_IGN, or one installed from C)
-                saved[signum] = handler
+        # the Python handlers (not SIG_DFL, SIG_IGN, or one installed from C)
+        saved = {signum: handler for signum in _WATCHED if callable(handler := _signal.getsignal(signum))}
         self._saved, self._held = saved, True
         try:
             for signum in saved:

@@ -214,8 +214,5 @@ def size_for(model_config, dtype: torch.dtype, max_len: int, workload: Workload 
 def describe(config: EngineConfig, reasons: dict[str, str], graphs: bool) -> str:
     """The start-up log line's account of the sizes, each with why (``given`` for an explicit setting);
     ``graphs``: whether decode CUDA graphs are captured (else their capture is not named)."""
-    parts = []
-    for name in ("max_batch_tokens", "max_num_seqs", "num_blocks") + (("cuda_graph_capture",) if graphs else ()):
-        how = reasons.get(name)
-        parts.append(f"{name}={getattr(config, name)} ({how if how is not None else 'given'})")
-    return "; ".join(parts)
+    names = ("max_batch_tokens", "max_num_seqs", "num_blocks") + (("cuda_graph_capture",) if graphs else ())
+    return "; ".join(f"{name}={getattr(config, name)} ({reasons.get(name, 'given')})" for name in names)

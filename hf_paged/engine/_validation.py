@@ -7,7 +7,6 @@ queued; no value that passes can make a later step fail (the sampling settings a
 from __future__ import annotations
 
 import numbers
-from collections.abc import Sequence as SequenceType
 
 from transformers import GenerationConfig
 
@@ -127,11 +126,3 @@ def request_id(value) -> str | None:
 def reached_position_limit(num_prompt_tokens: int, limit: int) -> str:
     return (f"reached the model's position limit ({limit} tokens, max_position_embeddings) before max_new_tokens; "
             f"ask for at most {limit - num_prompt_tokens} new tokens with this prompt")
-
-
-def check_names(given: SequenceType[str], known: SequenceType[str], what: str) -> None:
-    """Refuse keyword arguments outside ``known`` (a typo must not be ignored silently)."""
-    unknown = sorted(set(given) - set(known))
-    if unknown:
-        raise TypeError(f"{what} got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                        f"accepted: {', '.join(known)}")
