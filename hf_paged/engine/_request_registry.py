@@ -9,6 +9,7 @@ outbox, in the order they finished, until a reader takes them: ``step()`` takes 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Collection
 
 from hf_paged.engine._sequence import Sequence
@@ -29,7 +30,7 @@ class RequestRegistry:
 
     def __init__(self) -> None:
         self.open: dict[str, Sequence] = {}
-        self._family_size: dict[str, int] = {}
+        self._family_size: Counter[str] = Counter()  # open sequences per family (none: no key)
         self.outbox: list[Sequence] = []
         self.next_arrival = 0
         self._next_auto = 0
@@ -51,17 +52,14 @@ class RequestRegistry:
     def track(self, seq: Sequence) -> None:
         self.open[seq.request_id] = seq
         self.next_arrival = max(self.next_arrival, seq.arrival[0] + 1)
-        fam = family(seq.request_id)
-        self._family_size[fam] = self._family_size.get(fam, 0) + 1
+        self._family_size[family(seq.request_id)] += 1
 
     def untrack(self, seq: Sequence) -> None:
         if self.open.pop(seq.request_id, None) is None:
             return
         fam = family(seq.request_id)
-        left = self._family_size[fam] - 1
-        if left:
-            self._family_size[fam] = left
-        else:
+        self._family_size[fam] -= 1
+        if not self._family_size[fam]:
             del self._family_size[fam]
 
     def is_open(self, request_id: str) -> bool:

@@ -82,19 +82,12 @@ class Workload:
         return sum(-(-min(n, position_limit) // block_size) for n in self.sequence_tokens)
 
 
-@dataclass(frozen=True)
-class Sizing:
-    """The resolved settings (every automatic field filled but ``num_blocks``) and, per automatic field, why."""
-
-    config: EngineConfig
-    reasons: dict[str, str]
-
-
 def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device],
-                workload: Workload | None = None) -> Sizing:
+                workload: Workload | None = None) -> tuple[EngineConfig, dict[str, str]]:
     """Fill ``cfg``'s open ``max_batch_tokens``, ``max_num_seqs`` and ``cuda_graph_capture`` (and, for a one-call
     workload with ``cuda_graphs=True``, the graph sizes) for a model of ``model_config`` computing in ``dtype`` on
-    ``devices`` (one per layer)."""
+    ``devices`` (one per layer); returns it (every automatic field filled but ``num_blocks``) and, per automatic
+    field, why."""
     kind = "cuda" if devices and devices[0].type == "cuda" else "other"
     rule, reasons = RULES[kind], {}
     tokens, seqs = cfg.max_batch_tokens, cfg.max_num_seqs
@@ -124,8 +117,8 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         # 1.84 s this way against 2.03-2.28 s with 9 sizes at start.
         graphs = tuple(one_call_graph_sizes(min(workload.num_sequences, seqs)))
         reasons["cuda_graphs"] = "automatic: the powers of two up to the call's sequences at once"
-    return Sizing(replace(cfg, max_batch_tokens=tokens, max_num_seqs=seqs, cuda_graph_capture=capture,
-                          cuda_graphs=graphs), reasons)
+    return replace(cfg, max_batch_tokens=tokens, max_num_seqs=seqs, cuda_graph_capture=capture,
+                   cuda_graphs=graphs), reasons
 
 
 def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device], tokens: int,
@@ -203,12 +196,11 @@ def size_for(model_config, dtype: torch.dtype, max_len: int, workload: Workload 
     """``cfg`` with every automatic size filled (the pool's too) for a model of ``model_config`` computing in
     ``dtype`` (``max_len``: its position limit), whose KV (``layout``) lies on ``devices``, and per automatic field
     why: the sizing ``ModelRunner`` asks of the engine."""
-    sized = size_engine(cfg, model_config, dtype, devices, workload)
-    reasons = dict(sized.reasons)
-    num_blocks, why = pool_size(sized.config, layout, dtype, devices, max_len, workload)
+    sized, reasons = size_engine(cfg, model_config, dtype, devices, workload)
+    num_blocks, why = pool_size(sized, layout, dtype, devices, max_len, workload)
     if why is not None:
         reasons["num_blocks"] = why
-    return replace(sized.config, num_blocks=num_blocks), reasons
+    return replace(sized, num_blocks=num_blocks), reasons
 
 
 def describe(config: EngineConfig, reasons: dict[str, str], graphs: bool) -> str:

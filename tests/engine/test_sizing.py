@@ -28,19 +28,19 @@ def _on_cuda(monkeypatch, free_bytes: int) -> list[torch.device]:
 
 def test_on_a_large_gpu_the_rule_gives_the_measured_best(monkeypatch):
     devices = _on_cuda(monkeypatch, 130 * GIB)  # an H200 with a 1B model loaded
-    sized = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices)
-    assert (sized.config.max_batch_tokens, sized.config.max_num_seqs) == (16384, 256) == (
+    sized, reasons = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices)
+    assert (sized.max_batch_tokens, sized.max_num_seqs) == (16384, 256) == (
         sizing.RULES["cuda"].max_batch_tokens, sizing.RULES["cuda"].max_num_seqs)
-    assert sized.config.cuda_graph_capture == "first_use" and sized.config.cuda_graphs is True
-    assert "41.0k" in sized.reasons["max_batch_tokens"] and "cut" not in sized.reasons["max_batch_tokens"]
+    assert sized.cuda_graph_capture == "first_use" and sized.cuda_graphs is True
+    assert "41.0k" in reasons["max_batch_tokens"] and "cut" not in reasons["max_batch_tokens"]
 
 
 @pytest.mark.parametrize("free_gib", [0.5, 2, 6, 24])
 def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_leaves(monkeypatch, free_gib):
     devices = _on_cuda(monkeypatch, int(free_gib * GIB))
     cfg = hf_paged.EngineConfig(memory_budget=0.9)
-    sized = size_engine(cfg, LLAMA_1B, torch.bfloat16, devices)
-    tokens, seqs = sized.config.max_batch_tokens, sized.config.max_num_seqs
+    sized, reasons = size_engine(cfg, LLAMA_1B, torch.bfloat16, devices)
+    tokens, seqs = sized.max_batch_tokens, sized.max_num_seqs
     per_token, per_seq = sizing.step_bytes(LLAMA_1B, torch.bfloat16)
     room = free_gib * GIB * 0.1 * sizing.ACTIVATION_SHARE
 
@@ -51,7 +51,7 @@ def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_le
     if fits(16384, 256):
         assert (tokens, seqs) == (16384, 256)
     else:
-        assert "cut to fit" in sized.reasons["max_batch_tokens"]
+        assert "cut to fit" in reasons["max_batch_tokens"]
         # the largest of the halvings that fits (the tokens first), or the floors when nothing does
         assert fits(tokens, seqs) or (tokens, seqs) == (sizing.MIN_BATCH_TOKENS, sizing.MIN_NUM_SEQS)
         assert seqs == 256 or tokens == sizing.MIN_BATCH_TOKENS
@@ -60,33 +60,33 @@ def test_the_step_budget_then_the_sequences_shrink_to_fit_the_memory_the_pool_le
 
 def test_a_given_pool_leaves_the_rest_of_free_memory_to_the_step(monkeypatch):
     devices = _on_cuda(monkeypatch, 8 * GIB)
-    small_pool = size_engine(hf_paged.EngineConfig(num_blocks=64), LLAMA_1B, torch.bfloat16, devices)
-    assert (small_pool.config.max_batch_tokens, small_pool.config.max_num_seqs) == (16384, 256)
+    small_pool, _ = size_engine(hf_paged.EngineConfig(num_blocks=64), LLAMA_1B, torch.bfloat16, devices)
+    assert (small_pool.max_batch_tokens, small_pool.max_num_seqs) == (16384, 256)
     per_block = 2 * 16 * 16 * 8 * 64 * 2  # K and V, 16 layers, 16 tokens, 8 heads of 64, bf16
-    whole = size_engine(hf_paged.EngineConfig(num_blocks=8 * GIB // per_block), LLAMA_1B, torch.bfloat16, devices)
-    assert (whole.config.max_batch_tokens, whole.config.max_num_seqs) == (512, 16)  # nothing left: the floors
+    whole, _ = size_engine(hf_paged.EngineConfig(num_blocks=8 * GIB // per_block), LLAMA_1B, torch.bfloat16, devices)
+    assert (whole.max_batch_tokens, whole.max_num_seqs) == (512, 16)  # nothing left: the floors
 
 
 def test_explicit_settings_win_whatever_the_memory(monkeypatch):
     devices = _on_cuda(monkeypatch, GIB // 4)
     cfg = hf_paged.EngineConfig(max_batch_tokens=16384, max_num_seqs=512, cuda_graph_capture="start")
-    sized = size_engine(cfg, LLAMA_1B, torch.bfloat16, devices, Workload((600,) * 8))
-    assert (sized.config.max_batch_tokens, sized.config.max_num_seqs, sized.config.cuda_graph_capture) == (
+    sized, reasons = size_engine(cfg, LLAMA_1B, torch.bfloat16, devices, Workload((600,) * 8))
+    assert (sized.max_batch_tokens, sized.max_num_seqs, sized.cuda_graph_capture) == (
         16384, 512, "start")
-    assert set(sized.reasons) == {"cuda_graphs"}  # only the graph sizes were open (True: the call's powers of two)
+    assert set(reasons) == {"cuda_graphs"}  # only the graph sizes were open (True: the call's powers of two)
 
 
 def test_a_one_call_workload_caps_the_sequences_and_graph_sizes_a_kept_engine_does_not(monkeypatch):
     devices = _on_cuda(monkeypatch, 130 * GIB)
-    one_call = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((700,) * 64))
-    assert one_call.config.max_num_seqs == 64 and one_call.config.max_batch_tokens == 16384
-    assert one_call.config.cuda_graphs == (2, 4, 8, 16, 32, 64) and one_call.config.cuda_graph_capture == "on_demand"
-    kept = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices,
+    one_call, _ = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((700,) * 64))
+    assert one_call.max_num_seqs == 64 and one_call.max_batch_tokens == 16384
+    assert one_call.cuda_graphs == (2, 4, 8, 16, 32, 64) and one_call.cuda_graph_capture == "on_demand"
+    kept, _ = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices,
                        Workload((700,) * 64, one_call=False))
-    assert kept.config.max_num_seqs == 256 and kept.config.cuda_graphs is True
-    assert kept.config.cuda_graph_capture == "first_use"
-    latency = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((768,)))
-    assert latency.config.max_num_seqs == 1 and latency.config.cuda_graphs == (2,)  # batch 1 replays two rows
+    assert kept.max_num_seqs == 256 and kept.cuda_graphs is True
+    assert kept.cuda_graph_capture == "first_use"
+    latency, _ = size_engine(hf_paged.EngineConfig(), LLAMA_1B, torch.bfloat16, devices, Workload((768,)))
+    assert latency.max_num_seqs == 1 and latency.cuda_graphs == (2,)  # batch 1 replays two rows
 
 
 def test_the_engine_reports_what_it_picked_and_why(caplog):
