@@ -29,13 +29,5 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
         from hf_paged.server._app import build_app
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
-    from hf_paged.server._engine_loop import EngineLoop
-    from hf_paged.server._metrics import ServerMetrics
-
-    metrics = ServerMetrics(model_name)
-    loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template,
-                      on_engine_death)
-    app = build_app(loop, metrics, model_name, shutdown_timeout, api_key, allowed_hosts, max_body_bytes,
-                    read_timeout)
-    app.state.engine_loop = loop
-    return app
+    return build_app(engine, model_name, max_queued_requests, chat_template, shutdown_timeout, api_key, allowed_hosts,
+                     max_body_bytes, read_timeout, on_engine_death)

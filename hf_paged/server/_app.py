@@ -14,7 +14,6 @@ import asyncio
 import contextlib
 import logging
 import time
-import uuid
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
@@ -23,15 +22,15 @@ from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from hf_paged.server import _responses as responses
 from hf_paged.server._access import AccessCheck
 from hf_paged.server._body import parse
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError, bad_request, error_body
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
-from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, RequestLimits
+from hf_paged.server._limits import RequestLimits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
+from hf_paged.server._responses import Reply, sse
 from hf_paged.server._sampling import Job, chat_job, completion_job
 
 logger = logging.getLogger("hf_paged")
@@ -39,16 +38,15 @@ DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is
 ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /health, GET /metrics"
 
 
-class ClientGone(Exception):
-    pass
-
-
-def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, shutdown_timeout: float = 30.0,
-              api_key: str | None = None, allowed_hosts: tuple[str, ...] | None = None,
-              max_body_bytes: int = DEFAULT_MAX_BODY_BYTES, read_timeout: float = DEFAULT_READ_TIMEOUT_S) -> FastAPI:
-    """The OpenAI-compatible app for ``model_name``; its lifespan starts ``engine_loop`` and stops it (aborting
-    what is still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
+def build_app(engine, model_name: str, max_queued_requests: int, chat_template: str | None, shutdown_timeout: float,
+              api_key: str | None, allowed_hosts: tuple[str, ...] | None, max_body_bytes: int, read_timeout: float,
+              on_engine_death) -> FastAPI:
+    """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
+    still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
     ``max_body_bytes``, ``read_timeout``: ``_limits.RequestLimits``."""
+    metrics = ServerMetrics(model_name)
+    engine_loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template,
+                             on_engine_death)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -59,19 +57,18 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
             await asyncio.to_thread(engine_loop.stop, shutdown_timeout)
 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
-    created = int(time.time())
+    app.state.engine_loop = engine_loop
     _add_error_handlers(app)
     app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
     app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
-    card = {"id": model_name, "object": "model", "created": created, "owned_by": "hf-paged",
-            "max_model_len": engine_loop.engine.max_model_len}
+    card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
+            "max_model_len": engine.max_model_len}
 
     @app.get("/health")
     async def health():
         if not engine_loop.is_alive():
             why = f": {engine_loop.death}" if engine_loop.death else ""
-            return JSONResponse(error_body(503, f"the engine loop is not running{why}", code="engine_dead"),
-                                status_code=503)
+            raise ServerError(503, f"the engine loop is not running{why}", code="engine_dead")
         return {"status": "ok"}
 
     @app.get("/v1/models")
@@ -91,35 +88,22 @@ def build_app(engine_loop: EngineLoop, metrics: ServerMetrics, model_name: str, 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        job = await _job(request, CompletionRequest, completion_job, model_name)
-        return await _serve(engine_loop, job, request, model_name, "cmpl")
+        return await _serve(engine_loop, request, CompletionRequest, completion_job, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        job = await _job(request, ChatCompletionRequest, chat_job, model_name)
-        return await _serve(engine_loop, job, request, model_name, "chatcmpl")
+        return await _serve(engine_loop, request, ChatCompletionRequest, chat_job, model_name)
 
     return app
 
 
-async def _job(request: Request, model, make_job, served: str) -> Job:
-    """The request's body, parsed and checked in a worker thread (a large body never blocks the event loop)."""
-    body = await request.body()
-
-    def check() -> Job:
-        req = parse(body, model)
-        if req.model != served:
-            raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} "
-                              "(GET /v1/models)", "model", "model_not_found")
-        return make_job(req)
-
-    return await asyncio.to_thread(check)
-
-
-async def _serve(engine_loop: EngineLoop, job: Job, request: Request, model: str, kind: str):
+async def _serve(engine_loop: EngineLoop, request: Request, model, make_job, served: str):
+    """Answer ``request``: its body is parsed as a ``model``, checked and made a job by ``make_job`` in a worker thread
+    (a large body never blocks the event loop)."""
+    job = await asyncio.to_thread(_job, await request.body(), model, make_job, served)
     events: asyncio.Queue = asyncio.Queue()
     sub = await engine_loop.submit(job, events)
-    rid, created = f"{kind}-{uuid.uuid4().hex}", int(time.time())
+    reply = Reply(served, job.chat)
     done = False
     try:
         first = await _next(events, request)
@@ -129,20 +113,24 @@ async def _serve(engine_loop: EngineLoop, job: Job, request: Request, model: str
         assert isinstance(first, Accepted)
         if job.stream:
             done = True  # the stream owns the request from here
-            return StreamingResponse(_stream(engine_loop, sub, job, events, request, first, model, rid, created),
+            return StreamingResponse(_stream(engine_loop, sub, events, request, first, reply),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finished = await _collect(events, request, len(job.prompts) * job.n)
         done = True
-        if job.chat:
-            return JSONResponse(responses.chat_completion(rid, created, model, finished, first.prompt_lengths))
         prepared = sub.prepared
-        return JSONResponse(responses.completion(rid, created, model, finished, first.prompt_lengths,
-                                                 prepared.echo_texts, prepared.token_texts, job.max_tokens == 0))
-    except ClientGone:
-        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+        return JSONResponse(reply.completion(finished, first.prompt_lengths, prepared.echo_texts,
+                                             prepared.token_texts, job.max_tokens == 0))
     finally:
         if not done:  # client gone, or the handler was cancelled (server shutdown)
             engine_loop.cancel(sub)
+
+
+def _job(body: bytes, model, make_job, served: str) -> Job:
+    req = parse(body, model)
+    if req.model != served:
+        raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
+                          "model", "model_not_found")
+    return make_job(req)
 
 
 async def _collect(events: asyncio.Queue, request: Request, num_choices: int) -> list[Finished]:
@@ -152,56 +140,45 @@ async def _collect(events: asyncio.Queue, request: Request, num_choices: int) ->
         if isinstance(event, Rejected):
             raise event.error
         if isinstance(event, Finished):
-            _raise_on_error(event)
+            if event.output.finish_reason == "error":
+                raise ServerError(500, _error_message(event), code="engine_error")
             finished.append(event)
     return sorted(finished, key=lambda f: f.index)
 
 
-async def _stream(engine_loop: EngineLoop, sub: Submission, job: Job, events: asyncio.Queue, request: Request,
-                  accepted: Accepted, model: str, rid: str, created: int) -> AsyncIterator[str]:
+async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queue, request: Request,
+                  accepted: Accepted, reply: Reply) -> AsyncIterator[str]:
+    job = sub.job
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
     offsets = [0] * num_choices  # characters of each choice's text sent so far
     complete = False
     try:
         for index in range(num_choices):
-            if job.chat:
-                yield responses.sse(responses.chat_chunk(rid, created, model, index, {"role": "assistant",
-                                                                                      "content": ""}, None))
-            elif job.echo:
-                text = sub.prepared.echo_texts[index // job.n]
+            if job.chat or job.echo:
+                text = "" if job.chat else sub.prepared.echo_texts[index // job.n]
                 offsets[index] = len(text)
-                yield responses.sse(responses.completion_chunk(rid, created, model, index, text, None))
+                yield reply.chunk(index, text, first=True)
         while finished < num_choices:
             event = await _next(events, request)
-            if isinstance(event, Delta) and (event.text or event.token_ids):
-                if not event.text and event.logprobs is None:
-                    continue
-                if job.chat:
-                    chunk = responses.chat_chunk(rid, created, model, event.index, {"content": event.text}, None,
-                                                 event)
-                else:
-                    chunk = responses.completion_chunk(rid, created, model, event.index, event.text, None, event,
-                                                       offsets[event.index])
+            if isinstance(event, Delta):
+                if event.text or (event.token_ids and event.logprobs is not None):
+                    yield reply.chunk(event.index, event.text, delta=event, offset=offsets[event.index])
                     offsets[event.index] += len(event.text)
-                yield responses.sse(chunk)
             elif isinstance(event, Finished):
                 if event.output.finish_reason == "error":
-                    yield responses.sse(error_body(500, _error_message(event), code="engine_error"))
+                    yield sse(error_body(500, _error_message(event), code="engine_error"))
                     break
                 finished, tokens = finished + 1, tokens + len(event.output.token_ids)
-                reason = event.output.finish_reason
-                yield responses.sse(responses.chat_chunk(rid, created, model, event.index, {}, reason) if job.chat
-                                    else responses.completion_chunk(rid, created, model, event.index, "", reason))
+                yield reply.chunk(event.index, "", event.output.finish_reason)
             elif isinstance(event, Rejected):
-                yield responses.sse(event.error.body())
+                yield sse(event.error.body())
                 break
         else:
             if job.include_usage:
-                yield responses.sse(responses.usage_chunk(rid, created, model, job.chat, accepted.prompt_lengths,
-                                                          tokens))
+                yield reply.usage_chunk(accepted.prompt_lengths, tokens)
         complete = True
-        yield responses.sse("[DONE]")
-    except ClientGone:
+        yield sse("[DONE]")
+    except ClientDisconnect:
         pass
     finally:
         if not complete or finished < num_choices:
@@ -209,28 +186,27 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, job: Job, events: as
 
 
 async def _next(events: asyncio.Queue, request: Request) -> Event:
-    """The next event of this request; raises ``ClientGone`` if the client left meanwhile."""
+    """The next event of this request; raises ``ClientDisconnect`` if the client left meanwhile."""
     while True:
         try:
             return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
-                raise ClientGone from None
-
-
-def _raise_on_error(event: Finished) -> None:
-    if event.output.finish_reason == "error":
-        raise ServerError(500, _error_message(event), code="engine_error")
+                raise ClientDisconnect from None
 
 
 def _error_message(event: Finished) -> str:
     return f"the engine failed on this request: {event.output.error or 'no reason given'}"
 
 
+def _answer(error: ServerError, headers=None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(ServerError)
     async def server_error(request: Request, exc: ServerError):
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return _answer(exc)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException):
@@ -241,20 +217,18 @@ def _add_error_handlers(app: FastAPI) -> None:
                              "method_not_allowed")
         else:
             message, code = str(exc.detail), None
-        return JSONResponse(error_body(exc.status_code, message, code=code), status_code=exc.status_code,
-                            headers=getattr(exc, "headers", None))
+        return _answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
 
     @app.exception_handler(RequestValidationError)
     async def invalid(request: Request, exc: RequestValidationError):
         first = (exc.errors() or [{}])[0]
-        return JSONResponse(error_body(400, f"invalid request: {first.get('msg', 'invalid value')}"), status_code=400)
+        return _answer(bad_request(f"invalid request: {first.get('msg', 'invalid value')}"))
 
     @app.exception_handler(ClientDisconnect)
-    async def client_gone(request: Request, exc: ClientDisconnect):  # (left while sending its body: no one reads)
-        return JSONResponse(error_body(499, "client closed the request"), status_code=499)
+    async def client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
+        return _answer(ServerError(499, "client closed the request"))
 
     @app.exception_handler(Exception)
     async def unexpected(request: Request, exc: Exception):
         logger.exception("hf_paged: unexpected error serving %s", request.url.path)
-        return JSONResponse(error_body(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"),
-                            status_code=500)
+        return _answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))

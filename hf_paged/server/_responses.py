@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import json
+import time
+import uuid
 
 from hf_paged.server._events import Delta, Finished
 
@@ -15,60 +18,55 @@ def usage(prompt_lengths: list[int], completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
-def completion(rid: str, created: int, model: str, done: list[Finished], prompt_lengths: list[int],
-               echo: list[str] | None = None, echo_texts: dict[int, str] | None = None,
-               prompt_only: bool = False) -> dict:
-    """``echo``: the text of each prompt, put before its choices' text; ``prompt_only`` (``max_tokens: 0``): the
-    prompt alone (the token computed to score it is dropped)."""
-    n = len(done) // max(len(prompt_lengths), 1)
-    choices = []
-    for f in done:
-        head = echo[f.index // n] if echo is not None else ""
-        text = head + ("" if prompt_only else f.output.text or "")
-        choices.append({"index": f.index, "text": text,
-                        "logprobs": _completion_logprobs(f, echo is not None, echo_texts, prompt_only),
-                        "finish_reason": FINISH_REASONS.get(f.output.finish_reason)})
-    generated = 0 if prompt_only else sum(len(f.output.token_ids) for f in done)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_lengths, generated)}
+class Reply:
+    """The bodies and chunks of one response of ``model``, to a chat request (``chat``) or a completions one; all
+    carry the same fresh id and creation time."""
 
+    def __init__(self, model: str, chat: bool):
+        self.model, self.chat = model, chat
+        self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-def chat_completion(rid: str, created: int, model: str, done: list[Finished], prompt_lengths: list[int]) -> dict:
-    choices = [{"index": f.index, "message": {"role": "assistant", "content": f.output.text or ""},
-                "logprobs": _chat_logprobs(f.output.token_ids, f.output.logprobs, f.output.top_logprobs,
-                                           f.token_texts),
-                "finish_reason": FINISH_REASONS.get(f.output.finish_reason)}
-               for f in done]
-    return {"id": rid, "object": "chat.completion", "created": created, "model": model, "choices": choices,
-            "usage": usage(prompt_lengths, sum(len(f.output.token_ids) for f in done))}
+    def completion(self, done: list[Finished], prompt_lengths: list[int], echo: list[str] | None = None,
+                   echo_texts: dict[int, str] | None = None, prompt_only: bool = False) -> dict:
+        """The whole answer. Completions only: ``echo``, the text of each prompt, put before its choices' text;
+        ``prompt_only`` (``max_tokens: 0``): the prompt alone (the token computed to score it is dropped)."""
+        n = len(done) // max(len(prompt_lengths), 1)
+        choices = []
+        for f in done:
+            out = f.output
+            if self.chat:
+                choice = {"message": {"role": "assistant", "content": out.text or ""},
+                          "logprobs": _chat_logprobs(out.token_ids, out.logprobs, out.top_logprobs, f.token_texts)}
+            else:
+                head = echo[f.index // n] if echo is not None else ""
+                choice = {"text": head + ("" if prompt_only else out.text or ""),
+                          "logprobs": _completion_logprobs(f, echo is not None, echo_texts, prompt_only)}
+            choices.append({"index": f.index, **choice, "finish_reason": FINISH_REASONS.get(out.finish_reason)})
+        generated = 0 if prompt_only else sum(len(f.output.token_ids) for f in done)
+        return self._body(choices, usage=usage(prompt_lengths, generated))
 
+    def chunk(self, index: int, text: str, finish_reason: str | None = None, delta: Delta | None = None,
+              offset: int = 0, first: bool = False) -> str:
+        """One streamed chunk of choice ``index``, as a server-sent event: its new ``text`` (a chat's ``delta`` is
+        empty in the chunk with the ``finish_reason``, and names the role in the ``first``); ``delta``: the tokens
+        whose log-probabilities go with ``text`` (when asked); ``offset``: where the text starts in the choice's whole
+        text."""
+        logprobs = None
+        if delta is not None and delta.logprobs is not None:
+            tokens = (delta.token_ids, delta.logprobs, delta.top_logprobs, delta.token_texts)
+            logprobs = _chat_logprobs(*tokens) if self.chat else _legacy_logprobs(*tokens, offset)
+        message = {} if finish_reason else {"role": "assistant", "content": text} if first else {"content": text}
+        choice = {"index": index, **({"delta": message} if self.chat else {"text": text}), "logprobs": logprobs,
+                  "finish_reason": FINISH_REASONS.get(finish_reason)}
+        return sse(self._body([choice], chunk=True))
 
-def completion_chunk(rid: str, created: int, model: str, index: int, text: str, finish_reason: str | None,
-                     delta: Delta | None = None, offset: int = 0) -> dict:
-    """``delta``: the tokens whose log-probabilities go with ``text`` (when asked); ``offset``: where the text
-    starts in the choice's whole text."""
-    logprobs = None
-    if delta is not None and delta.logprobs is not None:
-        logprobs = _legacy_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, delta.token_texts, offset)
-    return {"id": rid, "object": "text_completion", "created": created, "model": model,
-            "choices": [{"index": index, "text": text, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS.get(finish_reason) if finish_reason else None}]}
+    def usage_chunk(self, prompt_lengths: list[int], tokens: int) -> str:
+        return sse(self._body([], chunk=True, usage=usage(prompt_lengths, tokens)))
 
-
-def chat_chunk(rid: str, created: int, model: str, index: int, content: dict, finish_reason: str | None,
-               delta: Delta | None = None) -> dict:
-    logprobs = None
-    if delta is not None and delta.logprobs is not None:
-        logprobs = _chat_logprobs(delta.token_ids, delta.logprobs, delta.top_logprobs, delta.token_texts)
-    return {"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-            "choices": [{"index": index, "delta": content, "logprobs": logprobs,
-                         "finish_reason": FINISH_REASONS.get(finish_reason) if finish_reason else None}]}
-
-
-def usage_chunk(rid: str, created: int, model: str, chat: bool, prompt_lengths: list[int], tokens: int) -> dict:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    return {"id": rid, "object": kind, "created": created, "model": model, "choices": [],
-            "usage": usage(prompt_lengths, tokens)}
+    def _body(self, choices: list, chunk: bool = False, **extra) -> dict:
+        kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model, "choices": choices,
+                **extra}
 
 
 def sse(payload: dict | str) -> str:
@@ -98,22 +96,16 @@ def _legacy_logprobs(ids: list[int], logprobs: list, top: list | None, texts: di
     """The completions API's ``logprobs``: tokens, their logprobs, the alternatives as ``{text: logprob}`` (the
     likeliest kept where two alternatives decode alike), and each token's character offset."""
     tokens = [texts.get(t, "") for t in ids]
-    offsets = []
-    for text in tokens:
-        offsets.append(offset)
-        offset += len(text)
-    alternatives = None
-    if top is not None:
-        alternatives = []
-        for row in top:
-            if row is None:
-                alternatives.append(None)
-                continue
-            alt: dict[str, float] = {}
-            for t, lp in row:
-                alt.setdefault(texts.get(t, ""), lp)
-            alternatives.append(alt)
+    offsets = list(itertools.accumulate(map(len, tokens), initial=offset))[:-1]  # the characters before each token
+    alternatives = None if top is None else [None if row is None else _alternatives(row, texts) for row in top]
     return {"tokens": tokens, "token_logprobs": list(logprobs), "top_logprobs": alternatives, "text_offset": offsets}
+
+
+def _alternatives(row: list[tuple[int, float]], texts: dict[int, str]) -> dict[str, float]:
+    alternatives: dict[str, float] = {}
+    for t, lp in row:
+        alternatives.setdefault(texts.get(t, ""), lp)
+    return alternatives
 
 
 def _chat_logprobs(ids: list[int], logprobs: list[float] | None, top: list | None,
