@@ -24,7 +24,11 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse(body: bytes, model: type[M]) -> M:
     """``body`` as a ``model``; raises a 400 ``ServerError`` saying what is wrong."""
-    return validate(model, parse_json(body))
+    data = parse_json(body)
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
 
 
 def parse_json(body: bytes) -> dict:
@@ -45,16 +49,9 @@ def parse_json(body: bytes) -> dict:
     except ValueError as exc:  # a constant (NaN), or an integer of thousands of digits
         raise bad_request(f"the body is not valid JSON: {str(exc).splitlines()[0]}", code="invalid_json") from None
     if not isinstance(data, dict):
-        raise bad_request(f"the body must be a JSON object, got {_json_type(data)}", code="invalid_json")
+        raise bad_request(f"the body must be a JSON object, got {json_type(data)}", code="invalid_json")
     _check(data, "", 1)
     return data
-
-
-def validate(model: type[M], data: dict) -> M:
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _from_validation_error(exc) from None
 
 
 def check_text(text: str, param: str | None) -> None:
@@ -104,11 +101,11 @@ def _from_validation_error(exc: ValidationError) -> ServerError:
 
 
 def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, (dict, list)) else _json_type(value)
+    text = json.dumps(value) if not isinstance(value, (dict, list)) else json_type(value)
     return text if len(text) <= 40 else text[:37] + "..."
 
 
-def _json_type(value: Any) -> str:
+def json_type(value: Any) -> str:
     return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}.get(
         type(value), "a number")
 

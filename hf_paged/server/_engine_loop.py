@@ -196,8 +196,7 @@ class EngineLoop:
         try:
             if kind == "submit":
                 if stopping:
-                    self._forget(sub)
-                    self._reject(sub, ServerError(503, "the server is shutting down", code="shutting_down"))
+                    self._fail(sub, ServerError(503, "the server is shutting down", code="shutting_down"))
                 else:
                     self._admit(sub)
             else:  # cancel
@@ -205,9 +204,7 @@ class EngineLoop:
                 self._abort(sub)
         except Exception as exc:
             logger.exception("hf_paged: serving one request failed; the others go on")
-            self._abort(sub)
-            self._forget(sub)
-            self._reject(sub, ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
+            self._fail(sub, ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
 
     def _die(self, reason: str) -> None:
         self.death = reason
@@ -238,15 +235,16 @@ class EngineLoop:
                 self.engine.add_request(ids, config, request_id=rid)
                 sub.request_ids.append(rid)
                 self._live[rid] = sub
-        except ValueError as exc:
-            self._abort(sub)  # the prompts queued already; their abort outputs find no job and are dropped
-            self._forget(sub)
-            self._reject(sub, bad_request(str(exc)))
+        except ValueError as exc:  # the prompts queued already: their abort outputs find no job and are dropped
+            self._fail(sub, bad_request(str(exc)))
             return
         sub.remaining = len(prepared.prompts) * sub.job.n
         sub.post(Accepted([len(ids) for ids in prepared.prompts]))
 
-    def _reject(self, sub: Submission, error: ServerError) -> None:
+    def _fail(self, sub: Submission, error: ServerError) -> None:
+        """Abort and forget ``sub``'s requests (those queued already), and answer it with ``error``."""
+        self._abort(sub)
+        self._forget(sub)
         self.metrics.rejected("invalid" if error.status == 400 else str(error.status))
         sub.post(Rejected(error))
 

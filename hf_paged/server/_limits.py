@@ -25,16 +25,11 @@ class RequestLimits:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None:
-            try:
-                size = int(declared)
-            except ValueError:
-                size = -1
-            if size < 0:
-                return await send_error(send, ServerError(400, "the Content-Length header is not a number"),
-                                        ((b"connection", b"close"),))
-            if size > self.max_body_bytes:
-                return await send_error(send, self._too_large(size), ((b"connection", b"close"),))
+        if declared is not None and not declared.isdigit():
+            return await send_error(send, ServerError(400, "the Content-Length header is not a number"),
+                                    ((b"connection", b"close"),))
+        if declared is not None and int(declared) > self.max_body_bytes:
+            return await send_error(send, self._too_large(int(declared)), ((b"connection", b"close"),))
         return await self.app(scope, self._bounded(receive), send)
 
     def _too_large(self, size: int | None) -> ServerError:

@@ -51,7 +51,8 @@ class PromptBuilder:
         has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
-        self.max_chars = min(self.max_model_len, self.cache_tokens + 1) * max(longest, 1) * CHARS_SLACK
+        self.limit = engine.max_prompt_tokens + 1
+        self.max_chars = self.limit * max(longest, 1) * CHARS_SLACK
 
     def prepare(self, job: Job) -> Prepared:
         """The token ids and generation config of each prompt of ``job``; a 400 for one that cannot be served."""
@@ -65,14 +66,13 @@ class PromptBuilder:
 
     def token_ids(self, prompt, chat: bool) -> list[int]:
         """Token ids of a completion prompt (a string or ids) or of a chat (a list of messages), length-checked."""
-        param = "messages" if chat else "prompt"
-        limit = min(self.max_model_len, self.cache_tokens + 1)
-        if chat:
-            self._check_chars(sum(len(m["content"]) for m in prompt), limit, param)
-            ids = self._encode(self._render_chat(prompt), add_special_tokens=False)
-        elif isinstance(prompt, str):
-            self._check_chars(len(prompt), limit, param)
-            ids = self._encode(prompt, add_special_tokens=True)
+        param, limit = "messages" if chat else "prompt", self.limit
+        if chat or isinstance(prompt, str):
+            chars = sum(len(m["content"]) for m in prompt) if chat else len(prompt)
+            if chars > self.max_chars:
+                raise bad_request(f"the prompt has {chars} characters: more than {self._where()} can hold ("
+                                  f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
+            ids = self._encode(self._render_chat(prompt) if chat else prompt, add_special_tokens=not chat)
         else:
             ids = prompt
             if len(ids) < limit:
@@ -82,7 +82,7 @@ class PromptBuilder:
         if not ids:
             raise bad_request("the prompt has no tokens", param)
         if len(ids) >= limit:
-            raise bad_request(f"the prompt has {len(ids)} tokens; {self._where(limit)} leaves room for at most "
+            raise bad_request(f"the prompt has {len(ids)} tokens; {self._where()} leaves room for at most "
                               f"{limit - 1} prompt tokens and one new token: shorten it", param,
                               "context_length_exceeded")
         return ids
@@ -102,13 +102,8 @@ class PromptBuilder:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
 
-    def _check_chars(self, chars: int, limit: int, param: str) -> None:
-        if chars > self.max_chars:
-            raise bad_request(f"the prompt has {chars} characters: more than {self._where(limit)} can hold ("
-                              f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
-
-    def _where(self, limit: int) -> str:
-        return ("the model's position limit" if limit == self.max_model_len
+    def _where(self) -> str:
+        return ("the model's position limit" if self.limit == self.max_model_len
                 else "the server's KV cache (--num-blocks x --block-size)")
 
     def _render_chat(self, messages: list[dict]) -> str:

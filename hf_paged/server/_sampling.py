@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import GenerationConfig
 
+from hf_paged.server._body import json_type
 from hf_paged.server._errors import bad_request
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -84,9 +85,8 @@ def chat_job(req: ChatCompletionRequest) -> Job:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
     messages = [{"role": m.role, "content": _content(m.content, f"messages.{i}.content")}
                 for i, m in enumerate(req.messages)]
-    max_tokens = req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
     param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _job(req, chat=True, prompts=[messages], max_tokens=max_tokens, logprobs=bool(req.logprobs),
+    return _job(req, chat=True, prompts=[messages], max_tokens=getattr(req, param), logprobs=bool(req.logprobs),
                 top_logprobs=req.top_logprobs or 0, param=param)
 
 
@@ -133,10 +133,8 @@ def json_schema(req: SamplingFields) -> str | None:
 def sampling_settings(req: SamplingFields) -> dict:
     """The ``GenerationConfig`` keywords of the sampling fields that were set (checked against OpenAI's ranges)."""
     out: dict = {}
-    t = req.temperature
-    if t is not None:
-        _finite("temperature", t, lambda v: 0 <= v <= 2, "in [0, 2]")
-    for name, ok, rule in (("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+    for name, ok, rule in (("temperature", lambda v: 0 <= v <= 2, "in [0, 2]"),
+                           ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"), ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
                            ("repetition_penalty", lambda v: 0 < v <= 100, "in (0, 100]")):
         value = getattr(req, name)
         if value is not None:
@@ -145,13 +143,11 @@ def sampling_settings(req: SamplingFields) -> dict:
         if not -1 <= req.top_k < 2**31:
             raise bad_request(f"top_k must be in [-1, 2**31) (0 or -1: off), got {req.top_k}", "top_k")
         out["top_k"] = max(req.top_k, 0)
-    if t == 0:
+    if out.get("temperature") == 0:  # greedy: the sampling settings go
         out = {k: v for k, v in out.items() if k == "repetition_penalty"}
         out["do_sample"] = False
-    elif t is not None or set(out) - {"repetition_penalty"}:
+    elif set(out) - {"repetition_penalty"}:
         out["do_sample"] = True
-        if t is not None:
-            out["temperature"] = float(t)
     if req.seed is not None:
         if not 0 <= req.seed < 2**63:
             raise bad_request(f"seed must be in [0, 2**63), got {req.seed}", "seed")
@@ -165,9 +161,7 @@ def sampling_settings(req: SamplingFields) -> dict:
 def _completion_prompts(prompt) -> list:
     """``prompt`` as a list of prompts, each a non-empty string or a non-empty list of token ids."""
     what = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays"
-    if isinstance(prompt, str):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(
             isinstance(p, str) or (isinstance(p, list) and all(_is_id(t) for t in p)) for p in prompt):
@@ -226,4 +220,4 @@ def _is_id(value) -> bool:
 def _kind(value) -> str:
     if isinstance(value, list):
         return "an empty array" if not value else "an array of mixed or other values"
-    return {dict: "an object", str: "a string", bool: "a boolean", type(None): "null"}.get(type(value), "a number")
+    return json_type(value)
