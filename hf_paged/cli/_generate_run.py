@@ -11,6 +11,7 @@ import logging
 import re
 import sys
 import time
+from collections import Counter
 
 import torch
 from transformers import GenerationConfig
@@ -169,9 +170,7 @@ def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, 
 def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:
     tokens = sum(len(o.token_ids) for o in outputs)
     errors = [o for o in outputs if o.finish_reason == "error"]
-    reasons: dict[str, int] = {}
-    for o in outputs:
-        reasons[o.finish_reason] = reasons.get(o.finish_reason, 0) + 1
+    reasons = Counter(o.finish_reason for o in outputs)
     rows = [
         ("requests", f"{len(outputs)} (" + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) + ")"),
         ("prompt tokens", stats["prompt_tokens"]),

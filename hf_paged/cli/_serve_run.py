@@ -69,7 +69,8 @@ def _app(args: argparse.Namespace):
 
 def _server(args: argparse.Namespace, app):
     """uvicorn's server for ``app``, and the list that holds why the engine loop died, if it does (the server then
-    stops at once)."""
+    stops at once). Its shutdown answers the requests still live after ``--shutdown-timeout`` with 503: their
+    handlers then finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
     import uvicorn
 
     from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
@@ -78,30 +79,21 @@ def _server(args: argparse.Namespace, app):
                             http=with_header_timeout(args.read_timeout),
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
     server = uvicorn.Server(config)
-    _answer_late_requests(server, app.state.engine_loop, args.shutdown_timeout)
-    died: list[str] = []
-
-    def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
-        died.append(reason)
-        server.should_exit = True
-
-    app.state.engine_loop.on_death = engine_died
-    return server, died
-
-
-def _answer_late_requests(server, engine_loop, grace: float) -> None:
-    """Make ``server``'s shutdown answer the requests still live after ``grace`` seconds with 503: their handlers
-    then finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
-    shutdown = server.shutdown
+    engine_loop, shutdown, died = app.state.engine_loop, server.shutdown, []
 
     async def graceful_shutdown(sockets=None) -> None:
-        timer = asyncio.get_running_loop().call_later(grace, engine_loop.begin_stop)
+        timer = asyncio.get_running_loop().call_later(args.shutdown_timeout, engine_loop.begin_stop)
         try:
             await shutdown(sockets)
         finally:
             timer.cancel()
 
-    server.shutdown = graceful_shutdown
+    def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
+        died.append(reason)
+        server.should_exit = True
+
+    server.shutdown, engine_loop.on_death = graceful_shutdown, engine_died
+    return server, died
 
 
 def bind(host: str, port_number: int) -> socket.socket:

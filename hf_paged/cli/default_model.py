@@ -35,24 +35,14 @@ SPECIAL_TOKENS = ("<pad>", "<s>", "</s>")  # ids 0, 1, 2; byte b is id 3 + b
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """One token per UTF-8 byte (259 ids with the three special tokens)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers.convert_slow_tokenizer import bytes_to_unicode  # each byte's character in the ByteLevel alphabet
 
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet(), key=lambda ch: _byte_of(ch))
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}
-    vocab.update({ch: len(SPECIAL_TOKENS) + i for i, ch in enumerate(alphabet)})
+    vocab.update({ch: len(SPECIAL_TOKENS) + byte for byte, ch in bytes_to_unicode().items()})
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
-
-
-def _byte_of(ch: str) -> int:
-    """The byte the GPT-2 byte-level alphabet maps to ``ch`` (printable bytes map to themselves)."""
-    code = ord(ch)
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    if code in printable:
-        return code
-    others = [b for b in range(256) if b not in printable]
-    return others[code - 256]
 
 
 def tiny_llama(
