@@ -162,8 +162,10 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
         size = kept[1].config.num_blocks
         if config.num_blocks is not None:
             fits = size == config.num_blocks
-        else:  # every rank under tensor parallel decides alike (each reads its own free memory)
-            fits = size >= agreed_min(model, _pool_blocks(model, config, workload))
+        else:  # the blocks a new pool would take; every rank under tensor parallel decides alike
+            blocks, _ = pool_size(config, kv_layout(model), model.dtype, kv_devices(model),
+                                  validation.position_limit(model.config), workload)
+            fits = size >= agreed_min(model, max(1, blocks))
         if fits:
             model.__dict__[_KEPT] = kept
             return kept[1]
@@ -208,11 +210,3 @@ def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: lis
             by_length[len(prompt)] = cfg
         configs.append(cfg)
     return configs
-
-
-def _pool_blocks(model, config: EngineConfig, workload: Workload) -> int:
-    """The blocks an engine of ``config`` would take for ``workload`` (every sequence at full length, within the
-    memory budget)."""
-    blocks, _ = pool_size(config, kv_layout(model), model.dtype, kv_devices(model),
-                          validation.position_limit(model.config), workload)
-    return max(1, blocks)
