@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hf_paged.engine._sampler import logprob_rows, split_logprob_row
 from hf_paged.engine._sequence import Sequence
 
 _ASKED = operator.attrgetter("params.prompt_logprobs")
@@ -49,18 +50,10 @@ def prompt_rows(seqs: list[Sequence], num_tokens: list[int]) -> PromptRows | Non
 def score(logits: torch.Tensor, rows: PromptRows) -> list[list[tuple[float, list[tuple[int, float]]]]]:
     """logits: ``[R, V]`` of ``rows``. Returns, per owner, ``(logprob of the target, its k likeliest (id,
     logprob))`` for each of its rows (host lists: the step waits for the device here)."""
-    logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
     targets = torch.tensor(rows.targets, device=logits.device)
-    chosen = logprobs.gather(1, targets[:, None]).squeeze(1).tolist()
-    k = min(max(s.params.prompt_logprobs for s, _ in rows.owners), logits.shape[-1])
-    values, ids = ([], [])
-    if k:
-        top = logprobs.topk(k, -1)
-        values, ids = top.values.tolist(), top.indices.tolist()
+    scored = logprob_rows(logits, targets, max(s.params.prompt_logprobs for s, _ in rows.owners)).tolist()
     out, at = [], 0
     for seq, count in rows.owners:
-        want = seq.params.prompt_logprobs
-        out.append([(chosen[r], list(zip(ids[r][:want], values[r][:want])) if want else [])
-                    for r in range(at, at + count)])
+        out.append([split_logprob_row(row, seq.params.prompt_logprobs) for row in scored[at : at + count]])
         at += count
     return out

@@ -211,16 +211,19 @@ class Sampler:
                 tokens.index_copy_(0, rows[:g], _argmax(x[:g]))
             if g < rows.shape[0]:
                 tokens.index_copy_(0, rows[g:], _draw(x[g:], batch))
-        logprobs = None
-        if batch.want_logprobs:
-            all_logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
-            logprobs = all_logprobs.gather(1, tokens[:, None])
-            if batch.top_logprobs:
-                top = all_logprobs.topk(min(batch.top_logprobs, logits.shape[-1]), -1)
-                logprobs = torch.cat([logprobs, top.values, top.indices.float()], 1)
-            else:
-                logprobs = logprobs.squeeze(1)
-        return tokens, logprobs
+        return tokens, logprob_rows(logits, tokens, batch.top_logprobs) if batch.want_logprobs else None
+
+
+def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
+    """``[N]`` float32 log-probabilities of ``tokens`` under ``logits`` (``[N, V]``); with ``k``, ``[N, 1 + 2k]``
+    rows: the token's logprob, the ``k`` largest logprobs, their token ids (as floats, exact below 2**24;
+    :func:`split_logprob_row` reads a row)."""
+    logprobs = torch.log_softmax(logits, -1, dtype=torch.float32)
+    chosen = logprobs.gather(1, tokens[:, None])
+    if not k:
+        return chosen.squeeze(1)
+    top = logprobs.topk(min(k, logits.shape[-1]), -1)
+    return torch.cat([chosen, top.values, top.indices.float()], 1)
 
 
 def split_logprob_row(row: float | list[float], k: int) -> tuple[float, list[tuple[int, float]]]:
