@@ -22,6 +22,7 @@ from hf_paged.cache._block_allocator import OutOfBlocksError
 from hf_paged.cache._block_manager import BlockManager
 from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.cache._kv_pool import KVPool
+from hf_paged.hf._transient import real_tokens
 
 
 @dataclass(eq=False)
@@ -122,8 +123,7 @@ class BatchTables:
             # So the mask is read back (one copy) only on a batch's first forward and on multi-token forwards
             # (chunked prefill, assisted decoding's candidates, a caller's own extend).
             return None
-        valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
-        return None if bool(valid.all()) else valid
+        return real_tokens(attention_mask, q_len)
 
     def append(self, q_len: int, valid: torch.Tensor | None = None, ahead: int = 0, hint: str = "") -> torch.Tensor:
         """Add one forward's ``q_len`` columns. ``valid``: ``[rows, q_len]`` bool (host), True where the token is

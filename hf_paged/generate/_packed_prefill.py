@@ -71,10 +71,9 @@ class PackedPrefill:
         cu_seqlens = meta.cu_seqlens_q
         if not bool((cu_seqlens[1:] > cu_seqlens[:-1]).all()):  # a row without a new token has no logits to give
             return self.inner(*args, **kwargs)
-        index = meta.token_index
-        packed_ids = ids.reshape(1, -1) if index is None else ids.reshape(-1)[index].view(1, -1)
-        positions = kwargs["position_ids"]
-        positions = positions.reshape(1, -1) if index is None else positions.reshape(-1)[index].view(1, -1)
+        index = meta.token_index  # the real tokens of the [batch, width] grid, in order (None: all are real)
+        packed_ids, positions = (t.reshape(1, -1) if index is None else t.reshape(-1)[index].view(1, -1)
+                                 for t in (ids, kwargs["position_ids"]))
         packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens)), step.pool,
                            step.dispatcher)
         passed = {key: value for key, value in kwargs.items() if key not in _DROPPED}

@@ -22,7 +22,7 @@ from hf_paged.cache._config import CacheConfig
 from hf_paged.cache._kv_pool import SUPPORTED_DTYPES, KVLayout
 from hf_paged.hf._support import check_model_supported
 
-__all__ = ["TransientKV", "fresh_step"]
+__all__ = ["TransientKV", "fresh_step", "real_tokens"]
 
 
 class TransientKV:
@@ -54,6 +54,13 @@ class TransientKV:
         return True
 
 
+def real_tokens(attention_mask: torch.Tensor, q_len: int) -> torch.Tensor | None:
+    """The host ``[batch, q_len]`` bool of which of a forward's ``q_len`` new tokens are real, read from its padding
+    mask (``[batch, columns]``, the new tokens last; one copy to the host), or None when all are."""
+    valid = attention_mask[:, -q_len:].to("cpu", torch.bool)
+    return None if bool(valid.all()) else valid
+
+
 def fresh_step(config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
                device: torch.device) -> PagedStep | None:
     """The paged step of a forward of ``batch_size x q_length`` tokens with nothing before them (``attention_mask``:
@@ -64,10 +71,7 @@ def fresh_step(config, attention_mask: torch.Tensor | None, batch_size: int, q_l
     except (ValueError, NotImplementedError):
         return None
     bs = CacheConfig.block_size
-    valid = None
-    if attention_mask is not None:
-        valid = attention_mask[:, -q_length:].to("cpu", torch.bool)
-        valid = None if bool(valid.all()) else valid
+    valid = None if attention_mask is None else real_tokens(attention_mask, q_length)
     q_lens = torch.full((batch_size,), q_length) if valid is None else valid.sum(1)
     blocks = (q_lens + bs - 1) // bs
     first = torch.cumsum(blocks, 0) - blocks  # each row's blocks are consecutive, from its first
