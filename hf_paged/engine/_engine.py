@@ -25,7 +25,7 @@ from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._detokenizer import Detokenizer
 from hf_paged.engine._core import EngineCore, restore_attention
-from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, mark_streamed, output_of
+from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, output_of
 from hf_paged.engine._request_registry import family
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sizing import Workload
@@ -444,7 +444,10 @@ class Engine(EngineCore):
                 self._step_running, self._stepper = False, None
 
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
-        mark_streamed(seq, delta)
+        """Record ``delta`` as handed to its reader; a request's last delta closes it."""
+        seq.num_streamed += len(delta.token_ids)
+        if delta.text:
+            seq.text_state.sent += len(delta.text)
         if delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)

@@ -107,10 +107,3 @@ def _unread(seq: Sequence, detokenizer: Detokenizer | None, final: bool, streame
     logprobs = seq.logprobs[streamed : streamed + len(new)] if params.logprobs else None
     top = seq.top_logprobs[streamed : streamed + len(new)] if params.logprobs and params.top_logprobs else None
     return new, text, reason, error, logprobs, top
-
-
-def mark_streamed(seq: Sequence, delta: TokenDelta) -> None:
-    """Record ``delta`` as handed to a stream reader."""
-    seq.num_streamed += len(delta.token_ids)
-    if delta.text:
-        seq.text_state.sent += len(delta.text)
