@@ -18,6 +18,7 @@ from __future__ import annotations
 import array
 import functools
 import operator
+from itertools import chain
 from dataclasses import dataclass
 
 import torch
@@ -106,7 +107,11 @@ class SamplingBatch:
         if constrained:
             mask = allowed_tokens([seqs[rows[j]].grammar for j in constrained], vocab_size)
             allowed_at = (torch.tensor(constrained, device=device), mask.to(device, non_blocking=True))
-        seen, seen_ids, ban_pos, ban_ids = _penalised_and_banned([seqs[i] for i in rows], vocab_size)
+        # how many tokens each row has seen that its penalty applies to, and those token ids, flat
+        row_seqs = [seqs[i] for i in rows]
+        seen = [len(s.token_ids) if s.params.repetition_penalty != 1.0 else 0 for s in row_seqs]
+        seen_ids = list(chain.from_iterable(s.token_ids for s, n in zip(row_seqs, seen) if n))
+        ban_pos, ban_ids = _banned_eos(row_seqs, vocab_size)
         ss = [seqs[i] for i in sampled]
         smp = [s.params for s in ss]
         top_k, top_p, min_p = [p.top_k for p in smp], [p.top_p for p in smp], [p.min_p for p in smp]
@@ -144,18 +149,6 @@ def _banned_eos(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[
             positions += [j] * len(eos)
             ids += eos
     return positions, ids
-
-
-def _penalised_and_banned(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], ...]:
-    """How many tokens each row has seen that its penalty applies to, and those token ids, flat; the (row, EOS id)
-    pairs a row may not emit yet."""
-    seen, seen_ids = [], []
-    for s in seqs:
-        penalised = s.params.repetition_penalty != 1.0
-        seen.append(len(s.token_ids) if penalised else 0)
-        if penalised:
-            seen_ids += s.token_ids
-    return seen, seen_ids, *_banned_eos(seqs, vocab_size)
 
 
 class _Pack:
