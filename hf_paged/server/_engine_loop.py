@@ -92,7 +92,6 @@ class EngineLoop:
         self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-tokenizer")
-        self.stats: dict = engine.stats()
 
     # ----- the HTTP side (any thread) --------------------------------------------------------------------------
     def start(self) -> None:
@@ -188,8 +187,8 @@ class EngineLoop:
                 self._step()
             now = time.perf_counter()
             if now - last_stats > STATS_EVERY_S or not self.engine.has_unfinished():
-                self.stats, last_stats = self.engine.stats(), now
-                self.metrics.engine_stats(self.stats)
+                self.metrics.engine_stats(self.engine.stats())
+                last_stats = now
 
     def _command(self, kind: str, sub: Submission, stopping: bool) -> None:
         """One handler's command; whatever it raises ends that request only."""
@@ -211,11 +210,9 @@ class EngineLoop:
         with self._lock:
             self._stopping = True
         error = ServerError(500, f"the engine loop died: {reason}", code="engine_dead")
-        for sub in self._live_submissions():
+        queued = [sub for kind, sub in self._take_commands(block=False) if kind == "submit"]
+        for sub in self._live_submissions() + queued:
             sub.post(Rejected(error))
-        for kind, sub in self._take_commands(block=False):
-            if kind == "submit":
-                sub.post(Rejected(error))
         if self.on_death is not None:
             self.on_death(reason)
 
@@ -292,8 +289,7 @@ class EngineLoop:
             self.metrics.generated(len(delta.token_ids), now)
         if sub.job.stream:
             texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
-            sub.post(Delta(index, list(delta.token_ids), delta.text or "", delta.finish_reason, delta.logprobs,
-                           delta.top_logprobs, texts))
+            sub.post(Delta(index, list(delta.token_ids), delta.text or "", delta.logprobs, delta.top_logprobs, texts))
 
     def _take_output(self, out: RequestOutput, now: float) -> None:
         sub, index = self._choice(out.request_id)

@@ -24,13 +24,12 @@ class Rejected:
 
 @dataclass(frozen=True)
 class Delta:
-    """New tokens of choice ``index`` (streamed requests only); ``finish_reason`` is set on its last delta.
+    """New tokens of choice ``index`` (streamed requests only; its :class:`Finished` says how it ended).
     ``logprobs``/``top_logprobs`` are the tokens' when asked for, ``token_texts`` the text of each id they name."""
 
     index: int
     token_ids: list[int]
     text: str
-    finish_reason: str | None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     token_texts: dict[int, str] | None = None
