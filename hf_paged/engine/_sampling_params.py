@@ -20,6 +20,16 @@ MAX_TOKENS = 2**31 - 1
 MAX_RETURN_SEQUENCES = 1024
 #: The most alternatives a token's log-probability comes with (OpenAI's chat API allows 20).
 MAX_TOP_LOGPROBS = 20
+#: The integer settings: the smallest and largest value each takes, and how its range reads in errors ("None": unset
+#: is allowed).
+_INT_RANGES = {
+    "max_new_tokens": (1, MAX_TOKENS, "[1, 2**31 - 1]"), "min_new_tokens": (0, MAX_TOKENS, "[0, 2**31 - 1]"),
+    "top_k": (0, 2**63 - 1, "[0, 2**63)"),
+    "num_return_sequences": (1, MAX_RETURN_SEQUENCES, f"[1, {MAX_RETURN_SEQUENCES}] (for more copies, add the prompt "
+                                                      "several times)"),
+    "seed": (0, 2**64 - 1, "[0, 2**64) or None"), "top_logprobs": (0, MAX_TOP_LOGPROBS, f"[0, {MAX_TOP_LOGPROBS}]"),
+    "prompt_logprobs": (0, MAX_TOP_LOGPROBS, f"[0, {MAX_TOP_LOGPROBS}] or None"),
+}
 
 
 @dataclass(frozen=True)
@@ -52,10 +62,10 @@ class SamplingParams:
     json_schema: str | None = None
 
     def __post_init__(self) -> None:
-        _check(_is_int(self.max_new_tokens) and 1 <= self.max_new_tokens <= MAX_TOKENS,
-               f"max_new_tokens must be an integer in [1, 2**31 - 1], got {self.max_new_tokens!r}")
-        _check(_is_int(self.min_new_tokens) and 0 <= self.min_new_tokens <= MAX_TOKENS,
-               f"min_new_tokens must be an integer in [0, 2**31 - 1], got {self.min_new_tokens!r}")
+        for name, (low, high, bounds) in _INT_RANGES.items():
+            value = getattr(self, name)
+            _check((value is None and "None" in bounds) or (_is_int(value) and low <= value <= high),
+                   f"{name} must be an integer in {bounds}, got {value!r}")
         _check(isinstance(self.do_sample, bool), f"do_sample must be True or False, got {self.do_sample!r}")
         _check(isinstance(self.logprobs, bool), f"logprobs must be True or False, got {self.logprobs!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -65,27 +75,15 @@ class SamplingParams:
         _check(self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}")
         _check(not (self.do_sample and self.temperature == 0),
                "temperature=0 with do_sample=True: use do_sample=False for greedy decoding")
-        _check(_is_int(self.top_k) and 0 <= self.top_k < 2**63,
-               f"top_k must be an integer in [0, 2**63), got {self.top_k!r}")
         _check(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
         _check(0.0 <= self.min_p <= 1.0, f"min_p must be in [0, 1], got {self.min_p}")
         _check(self.repetition_penalty > 0, f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        _check(_is_int(self.num_return_sequences) and 1 <= self.num_return_sequences <= MAX_RETURN_SEQUENCES,
-               f"num_return_sequences must be an integer in [1, {MAX_RETURN_SEQUENCES}] (for more copies, add the "
-               f"prompt several times), got {self.num_return_sequences!r}")
-        _check(self.seed is None or (_is_int(self.seed) and 0 <= self.seed < 2**64),
-               f"seed must be an integer in [0, 2**64) or None, got {self.seed!r}")
         _check(all(_is_int(e) and e >= 0 for e in self.eos_token_ids),
                f"eos_token_id must be non-negative integers, got {list(self.eos_token_ids)!r}")
         _check(all(isinstance(s, str) and s for s in self.stop_strings),
                f"stop_strings must be non-empty strings, got {self.stop_strings!r}")
         for i, s in enumerate(self.stop_strings):
             validation.text(s, f"stop_strings[{i}]")
-        _check(_is_int(self.top_logprobs) and 0 <= self.top_logprobs <= MAX_TOP_LOGPROBS,
-               f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], got {self.top_logprobs!r}")
-        _check(self.prompt_logprobs is None or (_is_int(self.prompt_logprobs)
-                                                and 0 <= self.prompt_logprobs <= MAX_TOP_LOGPROBS),
-               f"prompt_logprobs must be None or an integer in [0, {MAX_TOP_LOGPROBS}], got {self.prompt_logprobs!r}")
         _check(self.json_schema is None or isinstance(self.json_schema, str),
                f"json_schema must be a JSON schema (a dict or its JSON text) or None, got {self.json_schema!r}")
 
