@@ -74,9 +74,7 @@ class Detokenizer:
         stops = seq.params.stop_strings
         if stops and st.stop_at is None:
             start = max(0, before - max(map(len, stops)) + 1)
-            found = [i for i in (st.text.find(s, start) for s in stops) if i >= 0]
-            if found:
-                st.stop_at = min(found)
+            st.stop_at = min((i for i in (st.text.find(s, start) for s in stops) if i >= 0), default=None)
         return before
 
     def _token_ends(self, window: list[int], first: int, prefix_len: int, before: int, new: int) -> list[int]:

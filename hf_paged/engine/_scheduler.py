@@ -147,8 +147,6 @@ class Scheduler:
     def recompute_all(self) -> None:
         """Free every running sequence's blocks and queue it again, its tokens kept: its KV is computed afresh when it
         runs next (once the model's weights have changed). Unlike a preemption, nothing is counted."""
-        if not self.running:
-            return
         for seq in reversed(self.running):
             self.block_manager.free(seq)
             self.enqueue(seq)
