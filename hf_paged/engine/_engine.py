@@ -34,7 +34,6 @@ from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 Prompt = SequenceType[int] | str
-CLOSED = "this engine is closed (Engine.close()); create a new Engine to generate again"
 
 
 class Engine(EngineCore):
@@ -409,7 +408,7 @@ class Engine(EngineCore):
 
     def _refuse_if_closed(self) -> None:
         if self._closed:
-            raise RuntimeError(CLOSED)
+            raise RuntimeError("this engine is closed (Engine.close()); create a new Engine to generate again")
 
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
