@@ -108,6 +108,9 @@ class PagedAttentionCache(GenerateHooks, Cache):
     when it covers only the new ones, and raise otherwise (see ``docs/guides/cache.md``).
     """
 
+    is_initialized = True  # the pool is allocated up front
+    is_croppable = True
+
     def __init__(
         self,
         config,
@@ -174,10 +177,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
         return self.compile_mode.enabled
 
     @property
-    def is_initialized(self) -> bool:
-        return True
-
-    @property
     def is_linear(self) -> list[bool]:
         """No layer holds linear-attention state (``generate`` and the mask code ask twice per step; transformers'
         own answer tests every layer's type)."""
@@ -186,10 +185,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
     @property
     def is_sliding(self) -> list[bool]:
         return [False] * len(self.layers)
-
-    @property
-    def is_croppable(self) -> bool:
-        return True
 
     # ----- batch edits generate performs -----------------------------------------------------------------------
     def reset(self) -> None:
