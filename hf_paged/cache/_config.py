@@ -41,7 +41,7 @@ class CacheConfig:
     Attributes:
         num_blocks: blocks in the pool; None sizes the pool from ``memory_budget``.
         block_size: tokens per block, 1 to 1024 (16 is a good default; flash-attn's paged kernels want 256).
-        memory_budget: with ``num_blocks=None``, the fraction in (0, 1] (a float) of the free memory of each layer's
+        memory_budget: with ``num_blocks=None``, the fraction in (0, 1] of the free memory of each layer's
             device the pool may take (the tightest device decides), capped at what its owner can use (an engine:
             ``max_num_seqs`` sequences of the model's full length; a ``PagedAttentionCache``: 256 of them). None
             (automatic): 0.8 of free memory, and on a CPU at most 3% of the machine's RAM (``CPU_MEMORY_SHARE``; there
@@ -75,7 +75,7 @@ class CacheConfig:
                              f"holds (2**31 - 1, int32 slot ids): give at most {MAX_SLOTS // self.block_size} blocks")
         budget = self.memory_budget
         if budget is not None:
-            if isinstance(budget, numbers.Integral) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
+            if isinstance(budget, bool) or not isinstance(budget, numbers.Real) or not 0 < budget <= 1:
                 raise ValueError(f"memory_budget must be a fraction in (0, 1] of free device memory (a float: 0.5, "
                                  f"1.0), or None (automatic); for a pool of an exact size pass num_blocks; got "
                                  f"{budget!r}")

@@ -29,7 +29,7 @@ GREEDY = dict(do_sample=False, pad_token_id=PAD, eos_token_id=EOS)
         (dict(memory_budget=1.5), r"\(0, 1\]"),
         (dict(memory_budget=1e-15), "holds no block"),
         (dict(memory_budget=1 << 20), "for a pool of an exact size pass num_blocks"),  # bytes: no longer taken
-        (dict(memory_budget=1), "a fraction in"),  # as EngineConfig reads it
+        (dict(memory_budget=True), "a fraction in"),
         (dict(num_blocks=4, device=["cpu"]), "one per decoder layer"),
         (dict(num_blocks=4, backend="nope"), "unknown attention backend"),
     ],
@@ -42,7 +42,7 @@ def test_invalid_configuration_raises_at_once(kwargs, match):
 def test_memory_budget_sizes_the_pool():
     """A fraction of free memory, as the engine takes it; with neither size given, the automatic budget (its rule:
     ``tests/cache/test_cpu_pool_sizing.py``), at most 256 sequences of the model's full length; ``num_blocks``
-    exactly (an integer budget in bytes is refused: ``test_bad_arguments_are_refused``)."""
+    exactly (a budget in bytes is refused: ``test_invalid_configuration_raises_at_once``)."""
     config = make_config("llama_gqa")
     layout = KVLayout.from_config(config)
     assert hf_paged.PagedAttentionCache(config, block_size=16, num_blocks=10).num_blocks == 10
@@ -56,6 +56,7 @@ def test_memory_budget_sizes_the_pool():
     assert (same.num_blocks, same.block_size) == (12, 8)
     with pytest.raises(ValueError, match="either as cache_config"):
         hf_paged.PagedAttentionCache(config, num_blocks=3, cache_config=hf_paged.CacheConfig())
+    assert hf_paged.CacheConfig(memory_budget=1).memory_budget == 1.0  # all of free memory, written as an integer
 
 
 @pytest.mark.parametrize(
