@@ -253,11 +253,12 @@ def test_every_mask_call_of_one_forward_gets_its_one_step():
     assert following is not asked[0] and cache.stats()["tokens_stored"] == 6
 
 
-def test_an_integer_memory_budget_is_refused_as_the_engine_refuses_it():
-    """Bytes are no longer a memory budget (pre-1.0 removal): the cache and the engine's config both refuse an
-    integer with one message, which names the two ways to size a pool."""
+def test_a_budget_in_bytes_is_refused_as_the_engine_refuses_it():
+    """Bytes are no longer a memory budget (pre-1.0 removal): the cache and the engine's config both refuse one with
+    one message, which names the two ways to size a pool; ``1`` is all of free memory in both."""
     config = make_config("llama_gqa")
-    for budget in (1 << 30, 1):
+    assert hf_paged.EngineConfig(memory_budget=1).memory_budget == 1.0
+    for budget in (1 << 30, 2):
         with pytest.raises(ValueError) as cache_error:
             hf_paged.PagedAttentionCache(config, memory_budget=budget)
         with pytest.raises(ValueError) as engine_error:
