@@ -104,25 +104,21 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, make_job, ser
     events: asyncio.Queue = asyncio.Queue()
     sub = await engine_loop.submit(job, events)
     reply = Reply(served, job.chat)
-    done = False
     try:
         first = await _next(events, request)
         if isinstance(first, Rejected):
-            done = True
             raise first.error
         assert isinstance(first, Accepted)
-        if job.stream:
-            done = True  # the stream owns the request from here
+        if job.stream:  # the stream owns the request from here
             return StreamingResponse(_stream(engine_loop, sub, events, request, first, reply),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         finished = await _collect(events, request, len(job.prompts) * job.n)
-        done = True
-        prepared = sub.prepared
-        return JSONResponse(reply.completion(finished, first.prompt_lengths, prepared.echo_texts,
-                                             prepared.token_texts, job.max_tokens == 0))
-    finally:
-        if not done:  # client gone, or the handler was cancelled (server shutdown)
-            engine_loop.cancel(sub)
+    except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
+        engine_loop.cancel(sub)
+        raise
+    prepared = sub.prepared
+    return JSONResponse(reply.completion(finished, first.prompt_lengths, prepared.echo_texts, prepared.token_texts,
+                                         job.max_tokens == 0))
 
 
 def _job(body: bytes, model, make_job, served: str) -> Job:
@@ -151,7 +147,6 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
     job = sub.job
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
     offsets = [0] * num_choices  # characters of each choice's text sent so far
-    complete = False
     try:
         for index in range(num_choices):
             if job.chat or job.echo:
@@ -176,12 +171,11 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
         else:
             if job.include_usage:
                 yield reply.usage_chunk(accepted.prompt_lengths, tokens)
-        complete = True
         yield sse("[DONE]")
     except ClientDisconnect:
         pass
     finally:
-        if not complete or finished < num_choices:
+        if finished < num_choices:  # (a job whose choices all finished is gone from the engine already)
             engine_loop.cancel(sub)
 
 
