@@ -14,7 +14,7 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
-from hf_paged.cache._config import MAX_SLOTS, CacheConfig
+from hf_paged.cache._config import MAX_SLOTS, CacheConfig, _flag  # (the flags of both configs read alike)
 
 GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
 _CACHE = {f.name: f for f in fields(CacheConfig)}
@@ -23,10 +23,6 @@ _CACHE = {f.name: f for f in fields(CacheConfig)}
 def _cache_field(name: str):
     """A field of ``CacheConfig`` as an ``EngineConfig`` field: the same default and flag."""
     return field(default=_CACHE[name].default, metadata=_CACHE[name].metadata)
-
-
-def _flag(help: str, metavar: str | None = "N") -> dict:
-    return {"help": help, "metavar": metavar}
 
 
 @dataclass(frozen=True)
@@ -44,9 +40,9 @@ class EngineConfig:
     block_size: int = _cache_field("block_size")
     max_batch_tokens: int | None = field(default=None, metadata=_flag(
         "tokens one step may run (prefill chunks and decodes together; default: automatic, from the device and its "
-        "free memory)"))
+        "free memory)", "N"))
     max_num_seqs: int | None = field(default=None, metadata=_flag(
-        "sequences running at once (default: automatic, from the device and its free memory)"))
+        "sequences running at once (default: automatic, from the device and its free memory)", "N"))
     enable_prefix_caching: bool = True
     backend: str | tuple[str, ...] | None = _cache_field("backend")
     memory_budget: float = _cache_field("memory_budget")

@@ -137,7 +137,7 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     room = left * ACTIVATION_SHARE
     per_token, per_seq = step_bytes(model_config, dtype)
     auto_tokens, auto_seqs = "max_batch_tokens" in reasons, "max_num_seqs" in reasons
-    cut = False
+    before = tokens, seqs
     while tokens * per_token + seqs * per_seq > room:
         if auto_tokens and tokens // 2 >= MIN_BATCH_TOKENS:
             tokens //= 2
@@ -145,8 +145,7 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
             seqs //= 2
         else:
             break
-        cut = True
-    if cut:
+    if (tokens, seqs) != before:
         note = f"; cut to fit {ACTIVATION_SHARE:.0%} of the free memory the KV pool leaves ({left / 2**30:.1f} GiB)"
         for name in ("max_batch_tokens", "max_num_seqs"):
             if name in reasons:
