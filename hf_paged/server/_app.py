@@ -28,7 +28,6 @@ from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError, bad_request, error_body
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._limits import RequestLimits
-from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, sse
 from hf_paged.server._sampling import Job, chat_job, completion_job
@@ -44,9 +43,7 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
     still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
     ``max_body_bytes``, ``read_timeout``: ``_limits.RequestLimits``."""
-    metrics = ServerMetrics(model_name)
-    engine_loop = EngineLoop(engine, metrics, engine.config.max_num_seqs + max_queued_requests, chat_template,
-                             on_engine_death)
+    engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -84,7 +81,7 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(engine_loop.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

@@ -74,11 +74,11 @@ class _Timing:
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
     at once, more are refused with 429 by :meth:`submit`. ``on_death`` (any thread may call it) is told if the
-    thread ever dies."""
+    thread ever dies. ``metrics`` holds what ``GET /metrics`` reports."""
 
-    def __init__(self, engine: Engine, metrics: ServerMetrics, capacity: int, chat_template: str | None = None,
+    def __init__(self, engine: Engine, capacity: int, chat_template: str | None = None,
                  on_death: Callable[[str], None] | None = None):
-        self.engine, self.metrics, self.capacity = engine, metrics, capacity
+        self.engine, self.metrics, self.capacity = engine, ServerMetrics(), capacity
         self.prompts = PromptBuilder(engine, chat_template)
         self.on_death = on_death
         self.death: str | None = None  # why the thread died, once it has

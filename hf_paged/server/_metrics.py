@@ -36,8 +36,7 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str):
-        self.model_name = model_name
+    def __init__(self):
         self._lock = threading.Lock()
         self._ttft, self._tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self._finished: dict[str, int] = {}
