@@ -64,8 +64,9 @@ def backend_refusal(names: tuple[str, ...], device: torch.device, exc: NotImplem
 
 
 def print_answer(args: argparse.Namespace, prompt: str, out) -> None:
-    """``> prompt``, the answer as plain text, a note where it did not end by itself, and a blank line."""
-    print(f"> {printable(clip(prompt, 200))}")
+    """``> prompt`` (cut to 200 characters), the answer as plain text, a note where it did not end by itself, and a
+    blank line."""
+    print(f"> {printable(prompt if len(prompt) <= 200 else prompt[:197] + '...')}")
     print(printable(out.text or ""))
     if out.finish_reason == "length":
         print(f"(cut at --max-new-tokens {args.max_new_tokens})")
@@ -102,11 +103,6 @@ def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
         if len(p) > limit:
             raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most {limit} tokens "
                              "(the model's positions, and the KV cache: num_blocks x block_size); shorten it")
-
-
-def clip(text: str, width: int = 60) -> str:
-    """``text`` as a summary line shows it: at most ``width`` characters."""
-    return text if len(text) <= width else text[: width - 3] + "..."
 
 
 def load(args: argparse.Namespace):
