@@ -189,14 +189,14 @@ class EngineCore:
                 launched = self._launch(alone)
             except Exception as err:
                 if not seq.is_finished:  # (an abort from another thread may land while it runs)
-                    self._fail(seq, f"the model failed on this request: {type(err).__name__}: {err}")
+                    self._finish(seq, "error", f"the model failed on this request: {type(err).__name__}: {err}")
                 continue
             self._commit(alone, launched)
             touched += self._resolve()
         return touched
 
-    def _fail(self, seq: Sequence, error: str) -> None:
-        self.scheduler.finish(seq, "error", error)
+    def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
+        self.scheduler.finish(seq, reason, error)
         self.requests.outbox.append(seq)
 
     def _launch(self, batch: ScheduledBatch) -> InFlightStep | None:
@@ -326,8 +326,7 @@ class EngineCore:
             if reason is None and len(seq.token_ids) >= max_len:
                 reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, max_len)
             if reason is not None:
-                self.scheduler.finish(seq, reason, error)
-                self.requests.outbox.append(seq)
+                self._finish(seq, reason, error)
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last
