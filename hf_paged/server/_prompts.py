@@ -1,6 +1,6 @@
 """``PromptBuilder``: a request's prompts as token ids, and how many new tokens each may ask for.
 
-It runs on a tokenizer thread of its own (``EngineLoop.prepare``), off the engine's thread and off the event loop,
+It runs on a tokenizer thread of its own (``EngineLoop._prepare``), off the engine's thread and off the event loop,
 with its own copy of the tokenizer, so that a long prompt delays neither the running requests' steps nor the other
 clients' requests. Before any work, a text prompt whose characters could not fit the model even at the most
 characters a token covers is refused at once; after tokenizing, a prompt that cannot be served (too long for the
