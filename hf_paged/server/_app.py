@@ -5,7 +5,9 @@ limits (size, read timeout: ``_limits``), then its body is parsed and checked of
 ``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
 own ``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
 waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step. Every
-error, unknown routes and methods included, is answered in OpenAI's error shape.
+error, unknown routes and methods included, is answered in OpenAI's error shape. The routes read their bodies
+themselves and declare no parameter FastAPI would validate (the model's id in a path is any string), so FastAPI's
+own validation never answers.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
@@ -209,11 +210,6 @@ def _add_error_handlers(app: FastAPI) -> None:
         else:
             message, code = str(exc.detail), None
         return _answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
-
-    @app.exception_handler(RequestValidationError)
-    async def invalid(request: Request, exc: RequestValidationError):
-        first = (exc.errors() or [{}])[0]
-        return _answer(bad_request(f"invalid request: {first.get('msg', 'invalid value')}"))
 
     @app.exception_handler(ClientDisconnect)
     async def client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
