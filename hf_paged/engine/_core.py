@@ -106,6 +106,7 @@ class EngineCore:
         if batch.is_empty:
             touched += self._resolve()
         else:
+            self.counters.note_step(self.runner.pool.allocator.num_used)  # (a rerun one by one counts as its step)
             try:
                 launched = self._launch(batch)
             except BaseException as exc:
@@ -204,7 +205,6 @@ class EngineCore:
         lock held: what reads the sequences (``runner.prepare``) runs under it, the device work and the sampler
         without it, so other threads may add and abort requests meanwhile (an abort is applied when the step
         commits)."""
-        self.counters.note_step(self.runner.pool.allocator.num_used)
         sampled = list(compress(batch.seqs, batch.sample))
         scored = prompt_rows(batch.seqs, batch.num_tokens)
         prepared = self.runner.prepare(batch, scored.rows if scored is not None else None)
