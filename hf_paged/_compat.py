@@ -91,7 +91,7 @@ CompileConfig._compile_all_devices                          generate's          
                                                             kept on a copied compile     set_compile_all_devices
                                                             config
 
-PreTrainedModel._compiled_call,                             forgetting generate's        generate/_optimize.py:
+PreTrainedModel._compiled_call,                             forgetting generate's        generate/_adapter.py:
 PreTrainedModel._last_compile_config                        compiled forward             COMPILED_CALL_ATTRIBUTES
 
 PretrainedConfig._attn_implementation                       whether a model runs the     hf/_register.py:
@@ -511,7 +511,7 @@ def set_compile_all_devices(config, value: bool | None) -> None:
 
 #: The attributes in which ``PreTrainedModel.get_compiled_call`` keeps the compiled forward and the compile config it
 #: was made with: ``optimize_generate`` and ``restore_generate`` drop them so that the next compiled step traces the
-#: model anew (``generate/_optimize.py``). Checked on transformers 5.17 and 5.24.
+#: model anew (``generate/_adapter.py``'s ``forget_compiled_call``). Checked on transformers 5.17 and 5.24.
 COMPILED_CALL_ATTRIBUTES = ("_compiled_call", "_last_compile_config")
 
 
@@ -552,19 +552,16 @@ def user_defined_flag_from(name: str) -> Callable[[type], type]:
     return decorate
 
 
-def wrap_prepare_cache(wrap: Callable[[Callable], Callable]) -> bool:
-    """Replace ``generate``'s cache maker with ``wrap(current)``; False where this transformers has none.
+def wrap_prepare_cache(wrap: Callable[[Callable], Callable]) -> None:
+    """Replace ``generate``'s cache maker with ``wrap(current)``.
 
     Symbol: ``GenerationMixin._prepare_cache_for_generation(self, generation_config, model_kwargs, generation_mode,
     batch_size, max_cache_length)``, which puts the cache ``generate`` makes (a ``DynamicCache`` unless
-    ``cache_implementation`` says otherwise) into ``model_kwargs``. Checked on transformers 5.17 and 5.25."""
+    ``cache_implementation`` says otherwise) into ``model_kwargs``. Every supported transformers has it (checked on
+    5.17 and 5.25), so there is no fallback: an ``AttributeError`` names it."""
     from transformers import GenerationMixin
 
-    current = getattr(GenerationMixin, "_prepare_cache_for_generation", None)
-    if current is None:
-        return False
-    GenerationMixin._prepare_cache_for_generation = wrap(current)
-    return True
+    GenerationMixin._prepare_cache_for_generation = wrap(GenerationMixin._prepare_cache_for_generation)
 
 
 def model_from_config(model_class: type, config, **kwargs) -> torch.nn.Module:

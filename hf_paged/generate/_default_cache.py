@@ -48,12 +48,8 @@ def paged_default(model, generation_config, batch_size: int, max_cache_length: i
 
 
 def install() -> bool:
-    """Wrap ``generate``'s cache maker (once, ``_compat.wrap_prepare_cache``); False, with a warning, where this
-    transformers has none."""
-    if not _compat.wrap_prepare_cache(_paged_unless_given):
-        logger.warning("hf_paged: this transformers' generate has no _prepare_cache_for_generation; generate on an "
-                       '"hf_paged" model without a cache runs dense (pass a PagedAttentionCache)')
-        return False
+    """Wrap ``generate``'s cache maker (once, ``_compat.wrap_prepare_cache``); True, as it is then in place."""
+    _compat.wrap_prepare_cache(_paged_unless_given)
     return True
 
 

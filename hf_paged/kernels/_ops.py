@@ -75,13 +75,19 @@ def _check_kv_scales(k_cache: torch.Tensor, k_scale: torch.Tensor | None, v_scal
                          "pass None")
 
 
-def _check_fp8_query(op: str, query: torch.Tensor) -> None:
-    """``NotImplementedError`` (naming what is compiled) for a query the kernels cannot pair with an e4m3 cache."""
-    if query.dtype not in FP8_QUERY_DTYPES or query.shape[-1] not in FP8_HEAD_DIMS:
+def _check_attention_inputs(op: str, query: torch.Tensor, k_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                            v_scale: torch.Tensor | None) -> None:
+    """The checks the decode and prefill ops share: the scales (:func:`_check_kv_scales`), CUDA tensors
+    (``ValueError``), and a query dtype and head_dim compiled for this cache (``NotImplementedError`` naming them)."""
+    _check_kv_scales(k_cache, k_scale, v_scale)
+    if not query.is_cuda:
+        raise ValueError(f"{op} needs CUDA tensors, got query on {query.device}")
+    fp8 = k_cache.dtype == torch.float8_e4m3fn
+    dtypes, head_dims = (FP8_QUERY_DTYPES, FP8_HEAD_DIMS) if fp8 else (DECODE_DTYPES, HEAD_DIMS)
+    if query.dtype not in dtypes or query.shape[-1] not in head_dims:
         raise NotImplementedError(
-            f"{op} over a float8_e4m3fn cache is compiled for {FP8_QUERY_DTYPES} queries and head_dim "
-            f"{FP8_HEAD_DIMS}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves other "
-            "shapes)"
+            f"{op}{' over a float8_e4m3fn cache' if fp8 else ''} is compiled for {dtypes} queries and head_dim "
+            f"{head_dims}; got {query.dtype} with head_dim {query.shape[-1]} (the torch backend serves other shapes)"
         )
 
 
@@ -172,16 +178,7 @@ def paged_decode(
     it waits for that kernel. So the kernel right before it may write each sequence's newest key and value (as
     :func:`write_kv` does in a decode step) and the query, but no older key.
     """
-    _check_kv_scales(k_cache, k_scale, v_scale)
-    if not query.is_cuda:
-        raise ValueError(f"paged_decode needs CUDA tensors, got query on {query.device}")
-    if k_cache.dtype == torch.float8_e4m3fn:
-        _check_fp8_query("paged_decode", query)
-    elif query.dtype not in DECODE_DTYPES or query.shape[-1] not in HEAD_DIMS:
-        raise NotImplementedError(
-            f"paged_decode is compiled for {DECODE_DTYPES} and head_dim {HEAD_DIMS}; got {query.dtype} with "
-            f"head_dim {query.shape[-1]} (the torch backend serves other shapes)"
-        )
+    _check_attention_inputs("paged_decode", query, k_cache, k_scale, v_scale)
     if max_seq_len is None:
         max_seq_len = int(seq_lens.max()) if seq_lens.numel() else 0
     if out is None:

@@ -18,10 +18,9 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels._ops import HEAD_DIMS, _check_fp8_query, _check_kv_scales
+from hf_paged.kernels._ops import _check_attention_inputs
 from hf_paged.kernels._build import load
 
-PREFILL_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 PREFILL_CONFIGS = (0, 1, 2)  # fp16/bf16 tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
 AUTO_CONFIG = -1
 WIDEST_CONFIG_0 = 128  # config 0 (32 rows per warp) would spill registers above this head_dim, so is not compiled
@@ -59,8 +58,8 @@ def paged_prefill(
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
     Args:
-        query: ``[T, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`HEAD_DIMS`; ``H`` a multiple of
-            ``Hkv``), each row ``[D]`` contiguous and 16-byte aligned.
+        query: ``[T, H, D]`` float16, bfloat16 or float32 (``D`` in :data:`~hf_paged.kernels.HEAD_DIMS`; ``H`` a
+            multiple of ``Hkv``), each row ``[D]`` contiguous and 16-byte aligned.
         k_cache, v_cache: ``[num_blocks, block_size, Hkv, D]``, query's dtype, already holding every token of each
             context (the new tokens included); any ``block_size``. Or ``float8_e4m3fn`` with ``k_scale``/``v_scale``
             (query float16 or bfloat16, ``D`` in :data:`~hf_paged.kernels.FP8_HEAD_DIMS`).
@@ -86,7 +85,6 @@ def paged_prefill(
     Returns:
         ``[T, H, D]`` in query's dtype. The softmax runs in float32.
     """
-    _check_kv_scales(k_cache, k_scale, v_scale)
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in WGMMA_CONFIGS:
@@ -95,13 +93,7 @@ def paged_prefill(
             raise NotImplementedError(wgmma_refusal)
         if config != AUTO_CONFIG:
             raise ValueError(f"impl={impl!r} has one tile shape; leave config at {AUTO_CONFIG}, got {config}")
-    if not query.is_cuda:
-        raise ValueError(f"paged_prefill needs CUDA tensors, got query on {query.device}")
-    if k_cache.dtype == torch.float8_e4m3fn:
-        _check_fp8_query("paged_prefill", query)
-    elif query.dtype not in PREFILL_DTYPES or query.shape[-1] not in HEAD_DIMS:
-        raise NotImplementedError(f"paged_prefill serves {PREFILL_DTYPES} with head_dim in {HEAD_DIMS}; got "
-                                  f"{query.dtype} with head_dim {query.shape[-1]}")
+    _check_attention_inputs("paged_prefill", query, k_cache, k_scale, v_scale)
     if config != AUTO_CONFIG and config not in PREFILL_CONFIGS:
         raise ValueError(f"config must be {AUTO_CONFIG} (auto) or one of {PREFILL_CONFIGS}, got {config}")
     if config != AUTO_CONFIG and config not in prefill_configs(query.shape[-1]):
