@@ -59,14 +59,39 @@ def score_options(windows: tuple[int, ...], softcaps: tuple[float, ...]) -> list
     return [(w, c) for w in (0, *windows) for c in (0.0, *softcaps) if w or c]
 
 
-def paged_copy(logical: torch.Tensor, block_size: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``logical`` [B, L, Hkv, D] (L a multiple of block_size) stored in shuffled blocks: (cache, block_tables)."""
-    batch, length = logical.shape[:2]
-    blocks = logical.reshape(batch * (length // block_size), block_size, *logical.shape[2:])
-    perm = torch.randperm(blocks.shape[0], device=logical.device, generator=gen)
-    cache = torch.empty_like(blocks)
-    cache[perm] = blocks  # logical block i lives at physical block perm[i]
-    return cache, perm.view(batch, -1).to(torch.int32)
+def paged_kv(k: torch.Tensor, v: torch.Tensor, batch: int, block_size: int,
+             gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """K and V of ``batch`` sequences of one length L (a multiple of ``block_size``), ``[B, L, Hkv, D]`` or
+    ``[B * L, Hkv, D]``, stored in the same shuffled blocks: (k_cache, v_cache, block_tables ``[B, L / block_size]``
+    int32)."""
+    blocks = k.reshape(-1, block_size, *k.shape[-2:])
+    perm = torch.randperm(blocks.shape[0], device=k.device, generator=gen)
+    k_cache, v_cache = torch.empty_like(blocks), torch.empty_like(blocks)
+    k_cache[perm] = blocks  # logical block i lives at physical block perm[i]
+    v_cache[perm] = v.reshape_as(blocks)
+    return k_cache, v_cache, perm.view(batch, -1).to(torch.int32)
+
+
+def add_fp8_cache(s: dict) -> dict:
+    """``s`` with its block-size-16 cache (``k16``, ``v16``) also as e4m3 with per-head scales, as
+    ``kv_cache_dtype="fp8"`` stores it: ``k16_fp8``, ``v16_fp8``, ``k_scale``, ``v_scale``."""
+    for name in ("k", "v"):
+        cache = s[f"{name}16"]
+        scale = torch.zeros(cache.shape[-2], dtype=torch.float32, device=cache.device)
+        kv_quant.fix_unset_scales(scale, cache.flatten(0, 1))
+        s[f"{name}16_fp8"], s[f"{name}_scale"] = kv_quant.quantize(cache.flatten(0, 1), scale).view(cache.shape), scale
+    return s
+
+
+def check_outputs(rows: list, outputs: dict[str, torch.Tensor]) -> None:
+    """Add each row's relative difference from ``ours-bs16`` to its note, and raise where it exceeds the bound:
+    every contender computed the same attention, and a wrong kernel must not post a fast time."""
+    ref = outputs["ours-bs16"]
+    for row in rows:
+        err = ((outputs[row.impl] - ref).norm() / ref.norm()).item()
+        row.note = f"{row.note} diff={err:.1e}".strip()
+        if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
+            raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at {row}: relative difference {err:.2e}")
 
 
 def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dict:
@@ -78,14 +103,8 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
     s = {"query": torch.randn(batch, NUM_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE),
          "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
     for bs in (16, 256):
-        s[f"k{bs}"], s[f"t{bs}"] = paged_copy(k, bs, gen)
-        s[f"v{bs}"] = torch.empty_like(s[f"k{bs}"])  # V in the same blocks as K
-        s[f"v{bs}"][s[f"t{bs}"].view(-1).long()] = v.reshape_as(s[f"k{bs}"])
-    for name in ("k", "v"):  # the block-size-16 cache as e4m3 with per-head scales, as kv_cache_dtype="fp8" stores it
-        cache, scale = s[f"{name}16"], torch.zeros(NUM_KV_HEADS, dtype=torch.float32, device="cuda")
-        kv_quant.fix_unset_scales(scale, cache.flatten(0, 1))
-        s[f"{name}16_fp8"], s[f"{name}_scale"] = kv_quant.quantize(cache.flatten(0, 1), scale).view(cache.shape), scale
-    return s
+        s[f"k{bs}"], s[f"v{bs}"], s[f"t{bs}"] = paged_kv(k, v, batch, bs, gen)
+    return add_fp8_cache(s)
 
 
 def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
@@ -152,12 +171,7 @@ def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch
         rows.append(Row(head_dim, batch, ctx, name, timing.median_s * 1e6, nbytes / timing.median_s / 1e12,
                         100 * nbytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
         print(_format(rows[-1]), flush=True)
-    ref = outputs["ours-bs16"]
-    for row in rows:  # every contender computed the same attention: a wrong kernel must not post a fast time
-        err = ((outputs[row.impl] - ref).norm() / ref.norm()).item()
-        row.note = f"{row.note} diff={err:.1e}".strip()
-        if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
-            raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at {row}: relative difference {err:.2e}")
+    check_outputs(rows, outputs)
     return rows
 
 

@@ -1,0 +1,32 @@
+"""The kernel benchmarks' input helpers (``hf_paged.bench._kernels``), on the CPU: the paged copies hold the logical
+K/V at the blocks their tables name, and the output check refuses a contender that computed something else."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hf_paged.bench._kernels import Row, check_outputs, paged_kv
+
+
+@pytest.mark.parametrize("flat", [False, True])
+def test_paged_kv_stores_each_sequence_at_the_blocks_of_its_table(flat: bool):
+    batch, length, block_size = 3, 32, 8
+    k, v = torch.randn(batch, length, 2, 4), torch.randn(batch, length, 2, 4)
+    args = (k.flatten(0, 1), v.flatten(0, 1)) if flat else (k, v)
+    k_cache, v_cache, tables = paged_kv(*args, batch, block_size, torch.Generator().manual_seed(0))
+    assert tables.dtype == torch.int32 and tables.shape == (batch, length // block_size)
+    assert sorted(tables.flatten().tolist()) == list(range(batch * length // block_size))  # a permutation
+    for cache, logical in ((k_cache, k), (v_cache, v)):
+        assert torch.equal(cache[tables.long()].reshape(batch, length, 2, 4), logical)
+
+
+def test_check_outputs_notes_the_difference_and_refuses_a_wrong_contender():
+    ref = torch.ones(4)
+    rows = [Row(128, 1, 8, "ours-bs16", 1.0, 1.0, 1.0, "graph", "split_len=4"),
+            Row(128, 1, 8, "ours-fp8-bs16", 1.0, 1.0, 1.0, "graph")]
+    check_outputs(rows, {"ours-bs16": ref, "ours-fp8-bs16": ref * 1.1})  # within fp8's bound
+    assert [r.note for r in rows] == ["split_len=4 diff=0.0e+00", "diff=1.0e-01"]
+    with pytest.raises(RuntimeError, match="ours-bs256 disagrees with ours-bs16"):
+        check_outputs([Row(128, 1, 8, "ours-bs256", 1.0, 1.0, 1.0, "graph")],
+                      {"ours-bs16": ref, "ours-bs256": ref * 1.1})
