@@ -122,9 +122,7 @@ that ``parallel/_linears.py`` reads (``inspect.getclosurevars``: no private name
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
-import logging
 import operator
 import re
 import warnings
@@ -132,8 +130,6 @@ from collections.abc import Callable
 
 import torch
 import transformers
-
-logger = logging.getLogger("hf_paged")
 
 __all__ = [
     "COMPILED_CALL_ATTRIBUTES", "INDUCTOR_CUDAGRAPHS", "INDUCTOR_CUSTOM_PRE_PASS", "INDUCTOR_PDL",
@@ -248,10 +244,8 @@ def inductor_has_option(name: str) -> bool:
     Symbol: ``torch._inductor.config``. hf_paged asks it before passing ``triton.enable_pdl`` to its compiled
     layers (``compile/_layers.py``'s ``inductor_has_pdl``); the other options it passes are checked by the tests.
     Checked on torch 2.11 and 2.13."""
-    try:
-        import torch._inductor.config as inductor_config
-    except ImportError:
-        return False
+    import torch._inductor.config as inductor_config
+
     node = inductor_config
     for part in name.split("."):
         if not hasattr(node, part):
@@ -267,10 +261,8 @@ def compile_caches_disabled() -> bool:
 
     Symbol: ``torch._inductor.config.force_disable_caches``. Falls back to False (caches on, torch's default) where
     this torch lacks the option. Checked on torch 2.11 and 2.13."""
-    try:
-        from torch._inductor import config as inductor_config
-    except ImportError:
-        return False
+    from torch._inductor import config as inductor_config
+
     return bool(getattr(inductor_config, "force_disable_caches", False))
 
 
@@ -296,27 +288,16 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     return tuple(errors)
 
 
-@functools.lru_cache(maxsize=1)
-def _static_address_marker() -> Callable | None:
-    try:
-        from torch._dynamo import mark_static_address as mark
-    except ImportError:
-        logger.warning("hf_paged: this torch has no torch._dynamo.mark_static_address; compiled decode steps copy "
-                       "their fixed inputs (slower, same results)")
-        return None
-    return mark
-
-
 def mark_static_address(t: torch.Tensor) -> None:
     """Tell dynamo that ``t`` keeps its address from call to call (CUDA graphs then read it in place).
 
     Symbol: ``torch._dynamo.mark_static_address``. A compiled ``generate`` decode step reads the step's metadata
     and writes the KV pool at fixed addresses; inductor's CUDA graphs skip a step whose mutated inputs are not
-    marked so (``generate/_static_decode.py``). Falls back to doing nothing (warned once) where this torch lacks it.
-    Checked on torch 2.11 and 2.13."""
-    mark = _static_address_marker()
-    if mark is not None:
-        mark(t)
+    marked so (``generate/_static_decode.py``). No fallback: every torch that hf_paged installs with (2.4 on) has it
+    (it came in 2.1), and an ``ImportError`` names it where a release drops it. Checked on torch 2.11 and 2.13."""
+    from torch._dynamo import mark_static_address as mark
+
+    mark(t)
 
 
 class _CustomGraphPassStandIn:
@@ -469,15 +450,6 @@ def flash_attention_forward():
 
 # ===== transformers =================================================================================================
 
-def _generation_requests():
-    try:
-        from transformers.generation.continuous_batching import requests
-    except ImportError as exc:
-        raise ImportError(str(_missing("transformers.generation.continuous_batching.requests",
-                                       "generate_batch's results", exc))) from exc
-    return requests
-
-
 def default_generation_params() -> dict:
     """transformers' global defaults of the generation fields that a model and the caller left unset.
 
@@ -603,11 +575,13 @@ def __getattr__(name: str):
     if name == "CustomGraphPass":
         value = _custom_graph_pass()
     elif name in ("GenerationOutput", "RequestStatus"):
-        requests = _generation_requests()
-        if not hasattr(requests, name):
+        try:
+            from transformers.generation.continuous_batching import requests
+
+            value = getattr(requests, name)
+        except (ImportError, AttributeError) as exc:
             raise ImportError(str(_missing(f"transformers.generation.continuous_batching.requests.{name}",
-                                           "generate_batch's results")))
-        value = getattr(requests, name)
+                                           "generate_batch's results", exc))) from exc
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value

@@ -144,6 +144,5 @@ def _choice(name: str, choices: tuple[str, ...], default: str) -> str:
 
 def refresh() -> None:
     """Forget the values read so far: the next use of each reads the environment again."""
-    for read in (api_key, backend, commit, kernel_cache_dir, model_cache_dir, compile_cache_dir, kernel_trace, tp_all_reduce,
-                 tp_timeout_s):
+    for read in [value for value in globals().values() if hasattr(value, "cache_clear")]:  # the cached readers
         read.cache_clear()
