@@ -60,9 +60,6 @@ class BlockAllocator:
     def num_used(self) -> int:
         return self.num_blocks - len(self._free)
 
-    def can_allocate(self, n: int) -> bool:
-        return n <= len(self._free)
-
     def allocate(self, n: int = 1) -> list[int]:
         """Hand out ``n`` fresh blocks, each with reference count 1. All or nothing."""
         if n < 0:

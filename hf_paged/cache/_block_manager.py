@@ -221,14 +221,9 @@ class BlockManager:
 
     def commit(self, seqs: list[Sequence], num_computed: list[int]) -> None:
         """Record that ``num_computed[i]`` more tokens of ``seqs[i]`` have their KV written."""
-        bs = self.block_size
-        if not self.enable_prefix_caching:
-            for seq, n in zip(seqs, num_computed):
-                seq.num_computed_tokens += n
-            return
         for seq, n in zip(seqs, num_computed):
-            c = seq.num_computed_tokens = seq.num_computed_tokens + n
-            if c // bs > seq.num_hashed_blocks:
+            seq.num_computed_tokens += n
+            if self.enable_prefix_caching and seq.num_computed_tokens // self.block_size > seq.num_hashed_blocks:
                 self.register_full_blocks(seq)
 
     def fork(self, parent: Sequence, child: Sequence, num_computed: int) -> None:

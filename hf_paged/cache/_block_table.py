@@ -49,19 +49,19 @@ class BlockTableBuffer:
         end = start + len(blocks)
         self._fit(end)
         self._entries[row, start:end] = blocks
-        if self._changes is not None:
-            rows, columns = self._changes
-            rows.extend((row,) * len(blocks))
-            columns.extend(range(start, end))
+        self._log((row,) * len(blocks), range(start, end))
 
     def write_entries(self, rows: list[int], columns: list[int], blocks: list[int]) -> None:
         """Set entry ``(rows[i], columns[i])`` to ``blocks[i]`` for every ``i``: one numpy write for many rows."""
         self._fit(max(columns, default=-1) + 1)
         self._entries[rows, columns] = blocks
+        self._log(rows, columns)
+
+    def _log(self, rows, columns) -> None:
+        """Record that entries ``(rows[i], columns[i])`` were written, when logging."""
         if self._changes is not None:
-            logged_rows, logged_columns = self._changes
-            logged_rows.extend(rows)
-            logged_columns.extend(columns)
+            self._changes[0].extend(rows)
+            self._changes[1].extend(columns)
 
     def _fit(self, width: int) -> None:
         """Grow the table (at least doubling it) to ``width`` columns if it has fewer."""

@@ -10,6 +10,7 @@ model split with accelerate's ``device_map`` keeps each layer's KV next to its w
 from __future__ import annotations
 
 import os
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -69,10 +70,7 @@ def check_pool_fits(layout: KVLayout, num_blocks: int, block_size: int, dtype: t
     """Refuse a pool larger than the memory of a device its layers are on (before anything is allocated: a pool of
     ``10**11`` blocks would otherwise fill memory for minutes before it fails)."""
     per_layer = layout.bytes_per_block(block_size, dtype) // layout.num_layers * num_blocks
-    counts: dict[torch.device, int] = {}
-    for d in layer_devices:
-        counts[torch.device(d)] = counts.get(torch.device(d), 0) + 1
-    for device, layers in counts.items():
+    for device, layers in Counter(torch.device(d) for d in layer_devices).items():
         total = total_memory_bytes(device)
         if total is not None and per_layer * layers > total:
             raise ValueError(f"num_blocks={num_blocks} would take {per_layer * layers / 2**30:.1f} GiB of KV cache on "
@@ -116,9 +114,7 @@ def blocks_for_budget(
     if budget is None or isinstance(budget, float):
         if budget is not None and not 0.0 < budget <= 1.0:
             raise ValueError(f"a fractional memory budget must be in (0, 1], got {budget}")
-        counts: dict[torch.device, int] = {}
-        for d in devices:
-            counts[torch.device(d)] = counts.get(torch.device(d), 0) + 1
+        counts = Counter(torch.device(d) for d in devices)
         # Each device holds counts[d] of the layers: size by the device with the least room per layer.
         per_layer = min(pool_room(d, budget, free_memory_bytes(d)) / counts[d] for d in counts)
         num = int((per_layer * layout.num_layers - fixed) // per_block)
