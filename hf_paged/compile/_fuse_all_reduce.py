@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hf_paged.compile._group_linears import _KEPT_META
+from hf_paged.compile._group_linears import _keep_meta
 
 __all__ = ["fuse_all_reduce"]
 
@@ -155,10 +155,6 @@ def _rms_norm_of(h: torch.fx.Node):
     if eps_convert is not None and len(eps_convert.users) != 1:
         chain.remove(eps_convert)  # used elsewhere too: kept
     return weight, eps, out, chain
-
-
-def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
-    new.meta.update({k: old.meta[k] for k in _KEPT_META if k in old.meta})
 
 
 def _replace_with_add(graph, reduce, add, x, residual, group) -> None:

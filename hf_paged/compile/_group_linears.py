@@ -107,21 +107,32 @@ def _defined_before(call: torch.fx.Node, first: torch.fx.Node, position: dict) -
     return all(position[n] < position[first] for n in call.all_input_nodes)
 
 
+def _keep_meta(new: torch.fx.Node, old: torch.fx.Node, keys: tuple[str, ...] = _KEPT_META) -> None:
+    """Copy ``old``'s metadata of ``keys`` (where it has them) to ``new``, the node that takes its place."""
+    new.meta.update({k: old.meta[k] for k in keys if k in old.meta})
+
+
+def _call_on_members(graph: torch.fx.Graph, op, members: list[torch.fx.Node], before: torch.fx.Node) -> torch.fx.Node:
+    """A call of ``op`` on the members' shared input, their weights and their biases, inserted (by the caller's
+    ``inserting_before``) where ``before`` stands, with its metadata and the members' eager input values (the strides
+    inductor keeps the inputs to, as the single calls had)."""
+    calls = [_arguments(m) for m in members]
+    call = graph.call_function(op, (calls[0][0], [c[1] for c in calls], [c[2] for c in calls]))
+    _keep_meta(call, before)
+    eager = [m.meta.get("eager_input_vals") for m in members]
+    if all(e is not None for e in eager):
+        values = [_arguments(_Values(*e)) for e in eager]
+        call.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
+    return call
+
+
 def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
-    x = _arguments(members[0])[0]
-    weights = [_arguments(m)[1] for m in members]
-    biases = [_arguments(m)[2] for m in members]
     with graph.inserting_before(members[0]):
-        group = graph.call_function(torch.ops.hf_paged.linear_group.default, (x, weights, biases))
-        group.meta.update({k: members[0].meta[k] for k in _KEPT_META if k in members[0].meta})
+        group = _call_on_members(graph, torch.ops.hf_paged.linear_group.default, members, members[0])
         group.meta["val"] = [m.meta.get("val") for m in members]
-        eager = [m.meta.get("eager_input_vals") for m in members]
-        if all(e is not None for e in eager):  # the strides inductor keeps the inputs to, as the single calls had
-            values = [_arguments(_Values(*e)) for e in eager]
-            group.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
         for i, member in enumerate(members):
             item = graph.call_function(operator.getitem, (group, i))
-            item.meta.update({k: member.meta[k] for k in ("val", *_KEPT_META) if k in member.meta})
+            _keep_meta(item, member, ("val", *_KEPT_META))
             member.replace_all_uses_with(item)
     for member in members:
         graph.erase_node(member)
@@ -159,27 +170,19 @@ def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
 def _replace_packed(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node) -> None:
     """One ``hf_paged.linear_packed`` call of ``members`` (in the order their weights lie in memory) where ``before``
     (the first of them in the graph) stands; each member's uses take a slice of its output (a view) instead."""
-    x = _arguments(members[0])[0]
-    weights = [_arguments(m)[1] for m in members]
-    biases = [_arguments(m)[2] for m in members]
     outs = [m.meta["val"] for m in members]
     with graph.inserting_before(before):
-        packed = graph.call_function(torch.ops.hf_paged.linear_packed.default, (x, weights, biases))
-        packed.meta.update({k: before.meta[k] for k in _KEPT_META if k in before.meta})
+        packed = _call_on_members(graph, torch.ops.hf_paged.linear_packed.default, members, before)
         with outs[0].fake_mode:
             whole = torch.cat(outs, dim=-1)  # the op's output: contiguous, the members' columns side by side
         packed.meta["val"] = whole
-        eager = [m.meta.get("eager_input_vals") for m in members]
-        if all(e is not None for e in eager):
-            values = [_arguments(_Values(*e)) for e in eager]
-            packed.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
         start, dim = 0, whole.dim() - 1
         for member, out in zip(members, outs, strict=True):
             end = start + out.shape[-1]
             item = graph.call_function(torch.ops.aten.slice.Tensor, (packed, dim, start, end))
             with out.fake_mode:
                 item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
-            item.meta.update({k: member.meta[k] for k in _KEPT_META if k in member.meta})
+            _keep_meta(item, member)
             member.replace_all_uses_with(item)
             start = end
     for member in members:
