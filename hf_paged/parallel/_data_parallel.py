@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from hf_paged.parallel._lockstep import KEPT_ERROR_TYPES
+from hf_paged.parallel._lockstep import portable_error
 
 logger = logging.getLogger("hf_paged")
 
@@ -59,8 +59,7 @@ def run_shares(world_size: int, rank: int, workload: Callable[[], tuple[list, li
                     len(share), len(items), sum(costs[i] for i in share), sum(costs))
         outcome = (hashlib.sha256(repr(costs).encode()).hexdigest(), None, run([items[i] for i in share], share))
     except Exception as exc:
-        kind = next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError)  # a class every process has
-        outcome, failure = (None, (kind, f"{type(exc).__name__}: {exc}"), None), exc
+        outcome, failure = (None, portable_error(exc), None), exc
     else:
         failure = None
     everyone: list = [None] * world_size

@@ -35,10 +35,17 @@ from torch.distributed.tensor import DTensor
 from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
-from hf_paged.compile._packed_weights import move_end_to_end
+from hf_paged.compile._packed_weights import lay_end_to_end
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
+
+
+def local_shards(module: torch.nn.Linear) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The local shards of ``module``'s weight and bias (views of the DTensors' storage, not copies; a bias that is
+    not a DTensor as it is)."""
+    bias = module.bias
+    return module.weight.to_local(), (bias.to_local() if isinstance(bias, DTensor) else bias)
 
 
 class LocalLinear:
@@ -52,9 +59,7 @@ class LocalLinear:
     def refresh(self, module: torch.nn.Linear) -> None:
         """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
         the module since are served from the next compile on (the compiled code guards on these tensors)."""
-        self.weight = module.weight.to_local()
-        bias = module.bias
-        self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
+        self.weight, self.bias = local_shards(module)
         self.routing = skinny_linear
         self.skinny = skinny_linear.skip_reason_of(self.weight, self.bias, self.weight.dtype) is None
 
@@ -88,7 +93,7 @@ def install(model: torch.nn.Module, group) -> str | None:
             local.refresh(module)
             continue
         weight = getattr(module, "weight", None)
-        if not is_dtensor(weight):
+        if not isinstance(weight, DTensor):
             continue
         style = _style_of(module)
         if not isinstance(module, torch.nn.Linear) or style is None:
@@ -126,28 +131,16 @@ def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module]) -> int
 
 
 def _pack(modules: list[torch.nn.Linear]) -> bool:
-    with torch.no_grad():
-        weights = _own_locals([m.weight for m in modules])
-        biases = [m.bias for m in modules]
-        bias_locals = None if all(b is None for b in biases) else _own_locals(biases)
-        if weights is None or (bias_locals is None and any(b is not None for b in biases)):
-            return False
-        first = weights[0]
-        if any(not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device
-               for t in weights + (bias_locals or [])) or any(w.dim() != 2 or w.shape[1] != first.shape[1]
-                                                              for w in weights):
-            return False
-        if skinny.packed_rows(weights, bias_locals or [None] * len(weights)) is not None:
-            return True  # (an earlier engine packed them)
-        for tensors in (weights, bias_locals) if bias_locals else (weights,):
-            move_end_to_end(tensors)
-    return True
+    weights = _own_locals([m.weight for m in modules])
+    biases = [m.bias for m in modules]
+    bias_locals = [None] * len(modules) if all(b is None for b in biases) else _own_locals(biases)
+    return weights is not None and bias_locals is not None and lay_end_to_end(weights, bias_locals)
 
 
 def _own_locals(params: list) -> list[torch.Tensor] | None:
     """The DTensors' own local tensors (``to_local()`` hands views of them), or None where one is not a DTensor or
     this torch keeps it elsewhere."""
-    if not all(is_dtensor(p) for p in params):
+    if not all(isinstance(p, DTensor) for p in params):
         return None
     locals_ = [_compat.dtensor_local_tensor(p) for p in params]
     if any(not isinstance(t, torch.Tensor) or t.data_ptr() != p.to_local().data_ptr()
@@ -159,10 +152,6 @@ def _own_locals(params: list) -> list[torch.Tensor] | None:
 def installed(model: torch.nn.Module) -> int:
     """How many of ``model``'s linears carry a :class:`LocalLinear`."""
     return len(patches.patched(model.modules(), "tp_linears"))
-
-
-def is_dtensor(tensor) -> bool:
-    return isinstance(tensor, DTensor)
 
 
 def _style_of(module: torch.nn.Module) -> bool | None:

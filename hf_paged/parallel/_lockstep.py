@@ -68,7 +68,9 @@ class Lockstep:
     def check(self, seqs: list, num_tokens: list[int]) -> None:
         """Before a step's forward (``seqs[i]`` computes ``num_tokens[i]`` tokens): raise the same ``RuntimeError``
         on every rank if a rank failed or scheduled another batch."""
-        self._refuse_if_failed()
+        if self.failure is not None:
+            kind, message = self.failure
+            raise kind(f"this engine stopped after an earlier error: {message}")
         self._step += 1
         mine = torch.tensor([_OK, self._step, _fingerprint(seqs, num_tokens), len(seqs), sum(num_tokens)],
                             dtype=torch.int64)
@@ -115,8 +117,7 @@ class Lockstep:
 
     def _raise_failure(self, exc: BaseException | None) -> NoReturn:
         """Some rank failed: every rank learns the first failed rank's error and raises it."""
-        mine = None if exc is None else (next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError),
-                                          f"{type(exc).__name__}: {exc}")
+        mine = None if exc is None else portable_error(exc)
         errors: list = [None] * self.tp.world_size
         dist.all_gather_object(errors, mine, group=self._checks)
         index = next(i for i, e in enumerate(errors) if e is not None)
@@ -129,10 +130,11 @@ class Lockstep:
         logger.error("%s", message)
         raise kind(message) from cause
 
-    def _refuse_if_failed(self) -> None:
-        if self.failure is not None:
-            kind, message = self.failure
-            raise kind(f"this engine stopped after an earlier error: {message}")
+
+def portable_error(exc: BaseException) -> tuple[type[Exception], str]:
+    """``exc`` as every process can raise it again: its class where it is one of :data:`KEPT_ERROR_TYPES` (else
+    ``RuntimeError``) and a message naming its own class."""
+    return next((k for k in KEPT_ERROR_TYPES if isinstance(exc, k)), RuntimeError), f"{type(exc).__name__}: {exc}"
 
 
 def _fingerprint(seqs: list, num_tokens: list[int]) -> int:

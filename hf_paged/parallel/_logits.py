@@ -27,15 +27,14 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 from hf_paged import _forward_context
 from hf_paged.compile import _patches as patches
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # noqa: F401  (registers hf_paged::tp_all_reduce)
-from hf_paged.parallel._linears import is_dtensor
+from hf_paged.parallel._linears import local_shards
 
 _MAX_EXACT_ID = 1 << 24  # ids travel as float32 next to their values: exact up to here
-
-
 
 
 @dataclass(frozen=True)
@@ -91,9 +90,7 @@ class LocalLogits:
 
     def __init__(self, module: torch.nn.Linear, eager, shards: VocabShards):
         self.eager, self.shards = eager, shards
-        self.weight = module.weight.to_local()
-        bias = module.bias
-        self.bias = None if bias is None else (bias.to_local() if hasattr(bias, "to_local") else bias)
+        self.weight, self.bias = local_shards(module)
 
     def __call__(self, *args, **kwargs):
         if not _forward_context.local_logits() or len(args) != 1 or kwargs:
@@ -122,7 +119,7 @@ def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
     """The split of ``head``'s output over ``tp``'s ranks where it is sharded evenly by output rows, into a
     replicated output (transformers' colwise style with a gathered output); else None."""
     weight = getattr(head, "weight", None)
-    if not isinstance(head, torch.nn.Linear) or not is_dtensor(weight):
+    if not isinstance(head, torch.nn.Linear) or not isinstance(weight, DTensor):
         return None
     placements = weight.placements
     if len(placements) != 1 or not placements[0].is_shard() or placements[0].dim % 2 != 0:
@@ -131,6 +128,6 @@ def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
     if vocab % world or vocab >= _MAX_EXACT_ID or weight.to_local().shape[0] != vocab // world:
         return None
     bias = head.bias
-    if bias is not None and (not is_dtensor(bias) or bias.to_local().shape[0] != vocab // world):
+    if bias is not None and (not isinstance(bias, DTensor) or bias.to_local().shape[0] != vocab // world):
         return None
     return VocabShards(tp.group.group_name, tp.group, tp.rank, world, vocab // world, vocab)

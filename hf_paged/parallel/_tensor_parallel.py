@@ -63,14 +63,16 @@ def tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
     return TensorParallel(group, ranks, dist.get_rank(group))
 
 
-def kv_heads_per_layer(model: torch.nn.Module) -> list[int]:
-    """The KV heads each decoder layer computes in this process: the local rows of its sharded key projection over
-    ``head_dim``, or the config's count where the projection is not sharded."""
+def kv_layout(model: torch.nn.Module) -> KVLayout:
+    """The shape of the KV this process's layers produce: the config's, with this process's own KV heads under
+    tensor parallel (the local rows of each layer's sharded key projection over ``head_dim``; the config's count
+    where the projection is not sharded). Raises ``NotImplementedError`` when layers hold different numbers of
+    heads."""
     layout = KVLayout.from_config(model.config)
     layers = decoder_layers(model)
     if layers is None or tensor_parallel(model) is None:
-        return [layout.num_kv_heads] * layout.num_layers
-    heads = []
+        return layout
+    heads = set()
     for index, layer in enumerate(layers):
         weight = _key_projection_weight(layer)
         if weight is None:
@@ -79,7 +81,7 @@ def kv_heads_per_layer(model: torch.nn.Module) -> list[int]:
                     f"{type(model).__name__} is tensor-parallel but layer {index} has no key projection named "
                     f"{' or '.join(_KEY_PROJECTIONS)} to read its KV heads from; hf_paged serves tensor-parallel "
                     "models with separate q/k/v projections (Llama, Mistral, Qwen, Gemma, ...)")
-            heads.append(layout.num_kv_heads)
+            heads.add(layout.num_kv_heads)
             continue
         rows = weight.to_local().shape[0] if _is_sharded(weight) else weight.shape[0]
         if rows == 0 or rows % layout.head_dim:
@@ -87,15 +89,7 @@ def kv_heads_per_layer(model: torch.nn.Module) -> list[int]:
                 f"layer {index}'s key projection holds {rows} rows in this process, not whole heads of "
                 f"{layout.head_dim}: the tensor-parallel size must divide num_key_value_heads "
                 f"({layout.num_kv_heads})")
-        heads.append(rows // layout.head_dim)
-    return heads
-
-
-def kv_layout(model: torch.nn.Module) -> KVLayout:
-    """The shape of the KV this process's layers produce: the config's, with this process's own KV heads under
-    tensor parallel. Raises ``NotImplementedError`` when layers hold different numbers of heads."""
-    layout = KVLayout.from_config(model.config)
-    heads = set(kv_heads_per_layer(model))
+        heads.add(rows // layout.head_dim)
     if len(heads) > 1:
         raise NotImplementedError(f"the layers of {type(model).__name__} hold different numbers of KV heads "
                                   f"({sorted(heads)}); the KV pool holds one count for every layer")
