@@ -80,17 +80,12 @@ def group_linears(graph: torch.fx.Graph) -> int:
 _KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "from_node", "seq_nr")
 
 
-class _Values:
-    """Recorded ``(args, kwargs)`` of a call, read like a node's by :func:`_arguments`."""
-
-    def __init__(self, args: tuple, kwargs: dict):
-        self.args, self.kwargs = args, kwargs
-
-
-def _arguments(node: torch.fx.Node | _Values) -> tuple:
-    """``(x, weight, bias)`` of an ``hf_paged.linear`` call, whether passed by position or by name."""
-    bound = dict(zip(("x", "weight", "bias"), node.args, strict=False))
-    bound.update(node.kwargs)
+def _arguments(node: torch.fx.Node, recorded: tuple[tuple, dict] | None = None) -> tuple:
+    """``(x, weight, bias)`` of an ``hf_paged.linear`` call ``node``, or of its ``recorded`` ``(args, kwargs)``,
+    whether passed by position or by name."""
+    args, kwargs = recorded if recorded is not None else (node.args, node.kwargs)
+    bound = dict(zip(("x", "weight", "bias"), args, strict=False))
+    bound.update(kwargs)
     return bound["x"], bound["weight"], bound.get("bias")
 
 
@@ -121,7 +116,7 @@ def _call_on_members(graph: torch.fx.Graph, op, members: list[torch.fx.Node], be
     _keep_meta(call, before)
     eager = [m.meta.get("eager_input_vals") for m in members]
     if all(e is not None for e in eager):
-        values = [_arguments(_Values(*e)) for e in eager]
+        values = [_arguments(m, e) for m, e in zip(members, eager)]
         call.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
     return call
 

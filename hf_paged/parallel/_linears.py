@@ -170,12 +170,11 @@ def _style_of(module: torch.nn.Module) -> bool | None:
     if len(placements) != 1 or not placements[0].is_shard():
         return None
     dim = placements[0].dim % module.weight.ndim
-    if kind == "ColwiseParallel" and dim == 0 and getattr(style, "use_local_output", False):
-        output = getattr(style, "output_layouts", None)
-        if output is not None and output.is_shard() and output.dim in (-1, 1):
-            return False
-    if kind == "RowwiseParallel" and dim == 1 and getattr(style, "use_local_output", False):
-        output = getattr(style, "output_layouts", None)
-        if output is not None and output.is_replicate():
-            return True
+    output = getattr(style, "output_layouts", None)
+    if output is None or not getattr(style, "use_local_output", False):
+        return None
+    if kind == "ColwiseParallel" and dim == 0 and output.is_shard() and output.dim in (-1, 1):
+        return False
+    if kind == "RowwiseParallel" and dim == 1 and output.is_replicate():
+        return True
     return None
