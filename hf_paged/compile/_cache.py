@@ -62,7 +62,6 @@ class CompileArtifacts:
         self.key = key
         self.path = (directory or envs.compile_cache_dir()) / (key + _SUFFIX)
         self.loaded = False  # whether a bundle was handed to torch
-        self.load_seconds = 0.0
         self._known: set[tuple[str, str]] = set()  # the artifacts loaded or saved: (kind, torch's key)
         self._lock = threading.Lock()
         self._exit_hook = False
@@ -86,9 +85,8 @@ class CompileArtifacts:
             return False
         self._known |= _keys(info)
         self.loaded = True
-        self.load_seconds = time.perf_counter() - began
         logger.info("hf_paged: loaded compile artifacts %s (%.1f MiB) in %.2f s", self.path.name, len(data) / 2**20,
-                    self.load_seconds)
+                    time.perf_counter() - began)
         return True
 
     def save(self) -> bool:
