@@ -82,11 +82,6 @@ class ModelRunner:
         self.pad_logits = self.device.type == "cuda"  # plan_step(pad_logits=...): on a GPU (runner/_step_plan.py)
         self._buffers(cfg.max_num_seqs, cfg.max_batch_tokens)
         self.graphs = self._capture_graphs()
-        # torch.compile specialises a one-token step into graphs of its own, a compile of every layer's code the first
-        # time one comes. Beside decode graphs (whose smallest has two rows) a step of one token runs eagerly only now
-        # and then (a one-token prompt, a prompt cached up to its last token): it takes the eager modules rather than
-        # stall the engine for that compile.
-        self.compile_one_token = self.graphs is None
         if self.compiled is not None and self.compiled.artifacts is not None:
             self.compiled.artifacts.save()  # what the start compiled, for the next process
 
@@ -152,7 +147,7 @@ class ModelRunner:
         runs eager from then on."""
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        graphs, self.graphs, self.compile_one_token = self.graphs, None, True
+        graphs, self.graphs = self.graphs, None
         if graphs is not None:
             graphs.release()
 
@@ -171,7 +166,6 @@ class ModelRunner:
         self.release_graphs()
         self.compiled = layers
         self.graphs = self._capture_graphs()
-        self.compile_one_token = self.graphs is None
         if layers.artifacts is not None:
             layers.artifacts.save()
         logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
@@ -241,7 +235,11 @@ class ModelRunner:
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         meta = step_metadata(plan, seg, slots, self.pool.block_size)
-        compiled = self.compiled if t > 1 or self.compile_one_token else None
+        # torch.compile specialises a one-token step into graphs of its own, a compile of every layer's code the first
+        # time one comes. Beside decode graphs (whose smallest has two rows) a step of one token runs eagerly only now
+        # and then (a one-token prompt, a prompt cached up to its last token): it takes the eager modules rather than
+        # stall the engine for that compile.
+        compiled = self.compiled if t > 1 or self.graphs is None else None
         rows = seg["logits_indices"].long()
         if self.output_device is not None:  # (the hidden states' device: the base model's last module)
             rows = rows.to(self.output_device, non_blocking=True)

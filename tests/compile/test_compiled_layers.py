@@ -7,6 +7,7 @@ modules when the compiler fails. The GPU tests check the CUDA side (fused kernel
 from __future__ import annotations
 
 import logging
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -124,15 +125,16 @@ def test_beside_cuda_graphs_a_one_token_step_runs_the_eager_modules(model, monke
     its last token) and runs the eager modules rather than compile a shape of its own; without graphs (the CPU) it
     runs compiled. The tokens are the same either way."""
     engine = hf_paged.Engine(model, num_blocks=64, block_size=4, max_batch_tokens=32, compile_layers=True)
-    assert engine.runner.graphs is None and engine.runner.compile_one_token  # the CPU: decode of one sequence compiled
+    assert engine.runner.graphs is None  # the CPU: decode of one sequence compiled
     prompt = random_prompts(1, 9, 9, seed=21)  # 9 tokens in blocks of 4: a repeat finds 8 of them cached
     first = engine.generate(prompt, greedy_config(1))
     calls = _count_compiled_calls(model, monkeypatch)
-    engine.runner.compile_one_token = False  # what an engine with graphs sets
+    # an engine with decode graphs, none of which serves this step (a one-token prefill step)
+    engine.runner.graphs = SimpleNamespace(size_for=lambda seqs, num_tokens: None, stats=lambda: None)
     again = engine.generate(prompt, greedy_config(1))
     assert engine.stats()["prefix_cache_hit_tokens"] == 8  # the repeat's only step had one token
     assert calls[0] == 0 and again[0].token_ids == first[0].token_ids
-    engine.runner.compile_one_token = True
+    engine.runner.graphs = None
     third = engine.generate(prompt, greedy_config(1))
     assert calls[0] >= model.config.num_hidden_layers and third[0].token_ids == first[0].token_ids
 
