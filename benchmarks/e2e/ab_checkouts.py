@@ -12,8 +12,9 @@ Parts (``--parts``):
             script's table)
   latency   the anchor part's batch-1 decode alone (``--workloads latency``): a process that compiles the layers
             for batch 1 only
-  defaults  ``benchmarks.e2e.throughput --workloads anchor --systems hf_paged --defaults --calls 3``: the anchor
-            workload with no settings, the process's first call (the figure) and the median of the two later calls
+  defaults  ``benchmarks.e2e.throughput --workloads anchor,r64,latency --systems hf_paged --defaults --calls 3``:
+            with no settings, the anchor and its first 64 prompts (the process's first call and the median of the
+            two later calls) and batch-1 decode ms per output token
   generate  ``benchmarks.generate.latency --systems hf_paged_optimized --batches 1,64``: plain ``model.generate``
             with ``optimize_generate``, ms per decode step at batch 1 and 64, and ms per token of the whole call
             (prefill included)
@@ -95,15 +96,20 @@ def _measured(figures: dict, seconds: float, row: dict) -> dict:
 
 
 def _defaults(folder: Path, timeout: float) -> dict:
-    rows, seconds, _ = _run(folder, ["benchmarks.e2e.throughput", "--workloads", "anchor", "--systems", "hf_paged",
-                                     "--defaults", "--calls", "3"], timeout)
-    row = rows[0]
-    if row.get("status") != "ok":
-        raise RuntimeError(f"hf_paged anchor, no settings: {row.get('status')} {row.get('error', '')}")
-    figures = {"anchor, no settings, first call tok/s": row["tok_per_s"]}
-    if row.get("later_tok_per_s"):
-        figures["anchor, no settings, later calls tok/s"] = row["later_tok_per_s"]
-    return _measured(figures, seconds, row)
+    rows, seconds, _ = _run(folder, ["benchmarks.e2e.throughput", "--workloads", "anchor,r64,latency",
+                                     "--systems", "hf_paged", "--defaults", "--calls", "3"], timeout)
+    figures = {}
+    for row in rows:
+        name = f"{row['workload']}, no settings"
+        if row.get("status") != "ok":
+            raise RuntimeError(f"hf_paged {name}: {row.get('status')} {row.get('error', '')}")
+        if row["workload"] == "latency":
+            figures[f"{name}, ms/token"] = row.get("ms_per_token_timestamps") or row["ms_per_token"]
+            continue
+        figures[f"{name}, first call tok/s"] = row["tok_per_s"]
+        if row.get("later_tok_per_s"):
+            figures[f"{name}, later calls tok/s"] = row["later_tok_per_s"]
+    return _measured(figures, seconds, rows[0])
 
 
 GENERATE_NEW_TOKENS = 128
