@@ -190,20 +190,6 @@ class BlockManager:
             self.reserve(seq, n)
         return n
 
-    def add_last_blocks(self, seqs: list[Sequence]) -> bool:
-        """Give each of ``seqs`` one more block (each holds only full blocks of its own: nothing to copy); all or
-        nothing: False, giving none, when the free list holds fewer."""
-        if len(seqs) > self.allocator.num_free:
-            return False
-        blocks, rows, columns = self._allocate(len(seqs)), [], []
-        for seq, block in zip(seqs, blocks):
-            table = seq.block_table
-            columns.append(len(table))
-            table.append(block)
-            rows.append(seq.row)
-        self.tables.write_entries(rows, columns, blocks)
-        return True
-
     def reserve(self, seq: Sequence, num_new_tokens: int) -> None:
         """Make room for ``num_new_tokens`` more tokens: copy a shared tail block, append blocks."""
         if self._needs_copy(seq):

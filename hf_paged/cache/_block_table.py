@@ -45,23 +45,13 @@ class BlockTableBuffer:
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, blocks: list[int]) -> None:
-        """Set entries ``[start, start + len(blocks))`` of ``row``."""
+        """Set entries ``[start, start + len(blocks))`` of ``row`` (and log them, when logging)."""
         end = start + len(blocks)
         self._fit(end)
         self._entries[row, start:end] = blocks
-        self._log((row,) * len(blocks), range(start, end))
-
-    def write_entries(self, rows: list[int], columns: list[int], blocks: list[int]) -> None:
-        """Set entry ``(rows[i], columns[i])`` to ``blocks[i]`` for every ``i``: one numpy write for many rows."""
-        self._fit(max(columns, default=-1) + 1)
-        self._entries[rows, columns] = blocks
-        self._log(rows, columns)
-
-    def _log(self, rows, columns) -> None:
-        """Record that entries ``(rows[i], columns[i])`` were written, when logging."""
         if self._changes is not None:
-            self._changes[0].extend(rows)
-            self._changes[1].extend(columns)
+            self._changes[0].extend((row,) * len(blocks))
+            self._changes[1].extend(range(start, end))
 
     def _fit(self, width: int) -> None:
         """Grow the table (at least doubling it) to ``width`` columns if it has fewer."""
