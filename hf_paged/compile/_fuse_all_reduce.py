@@ -54,37 +54,37 @@ def fuse_all_reduce(graph: torch.fx.Graph, ready: Callable[[str], bool]) -> int:
         x, group = node.args
         if not isinstance(group, str) or not ready(group):
             continue
-        add = _sole_user(node)
-        residual = _other_operand(add, node) if add is not None and add.target is _aten.add.Tensor else None
-        if residual is None or not _like(residual, node) or not _like(add, node):
+        add = _user(node, _aten.add.Tensor)
+        residual = _other_operand(add, node)
+        if not _like(residual, node) or not _like(add, node):
             continue
         norm = _rms_norm_of(add)
-        if norm is not None and all(order.get(n, -1) < order[add] for n in norm[:2] if isinstance(n, torch.fx.Node)):
-            _replace_with_norm(graph, node, add, x, residual, group, *norm)
-        else:
-            _replace_with_add(graph, node, add, x, residual, group)
+        if norm is not None and any(order.get(n, -1) >= order[add] for n in norm[:2] if isinstance(n, torch.fx.Node)):
+            norm = None  # the weight or epsilon is computed after the add, where the fused call goes
+        _replace(graph, node, add, x, residual, group, norm)
         made += 1
     return made
 
 
-def _sole_user(node: torch.fx.Node) -> torch.fx.Node | None:
-    users = list(node.users)
-    return users[0] if len(users) == 1 else None
+def _user(node: torch.fx.Node | None, target) -> torch.fx.Node | None:
+    """``node``'s only user where it calls ``target``, else None."""
+    users = list(node.users) if node is not None else []
+    return users[0] if len(users) == 1 and users[0].target is target else None
 
 
-def _other_operand(add: torch.fx.Node, node: torch.fx.Node):
-    """The other operand of ``add`` (``a + b``, no alpha), if ``node`` is one of its two."""
-    if add.kwargs or len(add.args) != 2 or node not in add.args or add.args[0] is add.args[1]:
+def _other_operand(call: torch.fx.Node | None, node: torch.fx.Node):
+    """The other operand of the binary ``call`` (``a + b``, ``a * b``: two arguments, no alpha), where ``node`` is
+    one of its two; else None."""
+    if call is None or call.kwargs or len(call.args) != 2 or node not in call.args or call.args[0] is call.args[1]:
         return None
-    other = add.args[1] if add.args[0] is node else add.args[0]
-    return other if isinstance(other, torch.fx.Node) else None
+    return call.args[1] if call.args[0] is node else call.args[0]
 
 
 def _val(node):
     return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
-def _like(node: torch.fx.Node, reference: torch.fx.Node) -> bool:
+def _like(node, reference: torch.fx.Node) -> bool:
     """``node``'s value has ``reference``'s shape and dtype (so the add does not broadcast or promote)."""
     a, b = _val(node), _val(reference)
     return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype and a.dim() == b.dim()
@@ -95,60 +95,44 @@ def _is_convert(node, dtype: torch.dtype) -> bool:
     return isinstance(node, torch.fx.Node) and node.target is _CONVERT and len(node.args) == 2 and node.args[1] == dtype
 
 
+def _only(nodes: list) -> torch.fx.Node | None:
+    return nodes[0] if len(nodes) == 1 else None
+
+
 def _rms_norm_of(h: torch.fx.Node):
     """``(weight, eps, out, chain)`` where ``h`` feeds Llama's RMSNorm (``out``, ``chain`` its intermediate nodes in
     graph order, each used only inside the norm; ``eps`` a number or a 0-d tensor node), else None."""
     dtype = _val(h).dtype
-    if dtype == torch.float32:
-        up = h
-    else:
-        ups = [u for u in h.users if _is_convert(u, torch.float32)]
-        if len(ups) != 1:
-            return None
-        up = ups[0]
-    squares = [u for u in up.users if u.target is _aten.pow.Tensor_Scalar and u.args[1:] == (2,)]
-    if len(squares) != 1:
+    up = h if dtype == torch.float32 else _only([u for u in h.users if _is_convert(u, torch.float32)])
+    if up is None:
         return None
-    square = squares[0]
-    mean = _sole_user(square)
-    last = _val(h).dim() - 1
-    if (mean is None or mean.target is not _aten.mean.dim or len(mean.args) != 3 or mean.args[0] is not square
-            or list(mean.args[1]) not in ([-1], [last]) or mean.args[2] is not True):
+    square = _only([u for u in up.users if u.target is _aten.pow.Tensor_Scalar and u.args[1:] == (2,)])
+    mean = _user(square, _aten.mean.dim)
+    if (mean is None or len(mean.args) != 3 or mean.args[0] is not square
+            or list(mean.args[1]) not in ([-1], [_val(h).dim() - 1]) or mean.args[2] is not True):
         return None
-    plus = _sole_user(mean)
-    if plus is None or plus.target is not _aten.add.Tensor or plus.kwargs or len(plus.args) != 2:
-        return None
-    eps = plus.args[1] if plus.args[0] is mean else plus.args[0]
-    eps_convert = None
+    plus = _user(mean, _aten.add.Tensor)
+    eps = eps_convert = _other_operand(plus, mean)
     if _is_convert(eps, torch.float32):  # a float attribute that torch.compile passes as a 0-d tensor
-        eps_convert, eps = eps, eps.args[0]
-    if isinstance(eps, torch.fx.Node):
-        value = _val(eps)
-        if not (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point()):
-            return None
-    elif not isinstance(eps, (int, float)):
+        eps = eps.args[0]
+    else:
+        eps_convert = None
+    value = _val(eps)
+    if not ((isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point())
+            or isinstance(eps, (int, float))):
         return None
-    rsqrt = _sole_user(plus)
-    if rsqrt is None or rsqrt.target is not _aten.rsqrt.default:
+    rsqrt = _user(plus, _aten.rsqrt.default)
+    scaled = _user(rsqrt, _aten.mul.Tensor)
+    if scaled is None or set(scaled.args) != {up, rsqrt} or (up is not h and set(up.users) != {square, scaled}):
         return None
-    scaled = _sole_user(rsqrt)
-    if scaled is None or scaled.target is not _aten.mul.Tensor or set(scaled.args) != {up, rsqrt}:
+    down = scaled if dtype == torch.float32 else _user(scaled, _CONVERT)
+    if down is not scaled and not _is_convert(down, dtype):
         return None
-    if up is not h and set(up.users) != {square, scaled}:
-        return None
-    down = scaled
-    if dtype != torch.float32:
-        down = _sole_user(scaled)
-        if not _is_convert(down, dtype):
-            return None
-    out = _sole_user(down)
-    if out is None or out.target is not _aten.mul.Tensor or out.kwargs or len(out.args) != 2 or down not in out.args:
-        return None
-    weight = out.args[1] if out.args[0] is down else out.args[0]
+    out = _user(down, _aten.mul.Tensor)
+    weight = _other_operand(out, down)
     w = _val(weight)
-    hidden = _val(h).shape[-1]
     if not (isinstance(w, torch.Tensor) and w.dtype == dtype and w.dim() == 1
-            and statically_known_true(w.shape[0] == hidden)):
+            and statically_known_true(w.shape[0] == _val(h).shape[-1])):
         return None
     chain = [n for n in (up if up is not h else None, square, mean, eps_convert, plus, rsqrt, scaled,
                          down if down is not scaled else None) if n is not None]
@@ -157,31 +141,26 @@ def _rms_norm_of(h: torch.fx.Node):
     return weight, eps, out, chain
 
 
-def _replace_with_add(graph, reduce, add, x, residual, group) -> None:
+def _replace(graph, reduce, add, x, residual, group, norm) -> None:
+    """Put the fused call where ``add`` stands: ``tp_all_reduce_add``, or with ``norm`` (``_rms_norm_of``'s answer)
+    ``tp_all_reduce_add_rms_norm``, whose two outputs take the uses of ``add`` and of the norm."""
     with graph.inserting_before(add):
-        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add.default, (x, residual, group))
-    _keep_meta(fused, add)
-    fused.meta["val"] = add.meta["val"]
-    add.replace_all_uses_with(fused)
-    graph.erase_node(add)
-    graph.erase_node(reduce)
-
-
-def _replace_with_norm(graph, reduce, add, x, residual, group, weight, eps, out, chain) -> None:
-    eps_value, eps_tensor = (0.0, eps) if isinstance(eps, torch.fx.Node) else (float(eps), None)
-    with graph.inserting_before(add):
-        fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default,
-                                    (x, residual, weight, eps_value, eps_tensor, group))
-        h = graph.call_function(operator.getitem, (fused, 0))
-        normed = graph.call_function(operator.getitem, (fused, 1))
-    for new, old in ((fused, add), (h, add), (normed, out)):
-        _keep_meta(new, old)
-    fused.meta["val"] = (add.meta["val"], out.meta["val"])
-    h.meta["val"], normed.meta["val"] = add.meta["val"], out.meta["val"]
-    out.replace_all_uses_with(normed)
-    graph.erase_node(out)
-    for node in reversed(chain):
-        graph.erase_node(node)
+        if norm is None:
+            h = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add.default, (x, residual, group))
+            _keep_meta(h, add)
+        else:
+            weight, eps, out, chain = norm
+            eps_value, eps_tensor = (0.0, eps) if isinstance(eps, torch.fx.Node) else (float(eps), None)
+            fused = graph.call_function(torch.ops.hf_paged.tp_all_reduce_add_rms_norm.default,
+                                        (x, residual, weight, eps_value, eps_tensor, group))
+            _keep_meta(fused, add)
+            fused.meta["val"] = (add.meta["val"], out.meta["val"])
+            h, normed = (graph.call_function(operator.getitem, (fused, i)) for i in (0, 1))
+            _keep_meta(h, add)
+            _keep_meta(normed, out)
+            out.replace_all_uses_with(normed)
+            for node in (out, *reversed(chain)):
+                graph.erase_node(node)
     add.replace_all_uses_with(h)
     graph.erase_node(add)
     graph.erase_node(reduce)

@@ -77,7 +77,7 @@ def group_linears(graph: torch.fx.Graph) -> int:
     return made
 
 
-_KEPT_META = ("stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "from_node", "seq_nr")
+_KEPT_META = ("val", "stack_trace", "nn_module_stack", "source_fn_stack", "original_aten", "from_node", "seq_nr")
 
 
 def _arguments(node: torch.fx.Node, recorded: tuple[tuple, dict] | None = None) -> tuple:
@@ -102,9 +102,10 @@ def _defined_before(call: torch.fx.Node, first: torch.fx.Node, position: dict) -
     return all(position[n] < position[first] for n in call.all_input_nodes)
 
 
-def _keep_meta(new: torch.fx.Node, old: torch.fx.Node, keys: tuple[str, ...] = _KEPT_META) -> None:
-    """Copy ``old``'s metadata of ``keys`` (where it has them) to ``new``, the node that takes its place."""
-    new.meta.update({k: old.meta[k] for k in keys if k in old.meta})
+def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
+    """Copy ``old``'s value and source metadata (where it has them) to ``new``, the node that takes its place (the
+    caller sets another value after)."""
+    new.meta.update({k: old.meta[k] for k in _KEPT_META if k in old.meta})
 
 
 def _call_on_members(graph: torch.fx.Graph, op, members: list[torch.fx.Node], before: torch.fx.Node) -> torch.fx.Node:
@@ -127,7 +128,7 @@ def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
         group.meta["val"] = [m.meta.get("val") for m in members]
         for i, member in enumerate(members):
             item = graph.call_function(operator.getitem, (group, i))
-            _keep_meta(item, member, ("val", *_KEPT_META))
+            _keep_meta(item, member)
             member.replace_all_uses_with(item)
     for member in members:
         graph.erase_node(member)
@@ -175,9 +176,9 @@ def _replace_packed(graph: torch.fx.Graph, members: list[torch.fx.Node], before:
         for member, out in zip(members, outs, strict=True):
             end = start + out.shape[-1]
             item = graph.call_function(torch.ops.aten.slice.Tensor, (packed, dim, start, end))
+            _keep_meta(item, member)
             with out.fake_mode:
                 item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
-            _keep_meta(item, member)
             member.replace_all_uses_with(item)
             start = end
     for member in members:
