@@ -16,6 +16,7 @@ memory for its second copy (the engine's KV pool is allocated first).
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -27,14 +28,18 @@ logger = logging.getLogger("hf_paged")
 SIBLINGS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-def pack_siblings(model: torch.nn.Module) -> int:
-    """Lay out each :data:`SIBLINGS` group of ``model``'s modules end to end in one buffer (weights in one, biases
-    in another). Returns how many groups are packed now (those packed before included)."""
+def pack_siblings(model: torch.nn.Module, groups: tuple[tuple[str, ...], ...] = SIBLINGS,
+                  movable: Callable[[torch.Tensor], torch.Tensor | None] | None = None) -> int:
+    """Lay out each group of ``groups`` (the names of linears of one module that read one input; :data:`SIBLINGS`
+    unless given) among ``model``'s modules end to end in one buffer (weights in one, biases in another).
+    ``movable`` gives the tensor that moves for a weight or bias, None where none can (by default the parameter
+    itself where it is a plain tensor; a tensor-parallel shard's local tensor: ``hf_paged.parallel._linears``).
+    Returns how many groups are packed now (those packed before included)."""
     packed = 0
     for parent in model.modules():
-        for names in SIBLINGS:
+        for names in groups:
             group = [getattr(parent, n, None) for n in names]
-            if all(isinstance(m, torch.nn.Linear) for m in group) and _pack_linears(group):
+            if all(isinstance(m, torch.nn.Linear) for m in group) and _pack_linears(group, movable or _plain):
                 packed += 1
     return packed
 
@@ -67,12 +72,12 @@ def lay_end_to_end(weights: list[torch.Tensor], biases: list[torch.Tensor | None
     return True
 
 
-def _pack_linears(group: list[torch.nn.Linear]) -> bool:
-    weights = [m.weight for m in group]
-    biases = [m.bias for m in group]
-    if any(b is None for b in biases) and not all(b is None for b in biases):
+def _pack_linears(group: list[torch.nn.Linear], movable: Callable) -> bool:
+    if any(m.bias is None for m in group) and not all(m.bias is None for m in group):
         return False
-    if not all(_plain(t) for t in weights + biases if t is not None):
+    weights = [movable(m.weight) for m in group]
+    biases = [None if m.bias is None else movable(m.bias) for m in group]
+    if any(t is None for t in weights) or (group[0].bias is not None and any(b is None for b in biases)):
         return False
     try:  # the move holds a second copy of the group for a moment: the KV pool may have left no room
         return lay_end_to_end(weights, biases)
@@ -82,8 +87,10 @@ def _pack_linears(group: list[torch.nn.Linear]) -> bool:
         return False
 
 
-def _plain(t: torch.Tensor) -> bool:
-    """A dense tensor of its own (no subclass, no meta, nothing that stands for a weight kept elsewhere)."""
+def _plain(t: torch.Tensor) -> torch.Tensor | None:
+    """``t`` where it is a dense tensor of its own (no subclass, no meta, nothing that stands for a weight kept
+    elsewhere), else None."""
     data = t.data if isinstance(t, torch.nn.Parameter) else t
-    return (type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided
-            and data.is_contiguous() and data.is_floating_point())
+    plain = (type(data) is torch.Tensor and data.device.type != "meta" and data.layout is torch.strided
+             and data.is_contiguous() and data.is_floating_point())
+    return t if plain else None

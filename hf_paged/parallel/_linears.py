@@ -35,7 +35,7 @@ from torch.distributed.tensor import DTensor
 from hf_paged import _compat
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
-from hf_paged.compile._packed_weights import lay_end_to_end
+from hf_paged.compile._packed_weights import pack_siblings
 from hf_paged.parallel import _all_reduce as tp_all_reduce  # (registers hf_paged::tp_all_reduce)
 from hf_paged.hf._placement import decoder_layers
 from hf_paged.kernels import _skinny as skinny
@@ -120,33 +120,15 @@ def pack_colwise(layers: torch.nn.Module, colwise: list[torch.nn.Module]) -> int
     end (the DTensors keep their shapes and values; only their storage moves, the old one is freed). Inside the
     compiled layers the group's products then run as one (``hf_paged.kernels._skinny.packed_rows``) where the skinny
     kernel does not serve them. Returns the number of groups packed (or found packed)."""
-    wanted = {id(m) for m in colwise}
-    packed = 0
-    for parent in layers.modules():
-        for names in PACKED_GROUPS:
-            group = [getattr(parent, n, None) for n in names]
-            if all(isinstance(m, torch.nn.Linear) and id(m) in wanted for m in group) and _pack(group):
-                packed += 1
-    return packed
+    wanted = {id(p) for m in colwise for p in (m.weight, m.bias) if p is not None}
+    return pack_siblings(layers, PACKED_GROUPS, lambda p: _own_local(p) if id(p) in wanted else None)
 
 
-def _pack(modules: list[torch.nn.Linear]) -> bool:
-    weights = _own_locals([m.weight for m in modules])
-    biases = [m.bias for m in modules]
-    bias_locals = [None] * len(modules) if all(b is None for b in biases) else _own_locals(biases)
-    return weights is not None and bias_locals is not None and lay_end_to_end(weights, bias_locals)
-
-
-def _own_locals(params: list) -> list[torch.Tensor] | None:
-    """The DTensors' own local tensors (``to_local()`` hands views of them), or None where one is not a DTensor or
+def _own_local(param: torch.Tensor) -> torch.Tensor | None:
+    """A DTensor's own local tensor (``to_local()`` hands views of it), or None where ``param`` is not a DTensor or
     this torch keeps it elsewhere."""
-    if not all(isinstance(p, DTensor) for p in params):
-        return None
-    locals_ = [_compat.dtensor_local_tensor(p) for p in params]
-    if any(not isinstance(t, torch.Tensor) or t.data_ptr() != p.to_local().data_ptr()
-           for t, p in zip(locals_, params)):
-        return None
-    return locals_
+    local = _compat.dtensor_local_tensor(param) if isinstance(param, DTensor) else None
+    return local if isinstance(local, torch.Tensor) and local.data_ptr() == param.to_local().data_ptr() else None
 
 
 def installed(model: torch.nn.Module) -> int:
