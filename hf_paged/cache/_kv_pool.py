@@ -99,37 +99,27 @@ def describe_budget(budget: float | None, devices: Sequence[torch.device]) -> st
     return f"{DEFAULT_MEMORY_BUDGET:.0%} of free memory"
 
 
-def blocks_for_budget(
-    layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
-    budget: int | float | None,
-) -> int:
-    """How many blocks fit in ``budget``: bytes (int), a fraction in (0, 1] of the free memory (float), or None, the
-    automatic budget (``pool_room``).
+def blocks_for_budget(layout: KVLayout, block_size: int, dtype: torch.dtype, devices: Sequence[torch.device],
+                      budget: float | None) -> int:
+    """How many blocks fit in ``budget``: a fraction in (0, 1] of the free memory, or None, the automatic budget
+    (``pool_room``).
 
     With layers on several devices, the budget applies to each device and the tightest device decides. ``dtype``
     is what the pool stores (1 byte an element for fp8, whose scales come off the budget first).
     """
+    if budget is not None and not (isinstance(budget, float) and 0.0 < budget <= 1.0):
+        raise ValueError(f"a memory budget must be a fraction in (0, 1] of free memory, got {budget!r}")
     per_block = layout.bytes_per_block(block_size, dtype)
-    fixed = layout.scale_bytes(dtype)
-    if budget is None or isinstance(budget, float):
-        if budget is not None and not 0.0 < budget <= 1.0:
-            raise ValueError(f"a fractional memory budget must be in (0, 1], got {budget}")
-        counts = Counter(torch.device(d) for d in devices)
-        # Each device holds counts[d] of the layers: size by the device with the least room per layer.
-        per_layer = min(pool_room(d, budget, free_memory_bytes(d)) / counts[d] for d in counts)
-        num = int((per_layer * layout.num_layers - fixed) // per_block)
-    elif isinstance(budget, int) and not isinstance(budget, bool):
-        if budget <= 0:
-            raise ValueError(f"a memory budget in bytes must be positive, got {budget}")
-        num = (budget - fixed) // per_block
-    else:
-        raise ValueError(f"memory budget must be bytes (int) or a fraction of free memory (float), got {budget!r}")
+    counts = Counter(torch.device(d) for d in devices)
+    # Each device holds counts[d] of the layers: size by the device with the least room per layer.
+    per_layer = min(pool_room(d, budget, free_memory_bytes(d)) / counts[d] for d in counts)
+    num = int((per_layer * layout.num_layers - layout.scale_bytes(dtype)) // per_block)
     if num < 1:
         raise ValueError(
             f"a memory budget of {budget if budget is not None else describe_budget(None, devices)} holds no block "
             f"of {per_block} bytes (block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
         )
-    return int(num)
+    return num
 
 
 def pool_blocks(config: CacheConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],

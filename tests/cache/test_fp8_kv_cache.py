@@ -42,11 +42,11 @@ def test_fp8_pool_holds_e4m3_and_per_head_scales_and_twice_the_blocks(monkeypatc
     assert cache.stats()["kv_cache_dtype"] == "float8_e4m3fn" and "float8_e4m3fn" in repr(cache)
     layout, devices = KVLayout.from_config(config), [torch.device("cpu")] * 2
     budget = 1_000_000
-    bf16 = blocks_for_budget(layout, 4, torch.bfloat16, devices, budget)
-    fp8 = blocks_for_budget(layout, 4, FP8, devices, budget)
+    monkeypatch.setattr(kv_pool, "free_memory_bytes", lambda device: 8 * budget)  # an eighth of it: the budget
+    bf16 = blocks_for_budget(layout, 4, torch.bfloat16, devices, 0.125)
+    fp8 = blocks_for_budget(layout, 4, FP8, devices, 0.125)
     assert fp8 == (budget - layout.scale_bytes(FP8)) // layout.bytes_per_block(4, FP8)
     assert 2 * bf16 <= fp8 <= 2 * bf16 + 1
-    monkeypatch.setattr(kv_pool, "free_memory_bytes", lambda device: 8 * budget)  # a fraction of it: the budget
     sized = hf_paged.PagedAttentionCache(config, memory_budget=0.125, block_size=4, dtype=torch.bfloat16,
                                          kv_cache_dtype="fp8")
     assert sized.num_blocks == fp8
