@@ -50,15 +50,11 @@ class _AfterImport:
                 self.loading -= ours
             self.triggered |= name == TRIGGER
             if self.triggered and not self.loading and self in sys.meta_path:
-                self.remove()
+                sys.meta_path.remove(self)
                 _run_guarded(self.action)
 
         spec.loader.exec_module = exec_then_act
         return spec
-
-    def remove(self) -> None:
-        if self in sys.meta_path:
-            sys.meta_path.remove(self)
 
 
 def _run_guarded(action: Callable[[], None]) -> None:
