@@ -51,12 +51,16 @@ class Dispatcher:
         self.routes: dict[tuple, tuple] = {}
 
     def select(self, call: AttentionCall) -> AttentionBackend:
+        backend = self._chosen(call)
+        self.served[call.phase.value] = backend.name
+        return backend
+
+    def _chosen(self, call: AttentionCall) -> AttentionBackend:
+        """The backend serving ``call``, chosen once (raises ``NotImplementedError`` where none can)."""
         backend = self._choice.get(call)
         if backend is None:
-            backend = self._choose(call)
-            self._choice[call] = backend
+            backend = self._choice[call] = self._choose(call)
             logger.debug("hf_paged: %s attention served by the %s backend (%s)", call.phase.value, backend.name, call)
-        self.served[call.phase.value] = backend.name
         return backend
 
     def check_restriction(self, calls: list[AttentionCall]) -> None:
@@ -64,7 +68,7 @@ class Dispatcher:
         allow) when none of them can serve one of ``calls``, rather than at the first forward."""
         if self.allowed is not None:
             for call in calls:
-                self._choice.setdefault(call, self._choose(call))
+                self._chosen(call)
 
     def writer(self, k_cache: torch.Tensor) -> AttentionBackend:
         """The backend whose KV write serves this cache tensor: the first allowed one with a write of its own,
@@ -84,34 +88,17 @@ class Dispatcher:
     def capture_unsupported_reason(self, calls: list[AttentionCall], dtype: torch.dtype) -> str | None:
         """Before any step: None if the backends that will serve the decode ``calls`` and the KV write of such a
         cache may be captured in a CUDA graph, else why not (chooses them now, as the first step would)."""
-        for call in calls:
-            try:
-                backend = self._choice.get(call) or self._choose(call)
-            except NotImplementedError as err:
-                return str(err)
-            self._choice[call] = backend
-            reason = backend.graph_unsupported_reason(call)
-            if reason is not None:
-                return f"{reason} ({call})"
-            writer = self._writer_for((call.device_type, dtype, call.head_dim))
-            if not writer.capture_safe_write:
-                return f"the {writer.name} backend's KV write is not capture-safe"
-        return None
+        try:
+            chosen = [(call, self._chosen(call)) for call in calls]
+        except NotImplementedError as err:
+            return str(err)
+        return _capture_reason(chosen, [self._writer_for((c.device_type, dtype, c.head_dim)) for c in calls])
 
     def graph_unsupported_reason(self) -> str | None:
         """After an eager decode step: None if every decode call and KV write it chose may be captured in a CUDA
         graph, else why not (a backend named, with what to change)."""
         decode = [(c, b) for c, b in self._choice.items() if c.phase is Phase.DECODE]
-        if not decode:
-            return "no decode step has run yet"
-        for call, backend in decode:
-            reason = backend.graph_unsupported_reason(call)
-            if reason is not None:
-                return f"{reason} ({call})"
-        for backend in self._writer.values():
-            if not backend.capture_safe_write:
-                return f"the {backend.name} backend's KV write is not capture-safe"
-        return None
+        return _capture_reason(decode, self._writer.values()) if decode else "no decode step has run yet"
 
     def _choose(self, call: AttentionCall) -> AttentionBackend:
         reasons = []
@@ -122,3 +109,14 @@ class Dispatcher:
             reasons.append(f"{backend.name}: {reason}")
         hint = "" if self.allowed is None else f". Allow more backends (now {list(self.allowed)}) to let another serve."
         raise NotImplementedError(f"no attention backend can serve {call}: " + "; ".join(reasons) + hint)
+
+
+def _capture_reason(chosen: list[tuple[AttentionCall, AttentionBackend]], writers) -> str | None:
+    """None if each ``(call, backend)`` of ``chosen`` and each KV writer of ``writers`` may be captured in a CUDA
+    graph, else the first reason why not."""
+    for call, backend in chosen:
+        reason = backend.graph_unsupported_reason(call)
+        if reason is not None:
+            return f"{reason} ({call})"
+    return next((f"the {w.name} backend's KV write is not capture-safe" for w in writers if not w.capture_safe_write),
+                None)

@@ -97,17 +97,9 @@ def step_phase(num_seqs: int, has_prefix: bool, one_token_each: bool) -> Phase:
     return Phase.EXTEND if has_prefix else Phase.PREFILL
 
 
-def build_metadata(
-    *,
-    q_lens: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    token_index: torch.Tensor | None,
-    grid: tuple[int, int],
-    block_size: int,
-    device: torch.device,
-) -> PagedMetadata:
+def build_metadata(*, q_lens: torch.Tensor, seq_lens_k: torch.Tensor, block_tables: torch.Tensor,
+                   slot_mapping: torch.Tensor, token_index: torch.Tensor | None, grid: tuple[int, int], block_size: int,
+                   device: torch.device) -> PagedMetadata:
     """Assemble a :class:`PagedMetadata` from host tensors and move it to ``device`` in one go.
 
     Args:
@@ -117,33 +109,20 @@ def build_metadata(
         slot_mapping: ``[T]`` (host, int).
         token_index: ``[T]`` or None (host, int).
     """
-    q_lens = q_lens.to(torch.int32)
-    seq_lens_k = seq_lens_k.to(torch.int32)
+    q_lens, seq_lens_k = q_lens.to(torch.int32), seq_lens_k.to(torch.int32)
     zero = torch.zeros(1, dtype=torch.int32)
-    cu_q = torch.cat([zero, torch.cumsum(q_lens, 0, dtype=torch.int32)])
-    cu_k = torch.cat([zero, torch.cumsum(seq_lens_k, 0, dtype=torch.int32)])
-    num_seqs = int(q_lens.numel())
-    max_q = int(q_lens.max()) if num_seqs else 0
-    max_k = int(seq_lens_k.max()) if num_seqs else 0
-    phase = step_phase(num_seqs, bool((seq_lens_k > q_lens).any()), bool((q_lens == 1).all()))
-    pin = device.type == "cuda"
+    num_seqs, pin = int(q_lens.numel()), device.type == "cuda"
 
-    def as_dev(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    def as_dev(t: torch.Tensor, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         return t.to(dtype).pin_memory().to(device, non_blocking=True) if pin else t.to(device, dtype)
 
     return PagedMetadata(
-        num_seqs=num_seqs,
-        num_tokens=int(slot_mapping.numel()),
-        max_seqlen_q=max_q,
-        max_seqlen_k=max_k,
-        block_size=block_size,
-        phase=phase,
-        cu_seqlens_q=as_dev(cu_q, torch.int32),
-        cu_seqlens_k=as_dev(cu_k, torch.int32),
-        seq_lens_k=as_dev(seq_lens_k, torch.int32),
-        block_tables=as_dev(block_tables, torch.int32),
+        num_seqs=num_seqs, num_tokens=int(slot_mapping.numel()), max_seqlen_q=int(q_lens.max()) if num_seqs else 0,
+        max_seqlen_k=int(seq_lens_k.max()) if num_seqs else 0, block_size=block_size,
+        phase=step_phase(num_seqs, bool((seq_lens_k > q_lens).any()), bool((q_lens == 1).all())),
+        cu_seqlens_q=as_dev(torch.cat([zero, torch.cumsum(q_lens, 0, dtype=torch.int32)])),
+        cu_seqlens_k=as_dev(torch.cat([zero, torch.cumsum(seq_lens_k, 0, dtype=torch.int32)])),
+        seq_lens_k=as_dev(seq_lens_k), block_tables=as_dev(block_tables),
         slot_mapping=as_dev(slot_mapping, torch.int64),
-        token_index=None if token_index is None else as_dev(token_index, torch.int64),
-        grid=grid,
-        has_padding_slots=bool((slot_mapping < 0).any()),
-    )
+        token_index=None if token_index is None else as_dev(token_index, torch.int64), grid=grid,
+        has_padding_slots=bool((slot_mapping < 0).any()))
