@@ -26,7 +26,7 @@ from starlette.requests import ClientDisconnect
 from hf_paged.server._access import AccessCheck
 from hf_paged.server._body import parse
 from hf_paged.server._engine_loop import EngineLoop, Submission
-from hf_paged.server._errors import ServerError, bad_request, error_body
+from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._limits import RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
@@ -103,20 +103,22 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, make_job, ser
     sub = await engine_loop.submit(job, events)
     reply = Reply(served, job.chat)
     try:
-        first = await _next(events, request)
-        if isinstance(first, Rejected):
-            raise first.error
-        assert isinstance(first, Accepted)
+        accepted: Accepted = await _next(events, request)
         if job.stream:  # the stream owns the request from here
-            return StreamingResponse(_stream(engine_loop, sub, events, request, first, reply),
+            return StreamingResponse(_stream(engine_loop, sub, events, request, accepted, reply),
                                      media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-        finished = await _collect(events, request, len(job.prompts) * job.n)
+        finished: list[Finished] = []
+        while len(finished) < len(job.prompts) * job.n:
+            event = await _next(events, request)
+            if isinstance(event, Finished):
+                finished.append(event)
     except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
         engine_loop.cancel(sub)
         raise
+    finished.sort(key=lambda f: f.index)
     prepared = sub.prepared
-    return JSONResponse(reply.completion(finished, first.prompt_lengths, prepared.echo_texts, prepared.token_texts,
-                                         job.max_tokens == 0))
+    return JSONResponse(reply.completion(finished, accepted.prompt_lengths, prepared.echo_texts,
+                                         prepared.token_texts, job.max_tokens == 0))
 
 
 def _job(body: bytes, model, make_job, served: str) -> Job:
@@ -125,19 +127,6 @@ def _job(body: bytes, model, make_job, served: str) -> Job:
         raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
                           "model", "model_not_found")
     return make_job(req)
-
-
-async def _collect(events: asyncio.Queue, request: Request, num_choices: int) -> list[Finished]:
-    finished: list[Finished] = []
-    while len(finished) < num_choices:
-        event = await _next(events, request)
-        if isinstance(event, Rejected):
-            raise event.error
-        if isinstance(event, Finished):
-            if event.output.finish_reason == "error":
-                raise ServerError(500, _error_message(event), code="engine_error")
-            finished.append(event)
-    return sorted(finished, key=lambda f: f.index)
 
 
 async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queue, request: Request,
@@ -152,20 +141,18 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
                 offsets[index] = len(text)
                 yield reply.chunk(index, text, first=True)
         while finished < num_choices:
-            event = await _next(events, request)
+            try:
+                event = await _next(events, request)
+            except ServerError as error:
+                yield sse(error.body())
+                break
             if isinstance(event, Delta):
                 if event.text or (event.token_ids and event.logprobs is not None):
                     yield reply.chunk(event.index, event.text, delta=event, offset=offsets[event.index])
                     offsets[event.index] += len(event.text)
-            elif isinstance(event, Finished):
-                if event.output.finish_reason == "error":
-                    yield sse(error_body(500, _error_message(event), code="engine_error"))
-                    break
+            else:
                 finished, tokens = finished + 1, tokens + len(event.output.token_ids)
                 yield reply.chunk(event.index, "", event.output.finish_reason)
-            elif isinstance(event, Rejected):
-                yield sse(event.error.body())
-                break
         else:
             if job.include_usage:
                 yield reply.usage_chunk(accepted.prompt_lengths, tokens)
@@ -178,17 +165,21 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
 
 
 async def _next(events: asyncio.Queue, request: Request) -> Event:
-    """The next event of this request; raises ``ClientDisconnect`` if the client left meanwhile."""
+    """The next event of this request; raises the request's error if it was refused or the engine failed on it,
+    ``ClientDisconnect`` if the client left meanwhile."""
     while True:
         try:
-            return await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
+            event = await asyncio.wait_for(events.get(), DISCONNECT_POLL_S)
         except asyncio.TimeoutError:
             if await request.is_disconnected():
                 raise ClientDisconnect from None
-
-
-def _error_message(event: Finished) -> str:
-    return f"the engine failed on this request: {event.output.error or 'no reason given'}"
+            continue
+        if isinstance(event, Rejected):
+            raise event.error
+        if isinstance(event, Finished) and event.output.finish_reason == "error":
+            raise ServerError(500, f"the engine failed on this request: {event.output.error or 'no reason given'}",
+                              code="engine_error")
+        return event
 
 
 def _answer(error: ServerError, headers=None) -> JSONResponse:
