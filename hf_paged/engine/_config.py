@@ -57,7 +57,7 @@ class EngineConfig:
     cuda_graph_capture: str | None = None
 
     def __post_init__(self) -> None:
-        cache = CacheConfig(**{name: getattr(self, name) for name in _CACHE})  # the pool's checks
+        cache = self.cache_config  # the pool's checks
         object.__setattr__(self, "memory_budget", cache.memory_budget)
         object.__setattr__(self, "backend", cache.backend)
         for name in ("max_batch_tokens", "max_num_seqs"):  # (token offsets and sequence rows are int32)

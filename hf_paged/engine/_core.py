@@ -45,8 +45,7 @@ from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
 from hf_paged.runner._model_runner import ModelRunner
 
 logger = logging.getLogger("hf_paged")
-_status = operator.attrgetter("status")
-_STATUS, _PENDING_ROW = _status, operator.attrgetter("pending_row")
+_status, _pending_row = operator.attrgetter("status"), operator.attrgetter("pending_row")
 
 
 def restore_attention(model: torch.nn.Module, implementation: str | None) -> None:
@@ -255,11 +254,8 @@ class EngineCore:
             return
         self.scheduler.commit(_without_finished(batch))
         if launched is not None:
-            seqs = launched.seqs
-            if SequenceStatus.FINISHED in map(_status, seqs):
-                seqs = [s if s.status is not SequenceStatus.FINISHED else None for s in seqs]
-            for row, seq in enumerate(seqs):
-                if seq is not None:
+            for row, seq in enumerate(launched.seqs):
+                if not seq.is_finished:
                     seq.token_ids.append(PLACEHOLDER)
                     seq.pending_row = row
             self._inflight = launched
@@ -286,7 +282,7 @@ class EngineCore:
         tokens, logprobs = step.wait()
         self._inflight = None
         got = step.seqs
-        if got and SequenceStatus.FINISHED not in map(_STATUS, got) and min(map(_PENDING_ROW, got)) >= 0:
+        if got and SequenceStatus.FINISHED not in map(_status, got) and min(map(_pending_row, got)) >= 0:
             self._take_tokens(got, tokens, logprobs)  # (the usual case, checked at C speed)
             return got
         # some were aborted (or failed) while their token was in flight

@@ -11,9 +11,8 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged._compat import GenerationOutput
-from hf_paged.engine import _batch_configs as batch_configs
 from hf_paged.engine import _validation as validation
-from hf_paged.engine._generate_batch import generate_batch
+from hf_paged.engine._generate_batch import generate_batch, most_tokens, read_call
 from hf_paged.parallel import _data_parallel as data_parallel
 
 
@@ -48,13 +47,9 @@ def distributed_generate_batch(
 
 def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[list[int]], list[int]]:
     """The prompts as token-id lists and each one's cost in tokens (prompt + new tokens at most)."""
-    vocab_size = model.config.get_text_config(decoder=True).vocab_size
-    prompts = [validation.prompt_token_ids(p, vocab_size)
-               for p in validation.prompt_list(inputs, "distributed_generate_batch")]
-    limit = validation.position_limit(model.config)
-    gc = batch_configs.generation_config(validation.generation_config(generation_config), model,
-                                         engine_kwargs.get("max_new_tokens"), limit)
-    return prompts, [len(p) + (gc.max_new_tokens or limit - len(p)) for p in prompts]
+    prompts, gc = read_call(model, inputs, generation_config, engine_kwargs.get("max_new_tokens"),
+                            "distributed_generate_batch")
+    return prompts, [most_tokens(p, gc) for p in prompts]
 
 
 def _request_order(rid: str) -> tuple[int, int]:

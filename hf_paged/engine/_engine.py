@@ -132,12 +132,8 @@ class Engine(EngineCore):
         *,
         workload: Workload | None = None,
     ):
-        cfg = EngineConfig.resolve(
-            config, num_blocks=num_blocks, block_size=block_size, max_batch_tokens=max_batch_tokens,
-            max_num_seqs=max_num_seqs, enable_prefix_caching=enable_prefix_caching, backend=backend,
-            memory_budget=memory_budget, cuda_graphs=cuda_graphs, async_scheduling=async_scheduling,
-            compile_layers=compile_layers, skinny_linear=skinny_linear, kv_cache_dtype=kv_cache_dtype,
-            cuda_graph_capture=cuda_graph_capture)
+        given = locals()  # (the keywords of the settings are the EngineConfig fields)
+        cfg = EngineConfig.resolve(config, **{name: given[name] for name in EngineConfig.field_names()})
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer, workload)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()

@@ -96,8 +96,7 @@ def generate_batch(
                                                                  None), ContinuousBatchingConfig):
         continuous_batching_config = generation_config.continuous_batching_config  # (transformers' older route)
     config = batch_configs.engine_config(continuous_batching_config)
-    vocab_size = model.config.get_text_config(decoder=True).vocab_size
-    inputs = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, "generate_batch")]
+    inputs, gc = read_call(model, inputs, generation_config, kwargs.get("max_new_tokens"), "generate_batch")
     if indices is None:
         indices = list(range(len(inputs)))
     elif (not isinstance(indices, (list, tuple)) or len(indices) != len(inputs) or len(set(indices)) != len(indices)
@@ -106,16 +105,13 @@ def generate_batch(
                          f"the whole workload), one per prompt; got {indices!r}")
     if not inputs:
         return {}
-    limit = validation.position_limit(model.config)
-    gc = batch_configs.generation_config(validation.generation_config(generation_config), model,
-                                         kwargs.get("max_new_tokens"), limit)
     if getattr(continuous_batching_config, "return_logprobs", None):
         gc.output_logprobs = True
-    copies = SamplingParams.from_generation_config(gc, len(inputs[0])).num_return_sequences  # (checked before the
-    # engine is built; the engine checks each prompt's config again, not its ids)
-    workload = Workload(tuple(len(p) + (gc.max_new_tokens or limit - len(p)) for p in inputs for _ in range(copies)),
+    # (checked before the engine is built; the engine checks each prompt's config again, not its ids)
+    copies = SamplingParams.from_resolved(SamplingParams.resolve(gc), len(inputs[0])).num_return_sequences
+    workload = Workload(tuple(most_tokens(p, gc) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    configs = _request_configs(gc, inputs, indices, getattr(continuous_batching_config, "seed", None), limit)
+    configs = _request_configs(gc, inputs, indices, getattr(continuous_batching_config, "seed", None))
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
     # the caller's attention, put back however the call ends (as transformers' generate_batch does), so that the
@@ -149,6 +145,22 @@ def generate_batch(
         logger.error("Requests %s failed during generation.", failed)
     order = lambda rid: (ids[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
     return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
+
+
+def read_call(model, inputs, generation_config: GenerationConfig | None, max_new_tokens: int | None,
+              what: str) -> tuple[list[list[int]], GenerationConfig]:
+    """The prompts of a ``generate_batch``-shaped call (``what``) as checked token-id lists, and the generation config
+    the engine runs for them (``batch_configs.generation_config``)."""
+    vocab_size = model.config.get_text_config(decoder=True).vocab_size
+    prompts = [validation.prompt_token_ids(p, vocab_size) for p in validation.prompt_list(inputs, what)]
+    return prompts, batch_configs.generation_config(validation.generation_config(generation_config), model,
+                                                    max_new_tokens, validation.position_limit(model.config))
+
+
+def most_tokens(prompt: list[int], gc: GenerationConfig) -> int:
+    """A request's most tokens, prompt and new ones; without ``max_new_tokens`` the model's position limit (which
+    ``batch_configs.generation_config`` sets as ``max_length``)."""
+    return len(prompt) + gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length
 
 
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
@@ -190,8 +202,8 @@ def _to_generation_output(out, start: float, stamps: dict[str, list[float]] | No
     )
 
 
-def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: list[int], seed: int | None,
-                     limit: int) -> GenerationConfig | list[GenerationConfig]:
+def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: list[int],
+                     seed: int | None) -> GenerationConfig | list[GenerationConfig]:
     """The config of each request: ``gc`` for all, or one each with its seed (``continuous_batching_config.seed``,
     by position in the workload) and, where ``gc`` sets no ``max_new_tokens``, the room left to the model's position
     limit (transformers' "no limit"; set here so that the model's generation config fills nothing in)."""
@@ -204,7 +216,7 @@ def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: lis
         if cfg is None:
             cfg = copy.deepcopy(gc)
             if gc.max_new_tokens is None:
-                cfg.max_new_tokens = max(1, limit - len(prompt))
+                cfg.max_new_tokens = max(1, gc.max_length - len(prompt))
             if seed is not None:
                 cfg.seed = (seed * 1_000_003 + i) % 2**62
             by_length[len(prompt)] = cfg

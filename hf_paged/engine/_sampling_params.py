@@ -66,8 +66,8 @@ class SamplingParams:
             value = getattr(self, name)
             _check((value is None and "None" in bounds) or (_is_int(value) and low <= value <= high),
                    f"{name} must be an integer in {bounds}, got {value!r}")
-        _check(isinstance(self.do_sample, bool), f"do_sample must be True or False, got {self.do_sample!r}")
-        _check(isinstance(self.logprobs, bool), f"logprobs must be True or False, got {self.logprobs!r}")
+        for name in ("do_sample", "logprobs"):
+            _check(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
@@ -87,10 +87,6 @@ class SamplingParams:
         _check(self.json_schema is None or isinstance(self.json_schema, str),
                f"json_schema must be a JSON schema (a dict or its JSON text) or None, got {self.json_schema!r}")
 
-    @property
-    def is_greedy(self) -> bool:
-        return not self.do_sample
-
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to adjust the logits: the sampler's one-argmax fast path."""
@@ -108,23 +104,11 @@ class SamplingParams:
         """No stop strings, logprobs or grammar: the host's work per new token is an EOS check and a length check."""
         return not self.stop_strings and not self.logprobs and self.json_schema is None
 
-    @classmethod
-    def from_generation_config(
-        cls, config: GenerationConfig, prompt_len: int, model_config: GenerationConfig | None = None
-    ) -> SamplingParams:
-        """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults).
-
-        ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
-        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
-        ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
-        """
-        return cls.from_resolved(cls.resolve(config, model_config), prompt_len)
-
     @staticmethod
     def resolve(config: GenerationConfig | None, model_config: GenerationConfig | None = None) -> GenerationConfig:
-        """The prompt-independent half of :meth:`from_generation_config`: refuse unserved settings and values of the
-        wrong type, fill the unset fields (a deep copy and two dict merges: worth doing once for many prompts of one
-        config)."""
+        """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults),
+        the prompt-independent half of reading it: refuse unserved settings and values of the wrong type, fill the
+        unset fields (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
         _check_given(config)
         try:
             return resolve_generation_config(config, model_config)
@@ -133,7 +117,12 @@ class SamplingParams:
 
     @classmethod
     def from_resolved(cls, gc: GenerationConfig, prompt_len: int) -> SamplingParams:
-        """The settings of a prompt of ``prompt_len`` tokens under ``gc``, a config from :meth:`resolve`."""
+        """The settings of a prompt of ``prompt_len`` tokens under ``gc``, a config from :meth:`resolve`.
+
+        ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
+        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
+        ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
+        """
         max_new = gc.max_new_tokens
         if max_new is None:
             max_new = max(1, _as_int(gc.max_length or 20, "max_length") - prompt_len)
@@ -144,7 +133,6 @@ class SamplingParams:
         if num_beams != 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
                              f"PagedAttentionCache for beam search (got num_beams={num_beams})")
-        seed = getattr(gc, "seed", None)
         return cls(
             max_new_tokens=_as_int(max_new, "max_new_tokens"),
             min_new_tokens=_as_int(min_new, "min_new_tokens"),
@@ -154,20 +142,17 @@ class SamplingParams:
             top_p=_as_real(_num(gc.top_p, 1.0), "top_p"),
             min_p=_as_real(_num(gc.min_p, 0.0), "min_p"),
             repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
-            seed=None if seed is None else _as_int(seed, "seed"),
+            seed=None if (seed := getattr(gc, "seed", None)) is None else _as_int(seed, "seed"),
             eos_token_ids=eos_tuple(gc.eos_token_id),
             stop_strings=_stop_tuple(gc.stop_strings),
             num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
             logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
                 gc.output_scores, "output_scores") or bool(getattr(gc, "top_logprobs", 0)),
             top_logprobs=_as_int(getattr(gc, "top_logprobs", None) or 0, "top_logprobs"),
-            prompt_logprobs=_optional_int(getattr(gc, "prompt_logprobs", None), "prompt_logprobs"),
+            prompt_logprobs=None if (asked := getattr(gc, "prompt_logprobs", None)) is None else _as_int(
+                asked, "prompt_logprobs"),
             json_schema=_schema_text(getattr(gc, "json_schema", None)),
         )
-
-
-def _optional_int(value, name: str) -> int | None:
-    return None if value is None else _as_int(value, name)
 
 
 def _schema_text(schema) -> str | None:
@@ -217,7 +202,6 @@ UNSERVED = {
     "penalty_alpha": None, "num_beam_groups": 1, "diversity_penalty": 0.0, "dola_layers": None,
     "watermarking_config": None, "max_time": None,
 }
-
 
 
 

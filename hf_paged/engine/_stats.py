@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 
 
 @dataclass
@@ -36,11 +36,5 @@ class EngineStats:
 
     def counts(self) -> dict:
         """The counters' ``stats()`` keys."""
-        return {
-            "peak_used_blocks": self.peak_used_blocks,
-            "kv_resets": self.kv_resets,
-            "prompt_tokens": self.prompt_tokens,
-            "generated_tokens": self.generated_tokens,
-            "steps": self.steps,
-            "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()},
-        }
+        counts = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "phase_seconds"}
+        return {**counts, "ms_per_step": {k: 1e3 * v / max(self.steps, 1) for k, v in self.phase_seconds.items()}}
