@@ -64,22 +64,15 @@ def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
     return True
 
 
-def _symmetric(group, like: torch.Tensor):
-    """A symmetric-memory tensor shaped like ``like``, with ``like``'s contents, exchanged with the group's ranks:
-    ``(tensor, handle)``."""
-    _compat.enable_symmetric_memory(group.group_name)  # needed before rendezvous in older torch, a no-op in newer
-    buffer = _compat.symmetric_empty(like.shape, dtype=like.dtype, device=like.device)
-    buffer.copy_(like)
-    torch.cuda.synchronize(like.device)  # every rank's copy is done before any peer can pass the rendezvous
-    return buffer, _compat.symmetric_rendezvous(buffer, group)
-
-
 def _prepare_peer_sum(group, device: torch.device) -> None:
     if group.size() > _PEER_SUM_MAX_RANKS:
         raise ValueError(f"peer_sum serves groups of up to {_PEER_SUM_MAX_RANKS} ranks, this one has {group.size()}")
     load()  # the kernel, or the reason it cannot be built
-    zeros = torch.zeros(2 * ONE_SHOT_MAX_BYTES + _PEER_CONTROL_BYTES, dtype=torch.uint8, device=device)
-    buffer, handle = _symmetric(group, zeros)  # zeroed flags and epochs on every rank
+    _compat.enable_symmetric_memory(group.group_name)  # needed before rendezvous in older torch, a no-op in newer
+    buffer = _compat.symmetric_empty((2 * ONE_SHOT_MAX_BYTES + _PEER_CONTROL_BYTES,), dtype=torch.uint8, device=device)
+    buffer.zero_()  # zeroed flags and epochs on every rank
+    torch.cuda.synchronize(device)  # every rank's zeros are written before any peer can pass the rendezvous
+    handle = _compat.symmetric_rendezvous(buffer, group)
     # The buffer may sit at an offset in each rank's mapped allocation (torch's allocator decides): the ranks
     # exchange theirs.
     offset = buffer.data_ptr() - handle.buffer_ptrs[handle.rank]
@@ -94,17 +87,30 @@ def _prepare_peer_sum(group, device: torch.device) -> None:
     _peers[group.group_name] = (addresses, handle.rank, buffer.numel(), envs.tp_timeout_s())
 
 
+def _peer_args(x: torch.Tensor, group_name: str, *others: torch.Tensor):
+    """peer_sum's trailing arguments where its kernel serves ``x`` (and tensors shaped and typed like it), else
+    None."""
+    peers = _peers.get(group_name)
+    if peers is None or not x.is_cuda or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
+        return None
+    nbytes = x.numel() * x.element_size()
+    if nbytes > ONE_SHOT_MAX_BYTES or nbytes % 16:
+        return None
+    for t in (x, *others):
+        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
+            return None
+    return peers
+
+
 @torch.library.custom_op("hf_paged::tp_all_reduce", mutates_args=())
 def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group named ``group_name`` (see the module docstring), opaque to the
     compiler."""
     global one_shot_calls
-    nbytes = x.numel() * x.element_size()
-    if x.is_cuda and nbytes <= ONE_SHOT_MAX_BYTES:
-        peers = _peers.get(group_name)
-        if peers is not None and nbytes % 16 == 0 and x.dtype in (torch.float32, torch.float16, torch.bfloat16):
-            one_shot_calls += 1
-            return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
+    peers = _peer_args(x, group_name)
+    if peers is not None:
+        one_shot_calls += 1
+        return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
     out = x.clone()
     dist.all_reduce(out, group=_compat.resolve_process_group(group_name))
     return out
@@ -127,21 +133,6 @@ def fused_ready(group_name: str) -> bool:
     """Whether peer_sum serves the group named ``group_name`` in this process (set up by :func:`prepare`): only
     then does the graph pass fuse, since elsewhere the fused ops run their parts one after the other."""
     return group_name in _peers
-
-
-def _peer_args(x: torch.Tensor, group_name: str, *others: torch.Tensor):
-    """peer_sum's trailing arguments where its kernel serves ``x`` (and tensors shaped and typed like it), else
-    None."""
-    peers = _peers.get(group_name)
-    if peers is None or not x.is_cuda or x.dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return None
-    nbytes = x.numel() * x.element_size()
-    if nbytes > ONE_SHOT_MAX_BYTES or nbytes % 16:
-        return None
-    for t in (x, *others):
-        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
-            return None
-    return peers
 
 
 def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
