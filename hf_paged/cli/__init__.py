@@ -24,18 +24,14 @@ from hf_paged.cli import _kernels as kernels
 from hf_paged.cli import _serve as serve
 from hf_paged.cli._arguments import Parser, exit_with, flags_for_parameters
 
-EXIT_STATUS = ("exit status: 0 done; 1 some requests failed, or the run could not complete (one line on stderr; "
-               "--verbose adds the traceback); 2 bad input (a flag, file, checkpoint or prompt), named in one line "
-               "on stderr; 130 interrupted; 141 the output was closed early (as '| head' does), quietly")
-
 
 def build_parser(prog: str = "hf-paged") -> Parser:
-    parser = Parser(prog=prog, description="vLLM-style paged attention for transformers", epilog=EXIT_STATUS)
+    parser = Parser(prog=prog, description="vLLM-style paged attention for transformers")
     parser.add_argument("--version", action="version", version=f"hf-paged {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    generate.add_parser(sub, run=_run_generate, epilog=EXIT_STATUS)
-    serve.add_parser(sub, run=_run_serve, epilog=EXIT_STATUS)
-    kernels.add_parsers(sub, epilog=EXIT_STATUS)
+    generate.add_parser(sub, run=_run_generate)
+    serve.add_parser(sub, run=_run_serve)
+    kernels.add_parsers(sub)
     return parser
 
 
@@ -64,7 +60,7 @@ def _drop_stdout() -> None:
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
-    """Run one command; returns its exit status (see :data:`EXIT_STATUS`)."""
+    """Run one command; returns its exit status (see :data:`hf_paged.cli._arguments.EXIT_STATUS`)."""
     try:
         args = build_parser(prog).parse_args(argv)
     except SystemExit as exc:  # --help, --version, or a bad flag, already reported in one line

@@ -8,8 +8,9 @@ tokenizer's chat template where it has one (``--no-chat-template``: as plain tex
 Every answer to a prompt given is printed as plain text under its prompt (of the demo prompts, ``--show`` of them),
 then a summary; ``--jsonl`` prints one JSON object per request instead (the summary goes to stderr).
 
-This module holds the command's flags and imports no torch; the run itself is ``_generate_run.py``, which
-``hf_paged.cli`` imports once the command line is parsed.
+This module holds the command's flags and their checks (those of the prompts, and of the engine flags, which ``serve``
+shares) and imports no torch; the run itself is ``_generate_run.py``, which ``hf_paged.cli`` imports once the command
+line is parsed.
 """
 
 from __future__ import annotations
@@ -17,20 +18,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import fields
+from pathlib import Path
 
-from hf_paged.cli._arguments import (
-    backends,
-    compile_layers,
-    device,
-    kv_cache_dtype,
-    model,
-    non_negative_float,
-    non_negative_int,
-    positive_int,
-    probability,
-    prompt,
-    prompts_file,
-)
+from hf_paged.cache._config import BACKENDS
+from hf_paged.cli._arguments import model, non_negative_float, non_negative_int, positive_int, probability
 from hf_paged.engine._config import EngineConfig
 
 DEFAULT_PROMPTS = [
@@ -44,6 +35,104 @@ DESCRIPTION = ("Generate for many prompts with the continuous-batching engine, o
 MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct, fetched and cached on first use), tiny (a random-init Llama built in "
               "code: no download, its text is noise) or a local HF checkpoint directory (default: smollm2, or tiny "
               "with a note where it cannot be had)")
+def prompt(text: str) -> str:
+    if text == "":
+        raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")
+    try:
+        return utf8_text(text, "a prompt")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def utf8_text(text: str, source: str) -> str:
+    """``text`` if UTF-8 can encode it; else ``ValueError`` naming ``source``. Bytes that are not UTF-8 reach Python
+    as lone surrogates (the command line's arguments, and text streams under the C locale)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        char = ord(text[exc.start])
+        what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
+        raise ValueError(f"{source} is not UTF-8 text ({what} at character {exc.start}); give UTF-8 text") from None
+    return text
+
+
+def prompts_file(path: str) -> list[str]:
+    """The non-blank lines of a UTF-8 text file, one prompt each."""
+    try:
+        data = Path(path).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
+    try:
+        return prompt_lines(utf8_bytes(data, repr(path)), repr(path))
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def prompt_lines(text: str, source: str) -> list[str]:
+    """One prompt per non-blank line of ``text``; ``ValueError`` naming ``source`` if it is binary or blank."""
+    if "\0" in text:
+        raise ValueError(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
+    lines = [line for line in text.splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{source} holds no prompts (every line is blank)")
+    return lines
+
+
+def utf8_bytes(data: bytes, source: str) -> str:
+    """``data`` decoded as UTF-8; else ``ValueError`` naming ``source`` and the first byte that is not."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ValueError(f"{source} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); give "
+                         "UTF-8 text, one prompt per line") from None
+
+
+def device(text: str) -> str:
+    """A torch device that exists here: ``cpu``, ``cuda``, ``cuda:N``, ``mps``..."""
+    if text == "cpu":  # always there: no need to import torch to parse it
+        return text
+    import torch  # (heavy: imported only where another device is named)
+
+    try:
+        dev = torch.device(text)
+    except RuntimeError:
+        raise argparse.ArgumentTypeError(f"unknown device {text!r}; use cpu, cuda or cuda:N") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "this torch build has no CUDA support" if torch.version.cuda is None else "no CUDA GPU is visible"
+        raise argparse.ArgumentTypeError(f"{text!r} is not available ({why}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise argparse.ArgumentTypeError(f"{text!r}: only {torch.cuda.device_count()} CUDA device(s) are visible")
+    backend = getattr(torch, dev.type, None) if dev.type != "cuda" else None
+    if backend is not None and hasattr(backend, "is_available") and not backend.is_available():
+        raise argparse.ArgumentTypeError(f"{text!r} is not available here; use --device cpu")
+    return text
+
+
+def backends(text: str) -> tuple[str, ...]:
+    """Attention backends to allow, comma-separated, in the order to try them."""
+    names = tuple(name.strip() for name in text.split(","))
+    unknown = [name for name in names if name not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(map(repr, unknown))}; choose from "
+                                         f"{', '.join(BACKENDS)} (comma-separated, in order of preference)")
+    return names
+
+
+def kv_cache_dtype(text: str) -> str | None:
+    """What the KV pool stores: ``auto`` or ``fp8`` (``fp8_e4m3``)."""
+    if text not in ("auto", "fp8", "fp8_e4m3"):
+        raise argparse.ArgumentTypeError(f"expected auto, fp8 or fp8_e4m3, got {text!r}")
+    return None if text == "auto" else text
+
+
+def compile_layers(text: str) -> bool | str | None:
+    """``Engine(compile_layers=...)``: ``auto`` (None), ``on``, ``off`` or ``background``."""
+    choices = {"auto": None, "on": True, "off": False, "background": "background"}
+    if text not in choices:
+        raise argparse.ArgumentTypeError(f"expected auto, on, off or background, got {text!r}")
+    return choices[text]
+
+
 #: How the command line reads each engine flag (the rest of a flag comes from its ``EngineConfig`` field).
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
@@ -52,10 +141,10 @@ FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_b
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 
 
-def add_parser(subparsers, run: Callable[[argparse.Namespace], int], epilog: str | None = None) -> None:
+def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
     """Add the command to an argparse ``subparsers``; ``run(args)`` runs it once parsed."""
     p = subparsers.add_parser("generate", help="generate for many prompts with the continuous-batching engine",
-                              description=DESCRIPTION, epilog=epilog)
+                              description=DESCRIPTION)
     p.add_argument("prompts", nargs="*", type=prompt, help="prompts ('-' reads one per line from stdin)")
     p.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--prompts-file", type=prompts_file, metavar="FILE", help="UTF-8 text, one prompt per line")

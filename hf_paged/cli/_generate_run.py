@@ -16,8 +16,8 @@ from collections import Counter
 import torch
 from transformers import GenerationConfig
 
-from hf_paged.cli._arguments import flags_for_parameters, prompt_lines, utf8_bytes, utf8_text
-from hf_paged.cli._generate import DEFAULT_PROMPTS, engine_settings
+from hf_paged.cli._arguments import flags_for_parameters
+from hf_paged.cli._generate import DEFAULT_PROMPTS, engine_settings, prompt_lines, utf8_bytes, utf8_text
 from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
 from hf_paged.engine import Engine, Workload
 

@@ -41,14 +41,14 @@ def bench_kernels(args: argparse.Namespace) -> int:
     return 0
 
 
-def add_parsers(subparsers, epilog: str | None = None) -> None:
+def add_parsers(subparsers) -> None:
     """Add ``build-kernels`` and ``bench kernels`` to an argparse ``subparsers``."""
-    p = subparsers.add_parser("build-kernels", help="build hf_paged's CUDA kernels for this GPU now", epilog=epilog)
+    p = subparsers.add_parser("build-kernels", help="build hf_paged's CUDA kernels for this GPU now")
     p.add_argument("--verbose", action="store_true", help="show the compiler's output")
     p.set_defaults(func=build_kernels, prog=p.prog)
-    bench = subparsers.add_parser("bench", help="benchmarks", epilog=epilog)
+    bench = subparsers.add_parser("bench", help="benchmarks")
     targets = bench.add_subparsers(dest="bench_target", required=True, metavar="TARGET")
-    p = targets.add_parser("kernels", help="benchmark hf_paged's decode, KV-write and prefill kernels", epilog=epilog)
+    p = targets.add_parser("kernels", help="benchmark hf_paged's decode, KV-write and prefill kernels")
     p.add_argument("--json", type=output_path, default="bench_kernels.json",
                    help="where to write the decode results (JSON); prefill goes beside it as <name>_prefill.json")
     p.add_argument("--head-dims", type=positive_ints, default=(128, 64), metavar="DIMS",

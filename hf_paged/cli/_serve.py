@@ -24,13 +24,12 @@ from hf_paged.cli._generate import MODEL_HELP, add_engine_arguments
 from hf_paged.server._limits import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
 
 
-def add_parser(subparsers, run: Callable[[argparse.Namespace], int], epilog: str | None = None) -> None:
+def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
     """Add the command to an argparse ``subparsers``; ``run(args)`` runs it once parsed."""
     p = subparsers.add_parser("serve", help="serve a model behind an OpenAI-compatible HTTP API",
                               description="Serve SmolLM2-135M-Instruct (fetched and converted once on first use), "
                                           "the tiny random-init Llama (--model tiny) or --model PATH behind an "
-                                          "OpenAI-compatible HTTP API.",
-                              epilog=epilog)
+                                          "OpenAI-compatible HTTP API.")
     p.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--served-model-name", metavar="NAME",
                    help="the model name clients send (default: SmolLM2-135M-Instruct, hf-paged-tiny or the "
