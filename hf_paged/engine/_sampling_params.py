@@ -123,35 +123,18 @@ class SamplingParams:
         attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
         ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
         """
-        max_new = gc.max_new_tokens
-        if max_new is None:
-            max_new = max(1, _as_int(gc.max_length or 20, "max_length") - prompt_len)
-        min_new = gc.min_new_tokens
-        if min_new is None:
-            min_new = max(0, _as_int(gc.min_length or 0, "min_length") - prompt_len)
-        num_beams = _as_int(_num(gc.num_beams, 1), "num_beams")
-        if num_beams != 1:
+        got = _typed(gc, _INTS + _REALS + _BOOLS)
+        max_new = got.get("max_new_tokens", max(1, (got.get("max_length") or 20) - prompt_len))
+        min_new = got.get("min_new_tokens", max(0, (got.get("min_length") or 0) - prompt_len))
+        if got.get("num_beams", 1) != 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
-                             f"PagedAttentionCache for beam search (got num_beams={num_beams})")
+                             f"PagedAttentionCache for beam search (got num_beams={got['num_beams']})")
         return cls(
-            max_new_tokens=_as_int(max_new, "max_new_tokens"),
-            min_new_tokens=_as_int(min_new, "min_new_tokens"),
-            do_sample=_as_bool(gc.do_sample, "do_sample"),
-            temperature=_as_real(_num(gc.temperature, 1.0), "temperature"),
-            top_k=_as_int(_num(gc.top_k, 0), "top_k"),
-            top_p=_as_real(_num(gc.top_p, 1.0), "top_p"),
-            min_p=_as_real(_num(gc.min_p, 0.0), "min_p"),
-            repetition_penalty=_as_real(_num(gc.repetition_penalty, 1.0), "repetition_penalty"),
-            seed=None if (seed := getattr(gc, "seed", None)) is None else _as_int(seed, "seed"),
-            eos_token_ids=eos_tuple(gc.eos_token_id),
-            stop_strings=_stop_tuple(gc.stop_strings),
-            num_return_sequences=_as_int(_num(gc.num_return_sequences, 1), "num_return_sequences"),
-            logprobs=_as_bool(getattr(gc, "output_logprobs", None), "output_logprobs") or _as_bool(
-                gc.output_scores, "output_scores") or bool(getattr(gc, "top_logprobs", 0)),
-            top_logprobs=_as_int(getattr(gc, "top_logprobs", None) or 0, "top_logprobs"),
-            prompt_logprobs=None if (asked := getattr(gc, "prompt_logprobs", None)) is None else _as_int(
-                asked, "prompt_logprobs"),
-            json_schema=_schema_text(getattr(gc, "json_schema", None)),
+            max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_tuple(gc.eos_token_id),
+            stop_strings=_stop_tuple(gc.stop_strings), json_schema=_schema_text(getattr(gc, "json_schema", None)),
+            logprobs=got.get("output_logprobs", False) or got.get("output_scores", False) or bool(
+                got.get("top_logprobs")),
+            **{name: got[name] for name in _AS_GIVEN if name in got},  # (unset ones keep the defaults above)
         )
 
 
@@ -217,9 +200,12 @@ def _stop_tuple(stop) -> tuple[str, ...]:
 
 #: The settings read from a GenerationConfig, by the type they must have (None: unset).
 _INTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length", "num_beams", "top_k",
-         "num_return_sequences", "seed")
+         "num_return_sequences", "seed", "top_logprobs", "prompt_logprobs")
 _REALS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOLS = ("do_sample", "output_logprobs", "output_scores")
+#: Those that are ``SamplingParams`` fields of the same name and meaning.
+_AS_GIVEN = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
+             "num_return_sequences", "top_logprobs", "prompt_logprobs")
 
 
 def _check_given(config: GenerationConfig | None) -> None:
@@ -232,17 +218,17 @@ def _check_given(config: GenerationConfig | None) -> None:
     if unserved:
         raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                          "with a PagedAttentionCache, which applies every generation setting")
-    for names, check in ((_INTS, _as_int), (_REALS, _as_real), (_BOOLS, _as_bool)):
-        for name in names:
-            value = getattr(config, name, None)
-            if value is not None:
-                check(value, name)
+    _typed(config, _INTS + _REALS + _BOOLS)
+
+
+def _typed(config: GenerationConfig, names: tuple[str, ...]) -> dict:
+    """The settings ``names`` that ``config`` sets (not None), each checked and converted to its type."""
+    return {name: (_as_int if name in _INTS else _as_real if name in _REALS else _as_bool)(value, name)
+            for name in names if (value := getattr(config, name, None)) is not None}
 
 
 def _as_bool(value, name: str) -> bool:
-    """``value`` as a bool (None: False; numpy bools taken); anything else refused (``"no"`` is not False)."""
-    if value is None:
-        return False
+    """``value`` as a bool (numpy bools taken); anything else refused (``"no"`` is not False)."""
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()
     if not isinstance(value, bool):
@@ -266,10 +252,6 @@ def _as_int(value, name: str) -> int:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
         raise ValueError(f"{name} must be an integer, got {value!r}")
     return int(value)
-
-
-def _num(value, default):
-    return default if value is None else value
 
 
 def _check(ok: bool, message: str) -> None:
