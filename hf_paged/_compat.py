@@ -123,6 +123,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import operator
 import re
 import warnings
@@ -130,18 +131,6 @@ from collections.abc import Callable
 
 import torch
 import transformers
-
-__all__ = [
-    "COMPILED_CALL_ATTRIBUTES", "INDUCTOR_CUDAGRAPHS", "INDUCTOR_CUSTOM_PRE_PASS", "INDUCTOR_PDL",
-    "NESTED_GRAPH_BREAKS", "PRIVATE_ATTRIBUTES", "PrivateSymbolMissing", "TORCH_VERSION", "TRANSFORMERS_VERSION",
-    "accelerate_hook", "attn_implementation", "compile_all_devices", "compile_caches_disabled", "compiler_errors",
-    "default_generation_params", "dtensor_local_tensor", "dynamo_config_patch", "enable_symmetric_memory",
-    "flash_attention_forward",
-    "get_hash_for_files", "has_dynamo_option", "inductor_has_option", "mark_static_address", "model_from_config",
-    "no_duck_shaping", "resolve_process_group", "same_storage", "set_compile_all_devices", "symmetric_empty",
-    "symmetric_rendezvous", "user_defined_flag_from", "version_sum", "wrap_prepare_cache",
-]
-
 
 def _version(text: str) -> tuple[int, int]:
     """``(major, minor)`` of a version string such as ``2.13.0+cpu`` or ``5.24.0.dev0``."""
@@ -164,6 +153,16 @@ def _missing(symbol: str, needed_for: str, exc: BaseException | None = None) -> 
         f"{transformers.__version__} does not provide{f' ({type(exc).__name__}: {exc})' if exc else ''}; "
         f"hf_paged was checked with torch 2.11-2.13 and transformers 5.17-5.24: install one of those, or update "
         f"hf_paged/_compat.py")
+
+
+def _private(owner, name: str, needed_for: str):
+    """``owner.name``, where ``owner`` is an object or a module's dotted name (imported here); raises
+    :class:`PrivateSymbolMissing` naming the symbol where the installed release lacks it."""
+    try:
+        return getattr(importlib.import_module(owner) if isinstance(owner, str) else owner, name)
+    except (ImportError, AttributeError) as exc:
+        where = owner if isinstance(owner, str) else owner.__name__
+        raise _missing(f"{where}.{name}", needed_for, exc) from exc
 
 
 # ===== torch: dynamo, inductor and the shape environment ============================================================
@@ -274,11 +273,7 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     (``compile/_layers.py``). Version gate: ``InductorError`` (newer torch) is left out where it is missing (older
     inductor errors reach the caller as ``BackendCompilerFailed``, a ``TorchDynamoException``). Checked on torch 2.11
     and 2.13."""
-    try:
-        from torch._dynamo.exc import TorchDynamoException
-    except ImportError as exc:
-        raise _missing("torch._dynamo.exc.TorchDynamoException", "telling compiler failures apart", exc) from exc
-    errors: list[type[BaseException]] = [TorchDynamoException]
+    errors = [_private("torch._dynamo.exc", "TorchDynamoException", "telling compiler failures apart")]
     try:
         from torch._inductor.exc import InductorError
 
@@ -348,10 +343,7 @@ def same_storage(a: torch.Tensor, b: torch.Tensor) -> bool:
     compare equal). The grouped-linears pass reads from a graph's fake inputs whether a group's weights lie end to
     end in one buffer (``compile/_group_linears.py``); fake tensors have no data pointer to compare. No fallback:
     raises :class:`PrivateSymbolMissing`. Checked on torch 2.11 and 2.13."""
-    try:
-        from torch.multiprocessing.reductions import StorageWeakRef
-    except ImportError as exc:
-        raise _missing("torch.multiprocessing.reductions.StorageWeakRef", "packed q/k/v weights", exc) from exc
+    StorageWeakRef = _private("torch.multiprocessing.reductions", "StorageWeakRef", "packed q/k/v weights")
     return StorageWeakRef(a.untyped_storage()) == StorageWeakRef(b.untyped_storage())
 
 
@@ -364,12 +356,7 @@ def resolve_process_group(group_name: str):
     which takes the group by name (a string); its NCCL path sums over the group that name stands for
     (``parallel/_all_reduce.py``). No fallback: raises :class:`PrivateSymbolMissing`. Checked on torch 2.11 and
     2.13."""
-    try:
-        from torch.distributed.distributed_c10d import _resolve_process_group
-    except ImportError as exc:
-        raise _missing("torch.distributed.distributed_c10d._resolve_process_group", "tp_all_reduce's group",
-                       exc) from exc
-    return _resolve_process_group(group_name)
+    return _private("torch.distributed.distributed_c10d", "_resolve_process_group", "tp_all_reduce's group")(group_name)
 
 
 def _symmetric_memory():
@@ -456,10 +443,8 @@ def default_generation_params() -> dict:
     Symbol: ``GenerationConfig._get_default_generation_params`` (a static method). ``resolve_generation_config``
     fills unset fields from it last, as ``generate`` does (``engine/_sampling_params.py``). No fallback: raises
     :class:`PrivateSymbolMissing`. Checked on transformers 5.17 and 5.24."""
-    get = getattr(transformers.GenerationConfig, "_get_default_generation_params", None)
-    if get is None:
-        raise _missing("GenerationConfig._get_default_generation_params", "the defaults of unset generation fields")
-    return get()
+    return _private(transformers.GenerationConfig, "_get_default_generation_params",
+                    "the defaults of unset generation fields")()
 
 
 def compile_all_devices(config) -> bool | None:
@@ -543,10 +528,7 @@ def model_from_config(model_class: type, config, **kwargs) -> torch.nn.Module:
     Symbol: ``PreTrainedModel._from_config`` (a class method; the ``Auto`` classes' ``from_config`` calls it). The
     embedded default model of the CLI is built so (``cli/default_model.py``). No fallback: raises
     :class:`PrivateSymbolMissing`. Checked on transformers 5.17 and 5.24."""
-    make = getattr(model_class, "_from_config", None)
-    if make is None:
-        raise _missing(f"{model_class.__name__}._from_config", "the embedded default model")
-    return make(config, **kwargs)
+    return _private(model_class, "_from_config", "the embedded default model")(config, **kwargs)
 
 
 # ===== accelerate ===================================================================================================
@@ -576,12 +558,9 @@ def __getattr__(name: str):
         value = _custom_graph_pass()
     elif name in ("GenerationOutput", "RequestStatus"):
         try:
-            from transformers.generation.continuous_batching import requests
-
-            value = getattr(requests, name)
-        except (ImportError, AttributeError) as exc:
-            raise ImportError(str(_missing(f"transformers.generation.continuous_batching.requests.{name}",
-                                           "generate_batch's results", exc))) from exc
+            value = _private("transformers.generation.continuous_batching.requests", name, "generate_batch's results")
+        except PrivateSymbolMissing as exc:
+            raise ImportError(str(exc)) from exc
     else:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     globals()[name] = value
