@@ -102,7 +102,7 @@ class EngineCore:
         batch, scheduled = self._schedule()
         touched += scheduled
         clock("schedule")
-        if batch.is_empty:
+        if not batch.seqs:
             touched += self._resolve()
         else:
             self.counters.note_step(self.runner.pool.allocator.num_used)  # (a rerun one by one counts as its step)
@@ -252,7 +252,8 @@ class EngineCore:
             self._commit_decode(seqs)  # (the usual decode step)
             self._inflight = launched
             return
-        self.scheduler.commit(_without_finished(batch))
+        kept = _without_finished(batch)
+        self.block_manager.commit(kept.seqs, kept.num_tokens)  # (their KV is written now)
         if launched is not None:
             for row, seq in enumerate(launched.seqs):
                 if not seq.is_finished:

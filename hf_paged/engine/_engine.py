@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections import Counter
 from collections.abc import Iterator, Sequence as SequenceType
 from contextlib import contextmanager
 
@@ -23,7 +24,6 @@ from transformers import GenerationConfig
 
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
-from hf_paged.engine._detokenizer import Detokenizer
 from hf_paged.engine._core import EngineCore, restore_attention
 from hf_paged.engine._request_output import RequestOutput, TokenDelta, delta_of, output_of
 from hf_paged.engine._request_registry import family
@@ -137,7 +137,7 @@ class Engine(EngineCore):
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer, workload)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
-        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None
+        self.detokenizer = self.stop_checker.detokenizer
         self._closed = False
         self._step_running = False
         self._stepper: int | None = None  # the thread inside a step
@@ -197,10 +197,8 @@ class Engine(EngineCore):
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
         with self._lock:
             self._refuse_if_closed()
-            given = [s.request_id for s in seqs if s.request_id is not None]
-            clash = next((rid for rid in given if rid in self.requests.open), None)
-            if clash is None and len(set(given)) < len(given):
-                clash = next(rid for rid in given if given.count(rid) > 1)
+            given = Counter(s.request_id for s in seqs if s.request_id is not None)
+            clash = next((rid for rid, n in given.items() if n > 1 or rid in self.requests.open), None)
             if clash is not None:  # before any is queued
                 raise ValueError(f"request id {clash!r} is already live or given twice; pick another")
             for seq in seqs:

@@ -88,7 +88,7 @@ class SamplingBatch:
         if all(map(_PLAIN_GREEDY, params)):
             return cls(len(seqs), want_logprobs, top)
         sampled = [i for i, p in enumerate(params) if p.do_sample]
-        greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.is_plain_greedy and not p.do_sample
+        greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                   and (p.repetition_penalty != 1.0 or s.grammar is not None)]
         eos_only = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                     and p.repetition_penalty == 1.0 and s.grammar is None and s.num_generated < p.min_new_tokens]

@@ -31,10 +31,6 @@ class ScheduledBatch:
     sample: list[bool]
 
     @property
-    def is_empty(self) -> bool:
-        return not self.seqs
-
-    @property
     def total_tokens(self) -> int:
         return sum(self.num_tokens)
 
@@ -163,10 +159,6 @@ class Scheduler:
         self.failed.append(seq)
 
     # ----- after the forward -----------------------------------------------------------------------------------
-    def commit(self, batch: ScheduledBatch) -> None:
-        """Record the step's computed tokens (their KV is written now)."""
-        self.block_manager.commit(batch.seqs, batch.num_tokens)
-
     def finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
         """End a live sequence: its blocks go back (full ones stay findable in the prefix cache). Under
         asynchronous scheduling a sequence may learn that it is done while preempted (waiting)."""

@@ -70,7 +70,7 @@ def test_random_workloads(num_blocks, block_size, max_batch_tokens, max_num_seqs
         first_run += [s for s in batch.seqs if s not in first_run]
         for seq, n in zip(batch.seqs, batch.num_tokens):
             kv.write(seq, n)
-        sched.commit(batch)
+        sched.block_manager.commit(batch.seqs, batch.num_tokens)
         for seq, sample in zip(batch.seqs, batch.sample):
             if sample:
                 seq.token_ids.append(next_token(seq.token_ids))
