@@ -71,13 +71,6 @@ def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
     level = logger.level
     logger.setLevel(logging.DEBUG if verbose else logging.NOTSET)
     try:
-        return _run(args, verbose)
-    finally:
-        logger.setLevel(level)
-
-
-def _run(args: argparse.Namespace, verbose: bool) -> int:
-    try:
         return int(args.func(args) or 0)
     except (ValueError, NotImplementedError) as exc:  # what the library refuses to serve: bad input
         if verbose:
@@ -89,7 +82,8 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
         _drop_stdout()
         return 141
     except Exception as exc:
-        if _out_of_device_memory(exc):
+        torch = sys.modules.get("torch")  # (a command that never imported torch cannot run out of device memory)
+        if torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError):
             if verbose:
                 traceback.print_exc()
             return exit_with(args.prog, f"out of device memory ({str(exc).splitlines()[0]}); lower --num-blocks or "
@@ -98,8 +92,5 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
             raise
         return exit_with(args.prog, f"unexpected {type(exc).__name__}: {exc} (run again with --verbose for the "
                                     "traceback, and please report it)", status=1)
-
-
-def _out_of_device_memory(exc: BaseException) -> bool:
-    torch = sys.modules.get("torch")  # (a command that never imported torch cannot run out of device memory)
-    return torch is not None and isinstance(exc, torch.cuda.OutOfMemoryError)
+    finally:
+        logger.setLevel(level)

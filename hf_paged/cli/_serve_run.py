@@ -31,46 +31,48 @@ def run(args: argparse.Namespace) -> int:
         return exit_with(args.prog, f"{INSTALL_HINT} ({exc})", status=1)
     sock = bind(args.host, args.port)  # before the model loads: a port in use is refused at once
     try:
-        app, name, api_key = _app(args)
+        app = _app(args)
         # What exists now (the model, its compiled layers, the libraries) lives as long as this process: set aside
         # from the collector for good, so that no full collection walks it while requests wait (as frozen_heap does
         # for one call: hf_paged/_frozen_heap.py)
         gc.freeze()
-        server, died = _server(args, app)
+        server = _server(args, app)
         host, bound_port = sock.getsockname()[:2]
         engine = app.state.engine_loop.engine
         # the pool's size and why (engine/_sizing.py): on a CPU its RAM is everyone's, so the line says what it took
-        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens: %s)%s", name,
-                       f"[{host}]" if ":" in host else host, bound_port, engine.config.num_blocks,
-                       engine.config.block_size, engine.stats()["sizing"].get("num_blocks", "given"),
-                       "; API key required" if api_key else "")
+        logger.warning("hf_paged: serving %r on http://%s:%d/v1 (%d KV blocks of %d tokens: %s)%s",
+                       args.served_model_name, f"[{host}]" if ":" in host else host, bound_port,
+                       engine.config.num_blocks, engine.config.block_size,
+                       engine.stats()["sizing"].get("num_blocks", "given"),
+                       "; API key required" if args.api_key else "")
         server.run(sockets=[sock])
     finally:
         sock.close()
-    if died:
-        return exit_with(args.prog, f"the engine loop died ({died[-1]}); the server stopped", status=1)
+    death = app.state.engine_loop.death
+    if death is not None:
+        return exit_with(args.prog, f"the engine loop died ({death}); the server stopped", status=1)
     return 0
 
 
 def _app(args: argparse.Namespace):
-    """The app serving the model ``args`` name, its served name and its API key (None: none)."""
-    api_key = args.api_key or envs.api_key()
+    """The app serving the model ``args`` name; sets ``args.served_model_name`` and ``args.api_key`` (None: none) to
+    what it serves under."""
+    args.api_key = args.api_key or envs.api_key()
     allowed = args.allowed_hosts
-    if allowed is None and is_loopback(args.host) and not api_key:
+    if allowed is None and is_loopback(args.host) and not args.api_key:
         allowed = LOOPBACK_HOSTS
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
-    name = args.served_model_name or args.model_name
-    app = create_app(engine, name, args.max_queued_requests, args.chat_template, args.shutdown_timeout,
-                     api_key=api_key, allowed_hosts=allowed, max_body_bytes=args.max_body_bytes,
-                     read_timeout=args.read_timeout)
-    return app, name, api_key
+    args.served_model_name = args.served_model_name or args.model_name
+    return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
+                      args.shutdown_timeout, api_key=args.api_key, allowed_hosts=allowed,
+                      max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
 
 
 def _server(args: argparse.Namespace, app):
-    """uvicorn's server for ``app``, and the list that holds why the engine loop died, if it does (the server then
-    stops at once). Its shutdown answers the requests still live after ``--shutdown-timeout`` with 503: their
-    handlers then finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
+    """uvicorn's server for ``app``, which stops at once if the engine loop dies (``engine_loop.death`` then says
+    why). Its shutdown answers the requests still live after ``--shutdown-timeout`` with 503: their handlers then
+    finish, and uvicorn never has to cancel them (a 500 and a traceback)."""
     import uvicorn
 
     from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
@@ -79,7 +81,7 @@ def _server(args: argparse.Namespace, app):
                             http=with_header_timeout(args.read_timeout),
                             timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
     server = uvicorn.Server(config)
-    engine_loop, shutdown, died = app.state.engine_loop, server.shutdown, []
+    engine_loop, shutdown = app.state.engine_loop, server.shutdown
 
     async def graceful_shutdown(sockets=None) -> None:
         timer = asyncio.get_running_loop().call_later(args.shutdown_timeout, engine_loop.begin_stop)
@@ -89,11 +91,10 @@ def _server(args: argparse.Namespace, app):
             timer.cancel()
 
     def engine_died(reason: str) -> None:  # (the engine thread) nothing more can be answered: stop
-        died.append(reason)
         server.should_exit = True
 
     server.shutdown, engine_loop.on_death = graceful_shutdown, engine_died
-    return server, died
+    return server
 
 
 def bind(host: str, port_number: int) -> socket.socket:

@@ -22,11 +22,11 @@ def test_serve_freezes_after_the_engine_is_up_and_before_it_serves(monkeypatch):
     engine_made = [object()]  # a list, which the collector tracks: what the engine's start left behind
     app = SimpleNamespace(state=SimpleNamespace(engine_loop=SimpleNamespace(
         engine=SimpleNamespace(config=SimpleNamespace(num_blocks=8, block_size=16),
-                               stats=lambda: {"sizing": {"num_blocks": "given"}}))))
+                               stats=lambda: {"sizing": {"num_blocks": "given"}}), death=None)))
 
     def app_of(args):
         seen["frozen at start"] = gc.get_freeze_count()
-        return app, "tiny", None
+        return app
 
     class Server:
         def run(self, sockets):
@@ -34,7 +34,7 @@ def test_serve_freezes_after_the_engine_is_up_and_before_it_serves(monkeypatch):
             seen["engine's objects set aside"] = not any(o is engine_made for o in gc.get_objects())
 
     monkeypatch.setattr(_serve_run, "_app", app_of)
-    monkeypatch.setattr(_serve_run, "_server", lambda args, app: (Server(), []))
+    monkeypatch.setattr(_serve_run, "_server", lambda args, app: Server())
     monkeypatch.setattr(_serve_run, "bind", lambda host, port: socket.create_server((host, 0)))  # any free port
     args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", "8000"])
     try:
