@@ -289,10 +289,9 @@ def mark_static_address(t: torch.Tensor) -> None:
     Symbol: ``torch._dynamo.mark_static_address``. A compiled ``generate`` decode step reads the step's metadata
     and writes the KV pool at fixed addresses; inductor's CUDA graphs skip a step whose mutated inputs are not
     marked so (``generate/_static_decode.py``). No fallback: every torch that hf_paged installs with (2.4 on) has it
-    (it came in 2.1), and an ``ImportError`` names it where a release drops it. Checked on torch 2.11 and 2.13."""
-    from torch._dynamo import mark_static_address as mark
-
-    mark(t)
+    (it came in 2.1), and :class:`PrivateSymbolMissing` names it where a release drops it. Checked on torch 2.11 and
+    2.13."""
+    _private("torch._dynamo", "mark_static_address", "a compiled decode step's fixed-address inputs")(t)
 
 
 class _CustomGraphPassStandIn:
@@ -359,12 +358,7 @@ def resolve_process_group(group_name: str):
     return _private("torch.distributed.distributed_c10d", "_resolve_process_group", "tp_all_reduce's group")(group_name)
 
 
-def _symmetric_memory():
-    try:
-        from torch.distributed import _symmetric_memory
-    except ImportError as exc:
-        raise _missing("torch.distributed._symmetric_memory", "peer_sum's buffers", exc) from exc
-    return _symmetric_memory
+_SYMMETRIC_MEMORY = "torch.distributed._symmetric_memory"
 
 
 def enable_symmetric_memory(group_name: str) -> None:
@@ -376,7 +370,7 @@ def enable_symmetric_memory(group_name: str) -> None:
     the all-reduces take NCCL."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)
-        _symmetric_memory().enable_symm_mem_for_group(group_name)
+        _private(_SYMMETRIC_MEMORY, "enable_symm_mem_for_group", "peer_sum's set-up")(group_name)
 
 
 def symmetric_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -384,7 +378,7 @@ def symmetric_empty(shape, dtype: torch.dtype, device: torch.device) -> torch.Te
 
     Symbol: ``torch.distributed._symmetric_memory.empty``: peer_sum's buffer (``parallel/_all_reduce.py``).
     Checked on torch 2.11 and 2.13."""
-    return _symmetric_memory().empty(shape, dtype=dtype, device=device)
+    return _private(_SYMMETRIC_MEMORY, "empty", "peer_sum's buffers")(shape, dtype=dtype, device=device)
 
 
 def symmetric_rendezvous(tensor: torch.Tensor, group):
@@ -393,7 +387,7 @@ def symmetric_rendezvous(tensor: torch.Tensor, group):
 
     Symbol: ``torch.distributed._symmetric_memory.rendezvous`` (and its ``_SymmetricMemory`` handle)
     (``parallel/_all_reduce.py``). Checked on torch 2.11 and 2.13."""
-    return _symmetric_memory().rendezvous(tensor, group)
+    return _private(_SYMMETRIC_MEMORY, "rendezvous", "peer_sum's buffers")(tensor, group)
 
 
 def dtensor_local_tensor(tensor) -> torch.Tensor | None:
