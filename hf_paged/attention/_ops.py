@@ -33,11 +33,6 @@ def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_c
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
 
 
-@_store_kv.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots) -> None:
-    return None
-
-
 # An op of its own rather than optional scales on store_kv: torch 2.11's fake-tensor check of a custom op fails
 # (IndexError) on a mutated argument passed as None.
 @torch.library.custom_op("hf_paged::store_kv_fp8", mutates_args=("k_cache", "v_cache", "k_scale", "v_scale"))
@@ -47,11 +42,6 @@ def _store_kv_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
     """An fp8 cache's write: its scales are set on a layer's first write (kv_quant), so the op mutates them too."""
     meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
-
-
-@_store_kv_fp8.register_fake
-def _(key, value, k_cache, v_cache, slot_mapping, writer, has_padding_slots, k_scale, v_scale) -> None:
-    return None
 
 
 @torch.library.custom_op("hf_paged::paged_attention", mutates_args=())
@@ -70,10 +60,11 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
     return served.forward(AttentionInputs(query, key, value, k_cache, v_cache, meta, params, scales), served.plan(meta))
 
 
-@_paged_attention.register_fake
-def _(query, key, value, k_cache, v_cache, cu_seqlens_q, cu_seqlens_k, seq_lens_k, block_tables, phase,
-      max_seqlen_q, max_seqlen_k, backend, scale, sliding_window, softcap, k_scale=None, v_scale=None) -> torch.Tensor:
-    return torch.empty_like(query, memory_format=torch.contiguous_format)
+# The fake implementations state only the outputs: the writes return nothing, the attention a tensor like the query.
+_store_kv.register_fake(lambda *args, **kwargs: None)
+_store_kv_fp8.register_fake(lambda *args, **kwargs: None)
+_paged_attention.register_fake(
+    lambda query, *args, **kwargs: torch.empty_like(query, memory_format=torch.contiguous_format))
 
 
 def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
