@@ -122,8 +122,8 @@ class EngineCore:
     # ----- the hooks around a step -----------------------------------------------------------------------------
     def _before_step(self) -> list[Sequence]:
         """Before scheduling: the weights check (KV computed with other weights is forgotten), the switch to the
-        compiled layers of ``compile_layers="background"`` once its helper is done, and the sequences that ended
-        outside a step (errors, aborts) to the outbox. Returns the sequences that got a token."""
+        compiled layers of ``compile_layers="background"`` once its helper is done. Returns the sequences that got a
+        token."""
         touched = []
         if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
             touched += self._forget_kv()
@@ -132,11 +132,11 @@ class EngineCore:
             if helper.state() != "failed":
                 touched += self._resolve()  # (the in-flight step ran on the layers switched from)
             self.runner.take_compiled_layers()
-        self.requests.outbox += self.scheduler.take_failed()
         return touched
 
     def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
-        """The scheduler's batch (under tensor parallel every rank checks that all scheduled the same, or all raise).
+        """The scheduler's batch (under tensor parallel every rank checks that all scheduled the same, or all raise);
+        the sequences that ended outside a step (errors, aborts, those the scheduler failed) go to the outbox.
         A repetition penalty or a grammar reads a sequence's tokens before its step: where such a sequence waits on
         the in-flight step, its tokens are taken in first (the sequences that finish leave the batch). Returns the
         batch and the sequences that got a token."""
