@@ -27,7 +27,6 @@ from transformers.cache_utils import Cache, CacheLayerMixin
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
 from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
 from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
-from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.generate._adapter import GenerateHooks
 from hf_paged.generate._batch_tables import BatchTables
 from hf_paged.generate._static_decode import CompileMode
@@ -132,22 +131,19 @@ class PagedAttentionCache(GenerateHooks, Cache):
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
         cache_config = _cache_config(cache_config, given)
-        self.kv_cache_dtype = kv_storage_dtype(cache_config.kv_cache_dtype, dtype)
         num_blocks = pool_blocks(cache_config, layout, dtype, devices,
                                  cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES, position_limit(config)))
-        block_size, backend = cache_config.block_size, cache_config.backend
-        self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, block_size, num_blocks,
-                                              cache_config.kv_cache_dtype, backend)
+        self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, cache_config.block_size, num_blocks,
+                                              cache_config.kv_cache_dtype, cache_config.backend)
+        self.kv_cache_dtype = self.pool.dtype  # what the pool stores
         self.cache_config = dataclasses.replace(cache_config, num_blocks=num_blocks)
         self.rows = BatchTables(self.pool)
         self._checked_config = None
         self.dtype = dtype
-        self._plan: PagedMetadata | None = None
+        self.plan: PagedMetadata | None = None  # the metadata of the forward planned last (None after a batch edit)
         self._plan_key: tuple | None = None
         self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
-        self.max_new_tokens = max_new_tokens
-        self.compile_mode = CompileMode(config, layout, devices, dtype, block_size, self.pool, self.dispatcher,
-                                        max_new_tokens, compileable)
+        self.compile_mode = CompileMode(config, self.pool, self.dispatcher, dtype, max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
@@ -162,9 +158,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the ``generate`` batch seen so far (padding included, as transformers counts them)."""
         return self.rows.num_columns
-
-    def get_max_length(self, layer_idx: int | None = None) -> int:
-        return -1
 
     @property
     def batch_size(self) -> int:
@@ -190,27 +183,25 @@ class PagedAttentionCache(GenerateHooks, Cache):
     def reset(self) -> None:
         """Free every sequence's blocks (each generate call starts with this)."""
         self.rows.reset()
-        self._plan = None
+        self.plan = None
 
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` columns (negative: drop that many from the end)."""
         if max_length < 0:
             max_length = self.rows.num_columns - abs(max_length)
         self.rows.crop(max(max_length, 0))
-        self._plan = None
+        self.plan = None
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         # The block tables live on the host: beam search reads its beam indices back once per step.
-        self.rows.select_rows(beam_idx.tolist())
-        self._plan = None
+        self.batch_select_indices(beam_idx)
 
     def batch_repeat_interleave(self, repeats: int) -> None:
-        self.rows.select_rows([r for r in range(self.rows.num_rows) for _ in range(repeats)])
-        self._plan = None
+        self.batch_select_indices([r for r in range(self.rows.num_rows) for _ in range(repeats)])
 
-    def batch_select_indices(self, indices: torch.Tensor) -> None:
+    def batch_select_indices(self, indices: torch.Tensor | list[int]) -> None:
         self.rows.select_rows(torch.as_tensor(indices).tolist())
-        self._plan = None
+        self.plan = None
 
     # ----- one step --------------------------------------------------------------------------------------------
     def plan_step(
@@ -225,33 +216,28 @@ class PagedAttentionCache(GenerateHooks, Cache):
         """
         key = (batch_size, q_len, self.rows.num_columns)
         # Models with several mask kinds (full + sliding) ask twice in one forward: answer with the same plan.
-        if self._plan is not None and not self._plan_used and self._plan_key == key:
-            return self._plan
+        if self.plan is not None and not self._plan_used and self._plan_key == key:
+            return self.plan
         valid = self.rows.begin_forward(attention_mask, batch_size, q_len)
         if self.rows.num_columns == 0:  # a new batch: its first write fixes fp8 scales afresh, as in a new cache
             self.pool.clear_scales()
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
-        if decode and self.compile_mode.enabled and self.rows.advance():  # armed rows: no host bookkeeping
-            return self._planned(self.compile_mode.static.advance())
-        if self.rows.num_columns:
-            slots = self.rows.append(q_len, valid)
+        static = self.compile_mode.static if decode and self.compile_mode.enabled else None
+        if static is not None and self.rows.advance():  # armed rows: no host bookkeeping
+            plan = static.advance()
         else:
-            slots = self.compile_mode.first_append(self.rows, q_len, valid)
-        if decode and self.compile_mode.enabled:
-            return self._planned(self.compile_mode.static.plan(self.rows, slots))
-        return self._planned(build_metadata(
-            q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
-            seq_lens_k=torch.tensor(self.rows.num_tokens),
-            block_tables=self.rows.block_table_tensor(),
-            slot_mapping=slots,
-            token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
-            grid=(batch_size, q_len),
-            block_size=self.block_size,
-            device=torch.device(device),
-        ))
-
-    def _planned(self, plan: PagedMetadata) -> PagedMetadata:
-        self._plan, self._plan_key, self._plan_used = plan, (plan.grid[0], plan.grid[1], self.rows.num_columns), False
+            slots = self.compile_mode.append(self.rows, q_len, valid)
+            plan = static.plan(self.rows, slots) if static is not None else build_metadata(
+                q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
+                seq_lens_k=torch.tensor(self.rows.num_tokens),
+                block_tables=self.rows.block_table_tensor(),
+                slot_mapping=slots,
+                token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
+                grid=(batch_size, q_len),
+                block_size=self.block_size,
+                device=torch.device(device),
+            )
+        self.plan, self._plan_key, self._plan_used = plan, (batch_size, q_len, self.rows.num_columns), False
         return plan
 
     def check_model_config(self, config) -> None:
@@ -270,18 +256,13 @@ class PagedAttentionCache(GenerateHooks, Cache):
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """This layer's new K/V (``[batch, Hkv, q_len, D]``), as they are: the attention function packs the real
         tokens, writes them into the pool and attends."""
-        if self._plan is None and not torch.compiler.is_compiling():
+        if self.plan is None and not torch.compiler.is_compiling():
             raise RuntimeError(
                 "PagedAttentionCache.update ran before a step was planned: load the model with "
                 'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step'
             )
         self._plan_used = True
         return key_states, value_states
-
-    @property
-    def plan(self) -> PagedMetadata | None:
-        """The metadata of the forward planned last (None after a reset or a batch edit)."""
-        return self._plan
 
     def mark_step_read(self) -> None:
         """Count the planned step as read, as a layer's :meth:`update` does (a forward run without them: a replayed
@@ -291,7 +272,7 @@ class PagedAttentionCache(GenerateHooks, Cache):
     # ----- introspection ---------------------------------------------------------------------------------------
     def stats(self) -> dict:
         """Blocks used and free, tokens stored, internal fragmentation, and which backend served each phase."""
-        return {**self.rows.stats(), "kv_cache_dtype": _dtype_name(self.kv_cache_dtype),
+        return {**self.rows.stats(), "kv_cache_dtype": str(self.kv_cache_dtype).removeprefix("torch."),
                 "backends": dict(self.dispatcher.served)}
 
     def __repr__(self) -> str:
@@ -301,10 +282,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
             f"used={s['blocks_used']}, rows={self.rows.num_rows}, dtype={self.dtype}, "
             f"kv_cache_dtype={self.kv_cache_dtype})"
         )
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
 
 
 def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:

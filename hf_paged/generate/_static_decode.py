@@ -17,7 +17,7 @@ object whose tensors are updated in place before the forward:
 
 The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
 plans each step through the mask function before it calls the compiled forward. A batch's first forward takes the
-blocks of its prompts plus ``max_new_tokens`` (``CompileMode.first_append``). Once it has decoded a step without
+blocks of its prompts plus ``max_new_tokens`` (``CompileMode.append``). Once it has decoded a step without
 being rebuilt, its rows are *armed* (``BatchTables.arm``): the table holding the blocks of their next tokens is
 uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
 each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
@@ -50,7 +50,6 @@ class StaticDecode:
 
     def __init__(self, device: torch.device, pool: KVPool):
         self.device = torch.device(device)
-        self.block_size = pool.block_size
         self.pool = pool
         self.meta: PagedMetadata | None = None
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
@@ -67,7 +66,7 @@ class StaticDecode:
         """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
-        self.meta = _decode_metadata(num_rows, width, self.block_size, self.device)
+        self.meta = _decode_metadata(num_rows, width, self.pool.block_size, self.device)
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
         # replay on them, and skip a step whose mutated inputs are not marked so.
@@ -102,7 +101,7 @@ class StaticDecode:
 
     def _arm(self, tables: list[list[int]]) -> None:
         """Upload the armed rows' blocks (written and ahead) and the slot of every position they cover."""
-        meta, bs, width = self.meta, self.block_size, self.width
+        meta, bs, width = self.meta, self.pool.block_size, self.width
         table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
         _upload(meta.block_tables, table)
         self._uploaded_table = None
@@ -150,49 +149,48 @@ class CompileMode:
     """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, their metadata, and the
     blocks a batch takes ahead (with ``max_new_tokens``)."""
 
-    def __init__(self, config, layout, devices: list[torch.device], dtype: torch.dtype, block_size: int,
-                 pool: KVPool, dispatcher: Dispatcher, max_new_tokens: int | None, compileable: bool | None):
+    def __init__(self, config, pool: KVPool, dispatcher: Dispatcher, dtype: torch.dtype, max_new_tokens: int | None,
+                 compileable: bool | None):
         if max_new_tokens is not None and (
                 not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
             raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
         if compileable not in (None, True, False):
             raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
-        self.config, self.layout, self.devices, self.dtype = config, layout, devices, dtype
-        self.dispatcher, self.max_new_tokens, self.compileable = dispatcher, max_new_tokens, compileable
-        self.block_size = block_size
-        self._kv_dtype = pool.dtype if is_fp8(pool.dtype) else None  # an fp8 cache's
+        self.config, self.pool, self.dispatcher, self.dtype = config, pool, dispatcher, dtype
+        self.max_new_tokens, self.compileable = max_new_tokens, compileable
+        self.devices = [k.device for k, _ in pool.kv_caches]
         self._reason: str | None | object = _UNDECIDED
         if compileable:
             reason = self._static_reason()
             if reason is not None:
                 raise ValueError(f"compileable=True, but {reason}")
-        self.static = StaticDecode(devices[0], pool)
-
-    @property
-    def enabled(self) -> bool:
-        if self._reason is _UNDECIDED:
-            self._reason = self._find_reason()
-            if self._reason is not None and not torch.compiler.is_compiling():
-                _note_not_compileable(self._reason, self.max_new_tokens is not None)
-        return self._reason is None
-
-    def first_append(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
-        """A batch's first forward (``rows.append``): with ``max_new_tokens`` given, every row takes the blocks of
-        its tokens and ``max_new_tokens`` more, so that a decode step never finds the pool empty (an
-        ``OutOfBlocksError`` before the forward writes anything otherwise), and the decode metadata is sized."""
-        if self.max_new_tokens is None:
-            return rows.append(q_len, valid)
-        slots = rows.append(q_len, valid, self.max_new_tokens, hint=(
-            f"({rows.num_rows} rows: their prompts plus max_new_tokens={self.max_new_tokens} tokens each, in "
-            f"{self.block_size}-token blocks, are taken before decoding starts.)"))
-        if self.enabled:
-            self.static.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
-        return slots
+        self.static = StaticDecode(self.devices[0], pool)
 
     @property
     def reason(self) -> str | None:
-        """Why decode steps are not compileable (None when they are)."""
-        return None if self.enabled else self._reason
+        """Why decode steps are not compileable (None when they are), found and logged once."""
+        if self._reason is _UNDECIDED:  # (not a cached_property: compiled code reads it, and dynamo cannot lock)
+            self._reason = self._find_reason()
+            if self._reason is not None and not torch.compiler.is_compiling():
+                _note_not_compileable(self._reason, self.max_new_tokens is not None)
+        return self._reason
+
+    @property
+    def enabled(self) -> bool:
+        return self.reason is None
+
+    def append(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
+        """A forward's ``rows.append``. On a batch's first forward with ``max_new_tokens`` given, every row takes the
+        blocks of its tokens and ``max_new_tokens`` more, so that a decode step never finds the pool empty (an
+        ``OutOfBlocksError`` before the forward writes anything otherwise), and the decode metadata is sized."""
+        if rows.num_columns or self.max_new_tokens is None:
+            return rows.append(q_len, valid)
+        slots = rows.append(q_len, valid, self.max_new_tokens, hint=(
+            f"({rows.num_rows} rows: their prompts plus max_new_tokens={self.max_new_tokens} tokens each, in "
+            f"{self.pool.block_size}-token blocks, are taken before decoding starts.)"))
+        if self.enabled:
+            self.static.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
+        return slots
 
     def _static_reason(self) -> str | None:
         if self.max_new_tokens is None:
@@ -212,7 +210,8 @@ class CompileMode:
         if device_type != "cuda":
             return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
                     "(give the cache compileable=True to compile elsewhere, with a compile_config)")
-        calls = decode_calls(self.config, self.layout, device_type, self.dtype, self.block_size, self._kv_dtype)
+        calls = decode_calls(self.config, self.pool.layout, device_type, self.dtype, self.pool.block_size,
+                             self.pool.dtype if is_fp8(self.pool.dtype) else None)
         return self.dispatcher.capture_unsupported_reason(calls, self.dtype)
 
 
