@@ -34,7 +34,6 @@ class _Row:
     num_computed_tokens: int = 0
     num_hashed_blocks: int = 0
     last_block_hash: bytes | None = None
-    token_ids: tuple = ()
 
 
 class BatchTables:
@@ -46,12 +45,9 @@ class BatchTables:
         self.manager = BlockManager(pool.allocator, pool.block_size, BlockTableBuffer(0, 1), pool.copy_blocks,
                                     enable_prefix_caching=False)
         self._rows: list[_Row] = []
-        self.num_columns = 0
-        self._valid = torch.zeros(0, 0, dtype=torch.bool)  # [rows, capacity]: which columns hold real tokens
-        self._table_tensor: torch.Tensor | None = None  # block_table_tensor(), rebuilt only after tables change
         self._pending = 0  # decode steps counted by advance, not yet in the rows
         self._advances_left = 0  # decode steps advance may still count (0: not armed)
-        self._steps_since_edit = 0  # forwards since the rows were last rebuilt (a new batch, a reorder, a crop)
+        self.start(0)
 
     @property
     def num_rows(self) -> int:
@@ -69,33 +65,27 @@ class BatchTables:
         self._materialize()
         return [r.num_computed_tokens for r in self._rows]
 
-    @property
-    def num_reserved(self) -> int:
-        """Blocks the rows hold ahead of their tokens."""
-        self._materialize()
-        return sum(len(r.block_table) - -(-r.num_computed_tokens // self.pool.block_size) for r in self._rows)
-
     def _new_rows(self, num_rows: int) -> list[_Row]:
         """``num_rows`` empty rows on a new block-table buffer (row ``i`` of the buffer is row ``i`` of the batch)."""
         self.manager.tables = BlockTableBuffer(num_rows, 1)
         self.manager.tables.log_changes()
-        self._table_tensor = None
-        self._steps_since_edit = 0
+        self._table_tensor: torch.Tensor | None = None  # block_table_tensor(), rebuilt only after tables change
+        self._steps_since_edit = 0  # forwards since the rows were last rebuilt (a new batch, a reorder, a crop)
         return [_Row() for _ in range(num_rows)]
 
     def reset(self) -> None:
+        """Free every row's blocks: an empty batch."""
+        self.start(0)
+
+    def start(self, num_rows: int) -> None:
+        """Free every row's blocks and start a batch of ``num_rows`` empty rows."""
         self._settle()
         for r in self._rows:
             self.manager.free(r)
-        self._rows, self.num_columns = self._new_rows(0), 0
-        self._valid = torch.zeros(0, 0, dtype=torch.bool)
-
-    def start(self, num_rows: int) -> None:
-        self.reset()
-        self._rows = self._new_rows(num_rows)
+        self._rows, self.num_columns = self._new_rows(num_rows), 0
         for r in self._rows:
             r.row = self.manager.tables.acquire()
-        self._valid = torch.zeros(num_rows, 0, dtype=torch.bool)
+        self._valid = torch.zeros(num_rows, 0, dtype=torch.bool)  # [rows, capacity]: which columns hold real tokens
 
     def begin_forward(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int) -> torch.Tensor | None:
         """Start a new batch, or check that this forward continues the held one; returns the host ``[batch, q_len]``
@@ -261,7 +251,8 @@ class BatchTables:
         for r in self._rows:
             for i, b in enumerate(r.block_table):
                 fill[b] = max(fill.get(b, 0), min(bs, r.num_computed_tokens - i * bs))
-        alloc, reserved = self.pool.allocator, self.num_reserved
+        alloc = self.pool.allocator
+        reserved = sum(len(r.block_table) - -(-r.num_computed_tokens // bs) for r in self._rows)  # blocks ahead
         slots = (alloc.num_used - reserved) * bs
         return {
             "num_blocks": alloc.num_blocks,
