@@ -146,13 +146,13 @@ def _layout_of(masks) -> str | tuple[str, ...]:
     return _NEVER
 
 
-def bend(model: torch.nn.Module, call: Callable[[], Callable],
+def bend(model: torch.nn.Module, generate: Callable[[Callable], Callable],
          compiled_call: Callable[[Callable], Callable] | None) -> None:
-    """Give ``model`` the ``generate`` ``call()`` makes, :class:`PlannedMasks` as its ``create_masks_for_generate``
+    """Give ``model`` the ``generate`` that ``generate(its generate)`` makes, :class:`PlannedMasks` as its ``create_masks_for_generate``
     (unless its class makes its own masks: token types, images) and, given ``compiled_call``, the
     ``get_compiled_call`` it makes of the model's; each a patch of ``compile/_patches.py``, which :func:`unbend` takes
     off (with any patch on the model stacked later)."""
-    patches.install(model, "generate", lambda _: call(), "generate")
+    patches.install(model, "generate", generate, "generate")
     if getattr(type(model), "create_masks_for_generate", None) is None:
         patches.install(model, "generate_masks", lambda _: PlannedMasks(), "create_masks_for_generate")
     else:

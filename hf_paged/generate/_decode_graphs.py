@@ -68,9 +68,8 @@ class DecodeSteps:
         self.model, self.usual, self.compiled, self.skinny = weakref.proxy(model), usual, compiled, skinny
         self.new_graphs, self.devices = new_graphs, devices
         self.compile_config = None
-        # cache -> (its CudaGraphs, {key: _Graph}), and the keys run once (eagerly) on it
+        # cache -> (its CudaGraphs, {key: _Graph}, the keys run once (eagerly) on it)
         self.graphs: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-        self.warm: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
         self.failure: str | None = None  # why this model's steps are not run here (then: transformers' call)
         self.replays = 0
 
@@ -86,11 +85,10 @@ class DecodeSteps:
             return self.usual(self.compile_config)(*args, **kwargs)
         cache = cache_in(kwargs)
         if cache not in self.graphs:
-            self.graphs[cache] = (self.new_graphs(kwargs["input_ids"].device), {})
-        graphs, by_key = self.graphs[cache]
+            self.graphs[cache] = (self.new_graphs(kwargs["input_ids"].device), {}, set())
+        graphs, by_key, warm = self.graphs[cache]
         graph = by_key.get(key)
         if graph is None:
-            warm = self.warm.setdefault(cache, set())
             if key not in warm:  # a new shape: run it once eagerly (the compiled layers meet its shapes)
                 warm.add(key)
                 return self._run(kwargs)

@@ -47,10 +47,9 @@ def paged_default(model, generation_config, batch_size: int, max_cache_length: i
     return paged_cache_for(model, num_blocks=min(rows * per_row, max(fits, per_row)))
 
 
-def install() -> bool:
-    """Wrap ``generate``'s cache maker (once, ``_compat.wrap_prepare_cache``); True, as it is then in place."""
+def install() -> None:
+    """Wrap ``generate``'s cache maker (once, ``_compat.wrap_prepare_cache``)."""
     _compat.wrap_prepare_cache(_paged_unless_given)
-    return True
 
 
 def _paged_unless_given(prepare):

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 
 import torch
 from transformers import CompileConfig
@@ -98,7 +99,7 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
     model.generation_config.compile_config = config
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
-    bend(model, lambda: FrozenHeapGenerate(model), (lambda usual: DecodeSteps(
+    bend(model, FrozenHeapGenerate, (lambda usual: DecodeSteps(
         model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None)
     if packed_prefill and getattr(type(model), "create_masks_for_generate", None) is not None:
         logger.info("hf_paged: optimize_generate leaves %s's prompt forward as it is (its class makes its own masks)",
@@ -109,20 +110,17 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
 
 
 class FrozenHeapGenerate:
-    """``model.generate`` under :func:`optimize_generate`: the generate the model had (its class's, or an instance
-    one set before), run with the collector's old objects set aside (``hf_paged/_frozen_heap.py``). It holds
-    the model itself, so a deep copy of the model gets one for the copy."""
+    """``model.generate`` under :func:`optimize_generate`: the generate the model had (``inner``: its class's, bound,
+    or an instance one set before), run with the collector's old objects set aside (``hf_paged/_frozen_heap.py``).
+    A deep copy of the model gets one for the copy (a bound method is deep-copied with its model)."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.model = model
-        self.inner = model.__dict__.get("generate")
-        functools.update_wrapper(self, type(model).generate)
+    def __init__(self, inner: Callable):
+        self.inner = inner
+        functools.update_wrapper(self, inner)
 
     def __call__(self, *args, **kwargs):
         with frozen_heap():
-            if self.inner is not None:
-                return self.inner(*args, **kwargs)
-            return type(self.model).generate(self.model, *args, **kwargs)
+            return self.inner(*args, **kwargs)
 
 
 def restore_generate(model: torch.nn.Module) -> torch.nn.Module:

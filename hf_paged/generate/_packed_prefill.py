@@ -100,18 +100,10 @@ class PackedPrefill:
         mask = kwargs.get("attention_mask")
         if not (mask is None or planned_step(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
             return False
-        for name, value in kwargs.items():
-            if name in _READ or value is None:
-                continue
-            if name in _PASSED:
-                if not isinstance(value, bool):
-                    return False
-            elif name.startswith("output_"):
-                if value:
-                    return False
-            else:
-                return False
-        return True
+        # every other argument: None, a flag passed on (a bool), or an output flag left off
+        return all(name in _READ or value is None or (isinstance(value, bool) if name in _PASSED
+                                                      else name.startswith("output_") and not value)
+                   for name, value in kwargs.items())
 
 
 def _is_one(value) -> bool:

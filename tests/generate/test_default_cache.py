@@ -60,5 +60,6 @@ def test_install_is_idempotent():
     from transformers import GenerationMixin
 
     wrapped = GenerationMixin._prepare_cache_for_generation
-    assert getattr(wrapped, _default_cache._MARK) and _default_cache.install()
+    assert getattr(wrapped, _default_cache._MARK)
+    _default_cache.install()
     assert GenerationMixin._prepare_cache_for_generation is wrapped

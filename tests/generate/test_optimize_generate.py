@@ -194,7 +194,7 @@ def test_a_deep_copy_of_an_optimized_model_generates_with_its_own_weights():
             p.add_(0.5)
     seen = _freeze_seen_in_forwards(twin)
     cache = lambda m: hf_paged.PagedAttentionCache(m.config, num_blocks=64, block_size=8)  # noqa: E731
-    assert twin.generate.model is twin
+    assert twin.generate.inner.__self__ is twin
     out = twin.generate(**with_cache(twin, cache(twin), **batch), max_new_tokens=4, **GREEDY)
     assert seen and not torch.equal(out, model.generate(**with_cache(model, cache(model), **batch), max_new_tokens=4,
                                                         **GREEDY))
