@@ -48,6 +48,13 @@ def _dtype_head_dim_reason(device_type: str, dtype: torch.dtype, head_dim: int) 
     return None
 
 
+def _kernels_reason() -> str | None:
+    """Why the kernels cannot run here, or None; asked last, since it may build them (about a minute, once per
+    machine)."""
+    reason = kernels.unavailable_reason()
+    return None if reason is None else f"CUDA kernels unavailable: {reason}"
+
+
 def _fp8_reason(call: AttentionCall) -> str | None:
     """Why the kernels cannot read this call's fp8 KV cache (None if they can: fp16/bf16, compiled sizes, any
     phase)."""
@@ -96,25 +103,14 @@ class DecodePlan:
     counters: torch.Tensor | None = None
 
 
-@dataclass(frozen=True)
-class SplitRows:
-    """A mixed step's metadata cut at its ``single_token_prefix``: the decode rows' block tables and lengths, the
-    chunks' ``cu_seqlens_q`` (whose offsets still index the whole query), lengths and block tables."""
-
-    decode_tables: torch.Tensor
-    decode_lens: torch.Tensor
-    chunk_cu_q: torch.Tensor
-    chunk_lens: torch.Tensor
-    chunk_tables: torch.Tensor
-
-
 @dataclass
 class CudaPlan:
-    """The cuda backend's plan of one step on one device: a mixed step's :class:`SplitRows` (None without a
-    ``single_token_prefix``), cut once for every layer, and one :class:`DecodePlan` per layer shape (``decodes``),
-    made by the first layer of that shape (:func:`plan_decode`)."""
+    """The cuda backend's plan of one step on one device: ``rows``, a mixed step's metadata cut at its
+    ``single_token_prefix`` once for every layer (None without one): the decode rows' block tables and lengths, then
+    the chunks' ``cu_seqlens_q`` (whose offsets still index the whole query), lengths and block tables; and one
+    :class:`DecodePlan` per layer shape (``decodes``), made by the first layer of that shape (:func:`plan_decode`)."""
 
-    rows: SplitRows | None
+    rows: tuple[torch.Tensor, ...] | None
     decodes: dict[tuple, DecodePlan] = field(default_factory=dict)
 
 
@@ -176,13 +172,9 @@ class CudaBackend(AttentionBackend):
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         reason = _fp8_reason(call) if call.kv_dtype is not None and is_fp8(call.kv_dtype) else None
         reason = reason or _dtype_head_dim_reason(call.device_type, call.dtype, call.head_dim)
-        if reason is not None:
-            return reason
-        if call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads:
-            return f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
-        # Last, since it may build the kernels (about a minute, once per machine).
-        reason = kernels.unavailable_reason()
-        return None if reason is None else f"CUDA kernels unavailable: {reason}"
+        if reason is None and (call.num_kv_heads <= 0 or call.num_heads % call.num_kv_heads):
+            reason = f"num_heads {call.num_heads} is not a multiple of num_kv_heads {call.num_kv_heads}"
+        return reason or _kernels_reason()
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         if is_fp8(dtype):  # the quantizing write takes any head_dim of whole 8-element groups
@@ -191,10 +183,7 @@ class CudaBackend(AttentionBackend):
                 reason = f"the fp8 KV write needs head_dim a multiple of 8, not {head_dim}"
         else:
             reason = _dtype_head_dim_reason(device_type, dtype, head_dim)
-        if reason is not None:
-            return reason
-        reason = kernels.unavailable_reason()
-        return None if reason is None else f"CUDA kernels unavailable: {reason}"
+        return reason or _kernels_reason()
 
     def write_kv(self, key, value, k_cache, v_cache, meta, kv_scales=None) -> None:
         if is_fp8(k_cache.dtype):  # quantized on the device from the model's dtype; unset scales fixed first
@@ -206,8 +195,8 @@ class CudaBackend(AttentionBackend):
 
     def plan(self, meta: PagedMetadata) -> CudaPlan:
         d = meta.single_token_prefix
-        return CudaPlan(SplitRows(meta.block_tables[:d], meta.seq_lens_k[:d], meta.cu_seqlens_q[d:],
-                                  meta.seq_lens_k[d:], meta.block_tables[d:]) if d else None)
+        return CudaPlan((meta.block_tables[:d], meta.seq_lens_k[:d], meta.cu_seqlens_q[d:], meta.seq_lens_k[d:],
+                         meta.block_tables[d:]) if d else None)
 
     def forward(self, inputs: AttentionInputs, plan: CudaPlan) -> torch.Tensor:
         query, meta, params, scales = inputs.query, inputs.meta, inputs.params, inputs.kv_scales
@@ -225,12 +214,11 @@ class CudaBackend(AttentionBackend):
         d = meta.single_token_prefix if query.dtype != torch.float32 else 0
         out = None
         if d:
-            rows = plan.rows
+            decode_tables, decode_lens, cu_q, lens, tables = plan.rows
             out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-            self._decode(inputs, plan, query[:d], rows.decode_tables, rows.decode_lens, out=out[:d], **extras)
+            self._decode(inputs, plan, query[:d], decode_tables, decode_lens, out=out[:d], **extras)
             if d == meta.num_seqs:
                 return out
-            cu_q, lens, tables = rows.chunk_cu_q, rows.chunk_lens, rows.chunk_tables
         else:
             cu_q, lens, tables = meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables
         k_cache = inputs.k_cache

@@ -46,11 +46,9 @@ def load_flash_attn() -> ModuleType | None:
 def _import_flash_attn() -> tuple[ModuleType | None, str | None]:
     try:
         module = importlib.import_module("flash_attn")
-    except ModuleNotFoundError as err:
-        if err.name != "flash_attn":
-            return None, f"flash-attn failed to import ({err}); reinstall it ({_INSTALL_HINT})"
-        return None, f"flash-attn is not installed ({_INSTALL_HINT})"
-    except (ImportError, OSError) as err:  # e.g. built against another torch or CUDA
+    except (ImportError, OSError) as err:  # not installed, or e.g. built against another torch or CUDA
+        if isinstance(err, ModuleNotFoundError) and err.name == "flash_attn":
+            return None, f"flash-attn is not installed ({_INSTALL_HINT})"
         return None, f"flash-attn failed to import ({err}); reinstall it ({_INSTALL_HINT})"
     varlen = getattr(module, "flash_attn_varlen_func", None)
     if varlen is None or getattr(module, "flash_attn_with_kvcache", None) is None:
@@ -90,10 +88,8 @@ class FlashBackend(AttentionBackend):
         if call.num_heads % call.num_kv_heads:
             return f"num_heads ({call.num_heads}) is not a multiple of num_kv_heads ({call.num_kv_heads})"
         if call.phase is not Phase.PREFILL and call.block_size % PAGED_BLOCK_MULTIPLE:
-            return (
-                f"flash-attn 2 reads a paged KV cache only when block_size % {PAGED_BLOCK_MULTIPLE} == 0 "
-                f"(got {call.block_size}); {call.phase.value} needs that, use block_size={PAGED_BLOCK_MULTIPLE}"
-            )
+            return (f"flash-attn 2 reads a paged KV cache only when block_size % {PAGED_BLOCK_MULTIPLE} == 0 "
+                    f"(got {call.block_size}); {call.phase.value} needs that, use block_size={PAGED_BLOCK_MULTIPLE}")
         return None
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
@@ -111,26 +107,16 @@ class FlashBackend(AttentionBackend):
         if fa is None:
             raise RuntimeError(_import_error)
         query, meta, params = inputs.query, inputs.meta, inputs.params
-        common = dict(
-            softmax_scale=params.scale,
-            causal=True,
-            window_size=window_size(params.sliding_window),
-            softcap=0.0 if params.softcap is None else params.softcap,
-        )
+        common = dict(softmax_scale=params.scale, causal=True, window_size=window_size(params.sliding_window),
+                      softcap=0.0 if params.softcap is None else params.softcap)
         if meta.phase is Phase.DECODE:
             # One new token per sequence: [T, H, D] is [B, 1, H, D] with the sequence as the batch.
-            out = fa.flash_attn_with_kvcache(
-                query.unsqueeze(1), inputs.k_cache, inputs.v_cache,
-                cache_seqlens=meta.seq_lens_k, block_table=meta.block_tables, **common,
-            )
+            out = fa.flash_attn_with_kvcache(query.unsqueeze(1), inputs.k_cache, inputs.v_cache,
+                                             cache_seqlens=meta.seq_lens_k, block_table=meta.block_tables, **common)
             return out.squeeze(1)
         if meta.phase is Phase.PREFILL:
             # Each context is exactly its new tokens, packed like the queries: no cache read, any block size.
-            return fa.flash_attn_varlen_func(
-                query, inputs.key, inputs.value, meta.cu_seqlens_q, meta.cu_seqlens_q,
-                meta.max_seqlen_q, meta.max_seqlen_q, **common,
-            )
-        return fa.flash_attn_varlen_func(
-            query, inputs.k_cache, inputs.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
-            meta.max_seqlen_q, meta.max_seqlen_k, block_table=meta.block_tables, **common,
-        )
+            return fa.flash_attn_varlen_func(query, inputs.key, inputs.value, meta.cu_seqlens_q, meta.cu_seqlens_q,
+                                             meta.max_seqlen_q, meta.max_seqlen_q, **common)
+        return fa.flash_attn_varlen_func(query, inputs.k_cache, inputs.v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k,
+                                         meta.max_seqlen_q, meta.max_seqlen_k, block_table=meta.block_tables, **common)

@@ -23,51 +23,34 @@ def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int
     return blocks.flatten(1, 2)[:, :max_len]
 
 
-def pad_queries(x: torch.Tensor, cu_seqlens: torch.Tensor, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Packed ``x`` [T, ...] -> padded [B, max_len, ...] plus the [B, max_len] mask of real rows."""
-    q_lens = cu_seqlens[1:] - cu_seqlens[:-1]
-    idx = torch.arange(max_len, device=x.device)
-    valid = idx[None, :] < q_lens[:, None]  # [B, max_len]
-    out = x.new_zeros(q_lens.numel(), max_len, *x.shape[1:])
-    out[valid] = x
-    return out, valid
-
-
-def paged_attention_reference(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    meta: PagedMetadata,
-    params: AttentionParams,
-    compute_dtype: torch.dtype = torch.float32,
-    kv_scales: KVScales | None = None,
-) -> torch.Tensor:
+def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
+                              params: AttentionParams, compute_dtype: torch.dtype = torch.float32,
+                              kv_scales: KVScales | None = None) -> torch.Tensor:
     """Attention of packed ``query`` [T, H, D] over the paged context; returns [T, H, D] in ``query.dtype``.
 
     Query ``t`` of sequence ``b`` sits at absolute position ``i = seq_lens_k[b] - q_len[b] + t`` and sees keys
     ``j <= i`` (and ``i - j < sliding_window`` when set). Pass ``compute_dtype=torch.float64`` for a reference.
     An fp8 cache needs its ``kv_scales``: the gathered context is dequantized to ``compute_dtype``.
     """
-    num_heads, head_dim = query.shape[1], query.shape[2]
-    num_kv_heads = k_cache.shape[2]
-    groups = num_heads // num_kv_heads
+    (num_heads, head_dim), num_kv_heads = query.shape[1:], k_cache.shape[2]
     max_q, max_k = meta.max_seqlen_q, meta.max_seqlen_k
-    q, q_valid = pad_queries(query, meta.cu_seqlens_q, max_q)  # [B, Q, H, D]
+    q_lens, k_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1], meta.seq_lens_k.long()
+    q_idx, k_pos = torch.arange(max_q, device=query.device), torch.arange(max_k, device=query.device)
+    batch = len(q_lens)
+    q_valid = q_idx[None, :] < q_lens[:, None]  # [B, Q]: the real query rows
+    q = query.new_zeros(batch, max_q, num_heads, head_dim)
+    q[q_valid] = query  # packed -> padded [B, Q, H, D]
     k = gather_context(k_cache, meta.block_tables, max_k)  # [B, K, Hkv, D]
     v = gather_context(v_cache, meta.block_tables, max_k)
     if kv_scales is not None:
         k, v = dequantize(k, kv_scales.k, compute_dtype), dequantize(v, kv_scales.v, compute_dtype)
-    batch = q.shape[0]
 
-    q = q.to(compute_dtype).view(batch, max_q, num_kv_heads, groups, head_dim)
+    q = q.to(compute_dtype).view(batch, max_q, num_kv_heads, num_heads // num_kv_heads, head_dim)
     scores = torch.einsum("bqhgd,bkhd->bhgqk", q, k.to(compute_dtype)) * params.scale
     if params.softcap is not None:
         scores = params.softcap * torch.tanh(scores / params.softcap)
 
-    q_lens = meta.cu_seqlens_q[1:] - meta.cu_seqlens_q[:-1]
-    k_lens = meta.seq_lens_k.long()
-    q_pos = (k_lens - q_lens)[:, None] + torch.arange(max_q, device=query.device)[None, :]  # [B, Q]
-    k_pos = torch.arange(max_k, device=query.device)
+    q_pos = (k_lens - q_lens)[:, None] + q_idx[None, :]  # [B, Q]
     rel = q_pos[:, :, None] - k_pos[None, None, :]  # [B, Q, K]: i - j
     visible = (rel >= 0) & (k_pos[None, None, :] < k_lens[:, None, None])
     if params.sliding_window is not None:
