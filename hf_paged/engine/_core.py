@@ -30,6 +30,7 @@ from hf_paged.cache._block_manager import BlockManager
 from hf_paged.engine import _sizing as sizing
 from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
+from hf_paged.engine._detokenizer import Detokenizer
 from hf_paged.engine._inflight import InFlightStep, TokenReceiver
 from hf_paged.engine._interrupts import InterruptGuard
 from hf_paged.engine._prompt_logprobs import prompt_rows, score
@@ -39,7 +40,6 @@ from hf_paged.engine._scheduler import ScheduledBatch, Scheduler
 from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine._sizing import Workload
 from hf_paged.engine._stats import EngineStats
-from hf_paged.engine._stop_checker import StopChecker
 from hf_paged.engine._structured_output import StructuredOutput, advance as advance_grammar
 from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
 from hf_paged.runner._model_runner import ModelRunner
@@ -79,8 +79,8 @@ class EngineCore:
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs)
         self.vocab_size = vocab = model.config.get_text_config(decoder=True).vocab_size
-        self.sampler, self.stop_checker, self.structured = Sampler(), StopChecker(tokenizer), StructuredOutput(tokenizer,
-                                                                                                               vocab)
+        self.sampler, self.structured = Sampler(), StructuredOutput(tokenizer, vocab)
+        self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None  # (text, and stop strings)
         self.counters, self.requests = EngineStats(), RequestRegistry()
         self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling
         self._receiver = TokenReceiver(cfg.max_num_seqs, self.device)
@@ -296,7 +296,7 @@ class EngineCore:
         """Write each sequence's newest token in place of its placeholder and do its bookkeeping; a finished
         sequence goes to the outbox. A stop check that raises (the tokenizer, on stop strings) ends only its own
         sequence, with an error."""
-        finish_reason, max_len = self.stop_checker.finish_reason, self.max_model_len
+        stop_reason, max_len = self._stop_reason, self.max_model_len
         self.counters.generated_tokens += len(seqs)
         for seq, token, logprob in zip(seqs, tokens, logprobs):
             ids, params = seq.token_ids, seq.params
@@ -315,7 +315,7 @@ class EngineCore:
                 self._fork(seq)
             error = None
             try:
-                reason = finish_reason(seq)
+                reason = stop_reason(seq)
                 if seq.grammar is not None and reason is None:
                     reason, error = advance_grammar(seq.grammar, token, params.eos_token_ids)
             except Exception as exc:
@@ -324,6 +324,20 @@ class EngineCore:
                 reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, max_len)
             if reason is not None:
                 self._finish(seq, reason, error)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """Whether ``seq`` is done after its newest token: ``"stop"`` (EOS or a stop string), ``"length"`` or None
+        (keep going). EOS cannot come before ``min_new_tokens``: the sampler suppresses it."""
+        params = seq.params
+        eos = seq.token_ids[-1] in params.eos_token_ids
+        length = len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
+        # (before the EOS: an EOS that is not a special token has text, which may complete a stop string); all the
+        # tokens are read when the sequence ends with this one anyway
+        if params.stop_strings:
+            self.detokenizer.read(seq, flush=eos or length)
+            if seq.text_state.stop_at is not None:
+                return "stop"
+        return "stop" if eos else "length" if length else None
 
     def _fork(self, parent: Sequence) -> None:
         """Start the copies of ``num_return_sequences``: they share the prompt's blocks and recompute only its last

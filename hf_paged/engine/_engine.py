@@ -137,7 +137,6 @@ class Engine(EngineCore):
         generation_config = validation.generation_config(generation_config)
         super().__init__(model, cfg, tokenizer, workload)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
-        self.detokenizer = self.stop_checker.detokenizer
         self._closed = False
         self._step_running = False
         self._stepper: int | None = None  # the thread inside a step

@@ -23,7 +23,7 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 
 def workload(n: int = 10, seed: int = 3) -> list[tuple[list[int], GenerationConfig]]:
     """Greedy, early stops, min_new_tokens, repetition penalty and seeded sampling with copies. The early-stop kinds
-    ask for logprobs, so their every token goes through ``StopChecker.finish_reason`` (plain rows skip it unless
+    ask for logprobs, so their every token goes through ``EngineCore._stop_reason`` (plain rows skip it unless
     they reach EOS or their length), which the fault tests below wrap."""
     kinds = [
         dict(max_new_tokens=9, do_sample=False, eos_token_id=None),
@@ -138,14 +138,14 @@ def _shift(rid: str) -> str:
 @ASYNC
 def test_a_stop_check_that_raises_ends_only_its_request(clean, async_scheduling):
     engine = make_engine(async_scheduling)
-    check = engine.stop_checker.finish_reason
+    check = engine._stop_reason
 
     def finish_reason(seq):
         if seq.request_id == "2" and seq.num_generated == 3:
             raise UnicodeDecodeError("utf-8", b"\xff", 0, 1, "injected")
         return check(seq)
 
-    engine.stop_checker.finish_reason = finish_reason
+    engine._stop_reason = finish_reason
     done, _ = drive(engine, workload())
     assert done["2"].finish_reason == "error" and "injected" in done["2"].error
     assert done["2"].token_ids == clean["2"][0][:3]
@@ -160,7 +160,7 @@ def test_ctrl_c_during_the_bookkeeping_waits_for_a_consistent_state(clean, async
     """A real SIGINT in the middle of writing a step's tokens into its sequences is raised when the step is done;
     before the fix it could leave a placeholder in a sequence or skip its stop check."""
     engine = make_engine(async_scheduling, num_blocks=30)  # tight: preemptions too
-    check = engine.stop_checker.finish_reason
+    check = engine._stop_reason
     calls = []
 
     def finish_reason(seq):
@@ -169,7 +169,7 @@ def test_ctrl_c_during_the_bookkeeping_waits_for_a_consistent_state(clean, async
             os.kill(os.getpid(), signal.SIGINT)
         return check(seq)
 
-    engine.stop_checker.finish_reason = finish_reason
+    engine._stop_reason = finish_reason
     done, interrupts = drive(engine, workload())
     assert interrupts == 1
     assert {rid: (o.token_ids, o.finish_reason) for rid, o in done.items()} == clean

@@ -56,7 +56,7 @@ class Soak:
         self.engine = hf_paged.Engine(models(ARCH)[1], num_blocks=24, block_size=4, max_batch_tokens=40,
                                       max_num_seqs=8, async_scheduling=async_scheduling)
         self.engine.runner.forward = FaultyForward(self.engine.runner.forward, random.Random(seed + 1))
-        check = self.engine.stop_checker.finish_reason
+        check = self.engine._stop_reason
         sig_rng = random.Random(seed + 2)
 
         def finish_reason(seq):  # a real Ctrl-C in the middle of taking in a step's tokens, now and then
@@ -64,7 +64,7 @@ class Soak:
                 os.kill(os.getpid(), signal.SIGINT)
             return check(seq)
 
-        self.engine.stop_checker.finish_reason = finish_reason
+        self.engine._stop_reason = finish_reason
         self.requests: dict[str, tuple[list[int], GenerationConfig]] = {}  # every request added, by id
         self.step_owned: set[str] = set()  # added with add_request, not reported yet
         self.stream_owned: set[str] = set()  # owned by the stream session running now
