@@ -81,9 +81,7 @@ def commit() -> str | None:
 def kernel_cache_dir() -> Path:
     """``HF_PAGED_CACHE``, else ``$XDG_CACHE_HOME/hf_paged/kernels`` (``~/.cache/hf_paged/kernels``)."""
     value = _value(CACHE)
-    if value is not None:
-        return Path(value).expanduser()
-    return _cache_home() / "kernels"
+    return Path(value).expanduser() if value is not None else _cache_home() / "kernels"
 
 
 @functools.cache

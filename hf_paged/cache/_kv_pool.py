@@ -40,8 +40,7 @@ class KVLayout:
         return cls(num_layers=text.num_hidden_layers, num_kv_heads=num_kv_heads, head_dim=head_dim)
 
     def bytes_per_block(self, block_size: int, dtype: torch.dtype) -> int:
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * itemsize
+        return 2 * self.num_layers * block_size * self.num_kv_heads * self.head_dim * dtype.itemsize
 
     def scale_bytes(self, dtype: torch.dtype) -> int:
         """Bytes of the fp8 scales (float32, per layer and KV head, K and V); 0 for other dtypes."""

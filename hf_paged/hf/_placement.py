@@ -60,9 +60,7 @@ def kv_devices(model: torch.nn.Module) -> list[torch.device]:
     """Where each layer's KV goes: its layer's device, or the model's device for every layer when the model has no
     list of layers to place (a stub). Raises for a layer the map leaves out or puts on disk."""
     num_layers = KVLayout.from_config(model.config).num_layers
-    if decoder_layers(model) is None:
-        return [model.device] * num_layers
-    devices = layer_devices(model)
+    devices = layer_devices(model) if decoder_layers(model) is not None else []
     return devices if len(devices) == num_layers else [model.device] * num_layers
 
 
