@@ -31,84 +31,56 @@ class Timing:
     reps: int
 
 
-def _reps_for(seconds_per_call: float, calls_per_rep: int, budget_s: float) -> int:
-    return int(min(200, max(5, budget_s / max(seconds_per_call * calls_per_rep, 1e-7))))
+def _timer(run: Callable[[], object], cuda: bool) -> Callable[[], float]:
+    """A function that calls ``run`` and returns the seconds it took: between two CUDA events on the device, else by
+    the host clock."""
+    if not cuda:
+        def host_rep() -> float:
+            t0 = time.perf_counter()
+            run()
+            return time.perf_counter() - t0
+
+        return host_rep
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def device_rep() -> float:
+        start.record()
+        run()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return device_rep
 
 
-def _samples(run_rep: Callable[[], float], reps: int, before_rep: Callable[[], object] | None) -> list[float]:
-    out = []
+def _repeat(rep: Callable[[], float], calls_per_rep: int, method: str, budget_s: float, reps: int | None,
+            before_rep: Callable[[], object] | None) -> Timing:
+    """Per-call figures of ``reps`` timed reps (default: as many as fit ``budget_s`` after one sizing rep, 5 to 200),
+    ``before_rep`` running before each."""
+    reps = reps or int(min(200, max(5, budget_s / max(rep(), 1e-7))))
+    samples = []
     for _ in range(reps):
         if before_rep is not None:
             before_rep()
-        out.append(run_rep())
-    return out
-
-
-def _timing(samples: list[float], method: str) -> Timing:
+        samples.append(rep() / calls_per_rep)
     return Timing(statistics.median(samples), min(samples), max(samples), method, len(samples))
 
 
-def _host(calls: Sequence[Callable[[], object]], budget_s: float, reps: int | None,
-          before_rep: Callable[[], object] | None) -> Timing:
-    def rep() -> float:
-        t0 = time.perf_counter()
-        for fn in calls:
-            fn()
-        return (time.perf_counter() - t0) / len(calls)
-
-    reps = reps or _reps_for(rep(), len(calls), budget_s)
-    return _timing(_samples(rep, reps, before_rep), "host")
-
-
-def _eager(calls: Sequence[Callable[[], object]], budget_s: float, reps: int | None,
-           before_rep: Callable[[], object] | None) -> Timing:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def rep() -> float:
-        start.record()
-        for fn in calls:
-            fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / len(calls)
-
-    if reps is None:
-        t0 = time.perf_counter()
-        for fn in calls:
-            fn()
-        torch.cuda.synchronize()
-        reps = _reps_for((time.perf_counter() - t0) / len(calls), len(calls), budget_s)
-    return _timing(_samples(rep, reps, before_rep), "eager")
-
-
-def _graph(calls: Sequence[Callable[[], object]], budget_s: float, min_calls: int, reps: int | None,
-           before_rep: Callable[[], object] | None) -> Timing:
-    rounds = max(1, -(-min_calls // len(calls)))
+def _graph(run_all: Callable[[], None], num_calls: int, min_calls: int) -> tuple[torch.cuda.CUDAGraph, int]:
+    """``run_all`` captured into a CUDA graph as many times as make ``min_calls`` launches; the graph and its calls."""
+    rounds = max(1, -(-min_calls // num_calls))
     stream = torch.cuda.Stream()
     stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(stream):  # warm-up outside capture: lazy init, workspace buffers
-        for fn in calls:
-            fn()
+        run_all()
     torch.cuda.current_stream().wait_stream(stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, stream=stream):  # the warm-up's stream: its workspace is reused
         for _ in range(rounds):
-            for fn in calls:
-                fn()
-    n = rounds * len(calls)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def rep() -> float:
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / n
-
+            run_all()
     for _ in range(3):
         graph.replay()
-    reps = reps or _reps_for(rep(), n, budget_s)
-    return _timing(_samples(rep, reps, before_rep), "graph")
+    return graph, rounds * num_calls
 
 
 def time_calls(
@@ -123,17 +95,21 @@ def time_calls(
     rank must run the same count; ``before_rep`` runs before each (a barrier, say), outside the timed span. On a
     ``device`` that is not CUDA the calls run as a loop timed by the host clock (method "host").
     """
-    for fn in calls:  # warm-up (builds, autotuning, allocator)
-        fn()
+    def run_all() -> None:
+        for fn in calls:
+            fn()
+
+    run_all()  # warm-up (builds, autotuning, allocator)
     if torch.device(device).type != "cuda":
-        return _host(calls, budget_s, reps, before_rep)
+        return _repeat(_timer(run_all, cuda=False), len(calls), "host", budget_s, reps, before_rep)
     torch.cuda.synchronize()
     if graph:
         try:
-            return _graph(calls, budget_s, min_calls, reps, before_rep)
+            cuda_graph, launches = _graph(run_all, len(calls), min_calls)
+            return _repeat(_timer(cuda_graph.replay, cuda=True), launches, "graph", budget_s, reps, before_rep)
         except RuntimeError:
             torch.cuda.synchronize()
-    return _eager(calls, budget_s, reps, before_rep)
+    return _repeat(_timer(run_all, cuda=True), len(calls), "eager", budget_s, reps, before_rep)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, dict[str, float]]:

@@ -31,6 +31,7 @@ runs (globaltimer's steps can be coarse); cross-CTA figures come from ``%globalt
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import statistics
 from pathlib import Path
@@ -38,6 +39,7 @@ from pathlib import Path
 import torch
 
 from hf_paged import envs, kernels
+from hf_paged.bench import time_calls
 from hf_paged.bench._kernels import DTYPE, NUM_HEADS, NUM_KV_HEADS, decode_set
 
 WORDS = 16  # kTraceWords in csrc/launch.h
@@ -117,29 +119,13 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
         kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
                              out=outs[i % len(sets)], split_len=split, workspace=workspace, pdl=pdl)
 
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    try:
-        with torch.cuda.stream(stream):
-            for i in range(launches):  # warm-up, outside capture
-                launch(i)
-        torch.cuda.current_stream().wait_stream(stream)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=stream):
-            for i in range(launches):
-                launch(i)
+    try:  # one graph of the launches, each with its buffer; timed over replays that start from zeroed buffers
+        timing = time_calls([functools.partial(launch, i) for i in range(launches)], min_calls=launches,
+                            reps=replays, before_rep=lambda: [b.zero_() for b in buffers])
     finally:
         torch.ops.hf_paged.decode_trace_buffer(None)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    times = []
-    for _ in range(replays):
-        for b in buffers:
-            b.zero_()
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) * 1e6 / launches)  # ns per launch
+    if timing.method != "graph":
+        raise RuntimeError("the traced decodes could not be captured in a CUDA graph")
     traced = [b.view(-1, WORDS).tolist() for b in buffers]
     s = sets[0]  # the trace must not change the answer: the same decode untraced, bit for bit
     plain = kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
@@ -148,7 +134,7 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     summary["matches_untraced"] = bool(torch.equal(plain, outs[0]))
     if raw:
         summary["raw"] = traced
-    summary["medians"]["event_ns"] = statistics.median(times)
+    summary["medians"]["event_ns"] = timing.median_s * 1e9
     summary["settings"] = {"batch": batch, "ctx": ctx, "head_dim": head_dim, "launches": launches,
                            "split_len": split, "block_size": 16, "dtype": str(DTYPE), "heads": NUM_HEADS,
                            "kv_heads": NUM_KV_HEADS, "pdl": pdl, "device": torch.cuda.get_device_name()}
