@@ -83,6 +83,12 @@ def add_fp8_cache(s: dict) -> dict:
     return s
 
 
+def fp8_scales(s: dict, fp8: bool) -> dict:
+    """The ``k_scale``/``v_scale`` arguments of a call over the set's e4m3 cache (:func:`add_fp8_cache`); none for
+    bf16."""
+    return {"k_scale": s["k_scale"], "v_scale": s["v_scale"]} if fp8 else {}
+
+
 def check_outputs(rows: list, outputs: dict[str, torch.Tensor]) -> None:
     """Add each row's relative difference from ``ours-bs16`` to its note, and raise where it exceeds the bound:
     every contender computed the same attention, and a wrong kernel must not post a fast time."""
@@ -111,31 +117,24 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                softcap: float = 0.0) -> dict[str, list]:
     """name -> one zero-argument callable per input set."""
     scale = head_dim**-0.5
-    out = {}
-    for bs in (16, 256):
-        out[f"ours-bs{bs}"] = [
-            lambda s=s, bs=bs: kernels.paged_decode(s["query"], s[f"k{bs}"], s[f"v{bs}"], s[f"t{bs}"], s["seq_lens"],
-                                                    scale, max_seq_len=ctx, window=window, softcap=softcap)
-            for s in sets
-        ]
+
+    def ours(block_size: int = 16, fp8: bool = False, **options) -> list:
+        cache = f"{block_size}_fp8" if fp8 else f"{block_size}"
+        return [lambda s=s: kernels.paged_decode(s["query"], s[f"k{cache}"], s[f"v{cache}"], s[f"t{block_size}"],
+                                                 s["seq_lens"], scale, max_seq_len=ctx, window=window,
+                                                 softcap=softcap, **options, **fp8_scales(s, fp8))
+                for s in sets]
+
+    out = {"ours-bs16": ours(16), "ours-bs256": ours(256)}
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch: Hopper on
-        out["ours-nopdl-bs16"] = [
-            lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale,
-                                             max_seq_len=ctx, window=window, softcap=softcap, pdl=False)
-            for s in sets
-        ]
+        out["ours-nopdl-bs16"] = ours(pdl=False)
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
-        out["ours-fp8-bs16"] = [
-            lambda s=s: kernels.paged_decode(s["query"], s["k16_fp8"], s["v16_fp8"], s["t16"], s["seq_lens"], scale,
-                                             max_seq_len=ctx, window=window, softcap=softcap, k_scale=s["k_scale"],
-                                             v_scale=s["v_scale"])
-            for s in sets
-        ]
+        out["ours-fp8-bs16"] = ours(fp8=True)
     try:
         from flash_attn import flash_attn_with_kvcache
     except ImportError:
-        flash_attn_with_kvcache = None
-    if flash_attn_with_kvcache is not None:
+        pass
+    else:
         out["flash-bs256"] = [
             lambda s=s: flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
                                                 cache_seqlens=s["seq_lens"], block_table=s["t256"],

@@ -33,7 +33,7 @@ import torch
 from hf_paged import _compat
 from hf_paged.attention.backends._flash import window_size
 from hf_paged.bench import input_sets, run_header, time_calls
-from hf_paged.bench._kernels import add_fp8_cache, check_outputs, paged_kv, score_options
+from hf_paged.bench._kernels import add_fp8_cache, check_outputs, fp8_scales, paged_kv, score_options
 from hf_paged.kernels import FP8_HEAD_DIMS
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
 
@@ -93,10 +93,11 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
     """name -> one zero-argument callable per input set."""
     scale, ctx = head_dim**-0.5, prefix + new
 
-    def ours(bs: int, config: int = -1, impl: str = "mma"):
-        return [lambda s=s: paged_prefill(s["q"], s[f"k{bs}"], s[f"v{bs}"], s["cu_q"], s["seq_lens"], s[f"t{bs}"],
-                                          scale, max_seqlen_q=new, config=config, window=window, softcap=softcap,
-                                          impl=impl)
+    def ours(block_size: int, fp8: bool = False, **options) -> list:
+        cache = f"{block_size}_fp8" if fp8 else f"{block_size}"
+        return [lambda s=s: paged_prefill(s["q"], s[f"k{cache}"], s[f"v{cache}"], s["cu_q"], s["seq_lens"],
+                                          s[f"t{block_size}"], scale, max_seqlen_q=new, window=window,
+                                          softcap=softcap, **options, **fp8_scales(s, fp8))
                 for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256), "ours-unpaged": ours(ctx)}
@@ -105,18 +106,14 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
         out["ours-wgmma-serial-bs16"] = ours(16, impl="wgmma-serial")
         out["ours-wgmma-unpaged"] = ours(ctx, impl="wgmma")
     if head_dim in FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
-        out["ours-fp8-bs16"] = [
-            lambda s=s: paged_prefill(s["q"], s["k16_fp8"], s["v16_fp8"], s["cu_q"], s["seq_lens"], s["t16"], scale,
-                                      max_seqlen_q=new, window=window, softcap=softcap, k_scale=s["k_scale"],
-                                      v_scale=s["v_scale"])
-            for s in sets]
+        out["ours-fp8-bs16"] = ours(16, fp8=True)
     if sweep:
-        out.update({f"ours-bs16-c{c}": ours(16, c) for c in PREFILL_CONFIGS})
+        out.update({f"ours-bs16-c{c}": ours(16, config=c) for c in PREFILL_CONFIGS})
     try:
         from flash_attn import flash_attn_varlen_func
     except ImportError:
-        flash_attn_varlen_func = None
-    if flash_attn_varlen_func is not None:
+        pass
+    else:
         out["flash-varlen"] = [lambda s=s: flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new,
                                                                   ctx, softmax_scale=scale, causal=True,
                                                                   window_size=window_size(window or None),
