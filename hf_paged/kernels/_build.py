@@ -63,11 +63,6 @@ _folder: Path | None = None
 _warned = False
 
 
-def cache_root() -> Path:
-    """Where built kernels are kept: ``HF_PAGED_CACHE`` (``hf_paged.envs``)."""
-    return envs.kernel_cache_dir()
-
-
 def _arch() -> str:
     return arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
 
@@ -108,7 +103,7 @@ def source_hash(arch: str) -> str:
 
 def build_dir(arch: str) -> Path:
     tag = f"torch{torch.__version__}-cu{torch.version.cuda}-sm{arch}-{source_hash(arch)}"
-    return cache_root() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
+    return envs.kernel_cache_dir() / re.sub(r"[^A-Za-z0-9_.-]", "_", tag)
 
 
 def missing_device() -> str | None:

@@ -23,20 +23,8 @@ import torch
 
 from hf_paged.kernels._build import KernelsUnavailable, ensure_loaded, load
 
-__all__ = [
-    "DECODE_DTYPES",
-    "FP8_HEAD_DIMS",
-    "FP8_QUERY_DTYPES",
-    "HEAD_DIMS",
-    "KernelsUnavailable",
-    "decode_keys",
-    "decode_split_len",
-    "decode_workspace_numel",
-    "paged_decode",
-    "prebuild",
-    "unavailable_reason",
-    "write_kv",
-]
+__all__ = ["DECODE_DTYPES", "FP8_HEAD_DIMS", "FP8_QUERY_DTYPES", "HEAD_DIMS", "KernelsUnavailable", "decode_keys",
+           "decode_split_len", "decode_workspace_numel", "paged_decode", "prebuild", "unavailable_reason", "write_kv"]
 
 DECODE_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 # Head sizes compiled for decode and prefill, every dtype: flash-attn 2's common sizes (multiples of 16 up to 256 that

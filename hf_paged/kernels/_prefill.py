@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from hf_paged.kernels._ops import _check_attention_inputs
-from hf_paged.kernels._build import load
+from hf_paged.kernels._ops import _check_attention_inputs, _lib
 
 PREFILL_CONFIGS = (0, 1, 2)  # fp16/bf16 tile shapes, see csrc/paged_prefill.cuh; -1 lets the kernel choose
 AUTO_CONFIG = -1
@@ -29,7 +28,6 @@ WGMMA_CONFIGS = {"wgmma": 3, "wgmma-serial": 4}
 IMPLS = ("mma", *WGMMA_CONFIGS)  # mma.sync on every GPU; wgmma on Hopper only
 WGMMA_DTYPES = (torch.float16, torch.bfloat16)
 WGMMA_HEAD_DIMS = (32, 64, 80, 96, 112, 128, 160, 192, 256)  # keep in step with paged_prefill_wgmma_<dtype>.cu
-_loaded = False
 
 
 def prefill_configs(head_dim: int) -> tuple[int, ...]:
@@ -105,11 +103,8 @@ def paged_prefill(
         query = query.contiguous()
     if out is None:
         out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
-    _ensure_built()
-    op_config = WGMMA_CONFIGS.get(impl, config)
-    torch.ops.hf_paged.paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables,
-                                     max_seqlen_q, scale, op_config, max(window, 0), max(softcap, 0.0), k_scale,
-                                     v_scale)
+    _lib().paged_prefill(out, query, k_cache, v_cache, cu_seqlens_q, seq_lens_k, block_tables, max_seqlen_q, scale,
+                         WGMMA_CONFIGS.get(impl, config), max(window, 0), max(softcap, 0.0), k_scale, v_scale)
     return out
 
 
@@ -122,11 +117,3 @@ def wgmma_unsupported_reason(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim
     if head_dim not in WGMMA_HEAD_DIMS:
         return f"the wgmma prefill is compiled for head_dim {WGMMA_HEAD_DIMS}, not {head_dim}"
     return None
-
-
-def _ensure_built() -> None:
-    # load() hashes the sources and probes nvcc/ninja; once per process is enough (it is in every layer's path).
-    global _loaded
-    if not _loaded:
-        load()
-        _loaded = True

@@ -117,12 +117,8 @@ def _linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) ->
     return torch.ops.hf_paged.skinny_gemm(x2, weight, bias).view(*x.shape[:-1], weight.shape[0])
 
 
-_op = torch.library.custom_op("hf_paged::linear", _linear, mutates_args=())
-
-
-@_op.register_fake
-def _(x, weight, bias) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+torch.library.custom_op("hf_paged::linear", _linear, mutates_args=()).register_fake(
+    lambda x, weight, bias: x.new_empty((*x.shape[:-1], weight.shape[0])))
 
 
 def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
@@ -138,12 +134,8 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]
 
 
-_group_op = torch.library.custom_op("hf_paged::linear_group", _linear_group, mutates_args=())
-
-
-@_group_op.register_fake
-def _(x, weights, biases) -> list[torch.Tensor]:
-    return [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights]
+torch.library.custom_op("hf_paged::linear_group", _linear_group, mutates_args=()).register_fake(
+    lambda x, weights, biases: [x.new_empty((*x.shape[:-1], w.shape[0])) for w in weights])
 
 
 def _linear_packed(x: torch.Tensor, weights: list[torch.Tensor],
@@ -154,12 +146,8 @@ def _linear_packed(x: torch.Tensor, weights: list[torch.Tensor],
     return torch.cat([_linear(x, w, b) for w, b in zip(weights, biases, strict=True)], dim=-1)
 
 
-_packed_op = torch.library.custom_op("hf_paged::linear_packed", _linear_packed, mutates_args=())
-
-
-@_packed_op.register_fake
-def _(x, weights, biases) -> torch.Tensor:
-    return x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights)))
+torch.library.custom_op("hf_paged::linear_packed", _linear_packed, mutates_args=()).register_fake(
+    lambda x, weights, biases: x.new_empty((*x.shape[:-1], sum(w.shape[0] for w in weights))))
 
 
 def packed_rows(weights: Sequence[torch.Tensor],
