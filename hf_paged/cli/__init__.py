@@ -30,21 +30,15 @@ def build_parser(prog: str = "hf-paged") -> Parser:
     parser.add_argument("--version", action="version", version=f"hf-paged {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     generate.add_parser(sub, run=_run_generate)
-    serve.add_parser(sub, run=_run_serve)
+    serve.add_parser(sub)
     kernels.add_parsers(sub)
     return parser
 
 
-# The runs import torch, transformers and the engine, so they are imported only once the command line is parsed:
-# --help and a bad flag answer at once. (Heavy imports made lazy; no cycle: the runs import only modules below this.)
+# generate's run imports torch, transformers and the engine, so it is imported only once the command line is parsed:
+# --help and a bad flag answer at once. (A heavy import made lazy; no cycle: the run imports only modules below this.)
 def _run_generate(args: argparse.Namespace) -> int:
     from hf_paged.cli._generate_run import run
-
-    return run(args)
-
-
-def _run_serve(args: argparse.Namespace) -> int:
-    from hf_paged.cli._serve_run import run
 
     return run(args)
 

@@ -146,7 +146,6 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
     p = subparsers.add_parser("generate", help="generate for many prompts with the continuous-batching engine",
                               description=DESCRIPTION)
     p.add_argument("prompts", nargs="*", type=prompt, help="prompts ('-' reads one per line from stdin)")
-    p.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     p.add_argument("--prompts-file", type=prompts_file, metavar="FILE", help="UTF-8 text, one prompt per line")
     p.add_argument("--num-prompts", type=positive_int, default=32, metavar="N",
                    help="with no prompts given: how many requests to make of the demo prompts")
@@ -183,17 +182,17 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
 def add_engine_arguments(
     parser: argparse.ArgumentParser, max_num_seqs: bool = False, helps: dict[str, str] | None = None
 ) -> None:
-    """The engine's options, shared by the subcommands that run one: one flag per ``EngineConfig`` field that carries
-    flag metadata (name, default, help and check from the field; ``helps`` replaces a field's help), and where to
-    run."""
-    e = parser.add_argument_group("engine")
+    """The model and the engine's options, shared by the subcommands that run one: ``--model``, one flag per
+    ``EngineConfig`` field that carries flag metadata (name, default, help and check from the field; ``helps``
+    replaces a field's help), and where to run."""
+    e = parser.add_argument_group("model and engine")
+    e.add_argument("--model", type=model, metavar="MODEL", help=MODEL_HELP)
     for f in fields(EngineConfig):
         if "help" not in f.metadata or (f.name == "max_num_seqs" and not max_num_seqs):
             continue
-        flag = "--" + f.name.replace("_", "-")
         default = 0 if f.name == "num_blocks" and f.default is None else f.default
-        e.add_argument(flag, type=FLAG_TYPES[f.name], default=default, metavar=f.metadata["metavar"],
-                       help=(helps or {}).get(f.name, f.metadata["help"]))
+        e.add_argument("--" + f.name.replace("_", "-"), type=FLAG_TYPES[f.name], default=default,
+                       metavar=f.metadata["metavar"], help=(helps or {}).get(f.name, f.metadata["help"]))
     e.add_argument("--device", type=device, help="where to run: cpu, cuda, cuda:N (default: cuda when available)")
     e.add_argument("--dtype", choices=DTYPES, default="auto",
                    help="model dtype (auto: the checkpoint's; for smollm2 bfloat16 on a GPU and float32 on a CPU; "

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from hf_paged.cli import _serve_run, build_parser
+from hf_paged.cli import _serve, build_parser
 
 pytest.importorskip("fastapi")
 pytest.importorskip("uvicorn")
@@ -33,12 +33,12 @@ def test_serve_freezes_after_the_engine_is_up_and_before_it_serves(monkeypatch):
             seen["frozen when serving"] = gc.get_freeze_count()
             seen["engine's objects set aside"] = not any(o is engine_made for o in gc.get_objects())
 
-    monkeypatch.setattr(_serve_run, "_app", app_of)
-    monkeypatch.setattr(_serve_run, "_server", lambda args, app: Server())
-    monkeypatch.setattr(_serve_run, "bind", lambda host, port: socket.create_server((host, 0)))  # any free port
+    monkeypatch.setattr(_serve, "_app", app_of)
+    monkeypatch.setattr(_serve, "_server", lambda args, app: Server())
+    monkeypatch.setattr(_serve, "bind", lambda host, port: socket.create_server((host, 0)))  # any free port
     args = build_parser().parse_args(["serve", "--host", "127.0.0.1", "--port", "8000"])
     try:
-        assert _serve_run.run(args) == 0
+        assert _serve.run(args) == 0
     finally:
         gc.unfreeze()
     assert seen["frozen at start"] == 0
