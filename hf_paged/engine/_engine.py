@@ -297,7 +297,7 @@ class Engine(EngineCore):
         if prompts is not None:
             owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
         try:
-            while self.requests.any_open(owned) if owned is not None else self.has_unfinished():
+            while any(map(self.requests.is_open, owned)) if owned is not None else self.has_unfinished():
                 with self._stepping():
                     touched = self._advance()
                     # the sequences that got tokens, then the finished ones, each with whether it is finished
@@ -333,7 +333,7 @@ class Engine(EngineCore):
         owned, done = set(ids), []
         try:
             with tqdm(total=len(ids), disable=not progress_bar, unit="request") as bar:
-                while self.requests.any_open(owned):
+                while any(map(self.requests.is_open, owned)):
                     outs = self._step(want_deltas=False, owned=owned)[0]
                     done += outs
                     bar.update(sum(not self.requests.is_open(rid) for rid in {family(o.request_id) for o in outs}))

@@ -66,9 +66,6 @@ class RequestRegistry:
         """Whether a sequence of the family ``request_id`` is live or waits in the outbox."""
         return request_id in self._family_size
 
-    def any_open(self, families: Collection[str]) -> bool:
-        return any(f in self._family_size for f in families)
-
     def take(self, families: Collection[str] | None = None) -> list[Sequence]:
         """Remove and return the outbox's sequences of ``families`` (None: all); they are no longer open."""
         if families is None:

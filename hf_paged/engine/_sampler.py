@@ -92,12 +92,8 @@ class SamplingBatch:
                   and (p.repetition_penalty != 1.0 or s.grammar is not None)]
         eos_only = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                     and p.repetition_penalty == 1.0 and s.grammar is None and s.num_generated < p.min_new_tokens]
-        masked_at = None
-        at_rows, at_ids = _banned_eos([seqs[i] for i in eos_only], vocab_size)
-        if at_ids:  # (positions in eos_only, as rows of the logits)
-            pack = _Pack("q")
-            pack.add([eos_only[j] for j in at_rows], at_ids)
-            masked_at = pack.to(device)
+        at_rows, at_ids = _banned_eos([seqs[i] for i in eos_only], vocab_size)  # (positions in eos_only)
+        masked_at = _packed(device, "q", [eos_only[j] for j in at_rows], at_ids) if at_ids else None
         rows = greedy + sampled
         if not rows:
             return cls(len(seqs), want_logprobs, top, masked_at=masked_at)
@@ -117,12 +113,11 @@ class SamplingBatch:
         top_k, top_p, min_p = [p.top_k for p in smp], [p.top_p for p in smp], [p.min_p for p in smp]
         sort_pos = [j for j, (k, q) in enumerate(zip(top_k, top_p)) if q < 1.0 and not k]
         seeds = [s.seed for s in ss]
-        ints, floats = _Pack("q"), _Pack("f")
-        ints.add(rows, seen, seen_ids, ban_pos, ban_ids, sort_pos, top_k, [_i32(x) for x in seeds],
-                 [_i32(x >> 32) for x in seeds], [len(s.token_ids) - s.num_prompt_tokens for s in ss])
-        floats.add([params[i].repetition_penalty for i in rows], [p.temperature for p in smp], top_p, min_p)
-        rows_t, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, top_k_t, lo, hi, steps = ints.to(device)
-        penalty, temperature, top_p_t, min_p_t = floats.to(device)
+        rows_t, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, top_k_t, lo, hi, steps = _packed(
+            device, "q", rows, seen, seen_ids, ban_pos, ban_ids, sort_pos, top_k, [_i32(x) for x in seeds],
+            [_i32(x >> 32) for x in seeds], [len(s.token_ids) - s.num_prompt_tokens for s in ss])
+        penalty, temperature, top_p_t, min_p_t = _packed(
+            device, "f", [params[i].repetition_penalty for i in rows], [p.temperature for p in smp], top_p, min_p)
         return cls(
             len(seqs), want_logprobs, top, rows=rows_t, num_greedy=len(greedy), allowed_at=allowed_at,
             masked_at=masked_at,
@@ -151,22 +146,15 @@ def _banned_eos(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[
     return positions, ids
 
 
-class _Pack:
-    """Lists packed into one host tensor, copied to the device once and split there into views."""
-
-    def __init__(self, typecode: str) -> None:
-        self.values = array.array(typecode)  # fromlist is ~8x faster than torch.tensor(list)
-        self.sizes: list[int] = []
-
-    def add(self, *lists: list) -> None:
-        for values in lists:
-            self.values.fromlist(values)
-            self.sizes.append(len(values))
-
-    def to(self, device: torch.device) -> tuple[torch.Tensor, ...]:
-        host = torch.frombuffer(self.values, dtype=torch.int64 if self.values.typecode == "q" else torch.float32)
-        on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
-        return on_device.split(self.sizes)
+def _packed(device: torch.device, typecode: str, *lists: list) -> tuple[torch.Tensor, ...]:
+    """``lists`` packed into one host tensor (``typecode`` "q": int64, "f": float32), copied to ``device`` once and
+    split there into views."""
+    values = array.array(typecode)  # fromlist is ~8x faster than torch.tensor(list)
+    for part in lists:
+        values.fromlist(part)
+    host = torch.frombuffer(values, dtype=torch.int64 if typecode == "q" else torch.float32)
+    on_device = host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+    return on_device.split([len(part) for part in lists])
 
 
 def _i32(word: int) -> int:
