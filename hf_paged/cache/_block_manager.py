@@ -96,13 +96,6 @@ class BlockManager:
         """The token ids of block ``i`` as ``block_key`` hashes them."""
         return self._pack(*token_ids[i * self.block_size : (i + 1) * self.block_size])
 
-    def _chain_key(self, token_ids: list[int], num_blocks: int) -> bytes | None:
-        """The prefix-cache key of block ``num_blocks - 1`` of ``token_ids`` (None for no block)."""
-        key = None
-        for i in range(num_blocks):
-            key = block_key(key, self._token_bytes(token_ids, i))
-        return key
-
     def register_full_blocks(self, seq: Sequence) -> None:
         """Make ``seq``'s computed full blocks not registered yet findable in the prefix cache."""
         for i in range(seq.num_hashed_blocks, seq.num_computed_tokens // self.block_size):
@@ -218,9 +211,11 @@ class BlockManager:
         child.block_table = parent.block_table[:nb]
         self.allocator.share(child.block_table)
         child.num_computed_tokens = num_computed
-        child.num_hashed_blocks = min(parent.num_hashed_blocks, num_computed // self.block_size)
-        child.last_block_hash = (parent.last_block_hash if child.num_hashed_blocks == parent.num_hashed_blocks
-                                 else self._chain_key(child.token_ids, child.num_hashed_blocks))
+        # A child that stops short of the parent's registered blocks registers its own anew at its next commit (they
+        # are found registered already, so the keys are only computed again).
+        inherit = num_computed // self.block_size >= parent.num_hashed_blocks
+        child.num_hashed_blocks, child.last_block_hash = (
+            (parent.num_hashed_blocks, parent.last_block_hash) if inherit else (0, None))
         child.row = self.tables.acquire()
         self.tables.write(child.row, 0, child.block_table)
 
