@@ -56,45 +56,39 @@ class Job:
                                 min_new_tokens=max_new_tokens if self.ignore_eos else None, **extra, **self.settings)
 
 
-def completion_job(req: CompletionRequest) -> Job:
-    prompts = _completion_prompts(req.prompt)
-    if req.suffix:
-        raise bad_request("suffix (insertion) is not served; leave it out", "suffix")
+def make_job(req: CompletionRequest | ChatCompletionRequest) -> Job:
+    """The job of a completions or a chat request; a 400 naming the field for what cannot be served."""
     n = 1 if req.n is None else req.n
-    if req.best_of is not None and req.best_of != n:
-        raise bad_request("best_of is not served (the engine does not rank copies); use n", "best_of")
-    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
-        raise bad_request(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}", "logprobs")
-    echo = bool(req.echo)
-    if req.max_tokens == 0 and not echo:
-        raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt's log-probabilities alone)",
-                          "max_tokens")
-    return _job(req, chat=False, prompts=prompts, max_tokens=req.max_tokens, logprobs=req.logprobs is not None,
-                top_logprobs=req.logprobs or 0, echo=echo)
-
-
-def chat_job(req: ChatCompletionRequest) -> Job:
-    for name in ("tools", "functions"):
-        if getattr(req, name):
-            raise bad_request(f"{name} (tool calling) is not served; leave it out", name)
-    if req.top_logprobs is not None:
-        if not 0 <= req.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
-            raise bad_request(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {req.top_logprobs}",
-                              "top_logprobs")
-        if req.top_logprobs and not req.logprobs:
-            raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
-    messages = [{"role": m.role, "content": _content(m.content, f"messages.{i}.content")}
-                for i, m in enumerate(req.messages)]
-    param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
-    return _job(req, chat=True, prompts=[messages], max_tokens=getattr(req, param), logprobs=bool(req.logprobs),
-                top_logprobs=req.top_logprobs or 0, param=param)
-
-
-def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None, logprobs: bool, top_logprobs: int,
-         param: str = "max_tokens", echo: bool = False) -> Job:
+    if isinstance(req, ChatCompletionRequest):
+        chat, echo, logprobs, top_logprobs = True, False, bool(req.logprobs), req.top_logprobs or 0
+        for name in ("tools", "functions"):
+            if getattr(req, name):
+                raise bad_request(f"{name} (tool calling) is not served; leave it out", name)
+        if req.top_logprobs is not None:
+            if not 0 <= req.top_logprobs <= MAX_CHAT_TOP_LOGPROBS:
+                raise bad_request(f"top_logprobs must be in [0, {MAX_CHAT_TOP_LOGPROBS}], got {req.top_logprobs}",
+                                  "top_logprobs")
+            if req.top_logprobs and not req.logprobs:
+                raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
+        prompts = [[{"role": m.role, "content": _content(m.content, f"messages.{i}.content")}
+                    for i, m in enumerate(req.messages)]]
+        param = "max_completion_tokens" if req.max_completion_tokens is not None else "max_tokens"
+    else:
+        chat, echo, logprobs, top_logprobs = False, bool(req.echo), req.logprobs is not None, req.logprobs or 0
+        prompts = _completion_prompts(req.prompt)
+        if req.suffix:
+            raise bad_request("suffix (insertion) is not served; leave it out", "suffix")
+        if req.best_of is not None and req.best_of != n:
+            raise bad_request("best_of is not served (the engine does not rank copies); use n", "best_of")
+        if req.logprobs is not None and not 0 <= req.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise bad_request(f"logprobs must be in [0, {MAX_COMPLETION_LOGPROBS}], got {req.logprobs}", "logprobs")
+        if req.max_tokens == 0 and not echo:
+            raise bad_request("max_tokens must be at least 1 (0 only with echo: the prompt's log-probabilities alone)",
+                              "max_tokens")
+        param = "max_tokens"
+    max_tokens = getattr(req, param)
     if max_tokens is not None and not (0 if echo else 1) <= max_tokens < MAX_TOKENS_ASKED:
         raise bad_request(f"{param} must be in [1, {MAX_TOKENS_ASKED}), got {max_tokens}", param)
-    n = 1 if req.n is None else req.n
     if not 1 <= n <= MAX_N:
         raise bad_request(f"n must be in [1, {MAX_N}], got {n}", "n")
     if len(prompts) * n > MAX_PROMPTS:
@@ -105,7 +99,6 @@ def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None,
             raise bad_request(f"{name} is not served; use the repetition_penalty extension", name)
     if req.logit_bias:
         raise bad_request("logit_bias is not served; leave it out", "logit_bias")
-    include_usage = bool(req.stream_options and req.stream_options.include_usage)
     settings = sampling_settings(req)
     if n > 1 and settings.get("do_sample") is False:
         raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
@@ -113,8 +106,8 @@ def _job(req: SamplingFields, chat: bool, prompts: list, max_tokens: int | None,
     schema = json_schema(req)
     if schema is not None:
         settings["json_schema"] = schema
-    return Job(chat, prompts, n, max_tokens, settings, logprobs, bool(req.stream), include_usage,
-               bool(req.ignore_eos), top_logprobs, echo)
+    return Job(chat, prompts, n, max_tokens, settings, logprobs, bool(req.stream),
+               bool(req.stream_options and req.stream_options.include_usage), bool(req.ignore_eos), top_logprobs, echo)
 
 
 def json_schema(req: SamplingFields) -> str | None:
@@ -138,7 +131,9 @@ def sampling_settings(req: SamplingFields) -> dict:
                            ("repetition_penalty", lambda v: 0 < v <= 100, "in (0, 100]")):
         value = getattr(req, name)
         if value is not None:
-            out[name] = _finite(name, value, ok, rule)
+            if not (math.isfinite(value) and ok(value)):
+                raise bad_request(f"{name} must be {rule}, got {value}", name)
+            out[name] = float(value)
     if req.top_k is not None:
         if not -1 <= req.top_k < 2**31:
             raise bad_request(f"top_k must be in [-1, 2**31) (0 or -1: off), got {req.top_k}", "top_k")
@@ -161,14 +156,14 @@ def sampling_settings(req: SamplingFields) -> dict:
 def _completion_prompts(prompt) -> list:
     """``prompt`` as a list of prompts, each a non-empty string or a non-empty list of token ids."""
     what = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays"
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(_is_id(t) for t in prompt)):
+    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
         prompts = [prompt]
     elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(_is_id(t) for t in p)) for p in prompt):
+            isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)) for p in prompt):
         prompts = prompt
     else:
         bad = prompt if not isinstance(prompt, list) or not prompt else next(
-            (p for p in prompt if not (isinstance(p, (str, list)) or _is_id(p))), prompt)
+            (p for p in prompt if not (isinstance(p, (str, list)) or type(p) is int)), prompt)
         raise bad_request(f"{what}; got {_kind(bad)}", "prompt")
     if len(prompts) > MAX_PROMPTS:
         raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
@@ -205,16 +200,6 @@ def _stop(stop) -> list[str]:
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
         raise bad_request(f"stop must be at most {MAX_STOP_STRINGS} non-empty strings", "stop")
     return stops
-
-
-def _finite(name: str, value: float, ok, rule: str) -> float:
-    if not (math.isfinite(value) and ok(value)):
-        raise bad_request(f"{name} must be {rule}, got {value}", name)
-    return float(value)
-
-
-def _is_id(value) -> bool:
-    return type(value) is int
 
 
 def _kind(value) -> str:
