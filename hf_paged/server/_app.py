@@ -31,7 +31,7 @@ from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._limits import RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, sse
-from hf_paged.server._sampling import Job, chat_job, completion_job
+from hf_paged.server._sampling import Job, make_job
 
 logger = logging.getLogger("hf_paged")
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
@@ -86,19 +86,19 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(engine_loop, request, CompletionRequest, completion_job, model_name)
+        return await _serve(engine_loop, request, CompletionRequest, model_name)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(engine_loop, request, ChatCompletionRequest, chat_job, model_name)
+        return await _serve(engine_loop, request, ChatCompletionRequest, model_name)
 
     return app
 
 
-async def _serve(engine_loop: EngineLoop, request: Request, model, make_job, served: str):
-    """Answer ``request``: its body is parsed as a ``model``, checked and made a job by ``make_job`` in a worker thread
+async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
+    """Answer ``request``: its body is parsed as a ``model``, checked and made a job in a worker thread
     (a large body never blocks the event loop)."""
-    job = await asyncio.to_thread(_job, await request.body(), model, make_job, served)
+    job = await asyncio.to_thread(_job, await request.body(), model, served)
     events: asyncio.Queue = asyncio.Queue()
     sub = await engine_loop.submit(job, events)
     reply = Reply(served, job.chat)
@@ -121,7 +121,7 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, make_job, ser
                                          prepared.token_texts, job.max_tokens == 0))
 
 
-def _job(body: bytes, model, make_job, served: str) -> Job:
+def _job(body: bytes, model, served: str) -> Job:
     req = parse(body, model)
     if req.model != served:
         raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
