@@ -172,10 +172,7 @@ class EngineLoop:
 
     def _serve(self) -> None:
         stopping, last_stats = False, 0.0
-        while True:
-            busy = self.engine.has_unfinished()
-            if not busy and stopping:
-                break
+        while (busy := self.engine.has_unfinished()) or not stopping:
             for kind, sub in self._take_commands(block=not busy):
                 if kind == "stop":
                     stopping = True
@@ -239,9 +236,8 @@ class EngineLoop:
         sub.post(Accepted([len(ids) for ids in prepared.prompts]))
 
     def _fail(self, sub: Submission, error: ServerError) -> None:
-        """Abort and forget ``sub``'s requests (those queued already), and answer it with ``error``."""
-        self._abort(sub)
-        self._forget(sub)
+        """End ``sub``'s requests (those queued already), and answer it with ``error``."""
+        self._end(sub)
         self.metrics.rejected("invalid" if error.status == 400 else str(error.status))
         sub.post(Rejected(error))
 
@@ -308,8 +304,7 @@ class EngineLoop:
         if sub.remaining <= 0 or out.finish_reason in ("error", "abort"):
             # an error or abort ends the whole job: the handler answers at once, and copies of n that were never
             # forked would never report
-            self._abort(sub)
-            self._forget(sub)
+            self._end(sub)
 
     def _texts(self, ids: list[int], *alternatives) -> dict[int, str]:
         """Each id of ``ids`` and of the ``(id, logprob)`` lists in ``alternatives``, decoded alone."""
@@ -322,7 +317,9 @@ class EngineLoop:
             cache[t] = tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
         return {t: cache[t] for t in wanted}
 
-    def _forget(self, sub: Submission) -> None:
+    def _end(self, sub: Submission) -> None:
+        """Abort ``sub``'s requests still in the engine, forget them and release the room ``sub`` reserved."""
+        self._abort(sub)
         for rid in sub.request_ids:
             self._live.pop(rid, None)
         sub.request_ids = []
