@@ -15,6 +15,22 @@ PREFIX = "hf_paged"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RATE_WINDOW_S = 10.0
+#: The gauges and counters of one value: (kind, name, help, the key of the value in the engine's ``stats()`` or
+#: ``generation_tokens``/``tokens_per_second``, the server's own).
+METRICS = (
+    ("gauge", "requests_running", "sequences running in the engine", "running"),
+    ("gauge", "requests_waiting", "sequences queued in the engine", "waiting"),
+    ("gauge", "kv_blocks_used", "KV blocks held by sequences", "used_blocks"),
+    ("gauge", "kv_blocks_total", "KV blocks in the pool", "num_blocks"),
+    ("gauge", "kv_blocks_cached", "free KV blocks still findable by the prefix cache", "cached_blocks"),
+    ("counter", "prompt_tokens", "prompt tokens queued", "prompt_tokens"),
+    ("counter", "generation_tokens", "tokens generated", "generation_tokens"),
+    ("gauge", "generation_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
+     "tokens_per_second"),
+    ("counter", "preemptions", "sequences preempted (recomputed later) for want of KV blocks", "preemptions"),
+    ("counter", "prefix_cache_hit_tokens", "prompt tokens served from the prefix cache", "prefix_cache_hit_tokens"),
+    ("counter", "engine_steps", "engine steps run", "steps"),
+)
 
 
 class Histogram:
@@ -78,44 +94,23 @@ class ServerMetrics:
             while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
                 self._recent.popleft()
             rate = sum(n for _, n in self._recent) / RATE_WINDOW_S
-            e = self._engine
+            values = {**self._engine, "generation_tokens": self._generated, "tokens_per_second": rate}
             out: list[str] = []
-            gauge = _family(out, "gauge")
-            counter = _family(out, "counter")
-            gauge("requests_running", "sequences running in the engine", e.get("running", 0))
-            gauge("requests_waiting", "sequences queued in the engine", e.get("waiting", 0))
-            gauge("kv_blocks_used", "KV blocks held by sequences", e.get("used_blocks", 0))
-            gauge("kv_blocks_total", "KV blocks in the pool", e.get("num_blocks", 0))
-            gauge("kv_blocks_cached", "free KV blocks still findable by the prefix cache", e.get("cached_blocks", 0))
-            counter("prompt_tokens", "prompt tokens queued", e.get("prompt_tokens", 0))
-            counter("generation_tokens", "tokens generated", self._generated)
-            gauge("generation_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
-                  rate)
-            counter("preemptions", "sequences preempted (recomputed later) for want of KV blocks",
-                    e.get("preemptions", 0))
-            counter("prefix_cache_hit_tokens", "prompt tokens served from the prefix cache",
-                    e.get("prefix_cache_hit_tokens", 0))
-            counter("engine_steps", "engine steps run", e.get("steps", 0))
-            _labelled(out, "request_success", "sequences finished, by finish_reason", "finish_reason",
-                      self._finished)
-            _labelled(out, "requests_rejected", "requests refused before they were queued, by reason", "reason",
-                      self._rejected)
+            for kind, name, help_, key in METRICS:
+                full = f"{PREFIX}_{name}_total" if kind == "counter" else f"{PREFIX}_{name}"
+                out += [*_header(name, help_, kind), f"{full} {values.get(key, 0)}"]
+            for name, help_, label, counts in (
+                    ("request_success", "sequences finished, by finish_reason", "finish_reason", self._finished),
+                    ("requests_rejected", "requests refused before they were queued, by reason", "reason",
+                     self._rejected)):
+                out += _header(name, help_, "counter")
+                out += [f'{PREFIX}_{name}_total{{{label}="{key}"}} {n}' for key, n in sorted(counts.items())]
             for name, help_, hist in (("time_to_first_token_seconds", "arrival to first token", self._ttft),
                                       ("time_per_output_token_seconds", "mean time between a sequence's tokens",
                                        self._tpot)):
-                out += [f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} histogram"]
-                out += hist.lines(f"{PREFIX}_{name}")
+                out += _header(name, help_, "histogram") + hist.lines(f"{PREFIX}_{name}")
             return "\n".join(out) + "\n"
 
 
-def _family(out: list[str], kind: str):
-    def add(name: str, help_: str, value: float) -> None:
-        full = f"{PREFIX}_{name}_total" if kind == "counter" else f"{PREFIX}_{name}"
-        out.extend([f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} {kind}", f"{full} {value}"])
-
-    return add
-
-
-def _labelled(out: list[str], name: str, help_: str, label: str, counts: dict[str, int]) -> None:
-    out.extend([f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} counter"])
-    out.extend(f'{PREFIX}_{name}_total{{{label}="{key}"}} {n}' for key, n in sorted(counts.items()))
+def _header(name: str, help_: str, kind: str) -> list[str]:
+    return [f"# HELP {PREFIX}_{name} {help_}", f"# TYPE {PREFIX}_{name} {kind}"]
