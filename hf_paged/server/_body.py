@@ -24,14 +24,6 @@ M = TypeVar("M", bound=BaseModel)
 
 def parse(body: bytes, model: type[M]) -> M:
     """``body`` as a ``model``; raises a 400 ``ServerError`` saying what is wrong."""
-    data = parse_json(body)
-    try:
-        return model.model_validate(data)
-    except ValidationError as exc:
-        raise _from_validation_error(exc) from None
-
-
-def parse_json(body: bytes) -> dict:
     if not body.strip():
         raise bad_request("the body is empty; send a JSON object", code="invalid_json")
     try:
@@ -51,7 +43,10 @@ def parse_json(body: bytes) -> dict:
     if not isinstance(data, dict):
         raise bad_request(f"the body must be a JSON object, got {json_type(data)}", code="invalid_json")
     _check(data, "", 1)
-    return data
+    try:
+        return model.model_validate(data)
+    except ValidationError as exc:
+        raise _from_validation_error(exc) from None
 
 
 def check_text(text: str, param: str | None) -> None:
