@@ -88,8 +88,7 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
     workload with ``cuda_graphs=True``, the graph sizes) for a model of ``model_config`` computing in ``dtype`` on
     ``devices`` (one per layer); returns it (every automatic field filled but ``num_blocks``) and, per automatic
     field, why."""
-    kind = "cuda" if devices and devices[0].type == "cuda" else "other"
-    rule, reasons = RULES[kind], {}
+    rule, reasons = RULES["cuda" if devices and devices[0].type == "cuda" else "other"], {}
     tokens, seqs = cfg.max_batch_tokens, cfg.max_num_seqs
     one_call = workload is not None and workload.one_call
     if seqs is None:
@@ -124,7 +123,8 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
 def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device], tokens: int,
                 seqs: int, reasons: dict[str, str]) -> tuple[int, int]:
     """Halve the automatic step budget, then the automatic sequences, while a step's activations and sampled logits
-    would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device."""
+    would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device.
+    ``reasons`` holds the automatic ones of the two (and nothing else yet); a cut is noted in it."""
     if not devices:
         return tokens, seqs
     free = {d: free_memory_bytes(d) for d in set(devices)}
@@ -136,20 +136,18 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         left = max(0.0, min(free.values()) - pool / len(free))
     room = left * ACTIVATION_SHARE
     per_token, per_seq = step_bytes(model_config, dtype)
-    auto_tokens, auto_seqs = "max_batch_tokens" in reasons, "max_num_seqs" in reasons
     before = tokens, seqs
     while tokens * per_token + seqs * per_seq > room:
-        if auto_tokens and tokens // 2 >= MIN_BATCH_TOKENS:
+        if "max_batch_tokens" in reasons and tokens // 2 >= MIN_BATCH_TOKENS:
             tokens //= 2
-        elif auto_seqs and seqs // 2 >= MIN_NUM_SEQS:
+        elif "max_num_seqs" in reasons and seqs // 2 >= MIN_NUM_SEQS:
             seqs //= 2
         else:
             break
     if (tokens, seqs) != before:
         note = f"; cut to fit {ACTIVATION_SHARE:.0%} of the free memory the KV pool leaves ({left / 2**30:.1f} GiB)"
-        for name in ("max_batch_tokens", "max_num_seqs"):
-            if name in reasons:
-                reasons[name] += note
+        for name in reasons:  # (the automatic ones of the two)
+            reasons[name] += note
     return tokens, seqs
 
 
