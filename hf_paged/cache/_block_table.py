@@ -47,18 +47,14 @@ class BlockTableBuffer:
     def write(self, row: int, start: int, blocks: list[int]) -> None:
         """Set entries ``[start, start + len(blocks))`` of ``row`` (and log them, when logging)."""
         end = start + len(blocks)
-        self._fit(end)
+        if end > self.table.shape[1]:  # grow the table, at least doubling it
+            grown = torch.zeros(self.table.shape[0], max(end, 2 * self.table.shape[1]), dtype=torch.int32)
+            grown[:, : self.table.shape[1]] = self.table
+            self.table, self._entries = grown, grown.numpy()
         self._entries[row, start:end] = blocks
         if self._changes is not None:
             self._changes[0].extend((row,) * len(blocks))
             self._changes[1].extend(range(start, end))
-
-    def _fit(self, width: int) -> None:
-        """Grow the table (at least doubling it) to ``width`` columns if it has fewer."""
-        if width > self.table.shape[1]:
-            grown = torch.zeros(self.table.shape[0], max(width, 2 * self.table.shape[1]), dtype=torch.int32)
-            grown[:, : self.table.shape[1]] = self.table
-            self.table, self._entries = grown, grown.numpy()
 
     def log_changes(self, on: bool = True) -> None:
         """Start (or stop) recording writes for :meth:`take_changes` (a device copy's updates)."""
