@@ -105,15 +105,12 @@ class BatchTables:
                 f"continues {kept} columns of {batch_size} sequences; call cache.reset() (or make a new cache) "
                 "before a new batch, or pass the whole input with its attention mask"
             )
-        if attention_mask is None:
-            return None
-        if q_len == 1 and self.num_columns > 0:
-            # A decode step (one column more than is held, checked above): generate appends a column of ones every
-            # step, and beam reordering, repeats and crops edit this host copy of the padding along with the rows.
-            # So the mask is read back (one copy) only on a batch's first forward and on multi-token forwards
-            # (chunked prefill, assisted decoding's candidates, a caller's own extend).
-            return None
-        return real_tokens(attention_mask, q_len)
+        # A decode step (one column more than is held, checked above) reads no mask: generate appends a column of
+        # ones every step, and beam reordering, repeats and crops edit this host copy of the padding along with the
+        # rows. So the mask is read back (one copy) only on a batch's first forward and on multi-token forwards
+        # (chunked prefill, assisted decoding's candidates, a caller's own extend).
+        decode = q_len == 1 and self.num_columns > 0
+        return None if attention_mask is None or decode else real_tokens(attention_mask, q_len)
 
     def append(self, q_len: int, valid: torch.Tensor | None = None, ahead: int = 0, hint: str = "") -> torch.Tensor:
         """Add one forward's ``q_len`` columns. ``valid``: ``[rows, q_len]`` bool (host), True where the token is

@@ -175,10 +175,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
         own answer tests every layer's type)."""
         return [False] * len(self.layers)
 
-    @property
-    def is_sliding(self) -> list[bool]:
-        return [False] * len(self.layers)
-
     # ----- batch edits generate performs -----------------------------------------------------------------------
     def reset(self) -> None:
         """Free every sequence's blocks (each generate call starts with this)."""
@@ -276,12 +272,9 @@ class PagedAttentionCache(GenerateHooks, Cache):
                 "backends": dict(self.dispatcher.served)}
 
     def __repr__(self) -> str:
-        s = self.rows.stats()
-        return (
-            f"PagedAttentionCache(num_blocks={s['num_blocks']}, block_size={s['block_size']}, "
-            f"used={s['blocks_used']}, rows={self.rows.num_rows}, dtype={self.dtype}, "
-            f"kv_cache_dtype={self.kv_cache_dtype})"
-        )
+        return (f"PagedAttentionCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
+                f"used={self.pool.allocator.num_used}, rows={self.rows.num_rows}, dtype={self.dtype}, "
+                f"kv_cache_dtype={self.kv_cache_dtype})")
 
 
 def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:
