@@ -202,11 +202,10 @@ def dynamo_config_patch(**settings) -> contextlib.AbstractContextManager:
 
     named = {}
     for key, value in settings.items():
-        if not has_dynamo_option(key) and has_dynamo_option(_DYNAMO_RENAMED.get(key, key)):
-            key = _DYNAMO_RENAMED[key]
-        if not has_dynamo_option(key):
+        name = key if has_dynamo_option(key) else _DYNAMO_RENAMED.get(key, key)
+        if not has_dynamo_option(name):
             raise _missing(f"torch._dynamo.config.{key}", "a dynamo setting of the engine's compiled layers")
-        named[key] = value
+        named[name] = value
     return dynamo_config.patch(**named)
 
 

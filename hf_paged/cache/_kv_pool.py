@@ -50,8 +50,7 @@ class KVLayout:
 def free_memory_bytes(device: torch.device) -> int:
     """Memory free on ``device`` now (device memory for CUDA, available system memory for CPU)."""
     if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return free
+        return torch.cuda.mem_get_info(device)[0]
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
