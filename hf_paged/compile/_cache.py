@@ -18,7 +18,6 @@ ever saves time.
 
 from __future__ import annotations
 
-import atexit
 import hashlib
 import importlib.metadata
 import json
@@ -64,15 +63,10 @@ class CompileArtifacts:
         self.loaded = False  # whether a bundle was handed to torch
         self._known: set[tuple[str, str]] = set()  # the artifacts loaded or saved: (kind, torch's key)
         self._lock = threading.Lock()
-        self._exit_hook = False
-
-    @property
-    def enabled(self) -> bool:
-        return not _compat.compile_caches_disabled()
 
     def load(self) -> bool:
         """Hand the saved bundle (if any) to torch's caches; whether one was loaded."""
-        if not self.enabled or not self.path.is_file():
+        if _compat.compile_caches_disabled() or not self.path.is_file():
             return False
         began = time.perf_counter()
         try:
@@ -92,7 +86,7 @@ class CompileArtifacts:
     def save(self) -> bool:
         """Write torch's artifacts of this process (everything it compiled or found in torch's caches so far) when
         they hold one that was not in the last load or save; whether a file was written."""
-        if not self.enabled:
+        if _compat.compile_caches_disabled():
             return False
         with self._lock:
             try:
@@ -115,13 +109,6 @@ class CompileArtifacts:
                 return False
             self._known |= keys
             return True
-
-    def save_at_exit(self) -> None:
-        """Save once more when the process exits (what was compiled after the last save: on-demand graph sizes,
-        new shapes)."""
-        if not self._exit_hook:
-            self._exit_hook = True
-            atexit.register(self.save)
 
 
 def _keys(info) -> set[tuple[str, str]]:

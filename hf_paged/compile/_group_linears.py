@@ -66,7 +66,9 @@ def group_linears(graph: torch.fx.Graph) -> int:
     for calls in groups.values():
         while len(calls) >= 2:
             first, position = calls[0], {node: i for i, node in enumerate(graph.nodes)}
-            members = [first] + [c for c in calls[1:] if _defined_before(c, first, position)][:skinny.MAX_GROUP - 1]
+            # the grouped call goes where the first stands: the others' inputs must exist there
+            ready = [c for c in calls[1:] if all(position[n] < position[first] for n in c.all_input_nodes)]
+            members = [first] + ready[:skinny.MAX_GROUP - 1]
             calls = [c for c in calls[1:] if all(c is not m for m in members)]
             if len(members) >= 2:
                 if (in_storage_order := _lie_end_to_end(members)) is not None:
@@ -95,11 +97,6 @@ def _weight_key(weight) -> tuple | None:
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(value.shape[1], int):
         return None
     return value.shape[1], value.dtype, value.device
-
-
-def _defined_before(call: torch.fx.Node, first: torch.fx.Node, position: dict) -> bool:
-    """Whether every input of ``call`` exists where ``first`` stands (the grouped call goes there)."""
-    return all(position[n] < position[first] for n in call.all_input_nodes)
 
 
 def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:

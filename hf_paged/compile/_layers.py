@@ -23,6 +23,7 @@ Errors raised by the model's own code pass through unchanged.
 
 from __future__ import annotations
 
+import atexit
 import importlib.util
 import logging
 import threading
@@ -93,11 +94,6 @@ class LayerCompile:
                 "rank": [torch.distributed.get_rank(), torch.distributed.get_world_size()] if distributed else None}
 
 
-def inductor_has_pdl() -> bool:
-    """Whether this torch's inductor can launch its Triton kernels with programmatic dependent launch."""
-    return _compat.inductor_has_option(_compat.INDUCTOR_PDL)
-
-
 def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> CompiledLayers:
     """The model's :class:`CompiledLayers`, installed on first use (compiled as ``how`` says) and shared by every
     engine of the model."""
@@ -110,7 +106,7 @@ def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> 
         # one compiles is saved after the engine's start (its owner calls save) and at exit
         layers.artifacts = CompileArtifacts(artifact_key(model, layers.how.cache_settings()))
         layers.artifacts.load()
-        layers.artifacts.save_at_exit()
+        atexit.register(layers.artifacts.save)  # what was compiled after the last save: graph sizes, new shapes
     return layers
 
 
