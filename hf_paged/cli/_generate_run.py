@@ -114,8 +114,7 @@ def load(args: argparse.Namespace):
         raise ValueError(f"--model {args.model}: {exc}") from exc
     args.model_name = choice.name
     try:
-        return load_choice(choice, device, None if args.dtype == "auto" else getattr(torch, args.dtype),
-                           args.seed)
+        return load_choice(choice, device, None if args.dtype == "auto" else getattr(torch, args.dtype), args.seed)
     except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
         raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
 

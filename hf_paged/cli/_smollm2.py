@@ -44,11 +44,6 @@ class ModelUnavailable(RuntimeError):
     """SmolLM2 cannot be had here (no hub, no package index, no cached copy); the message says why."""
 
 
-def checkpoint_dtype(device: str | torch.device) -> torch.dtype:
-    """The dtype SmolLM2 runs in: bfloat16 on a GPU, float32 elsewhere."""
-    return torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
-
-
 def smollm2_checkpoint(dtype: torch.dtype = torch.float32) -> Path:
     """A local transformers checkpoint folder of SmolLM2-135M-Instruct, fetched (and converted) on first use.
 

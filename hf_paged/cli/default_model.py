@@ -21,7 +21,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, Llama
 
 from hf_paged import _compat
 from hf_paged.cli._smollm2 import NAME as SMOLLM2_NAME
-from hf_paged.cli._smollm2 import ModelUnavailable, checkpoint_dtype, smollm2_checkpoint
+from hf_paged.cli._smollm2 import ModelUnavailable, smollm2_checkpoint
 
 logger = logging.getLogger("hf_paged")
 
@@ -70,20 +70,20 @@ class ModelChoice:
 
 
 def choose_model(model: str | None = None, device: str | torch.device = "cpu") -> ModelChoice:
-    """Resolve ``model`` (see the module's docstring) on ``device``; fetches and converts SmolLM2 on first use."""
-    if model == TINY:
-        return ModelChoice(TINY_NAME, None, torch.float32)
-    if model is not None and model != SMOLLM2:
+    """Resolve ``model`` (see the module's docstring) on ``device``; fetches and converts SmolLM2 on first use, in
+    bfloat16 on a GPU and float32 elsewhere."""
+    if model not in (None, TINY, SMOLLM2):
         return ModelChoice(Path(model).resolve().name, Path(model), None)
-    dtype = checkpoint_dtype(device)
-    try:
-        return ModelChoice(SMOLLM2_NAME, smollm2_checkpoint(dtype), dtype)
-    except ModelUnavailable as exc:
-        if model == SMOLLM2:
-            raise
-        logger.warning("hf_paged: %s. Running the embedded tiny random-init model instead (its text is noise); "
-                       "--model tiny chooses it without this note.", exc)
-        return ModelChoice(TINY_NAME, None, torch.float32)
+    if model != TINY:
+        dtype = torch.bfloat16 if torch.device(device).type == "cuda" else torch.float32
+        try:
+            return ModelChoice(SMOLLM2_NAME, smollm2_checkpoint(dtype), dtype)
+        except ModelUnavailable as exc:
+            if model == SMOLLM2:
+                raise
+            logger.warning("hf_paged: %s. Running the embedded tiny random-init model instead (its text is noise); "
+                           "--model tiny chooses it without this note.", exc)
+    return ModelChoice(TINY_NAME, None, torch.float32)
 
 
 def prompt_ids(tokenizer, prompt: str) -> list[int]:
