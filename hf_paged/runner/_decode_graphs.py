@@ -23,7 +23,6 @@ what tests compare them with, bit for bit.
 from __future__ import annotations
 
 import logging
-import operator
 import time
 from collections.abc import Sequence as SequenceType
 
@@ -40,11 +39,10 @@ from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._cuda_graphs import CudaGraphs
 from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, sizes_for, start_sizes
 from hf_paged.runner._model_call import call_model, model_call
-from hf_paged.runner._step_plan import DecodeColumns, Sequence, StepPlan, step_metadata
+from hf_paged.runner._step_plan import _COMPUTED, DecodeColumns, Sequence, StepPlan, step_metadata
 from hf_paged.runner._staging import StagingBuffer
 
 logger = logging.getLogger("hf_paged")
-_COMPUTED = operator.attrgetter("num_computed_tokens")
 
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``pool`` (``dispatcher``: its attention backends), one per batch
@@ -88,9 +86,8 @@ class DecodeGraphs:
         self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
-        self._ids = torch.zeros(b_max, dtype=torch.int64, **dev)  # flat: [1, b] views are contiguous for any b
-        self._pos = torch.zeros(b_max, dtype=torch.int64, **dev)
-        self._slots = torch.zeros(b_max, dtype=torch.int64, **dev)
+        # flat rows: [1, b] views are contiguous for any b
+        self._ids, self._pos, self._slots = torch.zeros(3, b_max, dtype=torch.int64, **dev)
         self._lens = torch.zeros(b_max, dtype=torch.int32, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
@@ -193,12 +190,11 @@ class DecodeGraphs:
         self._memory_bytes, allocated = None, torch.cuda.memory_allocated(self.device)
 
         def step(b: int):
-            if warm or (first and b == sizes[-1]) or (
-                    self.compiled is not None and b not in self.compiled.warm_batch_sizes):
-                if self.compiled is not None:
-                    self.compiled.warm_batch_sizes.add(b)
-                return b, (lambda: self._forward(b)), True
-            return b, (lambda: self._forward(b)), False
+            seen = self.compiled.warm_batch_sizes if self.compiled is not None else None
+            warm_up = warm or (first and b == sizes[-1]) or (seen is not None and b not in seen)
+            if warm_up and seen is not None:
+                seen.add(b)
+            return b, (lambda: self._forward(b)), warm_up
 
         try:
             return self.graphs.capture([step(b) for b in reversed(sizes)], prepare=self._stage_padding,

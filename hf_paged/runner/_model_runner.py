@@ -13,7 +13,6 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import replace
-from itertools import compress
 
 import numpy as np
 import torch
@@ -113,10 +112,8 @@ class ModelRunner:
         self.last_tokens = self._wide[:max_seqs]
         self._gathered_ids = torch.zeros(max_tokens, dtype=torch.int64, device=device)
         self._own_index = np.arange(max_seqs, max_seqs + max_tokens, dtype=np.int32)  # token i's id: entry S + i
-        self._staging = None
-        if device.type == "cuda":
-            width = self.tables.table.shape[1]
-            self._staging = StagingBuffer(4 * max_tokens + 5 * max_seqs + 2 + max_seqs * width, device)
+        largest = 4 * max_tokens + 5 * max_seqs + 2 + max_seqs * self.tables.table.shape[1]  # a plan's layout
+        self._staging = StagingBuffer(largest, device) if device.type == "cuda" else None
 
     # ----- decode CUDA graphs ----------------------------------------------------------------------------------
     def _capture_graphs(self) -> DecodeGraphs | None:
@@ -174,15 +171,15 @@ class ModelRunner:
     # ----- steps -----------------------------------------------------------------------------------------------
     def prepare(self, batch, extra_rows: list[int] | None = None):
         """Read what the step needs of ``batch``'s sequences (``seqs``, ``num_tokens``, ``sample``; ``extra_rows``:
-        positions whose logits the step returns after the sampled rows'): a graph's staged inputs when a decode graph
-        serves the step, else a step plan. Reads the sequences, so the caller holds their lock; :meth:`run` does the
-        device work."""
+        positions whose logits the step returns after the sampled rows'): when a decode graph serves the step, its
+        inputs are staged and this returns the graph's size and ``sample``, else a step plan. Reads the sequences, so
+        the caller holds their lock; :meth:`run` does the device work."""
         graphs = self.graphs
         if graphs is not None and extra_rows is None:
             size = graphs.size_for(batch.seqs, batch.num_tokens)
             if size is not None:
                 graphs.stage(DecodeColumns.of(batch.seqs, batch.sample), size)
-                return _Replay(size, batch.sample)
+                return size, batch.sample
             if self.tables.num_changes > 4096:
                 graphs.device_tables.sync()  # (while steps run eager, the graphs' table updates stay bounded)
         return plan_step(batch.seqs, batch.num_tokens, batch.sample, self.tables, self.pool.block_size,
@@ -193,11 +190,10 @@ class ModelRunner:
         """The device work of a prepared step: ``[N, vocab]`` logits of its sampled rows (then of the extra rows)."""
         if isinstance(prepared, StepPlan):
             return self.forward(prepared)
-        logits = self.graphs.replay(prepared.size)
-        sample = prepared.sample
+        size, sample = prepared
+        logits = self.graphs.replay(size)
         if not all(sample):
-            logits = logits.index_select(0, torch.tensor(list(compress(range(len(sample)), sample)),
-                                                         device=logits.device))
+            logits = logits.index_select(0, torch.tensor([i for i, s in enumerate(sample) if s], device=logits.device))
         return logits[: sum(sample)]
 
     def keep_tokens(self, tokens: torch.Tensor) -> None:
@@ -229,9 +225,9 @@ class ModelRunner:
         if t > m:
             raise ValueError(f"a step of {t} tokens exceeds the runner's {m} (max_batch_tokens)")
         layout, seg = self._to_device(plan)
-        s = self._max_seqs
-        ids, pos, slots = self._wide[s : s + t], self._wide[s + m : s + m + t], self._wide[s + 2 * m : s + 2 * m + t]
-        self._wide[s:].view(3, m)[:, :t].copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
+        wide = self._wide[self._max_seqs :].view(3, m)[:, :t]  # rows: ids, positions, slots (each contiguous)
+        wide.copy_(layout[: 3 * t].view(3, t))  # int32 -> int64, one copy
+        ids, pos, slots = wide
         if seg["token_sources"] is not None:  # in-flight ids: the previous step's tokens, on the device
             ids = torch.index_select(self._wide, 0, seg["token_sources"], out=self._gathered_ids[:t])
         meta = step_metadata(plan, seg, slots, self.pool.block_size)
@@ -265,12 +261,3 @@ class ModelRunner:
             "skinny_linear": self.skinny,
             "cuda_graph_capture": self.config.cuda_graph_capture if graphs is not None else None,
         }
-
-
-class _Replay:
-    """A decode step staged for the graph of ``size`` (``sample``: which of its rows are sampled)."""
-
-    __slots__ = ("size", "sample")
-
-    def __init__(self, size: int, sample: list[bool]):
-        self.size, self.sample = size, sample

@@ -91,15 +91,11 @@ class StepPlan:
     single_token_prefix: int = 0
     padded_rows: int = 0
 
-    @property
-    def num_logit_rows(self) -> int:
-        """The length ``L`` of the logits indices: the rows the model's ``lm_head`` computes."""
-        return self.num_sampled + self.padded_rows
-
     def segments(self, layout: torch.Tensor | None = None) -> dict[str, torch.Tensor | None]:
         """The named segments as views of ``layout`` (default: the host one; or its copy on a device)."""
         t, b = self.num_tokens, self.num_seqs
-        sizes = (t, t, t, t if self.has_sources else 0, self.num_logit_rows, b, b, b + 1, b + 1, b * self.width)
+        rows = self.num_sampled + self.padded_rows  # L: the rows the model's lm_head computes
+        sizes = (t, t, t, t if self.has_sources else 0, rows, b, b, b + 1, b + 1, b * self.width)
         views = dict(zip(_SEGMENTS, (self.layout if layout is None else layout)[: sum(sizes)].split(sizes)))
         views["block_tables"] = views["block_tables"].view(b, self.width)
         if not self.has_sources:
@@ -191,9 +187,7 @@ def plan_step(
     # Built in numpy (a small numpy op costs a fraction of a torch op on the host); the plan holds a torch view.
     layout = np.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=np.int32)
     layout[:cu] = np.frombuffer(head, dtype=np.int32)
-    _cumulative_lengths(layout, cu, num_seqs)
-    out = layout[cu + 2 * num_seqs + 2 :].reshape(num_seqs, width)
-    np.take(tables.entries[:, :width], np.frombuffer(rows, dtype=np.int32), axis=0, out=out)
+    _lengths_and_tables(layout, cu, num_seqs, width, tables, np.frombuffer(rows, dtype=np.int32))
     return StepPlan(torch.from_numpy(layout), num_seqs, t, sampled, width, bool(pending), max(q), max_k,
                     step_phase(num_seqs, sum(ctx) > t, t == num_seqs), single_token_prefix=_ones_in_front(q),
                     padded_rows=len(keep) - sampled)
@@ -205,12 +199,17 @@ def _ones_in_front(q_lens: array) -> int:
     return len(ones) if ones.all() else int(ones.argmin())
 
 
-def _cumulative_lengths(layout: np.ndarray, cu: int, b: int) -> None:
-    """Write cu q and cu k (``B + 1`` each, from offset ``cu``): the prefix sums of the ``B`` q lengths and the
-    ``B`` context lengths that end at ``cu``."""
+def _lengths_and_tables(layout: np.ndarray, cu: int, b: int, width: int, tables: BlockTableBuffer,
+                        rows: np.ndarray) -> None:
+    """Write the rest of the layout from offset ``cu``: cu q and cu k (``B + 1`` each), the prefix sums of the ``B``
+    q lengths and the ``B`` context lengths that end at ``cu``; then the block tables of ``rows``, zero rows after
+    them up to ``B``."""
     layout[cu] = layout[cu + b + 1] = 0
     np.cumsum(layout[cu - 2 * b : cu - b], dtype=np.int32, out=layout[cu + 1 : cu + b + 1])
     np.cumsum(layout[cu - b : cu], dtype=np.int32, out=layout[cu + b + 2 : cu + 2 * b + 2])
+    out = layout[cu + 2 * b + 2 :].reshape(b, width)
+    np.take(tables.entries[:, :width], rows, axis=0, out=out[: len(rows)])
+    out[len(rows) :] = 0
 
 
 def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuffer, bs: int,
@@ -245,10 +244,7 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
         ids[n:] = positions[n:] = 0
         slots[n:] = -1
         ctx[n:] = 1
-    _cumulative_lengths(layout, cu, b)
-    out = layout[cu + 2 * b + 2 :].reshape(b, width)
-    np.take(tables.entries[:, :width], cols.rows, axis=0, out=out[:n])
-    out[n:] = 0
+    _lengths_and_tables(layout, cu, b, width, tables, cols.rows)
     return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k,
                     step_phase(b, max_k > 1, True), has_padding=b > n, padded_rows=rows - k)
 
