@@ -9,7 +9,9 @@ writes everything as JSON. From compute capability 9.0 on, decode is launched wi
 block-size-16 decode without it (``paged_decode(..., pdl=False)``: each launch alone, as flash-attn's).
 ``ours-fp8-bs16`` is the decode over the same context quantized to an e4m3 cache (per-head
 scales, ``kv_cache_dtype="fp8"``): its bytes are half, and it is checked against bf16 with a looser bound (the
-quantization's error, not the kernel's).
+quantization's error, not the kernel's). With ``sweep`` (``--no-sweep`` skips it), the head_dim 128 shapes of
+``SPLIT_SWEEP_SHAPES`` also time the block-size-16 decode at each fixed split length of ``SPLIT_LENS``
+(``ours-bs16-split<n>``): the data behind the split heuristic.
 
 Sliding-window and softcap rows (``windows``/``softcaps``, head_dim = the first asked for): every (window, softcap)
 pair of the options, each alone too, at ``OPTION_SHAPES``, flash-attn with the same ``window_size``/``softcap``. A
@@ -37,6 +39,8 @@ ANCHOR_SHAPES = ((1, 8192), (8, 4096), (64, 512), (64, 2048), (64, 8192), (256, 
 OPTION_SHAPES = ((1, 8192), (8, 4096), (64, 2048), (64, 8192))
 NUM_HEADS, NUM_KV_HEADS, DTYPE = 32, 8, torch.bfloat16
 WRITE_TOKENS = 4096
+SPLIT_LENS = (64, 128, 256, 512, 1024, 2048)  # the split-length sweep's, at SPLIT_SWEEP_SHAPES
+SPLIT_SWEEP_SHAPES = ((128, 1, 8192), (128, 8, 4096))  # head_dim, batch, ctx
 
 
 @dataclass
@@ -113,9 +117,10 @@ def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dic
     return add_fp8_cache(s)
 
 
-def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
-               softcap: float = 0.0) -> dict[str, list]:
-    """name -> one zero-argument callable per input set."""
+def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0, softcap: float = 0.0,
+               splits: tuple[int, ...] = ()) -> dict[str, list]:
+    """name -> one zero-argument callable per input set; ``splits`` adds the block-size-16 decode at each of these
+    fixed split lengths (the data behind the split heuristic)."""
     scale = head_dim**-0.5
 
     def ours(block_size: int = 16, fp8: bool = False, **options) -> list:
@@ -126,6 +131,7 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
                 for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256)}
+    out.update({f"ours-bs16-split{split}": ours(split_len=split) for split in splits})
     if torch.cuda.get_device_capability()[0] >= 9:  # programmatic dependent launch: Hopper on
         out["ours-nopdl-bs16"] = ours(pdl=False)
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
@@ -137,9 +143,8 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
     else:
         out["flash-bs256"] = [
             lambda s=s: flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
-                                                cache_seqlens=s["seq_lens"], block_table=s["t256"],
-                                                softmax_scale=scale, causal=True, window_size=window_size(window or None),
-                                                softcap=softcap)
+                                                cache_seqlens=s["seq_lens"], block_table=s["t256"], softmax_scale=scale,
+                                                causal=True, window_size=window_size(window or None), softcap=softcap)
             for s in sets
         ]
     torch_backend = TorchBackend()
@@ -155,11 +160,13 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0,
 
 
 def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator, window: int = 0,
-                softcap: float = 0.0) -> list[Row]:
+                softcap: float = 0.0, split_sweep: bool = False) -> list[Row]:
+    """Every contender at one shape; with ``split_sweep`` also the fixed split lengths of ``SPLIT_LENS`` that fit."""
+    splits = tuple(s for s in SPLIT_LENS if s <= ctx and math.ceil(ctx / s) <= 256) if split_sweep else ()
     kv_bytes = batch * kernels.decode_keys(ctx, window) * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
     sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(input_sets(kv_bytes))]
     rows, outputs = [], {}
-    for name, calls in contenders(sets, ctx, head_dim, window, softcap).items():
+    for name, calls in contenders(sets, ctx, head_dim, window, softcap, splits).items():
         outputs[name] = calls[0]().float().reshape(batch, NUM_HEADS, head_dim)
         timing = time_calls(calls, graph=not name.startswith("torch"), budget_s=0.3 if "torch" in name else 0.5)
         note = ""
@@ -171,23 +178,6 @@ def bench_shape(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch
                         100 * nbytes / timing.median_s / copy_bps, timing.method, note, window, softcap))
         print(_format(rows[-1]), flush=True)
     check_outputs(rows, outputs)
-    return rows
-
-
-def bench_split_sweep(head_dim: int, batch: int, ctx: int, copy_bps: float, gen: torch.Generator) -> list[Row]:
-    """Decode at block size 16 over fixed split lengths: the data behind the split heuristic."""
-    kv_bytes = batch * ctx * 2 * NUM_KV_HEADS * head_dim * DTYPE.itemsize
-    sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(input_sets(kv_bytes))]
-    rows = []
-    for split in (64, 128, 256, 512, 1024, 2048):
-        if split > ctx or math.ceil(ctx / split) > 256:
-            continue
-        calls = [lambda s=s: kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"],
-                                                  head_dim**-0.5, max_seq_len=ctx, split_len=split) for s in sets]
-        t = time_calls(calls).median_s
-        rows.append(Row(head_dim, batch, ctx, f"ours-bs16-split{split}", t * 1e6, kv_bytes / t / 1e12,
-                        100 * kv_bytes / t / copy_bps, "graph"))
-        print(_format(rows[-1]), flush=True)
     return rows
 
 
@@ -244,12 +234,11 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     props = torch.cuda.get_device_properties(torch.cuda.current_device())
     ways = ", ".join(f"{k} {v / 1e12:.2f}" for k, v in copy_ways.items())
     print(f"{props.name}: copy bandwidth {copy_bps / 1e12:.2f} TB/s (best of: {ways} TB/s)")
-    rows = [r for hd in head_dims for b, ctx in ANCHOR_SHAPES for r in bench_shape(hd, b, ctx, copy_bps, gen)]
+    rows = [r for hd in head_dims for b, ctx in ANCHOR_SHAPES
+            for r in bench_shape(hd, b, ctx, copy_bps, gen, split_sweep=sweep and (hd, b, ctx) in SPLIT_SWEEP_SHAPES)]
     rows += [r for window, softcap in score_options(windows, softcaps) for b, ctx in OPTION_SHAPES
              for r in bench_shape(head_dims[0], b, ctx, copy_bps, gen, window, softcap)]
     rows += [r for hd in head_dims for r in bench_write(hd, copy_bps, gen)]
-    if sweep:
-        rows += bench_split_sweep(128, 1, 8192, copy_bps, gen) + bench_split_sweep(128, 8, 4096, copy_bps, gen)
     result = {**run_header(), "device": props.name, "sms": props.multi_processor_count,
               "copy_tbps": copy_bps / 1e12, "copy_ways_tbps": {k: v / 1e12 for k, v in copy_ways.items()},
               "rows": [asdict(r) for r in rows]}

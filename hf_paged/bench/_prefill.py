@@ -1,4 +1,4 @@
-"""Prefill benchmark rows (``python -m hf_paged.bench._prefill``; the kernel benchmark can call :func:`run`).
+"""Prefill benchmark rows (``hf-paged bench kernels --only prefill`` calls :func:`run`).
 
 Causal varlen prefill, bf16, 32 query / 8 kv heads, head_dim 128 and 64, at the anchor shapes of
 ``shared/gpu/anchors.md`` (16 x 512, 8 x 2048, 2 x 8192 tokens), timed in one run for: hf_paged's paged prefill
@@ -23,7 +23,6 @@ Sliding-window and softcap rows (``windows``/``softcaps``; head_dim 128): the pa
 
 from __future__ import annotations
 
-import argparse
 import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -54,10 +53,6 @@ class Row:
     note: str = ""
     window: int = 0
     softcap: float = 0.0
-
-
-def flops(batch: int, prefix: int, new: int, head_dim: int, window: int = 0) -> float:
-    return batch * 4.0 * NUM_HEADS * head_dim * visible_pairs(prefix, new, window)
 
 
 def visible_pairs(prefix: int, new: int, window: int = 0) -> float:
@@ -131,7 +126,7 @@ def bench_shape(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Gen
                 softcap: float = 0.0) -> list[Row]:
     nbytes = batch * (new * NUM_HEADS + 2 * (prefix + new) * NUM_KV_HEADS) * head_dim * DTYPE.itemsize
     sets = [make_set(batch, prefix, new, head_dim, gen) for _ in range(min(3, input_sets(nbytes)))]
-    work = flops(batch, prefix, new, head_dim, window)
+    work = batch * 4.0 * NUM_HEADS * head_dim * visible_pairs(prefix, new, window)  # see the module docstring
     label = f"{batch}x{new}" + (f"+{prefix}" if prefix else "")
     label += (f" w{window}" if window else "") + (f" cap{softcap:g}" if softcap else "")
     rows, outputs = [], {}
@@ -195,14 +190,3 @@ def print_table(result: dict) -> None:
 def _ratio(got: dict[str, dict], impl: str, baseline: str) -> str:
     return f"{got[impl]['tflops'] / got[baseline]['tflops']:.2f}" if impl in got and baseline in got else "-"
 
-
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--json", default=None, help="write all rows here")
-    parser.add_argument("--no-sweep", action="store_true", help="skip the tile-configuration sweep")
-    args = parser.parse_args()
-    run(args.json, sweep=not args.no_sweep)
-
-
-if __name__ == "__main__":
-    main()

@@ -30,3 +30,22 @@ def test_check_outputs_notes_the_difference_and_refuses_a_wrong_contender():
     with pytest.raises(RuntimeError, match="ours-bs256 disagrees with ours-bs16"):
         check_outputs([Row(128, 1, 8, "ours-bs256", 1.0, 1.0, 1.0, "graph")],
                       {"ours-bs16": ref, "ours-bs256": ref * 1.1})
+
+
+def test_the_split_sweep_rows_pass_their_split_length(monkeypatch):
+    """``splits`` adds ``ours-bs16-split<n>``: the block-size-16 decode with ``split_len=n``; ``ours-bs16`` keeps the
+    heuristic's (no split_len)."""
+    from hf_paged import kernels
+    from hf_paged.bench import _kernels as decode_bench
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
+    monkeypatch.setattr(decode_bench, "build_metadata", lambda **_: None)  # the torch row's metadata needs a GPU
+    seen = []
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: seen.append((a[1], k.get("split_len"))))
+    s = {name: name for name in ("query", "k16", "v16", "k256", "v256", "t256")}
+    s |= {"seq_lens": torch.ones(1, dtype=torch.int32), "t16": torch.zeros(1, 1, dtype=torch.int32)}
+    rows = decode_bench.contenders([s], 8192, 128, splits=(64, 512))
+    assert [name for name in rows if "split" in name] == ["ours-bs16-split64", "ours-bs16-split512"]
+    for name in ("ours-bs16", "ours-bs16-split64", "ours-bs16-split512", "ours-bs256"):
+        rows[name][0]()
+    assert seen == [("k16", None), ("k16", 64), ("k16", 512), ("k256", None)]
