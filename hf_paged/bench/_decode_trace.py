@@ -105,19 +105,20 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     gen = torch.Generator(device="cuda").manual_seed(0)
     sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(min(launches, 4))]
     scale = head_dim**-0.5
-    split = torch.ops.hf_paged.paged_decode_split_len(sets[0]["query"], sets[0]["k16"], ctx)
-    splits = max(1, -(-ctx // split))
-    grid = batch * NUM_KV_HEADS * splits  # CTAs of a launch: one head group at 32 / 8 heads
+    split = kernels.decode_split_len(sets[0]["query"], sets[0]["k16"], ctx)
+    grid = batch * NUM_KV_HEADS * max(1, -(-ctx // split))  # CTAs of a launch: one head group per split at 32 / 8 heads
     buffers = [torch.zeros(grid * WORDS, dtype=torch.int64, device="cuda") for _ in range(launches)]
     outs = [torch.empty_like(s["query"]) for s in sets]
     workspace = torch.empty(max(1, kernels.decode_workspace_numel(batch, NUM_HEADS, head_dim, ctx, split)),
                             dtype=torch.float32, device="cuda")
 
+    def decode(s: dict, **options) -> torch.Tensor:
+        return kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
+                                    split_len=split, **options)
+
     def launch(i: int) -> None:
-        s = sets[i % len(sets)]
         torch.ops.hf_paged.decode_trace_buffer(buffers[i])  # read at launch: the captured launch keeps it
-        kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
-                             out=outs[i % len(sets)], split_len=split, workspace=workspace, pdl=pdl)
+        decode(sets[i % len(sets)], out=outs[i % len(sets)], workspace=workspace, pdl=pdl)
 
     try:  # one graph of the launches, each with its buffer; timed over replays that start from zeroed buffers
         timing = time_calls([functools.partial(launch, i) for i in range(launches)], min_calls=launches,
@@ -127,11 +128,9 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     if timing.method != "graph":
         raise RuntimeError("the traced decodes could not be captured in a CUDA graph")
     traced = [b.view(-1, WORDS).tolist() for b in buffers]
-    s = sets[0]  # the trace must not change the answer: the same decode untraced, bit for bit
-    plain = kernels.paged_decode(s["query"], s["k16"], s["v16"], s["t16"], s["seq_lens"], scale, max_seq_len=ctx,
-                                 split_len=split)
     summary = summarize(traced)
-    summary["matches_untraced"] = bool(torch.equal(plain, outs[0]))
+    # the trace must not change the answer: the same decode untraced, bit for bit
+    summary["matches_untraced"] = bool(torch.equal(decode(sets[0]), outs[0]))
     if raw:
         summary["raw"] = traced
     summary["medians"]["event_ns"] = timing.median_s * 1e9
