@@ -24,31 +24,9 @@ from hf_paged import envs
 logger = logging.getLogger("hf_paged")
 
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (
-    "ops.cpp",
-    "checks.cpp",
-    "decode_ops.cpp",
-    "decode_launch.cpp",
-    "write_kv.cu",
-    "decode_step.cu",
-    "paged_decode_f32.cu",
-    "paged_decode_f16.cu",
-    "paged_decode_bf16.cu",
-    "paged_decode_e4m3.cu",
-    "prefill_ops.cpp",
-    "paged_prefill_f16.cu",
-    "paged_prefill_f16_wide.cu",
-    "paged_prefill_bf16.cu",
-    "paged_prefill_bf16_wide.cu",
-    "paged_prefill_f16_e4m3.cu",
-    "paged_prefill_bf16_e4m3.cu",
-    "paged_prefill_wgmma_f16.cu",  # Hopper only: stubs unless built for sm_90a
-    "paged_prefill_wgmma_bf16.cu",
-    "skinny_ops.cpp",
-    "skinny_gemm.cu",
-    "peer_sum_ops.cpp",
-    "peer_sum.cu",
-)
+# Every C++ and CUDA file in csrc goes into the one library, in name order (paged_prefill_wgmma_*.cu compile to stubs
+# unless built for sm_90a).
+SOURCES = tuple(sorted(path.name for path in CSRC.iterdir() if path.suffix in (".cpp", ".cu")))
 _LIB_NAME = "hf_paged_kernels"
 
 

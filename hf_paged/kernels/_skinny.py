@@ -16,6 +16,7 @@ the engine's compiled graphs).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 
 import torch
@@ -31,7 +32,6 @@ MAX_GROUP = 4  # weights one grouped launch serves (kSkinnyMaxGroup)
 CUBLAS_BELOW_BYTES = 16 << 20
 CUBLAS_MAX_K = 2048
 DTYPES = (torch.float16, torch.bfloat16)
-_kernels_ready: bool | None = None  # asked once: a failed build is not retried per call
 
 __all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group",
            "linear_packed", "packed_rows"]
@@ -203,8 +203,6 @@ def _weight_fits(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                             and bias.shape[0] == weight.shape[0] and bias.is_contiguous())
 
 
+@functools.cache  # asked once: a failed build is not retried per call
 def _kernels_loaded() -> bool:
-    global _kernels_ready
-    if _kernels_ready is None:
-        _kernels_ready = ensure_loaded() is None
-    return _kernels_ready
+    return ensure_loaded() is None

@@ -96,7 +96,7 @@ def fake_kernels(monkeypatch):
     monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm", single("skinny_gemm"), raising=False)
     monkeypatch.setattr(torch.ops.hf_paged, "skinny_gemm_group", group("skinny_gemm_group"), raising=False)
     monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda self: True), raising=False)
-    monkeypatch.setattr(skinny, "_kernels_ready", True)
+    monkeypatch.setattr(skinny, "_kernels_loaded", lambda: True)
     monkeypatch.setattr(skinny, "CUBLAS_BELOW_BYTES", 0)
     return calls
 
