@@ -102,10 +102,7 @@ def write_kv(
             host sync). None for other caches.
     """
     _check_kv_scales(k_cache, k_scale, v_scale)
-    if key.stride(-1) != 1 or key.stride(-2) != key.shape[-1]:
-        key = key.contiguous()
-    if value.stride(-1) != 1 or value.stride(-2) != value.shape[-1]:
-        value = value.contiguous()
+    key, value = (t if t.stride(-1) == 1 and t.stride(-2) == t.shape[-1] else t.contiguous() for t in (key, value))
     _lib().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
