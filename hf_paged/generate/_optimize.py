@@ -95,9 +95,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     if linears:
         options[_compat.INDUCTOR_CUSTOM_PRE_PASS] = GroupLinears()
     before = getattr(model.generation_config, "compile_config", None)
-    config = with_options(before or CompileConfig(), options)
+    model.generation_config.compile_config = with_options(before or CompileConfig(), options)
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
-    model.generation_config.compile_config = config
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
     bend(model, FrozenHeapGenerate, (lambda usual: DecodeSteps(
         model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None)
