@@ -35,24 +35,26 @@ DESCRIPTION = ("Generate for many prompts with the continuous-batching engine, o
 MODEL_HELP = ("smollm2 (SmolLM2-135M-Instruct, fetched and cached on first use), tiny (a random-init Llama built in "
               "code: no download, its text is noise) or a local HF checkpoint directory (default: smollm2, or tiny "
               "with a note where it cannot be had)")
+class BadText(ValueError, argparse.ArgumentTypeError):
+    """Text that cannot be prompts (not UTF-8, binary, blank): a ``ValueError`` (bad input, exit status 2) where the
+    run reads stdin, and argparse's one-line refusal of the flag where a flag's check raises it."""
+
+
 def prompt(text: str) -> str:
     if text == "":
-        raise argparse.ArgumentTypeError("a prompt is empty (''); give it some text or leave it out")
-    try:
-        return utf8_text(text, "a prompt")
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+        raise BadText("a prompt is empty (''); give it some text or leave it out")
+    return utf8_text(text, "a prompt")
 
 
 def utf8_text(text: str, source: str) -> str:
-    """``text`` if UTF-8 can encode it; else ``ValueError`` naming ``source``. Bytes that are not UTF-8 reach Python
+    """``text`` if UTF-8 can encode it; else :class:`BadText` naming ``source``. Bytes that are not UTF-8 reach Python
     as lone surrogates (the command line's arguments, and text streams under the C locale)."""
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as exc:
         char = ord(text[exc.start])
         what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
-        raise ValueError(f"{source} is not UTF-8 text ({what} at character {exc.start}); give UTF-8 text") from None
+        raise BadText(f"{source} is not UTF-8 text ({what} at character {exc.start}); give UTF-8 text") from None
     return text
 
 
@@ -62,29 +64,26 @@ def prompts_file(path: str) -> list[str]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
-    try:
-        return prompt_lines(utf8_bytes(data, repr(path)), repr(path))
-    except ValueError as exc:
-        raise argparse.ArgumentTypeError(str(exc)) from None
+    return prompt_lines(utf8_bytes(data, repr(path)), repr(path))
 
 
 def prompt_lines(text: str, source: str) -> list[str]:
-    """One prompt per non-blank line of ``text``; ``ValueError`` naming ``source`` if it is binary or blank."""
+    """One prompt per non-blank line of ``text``; :class:`BadText` naming ``source`` if it is binary or blank."""
     if "\0" in text:
-        raise ValueError(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
+        raise BadText(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
-        raise ValueError(f"{source} holds no prompts (every line is blank)")
+        raise BadText(f"{source} holds no prompts (every line is blank)")
     return lines
 
 
 def utf8_bytes(data: bytes, source: str) -> str:
-    """``data`` decoded as UTF-8; else ``ValueError`` naming ``source`` and the first byte that is not."""
+    """``data`` decoded as UTF-8; else :class:`BadText` naming ``source`` and the first byte that is not."""
     try:
         return data.decode("utf-8")
     except UnicodeDecodeError as exc:
-        raise ValueError(f"{source} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); give "
-                         "UTF-8 text, one prompt per line") from None
+        raise BadText(f"{source} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); give "
+                      "UTF-8 text, one prompt per line") from None
 
 
 def device(text: str) -> str:
