@@ -106,10 +106,8 @@ def check_outputs(rows: list, outputs: dict[str, torch.Tensor]) -> None:
 
 def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dict:
     """One input set: query, and the same K/V context paged at block size 16 and 256."""
-    padded = math.ceil(ctx / 256) * 256
-    shape = (batch, padded, NUM_KV_HEADS, head_dim)
-    k = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
-    v = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
+    shape = (batch, math.ceil(ctx / 256) * 256, NUM_KV_HEADS, head_dim)  # padded to whole blocks of 256
+    k, v = (torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE) for _ in "kv")
     s = {"query": torch.randn(batch, NUM_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE),
          "seq_lens": torch.full((batch,), ctx, dtype=torch.int32, device="cuda")}
     for bs in (16, 256):
@@ -185,24 +183,20 @@ def bench_write(head_dim: int, copy_bps: float, gen: torch.Generator) -> list[Ro
     """KV write of WRITE_TOKENS tokens to random slots; bytes = K and V read once and written once."""
     nbytes = 2 * 2 * WRITE_TOKENS * NUM_KV_HEADS * head_dim * DTYPE.itemsize
     num_slots = 64 * WRITE_TOKENS
-    sets = []
-    for _ in range(input_sets(nbytes)):
-        cache = [torch.zeros(num_slots // 16, 16, NUM_KV_HEADS, head_dim, device="cuda", dtype=DTYPE) for _ in "kv"]
-        new = [torch.randn(WRITE_TOKENS, NUM_KV_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE)
-               for _ in "kv"]
-        sets.append((new, cache, torch.randperm(num_slots, device="cuda", generator=gen)[:WRITE_TOKENS]))
-    fp8 = [([torch.zeros(c.shape, device="cuda", dtype=kv_quant.FP8_DTYPE) for c in cache],
-            kv_quant.KVScales.unset(NUM_KV_HEADS, torch.device("cuda"))) for _, cache, _ in sets]
+    cache_shape = (num_slots // 16, 16, NUM_KV_HEADS, head_dim)
+    sets = [{"new": [torch.randn(WRITE_TOKENS, NUM_KV_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE)
+                     for _ in "kv"],
+             "slots": torch.randperm(num_slots, device="cuda", generator=gen)[:WRITE_TOKENS],
+             "cache": [torch.zeros(cache_shape, device="cuda", dtype=DTYPE) for _ in "kv"],
+             "fp8": [torch.zeros(cache_shape, device="cuda", dtype=kv_quant.FP8_DTYPE) for _ in "kv"],
+             "scales": kv_quant.KVScales.unset(NUM_KV_HEADS, torch.device("cuda"))}
+            for _ in range(input_sets(nbytes))]
     impls = {
-        "ours-write": [lambda n=n, c=c, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s) for n, c, s in sets],
-        "ours-write-fp8": [lambda n=n, c=c, sc=sc, s=s: kernels.write_kv(n[0], n[1], c[0], c[1], s, k_scale=sc.k,
-                                                                         v_scale=sc.v)
-                           for (n, _, s), (c, sc) in zip(sets, fp8)],
-        "torch-index_copy": [
-            lambda n=n, c=c, s=s: (c[0].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[0]),
-                                   c[1].view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s, n[1]))
-            for n, c, s in sets
-        ],
+        "ours-write": [lambda s=s: kernels.write_kv(*s["new"], *s["cache"], s["slots"]) for s in sets],
+        "ours-write-fp8": [lambda s=s: kernels.write_kv(*s["new"], *s["fp8"], s["slots"], k_scale=s["scales"].k,
+                                                        v_scale=s["scales"].v) for s in sets],
+        "torch-index_copy": [lambda s=s: [cache.view(-1, NUM_KV_HEADS, head_dim).index_copy_(0, s["slots"], new)
+                                          for cache, new in zip(s["cache"], s["new"])] for s in sets],
     }
     rows = []
     for name, calls in impls.items():
@@ -226,8 +220,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
         windows: tuple[int, ...] = (), softcaps: tuple[float, ...] = ()) -> dict:
     """Run the whole benchmark; print the table last; write JSON to ``json_path`` if given. ``windows`` /
     ``softcaps`` add the sliding-window and softcap rows (see the module docstring)."""
-    reason = kernels.unavailable_reason()
-    if reason is not None:
+    if (reason := kernels.unavailable_reason()) is not None:
         raise RuntimeError(f"hf_paged kernels unavailable: {reason}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     copy_bps, copy_ways = copy_bandwidth()
@@ -258,8 +251,7 @@ def print_table(result: dict) -> None:
     cells: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
         if r["ctx"] and r["impl"] in impls:
-            key = (r["head_dim"], r["batch"], r["ctx"], r.get("window", 0), r.get("softcap", 0.0))
-            cells.setdefault(key, {})[r["impl"]] = r
+            cells.setdefault((r["head_dim"], r["batch"], r["ctx"], r["window"], r["softcap"]), {})[r["impl"]] = r
     for (hd, b, ctx, window, softcap), got in cells.items():
         text = [f"{got[i]['us']:8.1f} ({got[i]['pct_copy']:4.1f}%)" if i in got else f"{'-':>17}" for i in impls]
         ratio = f"{got['flash-bs256']['us'] / got['ours-bs16']['us']:.2f}x" if "flash-bs256" in got else "-"

@@ -70,9 +70,7 @@ def visible_pairs(prefix: int, new: int, window: int = 0) -> float:
 
 def make_set(batch: int, prefix: int, new: int, head_dim: int, gen: torch.Generator) -> dict:
     ctx = prefix + new
-    shape = (batch * ctx, NUM_KV_HEADS, head_dim)
-    k = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
-    v = torch.randn(shape, device="cuda", generator=gen, dtype=DTYPE)
+    k, v = (torch.randn(batch * ctx, NUM_KV_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE) for _ in "kv")
     s = {"q": torch.randn(batch * new, NUM_HEADS, head_dim, device="cuda", generator=gen, dtype=DTYPE), "k": k,
          "v": v, "cu_q": torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * new,
          "cu_k": torch.arange(0, batch + 1, device="cuda", dtype=torch.int32) * ctx,
@@ -153,13 +151,11 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     """Time every row; print the table last; write JSON to ``json_path`` if given. ``windows`` / ``softcaps`` add
     the sliding-window and softcap rows (see the module docstring)."""
     gen = torch.Generator(device="cuda").manual_seed(0)
-    props = torch.cuda.get_device_properties(torch.cuda.current_device())
     rows = [r for hd in head_dims for b, n in SHAPES for r in bench_shape(b, 0, n, hd, gen, sweep and hd == 128)]
-    b, p, n = PREFIX_SHAPE
-    rows += bench_shape(b, p, n, 128, gen, sweep)
+    rows += bench_shape(*PREFIX_SHAPE, 128, gen, sweep)
     rows += [r for window, softcap in score_options(windows, softcaps) for b, p, n in OPTION_SHAPES
              for r in bench_shape(b, p, n, 128, gen, False, window, softcap)]
-    result = {**run_header(), "device": props.name, "rows": [asdict(r) for r in rows]}
+    result = {**run_header(), "device": torch.cuda.get_device_name(), "rows": [asdict(r) for r in rows]}
     if json_path is not None:
         Path(json_path).write_text(json.dumps(result, indent=1))
     print_table(result)
@@ -172,17 +168,17 @@ def print_table(result: dict) -> None:
              "ours-bs256", "ours-unpaged", "flash-varlen", "torch-fa2"]
     print(f"\n{result['device']}: causal prefill, bf16, {NUM_HEADS} q / {NUM_KV_HEADS} kv heads; TFLOP/s")
     width = max([12] + [len(r["shape"]) for r in result["rows"]])
-    print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(f"{i:>{max(12, len(i))}}" for i in impls)
+    widths = [max(12, len(i)) for i in impls]
+    print(f"{'hd':>4} {'shape':<{width}} | " + " | ".join(i.rjust(w) for i, w in zip(impls, widths))
           + " | bs16/flash | wgmma/flash | best config")
     cells: dict[tuple, dict[str, dict]] = {}
     for r in result["rows"]:
         cells.setdefault((r["head_dim"], r["shape"]), {})[r["impl"]] = r
     for (hd, shape), got in cells.items():
-        text = [f"{got[i]['tflops']:{max(12, len(i))}.1f}" if i in got else f"{'-':>{max(12, len(i))}}"
-                for i in impls]
+        text = [(f"{got[i]['tflops']:.1f}" if i in got else "-").rjust(w) for i, w in zip(impls, widths)]
         ratio, wgmma_ratio = (_ratio(got, impl, "flash-varlen") for impl in ("ours-bs16", "ours-wgmma-bs16"))
         sweep = {k: v["tflops"] for k, v in got.items() if k.startswith("ours-bs16-c")}
-        best = max(sweep, key=sweep.get) if sweep else None
+        best = max(sweep, key=sweep.get, default=None)
         best_text = f"{best[-2:]} {sweep[best]:.1f}" if best else "-"
         print(f"{hd:>4} {shape:<{width}} | " + " | ".join(text) + f" | {ratio:>10} | {wgmma_ratio:>11} | {best_text}")
 
