@@ -86,8 +86,7 @@ def summarize(launches: list[list[list[int]]]) -> dict:
         return statistics.median(values) if values else None
 
     medians = {k: med(k) for k in ("span_ns", "start_spread_ns", "tail_ns", "gap_ns")}
-    medians.update({f"{name} median_ns": med(name, "median_ns") for name, *_ in PHASES})
-    medians.update({f"{name} max_ns": med(name, "max_ns") for name, *_ in PHASES})
+    medians.update({f"{name} {stat}": med(name, stat) for stat in ("median_ns", "max_ns") for name, *_ in PHASES})
     medians["combine median_ns"] = med("combine", "median_ns")
     return {"launches": per_launch, "medians": medians}
 
@@ -99,8 +98,7 @@ def run(batch: int, ctx: int, head_dim: int, launches: int, replays: int = 5, ra
     with ``raw`` every CTA's words (``raw[launch][cta]``)."""
     if not envs.kernel_trace():
         raise SystemExit(f"set {envs.KERNEL_TRACE}=1 first: the trace points exist only in that build")
-    reason = kernels.unavailable_reason()
-    if reason is not None:
+    if (reason := kernels.unavailable_reason()) is not None:
         raise SystemExit(f"the kernels are unavailable: {reason}")
     gen = torch.Generator(device="cuda").manual_seed(0)
     sets = [decode_set(batch, ctx, head_dim, gen) for _ in range(min(launches, 4))]

@@ -47,10 +47,8 @@ def source_commit(source: Path = _SOURCE) -> str | None:
             return ""
         return done.stdout.strip() if done.returncode == 0 else ""
 
-    if not git("ls-files", "--", "__init__.py"):  # not tracked: an installed copy inside some other repository
-        return None
-    commit = git("rev-parse", "--short", "HEAD")
-    if not commit:
+    # not tracked (an installed copy inside some other repository), or no commit to name
+    if not git("ls-files", "--", "__init__.py") or not (commit := git("rev-parse", "--short", "HEAD")):
         return None
     return commit + ("+dirty" if git("status", "--porcelain", "--untracked-files=no", "--", ".") else "")
 
