@@ -41,10 +41,6 @@ _folder: Path | None = None
 _warned = False
 
 
-def _arch() -> str:
-    return arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
-
-
 def arch_of(major: int, minor: int, cuda: str | None = "12.0") -> str:
     """The nvcc arch a device of this compute capability is built for: Hopper (9.0) gets its arch-specific target
     "90a" (wgmma, setmaxnreg; the machine code runs on 9.0 devices only, as every build here is for one GPU) when
@@ -95,8 +91,7 @@ def missing_device() -> str | None:
 
 def missing_requirement() -> str | None:
     """Why the kernels cannot be built here (None if they can)."""
-    reason = missing_device()
-    if reason is not None:
+    if (reason := missing_device()) is not None:
         return reason
     from torch.utils import cpp_extension  # imports setuptools: only where a build may be needed
 
@@ -120,11 +115,10 @@ def load(verbose: bool = False) -> Path:
     with _lock:
         if _failure is not None:
             raise KernelsUnavailable(_failure)
-        reason = missing_device()
-        if reason is not None:
+        if (reason := missing_device()) is not None:
             _failure = reason
             raise KernelsUnavailable(reason)
-        arch = _arch()
+        arch = arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
         folder = build_dir(arch)
         if not _loaded:
             _loaded = _load_built(folder) or _build_and_load(folder, arch, verbose)
@@ -155,8 +149,7 @@ def _load_built(folder: Path) -> bool:
 
 def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     global _failure
-    reason = missing_requirement()
-    if reason is not None:
+    if (reason := missing_requirement()) is not None:
         _failure = reason
         raise KernelsUnavailable(reason)
     from torch.utils import cpp_extension
@@ -191,8 +184,6 @@ def is_loaded() -> bool:
 def ensure_loaded() -> str | None:
     """Load the kernels if possible; None on success, else the reason (warned about once, logger "hf_paged")."""
     global _warned
-    if _folder is not None:
-        return None
     try:
         load()
         return None

@@ -86,9 +86,8 @@ def paged_prefill(
     if impl not in IMPLS:
         raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
     if impl in WGMMA_CONFIGS:
-        wgmma_refusal = wgmma_unsupported_reason(query.dtype, k_cache.dtype, query.shape[-1])
-        if wgmma_refusal is not None:
-            raise NotImplementedError(wgmma_refusal)
+        if (refusal := wgmma_unsupported_reason(query.dtype, k_cache.dtype, query.shape[-1])) is not None:
+            raise NotImplementedError(refusal)
         if config != AUTO_CONFIG:
             raise ValueError(f"impl={impl!r} has one tile shape; leave config at {AUTO_CONFIG}, got {config}")
     _check_attention_inputs("paged_prefill", query, k_cache, k_scale, v_scale)

@@ -66,7 +66,7 @@ def test_load_takes_a_marked_build_without_the_build_tools(tmp_path, monkeypatch
     """``load`` itself: a GPU and a marked build folder are all it needs (no nvcc/ninja probe, no build)."""
     monkeypatch.setattr(_build, "missing_device", lambda: None)
     monkeypatch.setattr(_build, "missing_requirement", lambda: pytest.fail("probed the build tools"))
-    monkeypatch.setattr(_build, "_arch", lambda: "90a")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(_build, "build_dir", lambda arch: tmp_path)
     monkeypatch.setattr(_build, "_loaded", False)
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")
