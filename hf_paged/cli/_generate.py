@@ -200,7 +200,6 @@ def add_engine_arguments(
 
 def engine_settings(args: argparse.Namespace) -> dict:
     """The ``Engine`` keywords of the engine flags on the command line (``--num-blocks 0``: None)."""
-    settings = {f.name: getattr(args, f.name) for f in fields(EngineConfig)
-                if "help" in f.metadata and hasattr(args, f.name)}
+    settings = {name: getattr(args, name) for name in FLAG_TYPES if hasattr(args, name)}
     settings["num_blocks"] = settings["num_blocks"] or None
     return settings
