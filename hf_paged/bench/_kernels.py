@@ -145,14 +145,13 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0, softc
                                                 causal=True, window_size=window_size(window or None), softcap=softcap)
             for s in sets
         ]
-    torch_backend = TorchBackend()
+    s0, batch = sets[0], len(sets[0]["seq_lens"])  # the torch backend: eager, over the first input set only
+    meta = build_metadata(q_lens=torch.ones(batch, dtype=torch.int32), seq_lens_k=s0["seq_lens"].cpu(),
+                          block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(batch, dtype=torch.long),
+                          token_index=None, grid=(batch, 1), block_size=16, device=torch.device("cuda"))
     params = AttentionParams(scale=scale, sliding_window=window or None, softcap=softcap or None)
-    s0 = sets[0]
-    meta = build_metadata(q_lens=torch.ones(len(s0["seq_lens"]), dtype=torch.int32), seq_lens_k=s0["seq_lens"].cpu(),
-                          block_tables=s0["t16"].cpu(), slot_mapping=torch.zeros(len(s0["seq_lens"]), dtype=torch.long),
-                          token_index=None, grid=(len(s0["seq_lens"]), 1), block_size=16,
-                          device=torch.device("cuda"))
     inputs = AttentionInputs(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)
+    torch_backend = TorchBackend()
     out["torch-bs16"] = [lambda: torch_backend.forward(inputs, None)]
     return out
 

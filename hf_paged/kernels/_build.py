@@ -159,16 +159,9 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
     if not library.exists():
         logger.info("hf_paged: building CUDA kernels for sm_%s in %s (first use; about a minute)", arch, folder)
     try:
-        cpp_extension.load(
-            name=_LIB_NAME,
-            sources=[str(CSRC / s) for s in SOURCES],
-            extra_cflags=_host_flags(),
-            extra_cuda_cflags=_cuda_flags(arch),
-            extra_include_paths=[str(CSRC)],
-            build_directory=str(folder),
-            is_python_module=False,
-            verbose=verbose,
-        )
+        cpp_extension.load(name=_LIB_NAME, sources=[str(CSRC / s) for s in SOURCES], extra_cflags=_host_flags(),
+                           extra_cuda_cflags=_cuda_flags(arch), extra_include_paths=[str(CSRC)],
+                           build_directory=str(folder), is_python_module=False, verbose=verbose)
     except Exception as exc:  # compiler or loader failure: report it as the reason, keep serving via torch
         _failure = f"building the CUDA kernels failed ({type(exc).__name__}: {str(exc).strip()[-2000:]})"
         raise KernelsUnavailable(_failure) from exc
