@@ -67,6 +67,7 @@ def add_parser(subparsers) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    """Serve until stopped: exit status 0, or 1 if the engine loop died."""
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -100,13 +101,13 @@ def run(args: argparse.Namespace) -> int:
 def _app(args: argparse.Namespace):
     """The app serving the model ``args`` name; sets ``args.served_model_name`` and ``args.api_key`` (None: none) to
     what it serves under."""
+    from hf_paged.cli._generate_run import load  # (torch, transformers and the engine: imported once serve runs)
+    from hf_paged.engine import Engine
+
     args.api_key = args.api_key or envs.api_key()
     allowed = args.allowed_hosts
     if allowed is None and is_loopback(args.host) and not args.api_key:
         allowed = LOOPBACK_HOSTS
-    from hf_paged.cli._generate_run import load  # (torch, transformers and the engine: imported once serve runs)
-    from hf_paged.engine import Engine
-
     model, tokenizer = load(args)
     engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
     args.served_model_name = args.served_model_name or args.model_name
