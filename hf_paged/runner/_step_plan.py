@@ -146,28 +146,20 @@ class DecodeColumns:
         return cls(ids, pos, src, np.fromiter(map(_ROW, seqs), np.int32, n))
 
 
-def plan_step(
-    seqs: list[Sequence],
-    num_tokens: list[int],
-    sample: list[bool],
-    tables: BlockTableBuffer,
-    block_size: int,
-    pad_decode_to: int | None = None,
-    extra_rows: list[int] | None = None,
-    pad_logits: bool = False,
-) -> StepPlan:
+def plan_step(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], tables: BlockTableBuffer,
+              block_size: int, extra_rows: list[int] | None = None, pad_logits: bool = False) -> StepPlan:
     """Lay out the step: sequence ``i`` computes tokens ``[num_computed, num_computed + num_tokens[i])``.
 
-    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns`. Any other step gathers the sequences' counters and new
-    token ids into flat arrays (per-sequence Python; a prefill chunk's positions and slots are ranges, extended in
-    C, one per block it touches). The block tables are taken with one ``np.take``. ``pad_decode_to``: for a decode
-    step, append dummy one-token sequences (slot -1, context 1) up to this batch size so the step matches a
-    captured graph's shape. ``extra_rows``: positions in ``[0, T)`` whose logits the step returns too, after the
+    A decode step (one token per sequence) is laid out in numpy from its :class:`DecodeColumns`. Any other step
+    gathers the sequences' counters and new token ids into flat arrays (per-sequence Python; a prefill chunk's
+    positions and slots are ranges, extended in C, one per block it touches). The block tables are taken with one
+    ``np.take``. (A decode graph pads its steps itself, on the device: ``runner/_decode_graphs.py``.)
+    ``extra_rows``: positions in ``[0, T)`` whose logits the step returns too, after the
     sampled rows' (prompt logprobs). ``pad_logits``: pad the logits rows to :func:`logit_rows` (on a GPU).
     """
     assert seqs, "plan_step needs at least one scheduled sequence"
     if sum(num_tokens) == len(seqs) and not extra_rows:
-        return _plan_decode(DecodeColumns.of(seqs, sample), sample, tables, block_size, pad_decode_to, pad_logits)
+        return _plan_decode(DecodeColumns.of(seqs, sample), sample, tables, block_size, pad_logits)
     ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
     if extra_rows:
         keep.extend(extra_rows)
@@ -202,51 +194,40 @@ def _ones_in_front(q_lens: array) -> int:
 def _lengths_and_tables(layout: np.ndarray, cu: int, b: int, width: int, tables: BlockTableBuffer,
                         rows: np.ndarray) -> None:
     """Write the rest of the layout from offset ``cu``: cu q and cu k (``B + 1`` each), the prefix sums of the ``B``
-    q lengths and the ``B`` context lengths that end at ``cu``; then the block tables of ``rows``, zero rows after
-    them up to ``B``."""
+    q lengths and the ``B`` context lengths that end at ``cu``; then the block tables of the ``B`` ``rows``."""
     layout[cu] = layout[cu + b + 1] = 0
     np.cumsum(layout[cu - 2 * b : cu - b], dtype=np.int32, out=layout[cu + 1 : cu + b + 1])
     np.cumsum(layout[cu - b : cu], dtype=np.int32, out=layout[cu + b + 2 : cu + 2 * b + 2])
-    out = layout[cu + 2 * b + 2 :].reshape(b, width)
-    np.take(tables.entries[:, :width], rows, axis=0, out=out[: len(rows)])
-    out[len(rows) :] = 0
+    np.take(tables.entries[:, :width], rows, axis=0, out=layout[cu + 2 * b + 2 :].reshape(b, width))
 
 
 def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuffer, bs: int,
-                 pad_decode_to: int | None, pad_logits: bool) -> StepPlan:
+                 pad_logits: bool) -> StepPlan:
     """The layout of a decode step, one numpy write per segment: slots from the block-table rows, in-flight ids as
-    sources, padding rows (token 0 at position 0, slot -1, context 1) up to ``pad_decode_to``."""
-    pos, n = cols.positions, len(cols.positions)
-    b = max(n, pad_decode_to or 0)
+    sources."""
+    pos, b = cols.positions, len(cols.positions)
     max_k = int(pos.max()) + 1
     width = -(-max_k // bs)
     has_sources = bool((cols.sources >= 0).any())
     all_sampled = all(sample)
-    k = n if all_sampled else sum(sample)
+    k = b if all_sampled else sum(sample)
     rows = logit_rows(k) if pad_logits else k
     cu = (4 if has_sources else 3) * b + rows + 2 * b  # then cu q, cu k (B + 1 each), block tables
     layout = np.empty(cu + 2 * (b + 1) + b * width, dtype=np.int32)
-    ids, positions, slots = layout[:b], layout[b : 2 * b], layout[2 * b : 3 * b]
-    ids[:n], positions[:n] = cols.ids, pos
-    np.add(tables.entries[cols.rows, pos // bs] * bs, pos % bs, out=slots[:n])
+    layout[:b], layout[b : 2 * b] = cols.ids, pos
+    np.add(tables.entries[cols.rows, pos // bs] * bs, pos % bs, out=layout[2 * b : 3 * b])  # slots
     at = 3 * b
     if has_sources:
-        layout[at : at + n] = cols.sources
-        layout[at + n : at + b] = -1
+        layout[at : at + b] = cols.sources
         at += b
-    layout[at : at + k] = _first(n) if all_sampled else np.flatnonzero(sample)
+    layout[at : at + k] = _first(b) if all_sampled else np.flatnonzero(sample)
     layout[at + k : at + rows] = layout[at + k - 1] if k else 0
     at += rows
     layout[at : at + b] = 1  # q lengths
-    ctx = layout[at + b : cu]
-    np.add(pos, 1, out=ctx[:n])
-    if b > n:
-        ids[n:] = positions[n:] = 0
-        slots[n:] = -1
-        ctx[n:] = 1
+    np.add(pos, 1, out=layout[at + b : cu])  # context lengths
     _lengths_and_tables(layout, cu, b, width, tables, cols.rows)
-    return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k,
-                    step_phase(b, max_k > 1, True), has_padding=b > n, padded_rows=rows - k)
+    return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k, step_phase(b, max_k > 1, True),
+                    padded_rows=rows - k)
 
 
 _RANGE = np.arange(1024, dtype=np.int32)

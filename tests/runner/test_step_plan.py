@@ -4,6 +4,7 @@ the unpadded one."""
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import pytest
@@ -14,7 +15,7 @@ from engine_helpers import greedy_config, models, random_prompts
 from fake_kv import make_block_manager
 from hf_paged.attention._metadata import Phase, build_metadata
 from hf_paged.runner import _model_runner as model_runner
-from hf_paged.runner._step_plan import logit_rows, plan_step, step_metadata
+from hf_paged.runner._step_plan import StepPlan, logit_rows, plan_step, step_metadata
 from hf_paged.engine._sampling_params import SamplingParams
 from hf_paged.engine._sequence import Sequence
 
@@ -75,6 +76,23 @@ def test_plan_matches_a_token_by_token_layout():
         assert row[: len(seq.block_table)] == seq.block_table
 
 
+def _with_padding_rows(plan: StepPlan, b: int) -> StepPlan:
+    """A decode step's ``plan`` padded to ``b`` sequences as a decode graph pads its steps on the device
+    (``runner/_decode_graphs.py``): token 0 at position 0, slot -1 (nothing written), context 1, a zero table row."""
+    seg, pad = plan.segments(), b - plan.num_seqs
+    assert seg["token_sources"] is None and plan.padded_rows == 0
+
+    def padded(name: str, value: int) -> torch.Tensor:
+        return torch.cat([seg[name], torch.full((pad,), value, dtype=torch.int32)])
+
+    q, ctx = padded("q_lens", 1), padded("seq_lens_k", 1)
+    cu_q, cu_k = (torch.cat([torch.zeros(1, dtype=torch.int32), x.cumsum(0, dtype=torch.int32)]) for x in (q, ctx))
+    tables = torch.cat([seg["block_tables"], torch.zeros(pad, plan.width, dtype=torch.int32)])
+    layout = torch.cat([padded("input_ids", 0), padded("position_ids", 0), padded("slot_mapping", -1),
+                        seg["logits_indices"], q, ctx, cu_q, cu_k, tables.flatten()])
+    return dataclasses.replace(plan, layout=layout, num_seqs=b, num_tokens=b, has_padding=True)
+
+
 def test_a_decode_step_padded_to_a_graph_size_gives_the_same_logits():
     engine = hf_paged.Engine(models("llama_gqa")[1], num_blocks=32, block_size=4, max_batch_tokens=64)
     for prompt in ([5, 6, 7, 8, 9], [10, 11], [12, 13, 14, 15, 16, 17, 18]):
@@ -83,8 +101,9 @@ def test_a_decode_step_padded_to_a_graph_size_gives_the_same_logits():
     batch = engine.scheduler.schedule()
     assert all(n == 1 for n in batch.num_tokens)
     plain = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4)
-    padded = plan_step(batch.seqs, batch.num_tokens, batch.sample, engine.block_manager.tables, 4, pad_decode_to=8)
+    padded = _with_padding_rows(plain, 8)
     assert padded.num_tokens == 8 and padded.slot_mapping[3:].eq(-1).all()
+    assert padded.input_ids[:3].tolist() == plain.input_ids.tolist() and padded.seq_lens_k[3:].eq(1).all()
     k_before = [k.clone() for k, _ in engine.runner.pool.kv_caches]
     want = engine.runner.forward(plain)
     got = engine.runner.forward(padded)  # rewrites the same slots with the same values; padding writes nothing
