@@ -5,14 +5,5 @@ from hf_paged.attention.backends.base import (AttentionBackend, AttentionCall, A
 from hf_paged.attention._dispatch import Dispatcher, available_backends
 from hf_paged.attention._metadata import PagedMetadata, Phase
 
-__all__ = [
-    "AttentionBackend",
-    "AttentionCall",
-    "AttentionInputs",
-    "AttentionParams",
-    "Dispatcher",
-    "PagedMetadata",
-    "Phase",
-    "available_backends",
-    "register_backend",
-]
+__all__ = ["AttentionBackend", "AttentionCall", "AttentionInputs", "AttentionParams", "Dispatcher", "PagedMetadata",
+           "Phase", "available_backends", "register_backend"]

@@ -66,10 +66,9 @@ def attend(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tens
     index = step.on(query.device).token_index
     out = attend_packed(step, layer_idx, pack(query, index), pack(key, index), pack(value, index), scaling,
                         sliding_window, softcap)
-    if index is None:
-        return out.view(batch, q_len, num_heads, head_dim)
-    full = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, index, out)
-    return full.view(batch, q_len, num_heads, head_dim)
+    if index is not None:  # padding positions stay zero
+        out = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, index, out)
+    return out.view(batch, q_len, num_heads, head_dim)
 
 
 def attend_packed(step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
