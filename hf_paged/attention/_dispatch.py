@@ -18,7 +18,7 @@ import torch
 from hf_paged import envs
 from hf_paged.cache._config import backend_names
 from hf_paged.attention import backends as _backends_pkg
-from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, registered_backends
+from hf_paged.attention.backends.base import AttentionBackend, AttentionCall, backend_named, registered_backends
 from hf_paged.attention._metadata import Phase
 
 logger = logging.getLogger("hf_paged")
@@ -42,8 +42,7 @@ class Dispatcher:
     def __init__(self, backend: str | Sequence[str] | None = None):
         _import_backends()
         self.allowed = backend_names(backend or envs.backend())
-        by_name = {b.name: b for b in registered_backends()}
-        self._order = registered_backends() if self.allowed is None else [by_name[n] for n in self.allowed]
+        self._order = registered_backends() if self.allowed is None else [backend_named(n) for n in self.allowed]
         self.served: dict[str, str] = {}
         self._choice: dict[AttentionCall, AttentionBackend] = {}
         self._writer: dict[tuple, AttentionBackend] = {}

@@ -139,18 +139,15 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
     found = plan.decodes.get(key)
     if found is None:
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
-        numel = kernels.decode_workspace_numel(query.shape[0], query.shape[1], query.shape[2], meta.max_seqlen_k,
-                                               split, window)
-        counters = None
-        if not numel:
-            workspace = None
-        elif meta.scratch_per_call:
+        numel = kernels.decode_workspace_numel(*query.shape, meta.max_seqlen_k, split, window)
+        workspace = counters = None  # (one split: no partials)
+        if numel and meta.scratch_per_call:
             # A compiled step's op: under CUDA graph trees every allocation of the step lands in the graph's pool,
             # and one that outlives the call (the shared workspace, the kernel's own per-stream tickets) breaks the
             # next graph. So both are the call's own; the tickets must start at zero.
             workspace = torch.empty(numel, dtype=torch.float32, device=query.device)
             counters = torch.zeros(query.shape[0] * query.shape[1], dtype=torch.int32, device=query.device)
-        else:
+        elif numel:
             workspace = _workspace(query.device, numel)
         found = plan.decodes[key] = DecodePlan(split, workspace, counters)
     return found
