@@ -60,13 +60,12 @@ class LocalLinear:
         """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
         the module since are served from the next compile on (the compiled code guards on these tensors)."""
         self.weight, self.bias = local_shards(module)
-        self.routing = skinny_linear
         self.skinny = skinny_linear.skip_reason_of(self.weight, self.bias, self.weight.dtype) is None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The local product: the skinny op (``hf_paged::linear``, which the engine's grouping pass merges for
         q/k/v and gate/up) inside the engine's decode steps where its kernel can read the shard, else F.linear."""
-        if self.skinny and self.routing.is_active():
+        if self.skinny and skinny_linear.is_active():
             return skinny.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 
@@ -141,7 +140,7 @@ def _style_of(module: torch.nn.Module) -> bool | None:
     colwise style (local output features), None for anything else; read from the wrapper transformers installed on
     ``module.forward`` and checked against the weight's placement."""
     forward = module.__dict__.get("forward")
-    if forward is None or not callable(forward):
+    if not callable(forward):
         return None
     try:
         style = inspect.getclosurevars(forward).nonlocals.get("self")

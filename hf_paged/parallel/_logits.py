@@ -42,7 +42,6 @@ class VocabShards:
     """How the engine's logits are split: rank ``rank`` of ``world`` holds columns ``[rank * width, (rank + 1) *
     width)`` of a vocabulary of ``vocab`` (``world * width``) ids."""
 
-    group_name: str
     group: object
     rank: int
     world: int
@@ -72,7 +71,7 @@ class VocabShards:
         pairs[self.rank, :, 0].copy_(values)
         pairs[self.rank, :, 1].copy_(ids)
         # each rank fills its own slot and zeros elsewhere, so the sum is the gather (x + 0 is x, bit for bit)
-        everyone = torch.ops.hf_paged.tp_all_reduce(pairs.view(-1), self.group_name).view_as(pairs)
+        everyone = torch.ops.hf_paged.tp_all_reduce(pairs.view(-1), self.group.group_name).view_as(pairs)
         return pick(everyone, self.width)
 
 
@@ -130,4 +129,4 @@ def _shards_of(head: torch.nn.Module, tp) -> VocabShards | None:
     bias = head.bias
     if bias is not None and (not isinstance(bias, DTensor) or bias.to_local().shape[0] != vocab // world):
         return None
-    return VocabShards(tp.group.group_name, tp.group, tp.rank, world, vocab // world, vocab)
+    return VocabShards(tp.group, tp.rank, world, vocab // world, vocab)
