@@ -37,7 +37,7 @@ from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
 from hf_paged.runner._cuda_graphs import CudaGraphs
-from hf_paged.runner._graph_sizes import OnDemandSizes, graph_batch_sizes, size_ranges, sizes_for, start_sizes
+from hf_paged.runner._graph_sizes import OnDemandSizes, size_ranges, start_sizes
 from hf_paged.runner._model_call import call_model, model_call
 from hf_paged.runner._step_plan import _COMPUTED, DecodeColumns, Sequence, StepPlan, step_metadata
 from hf_paged.runner._staging import StagingBuffer

@@ -160,11 +160,7 @@ class CudaBackend(AttentionBackend):
     name = "cuda"
     priority = 10
     capture_safe_write = True  # the write kernel skips -1 slots on the device
-
-    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
-        if call.phase is not Phase.DECODE:
-            return f"only decode steps are captured, not {call.phase.value}"
-        return None  # split length and workspace are fixed by the step's plan, lengths read on the device
+    capture_safe_decode = True  # split length and workspace are fixed by the step's plan, lengths read on the device
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         reason = _fp8_reason(call) if call.kv_dtype is not None and is_fp8(call.kv_dtype) else None

@@ -73,6 +73,9 @@ class FlashBackend(AttentionBackend):
 
     name = "flash"
     priority = 0
+    # Decode's flash_attn_with_kvcache sizes its splits from the tensors' shapes (the block table's width), reads
+    # lengths and tables on the device and allocates through torch's allocator (a graph's pool when capturing).
+    capture_safe_decode = True
 
     def unsupported_reason(self, call: AttentionCall) -> str | None:
         if call.kv_dtype is not None and is_fp8(call.kv_dtype):
@@ -94,13 +97,6 @@ class FlashBackend(AttentionBackend):
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         return FP8_NOT_SERVED_HERE if is_fp8(dtype) else "no KV-write kernel of its own"
-
-    def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
-        if call.phase is not Phase.DECODE:
-            return f"only decode steps are captured, not {call.phase.value}"
-        # flash_attn_with_kvcache sizes its splits from the tensors' shapes (the block table's width), reads
-        # lengths and tables on the device and allocates through torch's allocator (a graph's pool when capturing).
-        return None
 
     def forward(self, inputs: AttentionInputs, plan: None) -> torch.Tensor:
         fa = load_flash_attn()

@@ -78,6 +78,8 @@ class AttentionBackend(ABC):
     priority: int = 100
     #: Whether :meth:`write_kv` may be captured in a CUDA graph (no host sync, no data-dependent shapes).
     capture_safe_write: bool = False
+    #: Whether :meth:`forward` of a decode step may be captured (see :meth:`graph_unsupported_reason`).
+    capture_safe_decode: bool = False
 
     @abstractmethod
     def unsupported_reason(self, call: AttentionCall) -> str | None:
@@ -86,8 +88,10 @@ class AttentionBackend(ABC):
     def graph_unsupported_reason(self, call: AttentionCall) -> str | None:
         """None if :meth:`forward` for ``call`` may be captured in a CUDA graph and replayed for later steps of the
         same shape (every step-dependent value read from device memory or fixed by the step's shapes), else why
-        not. Only decode steps are captured."""
-        return f"the {self.name} backend's {call.phase.value} attention is not capture-safe"
+        not. Only decode steps are captured, those of a backend that declares ``capture_safe_decode``."""
+        if not self.capture_safe_decode:
+            return f"the {self.name} backend's {call.phase.value} attention is not capture-safe"
+        return None if call.phase is Phase.DECODE else f"only decode steps are captured, not {call.phase.value}"
 
     def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
         """None if this backend has its own KV write for such a cache, else why not (the torch one serves)."""
