@@ -52,6 +52,7 @@ def run_shares(world_size: int, rank: int, workload: Callable[[], tuple[list, li
     every process, naming the process and ``what`` failed, after one gather of each process's outcome, so no process
     is left waiting; so is a difference between the processes' costs (they were given different work).
     """
+    failure = None
     try:
         items, costs = workload()
         share = balanced_shares(costs, world_size)[rank]
@@ -60,8 +61,6 @@ def run_shares(world_size: int, rank: int, workload: Callable[[], tuple[list, li
         outcome = (hashlib.sha256(repr(costs).encode()).hexdigest(), None, run([items[i] for i in share], share))
     except Exception as exc:
         outcome, failure = (None, portable_error(exc), None), exc
-    else:
-        failure = None
     everyone: list = [None] * world_size
     dist.all_gather_object(everyone, outcome)
     for failed_rank, (_, error, _) in enumerate(everyone):
