@@ -31,8 +31,6 @@ import gc
 import threading
 from collections.abc import Callable, Iterator
 
-__all__ = ["frozen_heap"]
-
 _NO_FULL_COLLECTION = 1 << 30  # young collections between two full ones: none falls in a call
 
 _lock = threading.Lock()

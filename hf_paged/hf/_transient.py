@@ -22,8 +22,6 @@ from hf_paged.cache._config import CacheConfig
 from hf_paged.cache._kv_pool import SUPPORTED_DTYPES, KVLayout
 from hf_paged.hf._support import check_model_supported
 
-__all__ = ["TransientKV", "fresh_step", "real_tokens"]
-
 
 class TransientKV:
     """The KV of one forward, as a pool's attributes that attention reads (``layout``, ``block_size``, ``kv_caches``,
