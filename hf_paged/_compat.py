@@ -304,18 +304,6 @@ class _CustomGraphPassStandIn:
         raise NotImplementedError
 
 
-def _custom_graph_pass() -> type:
-    """Symbol: ``torch._inductor.custom_graph_pass.CustomGraphPass``, the base class of the passes hf_paged hands
-    inductor as ``post_grad_custom_pre_pass`` (``GroupLinears`` and ``LayerPasses``): inductor's FX graph cache keys
-    a graph compiled with such a pass by its ``uuid``. Falls back to a plain stand-in class with the same two methods
-    where this torch lacks it. Checked on torch 2.11 and 2.13."""
-    try:
-        from torch._inductor.custom_graph_pass import CustomGraphPass
-    except ImportError:
-        return _CustomGraphPassStandIn
-    return CustomGraphPass
-
-
 def get_hash_for_files(paths: tuple[str, ...], extra: str = "") -> bytes:
     """A hash of the contents of the files at ``paths`` (and ``extra``).
 
@@ -540,7 +528,10 @@ def accelerate_hook(model: torch.nn.Module):
 def __getattr__(name: str):
     """``CustomGraphPass``, ``GenerationOutput`` and ``RequestStatus``, imported on first use (and kept).
 
-    - ``CustomGraphPass``: see :func:`_custom_graph_pass`.
+    - ``CustomGraphPass``: symbol ``torch._inductor.custom_graph_pass.CustomGraphPass``, the base class of the passes
+      hf_paged hands inductor as ``post_grad_custom_pre_pass`` (``GroupLinears`` and ``LayerPasses``): inductor's FX
+      graph cache keys a graph compiled with such a pass by its ``uuid``. Falls back to a plain stand-in class with
+      the same two methods where this torch lacks it. Checked on torch 2.11 and 2.13.
     - ``GenerationOutput``, ``RequestStatus``: symbols ``transformers.generation.continuous_batching.requests.
       GenerationOutput`` and ``.RequestStatus`` (``GenerationOutput`` is not exported by the package).
       ``generate_batch`` returns transformers' own result class, as ``model.generate_batch`` does, with the status
@@ -548,7 +539,10 @@ def __getattr__(name: str):
       ``ImportError`` naming the symbol. Checked on transformers 5.17 and 5.24.
     """
     if name == "CustomGraphPass":
-        value = _custom_graph_pass()
+        try:
+            from torch._inductor.custom_graph_pass import CustomGraphPass as value
+        except ImportError:
+            value = _CustomGraphPassStandIn
     elif name in ("GenerationOutput", "RequestStatus"):
         try:
             value = _private("transformers.generation.continuous_batching.requests", name, "generate_batch's results")
