@@ -24,14 +24,13 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hf_paged.server._access import AccessCheck
-from hf_paged.server._body import parse
 from hf_paged.server._engine_loop import EngineLoop, Submission
-from hf_paged.server._errors import ServerError, bad_request
+from hf_paged.server._errors import ServerError
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._limits import RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, sse
-from hf_paged.server._sampling import Job, make_job
+from hf_paged.server._sampling import make_job
 
 logger = logging.getLogger("hf_paged")
 DISCONNECT_POLL_S = 0.5  # how often a waiting handler checks that its client is still there
@@ -98,7 +97,7 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
 async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
     """Answer ``request``: its body is parsed as a ``model``, checked and made a job in a worker thread
     (a large body never blocks the event loop)."""
-    job = await asyncio.to_thread(_job, await request.body(), model, served)
+    job = await asyncio.to_thread(make_job, await request.body(), model, served)
     events: asyncio.Queue = asyncio.Queue()
     sub = await engine_loop.submit(job, events)
     reply = Reply(served, job.chat)
@@ -121,14 +120,6 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
                                          prepared.token_texts, job.max_tokens == 0))
 
 
-def _job(body: bytes, model, served: str) -> Job:
-    req = parse(body, model)
-    if req.model != served:
-        raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
-                          "model", "model_not_found")
-    return make_job(req)
-
-
 async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queue, request: Request,
                   accepted: Accepted, reply: Reply) -> AsyncIterator[str]:
     job = sub.job
@@ -147,9 +138,10 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
                 yield sse(error.body())
                 break
             if isinstance(event, Delta):
-                if event.text or (event.token_ids and event.logprobs is not None):
-                    yield reply.chunk(event.index, event.text, delta=event, offset=offsets[event.index])
-                    offsets[event.index] += len(event.text)
+                text = event.tokens.text or ""
+                if text or (event.tokens.token_ids and event.tokens.logprobs is not None):
+                    yield reply.chunk(event.index, text, delta=event, offset=offsets[event.index])
+                    offsets[event.index] += len(text)
             else:
                 finished, tokens = finished + 1, tokens + len(event.output.token_ids)
                 yield reply.chunk(event.index, "", event.output.finish_reason)

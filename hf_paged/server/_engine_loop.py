@@ -285,7 +285,7 @@ class EngineLoop:
             self.metrics.generated(len(delta.token_ids), now)
         if sub.job.stream:
             texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
-            sub.post(Delta(index, list(delta.token_ids), delta.text or "", delta.logprobs, delta.top_logprobs, texts))
+            sub.post(Delta(index, delta, texts))
 
     def _take_output(self, out: RequestOutput, now: float) -> None:
         sub, index = self._choice(out.request_id)

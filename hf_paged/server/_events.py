@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hf_paged.engine._request_output import RequestOutput
+from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.server._errors import ServerError
 
 
@@ -25,13 +25,11 @@ class Rejected:
 @dataclass(frozen=True)
 class Delta:
     """New tokens of choice ``index`` (streamed requests only; its :class:`Finished` says how it ended).
-    ``logprobs``/``top_logprobs`` are the tokens' when asked for, ``token_texts`` the text of each id they name."""
+    ``token_texts`` (the text of each id the tokens and their alternatives name) is set when the request asked for
+    logprobs."""
 
     index: int
-    token_ids: list[int]
-    text: str
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
+    tokens: TokenDelta
     token_texts: dict[int, str] | None = None
 
 

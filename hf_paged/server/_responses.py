@@ -9,10 +9,6 @@ import uuid
 
 from hf_paged.server._events import Delta, Finished
 
-#: The engine's finish reasons as OpenAI names them (EOS and stop strings are both "stop").
-FINISH_REASONS = {"stop": "stop", "length": "length", "abort": "abort"}
-
-
 def usage(prompt_lengths: list[int], completion_tokens: int) -> dict:
     prompt = sum(prompt_lengths)
     return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
@@ -41,7 +37,7 @@ class Reply:
                 head = echo[f.index // n] if echo is not None else ""
                 choice = {"text": head + ("" if prompt_only else out.text or ""),
                           "logprobs": _completion_logprobs(f, echo is not None, echo_texts, prompt_only)}
-            choices.append({"index": f.index, **choice, "finish_reason": FINISH_REASONS.get(out.finish_reason)})
+            choices.append({"index": f.index, **choice, "finish_reason": out.finish_reason})
         generated = 0 if prompt_only else sum(len(f.output.token_ids) for f in done)
         return self._body(choices, usage=usage(prompt_lengths, generated))
 
@@ -52,12 +48,12 @@ class Reply:
         whose log-probabilities go with ``text`` (when asked); ``offset``: where the text starts in the choice's whole
         text."""
         logprobs = None
-        if delta is not None and delta.logprobs is not None:
-            tokens = (delta.token_ids, delta.logprobs, delta.top_logprobs, delta.token_texts)
+        if delta is not None and delta.tokens.logprobs is not None:
+            tokens = (delta.tokens.token_ids, delta.tokens.logprobs, delta.tokens.top_logprobs, delta.token_texts)
             logprobs = _chat_logprobs(*tokens) if self.chat else _legacy_logprobs(*tokens, offset)
         message = {} if finish_reason else {"role": "assistant", "content": text} if first else {"content": text}
         choice = {"index": index, **({"delta": message} if self.chat else {"text": text}), "logprobs": logprobs,
-                  "finish_reason": FINISH_REASONS.get(finish_reason)}
+                  "finish_reason": finish_reason}
         return sse(self._body([choice], chunk=True))
 
     def usage_chunk(self, prompt_lengths: list[int], tokens: int) -> str:
@@ -79,17 +75,15 @@ def _completion_logprobs(f: Finished, echo: bool, echo_texts: dict[int, str] | N
     if f.token_texts is None:
         return None
     ids, logprobs, top = [], [], []
-    texts = dict(f.token_texts)
     if echo:
         ids += out.prompt_token_ids
         logprobs += out.prompt_logprobs or [None] * len(out.prompt_token_ids)
         top += out.prompt_top_logprobs or [None] * len(out.prompt_token_ids)
-        texts.update(echo_texts or {})
     if not prompt_only:
         ids += out.token_ids
         logprobs += out.logprobs or []
         top += out.top_logprobs or [[] for _ in out.token_ids]
-    return _legacy_logprobs(ids, logprobs, top, texts, 0)
+    return _legacy_logprobs(ids, logprobs, top, {**f.token_texts, **(echo_texts or {})}, 0)
 
 
 def _legacy_logprobs(ids: list[int], logprobs: list, top: list | None, texts: dict[int, str], offset: int) -> dict:

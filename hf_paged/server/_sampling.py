@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 from transformers import GenerationConfig
 
-from hf_paged.server._body import json_type
+from hf_paged.server._body import json_type, parse
 from hf_paged.server._errors import bad_request
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest, SamplingFields
 
@@ -56,8 +56,13 @@ class Job:
                                 min_new_tokens=max_new_tokens if self.ignore_eos else None, **extra, **self.settings)
 
 
-def make_job(req: CompletionRequest | ChatCompletionRequest) -> Job:
-    """The job of a completions or a chat request; a 400 naming the field for what cannot be served."""
+def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest], served: str) -> Job:
+    """The job of a completions or a chat request (``body``, parsed as a ``model``) to the model ``served``; a 400
+    naming the field for what cannot be served."""
+    req = parse(body, model)
+    if req.model != served:
+        raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
+                          "model", "model_not_found")
     n = 1 if req.n is None else req.n
     if isinstance(req, ChatCompletionRequest):
         chat, echo, logprobs, top_logprobs = True, False, bool(req.logprobs), req.top_logprobs or 0
