@@ -16,10 +16,10 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 
 class HeaderTimeoutH11(H11Protocol):
     header_timeout: float = 30.0
+    _header_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._header_deadline: asyncio.TimerHandle | None = None
         self._watch_headers()
 
     def data_received(self, data: bytes) -> None:
@@ -44,7 +44,7 @@ class HeaderTimeoutH11(H11Protocol):
             self._cancel_header_deadline()
 
     def _cancel_header_deadline(self) -> None:
-        if getattr(self, "_header_deadline", None) is not None:
+        if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
 
