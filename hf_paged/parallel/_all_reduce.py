@@ -14,7 +14,7 @@ NVLink multicast), in one kernel with no NCCL launch. ``HF_PAGED_TP_ALL_REDUCE``
   runs on the caller's stream, which is what the decode CUDA graphs capture (rather than torch's functional
   all-reduce, an asynchronous op on its own stream).
 
-Each buffer is allocated and exchanged once per group and dtype when the layers are installed (every rank at once).
+Each group's buffer is allocated and exchanged once, when the layers are installed (every rank at once).
 Where that fails (no peer access between the GPUs, more than 8 ranks, no kernels built), the op sums through NCCL
 and says so in the log: a warning where the path was asked for by name, an info line where it was the default.
 Larger inputs (prefill steps) always take NCCL. On GPUs linked by PCIe only, peer loads may be slower than NCCL's
@@ -43,7 +43,7 @@ _peers: dict[str, tuple[torch.Tensor, int, int, float]] = {}
 one_shot_calls = 0  # calls that took a one-shot path (eager runs and captures; a graph replay runs no Python)
 
 
-def prepare(group, dtype: torch.dtype, device: torch.device) -> bool:
+def prepare(group, device: torch.device) -> bool:
     """Set up peer_sum for ``group`` on CUDA unless ``HF_PAGED_TP_ALL_REDUCE=nccl`` (collective: every rank of the
     group calls it at the same point); returns whether peer_sum serves."""
     if envs.tp_all_reduce() == "nccl" or device.type != "cuda":
@@ -137,11 +137,8 @@ def fused_ready(group_name: str) -> bool:
 
 def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
     """The tensors contiguous and 16-byte aligned (copied where they are not)."""
-    out = []
-    for t in tensors:
-        t = t.contiguous()
-        out.append(t if t.data_ptr() % 16 == 0 else t.clone())
-    return out
+    contiguous = [t.contiguous() for t in tensors]
+    return [t if t.data_ptr() % 16 == 0 else t.clone() for t in contiguous]
 
 
 def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:

@@ -102,11 +102,10 @@ def install(model: torch.nn.Module, group) -> str | None:
     pack_colwise(layers, [m for m, rowwise in plans if not rowwise])
     for module, rowwise in plans:
         patches.install(module, "tp_linears", lambda eager: LocalLinear(module, eager, rowwise, group))
-    # what the rowwise shards' sums will be: one set-up per dtype, in the same order on every rank (a collective)
-    sums = {(str(f.weight.dtype), f.weight.dtype, f.weight.device) for m in layers.modules()
-            if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear) and f.rowwise}
-    for _, dtype, device in sorted(sums, key=lambda s: s[0]):
-        tp_all_reduce.prepare(group, dtype, device)
+    sums = [f for m in layers.modules()
+            if isinstance(f := patches.patch_of(m, "tp_linears"), LocalLinear) and f.rowwise]
+    if sums:  # the all-reduce the rowwise shards sum with, set up on every rank at once (a collective)
+        tp_all_reduce.prepare(group, sums[0].weight.device)
     return None
 
 

@@ -1,5 +1,6 @@
 """The all-reduce fused with its residual add and RMSNorm (the pass ``hf_paged.compile._fuse_all_reduce``, run by
-``hf_paged.parallel._fuse_all_reduce``; the fused ops of ``hf_paged.parallel._all_reduce``), on one CPU process over gloo (a group of one, where the sum is the input).
+``hf_paged.parallel._fuse_all_reduce``; the fused ops of ``hf_paged.parallel._all_reduce``), on one CPU process over
+gloo (a group of one, where the sum is the input).
 
 peer_sum serves only CUDA groups, so the tests declare the group served (``fused_ready``) where they need the pass to
 fire; the fused ops then run their fallback (all-reduce, add, norm one after the other), whose result is checked

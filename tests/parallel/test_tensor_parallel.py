@@ -557,7 +557,7 @@ def test_the_all_reduce_switch_is_checked_and_peer_sum_serves_only_cuda(monkeypa
         envs.refresh()
         assert envs.tp_all_reduce() == mode
         # on the CPU peer_sum is not set up (no collective is attempted: no group is needed)
-        assert tp_all_reduce.prepare(None, torch.float32, torch.device("cpu")) is False
+        assert tp_all_reduce.prepare(None, torch.device("cpu")) is False
     monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE")
     envs.refresh()
     assert envs.tp_all_reduce() == "hf_paged"  # peer_sum is the default
@@ -582,7 +582,7 @@ def test_peer_sum_refuses_more_ranks_than_it_serves_and_says_so_by_how_it_was_as
     else:
         monkeypatch.delenv("HF_PAGED_TP_ALL_REDUCE", raising=False)
     with caplog.at_level(logging.INFO, logger="hf_paged"):
-        assert tp_all_reduce.prepare(_NineRanks(), torch.bfloat16, torch.device("cuda", 0)) is False
+        assert tp_all_reduce.prepare(_NineRanks(), torch.device("cuda", 0)) is False
     [record] = [r for r in caplog.records if "cannot be served" in r.getMessage()]
     assert record.levelno == (logging.WARNING if asked else logging.INFO)
     assert "up to 8 ranks, this one has 9" in record.getMessage() and "through NCCL" in record.getMessage()
