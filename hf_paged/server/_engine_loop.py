@@ -296,9 +296,7 @@ class EngineLoop:
             self.metrics.per_output_token((timing.last - timing.first) / (timing.tokens - 1))
         self.metrics.finished(out.finish_reason)
         if not sub.abandoned:
-            texts = None
-            if sub.job.logprobs:
-                texts = self._texts(out.token_ids, out.top_logprobs, out.prompt_top_logprobs)
+            texts = self._texts(out.token_ids, out.top_logprobs, out.prompt_top_logprobs) if sub.job.logprobs else None
             sub.post(Finished(index, out, texts))
         sub.remaining -= 1
         if sub.remaining <= 0 or out.finish_reason in ("error", "abort"):
