@@ -71,12 +71,11 @@ def store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_ca
              meta: PagedMetadata, writer: AttentionBackend, kv_scales: KVScales | None = None) -> None:
     """``writer.write_kv(...)`` through the ``hf_paged::store_kv`` op (``key``/``value`` ``[T, Hkv, D]``;
     ``kv_scales``: the layer's, with an fp8 cache)."""
+    args = (key, value, k_cache, v_cache, meta.slot_mapping, writer.name, meta.has_padding_slots)
     if kv_scales is None:
-        torch.ops.hf_paged.store_kv(key, value, k_cache, v_cache, meta.slot_mapping, writer.name,
-                                    meta.has_padding_slots)
+        torch.ops.hf_paged.store_kv(*args)
     else:
-        torch.ops.hf_paged.store_kv_fp8(key, value, k_cache, v_cache, meta.slot_mapping, writer.name,
-                                        meta.has_padding_slots, kv_scales.k, kv_scales.v)
+        torch.ops.hf_paged.store_kv_fp8(*args, kv_scales.k, kv_scales.v)
 
 
 def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,

@@ -90,13 +90,12 @@ def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: tor
     attention run as custom ops (opaque to the compiler, the same backends underneath), one real token per row, the
     layer's backend chosen before the compiled call (:func:`choose_decode_routes`)."""
     batch, num_heads, _, head_dim = query.shape
-    meta = step.metadata
     k_cache, v_cache = step.pool.kv_caches[layer_idx]
     q, k, v = pack(query, None), pack(key, None), pack(value, None)
     backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
     scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]
-    ops.store_kv(k, v, k_cache, v_cache, meta, writer, scales)
-    out = ops.paged_attention(q, k, v, k_cache, v_cache, meta, backend, params, scales)
+    ops.store_kv(k, v, k_cache, v_cache, step.metadata, writer, scales)
+    out = ops.paged_attention(q, k, v, k_cache, v_cache, step.metadata, backend, params, scales)
     return out.view(batch, 1, num_heads, head_dim)
 
 

@@ -160,9 +160,8 @@ def slim_config(config):
     slim = copy.deepcopy(config)
     kinds = getattr(config, "layer_types", None)
     if isinstance(kinds, (list, tuple)) and len(kinds) == layers:
-        firsts = sorted({kind: i for i, kind in reversed(list(enumerate(kinds)))}.values())
-        slim.layer_types = [kinds[i] for i in firsts]
-        slim.num_hidden_layers = len(firsts)
+        slim.layer_types = list(dict.fromkeys(kinds))  # each kind once, in the order of its first layer
+        slim.num_hidden_layers = len(slim.layer_types)
     else:
         slim.num_hidden_layers = 1
     return slim
