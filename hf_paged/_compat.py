@@ -240,7 +240,8 @@ def inductor_has_option(name: str) -> bool:
     """Whether this torch's inductor has the config option ``name`` (dotted: ``"triton.enable_pdl"``).
 
     Symbol: ``torch._inductor.config``. hf_paged asks it before passing ``triton.enable_pdl`` to its compiled
-    layers (``compile/_layers.py``'s ``inductor_has_pdl``); the other options it passes are checked by the tests.
+    layers (``parallel/_fuse_all_reduce.py``'s ``layer_compile``); the other options it passes are checked by the
+    tests.
     Checked on torch 2.11 and 2.13."""
     import torch._inductor.config as inductor_config
 
