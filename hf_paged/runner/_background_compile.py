@@ -26,6 +26,7 @@ engine settings).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import copy
 import json
 import logging
@@ -79,10 +80,8 @@ class Helper:
 
     def wait(self, timeout: float | None = None) -> str:
         """Wait for the helper to end (at most ``timeout`` seconds); its state."""
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             self.process.wait(timeout)
-        except subprocess.TimeoutExpired:
-            pass
         return self.state()
 
     def report(self, then: str) -> None:
@@ -101,9 +100,7 @@ class Helper:
     def stop(self) -> None:
         if self.process.poll() is None:
             self.process.terminate()
-            try:
-                self.process.wait(10)
-            except subprocess.TimeoutExpired:
+            if self.wait(10) == "running":
                 self.process.kill()
 
 
@@ -173,7 +170,6 @@ def helper_spec(model: torch.nn.Module, settings: dict) -> dict | None:
     if slim is None:
         return None
     engine = {name: settings[name] for name in HELPER_SETTINGS if name in settings}  # tuples go as JSON lists
-    device = next(model.parameters()).device
-    return {"config": slim.to_dict(), "dtype": str(model.dtype).removeprefix("torch."), "device": str(device),
-            "engine": engine}
+    return {"config": slim.to_dict(), "dtype": str(model.dtype).removeprefix("torch."),
+            "device": str(next(model.parameters()).device), "engine": engine}
 

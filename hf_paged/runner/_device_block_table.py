@@ -27,8 +27,7 @@ class DeviceBlockTable:
 
     def __init__(self, host: BlockTableBuffer, width: int, device: torch.device):
         self.host, self.width, self.device = host, width, torch.device(device)
-        rows = host.table.shape[0]
-        self.pad_row = rows
+        self.pad_row = rows = host.table.shape[0]
         self.trash_index = (rows + 1) * width
         self.table = torch.zeros(rows + 2, width, dtype=torch.int32, device=self.device)
         host.log_changes()
