@@ -284,7 +284,9 @@ def test_ab_checkouts_smoke_runs_each_part_in_its_checkouts(tmp_path, parts):
         elif part == "latency":
             assert set(figures) == {"hf_paged latency"} and figures["hf_paged latency"] > 0
         else:
-            assert set(figures) == {"anchor, no settings, first call tok/s", "anchor, no settings, later calls tok/s"}
+            assert set(figures) == {"anchor, no settings, first call tok/s", "anchor, no settings, later calls tok/s",
+                                    "r64, no settings, first call tok/s", "r64, no settings, later calls tok/s",
+                                    "latency, no settings, ms/token"}
             assert all(v > 0 for v in figures.values())
     by_figure = ab_checkouts.medians(result)
     for side, part in runs:
