@@ -87,6 +87,10 @@ class SamplingParams:
         _check(self.json_schema is None or isinstance(self.json_schema, str),
                f"json_schema must be a JSON schema (a dict or its JSON text) or None, got {self.json_schema!r}")
 
+    @property
+    def is_greedy(self) -> bool:
+        return not self.do_sample
+
     @functools.cached_property
     def is_plain_greedy(self) -> bool:
         """Greedy with nothing to adjust the logits: the sampler's one-argmax fast path."""
@@ -114,6 +118,18 @@ class SamplingParams:
             return resolve_generation_config(config, model_config)
         except (TypeError, AttributeError) as exc:  # transformers' own checks, on a value of the wrong type
             raise ValueError(f"generation_config holds a value of the wrong type ({exc})") from None
+
+    @classmethod
+    def from_generation_config(
+        cls, config: GenerationConfig, prompt_len: int, model_config: GenerationConfig | None = None
+    ) -> SamplingParams:
+        """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults).
+
+        ``max_new_tokens`` falls back to ``max_length - prompt_len`` (at least 1). A seed may be set as a custom
+        attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
+        ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
+        """
+        return cls.from_resolved(cls.resolve(config, model_config), prompt_len)
 
     @classmethod
     def from_resolved(cls, gc: GenerationConfig, prompt_len: int) -> SamplingParams:

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from transformers import GenerationConfig
 from transformers.generation.logits_process import RepetitionPenaltyLogitsProcessor
 
 from hf_paged.engine._sampler import Sampler, SamplingBatch, uniforms
@@ -212,3 +213,15 @@ def test_uniforms_match_their_definition_in_python_integers():
     for i, (seed, step) in enumerate(cases):
         for token in (0, 1, 2, 500, 999):
             assert u[i, token].item() == _reference_uniform(seed, step, token)
+
+
+def test_from_generation_config_resolves_as_generate_does():
+    """The public one-call form: the user's config over the model's over the defaults, ``max_length`` less the
+    prompt when ``max_new_tokens`` is unset; equal to resolving once and reading per prompt."""
+    model_config = GenerationConfig(do_sample=True, temperature=0.7, top_k=20, max_length=40, eos_token_id=[5, 6])
+    user = GenerationConfig(temperature=0.3)
+    params = SamplingParams.from_generation_config(user, 12, model_config)
+    assert (params.do_sample, params.temperature, params.top_k, params.max_new_tokens) == (True, 0.3, 20, 28)
+    assert params.eos_token_ids == (5, 6) and not params.is_greedy
+    assert params == SamplingParams.from_resolved(SamplingParams.resolve(user, model_config), 12)
+    assert SamplingParams.from_generation_config(GenerationConfig(max_new_tokens=3), 12).is_greedy
