@@ -236,6 +236,9 @@ class Engine(EngineCore):
     def abort(self, request_id: str | int) -> None:
         """Stop a request (and its copies); its output, with ``finish_reason="abort"``, comes from the next step.
         An id that is not live (unknown, or finished already) is ignored."""
+        if request_id is None:
+            raise ValueError("abort takes the request_id given to add_request (a string or an integer), got None; "
+                             "abort_all() stops every request")
         rid = validation.request_id(request_id)
         with self._lock:
             self.scheduler.abort(rid)

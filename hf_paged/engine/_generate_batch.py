@@ -27,7 +27,7 @@ from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._core import restore_attention
 from hf_paged.engine._engine import Engine
-from hf_paged.engine._sampling_params import SamplingParams
+from hf_paged.engine._sampling_params import SamplingParams, checked_seed
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
 from hf_paged.hf._register import use_paged_attention
@@ -96,6 +96,7 @@ def generate_batch(
                                                                  None), ContinuousBatchingConfig):
         continuous_batching_config = generation_config.continuous_batching_config  # (transformers' older route)
     config = batch_configs.engine_config(continuous_batching_config)
+    seed = checked_seed(getattr(continuous_batching_config, "seed", None), "continuous_batching_config.seed")
     inputs, gc = read_call(model, inputs, generation_config, kwargs.get("max_new_tokens"), "generate_batch")
     if indices is None:
         indices = list(range(len(inputs)))
@@ -111,7 +112,7 @@ def generate_batch(
     copies = SamplingParams.from_resolved(SamplingParams.resolve(gc), len(inputs[0])).num_return_sequences
     workload = Workload(tuple(most_tokens(p, gc) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    configs = _request_configs(gc, inputs, indices, getattr(continuous_batching_config, "seed", None))
+    configs = _request_configs(gc, inputs, indices, seed)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
     # the caller's attention, put back however the call ends (as transformers' generate_batch does), so that the

@@ -186,7 +186,7 @@ def eos_tuple(eos) -> tuple[int, ...]:
         return ()
     if isinstance(items, numbers.Integral):
         items = [items]
-    if isinstance(items, (str, bytes)) or not hasattr(items, "__iter__"):
+    if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):  # (a dict iterates its keys)
         raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
     return tuple(_as_int(e, "eos_token_id") for e in items)
 
@@ -266,7 +266,19 @@ def _is_int(value) -> bool:
 def _as_int(value, name: str) -> int:
     """``value`` as a Python int: numpy and other integral scalars are taken, bools and floats refused."""
     if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        raise ValueError(f"{name} must be an integer, got {value!r}")
+        bounds = f" in {_INT_RANGES[name][2]}" if name in _INT_RANGES else ""
+        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
+    return int(value)
+
+
+def checked_seed(value, field: str) -> int | None:
+    """``value`` as a seed: None, or an integer that ``torch.Generator.manual_seed`` takes as it is (negative ones
+    it wraps around, larger ones it refuses)."""
+    if value is None:
+        return None
+    low, high, bounds = _INT_RANGES["seed"]
+    _check(not isinstance(value, bool) and isinstance(value, numbers.Integral) and low <= value <= high,
+           f"{field} must be an integer in {bounds}, got {value!r}")
     return int(value)
 
 
