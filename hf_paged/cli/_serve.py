@@ -18,13 +18,15 @@ import argparse
 import asyncio
 import gc
 import logging
+import os
 import socket
 from pathlib import Path
 
 from hf_paged import envs
 from hf_paged.cli._arguments import exit_with, non_negative_float, non_negative_int, positive_float, positive_int, port
 from hf_paged.cli._generate import add_engine_arguments, engine_settings
-from hf_paged.server import DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT, create_app
+from hf_paged.server import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT,
+                             create_app)
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 
 logger = logging.getLogger("hf_paged")
@@ -43,8 +45,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=port, default=8000, help="port to listen on")
     p.add_argument("--api-key", metavar="KEY",
-                   help=f"require 'Authorization: Bearer KEY' on the /v1 routes (default: ${envs.API_KEY}, else "
-                        "none)")
+                   help=f"require 'Authorization: Bearer KEY' on every route but /health and /metrics (default: "
+                        f"${envs.API_KEY}, else none)")
     p.add_argument("--allowed-hosts", type=_host_list, metavar="H1,H2",
                    help="Host header names requests may be addressed to, or '*' for any (default: loopback names "
                         "when --host is loopback and there is no API key, against DNS rebinding; else any)")
@@ -53,6 +55,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--read-timeout", type=positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
                    help="a client that sends no part of its request body for S seconds gets 408; one whose "
                         "request line and headers are not in S seconds after it connects is disconnected")
+    p.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                   help="a client whose request body is not complete S seconds after its headers gets 408, however "
+                        "often it sends a part of it")
     p.add_argument("--max-queued-requests", type=non_negative_int, default=256, metavar="N",
                    help="sequences that may wait beyond --max-num-seqs running ones; more are answered 429")
     p.add_argument("--chat-template", metavar="FILE", type=_template_file,
@@ -68,6 +73,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped: exit status 0, or 1 if the engine loop died."""
+    args.api_key = _api_key(args)
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -99,12 +105,10 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _app(args: argparse.Namespace):
-    """The app serving the model ``args`` name; sets ``args.served_model_name`` and ``args.api_key`` (None: none) to
-    what it serves under."""
+    """The app serving the model ``args`` name; sets ``args.served_model_name`` to what it serves under."""
     from hf_paged.cli._generate_run import load  # (torch, transformers and the engine: imported once serve runs)
     from hf_paged.engine import Engine
 
-    args.api_key = args.api_key or envs.api_key()
     allowed = args.allowed_hosts
     if allowed is None and is_loopback(args.host) and not args.api_key:
         allowed = LOOPBACK_HOSTS
@@ -113,7 +117,8 @@ def _app(args: argparse.Namespace):
     args.served_model_name = args.served_model_name or args.model_name
     return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
                       args.shutdown_timeout, api_key=args.api_key, allowed_hosts=allowed,
-                      max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout)
+                      max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
+                      body_timeout=args.body_timeout)
 
 
 def _server(args: argparse.Namespace, app):
@@ -162,6 +167,17 @@ def bind(host: str, port_number: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port_number}: {exc.strerror}; {hint}") from None
     sock.set_inheritable(True)
     return sock
+
+
+def _api_key(args: argparse.Namespace) -> str | None:
+    """The key to require: ``--api-key``, else ``$HF_PAGED_API_KEY``, else None (no key). ``ValueError`` for an empty
+    one, which would otherwise serve with no key at all."""
+    given, source = ((args.api_key, "--api-key") if args.api_key is not None
+                     else (os.environ.get(envs.API_KEY), envs.API_KEY))
+    if given is not None and not given.strip():
+        raise ValueError(f"{source} is empty, which would serve with no key; set a non-empty key, or leave "
+                         f"{source} unset to serve without one")
+    return args.api_key or envs.api_key()
 
 
 def _host_list(text: str) -> tuple[str, ...]:

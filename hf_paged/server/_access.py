@@ -1,7 +1,8 @@
 """``AccessCheck``: ASGI middleware deciding who may use the API.
 
-- ``api_key``: every ``/v1`` route needs ``Authorization: Bearer <key>`` (a 401 in OpenAI's shape otherwise);
-  ``/health`` and ``/metrics`` stay open, for probes and scrapers.
+- ``api_key``: every route needs ``Authorization: Bearer <key>`` (a 401 in OpenAI's shape otherwise): the ``/v1``
+  routes, the API's description (``/docs``, ``/redoc``, ``/openapi.json``) and unknown paths alike; only ``/health``
+  and ``/metrics`` stay open, for probes and scrapers.
 - ``allowed_hosts``: the ``Host`` header a request may carry (any port). A server bound to loopback without a key
   takes only loopback names by default: a web page the user visits can make the browser resolve its own name to
   127.0.0.1 (DNS rebinding) and post to the server, but cannot make the browser send another ``Host``. None: any.
@@ -15,6 +16,7 @@ import ipaddress
 from hf_paged.server._errors import ServerError, send_error
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
+OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
 
 
 def is_loopback(host: str) -> bool:
@@ -44,7 +46,7 @@ class AccessCheck:
                     403, f"the Host header {host!r} is not allowed here: this server answers requests addressed "
                          f"to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or --api-key)",
                     code="host_not_allowed"))
-        if self.api_key is not None and scope["path"].startswith("/v1"):
+        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
                 return await send_error(send, ServerError(

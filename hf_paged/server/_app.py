@@ -1,7 +1,7 @@
 """``build_app``: the FastAPI application, its routes and its error handlers.
 
 A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body
-limits (size, read timeout: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
+limits (size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
 ``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
 own ``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
 waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step. Every
@@ -39,10 +39,10 @@ ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /
 
 def build_app(engine, model_name: str, max_queued_requests: int, chat_template: str | None, shutdown_timeout: float,
               api_key: str | None, allowed_hosts: tuple[str, ...] | None, max_body_bytes: int, read_timeout: float,
-              on_engine_death) -> FastAPI:
+              body_timeout: float, on_engine_death) -> FastAPI:
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
     still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
-    ``max_body_bytes``, ``read_timeout``: ``_limits.RequestLimits``."""
+    ``max_body_bytes``, ``read_timeout``, ``body_timeout``: ``_limits.RequestLimits``."""
     engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death)
 
     @contextlib.asynccontextmanager
@@ -56,7 +56,8 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
     app.state.engine_loop = engine_loop
     _add_error_handlers(app)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout)
+    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
+                       body_timeout=body_timeout)
     app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
             "max_model_len": engine.max_model_len}

@@ -2,8 +2,9 @@
 
 A body larger than ``max_body_bytes`` is refused with a 413: at once when its ``Content-Length`` says so (nothing of
 it is read), or as soon as a chunked body passes the limit. A client that sends its body slower than one message
-every ``read_timeout`` seconds gets a 408 (a slow client must not hold a connection and a request's memory for
-ever); the wait is on the body only, never on a response being streamed.
+every ``read_timeout`` seconds, or whose body is not complete ``body_timeout`` seconds after its headers (one that
+trickles a byte now and then), gets a 408: a slow client must not hold a connection and a request's memory for
+ever. The waits are on the body only, never on a response being streamed.
 """
 
 from __future__ import annotations
@@ -14,12 +15,14 @@ from hf_paged.server._errors import ServerError, send_error
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_READ_TIMEOUT_S = 30.0
+DEFAULT_BODY_TIMEOUT_S = 300.0
 
 
 class RequestLimits:
     def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT_S):
-        self.app, self.max_body_bytes, self.read_timeout = app, max_body_bytes, read_timeout
+                 read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
+        self.app, self.max_body_bytes = app, max_body_bytes
+        self.read_timeout, self.body_timeout = read_timeout, body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
@@ -39,14 +42,20 @@ class RequestLimits:
 
     def _bounded(self, receive):
         read, done = 0, False
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.body_timeout  # (the app is called once the headers are in)
 
         async def bounded_receive():
             nonlocal read, done
             if done:
                 return await receive()
+            left = deadline - loop.time()
             try:
-                message = await asyncio.wait_for(receive(), self.read_timeout)
+                message = await asyncio.wait_for(receive(), min(self.read_timeout, left))
             except asyncio.TimeoutError:
+                if left < self.read_timeout:
+                    raise ServerError(408, f"the body was not complete {self.body_timeout:g} s after the headers "
+                                           "(--body-timeout)", code="body_timeout") from None
                 raise ServerError(408, f"the client sent no part of the body for {self.read_timeout:g} s "
                                        "(--read-timeout)", code="read_timeout") from None
             if message["type"] == "http.request":

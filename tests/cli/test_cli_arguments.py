@@ -9,9 +9,10 @@ import pytest
 import torch
 
 import hf_paged
+from hf_paged import envs
 from hf_paged.attention._dispatch import available_backends
 from hf_paged.cache._config import BACKENDS
-from hf_paged.cli import main
+from hf_paged.cli import _serve, main
 from hf_paged.cli.default_model import byte_tokenizer, tiny_llama
 
 GENERATE = ["generate", "--model", "tiny", "--no-progress", "--device", "cpu", "--max-new-tokens", "2"]
@@ -202,3 +203,21 @@ def test_an_unexpected_error_is_one_line_and_status_1_or_a_traceback_when_verbos
                    "for the traceback, and please report it)\n")
     with pytest.raises(RuntimeError, match="boom"):
         main(GENERATE + ["abc", "--verbose"])
+
+
+@pytest.mark.parametrize("flags, environment, source", [
+    (["--api-key", ""], None, "--api-key"), (["--api-key", "  "], "a-key", "--api-key"),
+    ([], "", "HF_PAGED_API_KEY"), ([], " ", "HF_PAGED_API_KEY")])
+def test_an_empty_api_key_is_refused_before_anything_serves(monkeypatch, capsys, flags, environment, source):
+    """An empty key would serve with no key at all: refused before the port is bound or the model loaded."""
+    def no_bind(*args):
+        raise AssertionError("the server went on to bind its port")
+
+    monkeypatch.setattr(_serve, "bind", no_bind)
+    if environment is None:
+        monkeypatch.delenv(envs.API_KEY, raising=False)
+    else:
+        monkeypatch.setenv(envs.API_KEY, environment)
+    assert main(["serve", "--model", "tiny", "--device", "cpu", *flags]) == 2
+    assert_one_line_error(capsys, "hf-paged serve: error: ", [f"{source} is empty", "set a non-empty key",
+                                                              f"leave {source} unset"])

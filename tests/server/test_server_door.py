@@ -1,6 +1,6 @@
 """What the live server refuses at the door, and that refusing costs the other clients nothing: text that is not
 valid Unicode (the issue's curl), bodies too large (refused before they are read, while other requests keep their
-latency), prompts far too long (refused before they are tokenized), slow clients (408), foreign ``Host`` names
+latency), prompts far too long (refused before they are tokenized), slow clients (408, a stalled body or one trickled past its deadline), foreign ``Host`` names
 (DNS rebinding), and the shape of every error (OpenAI's, unknown routes and methods included)."""
 
 from __future__ import annotations
@@ -121,8 +121,19 @@ def send_headers_and_some_body(url: str, length: int | None, body: bytes) -> tup
             s.sendall(body)
         except OSError:  # the server answered and closed while we were still sending
             pass
-        answer = s.recv(200)
+        answer = read_answer(s)
     return answer, time.perf_counter() - start
+
+
+def read_answer(s: socket.socket) -> bytes:
+    """An error answer's head and JSON body, or what came before the server closed the connection."""
+    answer = s.recv(300)
+    while answer and not answer.endswith(b"}"):
+        more = s.recv(300)
+        if not more:
+            break
+        answer += more
+    return answer
 
 
 def test_a_50_mb_body_is_refused_at_once_while_other_requests_keep_their_latency(live_server):
@@ -155,10 +166,33 @@ def test_a_50_mb_body_is_refused_at_once_while_other_requests_keep_their_latency
     wait_idle(live_server)
 
 
+def trickle_body(url: str, every: float, limit: float) -> tuple[bytes, float]:
+    """A raw request announcing a 100-byte body and sending one byte of it every ``every`` seconds, for at most
+    ``limit`` seconds; the first bytes of the answer and how long it took."""
+    host, port = url.removeprefix("http://").split(":")
+    start = time.perf_counter()
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: 100\r\n\r\n")
+        s.settimeout(every)
+        while time.perf_counter() - start < limit:
+            try:
+                s.sendall(b" ")  # (whitespace: valid JSON, were it ever complete)
+                return read_answer(s), time.perf_counter() - start
+            except TimeoutError:
+                continue
+            except OSError:  # the server answered and closed while we were still sending
+                break
+        s.settimeout(5)
+        return read_answer(s), time.perf_counter() - start
+
+
 def test_a_slow_client_gets_408_or_is_disconnected_and_a_foreign_host_403():
-    with running_server("--num-blocks", "32", "--read-timeout", "1") as (url, _):
+    with running_server("--num-blocks", "32", "--read-timeout", "1", "--body-timeout", "2") as (url, _):
         answer, seconds = send_headers_and_some_body(url, 100, b'{"model": ')
-        assert answer.startswith(b"HTTP/1.1 408") and 0.9 < seconds < 5, (answer, seconds)
+        assert answer.startswith(b"HTTP/1.1 408") and b"read_timeout" in answer and 0.9 < seconds < 5, answer
+        answer, seconds = trickle_body(url, every=0.5, limit=10)  # each byte within --read-timeout, the body never
+        assert answer.startswith(b"HTTP/1.1 408") and b"body_timeout" in answer and 1.9 < seconds < 4, answer
         host, port = url.removeprefix("http://").split(":")
         with socket.create_connection((host, int(port)), timeout=30) as s:  # headers that never end (slowloris)
             start = time.perf_counter()

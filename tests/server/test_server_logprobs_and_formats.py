@@ -139,7 +139,7 @@ def test_response_format_answers_match_their_schema(client):
     assert client.completions.create(model=MODEL, prompt="still here", max_tokens=2).choices
 
 
-def test_api_key_guards_the_v1_routes(monkeypatch):
+def test_api_key_guards_every_route_but_health_and_metrics(monkeypatch):
     monkeypatch.setenv(envs.API_KEY, "from-the-environment")
     envs.refresh()
     assert envs.api_key() == "from-the-environment"
@@ -152,6 +152,11 @@ def test_api_key_guards_the_v1_routes(monkeypatch):
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0)
         assert client.completions.create(model=MODEL, prompt="with the key", max_tokens=2).choices
         assert httpx.get(f"{url}/health", timeout=5).status_code == 200  # probes need no key
+        for path in ("/docs", "/redoc", "/openapi.json"):  # the API's description follows the key too
+            error = httpx.get(f"{url}{path}", timeout=TIMEOUT).json()["error"]
+            assert error["code"] == "invalid_api_key", (path, error)
+            r = httpx.get(f"{url}{path}", headers={"Authorization": "Bearer s3cret"}, timeout=TIMEOUT)
+            assert r.status_code == 200 and (path != "/openapi.json" or "/v1/completions" in r.json()["paths"])
         # with a key, any Host is served (a rebinding page cannot know the key)
         r = httpx.get(f"{url}/v1/models", headers={"Authorization": "Bearer s3cret", "Host": "evil.example"},
                       timeout=TIMEOUT)
