@@ -18,7 +18,6 @@ import argparse
 import asyncio
 import gc
 import logging
-import os
 import socket
 from pathlib import Path
 
@@ -170,13 +169,11 @@ def bind(host: str, port_number: int) -> socket.socket:
 
 
 def _api_key(args: argparse.Namespace) -> str | None:
-    """The key to require: ``--api-key``, else ``$HF_PAGED_API_KEY``, else None (no key). ``ValueError`` for an empty
-    one, which would otherwise serve with no key at all."""
-    given, source = ((args.api_key, "--api-key") if args.api_key is not None
-                     else (os.environ.get(envs.API_KEY), envs.API_KEY))
-    if given is not None and not given.strip():
-        raise ValueError(f"{source} is empty, which would serve with no key; set a non-empty key, or leave "
-                         f"{source} unset to serve without one")
+    """The key to require: ``--api-key``, else the environment's (``envs.api_key``), else None (no key).
+    ``ValueError`` for an empty ``--api-key``, which would otherwise serve with no key at all."""
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty, which would serve with no key; set a non-empty key, or leave "
+                         "--api-key out to serve without one")
     return args.api_key or envs.api_key()
 
 
