@@ -5,9 +5,10 @@ these choices as arguments.
 =============================  ==========================================  =============================================
 variable                       values (default first)                      what it does
 =============================  ==========================================  =============================================
-``HF_PAGED_API_KEY``           unset, or a key                             the API key ``hf-paged serve`` requires on
-                                                                            its ``/v1`` routes when ``--api-key`` is
-                                                                            not given
+``HF_PAGED_API_KEY``           unset, or a key (not blank)                 the API key ``hf-paged serve`` requires on
+                                                                            every route but ``/health`` and
+                                                                            ``/metrics`` when ``--api-key`` is not
+                                                                            given
 ``HF_PAGED_BACKEND``           unset, or a comma list of ``flash``,         the attention backends tried, in this order,
                                ``cuda``, ``torch``                          where the caller names none
 ``HF_PAGED_CACHE``             ``$XDG_CACHE_HOME/hf_paged/kernels``         where the JIT-built CUDA kernels are kept
@@ -60,7 +61,11 @@ def _value(name: str) -> str | None:
 
 @functools.cache
 def api_key() -> str | None:
-    """``HF_PAGED_API_KEY``: the key ``hf-paged serve`` requires when ``--api-key`` is not given, or None."""
+    """``HF_PAGED_API_KEY``: the key ``hf-paged serve`` requires when ``--api-key`` is not given, or None (unset).
+    ``ValueError`` when it is set but blank, which would otherwise serve with no key at all."""
+    if os.environ.get(API_KEY, "x").strip() == "":
+        raise ValueError(f"{API_KEY} is empty, which would serve with no key; set a non-empty key, or unset it to "
+                         "serve without one")
     return _value(API_KEY)
 
 

@@ -220,3 +220,19 @@ def test_an_empty_api_key_is_refused_before_anything_serves(monkeypatch, capsys,
     assert main(["serve", "--model", "tiny", "--device", "cpu", "--api-key", key]) == 2
     assert_one_line_error(capsys, "hf-paged serve: error: ", ["--api-key is empty", "set a non-empty key",
                                                               "leave --api-key out"])
+
+
+@pytest.mark.parametrize("environment", ["", "  "])
+def test_a_blank_api_key_in_the_environment_is_refused_before_anything_serves(monkeypatch, capsys, environment):
+    def no_bind(*args):
+        raise AssertionError("the server went on to bind its port")
+
+    monkeypatch.setattr(_serve, "bind", no_bind)
+    monkeypatch.setenv(envs.API_KEY, environment)
+    envs.refresh()
+    try:
+        assert main(["serve", "--model", "tiny", "--device", "cpu"]) == 2
+    finally:
+        monkeypatch.delenv(envs.API_KEY)
+        envs.refresh()
+    assert_one_line_error(capsys, "hf-paged serve: error: ", [f"{envs.API_KEY} is empty", "set a non-empty key"])
