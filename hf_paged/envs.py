@@ -63,7 +63,8 @@ def _value(name: str) -> str | None:
 def api_key() -> str | None:
     """``HF_PAGED_API_KEY``: the key ``hf-paged serve`` requires when ``--api-key`` is not given, or None (unset).
     ``ValueError`` when it is set but blank, which would otherwise serve with no key at all."""
-    if os.environ.get(API_KEY, "x").strip() == "":
+    value = os.environ.get(API_KEY)
+    if value is not None and not value.strip():
         raise ValueError(f"{API_KEY} is empty, which would serve with no key; set a non-empty key, or unset it to "
                          "serve without one")
     return _value(API_KEY)

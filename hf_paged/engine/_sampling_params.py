@@ -62,10 +62,8 @@ class SamplingParams:
     json_schema: str | None = None
 
     def __post_init__(self) -> None:
-        for name, (low, high, bounds) in _INT_RANGES.items():
-            value = getattr(self, name)
-            _check((value is None and "None" in bounds) or (_is_int(value) and low <= value <= high),
-                   f"{name} must be an integer in {bounds}, got {value!r}")
+        for name in _INT_RANGES:
+            _in_range(name, getattr(self, name))
         for name in ("do_sample", "logprobs"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
         for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
@@ -271,15 +269,20 @@ def _as_int(value, name: str) -> int:
     return int(value)
 
 
+def _in_range(name: str, value, field: str | None = None) -> None:
+    """Refuse ``value`` of the integer setting ``name`` outside its ``_INT_RANGES`` entry (None where the range
+    allows it); the error names ``field`` (default: ``name``)."""
+    low, high, bounds = _INT_RANGES[name]
+    _check((value is None and "None" in bounds) or (_is_int(value) and low <= value <= high),
+           f"{field or name} must be an integer in {bounds}, got {value!r}")
+
+
 def checked_seed(value, field: str) -> int | None:
     """``value`` as a seed: None, or an integer that ``torch.Generator.manual_seed`` takes as it is (negative ones
     it wraps around, larger ones it refuses)."""
-    if value is None:
-        return None
-    low, high, bounds = _INT_RANGES["seed"]
-    _check(not isinstance(value, bool) and isinstance(value, numbers.Integral) and low <= value <= high,
-           f"{field} must be an integer in {bounds}, got {value!r}")
-    return int(value)
+    value = value if value is None or isinstance(value, bool) or not isinstance(value, numbers.Integral) else int(value)
+    _in_range("seed", value, field)
+    return value
 
 
 def _check(ok: bool, message: str) -> None:
