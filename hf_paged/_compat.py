@@ -393,7 +393,8 @@ def version_sum(tensors: list[torch.Tensor]) -> int:
 
     Symbol: ``torch.Tensor._version``, which every in-place op on a tensor (or a view of it) raises by one, autograd
     on or off: an optimizer step, ``load_state_dict``, ``param.copy_(...)`` under ``no_grad``; not a write through
-    ``param.data``, which has a counter of its own. The engine compares the sum over the model's parameters with the
+    ``param.data``, which has a counter of its own, nor torch's fused optimizer kernels (the engine's optimizer step
+    hook raises the counters after those: ``engine/_core.py``). The engine compares the sum over the model's parameters with the
     one its KV was computed under, once per step (a C-speed sum: ~0.1 us a tensor), and forgets the KV computed with
     weights that have changed since (``engine/_core.py``). Checked on torch 2.11 and 2.13."""
     return sum(map(_VERSION, tensors))

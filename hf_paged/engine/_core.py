@@ -24,6 +24,7 @@ from functools import partial
 from itertools import compress
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_paged import _compat
 from hf_paged.cache._block_manager import BlockManager
@@ -87,9 +88,11 @@ class EngineCore:
         self._inflight: InFlightStep | None = None  # the launched step whose tokens are on their way
         self._interrupts, self._lock = InterruptGuard(), threading.Lock()  # the lock: the requests' state
         # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
-        # optimizer step, load_state_dict) raises its version counter, which each step compares (_before_step).
-        self._weights, self._kv_stale = list(model.parameters()), False  # (stale: reset_prefix_cache() asked)
-        self._weights_version = _compat.version_sum(self._weights)
+        # optimizer step, load_state_dict) raises its version counter, which each step compares (_before_step);
+        # check_weights() finds the rest, once per call of generate_batch.
+        _count_optimizer_steps()
+        self._kv_stale = False  # (reset_prefix_cache() asked)
+        self._watch_weights()
         logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, self.sizing,
                                                                             runner.graphs is not None))
 
@@ -134,6 +137,30 @@ class EngineCore:
             self.runner.take_compiled_layers()
         return touched
 
+    def check_weights(self) -> bool:
+        """Find the changes of the model's weights that leave the version counters alone (each step compares those):
+        values written through ``param.data``, parameters replaced, or moved to another dtype or device. Written
+        values make the engine forget its KV at the next step; False where a parameter was replaced or its storage,
+        dtype or device changed, whose pool, CUDA graphs and packed weights hold the old ones (make a new engine).
+        Costs about a microsecond per parameter plus a copy of 64 values of each (a sample spread over every tensor:
+        a write through ``param.data`` to a few rows only may go unseen; ``reset_prefix_cache()`` covers it)."""
+        now = list(self.model.parameters())
+        if len(now) != len(self._weights) or any(map(operator.is_not, now, self._weights)) or (
+                _storages(now) != self._weights_storages):
+            return False
+        if not all(map(torch.equal, _weight_sample(self._sample_views), self._weights_sample)):
+            self._kv_stale = True  # (a NaN weight counts as changed at every call: correct, if slower)
+        return True
+
+    def _watch_weights(self) -> None:
+        """Take the model's parameters as those the KV is computed with: their version counters, storages and a
+        sample of their values (views, which see every later write to them)."""
+        self._weights = list(self.model.parameters())
+        self._weights_version = _compat.version_sum(self._weights)
+        self._weights_storages = _storages(self._weights)
+        self._sample_views = _sample_views(self._weights)
+        self._weights_sample = _weight_sample(self._sample_views)
+
     def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
         """The scheduler's batch (under tensor parallel every rank checks that all scheduled the same, or all raise);
         the sequences that ended outside a step (errors, aborts, those the scheduler failed) go to the outbox.
@@ -169,6 +196,7 @@ class EngineCore:
         dropped = self.block_manager.reset_prefix_cache()
         self.runner.pool.clear_scales()
         self._weights_version = _compat.version_sum(self._weights)
+        self._weights_sample = _weight_sample(self._sample_views)
         self._kv_stale = False
         self.counters.kv_resets += 1
         logger.info("hf_paged: the KV computed so far is forgotten (%d cached blocks; the model's weights changed, "
@@ -358,6 +386,52 @@ class EngineCore:
                 sched.insert_running(child)
             else:
                 sched.enqueue(child)
+
+
+def _count_optimizer_steps() -> None:
+    """Make every optimizer step raise the version counters of the parameters it updates, once per process.
+
+    torch's fused optimizer kernels (``torch._fused_adamw_``, ``_fused_sgd_``, ...: ``fused=True``, the Trainer's
+    default ``adamw_torch_fused``) write the parameters without raising their version counters, as the other in-place
+    ops (the foreach ones included) do: the engine's per-step check would not see the step. A global hook after each
+    ``torch.optim.Optimizer.step`` (any subclass, fused or not) raises the counters of the optimizer's parameters,
+    about a microsecond each."""
+    global _OPTIMIZER_HOOK
+    if _OPTIMIZER_HOOK is None:
+        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_stepped)
+
+
+def _stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            torch.autograd.graph.increment_version(param)
+
+
+_OPTIMIZER_HOOK = None
+
+
+def _storages(params: list[torch.Tensor]) -> list[tuple]:
+    return [(p.data_ptr(), p.dtype, p.device) for p in params]
+
+
+def _sample_views(params: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
+    """Per device, a flat view of about 64 entries of each parameter there, evenly spread (of a non-contiguous one,
+    along its first dimension): its local shard under tensor parallel; none of a parameter without storage (meta)."""
+    views: dict[torch.device, list[torch.Tensor]] = {}
+    for param in params:
+        local = _compat.dtensor_local_tensor(param)
+        t = (param if local is None else local).detach()
+        if t.device.type == "meta" or not t.numel():
+            continue
+        view = t.view(-1)[:: -(-t.numel() // 64)] if t.is_contiguous() else t[
+            (slice(None, None, -(-t.shape[0] // 64)),) + (0,) * (t.dim() - 1)]
+        views.setdefault(t.device, []).append(view)
+    return views
+
+
+def _weight_sample(views: dict[torch.device, list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The sampled values, copied into one tensor per device."""
+    return [torch.cat(vs) for vs in views.values()]
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

@@ -73,9 +73,10 @@ def generate_batch(
 
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays
-    held until a call without it. A kept engine notices in-place changes of the model's weights (an optimizer step,
-    ``load_state_dict``) and computes again what they invalidate; ``reset_prefix_cache=True`` (hf_paged's own) makes
-    it forget its cached prefixes in any case (after weights were changed through ``param.data`` or replaced).
+    held until a call without it. A kept engine notices changes of the model's weights (an optimizer step, fused or
+    not, ``load_state_dict``, a write through ``param.data``) and computes again what they invalidate, and is replaced
+    by a new one where parameters were replaced or changed dtype or device (``EngineCore.check_weights``);
+    ``reset_prefix_cache=True`` (hf_paged's own) makes it forget its cached prefixes in any case.
     ``record_timestamps=True`` fills each result's ``timestamps`` (the time each token reached the host,
     ``time.perf_counter``); ``warmup`` is accepted for compatibility (the engine captures what it needs itself).
     Results are ordered as transformers orders them: for each prompt its copies (``"req_0__child#0"``, ...) and then
@@ -171,7 +172,8 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
     """An engine of ``config`` for ``workload`` (automatic sizes fit it: ``engine/_sizing.py``); with ``persistent``,
     the one kept on the model when it has the same settings, is idle and its pool holds the workload."""
     kept = model.__dict__.pop(_KEPT, None)
-    if persistent and kept is not None and kept[0] == config and not kept[1].has_unfinished():
+    if (persistent and kept is not None and kept[0] == config and not kept[1].has_unfinished()
+            and kept[1].check_weights()):  # (False: parameters replaced, or of another dtype or device)
         size = kept[1].config.num_blocks
         if config.num_blocks is not None:
             fits = size == config.num_blocks

@@ -1,7 +1,8 @@
 """Weight updates: KV computed with old weights is never read again. After the model's parameters change in place (an
-optimizer step, ``load_state_dict``, ``param.copy_``), a reused engine (or ``generate_batch``'s kept one) gives a
-fresh engine's tokens: the prefix cache is forgotten and running requests are computed afresh. Other changes (a
-write through ``param.data``) take ``reset_prefix_cache()``.
+optimizer step, fused ones included, ``load_state_dict``, ``param.copy_``), a reused engine (or ``generate_batch``'s
+kept one) gives a fresh engine's tokens: the prefix cache is forgotten and running requests are computed afresh.
+``generate_batch``'s kept engine also follows writes through ``param.data``, replaced parameters and a dtype change;
+an engine of one's own takes ``reset_prefix_cache()`` after a write through ``param.data``.
 
 Each test builds its own tiny model (the shared ones of ``engine_helpers`` must keep their weights).
 """
@@ -132,3 +133,73 @@ def test_generate_batch_kept_engine_follows_weight_updates():
     assert run(reset_prefix_cache=True) == tokens(engine_for(model, False).generate(PROMPTS, CONFIG))
     with pytest.raises(ValueError, match="reset_prefix_cache"):
         hf_paged.generate_batch(model, PROMPTS, CONFIG, reset_prefix_cache="yes")
+
+
+def _train_step(optimizer_class, **kwargs):
+    """An update by one optimizer step (the optimizer made once per model and kept, with its state)."""
+
+    def update(model):
+        if not hasattr(model, "_test_optimizer"):
+            model._test_optimizer = optimizer_class(model.parameters(), lr=kwargs.pop("lr"), **kwargs)
+        optimizer_step_with(model, model._test_optimizer)
+
+    return update
+
+
+def optimizer_step_with(model, optimizer):
+    model.train()
+    ids = torch.tensor([SHARED])
+    model(input_ids=ids, labels=ids).loss.backward()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    model.eval()
+
+
+def write_through_data(model):
+    with torch.no_grad():
+        for p in model.parameters():
+            p.data.copy_(p.data * 1.5)  # (no version counter moves)
+
+
+def replace_parameters(model):
+    for module in list(model.modules()):
+        for name, p in list(module.named_parameters(recurse=False)):
+            setattr(module, name, torch.nn.Parameter(p.detach() * 1.5))
+
+
+def switch_dtype(model):
+    model.to(torch.bfloat16 if model.dtype == torch.float32 else torch.float32)
+
+
+@pytest.mark.parametrize("update", [_train_step(torch.optim.AdamW, lr=0.05, fused=True),
+                                    _train_step(torch.optim.AdamW, lr=0.05, foreach=True),
+                                    _train_step(torch.optim.SGD, lr=1.0), write_through_data, replace_parameters,
+                                    switch_dtype],
+                         ids=["adamw_fused", "adamw_foreach", "sgd", "param.data.copy_", "replaced", "to_dtype"])
+def test_a_kept_engine_gives_eager_generates_tokens_after_every_update(update):
+    """generate_batch's kept engine after each of three updates: greedy tokens equal the model's own eager
+    ``generate`` on the updated weights (the model runs eager attention outside the call). The prompts share a
+    prefix of three blocks that the call before cached, so stale KV would change the tokens."""
+    model = make_models("llama_gqa", seed=7)[0]  # (eager attention: generate_batch switches it and back)
+    model.generation_config.eos_token_id = None  # (generate would take it for CONFIG's None)
+    batching = hf_paged.EngineConfig(num_blocks=128, block_size=4, max_num_seqs=4)
+    hf_paged.generate_batch(model, PROMPTS, CONFIG, batching, persistent_manager=True)
+    engine = model.__dict__["_hf_paged_engine"][1]
+    outputs = []
+    for _ in range(3):
+        update(model)
+        results = hf_paged.generate_batch(model, PROMPTS, CONFIG, batching, persistent_manager=True)
+        got = [r.generated_tokens for r in results.values()]
+        with torch.no_grad():
+            want = [model.generate(torch.tensor([p]), generation_config=CONFIG)[0, len(p):].tolist() for p in PROMPTS]
+        assert got == want
+        outputs.append(got)
+    engine_now = model.__dict__["_hf_paged_engine"][1]
+    if update is switch_dtype:  # (bfloat16's rounding leaves these tokens alone; the old pool would fail them)
+        assert engine_now is not engine and engine_now.runner.pool.dtype == torch.bfloat16
+        return
+    assert outputs[0] != outputs[1] or outputs[1] != outputs[2]  # (the updates changed the tokens)
+    if update is replace_parameters:
+        assert engine_now is not engine  # (a pool and graphs of the old parameters are not reused)
+    else:
+        assert engine_now is engine and engine.stats()["kv_resets"] == 3
