@@ -2,9 +2,10 @@
 does not allow (``GenerationConfig(json_schema=...)``; the server's ``response_format``).
 
 The grammar library is llguidance (``pip install llguidance``, in the ``serve`` extra), imported when a request
-first asks. A schema is compiled and checked when the request is added (a ``ValueError`` names what is wrong, nothing
-is queued); each sequence keeps its own matcher, which the engine advances with every token it takes in and asks
-for the next mask before the step that samples it.
+first asks. A schema is compiled and checked once, when the first request that names it is added, on the thread that
+adds it (a ``ValueError`` names what is wrong, nothing is queued); each sequence keeps its own matcher, a copy of the
+compiled one, which the engine advances with every token it takes in and asks for the next mask before the step that
+samples it.
 """
 
 from __future__ import annotations
@@ -41,8 +42,10 @@ class StructuredOutput:
             raise ValueError(f"structured output cannot use this tokenizer: {exc}") from None
 
     @functools.lru_cache(maxsize=64)
-    def grammar(self, json_schema: str) -> str:
-        """The checked grammar of ``json_schema`` (JSON text); ``ValueError`` saying why it cannot be compiled."""
+    def compiled(self, json_schema: str):
+        """The matcher of ``json_schema`` before any token, compiled once per schema (milliseconds, up to a second
+        for a large schema; the grammar library lets other threads run meanwhile, so a caller off the step loop
+        delays no step); ``ValueError`` saying why it cannot be compiled. Never advanced: :meth:`matcher` copies it."""
         if self.tokenizer is None:
             raise ValueError("json_schema needs a tokenizer: create the Engine with tokenizer=...")
         llg, tokenizer = _llguidance(), self._tokenizer
@@ -51,14 +54,15 @@ class StructuredOutput:
             grammar = llg.LLMatcher.grammar_from_json_schema(json_schema, defaults={"whitespace_flexible": False})
         except ValueError as exc:
             raise ValueError(f"json_schema is not a JSON object: {exc}") from None
-        error = llg.LLMatcher.validate_grammar(grammar, tokenizer)
-        if error and not error.startswith("WARNING"):
-            raise ValueError(f"json_schema cannot be compiled: {error}")
-        return grammar
+        matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"json_schema cannot be compiled: {matcher.get_error()}")
+        return matcher
 
     def matcher(self, json_schema: str):
-        """A fresh matcher of ``json_schema`` (compiled once per schema)."""
-        return _llguidance().LLMatcher(self._tokenizer, self.grammar(json_schema), log_level=0)
+        """A fresh matcher of ``json_schema`` for one sequence: a copy of the compiled one (microseconds, so the
+        ``n`` copies of a request cost the step that forks them next to nothing)."""
+        return self.compiled(json_schema).deep_copy()
 
 
 def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
