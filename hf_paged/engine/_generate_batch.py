@@ -13,7 +13,6 @@ own, as transformers orders them).
 from __future__ import annotations
 
 import copy
-import logging
 import time
 
 import torch
@@ -34,8 +33,6 @@ from hf_paged.hf._register import use_paged_attention
 from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout
 from hf_paged._frozen_heap import frozen_heap
-
-logger = logging.getLogger("hf_paged")
 
 
 @frozen_heap()  # the whole call: a collection that falls in it walks only what the call made (hf_paged/_frozen_heap.py)
@@ -85,7 +82,11 @@ def generate_batch(
     non-negative); request ids (``"req_<index>"``) and the per-request seeds of ``continuous_batching_config.seed``
     follow it, so a share of the prompts gets what one call over all of them gives its prompts (data parallel).
     The model runs the paged attention during the call and the one it was loaded with again after it (as transformers
-    switches and restores it), so its own ``generate`` and ``generate_batch`` serve it as before.
+    switches and restores it), so its own ``generate`` and ``generate_batch`` serve it as before; it runs in eval mode
+    (no dropout) and each module goes back to its training mode after the call.
+    A request that fails (a prompt the pool or the model's position limit cannot hold, a fault of the model) makes the
+    call raise ``RuntimeError`` naming each failed request and why, once the others are done; no result comes back
+    empty.
     """
     unknown = sorted(set(kwargs) - {"max_new_tokens"})
     if unknown:  # (a typo must not be ignored silently)
@@ -116,9 +117,12 @@ def generate_batch(
     configs = _request_configs(gc, inputs, indices, seed)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
-    # the caller's attention, put back however the call ends (as transformers' generate_batch does), so that the
-    # model's own generate and generate_batch work on it afterwards
+    # the caller's attention and training mode, put back however the call ends (as transformers' generate_batch puts
+    # the attention back), so that the model's own generate and generate_batch work on it afterwards and a trainer
+    # goes on training; the call runs in eval mode (no dropout)
     attention = _compat.attn_implementation(model.config)
+    training = [module for module in model.modules() if module.training]
+    model.eval()
     try:
         with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
             engine = _engine_for(model, config, workload, persistent_manager)
@@ -142,9 +146,12 @@ def generate_batch(
                 bar.update(len(outs))
     finally:
         restore_attention(model, attention)
-    failed = [k for k, o in finished.items() if o.error is not None]
+        for module in training:
+            module.training = True
+    failed = [f"{rid}: {out.error}" for rid, out in finished.items() if out.error is not None]
     if failed:
-        logger.error("Requests %s failed during generation.", failed)
+        raise RuntimeError(f"generate_batch: {len(failed)} of {len(finished)} requests failed: "
+                           + "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""))
     order = lambda rid: (ids[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
     return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
 
