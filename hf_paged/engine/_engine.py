@@ -5,9 +5,11 @@ whole at the door (``validation``, ``SamplingParams``; several requests of one c
 queued, their shared generation config resolved once), keeps them in a ``RequestRegistry`` until their outputs are
 handed over, and hands them to the right reader: ``step()`` takes every finished request, ``generate`` and
 ``stream(prompts)`` their own, which they abort when their caller stops. ``add_request`` and ``abort`` may come from
-any thread. ``close()`` (or ``with Engine(...) as engine:``) frees the decode CUDA graphs at a known point: they
-keep what they captured alive, NCCL collectives included under tensor parallel, where
-``torch.distributed.destroy_process_group()`` would otherwise wait for them forever.
+any thread, and from a signal's handler: the main thread takes the engine's lock only with signals' handlers held
+back (``InterruptGuard``), so a handler never waits on a lock its own thread holds. ``close()`` (or
+``with Engine(...) as engine:``) frees the decode CUDA graphs at a known point: they keep what they captured alive,
+NCCL collectives included under tensor parallel, where ``torch.distributed.destroy_process_group()`` would otherwise
+wait for them forever.
 """
 
 from __future__ import annotations
@@ -90,6 +92,9 @@ class Engine(EngineCore):
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
             ``PagedAttentionCache`` and ``docs/guides/cache.md``.
+        logprobs_mode: what the logprobs of sampled tokens (``output_logprobs``) are of: ``"raw_logprobs"`` (the
+            model's logits) or ``"processed_logprobs"`` (the distribution the token was drawn from: after the
+            penalties, temperature, top-k, top-p and min-p, renormalized).
         config: the settings above as one :class:`EngineConfig` instead of keywords (not both).
         workload: what the engine will run, when it is built for known prompts (``generate_batch`` passes its
             call's): the automatic sizes fit it (``hf_paged.engine.Workload``: each sequence's most tokens).
@@ -98,7 +103,10 @@ class Engine(EngineCore):
     automatic and why; ``config`` holds the sizes picked.
 
     Threads: ``add_request``, ``abort``, ``abort_all``, ``reset_prefix_cache``, ``has_unfinished`` and ``stats`` may be
-    called from any thread while one thread runs ``step``, ``stream`` or ``generate``.
+    called from any thread while one thread runs ``step``, ``stream`` or ``generate``, and from a signal's handler
+    (which Python runs in the main thread, maybe in the middle of a step): they take effect at once (an abort's
+    output comes from the next step) and ``stats`` says where the engine stands. A handler that raises (Ctrl-C)
+    while ``step`` hands its outputs over does not lose them: the next ``step`` returns them.
 
     Weights: the KV computed so far belongs to the model's weights at the time. Each step compares the parameters'
     version counters with those the KV was computed under; an in-place change (an optimizer step,
@@ -129,6 +137,7 @@ class Engine(EngineCore):
         config: EngineConfig | None = None,
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
         cuda_graph_capture: str | None = EngineConfig.cuda_graph_capture,
+        logprobs_mode: str = EngineConfig.logprobs_mode,
         *,
         workload: Workload | None = None,
     ):
@@ -141,6 +150,9 @@ class Engine(EngineCore):
         self._step_running = False
         self._stepper: int | None = None  # the thread inside a step
         self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
+        # what _step took out for its caller when a signal's handler raised before it returned: (finished sequences,
+        # deltas), put back by the next call (_put_back)
+        self._undelivered: list[tuple[list[Sequence], list[TokenDelta]]] = []
 
     # ----- requests -------------------------------------------------------------------------------------------
 
@@ -194,8 +206,9 @@ class Engine(EngineCore):
 
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:
         """Give each sequence its id and arrival, and queue it (or fail it at once if it can never run)."""
-        with self._lock:
+        with self._locked():
             self._refuse_if_closed()
+            self._put_back()  # (the id of an output not delivered yet is still live)
             given = Counter(s.request_id for s in seqs if s.request_id is not None)
             clash = next((rid for rid, n in given.items() if n > 1 or rid in self.requests.open), None)
             if clash is not None:  # before any is queued
@@ -240,13 +253,13 @@ class Engine(EngineCore):
             raise ValueError("abort takes the request_id given to add_request (a string or an integer), got None; "
                              "abort_all() stops every request")
         rid = validation.request_id(request_id)
-        with self._lock:
+        with self._locked():
             self.scheduler.abort(rid)
 
     def abort_all(self) -> list[str]:
         """Abort every live request (as :meth:`abort` does); returns the ids of the sequences stopped."""
         stopped = []
-        with self._lock:
+        with self._locked():
             for rid in dict.fromkeys(family(s.request_id) for s in self.scheduler.live):
                 stopped += self.scheduler.abort(rid)
         return [s.request_id for s in stopped]
@@ -258,7 +271,7 @@ class Engine(EngineCore):
         replaced. Changes in place (an optimizer step, ``load_state_dict``, ``param.copy_(...)``) are found at the next
         step without it. Any thread; while a step runs elsewhere, it takes effect at the next step."""
         self._kv_stale = True
-        with self._interrupts.held(), self._lock:
+        with self._locked():
             if not self._step_running and not self._closed:
                 self._forget_kv()
 
@@ -270,7 +283,8 @@ class Engine(EngineCore):
 
     def has_unfinished(self) -> bool:
         """Whether a request is queued, running, in flight, or finished but not handed over yet."""
-        return self.scheduler.has_unfinished() or self._inflight is not None or bool(self.requests.outbox)
+        return (self.scheduler.has_unfinished() or self._inflight is not None or bool(self.requests.outbox)
+                or bool(self._undelivered))
 
     # ----- running ---------------------------------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
@@ -307,14 +321,14 @@ class Engine(EngineCore):
                     ready = [(s, s in self.requests.outbox) for s in dict.fromkeys(touched + self.requests.outbox)
                              if owned is None or family(s.request_id) in owned]
                 for seq, final in ready:
-                    with self._lock:
+                    with self._locked():
                         delta = delta_of(seq, self.detokenizer, final)
                     if delta is None:
                         continue
                     try:
                         yield delta
                     finally:  # runs once the consumer has the delta, whether it goes on or closes the stream
-                        with self._interrupts.held(), self._lock:
+                        with self._locked():
                             self._hand_over_delta(seq, delta)
         finally:
             if owned:
@@ -349,7 +363,7 @@ class Engine(EngineCore):
     def check_invariants(self) -> None:
         """Assert the bookkeeping is consistent (for tests and debugging): block reference counts match the live
         sequences' tables, free + used blocks make the pool, every live or finished sequence has an open request."""
-        with self._lock:
+        with self._locked():
             self.scheduler.check_invariants()
             alloc = self.block_manager.allocator
             assert alloc.num_free + alloc.num_used == alloc.num_blocks
@@ -359,7 +373,7 @@ class Engine(EngineCore):
 
     def stats(self) -> dict:
         """Blocks, preemptions, prefix-cache hits, token counts and which attention backend served each phase."""
-        with self._lock:
+        with self._locked():
             bm, sched, cfg = self.block_manager, self.scheduler, self.config
             return {**self.runner.stats(), **self.counters.counts(), "cached_blocks": bm.num_cached_blocks,
                     "preemptions": sched.num_preemptions, "prefix_cache_hit_tokens": bm.prefix_hit_tokens,
@@ -409,23 +423,40 @@ class Engine(EngineCore):
     # ----- internals -------------------------------------------------------------------------------------------
     def _step(self, want_deltas: bool, owned: set[str] | None = None) -> tuple[list[RequestOutput], list[TokenDelta]]:
         """One step, then hand over the finished requests of ``owned`` (None: all) waiting in the outbox, and the
-        new tokens of the rest when ``want_deltas``. A Ctrl-C during the step is raised once the state is
-        consistent, before anything is handed over: the outbox then waits for the next call."""
-        with self._stepping():
-            touched = self._advance()
-            self._interrupts.raise_pending()
-            self._apply_cancels()
-            clock = self.counters.clock()
-            finished = self.requests.take(owned)
-            outputs = [output_of(s, self.detokenizer) for s in finished]
-            deltas = self._deltas(touched, finished) if want_deltas else []
-            clock("update")
+        new tokens of the rest when ``want_deltas``.
+
+        A signal's handler that raises (Ctrl-C) during the step does so once the state is consistent and the lock
+        released, which is after the outputs were taken out; they then wait in ``_undelivered`` for the next call.
+        Python runs handlers at a function's start, after a call into C returns and at a loop's jump back: none runs
+        from the ``except`` to the ``append``, nor from this function's return to its caller's assignment, so what
+        was taken out either reaches the caller or goes back."""
+        handed = None
+        try:
+            with self._stepping():
+                touched = self._advance()
+                self._apply_cancels()
+                clock = self.counters.clock()
+                finished = self.requests.take(owned)
+                deltas = self._deltas(touched, finished) if want_deltas else []
+                handed = finished, deltas
+                outputs = [output_of(s, self.detokenizer) for s in finished]
+                clock("update")
+        except BaseException:
+            if handed is not None:
+                self._undelivered.append(handed)
+            raise
         return outputs, deltas
+
+    @contextmanager
+    def _locked(self) -> Iterator[None]:
+        """Hold the engine's lock, with signals' handlers held back in the main thread until it is released."""
+        with self._interrupts.held(), self._lock:
+            yield
 
     @contextmanager
     def _stepping(self) -> Iterator[None]:
         """Hold the lock (Ctrl-C held back) for a step; steps come from one thread at a time."""
-        with self._interrupts.held(), self._lock:
+        with self._locked():
             self._refuse_if_closed()
             if self._step_running:
                 raise RuntimeError("a step is running in another thread: step(), stream() and generate() must be "
@@ -456,7 +487,21 @@ class Engine(EngineCore):
                 with self._lock:
                     self._apply_cancels()
 
+    def _put_back(self) -> None:
+        """Return what interrupted hand-overs took out (``_undelivered``) to the outbox and the streams' counts,
+        as if it had not been taken."""
+        while self._undelivered:
+            finished, deltas = self._undelivered.pop()
+            self.requests.put_back(finished)
+            for delta in deltas:
+                seq = self.requests.open.get(delta.request_id)
+                if seq is not None:
+                    seq.num_streamed -= len(delta.token_ids)
+                    if delta.text:
+                        seq.text_state.sent -= len(delta.text)
+
     def _apply_cancels(self) -> None:
+        self._put_back()  # (before a reader's requests are dropped: the outputs taken out for it go too)
         while self._to_cancel:
             families = self._to_cancel.pop()
             for rid in families:

@@ -1,14 +1,17 @@
-"""``InterruptGuard``: a signal handler's exception (Ctrl-C) waits until the engine's state is consistent again.
+"""``InterruptGuard``: signals' handlers wait until the engine's state is consistent and its lock free again.
 
 A step's bookkeeping (scheduling, committing, writing sampled tokens into sequences, stop checks) must run whole:
 a ``KeyboardInterrupt`` between two of its lines could leave a request holding a placeholder forever, return the
 placeholder as a token, or run a request past ``max_new_tokens``. Such exceptions come from signal handlers, which
 Python runs between any two lines of the main thread: the default SIGINT handler, asyncio's (whose second Ctrl-C
-raises), an application's own, a SIGALRM or SIGTERM handler that raises. While the guard is held, each of those
-signals (``_WATCHED``) that has a Python handler is only recorded, and its handler runs when the guard is left (or at :meth:`raise_pending`, a
-consistent point inside), where what it raises propagates; the device work in between (:meth:`allowed`) stays
-interruptible, since the engine can drop a step that did not run. Signals' handlers run only in the main thread, so
-elsewhere the guard does nothing.
+raises), an application's own, a SIGALRM or SIGTERM handler that raises. And a handler that calls the engine
+(``abort_all()`` on SIGTERM, ``stats()`` on SIGUSR1) must not run while the main thread holds the engine's lock,
+which it would wait on for ever. So the engine holds its lock in the main thread only inside :meth:`held`: there
+each of those signals (``_WATCHED``) that has a Python handler is only recorded, and its handler runs when the guard
+is left, after the lock is released, where what it raises propagates. The device work in between (:meth:`allowed`,
+run without the lock) stays interruptible, since the engine can drop a step that did not run; a handler that calls
+the engine there holds the guard again (:meth:`held` nested) while it holds the lock. Signals' handlers run only in
+the main thread, so elsewhere the guard does nothing.
 """
 
 from __future__ import annotations
@@ -48,9 +51,19 @@ class InterruptGuard:
     @contextmanager
     def held(self) -> Iterator[None]:
         """Defer the handlers of signals received in the block; they run on leaving it (what they raise, such as a
-        ``KeyboardInterrupt``, propagates from there)."""
-        if self._held or threading.current_thread() is not threading.main_thread():
+        ``KeyboardInterrupt``, propagates from there). Inside :meth:`allowed` (a handler that calls the engine during
+        device work), defer them again for the block, and run those received on leaving it."""
+        if threading.current_thread() is not threading.main_thread():
             yield
+            return
+        if self._held:
+            interruptible, self._interruptible = self._interruptible, False
+            try:
+                yield
+            finally:
+                self._interruptible = interruptible
+            if interruptible:
+                self.raise_pending()
             return
         # the Python handlers (not SIG_DFL, SIG_IGN, or one installed from C)
         saved = {signum: handler for signum in _WATCHED if callable(handler := _signal.getsignal(signum))}
@@ -68,8 +81,8 @@ class InterruptGuard:
             self.raise_pending()
 
     def raise_pending(self) -> None:
-        """Run the handlers of the signals received so far (at a point where the state is consistent); the first
-        exception one of them raises propagates, after all of them ran."""
+        """Run the handlers of the signals received so far (where the state is consistent and the engine's lock is
+        not held); the first exception one of them raises propagates, after all of them ran."""
         if not self._pending:
             return
         pending, self._pending = self._pending, []

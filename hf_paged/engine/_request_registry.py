@@ -77,6 +77,12 @@ class RequestRegistry:
             self.untrack(seq)
         return taken
 
+    def put_back(self, seqs: list[Sequence]) -> None:
+        """Undo :meth:`take` of ``seqs`` (their hand-over did not reach the reader): open again, first in the outbox."""
+        for seq in seqs:
+            self.track(seq)
+        self.outbox[:0] = seqs
+
     def forget(self, families: Collection[str]) -> None:
         """Drop every open sequence of ``families`` (their reader is gone)."""
         self.take(families)
