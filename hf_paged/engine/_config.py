@@ -17,6 +17,10 @@ from dataclasses import dataclass, field, fields
 from hf_paged.cache._config import MAX_SLOTS, CacheConfig, _flag  # (the flags of both configs read alike)
 
 GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
+#: What logprobs are of (``logprobs_mode``, named as vLLM names it): the model's raw logits, or the distribution each
+#: token was drawn from: after the repetition penalty, EOS suppression, grammar masks, temperature, top-k, top-p and
+#: min-p, renormalized (a greedy token's after what applies to it: no temperature).
+LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _CACHE = {f.name: f for f in fields(CacheConfig)}
 
 
@@ -55,6 +59,7 @@ class EngineConfig:
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None
+    logprobs_mode: str = LOGPROBS_MODES[0]
 
     def __post_init__(self) -> None:
         cache = self.cache_config  # the pool's checks
@@ -78,6 +83,9 @@ class EngineConfig:
         if self.cuda_graph_capture is not None and self.cuda_graph_capture not in GRAPH_CAPTURE:
             raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))} or None "
                              f"(automatic), got {self.cuda_graph_capture!r}")
+        if self.logprobs_mode not in LOGPROBS_MODES:
+            raise ValueError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got "
+                             f"{self.logprobs_mode!r}")
 
     @property
     def cache_config(self) -> CacheConfig:

@@ -80,7 +80,7 @@ class EngineCore:
                                           cfg.enable_prefix_caching)
         self.scheduler = Scheduler(self.block_manager, cfg.max_batch_tokens, cfg.max_num_seqs)
         self.vocab_size = vocab = model.config.get_text_config(decoder=True).vocab_size
-        self.sampler, self.structured = Sampler(), StructuredOutput(tokenizer, vocab)
+        self.sampler, self.structured = Sampler(cfg.logprobs_mode), StructuredOutput(tokenizer, vocab)
         self.detokenizer = Detokenizer(tokenizer) if tokenizer is not None else None  # (text, and stop strings)
         self.counters, self.requests = EngineStats(), RequestRegistry()
         self.async_scheduling = self.device.type == "cuda" if cfg.async_scheduling is None else cfg.async_scheduling

@@ -163,15 +163,21 @@ def _i32(word: int) -> int:
 
 
 class Sampler:
-    """Turns ``[N, V]`` logits into ``[N]`` token ids (and optionally their logprobs), all on the logits' device."""
+    """Turns ``[N, V]`` logits into ``[N]`` token ids (and optionally their logprobs), all on the logits' device;
+    ``logprobs_mode``: what the logprobs are of (``EngineConfig.logprobs_mode``)."""
+
+    def __init__(self, logprobs_mode: str = "raw_logprobs"):
+        self.processed = logprobs_mode == "processed_logprobs"
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> tuple[torch.Tensor, torch.Tensor | None]:
         """logits: ``[N, V]`` in the model's dtype, left unchanged. Returns ``[N]`` int64 tokens and, if asked,
-        ``[N]`` float32 log-probabilities of the raw logits; with ``batch.top_logprobs = K``, ``[N, 1 + 2K]`` rows
-        instead: the chosen token's logprob, the ``K`` largest logprobs, their token ids (as floats, exact below
-        2**24; :func:`split_logprob_row` reads a row)."""
-        n = batch.num_rows
+        ``[N]`` float32 log-probabilities of the raw logits or of the processed distribution (``logprobs_mode``);
+        with ``batch.top_logprobs = K``, ``[N, 1 + 2K]`` rows instead: the chosen token's logprob, the ``K`` largest
+        logprobs, their token ids (as floats, exact below 2**24; :func:`split_logprob_row` reads a row)."""
+        n, k = batch.num_rows, batch.top_logprobs
         rows, masked = batch.rows, batch.masked_at
+        processed = self.processed and batch.want_logprobs
+        out = drawn = None
         if rows is None or rows.shape[0] < n:
             if masked is None:
                 tokens = _argmax(logits)
@@ -180,6 +186,7 @@ class Sampler:
                     kept = logits[masked]
                     logits.index_put_(masked, logits.new_full((), _NEG_INF))  # (a device value: no sync)
                 tokens = _argmax(logits)
+                out = logprob_rows(logits, tokens, k) if processed else None  # (of the logits EOS was held from)
                 with torch.inference_mode():
                     logits.index_put_(masked, kept)
         else:
@@ -191,8 +198,17 @@ class Sampler:
             if g:
                 tokens.index_copy_(0, rows[:g], _argmax(x[:g]))
             if g < rows.shape[0]:
+                _filter(x[g:], batch)
+            drawn = torch.log_softmax(x, -1) if processed else None  # (before the draw's noise)
+            if g < rows.shape[0]:
                 tokens.index_copy_(0, rows[g:], _draw(x[g:], batch))
-        return tokens, logprob_rows(logits, tokens, batch.top_logprobs) if batch.want_logprobs else None
+        if not batch.want_logprobs:
+            return tokens, None
+        if out is None:
+            out = logprob_rows(logits, tokens, k)
+        if drawn is not None:
+            out.index_copy_(0, rows, logprob_rows(drawn, tokens.index_select(0, rows), k))
+        return tokens, out
 
 
 def logprob_rows(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> torch.Tensor:
@@ -230,13 +246,14 @@ def _process(x: torch.Tensor, b: SamplingBatch) -> None:
         x.index_copy_(0, at, x.index_select(0, at).masked_fill_(~allowed, _NEG_INF))
 
 
-def _draw(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
-    """x: ``[S, V]`` float32 processed logits of the sampled rows, edited in place. Returns ``[S]`` int64 tokens.
+def _filter(x: torch.Tensor, b: SamplingBatch) -> None:
+    """x: ``[S, V]`` float32 processed logits of the sampled rows: temperature, then -inf wherever top-k, top-p or
+    min-p drop a token, in place.
 
     Each filter only raises the row's floor (the smallest logit it keeps), so they compose in one mask: top-k,
     then top-p on the top-k survivors, then min-p (``p < min_p * p_max`` is ``x < x_max + log(min_p)``).
     """
-    s, v = x.shape
+    s = x.shape[0]
     x.div_(b.temperature[:, None])
     floor = x.new_full((s,), _NEG_INF)
     top = None  # [S, K] each row's K largest logits, descending
@@ -255,7 +272,12 @@ def _draw(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
         floor = torch.maximum(floor, peak + b.min_p.log())
     if b.max_top_k or b.sort_rows is not None or b.use_min_p:
         x.masked_fill_(x < floor[:, None], _NEG_INF)
-    return _argmax(x.sub_(uniforms(b.seeds, b.steps, v).log_().neg_().log_()))
+
+
+def _draw(x: torch.Tensor, b: SamplingBatch) -> torch.Tensor:
+    """x: ``[S, V]`` the sampled rows' filtered logits (``_filter``), edited in place. Returns ``[S]`` int64 tokens:
+    the Gumbel-max draw of the module's docstring."""
+    return _argmax(x.sub_(uniforms(b.seeds, b.steps, x.shape[1]).log_().neg_().log_()))
 
 
 def _sorted_desc(x: torch.Tensor) -> torch.Tensor:
