@@ -48,13 +48,13 @@ def enable_generate_batch(model: torch.nn.Module, *, reset_prefix_cache: bool = 
 
     ``settings`` are continuous-batching settings, by transformers' ``ContinuousBatchingConfig`` names
     (``max_memory_percent``, ``num_blocks``, ``max_batch_tokens``, ``return_logprobs``, ``seed``, ...) or
-    hf_paged's own (``compile_layers``, ``cuda_graphs``, ``kv_cache_dtype``, ...): they win over the same fields of
+    hf_paged's own (``logprobs_mode``, ``compile_layers``, ``cuda_graphs``, ``kv_cache_dtype``, ...): they win over the same fields of
     the ``continuous_batching_config`` each call passes. ``reset_prefix_cache=True`` forgets the cached prefixes at
     every call (the kept engine already forgets those that the weights' changes made stale).
 
-    Each call runs in eval mode and puts the model's mode back after, keeps the engine on the model
-    (``persistent_manager=True``) and returns what :func:`hf_paged.generate_batch` returns. For a peft model the
-    method goes on the model peft wraps (the LoRA layers sit in it), so that the wrapper finds it too.
+    Each call keeps the engine on the model (``persistent_manager=True``) and returns what
+    :func:`hf_paged.generate_batch` returns (which generates in eval mode and puts the modules' modes back). For a
+    peft model the method goes on the model peft wraps (the LoRA layers sit in it), so that the wrapper finds it too.
     """
     unknown = sorted(set(settings) - set(BATCHING_READ) - set(OWN_SETTINGS))
     if unknown:
@@ -66,13 +66,8 @@ def enable_generate_batch(model: torch.nn.Module, *, reset_prefix_cache: bool = 
     base = _base_model(model)
 
     def hf_paged_generate_batch(inputs, generation_config=None, continuous_batching_config=None, **kwargs):
-        training = base.training
-        base.eval()
-        try:
-            results = generate_batch(base, inputs, generation_config, _overlaid(continuous_batching_config, settings),
-                                     persistent_manager=True, reset_prefix_cache=reset_prefix_cache, **kwargs)
-        finally:
-            base.train(training)
+        results = generate_batch(base, inputs, generation_config, _overlaid(continuous_batching_config, settings),
+                                 persistent_manager=True, reset_prefix_cache=reset_prefix_cache, **kwargs)
         if settings.get("return_logprobs") or getattr(continuous_batching_config, "return_logprobs", False):
             base.__dict__[_STATE] = [out.logprobs for out in results.values()]
         return results
