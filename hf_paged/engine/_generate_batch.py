@@ -26,7 +26,7 @@ from hf_paged.engine import _validation as validation
 from hf_paged.engine._config import EngineConfig
 from hf_paged.engine._core import restore_attention
 from hf_paged.engine._engine import Engine
-from hf_paged.engine._sampling_params import SamplingParams, checked_seed
+from hf_paged.engine._sampling_params import MAX_RETURN_SEQUENCES, SamplingParams, checked_seed
 from hf_paged.engine._sizing import Workload, pool_size
 from hf_paged.hf._placement import kv_devices
 from hf_paged.hf._register import use_paged_attention
@@ -85,6 +85,8 @@ def generate_batch(
     The model runs the paged attention during the call and the one it was loaded with again after it (as transformers
     switches and restores it), so its own ``generate`` and ``generate_batch`` serve it as before; it runs in eval mode
     (no dropout) and each module goes back to its training mode after the call.
+    Identical prompts run as one request with a copy per prompt (one prefill: ``_shared_prefills``), their results
+    under the ids and in the order of the prompts as given.
     A request that fails (a prompt the pool or the model's position limit cannot hold, a fault of the model) makes the
     call raise ``RuntimeError`` naming each failed request and why, once the others are done; no result comes back
     empty.
@@ -115,7 +117,8 @@ def generate_batch(
     copies = SamplingParams.from_resolved(SamplingParams.resolve(gc), len(inputs[0])).num_return_sequences
     workload = Workload(tuple(most_tokens(p, gc) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    configs = _request_configs(gc, inputs, indices, seed)
+    prompts, configs, request_ids, names = _shared_prefills(inputs, _request_configs(gc, inputs, indices, seed),
+                                                            indices, copies)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
     # the caller's attention and training mode, put back however the call ends (as transformers' generate_batch puts
@@ -131,9 +134,8 @@ def generate_batch(
             if reset_prefix_cache:
                 engine.reset_prefix_cache()
             start = time.perf_counter()
-            queued = engine._enqueue(engine._new_sequences(inputs, configs, "generate_batch",  # (the ids checked above)
-                                                           [f"req_{i}" for i in indices], checked=True))
-            ids = {rid: i for i, rid in enumerate(queued)}
+            engine._enqueue(engine._new_sequences(prompts, configs, "generate_batch", request_ids,
+                                                  checked=True))  # (the ids were checked above)
             while engine.has_unfinished():
                 if stamps is None:
                     outs = engine.step()
@@ -141,9 +143,10 @@ def generate_batch(
                     outs, deltas = engine.step_with_deltas()
                     now = time.perf_counter()
                     for delta in deltas:
-                        stamps.setdefault(delta.request_id, []).extend([now] * len(delta.token_ids))
+                        stamps.setdefault(names[delta.request_id], []).extend([now] * len(delta.token_ids))
                 for out in outs:
-                    finished[out.request_id] = _to_generation_output(out, start, stamps)
+                    rid = names[out.request_id]
+                    finished[rid] = _to_generation_output(rid, out, start, stamps)
                 bar.update(len(outs))
     finally:
         restore_attention(model, attention)
@@ -153,7 +156,8 @@ def generate_batch(
     if failed:
         raise RuntimeError(f"generate_batch: {len(failed)} of {len(finished)} requests failed: "
                            + "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""))
-    order = lambda rid: (ids[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
+    place = {f"req_{i}": position for position, i in enumerate(indices)}
+    order = lambda rid: (place[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
     return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
 
 
@@ -199,9 +203,9 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
     return engine
 
 
-def _to_generation_output(out, start: float, stamps: dict[str, list[float]] | None) -> GenerationOutput:
+def _to_generation_output(rid: str, out, start: float, stamps: dict[str, list[float]] | None) -> GenerationOutput:
     return GenerationOutput(
-        request_id=out.request_id,
+        request_id=rid,
         prompt_ids=list(out.prompt_token_ids),
         generated_tokens=list(out.token_ids),
         logprobs=list(out.logprobs or []),
@@ -209,7 +213,7 @@ def _to_generation_output(out, start: float, stamps: dict[str, list[float]] | No
         status=RequestStatus.FAILED if out.finish_reason == "error" else RequestStatus.FINISHED,
         created_time=start,
         lifespan=(start, time.perf_counter()),
-        timestamps=None if stamps is None else stamps.get(out.request_id, []),
+        timestamps=None if stamps is None else stamps.get(rid, []),
     )
 
 
@@ -233,3 +237,38 @@ def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: lis
             by_length[len(prompt)] = cfg
         configs.append(cfg)
     return configs
+
+
+def _shared_prefills(inputs: list[list[int]], configs: GenerationConfig | list[GenerationConfig], indices: list[int],
+                     copies: int) -> tuple[list[list[int]], list[GenerationConfig], list[str], dict[str, str]]:
+    """Identical prompts of the call as one request each, whose prompt is computed once for all of their copies (an
+    RL trainer sends each prompt once per completion it wants): the request of the first of them with
+    ``num_return_sequences`` covering every copy of every one of them (at most ``MAX_RETURN_SEQUENCES``: more
+    identical prompts make more requests). Its copies draw as copies do, from the first one's seed.
+
+    Returns the requests' prompts, configs and ids, and each engine result id's name in the call (the ids the
+    prompts would have had alone, ``"req_<index>"`` and its ``"req_<index>__child#<k>"``)."""
+    configs = configs if isinstance(configs, list) else [configs] * len(inputs)
+    alike: dict[tuple[int, ...], list[int]] = {}
+    for position, prompt in enumerate(inputs):
+        alike.setdefault(tuple(prompt), []).append(position)
+    prompts, request_configs, request_ids, names = [], [], [], {}
+    most = max(1, MAX_RETURN_SEQUENCES // copies)
+    for positions in alike.values():
+        for group in (positions[j : j + most] for j in range(0, len(positions), most)):
+            rid, config = f"req_{indices[group[0]]}", configs[group[0]]
+            if len(group) > 1:
+                config = copy.deepcopy(config)
+                config.num_return_sequences = copies * len(group)  # (on the object: no check of greedy copies)
+            prompts.append(inputs[group[0]])
+            request_configs.append(config)
+            request_ids.append(rid)
+            names.update(zip(_result_ids(indices[group[0]], copies * len(group)),
+                             (name for p in group for name in _result_ids(indices[p], copies))))
+    return prompts, request_configs, request_ids, names
+
+
+def _result_ids(index: int, copies: int) -> list[str]:
+    """The result ids of the prompt at ``index`` with ``copies`` copies, in transformers' order."""
+    rid = f"req_{index}"
+    return [f"{rid}{validation.CHILD_MARK}{k}" for k in range(copies - 1)] + [rid]
