@@ -24,8 +24,9 @@ from pathlib import Path
 from hf_paged import envs
 from hf_paged.cli._arguments import exit_with, non_negative_float, non_negative_int, positive_float, positive_int, port
 from hf_paged.cli._generate import add_engine_arguments, engine_settings
-from hf_paged.server import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S, INSTALL_HINT,
-                             create_app)
+from hf_paged.server import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_TOKENS,
+                             DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S,
+                             INSTALL_HINT, create_app)
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 
 logger = logging.getLogger("hf_paged")
@@ -57,6 +58,19 @@ def add_parser(subparsers) -> None:
     p.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                    help="a client whose request body is not complete S seconds after its headers gets 408, however "
                         "often it sends a part of it")
+    p.add_argument("--max-request-tokens", type=positive_int, default=DEFAULT_MAX_REQUEST_TOKENS, metavar="N",
+                   help="a request whose copies would hold more tokens of context (prompt and new tokens, each copy "
+                        "of n counted) is refused with 400")
+    p.add_argument("--max-response-bytes", type=positive_int, default=DEFAULT_MAX_RESPONSE_BYTES, metavar="N",
+                   help="a request whose whole (not streamed) answer could take more bytes, as estimated from its "
+                        "tokens and log-probabilities, is refused with 400")
+    p.add_argument("--stream-timeout", type=positive_float, default=DEFAULT_STREAM_TIMEOUT_S, metavar="S",
+                   help="a streaming client that takes no part of its stream for S seconds is disconnected and its "
+                        "request aborted (one that leaves too many chunks unread is aborted sooner)")
+    p.add_argument("--allow-special-tokens-in-messages", action="store_true",
+                   help="let special-token text in chat messages (such as <|im_end|>) act as the control token it "
+                        "names; by default it stays text in user, assistant and tool messages, so that no message "
+                        "can end its turn or open one of another role")
     p.add_argument("--max-queued-requests", type=non_negative_int, default=256, metavar="N",
                    help="sequences that may wait beyond --max-num-seqs running ones; more are answered 429")
     p.add_argument("--chat-template", metavar="FILE", type=_template_file,
@@ -117,7 +131,9 @@ def _app(args: argparse.Namespace):
     return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
                       args.shutdown_timeout, api_key=args.api_key, allowed_hosts=allowed,
                       max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                      body_timeout=args.body_timeout)
+                      body_timeout=args.body_timeout, max_request_tokens=args.max_request_tokens,
+                      max_response_bytes=args.max_response_bytes, stream_timeout=args.stream_timeout,
+                      special_tokens_in_messages=args.allow_special_tokens_in_messages)
 
 
 def _server(args: argparse.Namespace, app):

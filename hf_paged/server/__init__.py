@@ -7,7 +7,9 @@
 
 from __future__ import annotations
 
-from hf_paged.server._limits import DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_READ_TIMEOUT_S
+from hf_paged.server._limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_TOKENS,
+                                     DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S,
+                                     CostLimits)
 
 INSTALL_HINT = ("the server needs FastAPI and uvicorn: pip install -e '.[serve]' in the hf_paged clone (or pip install "
                 "fastapi uvicorn)")
@@ -17,7 +19,9 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
                shutdown_timeout: float = 30.0, *, api_key: str | None = None,
                allowed_hosts: tuple[str, ...] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
                read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-               on_engine_death=None):
+               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
+               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, stream_timeout: float = DEFAULT_STREAM_TIMEOUT_S,
+               special_tokens_in_messages: bool = False, on_engine_death=None):
     """The OpenAI-compatible app serving ``engine`` as ``model_name``: at most ``engine.config.max_num_seqs +
     max_queued_requests`` sequences live at once (more get 429); ``chat_template`` (Jinja) overrides the
     tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted.
@@ -25,11 +29,17 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
     ``api_key``: every route but ``/health`` and ``/metrics`` needs ``Authorization: Bearer <key>``;
     ``allowed_hosts``: the ``Host`` names requests may be addressed to (None: any); ``max_body_bytes``: larger bodies
     get 413; ``read_timeout``: a client that sends no part of its body for this long gets 408, as does one whose body
-    is not complete ``body_timeout`` seconds after its headers; ``on_engine_death(reason)``: called (from the engine
-    thread) if the thread that runs the engine dies. The app's ``state.engine_loop`` is that thread's owner."""
+    is not complete ``body_timeout`` seconds after its headers. A request whose copies would hold more than
+    ``max_request_tokens`` tokens of context, or whose whole answer would take more than about ``max_response_bytes``,
+    gets 400; a stream whose client takes no chunk for ``stream_timeout`` seconds is given up and its request aborted.
+    Special-token text in the content of a user, assistant or tool message stays text unless
+    ``special_tokens_in_messages`` (then it acts as the control token it names). ``on_engine_death(reason)``: called
+    (from the engine thread) if the thread that runs the engine dies. The app's ``state.engine_loop`` is that
+    thread's owner."""
     try:
         from hf_paged.server._app import build_app
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
     return build_app(engine, model_name, max_queued_requests, chat_template, shutdown_timeout, api_key, allowed_hosts,
-                     max_body_bytes, read_timeout, body_timeout, on_engine_death)
+                     max_body_bytes, read_timeout, body_timeout, on_engine_death,
+                     CostLimits(max_request_tokens, max_response_bytes, stream_timeout), special_tokens_in_messages)

@@ -3,11 +3,12 @@
 A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body
 limits (size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
 ``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
-own ``asyncio.Queue``; they never touch the engine. A client that goes away (caught when a write fails or, while
-waiting, by polling the connection) has its request aborted, which frees its KV blocks at the next step. Every
-error, unknown routes and methods included, is answered in OpenAI's error shape. The routes read their bodies
-themselves and declare no parameter FastAPI would validate (the model's id in a path is any string), so FastAPI's
-own validation never answers.
+own ``asyncio.Queue``; they never touch the engine. A whole answer is built and serialized on a worker thread, never
+on the event loop. A client that goes away (caught when a write fails or, while waiting, by polling the connection),
+or that takes no part of its stream for ``--stream-timeout`` seconds, has its request aborted, which frees its KV
+blocks at the next step. Every error, unknown routes and methods included, is answered in OpenAI's error shape. The
+routes read their bodies themselves and declare no parameter FastAPI would validate (the model's id in a path is any
+string), so FastAPI's own validation never answers.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from hf_paged.server._access import AccessCheck
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
-from hf_paged.server._limits import RequestLimits
+from hf_paged.server._limits import CostLimits, RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, sse
 from hf_paged.server._sampling import make_job
@@ -39,11 +40,13 @@ ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /
 
 def build_app(engine, model_name: str, max_queued_requests: int, chat_template: str | None, shutdown_timeout: float,
               api_key: str | None, allowed_hosts: tuple[str, ...] | None, max_body_bytes: int, read_timeout: float,
-              body_timeout: float, on_engine_death) -> FastAPI:
+              body_timeout: float, on_engine_death, limits: CostLimits, special_tokens_in_messages: bool) -> FastAPI:
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
     still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
-    ``max_body_bytes``, ``read_timeout``, ``body_timeout``: ``_limits.RequestLimits``."""
-    engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death)
+    ``max_body_bytes``, ``read_timeout``, ``body_timeout``: ``_limits.RequestLimits``; ``limits``: what one request
+    may ask for; ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
+    engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death,
+                             limits, special_tokens_in_messages)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
@@ -86,16 +89,16 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
 
     @app.post("/v1/completions")
     async def completions(request: Request):
-        return await _serve(engine_loop, request, CompletionRequest, model_name)
+        return await _serve(engine_loop, request, CompletionRequest, model_name, limits.stream_timeout)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        return await _serve(engine_loop, request, ChatCompletionRequest, model_name)
+        return await _serve(engine_loop, request, ChatCompletionRequest, model_name, limits.stream_timeout)
 
     return app
 
 
-async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
+async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, stream_timeout: float):
     """Answer ``request``: its body is parsed as a ``model``, checked and made a job in a worker thread
     (a large body never blocks the event loop)."""
     job = await asyncio.to_thread(make_job, await request.body(), model, served)
@@ -105,8 +108,7 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
     try:
         accepted: Accepted = await _next(events, request)
         if job.stream:  # the stream owns the request from here
-            return StreamingResponse(_stream(engine_loop, sub, events, request, accepted, reply),
-                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+            return EventStream(_stream(engine_loop, sub, events, request, accepted, reply), stream_timeout)
         finished: list[Finished] = []
         while len(finished) < len(job.prompts) * job.n:
             event = await _next(events, request)
@@ -117,8 +119,38 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str):
         raise
     finished.sort(key=lambda f: f.index)
     prepared = sub.prepared
-    return JSONResponse(reply.completion(finished, accepted.prompt_lengths, prepared.echo_texts,
-                                         prepared.token_texts, job.max_tokens == 0))
+    return await asyncio.to_thread(lambda: JSONResponse(reply.completion(
+        finished, accepted.prompt_lengths, prepared.echo_texts, prepared.token_texts, job.max_tokens == 0)))
+
+
+class EventStream(StreamingResponse):
+    """Server-sent events whose client must take each chunk within ``timeout`` seconds. A client that stops reading
+    pauses the stream (its chunks wait in its handler's queue, as many as ``_engine_loop`` lets them); one that takes
+    no chunk for ``timeout`` seconds is given up: the stream's generator is closed, which aborts its request, and the
+    connection is closed with the response unfinished."""
+
+    def __init__(self, chunks: AsyncIterator[str], timeout: float):
+        super().__init__(chunks, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.timeout = timeout
+
+    async def stream_response(self, send) -> None:
+        async def send_in_time(message) -> None:
+            try:
+                await asyncio.wait_for(send(message), self.timeout)
+            except asyncio.TimeoutError:
+                raise _NotRead from None
+
+        try:
+            await super().stream_response(send_in_time)
+        except _NotRead:
+            logger.warning("hf_paged: a client took no part of its stream for %g s (--stream-timeout); its request "
+                           "was aborted", self.timeout)
+        finally:
+            await self.body_iterator.aclose()
+
+
+class _NotRead(Exception):
+    """A stream's client took no chunk in time."""
 
 
 async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queue, request: Request,

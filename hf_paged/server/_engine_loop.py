@@ -4,8 +4,12 @@ HTTP handlers never call the engine. They :meth:`~EngineLoop.submit` a :class:`~
 :meth:`~EngineLoop.cancel` it through a thread-safe command queue, and receive :mod:`~hf_paged.server._events` on
 their own ``asyncio.Queue`` (posted with ``loop.call_soon_threadsafe``). The thread drains the commands between
 steps, steps while anything is live and sleeps on the command queue when idle. Tokenizing, the chat template and
-the length checks run before, on a tokenizer thread of their own (:mod:`~hf_paged.server._prompts`), so a long
-prompt never holds up the steps of the requests already running.
+the length and cost checks run before, on a tokenizer thread of their own (:mod:`~hf_paged.server._prompts`), and a
+``json_schema`` is compiled before that on a grammar thread (the engine's copies of it then cost microseconds), so
+neither a long prompt nor a large schema holds up the steps of the requests already running.
+
+A streamed request whose client does not read (its handler's queue holds more than
+:data:`STREAM_BACKLOG_PER_CHOICE` events per choice) is aborted, so that it stops generating and holds no memory.
 
 Nothing one request carries can stop the thread: a request whose admission or step fails is answered with an error
 and the thread goes on. Should the thread itself ever die (a bug), every waiting client is answered at once,
@@ -33,12 +37,15 @@ from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
+from hf_paged.server._limits import CostLimits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
 
 logger = logging.getLogger("hf_paged")
 STATS_EVERY_S = 0.05  # how often a busy loop refreshes the stats that /metrics reads
+STREAM_BACKLOG_PER_CHOICE = 64  # events a stream's client may leave unread, per choice, before it is given up
+GRAMMAR_THREADS = 2
 
 
 @dataclass
@@ -77,9 +84,10 @@ class EngineLoop:
     thread ever dies. ``metrics`` holds what ``GET /metrics`` reports."""
 
     def __init__(self, engine: Engine, capacity: int, chat_template: str | None = None,
-                 on_death: Callable[[str], None] | None = None):
+                 on_death: Callable[[str], None] | None = None, limits: CostLimits = CostLimits(),
+                 special_tokens_in_messages: bool = False):
         self.engine, self.metrics, self.capacity = engine, ServerMetrics(), capacity
-        self.prompts = PromptBuilder(engine, chat_template)
+        self.prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
         self.on_death = on_death
         self.death: str | None = None  # why the thread died, once it has
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -92,18 +100,22 @@ class EngineLoop:
         self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)
         self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-tokenizer")
+        self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="hf-paged-grammar")
 
     # ----- the HTTP side (any thread) --------------------------------------------------------------------------
     def start(self) -> None:
         self._thread.start()
 
     async def submit(self, job: Job, events: asyncio.Queue) -> Submission:
-        """Reserve room for ``job`` (429 when the server is full, 503 when it stops), tokenize and check its
-        prompts on the tokenizer thread (400s), and queue it; its events go to ``events``."""
+        """Reserve room for ``job`` (429 when the server is full, 503 when it stops), compile its schema on a grammar
+        thread, tokenize and check its prompts on the tokenizer thread (400s), and queue it; its events go to
+        ``events``."""
         loop = asyncio.get_running_loop()
         sub = self._reserve(job, events, loop)
         try:
-            sub.prepared = await loop.run_in_executor(self._tokenizer_pool, self._prepare, job)
+            if "json_schema" in job.settings:
+                await loop.run_in_executor(self._grammar_pool, self._compile, job.settings["json_schema"])
+            sub.prepared = await loop.run_in_executor(self._tokenizer_pool, self.prompts.prepare, job)
         except BaseException as exc:  # a 400, an unexpected error, or the handler cancelled
             self._release(sub)
             if isinstance(exc, ServerError) and exc.status == 400:
@@ -129,6 +141,7 @@ class EngineLoop:
         self.begin_stop()
         self._thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
+        self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
     def is_alive(self) -> bool:
         return self._thread.is_alive()
@@ -152,15 +165,12 @@ class EngineLoop:
         with self._lock:
             self._reserved -= len(sub.job.prompts) * sub.job.n
 
-    def _prepare(self, job: Job) -> Prepared:
-        """(The tokenizer thread.) The job's prompts and configs; its grammar compiled once, here."""
-        schema = job.settings.get("json_schema")
-        if schema is not None:
-            try:
-                self.engine.structured.grammar(schema)
-            except ValueError as exc:
-                raise bad_request(str(exc), "response_format", "invalid_json_schema") from None
-        return self.prompts.prepare(job)
+    def _compile(self, schema: str) -> None:
+        """(A grammar thread.) Compile ``schema`` into the engine's cache, which the engine thread then copies."""
+        try:
+            self.engine.structured.compiled(schema)
+        except ValueError as exc:
+            raise bad_request(str(exc), "response_format", "invalid_json_schema") from None
 
     # ----- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
@@ -247,9 +257,14 @@ class EngineLoop:
 
     def _abort_live(self, error: ServerError) -> None:
         for s in self._live_submissions():
-            s.post(Rejected(error))
-            s.abandoned = True
-            self._abort(s)  # their abort outputs come from the next step and release their capacity then
+            self._give_up(s, error)
+
+    def _give_up(self, sub: Submission, error: ServerError) -> None:
+        """Answer ``sub`` with ``error`` and abort its requests: their abort outputs come from the next step and
+        release its capacity then."""
+        sub.post(Rejected(error))
+        sub.abandoned = True
+        self._abort(sub)
 
     def _step(self) -> None:
         try:
@@ -283,9 +298,14 @@ class EngineLoop:
                 self.metrics.first_token(now - sub.arrival)
             timing.last, timing.tokens = now, timing.tokens + len(delta.token_ids)
             self.metrics.generated(len(delta.token_ids), now)
-        if sub.job.stream:
-            texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
-            sub.post(Delta(index, delta, texts))
+        if sub.job.stream and not sub.abandoned:
+            unread = sub.events.qsize()
+            if unread > STREAM_BACKLOG_PER_CHOICE * len(sub.job.prompts) * sub.job.n:
+                self._give_up(sub, ServerError(408, f"the client left {unread} chunks of its stream unread; the "
+                                                    "request was aborted", code="stream_not_read"))
+            else:
+                texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
+                sub.post(Delta(index, delta, texts))
 
     def _take_output(self, out: RequestOutput, now: float) -> None:
         sub, index = self._choice(out.request_id)

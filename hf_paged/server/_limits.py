@@ -1,21 +1,68 @@
-"""``RequestLimits``: ASGI middleware bounding what a client may make the server read.
+"""What one client may make the server do: ``RequestLimits``, ASGI middleware bounding what it may make the server
+read, and ``CostLimits``, what a request may ask of the engine and of the response.
 
 A body larger than ``max_body_bytes`` is refused with a 413: at once when its ``Content-Length`` says so (nothing of
 it is read), or as soon as a chunked body passes the limit. A client that sends its body slower than one message
 every ``read_timeout`` seconds, or whose body is not complete ``body_timeout`` seconds after its headers (one that
 trickles a byte now and then), gets a 408: a slow client must not hold a connection and a request's memory for
 ever. The waits are on the body only, never on a response being streamed.
+
+A request whose copies would hold more tokens of context than ``max_request_tokens``, or whose answer, built whole,
+would be larger than ``max_response_bytes`` (estimated from :data:`TOKEN_BYTES` and :data:`LOGPROB_BYTES`), is refused
+with a 400 once its prompts are tokenized, before anything is queued. A streamed answer is sent as it comes instead:
+its client must take each chunk within ``stream_timeout`` seconds (the engine thread also gives it up when its chunks
+pile up: ``_engine_loop``).
 """
 
 from __future__ import annotations
 
 import asyncio
+from dataclasses import dataclass
 
-from hf_paged.server._errors import ServerError, send_error
+from hf_paged.server._errors import ServerError, bad_request, send_error
 
 DEFAULT_MAX_BODY_BYTES = 16 * 2**20
 DEFAULT_READ_TIMEOUT_S = 30.0
 DEFAULT_BODY_TIMEOUT_S = 300.0
+DEFAULT_MAX_REQUEST_TOKENS = 2**20
+DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
+DEFAULT_STREAM_TIMEOUT_S = 60.0
+#: The bytes a response's estimated size counts for each token it shows (its text, as JSON writes a typical subword
+#: token) and, when log-probabilities are asked, for each one shown with it (the token's own and each alternative's),
+#: in the completions API's shape and in the chat API's (which adds each token's bytes).
+TOKEN_BYTES = 8
+LOGPROB_BYTES = {False: 40, True: 80}
+
+
+@dataclass(frozen=True)
+class CostLimits:
+    """What one request may ask for (``hf-paged serve``'s ``--max-request-tokens``, ``--max-response-bytes`` and
+    ``--stream-timeout``)."""
+
+    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
+    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
+    stream_timeout: float = DEFAULT_STREAM_TIMEOUT_S
+
+    def check(self, job, prompt_lengths: list[int], new_tokens: list[int]) -> None:
+        """A 400 if ``job`` (a ``_sampling.Job`` whose prompts have ``prompt_lengths`` tokens and may take
+        ``new_tokens`` new ones each) asks for more than these limits allow."""
+        choices, param = len(prompt_lengths) * job.n, "max_completion_tokens" if job.chat else "max_tokens"
+        context = job.n * (sum(prompt_lengths) + sum(new_tokens))
+        if context > self.max_request_tokens:
+            raise bad_request(f"the request's {choices} choices would hold {context} tokens of context (prompt and "
+                              f"new tokens, each copy of n counted); this server takes at most "
+                              f"{self.max_request_tokens} per request (--max-request-tokens): ask for fewer copies (n), "
+                              f"prompts or {param}", "n", "request_too_large")
+        if job.stream:
+            return
+        shown = job.n * ((sum(prompt_lengths) if job.echo else 0) + (0 if job.max_tokens == 0 else sum(new_tokens)))
+        per_token = TOKEN_BYTES + ((1 + job.top_logprobs) * LOGPROB_BYTES[job.chat] if job.logprobs else 0)
+        if shown * per_token > self.max_response_bytes:
+            with_logprobs = " with their log-probabilities" if job.logprobs else ""
+            raise bad_request(f"the answer could take about {shown * per_token} bytes ({shown} tokens{with_logprobs} "
+                              f"in {choices} choices); this server builds at most {self.max_response_bytes} "
+                              f"(--max-response-bytes): ask for fewer copies (n) or {param}, or stream it "
+                              "(stream: true)", param, "response_too_large")
 
 
 class RequestLimits:

@@ -4,13 +4,24 @@ It runs on a tokenizer thread of its own (``EngineLoop._prepare``), off the engi
 with its own copy of the tokenizer, so that a long prompt delays neither the running requests' steps nor the other
 clients' requests. Before any work, a text prompt whose characters could not fit the model even at the most
 characters a token covers is refused at once; after tokenizing, a prompt that cannot be served (too long for the
-model's position limit or for the whole KV cache) is refused with a 400, before anything is queued.
+model's position limit or for the whole KV cache), or that asks for more than the server's ``CostLimits``, is
+refused with a 400, before anything is queued.
+
+A chat's messages are the client's text: special-token text in the content of a user, assistant or tool message
+(``<|im_end|>`` typed by a user) stays text, so that no message can close its turn and open one of another role; the
+chat template's own markers are the only control tokens. The template is rendered once more with each such content
+between two markers no client can guess, which tells the template's text from the messages'; the template's text is
+split at its special tokens, as the tokenizer splits any text, and every piece between them, content included, is
+tokenized with special-token text kept as text. ``special_tokens_in_messages=True`` tokenizes the rendered chat
+whole instead, so that special-token text in a message acts as the control token it names (for clients that mean it).
 """
 
 from __future__ import annotations
 
 import copy
 import logging
+import re
+import secrets
 from dataclasses import dataclass
 
 from jinja2 import TemplateError
@@ -18,6 +29,7 @@ from transformers import GenerationConfig
 
 from hf_paged.engine import Engine
 from hf_paged.server._errors import bad_request
+from hf_paged.server._limits import CostLimits
 from hf_paged.server._sampling import Job
 
 logger = logging.getLogger("hf_paged")
@@ -30,6 +42,11 @@ SIMPLE_CHAT_TEMPLATE = (
 )
 #: Slack on the characters-per-token bound (a normalizer may drop characters before the tokens are made).
 CHARS_SLACK = 4
+#: The roles whose content is kept as text (system and developer messages are the deployer's instructions).
+TEXT_ROLES = ("user", "assistant", "tool")
+_NONCE = secrets.token_hex(8)
+OPEN, CLOSE = f"\ue000{_NONCE}\ue001", f"\ue002{_NONCE}\ue003"  # around a message's content in a marked rendering
+_MARKS = re.compile(f"{OPEN}|{CLOSE}")
 
 
 @dataclass(frozen=True)
@@ -43,8 +60,10 @@ class Prepared:
 
 
 class PromptBuilder:
-    def __init__(self, engine: Engine, chat_template: str | None = None):
+    def __init__(self, engine: Engine, chat_template: str | None = None, limits: CostLimits = CostLimits(),
+                 special_tokens_in_messages: bool = False):
         self.tokenizer = _own_copy(engine.tokenizer)
+        self.limits, self.special_tokens_in_messages = limits, special_tokens_in_messages
         self.vocab_size = engine.vocab_size
         self.max_model_len = engine.max_model_len
         self.cache_tokens = engine.config.num_blocks * engine.config.block_size
@@ -53,11 +72,16 @@ class PromptBuilder:
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
         self.limit = engine.max_prompt_tokens + 1
         self.max_chars = self.limit * max(longest, 1) * CHARS_SLACK
+        added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True) if self.tokenizer is not None else []
+        # (a capturing group: re.split keeps the special tokens it splits at)
+        self.specials = re.compile(f"({'|'.join(map(re.escape, added))})") if added else None
 
     def prepare(self, job: Job) -> Prepared:
         """The token ids and generation config of each prompt of ``job``; a 400 for one that cannot be served."""
         prompts = [self.token_ids(p, job.chat) for p in job.prompts]
-        configs = [job.generation_config(self.max_new_tokens(len(ids), job.max_tokens, job.chat)) for ids in prompts]
+        new_tokens = [self.max_new_tokens(len(ids), job.max_tokens, job.chat) for ids in prompts]
+        self.limits.check(job, [len(ids) for ids in prompts], new_tokens)
+        configs = [job.generation_config(n) for n in new_tokens]
         if not job.echo:
             return Prepared(prompts, configs)
         texts = [p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)]
@@ -72,7 +96,7 @@ class PromptBuilder:
             if chars > self.max_chars:
                 raise bad_request(f"the prompt has {chars} characters: more than {self._where()} can hold ("
                                   f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
-            ids = self._encode(self._render_chat(prompt) if chat else prompt, add_special_tokens=not chat)
+            ids = self._chat_ids(prompt) if chat else self._encode(prompt, add_special_tokens=True)
         else:
             ids = prompt
             if len(ids) < limit:
@@ -115,10 +139,45 @@ class PromptBuilder:
         except TemplateError as exc:
             raise bad_request(f"the model's chat template refused these messages: {exc}", "messages") from None
 
+    def _chat_ids(self, messages: list[dict]) -> list[int]:
+        """The token ids of a chat: special-token text in its messages' content kept as text (the module says how)."""
+        text = self._render_chat(messages)
+        guarded = [] if self.special_tokens_in_messages or self.specials is None else [
+            i for i, m in enumerate(messages) if m["role"] in TEXT_ROLES and self.specials.search(m["content"])]
+        if not guarded:  # (nothing to keep: the rendered chat as it is)
+            return self._encode(text, add_special_tokens=False)
+        marked = self._render_chat([{**m, "content": _marked(m["content"])} if i in guarded else m
+                                    for i, m in enumerate(messages)])
+        if _MARKS.sub("", marked) != text:
+            param = f"messages.{guarded[0]}.content"
+            raise bad_request(f"{param} holds special-token text, which this server keeps as text, but the chat "
+                              "template changes message content, so its text cannot be told from the template's; "
+                              "remove the special-token text (or serve with --allow-special-tokens-in-messages)", param)
+        ids, pending = [], []  # pending: the text since the template's last special token
+        for i, part in enumerate(_MARKS.split(marked)):  # even parts: the template's text; odd: a message's content
+            pieces = [part] if i % 2 else self.specials.split(part)
+            for j, piece in enumerate(pieces):
+                if j % 2:  # one of the template's special tokens
+                    ids += self._text_ids("".join(pending)) + [self.tokenizer.convert_tokens_to_ids(piece)]
+                    pending = []
+                else:
+                    pending.append(piece)
+        return ids + self._text_ids("".join(pending))
+
+    def _text_ids(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False, split_special_tokens=True)) if text else []
+
     def _encode(self, text: str, add_special_tokens: bool) -> list[int]:
         if self.tokenizer is None:
             raise bad_request("text prompts need a tokenizer, and this server has none; send token ids", "prompt")
         return list(self.tokenizer.encode(text, add_special_tokens=add_special_tokens))
+
+
+def _marked(content: str) -> str:
+    """``content`` with its text between :data:`OPEN` and :data:`CLOSE`, whitespace at either end outside (where a
+    template that trims content leaves it out)."""
+    start, end = len(content) - len(content.lstrip()), len(content.rstrip())
+    return content[:start] + OPEN + content[start:end] + CLOSE + content[end:]
 
 
 def _own_copy(tokenizer):
