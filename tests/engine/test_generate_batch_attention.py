@@ -1,7 +1,8 @@
 """``generate_batch`` and the engine leave the caller's model on the attention it was loaded with: after them,
 transformers' own ``model.generate_batch`` (which refuses a model on ``"hf_paged"``) and ``model.generate`` serve it
 as before, with the tokens of a fresh eager model; a kept engine (``persistent_manager=True``) still serves later
-calls; a model loaded with ``attn_implementation="hf_paged"`` stays on it and is served as before."""
+calls; a model trained after the call trains as a fresh one; a model loaded with ``attn_implementation="hf_paged"``
+stays on it and is served as before."""
 
 from __future__ import annotations
 
@@ -121,3 +122,26 @@ def test_a_model_loaded_with_the_paged_attention_stays_on_it_and_is_served():
         out = model.generate(ids, attention_mask=torch.ones_like(ids), **hf_paged.with_cache(model, cache),
                              generation_config=_config())
     assert out[0, len(prompts[0]):].tolist() == expected[0]
+
+
+def test_training_after_generate_batch_runs_the_callers_attention_with_its_gradients():
+    """A trainer's pattern: generate with a kept engine from a model in training mode, then train it. The forward
+    and backward after the call are a fresh model's: its own attention with gradients, its modules in training
+    mode, nothing of the engine's left in the way; and transformers' own paths serve it after a dtype change."""
+    model, fresh = _loaded("sdpa"), _loaded("sdpa")
+    prompts = random_prompts(3, 4, 14, seed=77)
+    model.train()
+    assert _ours(model, prompts, persistent_manager=True) == hf_greedy(ARCH, prompts, 6)
+    assert model.training and all(m.training for m in model.modules())
+    assert model.config._attn_implementation == "sdpa"
+    ids = torch.tensor([prompts[0] + prompts[1]])
+    losses = []
+    for m in (model, fresh.train()):
+        loss = m(input_ids=ids, labels=ids).loss
+        loss.backward()
+        losses.append((loss.detach(), [p.grad for p in m.parameters()]))
+    assert torch.equal(losses[0][0], losses[1][0])
+    for ours, theirs in zip(losses[0][1], losses[1][1]):
+        torch.testing.assert_close(ours, theirs, rtol=0, atol=0)
+    model.eval().to(torch.bfloat16)
+    assert _ours(model, prompts, persistent_manager=True) == _generate(model, prompts) == _theirs(model, prompts)
