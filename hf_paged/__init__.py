@@ -7,7 +7,7 @@
   :func:`optimize_generate` / :func:`restore_generate`, :func:`with_cache`;
 - continuous batching: :class:`Engine` (settings: :class:`EngineConfig`; outputs: :class:`RequestOutput`,
   :class:`TokenDelta`; per-request settings: :class:`SamplingParams`) and :func:`generate_batch`, the drop-in for
-  transformers' ``model.generate_batch``;
+  transformers' ``model.generate_batch`` (:class:`GenerateBatchError` when a request fails);
 - several GPUs: :func:`distributed_generate_batch` (data parallel) and :func:`paged_cache_for` (a cache for a model
   split by ``device_map`` or loaded with ``tp_plan``);
 - :func:`available_backends`, :class:`OutOfBlocksError`, ``ATTN_IMPLEMENTATION``.
@@ -34,6 +34,7 @@ _LAZY = {
     "CacheConfig": "hf_paged.cache._config",
     "Engine": "hf_paged.engine._engine",
     "EngineConfig": "hf_paged.engine._config",
+    "GenerateBatchError": "hf_paged.engine._generate_batch",
     "OutOfBlocksError": "hf_paged.cache._block_allocator",
     "PagedAttentionCache": "hf_paged.generate._paged_cache",
     "RequestOutput": "hf_paged.engine._request_output",

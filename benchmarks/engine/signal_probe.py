@@ -8,9 +8,10 @@ a few greedy requests and steps until none is left while signals arrive at rando
   abort stopped with ``finish_reason="abort"``.
 - ``stats``: one SIGUSR1 per run, sent the same way; its handler calls ``engine.stats()``, which must return the
   figures of the moment (the tokens generated so far in the run, the requests queued and running).
-- ``hand-over``: SIGALRM every 0.2-2 ms (``signal.setitimer``) while ``step()`` runs; its handler raises, and the
-  loop steps again after each exception. Every request's output must be delivered exactly once: none lost (a
-  hand-over interrupted after the engine took the outputs out), none twice.
+- ``hand-over``: one SIGALRM per step (``signal.setitimer``), after a random delay of up to twice a step's usual
+  length; its handler raises while ``step()`` runs, and the loop steps again after each exception. Every request's output
+  must be delivered exactly once: none lost (a hand-over interrupted after the engine took the outputs out), none
+  twice.
 
 A run that does not return within ``--hang-after`` seconds (a handler waiting for ever on the engine's lock) ends the
 probe: it prints which run hung and every thread's stack, and exits with status 1; a failed check exits with 1
@@ -18,6 +19,7 @@ after the summary. Each probe prints one line: runs, runs that returned, when th
 The default (100 runs of each) takes well under a minute on one CPU core.
 
     python -m benchmarks.engine.signal_probe [--runs 100] [--handover-runs 100] [--seed 0] [--hang-after 30]
+        [--probes abort,stats,hand-over]
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ import hf_paged
 from hf_paged.cli.default_model import tiny_llama
 
 PROMPTS, NEW_TOKENS = 4, 24  # requests per run, and each one's new tokens (greedy, no EOS)
+HANDOVER_TOKENS = 6  # each one's new tokens in the hand-over probe, whose runs take several tries per step
 
 
 class Interrupted(BaseException):
@@ -67,13 +70,13 @@ class Watchdog:
 
 def build_engine() -> hf_paged.Engine:
     torch.manual_seed(0)
-    return hf_paged.Engine(tiny_llama(), num_blocks=64, block_size=16, max_num_seqs=8, max_batch_tokens=256,
-                           generation_config=GenerationConfig(max_new_tokens=NEW_TOKENS, do_sample=False,
-                                                              eos_token_id=None))
+    return hf_paged.Engine(tiny_llama(), num_blocks=64, block_size=16, max_num_seqs=8, max_batch_tokens=256)
 
 
-def add_prompts(engine: hf_paged.Engine, rng: random.Random) -> list[str]:
-    return [engine.add_request([rng.randrange(3, 259) for _ in range(rng.randint(8, 40))]) for _ in range(PROMPTS)]
+def add_prompts(engine: hf_paged.Engine, rng: random.Random, new_tokens: int = NEW_TOKENS) -> list[str]:
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None)
+    return [engine.add_request([rng.randrange(3, 259) for _ in range(rng.randint(8, 40))], config)
+            for _ in range(PROMPTS)]
 
 
 def drain(engine: hf_paged.Engine) -> list:
@@ -144,45 +147,52 @@ def probe_stats(engine, runs, rng, watchdog) -> dict:
 
 
 def probe_handover(engine, runs, rng, watchdog) -> dict:
-    """The handler raises only while ``step()`` runs (``state["in_step"]``: set and cleared by stores that Python
-    checks for signals neither before nor after), so every exception comes from inside the engine."""
+    """Before each step, SIGALRM is set (``signal.setitimer``) to go off after a random delay of up to twice a step's
+    usual length (about half of the signals land in a step). The handler raises only while ``step()`` runs (``state["in_step"]``: set and cleared by stores, at which
+    Python does not check for signals), so every exception comes from inside the engine."""
     state = {"in_step": False}
 
     def raising(signum, frame):
         if state["in_step"]:
             raise Interrupted
 
+    add_prompts(engine, rng, HANDOVER_TOKENS)
+    times = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t)
+    step_length = sorted(times)[len(times) // 2]
     counts, failures = Counter(), []
     previous = signal.signal(signal.SIGALRM, raising)
     try:
         for run in range(runs):
             done = watchdog.run(f"hand-over run {run + 1} of {runs}")
-            ids = add_prompts(engine, rng)
+            ids = add_prompts(engine, rng, HANDOVER_TOKENS)
             got: Counter[str] = Counter()
-            period = rng.uniform(2e-4, 2e-3)
-            signal.setitimer(signal.ITIMER_REAL, period, period)
-            steps = 0
-            while engine.has_unfinished() and steps < 10_000:
-                steps += 1
+            while engine.has_unfinished():
+                counts["steps"] += 1
+                signal.setitimer(signal.ITIMER_REAL, rng.uniform(1e-6, 2 * step_length))
                 try:
                     state["in_step"] = True
                     outs = engine.step()
                     state["in_step"] = False
                 except Interrupted:
                     state["in_step"] = False
-                    counts["interrupted steps"] += 1
+                    counts["interrupted"] += 1
                     continue
+                except Exception as exc:  # the engine broken by an interrupt: the probe cannot go on
+                    failures.append(f"run {run + 1}: step() raised {type(exc).__name__}: {exc}")
+                    return {"runs": run + 1, "requests": (run + 1) * PROMPTS, **counts, "failures": failures}
+                finally:
+                    signal.setitimer(signal.ITIMER_REAL, 0)
                 got.update(o.request_id for o in outs)
-            signal.setitimer(signal.ITIMER_REAL, 0)
             done.set()
-            counts["steps"] += steps
             counts["outputs delivered"] += sum(got.values())
             counts["lost"] += sum(rid not in got for rid in ids)
             counts["delivered twice"] += sum(n > 1 for n in got.values())
-            if set(got) != set(ids) or max(got.values()) > 1:
+            if set(got) != set(ids) or any(n > 1 for n in got.values()):
                 failures.append(f"run {run + 1}: outputs {dict(got)} for requests {ids}")
-                engine.abort_all()  # (what was lost stays lost; start the next run clean)
-                drain(engine)
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
@@ -195,6 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--handover-runs", type=int, default=100, help="runs of the hand-over probe")
     parser.add_argument("--seed", type=int, default=0, help="seeds the prompts and the signals' times")
     parser.add_argument("--hang-after", type=float, default=30.0, help="seconds after which a run counts as hung")
+    parser.add_argument("--probes", default="abort,stats,hand-over", help="which probes to run, comma-separated")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     rng, watchdog, engine = random.Random(args.seed), Watchdog(args.hang_after), build_engine()
@@ -202,6 +213,8 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     for name, probe, runs in (("abort", probe_abort, args.runs), ("stats", probe_stats, args.runs),
                               ("hand-over", probe_handover, args.handover_runs)):
+        if name not in args.probes.split(","):
+            continue
         result = probe(engine, runs, rng, watchdog)
         failures = result.pop("failures")
         print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in result.items()) + f", failed {len(failures)}",

@@ -42,24 +42,24 @@ def kernel_selected(module: torch.nn.Module) -> bool:
     return any(func.forward.__func__ is not type(func).forward for func in module._kernel_funcs.values())
 
 
-class _RoutedAround:
-    """A kernel-routed module's ``forward``: the wrapped one while dynamo traces and no kernel is selected, else the
-    one the module had (the wrapper)."""
-
-    def __init__(self, module: torch.nn.Module, eager: Callable):
-        self.module, self.eager = module, eager
-        self.inner = type(module).forward.__wrapped__
-
-    def __call__(self, *args, **kwargs):
-        if torch.compiler.is_compiling() and not kernel_selected(self.module):
-            return self.inner(self.module, *args, **kwargs)
-        return self.eager(*args, **kwargs)
-
-
 def route_around(layers: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.Module]:
     """Give every kernel-routed module inside ``layers`` the traced-without-the-wrapper ``forward``, as a patch of
     ``kind`` (restored with the rest of that kind); returns the modules patched."""
     routed = [m for layer in layers for m in layer.modules() if is_kernel_router(m)]
     for module in routed:
-        patches.install(module, kind, lambda eager, module=module: _RoutedAround(module, eager))
+        patches.install(module, kind, lambda eager, module=module: _routed_around(module, eager))
     return routed
+
+
+def _routed_around(module: torch.nn.Module, eager: Callable) -> Callable:
+    """``module``'s ``forward``: the wrapped one while dynamo traces and no kernel is selected, else ``eager`` (the
+    wrapper). A closure, not an object: dynamo guards on the identity of a callable object found on a module, and the
+    decoder layers would then each trace a graph of their own instead of sharing the first one's."""
+    inner = type(module).forward.__wrapped__
+
+    def forward(*args, **kwargs):
+        if torch.compiler.is_compiling() and not kernel_selected(module):
+            return inner(module, *args, **kwargs)
+        return eager(*args, **kwargs)
+
+    return forward

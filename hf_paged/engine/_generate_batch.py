@@ -13,6 +13,7 @@ own, as transformers orders them).
 from __future__ import annotations
 
 import copy
+import threading
 import time
 
 import torch
@@ -65,8 +66,8 @@ def generate_batch(
     ``max_memory_percent``, ``allow_block_sharing``, ``use_async_batching``, ``use_cuda_graph``, ``return_logprobs``,
     ``seed``, and hf_paged's own ``cuda_graphs``, ``cuda_graph_capture``, ``compile_layers``, ``skinny_linear``,
     ``kv_cache_dtype`` and ``logprobs_mode`` (what ``return_logprobs``' logprobs are of: ``"raw_logprobs"``, the
-    default, or ``"processed_logprobs"``, the distribution each token was drawn from); the knobs of transformers' own runner change nothing here. An :class:`~hf_paged.EngineConfig`
-    is taken as it is. Unset sizes are automatic and fit the call (``engine/_sizing.py``): the pool holds the whole
+    default, or ``"processed_logprobs"``, the distribution each token was drawn from); the knobs of transformers' own
+    runner change nothing here. An :class:`~hf_paged.EngineConfig` is taken as it is. Unset sizes are automatic and fit the call (``engine/_sizing.py``): the pool holds the whole
     workload within the memory budget (default 0.8 of free device memory; on a CPU at most 3% of its RAM).
 
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
@@ -87,9 +88,10 @@ def generate_batch(
     (no dropout) and each module goes back to its training mode after the call.
     Identical prompts run as one request with a copy per prompt (one prefill: ``_shared_prefills``), their results
     under the ids and in the order of the prompts as given.
+    Calls from several threads run one at a time: a second call waits until the first has ended.
     A request that fails (a prompt the pool or the model's position limit cannot hold, a fault of the model) makes the
-    call raise ``RuntimeError`` naming each failed request and why, once the others are done; no result comes back
-    empty.
+    call raise :class:`GenerateBatchError` (a ``RuntimeError``) naming each failed request and why, once the others
+    are done; its ``results`` hold every output, the failed ones with their error. No result comes back empty.
     """
     unknown = sorted(set(kwargs) - {"max_new_tokens"})
     if unknown:  # (a typo must not be ignored silently)
@@ -121,14 +123,14 @@ def generate_batch(
                                                             indices, copies)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
-    # the caller's attention and training mode, put back however the call ends (as transformers' generate_batch puts
-    # the attention back), so that the model's own generate and generate_batch work on it afterwards and a trainer
-    # goes on training; the call runs in eval mode (no dropout)
-    attention = _compat.attn_implementation(model.config)
-    training = [module for module in model.modules() if module.training]
-    model.eval()
-    try:
-        with tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+    # one call at a time in the process (_CALLS); the caller's attention and training mode, put back however the call
+    # ends (as transformers' generate_batch puts the attention back), so that the model's own generate and
+    # generate_batch work on it afterwards and a trainer goes on training; the call runs in eval mode (no dropout)
+    with _CALLS, tqdm(total=len(inputs) * copies, disable=not progress_bar, desc=desc, unit="request") as bar:
+        attention = _compat.attn_implementation(model.config)
+        training = [module for module in model.modules() if module.training]
+        model.eval()
+        try:
             engine = _engine_for(model, config, workload, persistent_manager)
             use_paged_attention(model)  # (a kept engine's model was switched back after its last call)
             if reset_prefix_cache:
@@ -148,17 +150,18 @@ def generate_batch(
                     rid = names[out.request_id]
                     finished[rid] = _to_generation_output(rid, out, start, stamps)
                 bar.update(len(outs))
-    finally:
-        restore_attention(model, attention)
-        for module in training:
-            module.training = True
-    failed = [f"{rid}: {out.error}" for rid, out in finished.items() if out.error is not None]
-    if failed:
-        raise RuntimeError(f"generate_batch: {len(failed)} of {len(finished)} requests failed: "
-                           + "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""))
+        finally:
+            restore_attention(model, attention)
+            for module in training:
+                module.training = True
     place = {f"req_{i}": position for position, i in enumerate(indices)}
     order = lambda rid: (place[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
-    return {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each prompt's copies first
+    results = {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each one's copies first
+    failed = [f"{rid}: {out.error}" for rid, out in results.items() if out.error is not None]
+    if failed:
+        raise GenerateBatchError(f"generate_batch: {len(failed)} of {len(results)} requests failed: "
+                                 + "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""), results)
+    return results
 
 
 def read_call(model, inputs, generation_config: GenerationConfig | None, max_new_tokens: int | None,
@@ -177,7 +180,20 @@ def most_tokens(prompt: list[int], gc: GenerationConfig) -> int:
     return len(prompt) + gc.max_new_tokens if gc.max_new_tokens is not None else gc.max_length
 
 
+class GenerateBatchError(RuntimeError):
+    """Raised by :func:`generate_batch` when a request failed; ``results`` holds every request's output, the failed
+    ones with their ``error`` and status ``FAILED``, so the work of the others is not lost."""
+
+    def __init__(self, message: str, results: dict[str, GenerationOutput]):
+        super().__init__(message)
+        self.results = results
+
+
 _KEPT = "_hf_paged_engine"  # model attribute holding the engine kept by persistent_manager=True
+#: Held by each call while it runs: calls from several threads run one after the other. A kept engine serves one
+#: call at a time, and the flag of hf_paged's own model calls that the attention reads is one for the process
+#: (``hf_paged/_forward_context.py``), so two engines stepping at once in two threads would read each other's.
+_CALLS = threading.RLock()
 
 
 def _engine_for(model, config: EngineConfig, workload: Workload, persistent: bool) -> Engine:

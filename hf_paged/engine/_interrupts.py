@@ -43,8 +43,10 @@ class InterruptGuard:
         handler = self._saved.get(signum)
         if handler is None:
             return
-        if self._interruptible:
+        if self._interruptible:  # (held back while it runs; for good if it raises: the device work is over then)
+            self._interruptible = False
             handler(signum, frame)
+            self._interruptible = True
         else:
             self._pending.append((handler, signum))
 

@@ -16,9 +16,11 @@ from dataclasses import dataclass, replace
 
 import torch
 
+from hf_paged.attention.backends._torch import workspace_bytes
 from hf_paged.cache._kv_pool import KVLayout, describe_budget, free_memory_bytes, pool_blocks, pool_room
 from hf_paged.cache._kv_quant import kv_storage_dtype
 from hf_paged.engine._config import EngineConfig
+from hf_paged.hf._support import position_limit
 from hf_paged.runner._graph_sizes import one_call_graph_sizes
 
 
@@ -45,8 +47,8 @@ RULES = {
 }
 
 #: The share of the memory the KV pool leaves free (what its budget, ``memory_budget``, leaves of free memory) that one
-#: step's activations (``max_batch_tokens`` tokens through a layer) and sampled logits (``max_num_seqs`` rows) may
-#: take; above it the step budget, then the sequences, are halved.
+#: step's activations (``max_batch_tokens`` tokens through a layer), sampled logits (``max_num_seqs`` rows) and, off
+#: CUDA, attention workspace may take; above it the step budget, then the sequences, are halved.
 ACTIVATION_SHARE = 0.5
 #: The automatic sizes never go below these (a smaller memory budget or an explicit setting does).
 MIN_BATCH_TOKENS = 512
@@ -122,9 +124,10 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
 
 def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Sequence[torch.device], tokens: int,
                 seqs: int, reasons: dict[str, str]) -> tuple[int, int]:
-    """Halve the automatic step budget, then the automatic sequences, while a step's activations and sampled logits
-    would take more than ``ACTIVATION_SHARE`` of the memory the KV pool leaves free on the tightest device.
-    ``reasons`` holds the automatic ones of the two (and nothing else yet); a cut is noted in it."""
+    """Halve the automatic step budget, then the automatic sequences, while a step's activations, sampled logits and
+    attention workspace (:func:`attention_bytes`) would take more than ``ACTIVATION_SHARE`` of the memory the KV pool
+    leaves free on the tightest device. ``reasons`` holds the automatic ones of the two (and nothing else yet); a cut
+    is noted in it."""
     if not devices:
         return tokens, seqs
     free = {d: free_memory_bytes(d) for d in set(devices)}
@@ -136,8 +139,9 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         left = max(0.0, min(free.values()) - pool / len(free))
     room = left * ACTIVATION_SHARE
     per_token, per_seq = step_bytes(model_config, dtype)
+    attention = attention_bytes(model_config, cfg, dtype, devices[0])
     before = tokens, seqs
-    while tokens * per_token + seqs * per_seq > room:
+    while tokens * per_token + seqs * per_seq + attention > room:
         if "max_batch_tokens" in reasons and tokens // 2 >= MIN_BATCH_TOKENS:
             tokens //= 2
         elif "max_num_seqs" in reasons and seqs // 2 >= MIN_NUM_SEQS:
@@ -156,13 +160,32 @@ def step_bytes(model_config, dtype: torch.dtype) -> tuple[int, int]:
     and the MLP's gate, up and product) and per sampled sequence (its logits row and the sampler's work on it)."""
     text = model_config.get_text_config(decoder=True)
     hidden = text.hidden_size
-    heads = text.num_attention_heads
-    kv_heads = getattr(text, "num_key_value_heads", None) or heads
-    head_dim = getattr(text, "head_dim", None) or hidden // heads
+    heads, kv_heads, head_dim = _attention_heads(text)
     inter = getattr(text, "intermediate_size", None) or 4 * hidden
     item = torch.empty((), dtype=dtype).element_size()
     per_token = (4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter) * item
     return per_token, text.vocab_size * (item + _SAMPLER_BYTES)
+
+
+def attention_bytes(model_config, cfg: EngineConfig, dtype: torch.dtype, device: torch.device) -> int:
+    """Bytes one layer's attention of a step takes beyond its output off CUDA, where the torch backend serves every
+    layer: its bound (``attention/backends/_torch.py``), a piece of the step or one query row over the model's longest
+    context, whatever the step's sequences, so no step budget or sequence count caps it. 0 on CUDA, where flash or the
+    project's kernels serve (the torch backend's fallback pieces, at most ``WORKSPACE_BYTES["cuda"]``, come out of
+    what ``ACTIVATION_SHARE`` leaves)."""
+    if device.type == "cuda":
+        return 0
+    text = model_config.get_text_config(decoder=True)
+    cache = torch.empty((), dtype=kv_storage_dtype(cfg.kv_cache_dtype, dtype)).element_size()
+    return workspace_bytes(device.type, position_limit(model_config), *_attention_heads(text), cfg.block_size,
+                           cache_size=cache)
+
+
+def _attention_heads(text_config) -> tuple[int, int, int]:
+    """A text config's query heads, KV heads and head_dim."""
+    heads = text_config.num_attention_heads
+    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
+    return heads, kv_heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
 
 
 def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],

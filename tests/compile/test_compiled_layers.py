@@ -160,6 +160,29 @@ def test_steps_of_new_sizes_do_not_compile_again(model):
     assert [o.token_ids for o in outs] == refs and [o.token_ids for o in outs2] == refs
 
 
+@pytest.mark.slow
+def test_the_decoder_layers_share_one_trace_whatever_the_depth(monkeypatch):
+    """Every decoder layer runs the first layer's graphs: a model of 3 layers compiles as many as one of 1 (a layer's
+    graphs hold nothing of its own, such as its index or a patch object on it, that dynamo would guard on), and both
+    give the eager model's tokens. Traced without inductor (its code is not what is counted)."""
+    from torch._dynamo.utils import counters
+
+    compile = torch.compile
+    monkeypatch.setattr(torch, "compile", lambda fn, options=None, **kwargs: compile(fn, backend="eager", **kwargs))
+    prompts = random_prompts(1, 6, 6, seed=17)
+    graphs = {}
+    for depth in (1, 3):
+        eager, paged = make_models("llama_gqa", seed=depth, num_hidden_layers=depth)
+        want = eager.generate(torch.tensor(prompts), do_sample=False, max_new_tokens=3)[0, 6:].tolist()
+        torch._dynamo.reset()
+        counters.clear()
+        engine = hf_paged.Engine(paged, num_blocks=16, block_size=4, compile_layers=True)
+        assert engine.generate(prompts, greedy_config(3))[0].token_ids == want  # a prefill step, then decode
+        graphs[depth] = counters["stats"]["unique_graphs"]
+    torch._dynamo.reset()
+    assert graphs[1] > 0 and graphs[3] == graphs[1], graphs
+
+
 def test_a_model_without_decoder_layers_runs_eager_or_is_refused():
     """A model the engine can serve but whose layers it cannot find (no base model, no list of layers)."""
     from benchmarks.engine.overhead import StubModel

@@ -96,8 +96,9 @@ class Soak:
     def step(self) -> None:
         try:
             outs = self.engine.step()
-        except KeyboardInterrupt:
-            outs = []
+        except KeyboardInterrupt:  # what the step took out comes from the next step: its requests keep their reader
+            self.check()
+            return
         for out in outs:
             assert family(out.request_id) in self.step_owned, f"{out.request_id} reported to the wrong reader"
             self.report(out.request_id, out)

@@ -168,16 +168,6 @@ def test_a_request_past_the_position_limit_ends_with_an_error_and_keeps_its_toke
     assert [done[i].token_ids for i in ids] == hf_greedy("gpt2", short, 7)
 
 
-def test_generate_batch_with_a_prompt_past_the_position_limit_reports_it_failed():
-    from transformers.generation.continuous_batching import RequestStatus
-
-    model = models("gpt2")[1]
-    short = random_prompts(1, 4, 4, seed=5)[0]
-    results = hf_paged.generate_batch(model, [[5] * 600, short], GenerationConfig(max_new_tokens=3, do_sample=False))
-    assert results["req_0"].status == RequestStatus.FAILED and "position limit" in results["req_0"].error
-    assert results["req_1"].generated_tokens == hf_greedy("gpt2", [short], 3)[0]
-
-
 def test_unclear_calls_get_one_clear_line():
     eng = engine()
     with pytest.raises(ValueError, match=r"\[\[5, 6, 7\]\]"):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 from transformers import GenerationConfig
+from transformers.generation.continuous_batching import RequestStatus
 
 import hf_paged
 from engine_helpers import hf_greedy, random_prompts
@@ -32,7 +33,11 @@ def test_a_model_in_training_mode_with_dropout_generates_in_eval_mode_and_goes_b
 def test_a_request_that_fails_raises_with_its_reason(prompt, batching, reason):
     model = make_models(ARCH)[1]
     ok = random_prompts(1, 3, 6, seed=91)[0]
-    with pytest.raises(RuntimeError, match=rf"1 of 2 requests failed: req_1: .*{reason}"):
+    with pytest.raises(hf_paged.GenerateBatchError, match=rf"1 of 2 requests failed: req_1: .*{reason}") as failure:
         hf_paged.generate_batch(model, [ok, prompt], CONFIG, batching)
+    results = failure.value.results  # (the others' work is not lost)
+    assert list(results) == ["req_0", "req_1"] and results["req_1"].status == RequestStatus.FAILED
+    assert results["req_0"].generated_tokens == hf_greedy(ARCH, [ok], 5)[0] and results["req_0"].error is None
+    assert reason in results["req_1"].error and results["req_1"].generated_tokens == []
     assert hf_paged.generate_batch(model, [ok], CONFIG, batching)["req_0"].generated_tokens == hf_greedy(
         ARCH, [ok], 5)[0]  # (the model serves the next call)

@@ -67,6 +67,26 @@ def test_a_given_pool_leaves_the_rest_of_free_memory_to_the_step(monkeypatch):
     assert (whole.max_batch_tokens, whole.max_num_seqs) == (512, 16)  # nothing left: the floors
 
 
+def test_off_cuda_the_attention_workspace_is_part_of_a_step(monkeypatch):
+    """On a CPU the torch backend serves every layer: its workspace bound (a piece of the step, or one query row over
+    the model's longest context) counts with the activations and logits, so a step budget that would fit without it
+    is cut; on CUDA (flash, the kernels) it does not count."""
+    from hf_paged.attention.backends import _torch
+
+    cpu = [torch.device("cpu")] * 16
+    cfg = hf_paged.EngineConfig(num_blocks=1)
+    per_token, per_seq = sizing.step_bytes(LLAMA_1B, torch.float32)
+    attention = sizing.attention_bytes(LLAMA_1B, cfg, torch.float32, cpu[0])
+    assert attention == max(_torch.WORKSPACE_BYTES["cpu"], _torch.piece_bytes(1, 1, 2048, 32, 8, 64, 16)) > 0
+    assert sizing.attention_bytes(LLAMA_1B, cfg, torch.float32, torch.device("cuda", 0)) == 0
+    full = 2048 * per_token + 256 * per_seq
+    left = 2 * (full + attention // 2)  # the room (half of it) holds the step without its attention, not with it
+    monkeypatch.setattr(sizing, "free_memory_bytes", lambda device: left + 16 * 2 * 16 * 16 * 8 * 64 * 4 / 16)
+    sized, reasons = size_engine(cfg, LLAMA_1B, torch.float32, cpu)
+    assert (sized.max_batch_tokens, sized.max_num_seqs) == (1024, 256) and "cut to fit" in reasons["max_batch_tokens"]
+    assert 1024 * per_token + 256 * per_seq + attention <= left * sizing.ACTIVATION_SHARE
+
+
 def test_explicit_settings_win_whatever_the_memory(monkeypatch):
     devices = _on_cuda(monkeypatch, GIB // 4)
     cfg = hf_paged.EngineConfig(max_batch_tokens=16384, max_num_seqs=512, cuda_graph_capture="start")
