@@ -22,7 +22,7 @@ import copy
 import logging
 import re
 import secrets
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from jinja2 import TemplateError
 from transformers import GenerationConfig
@@ -65,6 +65,7 @@ class PromptBuilder:
         self.tokenizer = _own_copy(engine.tokenizer)
         self.limits, self.special_tokens_in_messages = limits, special_tokens_in_messages
         self.vocab_size = engine.vocab_size
+        self.samples_by_default = bool(getattr(engine.generation_config, "do_sample", False))
         self.max_model_len = engine.max_model_len
         self.cache_tokens = engine.config.num_blocks * engine.config.block_size
         has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
@@ -81,6 +82,11 @@ class PromptBuilder:
         prompts = [self.token_ids(p, job.chat) for p in job.prompts]
         new_tokens = [self.max_new_tokens(len(ids), job.max_tokens, job.chat) for ids in prompts]
         self.limits.check(job, [len(ids) for ids in prompts], new_tokens)
+        if job.n > 1 and "do_sample" not in job.settings:  # no sampling field set: the model's default decoding
+            if not self.samples_by_default:
+                raise bad_request(f"n={job.n} would return {job.n} identical copies: this model decodes greedily "
+                                  "unless asked (its generation config); set temperature > 0, or ask for n = 1", "n")
+            job = replace(job, settings={**job.settings, "do_sample": True})
         configs = [job.generation_config(n) for n in new_tokens]
         if not job.echo:
             return Prepared(prompts, configs)

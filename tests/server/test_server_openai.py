@@ -177,6 +177,7 @@ BAD_INPUTS = {
                                                "top_p": 1.5}, "top_p"),
     "n 0": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 0}, "n"),
     "n 2 greedy": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2, "temperature": 0}, "n"),
+    "n 2 under the model's greedy default": ("/v1/completions", {"model": MODEL, "prompt": "hi", "n": 2}, "n"),
     "seed negative": ("/v1/completions", {"model": MODEL, "prompt": "hi", "seed": -1}, "seed"),
     "empty prompt": ("/v1/completions", {"model": MODEL, "prompt": ""}, "prompt"),
     "token id out of vocab": ("/v1/completions", {"model": MODEL, "prompt": [5, 99999]}, "prompt"),
