@@ -3,6 +3,7 @@ called from any thread while one thread steps; ``step``/``stream``/``generate`` 
 
 Checked with a randomised three-thread run (one thread steps, one adds, one aborts) against the model's greedy
 tokens, and with deterministic interleavings inside the device forward (which runs without the engine's lock).
+``generate_batch`` from two threads on one model: each call gets what it would get alone.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import threading
 import time
 
 import pytest
+from transformers import GenerationConfig
 
 import hf_paged
 from engine_helpers import greedy_config, hf_greedy, models, random_prompts
@@ -20,6 +22,7 @@ from tiny_models import EOS
 
 ARCH = "llama_gqa"
 ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+GENERATE_BATCH_CALLS = 20
 
 
 @pytest.fixture
@@ -179,3 +182,32 @@ def test_a_stream_collected_inside_a_step_is_cancelled_at_the_next_consistent_po
     engine.runner.forward = forward
     assert list(done) == [other] and not any(engine.requests.is_open(f) for f in own)
     assert engine.stats()["used_blocks"] == 0
+
+
+def test_two_threads_calling_generate_batch_on_one_model_get_single_thread_results(fast_switching):
+    """Calls of ``generate_batch`` from several threads run one at a time (the second waits for the first to end),
+    so each gets the tokens it would get alone, with a kept engine or without."""
+    model = models(ARCH)[1]
+    config = GenerationConfig(max_new_tokens=4, do_sample=False)
+    work = [random_prompts(3, 3, 12, seed=110 + t) for t in range(2)]
+    expected = [hf_greedy(ARCH, prompts, 4) for prompts in work]
+    got: list[list] = [[], []]
+    errors: list[BaseException] = []
+
+    def caller(t: int):
+        try:
+            for call in range(GENERATE_BATCH_CALLS):
+                results = hf_paged.generate_batch(model, work[t], config, persistent_manager=call % 4 != 3)
+                got[t].append([r.generated_tokens for r in results.values()])
+        except BaseException as exc:  # noqa: BLE001 - reported by the main thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=caller, args=(t,)) for t in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    assert got == [[expected[t]] * GENERATE_BATCH_CALLS for t in range(2)]
+    assert model.config._attn_implementation == "hf_paged"  # (the model's own, put back by each call)
+    hf_paged.generate_batch(model, work[0], config)  # (lets the kept engine go)
