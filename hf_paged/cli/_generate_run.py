@@ -40,14 +40,18 @@ def run(args: argparse.Namespace) -> int:
         raise NotImplementedError(backend_refusal(args.backend, model.device, exc)) from exc
     log_setup(args, model, engine, len(prompts))
     check_lengths(engine, ids)
+    shown = prompts[: args.show if demo else None]
     start = time.perf_counter()
-    outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
+    if args.jsonl or not args.no_progress:
+        outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
+    else:
+        outputs = stream_answers(args, engine, ids, shown)
     elapsed = time.perf_counter() - start
     if args.jsonl:
         for text, out in zip(prompts, outputs):
             print(json.dumps(jsonl_record(text, out)))
-    else:
-        for text, out in list(zip(prompts, outputs))[: args.show if demo else None]:
+    elif not args.no_progress:
+        for text, out in zip(shown, outputs):
             print_answer(args, text, out)
     print_summary(args, engine.stats(), outputs, elapsed, file=sys.stderr if args.jsonl else sys.stdout)
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
@@ -63,11 +67,49 @@ def backend_refusal(names: tuple[str, ...], device: torch.device, exc: NotImplem
             f"hf_paged choose, or add torch (--backend {flag},torch)")
 
 
+def stream_answers(args: argparse.Namespace, engine: Engine, ids: list[list[int]], shown: list[str]) -> list:
+    """``engine.generate``'s outputs, with the answers to ``shown`` (the first prompts) printed as
+    :func:`print_answer` prints them, in prompt order, while they are generated: the first answer not printed whole
+    streams as its tokens come, the ones after it follow once it is done. (Without a progress bar only: the bar's
+    redraws would overwrite the line being streamed.)"""
+    rids = engine.add_requests(ids, generation_config(args))
+    texts, done = dict.fromkeys(rids, ""), {}
+    head, printed = 0, None  # the answer being printed, and its text printed so far (None: its prompt not yet)
+    while len(done) < len(rids):
+        outputs, deltas = engine.step_with_deltas()
+        for delta in deltas:
+            texts[delta.request_id] += delta.text or ""
+        done.update((out.request_id, out) for out in outputs)
+        while head < len(shown):
+            rid = rids[head]
+            if printed is None:
+                print_prompt(shown[head])
+                printed = ""
+            text = (done[rid].text or "") if rid in done else texts[rid]
+            print(printable(text[len(printed):]), end="", flush=True)
+            printed = text
+            if rid not in done:
+                break
+            print_ending(args, done[rid])
+            head, printed = head + 1, None
+    return [done[rid] for rid in rids]
+
+
 def print_answer(args: argparse.Namespace, prompt: str, out) -> None:
     """``> prompt`` (cut to 200 characters), the answer as plain text, a note where it did not end by itself, and a
     blank line."""
+    print_prompt(prompt)
+    print(printable(out.text or ""), end="")
+    print_ending(args, out)
+
+
+def print_prompt(prompt: str) -> None:
     print(f"> {printable(prompt if len(prompt) <= 200 else prompt[:197] + '...')}")
-    print(printable(out.text or ""))
+
+
+def print_ending(args: argparse.Namespace, out) -> None:
+    """What follows an answer's text: the end of its line, a note where it did not end by itself, a blank line."""
+    print()
     if out.finish_reason == "length":
         print(f"(cut at --max-new-tokens {args.max_new_tokens})")
     elif out.finish_reason == "error":

@@ -196,7 +196,8 @@ def test_an_unexpected_error_is_one_line_and_status_1_or_a_traceback_when_verbos
     def boom(*args, **kwargs):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(hf_paged.Engine, "generate", boom)
+    for method in ("generate", "step_with_deltas"):  # (with the progress bar, and streaming without it)
+        monkeypatch.setattr(hf_paged.Engine, method, boom)
     assert main(GENERATE + ["abc"]) == 1
     out, err = capsys.readouterr()
     assert err == ("hf-paged generate: error: unexpected RuntimeError: boom second line (run again with --verbose "

@@ -1,6 +1,6 @@
 """``hf-paged generate``: the default run, prompts from a file and stdin (every answer shown), a local checkpoint against
-HF ``generate`` in plain text and in ``--jsonl``, ``--ignore-eos``, a prompt that fails alone, and what ``--verbose``
-adds."""
+HF ``generate`` in plain text and in ``--jsonl``, ``--ignore-eos``, a prompt that fails alone, what ``--verbose``
+adds, and answers streamed while they are generated where no progress bar is drawn."""
 
 from __future__ import annotations
 
@@ -174,3 +174,31 @@ def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
 
     assert main(argv[:-1]) == 0
     assert "steps:" not in capsys.readouterr().out
+
+
+def test_without_the_progress_bar_answers_stream_in_order_and_end_as_with_it(capsys, monkeypatch):
+    """``--no-progress``: the first answer's text is on stdout while it is still being generated (the oracle: what
+    stdout holds as each step starts), and the whole output is what the run with the progress bar prints at its end
+    (a request that fails included)."""
+    argv = ["generate", "short", "x" * 31, "a third", "--model", "tiny", "--num-blocks", "2", "--block-size", "16",
+            "--max-new-tokens", "6", "--device", "cpu", "--ignore-eos"]
+    assert main(argv) == 1
+    whole = capsys.readouterr().out
+    seen = []  # stdout as each step starts
+    step_with_deltas = hf_paged.Engine.step_with_deltas
+
+    def step_seen(engine):
+        seen.append(stdout.getvalue())
+        return step_with_deltas(engine)
+
+    stdout = io.StringIO()
+    monkeypatch.setattr(hf_paged.Engine, "step_with_deltas", step_seen)
+    monkeypatch.setattr("sys.stdout", stdout)
+    assert main(argv + ["--no-progress"]) == 1
+    streamed = stdout.getvalue()
+    answers = streamed[: streamed.index("summary:")]
+    assert answers == whole[: whole.index("summary:")] and answers.count("(failed: ") == 1
+    head = "> short\n"
+    # how much of the first answer's text was out as each step started, while it was not out whole
+    partial = {len(s) - len(head) for s in seen if s.startswith(head) and "\n" not in s[len(head):]}
+    assert len(partial - {0}) >= 2  # some of it before its last step, and more at a later one
