@@ -129,8 +129,7 @@ def probe_abort(engine, runs, rng, watchdog) -> dict:
         wrong = [o.request_id for o in outs if o.request_id in stopped and o.finish_reason != "abort"]
         return reported_once(ids, outs) or (f"{wrong} were aborted but finished otherwise" if wrong else None)
 
-    result = signal_runs(engine, signal.SIGTERM, engine.abort_all, runs, rng, watchdog, check)
-    return result
+    return signal_runs(engine, signal.SIGTERM, engine.abort_all, runs, rng, watchdog, check)
 
 
 def probe_stats(engine, runs, rng, watchdog) -> dict:
@@ -199,6 +198,21 @@ def probe_handover(engine, runs, rng, watchdog) -> dict:
     return {"runs": runs, "requests": runs * PROMPTS, **counts, "failures": failures}
 
 
+PROBES = {"abort": probe_abort, "stats": probe_stats, "hand-over": probe_handover}
+
+
+def run_probes(runs: int = 100, handover_runs: int = 100, seed: int = 0, hang_after: float = 30.0,
+               probes: tuple[str, ...] = tuple(PROBES)) -> dict[str, dict]:
+    """Each of ``probes`` on one engine (``runs`` runs of abort and stats, ``handover_runs`` of hand-over): per probe,
+    its counts and ``failures`` (a list of lines). Signals reach the main thread only: call it there. A hung run ends
+    the process (:class:`Watchdog`)."""
+    rng, watchdog, engine = random.Random(seed), Watchdog(hang_after), build_engine()
+    results = {name: PROBES[name](engine, handover_runs if name == "hand-over" else runs, rng, watchdog)
+               for name in PROBES if name in probes}
+    engine.check_invariants()
+    return results
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=100, help="runs of each signal probe (abort, stats)")
@@ -208,21 +222,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--probes", default="abort,stats,hand-over", help="which probes to run, comma-separated")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
-    rng, watchdog, engine = random.Random(args.seed), Watchdog(args.hang_after), build_engine()
-    failed = False
     start = time.perf_counter()
-    for name, probe, runs in (("abort", probe_abort, args.runs), ("stats", probe_stats, args.runs),
-                              ("hand-over", probe_handover, args.handover_runs)):
-        if name not in args.probes.split(","):
-            continue
-        result = probe(engine, runs, rng, watchdog)
-        failures = result.pop("failures")
-        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in result.items()) + f", failed {len(failures)}",
-              flush=True)
-        for line in failures[:5]:
+    results = run_probes(args.runs, args.handover_runs, args.seed, args.hang_after, tuple(args.probes.split(",")))
+    for name, result in results.items():
+        counts = {k: v for k, v in result.items() if k != "failures"}
+        print(f"{name}: " + ", ".join(f"{k} {v}" for k, v in counts.items()) + f", failed {len(result['failures'])}")
+        for line in result["failures"][:5]:
             print(f"  {line}")
-        failed |= bool(failures)
-    engine.check_invariants()
+    failed = any(result["failures"] for result in results.values())
     print(f"{time.perf_counter() - start:.1f} s; {'FAILED' if failed else 'all runs returned, no output lost'}")
     return int(failed)
 
