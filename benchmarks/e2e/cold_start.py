@@ -59,7 +59,8 @@ apart, as an install does it) and points every child there (``PYTHONPYCACHEPREFI
 temporary one unless ``--bytecode-dir DIR`` names one: kept, so that a later run compiles only what changed.
 
 ``--smoke`` runs every path on the CPU with a tiny model (4 prompts, 4 new tokens, the tiny serve checkpoint);
-its numbers mean nothing.
+its numbers mean nothing. A CPU's own cold start (``hf-paged generate`` against transformers' ``generate`` on
+SmolLM2) is ``benchmarks.e2e.cold_start_cpu``.
 """
 
 from __future__ import annotations
