@@ -9,9 +9,11 @@ raises), an application's own, a SIGALRM or SIGTERM handler that raises. And a h
 which it would wait on for ever. So the engine holds its lock in the main thread only inside :meth:`held`: there
 each of those signals (``_WATCHED``) that has a Python handler is only recorded, and its handler runs when the guard
 is left, after the lock is released, where what it raises propagates. The device work in between (:meth:`allowed`,
-run without the lock) stays interruptible, since the engine can drop a step that did not run; a handler that calls
-the engine there holds the guard again (:meth:`held` nested) while it holds the lock. Signals' handlers run only in
-the main thread, so elsewhere the guard does nothing.
+run without the lock) runs whole too, and the handlers of the signals received during it run as it ends, still
+without the lock: an exception raised inside torch's own Python code (between a grad-mode or inference-mode context's
+entry and its exit, say) would leave that mode switched for the thread, flipped back whenever the exception's frames
+are collected, and break later steps. A handler that calls the engine then holds the guard again (:meth:`held`
+nested) while it holds the lock. Signals' handlers run only in the main thread, so elsewhere the guard does nothing.
 """
 
 from __future__ import annotations
@@ -37,35 +39,19 @@ class InterruptGuard:
         self._held = False
         self._saved: dict[int, Callable] = {}  # while held: the handlers in place before, by signal
         self._pending: list[tuple[Callable, int]] = []  # handlers of the signals received while held, in order
-        self._interruptible = False  # inside allowed(): a handler runs at once
 
     def _defer(self, signum: int, frame) -> None:
         handler = self._saved.get(signum)
-        if handler is None:
-            return
-        if self._interruptible:  # (held back while it runs; for good if it raises: the device work is over then)
-            self._interruptible = False
-            handler(signum, frame)
-            self._interruptible = True
-        else:
+        if handler is not None:
             self._pending.append((handler, signum))
 
     @contextmanager
     def held(self) -> Iterator[None]:
         """Defer the handlers of signals received in the block; they run on leaving it (what they raise, such as a
-        ``KeyboardInterrupt``, propagates from there). Inside :meth:`allowed` (a handler that calls the engine during
-        device work), defer them again for the block, and run those received on leaving it."""
-        if threading.current_thread() is not threading.main_thread():
+        ``KeyboardInterrupt``, propagates from there). Nested (a handler that calls the engine), it defers them to the
+        outer block's end."""
+        if threading.current_thread() is not threading.main_thread() or self._held:
             yield
-            return
-        if self._held:
-            interruptible, self._interruptible = self._interruptible, False
-            try:
-                yield
-            finally:
-                self._interruptible = interruptible
-            if interruptible:
-                self.raise_pending()
             return
         # the Python handlers (not SIG_DFL, SIG_IGN, or one installed from C)
         saved = {signum: handler for signum in _WATCHED if callable(handler := _signal.getsignal(signum))}
@@ -99,14 +85,12 @@ class InterruptGuard:
 
     @contextmanager
     def allowed(self) -> Iterator[None]:
-        """Inside :meth:`held`: let signals' handlers run (and raise) at once in this block (the caller undoes what
-        the block began)."""
+        """Inside :meth:`held`: run the handlers of the signals received so far, then those received in this block
+        as it ends (the block runs whole; what they raise propagates from its end, and the caller undoes what the
+        block did)."""
         if not self._held:
             yield
             return
         self.raise_pending()
-        self._interruptible = True
-        try:
-            yield
-        finally:
-            self._interruptible = False
+        yield
+        self.raise_pending()
