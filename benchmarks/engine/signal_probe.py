@@ -11,7 +11,7 @@ a few greedy requests and steps until none is left while signals arrive at rando
 - ``hand-over``: one SIGALRM per step (``signal.setitimer``), after a random delay of up to twice a step's usual
   length; its handler raises while ``step()`` runs, and the loop steps again after each exception. Every request's output
   must be delivered exactly once: none lost (a hand-over interrupted after the engine took the outputs out), none
-  twice.
+  twice; no step may fail (the engine's warning) and torch's grad and inference modes must stay as they were.
 
 A run that does not return within ``--hang-after`` seconds (a handler waiting for ever on the engine's lock) ends the
 probe: it prints which run hung and every thread's stack, and exits with status 1; a failed check exits with 1
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
+import logging
 import os
 import random
 import signal
@@ -163,6 +164,9 @@ def probe_handover(engine, runs, rng, watchdog) -> dict:
         times.append(time.perf_counter() - t)
     step_length = sorted(times)[len(times) // 2]
     counts, failures = Counter(), []
+    failed_steps = _StepFailures()
+    logging.getLogger("hf_paged").addHandler(failed_steps)
+    grad = torch.is_grad_enabled()
     previous = signal.signal(signal.SIGALRM, raising)
     try:
         for run in range(runs):
@@ -192,10 +196,30 @@ def probe_handover(engine, runs, rng, watchdog) -> dict:
             counts["delivered twice"] += sum(n > 1 for n in got.values())
             if set(got) != set(ids) or any(n > 1 for n in got.values()):
                 failures.append(f"run {run + 1}: outputs {dict(got)} for requests {ids}")
+            if (torch.is_grad_enabled(), torch.is_inference_mode_enabled()) != (grad, False):
+                failures.append(f"run {run + 1}: left grad mode {torch.is_grad_enabled()}, inference mode "
+                                f"{torch.is_inference_mode_enabled()}")
+                break
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, previous)
-    return {"runs": runs, "requests": runs * PROMPTS, **counts, "failures": failures}
+        logging.getLogger("hf_paged").removeHandler(failed_steps)
+    failures += [f"a step failed: {message}" for message in failed_steps.messages[:5]]
+    return {"runs": runs, "requests": runs * PROMPTS, **counts, "failed steps": len(failed_steps.messages),
+            "failures": failures}
+
+
+class _StepFailures(logging.Handler):
+    """The engine's warnings that a step failed (it reruns the step one sequence at a time, so outputs stay right,
+    but an interrupt broke something)."""
+
+    def __init__(self):
+        super().__init__(logging.WARNING)
+        self.messages: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if "failed" in record.getMessage():
+            self.messages.append(record.getMessage())
 
 
 PROBES = {"abort": probe_abort, "stats": probe_stats, "hand-over": probe_handover}
