@@ -4,11 +4,11 @@ A request passes the door first: the access check (``--api-key``, the ``Host`` a
 limits (size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
 ``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
 own ``asyncio.Queue``; they never touch the engine. A whole answer is built and serialized on a worker thread, never
-on the event loop. A client that goes away (caught when a write fails or, while waiting, by polling the connection),
-or that takes no part of its stream for ``--stream-timeout`` seconds, has its request aborted, which frees its KV
-blocks at the next step. Every error, unknown routes and methods included, is answered in OpenAI's error shape. The
-routes read their bodies themselves and declare no parameter FastAPI would validate (the model's id in a path is any
-string), so FastAPI's own validation never answers.
+on the event loop, and one choice at a time (``_responses.json_bytes``). A client that goes away (caught when a write
+fails or, while waiting, by polling the connection), or that takes no part of its stream for ``--stream-timeout``
+seconds, has its request aborted, which frees its KV blocks at the next step. Every error, unknown routes and methods
+included, is answered in OpenAI's error shape. The routes read their bodies themselves and declare no parameter
+FastAPI would validate (the model's id in a path is any string), so FastAPI's own validation never answers.
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -30,7 +30,7 @@ from hf_paged.server._errors import ServerError
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
 from hf_paged.server._limits import CostLimits, RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
-from hf_paged.server._responses import Reply, sse
+from hf_paged.server._responses import Reply, json_bytes, sse
 from hf_paged.server._sampling import make_job
 
 logger = logging.getLogger("hf_paged")
@@ -119,8 +119,9 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
         raise
     finished.sort(key=lambda f: f.index)
     prepared = sub.prepared
-    return await asyncio.to_thread(lambda: JSONResponse(reply.completion(
-        finished, accepted.prompt_lengths, prepared.echo_texts, prepared.token_texts, job.max_tokens == 0)))
+    return await asyncio.to_thread(lambda: Response(json_bytes(reply.completion(
+        finished, accepted.prompt_lengths, prepared.echo_texts, prepared.token_texts, job.max_tokens == 0)),
+        media_type="application/json"))
 
 
 class EventStream(StreamingResponse):

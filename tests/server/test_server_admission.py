@@ -21,6 +21,7 @@ from transformers import GenerationConfig  # noqa: E402
 from hf_paged import Engine  # noqa: E402
 from hf_paged.cli.default_model import load_model  # noqa: E402
 from hf_paged.server import _engine_loop, _limits, create_app  # noqa: E402
+from hf_paged.server import _responses  # noqa: E402
 from hf_paged.server._responses import Reply  # noqa: E402
 from server_process import metric  # noqa: E402
 
@@ -115,6 +116,33 @@ def test_a_whole_answer_is_built_off_the_event_loop(engine, monkeypatch):
     expected = engine.generate(["Hello"], GenerationConfig(max_new_tokens=3, do_sample=False))[0].text
     assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
     assert threads and threading.current_thread() not in threads
+
+
+def test_a_whole_answer_is_encoded_one_choice_at_a_time_into_what_json_response_writes(engine, monkeypatch):
+    """One ``json.dumps`` call holds the GIL until it returns: a whole answer is encoded choice by choice, so the event
+    loop runs between them; the bytes are those of ``JSONResponse`` (the oracle)."""
+    from fastapi.responses import JSONResponse
+
+    body = {"id": "cmpl-1", "object": "text_completion", "model": 'odd "choices":[] name \u00e9', "created": 1,
+            "choices": [{"index": i, "text": f"caf\u00e9 {i} \u2603 \"q\"", "logprobs": None, "finish_reason": "length"}
+                        for i in range(3)], "usage": {"prompt_tokens": 1}}
+    assert _responses.json_bytes(body) == JSONResponse(body).body
+    assert _responses.json_bytes({**body, "choices": []}) == JSONResponse({**body, "choices": []}).body
+
+    encoded, encode = [], _responses._json
+    monkeypatch.setattr(_responses, "_json", lambda value: encoded.append(value) or encode(value))
+
+    async def run():
+        async with serving(engine) as (_, client):
+            return await client.post("/v1/completions", json=completion(max_tokens=3, n=4, temperature=1.0, seed=0,
+                                                                       echo=True, logprobs=2))
+
+    answer = asyncio.run(run())
+    assert answer.status_code == 200
+    choices = answer.json()["choices"]
+    assert len(choices) == 4 and all(c["logprobs"]["top_logprobs"] for c in choices)
+    assert sorted(v["index"] for v in encoded if "index" in v) == [0, 1, 2, 3]  # each choice alone
+    assert all(v.get("choices", []) == [] for v in encoded)  # never the whole list
 
 
 async def unread_stream(app, body: dict, sent: list) -> None:
