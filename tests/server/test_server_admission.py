@@ -118,6 +118,27 @@ def test_a_whole_answer_is_built_off_the_event_loop(engine, monkeypatch):
     assert threads and threading.current_thread() not in threads
 
 
+def test_n_copies_with_no_sampling_field_follow_the_models_default_decoding():
+    """No sampling field set: a model whose generation config samples gives ``n`` sampled copies (as
+    ``temperature: 1`` with the same seed does); one that decodes greedily gives a 400 naming ``n``."""
+    model, tokenizer = load_model("tiny", "cpu", None, 0)
+    sampling = Engine(model, num_blocks=16, block_size=16, max_num_seqs=8, tokenizer=tokenizer,
+                      generation_config=GenerationConfig(do_sample=True))
+    greedy = Engine(model, num_blocks=16, block_size=16, max_num_seqs=8, tokenizer=tokenizer)
+    body = {"model": MODEL, "prompt": "Hello", "n": 3, "max_tokens": 4, "seed": 5}
+
+    async def run(engine, **fields):
+        async with serving(engine) as (_, client):
+            return await client.post("/v1/completions", json={**body, **fields})
+
+    unset, sampled = asyncio.run(run(sampling)), asyncio.run(run(sampling, temperature=1.0))
+    assert unset.status_code == sampled.status_code == 200
+    assert [c["text"] for c in unset.json()["choices"]] == [c["text"] for c in sampled.json()["choices"]]
+    refused = asyncio.run(run(greedy))
+    assert refused.status_code == 400 and refused.json()["error"]["param"] == "n"
+    assert "temperature" in refused.json()["error"]["message"]
+
+
 def test_a_whole_answer_is_encoded_one_choice_at_a_time_into_what_json_response_writes(engine, monkeypatch):
     """One ``json.dumps`` call holds the GIL until it returns: a whole answer is encoded choice by choice, so the event
     loop runs between them; the bytes are those of ``JSONResponse`` (the oracle)."""
