@@ -6,9 +6,9 @@ arguments, ``--prompts-file`` (one per line) or stdin (``-``); each is sent as o
 tokenizer's chat template where it has one (``--no-chat-template``: as plain text).
 
 Every answer to a prompt given is printed as plain text under its prompt (of the demo prompts, ``--show`` of them),
-then a summary; ``--jsonl`` prints one JSON object per request instead (the summary goes to stderr). With
-``--no-progress`` the answers are printed while they are generated (the first unfinished one token by token);
-with the progress bar, once every one is done.
+then a summary; ``--jsonl`` prints one JSON object per request instead (the summary goes to stderr). With one
+prompt or ``--no-progress`` the answers are printed while they are generated (the first unfinished one token by
+token); with the progress bar (several prompts), once every one is done.
 
 This module holds the command's flags and their checks (those of the prompts, and of the engine flags, which ``serve``
 shares) and imports no torch; the run itself is ``_generate_run.py``, which ``hf_paged.cli`` imports once the command
@@ -160,7 +160,8 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
                    help="print one JSON object per request (prompt, text, prompt_tokens, generated_tokens, "
                         "finish_reason, and error where it failed) instead of plain text; the summary goes to stderr")
     p.add_argument("--no-progress", action="store_true",
-                   help="hide the progress bar, and print the answers while they are generated")
+                   help="hide the progress bar (shown for several prompts), and print the answers while they are "
+                        "generated")
     p.add_argument("--verbose", action="store_true",
                    help="log the model, the engine's sizes and which attention backend serves each phase, add "
                         "steps and host time per step to the summary, and show a traceback for any error")

@@ -42,15 +42,16 @@ def run(args: argparse.Namespace) -> int:
     check_lengths(engine, ids)
     shown = prompts[: args.show if demo else None]
     start = time.perf_counter()
-    if args.jsonl or not args.no_progress:
-        outputs = engine.generate(ids, generation_config(args), progress_bar=not args.no_progress)
+    bar = not args.no_progress and len(prompts) > 1  # (a bar over one request says nothing: its answer streams)
+    if args.jsonl or bar:
+        outputs = engine.generate(ids, generation_config(args), progress_bar=bar)
     else:
         outputs = stream_answers(args, engine, ids, shown)
     elapsed = time.perf_counter() - start
     if args.jsonl:
         for text, out in zip(prompts, outputs):
             print(json.dumps(jsonl_record(text, out)))
-    elif not args.no_progress:
+    elif bar:
         for text, out in zip(shown, outputs):
             print_answer(args, text, out)
     print_summary(args, engine.stats(), outputs, elapsed, file=sys.stderr if args.jsonl else sys.stdout)

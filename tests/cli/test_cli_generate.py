@@ -202,3 +202,14 @@ def test_without_the_progress_bar_answers_stream_in_order_and_end_as_with_it(cap
     # how much of the first answer's text was out as each step started, while it was not out whole
     partial = {len(s) - len(head) for s in seen if s.startswith(head) and "\n" not in s[len(head):]}
     assert len(partial - {0}) >= 2  # some of it before its last step, and more at a later one
+
+
+def test_one_prompt_streams_without_a_progress_bar_by_default(capsys, monkeypatch):
+    """The README's command (one prompt, no flags) prints its answer while it is generated: no bar over one request."""
+    steps = []
+    step_with_deltas = hf_paged.Engine.step_with_deltas
+    monkeypatch.setattr(hf_paged.Engine, "step_with_deltas", lambda engine: steps.append(1) or step_with_deltas(engine))
+    argv = ["generate", "short", "--model", "tiny", "--max-new-tokens", "4", "--device", "cpu", "--ignore-eos"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    assert len(steps) >= 4 and out.startswith("> short\n") and "summary:" in out and "request/s" not in err
