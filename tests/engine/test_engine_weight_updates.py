@@ -54,9 +54,14 @@ def copy_in_place(model):
             p.copy_(p * 1.5)
 
 
+def fused_adamw_step(model):  # (fused kernels leave the version counters alone: the optimizer step hook raises them)
+    _train_step(torch.optim.AdamW, lr=1e-2, fused=True)(model)
+
+
 @pytest.mark.parametrize("update, async_scheduling", [(load_other_weights, False), (optimizer_step, False),
-                                                       (copy_in_place, False), (load_other_weights, True)],
-                         ids=["load_state_dict", "optimizer_step", "copy_", "load_state_dict-async"])
+                                                       (fused_adamw_step, False), (copy_in_place, False),
+                                                       (load_other_weights, True)],
+                         ids=["load_state_dict", "optimizer_step", "fused_adamw", "copy_", "load_state_dict-async"])
 def test_a_reused_engine_gives_a_fresh_engines_tokens_after_an_in_place_update(update, async_scheduling):
     model = fresh_model()
     engine = engine_for(model, async_scheduling)
