@@ -30,6 +30,7 @@ from benchmarks.e2e.report import read_rows
 from benchmarks.engine import graph_capture, step_host_parts
 from benchmarks.engine import overhead as engine_overhead
 from benchmarks.engine import start as engine_start
+from benchmarks.engine import weight_check
 from benchmarks.generate import host_overhead as generate_host_overhead
 from benchmarks.generate import latency as generate_latency
 from benchmarks.kernels import decode_gemm
@@ -133,6 +134,14 @@ def test_engine_overhead_smoke():
     out = _run(engine_overhead.main, ["--requests", "8", "--context", "100", "--steps", "5",
                                       "--threads", str(torch.get_num_threads())])
     assert "8 running requests" in out and "engine overhead per decode step: median" in out
+
+
+@pytest.mark.slow
+def test_weight_check_smoke_times_every_case_on_one_kept_engine():
+    results = {}
+    _run(lambda argv: results.update(weight_check.main(argv)), ["--smoke", "--threads", "1"])
+    cases = [f"{case}, {how}: call s" for case in ("unchanged", "after a step") for how in ("check", "reset")]
+    assert set(results) == {"check_weights us", "version sum us", *cases} and all(v > 0 for v in results.values())
 
 
 def test_engine_overhead_with_min_new_tokens_keeps_every_request_running():
