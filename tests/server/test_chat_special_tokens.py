@@ -27,7 +27,7 @@ def tokenizer():
 
 def builder(tokenizer, template: str = CHATML, **options) -> PromptBuilder:
     engine = SimpleNamespace(tokenizer=tokenizer, vocab_size=len(tokenizer), max_model_len=4096, max_prompt_tokens=4000,
-                             config=SimpleNamespace(num_blocks=512, block_size=16))
+                             generation_config=None, config=SimpleNamespace(num_blocks=512, block_size=16))
     return PromptBuilder(engine, template, **options)
 
 
