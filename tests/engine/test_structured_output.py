@@ -10,24 +10,13 @@ import time
 import pytest
 from transformers import GenerationConfig
 
-from hf_paged import Engine
-from hf_paged.cli.default_model import load_model
+from structured_engine import LARGE_SCHEMA, tiny_engine
 
 pytest.importorskip("llguidance")
 
-#: A schema whose matcher takes tens of milliseconds to compile for the tiny model's tokenizer (one per copy of 128
-#: would stall a step for seconds).
-LARGE_SCHEMA = {"type": "object", "required": [f"field_{i}" for i in range(200)],
-                "properties": {f"field_{i}": {"type": "string", "pattern": "^[a-z]{3,8}-[0-9]{2,5}$"}
-                               for i in range(200)}}
-
-
 @pytest.fixture(scope="module")
 def engine():
-    model, tokenizer = load_model("tiny", "cpu", None, 0)
-    engine = Engine(model, num_blocks=160, block_size=16, max_num_seqs=160, tokenizer=tokenizer)
-    engine.generate(["warm up"], GenerationConfig(max_new_tokens=2, do_sample=False))
-    return engine
+    return tiny_engine()
 
 
 def test_copies_share_one_compile_and_each_keeps_its_own_state(engine):

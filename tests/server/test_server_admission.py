@@ -24,20 +24,12 @@ from hf_paged.server import _engine_loop, _limits, create_app  # noqa: E402
 from hf_paged.server import _responses  # noqa: E402
 from hf_paged.server._responses import Reply  # noqa: E402
 from server_process import metric  # noqa: E402
+from structured_engine import LARGE_SCHEMA, tiny_engine  # noqa: E402
 
 MODEL = "tiny"
-#: A schema whose matcher takes tens of milliseconds to compile for the tiny model's tokenizer.
-LARGE_SCHEMA = {"type": "object", "required": [f"field_{i}" for i in range(200)],
-                "properties": {f"field_{i}": {"type": "string", "pattern": "^[a-z]{3,8}-[0-9]{2,5}$"}
-                               for i in range(200)}}
-
-
 @pytest.fixture(scope="module")
 def engine():
-    model, tokenizer = load_model("tiny", "cpu", None, 0)
-    engine = Engine(model, num_blocks=160, block_size=16, max_num_seqs=160, tokenizer=tokenizer)
-    engine.generate(["warm up"], GenerationConfig(max_new_tokens=2, do_sample=False))
-    return engine
+    return tiny_engine()
 
 
 @contextlib.asynccontextmanager
