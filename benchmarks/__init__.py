@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Collection, Mapping
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,3 +35,17 @@ def child_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if env is None else env)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH", "")) if p)
     return env
+
+
+def comma_names(text: str, known: Collection[str], flag: str,
+                error: Callable[[str], object] | None = None) -> list[str]:
+    """The names of a comma list given to ``flag`` (``"--systems"``), each one of ``known``; an unknown one is
+    refused through ``error`` (an argument parser's ``error``; by default ``SystemExit`` with the message)."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in known]
+    if unknown:
+        message = f"{flag}: unknown {unknown}; choose from {', '.join(known)}"
+        if error is None:
+            raise SystemExit(message)
+        error(message)
+    return names

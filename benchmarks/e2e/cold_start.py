@@ -77,7 +77,7 @@ import time
 from pathlib import Path
 from types import SimpleNamespace
 
-from benchmarks import ROOT, child_env, module_command
+from benchmarks import ROOT, child_env, comma_names, module_command
 
 SYSTEMS = ("generate_batch", "generate_batch_eager", "generate_batch_background", "engine", "generate", "serve",
            "serve_background", "transformers")
@@ -108,10 +108,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--child", choices=[s for s in SYSTEMS if s not in SERVERS], help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args.systems = comma_names(args.systems, SYSTEMS, "--systems", p.error)
     args.second = (args.systems if args.second is None
                    else [s.strip() for s in args.second.split(",") if s.strip()])
     outside = sorted(set(args.second) - set(args.systems))

@@ -42,7 +42,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from benchmarks import ROOT, module_command
+from benchmarks import ROOT, comma_names, module_command
 from benchmarks.e2e.cold_start import _env, compile_bytecode, package_folders, writes_no_bytecode
 
 SYSTEMS = ("cli_generate", "transformers", "hf_paged_load")
@@ -65,10 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--model-dir", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args.systems = comma_names(args.systems, SYSTEMS, "--systems", p.error)
     return args
 
 

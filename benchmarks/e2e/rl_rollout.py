@@ -42,6 +42,7 @@ import torch
 from torch._dynamo.utils import counters
 from transformers import ContinuousBatchingConfig, GenerationConfig
 
+from benchmarks import comma_names
 from benchmarks.e2e.workloads import LLAMA_1B, SMOKE_SHAPE, load_model
 from hf_paged.bench import run_header
 from hf_paged.integrations.trl import TRL_MEMORY_PERCENT, disable_generate_batch, enable_generate_batch
@@ -61,10 +62,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--json", help="write the result here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     args = p.parse_args(argv)
-    args.systems = [s.strip() for s in args.systems.split(",") if s.strip()]
-    unknown = sorted(set(args.systems) - set(SYSTEMS))
-    if unknown:
-        p.error(f"--systems: unknown {unknown}; choose from {', '.join(SYSTEMS)}")
+    args.systems = comma_names(args.systems, SYSTEMS, "--systems", p.error)
     for name, full, smoke in (("rounds", 5, 2), ("prompts", 64, 2), ("completions", 8, 2), ("new_tokens", 256, 4)):
         value = getattr(args, name) or (smoke if args.smoke else full)
         if value < 1 or (name == "rounds" and value < 2):

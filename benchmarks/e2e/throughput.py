@@ -82,6 +82,7 @@ from pathlib import Path
 import torch
 import transformers
 
+from benchmarks import comma_names
 from benchmarks.e2e.decode_profile import profile_decode
 from benchmarks.e2e.other_transformers import run_other_transformers
 from benchmarks.e2e.report import make_row, print_table, read_rows, write_json
@@ -121,9 +122,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     parser.add_argument("--as-subprocess", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    args.workloads = _names(args.workloads or ",".join(SWEEP_WORKLOADS if args.sweep else WORKLOADS), WORKLOADS,
+    args.workloads = comma_names(args.workloads or ",".join(SWEEP_WORKLOADS if args.sweep else WORKLOADS), WORKLOADS,
                             "--workloads")
-    args.systems = _names(args.systems, SYSTEMS, "--systems")
+    args.systems = comma_names(args.systems, SYSTEMS, "--systems")
     args.engine_kwargs = json.loads(args.engine_kwargs)
     if not isinstance(args.engine_kwargs, dict):
         parser.error("--engine-kwargs must be a JSON object, e.g. '{\"block_size\": 32}'")
@@ -353,14 +354,6 @@ def _child_args(args: argparse.Namespace, budget: Budget, workloads: list[Worklo
         child += ["--max-requests", str(budget.max_requests)]
     return child + ["--as-subprocess"] + (["--smoke"] if args.smoke else []) + (["--defaults"] if args.defaults
                                                                                  else [])
-
-
-def _names(text: str, known, flag: str) -> list[str]:
-    names = [n.strip() for n in text.split(",") if n.strip()]
-    unknown = [n for n in names if n not in known]
-    if unknown:
-        raise SystemExit(f"{flag}: unknown {unknown}; choose from {', '.join(known)}")
-    return names
 
 
 def _error(exc: BaseException) -> str:
