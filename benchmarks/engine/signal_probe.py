@@ -9,9 +9,9 @@ a few greedy requests and steps until none is left while signals arrive at rando
 - ``stats``: one SIGUSR1 per run, sent the same way; its handler calls ``engine.stats()``, which must return the
   figures of the moment (the tokens generated so far in the run, the requests queued and running).
 - ``hand-over``: one SIGALRM per step (``signal.setitimer``), after a random delay of up to twice a step's usual
-  length; its handler raises while ``step()`` runs, and the loop steps again after each exception. Every request's output
-  must be delivered exactly once: none lost (a hand-over interrupted after the engine took the outputs out), none
-  twice; no step may fail (the engine's warning) and torch's grad and inference modes must stay as they were.
+  length; its handler raises while ``step()`` runs, and the loop steps again after each exception. Every request's
+  output must be delivered exactly once: none lost (a hand-over interrupted after the engine took the outputs out),
+  none twice; no step may fail (the engine's warning) and torch's grad and inference modes must stay as they were.
 
 A run that does not return within ``--hang-after`` seconds (a handler waiting for ever on the engine's lock) ends the
 probe: it prints which run hung and every thread's stack, and exits with status 1; a failed check exits with 1
@@ -148,8 +148,9 @@ def probe_stats(engine, runs, rng, watchdog) -> dict:
 
 def probe_handover(engine, runs, rng, watchdog) -> dict:
     """Before each step, SIGALRM is set (``signal.setitimer``) to go off after a random delay of up to twice a step's
-    usual length (about half of the signals land in a step). The handler raises only while ``step()`` runs (``state["in_step"]``: set and cleared by stores, at which
-    Python does not check for signals), so every exception comes from inside the engine."""
+    usual length (about half of the signals land in a step). The handler raises only while ``step()`` runs
+    (``state["in_step"]``: set and cleared by stores, at which Python does not check for signals), so every exception
+    comes from inside the engine."""
     state = {"in_step": False}
 
     def raising(signum, frame):

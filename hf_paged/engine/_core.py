@@ -142,8 +142,9 @@ class EngineCore:
         values written through ``param.data``, parameters replaced, or moved to another dtype or device. Written
         values make the engine forget its KV at the next step; False where a parameter was replaced or its storage,
         dtype or device changed, whose pool, CUDA graphs and packed weights hold the old ones (make a new engine).
-        Costs a few microseconds per parameter (0.9 ms for SmolLM2-135M's 272 on a CPU) plus a copy of 64 values of each (a sample spread over every tensor:
-        a write through ``param.data`` to a few rows only may go unseen; ``reset_prefix_cache()`` covers it)."""
+        Costs a few microseconds per parameter (0.9 ms for SmolLM2-135M's 272 on a CPU) plus a copy of 64 values of
+        each (a sample spread over every tensor: a write through ``param.data`` to a few rows only may go unseen;
+        ``reset_prefix_cache()`` covers it)."""
         now = list(self.model.parameters())
         if len(now) != len(self._weights) or any(map(operator.is_not, now, self._weights)) or (
                 _storages(now) != self._weights_storages):

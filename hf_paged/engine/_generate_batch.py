@@ -67,8 +67,9 @@ def generate_batch(
     ``seed``, and hf_paged's own ``cuda_graphs``, ``cuda_graph_capture``, ``compile_layers``, ``skinny_linear``,
     ``kv_cache_dtype`` and ``logprobs_mode`` (what ``return_logprobs``' logprobs are of: ``"raw_logprobs"``, the
     default, or ``"processed_logprobs"``, the distribution each token was drawn from); the knobs of transformers' own
-    runner change nothing here. An :class:`~hf_paged.EngineConfig` is taken as it is. Unset sizes are automatic and fit the call (``engine/_sizing.py``): the pool holds the whole
-    workload within the memory budget (default 0.8 of free device memory; on a CPU at most 3% of its RAM).
+    runner change nothing here. An :class:`~hf_paged.EngineConfig` is taken as it is. Unset sizes are automatic and
+    fit the call (``engine/_sizing.py``): the pool holds the whole workload within the memory budget (default 0.8 of
+    free device memory; on a CPU at most 3% of its RAM).
 
     ``persistent_manager=True`` keeps the engine (its KV pool and captured CUDA graphs) on the model for the next
     call with the same settings whose workload fits its pool, as transformers keeps its manager; the memory stays

@@ -50,7 +50,8 @@ def test_bounded_smoke_reports_every_part_passing(tmp_path):
         assert 2 * 4 * scores <= measured <= formula
 
     signals = doc["parts"]["signals"]
-    assert all(signals[name]["returned"] == signals[name]["runs"] == sizes["signal_runs"] for name in ("abort", "stats"))
+    for name in ("abort", "stats"):
+        assert signals[name]["returned"] == signals[name]["runs"] == sizes["signal_runs"], name
     assert signals["hand-over"]["lost"] == signals["hand-over"]["delivered twice"] == 0
     threads = doc["parts"]["threads"]
     assert threads["returned"] == 2 * sizes["thread_calls"] and threads["wrong"] == 0
