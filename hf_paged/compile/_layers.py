@@ -193,15 +193,17 @@ class _Switch:
 _COMPILER_ERRORS = _compat.compiler_errors()
 
 
-def for_engine(model: torch.nn.Module, setting: bool | None, how: LayerCompile | None = None) -> CompiledLayers | None:
+def for_engine(model: torch.nn.Module, setting: bool | str | None,
+               how: LayerCompile | None = None) -> CompiledLayers | None:
     """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
-    triton is there, True compiles wherever the compiler runs (the CPU included), False never; ``how``: the
-    compile's passes and options (the model's first compile decides)."""
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never; ``"background"`` as
+    True, eager (None) where it cannot (``runner/_background_compile.py`` decides when). ``how``: the compile's
+    passes and options (the model's first compile decides)."""
     if setting is False:
         return None
-    reason = compile_unsupported_reason(model, any_device=setting is True)
+    reason = compile_unsupported_reason(model, any_device=setting is not None)
     if reason is not None:
-        if setting:
+        if setting is True:
             raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
         logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
         return None

@@ -107,29 +107,23 @@ class Helper:
 def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
                       settings: dict) -> CompiledLayers | None:
     """The compiled layers an engine of ``model`` starts with under ``compile_layers=setting``: as
-    ``compiled_layers.for_engine`` decides, or for :data:`BACKGROUND` (see the module docstring) None (eager) while
+    ``compiled_layers.for_engine`` decides, and for :data:`BACKGROUND` (see the module docstring) None (eager) while
     the helper runs; ``settings``: the engine's resolved settings (:data:`HELPER_SETTINGS` go to the helper)."""
-    if setting != BACKGROUND:
-        return compiled_layers.for_engine(model, setting, how)
-    reason = compiled_layers.compile_unsupported_reason(model, any_device=True)
-    if reason is not None:
-        logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
-        return None
-    layers = compiled_layers.compiled_layers(model, how)  # hands the artifacts of an earlier process to torch
-    if not layers.enabled:
-        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
-                    layers.failure)
-        return None
+    layers = compiled_layers.for_engine(model, setting, how)  # hands the artifacts of an earlier process to torch
+    if setting != BACKGROUND or layers is None:
+        return layers
     helper = getattr(model, _ATTRIBUTE, None)
     if helper is None:
         if layers.warm_batch_sizes or (layers.artifacts is not None and layers.artifacts.loaded):
             return layers  # compiled in this process already, or an earlier process's code in the caches
-        spec = helper_spec(model, settings)
-        if spec is None:
+        slim = slim_config(model.config)
+        if slim is None:
             logger.info("hf_paged: compiling the layers now: no slim copy of a %s config (no num_hidden_layers)",
                         type(model.config).__name__)
             return layers
-        helper = Helper(spec)
+        engine = {name: settings[name] for name in HELPER_SETTINGS if name in settings}  # tuples go as JSON lists
+        helper = Helper({"config": slim.to_dict(), "dtype": str(model.dtype).removeprefix("torch."),
+                         "device": str(next(model.parameters()).device), "engine": engine})
         object.__setattr__(model, _ATTRIBUTE, helper)  # not a submodule
         logger.info("hf_paged: the engine runs the model's layers eagerly while a helper process compiles a slim "
                     "copy of them (pid %d); engines started after it compile from torch's caches",
@@ -162,14 +156,3 @@ def slim_config(config):
     else:
         slim.num_hidden_layers = 1
     return slim
-
-
-def helper_spec(model: torch.nn.Module, settings: dict) -> dict | None:
-    """What the helper builds: the slim config, the dtype and device, and the engine settings."""
-    slim = slim_config(model.config)
-    if slim is None:
-        return None
-    engine = {name: settings[name] for name in HELPER_SETTINGS if name in settings}  # tuples go as JSON lists
-    return {"config": slim.to_dict(), "dtype": str(model.dtype).removeprefix("torch."),
-            "device": str(next(model.parameters()).device), "engine": engine}
-
