@@ -55,36 +55,30 @@ def move_end_to_end(tensors: list[torch.Tensor]) -> None:
             offset += t.numel()
 
 
-def lay_end_to_end(weights: list[torch.Tensor], biases: list[torch.Tensor | None]) -> bool:
-    """Move ``weights`` (and ``biases``, unless all None) into one buffer each, end to end, unless they lie so
-    already; False (nothing moved) unless they are contiguous, of one dtype and device, and the weights 2-d with
-    one input size."""
-    tensors = weights + [b for b in biases if b is not None]
-    first = weights[0]
+def _pack_linears(group: list[torch.nn.Linear], movable: Callable) -> bool:
+    """Move the group's weights (and biases, unless all None) into one buffer each, end to end, unless they lie so
+    already; False (nothing moved) unless each moves (``movable``), they are contiguous, of one dtype and device, and
+    the weights 2-d with one input size."""
+    weights = [movable(m.weight) for m in group]
+    biases = [None if m.bias is None else movable(m.bias) for m in group]
+    if any(t is None for t in weights) or (any(m.bias is not None for m in group) and any(b is None for b in biases)):
+        return False
+    first, tensors = weights[0], weights + [b for b in biases if b is not None]
     if any(not t.is_contiguous() or t.dtype != first.dtype or t.device != first.device for t in tensors):
         return False
     if any(w.dim() != 2 or w.shape[1] != first.shape[1] for w in weights):
         return False
-    if skinny.packed_rows(weights, biases) is None:  # (else an earlier compile or engine packed them)
+    if skinny.packed_rows(weights, biases) is not None:  # an earlier compile or engine packed them
+        return True
+    try:  # the move holds a second copy of the group for a moment: the KV pool may have left no room
         move_end_to_end(weights)
         if biases[0] is not None:
             move_end_to_end(biases)
-    return True
-
-
-def _pack_linears(group: list[torch.nn.Linear], movable: Callable) -> bool:
-    if any(m.bias is None for m in group) and not all(m.bias is None for m in group):
-        return False
-    weights = [movable(m.weight) for m in group]
-    biases = [None if m.bias is None else movable(m.bias) for m in group]
-    if any(t is None for t in weights) or (group[0].bias is not None and any(b is None for b in biases)):
-        return False
-    try:  # the move holds a second copy of the group for a moment: the KV pool may have left no room
-        return lay_end_to_end(weights, biases)
     except torch.OutOfMemoryError:
         logger.info("hf_paged: no room to lay %s end to end; they stay apart (one product each)",
                     ", ".join(type(m).__name__ for m in group))
         return False
+    return True
 
 
 def _plain(t: torch.Tensor) -> torch.Tensor | None:
