@@ -19,15 +19,15 @@ import asyncio
 import gc
 import logging
 import socket
+from dataclasses import fields
 from pathlib import Path
 
 from hf_paged import envs
 from hf_paged.cli._arguments import exit_with, non_negative_float, non_negative_int, positive_float, positive_int, port
 from hf_paged.cli._generate import add_engine_arguments, engine_settings
-from hf_paged.server import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_TOKENS,
-                             DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S,
-                             INSTALL_HINT, create_app)
+from hf_paged.server import INSTALL_HINT, create_app
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
+from hf_paged.server._limits import Limits
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
@@ -50,21 +50,21 @@ def add_parser(subparsers) -> None:
     p.add_argument("--allowed-hosts", type=_host_list, metavar="H1,H2",
                    help="Host header names requests may be addressed to, or '*' for any (default: loopback names "
                         "when --host is loopback and there is no API key, against DNS rebinding; else any)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=DEFAULT_MAX_BODY_BYTES, metavar="N",
+    p.add_argument("--max-body-bytes", type=positive_int, default=Limits.max_body_bytes, metavar="N",
                    help="larger request bodies are refused with 413 before they are read")
-    p.add_argument("--read-timeout", type=positive_float, default=DEFAULT_READ_TIMEOUT_S, metavar="S",
+    p.add_argument("--read-timeout", type=positive_float, default=Limits.read_timeout, metavar="S",
                    help="a client that sends no part of its request body for S seconds gets 408; one whose "
                         "request line and headers are not in S seconds after it connects is disconnected")
-    p.add_argument("--body-timeout", type=positive_float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+    p.add_argument("--body-timeout", type=positive_float, default=Limits.body_timeout, metavar="S",
                    help="a client whose request body is not complete S seconds after its headers gets 408, however "
                         "often it sends a part of it")
-    p.add_argument("--max-request-tokens", type=positive_int, default=DEFAULT_MAX_REQUEST_TOKENS, metavar="N",
+    p.add_argument("--max-request-tokens", type=positive_int, default=Limits.max_request_tokens, metavar="N",
                    help="a request whose copies would hold more tokens of context (prompt and new tokens, each copy "
                         "of n counted) is refused with 400")
-    p.add_argument("--max-response-bytes", type=positive_int, default=DEFAULT_MAX_RESPONSE_BYTES, metavar="N",
+    p.add_argument("--max-response-bytes", type=positive_int, default=Limits.max_response_bytes, metavar="N",
                    help="a request whose whole (not streamed) answer could take more bytes, as estimated from its "
                         "tokens and log-probabilities, is refused with 400")
-    p.add_argument("--stream-timeout", type=positive_float, default=DEFAULT_STREAM_TIMEOUT_S, metavar="S",
+    p.add_argument("--stream-timeout", type=positive_float, default=Limits.stream_timeout, metavar="S",
                    help="a streaming client that takes no part of its stream for S seconds is disconnected and its "
                         "request aborted (one that leaves too many chunks unread is aborted sooner)")
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
@@ -130,10 +130,8 @@ def _app(args: argparse.Namespace):
     args.served_model_name = args.served_model_name or args.model_name
     return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
                       args.shutdown_timeout, api_key=args.api_key, allowed_hosts=allowed,
-                      max_body_bytes=args.max_body_bytes, read_timeout=args.read_timeout,
-                      body_timeout=args.body_timeout, max_request_tokens=args.max_request_tokens,
-                      max_response_bytes=args.max_response_bytes, stream_timeout=args.stream_timeout,
-                      special_tokens_in_messages=args.allow_special_tokens_in_messages)
+                      special_tokens_in_messages=args.allow_special_tokens_in_messages,
+                      **{f.name: getattr(args, f.name) for f in fields(Limits)})  # (the limits' flags)
 
 
 def _server(args: argparse.Namespace, app):

@@ -7,9 +7,7 @@
 
 from __future__ import annotations
 
-from hf_paged.server._limits import (DEFAULT_BODY_TIMEOUT_S, DEFAULT_MAX_BODY_BYTES, DEFAULT_MAX_REQUEST_TOKENS,
-                                     DEFAULT_MAX_RESPONSE_BYTES, DEFAULT_READ_TIMEOUT_S, DEFAULT_STREAM_TIMEOUT_S,
-                                     CostLimits)
+from hf_paged.server._limits import Limits
 
 INSTALL_HINT = ("the server needs FastAPI and uvicorn: pip install -e '.[serve]' in the hf_paged clone (or pip install "
                 "fastapi uvicorn)")
@@ -17,11 +15,11 @@ INSTALL_HINT = ("the server needs FastAPI and uvicorn: pip install -e '.[serve]'
 
 def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_template: str | None = None,
                shutdown_timeout: float = 30.0, *, api_key: str | None = None,
-               allowed_hosts: tuple[str, ...] | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-               read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S,
-               max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS,
-               max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES, stream_timeout: float = DEFAULT_STREAM_TIMEOUT_S,
-               special_tokens_in_messages: bool = False, on_engine_death=None):
+               allowed_hosts: tuple[str, ...] | None = None, max_body_bytes: int = Limits.max_body_bytes,
+               read_timeout: float = Limits.read_timeout, body_timeout: float = Limits.body_timeout,
+               max_request_tokens: int = Limits.max_request_tokens, max_response_bytes: int = Limits.max_response_bytes,
+               stream_timeout: float = Limits.stream_timeout, special_tokens_in_messages: bool = False,
+               on_engine_death=None):
     """The OpenAI-compatible app serving ``engine`` as ``model_name``: at most ``engine.config.max_num_seqs +
     max_queued_requests`` sequences live at once (more get 429); ``chat_template`` (Jinja) overrides the
     tokenizer's; on shutdown, requests still live after ``shutdown_timeout`` seconds are aborted.
@@ -40,6 +38,6 @@ def create_app(engine, model_name: str, max_queued_requests: int = 256, chat_tem
         from hf_paged.server._app import build_app
     except ImportError as exc:
         raise ImportError(f"{INSTALL_HINT} ({exc})") from exc
+    limits = Limits(max_body_bytes, read_timeout, body_timeout, max_request_tokens, max_response_bytes, stream_timeout)
     return build_app(engine, model_name, max_queued_requests, chat_template, shutdown_timeout, api_key, allowed_hosts,
-                     max_body_bytes, read_timeout, body_timeout, on_engine_death,
-                     CostLimits(max_request_tokens, max_response_bytes, stream_timeout), special_tokens_in_messages)
+                     limits, on_engine_death, special_tokens_in_messages)

@@ -28,7 +28,7 @@ from hf_paged.server._access import AccessCheck
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
-from hf_paged.server._limits import CostLimits, RequestLimits
+from hf_paged.server._limits import Limits, RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, json_bytes, sse
 from hf_paged.server._sampling import make_job
@@ -39,18 +39,17 @@ ROUTES = "POST /v1/completions, POST /v1/chat/completions, GET /v1/models, GET /
 
 
 def build_app(engine, model_name: str, max_queued_requests: int, chat_template: str | None, shutdown_timeout: float,
-              api_key: str | None, allowed_hosts: tuple[str, ...] | None, max_body_bytes: int, read_timeout: float,
-              body_timeout: float, on_engine_death, limits: CostLimits, special_tokens_in_messages: bool) -> FastAPI:
+              api_key: str | None, allowed_hosts: tuple[str, ...] | None, limits: Limits, on_engine_death,
+              special_tokens_in_messages: bool) -> FastAPI:
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
-    still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``;
-    ``max_body_bytes``, ``read_timeout``, ``body_timeout``: ``_limits.RequestLimits``; ``limits``: what one request
-    may ask for; ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
+    still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``; ``limits``: what
+    one client may make the server do (``_limits``); ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
     engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death,
                              limits, special_tokens_in_messages)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):
-        engine_loop.start()
+        engine_loop.thread.start()
         try:
             yield
         finally:
@@ -59,15 +58,14 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
     app = FastAPI(title="hf-paged", lifespan=lifespan)
     app.state.engine_loop = engine_loop
     _add_error_handlers(app)
-    app.add_middleware(RequestLimits, max_body_bytes=max_body_bytes, read_timeout=read_timeout,
-                       body_timeout=body_timeout)
+    app.add_middleware(RequestLimits, limits=limits)
     app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
             "max_model_len": engine.max_model_len}
 
     @app.get("/health")
     async def health():
-        if not engine_loop.is_alive():
+        if not engine_loop.thread.is_alive():
             why = f": {engine_loop.death}" if engine_loop.death else ""
             raise ServerError(503, f"the engine loop is not running{why}", code="engine_dead")
         return {"status": "ok"}

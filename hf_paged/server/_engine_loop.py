@@ -37,7 +37,7 @@ from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
-from hf_paged.server._limits import CostLimits
+from hf_paged.server._limits import Limits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
@@ -48,9 +48,9 @@ STREAM_BACKLOG_PER_CHOICE = 64  # events a stream's client may leave unread, per
 GRAMMAR_THREADS = 2
 
 
-@dataclass
+@dataclass(eq=False)
 class Submission:
-    """A job as the engine thread keeps it while it is live."""
+    """A job as the engine thread keeps it while it is live (compared and hashed by identity)."""
 
     id: str
     job: Job
@@ -81,10 +81,11 @@ class _Timing:
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
     at once, more are refused with 429 by :meth:`submit`. ``on_death`` (any thread may call it) is told if the
-    thread ever dies. ``metrics`` holds what ``GET /metrics`` reports."""
+    thread ever dies. ``metrics`` holds what ``GET /metrics`` reports; ``thread`` is the engine's thread (started by
+    the app's lifespan)."""
 
     def __init__(self, engine: Engine, capacity: int, chat_template: str | None = None,
-                 on_death: Callable[[str], None] | None = None, limits: CostLimits = CostLimits(),
+                 on_death: Callable[[str], None] | None = None, limits: Limits = Limits(),
                  special_tokens_in_messages: bool = False):
         self.engine, self.metrics, self.capacity = engine, ServerMetrics(), capacity
         self.prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
@@ -98,14 +99,11 @@ class EngineLoop:
         self._live: dict[str, Submission] = {}  # by engine request id (one per prompt)
         self._timings: dict[str, _Timing] = {}
         self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)
-        self._thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
+        self.thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-tokenizer")
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="hf-paged-grammar")
 
     # ----- the HTTP side (any thread) --------------------------------------------------------------------------
-    def start(self) -> None:
-        self._thread.start()
-
     async def submit(self, job: Job, events: asyncio.Queue) -> Submission:
         """Reserve room for ``job`` (429 when the server is full, 503 when it stops), compile its schema on a grammar
         thread, tokenize and check its prompts on the tokenizer thread (400s), and queue it; its events go to
@@ -139,12 +137,9 @@ class EngineLoop:
     def stop(self, timeout: float | None = None) -> None:
         """Abort what is live, let the engine hand it back, and end the threads."""
         self.begin_stop()
-        self._thread.join(timeout)
+        self.thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-
-    def is_alive(self) -> bool:
-        return self._thread.is_alive()
 
     def _reserve(self, job: Job, events: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Submission:
         seqs = len(job.prompts) * job.n
@@ -200,14 +195,12 @@ class EngineLoop:
     def _command(self, kind: str, sub: Submission, stopping: bool) -> None:
         """One handler's command; whatever it raises ends that request only."""
         try:
-            if kind == "submit":
-                if stopping:
-                    self._fail(sub, ServerError(503, "the server is shutting down", code="shutting_down"))
-                else:
-                    self._admit(sub)
-            else:  # cancel
-                sub.abandoned = True
-                self._abort(sub)
+            if kind == "cancel":
+                self._give_up(sub)
+            elif stopping:
+                self._fail(sub, ServerError(503, "the server is shutting down", code="shutting_down"))
+            else:
+                self._admit(sub)
         except Exception as exc:
             logger.exception("hf_paged: serving one request failed; the others go on")
             self._fail(sub, ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
@@ -218,18 +211,16 @@ class EngineLoop:
             self._stopping = True
         error = ServerError(500, f"the engine loop died: {reason}", code="engine_dead")
         queued = [sub for kind, sub in self._take_commands(block=False) if kind == "submit"]
-        for sub in self._live_submissions() + queued:
+        for sub in [*dict.fromkeys(self._live.values()), *queued]:
             sub.post(Rejected(error))
         if self.on_death is not None:
             self.on_death(reason)
 
     def _take_commands(self, block: bool) -> list:
         commands = [self._commands.get()] if block else []
-        while True:
-            try:
-                commands.append(self._commands.get_nowait())
-            except queue.Empty:
-                return commands
+        while not self._commands.empty():  # (this thread alone takes commands: what is there stays there)
+            commands.append(self._commands.get_nowait())
+        return commands
 
     def _admit(self, sub: Submission) -> None:
         prepared = sub.prepared
@@ -251,20 +242,18 @@ class EngineLoop:
         self.metrics.rejected("invalid" if error.status == 400 else str(error.status))
         sub.post(Rejected(error))
 
-    def _abort(self, sub: Submission) -> None:
+    def _abort_live(self, error: ServerError) -> None:
+        for sub in dict.fromkeys(self._live.values()):
+            self._give_up(sub, error)
+
+    def _give_up(self, sub: Submission, error: ServerError | None = None) -> None:
+        """Answer ``sub`` with ``error`` (None: its client is gone) and abort its requests: their abort outputs come
+        from the next step and release its capacity then."""
+        if error is not None:
+            sub.post(Rejected(error))
+        sub.abandoned = True
         for rid in sub.request_ids:
             self.engine.abort(rid)
-
-    def _abort_live(self, error: ServerError) -> None:
-        for s in self._live_submissions():
-            self._give_up(s, error)
-
-    def _give_up(self, sub: Submission, error: ServerError) -> None:
-        """Answer ``sub`` with ``error`` and abort its requests: their abort outputs come from the next step and
-        release its capacity then."""
-        sub.post(Rejected(error))
-        sub.abandoned = True
-        self._abort(sub)
 
     def _step(self) -> None:
         try:
@@ -337,11 +326,8 @@ class EngineLoop:
 
     def _end(self, sub: Submission) -> None:
         """Abort ``sub``'s requests still in the engine, forget them and release the room ``sub`` reserved."""
-        self._abort(sub)
         for rid in sub.request_ids:
+            self.engine.abort(rid)
             self._live.pop(rid, None)
         sub.request_ids = []
         self._release(sub)
-
-    def _live_submissions(self) -> list[Submission]:
-        return list({id(s): s for s in self._live.values()}.values())

@@ -1,5 +1,6 @@
-"""What one client may make the server do: ``RequestLimits``, ASGI middleware bounding what it may make the server
-read, and ``CostLimits``, what a request may ask of the engine and of the response.
+"""What one client may make the server do: ``Limits``, the bounds (``hf-paged serve``'s flags of the same names), what
+a request may ask of the engine and of the response, and ``RequestLimits``, ASGI middleware bounding what a client
+may make the server read.
 
 A body larger than ``max_body_bytes`` is refused with a 413: at once when its ``Content-Length`` says so (nothing of
 it is read), or as soon as a chunked body passes the limit. A client that sends its body slower than one message
@@ -21,12 +22,6 @@ from dataclasses import dataclass
 
 from hf_paged.server._errors import ServerError, bad_request, send_error
 
-DEFAULT_MAX_BODY_BYTES = 16 * 2**20
-DEFAULT_READ_TIMEOUT_S = 30.0
-DEFAULT_BODY_TIMEOUT_S = 300.0
-DEFAULT_MAX_REQUEST_TOKENS = 2**20
-DEFAULT_MAX_RESPONSE_BYTES = 64 * 2**20
-DEFAULT_STREAM_TIMEOUT_S = 60.0
 #: The bytes a response's estimated size counts for each token it shows (its text, as JSON writes a typical subword
 #: token) and, when log-probabilities are asked, for each one shown with it (the token's own and each alternative's),
 #: in the completions API's shape and in the chat API's (which adds each token's bytes).
@@ -35,13 +30,16 @@ LOGPROB_BYTES = {False: 40, True: 80}
 
 
 @dataclass(frozen=True)
-class CostLimits:
-    """What one request may ask for (``hf-paged serve``'s ``--max-request-tokens``, ``--max-response-bytes`` and
-    ``--stream-timeout``)."""
+class Limits:
+    """What one client may make the server do: each field is an argument of :func:`hf_paged.server.create_app` and a
+    flag of ``hf-paged serve`` (``--max-body-bytes``...), whose defaults these are."""
 
-    max_request_tokens: int = DEFAULT_MAX_REQUEST_TOKENS
-    max_response_bytes: int = DEFAULT_MAX_RESPONSE_BYTES
-    stream_timeout: float = DEFAULT_STREAM_TIMEOUT_S
+    max_body_bytes: int = 16 * 2**20
+    read_timeout: float = 30.0
+    body_timeout: float = 300.0
+    max_request_tokens: int = 2**20
+    max_response_bytes: int = 64 * 2**20
+    stream_timeout: float = 60.0
 
     def check(self, job, prompt_lengths: list[int], new_tokens: list[int]) -> None:
         """A 400 if ``job`` (a ``_sampling.Job`` whose prompts have ``prompt_lengths`` tokens and may take
@@ -66,10 +64,9 @@ class CostLimits:
 
 
 class RequestLimits:
-    def __init__(self, app, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
-                 read_timeout: float = DEFAULT_READ_TIMEOUT_S, body_timeout: float = DEFAULT_BODY_TIMEOUT_S):
-        self.app, self.max_body_bytes = app, max_body_bytes
-        self.read_timeout, self.body_timeout = read_timeout, body_timeout
+    def __init__(self, app, limits: Limits):
+        self.app, self.max_body_bytes = app, limits.max_body_bytes
+        self.read_timeout, self.body_timeout = limits.read_timeout, limits.body_timeout
 
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":

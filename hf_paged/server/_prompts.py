@@ -4,7 +4,7 @@ It runs on a tokenizer thread of its own (``EngineLoop._prepare``), off the engi
 with its own copy of the tokenizer, so that a long prompt delays neither the running requests' steps nor the other
 clients' requests. Before any work, a text prompt whose characters could not fit the model even at the most
 characters a token covers is refused at once; after tokenizing, a prompt that cannot be served (too long for the
-model's position limit or for the whole KV cache), or that asks for more than the server's ``CostLimits``, is
+model's position limit or for the whole KV cache), or that asks for more than the server's ``Limits``, is
 refused with a 400, before anything is queued.
 
 A chat's messages are the client's text: special-token text in the content of a user, assistant or tool message
@@ -29,7 +29,7 @@ from transformers import GenerationConfig
 
 from hf_paged.engine import Engine
 from hf_paged.server._errors import bad_request
-from hf_paged.server._limits import CostLimits
+from hf_paged.server._limits import Limits
 from hf_paged.server._sampling import Job
 
 logger = logging.getLogger("hf_paged")
@@ -60,7 +60,7 @@ class Prepared:
 
 
 class PromptBuilder:
-    def __init__(self, engine: Engine, chat_template: str | None = None, limits: CostLimits = CostLimits(),
+    def __init__(self, engine: Engine, chat_template: str | None = None, limits: Limits = Limits(),
                  special_tokens_in_messages: bool = False):
         self.tokenizer = _own_copy(engine.tokenizer)
         self.limits, self.special_tokens_in_messages = limits, special_tokens_in_messages
