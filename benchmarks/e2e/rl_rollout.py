@@ -22,7 +22,7 @@ hf_paged after the first round. The table printed last gives each system's first
 and hf_paged's speed-up over transformers on the later rounds.
 
     python -m benchmarks.e2e.rl_rollout [--systems hf_paged,transformers] [--rounds 5] [--prompts 64]
-        [--completions 8] [--new-tokens 256] [--json F] [--smoke]
+        [--completions 8] [--new-tokens 256] [--settings JSON] [--json F] [--smoke]
 
 The model: the end-to-end benchmark's Llama-3.2-1B-shaped random-init model (``benchmarks/e2e/workloads.py``) in
 bfloat16 on CUDA. ``--smoke`` runs every path on the CPU with that benchmark's tiny shape in float32 (2 rounds, 2
@@ -59,10 +59,18 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--prompts", type=int, help="distinct prompts per round (default 64; smoke 2)")
     p.add_argument("--completions", type=int, help="completions per prompt (default 8; smoke 2)")
     p.add_argument("--new-tokens", type=int, help="new tokens per completion (default 256; smoke 4)")
+    p.add_argument("--settings", default="{}", help="JSON dict of hf_paged's settings, given to enable_generate_batch "
+                   "(transformers' ContinuousBatchingConfig names or hf_paged's own; default: none)")
     p.add_argument("--json", help="write the result here")
     p.add_argument("--smoke", action="store_true", help="a tiny model on the CPU, to check every path runs")
     args = p.parse_args(argv)
     args.systems = comma_names(args.systems, SYSTEMS, "--systems", p.error)
+    try:
+        args.settings = json.loads(args.settings)
+    except json.JSONDecodeError as e:
+        p.error(f"--settings is not JSON: {e}")
+    if not isinstance(args.settings, dict):
+        p.error(f"--settings must be a JSON object, got {args.settings!r}")
     for name, full, smoke in (("rounds", 5, 2), ("prompts", 64, 2), ("completions", 8, 2), ("new_tokens", 256, 4)):
         value = getattr(args, name) or (smoke if args.smoke else full)
         if value < 1 or (name == "rounds" and value < 2):
@@ -117,7 +125,7 @@ def run_system(system: str, model, prompts: list[list[int]], train_batch: torch.
                args: argparse.Namespace) -> list[dict]:
     """``args.rounds`` rounds of (fused AdamW step, TRL's ``generate_batch`` call) on ``model`` with ``system``."""
     if system == "hf_paged":
-        enable_generate_batch(model)
+        enable_generate_batch(model, **args.settings)
     else:
         disable_generate_batch(model)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-6, fused=True)
