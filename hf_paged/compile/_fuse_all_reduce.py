@@ -36,8 +36,6 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 from hf_paged.compile._group_linears import _keep_meta
 
-__all__ = ["fuse_all_reduce"]
-
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
 

@@ -29,8 +29,6 @@ from hf_paged import _compat
 from hf_paged._compat import CustomGraphPass
 from hf_paged.kernels import _skinny as skinny
 
-__all__ = ["GroupLinears", "group_linears"]
-
 
 class GroupLinears(CustomGraphPass):
     """Inductor's custom pass wrapper around :func:`group_linears`."""

@@ -25,8 +25,6 @@ import torch
 
 from hf_paged.compile import _patches as patches
 
-__all__ = ["is_kernel_router", "route_around"]
-
 
 def is_kernel_router(module: torch.nn.Module) -> bool:
     """Whether ``module``'s class ``forward`` is ``kernels``' function-routing wrapper around a ``forward``."""
@@ -34,12 +32,6 @@ def is_kernel_router(module: torch.nn.Module) -> bool:
     return (callable(getattr(forward, "__wrapped__", None))
             and str(getattr(forward, "__globals__", {}).get("__name__", "")).startswith("kernels.")
             and isinstance(module.__dict__.get("_kernel_funcs"), dict))
-
-
-def kernel_selected(module: torch.nn.Module) -> bool:
-    """Whether a kernel replaces one of ``module``'s routed functions (``kernels.kernelize`` gives that function's
-    private module a ``forward`` of its own), the one case where the wrapper changes what a traced call does."""
-    return any(func.forward.__func__ is not type(func).forward for func in module._kernel_funcs.values())
 
 
 def route_around(layers: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.Module]:
@@ -52,13 +44,16 @@ def route_around(layers: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.
 
 
 def _routed_around(module: torch.nn.Module, eager: Callable) -> Callable:
-    """``module``'s ``forward``: the wrapped one while dynamo traces and no kernel is selected, else ``eager`` (the
-    wrapper). A closure, not an object: dynamo guards on the identity of a callable object found on a module, and the
-    decoder layers would then each trace a graph of their own instead of sharing the first one's."""
+    """``module``'s ``forward``: the wrapped one while dynamo traces and no kernel is selected (``kernels.kernelize``
+    gives a routed function's private module a ``forward`` of its own: the one case where the wrapper changes what a
+    traced call does), else ``eager`` (the wrapper). A closure, not an object: dynamo guards on the identity of a
+    callable object found on a module, and the decoder layers would then each trace a graph of their own instead of
+    sharing the first one's."""
     inner = type(module).forward.__wrapped__
 
     def forward(*args, **kwargs):
-        if torch.compiler.is_compiling() and not kernel_selected(module):
+        if torch.compiler.is_compiling() and not any(
+                func.forward.__func__ is not type(func).forward for func in module._kernel_funcs.values()):
             return inner(module, *args, **kwargs)
         return eager(*args, **kwargs)
 
