@@ -42,10 +42,9 @@ def patch_of(module: torch.nn.Module, kind: str) -> Callable | None:
     """``module``'s patch of ``kind`` (its current value, or the one a later patch of the same attribute replaced),
     or None."""
     record = module.__dict__.get(_RECORD, [])
-    kinds = [k for k, _, _ in record]
-    if kind not in kinds:
+    index = next((i for i, (k, _, _) in enumerate(record) if k == kind), None)
+    if index is None:
         return None
-    index = kinds.index(kind)
     attribute = record[index][1]
     later = [before for _, name, before in record[index + 1:] if name == attribute]
     return later[0] if later else module.__dict__.get(attribute)
@@ -62,10 +61,9 @@ def restore(modules: Iterable[torch.nn.Module], kind: str) -> int:
     count = 0
     for module in modules:
         record = module.__dict__.get(_RECORD, [])
-        kinds = [k for k, _, _ in record]
-        if kind not in kinds:
+        index = next((i for i, (k, _, _) in enumerate(record) if k == kind), None)
+        if index is None:
             continue
-        index = kinds.index(kind)
         for _, attribute, before in reversed(record[index:]):  # the earliest patch of an attribute is undone last
             if before is None:
                 module.__dict__.pop(attribute, None)
