@@ -202,22 +202,21 @@ class BatchTables:
         self._steps_since_edit = 0
 
     # ----- decode steps without per-row bookkeeping ------------------------------------------------------------
-    def arm(self, max_blocks: int) -> list[list[int]] | None:
+    def arm(self, max_blocks: int) -> bool:
         """Let the next ``h`` decode steps :meth:`advance`, ``h`` as large as the blocks every row holds and
-        ``max_blocks`` blocks a row allow.
+        ``max_blocks`` blocks a row allow; returns whether ``h > 0``.
 
         Only for a batch that has run two forwards since it was last rebuilt (a reorder every step, as beam search
-        makes, never arms) and whose rows own the blocks they write next (no copy-on-write pending). Returns each
-        row's first ``max_blocks`` blocks, written and ahead (what a device block table must hold for those steps),
-        or None when not armed.
+        makes, never arms) and whose rows own the blocks they write next (no copy-on-write pending). Those steps
+        write into the blocks :meth:`block_table_tensor` holds now (written and ahead).
         """
         self._settle()
         rows, bs = self._rows, self.pool.block_size
         if self._steps_since_edit < 2 or any(self.manager.blocks_needed(r, 0) for r in rows):
-            return None
+            return False
         room = min((len(r.block_table) * bs - r.num_computed_tokens for r in rows), default=0)
         self._advances_left = max(0, min(room, max_blocks * bs - max((r.num_computed_tokens for r in rows), default=0)))
-        return [r.block_table[:max_blocks] for r in rows] if self._advances_left else None
+        return self._advances_left > 0
 
     def advance(self) -> bool:
         """Append one real token to every row (a decode step) by counting it, when armed; False otherwise (then

@@ -18,8 +18,8 @@ object whose tensors are updated in place before the forward:
 The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
 plans each step through the mask function before it calls the compiled forward. A batch's first forward takes the
 blocks of its prompts plus ``max_new_tokens`` (``CompileMode.append``). Once it has decoded a step without
-being rebuilt, its rows are *armed* (``BatchTables.arm``): the table holding the blocks of their next tokens is
-uploaded once, with the slot of every position it covers (``[B, W * block_size]``), and
+being rebuilt, its rows are *armed* (``BatchTables.arm``): the slot of every position that their uploaded table
+(the blocks they wrote and those they hold ahead) covers is found once, on the device (``[B, W * block_size]``), and
 each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
 a gather of the slots; one launch of ``hf_paged::advance_decode`` where the CUDA kernels are loaded, else four torch
 ops), no host list walked, no host-to-device copy, no new tensor.
@@ -37,6 +37,7 @@ from hf_paged import _compat
 from hf_paged.attention._calls import decode_calls
 from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import PagedMetadata, Phase, build_metadata
+from hf_paged.cache._config import positive_int
 from hf_paged.cache._kv_pool import KVPool
 from hf_paged.cache._kv_quant import is_fp8
 from hf_paged.generate._batch_tables import BatchTables
@@ -94,18 +95,15 @@ class StaticDecode:
         if table is not self._uploaded_table:  # a table tensor is never changed in place (BatchTables)
             _upload(meta.block_tables[:, : table.shape[1]], table)
             self._uploaded_table = table
-        armed = rows.arm(self.width)
-        if armed is not None:
-            self._arm(armed)
+        if rows.arm(self.width):
+            self._arm()
         return meta
 
-    def _arm(self, tables: list[list[int]]) -> None:
-        """Upload the armed rows' blocks (written and ahead) and the slot of every position they cover."""
-        meta, bs, width = self.meta, self.pool.block_size, self.width
-        table = torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
-        _upload(meta.block_tables, table)
-        self._uploaded_table = None
-        offsets = torch.arange(bs, device=self.device).repeat(width)
+    def _arm(self) -> None:
+        """Find the slot of every position the armed rows' uploaded table covers (columns past a row's own blocks
+        hold what an earlier table left there: an armed step never reaches them)."""
+        meta, bs = self.meta, self.pool.block_size
+        offsets = torch.arange(bs, device=self.device).repeat(self.width)
         self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
         self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
         self._slot_column = meta.slot_mapping.view(-1, 1)
@@ -151,19 +149,16 @@ class CompileMode:
 
     def __init__(self, config, pool: KVPool, dispatcher: Dispatcher, dtype: torch.dtype, max_new_tokens: int | None,
                  compileable: bool | None):
-        if max_new_tokens is not None and (
-                not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool) or max_new_tokens < 1):
-            raise ValueError(f"max_new_tokens must be a positive integer or None, got {max_new_tokens!r}")
+        if max_new_tokens is not None:
+            positive_int("max_new_tokens", max_new_tokens, "or None")
         if compileable not in (None, True, False):
             raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
         self.config, self.pool, self.dispatcher, self.dtype = config, pool, dispatcher, dtype
         self.max_new_tokens, self.compileable = max_new_tokens, compileable
         self.devices = [k.device for k, _ in pool.kv_caches]
-        self._reason: str | None | object = _UNDECIDED
-        if compileable:
-            reason = self._static_reason()
-            if reason is not None:
-                raise ValueError(f"compileable=True, but {reason}")
+        self._reason: str | None | object = self._find_reason() if compileable else _UNDECIDED
+        if compileable and self._reason is not None:
+            raise ValueError(f"compileable=True, but {self._reason}")
         self.static = StaticDecode(self.devices[0], pool)
 
     @property
@@ -192,20 +187,16 @@ class CompileMode:
             self.static.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
         return slots
 
-    def _static_reason(self) -> str | None:
+    def _find_reason(self) -> str | None:
+        if self.compileable is False:
+            return "the cache was made with compileable=False"
         if self.max_new_tokens is None:
             return ("the cache was not given max_new_tokens (the generate call's): decode blocks and the width of "
                     "the decode block table are fixed from it before decoding starts")
         if len(set(self.devices)) > 1:
             return "the KV cache is split over several devices"
-        return None
-
-    def _find_reason(self) -> str | None:
-        if self.compileable is False:
-            return "the cache was made with compileable=False"
-        reason = self._static_reason()
-        if reason is not None or self.compileable:
-            return reason
+        if self.compileable:  # asked for: compiled wherever the caller compiles
+            return None
         device_type = self.devices[0].type
         if device_type != "cuda":
             return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
