@@ -160,13 +160,29 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], t
     assert seqs, "plan_step needs at least one scheduled sequence"
     if sum(num_tokens) == len(seqs) and not extra_rows:
         return _plan_decode(DecodeColumns.of(seqs, sample), sample, tables, block_size, pad_logits)
-    ids, pos, slots, keep, q, ctx, rows, pending = _chunk_columns(seqs, num_tokens, sample, block_size)
+    ids, pos, slots, keep, q, ctx, rows = (array("i") for _ in range(7))
+    pending: list[tuple[int, int]] = []  # (token index, source row) of in-flight tokens
+    t = 0
+    for seq, n, smp in zip(seqs, num_tokens, sample):
+        c = seq.num_computed_tokens
+        end = c + n
+        ids.extend(seq.token_ids[c:end])
+        pos.extend(range(c, end))
+        _extend_slots(slots, seq.block_table, c, end, block_size)
+        t += n
+        if smp:  # the chunk reaches the end, so it brings the in-flight token (always a sequence's last one)
+            keep.append(t - 1)
+            if seq.pending_row >= 0:
+                pending.append((t - 1, seq.pending_row))
+        q.append(n)
+        ctx.append(end)
+        rows.append(seq.row)
     if extra_rows:
         keep.extend(extra_rows)
     sampled = len(keep)
     if pad_logits and keep:
         keep.extend(keep[-1:] * (logit_rows(sampled) - sampled))
-    t, num_seqs = len(ids), len(seqs)
+    num_seqs = len(seqs)
     sources = array("i")
     if pending:
         sources = array("i", (-1,)) * t
@@ -180,15 +196,10 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], t
     layout = np.empty(cu + 2 * (num_seqs + 1) + num_seqs * width, dtype=np.int32)
     layout[:cu] = np.frombuffer(head, dtype=np.int32)
     _lengths_and_tables(layout, cu, num_seqs, width, tables, np.frombuffer(rows, dtype=np.int32))
+    ones = np.frombuffer(q, dtype=np.int32) == 1  # the decode rows in front of a mixed step's prefill chunks
     return StepPlan(torch.from_numpy(layout), num_seqs, t, sampled, width, bool(pending), max(q), max_k,
-                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), single_token_prefix=_ones_in_front(q),
-                    padded_rows=len(keep) - sampled)
-
-
-def _ones_in_front(q_lens: array) -> int:
-    """How many of the first q lengths are 1 (the decode rows in front of a mixed step's prefill chunks)."""
-    ones = np.frombuffer(q_lens, dtype=np.int32) == 1
-    return len(ones) if ones.all() else int(ones.argmin())
+                    step_phase(num_seqs, sum(ctx) > t, t == num_seqs), padded_rows=len(keep) - sampled,
+                    single_token_prefix=len(ones) if ones.all() else int(ones.argmin()))
 
 
 def _lengths_and_tables(layout: np.ndarray, cu: int, b: int, width: int, tables: BlockTableBuffer,
@@ -220,7 +231,7 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
     if has_sources:
         layout[at : at + b] = cols.sources
         at += b
-    layout[at : at + k] = _first(b) if all_sampled else np.flatnonzero(sample)
+    layout[at : at + k] = np.arange(b) if all_sampled else np.flatnonzero(sample)
     layout[at + k : at + rows] = layout[at + k - 1] if k else 0
     at += rows
     layout[at : at + b] = 1  # q lengths
@@ -228,39 +239,6 @@ def _plan_decode(cols: DecodeColumns, sample: list[bool], tables: BlockTableBuff
     _lengths_and_tables(layout, cu, b, width, tables, cols.rows)
     return StepPlan(torch.from_numpy(layout), b, b, k, width, has_sources, 1, max_k, step_phase(b, max_k > 1, True),
                     padded_rows=rows - k)
-
-
-_RANGE = np.arange(1024, dtype=np.int32)
-
-
-def _first(n: int) -> np.ndarray:
-    """``np.arange(n)`` as int32, sliced from a kept one."""
-    global _RANGE
-    if n > len(_RANGE):
-        _RANGE = np.arange(2 * n, dtype=np.int32)
-    return _RANGE[:n]
-
-
-def _chunk_columns(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], bs: int) -> tuple:
-    """The columns of any step: one pass over the sequences; a chunk's positions and slots are ranges."""
-    ids, pos, slots, keep, q, ctx, rows = (array("i") for _ in range(7))
-    pending: list[tuple[int, int]] = []  # (token index, source row) of in-flight tokens
-    t = 0
-    for seq, n, smp in zip(seqs, num_tokens, sample):
-        c = seq.num_computed_tokens
-        end = c + n
-        ids.extend(seq.token_ids[c:end])
-        pos.extend(range(c, end))
-        _extend_slots(slots, seq.block_table, c, end, bs)
-        t += n
-        if smp:  # the chunk reaches the end, so it brings the in-flight token (always a sequence's last one)
-            keep.append(t - 1)
-            if seq.pending_row >= 0:
-                pending.append((t - 1, seq.pending_row))
-        q.append(n)
-        ctx.append(end)
-        rows.append(seq.row)
-    return ids, pos, slots, keep, q, ctx, rows, pending
 
 
 def _extend_slots(slots: array, table: list[int], start: int, end: int, block_size: int) -> None:
