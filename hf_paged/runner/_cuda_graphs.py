@@ -18,8 +18,6 @@ from collections.abc import Callable, Hashable, Iterable
 
 import torch
 
-from hf_paged.runner._graph_sizes import pool_bytes
-
 
 class CudaGraphs:
     """Graphs captured on ``device`` into one memory pool, by key."""
@@ -31,9 +29,6 @@ class CudaGraphs:
         self.warmup_seconds = 0.0  # host time of the eager warm-ups
         self.capture_seconds: dict[Hashable, float] = {}  # host time of each key's capture (instantiation included)
         self.replays = 0
-
-    def __contains__(self, key: Hashable) -> bool:
-        return key in self._graphs
 
     def __len__(self) -> int:
         return len(self._graphs)
@@ -115,3 +110,15 @@ def _recorded(graph: torch.cuda.CUDAGraph, pool, step: Callable[[], object]) -> 
         raise
     graph.capture_end()
     return outputs
+
+
+def pool_bytes(device: torch.device, pool) -> int | None:
+    """Bytes of the caching allocator's segments owned by memory pool ``pool`` on ``device``; None where the
+    snapshot does not say which pool owns a segment."""
+    try:
+        segments = torch.cuda.memory_snapshot()
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return sum(s["total_size"] for s in segments
+                   if s.get("device", index) == index and tuple(s["segment_pool_id"]) == tuple(pool))
+    except (KeyError, TypeError, RuntimeError):
+        return None

@@ -114,10 +114,9 @@ class DecodeGraphs:
             if self._capture_now(largest, None) is None:
                 return None
         size = next(s for s in self.sizes if s >= n)
-        if self._waiting:
-            want = self._waiting.due(n, size)  # (graph_sizes.OnDemandSizes)
-            if want is not None:
-                size = self._capture_now(want, size)
+        want = self._waiting.due(n, size)  # (graph_sizes.OnDemandSizes)
+        if want is not None:
+            size = self._capture_now(want, size)
         return size
 
     def _capture_now(self, want: int, fallback: int | None) -> int | None:

@@ -10,8 +10,6 @@ padded to 16, 2.39 ms to 256).
 
 from __future__ import annotations
 
-import torch
-
 # On-demand capture: a size is captured once this many decode steps have padded up to a larger graph instead; about
 # where the padding paid equals one capture (ski rental), with the H100 figures above.
 ON_DEMAND_STEPS = 32
@@ -81,9 +79,6 @@ class OnDemandSizes:
         self._steps = dict.fromkeys(sizes, 0)
         self.first_use = first_use
 
-    def __bool__(self) -> bool:
-        return bool(self._steps)
-
     @property
     def waiting(self) -> list[int]:
         return sorted(self._steps)
@@ -108,18 +103,6 @@ class OnDemandSizes:
     def stop(self) -> None:
         """Capture nothing more on demand."""
         self._steps.clear()
-
-
-def pool_bytes(device: torch.device, pool) -> int | None:
-    """Bytes of the caching allocator's segments owned by memory pool ``pool`` on ``device``; None where the
-    snapshot does not say which pool owns a segment."""
-    try:
-        segments = torch.cuda.memory_snapshot()
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return sum(s["total_size"] for s in segments
-                   if s.get("device", index) == index and tuple(s["segment_pool_id"]) == tuple(pool))
-    except (KeyError, TypeError, RuntimeError):
-        return None
 
 
 def size_ranges(sizes: list[int]) -> str:

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hf_paged.runner import _decode_graphs as cuda_graphs
+from hf_paged.runner import _cuda_graphs as cuda_graphs
 from hf_paged.runner import _graph_sizes as graph_sizes
 from hf_paged.runner._decode_graphs import DecodeGraphs
 from hf_paged.runner._graph_sizes import OnDemandSizes
@@ -29,7 +29,7 @@ def test_a_size_is_due_after_enough_steps_padded_past_it():
     sizes.restart(8)
     assert sizes.waiting == [1, 2, 8] and all(sizes.due(8, 16) is None for _ in range(k - 1))
     sizes.stop()
-    assert not sizes and sizes.waiting == [] and sizes.due(1, 16) is None
+    assert sizes.waiting == [] and sizes.due(1, 16) is None
 
 
 class _Captured:
@@ -59,7 +59,7 @@ class _Captured:
             self.sizes[key] = None
 
     def held_bytes(self):
-        return graph_sizes.pool_bytes(torch.device("cuda", 0), (0, 3))
+        return cuda_graphs.pool_bytes(torch.device("cuda", 0), (0, 3))
 
 
 def _graphs(sizes: list[int], monkeypatch, fail: set[int] = frozenset(),
@@ -112,14 +112,14 @@ def test_the_first_step_a_graph_can_serve_captures_the_largest_size_and_a_failur
     assert _step(graphs, 3) == 8 and captured == [8] and graphs.sizes == [8]
     graphs, captured = _graphs([1, 2, 4, 8], monkeypatch, fail={8})
     assert [_step(graphs, n) for n in (8, 4, 1, 8)] == [None] * 4 and captured == []
-    assert graphs.sizes == [] and not graphs._waiting and graphs._first is None
+    assert graphs.sizes == [] and graphs._waiting.waiting == [] and graphs._first is None
     assert any("without CUDA graphs: batch size 8: capturing it failed" in r.message and r.levelname == "WARNING"
                for r in caplog.records)
     caplog.clear()
     graphs, captured = _graphs([1, 2, 4, 8], monkeypatch)  # a decode backend that cannot be captured
     graphs.dispatcher = SimpleNamespace(graph_unsupported_reason=lambda: "torch is not capture-safe")
     with caplog.at_level(logging.INFO, logger="hf_paged"):
-        assert [_step(graphs, n) for n in (8, 1)] == [None, None] and captured == [] and not graphs._waiting
+        assert [_step(graphs, n) for n in (8, 1)] == [None, None] and captured == [] and graphs._waiting.waiting == []
     assert [(r.levelname, r.getMessage()) for r in caplog.records] == [
         ("INFO", "hf_paged: decode runs without CUDA graphs: batch size 8: torch is not capture-safe")]
 
@@ -145,7 +145,7 @@ def test_a_failed_capture_ends_on_demand_capture_and_the_captured_graphs_serve(m
     k = graph_sizes.ON_DEMAND_STEPS
     assert [_step(graphs, 2) for _ in range(k + 5)] == [8] * (k + 5)
     assert [_step(graphs, 1) for _ in range(k + 5)] == [8] * (k + 5)  # 1 is not tried either
-    assert captured == [8] and not graphs._waiting and graphs.sizes == [8]
+    assert captured == [8] and graphs._waiting.waiting == [] and graphs.sizes == [8]
     assert any("batch size 2" in r.message and "failed" in r.message and "no more" in r.message
                for r in caplog.records)
 
@@ -167,6 +167,6 @@ def test_graph_memory_counts_the_pools_segments_only(monkeypatch):
         {"device": 1, "total_size": 50 << 20, "segment_pool_id": (0, 7)},  # another device
     ]
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: segments)
-    assert graph_sizes.pool_bytes(torch.device("cuda", 0), pool) == 8 << 20
+    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) == 8 << 20
     monkeypatch.setattr(torch.cuda, "memory_snapshot", lambda: [{"device": 0, "total_size": 1}])
-    assert graph_sizes.pool_bytes(torch.device("cuda", 0), pool) is None
+    assert cuda_graphs.pool_bytes(torch.device("cuda", 0), pool) is None
