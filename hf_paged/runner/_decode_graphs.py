@@ -26,13 +26,13 @@ import logging
 import time
 from collections.abc import Sequence as SequenceType
 
+import numpy as np
 import torch
 
 from hf_paged.attention._dispatch import Dispatcher
 from hf_paged.attention._metadata import Phase
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._kv_pool import KVPool
-from hf_paged.runner import _graph_inputs as graph_inputs
 from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.runner._device_block_table import DeviceBlockTable
 from hf_paged.compile._layers import CompiledLayers
@@ -43,6 +43,40 @@ from hf_paged.runner._step_plan import _COMPUTED, DecodeColumns, Sequence, StepP
 from hf_paged.runner._staging import StagingBuffer
 
 logger = logging.getLogger("hf_paged")
+
+#: The staged step's segments, ``b`` int32 values each (the module docstring).
+SEGMENTS = 7
+
+
+def read_stage(stage, b: int, int64=torch.int64) -> tuple:
+    """(ids, positions, sources, rows, update indices as int64, update values): views of a staged step of ``b`` in
+    ``stage`` (a device tensor, or a host numpy array with ``int64=np.int64``)."""
+    return (stage[:b], stage[b : 2 * b], stage[2 * b : 3 * b], stage[3 * b : 4 * b], stage[4 * b : 6 * b].view(int64),
+            stage[6 * b : 7 * b])
+
+
+def _padding(pad_row: int, trash_index: int) -> tuple[int, ...]:
+    """What each segment holds past the real rows and updates: token 0 at position 0 with no source, in the all-zero
+    table row; updates write 0 at the scratch entry."""
+    return 0, 0, -1, pad_row, trash_index, 0
+
+
+def fill_step(host: np.ndarray, b: int, ids, positions, sources, rows, pad_row: int, flat: np.ndarray,
+              values: np.ndarray, trash_index: int) -> None:
+    """Write a step of ``len(rows)`` real rows padded to ``b``, and ``len(flat)`` (at most ``b``) table updates, into
+    ``host`` (``SEGMENTS * b`` int32)."""
+    columns = (ids, positions, sources, rows, flat, values)
+    for segment, column, pad in zip(read_stage(host, b, np.int64), columns, _padding(pad_row, trash_index)):
+        segment[: len(column)] = column
+        segment[len(column) :] = pad
+
+
+def fill_padding(stage: torch.Tensor, b: int, pad_row: int, trash_index: int) -> None:
+    """A step of ``b`` padding rows on the device (nothing written, nothing real read): what warm-up and capture run
+    on."""
+    for segment, pad in zip(read_stage(stage, b), _padding(pad_row, trash_index)):
+        segment.fill_(pad)
+
 
 class DecodeGraphs:
     """Captured decode forwards of ``model`` over ``pool`` (``dispatcher``: its attention backends), one per batch
@@ -83,7 +117,7 @@ class DecodeGraphs:
         b_max, w = wanted[-1], self.width
         dev = dict(device=self.device)
         # never grows: the graphs read its address
-        self._staging = StagingBuffer(graph_inputs.SEGMENTS * b_max, self.device)
+        self._staging = StagingBuffer(SEGMENTS * b_max, self.device)
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
         # flat rows: [1, b] views are contiguous for any b
@@ -203,16 +237,16 @@ class DecodeGraphs:
 
     def stage(self, columns: DecodeColumns, size: int) -> None:
         """Lay the decode step of ``columns`` (one new token per sequence) out for the graph of ``size`` and copy it
-        to the device in one go (``graph_inputs``); table updates beyond ``size`` are queued apart first."""
+        to the device in one go; table updates beyond ``size`` are queued apart first."""
         tables = self.device_tables
         flat, values = tables.changes()
         if len(flat) > size:
             tables.send(flat, values)
             flat, values = flat[:0], values[:0]
-        host = self._staging.host_array(graph_inputs.SEGMENTS * size)
-        graph_inputs.fill_step(host, size, columns.ids, columns.positions, columns.sources, columns.rows,
+        host = self._staging.host_array(SEGMENTS * size)
+        fill_step(host, size, columns.ids, columns.positions, columns.sources, columns.rows,
                                tables.pad_row, flat, values, tables.trash_index)
-        self._staging.send(graph_inputs.SEGMENTS * size)
+        self._staging.send(SEGMENTS * size)
 
     @torch.inference_mode()
     def replay(self, size: int) -> torch.Tensor:
@@ -230,7 +264,7 @@ class DecodeGraphs:
         """Everything the graph of size ``b`` records: widen the staged inputs, gather the rows' block tables,
         compute slots and lengths, then the model forward."""
         w, bs = self.width, self.pool.block_size
-        ids, pos, src, rows, update_at, update_values = graph_inputs.read(self._stage, b)
+        ids, pos, src, rows, update_at, update_values = read_stage(self._stage, b)
         self.device_tables.table.view(-1).index_copy_(0, update_at, update_values)
         self._ids[:b].copy_(torch.where(src >= 0, self.last_tokens.index_select(0, src.clamp(min=0)), ids.long()))
         self._pos[:b].copy_(pos)
@@ -248,7 +282,7 @@ class DecodeGraphs:
             return call_model(self.model, self._ids[:b].view(1, b), self._pos[:b].view(1, b), 0)
 
     def _stage_padding(self, b: int) -> None:
-        graph_inputs.fill_padding(self._stage, b, self.device_tables.pad_row, self.device_tables.trash_index)
+        fill_padding(self._stage, b, self.device_tables.pad_row, self.device_tables.trash_index)
 
     def release(self) -> None:
         """Free the captured graphs (and whatever they hold, collectives included) now; no replay follows."""
