@@ -88,7 +88,8 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     if isinstance(head, torch.nn.Linear) and all(head is not m for m in candidates):
         candidates.append(head)
-    dtype = _layers_dtype(layers)
+    counts = Counter(p.dtype for p in layers.parameters() if p.is_floating_point())
+    dtype = counts.most_common(1)[0][0] if counts else None  # the layers' most common floating dtype (by count)
     patched = []
     for module in candidates:
         if patches.patch_of(module, "skinny_linears") is None:
@@ -156,9 +157,3 @@ def _patch(module: torch.nn.Linear) -> None:
 
     object.__setattr__(module, _ALWAYS, False)
     patches.install(module, "skinny_linears", routed)
-
-
-def _layers_dtype(layers: torch.nn.Module) -> torch.dtype | None:
-    """The most common floating dtype among the layers' parameters (by count)."""
-    counts = Counter(p.dtype for p in layers.parameters() if p.is_floating_point())
-    return counts.most_common(1)[0][0] if counts else None

@@ -58,8 +58,14 @@ class ModelRunner:
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, forced = lockstep.for_model(model, config.compile_layers, config.cuda_graphs)
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
-        self.config, self.sizing = self._size(config, forced, size)
-        cfg = self.config
+        cfg, self.sizing = size(replace(config, **forced), kv_layout(model), self.kv_devices)
+        if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
+            if config.cuda_graph_capture is None:
+                self.sizing["cuda_graph_capture"] = "tensor parallel: every size at start, on every rank alike"
+            agree = self.lockstep.agree_min
+            cfg = replace(cfg, num_blocks=agree(cfg.num_blocks), max_batch_tokens=agree(cfg.max_batch_tokens),
+                          max_num_seqs=agree(cfg.max_num_seqs))
+        self.config = cfg
         self.pool, self.dispatcher = paged_kv(model.config, kv_layout(model), self.kv_devices, model.dtype,
                                               cfg.block_size, cfg.num_blocks, cfg.kv_cache_dtype, cfg.backend)
         self.tables = BlockTableBuffer(cfg.max_num_seqs, min(cfg.num_blocks, -(-longest // cfg.block_size)))
@@ -83,18 +89,6 @@ class ModelRunner:
         self.graphs = self._capture_graphs()
         if self.compiled is not None and self.compiled.artifacts is not None:
             self.compiled.artifacts.save()  # what the start compiled, for the next process
-
-    def _size(self, cfg, forced: dict, size: Sizer) -> tuple:
-        """The engine's sizes, under tensor parallel with the settings it forces and the ranks' smallest sizes."""
-        automatic_capture = cfg.cuda_graph_capture is None
-        cfg, reasons = size(replace(cfg, **forced), kv_layout(self.model), self.kv_devices)
-        if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
-            if automatic_capture:
-                reasons["cuda_graph_capture"] = "tensor parallel: every size at start, on every rank alike"
-            agree = self.lockstep.agree_min
-            cfg = replace(cfg, num_blocks=agree(cfg.num_blocks), max_batch_tokens=agree(cfg.max_batch_tokens),
-                          max_num_seqs=agree(cfg.max_num_seqs))
-        return cfg, reasons
 
     def _buffers(self, max_seqs: int, max_tokens: int) -> None:
         """The device buffers every step reads.
