@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from hf_paged.server._access import AccessCheck
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError
-from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
+from hf_paged.server._events import Accepted, Delta, Event, Finished
 from hf_paged.server._limits import Limits, RequestLimits
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, json_bytes, sse
@@ -198,8 +198,8 @@ async def _next(events: asyncio.Queue, request: Request) -> Event:
             if await request.is_disconnected():
                 raise ClientDisconnect from None
             continue
-        if isinstance(event, Rejected):
-            raise event.error
+        if isinstance(event, ServerError):
+            raise event
         if isinstance(event, Finished) and event.output.finish_reason == "error":
             raise ServerError(500, f"the engine failed on this request: {event.output.error or 'no reason given'}",
                               code="engine_error")

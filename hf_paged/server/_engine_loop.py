@@ -36,7 +36,7 @@ from hf_paged.engine import Engine
 from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
-from hf_paged.server._events import Accepted, Delta, Event, Finished, Rejected
+from hf_paged.server._events import Accepted, Delta, Event, Finished
 from hf_paged.server._limits import Limits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._prompts import Prepared, PromptBuilder
@@ -212,7 +212,7 @@ class EngineLoop:
         error = ServerError(500, f"the engine loop died: {reason}", code="engine_dead")
         queued = [sub for kind, sub in self._take_commands(block=False) if kind == "submit"]
         for sub in [*dict.fromkeys(self._live.values()), *queued]:
-            sub.post(Rejected(error))
+            sub.post(error)
         if self.on_death is not None:
             self.on_death(reason)
 
@@ -240,7 +240,7 @@ class EngineLoop:
         """End ``sub``'s requests (those queued already), and answer it with ``error``."""
         self._end(sub)
         self.metrics.rejected("invalid" if error.status == 400 else str(error.status))
-        sub.post(Rejected(error))
+        sub.post(error)
 
     def _abort_live(self, error: ServerError) -> None:
         for sub in dict.fromkeys(self._live.values()):
@@ -250,7 +250,7 @@ class EngineLoop:
         """Answer ``sub`` with ``error`` (None: its client is gone) and abort its requests: their abort outputs come
         from the next step and release its capacity then."""
         if error is not None:
-            sub.post(Rejected(error))
+            sub.post(error)
         sub.abandoned = True
         for rid in sub.request_ids:
             self.engine.abort(rid)

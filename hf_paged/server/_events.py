@@ -1,4 +1,6 @@
-"""What the engine thread tells an HTTP handler about its request, through the handler's ``asyncio.Queue``."""
+"""What the engine thread tells an HTTP handler about its request, through the handler's ``asyncio.Queue``: that it
+was accepted, its new tokens, each choice's end, or a ``ServerError`` to answer with (nothing was queued, the server
+is stopping, or the request was given up)."""
 
 from __future__ import annotations
 
@@ -13,13 +15,6 @@ class Accepted:
     """The request is queued in the engine; ``prompt_lengths[p]`` is the token count of prompt ``p``."""
 
     prompt_lengths: list[int]
-
-
-@dataclass(frozen=True)
-class Rejected:
-    """Nothing was queued (or the server is stopping): answer with ``error``."""
-
-    error: ServerError
 
 
 @dataclass(frozen=True)
@@ -44,4 +39,4 @@ class Finished:
     token_texts: dict[int, str] | None = None
 
 
-Event = Accepted | Rejected | Delta | Finished
+Event = Accepted | ServerError | Delta | Finished
