@@ -73,12 +73,8 @@ class BatchTables:
         self._steps_since_edit = 0  # forwards since the rows were last rebuilt (a new batch, a reorder, a crop)
         return [_Row() for _ in range(num_rows)]
 
-    def reset(self) -> None:
-        """Free every row's blocks: an empty batch."""
-        self.start(0)
-
     def start(self, num_rows: int) -> None:
-        """Free every row's blocks and start a batch of ``num_rows`` empty rows."""
+        """Free every row's blocks and start a batch of ``num_rows`` empty rows (none: an empty batch)."""
         self._settle()
         for r in self._rows:
             self.manager.free(r)

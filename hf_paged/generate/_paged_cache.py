@@ -178,7 +178,7 @@ class PagedAttentionCache(GenerateHooks, Cache):
     # ----- batch edits generate performs -----------------------------------------------------------------------
     def reset(self) -> None:
         """Free every sequence's blocks (each generate call starts with this)."""
-        self.rows.reset()
+        self.rows.start(0)
         self.plan = None
 
     def crop(self, max_length: int) -> None:

@@ -67,7 +67,14 @@ class StaticDecode:
         """Make room for ``num_rows`` rows of up to ``width`` blocks (new tensors only if the shape changes)."""
         if self.meta is not None and self.meta.num_seqs == num_rows and self.width >= width:
             return
-        self.meta = _decode_metadata(num_rows, width, self.pool.block_size, self.device)
+        # lengths, slots and tables zero until plan writes them; max_seqlen_k the fixed bound of width blocks
+        bs = self.pool.block_size
+        meta = build_metadata(q_lens=torch.ones(num_rows, dtype=torch.int32),
+                              seq_lens_k=torch.zeros(num_rows, dtype=torch.int32),
+                              block_tables=torch.zeros(num_rows, width, dtype=torch.int32),
+                              slot_mapping=torch.zeros(num_rows, dtype=torch.int64), token_index=None,
+                              grid=(num_rows, 1), block_size=bs, device=self.device)
+        self.meta = dataclasses.replace(meta, max_seqlen_q=1, max_seqlen_k=width * bs, phase=Phase.DECODE, static=True)
         self._uploaded_table = None
         # Compiled steps read (and, the pool, write) these at fixed addresses instead of copying them in: CUDA graphs
         # replay on them, and skip a step whose mutated inputs are not marked so.
@@ -129,18 +136,6 @@ class StaticDecode:
 def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
     pin = dst.device.type == "cuda"
     dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
-
-
-def _decode_metadata(num_rows: int, width: int, block_size: int, device: torch.device) -> PagedMetadata:
-    """A decode step of ``num_rows`` rows of up to ``width`` blocks, its lengths, slots and tables zero until
-    :meth:`StaticDecode.plan` writes them; ``max_seqlen_k`` is the fixed bound of ``width`` blocks."""
-    meta = build_metadata(q_lens=torch.ones(num_rows, dtype=torch.int32),
-                          seq_lens_k=torch.zeros(num_rows, dtype=torch.int32),
-                          block_tables=torch.zeros(num_rows, width, dtype=torch.int32),
-                          slot_mapping=torch.zeros(num_rows, dtype=torch.int64), token_index=None,
-                          grid=(num_rows, 1), block_size=block_size, device=device)
-    return dataclasses.replace(meta, max_seqlen_q=1, max_seqlen_k=width * block_size, phase=Phase.DECODE,
-                               static=True)
 
 
 class CompileMode:

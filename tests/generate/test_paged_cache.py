@@ -134,7 +134,7 @@ def test_copy_on_write_of_a_shared_partial_block():
         b = rows.tables[r][1]
         assert torch.equal(k[b * 4 : b * 4 + 2, 0, 0], torch.tensor([4.0, 5.0])), "copy kept the shared tokens"
     assert new.tolist()[0] // 4 == rows.tables[0][1] and new.tolist()[1] // 4 == rows.tables[1][1]
-    rows.reset()
+    rows.start(0)
     assert pool.allocator.num_free == 8
     pool.allocator.check_invariants()
 
@@ -163,7 +163,7 @@ def test_block_table_tensor_follows_the_tables_and_never_changes_a_given_one(see
         want = torch.tensor([t + [0] * (width - len(t)) for t in rows.tables], dtype=torch.int32)
         assert torch.equal(table[:, :width], want) and not table[:, width:].any()
     assert all(torch.equal(t, copy) for t, copy in handed)
-    rows.reset()
+    rows.start(0)
     pool.allocator.check_invariants()
     assert pool.allocator.num_free == 256
 
@@ -312,5 +312,5 @@ def test_random_row_edits_keep_every_rows_tokens_and_the_block_counts(block_size
         for table, row in zip(rows.tables, tokens):
             slots = [table[p // block_size] * block_size + p % block_size for p in range(len(row))]
             assert kv[slots].tolist() == [float(v) for _, v in row]
-    rows.reset()
+    rows.start(0)
     assert pool.allocator.num_free == 48

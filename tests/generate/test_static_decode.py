@@ -127,7 +127,7 @@ def test_advanced_steps_give_the_slots_and_lists_of_appended_ones(block_size: in
     rows.select_rows([2, 2, 0])
     rows.manager.check_invariants(rows._rows)
     assert rows.num_tokens == [lens[2], lens[2], lens[0]] and rows.tables == [tables[2], tables[2], tables[0]]
-    rows.reset()
+    rows.start(0)
     pool.allocator.check_invariants()
     assert pool.allocator.num_used == 0
 
