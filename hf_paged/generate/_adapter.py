@@ -13,8 +13,8 @@
   that a new call begins. The cache answers it with a property whose setter resets it (``_compat``'s
   ``user_defined_flag_from``), so that each call starts from an empty cache and feeds the whole input.
 - **The replacements of** ``optimize_generate`` (:func:`bend`, :func:`unbend`): the model's ``generate``, its
-  ``create_masks_for_generate`` (:class:`PlannedMasks`) and its ``get_compiled_call``, installed and taken off through
-  ``compile/_patches.py``'s registry.
+  ``create_masks_for_generate`` (:class:`PlannedMasks`), its ``forward`` and its ``get_compiled_call``, installed and
+  taken off through ``compile/_patches.py``'s registry.
 """
 
 from __future__ import annotations
@@ -147,16 +147,19 @@ def _layout_of(masks) -> str | tuple[str, ...]:
 
 
 def bend(model: torch.nn.Module, generate: Callable[[Callable], Callable],
-         compiled_call: Callable[[Callable], Callable] | None) -> None:
-    """Give ``model`` the ``generate`` that ``generate(its generate)`` makes, :class:`PlannedMasks` as its ``create_masks_for_generate``
-    (unless its class makes its own masks: token types, images) and, given ``compiled_call``, the
-    ``get_compiled_call`` it makes of the model's; each a patch of ``compile/_patches.py``, which :func:`unbend` takes
-    off (with any patch on the model stacked later)."""
+         compiled_call: Callable[[Callable], Callable] | None, forward: Callable[[Callable], Callable] | None) -> None:
+    """Give ``model`` the ``generate`` that ``generate(its generate)`` makes; unless its class makes its own masks
+    (token types, images), :class:`PlannedMasks` as its ``create_masks_for_generate`` and, given ``forward``, the
+    forward it makes of the model's; given ``compiled_call``, the ``get_compiled_call`` it makes of the model's. Each
+    is a patch of ``compile/_patches.py``, which :func:`unbend` takes off (with any patch on the model stacked later)."""
     patches.install(model, "generate", generate, "generate")
     if getattr(type(model), "create_masks_for_generate", None) is None:
         patches.install(model, "generate_masks", lambda _: PlannedMasks(), "create_masks_for_generate")
+        if forward is not None:
+            patches.install(model, "packed_prefill", forward)
     else:
-        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate", type(model).__name__)
+        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate and prompt forward",
+                    type(model).__name__)
     if compiled_call is not None:
         patches.install(model, "compiled_call", compiled_call, "get_compiled_call")
     forget_compiled_call(model)

@@ -38,7 +38,6 @@ The compile config is set as ``model.generation_config.compile_config`` (CUDA gr
 from __future__ import annotations
 
 import functools
-import logging
 from collections.abc import Callable
 
 import torch
@@ -46,15 +45,12 @@ from transformers import CompileConfig
 
 from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
-from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
 from hf_paged.generate._adapter import bend, unbend
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
 from hf_paged._frozen_heap import frozen_heap
-
-logger = logging.getLogger("hf_paged")
 
 _STATE = "_hf_paged_generate"  # the compile config and linears optimize_generate changed, for restore_generate
 
@@ -98,13 +94,9 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     model.generation_config.compile_config = with_options(before or CompileConfig(), options)
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
-    bend(model, FrozenHeapGenerate, (lambda usual: DecodeSteps(
-        model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None)
-    if packed_prefill and getattr(type(model), "create_masks_for_generate", None) is not None:
-        logger.info("hf_paged: optimize_generate leaves %s's prompt forward as it is (its class makes its own masks)",
-                    type(model).__name__)
-    elif packed_prefill:
-        patches.install(model, "packed_prefill", lambda forward: PackedPrefill(model, forward, compiled, bool(linears)))
+    bend(model, FrozenHeapGenerate,
+         (lambda usual: DecodeSteps(model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None,
+         (lambda forward: PackedPrefill(model, forward, compiled, bool(linears))) if packed_prefill else None)
     return model
 
 

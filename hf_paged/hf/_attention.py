@@ -54,18 +54,15 @@ class StepMask:
 
 class FreshMask(StepMask):
     """The step of a forward that starts from nothing, on a :class:`~hf_paged.hf._transient.TransientKV`, and the SDPA
-    mask of the same forward for a layer the transient KV cannot hold (made when first asked)."""
-
-    __slots__ = ("_sdpa_args", "_sdpa")
+    mask of the same forward for a layer the transient KV cannot hold (made when first asked; never compiled)."""
 
     def __init__(self, step: PagedStep, sdpa_args: dict):
         super().__init__(step)
-        self._sdpa_args, self._sdpa = sdpa_args, None
+        self.sdpa_args = sdpa_args
 
+    @functools.cached_property
     def sdpa(self):
-        if self._sdpa is None:
-            self._sdpa = (sdpa_mask(**self._sdpa_args),)
-        return self._sdpa[0]
+        return sdpa_mask(**self.sdpa_args)
 
 
 def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_offset: int = 0, **kwargs):
@@ -161,7 +158,7 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
                      kwargs: dict) -> tuple[torch.Tensor, None]:
     step = attention_mask.step if isinstance(attention_mask, StepMask) else None
     if isinstance(attention_mask, FreshMask) and (module.training or not step.pool.claim(module.layer_idx, key)):
-        attention_mask, step = attention_mask.sdpa(), None  # a layer the forward's transient KV cannot hold
+        attention_mask, step = attention_mask.sdpa, None  # a layer the forward's transient KV cannot hold
     if step is None:
         return _dense_fallback(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
                                sliding_window=sliding_window, softcap=softcap, **kwargs)
