@@ -51,7 +51,6 @@ TP_TIMEOUT_S = "HF_PAGED_TP_TIMEOUT_S"
 
 #: Every variable read here (the docs and the tests check the table above against it).
 VARIABLES = (API_KEY, BACKEND, CACHE, COMMIT, KERNEL_TRACE, TP_ALL_REDUCE, TP_TIMEOUT_S)
-TP_ALL_REDUCE_CHOICES = ("hf_paged", "nccl")
 
 
 def _value(name: str) -> str | None:
@@ -71,10 +70,10 @@ def api_key() -> str | None:
 
 
 @functools.cache
-def backend() -> tuple[str, ...] | None:
-    """``HF_PAGED_BACKEND`` split into names (checked against the registered backends where it is used), or None."""
-    value = _value(BACKEND)
-    return None if value is None else tuple(name.strip() for name in value.split(","))
+def backend() -> str | None:
+    """``HF_PAGED_BACKEND``, a comma list of backend names (split and checked where it is used:
+    ``hf_paged.cache._config.backend_names``), or None."""
+    return _value(BACKEND)
 
 
 @functools.cache
@@ -118,7 +117,7 @@ def kernel_trace() -> bool:
 @functools.cache
 def tp_all_reduce() -> str:
     """``HF_PAGED_TP_ALL_REDUCE``: ``hf_paged`` (the default) or ``nccl``."""
-    return _choice(TP_ALL_REDUCE, TP_ALL_REDUCE_CHOICES, "hf_paged")
+    return _choice(TP_ALL_REDUCE, ("hf_paged", "nccl"), "hf_paged")
 
 
 def tp_all_reduce_asked() -> bool:

@@ -33,8 +33,6 @@ def decode_calls(config, layout: KVLayout, device_type: str, dtype: torch.dtype,
     softcapping included; ``kv_dtype``: an fp8 cache's dtype)."""
     call = _call(config, layout, Phase.DECODE, device_type, dtype, block_size, kv_dtype)
     text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
-    window = getattr(text, "sliding_window", None)
-    softcap = getattr(text, "attn_logit_softcapping", None)
-    if window is None and softcap is None:
-        return [call]
-    return [call, dataclasses.replace(call, sliding_window=window, softcap=softcap)]
+    extras = dataclasses.replace(call, sliding_window=getattr(text, "sliding_window", None),
+                                 softcap=getattr(text, "attn_logit_softcapping", None))
+    return [call] if extras == call else [call, extras]

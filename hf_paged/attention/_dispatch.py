@@ -55,12 +55,21 @@ class Dispatcher:
         return backend
 
     def _chosen(self, call: AttentionCall) -> AttentionBackend:
-        """The backend serving ``call``, chosen once (raises ``NotImplementedError`` where none can)."""
-        backend = self._choice.get(call)
-        if backend is None:
-            backend = self._choice[call] = self._choose(call)
-            logger.debug("hf_paged: %s attention served by the %s backend (%s)", call.phase.value, backend.name, call)
-        return backend
+        """The backend serving ``call``: the first allowed one that can, chosen once (raises ``NotImplementedError``
+        with each backend's reason where none can)."""
+        if call in self._choice:
+            return self._choice[call]
+        reasons = []
+        for backend in self._order:
+            reason = backend.unsupported_reason(call)
+            if reason is None:
+                logger.debug("hf_paged: %s attention served by the %s backend (%s)", call.phase.value, backend.name,
+                             call)
+                self._choice[call] = backend
+                return backend
+            reasons.append(f"{backend.name}: {reason}")
+        hint = "" if self.allowed is None else f". Allow more backends (now {list(self.allowed)}) to let another serve."
+        raise NotImplementedError(f"no attention backend can serve {call}: " + "; ".join(reasons) + hint)
 
     def check_restriction(self, calls: list[AttentionCall]) -> None:
         """With backends restricted by the user, raise ``NotImplementedError`` now (naming the backends and what to
@@ -98,16 +107,6 @@ class Dispatcher:
         graph, else why not (a backend named, with what to change)."""
         decode = [(c, b) for c, b in self._choice.items() if c.phase is Phase.DECODE]
         return _capture_reason(decode, self._writer.values()) if decode else "no decode step has run yet"
-
-    def _choose(self, call: AttentionCall) -> AttentionBackend:
-        reasons = []
-        for backend in self._order:
-            reason = backend.unsupported_reason(call)
-            if reason is None:
-                return backend
-            reasons.append(f"{backend.name}: {reason}")
-        hint = "" if self.allowed is None else f". Allow more backends (now {list(self.allowed)}) to let another serve."
-        raise NotImplementedError(f"no attention backend can serve {call}: " + "; ".join(reasons) + hint)
 
 
 def _capture_reason(chosen: list[tuple[AttentionCall, AttentionBackend]], writers) -> str | None:

@@ -135,10 +135,13 @@ def test_other_gpus_keep_the_mma_kernel(recorded, monkeypatch):
 @pytest.mark.parametrize(("capability", "cuda", "has"), [((9, 0), "13.0", True), ((9, 0), "11.8", False),
                                                          ((8, 0), "13.0", False), ((10, 0), "13.0", False)])
 def test_wgmma_needs_hopper_and_an_sm_90a_build(monkeypatch, capability, cuda: str, has: bool):
-    monkeypatch.setattr(cuda_backend, "_has_wgmma", {})
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: capability)
     monkeypatch.setattr(torch.version, "cuda", cuda)
-    assert cuda_backend._device_has_wgmma(torch.device("cuda", 0)) is has
+    cuda_backend._has_wgmma.cache_clear()  # (asked once per device)
+    try:
+        assert cuda_backend._device_has_wgmma(torch.device("cuda", 0)) is has
+    finally:
+        cuda_backend._has_wgmma.cache_clear()
 
 
 @pytest.mark.parametrize(("capability", "present"), [((9, 0), True), ((8, 0), False), ((10, 0), False)])

@@ -21,6 +21,7 @@ calling ``hf_paged.kernels._prefill.paged_prefill`` with ``impl=``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -70,27 +71,29 @@ def _fp8_reason(call: AttentionCall) -> str | None:
 # wgmma form at 32 (two CTAs per SM), 64 and 96, the pipelined one at 80, 112, 128, 160, 192 and 256.
 _WGMMA_BY_HEAD_DIM = {32: "wgmma-serial", 64: "wgmma-serial", 80: "wgmma", 96: "wgmma-serial", 112: "wgmma",
                       128: "wgmma", 160: "wgmma", 192: "wgmma", 256: "wgmma"}
-_has_wgmma: dict[int, bool] = {}
+
+
+@functools.cache
+def _has_wgmma(index: int) -> bool:
+    """Whether CUDA device ``index`` runs the wgmma kernels: compute capability 9.0 and a build for sm_90a (CUDA 12
+    on); asked once per device."""
+    major, minor = torch.cuda.get_device_capability(index)
+    return arch_of(major, minor, cuda=torch.version.cuda) == "90a"
 
 
 def _device_has_wgmma(device: torch.device) -> bool:
-    """Whether this device runs the wgmma kernels: compute capability 9.0 and a build for sm_90a (CUDA 12 on)."""
+    """Whether this device runs the wgmma kernels (:func:`_has_wgmma`)."""
     if device.type != "cuda":
         return False
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    if index not in _has_wgmma:
-        major, minor = torch.cuda.get_device_capability(index)
-        _has_wgmma[index] = arch_of(major, minor, cuda=torch.version.cuda) == "90a"
-    return _has_wgmma[index]
+    return _has_wgmma(device.index if device.index is not None else torch.cuda.current_device())
 
 
 def prefill_impl(dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, device: torch.device) -> str:
     """The prefill kernel for a layer: on a Hopper device the wgmma kernel where it serves these shapes (the form
     of ``_WGMMA_BY_HEAD_DIM``: every compiled head size), else "mma"."""
-    impl = _WGMMA_BY_HEAD_DIM.get(head_dim, "mma")
-    if impl == "mma" or wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is not None:
-        return "mma"
-    return impl if _device_has_wgmma(device) else "mma"
+    impl = _WGMMA_BY_HEAD_DIM.get(head_dim)
+    served = impl is not None and wgmma_unsupported_reason(dtype, kv_dtype, head_dim) is None
+    return impl if served and _device_has_wgmma(device) else "mma"
 
 
 @dataclass(frozen=True)

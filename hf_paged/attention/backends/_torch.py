@@ -130,14 +130,6 @@ class StepPlan:
         return Piece(slice(start, stop), slice(starts[start], starts[stop]), 0, width, depth, rows)
 
 
-def gather_context(cache: torch.Tensor, block_tables: torch.Tensor, max_len: int) -> torch.Tensor:
-    """``cache`` [num_blocks, bs, Hkv, D] read through ``block_tables`` [B, nb] -> [B, max_len, Hkv, D]."""
-    bs = cache.shape[1]
-    nb = max(1, -(-max_len // bs))
-    blocks = cache[block_tables[:, :nb].long()]  # [B, nb, bs, Hkv, D]
-    return blocks.flatten(1, 2)[:, :max_len]
-
-
 def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: PagedMetadata,
                               params: AttentionParams, compute_dtype: torch.dtype = torch.float32,
                               kv_scales: KVScales | None = None, plan: StepPlan | None = None) -> torch.Tensor:
@@ -195,9 +187,10 @@ def _attend_piece(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
 
 def _context(cache: torch.Tensor, block_tables: torch.Tensor, length: int, dtype: torch.dtype,
              scale: torch.Tensor | None) -> torch.Tensor:
-    """The first ``length`` tokens of each sequence of ``block_tables`` as [n, Hkv, length, D] in ``dtype`` (an fp8
-    cache's dequantized with its ``scale`` [Hkv])."""
-    context = gather_context(cache, block_tables, length)
+    """The first ``length`` tokens of each sequence of ``block_tables`` [n, nb] read from ``cache`` [num_blocks, bs,
+    Hkv, D], as [n, Hkv, length, D] in ``dtype`` (an fp8 cache's dequantized with its ``scale`` [Hkv])."""
+    blocks = cache[block_tables[:, :max(1, -(-length // cache.shape[1]))].long()]  # [n, nb, bs, Hkv, D]
+    context = blocks.flatten(1, 2)[:, :length]
     if scale is not None:
         context = dequantize(context, scale, dtype)
     return _dense(context.permute(0, 2, 1, 3), dtype)
