@@ -31,13 +31,7 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load(args)
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
-    workload = Workload(tuple(len(p) + args.max_new_tokens for p in ids))
-    try:  # the engine refuses a --backend list that cannot serve this model when it builds its cache
-        engine = Engine(model, tokenizer=tokenizer, workload=workload, **engine_settings(args))
-    except NotImplementedError as exc:
-        if args.backend is None:
-            raise
-        raise NotImplementedError(backend_refusal(args.backend, model.device, exc)) from exc
+    engine = build_engine(args, model, tokenizer, Workload(tuple(len(p) + args.max_new_tokens for p in ids)))
     log_setup(args, model, engine, len(prompts))
     check_lengths(engine, ids)
     shown = prompts[: args.show if demo else None]
@@ -58,14 +52,21 @@ def run(args: argparse.Namespace) -> int:
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
 
 
-def backend_refusal(names: tuple[str, ...], device: torch.device, exc: NotImplementedError) -> str:
-    """The engine's refusal of a ``--backend`` list, in the flag's words: why each cannot serve (the dispatcher's
-    reasons, without its record of the attention call) and what to do."""
-    reasons = re.sub(r"^no attention backend can serve AttentionCall\([^()]*\): ", "", str(exc))
-    reasons = re.sub(r"\. Allow more backends .*$", "", reasons)
-    flag = ",".join(names)
-    return (f"--backend {flag} cannot run this model on {device.type} ({reasons}); leave --backend out to let "
-            f"hf_paged choose, or add torch (--backend {flag},torch)")
+def build_engine(args: argparse.Namespace, model, tokenizer, workload: Workload | None = None) -> Engine:
+    """The engine of the engine flags (``generate``'s and ``serve``'s). The engine refuses a ``--backend`` list that
+    cannot serve the model when it builds its cache: that refusal is given in the flag's words, why each backend
+    cannot serve (the dispatcher's reasons, without its record of the attention call) and what to do."""
+    try:
+        return Engine(model, tokenizer=tokenizer, workload=workload, **engine_settings(args))
+    except NotImplementedError as exc:
+        if args.backend is None:
+            raise
+        reasons = re.sub(r"^no attention backend can serve AttentionCall\([^()]*\): ", "", str(exc))
+        reasons = re.sub(r"\. Allow more backends .*$", "", reasons)
+        flag = ",".join(args.backend)
+        raise NotImplementedError(f"--backend {flag} cannot run this model on {model.device.type} ({reasons}); "
+                                  "leave --backend out to let hf_paged choose, or add torch "
+                                  f"(--backend {flag},torch)") from exc
 
 
 def stream_answers(args: argparse.Namespace, engine: Engine, ids: list[list[int]], shown: list[str]) -> list:

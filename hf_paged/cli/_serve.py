@@ -24,7 +24,7 @@ from pathlib import Path
 
 from hf_paged import envs
 from hf_paged.cli._arguments import exit_with, non_negative_float, non_negative_int, positive_float, positive_int, port
-from hf_paged.cli._generate import add_engine_arguments, engine_settings
+from hf_paged.cli._generate import add_engine_arguments
 from hf_paged.server import INSTALL_HINT, create_app
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 from hf_paged.server._limits import Limits
@@ -119,14 +119,13 @@ def run(args: argparse.Namespace) -> int:
 
 def _app(args: argparse.Namespace):
     """The app serving the model ``args`` name; sets ``args.served_model_name`` to what it serves under."""
-    from hf_paged.cli._generate_run import load  # (torch, transformers and the engine: imported once serve runs)
-    from hf_paged.engine import Engine
+    # (torch, transformers and the engine: imported once serve runs)
+    from hf_paged.cli._generate_run import build_engine, load
 
     allowed = args.allowed_hosts
     if allowed is None and is_loopback(args.host) and not args.api_key:
         allowed = LOOPBACK_HOSTS
-    model, tokenizer = load(args)
-    engine = Engine(model, tokenizer=tokenizer, **engine_settings(args))
+    engine = build_engine(args, *load(args))
     args.served_model_name = args.served_model_name or args.model_name
     return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
                       args.shutdown_timeout, api_key=args.api_key, allowed_hosts=allowed,

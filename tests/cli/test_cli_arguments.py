@@ -4,6 +4,7 @@ an unexpected error: one line and status 1, or the traceback under ``--verbose``
 from __future__ import annotations
 
 import io
+import socket
 
 import pytest
 import torch
@@ -159,9 +160,12 @@ def test_cuda_without_cuda_is_refused(monkeypatch, capsys):
                                                                                      "--device cpu"])
 
 
-def test_a_backend_that_cannot_serve_the_device_is_refused(capsys):
-    assert main(GENERATE + ["abc", "--backend", "cuda"]) == 2
-    err = assert_one_line_error(capsys, "hf-paged generate: error: --backend cuda cannot run this model on cpu (",
+@pytest.mark.parametrize("command", [[*GENERATE, "abc"], ["serve", "--model", "tiny", "--device", "cpu"]])
+def test_a_backend_that_cannot_serve_the_device_is_refused(monkeypatch, capsys, command):
+    """The engine's refusal of a ``--backend`` list, in the flag's words, from both commands that build an engine."""
+    monkeypatch.setattr(_serve, "bind", lambda host, port: socket.create_server((host, 0)))  # (serve: any free port)
+    assert main(command + ["--backend", "cuda"]) == 2
+    err = assert_one_line_error(capsys, f"hf-paged {command[0]}: error: --backend cuda cannot run this model on cpu (",
                                 ["cuda: ", "leave --backend out", "--backend cuda,torch"])
     assert "AttentionCall" not in err and "Phase." not in err and "torch.float32" not in err
 
