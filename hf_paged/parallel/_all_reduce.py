@@ -116,9 +116,7 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     return out
 
 
-@_tp_all_reduce.register_fake
-def _(x, group_name):
-    return torch.empty_like(x)
+_tp_all_reduce.register_fake(lambda x, group_name: torch.empty_like(x))
 
 
 # ----- the all-reduce fused with what follows it in a decoder layer ---------------------------------------------------
@@ -160,10 +158,13 @@ def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str)
     return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
 
 
-# The outputs are contiguous whatever the inputs' strides (the kernel's and the fallback's alike), as the fakes say.
-@_tp_all_reduce_add.register_fake
-def _(x, residual, group_name):
+def _contiguous_like(x: torch.Tensor, *args) -> torch.Tensor:
+    """The fused ops' fake output: their outputs are contiguous whatever the inputs' strides (the kernel's and the
+    fallback's alike)."""
     return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+_tp_all_reduce_add.register_fake(_contiguous_like)
 
 
 @torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
@@ -186,7 +187,4 @@ def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight:
     return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps).contiguous()
 
 
-@_tp_all_reduce_add_rms_norm.register_fake
-def _(x, residual, weight, eps, eps_tensor, group_name):
-    return (torch.empty_like(x, memory_format=torch.contiguous_format),
-            torch.empty_like(x, memory_format=torch.contiguous_format))
+_tp_all_reduce_add_rms_norm.register_fake(lambda x, *args: (_contiguous_like(x), _contiguous_like(x)))
