@@ -20,7 +20,7 @@ import operator
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
-from functools import partial
+from functools import cache, partial
 from itertools import compress
 
 import torch
@@ -276,31 +276,27 @@ class EngineCore:
     def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
         """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
         sequences that finished meanwhile (their step before was their last) are left out."""
-        seqs = batch.seqs
+        seqs, bm = batch.seqs, self.block_manager
         if (launched is not None and len(launched.seqs) == len(seqs) == batch.total_tokens
                 and SequenceStatus.FINISHED not in map(_status, seqs)):
-            self._commit_decode(seqs)  # (the usual decode step)
+            # the usual decode step: every sequence computed one token and sampled the next, committed in one pass
+            bs, register = bm.block_size, bm.register_full_blocks if bm.enable_prefix_caching else None
+            for row, seq in enumerate(seqs):
+                c = seq.num_computed_tokens = seq.num_computed_tokens + 1
+                seq.token_ids.append(PLACEHOLDER)
+                seq.pending_row = row
+                if register is not None and c // bs > seq.num_hashed_blocks:
+                    register(seq)
             self._inflight = launched
             return
         kept = _without_finished(batch)
-        self.block_manager.commit(kept.seqs, kept.num_tokens)  # (their KV is written now)
+        bm.commit(kept.seqs, kept.num_tokens)  # (their KV is written now)
         if launched is not None:
             for row, seq in enumerate(launched.seqs):
                 if not seq.is_finished:
                     seq.token_ids.append(PLACEHOLDER)
                     seq.pending_row = row
             self._inflight = launched
-
-    def _commit_decode(self, seqs: list[Sequence]) -> None:
-        """The commit of a step in which every sequence computed one token and sampled the next, in one pass."""
-        bm = self.block_manager
-        bs, register = bm.block_size, bm.register_full_blocks if bm.enable_prefix_caching else None
-        for row, seq in enumerate(seqs):
-            c = seq.num_computed_tokens = seq.num_computed_tokens + 1
-            seq.token_ids.append(PLACEHOLDER)
-            seq.pending_row = row
-            if register is not None and c // bs > seq.num_hashed_blocks:
-                register(seq)
 
     # ----- taking in a step's tokens -------------------------------------------------------------------------
 
@@ -390,6 +386,7 @@ class EngineCore:
                 sched.enqueue(child)
 
 
+@cache
 def _count_optimizer_steps() -> None:
     """Make every optimizer step raise the version counters of the parameters it updates, once per process.
 
@@ -398,18 +395,13 @@ def _count_optimizer_steps() -> None:
     ops (the foreach ones included) do: the engine's per-step check would not see the step. A global hook after each
     ``torch.optim.Optimizer.step`` (any subclass, fused or not) raises the counters of the optimizer's parameters,
     about a microsecond each."""
-    global _OPTIMIZER_HOOK
-    if _OPTIMIZER_HOOK is None:
-        _OPTIMIZER_HOOK = register_optimizer_step_post_hook(_stepped)
+    register_optimizer_step_post_hook(_stepped)
 
 
 def _stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for param in group["params"]:
             torch.autograd.graph.increment_version(param)
-
-
-_OPTIMIZER_HOOK = None
 
 
 def _storages(params: list[torch.Tensor]) -> list[tuple]:

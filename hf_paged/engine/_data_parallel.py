@@ -11,8 +11,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged._compat import GenerationOutput
-from hf_paged.engine import _validation as validation
-from hf_paged.engine._generate_batch import generate_batch, most_tokens, read_call
+from hf_paged.engine._generate_batch import generate_batch, most_tokens, read_call, result_order
 from hf_paged.parallel import _data_parallel as data_parallel
 
 
@@ -42,7 +41,7 @@ def distributed_generate_batch(
         world_size, rank, lambda: _workload(model, inputs, generation_config, engine_kwargs),
         lambda prompts, share: generate_batch(model, prompts, generation_config, indices=share, **engine_kwargs),
         "distributed_generate_batch")
-    return {rid: results[rid] for rid in sorted(results, key=_request_order)}
+    return {rid: results[rid] for rid in sorted(results, key=result_order)}  # by prompt, each prompt's copies first
 
 
 def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[list[int]], list[int]]:
@@ -50,10 +49,3 @@ def _workload(model, inputs, generation_config, engine_kwargs) -> tuple[list[lis
     prompts, gc = read_call(model, inputs, generation_config, engine_kwargs.get("max_new_tokens"),
                             "distributed_generate_batch")
     return prompts, [most_tokens(p, gc) for p in prompts]
-
-
-def _request_order(rid: str) -> tuple[int, int]:
-    """``generate_batch``'s order: by prompt, each prompt's copies first."""
-    parent, rank = validation.family_and_rank(rid)
-    return int(parent.removeprefix("req_")), rank
-

@@ -120,8 +120,7 @@ def generate_batch(
     copies = SamplingParams.from_resolved(SamplingParams.resolve(gc), len(inputs[0])).num_return_sequences
     workload = Workload(tuple(most_tokens(p, gc) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
-    prompts, configs, request_ids, names = _shared_prefills(inputs, _request_configs(gc, inputs, indices, seed),
-                                                            indices, copies)
+    prompts, configs, request_ids, names = _shared_prefills(inputs, gc, indices, seed, copies)
     finished, stamps = {}, {} if record_timestamps else None
     desc = f"Solving {len(inputs) * copies} requests"
     # one call at a time in the process (_CALLS); the caller's attention and training mode, put back however the call
@@ -155,9 +154,8 @@ def generate_batch(
             restore_attention(model, attention)
             for module in training:
                 module.training = True
-    place = {f"req_{i}": position for position, i in enumerate(indices)}
-    order = lambda rid: (place[validation.family_and_rank(rid)[0]], validation.family_and_rank(rid)[1])
-    results = {rid: finished[rid] for rid in sorted(finished, key=order)}  # prompts in order, each one's copies first
+    place = {i: position for position, i in enumerate(indices)}
+    results = {rid: finished[rid] for rid in sorted(finished, key=lambda rid: result_order(rid, place))}
     failed = [f"{rid}: {out.error}" for rid, out in results.items() if out.error is not None]
     if failed:
         raise GenerateBatchError(f"generate_batch: {len(failed)} of {len(results)} requests failed: "
@@ -234,58 +232,56 @@ def _to_generation_output(rid: str, out, start: float, stamps: dict[str, list[fl
     )
 
 
-def _request_configs(gc: GenerationConfig, inputs: list[list[int]], indices: list[int],
-                     seed: int | None) -> GenerationConfig | list[GenerationConfig]:
-    """The config of each request: ``gc`` for all, or one each with its seed (``continuous_batching_config.seed``,
-    by position in the workload) and, where ``gc`` sets no ``max_new_tokens``, the room left to the model's position
-    limit (transformers' "no limit"; set here so that the model's generation config fills nothing in)."""
-    if seed is None and gc.max_new_tokens is not None:
-        return gc
-    by_length: dict[int, GenerationConfig] = {}
-    configs = []
-    for i, prompt in zip(indices, inputs):
-        cfg = by_length.get(len(prompt)) if seed is None else None
-        if cfg is None:
-            cfg = copy.deepcopy(gc)
-            if gc.max_new_tokens is None:
-                cfg.max_new_tokens = max(1, gc.max_length - len(prompt))
-            if seed is not None:
-                cfg.seed = (seed * 1_000_003 + i) % 2**62
-            by_length[len(prompt)] = cfg
-        configs.append(cfg)
-    return configs
-
-
-def _shared_prefills(inputs: list[list[int]], configs: GenerationConfig | list[GenerationConfig], indices: list[int],
+def _shared_prefills(inputs: list[list[int]], gc: GenerationConfig, indices: list[int], seed: int | None,
                      copies: int) -> tuple[list[list[int]], list[GenerationConfig], list[str], dict[str, str]]:
     """Identical prompts of the call as one request each, whose prompt is computed once for all of their copies (an
     RL trainer sends each prompt once per completion it wants): the request of the first of them with
     ``num_return_sequences`` covering every copy of every one of them (at most ``MAX_RETURN_SEQUENCES``: more
     identical prompts make more requests). Its copies draw as copies do, from the first one's seed.
 
+    Each request's config is a copy of ``gc`` with its seed (``continuous_batching_config.seed``, by position in the
+    workload), its copies and, where ``gc`` sets no ``max_new_tokens``, the room left to the model's position limit
+    (transformers' "no limit"; set here so that the model's generation config fills nothing in); requests whose
+    configs are alike share one.
+
     Returns the requests' prompts, configs and ids, and each engine result id's name in the call (the ids the
     prompts would have had alone, ``"req_<index>"`` and its ``"req_<index>__child#<k>"``)."""
-    configs = configs if isinstance(configs, list) else [configs] * len(inputs)
     alike: dict[tuple[int, ...], list[int]] = {}
     for position, prompt in enumerate(inputs):
         alike.setdefault(tuple(prompt), []).append(position)
-    prompts, request_configs, request_ids, names = [], [], [], {}
+    prompts, configs, request_ids, names = [], [], [], {}
+    shared: dict[tuple, GenerationConfig] = {}
     most = max(1, MAX_RETURN_SEQUENCES // copies)
     for positions in alike.values():
         for group in (positions[j : j + most] for j in range(0, len(positions), most)):
-            rid, config = f"req_{indices[group[0]]}", configs[group[0]]
-            if len(group) > 1:
-                config = copy.deepcopy(config)
-                config.num_return_sequences = copies * len(group)  # (on the object: no check of greedy copies)
-            prompts.append(inputs[group[0]])
-            request_configs.append(config)
-            request_ids.append(rid)
-            names.update(zip(_result_ids(indices[group[0]], copies * len(group)),
+            index, prompt = indices[group[0]], inputs[group[0]]
+            key = (len(prompt) if gc.max_new_tokens is None else None, index if seed is not None else None, len(group))
+            if key not in shared:
+                config = shared[key] = copy.deepcopy(gc)
+                if gc.max_new_tokens is None:
+                    config.max_new_tokens = max(1, gc.max_length - len(prompt))
+                if seed is not None:
+                    config.seed = (seed * 1_000_003 + index) % 2**62
+                if len(group) > 1:
+                    config.num_return_sequences = copies * len(group)  # (on the object: no check of greedy copies)
+            prompts.append(prompt)
+            configs.append(shared[key])
+            request_ids.append(f"req_{index}")
+            names.update(zip(_result_ids(index, copies * len(group)),
                              (name for p in group for name in _result_ids(indices[p], copies))))
-    return prompts, request_configs, request_ids, names
+    return prompts, configs, request_ids, names
 
 
 def _result_ids(index: int, copies: int) -> list[str]:
     """The result ids of the prompt at ``index`` with ``copies`` copies, in transformers' order."""
     rid = f"req_{index}"
     return [f"{rid}{validation.CHILD_MARK}{k}" for k in range(copies - 1)] + [rid]
+
+
+def result_order(rid: str, place: dict[int, int] | None = None) -> tuple[int, int]:
+    """Where a result of ``generate_batch`` goes, in transformers' order: by its prompt's index (``"req_<index>"``;
+    with ``place``, that index's place there), then the prompt's copies ``"req_<index>__child#0"``, ... before
+    ``"req_<index>"`` itself."""
+    parent, _, copy_index = rid.partition(validation.CHILD_MARK)
+    index = int(parent.removeprefix("req_"))
+    return place[index] if place is not None else index, int(copy_index) if copy_index else 2**62

@@ -158,12 +158,11 @@ def _fit_memory(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
 def step_bytes(model_config, dtype: torch.dtype) -> tuple[int, int]:
     """Bytes a step takes per token (one layer's largest live activations: the residual stream and its norms, q/k/v
     and the MLP's gate, up and product) and per sampled sequence (its logits row and the sampler's work on it)."""
-    text = model_config.get_text_config(decoder=True)
+    text, kv = model_config.get_text_config(decoder=True), KVLayout.from_config(model_config)
     hidden = text.hidden_size
-    heads, kv_heads, head_dim = _attention_heads(text)
     inter = getattr(text, "intermediate_size", None) or 4 * hidden
     item = torch.empty((), dtype=dtype).element_size()
-    per_token = (4 * hidden + (heads + 2 * kv_heads) * head_dim + 3 * inter) * item
+    per_token = (4 * hidden + (text.num_attention_heads + 2 * kv.num_kv_heads) * kv.head_dim + 3 * inter) * item
     return per_token, text.vocab_size * (item + _SAMPLER_BYTES)
 
 
@@ -175,17 +174,10 @@ def attention_bytes(model_config, cfg: EngineConfig, dtype: torch.dtype, device:
     what ``ACTIVATION_SHARE`` leaves)."""
     if device.type == "cuda":
         return 0
-    text = model_config.get_text_config(decoder=True)
+    heads, kv = model_config.get_text_config(decoder=True).num_attention_heads, KVLayout.from_config(model_config)
     cache = torch.empty((), dtype=kv_storage_dtype(cfg.kv_cache_dtype, dtype)).element_size()
-    return workspace_bytes(device.type, position_limit(model_config), *_attention_heads(text), cfg.block_size,
-                           cache_size=cache)
-
-
-def _attention_heads(text_config) -> tuple[int, int, int]:
-    """A text config's query heads, KV heads and head_dim."""
-    heads = text_config.num_attention_heads
-    kv_heads = getattr(text_config, "num_key_value_heads", None) or heads
-    return heads, kv_heads, getattr(text_config, "head_dim", None) or text_config.hidden_size // heads
+    return workspace_bytes(device.type, position_limit(model_config), heads, kv.num_kv_heads, kv.head_dim,
+                           cfg.block_size, cache_size=cache)
 
 
 def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: Sequence[torch.device],

@@ -15,13 +15,6 @@ from hf_paged.hf._support import position_limit  # noqa: F401  (the engine reads
 CHILD_MARK = "__child#"  # copies of num_return_sequences are named "<id>__child#<k>", as in transformers
 
 
-def family_and_rank(rid: str) -> tuple[str, int]:
-    """A result's request (the prompt's id) and its place among that request's results in transformers' order:
-    the copies ``"<id>__child#0"``, ``"<id>__child#1"``, ... first, then ``"<id>"`` itself."""
-    parent, _, copy_index = rid.partition(CHILD_MARK)
-    return parent, int(copy_index) if copy_index else 2**62
-
-
 def prompt_token_ids(prompt, vocab_size: int, tokenizer=None, field: str = "prompt") -> list[int]:
     """``prompt`` (a string, or one sequence of token ids: list, tuple, 1-D tensor or array) as a list of ints in
     ``[0, vocab_size)``. Numpy and torch integers are taken; bools, floats and nested lists are refused. A string

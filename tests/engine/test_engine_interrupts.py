@@ -28,7 +28,7 @@ ASYNC = pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", 
 #: The hand-over: taking in a step's tokens, committing it, stop checks, forks, handing outputs over.
 HAND_OVER = {f.__code__ for f in (
     _core.EngineCore._resolve, _core.EngineCore._take_tokens, _core.EngineCore._commit,
-    _core.EngineCore._commit_decode, _core.EngineCore._fork, _core.EngineCore._stop_reason,
+    _core.EngineCore._fork, _core.EngineCore._stop_reason,
     _engine.Engine._step, _request_output.output_of)}
 
 

@@ -59,3 +59,18 @@ def test_copies_of_identical_prompts_keep_each_prompts_ids_and_sampled_ones_draw
                 for _ in range(2)]
     assert unseeded[0] != unseeded[1]  # no seed: each call draws afresh
     assert len(unseeded[0]) == 6
+
+
+def test_without_max_new_tokens_each_request_runs_to_the_position_limit_whatever_its_length():
+    """transformers' "no limit": each request gets the room its own prompt leaves (512 positions on the tiny model),
+    identical prompts sharing one request included, and ends there with its own tokens."""
+    model = models(ARCH)[1]
+    short, long = random_prompts(2, 505, 505, seed=99)
+    long = long + [7, 8]  # (507 tokens: 5 positions left, against 7 for the short one)
+    prompts = [short, long, long, short]
+    config = GenerationConfig(do_sample=False, eos_token_id=None)
+    results = hf_paged.generate_batch(model, prompts, config)
+    assert list(results) == ["req_0", "req_1", "req_2", "req_3"]
+    assert [len(r.generated_tokens) for r in results.values()] == [512 - len(p) for p in prompts]
+    assert [r.generated_tokens for r in results.values()] == [
+        hf_greedy(ARCH, [p], 512 - len(p))[0] for p in prompts]
