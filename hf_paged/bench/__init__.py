@@ -34,23 +34,20 @@ class Timing:
 def _timer(run: Callable[[], object], cuda: bool) -> Callable[[], float]:
     """A function that calls ``run`` and returns the seconds it took: between two CUDA events on the device, else by
     the host clock."""
-    if not cuda:
-        def host_rep() -> float:
+    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+
+    def rep() -> float:
+        if not cuda:
             t0 = time.perf_counter()
             run()
             return time.perf_counter() - t0
-
-        return host_rep
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-
-    def device_rep() -> float:
         start.record()
         run()
         end.record()
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    return device_rep
+    return rep
 
 
 def _repeat(rep: Callable[[], float], calls_per_rep: int, method: str, budget_s: float, reps: int | None,

@@ -30,7 +30,7 @@ import torch
 from hf_paged import kernels
 from hf_paged.cache import _kv_quant as kv_quant
 from hf_paged.attention.backends.base import AttentionInputs, AttentionParams
-from hf_paged.attention.backends._flash import window_size
+from hf_paged.attention.backends._flash import load_flash_attn, window_size
 from hf_paged.attention.backends._torch import TorchBackend
 from hf_paged.attention._metadata import build_metadata
 from hf_paged.bench import copy_bandwidth, input_sets, run_header, time_calls
@@ -134,15 +134,12 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0, softc
         out["ours-nopdl-bs16"] = ours(pdl=False)
     if head_dim in kernels.FP8_HEAD_DIMS:  # the e4m3 kernels' sizes
         out["ours-fp8-bs16"] = ours(fp8=True)
-    try:
-        from flash_attn import flash_attn_with_kvcache
-    except ImportError:
-        pass
-    else:
+    if (fa := load_flash_attn()) is not None:
         out["flash-bs256"] = [
-            lambda s=s: flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
-                                                cache_seqlens=s["seq_lens"], block_table=s["t256"], softmax_scale=scale,
-                                                causal=True, window_size=window_size(window or None), softcap=softcap)
+            lambda s=s: fa.flash_attn_with_kvcache(s["query"].unsqueeze(1), s["k256"], s["v256"],
+                                                   cache_seqlens=s["seq_lens"], block_table=s["t256"],
+                                                   softmax_scale=scale, causal=True,
+                                                   window_size=window_size(window or None), softcap=softcap)
             for s in sets
         ]
     s0, batch = sets[0], len(sets[0]["seq_lens"])  # the torch backend: eager, over the first input set only

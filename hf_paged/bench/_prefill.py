@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from hf_paged import _compat
-from hf_paged.attention.backends._flash import window_size
+from hf_paged.attention.backends._flash import load_flash_attn, window_size
 from hf_paged.bench import input_sets, run_header, time_calls
 from hf_paged.bench._kernels import add_fp8_cache, check_outputs, fp8_scales, paged_kv, score_options
 from hf_paged.kernels import FP8_HEAD_DIMS
@@ -102,15 +102,11 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
         out["ours-fp8-bs16"] = ours(16, fp8=True)
     if sweep:
         out.update({f"ours-bs16-c{c}": ours(16, config=c) for c in PREFILL_CONFIGS})
-    try:
-        from flash_attn import flash_attn_varlen_func
-    except ImportError:
-        pass
-    else:
-        out["flash-varlen"] = [lambda s=s: flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new,
-                                                                  ctx, softmax_scale=scale, causal=True,
-                                                                  window_size=window_size(window or None),
-                                                                  softcap=softcap)
+    if (fa := load_flash_attn()) is not None:
+        out["flash-varlen"] = [lambda s=s: fa.flash_attn_varlen_func(s["q"], s["k"], s["v"], s["cu_q"], s["cu_k"], new,
+                                                                     ctx, softmax_scale=scale, causal=True,
+                                                                     window_size=window_size(window or None),
+                                                                     softcap=softcap)
                                for s in sets]
     # torch's built-in kernel aligns causal masks top-left (only comparable without a prefix) and takes no softcap
     if prefix == 0 and not window and not softcap:
