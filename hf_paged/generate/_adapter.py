@@ -147,11 +147,13 @@ def _layout_of(masks) -> str | tuple[str, ...]:
 
 
 def bend(model: torch.nn.Module, generate: Callable[[Callable], Callable],
-         compiled_call: Callable[[Callable], Callable] | None, forward: Callable[[Callable], Callable] | None) -> None:
+         compiled_call: Callable[[Callable], Callable] | None,
+         forward: Callable[[Callable], Callable] | None) -> None:
     """Give ``model`` the ``generate`` that ``generate(its generate)`` makes; unless its class makes its own masks
     (token types, images), :class:`PlannedMasks` as its ``create_masks_for_generate`` and, given ``forward``, the
     forward it makes of the model's; given ``compiled_call``, the ``get_compiled_call`` it makes of the model's. Each
-    is a patch of ``compile/_patches.py``, which :func:`unbend` takes off (with any patch on the model stacked later)."""
+    is a patch of ``compile/_patches.py``, which :func:`unbend` takes off (with any patch stacked on the model
+    later)."""
     patches.install(model, "generate", generate, "generate")
     if getattr(type(model), "create_masks_for_generate", None) is None:
         patches.install(model, "generate_masks", lambda _: PlannedMasks(), "create_masks_for_generate")

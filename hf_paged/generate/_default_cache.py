@@ -6,10 +6,10 @@ wraps that method once: where the model's attention implementation is ``"hf_page
 its plain ``DynamicCache``, the call gets a ``PagedAttentionCache`` instead (``paged_cache_for``: each layer's KV on
 that layer's device, a tensor-parallel model's own KV heads) with the blocks this call can use: every row its
 ``max_length`` tokens, plus one block for a row's copy of a shared block (beam search), at most what fits in 0.8 of
-the free memory (the pool is made up front; an ``OutOfBlocksError`` then says when a call needs more). So callers that never name a
-cache, such as lm-evaluation-harness's ``hf`` model, generate on paged memory. Every other case (another attention
-implementation, a cache passed in, ``cache_implementation`` set, ``use_cache=False``, a model or dtype the paged
-cache refuses) is transformers' own.
+the free memory (the pool is made up front; an ``OutOfBlocksError`` then says when a call needs more). So callers
+that never name a cache, such as lm-evaluation-harness's ``hf`` model, generate on paged memory. Every other case
+(another attention implementation, a cache passed in, ``cache_implementation`` set, ``use_cache=False``, a model or
+dtype the paged cache refuses) is transformers' own.
 """
 
 from __future__ import annotations

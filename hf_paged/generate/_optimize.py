@@ -1,8 +1,8 @@
 """``optimize_generate(model)``: a leaner compiled ``generate`` decode step on a :class:`PagedAttentionCache`.
 
 With ``PagedAttentionCache(max_new_tokens=...)`` transformers' ``generate`` compiles its decode step by itself
-(``docs/guides/cache.md``, "Compiled decode steps"). At batch 1 that step is bound by the host: ``generate`` waits for every
-step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
+(``docs/guides/cache.md``, "Compiled decode steps"). At batch 1 that step is bound by the host: ``generate`` waits for
+every step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
 CUDA graph launches. ``optimize_generate`` trims that host path and the step's GPU work, on one model:
 
 - **Planned masks.** ``generate`` asks the model's ``create_masks_for_generate`` for each step's masks; for a
@@ -94,9 +94,10 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     model.generation_config.compile_config = with_options(before or CompileConfig(), options)
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
+    skinny = bool(linears)
     bend(model, FrozenHeapGenerate,
-         (lambda usual: DecodeSteps(model, usual, compiled, skinny=bool(linears)).get_compiled_call) if graphs else None,
-         (lambda forward: PackedPrefill(model, forward, compiled, bool(linears))) if packed_prefill else None)
+         (lambda usual: DecodeSteps(model, usual, compiled, skinny).get_compiled_call) if graphs else None,
+         (lambda forward: PackedPrefill(model, forward, compiled, skinny)) if packed_prefill else None)
     return model
 
 

@@ -52,7 +52,10 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
         owner = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len, default=None)
         if owner is None:
             raise ValueError(f"hf_device_map does not place {name}; load the model with a complete device_map")
-        devices.append(_as_device(device_map[owner]))
+        where = device_map[owner]
+        if where == "disk":
+            raise ValueError("layers offloaded to disk cannot hold a KV cache; give them a GPU or the CPU")
+        devices.append(torch.device("cuda", where) if isinstance(where, int) else torch.device(where))
     return devices
 
 
@@ -82,10 +85,3 @@ def keep_argument_in_place(model: torch.nn.Module, name: str) -> None:
     if name not in keys:
         hook.skip_keys = [*keys, name]
 
-
-def _as_device(where) -> torch.device:
-    if isinstance(where, int):
-        return torch.device("cuda", where)
-    if where == "disk":
-        raise ValueError("layers offloaded to disk cannot hold a KV cache; give them a GPU or the CPU")
-    return torch.device(where)
