@@ -104,7 +104,6 @@ def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> 
         object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
         # what an earlier process compiled for this model goes to torch's caches before anything compiles; what this
         # one compiles is saved after the engine's start (its owner calls save) and at exit
-        layers.artifacts = CompileArtifacts(artifact_key(model, layers.how.cache_settings()))
         layers.artifacts.load()
         atexit.register(layers.artifacts.save)  # what was compiled after the last save: graph sizes, new shapes
     return layers
@@ -126,15 +125,11 @@ class CompiledLayers:
         self._modules = [*layers, *others]
         self._recompile_limit = 8 * len(self._modules) + 16
         self.how = how
-        self.artifacts: CompileArtifacts | None = None  # torch's artifacts of this model, kept across processes
+        self.artifacts = CompileArtifacts(artifact_key(model, how.cache_settings()))  # kept across processes
         for module in self._modules:
             patches.install(module, "compiled_layers", lambda eager: _Switch(self, eager))
         # traced without kernels' routing wrapper, whose try block would end a graph at each attention's break
         self._routed = route_around(layers, "compiled_layers")
-
-    @property
-    def is_active(self) -> bool:
-        return self.enabled and getattr(self._local, "depth", 0) > 0
 
     @contextmanager
     def active(self) -> Iterator[None]:
@@ -182,7 +177,7 @@ class _Switch:
         self.compiled = torch.compile(eager, dynamic=True, options=owner.how.inductor_options())
 
     def __call__(self, *args, **kwargs):
-        if self.owner.is_active:
+        if self.owner.enabled and getattr(self.owner._local, "depth", 0) > 0:  # inside the owner's active()
             try:
                 return self.compiled(*args, **kwargs)
             except _COMPILER_ERRORS as exc:

@@ -114,7 +114,7 @@ def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
         return layers
     helper = getattr(model, _ATTRIBUTE, None)
     if helper is None:
-        if layers.warm_batch_sizes or (layers.artifacts is not None and layers.artifacts.loaded):
+        if layers.warm_batch_sizes or layers.artifacts.loaded:
             return layers  # compiled in this process already, or an earlier process's code in the caches
         slim = slim_config(model.config)
         if slim is None:

@@ -87,7 +87,7 @@ class ModelRunner:
         self.pad_logits = self.device.type == "cuda"  # plan_step(pad_logits=...): on a GPU (runner/_step_plan.py)
         self._buffers(cfg.max_num_seqs, cfg.max_batch_tokens)
         self.graphs = self._capture_graphs()
-        if self.compiled is not None and self.compiled.artifacts is not None:
+        if self.compiled is not None:
             self.compiled.artifacts.save()  # what the start compiled, for the next process
 
     def _buffers(self, max_seqs: int, max_tokens: int) -> None:
@@ -157,8 +157,7 @@ class ModelRunner:
         self.release_graphs()
         self.compiled = layers
         self.graphs = self._capture_graphs()
-        if layers.artifacts is not None:
-            layers.artifacts.save()
+        layers.artifacts.save()
         logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
                     time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
 
