@@ -100,16 +100,15 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
     """Answer ``request``: its body is parsed as a ``model``, checked and made a job in a worker thread
     (a large body never blocks the event loop)."""
     job = await asyncio.to_thread(make_job, await request.body(), model, served)
-    events: asyncio.Queue = asyncio.Queue()
-    sub = await engine_loop.submit(job, events)
+    sub = await engine_loop.submit(job)
     reply = Reply(served, job.chat)
     try:
-        accepted: Accepted = await _next(events, request)
+        accepted: Accepted = await _next(sub.events, request)
         if job.stream:  # the stream owns the request from here
-            return EventStream(_stream(engine_loop, sub, events, request, accepted, reply), stream_timeout)
+            return EventStream(_stream(engine_loop, sub, request, accepted, reply), stream_timeout)
         finished: list[Finished] = []
         while len(finished) < len(job.prompts) * job.n:
-            event = await _next(events, request)
+            event = await _next(sub.events, request)
             if isinstance(event, Finished):
                 finished.append(event)
     except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
@@ -152,8 +151,8 @@ class _NotRead(Exception):
     """A stream's client took no chunk in time."""
 
 
-async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queue, request: Request,
-                  accepted: Accepted, reply: Reply) -> AsyncIterator[str]:
+async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, accepted: Accepted,
+                  reply: Reply) -> AsyncIterator[str]:
     job = sub.job
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
     offsets = [0] * num_choices  # characters of each choice's text sent so far
@@ -165,7 +164,7 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, events: asyncio.Queu
                 yield reply.chunk(index, text, first=True)
         while finished < num_choices:
             try:
-                event = await _next(events, request)
+                event = await _next(sub.events, request)
             except ServerError as error:
                 yield sse(error.body())
                 break

@@ -104,12 +104,12 @@ class EngineLoop:
         self._grammar_pool = ThreadPoolExecutor(GRAMMAR_THREADS, thread_name_prefix="hf-paged-grammar")
 
     # ----- the HTTP side (any thread) --------------------------------------------------------------------------
-    async def submit(self, job: Job, events: asyncio.Queue) -> Submission:
+    async def submit(self, job: Job) -> Submission:
         """Reserve room for ``job`` (429 when the server is full, 503 when it stops), compile its schema on a grammar
-        thread, tokenize and check its prompts on the tokenizer thread (400s), and queue it; its events go to
-        ``events``."""
+        thread, tokenize and check its prompts on the tokenizer thread (400s), and queue it; its events go to the
+        submission's ``events``, which the caller reads."""
         loop = asyncio.get_running_loop()
-        sub = self._reserve(job, events, loop)
+        sub = self._reserve(job, loop)
         try:
             if "json_schema" in job.settings:
                 await loop.run_in_executor(self._grammar_pool, self._compile, job.settings["json_schema"])
@@ -141,7 +141,7 @@ class EngineLoop:
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
 
-    def _reserve(self, job: Job, events: asyncio.Queue, loop: asyncio.AbstractEventLoop) -> Submission:
+    def _reserve(self, job: Job, loop: asyncio.AbstractEventLoop) -> Submission:
         seqs = len(job.prompts) * job.n
         with self._lock:
             if self.death is not None:
@@ -154,7 +154,7 @@ class EngineLoop:
                                        f"{self.capacity}: --max-num-seqs + --max-queued-requests); retry later",
                                   code="queue_full")
             self._reserved += seqs
-            return Submission(f"{next(self._ids)}", job, events, loop, time.perf_counter())
+            return Submission(f"{next(self._ids)}", job, asyncio.Queue(), loop, time.perf_counter())
 
     def _release(self, sub: Submission) -> None:
         with self._lock:
