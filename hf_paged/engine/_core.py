@@ -347,7 +347,9 @@ class EngineCore:
             except Exception as exc:
                 reason, error = "error", f"the stop check failed on this request: {type(exc).__name__}: {exc}"
             if reason is None and len(seq.token_ids) >= max_len:
-                reason, error = "error", validation.reached_position_limit(seq.num_prompt_tokens, max_len)
+                reason, error = "error", (f"reached the model's position limit ({max_len} tokens, "
+                                          f"max_position_embeddings) before max_new_tokens; ask for at most "
+                                          f"{max_len - seq.num_prompt_tokens} new tokens with this prompt")
             if reason is not None:
                 self._finish(seq, reason, error)
 

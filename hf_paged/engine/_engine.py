@@ -167,7 +167,7 @@ class Engine(EngineCore):
         ``request_id``. A prompt that can never run (longer than the whole cache, or leaving no room within the
         model's position limit) finishes with ``finish_reason="error"`` and a message instead.
         """
-        return self._enqueue([self._new_sequence(prompt, generation_config, request_id)])[0]
+        return self._enqueue([self._new_sequence(prompt, generation_config, request_id, {})])[0]
 
     def add_requests(
         self, prompts: list[Prompt], generation_config: GenerationConfig | list[GenerationConfig] | None = None,
@@ -184,15 +184,13 @@ class Engine(EngineCore):
         return self._enqueue(self._new_sequences(prompts, generation_config, "add_requests", request_ids))
 
     def _new_sequence(self, prompt: Prompt, config: GenerationConfig | None, request_id,
-                      resolved: dict[int, GenerationConfig] | None = None, field: str = "prompt",
-                      checked: bool = False) -> Sequence:
+                      resolved: dict[int, GenerationConfig], field: str = "prompt", checked: bool = False) -> Sequence:
         """Validate a request and build its sequence (id and arrival are given when it is queued); changes
         nothing in the engine. ``resolved`` memoizes resolved configs by identity for the prompts of one call;
         ``field`` names the prompt in errors; ``checked``: ``prompt`` is already what ``prompt_token_ids`` returns
         for it."""
         ids = prompt if checked else validation.prompt_token_ids(prompt, self.vocab_size, self.tokenizer, field)
         config = validation.generation_config(config) or self.generation_config
-        resolved = {} if resolved is None else resolved
         if id(config) not in resolved:
             resolved[id(config)] = SamplingParams.resolve(config, getattr(self.model, "generation_config", None))
         params = SamplingParams.from_resolved(resolved[id(config)], len(ids))

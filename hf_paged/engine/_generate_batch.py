@@ -117,7 +117,7 @@ def generate_batch(
     if getattr(continuous_batching_config, "return_logprobs", None):
         gc.output_logprobs = True
     # (checked before the engine is built; the engine checks each prompt's config again, not its ids)
-    copies = SamplingParams.from_resolved(SamplingParams.resolve(gc), len(inputs[0])).num_return_sequences
+    copies = SamplingParams.from_generation_config(gc, len(inputs[0])).num_return_sequences
     workload = Workload(tuple(most_tokens(p, gc) for p in inputs for _ in range(copies)),
                         one_call=not persistent_manager and not isinstance(continuous_batching_config, EngineConfig))
     prompts, configs, request_ids, names = _shared_prefills(inputs, gc, indices, seed, copies)

@@ -109,13 +109,33 @@ class SamplingParams:
     @staticmethod
     def resolve(config: GenerationConfig | None, model_config: GenerationConfig | None = None) -> GenerationConfig:
         """Resolve ``config`` the way ``model.generate`` does (user > model's generation config > global defaults),
-        the prompt-independent half of reading it: refuse unserved settings and values of the wrong type, fill the
-        unset fields (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
-        _check_given(config)
+        the prompt-independent half of reading it: refuse the settings of ``config`` as given that the engine
+        ignores, and values of the wrong type before transformers' own checks meet them (they raise ``TypeError``,
+        and ``bool("no")`` is True); fill the unset fields from ``model_config``, then from transformers' global
+        defaults (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
+        if config is not None:
+            unserved = [f"{k}={v!r}" for k, off in UNSERVED.items()
+                        if (v := getattr(config, k, None)) not in (None, off)]
+            if unserved:
+                raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
+                                 "with a PagedAttentionCache, which applies every generation setting")
+            _typed(config, _INTS + _REALS + _BOOLS)
         try:
-            return resolve_generation_config(config, model_config)
+            gc = GenerationConfig() if config is None else copy.deepcopy(config)
+            # num_return_sequences is merged apart: update() runs transformers' check, which refuses copies of a greedy
+            # request (as model.generate does); transformers' generate_batch serves them, as identical copies, and so
+            # does the engine
+            copies, gc.num_return_sequences = gc.num_return_sequences, None
+            layers = ([(model_config.to_dict(), True)] if model_config is not None else []) + [
+                (dict(_compat.default_generation_params()), False)]
+            for values, custom in layers:
+                default = values.pop("num_return_sequences", None)
+                copies = default if copies is None else copies
+                gc.update(**values, defaults_only=True, allow_custom_entries=custom)
         except (TypeError, AttributeError) as exc:  # transformers' own checks, on a value of the wrong type
             raise ValueError(f"generation_config holds a value of the wrong type ({exc})") from None
+        gc.num_return_sequences = copies
+        return gc
 
     @classmethod
     def from_generation_config(
@@ -161,22 +181,6 @@ def _schema_text(schema) -> str | None:
     return json.dumps(schema, ensure_ascii=False)  # (key order kept: the grammar writes properties in it)
 
 
-def resolve_generation_config(config: GenerationConfig | None, model_config: GenerationConfig | None):
-    """Fill the unset fields of ``config`` from ``model_config`` then from transformers' global defaults."""
-    gc = GenerationConfig() if config is None else copy.deepcopy(config)
-    # num_return_sequences is merged apart: update() runs transformers' check, which refuses copies of a greedy request
-    # (as model.generate does); transformers' generate_batch serves them, as identical copies, and so does the engine
-    copies, gc.num_return_sequences = gc.num_return_sequences, None
-    layers = ([(model_config.to_dict(), True)] if model_config is not None else []) + [
-        (dict(_compat.default_generation_params()), False)]
-    for values, custom in layers:
-        default = values.pop("num_return_sequences", None)
-        copies = default if copies is None else copies
-        gc.update(**values, defaults_only=True, allow_custom_entries=custom)
-    gc.num_return_sequences = copies
-    return gc
-
-
 def eos_tuple(eos) -> tuple[int, ...]:
     """``eos_token_id`` (None, an integer, or a list, tuple, array or tensor of them) as a tuple of ints."""
     items = eos.tolist() if hasattr(eos, "tolist") else eos
@@ -220,19 +224,6 @@ _BOOLS = ("do_sample", "output_logprobs", "output_scores")
 #: Those that are ``SamplingParams`` fields of the same name and meaning.
 _AS_GIVEN = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_penalty", "seed",
              "num_return_sequences", "top_logprobs", "prompt_logprobs")
-
-
-def _check_given(config: GenerationConfig | None) -> None:
-    """Refuse settings of ``config`` (as given, before the model's defaults fill it) the engine ignores, and a setting
-    of the wrong type before transformers' own checks meet it (they raise ``TypeError``, and ``bool("no")`` is
-    True)."""
-    if config is None:
-        return
-    unserved = [f"{k}={v!r}" for k, off in UNSERVED.items() if (v := getattr(config, k, None)) not in (None, off)]
-    if unserved:
-        raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
-                         "with a PagedAttentionCache, which applies every generation setting")
-    _typed(config, _INTS + _REALS + _BOOLS)
 
 
 def _typed(config: GenerationConfig, names: tuple[str, ...]) -> dict:

@@ -114,8 +114,3 @@ def request_id(value) -> str | None:
         raise ValueError(f"request_id {rid!r} is empty or contains {CHILD_MARK!r} (reserved for the copies of "
                          "num_return_sequences); pick another")
     return rid
-
-
-def reached_position_limit(num_prompt_tokens: int, limit: int) -> str:
-    return (f"reached the model's position limit ({limit} tokens, max_position_embeddings) before max_new_tokens; "
-            f"ask for at most {limit - num_prompt_tokens} new tokens with this prompt")
