@@ -69,10 +69,8 @@ def group_linears(graph: torch.fx.Graph) -> int:
             members = [first] + ready[:skinny.MAX_GROUP - 1]
             calls = [c for c in calls[1:] if all(c is not m for m in members)]
             if len(members) >= 2:
-                if (in_storage_order := _lie_end_to_end(members)) is not None:
-                    _replace_packed(graph, in_storage_order, before=members[0])
-                else:
-                    _replace(graph, members)
+                in_storage_order = _lie_end_to_end(members)
+                _replace(graph, in_storage_order or members, members[0], packed=in_storage_order is not None)
                 made += 1
     return made
 
@@ -101,32 +99,6 @@ def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
     """Copy ``old``'s value and source metadata (where it has them) to ``new``, the node that takes its place (the
     caller sets another value after)."""
     new.meta.update({k: old.meta[k] for k in _KEPT_META if k in old.meta})
-
-
-def _call_on_members(graph: torch.fx.Graph, op, members: list[torch.fx.Node], before: torch.fx.Node) -> torch.fx.Node:
-    """A call of ``op`` on the members' shared input, their weights and their biases, inserted (by the caller's
-    ``inserting_before``) where ``before`` stands, with its metadata and the members' eager input values (the strides
-    inductor keeps the inputs to, as the single calls had)."""
-    calls = [_arguments(m) for m in members]
-    call = graph.call_function(op, (calls[0][0], [c[1] for c in calls], [c[2] for c in calls]))
-    _keep_meta(call, before)
-    eager = [m.meta.get("eager_input_vals") for m in members]
-    if all(e is not None for e in eager):
-        values = [_arguments(m, e) for m, e in zip(members, eager)]
-        call.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
-    return call
-
-
-def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node]) -> None:
-    with graph.inserting_before(members[0]):
-        group = _call_on_members(graph, torch.ops.hf_paged.linear_group.default, members, members[0])
-        group.meta["val"] = [m.meta.get("val") for m in members]
-        for i, member in enumerate(members):
-            item = graph.call_function(operator.getitem, (group, i))
-            _keep_meta(item, member)
-            member.replace_all_uses_with(item)
-    for member in members:
-        graph.erase_node(member)
 
 
 def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
@@ -158,23 +130,36 @@ def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
     return members if bias_values is not None and end_to_end(bias_values) else None
 
 
-def _replace_packed(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node) -> None:
-    """One ``hf_paged.linear_packed`` call of ``members`` (in the order their weights lie in memory) where ``before``
-    (the first of them in the graph) stands; each member's uses take a slice of its output (a view) instead."""
-    outs = [m.meta["val"] for m in members]
+def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node, packed: bool) -> None:
+    """One call of ``members`` where ``before`` (the first of them in the graph) stands, with its metadata and the
+    members' eager input values (the strides inductor keeps the inputs to, as the single calls had); each member's
+    uses take its output instead: an item of ``hf_paged.linear_group``'s list, or where ``packed`` (the members in
+    the order their weights lie in memory) a slice (a view) of ``hf_paged.linear_packed``'s one output."""
+    op = torch.ops.hf_paged.linear_packed.default if packed else torch.ops.hf_paged.linear_group.default
+    calls, outs = [_arguments(m) for m in members], [m.meta.get("val") for m in members]
     with graph.inserting_before(before):
-        packed = _call_on_members(graph, torch.ops.hf_paged.linear_packed.default, members, before)
-        with outs[0].fake_mode:
-            whole = torch.cat(outs, dim=-1)  # the op's output: contiguous, the members' columns side by side
-        packed.meta["val"] = whole
-        start, dim = 0, whole.dim() - 1
-        for member, out in zip(members, outs, strict=True):
-            end = start + out.shape[-1]
-            item = graph.call_function(torch.ops.aten.slice.Tensor, (packed, dim, start, end))
-            _keep_meta(item, member)
-            with out.fake_mode:
-                item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
+        call = graph.call_function(op, (calls[0][0], [c[1] for c in calls], [c[2] for c in calls]))
+        _keep_meta(call, before)
+        eager = [m.meta.get("eager_input_vals") for m in members]
+        if all(e is not None for e in eager):
+            values = [_arguments(m, e) for m, e in zip(members, eager)]
+            call.meta["eager_input_vals"] = ((values[0][0], [v[1] for v in values], [v[2] for v in values]), {})
+        call.meta["val"] = outs
+        if packed:
+            with outs[0].fake_mode:  # the op's output: contiguous, the members' columns side by side
+                call.meta["val"] = whole = torch.cat(outs, dim=-1)
+        start = 0
+        for i, (member, out) in enumerate(zip(members, outs, strict=True)):
+            if packed:  # the member's columns of the one output
+                dim = whole.dim() - 1
+                item = graph.call_function(torch.ops.aten.slice.Tensor, (call, dim, start, start + out.shape[-1]))
+                _keep_meta(item, member)
+                with out.fake_mode:
+                    item.meta["val"] = whole.narrow(dim, start, out.shape[-1])
+                start += out.shape[-1]
+            else:
+                item = graph.call_function(operator.getitem, (call, i))
+                _keep_meta(item, member)
             member.replace_all_uses_with(item)
-            start = end
     for member in members:
         graph.erase_node(member)
