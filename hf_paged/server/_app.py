@@ -1,14 +1,14 @@
 """``build_app``: the FastAPI application, its routes and its error handlers.
 
-A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body
-limits (size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
-``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their
-own ``asyncio.Queue``; they never touch the engine. A whole answer is built and serialized on a worker thread, never
-on the event loop, and one choice at a time (``_responses.json_bytes``). A client that goes away (caught when a write
-fails or, while waiting, by polling the connection), or that takes no part of its stream for ``--stream-timeout``
-seconds, has its request aborted, which frees its KV blocks at the next step. Every error, unknown routes and methods
-included, is answered in OpenAI's error shape. The routes read their bodies themselves and declare no parameter
-FastAPI would validate (the model's id in a path is any string), so FastAPI's own validation never answers.
+A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body limits
+(size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
+``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their own
+``asyncio.Queue``; they never touch the engine. A whole answer is built and serialized on a worker thread, never on the
+event loop, and one choice at a time (``_responses.json_bytes``). A client that goes away (caught when a write fails or,
+while waiting, by polling the connection), or that takes no part of its stream for ``--stream-timeout`` seconds, has its
+request aborted, which frees its KV blocks at the next step. Every error, unknown routes and methods included, is
+answered in OpenAI's error shape. The routes read their bodies themselves and declare no parameter FastAPI would
+validate (the model's id in a path is any string), so FastAPI's own validation never answers.
 """
 
 from __future__ import annotations

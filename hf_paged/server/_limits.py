@@ -49,8 +49,8 @@ class Limits:
         if context > self.max_request_tokens:
             raise bad_request(f"the request's {choices} choices would hold {context} tokens of context (prompt and "
                               f"new tokens, each copy of n counted); this server takes at most "
-                              f"{self.max_request_tokens} per request (--max-request-tokens): ask for fewer copies (n), "
-                              f"prompts or {param}", "n", "request_too_large")
+                              f"{self.max_request_tokens} per request (--max-request-tokens): ask for fewer copies "
+                              f"(n), prompts or {param}", "n", "request_too_large")
         if job.stream:
             return
         shown = job.n * ((sum(prompt_lengths) if job.echo else 0) + (0 if job.max_tokens == 0 else sum(new_tokens)))

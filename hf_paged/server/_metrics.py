@@ -48,7 +48,8 @@ class Histogram:
 
     def lines(self, name: str) -> list[str]:
         out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.bounds, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
+        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}",
+                      f"{name}_count {self.count}"]
 
 
 class ServerMetrics:
