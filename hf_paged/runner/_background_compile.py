@@ -30,7 +30,6 @@ import contextlib
 import copy
 import json
 import logging
-import os
 import subprocess
 import sys
 import tempfile
@@ -70,7 +69,7 @@ class Helper:
         with open(self.log, "wb") as log:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", HELPER_MODULE, str(self.folder / "spec.json")],
-                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=os.environ.copy())
+                stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)  # this process's environment
         self.reported = False
         atexit.register(self.stop)
 

@@ -61,11 +61,9 @@ class DeviceBlockTable:
             index, source = sent[: 2 * n].view(torch.int64), sent[2 * n :]
         self.table.view(-1).index_copy_(0, index, source)
 
-    def sync(self) -> int:
-        """Queue the entries written on the host since the last call; returns how many were sent."""
-        flat, values = self.changes()
-        self.send(flat, values)
-        return len(flat)
+    def sync(self) -> None:
+        """Queue the entries written on the host since the last call."""
+        self.send(*self.changes())
 
     def close(self) -> None:
         """Stop the host's change log (this copy is no longer read)."""
