@@ -37,8 +37,6 @@ from hf_paged._version import __version__
 
 logger = logging.getLogger("hf_paged")
 
-_SUFFIX = ".bin"
-
 
 def artifact_key(model: torch.nn.Module, settings: dict) -> str:
     """The hash naming a model's artifacts under ``settings`` (the engine's shapes and the compile's options, as
@@ -59,7 +57,7 @@ class CompileArtifacts:
 
     def __init__(self, key: str, directory: Path | None = None):
         self.key = key
-        self.path = (directory or envs.compile_cache_dir()) / (key + _SUFFIX)
+        self.path = (directory or envs.compile_cache_dir()) / f"{key}.bin"
         self.loaded = False  # whether a bundle was handed to torch
         self._known: set[tuple[str, str]] = set()  # the artifacts loaded or saved: (kind, torch's key)
         self._lock = threading.Lock()
