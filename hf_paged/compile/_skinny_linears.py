@@ -114,10 +114,9 @@ def route_always(modules: list[torch.nn.Linear], always: bool) -> None:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Give every module :func:`install` patched its previous forward back."""
-    modules = list(model.modules())
-    for module in patches.patched(modules, "skinny_linears"):
-        module.__dict__.pop(_ALWAYS, None)
-    patches.restore(modules, "skinny_linears")
+    for module in model.modules():
+        if patches.restore([module], "skinny_linears"):
+            module.__dict__.pop(_ALWAYS, None)
 
 
 def skip_reason(module: torch.nn.Linear, dtype: torch.dtype | None) -> str | None:
