@@ -216,10 +216,8 @@ def no_duck_shaping() -> contextlib.AbstractContextManager:
     buffers: with duck shaping a step whose token count equals a buffer's width would compile again, mid-run
     (``compile/_layers.py``). Falls back to no change where this torch lacks the option (such a step then
     recompiles once). Checked on torch 2.11 and 2.13."""
-    try:
-        import torch.fx.experimental._config as shape_config
-    except ImportError:
-        return contextlib.nullcontext()
+    import torch.fx.experimental._config as shape_config  # (every supported torch has the module)
+
     if not hasattr(shape_config, "use_duck_shape"):
         return contextlib.nullcontext()
     return shape_config.patch(use_duck_shape=False)
@@ -273,14 +271,10 @@ def compiler_errors() -> tuple[type[BaseException], ...]:
     (``compile/_layers.py``). Version gate: ``InductorError`` (newer torch) is left out where it is missing (older
     inductor errors reach the caller as ``BackendCompilerFailed``, a ``TorchDynamoException``). Checked on torch 2.11
     and 2.13."""
-    errors = [_private("torch._dynamo.exc", "TorchDynamoException", "telling compiler failures apart")]
-    try:
-        from torch._inductor.exc import InductorError
+    import torch._inductor.exc as inductor_exc
 
-        errors.append(InductorError)
-    except ImportError:  # older torch
-        pass
-    return tuple(errors)
+    errors = (_private("torch._dynamo.exc", "TorchDynamoException", "telling compiler failures apart"),)
+    return errors + ((inductor_exc.InductorError,) if hasattr(inductor_exc, "InductorError") else ())  # (older torch)
 
 
 def mark_static_address(t: torch.Tensor) -> None:
@@ -437,15 +431,13 @@ def compile_all_devices(config) -> bool | None:
     ``optimize_generate`` copies a compile config with more options and keeps this flag on the copy
     (``generate/_optimize.py``); the CPU tests set it. Raises :class:`PrivateSymbolMissing` where ``CompileConfig``
     no longer has it (the copy would silently lose it). Checked on transformers 5.17 and 5.24."""
-    if not hasattr(type(config), "_compile_all_devices"):
-        raise _missing("CompileConfig._compile_all_devices", "keeping a compile config's compile-on-any-device flag")
+    _private(type(config), "_compile_all_devices", "keeping a compile config's compile-on-any-device flag")
     return config._compile_all_devices
 
 
 def set_compile_all_devices(config, value: bool | None) -> None:
     """Set ``CompileConfig._compile_all_devices`` on ``config`` (see :func:`compile_all_devices`)."""
-    if not hasattr(type(config), "_compile_all_devices"):
-        raise _missing("CompileConfig._compile_all_devices", "keeping a compile config's compile-on-any-device flag")
+    _private(type(config), "_compile_all_devices", "keeping a compile config's compile-on-any-device flag")
     config._compile_all_devices = value
 
 

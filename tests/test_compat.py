@@ -370,6 +370,14 @@ def test_compile_all_devices_is_a_flag_generate_reads():
     require("compile_config._compile_all_devices" in source, "CompileConfig._compile_all_devices",
             "generate reads it to compile on any device")
 
+    class Flagless:  # a CompileConfig of a release without the flag: both ways are refused, naming it
+        pass
+
+    for call in (lambda: _compat.compile_all_devices(Flagless()),
+                 lambda: _compat.set_compile_all_devices(Flagless(), True)):
+        with pytest.raises(_compat.PrivateSymbolMissing, match=r"Flagless\._compile_all_devices \(keeping"):
+            call()
+
 
 def test_compiled_call_attributes_hold_generates_compiled_forward():
     model = tiny_llama(attn_implementation="eager")

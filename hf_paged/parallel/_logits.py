@@ -68,8 +68,7 @@ class VocabShards:
         ``[N, width]`` local logits, on the device, without a host sync."""
         values, ids = local.max(-1)  # (torch's max and argmax: the first NaN, else the first largest)
         pairs = torch.zeros(self.world, local.shape[0], 2, dtype=torch.float32, device=local.device)
-        pairs[self.rank, :, 0].copy_(values)
-        pairs[self.rank, :, 1].copy_(ids)
+        pairs[self.rank] = torch.stack((values.float(), ids.float()), -1)
         # each rank fills its own slot and zeros elsewhere, so the sum is the gather (x + 0 is x, bit for bit)
         everyone = torch.ops.hf_paged.tp_all_reduce(pairs.view(-1), self.group.group_name).view_as(pairs)
         return pick(everyone, self.width)

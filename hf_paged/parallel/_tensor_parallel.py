@@ -54,9 +54,8 @@ def tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
         return None
     import torch.distributed as dist
 
-    mesh = sharded.device_mesh
     dim = next(i for i, p in enumerate(sharded.placements) if p.is_shard())
-    group = mesh.get_group(dim)
+    group = sharded.device_mesh.get_group(dim)
     ranks = tuple(dist.get_process_group_ranks(group))
     if len(ranks) < 2:
         return None

@@ -141,8 +141,7 @@ def paged_attention_reference(query: torch.Tensor, k_cache: torch.Tensor, v_cach
     step's :class:`StepPlan`, made here when not given.
     """
     (num_heads, head_dim), num_kv_heads = query.shape[1:], k_cache.shape[2]
-    size = torch.empty((), dtype=compute_dtype).element_size()
-    shape = (num_heads, num_kv_heads, head_dim, k_cache.shape[1], size, k_cache.element_size())
+    shape = (num_heads, num_kv_heads, head_dim, k_cache.shape[1], compute_dtype.itemsize, k_cache.element_size())
     budget = WORKSPACE_BYTES.get(query.device.type, WORKSPACE_BYTES["cpu"])
     out = torch.empty_like(query)
     for piece in (plan or StepPlan.of(meta)).cut(budget, shape, query.device):
