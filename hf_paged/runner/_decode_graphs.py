@@ -244,8 +244,8 @@ class DecodeGraphs:
             tables.send(flat, values)
             flat, values = flat[:0], values[:0]
         host = self._staging.host_array(SEGMENTS * size)
-        fill_step(host, size, columns.ids, columns.positions, columns.sources, columns.rows,
-                               tables.pad_row, flat, values, tables.trash_index)
+        fill_step(host, size, columns.ids, columns.positions, columns.sources, columns.rows, tables.pad_row, flat,
+                  values, tables.trash_index)
         self._staging.send(SEGMENTS * size)
 
     @torch.inference_mode()
