@@ -68,7 +68,8 @@ def test_cuda_serves_every_fp8_phase_and_the_write_and_torch_the_other_models(ke
 def test_flash_refuses_fp8_and_cuda_alone_cannot_serve_a_float32_models_fp8_cache():
     for phase in PHASES:
         assert FlashBackend().unsupported_reason(_call(phase)) == FP8_NOT_SERVED_HERE
-    assert FlashBackend().write_unsupported_reason("cuda", FP8_DTYPE, 64) == FP8_NOT_SERVED_HERE
+    assert FlashBackend().write_unsupported_reason("cuda", FP8_DTYPE, 64) is not None  # (no KV write of its own)
+    assert Dispatcher(("flash", "torch"))._writer_for(("cuda", FP8_DTYPE, 64)).name == "torch"
     with pytest.raises(NotImplementedError, match="compiled for float16 and bfloat16 models, not torch.float32"):
         hf_paged.PagedAttentionCache(make_config("llama_gqa"), num_blocks=4, backend="cuda", kv_cache_dtype="fp8",
                                      dtype=torch.float32)

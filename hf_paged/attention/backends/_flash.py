@@ -95,9 +95,6 @@ class FlashBackend(AttentionBackend):
                     f"(got {call.block_size}); {call.phase.value} needs that, use block_size={PAGED_BLOCK_MULTIPLE}")
         return None
 
-    def write_unsupported_reason(self, device_type: str, dtype: torch.dtype, head_dim: int) -> str | None:
-        return FP8_NOT_SERVED_HERE if is_fp8(dtype) else "no KV-write kernel of its own"
-
     def forward(self, inputs: AttentionInputs, plan: None) -> torch.Tensor:
         fa = load_flash_attn()
         if fa is None:
