@@ -50,14 +50,8 @@ def block_key(parent: bytes | None, token_bytes: bytes) -> bytes:
 class BlockManager:
     """Hands blocks to sequences; ``copy_blocks(src, dst)`` copies KV for copy-on-write (``KVPool.copy_blocks``)."""
 
-    def __init__(
-        self,
-        allocator: BlockAllocator,
-        block_size: int,
-        tables: BlockTableBuffer,
-        copy_blocks: Callable[[list[int], list[int]], None],
-        enable_prefix_caching: bool = True,
-    ):
+    def __init__(self, allocator: BlockAllocator, block_size: int, tables: BlockTableBuffer,
+                 copy_blocks: Callable[[list[int], list[int]], None], enable_prefix_caching: bool = True):
         self.allocator = allocator
         self.block_size = block_size
         self.tables = tables

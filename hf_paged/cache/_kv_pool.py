@@ -135,14 +135,8 @@ def pool_blocks(config: CacheConfig, layout: KVLayout, dtype: torch.dtype, devic
 class KVPool:
     """Per-layer paged K/V tensors and the block allocator that hands out their blocks."""
 
-    def __init__(
-        self,
-        layout: KVLayout,
-        num_blocks: int,
-        block_size: int,
-        dtype: torch.dtype,
-        layer_devices: Sequence[torch.device],
-    ):
+    def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 layer_devices: Sequence[torch.device]):
         if len(layer_devices) != layout.num_layers:
             raise ValueError(f"need one device per layer ({layout.num_layers}), got {len(layer_devices)}")
         check_pool_fits(layout, num_blocks, block_size, dtype, layer_devices)

@@ -79,15 +79,9 @@ def _check_attention_inputs(op: str, query: torch.Tensor, k_cache: torch.Tensor,
         )
 
 
-def write_kv(
-    key: torch.Tensor,
-    value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-) -> None:
+def write_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor, k_scale: torch.Tensor | None = None,
+             v_scale: torch.Tensor | None = None) -> None:
     """Scatter new K/V rows into the cache in place.
 
     Args:
@@ -106,25 +100,12 @@ def write_kv(
     _lib().write_kv(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
 
 
-def paged_decode(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    block_tables: torch.Tensor,
-    seq_lens: torch.Tensor,
-    scale: float,
-    *,
-    max_seq_len: int | None = None,
-    out: torch.Tensor | None = None,
-    split_len: int = 0,
-    workspace: torch.Tensor | None = None,
-    window: int = 0,
-    softcap: float = 0.0,
-    counters: torch.Tensor | None = None,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    pdl: bool = True,
-) -> torch.Tensor:
+def paged_decode(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_tables: torch.Tensor,
+                 seq_lens: torch.Tensor, scale: float, *, max_seq_len: int | None = None,
+                 out: torch.Tensor | None = None, split_len: int = 0, workspace: torch.Tensor | None = None,
+                 window: int = 0, softcap: float = 0.0, counters: torch.Tensor | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 pdl: bool = True) -> torch.Tensor:
     """Attention of one new query token per sequence over its paged context.
 
     Args:

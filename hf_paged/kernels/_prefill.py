@@ -35,24 +35,11 @@ def prefill_configs(head_dim: int) -> tuple[int, ...]:
     return PREFILL_CONFIGS if head_dim <= WIDEST_CONFIG_0 else PREFILL_CONFIGS[1:]
 
 
-def paged_prefill(
-    query: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
-    cu_seqlens_q: torch.Tensor,
-    seq_lens_k: torch.Tensor,
-    block_tables: torch.Tensor,
-    scale: float,
-    *,
-    max_seqlen_q: int | None = None,
-    out: torch.Tensor | None = None,
-    config: int = AUTO_CONFIG,
-    window: int = 0,
-    softcap: float = 0.0,
-    k_scale: torch.Tensor | None = None,
-    v_scale: torch.Tensor | None = None,
-    impl: str = "mma",
-) -> torch.Tensor:
+def paged_prefill(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, cu_seqlens_q: torch.Tensor,
+                  seq_lens_k: torch.Tensor, block_tables: torch.Tensor, scale: float, *,
+                  max_seqlen_q: int | None = None, out: torch.Tensor | None = None, config: int = AUTO_CONFIG,
+                  window: int = 0, softcap: float = 0.0, k_scale: torch.Tensor | None = None,
+                  v_scale: torch.Tensor | None = None, impl: str = "mma") -> torch.Tensor:
     """Causal attention of each sequence's new tokens over its whole paged context (bottom-right aligned).
 
     Args:
