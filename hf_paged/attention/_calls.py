@@ -13,9 +13,9 @@ from hf_paged.cache._kv_pool import KVLayout
 
 def _call(config, layout: KVLayout, phase: Phase, device_type: str, dtype: torch.dtype,
           block_size: int, kv_dtype: torch.dtype | None = None) -> AttentionCall:
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
     return AttentionCall(phase=phase, device_type=device_type, dtype=dtype, head_dim=layout.head_dim,
-                         num_heads=text.num_attention_heads, num_kv_heads=layout.num_kv_heads, block_size=block_size,
+                         num_heads=config.get_text_config(decoder=True).num_attention_heads,
+                         num_kv_heads=layout.num_kv_heads, block_size=block_size,
                          kv_dtype=None if kv_dtype == dtype else kv_dtype)
 
 
@@ -32,7 +32,7 @@ def decode_calls(config, layout: KVLayout, device_type: str, dtype: torch.dtype,
     """The decode calls the model's layers will make, as far as its config tells (sliding window and logit
     softcapping included; ``kv_dtype``: an fp8 cache's dtype)."""
     call = _call(config, layout, Phase.DECODE, device_type, dtype, block_size, kv_dtype)
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = config.get_text_config(decoder=True)
     extras = dataclasses.replace(call, sliding_window=getattr(text, "sliding_window", None),
                                  softcap=getattr(text, "attn_logit_softcapping", None))
     return [call] if extras == call else [call, extras]

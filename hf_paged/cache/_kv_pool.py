@@ -33,7 +33,7 @@ class KVLayout:
 
     @classmethod
     def from_config(cls, config) -> KVLayout:
-        text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        text = config.get_text_config(decoder=True)
         num_heads = text.num_attention_heads
         num_kv_heads = getattr(text, "num_key_value_heads", None) or num_heads
         head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads

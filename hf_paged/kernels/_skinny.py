@@ -33,9 +33,6 @@ CUBLAS_BELOW_BYTES = 16 << 20
 CUBLAS_MAX_K = 2048
 DTYPES = (torch.float16, torch.bfloat16)
 
-__all__ = ["DTYPES", "MAX_GROUP", "MAX_ROWS", "kernel_serves", "kernel_wins", "linear", "linear_group",
-           "linear_packed", "packed_rows"]
-
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``, through the skinny kernel where it serves (see :func:`kernel_serves`).

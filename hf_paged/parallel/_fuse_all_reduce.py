@@ -11,8 +11,6 @@ from hf_paged.compile._group_linears import GroupLinears, group_linears
 from hf_paged.compile._layers import LayerCompile
 from hf_paged.parallel import _all_reduce as tp_all_reduce
 
-__all__ = ["LayerPasses", "layer_compile"]
-
 
 def layer_compile(group_name: str) -> LayerCompile:
     """How the layers of a tensor-parallel model over the group named ``group_name`` compile: the all-reduces fused
