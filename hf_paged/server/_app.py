@@ -29,6 +29,7 @@ from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError
 from hf_paged.server._events import Accepted, Delta, Event, Finished
 from hf_paged.server._limits import Limits, RequestLimits
+from hf_paged.server._prompts import PromptBuilder
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, json_bytes, sse
 from hf_paged.server._sampling import make_job
@@ -44,8 +45,8 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
     still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``; ``limits``: what
     one client may make the server do (``_limits``); ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
-    engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, chat_template, on_engine_death,
-                             limits, special_tokens_in_messages)
+    prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
+    engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, prompts, on_engine_death)
 
     @contextlib.asynccontextmanager
     async def lifespan(app: FastAPI):

@@ -37,7 +37,6 @@ from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._events import Accepted, Delta, Event, Finished
-from hf_paged.server._limits import Limits
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
@@ -80,15 +79,12 @@ class _Timing:
 
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
-    at once, more are refused with 429 by :meth:`submit`. ``on_death`` (any thread may call it) is told if the
+    at once, more are refused with 429 by :meth:`submit`; ``prompts`` makes each job's prompts token ids. ``on_death`` (any thread may call it) is told if the
     thread ever dies. ``metrics`` holds what ``GET /metrics`` reports; ``thread`` is the engine's thread (started by
     the app's lifespan)."""
 
-    def __init__(self, engine: Engine, capacity: int, chat_template: str | None = None,
-                 on_death: Callable[[str], None] | None = None, limits: Limits = Limits(),
-                 special_tokens_in_messages: bool = False):
-        self.engine, self.metrics, self.capacity = engine, ServerMetrics(), capacity
-        self.prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
+    def __init__(self, engine: Engine, capacity: int, prompts: PromptBuilder, on_death: Callable[[str], None] | None):
+        self.engine, self.metrics, self.capacity, self.prompts = engine, ServerMetrics(), capacity, prompts
         self.on_death = on_death
         self.death: str | None = None  # why the thread died, once it has
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
