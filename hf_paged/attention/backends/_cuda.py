@@ -217,10 +217,9 @@ class CudaBackend(AttentionBackend):
                 return out
         else:
             cu_q, lens, tables = meta.cu_seqlens_q, meta.seq_lens_k, meta.block_tables
-        k_cache = inputs.k_cache
-        return paged_prefill(query, k_cache, inputs.v_cache, cu_q, lens, tables, params.scale,
+        return paged_prefill(query, inputs.k_cache, inputs.v_cache, cu_q, lens, tables, params.scale,
                              max_seqlen_q=meta.max_seqlen_q, out=out, **extras,
-                             impl=prefill_impl(query.dtype, k_cache.dtype, query.shape[-1], query.device))
+                             impl=prefill_impl(query.dtype, inputs.k_cache.dtype, query.shape[-1], query.device))
 
     @staticmethod
     def _decode(inputs: AttentionInputs, plan: CudaPlan, query: torch.Tensor, block_tables: torch.Tensor,

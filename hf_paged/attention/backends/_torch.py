@@ -123,10 +123,8 @@ class StepPlan:
         """The piece of whole sequences ``start:stop``, padded to ``width`` rows and ``depth`` context tokens."""
         q_lens = self.q_lens[start:stop]
         rows = None
-        if any(q != width for q in q_lens):
-            lens = torch.tensor(q_lens)
-            seq = torch.repeat_interleave(torch.arange(len(q_lens)), lens)
-            rows = (seq * width + torch.arange(len(seq)) - (lens.cumsum(0) - lens)[seq]).to(device)
+        if any(q != width for q in q_lens):  # row r of the piece's i-th sequence sits at i * width + r
+            rows = torch.tensor([i * width + r for i, q in enumerate(q_lens) for r in range(q)], device=device)
         return Piece(slice(start, stop), slice(starts[start], starts[stop]), 0, width, depth, rows)
 
 
