@@ -86,12 +86,10 @@ class Dispatcher:
         return backend
 
     def _writer_for(self, key: tuple) -> AttentionBackend:
-        backend = self._writer.get(key)
-        if backend is None:
-            candidates = [*self._order, *registered_backends()]
-            backend = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
-            self._writer[key] = backend
-        return backend
+        if key not in self._writer:
+            candidates = (*self._order, *registered_backends())
+            self._writer[key] = next(b for b in candidates if b.write_unsupported_reason(*key) is None)
+        return self._writer[key]
 
     def capture_unsupported_reason(self, calls: list[AttentionCall], dtype: torch.dtype) -> str | None:
         """Before any step: None if the backends that will serve the decode ``calls`` and the KV write of such a

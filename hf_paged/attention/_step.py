@@ -41,10 +41,9 @@ class PagedStep:
     def on(self, device: torch.device) -> PagedMetadata:
         """The step's metadata on ``device``, copied once per step and device (layers split over devices under
         ``device_map`` each read the copy on their own)."""
-        meta = self._shared.get(device)
-        if meta is None:
-            meta = self._shared[device] = self.metadata.on(device)
-        return meta
+        if device not in self._shared:
+            self._shared[device] = self.metadata.on(device)
+        return self._shared[device]
 
     def plan(self, backend: AttentionBackend, device: torch.device):
         """``backend``'s plan of the step on ``device`` (:meth:`AttentionBackend.plan`), made once per step and

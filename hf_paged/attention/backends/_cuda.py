@@ -139,8 +139,7 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
     decision and one workspace per step, not per layer). A window shortens what the splits cover to
     ``min(max_seqlen_k, window)`` keys, so windowed and full layers of one model (Gemma2) get a plan each."""
     key = (*query.shape, k_cache.shape[2], k_cache.dtype, window)
-    found = plan.decodes.get(key)
-    if found is None:
+    if key not in plan.decodes:
         split = kernels.decode_split_len(query, k_cache, meta.max_seqlen_k, window)
         numel = kernels.decode_workspace_numel(*query.shape, meta.max_seqlen_k, split, window)
         workspace = counters = None  # (one split: no partials)
@@ -152,8 +151,8 @@ def plan_decode(query: torch.Tensor, k_cache: torch.Tensor, meta: PagedMetadata,
             counters = torch.zeros(query.shape[0] * query.shape[1], dtype=torch.int32, device=query.device)
         elif numel:
             workspace = _workspace(query.device, numel)
-        found = plan.decodes[key] = DecodePlan(split, workspace, counters)
-    return found
+        plan.decodes[key] = DecodePlan(split, workspace, counters)
+    return plan.decodes[key]
 
 
 @register_backend
