@@ -133,23 +133,13 @@ class EventStream(StreamingResponse):
         self.timeout = timeout
 
     async def stream_response(self, send) -> None:
-        async def send_in_time(message) -> None:
-            try:
-                await asyncio.wait_for(send(message), self.timeout)
-            except asyncio.TimeoutError:
-                raise _NotRead from None
-
-        try:
-            await super().stream_response(send_in_time)
-        except _NotRead:
+        try:  # (only a send times out here: the chunks' own waits for events time out inside _next)
+            await super().stream_response(lambda message: asyncio.wait_for(send(message), self.timeout))
+        except asyncio.TimeoutError:
             logger.warning("hf_paged: a client took no part of its stream for %g s (--stream-timeout); its request "
                            "was aborted", self.timeout)
         finally:
             await self.body_iterator.aclose()
-
-
-class _NotRead(Exception):
-    """A stream's client took no chunk in time."""
 
 
 async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, accepted: Accepted,

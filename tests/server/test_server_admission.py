@@ -190,7 +190,7 @@ def wait_aborted(app, timeout: float = 10.0) -> str:
     return engine_loop.metrics.render()
 
 
-def test_a_stream_whose_client_reads_nothing_is_given_up_after_the_stream_timeout(engine):
+def test_a_stream_whose_client_reads_nothing_is_given_up_after_the_stream_timeout(engine, caplog):
     body = completion(max_tokens=1000, ignore_eos=True, stream=True)
 
     async def run():
@@ -204,6 +204,7 @@ def test_a_stream_whose_client_reads_nothing_is_given_up_after_the_stream_timeou
     page, returned, sent = asyncio.run(run())
     assert sent[0]["status"] == 200 and len(sent) == 2  # the start, and a first chunk that never went
     assert 0.5 <= returned < 5.0
+    assert "took no part of its stream for 0.5 s (--stream-timeout)" in caplog.text
     assert metric(page, 'hf_paged_request_success_total{finish_reason="abort"}') == 1
     assert metric(page, "hf_paged_generation_tokens_total") < 1000  # it stopped generating
 
