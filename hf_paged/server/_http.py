@@ -39,7 +39,7 @@ class HeaderTimeoutH11(H11Protocol):
         are in."""
         waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
         if waiting and self._header_deadline is None:
-            self._header_deadline = self.loop.call_later(self.header_timeout, self._headers_too_slow)
+            self._header_deadline = self.loop.call_later(self.header_timeout, self.transport.close)
         elif not waiting:
             self._cancel_header_deadline()
 
@@ -47,11 +47,6 @@ class HeaderTimeoutH11(H11Protocol):
         if self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
-
-    def _headers_too_slow(self) -> None:
-        self._header_deadline = None
-        if not self.transport.is_closing():
-            self.transport.close()
 
 
 def with_header_timeout(seconds: float) -> type[HeaderTimeoutH11]:
