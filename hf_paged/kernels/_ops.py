@@ -36,9 +36,9 @@ FP8_QUERY_DTYPES = (torch.float16, torch.bfloat16)
 FP8_HEAD_DIMS = (64, 128, 256)
 
 
-def unavailable_reason() -> str | None:
-    """None if the kernels are loaded (building them on first call), else why not (warned about once)."""
-    return ensure_loaded()
+#: ``unavailable_reason()``: None if the kernels are loaded (building them on first call), else why not (warned about
+#: once).
+unavailable_reason = ensure_loaded
 
 
 def prebuild(verbose: bool = True) -> Path:
