@@ -64,11 +64,8 @@ class Detokenizer:
         full = self._decode(window)
         if not flush and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return before  # nothing visible yet, or an unfinished character: wait for more tokens
-        new = len(full) - len(prefix)
-        if len(tokens) - st.read_offset > 1:
-            st.ends += self._token_ends(window, st.read_offset - st.prefix_offset, len(prefix), before, new)
-        else:
-            st.ends.append(before + new)
+        st.ends += self._token_ends(window, st.read_offset - st.prefix_offset, len(prefix), before,
+                                    before + len(full) - len(prefix))
         st.text += full[len(prefix) :]
         st.prefix_offset, st.read_offset = st.read_offset, len(tokens)
         stops = seq.params.stop_strings
@@ -77,15 +74,15 @@ class Detokenizer:
             st.stop_at = min((i for i in (st.text.find(s, start) for s in stops) if i >= 0), default=None)
         return before
 
-    def _token_ends(self, window: list[int], first: int, prefix_len: int, before: int, new: int) -> list[int]:
-        """Where the text ends through each of ``window[first:]``, read together: decoded one prefix at a time (a
-        token that ends inside a character ends after it, as its U+FFFD stands for it), kept in order and within
-        the chunk."""
+    def _token_ends(self, window: list[int], first: int, prefix_len: int, before: int, end: int) -> list[int]:
+        """Where the text ends through each of ``window[first:]``, read together (the text grows from ``before`` to
+        ``end``): decoded one prefix at a time (a token that ends inside a character ends after it, as its U+FFFD
+        stands for it), kept in order and within the chunk; a single token ends at ``end``, with no decode."""
         ends, last = [], before
         for j in range(first + 1, len(window)):
-            last = min(max(last, before + len(self._decode(window[:j])) - prefix_len), before + new)
+            last = min(max(last, before + len(self._decode(window[:j])) - prefix_len), end)
             ends.append(last)
-        return ends + [before + new]
+        return ends + [end]
 
     def final(self, seq: Sequence) -> tuple[int, str]:
         """``(number of tokens kept, text)`` of a finished sequence (cut before a stop string, the token in which it

@@ -48,7 +48,8 @@ def generate_batch(
     warmup: bool = True,
     indices: list[int] | None = None,
     reset_prefix_cache: bool = False,
-    **kwargs,
+    *,
+    max_new_tokens: int | None = None,
 ) -> dict[str, GenerationOutput]:
     """Generate for every prompt of ``inputs`` with continuous batching on a paged cache.
 
@@ -94,10 +95,6 @@ def generate_batch(
     call raise :class:`GenerateBatchError` (a ``RuntimeError``) naming each failed request and why, once the others
     are done; its ``results`` hold every output, the failed ones with their error. No result comes back empty.
     """
-    unknown = sorted(set(kwargs) - {"max_new_tokens"})
-    if unknown:  # (a typo must not be ignored silently)
-        raise TypeError(f"generate_batch() got unexpected keyword argument(s) {', '.join(map(repr, unknown))}; "
-                        "accepted: max_new_tokens")
     if not isinstance(reset_prefix_cache, bool):
         raise ValueError(f"reset_prefix_cache must be True or False, got {reset_prefix_cache!r}")
     if continuous_batching_config is None and isinstance(getattr(generation_config, "continuous_batching_config",
@@ -105,7 +102,7 @@ def generate_batch(
         continuous_batching_config = generation_config.continuous_batching_config  # (transformers' older route)
     config = batch_configs.engine_config(continuous_batching_config)
     seed = checked_seed(getattr(continuous_batching_config, "seed", None), "continuous_batching_config.seed")
-    inputs, gc = read_call(model, inputs, generation_config, kwargs.get("max_new_tokens"), "generate_batch")
+    inputs, gc = read_call(model, inputs, generation_config, max_new_tokens, "generate_batch")
     if indices is None:
         indices = list(range(len(inputs)))
     elif (not isinstance(indices, (list, tuple)) or len(indices) != len(inputs) or len(set(indices)) != len(indices)

@@ -93,3 +93,14 @@ def test_a_generation_config_seed_is_checked_the_same_way(seed):
     with pytest.raises(ValueError, match=r"seed must be an integer in \[0, 2\*\*64\) or None, got") as err:
         eng.add_request(PROMPT, config)
     assert "\n" not in str(err.value) and not eng.has_unfinished()
+
+
+def test_generate_batch_takes_max_new_tokens_as_a_keyword_and_refuses_a_misspelt_one():
+    """The keyword wins over the config's ``max_new_tokens`` (as with transformers); a typo is not ignored."""
+    model = models(ARCH)[1]
+    config = GenerationConfig(max_new_tokens=9, do_sample=False, eos_token_id=None)
+    out = hf_paged.generate_batch(model, [PROMPT], config, max_new_tokens=3)
+    assert out["req_0"].generated_tokens == hf_paged.generate_batch(model, [PROMPT], config)[
+        "req_0"].generated_tokens[:3]
+    with pytest.raises(TypeError, match="max_new_token"):
+        hf_paged.generate_batch(model, [PROMPT], config, max_new_token=3)
