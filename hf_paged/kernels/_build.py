@@ -185,10 +185,3 @@ def ensure_loaded() -> str | None:
             _warned = True
             logger.warning("hf_paged: CUDA kernels unavailable (%s); the torch backend serves instead.", exc)
         return str(exc)
-
-
-def _reset_for_tests() -> None:
-    """Forget a recorded failure (tests that fake a missing nvcc)."""
-    global _failure, _warned, _folder
-    with _lock:
-        _failure, _warned, _folder = None, False, None
