@@ -68,7 +68,7 @@ class PromptBuilder:
         self.samples_by_default = bool(getattr(engine.generation_config, "do_sample", False))
         self.max_model_len = engine.max_model_len
         self.cache_tokens = engine.config.num_blocks * engine.config.block_size
-        has_own = self.tokenizer is not None and getattr(self.tokenizer, "chat_template", None)
+        has_own = getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
         self.limit = engine.max_prompt_tokens + 1
@@ -187,9 +187,8 @@ def _marked(content: str) -> str:
 
 
 def _own_copy(tokenizer):
-    """A copy of ``tokenizer`` for the tokenizer thread alone (the engine's thread decodes with the original)."""
-    if tokenizer is None:
-        return None
+    """A copy of ``tokenizer`` (None: None) for the tokenizer thread alone (the engine's thread decodes with the
+    original)."""
     try:
         return copy.deepcopy(tokenizer)
     except Exception as exc:  # a tokenizer that cannot be copied: shared, as before (reads only)
