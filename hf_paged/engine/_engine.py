@@ -147,8 +147,7 @@ class Engine(EngineCore):
         super().__init__(model, cfg, tokenizer, workload)
         self.generation_config = generation_config or getattr(model, "generation_config", None) or GenerationConfig()
         self._closed = False
-        self._step_running = False
-        self._stepper: int | None = None  # the thread inside a step
+        self._stepper: int | None = None  # the thread inside a step (None: no step runs)
         self._to_cancel: list[set[str]] = []  # families whose reader left during a step of its own thread
         # what _step took out for its caller when a signal's handler raised before it returned: (finished sequences,
         # deltas), put back by the next call (_put_back)
@@ -270,7 +269,7 @@ class Engine(EngineCore):
         step without it. Any thread; while a step runs elsewhere, it takes effect at the next step."""
         self._kv_stale = True
         with self._locked():
-            if not self._step_running and not self._closed:
+            if self._stepper is None and not self._closed:
                 self._forget_kv()
 
     @property
@@ -456,16 +455,16 @@ class Engine(EngineCore):
         """Hold the lock (Ctrl-C held back) for a step; steps come from one thread at a time."""
         with self._locked():
             self._refuse_if_closed()
-            if self._step_running:
+            if self._stepper is not None:
                 raise RuntimeError("a step is running in another thread: step(), stream() and generate() must be "
                                    "called from one thread at a time (add_request and abort from any)")
-            self._step_running, self._stepper = True, threading.get_ident()
+            self._stepper = threading.get_ident()
             try:
                 self._apply_cancels()
                 yield
                 self._apply_cancels()
             finally:
-                self._step_running, self._stepper = False, None
+                self._stepper = None
 
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
         """Record ``delta`` as handed to its reader; a request's last delta closes it."""
