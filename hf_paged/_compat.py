@@ -138,8 +138,7 @@ def _version(text: str) -> tuple[int, int]:
     return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
-#: ``(major, minor)`` of the installed torch and transformers: the version gates below compare with these.
-TORCH_VERSION = _version(torch.__version__)
+#: ``(major, minor)`` of the installed transformers, for tests whose expectations differ between its releases.
 TRANSFORMERS_VERSION = _version(transformers.__version__)
 
 
@@ -454,16 +453,6 @@ def attn_implementation(config) -> str | None:
     it runs another (``hf/_register.py``). Falls back to None (the engine then sets the attention, which is harmless).
     Checked on transformers 5.17 and 5.24."""
     return getattr(config, "_attn_implementation", None)
-
-
-#: The private names (attributes, functions, modules) of torch, transformers and accelerate that hf_paged uses, here
-#: and nowhere else (``tests/test_compat.py`` checks that no other module of hf_paged names them).
-PRIVATE_ATTRIBUTES = (
-    "_attn_implementation", "_compile_all_devices", "_compiled_call", "_from_config", "_get_default_generation_params",
-    "_hf_hook", "_is_user_defined", "_last_compile_config", "_local_tensor", "_prepare_cache_for_generation",
-    "_resolve_process_group",
-    "_symmetric_memory", "_flash_attention_forward", "_version",
-)
 
 
 def user_defined_flag_from(name: str) -> Callable[[type], type]:

@@ -17,6 +17,7 @@ import transformers
 from hf_paged import _compat
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_paged"
+TORCH_VERSION = _compat._version(torch.__version__)  # (major, minor): symbols newer releases must have
 
 
 def require(condition, symbol: str, relied_on: str) -> None:
@@ -61,7 +62,7 @@ def test_dynamo_has_nested_graph_breaks():
     require(_compat.has_dynamo_option("recompile_limit") or _compat.has_dynamo_option("cache_size_limit"),
             "torch._dynamo.config._config", "it lists dynamo's options")
     assert not _compat.has_dynamo_option("no_such_option")
-    if _compat.TORCH_VERSION >= (2, 11):
+    if TORCH_VERSION >= (2, 11):
         require(_compat.has_dynamo_option(_compat.NESTED_GRAPH_BREAKS), "torch._dynamo.config.nested_graph_breaks",
                 "the option exists (the tensor-parallel layers' attention all-reduce fuses with it)")
         with _compat.dynamo_config_patch(**{_compat.NESTED_GRAPH_BREAKS: True}):
@@ -106,7 +107,7 @@ def test_inductor_has_the_options_hf_paged_passes():
         require(_compat.inductor_has_option(name), f"torch._inductor.config.{name}", "the option exists")
     require(isinstance(inductor_config.triton.cudagraphs, bool), "torch._inductor.config.triton.cudagraphs",
             "a bool option")
-    if _compat.TORCH_VERSION >= (2, 11):
+    if TORCH_VERSION >= (2, 11):
         require(_compat.inductor_has_option(_compat.INDUCTOR_PDL), "torch._inductor.config.triton.enable_pdl",
                 "the option exists (tensor-parallel layers launch with PDL)")
     assert not _compat.inductor_has_option("triton.no_such_option")
@@ -145,7 +146,7 @@ def test_compiler_errors_catch_compiler_failures_and_not_the_models_own():
     from torch._dynamo.exc import TorchDynamoException
 
     require(TorchDynamoException in errors, "torch._dynamo.exc.TorchDynamoException", "the class exists")
-    if _compat.TORCH_VERSION >= (2, 11):
+    if TORCH_VERSION >= (2, 11):
         from torch._inductor.exc import InductorError
 
         require(InductorError in errors, "torch._inductor.exc.InductorError", "the class exists")
@@ -499,12 +500,19 @@ def test_accelerate_hook_is_where_add_hook_to_module_puts_it():
 # ===== nowhere else =================================================================================================
 
 _PRIVATE_ROOTS = ("torch", "transformers", "accelerate")
+#: The private names (attributes, functions, modules) of torch, transformers and accelerate that hf_paged uses, in
+#: hf_paged/_compat.py and nowhere else (``test_no_module_but_compat_reaches_a_private_symbol``).
+PRIVATE_ATTRIBUTES = (
+    "_attn_implementation", "_compile_all_devices", "_compiled_call", "_from_config", "_get_default_generation_params",
+    "_hf_hook", "_is_user_defined", "_last_compile_config", "_local_tensor", "_prepare_cache_for_generation",
+    "_resolve_process_group", "_symmetric_memory", "_flash_attention_forward", "_version",
+)
 
 
 def _private_uses(path: Path) -> list[str]:
     """Private torch/transformers/accelerate symbols that the module at ``path`` names in code (not in comments or
     docstrings): imports with a private component, ``torch._x``-like chains, and the names of
-    ``_compat.PRIVATE_ATTRIBUTES`` as attributes, strings or definitions."""
+    ``PRIVATE_ATTRIBUTES`` as attributes, strings or definitions."""
     tree = ast.parse(path.read_text(), str(path))
     found = []
     for node in ast.walk(tree):
@@ -524,16 +532,18 @@ def _private_uses(path: Path) -> list[str]:
             private = [i for i, p in enumerate(chain) if p.startswith("_") and not p.startswith("__")]
             if isinstance(base, ast.Name) and base.id in _PRIVATE_ROOTS and private:
                 found.append(f"line {node.lineno}: {base.id}.{'.'.join(chain[:private[0] + 1])}")
-            elif node.attr in _compat.PRIVATE_ATTRIBUTES:
+            elif node.attr in PRIVATE_ATTRIBUTES:
                 found.append(f"line {node.lineno}: .{node.attr}")
-        elif isinstance(node, ast.Constant) and node.value in _compat.PRIVATE_ATTRIBUTES:
+        elif isinstance(node, ast.Constant) and node.value in PRIVATE_ATTRIBUTES:
             found.append(f"line {node.lineno}: {node.value!r}")
-        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in _compat.PRIVATE_ATTRIBUTES:
+        elif isinstance(node, (ast.FunctionDef, ast.ClassDef)) and node.name in PRIVATE_ATTRIBUTES:
             found.append(f"line {node.lineno}: def {node.name}")
     return sorted(set(found))
 
 
 def test_no_module_but_compat_reaches_a_private_symbol():
+    compat = (PACKAGE / "_compat.py").read_text()
+    assert [name for name in PRIVATE_ATTRIBUTES if name not in compat] == []  # (each one _compat.py does reach)
     uses = {str(p.relative_to(PACKAGE.parent)): u for p in sorted(PACKAGE.rglob("*.py"))
             if p.name != "_compat.py" and (u := _private_uses(p))}
     assert not uses, ("private torch/transformers/accelerate symbols outside hf_paged/_compat.py (add a function "
