@@ -96,9 +96,8 @@ def _peer_args(x: torch.Tensor, group_name: str, *others: torch.Tensor):
     nbytes = x.numel() * x.element_size()
     if nbytes > ONE_SHOT_MAX_BYTES or nbytes % 16:
         return None
-    for t in (x, *others):
-        if t.shape != x.shape or t.dtype != x.dtype or t.device != x.device:
-            return None
+    if any(t.shape != x.shape or t.dtype != x.dtype or t.device != x.device for t in others):
+        return None
     return peers
 
 
