@@ -240,13 +240,12 @@ def inductor_has_option(name: str) -> bool:
     layers (``parallel/_fuse_all_reduce.py``'s ``layer_compile``); the other options it passes are checked by the
     tests.
     Checked on torch 2.11 and 2.13."""
-    import torch._inductor.config as inductor_config
+    import torch._inductor.config as config  # walked down to the option, a part of ``name`` at a time
 
-    node = inductor_config
     for part in name.split("."):
-        if not hasattr(node, part):
+        if not hasattr(config, part):
             return False
-        node = getattr(node, part)
+        config = getattr(config, part)
     return True
 
 
