@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import json
 
-#: OpenAI's ``type`` for each status the server answers with.
-ERROR_TYPES = {400: "invalid_request_error", 401: "invalid_request_error", 403: "permission_error",
-               404: "not_found_error", 405: "invalid_request_error", 408: "timeout_error",
-               413: "invalid_request_error", 429: "rate_limit_error", 500: "internal_server_error",
-               503: "service_unavailable_error"}
+#: OpenAI's ``type`` for each status the server answers with; any other status (400, 401, 405, 413, 499) is an
+#: ``invalid_request_error``.
+ERROR_TYPES = {403: "permission_error", 404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
+               500: "internal_server_error", 503: "service_unavailable_error"}
 
 
 class ServerError(Exception):

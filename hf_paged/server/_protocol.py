@@ -77,9 +77,7 @@ class CompletionRequest(SamplingFields):
     suffix: str | None = None
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
-
+class ChatMessage(_Strict):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: Any = None
     name: str | None = None
