@@ -182,9 +182,8 @@ def add_parser(subparsers, run: Callable[[argparse.Namespace], int]) -> None:
     p.set_defaults(func=run, prog=p.prog)
 
 
-def add_engine_arguments(
-    parser: argparse.ArgumentParser, max_num_seqs: bool = False, helps: dict[str, str] | None = None
-) -> None:
+def add_engine_arguments(parser: argparse.ArgumentParser, max_num_seqs: bool = False,
+                         helps: dict[str, str] | None = None) -> None:
     """The model and the engine's options, shared by the subcommands that run one: ``--model``, one flag per
     ``EngineConfig`` field that carries flag metadata (name, default, help and check from the field; ``helps``
     replaces a field's help), and where to run."""

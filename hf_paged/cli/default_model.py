@@ -45,15 +45,12 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
     return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
 
 
-def tiny_llama(
-    seed: int = 0, dtype: torch.dtype = torch.float32, attn_implementation: str = "hf_paged"
-) -> LlamaForCausalLM:
+def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32,
+               attn_implementation: str = "hf_paged") -> LlamaForCausalLM:
     """A 4-layer GQA Llama over the byte vocabulary, random weights from ``seed``, eval mode."""
-    config = LlamaConfig(
-        vocab_size=len(SPECIAL_TOKENS) + 256, hidden_size=128, intermediate_size=256, num_hidden_layers=4,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=2048,
-        pad_token_id=0, bos_token_id=1, eos_token_id=2,
-    )
+    config = LlamaConfig(vocab_size=len(SPECIAL_TOKENS) + 256, hidden_size=128, intermediate_size=256,
+                         num_hidden_layers=4, num_attention_heads=8, num_key_value_heads=2,
+                         max_position_embeddings=2048, pad_token_id=0, bos_token_id=1, eos_token_id=2)
     torch.manual_seed(seed)
     return _compat.model_from_config(LlamaForCausalLM, config, attn_implementation=attn_implementation,
                                      dtype=dtype).eval()
@@ -96,20 +93,16 @@ def prompt_ids(tokenizer, prompt: str) -> list[int]:
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 
-def load_model(
-    path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0,
-    attn_implementation: str = "hf_paged",
-):
+def load_model(path: str | None = None, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+               seed: int = 0, attn_implementation: str = "hf_paged"):
     """``(model, tokenizer)`` of ``path`` (``None``, ``"smollm2"``, ``"tiny"`` or a checkpoint folder; see the
     module's docstring) on ``device`` in eval mode, with ``attn_implementation`` (``"eager"`` gives the oracle of
     a test or an example). The tiny model's random weights come from ``seed``."""
     return load_choice(choose_model(path, device), device, dtype, seed, attn_implementation)
 
 
-def load_choice(
-    choice: ModelChoice, device: str | torch.device = "cpu", dtype: torch.dtype | None = None, seed: int = 0,
-    attn_implementation: str = "hf_paged",
-):
+def load_choice(choice: ModelChoice, device: str | torch.device = "cpu", dtype: torch.dtype | None = None,
+                seed: int = 0, attn_implementation: str = "hf_paged"):
     """``(model, tokenizer)`` of a :func:`choose_model` result (see :func:`load_model`)."""
     dtype = dtype or choice.dtype
     if choice.path is None:
