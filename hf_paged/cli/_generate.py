@@ -66,11 +66,13 @@ def prompts_file(path: str) -> list[str]:
         data = Path(path).read_bytes()
     except OSError as exc:
         raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
-    return prompt_lines(utf8_bytes(data, repr(path)), repr(path))
+    return prompt_lines(data, repr(path))
 
 
-def prompt_lines(text: str, source: str) -> list[str]:
-    """One prompt per non-blank line of ``text``; :class:`BadText` naming ``source`` if it is binary or blank."""
+def prompt_lines(data: bytes | str, source: str) -> list[str]:
+    """One prompt per non-blank line of ``data`` (bytes: decoded as UTF-8); :class:`BadText` naming ``source`` if it
+    is not UTF-8, binary or blank."""
+    text = utf8_bytes(data, source) if isinstance(data, bytes) else utf8_text(data, source)
     if "\0" in text:
         raise BadText(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
     lines = [line for line in text.splitlines() if line.strip()]

@@ -17,7 +17,7 @@ import torch
 from transformers import GenerationConfig
 
 from hf_paged.cli._arguments import flags_for_parameters
-from hf_paged.cli._generate import DEFAULT_PROMPTS, engine_settings, prompt_lines, utf8_bytes, utf8_text
+from hf_paged.cli._generate import DEFAULT_PROMPTS, engine_settings, prompt_lines
 from hf_paged.cli.default_model import ModelUnavailable, choose_model, load_choice, prompt_ids
 from hf_paged.engine import Engine, Workload
 
@@ -184,11 +184,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 def read_stdin() -> list[str]:
     """The prompts on stdin, read as bytes and decoded as UTF-8 whatever the locale (a text stream under the C
     locale would pass bytes that are not UTF-8 on as lone surrogates)."""
-    source = "stdin ('-')"
-    stream = getattr(sys.stdin, "buffer", sys.stdin)
-    data = stream.read()
-    text = utf8_bytes(data, source) if isinstance(data, bytes) else utf8_text(data, source)
-    return prompt_lines(text, source)
+    return prompt_lines(getattr(sys.stdin, "buffer", sys.stdin).read(), "stdin ('-')")
 
 
 def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, num_prompts: int) -> None:
