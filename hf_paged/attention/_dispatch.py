@@ -9,6 +9,7 @@ none of them can serve raises instead of silently falling back.
 from __future__ import annotations
 
 import importlib
+import itertools
 import logging
 import pkgutil
 from collections.abc import Sequence
@@ -110,9 +111,7 @@ class Dispatcher:
 def _capture_reason(chosen: list[tuple[AttentionCall, AttentionBackend]], writers) -> str | None:
     """None if each ``(call, backend)`` of ``chosen`` and each KV writer of ``writers`` may be captured in a CUDA
     graph, else the first reason why not."""
-    for call, backend in chosen:
-        reason = backend.graph_unsupported_reason(call)
-        if reason is not None:
-            return f"{reason} ({call})"
-    return next((f"the {w.name} backend's KV write is not capture-safe" for w in writers if not w.capture_safe_write),
-                None)
+    calls = (f"{reason} ({call})" for call, backend in chosen
+             if (reason := backend.graph_unsupported_reason(call)) is not None)
+    writes = (f"the {w.name} backend's KV write is not capture-safe" for w in writers if not w.capture_safe_write)
+    return next(itertools.chain(calls, writes), None)

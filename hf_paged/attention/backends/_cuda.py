@@ -226,9 +226,8 @@ class CudaBackend(AttentionBackend):
         """One token per row: ``query`` ``[B, H, D]`` (the step's, or a mixed step's leading rows); ``extras``:
         the kernels' window, softcap and fp8 scales. meta.max_seqlen_k is a host int (no sync) that sizes the grid;
         under a CUDA graph it is the capture's upper bound and each CTA reads its real length."""
-        meta = inputs.meta
-        decode = plan_decode(query, inputs.k_cache, meta, plan, extras["window"])
+        decode = plan_decode(query, inputs.k_cache, inputs.meta, plan, extras["window"])
         return kernels.paged_decode(query, inputs.k_cache, inputs.v_cache, block_tables, seq_lens_k,
-                                    inputs.params.scale, max_seq_len=meta.max_seqlen_k, out=out,
+                                    inputs.params.scale, max_seq_len=inputs.meta.max_seqlen_k, out=out,
                                     split_len=decode.split_len, workspace=decode.workspace,
                                     counters=decode.counters, **extras)
