@@ -2,8 +2,8 @@
 
 One run measures the device-to-device copy bandwidth, then for each shape (the anchors of
 ``shared/gpu/anchors.md``: bf16, 32 query / 8 kv heads, head_dim 128 and 64) times hf_paged's decode at block
-size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when it imports) and the torch
-backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
+size 16 and 256, flash-attn's ``flash_attn_with_kvcache`` at block size 256 (when the flash backend loads it) and
+the torch backend, then the KV write of 4096 tokens. Bandwidth = KV bytes read / median time. Prints a table last and
 writes everything as JSON. From compute capability 9.0 on, decode is launched with programmatic dependent launch
 (each launch may start while the one before finishes, so back-to-back launches overlap); ``ours-nopdl-bs16`` is the
 block-size-16 decode without it (``paged_decode(..., pdl=False)``: each launch alone, as flash-attn's).
