@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import statistics
 import time
@@ -101,6 +102,10 @@ def main(argv: list[str] | None = None) -> dict:
     with mock.patch.object(torch.cuda.CUDAGraph, "capture_begin", _counting(torch.cuda.CUDAGraph.capture_begin)):
         for system in args.systems:
             model.load_state_dict(start)
+            gc.collect()  # (the system before lets its engine go: each starts with the same free memory)
+            if device == "cuda":
+                torch.cuda.empty_cache()
+                meta.setdefault("free_gib_at_start", {})[system] = round(torch.cuda.mem_get_info()[0] / 2**30, 2)
             rows += run_system(system, model, prompts, train_batch, args)
     result = {"meta": meta, "rows": rows, "summary": summary(rows)}
     if args.json:
