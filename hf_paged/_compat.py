@@ -415,7 +415,7 @@ def flash_attention_forward():
 def default_generation_params() -> dict:
     """transformers' global defaults of the generation fields that a model and the caller left unset.
 
-    Symbol: ``GenerationConfig._get_default_generation_params`` (a static method). ``resolve_generation_config``
+    Symbol: ``GenerationConfig._get_default_generation_params`` (a static method). ``SamplingParams.resolve``
     fills unset fields from it last, as ``generate`` does (``engine/_sampling_params.py``). No fallback: raises
     :class:`PrivateSymbolMissing`. Checked on transformers 5.17 and 5.24."""
     return _private(transformers.GenerationConfig, "_get_default_generation_params",

@@ -126,7 +126,7 @@ class Shape:
 
     @classmethod
     def of(cls, config, dtype: torch.dtype, kv_dtype: torch.dtype) -> Shape:
-        config = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+        config = config.get_text_config(decoder=True)
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.num_hidden_layers, config.hidden_size, config.intermediate_size, heads,

@@ -87,11 +87,6 @@ class EngineCore:
         self._receiver = TokenReceiver(cfg.max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None  # the launched step whose tokens are on their way
         self._interrupts, self._lock = InterruptGuard(), threading.Lock()  # the lock: the requests' state
-        # The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
-        # optimizer step, load_state_dict) raises its version counter, which each step compares (_before_step);
-        # check_weights() finds the rest, once per call of generate_batch.
-        _count_optimizer_steps()
-        self._kv_stale = False  # (reset_prefix_cache() asked)
         self._watch_weights()
         logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, self.sizing,
                                                                             runner.graphs is not None))
@@ -155,7 +150,13 @@ class EngineCore:
 
     def _watch_weights(self) -> None:
         """Take the model's parameters as those the KV is computed with: their version counters, storages and a
-        sample of their values (views, which see every later write to them)."""
+        sample of their values (views, which see every later write to them).
+
+        The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
+        optimizer step, load_state_dict) raises its version counter, which each step compares (``_before_step``);
+        :meth:`check_weights` finds the rest, once per call of ``generate_batch``."""
+        _count_optimizer_steps()
+        self._kv_stale = False  # (set when reset_prefix_cache() asks, or check_weights finds a change)
         self._weights = list(self.model.parameters())
         self._weights_version = _compat.version_sum(self._weights)
         self._weights_storages = _storages(self._weights)

@@ -19,7 +19,7 @@ ALIBI_MODEL_TYPES = {"bloom", "mpt", "jais"}
 
 def check_model_supported(config) -> None:
     """Raise ``NotImplementedError`` naming the feature if the paged path cannot serve ``config`` exactly."""
-    text = config.get_text_config(decoder=True) if hasattr(config, "get_text_config") else config
+    text = config.get_text_config(decoder=True)
     name = getattr(text, "model_type", type(text).__name__)
     if getattr(config, "is_encoder_decoder", False):
         raise NotImplementedError(f"{name}: encoder-decoder models are not served by hf_paged (decoder-only only)")
@@ -46,7 +46,7 @@ def check_model_supported(config) -> None:
 def position_limit(model_config) -> int:
     """Most tokens (prompt + generated) one sequence of the model may hold: ``max_position_embeddings`` or
     ``n_positions``; 4096 when the config names neither."""
-    text = model_config.get_text_config(decoder=True) if hasattr(model_config, "get_text_config") else model_config
+    text = model_config.get_text_config(decoder=True)
     limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
     return int(limit)
 

@@ -89,7 +89,7 @@ def test_launches_overlap_under_programmatic_dependent_launch(tmp_path):
 def test_the_normal_build_refuses_a_trace_buffer():
     if os.environ.get("HF_PAGED_KERNEL_TRACE") == "1":
         pytest.skip("this process loaded the diagnostic build")
-    kernels.ensure_loaded()
+    assert kernels.unavailable_reason() is None
     with pytest.raises(NotImplementedError, match="HF_PAGED_KERNEL_TRACE=1"):
         torch.ops.hf_paged.decode_trace_buffer(torch.zeros(16, dtype=torch.int64, device="cuda"))
     assert torch.ops.hf_paged.decode_trace_buffer(None) == dt.WORDS
