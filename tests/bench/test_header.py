@@ -69,7 +69,13 @@ def test_the_header_names_what_runs(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)
     header = run_header("cpu")
     assert header == {
-        "card": f"CPU ({platform.machine()})", "torch": torch.__version__, "transformers": transformers.__version__,
+        "card": f"CPU ({platform.machine()})", "host_cpu": header["host_cpu"], "torch": torch.__version__, "transformers": transformers.__version__,
         "hf_paged": hf_paged.__version__, "hf_paged_commit": source_commit(Path(hf_paged.__file__).parent),
         "flash_attn": header["flash_attn"], "python": platform.python_version(),
         "date": datetime.date.today().isoformat()}
+
+
+def test_the_header_names_the_host_cpu_as_the_system_reports_it():
+    with open("/proc/cpuinfo") as f:
+        names = {line.split(":", 1)[1].strip() for line in f if line.startswith("model name")}
+    assert run_header("cpu")["host_cpu"] in names
