@@ -1,56 +1,39 @@
-"""``CompileArtifacts`` (``compile/_cache.py``): what one process compiles, a later process with empty torch caches
-finds (inductor's FX graph cache hits instead of misses); the file is named by everything that decides the compiled
-code, and a broken file or torch's caches switched off cost nothing but the cache."""
+"""``CompileArtifacts`` (``compile/_cache.py``): the file is named by everything that decides the compiled code, and a
+broken file or torch's caches switched off cost nothing but the cache. That a later process with empty torch caches
+loads what the first compiled is tested on the engine: ``tests/compile/test_compiled_layers_second_process.py``."""
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
-from pathlib import Path
 from types import SimpleNamespace
 
-import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from hf_paged.compile import _cache as compile_cache
 from hf_paged.compile._cache import CompileArtifacts, artifact_key
 
-ROOT = Path(__file__).resolve().parents[2]
-CHILD = """
-import json, sys
-from pathlib import Path
-from types import SimpleNamespace
-import torch
-from torch._dynamo.utils import counters
-from hf_paged.compile._cache import CompileArtifacts
-artifacts = CompileArtifacts("probe", Path(sys.argv[1]))
-loaded = artifacts.load()
-torch.compile(lambda x: torch.sin(x) * 3 + 1)(torch.ones(8))
-saved = artifacts.save()
-print(json.dumps({"loaded": loaded, "saved": saved, "hit": counters["inductor"]["fxgraph_cache_hit"],
-                  "miss": counters["inductor"]["fxgraph_cache_miss"]}))
-"""
 
+def test_with_torchs_caches_switched_off_nothing_is_loaded_or_saved(tmp_path, monkeypatch):
+    """``TORCHINDUCTOR_FORCE_DISABLE_CACHES`` (read through ``_compat.compile_caches_disabled``): a saved bundle is not
+    handed to torch, and nothing is written. (A second process that loads what the first saved, instead of compiling:
+    ``tests/compile/test_compiled_layers_second_process.py``.)"""
+    artifacts = CompileArtifacts("k", tmp_path)
+    artifacts.path.write_bytes(b"a bundle")
+    loaded = []
 
-def _process(tmp_path: Path, torch_cache: str, **env) -> dict:
-    run = subprocess.run([sys.executable, "-c", CHILD, str(tmp_path / "artifacts")], capture_output=True, text=True,
-                         cwd=ROOT, timeout=600, env={**os.environ, "PYTHONPATH": str(ROOT),
-                                                     "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / torch_cache), **env})
-    assert run.returncode == 0, run.stderr[-2000:]
-    return json.loads(run.stdout.strip().splitlines()[-1])
+    def load(data: bytes) -> SimpleNamespace:
+        loaded.append(data)
+        return SimpleNamespace(artifacts={"inductor": ["b"]})
 
-
-@pytest.mark.slow
-def test_a_second_process_with_empty_torch_caches_finds_what_the_first_compiled(tmp_path):
-    first = _process(tmp_path, "torch_a")
-    assert first == {"loaded": False, "saved": True, "hit": 0, "miss": 1}
-    second = _process(tmp_path, "torch_b")  # a fresh torch cache: only hf_paged's file holds the graph
-    assert second == {"loaded": True, "saved": False, "hit": 1, "miss": 0}  # nothing new to save either
-    off = _process(tmp_path, "torch_c", TORCHINDUCTOR_FORCE_DISABLE_CACHES="1")
-    assert off == {"loaded": False, "saved": False, "hit": 0, "miss": 0}
+    monkeypatch.setattr(torch.compiler, "load_cache_artifacts", load)
+    monkeypatch.setattr(torch.compiler, "save_cache_artifacts",
+                        lambda: (b"new", SimpleNamespace(artifacts={"inductor": ["a"]})))
+    monkeypatch.setattr(compile_cache._compat, "compile_caches_disabled", lambda: True)
+    assert artifacts.load() is False and not artifacts.loaded and loaded == []
+    assert artifacts.save() is False and artifacts.path.read_bytes() == b"a bundle"
+    monkeypatch.setattr(compile_cache._compat, "compile_caches_disabled", lambda: False)  # switched on: both act
+    assert artifacts.load() is True and loaded == [b"a bundle"]
+    assert artifacts.save() is True and artifacts.path.read_bytes() == b"new"
 
 
 def _tiny(**overrides) -> LlamaForCausalLM:
