@@ -24,7 +24,7 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     """The model's list of decoder layers: the ``ModuleList`` child of its base model with one entry per hidden
     layer, else a ``ModuleList`` of that length named ``...layers`` or ``...h`` anywhere in it; None if neither."""
     config = getattr(model, "config", None)
-    text_config = config.get_text_config(decoder=True)
+    text_config = config.get_text_config(decoder=True) if config is not None else None
     num_layers = getattr(text_config, "num_hidden_layers", None)
     fits = lambda m: isinstance(m, torch.nn.ModuleList) and len(m) > 0 and num_layers in (None, len(m))  # noqa: E731
     child = next((m for m in base_model(model).children() if fits(m)), None)
