@@ -67,6 +67,15 @@ def test_a_given_pool_leaves_the_rest_of_free_memory_to_the_step(monkeypatch):
     assert (whole.max_batch_tokens, whole.max_num_seqs) == (512, 16)  # nothing left: the floors
 
 
+def test_a_steps_memory_terms_are_the_documented_formula():
+    """The configuration guide's formula, term by term, for a Llama-3.2-1B shape in bfloat16: per token
+    (4 h + (H + 2 Hkv) d + 3 i) x b, per sequence V x (b + 12)."""
+    per_token, per_seq = sizing.step_bytes(LLAMA_1B, torch.bfloat16)
+    assert per_token == (4 * 2048 + (32 + 2 * 8) * 64 + 3 * 8192) * 2 == 71_680
+    assert per_seq == 128256 * (2 + 12)
+    assert sizing.step_bytes(LLAMA_1B, torch.float32) == (2 * per_token, 128256 * (4 + 12))
+
+
 def test_off_cuda_the_attention_workspace_is_part_of_a_step(monkeypatch):
     """On a CPU the torch backend serves every layer: its workspace bound (a piece of the step, or one query row over
     the model's longest context) counts with the activations and logits, so a step budget that would fit without it
