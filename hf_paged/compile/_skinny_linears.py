@@ -33,11 +33,6 @@ logger = logging.getLogger("hf_paged")
 _ALWAYS = "_hf_paged_skinny_always"  # a patched module's own switch: served by the op outside active() too
 
 
-def is_active() -> bool:
-    """Whether the model call in progress routes the patched linears through the skinny op."""
-    return _forward_context.skinny_linears()
-
-
 def for_engine(model: torch.nn.Module, setting: bool | None, option: str = "skinny_linear",
                routed_elsewhere: int = 0) -> bool:
     """Whether the engine's model calls route the linears through the skinny op per ``Engine(skinny_linear=...)``

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed.tensor import DTensor
 
-from hf_paged import _compat
+from hf_paged import _compat, _forward_context
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._packed_weights import pack_siblings
@@ -65,7 +65,7 @@ class LocalLinear:
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The local product: the skinny op (``hf_paged::linear``, which the engine's grouping pass merges for
         q/k/v and gate/up) inside the engine's decode steps where its kernel can read the shard, else F.linear."""
-        if self.skinny and skinny_linear.is_active():
+        if self.skinny and _forward_context.skinny_linears():
             return skinny.linear(x, self.weight, bias)
         return F.linear(x, self.weight, bias)
 

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from tiny_models import VOCAB, make_config
 from transformers import AutoModelForCausalLM
 
+from hf_paged import _forward_context
 from hf_paged._forward_context import forward_context
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.kernels import _build as build
@@ -203,13 +204,13 @@ def test_outside_active_the_original_forward_runs_and_inside_the_op(monkeypatch)
     monkeypatch.setattr(skinny, "linear", lambda *a: calls.append(a[1].shape) or real(*a))
     with torch.no_grad():
         outside = model(ids).logits
-        assert calls == [] and not skinny_linear.is_active()
+        assert calls == [] and not _forward_context.skinny_linears()
         with forward_context(skinny_linears=True):
             with forward_context(skinny_linears=True):
                 pass
-            assert skinny_linear.is_active()  # nesting restores the outer state
+            assert _forward_context.skinny_linears()  # nesting restores the outer state
             inside = model(ids).logits
-        assert not skinny_linear.is_active()
+        assert not _forward_context.skinny_linears()
     assert len(calls) == len(patched)
     assert torch.equal(outside, before) and torch.equal(inside, before)  # the CPU fallback is F.linear itself
 
