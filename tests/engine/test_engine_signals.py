@@ -227,6 +227,8 @@ class InterruptTheHandOver:
         self.take, self.at, self.seen, self.swept = engine.requests.take, 1, 0, False
         self.with_outputs = 0  # interrupts after the take had taken outputs out
         self.taken = 0
+        self.step = 0  # the caller's step count, so that a SIGINT no step raised for can be named
+        self.sent: dict[int, tuple] = {}  # step -> where its SIGINT was sent (function, file, line, event)
         engine.requests.take = self._take
 
     def _take(self, families=None):
@@ -246,6 +248,8 @@ class InterruptTheHandOver:
                 sys.setprofile(None)
                 self.at += 1
                 self.with_outputs += self.taken > 0
+                code = frame.f_code
+                self.sent[self.step] = (code.co_name, code.co_filename.rsplit("/", 1)[-1], frame.f_lineno, event)
                 signal.raise_signal(signal.SIGINT)
 
 
@@ -260,14 +264,17 @@ def test_a_handler_raising_at_any_point_of_the_hand_over_loses_no_output(handler
         engine = make_engine(tokenizer=byte_tokenizer())
         sweep = InterruptTheHandOver(engine) if interrupt else None
         ids = [engine.add_request(p, c) for p, c in requests]
-        done, streamed, interrupts = {}, {rid: ([], "") for rid in ids}, 0
-        for _ in range(1000):
+        done, streamed, interrupts, raised = {}, {rid: ([], "") for rid in ids}, 0, set()
+        for step in range(1000):
             if not engine.has_unfinished():
                 break
+            if sweep is not None:
+                sweep.step = step
             try:
                 outs, new = engine.step_with_deltas() if deltas else (engine.step(), [])
             except KeyboardInterrupt:
                 interrupts += 1
+                raised.add(step)
                 continue
             for out in outs:
                 assert out.request_id not in done, f"{out.request_id} reported twice"
@@ -279,6 +286,8 @@ def test_a_handler_raising_at_any_point_of_the_hand_over_loses_no_output(handler
         assert sorted(done) == sorted(ids), "an output was lost"
         assert engine.stats()["used_blocks"] == 0 and not engine.requests.open
         if sweep is not None:
+            silent = {step: where for step, where in sweep.sent.items() if step not in raised}
+            assert not silent, f"SIGINT sent but no KeyboardInterrupt from the step (step: where it was sent): {silent}"
             assert sweep.swept and sweep.with_outputs >= 10 and interrupts == sweep.at - 1
         return done, streamed, interrupts
 
