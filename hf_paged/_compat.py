@@ -125,22 +125,11 @@ import contextlib
 import hashlib
 import importlib
 import operator
-import re
 import warnings
 from collections.abc import Callable
 
 import torch
 import transformers
-
-def _version(text: str) -> tuple[int, int]:
-    """``(major, minor)`` of a version string such as ``2.13.0+cpu`` or ``5.24.0.dev0``."""
-    match = re.match(r"(\d+)\.(\d+)", text)
-    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
-
-
-#: ``(major, minor)`` of the installed transformers, for tests whose expectations differ between its releases.
-TRANSFORMERS_VERSION = _version(transformers.__version__)
-
 
 class PrivateSymbolMissing(RuntimeError):
     """A private torch/transformers/accelerate symbol hf_paged needs is gone from the installed release."""

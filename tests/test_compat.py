@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import inspect
 import os
+import re
 import warnings
 from pathlib import Path
 
@@ -17,7 +18,8 @@ import transformers
 from hf_paged import _compat
 
 PACKAGE = Path(__file__).resolve().parent.parent / "hf_paged"
-TORCH_VERSION = _compat._version(torch.__version__)  # (major, minor): symbols newer releases must have
+#: (major, minor) of the installed torch: symbols that newer releases must have are checked from 2.11 on
+TORCH_VERSION = tuple(map(int, re.match(r"(\d+)\.(\d+)", torch.__version__).groups()))
 
 
 def require(condition, symbol: str, relied_on: str) -> None:

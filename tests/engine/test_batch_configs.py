@@ -17,6 +17,9 @@ from engine_helpers import models, random_prompts
 from hf_paged import _compat
 from hf_paged.engine import _batch_configs as tables
 
+#: ContinuousBatchingConfig's fields: its block size is ``page_size`` from transformers 5.18 on, ``block_size`` before
+_CB_FIELDS = {f.name for f in dataclasses.fields(ContinuousBatchingConfig)}
+
 ARCH = "llama_gqa"
 PROMPTS = random_prompts(3, 4, 14, seed=41)
 
@@ -87,8 +90,7 @@ def _cases():
          ContinuousBatchingConfig(num_blocks=8, max_batch_tokens=24, max_requests_per_batch=2, max_memory_percent=0.5,
                                   allow_block_sharing=False, return_logprobs=True, seed=1, use_cuda_graph=False,
                                   use_async_batching=False, scheduler_type="prefill_first", max_blocks_per_request=8,
-                                  **({"page_size": 32} if _compat.TRANSFORMERS_VERSION >= (5, 18) else
-                                     {"block_size": 32})),
+                                  **({"page_size": 32} if "page_size" in _CB_FIELDS else {"block_size": 32})),
          {}),
         ("timestamps", GenerationConfig(max_new_tokens=5, do_sample=False), cb(), {"record_timestamps": True}),
         ("a kept manager", GenerationConfig(max_new_tokens=5, do_sample=False), cb(), {"persistent_manager": True}),
