@@ -12,22 +12,19 @@
   start of each call, before it asks ``get_seq_length()`` how much of the input to skip: the one sign a cache gets
   that a new call begins. The cache answers it with a property whose setter resets it (``_compat``'s
   ``user_defined_flag_from``), so that each call starts from an empty cache and feeds the whole input.
-- **The replacements of** ``optimize_generate`` (:func:`bend`, :func:`unbend`): the model's ``generate``, its
-  ``create_masks_for_generate`` (:class:`PlannedMasks`), its ``forward`` and its ``get_compiled_call``, installed and
-  taken off through ``compile/_patches.py``'s registry.
+- **The planned masks of** ``optimize_generate`` (:class:`PlannedMasks`): the model's ``create_masks_for_generate``
+  that hands a decode step its plan directly (``generate/_optimize.py`` installs it, with its other replacements).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 
 import torch
 from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged import _compat
 from hf_paged.attention._step import PagedStep, choose_decode_routes
-from hf_paged.compile import _patches as patches
 from hf_paged.hf._attention import StepMask
 from hf_paged.hf.compat import cache_in
 
@@ -145,35 +142,3 @@ def _layout_of(masks) -> str | tuple[str, ...]:
                 "are not the step's plan: %s)", type(masks).__name__)
     return _NEVER
 
-
-def bend(model: torch.nn.Module, generate: Callable[[Callable], Callable],
-         compiled_call: Callable[[Callable], Callable] | None,
-         forward: Callable[[Callable], Callable] | None) -> None:
-    """Give ``model`` the ``generate`` that ``generate(its generate)`` makes; unless its class makes its own masks
-    (token types, images), :class:`PlannedMasks` as its ``create_masks_for_generate`` and, given ``forward``, the
-    forward it makes of the model's; given ``compiled_call``, the ``get_compiled_call`` it makes of the model's. Each
-    is a patch of ``compile/_patches.py``, which :func:`unbend` takes off (with any patch stacked on the model
-    later)."""
-    patches.install(model, "generate", generate, "generate")
-    if getattr(type(model), "create_masks_for_generate", None) is None:
-        patches.install(model, "generate_masks", lambda _: PlannedMasks(), "create_masks_for_generate")
-        if forward is not None:
-            patches.install(model, "packed_prefill", forward)
-    else:
-        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate and prompt forward",
-                    type(model).__name__)
-    if compiled_call is not None:
-        patches.install(model, "compiled_call", compiled_call, "get_compiled_call")
-    forget_compiled_call(model)
-
-
-def unbend(model: torch.nn.Module) -> None:
-    """Undo :func:`bend` on ``model``."""
-    patches.restore([model], "generate")
-    forget_compiled_call(model)
-
-
-def forget_compiled_call(model: torch.nn.Module) -> None:
-    """Drop the compiled forward generate keeps on the model: the next compiled step traces the model anew."""
-    for name in _compat.COMPILED_CALL_ATTRIBUTES:
-        model.__dict__.pop(name, None)

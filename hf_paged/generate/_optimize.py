@@ -38,6 +38,7 @@ The compile config is set as ``model.generation_config.compile_config`` (CUDA gr
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 
 import torch
@@ -45,12 +46,15 @@ from transformers import CompileConfig
 
 from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
+from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
-from hf_paged.generate._adapter import bend, unbend
+from hf_paged.generate._adapter import PlannedMasks
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
 from hf_paged._frozen_heap import frozen_heap
+
+logger = logging.getLogger("hf_paged")
 
 _STATE = "_hf_paged_generate"  # the compile config and linears optimize_generate changed, for restore_generate
 
@@ -95,9 +99,19 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
     object.__setattr__(model, _STATE, {"compile_config": before, "linears": linears})
     compiled = compiled_layers.for_engine(model, None) if graphs or packed_prefill else None
     skinny = bool(linears)
-    bend(model, FrozenHeapGenerate,
-         (lambda usual: DecodeSteps(model, usual, compiled, skinny).get_compiled_call) if graphs else None,
-         (lambda forward: PackedPrefill(model, forward, compiled, skinny)) if packed_prefill else None)
+    # each a patch of compile/_patches.py, which restore_generate takes off (with any patch stacked on them later)
+    patches.install(model, "generate", FrozenHeapGenerate, "generate")
+    if getattr(type(model), "create_masks_for_generate", None) is None:  # (a class that makes its own: token types)
+        patches.install(model, "generate_masks", lambda _: PlannedMasks(), "create_masks_for_generate")
+        if packed_prefill:
+            patches.install(model, "packed_prefill", lambda forward: PackedPrefill(model, forward, compiled, skinny))
+    else:
+        logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate and prompt forward",
+                    type(model).__name__)
+    if graphs:
+        patches.install(model, "compiled_call",
+                        lambda usual: DecodeSteps(model, usual, compiled, skinny).get_compiled_call, "get_compiled_call")
+    _forget_compiled_call(model)
     return model
 
 
@@ -121,9 +135,16 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     if state is None:
         return model
     skinny_linear.route_always(state["linears"], False)
-    unbend(model)  # (and the packed prefill, installed after it)
+    patches.restore([model], "generate")  # (and every patch installed after it)
+    _forget_compiled_call(model)
     model.generation_config.compile_config = state["compile_config"]
     return model
+
+
+def _forget_compiled_call(model: torch.nn.Module) -> None:
+    """Drop the compiled forward generate keeps on the model: the next compiled step traces the model anew."""
+    for name in _compat.COMPILED_CALL_ATTRIBUTES:
+        model.__dict__.pop(name, None)
 
 
 def with_options(config: CompileConfig, options: dict) -> CompileConfig:
