@@ -32,8 +32,12 @@ def run(args: argparse.Namespace) -> int:
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
     engine = build_engine(args, model, tokenizer, Workload(tuple(len(p) + args.max_new_tokens for p in ids)))
-    log_setup(args, model, engine, len(prompts))
-    check_lengths(engine, ids)
+    log_setup(args, model, len(prompts))
+    for i, p in enumerate(ids, 1):  # refused before anything runs, named, never echoed: exit status 2
+        if len(p) > engine.max_prompt_tokens:
+            raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most "
+                             f"{engine.max_prompt_tokens} tokens (the model's positions, and the KV cache: num_blocks "
+                             "x block_size); shorten it")
     shown = prompts[: args.show if demo else None]
     start = time.perf_counter()
     bar = not args.no_progress and len(prompts) > 1  # (a bar over one request says nothing: its answer streams)
@@ -123,11 +127,9 @@ def print_ending(args: argparse.Namespace, out) -> None:
 
 def jsonl_record(prompt: str, out) -> dict:
     """One ``--jsonl`` line: the prompt, the answer and how it ended."""
-    record = {"prompt": prompt, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
-              "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason}
-    if out.error is not None:
-        record["error"] = out.error
-    return record
+    return {"prompt": prompt, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
+            "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+            **({"error": out.error} if out.error is not None else {})}
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
@@ -137,16 +139,6 @@ def printable(text: str) -> str:
     """``text`` with control characters other than newline and tab escaped (``\\x1b``), so that a model's output
     cannot move the cursor or recolour the terminal."""
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
-
-
-def check_lengths(engine: Engine, ids: list[list[int]]) -> None:
-    """``ValueError`` (exit status 2) naming, never echoing, the first prompt too long for the model's positions or
-    the KV cache, before anything runs."""
-    limit = engine.max_prompt_tokens
-    for i, p in enumerate(ids, 1):
-        if len(p) > limit:
-            raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most {limit} tokens "
-                             "(the model's positions, and the KV cache: num_blocks x block_size); shorten it")
 
 
 def load(args: argparse.Namespace):
@@ -173,29 +165,19 @@ def generation_config(args: argparse.Namespace) -> GenerationConfig:
 def read_prompts(args: argparse.Namespace) -> list[str]:
     """The prompts in the order given (arguments, stdin at its ``-``, then the file), else the demo prompts."""
     prompts: list[str] = []
-    for p in args.prompts:
-        prompts += read_stdin() if p == "-" else [p]
+    for p in args.prompts:  # (stdin is read as bytes and decoded as UTF-8, whatever the locale)
+        prompts += prompt_lines(getattr(sys.stdin, "buffer", sys.stdin).read(), "stdin ('-')") if p == "-" else [p]
     prompts += args.prompts_file or []
     if not prompts:
         prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
     return prompts
 
 
-def read_stdin() -> list[str]:
-    """The prompts on stdin, read as bytes and decoded as UTF-8 whatever the locale (a text stream under the C
-    locale would pass bytes that are not UTF-8 on as lone surrogates)."""
-    return prompt_lines(getattr(sys.stdin, "buffer", sys.stdin).read(), "stdin ('-')")
-
-
-def log_setup(args: argparse.Namespace, model: torch.nn.Module, engine: Engine, num_prompts: int) -> None:
-    """With ``--verbose``: what runs where, before the run starts."""
+def log_setup(args: argparse.Namespace, model: torch.nn.Module, num_prompts: int) -> None:
+    """With ``--verbose``: what runs where, before the run starts (the engine logs its own sizes, and why)."""
     params = sum(p.numel() for p in model.parameters())
-    stats = engine.stats()
     logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model_name,
                 type(model).__name__, params / 1e6, model.dtype, model.device)
-    logger.info("hf_paged: engine %d KV blocks of %d tokens, %d tokens per step, %d sequences at once, backends %s",
-                stats["num_blocks"], stats["block_size"], stats["max_batch_tokens"], stats["max_num_seqs"],
-                ", ".join(args.backend) if args.backend else "any (flash, cuda, torch)")
     how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
            if args.temperature > 0 else "greedy")
     logger.info("hf_paged: %d prompts, up to %d new tokens each%s, %s", num_prompts, args.max_new_tokens,
@@ -216,12 +198,12 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
          f"{stats['peak_used_blocks']} of {stats['num_blocks']} (block size {stats['block_size']})"),
         ("preemptions", stats["preemptions"]),
         ("prefix-cache hits", f"{stats['prefix_cache_hit_tokens']} tokens"),
-        ("attention backend", f"prefill {stats['prefill_backend'] or '-'}, decode {stats['decode_backend'] or '-'}"),
+        ("attention backend", ", ".join(f"{phase} {name}" for phase, name in stats["backends"].items())
+         if args.verbose else f"prefill {stats['prefill_backend'] or '-'}, decode {stats['decode_backend'] or '-'}"),
     ]
     if errors:
         rows.insert(1, ("first error", flags_for_parameters(errors[0].error, args)))
     if args.verbose:
-        rows[-1] = ("attention backend", ", ".join(f"{phase} {name}" for phase, name in stats["backends"].items()))
         rows += [
             ("steps", stats["steps"]),
             ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items())),
