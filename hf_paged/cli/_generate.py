@@ -45,19 +45,19 @@ class BadText(ValueError, argparse.ArgumentTypeError):
 def prompt(text: str) -> str:
     if text == "":
         raise BadText("a prompt is empty (''); give it some text or leave it out")
-    return utf8_text(text, "a prompt")
+    return utf8(text, "a prompt")
 
 
-def utf8_text(text: str, source: str) -> str:
-    """``text`` if UTF-8 can encode it; else :class:`BadText` naming ``source``. Bytes that are not UTF-8 reach Python
-    as lone surrogates (the command line's arguments, and text streams under the C locale)."""
+def utf8(data: bytes | str, source: str) -> str:
+    """``data`` as text if it is UTF-8; else :class:`BadText` naming ``source`` and the first byte that is not. Text is
+    taken as the bytes it came from: bytes that are not UTF-8 reach Python as lone surrogates (the command line's
+    arguments, and text streams under the C locale)."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        char = ord(text[exc.start])
-        what = f"byte {char - 0xDC00:#04x}" if 0xDC80 <= char <= 0xDCFF else f"a lone surrogate U+{char:04X}"
-        raise BadText(f"{source} is not UTF-8 text ({what} at character {exc.start}); give UTF-8 text") from None
-    return text
+        return (data if isinstance(data, bytes) else data.encode("utf-8", "surrogateescape")).decode("utf-8")
+    except UnicodeError as exc:
+        bad = exc.object[exc.start]  # a byte, or in text a lone surrogate that stands for no byte
+        what = f"byte {bad:#04x}" if isinstance(bad, int) else f"a lone surrogate U+{ord(bad):04X}"
+        raise BadText(f"{source} is not UTF-8 text ({what} at offset {exc.start}); give UTF-8 text") from None
 
 
 def prompts_file(path: str) -> list[str]:
@@ -70,24 +70,15 @@ def prompts_file(path: str) -> list[str]:
 
 
 def prompt_lines(data: bytes | str, source: str) -> list[str]:
-    """One prompt per non-blank line of ``data`` (bytes: decoded as UTF-8); :class:`BadText` naming ``source`` if it
-    is not UTF-8, binary or blank."""
-    text = utf8_bytes(data, source) if isinstance(data, bytes) else utf8_text(data, source)
+    """One prompt per non-blank line of ``data`` (see :func:`utf8`); :class:`BadText` naming ``source`` if it is not
+    UTF-8, binary or blank."""
+    text = utf8(data, source)
     if "\0" in text:
         raise BadText(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
     lines = [line for line in text.splitlines() if line.strip()]
     if not lines:
         raise BadText(f"{source} holds no prompts (every line is blank)")
     return lines
-
-
-def utf8_bytes(data: bytes, source: str) -> str:
-    """``data`` decoded as UTF-8; else :class:`BadText` naming ``source`` and the first byte that is not."""
-    try:
-        return data.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise BadText(f"{source} is not UTF-8 text (byte {data[exc.start]:#04x} at offset {exc.start}); give "
-                      "UTF-8 text, one prompt per line") from None
 
 
 def device(text: str) -> str:

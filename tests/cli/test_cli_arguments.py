@@ -103,10 +103,12 @@ def test_stdin_that_is_not_utf8_is_one_line_and_status_2(monkeypatch, capsys, st
                           ["UTF-8 text"])
 
 
-def test_a_prompt_argument_that_is_not_utf8_is_refused(capsys):
-    assert main(GENERATE + ["fine", "bad \udcff"]) == 2  # (how Python passes on an argument's byte 0xff)
-    assert_one_line_error(capsys, "hf-paged generate: error: argument prompts: a prompt is not UTF-8 text (byte "
-                                  "0xff at character 4)", [])
+@pytest.mark.parametrize("text, said", [("bad \udcff", "byte 0xff at offset 4"),  # (how Python passes on byte 0xff)
+                                        ("x\ud800y", "a lone surrogate U+D800 at offset 1")])
+def test_a_prompt_argument_that_is_not_utf8_is_refused(capsys, text, said):
+    assert main(GENERATE + ["fine", text]) == 2
+    assert_one_line_error(capsys, f"hf-paged generate: error: argument prompts: a prompt is not UTF-8 text ({said})",
+                          [])
 
 
 def test_a_prompt_too_long_to_run_is_named_not_echoed_and_status_2(capsys):
