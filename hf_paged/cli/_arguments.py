@@ -44,12 +44,7 @@ class Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str):  # argparse's hook for every bad command line
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see '{self.prog} --help')\n")
-
-
-def one_line(text: object) -> str:
-    """``text`` with every run of whitespace, newlines included, made one space."""
-    return " ".join(str(text).split())
+        raise SystemExit(exit_with(self.prog, f"{message} (see '{self.prog} --help')"))
 
 
 def _int(text: str) -> int:
@@ -142,6 +137,7 @@ def flags_for_parameters(message: str, args: argparse.Namespace) -> str:
 
 
 def exit_with(prog: str, message: object, status: int = 2) -> int:
-    """Print ``prog: error: message`` as one line on stderr; returns ``status`` for the caller to exit with."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr)
+    """Print ``prog: error: message`` as one line on stderr (every run of whitespace, newlines included, made one
+    space); returns ``status`` for the caller to exit with."""
+    print(f"{prog}: error: {' '.join(str(message).split())}", file=sys.stderr)
     return status
