@@ -29,7 +29,7 @@ from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
 from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
 from hf_paged.generate._adapter import GenerateHooks
 from hf_paged.generate._batch_tables import BatchTables
-from hf_paged.generate._static_decode import CompileMode
+from hf_paged.generate._static_decode import StaticDecode
 from hf_paged.hf._placement import layer_devices
 from hf_paged.hf._support import paged_kv, position_limit
 from hf_paged.parallel._lockstep import agreed_min
@@ -143,7 +143,7 @@ class PagedAttentionCache(GenerateHooks, Cache):
         self.plan: PagedMetadata | None = None  # the metadata of the forward planned last (None after a batch edit)
         self._plan_key: tuple | None = None
         self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
-        self.compile_mode = CompileMode(config, self.pool, self.dispatcher, dtype, max_new_tokens, compileable)
+        self.compile_mode = StaticDecode(config, self.pool, self.dispatcher, dtype, max_new_tokens, compileable)
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
@@ -218,7 +218,7 @@ class PagedAttentionCache(GenerateHooks, Cache):
         if self.rows.num_columns == 0:  # a new batch: its first write fixes fp8 scales afresh, as in a new cache
             self.pool.clear_scales()
         decode = q_len == 1 and valid is None and self.rows.num_columns > 0
-        static = self.compile_mode.static if decode and self.compile_mode.enabled else None
+        static = self.compile_mode if decode and self.compile_mode.enabled else None
         if static is not None and self.rows.advance():  # armed rows: no host bookkeeping
             plan = static.advance()
         else:

@@ -17,7 +17,7 @@ object whose tensors are updated in place before the forward:
 
 The host work (appending tokens, taking blocks, copy-on-write after a beam reorder) stays eager: ``generate``
 plans each step through the mask function before it calls the compiled forward. A batch's first forward takes the
-blocks of its prompts plus ``max_new_tokens`` (``CompileMode.append``). Once it has decoded a step without
+blocks of its prompts plus ``max_new_tokens`` (``StaticDecode.append``). Once it has decoded a step without
 being rebuilt, its rows are *armed* (``BatchTables.arm``): the slot of every position that their uploaded table
 (the blocks they wrote and those they hold ahead) covers is found once, on the device (``[B, W * block_size]``), and
 each later step is :meth:`StaticDecode.advance`: in place on the device (lengths, their sums, the position index,
@@ -47,17 +47,42 @@ logger = logging.getLogger("hf_paged")
 
 
 class StaticDecode:
-    """The fixed decode metadata of one cache, rebuilt only when the batch size or the table width changes."""
+    """A cache's decode steps of fixed shape: whether they are on (``is_compileable``) and why not, the blocks a batch
+    takes ahead (with ``max_new_tokens``), and their one metadata object, rebuilt only when the batch size or the
+    table width changes (the cache's ``compile_mode``)."""
 
-    def __init__(self, device: torch.device, pool: KVPool):
-        self.device = torch.device(device)
-        self.pool = pool
+    def __init__(self, config, pool: KVPool, dispatcher: Dispatcher, dtype: torch.dtype, max_new_tokens: int | None,
+                 compileable: bool | None):
+        if max_new_tokens is not None:
+            positive_int("max_new_tokens", max_new_tokens, "or None")
+        if compileable not in (None, True, False):
+            raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
+        self.config, self.pool, self.dispatcher, self.dtype = config, pool, dispatcher, dtype
+        self.max_new_tokens, self.compileable = max_new_tokens, compileable
+        self.devices = [k.device for k, _ in pool.kv_caches]
+        self.device = self.devices[0]
+        self._reason: str | None | object = self._find_reason() if compileable else _UNDECIDED
+        if compileable and self._reason is not None:
+            raise ValueError(f"compileable=True, but {self._reason}")
         self.meta: PagedMetadata | None = None
         self._uploaded_table: torch.Tensor | None = None  # the host table whose values block_tables holds
         self._slot_column: torch.Tensor | None = None  # meta.slot_mapping as [B, 1]
         self._slot_of: torch.Tensor | None = None  # [B, W * block_size] int64: armed rows' slot of each position
         self._position: torch.Tensor | None = None  # [B, 1] int64: position of each row's latest token
         self._one_launch: bool | None = None  # whether advance is one kernel launch (asked once)
+
+    @property
+    def reason(self) -> str | None:
+        """Why decode steps are not compileable (None when they are), found and logged once."""
+        if self._reason is _UNDECIDED:  # (not a cached_property: compiled code reads it, and dynamo cannot lock)
+            self._reason = self._find_reason()
+            if self._reason is not None and not torch.compiler.is_compiling():
+                _note_not_compileable(self._reason, self.max_new_tokens is not None)
+        return self._reason
+
+    @property
+    def enabled(self) -> bool:
+        return self.reason is None
 
     @property
     def width(self) -> int:
@@ -132,43 +157,6 @@ class StaticDecode:
         torch.gather(self._slot_of, 1, self._position, out=self._slot_column)
         return meta
 
-
-def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
-    pin = dst.device.type == "cuda"
-    dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
-
-
-class CompileMode:
-    """Whether a cache's decode steps take fixed shapes (``is_compileable``), why not, their metadata, and the
-    blocks a batch takes ahead (with ``max_new_tokens``)."""
-
-    def __init__(self, config, pool: KVPool, dispatcher: Dispatcher, dtype: torch.dtype, max_new_tokens: int | None,
-                 compileable: bool | None):
-        if max_new_tokens is not None:
-            positive_int("max_new_tokens", max_new_tokens, "or None")
-        if compileable not in (None, True, False):
-            raise ValueError(f"compileable must be True, False or None (automatic), got {compileable!r}")
-        self.config, self.pool, self.dispatcher, self.dtype = config, pool, dispatcher, dtype
-        self.max_new_tokens, self.compileable = max_new_tokens, compileable
-        self.devices = [k.device for k, _ in pool.kv_caches]
-        self._reason: str | None | object = self._find_reason() if compileable else _UNDECIDED
-        if compileable and self._reason is not None:
-            raise ValueError(f"compileable=True, but {self._reason}")
-        self.static = StaticDecode(self.devices[0], pool)
-
-    @property
-    def reason(self) -> str | None:
-        """Why decode steps are not compileable (None when they are), found and logged once."""
-        if self._reason is _UNDECIDED:  # (not a cached_property: compiled code reads it, and dynamo cannot lock)
-            self._reason = self._find_reason()
-            if self._reason is not None and not torch.compiler.is_compiling():
-                _note_not_compileable(self._reason, self.max_new_tokens is not None)
-        return self._reason
-
-    @property
-    def enabled(self) -> bool:
-        return self.reason is None
-
     def append(self, rows: BatchTables, q_len: int, valid: torch.Tensor | None) -> torch.Tensor:
         """A forward's ``rows.append``. On a batch's first forward with ``max_new_tokens`` given, every row takes the
         blocks of its tokens and ``max_new_tokens`` more, so that a decode step never finds the pool empty (an
@@ -179,7 +167,7 @@ class CompileMode:
             f"({rows.num_rows} rows: their prompts plus max_new_tokens={self.max_new_tokens} tokens each, in "
             f"{self.pool.block_size}-token blocks, are taken before decoding starts.)"))
         if self.enabled:
-            self.static.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
+            self.size_for(rows.num_rows, max((len(t) for t in rows.tables), default=1))
         return slots
 
     def _find_reason(self) -> str | None:
@@ -192,13 +180,18 @@ class CompileMode:
             return "the KV cache is split over several devices"
         if self.compileable:  # asked for: compiled wherever the caller compiles
             return None
-        device_type = self.devices[0].type
+        device_type = self.device.type
         if device_type != "cuda":
             return (f"the KV cache is on {device_type}: transformers compiles generate's decode step on CUDA "
                     "(give the cache compileable=True to compile elsewhere, with a compile_config)")
         calls = decode_calls(self.config, self.pool.layout, device_type, self.dtype, self.pool.block_size,
                              self.pool.dtype if is_fp8(self.pool.dtype) else None)
         return self.dispatcher.capture_unsupported_reason(calls, self.dtype)
+
+
+def _upload(dst: torch.Tensor, host: torch.Tensor) -> None:
+    pin = dst.device.type == "cuda"
+    dst.copy_(host.pin_memory() if pin else host, non_blocking=pin)
 
 
 _UNDECIDED = object()

@@ -106,7 +106,7 @@ def test_advanced_steps_give_the_slots_and_lists_of_appended_ones(block_size: in
     valid = torch.arange(max(prompts))[None, :] >= (max(prompts) - torch.tensor(prompts))[:, None]
     rows.append(max(prompts), valid, ahead=new)
     assert [len(t) for t in rows.tables] == [-(-(n + new) // block_size) for n in prompts]
-    static = StaticDecode(torch.device("cpu"), pool)
+    static = StaticDecode(None, pool, None, torch.float32, None, compileable=False)
     static.size_for(len(prompts), max(-(-(n + new) // block_size) for n in prompts))
     slots = rows.append(1)
     static.plan(rows, slots)
@@ -139,7 +139,7 @@ def test_reading_mid_batch_catches_up_and_stays_armed():
     rows = BatchTables(pool)
     rows.start(2)
     rows.append(5, ahead=8)
-    static = StaticDecode(torch.device("cpu"), pool)
+    static = StaticDecode(None, pool, None, torch.float32, None, compileable=False)
     static.size_for(2, 4)
     static.plan(rows, rows.append(1))
     left = rows._advances_left
