@@ -22,6 +22,10 @@ GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA grap
 #: min-p, renormalized (a greedy token's after what applies to it: no temperature).
 LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _CACHE = {f.name: f for f in fields(CacheConfig)}
+#: The settings that take one of a few values, and those values (None: automatic).
+_CHOICES = {"enable_prefix_caching": (True, False), "async_scheduling": (True, False, None),
+            "skinny_linear": (True, False, None), "compile_layers": (True, False, None, "background"),
+            "cuda_graph_capture": (*GRAPH_CAPTURE, None), "logprobs_mode": LOGPROBS_MODES}
 
 
 def _cache_field(name: str):
@@ -70,22 +74,12 @@ class EngineConfig:
             if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
                                       or not 1 <= value <= MAX_SLOTS):
                 raise ValueError(f"{name} must be an integer in [1, 2**31 - 1] or None (automatic), got {value!r}")
-        if not isinstance(self.enable_prefix_caching, bool):
-            raise ValueError(f"enable_prefix_caching must be True or False, got {self.enable_prefix_caching!r}")
-        for name in ("async_scheduling", "skinny_linear"):
-            if getattr(self, name) is not None and not isinstance(getattr(self, name), bool):
-                raise ValueError(f"{name} must be True, False or None (automatic), got {getattr(self, name)!r}")
-        if self.compile_layers is not None and not isinstance(self.compile_layers, bool) and (
-                self.compile_layers != "background"):
-            raise ValueError(f"compile_layers must be True, False, None (automatic) or 'background', got "
-                             f"{self.compile_layers!r}")
+        for name, choices in _CHOICES.items():
+            value = getattr(self, name)
+            if not any(value is c or isinstance(c, str) and value == c for c in choices):  # (1 is not True)
+                named = ["None (automatic)" if c is None else repr(c) for c in choices]
+                raise ValueError(f"{name} must be {', '.join(named[:-1])} or {named[-1]}, got {value!r}")
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
-        if self.cuda_graph_capture is not None and self.cuda_graph_capture not in GRAPH_CAPTURE:
-            raise ValueError(f"cuda_graph_capture must be one of {', '.join(map(repr, GRAPH_CAPTURE))} or None "
-                             f"(automatic), got {self.cuda_graph_capture!r}")
-        if self.logprobs_mode not in LOGPROBS_MODES:
-            raise ValueError(f"logprobs_mode must be one of {', '.join(map(repr, LOGPROBS_MODES))}, got "
-                             f"{self.logprobs_mode!r}")
 
     @property
     def cache_config(self) -> CacheConfig:

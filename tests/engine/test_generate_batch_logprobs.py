@@ -68,7 +68,7 @@ def test_processed_logprobs_equal_the_eager_models_processed_distribution(name):
 
 
 def test_a_logprobs_mode_that_does_not_exist_is_refused_naming_it():
-    with pytest.raises(ValueError, match="logprobs_mode must be one of 'raw_logprobs', 'processed_logprobs'"):
+    with pytest.raises(ValueError, match="logprobs_mode must be 'raw_logprobs' or 'processed_logprobs'"):
         hf_paged.generate_batch(models(ARCH)[1], [[5, 6, 7]], GenerationConfig(max_new_tokens=2),
                                 batching("processed"))
     with pytest.raises(ValueError, match="logprobs_mode"):
