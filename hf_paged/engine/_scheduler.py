@@ -104,13 +104,10 @@ class Scheduler:
         return ScheduledBatch(seqs, counts, sample)
 
     def _make_room(self, seq: Sequence) -> None:
-        """No block is free for ``seq``: preempt the newest sequence (``seq`` itself if it is the newest), or fail
-        ``seq`` if it runs alone and still does not fit."""
-        victim = self.running[-1]
-        if victim is not seq:
-            self._preempt(victim)
-        elif len(self.running) > 1:
-            self._preempt(seq)
+        """No block is free for ``seq`` (a running sequence): preempt the newest sequence (``seq`` itself if it is
+        the newest), or fail ``seq`` if it runs alone and still does not fit."""
+        if len(self.running) > 1:
+            self._preempt(self.running[-1])
         else:
             self._fail(seq)
 
