@@ -8,6 +8,7 @@ and the new token is appended (its KV is written by the following step).
 from __future__ import annotations
 
 import enum
+from dataclasses import dataclass, field
 
 from hf_paged.engine._sampling_params import SamplingParams
 
@@ -23,50 +24,41 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+@dataclass(eq=False, repr=False, slots=True)
 class Sequence:
-    """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine."""
+    """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine: made
+    from its first six fields (``token_ids``: the prompt's, copied), the others start as below."""
 
-    __slots__ = (
-        "request_id", "token_ids", "num_prompt_tokens", "stop_at", "params", "arrival", "seed", "pending_children", "status",
-        "block_table", "row", "num_computed_tokens", "num_hashed_blocks", "last_block_hash", "num_streamed",
-        "logprobs", "finish_reason", "error", "pending_row", "text_state", "top_logprobs", "prompt_logprobs",
-        "grammar",
-    )
+    request_id: str
+    token_ids: list[int]
+    params: SamplingParams
+    arrival: tuple[int, int]  # (request counter, copy index): FIFO order, copies right after their parent
+    seed: int
+    pending_children: int = 0  # copies forked once the prompt is computed
+    num_prompt_tokens: int = field(init=False)
+    stop_at: int = field(init=False)  # length at which it has all its tokens
+    status: SequenceStatus = SequenceStatus.WAITING
+    block_table: list[int] = field(default_factory=list)
+    row: int = -1  # row of the block-table buffer while the sequence holds blocks
+    num_computed_tokens: int = 0
+    num_hashed_blocks: int = 0  # leading full blocks registered with the prefix cache
+    last_block_hash: bytes | None = None  # prefix-cache key (SHA-256) of block num_hashed_blocks - 1
+    num_streamed: int = 0  # generated tokens already handed to a stream reader
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[list[tuple[int, float]]] = field(default_factory=list)  # each new token's alternatives
+    # (logprob, alternatives) of prompt tokens 1, 2, ... as far as computed (params.prompt_logprobs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = field(default_factory=list)
+    grammar: object = None  # the structured-output matcher of params.json_schema (engine/_structured_output.py)
+    finish_reason: str | None = None
+    error: str | None = None
+    # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
+    pending_row: int = -1
+    text_state: object = None  # the Detokenizer's TextState, made when the text is first needed
 
-    def __init__(
-        self,
-        request_id: str,
-        prompt_token_ids: list[int],
-        params: SamplingParams,
-        arrival: tuple[int, int],
-        seed: int,
-        pending_children: int = 0,
-    ):
-        self.request_id = request_id
-        self.token_ids: list[int] = list(prompt_token_ids)
-        self.num_prompt_tokens = len(prompt_token_ids)
-        self.stop_at = self.num_prompt_tokens + params.max_new_tokens  # length at which it has all its tokens
-        self.params = params
-        self.arrival = arrival  # (request counter, copy index): FIFO order, copies right after their parent
-        self.seed = seed
-        self.pending_children = pending_children  # copies forked once the prompt is computed
-        self.status = SequenceStatus.WAITING
-        self.block_table: list[int] = []
-        self.row = -1  # row of the block-table buffer while the sequence holds blocks
-        self.num_computed_tokens = 0
-        self.num_hashed_blocks = 0  # leading full blocks registered with the prefix cache
-        self.last_block_hash: bytes | None = None  # prefix-cache key (SHA-256) of block num_hashed_blocks - 1
-        self.num_streamed = 0  # generated tokens already handed to a stream reader
-        self.logprobs: list[float] = []
-        self.top_logprobs: list[list[tuple[int, float]]] = []  # each new token's alternatives (params.top_logprobs)
-        # (logprob, alternatives) of prompt tokens 1, 2, ... as far as computed (params.prompt_logprobs)
-        self.prompt_logprobs: list[tuple[float, list[tuple[int, float]]]] = []
-        self.grammar = None  # the structured-output matcher of params.json_schema (engine/_structured_output.py)
-        self.finish_reason: str | None = None
-        self.error: str | None = None
-        # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
-        self.pending_row = -1
-        self.text_state = None  # the Detokenizer's TextState, made when the text is first needed
+    def __post_init__(self) -> None:
+        self.token_ids = list(self.token_ids)
+        self.num_prompt_tokens = len(self.token_ids)
+        self.stop_at = self.num_prompt_tokens + self.params.max_new_tokens
 
     @property
     def num_tokens(self) -> int:
