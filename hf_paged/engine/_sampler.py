@@ -19,7 +19,6 @@ import array
 import functools
 import operator
 from itertools import chain
-from dataclasses import dataclass
 
 import torch
 
@@ -33,10 +32,10 @@ _PARAMS, _LOGPROBS, _PLAIN_GREEDY, _SCHEMA = (operator.attrgetter(a) for a in ("
                                                                               "json_schema"))
 
 
-@dataclass(frozen=True)
 class SamplingBatch:
-    """Settings of the ``N`` rows sampled in one step. Tensors live on the sampling device; the plain fields tell
-    the sampler which work to run, so it never reads a device value.
+    """Settings of the ``N`` rows sampled in one step (:meth:`build`). Tensors live on the sampling device; the plain
+    fields tell the sampler which work to run, so it never reads a device value. What ``build`` leaves unset keeps
+    the class's value: none of that work.
 
     Attributes:
         num_rows: ``N``.
@@ -58,51 +57,35 @@ class SamplingBatch:
         use_min_p: some sampled row has ``min_p > 0``.
     """
 
-    num_rows: int
-    want_logprobs: bool
-    top_logprobs: int = 0
-    rows: torch.Tensor | None = None
-    num_greedy: int = 0
-    penalty: torch.Tensor | None = None
-    penalty_at: tuple[torch.Tensor, torch.Tensor] | None = None
-    banned_at: tuple[torch.Tensor, torch.Tensor] | None = None
-    masked_at: tuple[torch.Tensor, torch.Tensor] | None = None
-    allowed_at: tuple[torch.Tensor, torch.Tensor] | None = None
-    temperature: torch.Tensor | None = None
-    top_k: torch.Tensor | None = None
-    top_p: torch.Tensor | None = None
-    min_p: torch.Tensor | None = None
-    seeds: torch.Tensor | None = None
-    steps: torch.Tensor | None = None
-    max_top_k: int = 0
-    top_p_in_top_k: bool = False
-    sort_rows: torch.Tensor | None = None
-    use_min_p: bool = False
+    rows = penalty = penalty_at = banned_at = masked_at = allowed_at = None
+    temperature = top_k = top_p = min_p = seeds = steps = sort_rows = None
+    num_greedy = max_top_k = 0
+    top_p_in_top_k = use_min_p = False
 
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         """Sort the rows on the host, gather their settings into one int64 and one float32 tensor, move each once."""
-        params = list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
-        want_logprobs = any(map(_LOGPROBS, params))
-        top = max(p.top_logprobs for p in params) if want_logprobs else 0
+        b, params = cls(), list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
+        b.num_rows, b.want_logprobs = len(seqs), any(map(_LOGPROBS, params))
+        b.top_logprobs = max(p.top_logprobs for p in params) if b.want_logprobs else 0
         if all(map(_PLAIN_GREEDY, params)):
-            return cls(len(seqs), want_logprobs, top)
+            return b
         sampled = [i for i, p in enumerate(params) if p.do_sample]
         greedy = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                   and (p.repetition_penalty != 1.0 or s.grammar is not None)]
         eos_only = [i for i, (s, p) in enumerate(zip(seqs, params)) if not p.do_sample
                     and p.repetition_penalty == 1.0 and s.grammar is None and s.num_generated < p.min_new_tokens]
         at_rows, at_ids = _banned_eos([seqs[i] for i in eos_only], vocab_size)  # (positions in eos_only)
-        masked_at = _packed(device, "q", [eos_only[j] for j in at_rows], at_ids) if at_ids else None
+        if at_ids:
+            b.masked_at = _packed(device, "q", [eos_only[j] for j in at_rows], at_ids)
         rows = greedy + sampled
         if not rows:
-            return cls(len(seqs), want_logprobs, top, masked_at=masked_at)
+            return b
         constrained = ([j for j, i in enumerate(rows) if seqs[i].grammar is not None]
                        if any(map(_SCHEMA, params)) else [])
-        allowed_at = None
         if constrained:
             mask = allowed_tokens([seqs[rows[j]].grammar for j in constrained], vocab_size)
-            allowed_at = (torch.tensor(constrained, device=device), mask.to(device, non_blocking=True))
+            b.allowed_at = (torch.tensor(constrained, device=device), mask.to(device, non_blocking=True))
         # how many tokens each row has seen that its penalty applies to, and those token ids, flat
         row_seqs = [seqs[i] for i in rows]
         seen = [len(s.token_ids) if s.params.repetition_penalty != 1.0 else 0 for s in row_seqs]
@@ -113,24 +96,21 @@ class SamplingBatch:
         top_k, top_p, min_p = [p.top_k for p in smp], [p.top_p for p in smp], [p.min_p for p in smp]
         sort_pos = [j for j, (k, q) in enumerate(zip(top_k, top_p)) if q < 1.0 and not k]
         seeds = [s.seed for s in ss]
-        rows_t, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, top_k_t, lo, hi, steps = _packed(
+        b.rows, seen_t, seen_ids_t, ban_pos_t, ban_ids_t, sort_t, b.top_k, lo, hi, steps = _packed(
             device, "q", rows, seen, seen_ids, ban_pos, ban_ids, sort_pos, top_k, [_i32(x) for x in seeds],
             [_i32(x >> 32) for x in seeds], [len(s.token_ids) - s.num_prompt_tokens for s in ss])
-        penalty, temperature, top_p_t, min_p_t = _packed(
+        penalty, b.temperature, b.top_p, b.min_p = _packed(
             device, "f", [params[i].repetition_penalty for i in rows], [p.temperature for p in smp], top_p, min_p)
-        return cls(
-            len(seqs), want_logprobs, top, rows=rows_t, num_greedy=len(greedy), allowed_at=allowed_at,
-            masked_at=masked_at,
-            penalty=penalty if seen_ids else None,
-            penalty_at=(torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t) if seen_ids else None,
-            banned_at=(ban_pos_t, ban_ids_t) if ban_pos else None,
-            temperature=temperature, top_k=top_k_t, top_p=top_p_t, min_p=min_p_t,
-            seeds=torch.stack([lo, hi], 1).int(), steps=steps.int(),
-            max_top_k=min(max(top_k, default=0), vocab_size),
-            top_p_in_top_k=any(q < 1.0 and k for k, q in zip(top_k, top_p)),
-            sort_rows=sort_t if sort_pos else None,
-            use_min_p=any(min_p),
-        )
+        b.num_greedy, b.seeds, b.steps = len(greedy), torch.stack([lo, hi], 1).int(), steps.int()
+        if seen_ids:
+            b.penalty, b.penalty_at = penalty, (torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t)
+        if ban_pos:
+            b.banned_at = (ban_pos_t, ban_ids_t)
+        if sort_pos:
+            b.sort_rows = sort_t
+        b.max_top_k = min(max(top_k, default=0), vocab_size)
+        b.top_p_in_top_k, b.use_min_p = any(q < 1.0 and k for k, q in zip(top_k, top_p)), any(min_p)
+        return b
 
 
 def _banned_eos(seqs: list[Sequence], vocab_size: int) -> tuple[list[int], list[int]]:

@@ -4,7 +4,6 @@ the plain-greedy path copies nothing. The op-level checks record every aten op w
 
 from __future__ import annotations
 
-import dataclasses
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
@@ -183,7 +182,8 @@ def test_greedy_rows_that_only_hold_back_eos_copy_no_logits_and_leave_them_uncha
         assert torch.equal(logits, before)
         expected = [processed_argmax(row.float(), s) for row, s in zip(before, seqs)]
         assert tokens.tolist() == expected
-        tokens, logprobs = Sampler()(logits, dataclasses.replace(batch, want_logprobs=True))
+        batch.want_logprobs = True
+        tokens, logprobs = Sampler()(logits, batch)
         assert tokens.tolist() == expected and torch.equal(logits, before)
         raw = torch.log_softmax(before, -1)
         assert torch.equal(logprobs, raw.gather(1, tokens[:, None]).squeeze(1))  # of the raw logits, as before
