@@ -1,7 +1,8 @@
 """The request bodies of OpenAI's completions and chat completions APIs, as pydantic models.
 
-Types are checked here, strictly (``"max_tokens": true`` or ``"n": "2"`` is a 400 naming the field, as a JSON
-``true`` is not a count); ranges and what the engine can serve are checked in :mod:`hf_paged.server._sampling`.
+Types and ranges are checked here, strictly (``"max_tokens": true`` or ``"n": "2"`` is a 400 naming the field, as a
+JSON ``true`` is not a count; so is ``"top_p": 0``, with OpenAI's ranges); what the engine can serve is checked in
+:mod:`hf_paged.server._sampling`.
 Fields whose type is a union (``prompt``, ``stop``, a message's ``content``) are typed ``Any`` here and checked by
 hand there, so that their errors name the field and say what it may be. Every string of a body was checked before
 (:mod:`hf_paged.server._body`: valid Unicode, bounded nesting). Fields OpenAI defines that the engine does not serve
@@ -17,6 +18,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+MAX_N = 128
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's completions API
+MAX_CHAT_TOP_LOGPROBS = 20  # OpenAI's chat API
+MAX_TOKENS_ASKED = 2**31  # beyond any model's context: larger counts are typos, refused before any arithmetic
 
 class _Strict(BaseModel):
     model_config = ConfigDict(extra="ignore", strict=True)
@@ -44,22 +49,22 @@ class SamplingFields(_Strict):
     """What both endpoints share."""
 
     model: str
-    max_tokens: int | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    n: int | None = None
+    max_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS_ASKED)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    n: int | None = Field(None, ge=1, le=MAX_N)
     stream: bool | None = False
     stream_options: StreamOptions | None = None
     stop: Any = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=0, lt=2**63)
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
     user: str | None = None
     response_format: ResponseFormat | None = None
-    top_k: int | None = None
-    min_p: float | None = None
-    repetition_penalty: float | None = None
+    top_k: int | None = Field(None, ge=-1, lt=2**31)  # 0 or -1: off
+    min_p: float | None = Field(None, ge=0, le=1)
+    repetition_penalty: float | None = Field(None, gt=0, le=100)
     ignore_eos: bool | None = False
 
 
@@ -70,8 +75,8 @@ class CompletionRequest(SamplingFields):
     (and, with ``logprobs``, its tokens' log-probabilities, the first one null)."""
 
     prompt: Any
-    max_tokens: int | None = 16
-    logprobs: int | None = None
+    max_tokens: int | None = Field(16, ge=0, lt=MAX_TOKENS_ASKED)  # (0: with echo only)
+    logprobs: int | None = Field(None, ge=0, le=MAX_COMPLETION_LOGPROBS)
     echo: bool | None = False
     best_of: int | None = None
     suffix: str | None = None
@@ -88,9 +93,9 @@ class ChatCompletionRequest(SamplingFields):
     returns the chosen tokens' log-probabilities, ``top_logprobs`` (0 to 20) that many likeliest alternatives."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = None
+    max_completion_tokens: int | None = Field(None, ge=1, lt=MAX_TOKENS_ASKED)
     logprobs: bool | None = False
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_CHAT_TOP_LOGPROBS)
     tools: list[Any] | None = None
     functions: list[Any] | None = None
     tool_choice: Any = None
