@@ -19,6 +19,14 @@ from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest, 
 
 MAX_PROMPTS = 1024
 MAX_STOP_STRINGS = 16
+#: Fields OpenAI defines that the engine does not serve, and what to do instead: a request setting one is refused
+#: rather than served otherwise.
+NOT_SERVED = {
+    "tools": "(tool calling) is not served; leave it out", "functions": "(tool calling) is not served; leave it out",
+    "suffix": "(insertion) is not served; leave it out", "logit_bias": "is not served; leave it out",
+    "presence_penalty": "is not served; use the repetition_penalty extension",
+    "frequency_penalty": "is not served; use the repetition_penalty extension",
+}
 
 
 @dataclass(frozen=True)
@@ -59,11 +67,11 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
         raise bad_request(f"model {req.model!r} is not served here; this server serves {served!r} (GET /v1/models)",
                           "model", "model_not_found")
     n = req.n or 1
+    for name, instead in NOT_SERVED.items():
+        if getattr(req, name, None):
+            raise bad_request(f"{name} {instead}", name)
     if isinstance(req, ChatCompletionRequest):
         chat, echo, logprobs, top_logprobs = True, False, bool(req.logprobs), req.top_logprobs or 0
-        for name in ("tools", "functions"):
-            if getattr(req, name):
-                raise bad_request(f"{name} (tool calling) is not served; leave it out", name)
         if req.top_logprobs and not req.logprobs:
             raise bad_request("top_logprobs needs logprobs: true", "top_logprobs")
         prompts = [[{"role": m.role, "content": _content(m.content, f"messages.{i}.content")}
@@ -72,8 +80,6 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
     else:
         chat, echo, logprobs, top_logprobs = False, bool(req.echo), req.logprobs is not None, req.logprobs or 0
         prompts = _completion_prompts(req.prompt)
-        if req.suffix:
-            raise bad_request("suffix (insertion) is not served; leave it out", "suffix")
         if req.best_of is not None and req.best_of != n:
             raise bad_request("best_of is not served (the engine does not rank copies); use n", "best_of")
         if req.max_tokens == 0 and not echo:
@@ -83,11 +89,6 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
     if len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most "
                           f"{MAX_PROMPTS} per request", "n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise bad_request(f"{name} is not served; use the repetition_penalty extension", name)
-    if req.logit_bias:
-        raise bad_request("logit_bias is not served; leave it out", "logit_bias")
     settings = sampling_settings(req)
     if n > 1 and settings.get("do_sample") is False:
         raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
