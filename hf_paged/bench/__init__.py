@@ -31,13 +31,16 @@ class Timing:
     reps: int
 
 
-def _timer(run: Callable[[], object], cuda: bool) -> Callable[[], float]:
-    """A function that calls ``run`` and returns the seconds it took: between two CUDA events on the device, else by
-    the host clock."""
-    start, end = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) if cuda else (None, None)
+def _repeat(run: Callable[[], object], calls_per_rep: int, method: str, budget_s: float, reps: int | None,
+            before_rep: Callable[[], object] | None) -> Timing:
+    """Per-call figures of ``reps`` timed calls of ``run`` (default: as many as fit ``budget_s`` after one sizing
+    call, 5 to 200), ``before_rep`` running before each; each call timed between two CUDA events on the device, or
+    by the host clock where ``method`` is "host"."""
+    host = method == "host"
+    start, end = (None, None) if host else (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
 
-    def rep() -> float:
-        if not cuda:
+    def seconds() -> float:
+        if host:
             t0 = time.perf_counter()
             run()
             return time.perf_counter() - t0
@@ -47,19 +50,12 @@ def _timer(run: Callable[[], object], cuda: bool) -> Callable[[], float]:
         end.synchronize()
         return start.elapsed_time(end) / 1e3
 
-    return rep
-
-
-def _repeat(rep: Callable[[], float], calls_per_rep: int, method: str, budget_s: float, reps: int | None,
-            before_rep: Callable[[], object] | None) -> Timing:
-    """Per-call figures of ``reps`` timed reps (default: as many as fit ``budget_s`` after one sizing rep, 5 to 200),
-    ``before_rep`` running before each."""
-    reps = reps or int(min(200, max(5, budget_s / max(rep(), 1e-7))))
+    reps = reps or int(min(200, max(5, budget_s / max(seconds(), 1e-7))))
     samples = []
     for _ in range(reps):
         if before_rep is not None:
             before_rep()
-        samples.append(rep() / calls_per_rep)
+        samples.append(seconds() / calls_per_rep)
     return Timing(statistics.median(samples), min(samples), max(samples), method, len(samples))
 
 
@@ -98,15 +94,15 @@ def time_calls(
 
     run_all()  # warm-up (builds, autotuning, allocator)
     if torch.device(device).type != "cuda":
-        return _repeat(_timer(run_all, cuda=False), len(calls), "host", budget_s, reps, before_rep)
+        return _repeat(run_all, len(calls), "host", budget_s, reps, before_rep)
     torch.cuda.synchronize()
     if graph:
         try:
             cuda_graph, launches = _graph(run_all, len(calls), min_calls)
-            return _repeat(_timer(cuda_graph.replay, cuda=True), launches, "graph", budget_s, reps, before_rep)
+            return _repeat(cuda_graph.replay, launches, "graph", budget_s, reps, before_rep)
         except RuntimeError:
             torch.cuda.synchronize()
-    return _repeat(_timer(run_all, cuda=True), len(calls), "eager", budget_s, reps, before_rep)
+    return _repeat(run_all, len(calls), "eager", budget_s, reps, before_rep)
 
 
 def copy_bandwidth(nbytes: int = 1 << 30) -> tuple[float, dict[str, float]]:
