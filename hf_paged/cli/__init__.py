@@ -12,7 +12,7 @@ what it needs), so ``--help`` and every bad flag answer at once.
 from __future__ import annotations
 
 import argparse
-import io
+import contextlib
 import logging
 import os
 import sys
@@ -45,12 +45,10 @@ def _run_generate(args: argparse.Namespace) -> int:
 
 def _drop_stdout() -> None:
     """Point stdout at the null device, so that the flush at exit does not fail (and print) again."""
-    try:
+    with contextlib.suppress(OSError, ValueError):  # (no file descriptor behind it: nothing to flush)
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, sys.stdout.fileno())
         os.close(devnull)
-    except (OSError, ValueError, io.UnsupportedOperation):  # (no file descriptor behind it: nothing to flush)
-        pass
 
 
 def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
