@@ -21,7 +21,7 @@ accumulated_recompile_limit (cache_size_limit,              recompile limits and
 accumulated_cache_size_limit before torch 2.7)              settings while the engine's
                                                             calls run
 
-torch._dynamo.config._config: nested_graph_breaks           whether a tensor-parallel    compile/_layers.py:
+torch._dynamo.config.nested_graph_breaks                    whether a tensor-parallel    compile/_layers.py:
                                                             layer can trace as one       has_dynamo_option,
                                                             graph around attention's     NESTED_GRAPH_BREAKS
                                                             graph break
@@ -162,14 +162,12 @@ _DYNAMO_RENAMED = {"recompile_limit": "cache_size_limit", "accumulated_recompile
 def has_dynamo_option(name: str) -> bool:
     """Whether this torch's dynamo has the config option ``name``.
 
-    Symbol: ``torch._dynamo.config._config`` (the config module's table of options). hf_paged asks it whether
-    ``nested_graph_breaks`` exists before tracing a tensor-parallel model's layers with it
-    (``compile/_layers.py``). Falls back to ``hasattr`` on the config module where the table is gone.
-    Checked on torch 2.11 and 2.13."""
+    Symbol: ``torch._dynamo.config.<name>`` (the config module raises ``AttributeError`` for a name it does not
+    know). hf_paged asks whether ``nested_graph_breaks`` exists before tracing a tensor-parallel model's layers with it
+    (``compile/_layers.py``). Checked on torch 2.11 and 2.13."""
     import torch._dynamo.config as dynamo_config
 
-    options = getattr(dynamo_config, "_config", None)
-    return name in options if isinstance(options, dict) else hasattr(dynamo_config, name)
+    return hasattr(dynamo_config, name)
 
 
 #: Dynamo's option that resumes a graph break inside a nested call in one graph with the rest of the caller
@@ -206,9 +204,8 @@ def no_duck_shaping() -> contextlib.AbstractContextManager:
     recompiles once). Checked on torch 2.11 and 2.13."""
     import torch.fx.experimental._config as shape_config  # (every supported torch has the module)
 
-    if not hasattr(shape_config, "use_duck_shape"):
-        return contextlib.nullcontext()
-    return shape_config.patch(use_duck_shape=False)
+    has_option = hasattr(shape_config, "use_duck_shape")
+    return shape_config.patch(use_duck_shape=False) if has_option else contextlib.nullcontext()
 
 
 #: Inductor's option for a custom pass over the post-grad graph (``torch._inductor.config.post_grad_custom_pre_pass``,
