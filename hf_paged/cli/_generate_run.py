@@ -32,7 +32,10 @@ def run(args: argparse.Namespace) -> int:
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
     engine = build_engine(args, model, tokenizer, Workload(tuple(len(p) + args.max_new_tokens for p in ids)))
-    log_setup(args, model, len(prompts))
+    how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
+           if args.temperature > 0 else "greedy")
+    logger.info("hf_paged: %d prompts, up to %d new tokens each%s, %s", len(prompts), args.max_new_tokens,
+                " (EOS ignored)" if args.ignore_eos else "", how)
     for i, p in enumerate(ids, 1):  # refused before anything runs, named, never echoed: exit status 2
         if len(p) > engine.max_prompt_tokens:
             raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most "
@@ -142,17 +145,21 @@ def printable(text: str) -> str:
 
 
 def load(args: argparse.Namespace):
-    """``(model, tokenizer)`` of ``--model``; sets ``args.model_name`` to the name it goes by."""
+    """``(model, tokenizer)`` of ``--model``, logged (``--verbose``); sets ``args.model_name`` to the name it goes by
+    (``generate``'s and ``serve``'s)."""
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
         choice = choose_model(args.model, device)
+        model, tokenizer = load_choice(choice, device, None if args.dtype == "auto" else getattr(torch, args.dtype),
+                                       args.seed)
     except ModelUnavailable as exc:  # --model smollm2, asked for by name
         raise ValueError(f"--model {args.model}: {exc}") from exc
-    args.model_name = choice.name
-    try:
-        return load_choice(choice, device, None if args.dtype == "auto" else getattr(torch, args.dtype), args.seed)
     except (OSError, ValueError) as exc:  # transformers' words for a checkpoint it cannot read
         raise ValueError(f"--model {args.model}: cannot load it: {exc}") from exc
+    args.model_name = choice.name
+    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", choice.name, type(model).__name__,
+                sum(p.numel() for p in model.parameters()) / 1e6, model.dtype, model.device)
+    return model, tokenizer
 
 
 def generation_config(args: argparse.Namespace) -> GenerationConfig:
@@ -171,17 +178,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not prompts:
         prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
     return prompts
-
-
-def log_setup(args: argparse.Namespace, model: torch.nn.Module, num_prompts: int) -> None:
-    """With ``--verbose``: what runs where, before the run starts (the engine logs its own sizes, and why)."""
-    params = sum(p.numel() for p in model.parameters())
-    logger.info("hf_paged: model %s (%s, %.1fM parameters, %s on %s)", args.model_name,
-                type(model).__name__, params / 1e6, model.dtype, model.device)
-    how = (f"sampling (temperature {args.temperature}, top-k {args.top_k}, top-p {args.top_p}, seed {args.seed})"
-           if args.temperature > 0 else "greedy")
-    logger.info("hf_paged: %d prompts, up to %d new tokens each%s, %s", num_prompts, args.max_new_tokens,
-                " (EOS ignored)" if args.ignore_eos else "", how)
 
 
 def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:

@@ -170,7 +170,7 @@ def test_verbose_names_the_backend_of_each_phase(capsys, caplog):
     assert "prefill attention served by the torch backend" in logs
     assert "decode attention served by the torch backend" in logs
     assert f"num_blocks={workload_pool(['abc'], 3)} (automatic" in logs  # (the engine's own line of its sizes)
-    assert "1 prompts, up to 3 new tokens each, greedy" in logs
+    assert "1 prompts, up to 3 new tokens each, greedy" in logs and "model hf-paged-tiny (LlamaForCausalLM" in logs
 
     assert main(argv[:-1]) == 0
     assert "steps:" not in capsys.readouterr().out
