@@ -14,14 +14,10 @@ import inspect
 import torch
 
 
-def cache_keyword(model: torch.nn.Module) -> str:
-    """The keyword under which ``model.forward`` (and ``generate``) takes a ``Cache`` object."""
-    return _cache_keyword_of(type(model))
-
-
 @functools.lru_cache(maxsize=None)
-def _cache_keyword_of(forward_cls: type) -> str:
-    return "cache" if "cache" in inspect.signature(forward_cls.forward).parameters else "past_key_values"
+def _cache_keyword(model_cls: type) -> str:
+    """The keyword under which the model class's ``forward`` (and ``generate``) takes a ``Cache`` object."""
+    return "cache" if "cache" in inspect.signature(model_cls.forward).parameters else "past_key_values"
 
 
 def cache_in(kwargs: dict):
@@ -34,4 +30,4 @@ def with_cache(model: torch.nn.Module, cache, **kwargs) -> dict:
     a cache: ``past_key_values`` in transformers 5.17, ``cache`` in later 5.x releases (which also still take the old
     name). ``model.generate(**batch, **hf_paged.with_cache(model, cache), max_new_tokens=64)``.
     """
-    return {**kwargs, cache_keyword(model): cache}
+    return {**kwargs, _cache_keyword(type(model)): cache}

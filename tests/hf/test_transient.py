@@ -10,7 +10,7 @@ from transformers import DynamicCache
 
 from hf_paged.hf import _attention
 from hf_paged.hf._transient import TransientKV, fresh_step
-from hf_paged.hf.compat import cache_keyword
+from hf_paged.hf.compat import with_cache
 from tiny_models import left_padded_batch, make_config, make_models
 
 
@@ -55,9 +55,9 @@ def test_a_forward_that_continues_a_dense_cache_stays_dense(arch, paths):
     with torch.no_grad():
         caches = [DynamicCache(config=m.config) for m in (eager, paged)]
         for model, cache in zip((eager, paged), caches):
-            model(ids[:, :6], use_cache=True, **{cache_keyword(model): cache})
+            model(ids[:, :6], use_cache=True, **with_cache(model, cache))
         paths["paged"] = 0
-        want, got = (model(ids[:, 6:], use_cache=True, **{cache_keyword(model): cache}).logits
+        want, got = (model(ids[:, 6:], use_cache=True, **with_cache(model, cache)).logits
                      for model, cache in zip((eager, paged), caches))
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     assert paths["paged"] == 0 and paths["dense"] == paged.config.num_hidden_layers
