@@ -34,7 +34,7 @@ from collections.abc import Callable
 import torch
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-from hf_paged.compile._group_linears import _keep_meta
+from hf_paged.compile._group_linears import _keep_meta, _val
 
 _aten = torch.ops.aten
 _CONVERT = torch.ops.prims.convert_element_type.default
@@ -77,10 +77,6 @@ def _other_operand(call: torch.fx.Node | None, node: torch.fx.Node):
     if call is None or call.kwargs or len(call.args) != 2 or node not in call.args or call.args[0] is call.args[1]:
         return None
     return call.args[1] if call.args[0] is node else call.args[0]
-
-
-def _val(node):
-    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _like(node, reference: torch.fx.Node) -> bool:

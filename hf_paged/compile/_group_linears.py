@@ -89,10 +89,15 @@ def _arguments(node: torch.fx.Node, recorded: tuple[tuple, dict] | None = None) 
 
 def _weight_key(weight) -> tuple | None:
     """(K, dtype, device) of a weight node with a known static shape, else None (the call stays single)."""
-    value = weight.meta.get("val") if isinstance(weight, torch.fx.Node) else None
+    value = _val(weight)
     if not isinstance(value, torch.Tensor) or value.dim() != 2 or not isinstance(value.shape[1], int):
         return None
     return value.shape[1], value.dtype, value.device
+
+
+def _val(node):
+    """The value a graph node's metadata records (a fake tensor, say); None for a constant argument or without one."""
+    return node.meta.get("val") if isinstance(node, torch.fx.Node) else None
 
 
 def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
@@ -106,7 +111,7 @@ def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
     are contiguous, of one dtype, and lie end to end in one storage, as the graph's fake inputs say (they keep the
     real inputs' shared storage and offsets); else None."""
     def values(nodes) -> list | None:
-        vals = [n.meta.get("val") if isinstance(n, torch.fx.Node) else None for n in nodes]
+        vals = [_val(n) for n in nodes]
         return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
 
     def end_to_end(vals: list[torch.Tensor]) -> bool:
