@@ -86,7 +86,10 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until stopped: exit status 0, or 1 if the engine loop died."""
-    args.api_key = _api_key(args)
+    if args.api_key is not None and not args.api_key.strip():  # (the environment's key: envs.api_key checks it)
+        raise ValueError("--api-key is empty, which would serve with no key; set a non-empty key, or leave "
+                         "--api-key out to serve without one")
+    args.api_key = args.api_key or envs.api_key()
     try:
         import fastapi  # noqa: F401
         import uvicorn  # noqa: F401
@@ -122,9 +125,8 @@ def _app(args: argparse.Namespace):
     # (torch, transformers and the engine: imported once serve runs)
     from hf_paged.cli._generate_run import build_engine, load
 
-    allowed = args.allowed_hosts
-    if allowed is None and is_loopback(args.host) and not args.api_key:
-        allowed = LOOPBACK_HOSTS
+    # by default, against DNS rebinding: loopback names where the host is loopback and no key is required
+    allowed = args.allowed_hosts or (LOOPBACK_HOSTS if is_loopback(args.host) and not args.api_key else None)
     engine = build_engine(args, *load(args))
     args.served_model_name = args.served_model_name or args.model_name
     return create_app(engine, args.served_model_name, args.max_queued_requests, args.chat_template,
@@ -179,15 +181,6 @@ def bind(host: str, port_number: int) -> socket.socket:
         raise ValueError(f"cannot listen on {host}:{port_number}: {exc.strerror}; {hint}") from None
     sock.set_inheritable(True)
     return sock
-
-
-def _api_key(args: argparse.Namespace) -> str | None:
-    """The key to require: ``--api-key``, else the environment's (``envs.api_key``), else None (no key).
-    ``ValueError`` for an empty ``--api-key``, which would otherwise serve with no key at all."""
-    if args.api_key is not None and not args.api_key.strip():
-        raise ValueError("--api-key is empty, which would serve with no key; set a non-empty key, or leave "
-                         "--api-key out to serve without one")
-    return args.api_key or envs.api_key()
 
 
 def _host_list(text: str) -> tuple[str, ...]:
