@@ -145,7 +145,12 @@ def generate_batch(
                         stamps.setdefault(names[delta.request_id], []).extend([now] * len(delta.token_ids))
                 for out in outs:
                     rid = names[out.request_id]
-                    finished[rid] = _to_generation_output(rid, out, start, stamps)
+                    finished[rid] = GenerationOutput(
+                        request_id=rid, prompt_ids=list(out.prompt_token_ids), generated_tokens=list(out.token_ids),
+                        logprobs=list(out.logprobs or []), error=out.error, created_time=start,
+                        status=RequestStatus.FAILED if out.finish_reason == "error" else RequestStatus.FINISHED,
+                        lifespan=(start, time.perf_counter()),
+                        timestamps=None if stamps is None else stamps.get(rid, []))
                 bar.update(len(outs))
         finally:
             restore_attention(model, attention)
@@ -198,13 +203,11 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
     kept = model.__dict__.pop(_KEPT, None)
     if (persistent and kept is not None and kept[0] == config and not kept[1].has_unfinished()
             and kept[1].check_weights()):  # (False: parameters replaced, or of another dtype or device)
-        size = kept[1].config.num_blocks
-        if config.num_blocks is not None:
-            fits = size == config.num_blocks
-        else:  # the blocks a new pool would take; every rank under tensor parallel decides alike
+        fits = config.num_blocks is not None  # (a given pool size is the kept engine's: its config is the same)
+        if not fits:  # the blocks a new pool would take; every rank under tensor parallel decides alike
             blocks, _ = pool_size(config, kv_layout(model), model.dtype, kv_devices(model),
                                   validation.position_limit(model.config), workload)
-            fits = size >= agreed_min(model, max(1, blocks))
+            fits = kept[1].config.num_blocks >= agreed_min(model, max(1, blocks))
         if fits:
             model.__dict__[_KEPT] = kept
             return kept[1]
@@ -213,20 +216,6 @@ def _engine_for(model, config: EngineConfig, workload: Workload, persistent: boo
     if persistent:
         model.__dict__[_KEPT] = (config, engine)
     return engine
-
-
-def _to_generation_output(rid: str, out, start: float, stamps: dict[str, list[float]] | None) -> GenerationOutput:
-    return GenerationOutput(
-        request_id=rid,
-        prompt_ids=list(out.prompt_token_ids),
-        generated_tokens=list(out.token_ids),
-        logprobs=list(out.logprobs or []),
-        error=out.error,
-        status=RequestStatus.FAILED if out.finish_reason == "error" else RequestStatus.FINISHED,
-        created_time=start,
-        lifespan=(start, time.perf_counter()),
-        timestamps=None if stamps is None else stamps.get(rid, []),
-    )
 
 
 def _shared_prefills(inputs: list[list[int]], gc: GenerationConfig, indices: list[int], seed: int | None,
