@@ -101,7 +101,8 @@ def generation_config(given: GenerationConfig | None, model, max_new_tokens: int
         raise ValueError("stop_strings: generate_batch has no tokenizer to match text with; use "
                          "hf_paged.Engine(model, tokenizer=...) for stop strings")
     gc.stop_strings = []
-    gc.eos_token_id = eos_token_ids(gc.eos_token_id)
+    # as transformers' generate_batch means it: None or -1 is no EOS (a negative entry, which no token matches, goes)
+    gc.eos_token_id = [e for e in eos_tuple(gc.eos_token_id) if e >= 0]
     if gc.max_new_tokens is None:
         if gc.max_length is not None and gc.max_length != position_limit:
             logger.warning("hf_paged: generate_batch reads max_new_tokens, not max_length (as transformers' "
@@ -109,12 +110,6 @@ def generation_config(given: GenerationConfig | None, model, max_new_tokens: int
                            "position limit (%d tokens); set max_new_tokens", gc.max_length, position_limit)
         gc.max_length = position_limit
     return gc
-
-
-def eos_token_ids(eos) -> list[int]:
-    """``eos_token_id`` as transformers' ``generate_batch`` means it: None or -1 is no EOS, an integer or a list its
-    tokens (a negative entry, which no token matches, is dropped)."""
-    return [e for e in eos_tuple(eos) if e >= 0]
 
 
 def engine_config(given) -> EngineConfig:

@@ -155,7 +155,14 @@ def test_transformers_num_blocks_keep_their_capacity_in_hf_paged_blocks():
     with pytest.raises(ValueError, match="max_requests_per_batch"):
         tables.engine_config(ContinuousBatchingConfig(max_requests_per_batch=0))
     assert tables.engine_config(ContinuousBatchingConfig(use_cuda_graph=(True, False))).cuda_graphs is False
-    assert tables.eos_token_ids(None) == [] and tables.eos_token_ids(-1) == [] and tables.eos_token_ids(
-        torch.tensor([2, -1, 7])) == [2, 7]
+
+
+def test_eos_token_id_reads_as_transformers_generate_batch_reads_it():
+    """None and -1 are no EOS, a negative entry of a list is dropped; a non-integer is refused naming the field."""
+    def eos(value):
+        gc = GenerationConfig(max_new_tokens=1, eos_token_id=value)
+        return tables.generation_config(gc, None, None, 64).eos_token_id
+
+    assert eos(None) == [] and eos(-1) == [] and eos(torch.tensor([2, -1, 7])) == [2, 7] and eos(3) == [3]
     with pytest.raises(ValueError, match="eos_token_id"):
-        tables.eos_token_ids([2, 1.5])
+        eos([2, 1.5])
