@@ -89,10 +89,9 @@ def generation_config(config) -> GenerationConfig | None:
     """``config`` if it is a ``GenerationConfig`` or None; anything else (a dict, keyword settings) is refused."""
     if config is None or isinstance(config, GenerationConfig):
         return config
-    if isinstance(config, dict):
-        raise ValueError("generation_config must be a transformers.GenerationConfig, got a dict: pass "
-                         "GenerationConfig(**settings)")
-    raise ValueError(f"generation_config must be a transformers.GenerationConfig or None, got {type(config).__name__}")
+    hint = ": pass GenerationConfig(**settings)" if isinstance(config, dict) else ""
+    raise ValueError(f"generation_config must be a transformers.GenerationConfig or None, got {type(config).__name__}"
+                     f"{hint}")
 
 
 def generation_configs(config, num_prompts: int) -> list[GenerationConfig | None]:
