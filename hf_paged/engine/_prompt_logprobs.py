@@ -10,7 +10,7 @@ found in the prefix cache (``Sequence.needs_prompt_logprobs``).
 from __future__ import annotations
 
 import operator
-from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -20,21 +20,20 @@ from hf_paged.engine._sequence import Sequence
 _ASKED = operator.attrgetter("params.prompt_logprobs")
 
 
-@dataclass
-class PromptRows:
+class PromptRows(NamedTuple):
     """The extra logits rows of a step: ``rows[i]`` (a position in the packed step) scores ``targets[i]``;
     ``owners`` gives the rows' sequences in order, with how many rows each has."""
 
-    rows: list[int] = field(default_factory=list)
-    targets: list[int] = field(default_factory=list)
-    owners: list[tuple[Sequence, int]] = field(default_factory=list)
+    rows: list[int]
+    targets: list[int]
+    owners: list[tuple[Sequence, int]]
 
 
 def prompt_rows(seqs: list[Sequence], num_tokens: list[int]) -> PromptRows | None:
     """The rows of a step that computes ``num_tokens[i]`` tokens of ``seqs[i]``; None if it scores none."""
     if set(map(_ASKED, seqs)) == {None}:  # (the usual case, checked at C speed)
         return None
-    out, offset = PromptRows(), 0
+    out, offset = PromptRows([], [], []), 0
     for seq, n in zip(seqs, num_tokens):
         if seq.needs_prompt_logprobs:
             c = seq.num_computed_tokens
