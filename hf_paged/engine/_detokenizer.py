@@ -84,20 +84,16 @@ class Detokenizer:
             ends.append(last)
         return ends + [end]
 
-    def final(self, seq: Sequence) -> tuple[int, str]:
-        """``(number of tokens kept, text)`` of a finished sequence (cut before a stop string, the token in which it
-        begins kept)."""
+    def shown(self, seq: Sequence, final: bool) -> tuple[int, int]:
+        """``(tokens, characters)`` of ``seq``'s generated tokens and text that may be shown: of a finished sequence
+        (``final``) all of them, cut before a stop string (the token in which it begins kept); of an unfinished one
+        what a stream may show now, whole tokens and their text short of the tail a stop string may still cut."""
         st = self.state(seq)
-        self.read(seq, flush=True)
-        if st.stop_at is None:
-            return len(seq.output_token_ids), st.text
-        return bisect.bisect_right(st.ends, st.stop_at) + 1, st.text[: st.stop_at]
-
-    def ready(self, seq: Sequence) -> tuple[int, int]:
-        """``(tokens, characters)`` of an unfinished sequence that a stream may show now: whole tokens, and their
-        text."""
-        st = self.state(seq)
-        self.read(seq)
+        self.read(seq, flush=final)
+        if final:
+            if st.stop_at is None:
+                return len(seq.output_token_ids), len(st.text)
+            return bisect.bisect_right(st.ends, st.stop_at) + 1, st.stop_at
         stops = seq.params.stop_strings
         limit = len(st.text) - (max(map(len, stops)) - 1 if stops else 0)
         kept = max(seq.num_streamed, bisect.bisect_right(st.ends, limit))

@@ -93,12 +93,8 @@ def _unread(seq: Sequence, detokenizer: Detokenizer | None, final: bool, streame
     kept = len(tokens)
     if detokenizer is not None:
         try:
-            if final:
-                kept, full = detokenizer.final(seq)
-                text = full[sent:]
-            else:
-                kept, shown = detokenizer.ready(seq)
-                text = detokenizer.state(seq).text[sent:shown]
+            kept, shown = detokenizer.shown(seq, final)
+            text = detokenizer.state(seq).text[sent:shown]
         except Exception as exc:
             logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
             kept, text, reason = len(tokens), None, "error"
