@@ -121,7 +121,8 @@ def load(verbose: bool = False) -> Path:
         arch = arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
         folder = build_dir(arch)
         if not _loaded:
-            _loaded = _load_built(folder) or _build_and_load(folder, arch, verbose)
+            _load_or_build(folder, arch, verbose)
+            _loaded = True
         _folder = folder
         return folder
 
@@ -133,28 +134,23 @@ def load(verbose: bool = False) -> Path:
 BUILT_MARKER = "built"
 
 
-def _load_built(folder: Path) -> bool:
-    """Load the folder's library if a build marked it; False if there is none (or it fails to load: build again)."""
-    library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
-    if not (marker.is_file() and library.is_file()):
-        return False
-    try:
-        torch.ops.load_library(str(library))
-        return True
-    except OSError as exc:  # removed or damaged since
-        logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
-        marker.unlink(missing_ok=True)
-        return False
-
-
-def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
+def _load_or_build(folder: Path, arch: str, verbose: bool) -> None:
+    """Load the folder's library if a build marked it (no build tools needed); else (none, or it fails to load)
+    build it there, load it and mark it."""
     global _failure
+    library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
+    if marker.is_file() and library.is_file():
+        try:
+            torch.ops.load_library(str(library))
+            return
+        except OSError as exc:  # removed or damaged since
+            logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
+            marker.unlink(missing_ok=True)
     if (reason := missing_requirement()) is not None:
         _failure = reason
         raise KernelsUnavailable(reason)
     from torch.utils import cpp_extension
 
-    library, marker = folder / f"{_LIB_NAME}.so", folder / BUILT_MARKER
     folder.mkdir(parents=True, exist_ok=True)
     if not library.exists():
         logger.info("hf_paged: building CUDA kernels for sm_%s in %s (first use; about a minute)", arch, folder)
@@ -166,7 +162,6 @@ def _build_and_load(folder: Path, arch: str, verbose: bool) -> bool:
         _failure = f"building the CUDA kernels failed ({type(exc).__name__}: {str(exc).strip()[-2000:]})"
         raise KernelsUnavailable(_failure) from exc
     marker.write_text(f"{torch.__version__} cuda {torch.version.cuda} sm_{arch}\n")
-    return True
 
 
 def is_loaded() -> bool:

@@ -25,20 +25,20 @@ def calls(monkeypatch):
     return seen
 
 
-def test_a_marked_build_is_loaded_without_building(tmp_path, calls):
+def test_a_marked_build_is_loaded_without_building(tmp_path, calls, monkeypatch):
+    monkeypatch.setattr(_build, "missing_requirement", lambda: pytest.fail("probed the build tools"))
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")
     (tmp_path / _build.BUILT_MARKER).write_text("x")
-    assert _build._load_built(tmp_path)
+    _build._load_or_build(tmp_path, "90a", False)
     assert calls["load_library"] == [str(tmp_path / "hf_paged_kernels.so")] and calls["build"] == []
 
 
 def test_an_unmarked_folder_is_built_and_then_marked(tmp_path, calls):
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")  # a library from before the mark, or a cut build
-    assert not _build._load_built(tmp_path)
-    assert _build._build_and_load(tmp_path, "90a", False)
+    _build._load_or_build(tmp_path, "90a", False)
     assert calls["build"] == [str(tmp_path)] and calls["load_library"] == []
     assert (tmp_path / _build.BUILT_MARKER).is_file()
-    assert _build._load_built(tmp_path)  # the next process loads it directly
+    _build._load_or_build(tmp_path, "90a", False)  # the next process loads it directly
     assert calls["build"] == [str(tmp_path)] and len(calls["load_library"]) == 1
 
 
@@ -46,8 +46,8 @@ def test_a_marked_library_that_fails_to_load_is_built_again(tmp_path, calls):
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"damaged")
     (tmp_path / _build.BUILT_MARKER).write_text("x")
     calls["fail_load"] = True
-    assert not _build._load_built(tmp_path)
-    assert _build._build_and_load(tmp_path, "90a", False)
+    _build._load_or_build(tmp_path, "90a", False)
+    assert len(calls["load_library"]) == 1  # tried first
     assert calls["build"] == [str(tmp_path)] and (tmp_path / _build.BUILT_MARKER).is_file()
 
 
@@ -58,7 +58,7 @@ def test_a_failed_build_leaves_no_mark(tmp_path, monkeypatch, calls):
     monkeypatch.setattr(cpp_extension, "load", fail)
     monkeypatch.setattr(_build, "_failure", None)
     with pytest.raises(_build.KernelsUnavailable, match="nvcc: error"):
-        _build._build_and_load(tmp_path, "90a", False)
+        _build._load_or_build(tmp_path, "90a", False)
     assert not (tmp_path / _build.BUILT_MARKER).exists()
 
 
