@@ -50,9 +50,6 @@ class _Graph:
     fields: dict  # its fields at capture, the cache's left out (the graph must not keep the cache alive)
     cache_fields: tuple[str, ...]  # the fields that held the cache
 
-    def output(self, logits: torch.Tensor, cache):
-        return self.output_type(**{**self.fields, "logits": logits}, **dict.fromkeys(self.cache_fields, cache))
-
 
 class DecodeSteps:
     """``model.get_compiled_call`` under ``optimize_generate`` (see the module docstring): returns itself for every
@@ -104,7 +101,7 @@ class DecodeSteps:
         logits = graphs.replay(key)
         cache.mark_step_read()  # what the forward's cache.update calls do
         self.replays += 1
-        return graph.output(logits, cache)
+        return graph.output_type(**{**graph.fields, "logits": logits}, **dict.fromkeys(graph.cache_fields, cache))
 
     def key(self, kwargs: dict):
         """The replay key of a call: None unless it is a static paged decode step on its cache, with no other tensor

@@ -76,7 +76,11 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
     if planner is None:
         sdpa_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                          kv_offset=kv_offset, **kwargs)
-        if _starts_from_nothing(q_offset, kv_offset, q_length, kv_length, kwargs):
+        # plain causal attention over the forward's own tokens only (nothing cached before them; transformers allows
+        # the causal skip: no extra mask function, no packed sequences, not compiled), and no autograd (the paged
+        # path serves no gradients): run paged on a transient KV
+        if (not torch.compiler.is_compiling() and not torch.is_grad_enabled() and kwargs.get("allow_is_causal_skip")
+                and int(q_offset) == 0 and kv_offset == 0 and kv_length == q_length):
             step = fresh_step(kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
                               kwargs.get("device") or torch.device("cpu"))
             if step is not None:
@@ -90,15 +94,6 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
             "max_new_tokens=...), and only decode steps may be compiled")
     return planner.plan_forward(kwargs.get("config"), kwargs.get("attention_mask"), batch_size, q_length,
                                 kwargs.get("device"))
-
-
-def _starts_from_nothing(q_offset, kv_offset: int, q_length: int, kv_length: int, kwargs: dict) -> bool:
-    """Whether a forward with no paged cache is plain causal attention over its own tokens only: nothing cached before
-    it, and transformers allows the causal skip (no extra mask function, no packed sequences, not compiled); and an
-    inference forward (no autograd: the paged path serves no gradients)."""
-    return (not torch.compiler.is_compiling() and not torch.is_grad_enabled()
-            and bool(kwargs.get("allow_is_causal_skip"))
-            and int(q_offset) == 0 and kv_offset == 0 and kv_length == q_length)
 
 
 def paged_attention_forward(
