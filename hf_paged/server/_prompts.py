@@ -82,10 +82,11 @@ class PromptBuilder:
         prompts = [self.token_ids(p, job.chat) for p in job.prompts]
         new_tokens = [self.max_new_tokens(len(ids), job.max_tokens, job.chat) for ids in prompts]
         self.limits.check(job, [len(ids) for ids in prompts], new_tokens)
-        if job.n > 1 and "do_sample" not in job.settings:  # no sampling field set: the model's default decoding
-            if not self.samples_by_default:
-                raise bad_request(f"n={job.n} would return {job.n} identical copies: this model decodes greedily "
-                                  "unless asked (its generation config); set temperature > 0, or ask for n = 1", "n")
+        if job.n > 1:  # copies must sample: a sampling field asks to, or the model's default does
+            if not job.settings.get("do_sample", self.samples_by_default):
+                raise bad_request(f"n={job.n} would return {job.n} identical copies: the request decodes greedily "
+                                  "(temperature 0, or no sampling field set on a model whose generation config is "
+                                  "greedy); set temperature > 0, or ask for n = 1", "n")
             job = replace(job, settings={**job.settings, "do_sample": True})
         configs = [job.generation_config(n) for n in new_tokens]
         if not job.echo:

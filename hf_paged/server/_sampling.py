@@ -2,8 +2,9 @@
 
 Everything that can be checked without the tokenizer and is not a type or a range (those are
 :mod:`hf_paged.server._protocol`'s) is checked here, with a 400 naming the field; the prompt's length (against the
-model's position limit and the KV cache) is checked where it is tokenized (:mod:`hf_paged.server._prompts`). Sampling fields left unset take the model's generation config, as
-``model.generate`` does (so a model whose config says greedy stays greedy); ``temperature: 0`` is greedy.
+model's position limit and the KV cache) is checked where it is tokenized (:mod:`hf_paged.server._prompts`). Sampling
+fields left unset take the model's generation config, as ``model.generate`` does (so a model whose config says greedy
+stays greedy); ``temperature: 0`` is greedy.
 """
 
 from __future__ import annotations
@@ -90,9 +91,6 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
         raise bad_request(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most "
                           f"{MAX_PROMPTS} per request", "n")
     settings = sampling_settings(req)
-    if n > 1 and settings.get("do_sample") is False:
-        raise bad_request("n > 1 with temperature 0 would return n identical copies; sample (temperature > 0) or "
-                          "ask for n = 1", "n")
     schema = json_schema(req)
     if schema is not None:
         settings["json_schema"] = schema
