@@ -14,6 +14,7 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel, ValidationError
 
+from hf_paged.engine import _validation as validation
 from hf_paged.server._errors import ServerError, bad_request
 from hf_paged.server._protocol import FIELD_NAMES
 
@@ -49,17 +50,12 @@ def parse(body: bytes, model: type[M]) -> M:
         raise _from_validation_error(exc) from None
 
 
-def check_text(text: str, param: str | None) -> None:
-    """Refuse a string no UTF-8 encoder takes (an unpaired surrogate), naming ``param``."""
-    if text.isascii():
-        return
+def _check_text(text: str, path: str) -> None:
+    """Refuse a string no UTF-8 encoder takes (an unpaired surrogate), as the engine does, naming ``path``."""
     try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as exc:
-        where = f"{param}: " if param else ""
-        raise bad_request(f"{where}the text holds an unpaired surrogate (U+{ord(text[exc.start]):04X}) at character "
-                          f"{exc.start}, which is not valid Unicode; send both halves of a surrogate pair, or the "
-                          "character itself", param, "invalid_text") from None
+        validation.text(text, path or "a string of the body")
+    except ValueError as exc:
+        raise bad_request(str(exc), path or None, "invalid_text") from None
 
 
 def _check(value: Any, path: str, depth: int, exact: bool = True) -> None:
@@ -69,10 +65,10 @@ def _check(value: Any, path: str, depth: int, exact: bool = True) -> None:
         raise bad_request(f"the body nests deeper than {MAX_DEPTH} levels", code="invalid_json")
     kind = type(value)
     if kind is str:
-        check_text(value, path or None)
+        _check_text(value, path)
     elif kind is dict:
         for key, item in value.items():
-            check_text(key, path or None)
+            _check_text(key, path)
             known = exact and key in FIELD_NAMES
             _check(item, (f"{path}.{key}" if path else key) if known else path, depth + 1, known)
     elif kind is list and not set(map(type, value)) <= _LEAVES:

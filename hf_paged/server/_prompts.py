@@ -28,6 +28,7 @@ from jinja2 import TemplateError
 from transformers import GenerationConfig
 
 from hf_paged.engine import Engine
+from hf_paged.engine import _validation as validation
 from hf_paged.server._errors import bad_request
 from hf_paged.server._limits import Limits
 from hf_paged.server._sampling import Job
@@ -106,17 +107,14 @@ class PromptBuilder:
             ids = self._chat_ids(prompt) if chat else self._encode(prompt, add_special_tokens=True)
         else:
             ids = prompt
-            if len(ids) < limit:
-                bad = next((t for t in ids if not 0 <= t < self.vocab_size), None)
-                if bad is not None:
-                    raise bad_request(f"prompt token ids must be in [0, {self.vocab_size}), got {bad}", param)
-        if not ids:
-            raise bad_request("the prompt has no tokens", param)
         if len(ids) >= limit:
             raise bad_request(f"the prompt has {len(ids)} tokens; {self._where()} leaves room for at most "
                               f"{limit - 1} prompt tokens and one new token: shorten it", param,
                               "context_length_exceeded")
-        return ids
+        try:  # (the engine's own check: no ids, or ids outside the vocabulary)
+            return validation.prompt_token_ids(ids, self.vocab_size)
+        except ValueError as exc:
+            raise bad_request(str(exc), param) from None
 
     def max_new_tokens(self, prompt_len: int, asked: int | None, chat: bool) -> int:
         """``asked``, checked against what the prompt leaves; None: all it leaves; 0 (echo alone): one."""
