@@ -25,11 +25,10 @@ def run(spec: dict) -> None:
     model = AutoModelForCausalLM.from_config(config, dtype=getattr(torch, spec["dtype"]),
                                              attn_implementation="hf_paged")
     model = model.to(spec["device"]).eval()
-    engine = {name: tuple(value) if isinstance(value, list) else value for name, value in spec["engine"].items()}
     vocab = config.get_text_config(decoder=True).vocab_size
     prompts = [[(3 + i) % vocab] * n for i, n in enumerate((5, 9, 17))]
     generate_batch(model, prompts, GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
-                   EngineConfig(**engine, num_blocks=HELPER_BLOCKS, compile_layers=True))
+                   EngineConfig(**spec["engine"], num_blocks=HELPER_BLOCKS, compile_layers=True))  # (lists read as tuples)
 
 
 if __name__ == "__main__":

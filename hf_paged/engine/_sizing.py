@@ -57,14 +57,6 @@ MIN_NUM_SEQS = 16
 #: temporaries (softmax, sort for top-k/top-p).
 _SAMPLER_BYTES = 12
 
-#: How decode CUDA graphs are captured when ``cuda_graph_capture`` is None: an engine built for one call captures
-#: its largest batch at its first decode step, while the device runs the prompts' steps, and smaller ones once they
-#: would have served enough steps ("on_demand"); any other engine (a server's) captures its smallest (two rows, which
-#: batch 1 replays) and its largest at start, the sizes between at their first step ("first_use"): the first requests
-#: of a server run few at a time, and each size then serves many steps.
-CAPTURE_ONE_CALL = "on_demand"
-CAPTURE_OTHERS = "first_use"
-
 
 @dataclass(frozen=True)
 class Workload:
@@ -106,7 +98,11 @@ def size_engine(cfg: EngineConfig, model_config, dtype: torch.dtype, devices: Se
         tokens, seqs = _fit_memory(cfg, model_config, dtype, devices, tokens, seqs, reasons)
     capture = cfg.cuda_graph_capture
     if capture is None:
-        capture = CAPTURE_ONE_CALL if one_call else CAPTURE_OTHERS
+        # An engine built for one call captures its largest batch at its first decode step, while the device runs the
+        # prompts' steps, and smaller ones once they would have served enough steps; any other engine (a server's)
+        # captures its smallest (two rows, which batch 1 replays) and its largest at start, the sizes between at
+        # their first step: the first requests of a server run few at a time, and each size then serves many steps.
+        capture = "on_demand" if one_call else "first_use"
         reasons["cuda_graph_capture"] = ("automatic: an engine for one call captures its largest batch at its "
                                          "first decode step, smaller ones once they served 32 steps" if one_call else
                                          "automatic: the smallest and the largest at start, the others at their "
