@@ -76,6 +76,18 @@ def _checked(parse: Callable[[str], T], ok: Callable[[T], bool], rule: str) -> C
     return check
 
 
+def one_of(values: dict[str, object]) -> Callable[[str], object]:
+    """A ``type=`` function taking one of the names in ``values`` to its value."""
+    *names, last = values
+
+    def check(text: str) -> object:
+        if text not in values:
+            raise argparse.ArgumentTypeError(f"expected {', '.join(names)} or {last}, got {text!r}")
+        return values[text]
+
+    return check
+
+
 positive_int = _checked(_int, lambda v: v >= 1, "a positive integer")
 non_negative_int = _checked(_int, lambda v: v >= 0, "an integer >= 0")
 non_negative_float = _checked(_float, lambda v: v >= 0, ">= 0")

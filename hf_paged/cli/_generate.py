@@ -23,7 +23,7 @@ from dataclasses import fields
 from pathlib import Path
 
 from hf_paged.cache._config import BACKENDS
-from hf_paged.cli._arguments import model, non_negative_float, non_negative_int, positive_int, probability
+from hf_paged.cli._arguments import model, non_negative_float, non_negative_int, one_of, positive_int, probability
 from hf_paged.engine._config import EngineConfig
 
 DEFAULT_PROMPTS = [
@@ -112,25 +112,11 @@ def backends(text: str) -> tuple[str, ...]:
     return names
 
 
-def kv_cache_dtype(text: str) -> str | None:
-    """What the KV pool stores: ``auto`` or ``fp8`` (``fp8_e4m3``)."""
-    if text not in ("auto", "fp8", "fp8_e4m3"):
-        raise argparse.ArgumentTypeError(f"expected auto, fp8 or fp8_e4m3, got {text!r}")
-    return None if text == "auto" else text
-
-
-def compile_layers(text: str) -> bool | str | None:
-    """``Engine(compile_layers=...)``: ``auto`` (None), ``on``, ``off`` or ``background``."""
-    choices = {"auto": None, "on": True, "off": False, "background": "background"}
-    if text not in choices:
-        raise argparse.ArgumentTypeError(f"expected auto, on, off or background, got {text!r}")
-    return choices[text]
-
-
 #: How the command line reads each engine flag (the rest of a flag comes from its ``EngineConfig`` field).
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
-              "kv_cache_dtype": kv_cache_dtype, "compile_layers": compile_layers}
+              "kv_cache_dtype": one_of({"auto": None, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3"}),
+              "compile_layers": one_of({"auto": None, "on": True, "off": False, "background": "background"})}
 #: ``--dtype``: auto (the checkpoint's) or a torch dtype's name.
 DTYPES = ("auto", "float32", "float16", "bfloat16")
 

@@ -44,6 +44,7 @@ BAD_FLAGS = [
     (["--backend", "cuda,nonesuch"], ["argument --backend", "'nonesuch'", "torch"]),
     (["--device", "gpu0"], ["argument --device", "unknown device"]),
     (["--dtype", "float64"], ["argument --dtype", "invalid choice"]),
+    (["--kv-cache-dtype", "fp16"], ["argument --kv-cache-dtype", "expected auto, fp8 or fp8_e4m3, got 'fp16'"]),
 ]
 
 
