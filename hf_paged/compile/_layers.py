@@ -197,14 +197,12 @@ def for_engine(model: torch.nn.Module, setting: bool | str | None,
     if setting is False:
         return None
     reason = compile_unsupported_reason(model, any_device=setting is not None)
+    if reason is not None and setting is True:
+        raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
+    layers = compiled_layers(model, how) if reason is None else None
+    if layers is not None and not layers.enabled:
+        reason = f"an earlier compile failed ({layers.failure})"
     if reason is not None:
-        if setting is True:
-            raise ValueError(f"compile_layers=True cannot be served: {reason}; pass compile_layers=False")
         logger.info("hf_paged: the engine runs the model's layers eagerly: %s", reason)
-        return None
-    layers = compiled_layers(model, how)
-    if not layers.enabled:
-        logger.info("hf_paged: the engine runs the model's layers eagerly: an earlier compile failed (%s)",
-                    layers.failure)
         return None
     return layers

@@ -89,8 +89,13 @@ def test_a_compiler_failure_falls_back_to_the_eager_modules(monkeypatch, caplog)
     assert not layers.enabled and "the compiler broke" in layers.failure
     assert engine.stats()["compiled_layers"] is False
     assert "runs them eagerly" in caplog.text
-    # A later engine on the model does not try again.
+    # A later engine on the model does not try again; asked for compiled layers, it says why (and raises nothing).
     assert hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=None).runner.compiled is None
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="hf_paged"):
+        assert hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=True).runner.compiled is None
+    assert ("runs the model's layers eagerly: an earlier compile failed (TorchDynamoException: the compiler broke)"
+            in caplog.text)
 
 
 def test_errors_of_the_model_itself_pass_through(model):
