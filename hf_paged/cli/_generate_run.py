@@ -27,7 +27,6 @@ logger = logging.getLogger("hf_paged")
 def run(args: argparse.Namespace) -> int:
     """Exit status 0, or 1 if some request failed (each failure is named in the summary)."""
     prompts = read_prompts(args)
-    demo = not (args.prompts or args.prompts_file)
     model, tokenizer = load(args)
     ids = [tokenizer.encode(p) if args.no_chat_template else prompt_ids(tokenizer, p) for p in prompts]
     # Automatic sizes fit these prompts: a pool sized from free memory alone takes GBs for a real model on a CPU.
@@ -41,13 +40,11 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"prompt {i} is {len(p)} tokens long; this engine runs prompts of at most "
                              f"{engine.max_prompt_tokens} tokens (the model's positions, and the KV cache: num_blocks "
                              "x block_size); shorten it")
-    shown = prompts[: args.show if demo else None]
+    shown = prompts if args.prompts or args.prompts_file else prompts[: args.show]  # (--show caps the demo only)
     start = time.perf_counter()
     bar = not args.no_progress and len(prompts) > 1  # (a bar over one request says nothing: its answer streams)
-    if args.jsonl or bar:
-        outputs = engine.generate(ids, generation_config(args), progress_bar=bar)
-    else:
-        outputs = stream_answers(args, engine, ids, shown)
+    outputs = (engine.generate(ids, generation_config(args), progress_bar=bar) if args.jsonl or bar
+               else stream_answers(args, engine, ids, shown))
     elapsed = time.perf_counter() - start
     if args.jsonl:
         for text, out in zip(prompts, outputs):
