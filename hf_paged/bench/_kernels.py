@@ -20,6 +20,7 @@ windowed decode reads only the last ``window`` keys, so its bandwidth counts ``m
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import asdict, dataclass
@@ -148,8 +149,7 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0, softc
                           token_index=None, grid=(batch, 1), block_size=16, device=torch.device("cuda"))
     params = AttentionParams(scale=scale, sliding_window=window or None, softcap=softcap or None)
     inputs = AttentionInputs(s0["query"], None, None, s0["k16"], s0["v16"], meta, params)
-    torch_backend = TorchBackend()
-    out["torch-bs16"] = [lambda: torch_backend.forward(inputs, None)]
+    out["torch-bs16"] = [functools.partial(TorchBackend().forward, inputs, None)]
     return out
 
 
