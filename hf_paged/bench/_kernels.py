@@ -23,6 +23,7 @@ from __future__ import annotations
 import functools
 import json
 import math
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -103,6 +104,16 @@ def check_outputs(rows: list, outputs: dict[str, torch.Tensor]) -> None:
         row.note = f"{row.note} diff={err:.1e}".strip()
         if err > (0.15 if "fp8" in row.impl else 2e-2):  # fp8: e4m3's rounding of K and V, ~2^-4 per element
             raise RuntimeError(f"{row.impl} disagrees with ours-bs16 at {row}: relative difference {err:.2e}")
+
+
+def report(rows: list, json_path: str | Path | None, print_table: Callable[[dict], None], **fields) -> dict:
+    """A benchmark's result: the run header, ``fields`` and the rows, written as JSON to ``json_path`` (if given),
+    then printed by ``print_table``."""
+    result = {**run_header(), **fields, "rows": [asdict(r) for r in rows]}
+    if json_path is not None:
+        Path(json_path).write_text(json.dumps(result, indent=1))
+    print_table(result)
+    return result
 
 
 def decode_set(batch: int, ctx: int, head_dim: int, gen: torch.Generator) -> dict:
@@ -228,13 +239,8 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     rows += [r for window, softcap in score_options(windows, softcaps) for b, ctx in OPTION_SHAPES
              for r in bench_shape(head_dims[0], b, ctx, copy_bps, gen, window, softcap)]
     rows += [r for hd in head_dims for r in bench_write(hd, copy_bps, gen)]
-    result = {**run_header(), "device": props.name, "sms": props.multi_processor_count,
-              "copy_tbps": copy_bps / 1e12, "copy_ways_tbps": {k: v / 1e12 for k, v in copy_ways.items()},
-              "rows": [asdict(r) for r in rows]}
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps(result, indent=1))
-    print_table(result)
-    return result
+    return report(rows, json_path, print_table, device=props.name, sms=props.multi_processor_count,
+                  copy_tbps=copy_bps / 1e12, copy_ways_tbps={k: v / 1e12 for k, v in copy_ways.items()})
 
 
 def print_table(result: dict) -> None:

@@ -23,16 +23,15 @@ Sliding-window and softcap rows (``windows``/``softcaps``; head_dim 128): the pa
 
 from __future__ import annotations
 
-import json
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from hf_paged import _compat
 from hf_paged.attention.backends._flash import load_flash_attn, window_size
-from hf_paged.bench import input_sets, run_header, time_calls
-from hf_paged.bench._kernels import add_fp8_cache, check_outputs, fp8_scales, paged_kv, score_options
+from hf_paged.bench import input_sets, time_calls
+from hf_paged.bench._kernels import add_fp8_cache, check_outputs, fp8_scales, paged_kv, report, score_options
 from hf_paged.kernels import FP8_HEAD_DIMS
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
 
@@ -151,11 +150,7 @@ def run(json_path: str | Path | None = None, head_dims: tuple[int, ...] = (128, 
     rows += bench_shape(*PREFIX_SHAPE, 128, gen, sweep)
     rows += [r for window, softcap in score_options(windows, softcaps) for b, p, n in OPTION_SHAPES
              for r in bench_shape(b, p, n, 128, gen, False, window, softcap)]
-    result = {**run_header(), "device": torch.cuda.get_device_name(), "rows": [asdict(r) for r in rows]}
-    if json_path is not None:
-        Path(json_path).write_text(json.dumps(result, indent=1))
-    print_table(result)
-    return result
+    return report(rows, json_path, print_table, device=torch.cuda.get_device_name())
 
 
 def print_table(result: dict) -> None:

@@ -3,10 +3,14 @@ K/V at the blocks their tables name, and the output check refuses a contender th
 
 from __future__ import annotations
 
+import json
+from dataclasses import asdict
+
 import pytest
 import torch
 
-from hf_paged.bench._kernels import Row, check_outputs, paged_kv
+from hf_paged.bench import run_header
+from hf_paged.bench._kernels import Row, check_outputs, paged_kv, report
 
 
 @pytest.mark.parametrize("flat", [False, True])
@@ -49,3 +53,16 @@ def test_the_split_sweep_rows_pass_their_split_length(monkeypatch):
     for name in ("ours-bs16", "ours-bs16-split64", "ours-bs16-split512", "ours-bs256"):
         rows[name][0]()
     assert seen == [("k16", None), ("k16", 64), ("k16", 512), ("k256", None)]
+
+
+def test_report_writes_the_header_fields_and_rows_then_prints_the_table(tmp_path):
+    rows = [Row(128, 1, 8, "ours-bs16", 2.0, 1.5, 50.0, "graph", "split_len=4")]
+    printed = []
+    result = report(rows, tmp_path / "r.json", printed.append, device="GPU", copy_tbps=3.0)
+    header = run_header()
+    assert list(result) == [*header, "device", "copy_tbps", "rows"]
+    assert {k: result[k] for k in ("torch", "hf_paged_commit", "device", "copy_tbps")} == {
+        "torch": header["torch"], "hf_paged_commit": header["hf_paged_commit"], "device": "GPU", "copy_tbps": 3.0}
+    assert result["rows"] == [asdict(rows[0])] and printed == [result]
+    assert json.loads((tmp_path / "r.json").read_text()) == result
+    assert report(rows, None, printed.append)["rows"] == result["rows"] and len(printed) == 2  # no file asked for
