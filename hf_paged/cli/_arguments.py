@@ -133,6 +133,15 @@ def model(text: str) -> str:
     return text
 
 
+def file_bytes(path: str, what: str = "") -> bytes:
+    """The bytes of the file a flag names (``what`` it is, for the error); argparse's refusal of the flag where it
+    cannot be read."""
+    try:
+        return Path(path).read_bytes()
+    except OSError as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {what}{path!r}: {exc.strerror or exc}") from None
+
+
 def output_path(path: str) -> str:
     """A file path whose folder exists, so that a long run does not fail at the end when it writes."""
     if not Path(path).resolve().parent.is_dir():

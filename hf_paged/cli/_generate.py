@@ -20,10 +20,10 @@ from __future__ import annotations
 import argparse
 from collections.abc import Callable
 from dataclasses import fields
-from pathlib import Path
 
 from hf_paged.cache._config import BACKENDS
-from hf_paged.cli._arguments import model, non_negative_float, non_negative_int, one_of, positive_int, probability
+from hf_paged.cli._arguments import (file_bytes, model, non_negative_float, non_negative_int, one_of, positive_int,
+                                     probability)
 from hf_paged.engine._config import EngineConfig
 
 DEFAULT_PROMPTS = [
@@ -62,11 +62,7 @@ def utf8(data: bytes | str, source: str) -> str:
 
 def prompts_file(path: str) -> list[str]:
     """The non-blank lines of a UTF-8 text file, one prompt each."""
-    try:
-        data = Path(path).read_bytes()
-    except OSError as exc:
-        raise argparse.ArgumentTypeError(f"cannot read {path!r}: {exc.strerror or exc}") from None
-    return prompt_lines(data, repr(path))
+    return prompt_lines(file_bytes(path), repr(path))
 
 
 def prompt_lines(data: bytes | str, source: str) -> list[str]:

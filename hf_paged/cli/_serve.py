@@ -20,11 +20,11 @@ import gc
 import logging
 import socket
 from dataclasses import fields
-from pathlib import Path
 
 from hf_paged import envs
-from hf_paged.cli._arguments import exit_with, non_negative_float, non_negative_int, positive_float, positive_int, port
-from hf_paged.cli._generate import add_engine_arguments
+from hf_paged.cli._arguments import (exit_with, file_bytes, non_negative_float, non_negative_int, positive_float,
+                                     positive_int, port)
+from hf_paged.cli._generate import add_engine_arguments, utf8
 from hf_paged.server import INSTALL_HINT, create_app
 from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 from hf_paged.server._limits import Limits
@@ -191,7 +191,4 @@ def _host_list(text: str) -> tuple[str, ...]:
 
 
 def _template_file(path: str) -> str:
-    try:
-        return Path(path).read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise argparse.ArgumentTypeError(f"cannot read the chat template {path!r}: {exc}") from None
+    return utf8(file_bytes(path, "the chat template "), f"the chat template {path!r}")

@@ -79,6 +79,15 @@ def test_a_missing_prompts_file_is_refused(tmp_path, capsys):
     assert_one_line_error(capsys, "hf-paged generate: error: argument --prompts-file: ", ["cannot read", "nope.txt"])
 
 
+def test_a_chat_template_that_cannot_be_read_is_refused(tmp_path, capsys):
+    assert main(["serve", "--chat-template", str(tmp_path / "none.jinja")]) == 2
+    assert_one_line_error(capsys, "hf-paged serve: error: argument --chat-template: cannot read the chat template ",
+                          ["none.jinja", "No such file"])
+    assert main(["serve", "--chat-template", write(tmp_path / "latin1.jinja", b"caf\xe9")]) == 2
+    assert_one_line_error(capsys, "hf-paged serve: error: argument --chat-template: the chat template ",
+                          ["latin1.jinja", "is not UTF-8 text (byte 0xe9 at offset 3)"])
+
+
 @pytest.mark.parametrize("text, want", [("", "holds no prompts"), ("\n\n", "holds no prompts"),
                                         ("a\0b\n", "NUL bytes")])
 def test_stdin_that_holds_no_prompts_is_refused(monkeypatch, capsys, text, want):
