@@ -49,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
     if args.jsonl:
         for text, out in zip(prompts, outputs):
             print(json.dumps(jsonl_record(text, out)))
-    elif bar:
+    elif bar:  # ``> prompt`` (cut to 200 characters), the answer as plain text, how it ended
         for text, out in zip(shown, outputs):
-            print_answer(args, text, out)
+            print_prompt(text)
+            print(printable(out.text or ""), end="")
+            print_ending(args, out)
     print_summary(args, engine.stats(), outputs, elapsed, file=sys.stderr if args.jsonl else sys.stdout)
     return 1 if any(o.finish_reason == "error" for o in outputs) else 0
 
@@ -74,8 +76,8 @@ def build_engine(args: argparse.Namespace, model, tokenizer, workload: Workload 
 
 
 def stream_answers(args: argparse.Namespace, engine: Engine, ids: list[list[int]], shown: list[str]) -> list:
-    """``engine.generate``'s outputs, with the answers to ``shown`` (the first prompts) printed as
-    :func:`print_answer` prints them, in prompt order, while they are generated: the first answer not printed whole
+    """``engine.generate``'s outputs, with the answers to ``shown`` (the first prompts) printed as the progress bar's
+    run prints them at its end, in prompt order, while they are generated: the first answer not printed whole
     streams as its tokens come, the ones after it follow once it is done. (Without a progress bar only: the bar's
     redraws would overwrite the line being streamed.)"""
     rids = engine.add_requests(ids, generation_config(args))
@@ -99,14 +101,6 @@ def stream_answers(args: argparse.Namespace, engine: Engine, ids: list[list[int]
             print_ending(args, done[rid])
             head, printed = head + 1, None
     return [done[rid] for rid in rids]
-
-
-def print_answer(args: argparse.Namespace, prompt: str, out) -> None:
-    """``> prompt`` (cut to 200 characters), the answer as plain text, a note where it did not end by itself, and a
-    blank line."""
-    print_prompt(prompt)
-    print(printable(out.text or ""), end="")
-    print_ending(args, out)
 
 
 def print_prompt(prompt: str) -> None:
