@@ -98,8 +98,7 @@ class EngineConfig:
         if not isinstance(config, EngineConfig):
             hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
             raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
-        defaults = {f.name: f.default for f in fields(cls)}
-        changed = [k for k, v in settings.items() if v != defaults[k]]
+        changed = [k for k, v in settings.items() if v != getattr(cls, k)]  # (a field's default is the class's value)
         if changed:
             raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
                              f"(got config and {', '.join(changed)})")
