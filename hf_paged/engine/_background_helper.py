@@ -27,8 +27,9 @@ def run(spec: dict) -> None:
     model = model.to(spec["device"]).eval()
     vocab = config.get_text_config(decoder=True).vocab_size
     prompts = [[(3 + i) % vocab] * n for i, n in enumerate((5, 9, 17))]
+    # (EngineConfig reads the JSON lists of graph sizes and backends as tuples)
     generate_batch(model, prompts, GenerationConfig(max_new_tokens=4, do_sample=False, eos_token_id=-1),
-                   EngineConfig(**spec["engine"], num_blocks=HELPER_BLOCKS, compile_layers=True))  # (lists read as tuples)
+                   EngineConfig(**spec["engine"], num_blocks=HELPER_BLOCKS, compile_layers=True))
 
 
 if __name__ == "__main__":

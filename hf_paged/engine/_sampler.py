@@ -65,7 +65,7 @@ class SamplingBatch:
     @classmethod
     def build(cls, seqs: list[Sequence], vocab_size: int, device: torch.device) -> SamplingBatch:
         """Sort the rows on the host, gather their settings into one int64 and one float32 tensor, move each once."""
-        b, params = cls(), list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing per row)
+        b, params = cls(), list(map(_PARAMS, seqs))  # (map with attrgetter: the all-greedy check costs ~nothing a row)
         b.num_rows, b.want_logprobs = len(seqs), any(map(_LOGPROBS, params))
         b.top_logprobs = max(p.top_logprobs for p in params) if b.want_logprobs else 0
         if all(map(_PLAIN_GREEDY, params)):
