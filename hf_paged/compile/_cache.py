@@ -118,9 +118,8 @@ def _keys(info) -> set[tuple[str, str]]:
 def _device_name(device: torch.device) -> str:
     if device.type != "cuda":
         return device.type
-    index = device.index if device.index is not None else torch.cuda.current_device()
-    major, minor = torch.cuda.get_device_capability(index)
-    return f"{torch.cuda.get_device_name(index)} sm_{major}{minor}"
+    props = torch.cuda.get_device_properties(device)  # (a device without an index: the current one)
+    return f"{props.name} sm_{props.major}{props.minor}"
 
 
 def _triton_version() -> str | None:
