@@ -82,8 +82,7 @@ def _arguments(node: torch.fx.Node, recorded: tuple[tuple, dict] | None = None) 
     """``(x, weight, bias)`` of an ``hf_paged.linear`` call ``node``, or of its ``recorded`` ``(args, kwargs)``,
     whether passed by position or by name."""
     args, kwargs = recorded if recorded is not None else (node.args, node.kwargs)
-    bound = dict(zip(("x", "weight", "bias"), args, strict=False))
-    bound.update(kwargs)
+    bound = dict(zip(("x", "weight", "bias"), args, strict=False), **kwargs)
     return bound["x"], bound["weight"], bound.get("bias")
 
 
