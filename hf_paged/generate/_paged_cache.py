@@ -256,8 +256,16 @@ class PagedAttentionCache(Cache):
         """The step of a forward on this cache, as the mask function hands it to every layer (``attention_mask``:
         the 2D padding mask or None; ``device``: where the step's tensors go, default the pool's first device).
         Asked again in one forward: the same object; every step of a compiled batch: one object, its decode routes
-        chosen."""
-        self.check_model_config(config)
+        chosen. A model (``config``, checked once per config object) whose decoder has another number of layers
+        than this cache is refused."""
+        if config is not None and config is not self._checked_config:
+            layers = KVLayout.from_config(config).num_layers
+            if layers != self.pool.layout.num_layers:
+                raise ValueError(
+                    f"this cache was built for another model ({self.pool.layout}) but this model has {layers} decoder "
+                    "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))"
+                )
+            self._checked_config = config
         plan = self.plan_step(attention_mask, batch_size, q_length, device or self.pool.kv_caches[0][0].device)
         mask = self._masks.get(plan.static)
         if mask is None or mask.step.metadata is not plan:
@@ -301,19 +309,6 @@ class PagedAttentionCache(Cache):
             )
         self.plan, self._plan_key, self._plan_used = plan, (batch_size, q_len, self.rows.num_columns), False
         return plan
-
-    def check_model_config(self, config) -> None:
-        """Refuse a model whose decoder has another number of layers than this cache (the mask function passes the
-        model's config each forward; checked once per config object)."""
-        if config is None or config is self._checked_config:
-            return
-        layers = KVLayout.from_config(config).num_layers
-        if layers != self.pool.layout.num_layers:
-            raise ValueError(
-                f"this cache was built for another model ({self.pool.layout}) but this model has {layers} decoder "
-                "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))"
-            )
-        self._checked_config = config
 
     def update(self, key_states, value_states, layer_idx: int, *args, **kwargs):
         """This layer's new K/V (``[batch, Hkv, q_len, D]``), as they are: the attention function packs the real
