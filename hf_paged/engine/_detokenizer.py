@@ -10,10 +10,10 @@ final text, and the final text of a request that was never streamed is one ``dec
 Stop strings (OpenAI style): the text is cut before the first stop string, and the tokens are kept up to and
 including the token in which it begins (a stop string that begins inside a token, or inside a character whose bytes
 span tokens, keeps that token: the kept tokens cover the text). Each read token's text end is known exactly
-(``TextState.ends``, a token of an unfinished character ending after that character), so the cut is the same
-however the tokens arrived. While a request with stop strings is streamed, its last ``len(longest stop string) - 1``
-characters are held back with the tokens they came from, so no delta shows text or tokens that the stop string later
-cuts: a delta's text is always the text of its tokens.
+(``TextState.ends``, kept on the sequence; a token of an unfinished character ends after that character), so the cut
+is the same however the tokens arrived. While a request with stop strings is streamed, its last
+``len(longest stop string) - 1`` characters are held back with the tokens they came from, so no delta shows text or
+tokens that the stop string later cuts: a delta's text is always the text of its tokens.
 """
 
 from __future__ import annotations
@@ -21,20 +21,6 @@ from __future__ import annotations
 import bisect
 
 from hf_paged.engine._sequence import Sequence
-
-
-class TextState:
-    """One sequence's text so far: ``text`` is the text of its first ``read_offset`` generated tokens, ``ends[i]``
-    the length of ``text`` through token ``i``; ``sent`` characters were streamed; ``stop_at`` is where the first
-    stop string begins (None: none found)."""
-
-    __slots__ = ("prefix_offset", "read_offset", "text", "ends", "sent", "stop_at")
-
-    def __init__(self) -> None:
-        self.prefix_offset = self.read_offset = self.sent = 0
-        self.text = ""
-        self.ends: list[int] = []
-        self.stop_at: int | None = None
 
 
 class Detokenizer:
@@ -46,16 +32,10 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
-    @staticmethod
-    def state(seq: Sequence) -> TextState:
-        if seq.text_state is None:
-            seq.text_state = TextState()
-        return seq.text_state
-
     def read(self, seq: Sequence, flush: bool = False) -> int:
         """Take in the tokens not read yet (all of them with ``flush``, else up to a complete character) and look
         for a stop string in the text they add; returns the length of the text before."""
-        st, tokens = self.state(seq), seq.output_token_ids
+        st, tokens = seq.text_state, seq.output_token_ids
         before = len(st.text)
         if st.read_offset >= len(tokens):
             return before
@@ -88,7 +68,7 @@ class Detokenizer:
         """``(tokens, characters)`` of ``seq``'s generated tokens and text that may be shown: of a finished sequence
         (``final``) all of them, cut before a stop string (the token in which it begins kept); of an unfinished one
         what a stream may show now, whole tokens and their text short of the tail a stop string may still cut."""
-        st = self.state(seq)
+        st = seq.text_state
         self.read(seq, flush=final)
         if final:
             if st.stop_at is None:

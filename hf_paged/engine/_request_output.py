@@ -78,8 +78,7 @@ def delta_of(seq: Sequence, detokenizer: Detokenizer | None, final: bool) -> Tok
     """The tokens (and text) of ``seq`` not streamed yet that may be shown now (None: none), changing nothing but
     the detokenizer's cache; ``final``: the last delta, with the finish reason. With a detokenizer, tokens and
     text come out together (``detokenizer.py`` says what waits)."""
-    sent = detokenizer.state(seq).sent if detokenizer is not None else 0
-    new, text, reason, _, logprobs, top = _unread(seq, detokenizer, final, seq.num_streamed, sent)
+    new, text, reason, _, logprobs, top = _unread(seq, detokenizer, final, seq.num_streamed, seq.text_state.sent)
     if not new and not text and not final:
         return None
     return TokenDelta(seq.request_id, new, reason if final else None, text, logprobs, top)
@@ -94,7 +93,7 @@ def _unread(seq: Sequence, detokenizer: Detokenizer | None, final: bool, streame
     if detokenizer is not None:
         try:
             kept, shown = detokenizer.shown(seq, final)
-            text = detokenizer.state(seq).text[sent:shown]
+            text = seq.text_state.text[sent:shown]
         except Exception as exc:
             logger.warning("hf_paged: could not decode the tokens of %s: %s", seq.request_id, exc)
             kept, text, reason = len(tokens), None, "error"

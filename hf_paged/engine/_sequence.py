@@ -24,6 +24,20 @@ class SequenceStatus(enum.Enum):
     FINISHED = "finished"
 
 
+class TextState:
+    """One sequence's text so far, as the ``Detokenizer`` (``engine/_detokenizer.py``) reads it: ``text`` is the text
+    of its first ``read_offset`` generated tokens, ``ends[i]`` the length of ``text`` through token ``i``; ``sent``
+    characters were streamed; ``stop_at`` is where the first stop string begins (None: none found)."""
+
+    __slots__ = ("prefix_offset", "read_offset", "text", "ends", "sent", "stop_at")
+
+    def __init__(self) -> None:
+        self.prefix_offset = self.read_offset = self.sent = 0
+        self.text = ""
+        self.ends: list[int] = []
+        self.stop_at: int | None = None
+
+
 @dataclass(eq=False, repr=False, slots=True)
 class Sequence:
     """Request state the scheduler, block manager and sampler share. Plain mutable object, owned by the engine: made
@@ -53,7 +67,7 @@ class Sequence:
     error: str | None = None
     # >= 0 while the last token is a PLACEHOLDER: the row of this sequence in the in-flight step's tokens.
     pending_row: int = -1
-    text_state: object = None  # the Detokenizer's TextState, made when the text is first needed
+    text_state: TextState = field(default_factory=TextState)  # its text, when a Detokenizer reads it
 
     def __post_init__(self) -> None:
         self.token_ids = list(self.token_ids)
