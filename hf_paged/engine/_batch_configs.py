@@ -91,9 +91,7 @@ def generation_config(given: GenerationConfig | None, model, max_new_tokens: int
     # config into it (transformers' generate_batch reads the config alone); the sampling ones only when sampling
     # (greedy ignores them, and transformers' check warns of one set beside do_sample=False)
     for name, off in {**GENERATION_READ, **GENERATION_APPLIED_HERE, "num_beams": 1}.items():
-        if name in _SAMPLING and not gc.do_sample:
-            continue
-        if getattr(gc, name, None) is None and off is not None:
+        if getattr(gc, name, None) is None and off is not None and (gc.do_sample or name not in _SAMPLING):
             setattr(gc, name, off)
     if gc.min_new_tokens is None and not gc.min_length:
         gc.min_new_tokens = 0
