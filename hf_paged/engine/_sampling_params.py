@@ -66,7 +66,7 @@ class SamplingParams:
             _in_range(name, getattr(self, name))
         for name in ("do_sample", "logprobs"):
             _check(isinstance(getattr(self, name), bool), f"{name} must be True or False, got {getattr(self, name)!r}")
-        for name in ("temperature", "top_p", "min_p", "repetition_penalty"):
+        for name in _REALS:
             value = getattr(self, name)
             _check(isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value),
                    f"{name} must be a finite number, got {value!r}")
