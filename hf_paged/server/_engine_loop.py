@@ -70,13 +70,6 @@ class Submission:
             self.abandoned = True
 
 
-@dataclass
-class _Timing:
-    first: float = 0.0
-    last: float = 0.0
-    tokens: int = 0
-
-
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
     at once, more are refused with 429 by :meth:`submit`; ``prompts`` makes each job's prompts token ids. ``on_death`` (any thread may call it) is told if the
@@ -93,7 +86,6 @@ class EngineLoop:
         self._stopping = False
         self._ids = itertools.count()
         self._live: dict[str, Submission] = {}  # by engine request id (one per prompt)
-        self._timings: dict[str, _Timing] = {}
         self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)
         self.thread = threading.Thread(target=self._run, name="hf-paged-engine", daemon=True)
         self._tokenizer_pool = ThreadPoolExecutor(1, thread_name_prefix="hf-paged-tokenizer")
@@ -262,7 +254,7 @@ class EngineLoop:
         for delta in deltas:
             self._take_delta(delta, now)
         for out in outputs:
-            self._take_output(out, now)
+            self._take_output(out)
 
     def _choice(self, request_id: str) -> tuple[Submission | None, int]:
         rid, _, copy = request_id.partition(CHILD_MARK)
@@ -277,12 +269,7 @@ class EngineLoop:
         if sub is None or (not delta.token_ids and not delta.finished):
             return
         if delta.token_ids:
-            timing = self._timings.setdefault(delta.request_id, _Timing())
-            if timing.tokens == 0:
-                timing.first = now
-                self.metrics.first_token(now - sub.arrival)
-            timing.last, timing.tokens = now, timing.tokens + len(delta.token_ids)
-            self.metrics.generated(len(delta.token_ids), now)
+            self.metrics.generated(delta.request_id, len(delta.token_ids), sub.arrival, now)
         if sub.job.stream and not sub.abandoned:
             unread = sub.events.qsize()
             if unread > STREAM_BACKLOG_PER_CHOICE * len(sub.job.prompts) * sub.job.n:
@@ -292,14 +279,11 @@ class EngineLoop:
                 texts = self._texts(delta.token_ids, delta.top_logprobs) if sub.job.logprobs else None
                 sub.post(Delta(index, delta, texts))
 
-    def _take_output(self, out: RequestOutput, now: float) -> None:
+    def _take_output(self, out: RequestOutput) -> None:
         sub, index = self._choice(out.request_id)
-        timing = self._timings.pop(out.request_id, None)
+        self.metrics.finished(out.request_id, out.finish_reason if sub is not None else None)
         if sub is None:
             return
-        if timing is not None and timing.tokens > 1:
-            self.metrics.per_output_token((timing.last - timing.first) / (timing.tokens - 1))
-        self.metrics.finished(out.finish_reason)
         if not sub.abandoned:
             texts = self._texts(out.token_ids, out.top_logprobs, out.prompt_top_logprobs) if sub.job.logprobs else None
             sub.post(Finished(index, out, texts))

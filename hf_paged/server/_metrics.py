@@ -60,25 +60,28 @@ class ServerMetrics:
         self._rejected: dict[str, int] = {}
         self._generated = 0
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last RATE_WINDOW_S seconds
+        self._timings: dict[str, tuple[float, float, int]] = {}  # (first, last token's time, tokens) by request id
         self._engine: dict = {}
 
     # ----- recording (the engine thread; rejected() also the HTTP thread) -------------------------------------
-    def first_token(self, seconds: float) -> None:
+    def generated(self, request_id: str, tokens: int, arrival: float, now: float) -> None:
+        """``tokens`` new tokens of ``request_id`` (of a request that arrived at ``arrival``) came at ``now``."""
         with self._lock:
-            self._ttft.observe(seconds)
-
-    def per_output_token(self, seconds: float) -> None:
-        with self._lock:
-            self._tpot.observe(seconds)
-
-    def generated(self, tokens: int, now: float) -> None:
-        with self._lock:
+            first, _, count = self._timings.get(request_id, (now, now, 0))
+            if count == 0:
+                self._ttft.observe(now - arrival)
+            self._timings[request_id] = (first, now, count + tokens)
             self._generated += tokens
             self._recent.append((now, tokens))
 
-    def finished(self, reason: str) -> None:
+    def finished(self, request_id: str, reason: str | None) -> None:
+        """``request_id`` is done; counted under ``reason`` (None: a request no client waits for, not counted)."""
         with self._lock:
-            self._finished[reason] = self._finished.get(reason, 0) + 1
+            first, last, count = self._timings.pop(request_id, (0.0, 0.0, 0))
+            if count > 1:
+                self._tpot.observe((last - first) / (count - 1))
+            if reason is not None:
+                self._finished[reason] = self._finished.get(reason, 0) + 1
 
     def rejected(self, reason: str) -> None:
         with self._lock:
