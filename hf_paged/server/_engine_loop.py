@@ -212,15 +212,13 @@ class EngineLoop:
 
     def _admit(self, sub: Submission) -> None:
         prepared = sub.prepared
+        sub.request_ids = [f"{sub.id}-{p}" for p in range(len(prepared.prompts))]
         try:
-            for p, (ids, config) in enumerate(zip(prepared.prompts, prepared.configs)):
-                rid = f"{sub.id}-{p}"
-                self.engine.add_request(ids, config, request_id=rid)
-                sub.request_ids.append(rid)
-                self._live[rid] = sub
-        except ValueError as exc:  # the prompts queued already: their abort outputs find no job and are dropped
+            self.engine.add_requests(prepared.prompts, prepared.configs, sub.request_ids)
+        except ValueError as exc:  # (all are checked before any is queued: nothing was)
             self._fail(sub, bad_request(str(exc)))
             return
+        self._live.update(dict.fromkeys(sub.request_ids, sub))
         sub.remaining = len(prepared.prompts) * sub.job.n
         sub.post(Accepted([len(ids) for ids in prepared.prompts]))
 

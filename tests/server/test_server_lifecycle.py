@@ -85,19 +85,19 @@ KILLER = textwrap.dedent("""
 
     POISON = byte_tokenizer().encode("die!")
     armed = []
-    add_request, has_unfinished = Engine.add_request, Engine.has_unfinished
+    add_requests, has_unfinished = Engine.add_requests, Engine.has_unfinished
 
-    def add(self, prompt, *args, **kwargs):
-        if list(prompt) == POISON:
+    def add(self, prompts, *args, **kwargs):
+        if any(list(prompt) == POISON for prompt in prompts):
             armed.append(True)
-        return add_request(self, prompt, *args, **kwargs)
+        return add_requests(self, prompts, *args, **kwargs)
 
     def unfinished(self):  # a bug in the loop itself, outside any one request
         if armed:
             raise RuntimeError("injected loop fault")
         return has_unfinished(self)
 
-    Engine.add_request, Engine.has_unfinished = add, unfinished
+    Engine.add_requests, Engine.has_unfinished = add, unfinished
     sys.exit(main(sys.argv[1:], prog="hf-paged"))
 """)
 
