@@ -154,7 +154,12 @@ class PagedAttentionCache(Cache):
     ):
         self.config = config
         layout = KVLayout.from_config(config) if layout is None else layout
-        devices = _layer_devices(device, layout.num_layers)
+        if isinstance(device, (str, torch.device)):
+            devices = [torch.device(device)] * layout.num_layers
+        else:
+            devices = [torch.device(d) for d in device]
+            if len(devices) != layout.num_layers:
+                raise ValueError(f"give one device, or one per decoder layer ({layout.num_layers}); got {len(devices)}")
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
         cache_config = _cache_config(cache_config, given)
@@ -351,15 +356,6 @@ def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:
     if given["num_blocks"] is not None and given["memory_budget"] is not None:
         raise ValueError("give either num_blocks or memory_budget, not both")
     return CacheConfig(**given)
-
-
-def _layer_devices(device, num_layers: int) -> list[torch.device]:
-    if isinstance(device, (str, torch.device)):
-        return [torch.device(device)] * num_layers
-    devices = [torch.device(d) for d in device]
-    if len(devices) != num_layers:
-        raise ValueError(f"give one device, or one per decoder layer ({num_layers}); got {len(devices)}")
-    return devices
 
 
 def paged_cache_for(model: torch.nn.Module, **kwargs) -> PagedAttentionCache:

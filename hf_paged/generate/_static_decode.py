@@ -128,20 +128,17 @@ class StaticDecode:
             _upload(meta.block_tables[:, : table.shape[1]], table)
             self._uploaded_table = table
         if rows.arm(self.width):
-            self._arm()
+            # the slot of every position the armed rows' uploaded table covers (columns past a row's own blocks hold
+            # what an earlier table left there: an armed step never reaches them)
+            bs = self.pool.block_size
+            offsets = torch.arange(bs, device=self.device).repeat(self.width)
+            self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
+            self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
+            self._slot_column = meta.slot_mapping.view(-1, 1)
+            if self._one_launch is None:
+                # only where a backend loaded the kernels already: this saves microseconds, not worth a build
+                self._one_launch = self.device.type == "cuda" and build.is_loaded()
         return meta
-
-    def _arm(self) -> None:
-        """Find the slot of every position the armed rows' uploaded table covers (columns past a row's own blocks
-        hold what an earlier table left there: an armed step never reaches them)."""
-        meta, bs = self.meta, self.pool.block_size
-        offsets = torch.arange(bs, device=self.device).repeat(self.width)
-        self._slot_of = meta.block_tables.long().repeat_interleave(bs, 1) * bs + offsets
-        self._position = (meta.seq_lens_k.long() - 1)[:, None]  # from the device copy: no synchronizing upload
-        self._slot_column = meta.slot_mapping.view(-1, 1)
-        if self._one_launch is None:
-            # only where a backend loaded the kernels already: this saves microseconds, not worth a build
-            self._one_launch = self.device.type == "cuda" and build.is_loaded()
 
     def advance(self) -> PagedMetadata:
         """The next decode step's metadata after ``BatchTables.advance`` counted it: one more token per row, its

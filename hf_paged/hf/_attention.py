@@ -169,28 +169,24 @@ def _eager_attention(module, query, key, value, attention_mask, scaling, dropout
     return attend(step, module.layer_idx, query, key, value, scaling, sliding_window, softcap), None
 
 
-def _dense_fallback(module, query, key, value, attention_mask, softcap: float | None = None, **kwargs):
+def _dense_fallback(module, query, key, value, mask, softcap: float | None = None, **kwargs):
     """Attention without a paged cache: transformers' SDPA path, or, for logit softcapping (which SDPA does not
     serve), the model's own eager attention on the same (boolean) mask turned additive."""
     if softcap is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, mask, **kwargs)
     eager = getattr(sys.modules.get(type(module).__module__), "eager_attention_forward", None)
     if eager is None:
         raise NotImplementedError(
             "logit softcapping without a PagedAttentionCache needs the model's eager attention, which this model's "
             'module does not define; pass a PagedAttentionCache, or load the model with attn_implementation="eager"')
-    return eager(module, query, key, value, _additive_mask(attention_mask, query, key), softcap=softcap, **kwargs)
-
-
-def _additive_mask(mask: torch.Tensor | None, query: torch.Tensor, key: torch.Tensor) -> torch.Tensor:
-    """An SDPA mask (boolean, True = attend, or None = plain causal) as eager attention's additive float mask."""
+    # the SDPA mask (boolean, True = attend, or None = plain causal) as eager attention's additive float mask
     q_len, kv_len = query.shape[-2], key.shape[-2]
     if mask is None:
         mask = torch.ones(q_len, kv_len, dtype=torch.bool, device=query.device).tril(kv_len - q_len)[None, None]
-    if mask.dtype != torch.bool:
-        return mask
-    return torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
-        ~mask, torch.finfo(query.dtype).min)
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=query.dtype, device=query.device).masked_fill(
+            ~mask, torch.finfo(query.dtype).min)
+    return eager(module, query, key, value, mask, softcap=softcap, **kwargs)
 
 
 @functools.lru_cache(maxsize=1)
