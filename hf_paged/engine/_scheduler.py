@@ -84,8 +84,11 @@ class Scheduler:
             # Fast path (most decode steps): one token that fits the last block, which only this sequence holds.
             if n != 1 or not c % bs or refs[seq.block_table[c // bs]] != 1:
                 n = reserve_up_to(seq, n if n < budget else budget)
-                if n == 0:
-                    self._make_room(seq)
+                if n == 0:  # no block is free: preempt the newest sequence (this one if it is the newest) ...
+                    if len(running) > 1:
+                        self._preempt(running[-1])
+                    else:  # ... or fail it if it runs alone and still does not fit
+                        self._fail(seq)
                     preempted = True
                     if seq.status is not SequenceStatus.RUNNING:  # preempted itself or failed: the list shrank to i
                         break
@@ -102,14 +105,6 @@ class Scheduler:
         if not preempted:
             self._admit(budget, seqs, counts, sample)
         return ScheduledBatch(seqs, counts, sample)
-
-    def _make_room(self, seq: Sequence) -> None:
-        """No block is free for ``seq`` (a running sequence): preempt the newest sequence (``seq`` itself if it is
-        the newest), or fail ``seq`` if it runs alone and still does not fit."""
-        if len(self.running) > 1:
-            self._preempt(self.running[-1])
-        else:
-            self._fail(seq)
 
     def _admit(self, budget: int, seqs: list[Sequence], counts: list[int], sample: list[bool]) -> None:
         bm = self.block_manager
