@@ -89,10 +89,12 @@ def add_fp8_cache(s: dict) -> dict:
     return s
 
 
-def fp8_scales(s: dict, fp8: bool) -> dict:
-    """The ``k_scale``/``v_scale`` arguments of a call over the set's e4m3 cache (:func:`add_fp8_cache`); none for
-    bf16."""
-    return {"k_scale": s["k_scale"], "v_scale": s["v_scale"]} if fp8 else {}
+def cache_args(s: dict, block_size: int, fp8: bool = False) -> dict:
+    """The cache arguments (``k_cache``, ``v_cache``, ``block_tables``) of an hf_paged op over the input set ``s`` at
+    ``block_size``; with ``fp8`` over its e4m3 copy (:func:`add_fp8_cache`), with ``k_scale`` and ``v_scale``."""
+    cache = f"{block_size}_fp8" if fp8 else f"{block_size}"
+    scales = {"k_scale": s["k_scale"], "v_scale": s["v_scale"]} if fp8 else {}
+    return {"k_cache": s[f"k{cache}"], "v_cache": s[f"v{cache}"], "block_tables": s[f"t{block_size}"], **scales}
 
 
 def check_outputs(rows: list, outputs: dict[str, torch.Tensor]) -> None:
@@ -134,11 +136,9 @@ def contenders(sets: list[dict], ctx: int, head_dim: int, window: int = 0, softc
     scale = head_dim**-0.5
 
     def ours(block_size: int = 16, fp8: bool = False, **options) -> list:
-        cache = f"{block_size}_fp8" if fp8 else f"{block_size}"
-        return [lambda s=s: kernels.paged_decode(s["query"], s[f"k{cache}"], s[f"v{cache}"], s[f"t{block_size}"],
-                                                 s["seq_lens"], scale, max_seq_len=ctx, window=window,
-                                                 softcap=softcap, **options, **fp8_scales(s, fp8))
-                for s in sets]
+        return [functools.partial(kernels.paged_decode, s["query"], seq_lens=s["seq_lens"], scale=scale,
+                                  max_seq_len=ctx, window=window, softcap=softcap, **options,
+                                  **cache_args(s, block_size, fp8)) for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256)}
     out.update({f"ours-bs16-split{split}": ours(split_len=split) for split in splits})

@@ -23,6 +23,7 @@ Sliding-window and softcap rows (``windows``/``softcaps``; head_dim 128): the pa
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,7 +32,7 @@ import torch
 from hf_paged import _compat
 from hf_paged.attention.backends._flash import load_flash_attn, window_size
 from hf_paged.bench import input_sets, time_calls
-from hf_paged.bench._kernels import add_fp8_cache, check_outputs, fp8_scales, paged_kv, report, score_options
+from hf_paged.bench._kernels import add_fp8_cache, cache_args, check_outputs, paged_kv, report, score_options
 from hf_paged.kernels import FP8_HEAD_DIMS
 from hf_paged.kernels._prefill import PREFILL_CONFIGS, WGMMA_HEAD_DIMS, paged_prefill
 
@@ -86,11 +87,9 @@ def contenders(sets: list[dict], prefix: int, new: int, head_dim: int, sweep: bo
     scale, ctx = head_dim**-0.5, prefix + new
 
     def ours(block_size: int, fp8: bool = False, **options) -> list:
-        cache = f"{block_size}_fp8" if fp8 else f"{block_size}"
-        return [lambda s=s: paged_prefill(s["q"], s[f"k{cache}"], s[f"v{cache}"], s["cu_q"], s["seq_lens"],
-                                          s[f"t{block_size}"], scale, max_seqlen_q=new, window=window,
-                                          softcap=softcap, **options, **fp8_scales(s, fp8))
-                for s in sets]
+        return [functools.partial(paged_prefill, s["q"], cu_seqlens_q=s["cu_q"], seq_lens_k=s["seq_lens"], scale=scale,
+                                  max_seqlen_q=new, window=window, softcap=softcap, **options,
+                                  **cache_args(s, block_size, fp8)) for s in sets]
 
     out = {"ours-bs16": ours(16), "ours-bs256": ours(256), "ours-unpaged": ours(ctx)}
     if torch.cuda.get_device_capability() == (9, 0) and head_dim in WGMMA_HEAD_DIMS:

@@ -38,21 +38,27 @@ def test_check_outputs_notes_the_difference_and_refuses_a_wrong_contender():
 
 def test_the_split_sweep_rows_pass_their_split_length(monkeypatch):
     """``splits`` adds ``ours-bs16-split<n>``: the block-size-16 decode with ``split_len=n``; ``ours-bs16`` keeps the
-    heuristic's (no split_len)."""
+    heuristic's (no split_len). Each row reads the cache of its block size, ``ours-fp8-bs16`` the e4m3 copy with its
+    scales."""
     from hf_paged import kernels
     from hf_paged.bench import _kernels as decode_bench
 
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (8, 0))
     monkeypatch.setattr(decode_bench, "build_metadata", lambda **_: None)  # the torch row's metadata needs a GPU
     seen = []
-    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: seen.append((a[1], k.get("split_len"))))
-    s = {name: name for name in ("query", "k16", "v16", "k256", "v256", "t256")}
+    monkeypatch.setattr(kernels, "paged_decode", lambda *a, **k: seen.append(
+        (k["k_cache"], k["v_cache"], k["block_tables"], k.get("split_len"), k.get("k_scale"), k.get("v_scale"))))
+    s = {name: name for name in ("query", "k16", "v16", "k256", "v256", "t256", "k16_fp8", "v16_fp8", "k_scale",
+                                 "v_scale")}
     s |= {"seq_lens": torch.ones(1, dtype=torch.int32), "t16": torch.zeros(1, 1, dtype=torch.int32)}
     rows = decode_bench.contenders([s], 8192, 128, splits=(64, 512))
     assert [name for name in rows if "split" in name] == ["ours-bs16-split64", "ours-bs16-split512"]
-    for name in ("ours-bs16", "ours-bs16-split64", "ours-bs16-split512", "ours-bs256"):
+    for name in ("ours-bs16", "ours-bs16-split64", "ours-bs16-split512", "ours-bs256", "ours-fp8-bs16"):
         rows[name][0]()
-    assert seen == [("k16", None), ("k16", 64), ("k16", 512), ("k256", None)]
+    assert seen[1:3] == [("k16", "v16", s["t16"], split, None, None) for split in (64, 512)]
+    assert seen[0] == ("k16", "v16", s["t16"], None, None, None)
+    assert seen[3] == ("k256", "v256", "t256", None, None, None)
+    assert seen[4] == ("k16_fp8", "v16_fp8", s["t16"], None, "k_scale", "v_scale")  # the e4m3 copy, with its scales
 
 
 def test_report_writes_the_header_fields_and_rows_then_prints_the_table(tmp_path):

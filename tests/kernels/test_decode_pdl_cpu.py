@@ -13,8 +13,9 @@ from hf_paged.bench import _kernels as decode_bench
 
 
 def one_set() -> dict:
-    return {"query": None, "k16": None, "v16": None, "seq_lens": torch.ones(1, dtype=torch.int32),
-            "t16": torch.zeros(1, 1, dtype=torch.int32)}
+    caches = ("query", "k16", "v16", "k256", "v256", "t256", "k16_fp8", "v16_fp8", "k_scale", "v_scale")
+    return {name: None for name in caches} | {"seq_lens": torch.ones(1, dtype=torch.int32),
+                                              "t16": torch.zeros(1, 1, dtype=torch.int32)}
 
 
 @pytest.mark.parametrize(("capability", "present"), [((9, 0), True), ((10, 0), True), ((8, 9), False)])
