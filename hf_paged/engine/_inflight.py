@@ -39,12 +39,9 @@ class TokenReceiver:
 
     def __init__(self, max_rows: int, device: torch.device):
         self._cuda = torch.device(device).type == "cuda"
-        self._buffers = [
-            (torch.zeros(max_rows, dtype=torch.int64, pin_memory=self._cuda),
-             torch.zeros(max_rows, dtype=torch.float32, pin_memory=self._cuda),
-             torch.cuda.Event() if self._cuda else None)
-            for _ in range(2 if self._cuda else 0)
-        ]
+        self._buffers = [(torch.zeros(max_rows, dtype=torch.int64, pin_memory=True),
+                          torch.zeros(max_rows, dtype=torch.float32, pin_memory=True), torch.cuda.Event())
+                         for _ in range(2 if self._cuda else 0)]  # (none off CUDA: the tokens stay where they are)
         self._turn = 0
 
     def send(self, seqs: list[Sequence], tokens: torch.Tensor, logprobs: torch.Tensor | None) -> InFlightStep:
