@@ -27,7 +27,7 @@ from starlette.requests import ClientDisconnect
 from hf_paged.server._access import AccessCheck
 from hf_paged.server._engine_loop import EngineLoop, Submission
 from hf_paged.server._errors import ServerError
-from hf_paged.server._events import Accepted, Delta, Event, Finished
+from hf_paged.server._events import Delta, Event, Finished
 from hf_paged.server._limits import Limits, RequestLimits
 from hf_paged.server._prompts import PromptBuilder
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
@@ -102,11 +102,11 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
     (a large body never blocks the event loop)."""
     job = await asyncio.to_thread(make_job, await request.body(), model, served)
     sub = await engine_loop.submit(job)
-    reply = Reply(served, job.chat)
+    reply = Reply(served, sub)
     try:
-        accepted: Accepted = await _next(sub.events, request)
+        await _next(sub.events, request)  # (Accepted)
         if job.stream:  # the stream owns the request from here
-            return EventStream(_stream(engine_loop, sub, request, accepted, reply), stream_timeout)
+            return EventStream(_stream(engine_loop, sub, request, reply), stream_timeout)
         finished: list[Finished] = []
         while len(finished) < len(job.prompts) * job.n:
             event = await _next(sub.events, request)
@@ -116,10 +116,8 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
         engine_loop.cancel(sub)
         raise
     finished.sort(key=lambda f: f.index)
-    prepared = sub.prepared
-    return await asyncio.to_thread(lambda: Response(json_bytes(reply.completion(
-        finished, accepted.prompt_lengths, prepared.echo_texts, prepared.token_texts, job.max_tokens == 0)),
-        media_type="application/json"))
+    return await asyncio.to_thread(lambda: Response(json_bytes(reply.completion(finished)),
+                                                    media_type="application/json"))
 
 
 class EventStream(StreamingResponse):
@@ -142,8 +140,7 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, accepted: Accepted,
-                  reply: Reply) -> AsyncIterator[str]:
+async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, reply: Reply) -> AsyncIterator[str]:
     job = sub.job
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
     offsets = [0] * num_choices  # characters of each choice's text sent so far
@@ -169,7 +166,7 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, ac
                 yield reply.chunk(event.index, "", event.output.finish_reason)
         else:
             if job.include_usage:
-                yield reply.usage_chunk(accepted.prompt_lengths, tokens)
+                yield reply.usage_chunk(tokens)
         yield sse("[DONE]")
     except ClientDisconnect:
         pass

@@ -72,9 +72,9 @@ class Submission:
 
 class EngineLoop:
     """Runs ``engine`` on a daemon thread; at most ``capacity`` sequences (copies of ``n`` count one each) are live
-    at once, more are refused with 429 by :meth:`submit`; ``prompts`` makes each job's prompts token ids. ``on_death`` (any thread may call it) is told if the
-    thread ever dies. ``metrics`` holds what ``GET /metrics`` reports; ``thread`` is the engine's thread (started by
-    the app's lifespan)."""
+    at once, more are refused with 429 by :meth:`submit`; ``prompts`` makes each job's prompts token ids.
+    ``on_death`` (any thread may call it) is told if the thread ever dies. ``metrics`` holds what ``GET /metrics``
+    reports; ``thread`` is the engine's thread (started by the app's lifespan)."""
 
     def __init__(self, engine: Engine, capacity: int, prompts: PromptBuilder, on_death: Callable[[str], None] | None):
         self.engine, self.metrics, self.capacity, self.prompts = engine, ServerMetrics(), capacity, prompts
@@ -220,7 +220,7 @@ class EngineLoop:
             return
         self._live.update(dict.fromkeys(sub.request_ids, sub))
         sub.remaining = len(prepared.prompts) * sub.job.n
-        sub.post(Accepted([len(ids) for ids in prepared.prompts]))
+        sub.post(Accepted())
 
     def _fail(self, sub: Submission, error: ServerError) -> None:
         """End ``sub``'s requests (those queued already), and answer it with ``error``."""

@@ -12,9 +12,7 @@ from hf_paged.server._errors import ServerError
 
 @dataclass(frozen=True)
 class Accepted:
-    """The request is queued in the engine; ``prompt_lengths[p]`` is the token count of prompt ``p``."""
-
-    prompt_lengths: list[int]
+    """The request is queued in the engine."""
 
 
 @dataclass(frozen=True)

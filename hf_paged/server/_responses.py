@@ -7,27 +7,23 @@ import json
 import time
 import uuid
 
+from hf_paged.server._engine_loop import Submission
 from hf_paged.server._events import Delta, Finished
-
-def usage(prompt_lengths: list[int], completion_tokens: int) -> dict:
-    prompt = sum(prompt_lengths)
-    return {"prompt_tokens": prompt, "completion_tokens": completion_tokens, "total_tokens": prompt + completion_tokens}
 
 
 class Reply:
-    """The bodies and chunks of one response of ``model``, to a chat request (``chat``) or a completions one; all
-    carry the same fresh id and creation time."""
+    """The bodies and chunks of one response of ``model`` to the request of ``sub`` (its prompts prepared), a chat
+    request or a completions one; all carry the same fresh id and creation time."""
 
-    def __init__(self, model: str, chat: bool):
-        self.model, self.chat = model, chat
-        self.id, self.created = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
+    def __init__(self, model: str, sub: Submission):
+        self.model, self.chat, self.sub = model, sub.job.chat, sub
+        self.id, self.created = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
-    def completion(self, done: list[Finished], prompt_lengths: list[int], echo: list[str] | None = None,
-                   echo_texts: dict[int, str] | None = None, prompt_only: bool = False) -> dict:
-        """The whole answer. Completions only: ``echo``, the text of each prompt, put before its choices' text;
-        ``prompt_only`` (``max_tokens: 0``): the prompt alone (the token computed to score it is dropped)."""
-        n = len(done) // max(len(prompt_lengths), 1)
-        choices = []
+    def completion(self, done: list[Finished]) -> dict:
+        """The whole answer. Completions only: with ``echo``, the text of each prompt is put before its choices'
+        text; with ``max_tokens: 0``, the prompt alone (the token computed to score it is dropped)."""
+        n, echo, echo_texts = self.sub.job.n, self.sub.prepared.echo_texts, self.sub.prepared.token_texts
+        prompt_only, choices = self.sub.job.max_tokens == 0, []
         for f in done:
             out = f.output
             if self.chat:
@@ -39,7 +35,7 @@ class Reply:
                           "logprobs": _completion_logprobs(f, echo is not None, echo_texts, prompt_only)}
             choices.append({"index": f.index, **choice, "finish_reason": out.finish_reason})
         generated = 0 if prompt_only else sum(len(f.output.token_ids) for f in done)
-        return self._body(choices, usage=usage(prompt_lengths, generated))
+        return self._body(choices, usage=self._usage(generated))
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None, delta: Delta | None = None,
               offset: int = 0, first: bool = False) -> str:
@@ -56,8 +52,13 @@ class Reply:
                   "finish_reason": finish_reason}
         return sse(self._body([choice], chunk=True))
 
-    def usage_chunk(self, prompt_lengths: list[int], tokens: int) -> str:
-        return sse(self._body([], chunk=True, usage=usage(prompt_lengths, tokens)))
+    def usage_chunk(self, tokens: int) -> str:
+        return sse(self._body([], chunk=True, usage=self._usage(tokens)))
+
+    def _usage(self, completion_tokens: int) -> dict:
+        prompt = sum(map(len, self.sub.prepared.prompts))
+        return {"prompt_tokens": prompt, "completion_tokens": completion_tokens,
+                "total_tokens": prompt + completion_tokens}
 
     def _body(self, choices: list, chunk: bool = False, **extra) -> dict:
         kind = ("chat.completion.chunk" if chunk else "chat.completion") if self.chat else "text_completion"
