@@ -96,8 +96,20 @@ class EngineLoop:
         """Reserve room for ``job`` (429 when the server is full, 503 when it stops), compile its schema on a grammar
         thread, tokenize and check its prompts on the tokenizer thread (400s), and queue it; its events go to the
         submission's ``events``, which the caller reads."""
+        seqs = len(job.prompts) * job.n
+        with self._lock:
+            if self.death is not None:
+                raise ServerError(503, f"the engine loop is not running: {self.death}", code="engine_dead")
+            if self._stopping:
+                raise ServerError(503, "the server is shutting down; retry on another instance", code="shutting_down")
+            if self._reserved + seqs > self.capacity:
+                self.metrics.rejected("queue_full")
+                raise ServerError(429, f"the server is full ({self._reserved} sequences running or queued, at most "
+                                       f"{self.capacity}: --max-num-seqs + --max-queued-requests); retry later",
+                                  code="queue_full")
+            self._reserved += seqs
         loop = asyncio.get_running_loop()
-        sub = self._reserve(job, loop)
+        sub = Submission(f"{next(self._ids)}", job, asyncio.Queue(), loop, time.perf_counter())
         try:
             if "json_schema" in job.settings:
                 await loop.run_in_executor(self._grammar_pool, self._compile, job.settings["json_schema"])
@@ -128,21 +140,6 @@ class EngineLoop:
         self.thread.join(timeout)
         self._tokenizer_pool.shutdown(wait=False, cancel_futures=True)
         self._grammar_pool.shutdown(wait=False, cancel_futures=True)
-
-    def _reserve(self, job: Job, loop: asyncio.AbstractEventLoop) -> Submission:
-        seqs = len(job.prompts) * job.n
-        with self._lock:
-            if self.death is not None:
-                raise ServerError(503, f"the engine loop is not running: {self.death}", code="engine_dead")
-            if self._stopping:
-                raise ServerError(503, "the server is shutting down; retry on another instance", code="shutting_down")
-            if self._reserved + seqs > self.capacity:
-                self.metrics.rejected("queue_full")
-                raise ServerError(429, f"the server is full ({self._reserved} sequences running or queued, at most "
-                                       f"{self.capacity}: --max-num-seqs + --max-queued-requests); retry later",
-                                  code="queue_full")
-            self._reserved += seqs
-            return Submission(f"{next(self._ids)}", job, asyncio.Queue(), loop, time.perf_counter())
 
     def _release(self, sub: Submission) -> None:
         with self._lock:
