@@ -56,9 +56,10 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
         finally:
             await asyncio.to_thread(engine_loop.stop, shutdown_timeout)
 
-    app = FastAPI(title="hf-paged", lifespan=lifespan)
+    app = FastAPI(title="hf-paged", lifespan=lifespan, exception_handlers={
+        ServerError: _server_error, StarletteHTTPException: _http_error, ClientDisconnect: _client_gone,
+        Exception: _unexpected})
     app.state.engine_loop = engine_loop
-    _add_error_handlers(app)
     app.add_middleware(RequestLimits, limits=limits)
     app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
@@ -197,27 +198,25 @@ def _answer(error: ServerError, headers=None) -> JSONResponse:
     return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
-def _add_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(ServerError)
-    async def server_error(request: Request, exc: ServerError):
-        return _answer(exc)
+async def _server_error(request: Request, exc: ServerError):
+    return _answer(exc)
 
-    @app.exception_handler(StarletteHTTPException)
-    async def http_error(request: Request, exc: StarletteHTTPException):
-        if exc.status_code == 404:
-            message, code = f"no route {request.method} {request.url.path}; this server serves {ROUTES}", "not_found"
-        elif exc.status_code == 405:
-            message, code = (f"{request.url.path} does not take {request.method}; this server serves {ROUTES}",
-                             "method_not_allowed")
-        else:
-            message, code = str(exc.detail), None
-        return _answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
 
-    @app.exception_handler(ClientDisconnect)
-    async def client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
-        return _answer(ServerError(499, "client closed the request"))
+async def _http_error(request: Request, exc: StarletteHTTPException):
+    if exc.status_code == 404:
+        message, code = f"no route {request.method} {request.url.path}; this server serves {ROUTES}", "not_found"
+    elif exc.status_code == 405:
+        message, code = (f"{request.url.path} does not take {request.method}; this server serves {ROUTES}",
+                         "method_not_allowed")
+    else:
+        message, code = str(exc.detail), None
+    return _answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
 
-    @app.exception_handler(Exception)
-    async def unexpected(request: Request, exc: Exception):
-        logger.exception("hf_paged: unexpected error serving %s", request.url.path)
-        return _answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
+
+async def _client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
+    return _answer(ServerError(499, "client closed the request"))
+
+
+async def _unexpected(request: Request, exc: Exception):
+    logger.exception("hf_paged: unexpected error serving %s", request.url.path)
+    return _answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
