@@ -28,12 +28,10 @@ def parse(body: bytes, model: type[M]) -> M:
     if not body.strip():
         raise bad_request("the body is empty; send a JSON object", code="invalid_json")
     try:
-        text = body.decode("utf-8")
+        data = json.loads(body.decode("utf-8"), parse_constant=_no_constant)
     except UnicodeDecodeError as exc:
         raise bad_request(f"the body is not UTF-8 (byte {body[exc.start]:#04x} at offset {exc.start}); send JSON "
                           "encoded as UTF-8", code="invalid_json") from None
-    try:
-        data = json.loads(text, parse_constant=_no_constant)
     except json.JSONDecodeError as exc:
         raise bad_request(f"the body is not valid JSON: {exc.msg} (line {exc.lineno}, column {exc.colno})",
                           code="invalid_json") from None
