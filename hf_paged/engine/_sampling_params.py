@@ -119,7 +119,7 @@ class SamplingParams:
             if unserved:
                 raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                                  "with a PagedAttentionCache, which applies every generation setting")
-            _typed(config, _INTS + _REALS + _BOOLS)
+            _typed(config)
         try:
             gc = GenerationConfig() if config is None else copy.deepcopy(config)
             # num_return_sequences is merged apart: update() runs transformers' check, which refuses copies of a greedy
@@ -157,7 +157,7 @@ class SamplingParams:
         attribute (``GenerationConfig(seed=0)``); logprobs with ``output_logprobs=True`` or ``output_scores=True``;
         ``top_logprobs``, ``prompt_logprobs`` and ``json_schema`` are custom attributes too.
         """
-        got = _typed(gc, _INTS + _REALS + _BOOLS)
+        got = _typed(gc)
         max_new = got.get("max_new_tokens", max(1, (got.get("max_length") or 20) - prompt_len))
         min_new = got.get("min_new_tokens", max(0, (got.get("min_length") or 0) - prompt_len))
         if got.get("num_beams", 1) != 1:
@@ -190,7 +190,7 @@ def eos_tuple(eos) -> tuple[int, ...]:
         items = [items]
     if isinstance(items, (str, bytes, dict)) or not hasattr(items, "__iter__"):  # (a dict iterates its keys)
         raise ValueError(f"eos_token_id must be an integer or a list of integers, got {eos!r}")
-    return tuple(_as_int(e, "eos_token_id") for e in items)
+    return tuple(_as(e, "eos_token_id") for e in items)
 
 
 #: GenerationConfig settings that change which tokens ``model.generate`` picks but that the engine does not apply,
@@ -226,38 +226,30 @@ _AS_GIVEN = ("do_sample", "temperature", "top_k", "top_p", "min_p", "repetition_
              "num_return_sequences", "top_logprobs", "prompt_logprobs")
 
 
-def _typed(config: GenerationConfig, names: tuple[str, ...]) -> dict:
-    """The settings ``names`` that ``config`` sets (not None), each checked and converted to its type."""
-    return {name: (_as_int if name in _INTS else _as_real if name in _REALS else _as_bool)(value, name)
-            for name in names if (value := getattr(config, name, None)) is not None}
+def _typed(config: GenerationConfig) -> dict:
+    """The settings of ``_INTS``, ``_REALS`` and ``_BOOLS`` that ``config`` sets (not None), each checked and
+    converted to its type."""
+    return {name: _as(value, name) for name in _INTS + _REALS + _BOOLS
+            if (value := getattr(config, name, None)) is not None}
 
 
-def _as_bool(value, name: str) -> bool:
-    """``value`` as a bool (numpy bools taken); anything else refused (``"no"`` is not False)."""
+def _as(value, name: str) -> int | float | bool:
+    """``value`` of the setting ``name`` as a Python bool (``_BOOLS``), float (``_REALS``) or int (any other): numpy
+    scalars are taken; a bool is no number, and nothing but a bool is one (``"no"`` is not False). The range checks
+    come in ``__post_init__``."""
+    kind, python_type, what = ((bool, bool, "True or False") if name in _BOOLS else
+                               (numbers.Real, float, "a number") if name in _REALS else
+                               (numbers.Integral, int, "an integer"))
     if getattr(value, "ndim", None) == 0 and hasattr(value, "item"):
         value = value.item()
-    if not isinstance(value, bool):
-        raise ValueError(f"{name} must be True or False, got {value!r}")
-    return value
-
-
-def _as_real(value, name: str) -> float:
-    """``value`` as a float (numpy scalars taken); the range checks come in ``__post_init__``."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise ValueError(f"{name} must be a number, got {value!r}")
-    return float(value)
+    if isinstance(value, bool) != (kind is bool) or not isinstance(value, kind):  # (to Python a bool is an int)
+        bounds = f" in {_INT_RANGES[name][2]}" if name in _INT_RANGES else ""
+        raise ValueError(f"{name} must be {what}{bounds}, got {value!r}")
+    return python_type(value)
 
 
 def _is_int(value) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
-
-
-def _as_int(value, name: str) -> int:
-    """``value`` as a Python int: numpy and other integral scalars are taken, bools and floats refused."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
-        bounds = f" in {_INT_RANGES[name][2]}" if name in _INT_RANGES else ""
-        raise ValueError(f"{name} must be an integer{bounds}, got {value!r}")
-    return int(value)
 
 
 def _in_range(name: str, value, field: str | None = None) -> None:
