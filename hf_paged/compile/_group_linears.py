@@ -107,31 +107,24 @@ def _keep_meta(new: torch.fx.Node, old: torch.fx.Node) -> None:
 
 def _lie_end_to_end(members: list[torch.fx.Node]) -> list[torch.fx.Node] | None:
     """The members in the order their weights lie in memory, where the weights (and biases: all None, or likewise)
-    are contiguous, of one dtype, and lie end to end in one storage, as the graph's fake inputs say (they keep the
-    real inputs' shared storage and offsets); else None."""
+    lie end to end in one storage (``skinny.end_to_end``), as the graph's fake inputs say (they keep the real inputs'
+    shared storage and offsets); else None."""
     def values(nodes) -> list | None:
         vals = [_val(n) for n in nodes]
         return vals if all(isinstance(v, torch.Tensor) for v in vals) else None
-
-    def end_to_end(vals: list[torch.Tensor]) -> bool:
-        first = vals[0]
-        if any(not v.is_contiguous() or v.dtype != first.dtype or v.dim() != first.dim() for v in vals):
-            return False
-        return all(_compat.same_storage(b, first)
-                   and b.storage_offset() == a.storage_offset() + a.numel() for a, b in zip(vals, vals[1:]))
 
     weights = values([_arguments(m)[1] for m in members])
     if weights is None:
         return None
     order = sorted(range(len(members)), key=lambda i: weights[i].storage_offset())
-    if not end_to_end([weights[i] for i in order]):
+    if not skinny.end_to_end([weights[i] for i in order], True, _compat.same_storage):
         return None
     members = [members[i] for i in order]
     biases = [_arguments(m)[2] for m in members]
     if all(b is None for b in biases):
         return members
     bias_values = values(biases)
-    return members if bias_values is not None and end_to_end(bias_values) else None
+    return members if bias_values is not None and skinny.end_to_end(bias_values, False, _compat.same_storage) else None
 
 
 def _replace(graph: torch.fx.Graph, members: list[torch.fx.Node], before: torch.fx.Node, packed: bool) -> None:

@@ -17,7 +17,7 @@ the engine's compiled graphs).
 from __future__ import annotations
 
 import functools
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -153,24 +153,32 @@ def packed_rows(weights: Sequence[torch.Tensor],
     (contiguous ``[N_i, K]`` of one dtype, device and K; biases all None or likewise end to end), else None.
     ``hf_paged.parallel._linears`` packs the q/k/v shards of a tensor-parallel model so; the group then runs as one
     product where the skinny kernel does not serve it (more than :data:`MAX_ROWS` rows)."""
-    if len(weights) < 2 or not _end_to_end(weights, matrix=True):
+    if len(weights) < 2 or not end_to_end(weights, matrix=True):
         return None
     first = weights[0]
     weight = first.as_strided((sum(w.shape[0] for w in weights), first.shape[1]), (first.shape[1], 1))
     if all(b is None for b in biases):
         return weight, None
-    if any(b is None for b in biases) or not _end_to_end(biases, matrix=False):
+    if any(b is None for b in biases) or not end_to_end(biases, matrix=False):
         return None
     return weight, biases[0].as_strided((weight.shape[0],), (1,))
 
 
-def _end_to_end(tensors: Sequence[torch.Tensor], matrix: bool) -> bool:
+def _same_data(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def end_to_end(tensors: Sequence[torch.Tensor], matrix: bool,
+               same_storage: Callable[[torch.Tensor, torch.Tensor], bool] = _same_data) -> bool:
+    """Whether ``tensors`` (``[N_i, K]`` matrices of one K where ``matrix``, else vectors) are contiguous, of one
+    dtype and device, and lie end to end in one storage, in order. ``same_storage`` tells whether two tensors share
+    a storage (by default its data pointer; the fake tensors of a graph have none: ``hf_paged.compile._group_linears``
+    passes its own test)."""
     first = tensors[0]
     if any(t.dim() != (2 if matrix else 1) or not t.is_contiguous() or t.dtype != first.dtype
            or t.device != first.device or (matrix and t.shape[1] != first.shape[1]) for t in tensors):
         return False
-    storage = first.untyped_storage().data_ptr()
-    return all(b.untyped_storage().data_ptr() == storage and b.data_ptr() == a.data_ptr() + a.numel() * a.element_size()
+    return all(same_storage(b, first) and b.storage_offset() == a.storage_offset() + a.numel()
                for a, b in zip(tensors, tensors[1:]))
 
 
