@@ -5,12 +5,12 @@ With ``PagedAttentionCache(max_new_tokens=...)`` transformers' ``generate`` comp
 every step's tokens, so the GPU idles while the host prepares the next step (the mask code, dynamo's guards) before the
 CUDA graph launches. ``optimize_generate`` trims that host path and the step's GPU work, on one model:
 
-- **Planned masks** (:class:`PlannedMasks`). ``generate`` asks the model's ``create_masks_for_generate`` for each
-  step's masks; for a compileable paged cache every mask is the step's plan, so on decode steps the model's attribute
-  returns the plan directly, without transformers' mask preprocessing. Anything else (prefill, another cache, extra
-  mask functions) goes the usual way, a model whose class defines its own mask function keeps it, and the first
-  decode step goes the usual way too: its answer is what the direct path then returns (the plan alone, or one plan
-  per layer type).
+- **Planned masks.** ``generate`` asks the model's ``create_masks_for_generate`` for each step's masks; for a
+  compileable paged cache every mask is the step's plan, so on decode steps the model's attribute returns the plan
+  directly, without transformers' mask preprocessing. Anything else (prefill, another cache, extra mask
+  functions) goes the usual way, a model whose class defines its own mask function keeps it, and the first decode
+  step goes the usual way too: its answer is what the direct path then returns (the plan alone, or one
+  plan per layer type).
 - **Fewer guards** (``skip_module_guards=True``). Before each compiled call dynamo evaluates ~3,400 guards for a
   16-layer model, mostly on module attributes. The compile config drops those on ``nn.Module`` objects
   (``torch.compiler.skip_guard_on_all_nn_modules_unsafe``): a change to a module attribute after the first
@@ -43,24 +43,20 @@ from collections.abc import Callable
 
 import torch
 from transformers import CompileConfig
-from transformers.masking_utils import create_masks_for_generate
 
 from hf_paged import _compat
 from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _patches as patches
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.generate._adapter import PlannedMasks
 from hf_paged.generate._decode_graphs import DecodeSteps
 from hf_paged.generate._packed_prefill import PackedPrefill
-from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import planned_step
-from hf_paged.hf.compat import cache_in
 from hf_paged._frozen_heap import frozen_heap
 
 logger = logging.getLogger("hf_paged")
 
 _STATE = "_hf_paged_generate"  # the compile config and linears optimize_generate changed, for restore_generate
-_PLAIN, _NEVER = "plain", "never"  # mask layouts: the plan itself; the usual path always
 
 
 def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = None,
@@ -113,8 +109,8 @@ def optimize_generate(model: torch.nn.Module, *, decode_linears: bool | None = N
         logger.info("hf_paged: optimize_generate keeps %s's own create_masks_for_generate and prompt forward",
                     type(model).__name__)
     if graphs:
-        make = lambda usual: DecodeSteps(model, usual, compiled, skinny).get_compiled_call  # noqa: E731
-        patches.install(model, "compiled_call", make, "get_compiled_call")
+        patches.install(model, "compiled_call",
+                        lambda usual: DecodeSteps(model, usual, compiled, skinny).get_compiled_call, "get_compiled_call")
     _forget_compiled_call(model)
     return model
 
@@ -143,49 +139,6 @@ def restore_generate(model: torch.nn.Module) -> torch.nn.Module:
     _forget_compiled_call(model)
     model.generation_config.compile_config = state["compile_config"]
     return model
-
-
-class PlannedMasks:
-    """A model's ``create_masks_for_generate`` under ``optimize_generate``: a compileable paged cache's decode steps
-    get their plan directly, without transformers' mask preprocessing; everything else (prefill, another cache,
-    extra mask functions) transformers' function. The first decode step goes the usual way too: its answer is what
-    the direct path then returns (the plan alone, or one plan per layer type). ``generate`` passes every argument
-    by keyword."""
-
-    def __init__(self):
-        self.layout: str | tuple[str, ...] | None = None  # learnt from the usual path's first decode-step answer
-
-    def __call__(self, *args, **kwargs):
-        decode = not args and _paged_decode_step(kwargs)
-        if decode and self.layout not in (None, _NEVER):
-            embeds = kwargs["inputs_embeds"]
-            mask = cache_in(kwargs).plan_forward(kwargs.get("config"), kwargs.get("attention_mask"),
-                                                 embeds.shape[0], 1, embeds.device)
-            return mask if self.layout == _PLAIN else dict.fromkeys(self.layout, mask)
-        masks = create_masks_for_generate(*args, **kwargs)
-        if decode and self.layout is None:
-            self.layout = _layout_of(masks)
-        return masks
-
-
-def _paged_decode_step(kwargs: dict) -> bool:
-    """Whether ``create_masks_for_generate(**kwargs)`` asks for a decode step's masks on a compileable paged cache
-    that already holds the batch, with no extra mask function."""
-    cache, embeds, mask = cache_in(kwargs), kwargs.get("inputs_embeds"), kwargs.get("attention_mask")
-    extra = ("or_mask_function", "and_mask_function", "block_sequence_ids")
-    return (isinstance(cache, PagedAttentionCache) and cache.is_compileable and cache.get_seq_length() > 0
-            and isinstance(embeds, torch.Tensor) and embeds.ndim == 3 and embeds.shape[1] == 1
-            and (mask is None or (isinstance(mask, torch.Tensor) and mask.ndim == 2))
-            and all(kwargs.get(name) is None for name in extra))
-
-
-def _layout_of(masks) -> str | tuple[str, ...]:
-    """How the usual path answered a decode step: the plan (``_PLAIN``), one plan per layer type, or otherwise."""
-    if planned_step(masks) is not None:
-        return tuple(masks) if isinstance(masks, dict) else _PLAIN
-    logger.info("hf_paged: optimize_generate keeps transformers' mask path for this model (its decode-step masks "
-                "are not the step's plan: %s)", type(masks).__name__)
-    return _NEVER
 
 
 def _forget_compiled_call(model: torch.nn.Module) -> None:

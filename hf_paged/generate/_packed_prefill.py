@@ -29,8 +29,8 @@ import torch
 from hf_paged import _forward_context
 from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
+from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
-from hf_paged.hf._attention import planned_step
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._model_call import model_call
 

@@ -8,26 +8,12 @@
                                                                               block 0: f g h i
     (. = padding: no slot)                     slot = block * 4 + offset      block 1: j k l _
 
-Each forward, the registered ``"hf_paged"`` mask function asks this cache to *plan* the step
-(:meth:`PagedAttentionCache.plan_step`): rows get blocks for their new real tokens (padding takes none), and the
-plan's flat tensors (slot mapping, block tables, sequence lengths) are built once and handed to every layer as its
-``attention_mask``. The attention function packs the new K/V of the real tokens, writes them into their slots and
-attends through the block tables. The rest of the class answers what ``generate`` asks of a cache: sizes, flags,
-beam reordering, crops.
-
-``generate`` drives a cache through the ``Cache`` API, which has no room for a paged step; so the cache bends two of
-its answers:
-
-- **The cache-carrying mask argument.** transformers gives an attention implementation one channel per forward: its
-  registered mask function, whose result every layer gets as ``attention_mask`` (flex attention's ``BlockMask``
-  travels the same way). The one argument of that function that comes from the cache is the query offset
-  (``Cache.get_query_offset``): the cache answers it with a :class:`CacheOffset`, an ``int`` that carries the cache,
-  and the mask function (``hf_paged.hf``'s ``paged_mask``) asks that cache for the forward's planned step
-  (:meth:`PagedAttentionCache.plan_forward`), which reaches every layer wrapped as a ``StepMask``.
-- **The new-call detection.** ``generate`` sets ``Cache._is_user_defined`` on a cache the caller passed, once at the
-  start of each call, before it asks ``get_seq_length()`` how much of the input to skip: the one sign a cache gets
-  that a new call begins. The cache answers it with a property whose setter resets it (``_compat``'s
-  ``user_defined_flag_from``), so that each call starts from an empty cache and feeds the whole input.
+Each forward, the registered ``"hf_paged"`` mask function asks this cache (by the ways ``generate/_adapter.py``
+describes) to *plan* the step (:meth:`PagedAttentionCache.plan_step`): rows get blocks for their new real tokens
+(padding takes none), and the plan's flat tensors (slot mapping, block tables, sequence lengths) are built once and
+handed to every layer as its ``attention_mask``. The attention function packs the new K/V of the real tokens, writes
+them into their slots and attends through the block tables. The rest of the class answers what ``generate``
+asks of a cache: sizes, flags, beam reordering, crops.
 """
 
 from __future__ import annotations
@@ -38,28 +24,16 @@ from collections.abc import Sequence
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from hf_paged import _compat
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
-from hf_paged.attention._step import PagedStep, choose_decode_routes
 from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
 from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
+from hf_paged.generate._adapter import GenerateHooks
 from hf_paged.generate._batch_tables import BatchTables
 from hf_paged.generate._static_decode import StaticDecode
-from hf_paged.hf._attention import StepMask
 from hf_paged.hf._placement import layer_devices
 from hf_paged.hf._support import paged_kv, position_limit
 from hf_paged.parallel._lockstep import agreed_min
 from hf_paged.parallel._tensor_parallel import kv_layout, tensor_parallel
-
-
-class CacheOffset(int):
-    """The query offset a paged cache gives transformers' mask code: an ``int`` (the columns seen) that also carries
-    the cache as ``planner``, so that the mask function can plan the forward on it."""
-
-    def __new__(cls, value: int, planner: PagedAttentionCache):
-        obj = super().__new__(cls, value)
-        obj.planner = planner
-        return obj
 
 
 class PagedLayer(CacheLayerMixin):
@@ -94,8 +68,7 @@ class PagedLayer(CacheLayerMixin):
         return -1
 
 
-@_compat.user_defined_flag_from("_generate_call_flag")
-class PagedAttentionCache(Cache):
+class PagedAttentionCache(GenerateHooks, Cache):
     """Paged KV cache for ``model.generate`` on a model loaded with ``attn_implementation="hf_paged"``.
 
     Args:
@@ -176,9 +149,6 @@ class PagedAttentionCache(Cache):
         self._plan_key: tuple | None = None
         self._plan_used = False  # whether a layer has read the current plan (a new forward plans afresh)
         self.compile_mode = StaticDecode(config, self.pool, self.dispatcher, dtype, max_new_tokens, compileable)
-        self._passed_to_generate = False  # the new-call flag (see the module docstring)
-        self._masks: dict[bool, StepMask] = {}  # the latest plan's mask, and the fixed decode steps' (key: static)
-        self._traced_offset = CacheOffset(0, self)  # made here: a compiler cannot construct it while tracing
         super().__init__(layers=[PagedLayer(self, i) for i in range(layout.num_layers)])
 
     # ----- sizes transformers asks for -------------------------------------------------------------------------
@@ -193,16 +163,6 @@ class PagedAttentionCache(Cache):
     def get_seq_length(self, layer_idx: int = 0) -> int:
         """Columns of the ``generate`` batch seen so far (padding included, as transformers counts them)."""
         return self.rows.num_columns
-
-    def get_query_offset(self, layer_idx: int = 0) -> int:
-        if torch.compiler.is_compiling():  # the plan comes in attention_mask; the mask function says so if not
-            return self._traced_offset
-        return CacheOffset(self.rows.num_columns, self)
-
-    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
-        if torch.compiler.is_compiling():  # unread: the plan is made before a compiled forward (and a step-varying
-            return query_length, 0  # int read while tracing would recompile every step)
-        return self.rows.num_columns + query_length, 0
 
     @property
     def batch_size(self) -> int:
@@ -226,17 +186,6 @@ class PagedAttentionCache(Cache):
         self.rows.start(0)
         self.plan = None
 
-    # generate (transformers 5.17 to 5.25) sets this on a cache the caller passed, once at the start of each call
-    @property
-    def _generate_call_flag(self) -> bool:
-        return self._passed_to_generate
-
-    @_generate_call_flag.setter
-    def _generate_call_flag(self, value: bool) -> None:
-        self._passed_to_generate = value
-        if value:
-            self.reset()
-
     def crop(self, max_length: int) -> None:
         """Keep the first ``max_length`` columns (negative: drop that many from the end)."""
         if max_length < 0:
@@ -256,29 +205,6 @@ class PagedAttentionCache(Cache):
         self.plan = None
 
     # ----- one step --------------------------------------------------------------------------------------------
-    def plan_forward(self, config, attention_mask: torch.Tensor | None, batch_size: int, q_length: int,
-                     device: torch.device | None = None) -> StepMask:
-        """The step of a forward on this cache, as the mask function hands it to every layer (``attention_mask``:
-        the 2D padding mask or None; ``device``: where the step's tensors go, default the pool's first device).
-        Asked again in one forward: the same object; every step of a compiled batch: one object, its decode routes
-        chosen. A model (``config``, checked once per config object) whose decoder has another number of layers
-        than this cache is refused."""
-        if config is not None and config is not self._checked_config:
-            layers = KVLayout.from_config(config).num_layers
-            if layers != self.pool.layout.num_layers:
-                raise ValueError(
-                    f"this cache was built for another model ({self.pool.layout}) but this model has {layers} decoder "
-                    "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))"
-                )
-            self._checked_config = config
-        plan = self.plan_step(attention_mask, batch_size, q_length, device or self.pool.kv_caches[0][0].device)
-        mask = self._masks.get(plan.static)
-        if mask is None or mask.step.metadata is not plan:
-            mask = self._masks[plan.static] = StepMask(PagedStep(plan, self.pool, self.dispatcher))
-        if plan.static:
-            choose_decode_routes(mask.step)
-        return mask
-
     def plan_step(
         self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device
     ) -> PagedMetadata:

@@ -9,7 +9,7 @@ each kind of caller:
 - **transformers' ``generate``** calls the forward itself; a :class:`~hf_paged.PagedAttentionCache` passed to it
   plans each forward from the padding mask. The step reaches every layer as its ``attention_mask``, a
   :class:`StepMask`, which the mask function gets from the cache that the query offset carries (how, and why so:
-  ``hf_paged/generate/_paged_cache.py``).
+  ``hf_paged/generate/_adapter.py``).
 
 Without either, an inference forward that starts from nothing with plain causal attention (a plain
 ``model(input_ids)`` under ``torch.no_grad()``, the prompt forward on a cache transformers made) runs paged all the
@@ -50,14 +50,6 @@ class StepMask:
 
     def __init__(self, step: PagedStep):
         self.step = step
-
-
-def planned_step(mask) -> PagedStep | None:
-    """The step a forward got as its mask: the mask's, or that of the one mask every layer type got (models with
-    sliding layers get one per type); None for anything else."""
-    if isinstance(mask, dict) and mask and len({id(m) for m in mask.values()}) == 1:
-        mask = next(iter(mask.values()))
-    return mask.step if isinstance(mask, StepMask) else None
 
 
 class FreshMask(StepMask):

@@ -17,6 +17,7 @@ from transformers import CompileConfig
 
 import hf_paged
 from hf_paged.compile._group_linears import GroupLinears
+from hf_paged.generate import _adapter as adapter
 from hf_paged.generate import _optimize as fast_generate
 from hf_paged.hf.compat import with_cache
 
@@ -48,7 +49,7 @@ class MaskCalls:
 
     def __init__(self, monkeypatch):
         self.decode = self.prefill = 0
-        usual = fast_generate.create_masks_for_generate
+        usual = adapter.create_masks_for_generate
 
         def counted(*args, **kwargs):
             cache = kwargs.get("cache", kwargs.get("past_key_values"))
@@ -58,7 +59,7 @@ class MaskCalls:
                 self.prefill += 1
             return usual(*args, **kwargs)
 
-        monkeypatch.setattr(fast_generate, "create_masks_for_generate", counted)
+        monkeypatch.setattr(adapter, "create_masks_for_generate", counted)
 
 
 @pytest.mark.parametrize("arch", ["llama_gqa", pytest.param("gemma2", marks=pytest.mark.slow)])
@@ -117,7 +118,7 @@ def test_optimize_sets_a_guard_filter_and_restore_undoes_everything():
     config = model.generation_config.compile_config
     assert config.options["guard_filter_fn"] is torch.compiler.skip_guard_on_all_nn_modules_unsafe
     assert config.backend == "eager" and config._compile_all_devices and mine.options is None
-    assert isinstance(model.create_masks_for_generate, fast_generate.PlannedMasks)
+    assert isinstance(model.create_masks_for_generate, adapter.PlannedMasks)
     hf_paged.optimize_generate(model, skip_module_guards=False)  # again: replaces, does not stack
     assert model.generation_config.compile_config.options is None
     assert hf_paged.restore_generate(model) is model
