@@ -280,7 +280,8 @@ class EngineLoop:
         if sub is None:
             return
         if not sub.abandoned:
-            texts = self._texts(out.token_ids, out.top_logprobs, out.prompt_top_logprobs) if sub.job.logprobs else None
+            ids = [*out.prompt_token_ids, *out.token_ids] if sub.job.echo else out.token_ids
+            texts = self._texts(ids, out.top_logprobs, out.prompt_top_logprobs) if sub.job.logprobs else None
             sub.post(Finished(index, out, texts))
         sub.remaining -= 1
         if sub.remaining <= 0 or out.finish_reason in ("error", "abort"):

@@ -29,8 +29,8 @@ class Delta:
 @dataclass(frozen=True)
 class Finished:
     """Choice ``index`` is done; ``output.finish_reason`` may be ``"error"`` (``output.error`` says why).
-    ``token_texts`` (each id of the new tokens and their alternatives, decoded alone) is set when the request asked
-    for logprobs."""
+    ``token_texts`` (each id of the new tokens, of the prompt's with ``echo``, and of their alternatives, decoded
+    alone) is set when the request asked for logprobs."""
 
     index: int
     output: RequestOutput

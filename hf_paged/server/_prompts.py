@@ -52,12 +52,11 @@ _MARKS = re.compile(f"{OPEN}|{CLOSE}")
 
 @dataclass(frozen=True)
 class Prepared:
-    """A job's prompts as the engine takes them; ``echo``: each prompt's text and its tokens' texts (by id)."""
+    """A job's prompts as the engine takes them; ``echo_texts``: with ``echo``, each prompt's text."""
 
     prompts: list[list[int]]
     configs: list[GenerationConfig]
     echo_texts: list[str] | None = None
-    token_texts: dict[int, str] | None = None
 
 
 class PromptBuilder:
@@ -92,9 +91,8 @@ class PromptBuilder:
         configs = [job.generation_config(n) for n in new_tokens]
         if not job.echo:
             return Prepared(prompts, configs)
-        texts = [p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)]
-        token_texts = {t: self.decode([t]) for t in {t for ids in prompts for t in ids}} if job.logprobs else None
-        return Prepared(prompts, configs, texts, token_texts)
+        return Prepared(prompts, configs, [p if isinstance(p, str) else self.decode(ids)
+                                           for p, ids in zip(job.prompts, prompts)])
 
     def token_ids(self, prompt, chat: bool) -> list[int]:
         """Token ids of a completion prompt (a string or ids) or of a chat (a list of messages), length-checked."""

@@ -22,8 +22,7 @@ class Reply:
     def completion(self, done: list[Finished]) -> dict:
         """The whole answer. Completions only: with ``echo``, the text of each prompt is put before its choices'
         text; with ``max_tokens: 0``, the prompt alone (the token computed to score it is dropped)."""
-        n, echo, echo_texts = self.sub.job.n, self.sub.prepared.echo_texts, self.sub.prepared.token_texts
-        prompt_only, choices = self.sub.job.max_tokens == 0, []
+        n, echo, prompt_only, choices = self.sub.job.n, self.sub.prepared.echo_texts, self.sub.job.max_tokens == 0, []
         for f in done:
             out = f.output
             if self.chat:
@@ -32,7 +31,7 @@ class Reply:
             else:
                 head = echo[f.index // n] if echo is not None else ""
                 choice = {"text": head + ("" if prompt_only else out.text or ""),
-                          "logprobs": _completion_logprobs(f, echo is not None, echo_texts, prompt_only)}
+                          "logprobs": _completion_logprobs(f, echo is not None, prompt_only)}
             choices.append({"index": f.index, **choice, "finish_reason": out.finish_reason})
         generated = 0 if prompt_only else sum(len(f.output.token_ids) for f in done)
         return self._body(choices, usage=self._usage(generated))
@@ -87,7 +86,7 @@ def sse(payload: dict | str) -> str:
     return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
 
 
-def _completion_logprobs(f: Finished, echo: bool, echo_texts: dict[int, str] | None, prompt_only: bool) -> dict | None:
+def _completion_logprobs(f: Finished, echo: bool, prompt_only: bool) -> dict | None:
     out = f.output
     if f.token_texts is None:
         return None
@@ -100,7 +99,7 @@ def _completion_logprobs(f: Finished, echo: bool, echo_texts: dict[int, str] | N
         ids += out.token_ids
         logprobs += out.logprobs or []
         top += out.top_logprobs or [[] for _ in out.token_ids]
-    return _legacy_logprobs(ids, logprobs, top, {**f.token_texts, **(echo_texts or {})}, 0)
+    return _legacy_logprobs(ids, logprobs, top, f.token_texts, 0)
 
 
 def _legacy_logprobs(ids: list[int], logprobs: list, top: list | None, texts: dict[int, str], offset: int) -> dict:
