@@ -25,9 +25,8 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hf_paged.server._access import AccessCheck
-from hf_paged.server._engine_loop import EngineLoop, Submission
+from hf_paged.server._engine_loop import Delta, EngineLoop, Event, Finished, Submission
 from hf_paged.server._errors import ServerError
-from hf_paged.server._events import Delta, Event, Finished
 from hf_paged.server._limits import Limits, RequestLimits
 from hf_paged.server._prompts import PromptBuilder
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest

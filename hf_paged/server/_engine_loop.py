@@ -1,12 +1,14 @@
 """``EngineLoop``: the one thread that owns the :class:`~hf_paged.Engine`.
 
 HTTP handlers never call the engine. They :meth:`~EngineLoop.submit` a :class:`~hf_paged.server._sampling.Job` and
-:meth:`~EngineLoop.cancel` it through a thread-safe command queue, and receive :mod:`~hf_paged.server._events` on
-their own ``asyncio.Queue`` (posted with ``loop.call_soon_threadsafe``). The thread drains the commands between
-steps, steps while anything is live and sleeps on the command queue when idle. Tokenizing, the chat template and
-the length and cost checks run before, on a tokenizer thread of their own (:mod:`~hf_paged.server._prompts`), and a
-``json_schema`` is compiled before that on a grammar thread (the engine's copies of it then cost microseconds), so
-neither a long prompt nor a large schema holds up the steps of the requests already running.
+:meth:`~EngineLoop.cancel` it through a thread-safe command queue, and receive its events (:data:`Event`) on their own
+``asyncio.Queue`` (posted with ``loop.call_soon_threadsafe``): that the request was accepted, its new tokens, each
+choice's end, or a ``ServerError`` to answer with (nothing was queued, the server is stopping, or the request was
+given up). The thread drains the commands between steps, steps while anything is live and sleeps on the command
+queue when idle. Tokenizing, the chat template and the length and cost checks run before, on a tokenizer thread of
+their own (:mod:`~hf_paged.server._prompts`), and a ``json_schema`` is compiled before that on a grammar thread (the
+engine's copies of it then cost microseconds), so neither a long prompt nor a large schema holds up the steps of the
+requests already running.
 
 A streamed request whose client does not read (its handler's queue holds more than
 :data:`STREAM_BACKLOG_PER_CHOICE` events per choice) is aborted, so that it stops generating and holds no memory.
@@ -36,7 +38,6 @@ from hf_paged.engine import Engine
 from hf_paged.engine._request_output import RequestOutput, TokenDelta
 from hf_paged.engine._validation import CHILD_MARK
 from hf_paged.server._errors import ServerError, bad_request
-from hf_paged.server._events import Accepted, Delta, Event, Finished
 from hf_paged.server._metrics import ServerMetrics
 from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
@@ -45,6 +46,36 @@ logger = logging.getLogger("hf_paged")
 STATS_EVERY_S = 0.05  # how often a busy loop refreshes the stats that /metrics reads
 STREAM_BACKLOG_PER_CHOICE = 64  # events a stream's client may leave unread, per choice, before it is given up
 GRAMMAR_THREADS = 2
+
+
+@dataclass(frozen=True)
+class Accepted:
+    """The request is queued in the engine."""
+
+
+@dataclass(frozen=True)
+class Delta:
+    """New tokens of choice ``index`` (streamed requests only; its :class:`Finished` says how it ended).
+    ``token_texts`` (the text of each id the tokens and their alternatives name) is set when the request asked for
+    logprobs."""
+
+    index: int
+    tokens: TokenDelta
+    token_texts: dict[int, str] | None = None
+
+
+@dataclass(frozen=True)
+class Finished:
+    """Choice ``index`` is done; ``output.finish_reason`` may be ``"error"`` (``output.error`` says why).
+    ``token_texts`` (each id of the new tokens, of the prompt's with ``echo``, and of their alternatives, decoded
+    alone) is set when the request asked for logprobs."""
+
+    index: int
+    output: RequestOutput
+    token_texts: dict[int, str] | None = None
+
+
+Event = Accepted | ServerError | Delta | Finished
 
 
 @dataclass(eq=False)

@@ -7,8 +7,7 @@ import json
 import time
 import uuid
 
-from hf_paged.server._engine_loop import Submission
-from hf_paged.server._events import Delta, Finished
+from hf_paged.server._engine_loop import Delta, Finished, Submission
 
 
 class Reply:
