@@ -24,10 +24,10 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response, Streami
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from hf_paged.server._access import AccessCheck
+from hf_paged.server._access import Door
 from hf_paged.server._engine_loop import Delta, EngineLoop, Event, Finished, Submission
 from hf_paged.server._errors import ServerError
-from hf_paged.server._limits import Limits, RequestLimits
+from hf_paged.server._limits import Limits
 from hf_paged.server._prompts import PromptBuilder
 from hf_paged.server._protocol import ChatCompletionRequest, CompletionRequest
 from hf_paged.server._responses import Reply, json_bytes, sse
@@ -42,7 +42,7 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
               api_key: str | None, allowed_hosts: tuple[str, ...] | None, limits: Limits, on_engine_death,
               special_tokens_in_messages: bool) -> FastAPI:
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
-    still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.AccessCheck``; ``limits``: what
+    still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.Door``'s; ``limits``: what
     one client may make the server do (``_limits``); ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
     prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
     engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, prompts, on_engine_death)
@@ -59,8 +59,7 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
         ServerError: _server_error, StarletteHTTPException: _http_error, ClientDisconnect: _client_gone,
         Exception: _unexpected})
     app.state.engine_loop = engine_loop
-    app.add_middleware(RequestLimits, limits=limits)
-    app.add_middleware(AccessCheck, api_key=api_key, allowed_hosts=allowed_hosts)
+    app.add_middleware(Door, limits=limits, api_key=api_key, allowed_hosts=allowed_hosts)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
             "max_model_len": engine.max_model_len}
 

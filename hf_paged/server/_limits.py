@@ -1,12 +1,6 @@
-"""What one client may make the server do: ``Limits``, the bounds (``hf-paged serve``'s flags of the same names), what
-a request may ask of the engine and of the response, and ``RequestLimits``, ASGI middleware bounding what a client
-may make the server read.
-
-A body larger than ``max_body_bytes`` is refused with a 413: at once when its ``Content-Length`` says so (nothing of
-it is read), or as soon as a chunked body passes the limit. A client that sends its body slower than one message
-every ``read_timeout`` seconds, or whose body is not complete ``body_timeout`` seconds after its headers (one that
-trickles a byte now and then), gets a 408: a slow client must not hold a connection and a request's memory for
-ever. The waits are on the body only, never on a response being streamed.
+"""``Limits``: what one client may make the server do, the bounds (``hf-paged serve``'s flags of the same names) on
+what a request may ask of the engine and of the response, and on what the server reads of its body (those are
+:mod:`hf_paged.server._access`'s to apply).
 
 A request whose copies would hold more tokens of context than ``max_request_tokens``, or whose answer, built whole,
 would be larger than ``max_response_bytes`` (estimated from :data:`TOKEN_BYTES` and :data:`LOGPROB_BYTES`), is refused
@@ -17,10 +11,9 @@ pile up: ``_engine_loop``).
 
 from __future__ import annotations
 
-import asyncio
 from dataclasses import dataclass
 
-from hf_paged.server._errors import ServerError, bad_request, send_error
+from hf_paged.server._errors import bad_request
 
 #: The bytes a response's estimated size counts for each token it shows (its text, as JSON writes a typical subword
 #: token) and, when log-probabilities are asked, for each one shown with it (the token's own and each alternative's),
@@ -61,54 +54,3 @@ class Limits:
                               f"in {choices} choices); this server builds at most {self.max_response_bytes} "
                               f"(--max-response-bytes): ask for fewer copies (n) or {param}, or stream it "
                               "(stream: true)", param, "response_too_large")
-
-
-class RequestLimits:
-    def __init__(self, app, limits: Limits):
-        self.app, self.max_body_bytes = app, limits.max_body_bytes
-        self.read_timeout, self.body_timeout = limits.read_timeout, limits.body_timeout
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and not declared.isdigit():
-            return await send_error(send, ServerError(400, "the Content-Length header is not a number"),
-                                    ((b"connection", b"close"),))
-        if declared is not None and int(declared) > self.max_body_bytes:
-            return await send_error(send, self._too_large(int(declared)), ((b"connection", b"close"),))
-        return await self.app(scope, self._bounded(receive), send)
-
-    def _too_large(self, size: int | None) -> ServerError:
-        got = f"{size} bytes" if size is not None else "more"
-        return ServerError(413, f"the body has {got}; this server takes at most {self.max_body_bytes} "
-                                "(--max-body-bytes)", code="body_too_large")
-
-    def _bounded(self, receive):
-        read, done = 0, False
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + self.body_timeout  # (the app is called once the headers are in)
-
-        async def bounded_receive():
-            nonlocal read, done
-            if done:
-                return await receive()
-            left = deadline - loop.time()
-            try:
-                message = await asyncio.wait_for(receive(), min(self.read_timeout, left))
-            except asyncio.TimeoutError:
-                if left < self.read_timeout:
-                    raise ServerError(408, f"the body was not complete {self.body_timeout:g} s after the headers "
-                                           "(--body-timeout)", code="body_timeout") from None
-                raise ServerError(408, f"the client sent no part of the body for {self.read_timeout:g} s "
-                                       "(--read-timeout)", code="read_timeout") from None
-            if message["type"] == "http.request":
-                read += len(message.get("body", b""))
-                if read > self.max_body_bytes:
-                    raise self._too_large(None)
-                done = not message.get("more_body", False)
-            else:
-                done = True
-            return message
-
-        return bounded_receive
