@@ -66,12 +66,14 @@ class PromptBuilder:
         self.limits, self.special_tokens_in_messages = limits, special_tokens_in_messages
         self.vocab_size = engine.vocab_size
         self.samples_by_default = bool(getattr(engine.generation_config, "do_sample", False))
-        self.max_model_len = engine.max_model_len
-        self.cache_tokens = engine.config.num_blocks * engine.config.block_size
+        # the most tokens, prompt and new ones, that one sequence may hold
+        self.max_total = min(engine.max_model_len, engine.config.num_blocks * engine.config.block_size)
         has_own = getattr(self.tokenizer, "chat_template", None)
         self.chat_template = chat_template or (None if has_own else SIMPLE_CHAT_TEMPLATE)
         longest = max(map(len, self.tokenizer.get_vocab()), default=1) if self.tokenizer is not None else 1
         self.limit = engine.max_prompt_tokens + 1
+        self.where = ("the model's position limit" if self.limit == engine.max_model_len
+                      else "the server's KV cache (--num-blocks x --block-size)")
         self.max_chars = self.limit * max(longest, 1) * CHARS_SLACK
         added = sorted(self.tokenizer.get_added_vocab(), key=len, reverse=True) if self.tokenizer is not None else []
         # (a capturing group: re.split keeps the special tokens it splits at)
@@ -100,13 +102,13 @@ class PromptBuilder:
         if chat or isinstance(prompt, str):
             chars = sum(len(m["content"]) for m in prompt) if chat else len(prompt)
             if chars > self.max_chars:
-                raise bad_request(f"the prompt has {chars} characters: more than {self._where()} can hold ("
+                raise bad_request(f"the prompt has {chars} characters: more than {self.where} can hold ("
                                   f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
             ids = self._chat_ids(prompt) if chat else self._encode(prompt, add_special_tokens=True)
         else:
             ids = prompt
         if len(ids) >= limit:
-            raise bad_request(f"the prompt has {len(ids)} tokens; {self._where()} leaves room for at most "
+            raise bad_request(f"the prompt has {len(ids)} tokens; {self.where} leaves room for at most "
                               f"{limit - 1} prompt tokens and one new token: shorten it", param,
                               "context_length_exceeded")
         try:  # (the engine's own check: no ids, or ids outside the vocabulary)
@@ -116,7 +118,7 @@ class PromptBuilder:
 
     def max_new_tokens(self, prompt_len: int, asked: int | None, chat: bool) -> int:
         """``asked``, checked against what the prompt leaves; None: all it leaves; 0 (echo alone): one."""
-        room = min(self.max_model_len, self.cache_tokens) - prompt_len
+        room = self.max_total - prompt_len
         if asked is None:
             return room
         if asked > room:
@@ -128,10 +130,6 @@ class PromptBuilder:
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=False) if self.tokenizer is not None else ""
-
-    def _where(self) -> str:
-        return ("the model's position limit" if self.limit == self.max_model_len
-                else "the server's KV cache (--num-blocks x --block-size)")
 
     def _render_chat(self, messages: list[dict]) -> str:
         if self.tokenizer is None:
