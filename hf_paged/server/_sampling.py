@@ -34,6 +34,7 @@ NOT_SERVED = {
 class Job:
     """One HTTP request as the engine thread takes it: ``prompts`` are strings or token-id lists (completions) or
     one list of chat messages (chat). ``max_tokens`` None means as many as the model's position limit leaves.
+    ``settings``: the ``GenerationConfig`` keywords the request sets (sampling, ``json_schema``, logprobs).
     ``logprobs``: each new token's log-probability, with ``top_logprobs`` alternatives; ``echo``: the prompt comes
     back before the new text, with ``prompt_logprobs`` when ``logprobs`` is asked; ``max_tokens == 0`` (with
     ``echo`` only): the prompt alone (one token is computed and dropped)."""
@@ -51,13 +52,8 @@ class Job:
     echo: bool = False
 
     def generation_config(self, max_new_tokens: int) -> GenerationConfig:
-        extra = {}
-        if self.logprobs:
-            extra = {"output_logprobs": True, "top_logprobs": self.top_logprobs}
-            if self.echo:
-                extra["prompt_logprobs"] = self.top_logprobs
         return GenerationConfig(max_new_tokens=max_new_tokens, num_return_sequences=self.n,
-                                min_new_tokens=max_new_tokens if self.ignore_eos else None, **extra, **self.settings)
+                                min_new_tokens=max_new_tokens if self.ignore_eos else None, **self.settings)
 
 
 def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest], served: str) -> Job:
@@ -94,6 +90,8 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
     schema = json_schema(req)
     if schema is not None:
         settings["json_schema"] = schema
+    if logprobs:  # (with echo, the prompt's too)
+        settings.update(output_logprobs=True, top_logprobs=top_logprobs, prompt_logprobs=top_logprobs if echo else None)
     return Job(chat, prompts, n, max_tokens, settings, logprobs, bool(req.stream),
                bool(req.stream_options and req.stream_options.include_usage), bool(req.ignore_eos), top_logprobs, echo)
 
