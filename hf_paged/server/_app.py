@@ -142,13 +142,10 @@ class EventStream(StreamingResponse):
 async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, reply: Reply) -> AsyncIterator[str]:
     job = sub.job
     num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
-    offsets = [0] * num_choices  # characters of each choice's text sent so far
     try:
         for index in range(num_choices):
             if job.chat or job.echo:
-                text = "" if job.chat else sub.prepared.echo_texts[index // job.n]
-                offsets[index] = len(text)
-                yield reply.chunk(index, text, first=True)
+                yield reply.chunk(index, "" if job.chat else sub.prepared.echo_texts[index // job.n], first=True)
         while finished < num_choices:
             try:
                 event = await _next(sub.events, request)
@@ -158,8 +155,7 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, re
             if isinstance(event, Delta):
                 text = event.tokens.text or ""
                 if text or (event.tokens.token_ids and event.tokens.logprobs is not None):
-                    yield reply.chunk(event.index, text, delta=event, offset=offsets[event.index])
-                    offsets[event.index] += len(text)
+                    yield reply.chunk(event.index, text, delta=event)
             else:
                 finished, tokens = finished + 1, tokens + len(event.output.token_ids)
                 yield reply.chunk(event.index, "", event.output.finish_reason)

@@ -16,6 +16,7 @@ class Reply:
 
     def __init__(self, model: str, sub: Submission):
         self.model, self.chat, self.sub = model, sub.job.chat, sub
+        self.offsets = [0] * (len(sub.job.prompts) * sub.job.n)  # characters of each choice's text streamed so far
         self.id, self.created = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
     def completion(self, done: list[Finished]) -> dict:
@@ -36,12 +37,12 @@ class Reply:
         return self._body(choices, usage=self._usage(generated))
 
     def chunk(self, index: int, text: str, finish_reason: str | None = None, delta: Delta | None = None,
-              offset: int = 0, first: bool = False) -> str:
+              first: bool = False) -> str:
         """One streamed chunk of choice ``index``, as a server-sent event: its new ``text`` (a chat's ``delta`` is
         empty in the chunk with the ``finish_reason``, and names the role in the ``first``); ``delta``: the tokens
-        whose log-probabilities go with ``text`` (when asked); ``offset``: where the text starts in the choice's whole
-        text."""
-        logprobs = None
+        whose log-probabilities go with ``text`` (when asked)."""
+        logprobs, offset = None, self.offsets[index]
+        self.offsets[index] += len(text)
         if delta is not None and delta.tokens.logprobs is not None:
             tokens = (delta.tokens.token_ids, delta.tokens.logprobs, delta.tokens.top_logprobs, delta.token_texts)
             logprobs = _chat_logprobs(*tokens) if self.chat else _legacy_logprobs(*tokens, offset)
