@@ -222,9 +222,7 @@ class EngineLoop:
             self._fail(sub, ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
 
     def _die(self, reason: str) -> None:
-        self.death = reason
-        with self._lock:
-            self._stopping = True
+        self.death = reason  # (submit refuses new jobs from now on)
         error = ServerError(500, f"the engine loop died: {reason}", code="engine_dead")
         queued = [sub for kind, sub in self._take_commands(block=False) if kind == "submit"]
         for sub in [*dict.fromkeys(self._live.values()), *queued]:
