@@ -85,7 +85,7 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
         max_tokens = req.max_tokens
     if len(prompts) * n > MAX_PROMPTS:
         raise bad_request(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most "
-                          f"{MAX_PROMPTS} per request", "n")
+                          f"{MAX_PROMPTS} per request", "n" if n > 1 else "prompt")
     settings = sampling_settings(req)
     schema = json_schema(req)
     if schema is not None:
@@ -140,8 +140,6 @@ def _completion_prompts(prompt) -> list:
         bad = prompt if not isinstance(prompt, list) or not prompt else next(
             (p for p in prompt if not (isinstance(p, (str, list)) or type(p) is int)), prompt)
         raise bad_request(f"{what}; got {_kind(bad)}", "prompt")
-    if len(prompts) > MAX_PROMPTS:
-        raise bad_request(f"at most {MAX_PROMPTS} prompts per request, got {len(prompts)}", "prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise bad_request("prompt is empty; give a non-empty string or token-id list",
