@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
+from collections import Counter, deque
 
 PREFIX = "hf_paged"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 RATE_WINDOW_S = 10.0
 #: The gauges and counters of one value: (kind, name, help, the key of the value in the engine's ``stats()`` or
-#: ``generation_tokens``/``tokens_per_second``, the server's own).
+#: ``tokens_per_second``, the server's own).
 METRICS = (
     ("gauge", "requests_running", "sequences running in the engine", "running"),
     ("gauge", "requests_waiting", "sequences queued in the engine", "waiting"),
@@ -24,7 +24,7 @@ METRICS = (
     ("gauge", "kv_blocks_total", "KV blocks in the pool", "num_blocks"),
     ("gauge", "kv_blocks_cached", "free KV blocks still findable by the prefix cache", "cached_blocks"),
     ("counter", "prompt_tokens", "prompt tokens queued", "prompt_tokens"),
-    ("counter", "generation_tokens", "tokens generated", "generation_tokens"),
+    ("counter", "generation_tokens", "tokens generated", "generated_tokens"),
     ("gauge", "generation_tokens_per_second", f"tokens generated per second over the last {RATE_WINDOW_S:g} s",
      "tokens_per_second"),
     ("counter", "preemptions", "sequences preempted (recomputed later) for want of KV blocks", "preemptions"),
@@ -56,9 +56,7 @@ class ServerMetrics:
     def __init__(self):
         self._lock = threading.Lock()
         self._ttft, self._tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
-        self._finished: dict[str, int] = {}
-        self._rejected: dict[str, int] = {}
-        self._generated = 0
+        self._finished, self._rejected = Counter(), Counter()  # by finish reason; by why
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last RATE_WINDOW_S seconds
         self._timings: dict[str, tuple[float, float, int]] = {}  # (first, last token's time, tokens) by request id
         self._engine: dict = {}
@@ -71,7 +69,6 @@ class ServerMetrics:
             if count == 0:
                 self._ttft.observe(now - arrival)
             self._timings[request_id] = (first, now, count + tokens)
-            self._generated += tokens
             self._recent.append((now, tokens))
 
     def finished(self, request_id: str, reason: str | None) -> None:
@@ -81,11 +78,11 @@ class ServerMetrics:
             if count > 1:
                 self._tpot.observe((last - first) / (count - 1))
             if reason is not None:
-                self._finished[reason] = self._finished.get(reason, 0) + 1
+                self._finished[reason] += 1
 
     def rejected(self, reason: str) -> None:
         with self._lock:
-            self._rejected[reason] = self._rejected.get(reason, 0) + 1
+            self._rejected[reason] += 1
 
     def engine_stats(self, stats: dict) -> None:
         with self._lock:
@@ -98,7 +95,7 @@ class ServerMetrics:
             while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
                 self._recent.popleft()
             rate = sum(n for _, n in self._recent) / RATE_WINDOW_S
-            values = {**self._engine, "generation_tokens": self._generated, "tokens_per_second": rate}
+            values = {**self._engine, "tokens_per_second": rate}
             out: list[str] = []
             for kind, name, help_, key in METRICS:
                 full = f"{PREFIX}_{name}_total" if kind == "counter" else f"{PREFIX}_{name}"
