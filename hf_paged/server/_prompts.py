@@ -62,7 +62,11 @@ class Prepared:
 class PromptBuilder:
     def __init__(self, engine: Engine, chat_template: str | None = None, limits: Limits = Limits(),
                  special_tokens_in_messages: bool = False):
-        self.tokenizer = _own_copy(engine.tokenizer)
+        try:  # (a copy for the tokenizer thread alone: the engine's thread decodes with the original)
+            self.tokenizer = copy.deepcopy(engine.tokenizer)
+        except Exception as exc:  # a tokenizer that cannot be copied: shared, as before (reads only)
+            logger.warning("hf_paged: the tokenizer cannot be copied (%s); the server's threads share it", exc)
+            self.tokenizer = engine.tokenizer
         self.limits, self.special_tokens_in_messages = limits, special_tokens_in_messages
         self.vocab_size = engine.vocab_size
         self.samples_by_default = bool(getattr(engine.generation_config, "do_sample", False))
@@ -179,13 +183,3 @@ def _marked(content: str) -> str:
     template that trims content leaves it out)."""
     start, end = len(content) - len(content.lstrip()), len(content.rstrip())
     return content[:start] + OPEN + content[start:end] + CLOSE + content[end:]
-
-
-def _own_copy(tokenizer):
-    """A copy of ``tokenizer`` (None: None) for the tokenizer thread alone (the engine's thread decodes with the
-    original)."""
-    try:
-        return copy.deepcopy(tokenizer)
-    except Exception as exc:  # a tokenizer that cannot be copied: shared, as before (reads only)
-        logger.warning("hf_paged: the tokenizer cannot be copied (%s); the server's threads share it", exc)
-        return tokenizer
