@@ -85,13 +85,10 @@ def _from_validation_error(exc: ValidationError) -> ServerError:
     else:
         message = f"{param or 'body'}: {first.get('msg', 'invalid value')}"
         if "input" in first and kind != "extra_forbidden":
-            message += f", got {_short(first['input'])}"
+            value = first["input"]
+            got = json.dumps(value) if not isinstance(value, (dict, list)) else json_type(value)
+            message += f", got {got if len(got) <= 40 else got[:37] + '...'}"
     return bad_request(message, param, kind)
-
-
-def _short(value: Any) -> str:
-    text = json.dumps(value) if not isinstance(value, (dict, list)) else json_type(value)
-    return text if len(text) <= 40 else text[:37] + "..."
 
 
 def json_type(value: Any) -> str:
