@@ -83,7 +83,8 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
 
     @app.get("/metrics")
     async def prometheus_metrics():
-        return PlainTextResponse(engine_loop.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
+        return PlainTextResponse(await asyncio.to_thread(engine_loop.metrics.render),
+                                 media_type="text/plain; version=0.0.4; charset=utf-8")
 
     @app.post("/v1/completions")
     async def completions(request: Request):

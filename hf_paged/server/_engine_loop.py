@@ -43,7 +43,6 @@ from hf_paged.server._prompts import Prepared, PromptBuilder
 from hf_paged.server._sampling import Job
 
 logger = logging.getLogger("hf_paged")
-STATS_EVERY_S = 0.05  # how often a busy loop refreshes the stats that /metrics reads
 STREAM_BACKLOG_PER_CHOICE = 64  # events a stream's client may leave unread, per choice, before it is given up
 GRAMMAR_THREADS = 2
 
@@ -108,7 +107,7 @@ class EngineLoop:
     reports; ``thread`` is the engine's thread (started by the app's lifespan)."""
 
     def __init__(self, engine: Engine, capacity: int, prompts: PromptBuilder, on_death: Callable[[str], None] | None):
-        self.engine, self.metrics, self.capacity, self.prompts = engine, ServerMetrics(), capacity, prompts
+        self.engine, self.metrics, self.capacity, self.prompts = engine, ServerMetrics(engine.stats), capacity, prompts
         self.on_death = on_death
         self.death: str | None = None  # why the thread died, once it has
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
@@ -192,7 +191,7 @@ class EngineLoop:
             self._die(f"{type(exc).__name__}: {exc}")
 
     def _serve(self) -> None:
-        stopping, last_stats = False, 0.0
+        stopping = False
         while (busy := self.engine.has_unfinished()) or not stopping:
             for kind, sub in self._take_commands(block=not busy):
                 if kind == "stop":
@@ -203,10 +202,6 @@ class EngineLoop:
                     self._command(kind, sub, stopping)
             if self.engine.has_unfinished():
                 self._step()
-            now = time.perf_counter()
-            if now - last_stats > STATS_EVERY_S or not self.engine.has_unfinished():
-                self.metrics.engine_stats(self.engine.stats())
-                last_stats = now
 
     def _command(self, kind: str, sub: Submission, stopping: bool) -> None:
         """One handler's command; whatever it raises ends that request only."""

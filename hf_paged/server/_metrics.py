@@ -1,8 +1,8 @@
 """``ServerMetrics``: what ``GET /metrics`` reports, in Prometheus' text exposition format (written here, no
 client library needed).
 
-The engine thread records tokens, latencies and finished requests and publishes the engine's ``stats()``; the
-HTTP thread renders. One lock guards both sides.
+The engine thread records tokens, latencies and finished requests; a worker thread of the HTTP side renders them
+with the engine's ``stats()`` of that moment (which takes the engine's lock). One lock guards both sides.
 """
 
 from __future__ import annotations
@@ -10,6 +10,7 @@ from __future__ import annotations
 import threading
 import time
 from collections import Counter, deque
+from collections.abc import Callable
 
 PREFIX = "hf_paged"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
@@ -53,15 +54,16 @@ class Histogram:
 
 
 class ServerMetrics:
-    def __init__(self):
-        self._lock = threading.Lock()
+    """The server's own counts and histograms; ``stats`` is the engine's ``stats`` method."""
+
+    def __init__(self, stats: Callable[[], dict]):
+        self._lock, self._stats = threading.Lock(), stats
         self._ttft, self._tpot = Histogram(TTFT_BUCKETS), Histogram(TPOT_BUCKETS)
         self._finished, self._rejected = Counter(), Counter()  # by finish reason; by why
         self._recent: deque[tuple[float, int]] = deque()  # (time, tokens) of the last RATE_WINDOW_S seconds
         self._timings: dict[str, tuple[float, float, int]] = {}  # (first, last token's time, tokens) by request id
-        self._engine: dict = {}
 
-    # ----- recording (the engine thread; rejected() also the HTTP thread) -------------------------------------
+    # ----- recording (the engine thread; rejected() also the HTTP side) ---------------------------------------
     def generated(self, request_id: str, tokens: int, arrival: float, now: float) -> None:
         """``tokens`` new tokens of ``request_id`` (of a request that arrived at ``arrival``) came at ``now``."""
         with self._lock:
@@ -84,18 +86,15 @@ class ServerMetrics:
         with self._lock:
             self._rejected[reason] += 1
 
-    def engine_stats(self, stats: dict) -> None:
-        with self._lock:
-            self._engine = stats
-
     # ----- rendering -------------------------------------------------------------------------------------------
     def render(self) -> str:
+        stats = self._stats()  # (before our lock: the engine's may wait for a step)
         with self._lock:
             now = time.perf_counter()
             while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
                 self._recent.popleft()
             rate = sum(n for _, n in self._recent) / RATE_WINDOW_S
-            values = {**self._engine, "tokens_per_second": rate}
+            values = {**stats, "tokens_per_second": rate}
             out: list[str] = []
             for kind, name, help_, key in METRICS:
                 full = f"{PREFIX}_{name}_total" if kind == "counter" else f"{PREFIX}_{name}"
