@@ -1,7 +1,7 @@
 """``build_app``: the FastAPI application, its routes and its error handlers.
 
-A request passes the door first: the access check (``--api-key``, the ``Host`` allow-list: ``_access``), the body limits
-(size, read timeout, body deadline: ``_limits``), then its body is parsed and checked off the event loop (``_body``,
+A request passes the door first (``_access``): the access check (``--api-key``, the ``Host`` allow-list) and the body
+limits (size, read timeout, body deadline); then its body is parsed and checked off the event loop (``_body``,
 ``_sampling``). Handlers then hand jobs to the :class:`~hf_paged.server._engine_loop.EngineLoop` and wait on their own
 ``asyncio.Queue``; they never touch the engine. A whole answer is built and serialized on a worker thread, never on the
 event loop, and one choice at a time (``_responses.json_bytes``). A client that goes away (caught when a write fails or,
@@ -43,7 +43,8 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
               special_tokens_in_messages: bool) -> FastAPI:
     """:func:`hf_paged.server.create_app`'s app; its lifespan starts the engine loop and stops it (aborting what is
     still live) when the server shuts down. ``api_key``, ``allowed_hosts``: ``_access.Door``'s; ``limits``: what
-    one client may make the server do (``_limits``); ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
+    one client may make the server do (``_limits.Limits``, which ``Door`` and the prompt builder apply);
+    ``special_tokens_in_messages``: ``_prompts.PromptBuilder``'s."""
     prompts = PromptBuilder(engine, chat_template, limits, special_tokens_in_messages)
     engine_loop = EngineLoop(engine, engine.config.max_num_seqs + max_queued_requests, prompts, on_engine_death)
 

@@ -4,7 +4,7 @@ The body must be UTF-8 JSON (an object), nested at most ``MAX_DEPTH`` levels, an
 Unicode: JSON can carry an unpaired surrogate escape (``"\\ud800"``, half of a split emoji), which no tokenizer can
 encode. Then the fields' types are checked (:mod:`hf_paged.server._protocol`); an error's ``param`` names the field
 as the client wrote it (``messages.0.content``), never pydantic's internals. The size of the body is bounded before
-it is read (:mod:`hf_paged.server._limits`); this work runs off the event loop (the routes call it in a thread).
+it is read (:mod:`hf_paged.server._access`); this work runs off the event loop (the routes call it in a thread).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 uvicorn times a connection out only between requests (``timeout_keep_alive``, armed after a response); a client that
 opens a connection and sends its headers slowly, or not at all, holds it for ever (slowloris). This protocol closes
 a connection whose request line and headers are not complete ``header_timeout`` seconds after the connection opened
-or the response before was sent. (The body's deadline is the app's: :mod:`hf_paged.server._limits`.)
+or the response before was sent. (The body's deadline is the app's: :mod:`hf_paged.server._access`.)
 """
 
 from __future__ import annotations
