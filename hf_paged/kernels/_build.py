@@ -36,7 +36,6 @@ class KernelsUnavailable(RuntimeError):
 
 _lock = threading.Lock()
 _failure: str | None = None
-_loaded = False
 _folder: Path | None = None
 _warned = False
 
@@ -109,7 +108,7 @@ def load(verbose: bool = False) -> Path:
     Raises:
         KernelsUnavailable: with the reason, if there is no GPU, nvcc or ninja, or the build fails.
     """
-    global _failure, _loaded, _folder
+    global _failure, _folder
     if _folder is not None:  # loaded: every layer calls this, so no probing or hashing past the first call
         return _folder
     with _lock:
@@ -120,9 +119,7 @@ def load(verbose: bool = False) -> Path:
             raise KernelsUnavailable(reason)
         arch = arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
         folder = build_dir(arch)
-        if not _loaded:
-            _load_or_build(folder, arch, verbose)
-            _loaded = True
+        _load_or_build(folder, arch, verbose)
         _folder = folder
         return folder
 

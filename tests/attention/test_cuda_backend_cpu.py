@@ -25,7 +25,7 @@ def no_gpu(monkeypatch: pytest.MonkeyPatch):
     """Make the kernels unbuildable here, whatever this machine has, and forget earlier attempts."""
     monkeypatch.setattr(build, "missing_device", lambda: "no CUDA GPU is visible")
     monkeypatch.setattr(build, "missing_requirement", lambda: "no CUDA GPU is visible")
-    for name, fresh in (("_loaded", False), ("_failure", None), ("_warned", False), ("_folder", None)):
+    for name, fresh in (("_failure", None), ("_warned", False), ("_folder", None)):
         monkeypatch.setattr(build, name, fresh)  # (put back after the test)
     monkeypatch.delenv("HF_PAGED_BACKEND", raising=False)
 

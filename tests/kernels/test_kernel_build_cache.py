@@ -68,7 +68,7 @@ def test_load_takes_a_marked_build_without_the_build_tools(tmp_path, monkeypatch
     monkeypatch.setattr(_build, "missing_requirement", lambda: pytest.fail("probed the build tools"))
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *_: (9, 0))
     monkeypatch.setattr(_build, "build_dir", lambda arch: tmp_path)
-    for name, fresh in (("_loaded", False), ("_failure", None), ("_warned", False), ("_folder", None)):
+    for name, fresh in (("_failure", None), ("_warned", False), ("_folder", None)):
         monkeypatch.setattr(_build, name, fresh)  # (put back after the test)
     (tmp_path / "hf_paged_kernels.so").write_bytes(b"\x7fELF")
     (tmp_path / _build.BUILT_MARKER).write_text("x")
