@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import argparse
 
-from benchmarks.e2e.report import labels_in_order, read_rows, workloads_in_order
+from benchmarks.e2e.report import PROFILED, labels_in_order, read_rows, workloads_in_order
 
 
 def plot(rows: list[dict], out: str) -> None:
@@ -21,7 +21,7 @@ def plot(rows: list[dict], out: str) -> None:
     labels = labels_in_order(rows)
     value = {(r["label"], r["workload"]): r for r in rows if r["status"] in ("ok", "short")}
     names = [w for w in workloads_in_order(rows)
-             if w not in ("latency", "profile", "roofline") and any(k[1] == w for k in value)]
+             if w not in ("latency", *PROFILED) and any(k[1] == w for k in value)]
     has_latency = any(key[1] == "latency" for key in value)
     fig, axes = plt.subplots(1, 2 if has_latency else 1, figsize=(11 if has_latency else 8, 4.5),
                              gridspec_kw={"width_ratios": [len(names) or 1, 1]} if has_latency else None,

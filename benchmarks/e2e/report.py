@@ -14,6 +14,9 @@ import os
 
 from hf_paged.bench import run_header
 
+#: Workloads that profile one hf_paged engine rather than time a call of every system
+PROFILED = ("profile", "profile1", "roofline")
+
 
 def make_row(system: str, label: str, workload: str, result: dict | None = None, error: str | None = None,
              status: str = "failed", **settings) -> dict:
@@ -65,7 +68,7 @@ def print_table(rows: list[dict]) -> None:
     """workload x system tok/s (latency: ms per output token), and hf_paged / newest transformers."""
     labels, newest = labels_in_order(rows), newest_transformers(rows)
     cell = {(r["label"], r["workload"]): r for r in rows}
-    names = [w for w in workloads_in_order(rows) if w not in ("profile", "roofline")]
+    names = [w for w in workloads_in_order(rows) if w not in PROFILED]
     cards = sorted({r["card"] for r in rows})
     print(f"\nOutput tokens/s (latency: ms per output token at batch 1, decode only); {'; '.join(cards)}", flush=True)
     ratio_head = f"hf_paged / {newest}" if newest and "hf_paged" in labels else ""
@@ -78,7 +81,7 @@ def print_table(rows: list[dict]) -> None:
             line += f"{_ratio(cell.get(('hf_paged', name)), cell.get((newest, name))):>32}"
         print(line)
     for r in rows:
-        if r["workload"] == "profile" and r.get("tok_per_s"):
+        if r["workload"] in ("profile", "profile1") and r.get("tok_per_s"):
             print(f"steady decode, {r['label']}: batch {r['batch']}, {r['ms_per_step']:.2f} ms per step, "
                   f"{r['busy_device']} busy {_percent(r['busy_fraction'])} ({_percent(r['busy_fraction_with_copies'])}"
                   f" with copies), {r['kernels_per_step']:.0f} kernels per step, pure decode: {r['pure_decode']}")

@@ -13,7 +13,9 @@ Workloads (``--workloads``, in this order by default):
            included) cancel out. Where the system records per-token timestamps (transformers), their mean
            spacing goes in the JSON beside it as a cross-check.
   profile  hf_paged only: an ``hf_paged.Engine`` on the anchor, stepped past every prefill, then 20 decode steps
-           timed (ms per step at batch 256) and 20 profiled (GPU busy fraction: kernel time, overlaps merged / wall)
+           timed (ms per step at batch 256) and 20 profiled (GPU busy fraction: kernel time, overlaps merged / wall;
+           kernels per step)
+  profile1 the same at batch 1 (the latency workload's one 512-token prompt): the kernels of one decode step
   roofline hf_paged only: the anchor through an ``hf_paged.Engine`` (as ``generate_batch`` builds it), timed, then
            again with the whole run under ``torch.profiler``: per phase (prefill / mixed / decode GEMMs and
            attention, KV write, sampler, norms/rotary/elementwise, copies, other, host gaps) the GPU time, the work
@@ -40,7 +42,7 @@ would otherwise hide in a figure) go into the row as ``full_collections_s`` (sec
 progress line. A run that fails is reported and the others still run. Progress lines go to stdout as it runs; the
 JSON (``--json``) is rewritten after every run, so a killed run keeps what it measured.
 
-    python -m benchmarks.e2e.throughput [--workloads anchor,min_new,r64,r1024,latency,profile,roofline]
+    python -m benchmarks.e2e.throughput [--workloads anchor,min_new,r64,r1024,latency,profile,profile1,roofline]
         [--systems hf_paged,transformers,transformers_box] [--json F] [--engine-kwargs '{"block_size": 16}']
         [--max-batch-tokens 8192] [--max-requests 256] [--smoke]
     python -m benchmarks.e2e.throughput --merge a.json b.json [--json merged.json]
@@ -85,7 +87,7 @@ import transformers
 from benchmarks import comma_names
 from benchmarks.e2e.decode_profile import profile_decode
 from benchmarks.e2e.other_transformers import run_other_transformers
-from benchmarks.e2e.report import make_row, print_table, read_rows, write_json
+from benchmarks.e2e.report import PROFILED, make_row, print_table, read_rows, write_json
 from benchmarks.e2e.roofline import format_table, run_roofline
 from benchmarks.e2e.systems import (
     Budget, EngineSizing, hf_paged_system, timed_latency, timed_throughput, transformers_system, warm_up)
@@ -97,7 +99,7 @@ DEFAULT_SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transfo
 # hf_paged variants: the engine options each adds to --engine-kwargs
 HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False},
                      "hf_paged_cublas": {"skinny_linear": False}}
-HF_PAGED_ONLY = ("profile", "roofline")
+HF_PAGED_ONLY = PROFILED
 SWEEP_WORKLOADS = ("anchor", "r64", "latency")
 _DIRECTORIES = re.compile(r"/[^\s:,'\"]*/")
 
@@ -212,7 +214,7 @@ def run_system(system: str, workloads: list[Workload], args: argparse.Namespace,
         start = time.perf_counter()
         try:
             with EngineSizing() as sizing:
-                if w.name == "profile":
+                if w.name in ("profile", "profile1"):
                     result = profile_decode(model, w, budget, engine_kwargs, vocab, steps=steps)
                 elif w.name == "roofline":
                     warm_up(model, generate, warm.prompts(vocab), warm.generation_config())
@@ -339,7 +341,7 @@ def _result(row: dict) -> str:
         total = row["total"]
         text += (f"; GPU kernels {total['gpu_ms']:.0f} ms against a roofline of {total['roofline_ms']:.0f} ms "
                  f"({total['wall_ms']:.0f} ms wall profiled)")
-    if row["workload"] == "profile":
+    if row["workload"] in ("profile", "profile1"):
         busy = row["busy_fraction"]
         text += f", {row['ms_per_step']:.2f} ms per step at batch {row['batch']}, busy " + (
             "n/a" if busy is None else f"{busy:.0%}")

@@ -49,7 +49,7 @@ class Workload:
         low, high = self.prompt_range
         return dataclasses.replace(
             self, num_requests=max(1, self.num_requests // 64), take=self.take and max(1, self.take // 64),
-            new_tokens=32 if self.name == "profile" else 4, prompt_len=self.prompt_len and self.prompt_len // 16,
+            new_tokens=32 if self.name.startswith("profile") else 4, prompt_len=self.prompt_len and self.prompt_len // 16,
             prompt_range=(low // 16, high // 16))
 
     def prompts(self, vocab: int) -> list[list[int]]:
@@ -81,6 +81,7 @@ WORKLOADS = {
                  description="batch 1, 512-token prompt: ms per output token, decode only"),
         Workload("profile", 256, 256, description="hf_paged Engine, steady decode at the anchor's batch: "
                                                   "ms per step and GPU busy fraction"),
+        Workload("profile1", 1, 256, prompt_len=512, description="the profile at batch 1: one 512-token prompt"),
         Workload("roofline", 256, 256, description="hf_paged Engine on the anchor, the whole run profiled: GPU time "
                                                    "per phase against the card's measured roofline"),
     )
