@@ -31,6 +31,9 @@ class ForwardContext:
     """The process's: the linear layers patched by ``hf_paged.compile`` run on the skinny decode kernel."""
     own_call: bool = False
     """The process's: one of hf_paged's own model calls (a step set) is running."""
+    layer_kernels: bool = False
+    """The process's: the modules routed by ``hf_paged.compile._layer_kernels`` (RMSNorm, the MLP's SiLU x up, the
+    rotary embedding) run on hf_paged's layer kernels; set only for calls whose layers run eagerly."""
 
 
 class _ThreadContext(threading.local):
@@ -42,15 +45,16 @@ _process = ForwardContext()  # only its process's fields are read; changed in pl
 
 
 @contextmanager
-def forward_context(step: Any = None, *, skinny_linears: bool = False, local_logits: bool = False) -> Iterator[None]:
+def forward_context(step: Any = None, *, skinny_linears: bool = False, local_logits: bool = False,
+                    layer_kernels: bool = False) -> Iterator[None]:
     """Set the context of one model call (see the module docstring); the previous one is back afterwards."""
-    saved = (_thread.context, _process.skinny_linears, _process.own_call)
-    _thread.context = ForwardContext(step, local_logits, skinny_linears, step is not None)
-    _process.skinny_linears, _process.own_call = skinny_linears, step is not None
+    saved = (_thread.context, _process.skinny_linears, _process.own_call, _process.layer_kernels)
+    _thread.context = ForwardContext(step, local_logits, skinny_linears, step is not None, layer_kernels)
+    _process.skinny_linears, _process.own_call, _process.layer_kernels = skinny_linears, step is not None, layer_kernels
     try:
         yield
     finally:
-        _thread.context, _process.skinny_linears, _process.own_call = saved
+        _thread.context, _process.skinny_linears, _process.own_call, _process.layer_kernels = saved
 
 
 def current_step() -> Any:
@@ -64,6 +68,10 @@ def local_logits() -> bool:
 
 def skinny_linears() -> bool:
     return _process.skinny_linears
+
+
+def layer_kernels() -> bool:
+    return _process.layer_kernels
 
 
 def in_own_call() -> bool:

@@ -1,7 +1,8 @@
 """The one registry of the replacements hf_paged puts on a model's modules (their ``forward``, or another attribute).
 
-hf_paged changes a model's behaviour in six ways, each by giving modules a ``forward`` of their own: the compiled
-layers (``compile._layers``), the skinny linear routing (``compile._skinny_linears``), a tensor-parallel model's local
+hf_paged changes a model's behaviour in seven ways, each by giving modules a ``forward`` of their own: the compiled
+layers (``compile._layers``), the skinny linear routing (``compile._skinny_linears``), the layer kernels' routing
+(``compile._layer_kernels``, which also replaces a modeling module's rotary function), a tensor-parallel model's local
 products (``parallel._linears``) and its local logits (``parallel._logits``), and ``optimize_generate``'s packed
 prefill on the model itself (``generate._packed_prefill``); and ``optimize_generate`` gives the model its own
 ``generate``, ``create_masks_for_generate`` and ``get_compiled_call`` (``generate._adapter``). Each goes through
@@ -16,7 +17,7 @@ from collections.abc import Callable, Iterable
 
 import torch
 
-KINDS = ("compiled_layers", "skinny_linears", "tp_linears", "tp_logits", "packed_prefill", "generate",
+KINDS = ("compiled_layers", "skinny_linears", "layer_kernels", "tp_linears", "tp_logits", "packed_prefill", "generate",
          "generate_masks", "compiled_call")
 _RECORD = "_hf_paged_patches"  # module attribute: [(kind, attribute, its value before the patch or None: its class's)]
 

@@ -93,18 +93,21 @@ class DecodeGraphs:
             smallest and the largest at start, each other one at the first step that would use it.
         compiled: the model's compiled layers (``Engine(compile_layers=...)``), captured in place of the eager ones.
         skinny: capture with the skinny linear routing on (``Engine(skinny_linear=...)``).
+        layer_kernels: capture eager layers on the layer kernels (``Engine(layer_kernels=...)``).
         local_logits: capture a tensor-parallel ``lm_head`` returning this rank's vocabulary columns
             (``tp_logits.install``).
     """
 
     def __init__(self, model: torch.nn.Module, pool: KVPool, dispatcher: Dispatcher, tables: BlockTableBuffer,
                  sizes: SequenceType[int], last_tokens: torch.Tensor, compiled: CompiledLayers | None = None,
-                 skinny: bool = False, capture: str = "start", local_logits: bool = False):
+                 skinny: bool = False, capture: str = "start", local_logits: bool = False,
+                 layer_kernels: bool = False):
         if not sizes or any(not isinstance(s, int) or s < 1 for s in sizes):
             raise ValueError(f"CUDA graph batch sizes must be positive integers, got {list(sizes)!r}")
         self.model, self.pool, self.dispatcher = model, pool, dispatcher
         self.tables, self.last_tokens = tables, last_tokens
         self.compiled, self.skinny, self.local_logits = compiled, skinny, local_logits
+        self.layer_kernels = layer_kernels
         wanted = sorted(set(sizes))
         # Captured at start (``sizes``: kept sorted as later captures join), the largest when none is (captured at
         # the first step a graph can serve), and the others waiting to be needed
@@ -120,8 +123,10 @@ class DecodeGraphs:
         self._staging = StagingBuffer(SEGMENTS * b_max, self.device)
         self._stage = self._staging.device_buffer
         self.device_tables = DeviceBlockTable(tables, w, self.device)
-        # flat rows: [1, b] views are contiguous for any b
-        self._ids, self._pos, self._slots = torch.zeros(3, b_max, dtype=torch.int64, **dev)
+        # three tensors, not rows of one: the compiled layers' guards then hold for the graphs' [1, b] views and the
+        # eager steps' alike (as rows of one [3, b_max] tensor, the first prompt step after the capture recompiled
+        # the rotary embedding and every decoder layer)
+        self._ids, self._pos, self._slots = (torch.zeros(b_max, dtype=torch.int64, **dev) for _ in range(3))
         self._lens = torch.zeros(b_max, dtype=torch.int32, **dev)
         self._cu_q = torch.arange(b_max + 1, dtype=torch.int32, **dev)
         self._cu_k = torch.zeros(b_max + 1, dtype=torch.int32, **dev)
@@ -278,7 +283,8 @@ class DecodeGraphs:
         segments = {"cu_seqlens_q": self._cu_q[: b + 1], "cu_seqlens_k": self._cu_k[: b + 1], "seq_lens_k": seq_lens,
                     "block_tables": tables}
         meta = step_metadata(plan, segments, self._slots[:b], bs)
-        with model_call(PagedStep(meta, self.pool, self.dispatcher), self.compiled, self.skinny, self.local_logits):
+        with model_call(PagedStep(meta, self.pool, self.dispatcher), self.compiled, self.skinny, self.local_logits,
+                        self.layer_kernels):
             return call_model(self.model, self._ids[:b].view(1, b), self._pos[:b].view(1, b), 0)
 
     def _stage_padding(self, b: int) -> None:

@@ -15,11 +15,13 @@ from hf_paged.attention._step import PagedStep
 
 @contextmanager
 def model_call(step: PagedStep, compiled: CompiledLayers | None, skinny: bool,
-               local_logits: bool = False) -> Iterator[None]:
+               local_logits: bool = False, layer_kernels: bool = False) -> Iterator[None]:
     """The context of the engine's own model calls: the step in the forward context, the skinny linear routing
-    (``skinny``) and a tensor-parallel ``lm_head``'s local logits (``local_logits``: ``hf_paged.parallel._logits``)
-    where asked, and the model's compiled layers where it has them."""
-    with forward_context(step, skinny_linears=skinny, local_logits=local_logits), \
+    (``skinny``), a tensor-parallel ``lm_head``'s local logits (``local_logits``: ``hf_paged.parallel._logits``) and
+    the layer kernels (``layer_kernels``, for calls without compiled layers) where asked, and the model's compiled
+    layers where it has them."""
+    with forward_context(step, skinny_linears=skinny, local_logits=local_logits,
+                         layer_kernels=layer_kernels and compiled is None), \
             compiled.active() if compiled is not None else nullcontext():
         yield
 

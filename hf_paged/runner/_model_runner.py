@@ -19,6 +19,7 @@ import torch
 
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._block_table import BlockTableBuffer
+from hf_paged.compile import _layer_kernels as layer_kernels
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.hf import _placement as placement
 from hf_paged.hf._support import paged_kv
@@ -73,6 +74,10 @@ class ModelRunner:
         self.compiled = background_compile.layers_for_engine(
             model, cfg.compile_layers, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
         self.skinny = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
+        # where the layers run eagerly (steps of one token beside compiled layers, a background compile's first
+        # steps, compile_layers=False), their norms, MLPs and rotary embedding run on the layer kernels
+        self.layer_kernels = layer_kernels.for_engine(
+            model, cfg.layer_kernels, "the model is tensor parallel" if self.lockstep is not None else None)
         # compile_layers="background": once the helper process is done, the layers switch to compiled ones between
         # two steps (take_compiled_layers); an engine of one call keeps its eager layers (a switch inside a call would
         # make its tokens depend on timing)
@@ -125,7 +130,7 @@ class ModelRunner:
                  else sizes_for(cfg.cuda_graphs, cfg.max_num_seqs))
         graphs = DecodeGraphs(self.model, self.pool, self.dispatcher, self.tables, sizes, self.last_tokens,
                               self.compiled, self.skinny, capture=cfg.cuda_graph_capture,
-                              local_logits=self.vocab_shards is not None)
+                              local_logits=self.vocab_shards is not None, layer_kernels=self.layer_kernels)
         reason = graphs.capture()
         if reason is not None:
             graphs.device_tables.close()
@@ -233,7 +238,7 @@ class ModelRunner:
         if self.output_device is not None:  # (the hidden states' device: the base model's last module)
             rows = rows.to(self.output_device, non_blocking=True)
         with model_call(PagedStep(meta, self.pool, self.dispatcher), compiled, self.skinny,
-                        self.vocab_shards is not None):
+                        self.vocab_shards is not None, self.layer_kernels):
             logits = call_model(self.model, ids.view(1, t), pos.view(1, t), rows)
         return logits[: plan.num_sampled]  # (the plan pads the rows: runner/_step_plan.py)
 

@@ -1,0 +1,141 @@
+"""The layer kernels' routing (``hf_paged.compile._layer_kernels``): which modules it routes (what they compute, not
+their names), that routed calls hand the kernels the right tensors, and that every call outside the flag runs the
+model's own code. The kernels themselves run on CUDA only (``tests/gpu/kernels/test_layer_ops_gpu.py``); here the
+Llama references of ``hf_paged.kernels._layer_ops`` stand in for them, so a routing that passed gate for up, or cos
+for sin, changes the logits."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+from tiny_models import VOCAB, make_config
+from transformers import AutoModelForCausalLM
+
+from hf_paged import _forward_context
+from hf_paged.compile import _layer_kernels as layer_kernels
+from hf_paged.compile import _patches as patches
+from hf_paged.kernels import _layer_ops as ops
+
+
+def _model(arch: str) -> torch.nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(make_config(arch), attn_implementation="eager").eval()
+    for p in model.parameters():  # norms start at ones (Gemma's at zeros): give them values of their own
+        if p.dim() == 1:
+            p.data.normal_(1.0, 0.1)
+    return model
+
+
+@pytest.fixture
+def stand_ins(monkeypatch):
+    """The references as the kernels, on the CPU, counting their calls."""
+    calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+
+    def counted(name, function):
+        def call(*args):
+            calls[name] += 1
+            return function(*args)
+        return call
+
+    monkeypatch.setattr(ops, "serves", lambda *tensors: all(t.dtype == tensors[0].dtype for t in tensors))
+    monkeypatch.setattr(ops, "rms_norm", counted("rms_norm", ops.rms_norm_reference))
+    monkeypatch.setattr(ops, "silu_and_mul", counted("silu_and_mul", ops.silu_and_mul_reference))
+    monkeypatch.setattr(ops, "rotary", counted("rotary", ops.rotary_reference))
+    return calls
+
+
+def _logits(model, ids, kernels: bool) -> torch.Tensor:
+    with torch.no_grad(), _forward_context.forward_context(layer_kernels=kernels):
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3"])
+def test_routed_calls_give_the_models_own_logits(arch, stand_ins):
+    model = _model(arch)
+    ids = torch.randint(0, VOCAB, (2, 9), generator=torch.Generator().manual_seed(1))
+    want = _logits(model, ids, kernels=False)
+    try:
+        routed = layer_kernels.install(model)
+        layers = model.config.num_hidden_layers
+        norms = 2 * layers + 1 + (2 * layers if arch == "qwen3" else 0)  # (Qwen3's q_norm and k_norm too)
+        assert sum(int(r.rsplit(" x ", 1)[1]) for r in routed if "RMSNorm" in r) == norms
+        assert any(r.endswith(f"MLP x {layers}") for r in routed)
+        assert any(r.endswith(".apply_rotary_pos_emb x 1") for r in routed)
+        assert torch.equal(_logits(model, ids, kernels=False), want)
+        assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}  # no flag: the model's own code
+        assert torch.equal(_logits(model, ids, kernels=True), want)
+        assert stand_ins == {"rms_norm": norms, "silu_and_mul": layers, "rotary": layers}
+    finally:
+        layer_kernels.uninstall(model)
+
+
+def test_the_packed_gate_and_up_are_split_in_their_order(stand_ins):
+    from hf_paged.compile._packed_weights import pack_siblings
+
+    model = _model("llama_gqa")
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    want = _logits(model, ids, kernels=False)
+    assert pack_siblings(model) > 0
+    try:
+        layer_kernels.install(model)
+        assert torch.equal(_logits(model, ids, kernels=True), want)
+        assert stand_ins["silu_and_mul"] == model.config.num_hidden_layers
+    finally:
+        layer_kernels.uninstall(model)
+
+
+def test_modules_that_compute_something_else_keep_their_code(stand_ins):
+    model = _model("gemma")  # RMSNorm of (1 + weight), a GELU MLP; its rotary embedding is Llama's
+    ids = torch.randint(0, VOCAB, (1, 6), generator=torch.Generator().manual_seed(3))
+    want = _logits(model, ids, kernels=False)
+    try:
+        routed = layer_kernels.install(model)
+        assert routed == ["modeling_gemma.apply_rotary_pos_emb x 1"]
+        assert torch.equal(_logits(model, ids, kernels=True), want)
+        assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": model.config.num_hidden_layers}
+    finally:
+        layer_kernels.uninstall(model)
+    assert layer_kernels.install(_model("gpt2")) == []  # LayerNorm (bias), no gate/up, no rotary
+
+
+def test_uninstall_gives_every_module_and_the_rotary_function_back():
+    model = _model("llama_gqa")
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    function = family.apply_rotary_pos_emb
+    layer_kernels.install(model)
+    assert family.apply_rotary_pos_emb is not function
+    assert patches.patched(model.modules(), "layer_kernels")
+    assert len(layer_kernels.install(model)) == 3  # installing again changes nothing
+    layer_kernels.uninstall(model)
+    assert family.apply_rotary_pos_emb is function
+    assert not patches.patched(model.modules(), "layer_kernels")
+
+
+def test_a_call_the_kernel_does_not_take_runs_the_functions_own_code(stand_ins):
+    model = _model("llama_gqa")
+    family = sys.modules[type(model.model.layers[0].self_attn).__module__]
+    g = torch.Generator().manual_seed(4)
+    q, k = torch.randn(1, 3, 4, 16, generator=g), torch.randn(1, 3, 2, 16, generator=g)  # [batch, tokens, heads, d]
+    cos, sin = torch.randn(1, 3, 16, generator=g), torch.randn(1, 3, 16, generator=g)
+    want = [t.transpose(1, 2) for t in ops.rotary_reference(q.transpose(1, 2), k.transpose(1, 2), cos, sin)]
+    try:
+        layer_kernels.install(model)
+        with _forward_context.forward_context(layer_kernels=True):
+            got = family.apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=2)
+        assert stand_ins["rotary"] == 0  # an argument the kernel does not take: the function itself ran
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    finally:
+        layer_kernels.uninstall(model)
+
+
+def test_the_engine_setting_says_why_it_cannot_serve():
+    model = _model("llama_gqa")
+    assert layer_kernels.for_engine(model, None) is False  # a CPU model: automatic means off
+    assert layer_kernels.for_engine(model, False) is False
+    with pytest.raises(ValueError, match="cannot be served: the model is on cpu.*layer_kernels=False"):
+        layer_kernels.for_engine(model, True)
+    with pytest.raises(ValueError, match="tensor parallel"):
+        layer_kernels.for_engine(model, True, "the model is tensor parallel")
+    assert not patches.patched(model.modules(), "layer_kernels")
