@@ -72,8 +72,8 @@ BATCHING_NO_EFFECT = frozenset({
 })
 #: hf_paged's own settings, read from the continuous-batching config under these names (an ``EngineConfig`` passed
 #: as the config is taken as it is).
-OWN_SETTINGS = ("cuda_graphs", "cuda_graph_capture", "compile_layers", "skinny_linear", "kv_cache_dtype",
-                "logprobs_mode")
+OWN_SETTINGS = ("cuda_graphs", "cuda_graph_capture", "compile_layers", "skinny_linear", "layer_kernels",
+                "kv_cache_dtype", "logprobs_mode")
 _SAMPLING = ("temperature", "top_k", "top_p", "min_p")
 TRANSFORMERS_BLOCK = 256  # transformers' default page (block) size
 

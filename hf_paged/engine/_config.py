@@ -24,7 +24,8 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _CACHE = {f.name: f for f in fields(CacheConfig)}
 #: The settings that take one of a few values, and those values (None: automatic).
 _CHOICES = {"enable_prefix_caching": (True, False), "async_scheduling": (True, False, None),
-            "skinny_linear": (True, False, None), "layer_kernels": (True, False, None), "compile_layers": (True, False, None, "background"),
+            "skinny_linear": (True, False, None), "layer_kernels": (True, False, None),
+            "compile_layers": (True, False, None, "background"),
             "cuda_graph_capture": (*GRAPH_CAPTURE, None), "logprobs_mode": LOGPROBS_MODES}
 
 

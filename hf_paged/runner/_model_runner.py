@@ -257,5 +257,6 @@ class ModelRunner:
             "cuda_graphs": graphs.stats() if graphs is not None else None,
             "compiled_layers": self.compiled is not None and self.compiled.enabled,
             "skinny_linear": self.skinny,
+            "layer_kernels": self.layer_kernels and (self.compiled is None or not self.compiled.enabled),
             "cuda_graph_capture": self.config.cuda_graph_capture if graphs is not None else None,
         }
