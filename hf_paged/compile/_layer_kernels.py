@@ -1,16 +1,19 @@
-"""Route a model's RMSNorms, SiLU MLPs and rotary embedding to hf_paged's layer kernels, for layers run eagerly.
+"""Route a model's RMSNorms, MLPs, q/k/v and rotary embedding to hf_paged's layer kernels, for layers run eagerly.
 
 A decoder layer that runs without ``torch.compile`` runs transformers' modules operator by operator: RMSNorm as six
 kernels, the rotary embedding as about ten per tensor, SiLU x up as two, each a launch and a pass over memory
 (Llama-3.2-1B, one decode step at batch 1 on an H100: 666 kernels and 2.50 ms, against 221 and 1.42 ms compiled).
-:func:`install` gives three kinds of the model's code a replacement that, inside hf_paged's own model calls whose
-layers run eagerly (``hf_paged._forward_context.layer_kernels``), runs one kernel of
-``hf_paged.kernels._layer_ops`` instead, and the code's own forward everywhere else:
+:func:`install` gives four kinds of the model's code a replacement that, inside hf_paged's own model calls whose
+layers run eagerly (``hf_paged._forward_context.layer_kernels``), runs one launch where they take several, and the
+code's own forward everywhere else:
 
 - each RMSNorm module (a ``weight`` and an ``eps`` or ``variance_epsilon``, no children): ``rms_norm``;
 - each MLP of ``gate_proj``, ``up_proj`` and ``down_proj`` linears: the gate and up products as one where their
-  weights lie end to end (``hf_paged.compile._packed_weights``; through the skinny kernel where the call routes the
-  linears), ``silu_and_mul`` on the two halves, then ``down_proj``;
+  weights lie end to end (:func:`install` lays them so: ``hf_paged.compile._packed_weights``; through the skinny
+  kernel where the call routes the linears), ``silu_and_mul`` on the two halves, then ``down_proj``;
+- each attention's ``q_proj``, ``k_proj`` and ``v_proj`` whose weights lie end to end: the first call computes the
+  three products as one and hands the keys and values to the two calls that follow on the same input tensor (views
+  of the one product, no kernel); a call on another input computes its own;
 - the ``apply_rotary_pos_emb`` function of the attention modules' modeling module: ``rotary`` for queries and keys
   (a replacement of the module's global, so every model of that family in the process goes through it; outside
   hf_paged's own calls it is the function itself).
@@ -32,6 +35,7 @@ import torch.nn.functional as F
 
 from hf_paged import _forward_context
 from hf_paged.compile import _patches as patches
+from hf_paged.compile._packed_weights import pack_siblings
 from hf_paged.hf._placement import base_model, decoder_layers
 from hf_paged.kernels import _layer_ops as ops
 from hf_paged.kernels import _skinny as skinny
@@ -42,6 +46,7 @@ logger = logging.getLogger("hf_paged")
 _KIND = "layer_kernels"
 _ROPE = "apply_rotary_pos_emb"
 _MLP = ("gate_proj", "up_proj", "down_proj")
+_QKV = ("q_proj", "k_proj", "v_proj")
 
 
 def for_engine(model: torch.nn.Module, setting: bool | None, reason: str | None = None) -> bool:
@@ -78,9 +83,13 @@ def install(model: torch.nn.Module) -> list[str]:
     layers = decoder_layers(model)
     if layers is None:
         raise ValueError(f"{type(model).__name__} has no list of decoder layers to route to the layer kernels")
+    pack_siblings(model)  # gate/up and q/k/v in one product each
     verdicts: dict[type, bool] = {}  # a class's forward computes the reference's (asked of its first instance)
     routed: dict[str, int] = {}
     for module in base_model(model).modules():
+        if _is_qkv(module) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
+            _route_siblings(module, _QKV)
+            routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
         route = _norm_route if _is_norm(module) else _mlp_route if _is_mlp(module) else None
         if route is None:
             continue
@@ -119,6 +128,21 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 def _is_mlp(module: torch.nn.Module) -> bool:
     return all(type(getattr(module, name, None)) is torch.nn.Linear for name in _MLP)
+
+
+def _is_qkv(module: torch.nn.Module) -> bool:
+    return all(type(getattr(module, name, None)) is torch.nn.Linear for name in _QKV)
+
+
+def _packed(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+    """The one weight (and bias) of ``module``'s linears ``names`` where they lie end to end, else None."""
+    linears = [getattr(module, name) for name in names]
+    return skinny.packed_rows([m.weight for m in linears], [m.bias for m in linears])
+
+
+def _product(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
+    """``x`` times a packed weight: on the skinny kernel where the call routes the linears, else ``F.linear``."""
+    return skinny.linear(x, *packed) if _forward_context.skinny_linears() else F.linear(x, *packed)
 
 
 def _computes_reference(module: torch.nn.Module) -> bool:
@@ -183,13 +207,49 @@ def _mlp_route(module: torch.nn.Module, eager: Callable) -> Callable:
     def forward(x: torch.Tensor) -> torch.Tensor:
         if not (_forward_context.layer_kernels() and ops.serves(x, gate.weight, up.weight)):
             return eager(x)
-        packed = skinny.packed_rows([gate.weight, up.weight], [gate.bias, up.bias])
+        packed = _packed(module, _MLP[:2])
         if packed is None:
             return down(ops.silu_and_mul(gate(x), up(x)))
-        both = skinny.linear(x, *packed) if _forward_context.skinny_linears() else F.linear(x, *packed)
-        return down(ops.silu_and_mul(*both.split(gate.out_features, dim=-1)))
+        return down(ops.silu_and_mul(*_product(x, packed).split(gate.out_features, dim=-1)))
 
     return forward
+
+
+def _route_siblings(parent: torch.nn.Module, names: tuple[str, ...]) -> None:
+    """Route ``parent``'s linears ``names`` (weights end to end): the first computes every product as one and holds
+    the others' outputs for their calls on the same input tensor; each later one takes its own (the tensor is held
+    until the last is taken, so its identity cannot be reused meanwhile)."""
+    linears = [getattr(parent, name) for name in names]
+    held: dict = {}  # "input": the first's input; name: that linear's output, until taken
+
+    def first(eager: Callable) -> Callable:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if not (_forward_context.layer_kernels() and ops.serves(x, linears[0].weight)):
+                return eager(x)
+            held.clear()
+            packed = _packed(parent, names)
+            if packed is None:  # (weights replaced since install)
+                return eager(x)
+            outs = _product(x, packed).split([m.out_features for m in linears], dim=-1)
+            held.update(zip(names[1:], outs[1:]), input=x)
+            return outs[0]
+
+        return forward
+
+    def later(name: str, eager: Callable) -> Callable:
+        def forward(x: torch.Tensor) -> torch.Tensor:
+            if held and held.get("input") is x and name in held:
+                out = held.pop(name)
+                if len(held) == 1:
+                    held.clear()
+                return out
+            return eager(x)
+
+        return forward
+
+    patches.install(linears[0], _KIND, first)
+    for name, linear in zip(names[1:], linears[1:]):
+        patches.install(linear, _KIND, lambda eager, name=name: later(name, eager))
 
 
 def _rope_route(original: Callable) -> Callable:

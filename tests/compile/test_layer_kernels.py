@@ -63,6 +63,7 @@ def test_routed_calls_give_the_models_own_logits(arch, stand_ins):
         assert sum(int(r.rsplit(" x ", 1)[1]) for r in routed if "RMSNorm" in r) == norms
         assert any(r.endswith(f"MLP x {layers}") for r in routed)
         assert any(r.endswith(".apply_rotary_pos_emb x 1") for r in routed)
+        assert f"q_proj+k_proj+v_proj x {layers}" in routed
         assert torch.equal(_logits(model, ids, kernels=False), want)
         assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}  # no flag: the model's own code
         assert torch.equal(_logits(model, ids, kernels=True), want)
@@ -92,12 +93,35 @@ def test_modules_that_compute_something_else_keep_their_code(stand_ins):
     want = _logits(model, ids, kernels=False)
     try:
         routed = layer_kernels.install(model)
-        assert routed == ["modeling_gemma.apply_rotary_pos_emb x 1"]
+        assert routed == ["q_proj+k_proj+v_proj x 2", "modeling_gemma.apply_rotary_pos_emb x 1"]
         assert torch.equal(_logits(model, ids, kernels=True), want)
         assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": model.config.num_hidden_layers}
     finally:
         layer_kernels.uninstall(model)
     assert layer_kernels.install(_model("gpt2")) == []  # LayerNorm (bias), no gate/up, no rotary
+
+
+def test_q_k_v_run_as_one_product_whose_views_the_calls_on_its_input_take(stand_ins):
+    model = _model("llama_gqa")
+    attn = model.model.layers[0].self_attn
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(1, 4, model.config.hidden_size, generator=g), torch.randn(1, 4, model.config.hidden_size,
+                                                                                 generator=g)
+    try:
+        layer_kernels.install(model)
+        with torch.no_grad(), _forward_context.forward_context(layer_kernels=True):
+            q, k, v = attn.q_proj(x), attn.k_proj(x), attn.v_proj(x)
+            k_other = attn.k_proj(y)  # another input: its own product
+        base = q.untyped_storage().data_ptr()
+        assert k.untyped_storage().data_ptr() == base and v.untyped_storage().data_ptr() == base
+        assert k_other.untyped_storage().data_ptr() != base
+        for got, linear, inp in ((q, attn.q_proj, x), (k, attn.k_proj, x), (v, attn.v_proj, x),
+                                 (k_other, attn.k_proj, y)):
+            torch.testing.assert_close(got, torch.nn.functional.linear(inp, linear.weight, linear.bias))
+        with torch.no_grad():  # no flag: each its own product
+            assert attn.k_proj(x).untyped_storage().data_ptr() != attn.q_proj(x).untyped_storage().data_ptr()
+    finally:
+        layer_kernels.uninstall(model)
 
 
 def test_uninstall_gives_every_module_and_the_rotary_function_back():
@@ -107,7 +131,7 @@ def test_uninstall_gives_every_module_and_the_rotary_function_back():
     layer_kernels.install(model)
     assert family.apply_rotary_pos_emb is not function
     assert patches.patched(model.modules(), "layer_kernels")
-    assert len(layer_kernels.install(model)) == 3  # installing again changes nothing
+    assert len(layer_kernels.install(model)) == 4  # installing again changes nothing
     layer_kernels.uninstall(model)
     assert family.apply_rotary_pos_emb is function
     assert not patches.patched(model.modules(), "layer_kernels")
