@@ -100,12 +100,6 @@ class GenerateHooks:
         return mask
 
 
-#: ``generate``'s inputs that hf_paged's own calls of a ``generate`` forward (the packed prompt forward, the replayed
-#: decode steps) leave out: the positions come as ``position_ids``. The compiled layers then see the same inputs in
-#: both, and serve them with one trace.
-OWN_CALL_DROPS = ("cache_position",)
-
-
 def planned_step(mask) -> PagedStep | None:
     """The step a forward got as its mask: the mask's, or that of the one mask every layer type got (models with
     sliding layers get one per type); None for anything else."""

@@ -29,7 +29,7 @@ import torch
 
 from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
-from hf_paged.generate._adapter import OWN_CALL_DROPS, planned_step
+from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._cuda_graphs import CudaGraphs
@@ -141,9 +141,8 @@ class DecodeSteps:
         packed = {name: kwargs[name].view(1, rows) for name in _MOVING if name in kwargs}
         if "logits_to_keep" in kwargs:
             packed["logits_to_keep"] = 0  # every token of the one row is a sequence's last
-        kept = {key: value for key, value in kwargs.items() if key not in OWN_CALL_DROPS}
         with model_call(step, self.compiled, self.skinny):
-            output = self.model(**{**kept, **packed, "attention_mask": None})
+            output = self.model(**{**kwargs, **packed, "attention_mask": None})
         output.logits = output.logits.view(rows, 1, -1)
         return output
 

@@ -29,7 +29,7 @@ import torch
 from hf_paged import _forward_context
 from hf_paged.attention._step import PagedStep
 from hf_paged.compile._layers import CompiledLayers
-from hf_paged.generate._adapter import OWN_CALL_DROPS, planned_step
+from hf_paged.generate._adapter import planned_step
 from hf_paged.generate._paged_cache import PagedAttentionCache
 from hf_paged.hf.compat import cache_in
 from hf_paged.runner._model_call import model_call
@@ -42,8 +42,8 @@ from hf_paged.runner._model_call import model_call
 MIN_ROWS = 2
 
 _PASSED = ("use_cache", "return_dict")  # flags passed on as they are
-_READ = ("input_ids", "position_ids", "attention_mask", "logits_to_keep", "cache", "past_key_values",
-         *OWN_CALL_DROPS)
+_DROPPED = ("cache_position",)  # tensors the packed call leaves out: it gives the positions itself
+_READ = ("input_ids", "position_ids", "attention_mask", "logits_to_keep", "cache", "past_key_values", *_DROPPED)
 
 
 class PackedPrefill:
@@ -76,7 +76,7 @@ class PackedPrefill:
                                  for t in (ids, kwargs["position_ids"]))
         packed = PagedStep(dataclasses.replace(meta, token_index=None, grid=(1, meta.num_tokens)), step.pool,
                            step.dispatcher)
-        passed = {key: value for key, value in kwargs.items() if key not in OWN_CALL_DROPS}
+        passed = {key: value for key, value in kwargs.items() if key not in _DROPPED}
         passed.update(input_ids=packed_ids, position_ids=positions, attention_mask=None,
                       logits_to_keep=cu_seqlens[1:].long() - 1)
         with torch.no_grad(), model_call(packed, self.compiled, self.skinny):
