@@ -49,21 +49,17 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def for_engine(model: torch.nn.Module, setting: bool | None, reason: str | None = None) -> bool:
-    """Whether the engine's eager model calls run the layer kernels per ``Engine(layer_kernels=...)`` (installing
-    the routing when they do): None (automatic) where the model is on one CUDA device and the kernels load, True the
-    same or an error saying why not, False never. ``reason``: why the engine cannot use them whatever the model (a
-    tensor-parallel model's layers)."""
-    if setting is False:
+def for_engine(model: torch.nn.Module, setting: bool, reason: str | None = None) -> bool:
+    """Whether the engine's eager model calls run the layer kernels per ``Engine(layer_kernels=...)``, installing the
+    routing where asked; a model they cannot serve raises ``ValueError`` saying why. ``reason``: why the engine cannot
+    use them whatever the model (a tensor-parallel model's layers)."""
+    if not setting:
         return False
     reason = reason or _unsupported_reason(model)
     if reason is None and not install(model):
         reason = "no RMSNorm, MLP or rotary embedding of the model computes what the kernels do"
     if reason is not None:
-        if setting:
-            raise ValueError(f"layer_kernels=True cannot be served: {reason}; pass layer_kernels=False")
-        logger.info("hf_paged: eager layers keep transformers' modules: %s", reason)
-        return False
+        raise ValueError(f"layer_kernels=True cannot be served: {reason}; pass layer_kernels=False")
     return True
 
 

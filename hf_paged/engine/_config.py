@@ -24,7 +24,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _CACHE = {f.name: f for f in fields(CacheConfig)}
 #: The settings that take one of a few values, and those values (None: automatic).
 _CHOICES = {"enable_prefix_caching": (True, False), "async_scheduling": (True, False, None),
-            "skinny_linear": (True, False, None), "layer_kernels": (True, False, None),
+            "skinny_linear": (True, False, None), "layer_kernels": (True, False),
             "compile_layers": (True, False, None, "background"),
             "cuda_graph_capture": (*GRAPH_CAPTURE, None), "logprobs_mode": LOGPROBS_MODES}
 
@@ -65,7 +65,7 @@ class EngineConfig:
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None
     logprobs_mode: str = LOGPROBS_MODES[0]
-    layer_kernels: bool | None = None
+    layer_kernels: bool = False
 
     def __post_init__(self) -> None:
         cache = self.cache_config  # the pool's checks

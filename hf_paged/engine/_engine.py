@@ -88,11 +88,11 @@ class Engine(EngineCore):
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
             engine's own model calls use it.
-        layer_kernels: where the layers run eagerly (not compiled), run their RMSNorms, SiLU MLPs and rotary
-            embedding on hf_paged's layer kernels (one launch each instead of several per module), for the modules
-            that compute what Llama's do (``hf_paged/compile/_layer_kernels.py``). None: on for models on one CUDA
-            device where the kernels build and the model is not tensor parallel; True the same or an error saying
-            why not; False keeps transformers' modules. Only the engine's own model calls use them.
+        layer_kernels: where the layers run eagerly (not compiled), run their RMSNorms, SiLU MLPs, q/k/v products and
+            rotary embedding on hf_paged's layer kernels (one launch each instead of several per module), for the
+            modules that compute what Llama's do (``hf_paged/compile/_layer_kernels.py``): on a model on one CUDA
+            device, not tensor parallel, where the kernels build (else an error saying why). Off by default; only
+            the engine's own model calls use them.
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
@@ -143,7 +143,7 @@ class Engine(EngineCore):
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
         cuda_graph_capture: str | None = EngineConfig.cuda_graph_capture,
         logprobs_mode: str = EngineConfig.logprobs_mode,
-        layer_kernels: bool | None = EngineConfig.layer_kernels,
+        layer_kernels: bool = EngineConfig.layer_kernels,
         *,
         workload: Workload | None = None,
     ):
