@@ -181,6 +181,32 @@ def test_stub_model_keeps_rows_like_a_causal_lm():
 
 
 @pytest.mark.slow
+def test_generate_latency_fresh_cache_builds_a_cache_per_call(tmp_path, monkeypatch):
+    """``--fresh-cache``: every call of a paged system gets a new cache (one kept cache otherwise), same tokens."""
+    import hf_paged
+
+    built = []
+
+    class Counted(hf_paged.PagedAttentionCache):
+        def __init__(self, *args, **kwargs):
+            built.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(hf_paged, "PagedAttentionCache", Counted)
+    runs = {}
+    for fresh in (False, True):
+        built.clear()
+        path = tmp_path / f"latency_{fresh}.json"
+        _run(generate_latency.main, ["--smoke", "--batches", "2", "--systems", "hf_paged,hf_paged_compiled",
+                                     "--repeats", "1", "--json", str(path)] + ["--fresh-cache"] * fresh)
+        data = json.loads(path.read_text())
+        assert data["settings"]["fresh_cache"] == str(fresh)
+        assert all(r["status"] == "ok" and r["tokens_match"] == 2 for r in data["rows"]), data["rows"]
+        runs[fresh] = len(built)
+    assert runs[False] == 2  # one kept cache per system
+    assert runs[True] >= 2 * 3  # each system's calls: the first, then one of each length
+
+
 def test_generate_latency_smoke(tmp_path):
     """Every system of the plain-generate benchmark runs (flash-attn's skips on the CPU), the compiled ones compile
     (one graph for the decode step) and every system gives hf_paged eager's tokens on the tiny float32 model."""

@@ -29,13 +29,15 @@ call over its tokens (everything a caller waits for). ``first_call_s`` is the
 wall of the first call (compile and CUDA-graph capture included for the compiled systems), ``compile_s`` that
 minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate did not compile). Inductor's on-disk
 graph cache is off, so each compiled system compiles from scratch.
-``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
+The paged systems reuse one ``PagedAttentionCache`` across their calls unless ``--fresh-cache`` gives each call a new
+one (a user's ``generate`` call builds its own: the cache's set-up and the first step's work on a new cache then count
+in every call, ``ms_per_token_all_in`` above all). ``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
 Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run. ``--isolate`` runs each
 system at each batch size in a fresh process (one run's compiled code, allocator state or first-compile imports
 then cannot reach the next; each run loads its model anew).
 
     python -m benchmarks.generate.latency [--batches 1,16,64] [--systems ...] [--new-tokens 128]
-        [--block-size 16] [--repeats 3] [--isolate] [--json F] [--markdown F] [--smoke]
+        [--block-size 16] [--repeats 3] [--fresh-cache] [--isolate] [--json F] [--markdown F] [--smoke]
 
 ``--smoke`` runs every path on a tiny model on the CPU (batches 1 and 2, prompts of 8 to 24 tokens, 6 new tokens;
 the compiled systems compile with ``--compile-backend``, default "eager" there); its numbers mean nothing.
@@ -116,7 +118,7 @@ def run_isolated(system: str, batch_size: int, args: argparse.Namespace) -> tupl
     passed = ["--new-tokens", str(args.new_tokens), "--block-size", str(args.block_size), "--repeats",
               str(args.repeats), "--guard-filter", args.guard_filter]
     passed += ["--compile-backend", args.compile_backend] if args.compile_backend else []
-    passed += ["--skip-guard-eval"] * args.skip_guard_eval + ["--smoke"] * args.smoke
+    passed += ["--skip-guard-eval"] * args.skip_guard_eval + ["--smoke"] * args.smoke + ["--fresh-cache"] * args.fresh_cache
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.pt"
         child = subprocess.run(module_command(__spec__.name, "--systems", system, "--batches", str(batch_size),
@@ -175,6 +177,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-guard-eval", action="store_true",
                         help="after each compiled system's first call, evaluate only the guards that tell its "
                              "graphs apart (torch.compiler.set_stance(skip_guard_eval_unsafe=True))")
+    parser.add_argument("--fresh-cache", action="store_true",
+                        help="a new PagedAttentionCache for every call (as users make one per call) instead of one "
+                             "cache every call of a system reuses")
     parser.add_argument("--isolate", action="store_true",
                         help="run each system at each batch size in a process of its own")
     parser.add_argument("--child-out", type=Path, default=None, help=argparse.SUPPRESS)  # --isolate's runs

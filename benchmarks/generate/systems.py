@@ -76,21 +76,23 @@ def generate_call(system: str, model, batch: dict, args: argparse.Namespace):
         return lambda k: model.generate(**batch, max_new_tokens=k, **common)
     rows, width = batch["input_ids"].shape
     bs = args.block_size
-    cache = hf_paged.PagedAttentionCache(
-        model.config, num_blocks=rows * -(-(width + args.new_tokens) // bs) + 8, block_size=bs, device=device,
-        dtype=model.dtype, max_new_tokens=args.new_tokens if system in COMPILED else None,
-        compileable=(True if device.type == "cpu" else None) if system in COMPILED else False)
-    if system in COMPILED and not cache.is_compileable:
-        raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
-    if system == "hf_paged_compiled_skinny":
-        from hf_paged.compile import _skinny_linears as skinny_linear
 
-        def call(k):
-            with forward_context(skinny_linears=True):
-                return model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)
+    def new_cache() -> hf_paged.PagedAttentionCache:
+        cache = hf_paged.PagedAttentionCache(
+            model.config, num_blocks=rows * -(-(width + args.new_tokens) // bs) + 8, block_size=bs, device=device,
+            dtype=model.dtype, max_new_tokens=args.new_tokens if system in COMPILED else None,
+            compileable=(True if device.type == "cpu" else None) if system in COMPILED else False)
+        if system in COMPILED and not cache.is_compileable:
+            raise RuntimeError(f"the cache is not compileable here: {cache.compile_mode.reason}")
+        return cache
 
-        return warmed_stance(call, args) if system in COMPILED else call
-    call = lambda k: model.generate(**with_cache(model, cache, **batch), max_new_tokens=k, **common)  # noqa: E731
+    kept = None if args.fresh_cache else new_cache()  # --fresh-cache: one per call, as a user makes it
+
+    def call(k):
+        inputs = with_cache(model, kept or new_cache(), **batch)
+        with forward_context(skinny_linears=system == "hf_paged_compiled_skinny"):
+            return model.generate(**inputs, max_new_tokens=k, **common)
+
     return warmed_stance(call, args) if system in COMPILED else call
 
 
