@@ -49,8 +49,8 @@ class Workload:
         low, high = self.prompt_range
         return dataclasses.replace(
             self, num_requests=max(1, self.num_requests // 64), take=self.take and max(1, self.take // 64),
-            new_tokens=32 if self.name.startswith("profile") else 4, prompt_len=self.prompt_len and self.prompt_len // 16,
-            prompt_range=(low // 16, high // 16))
+            new_tokens=32 if self.name.startswith("profile") else 4,
+            prompt_len=self.prompt_len and self.prompt_len // 16, prompt_range=(low // 16, high // 16))
 
     def prompts(self, vocab: int) -> list[list[int]]:
         gen = torch.Generator().manual_seed(self.seed)

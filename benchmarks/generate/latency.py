@@ -31,7 +31,8 @@ minus a warm call's and ``graphs`` the graphs torch.compile made (0: generate di
 graph cache is off, so each compiled system compiles from scratch.
 The paged systems reuse one ``PagedAttentionCache`` across their calls unless ``--fresh-cache`` gives each call a new
 one (a user's ``generate`` call builds its own: the cache's set-up and the first step's work on a new cache then count
-in every call, ``ms_per_token_all_in`` above all). ``tokens_match`` counts the rows whose tokens equal hf_paged eager's (bf16: a near-tie may flip a token).
+in every call, ``ms_per_token_all_in`` above all). ``tokens_match`` counts the rows whose tokens equal hf_paged
+eager's (bf16: a near-tie may flip a token).
 Progress lines go to stdout as it runs; the JSON (``--json``) is rewritten after every run. ``--isolate`` runs each
 system at each batch size in a fresh process (one run's compiled code, allocator state or first-compile imports
 then cannot reach the next; each run loads its model anew).
@@ -118,7 +119,8 @@ def run_isolated(system: str, batch_size: int, args: argparse.Namespace) -> tupl
     passed = ["--new-tokens", str(args.new_tokens), "--block-size", str(args.block_size), "--repeats",
               str(args.repeats), "--guard-filter", args.guard_filter]
     passed += ["--compile-backend", args.compile_backend] if args.compile_backend else []
-    passed += ["--skip-guard-eval"] * args.skip_guard_eval + ["--smoke"] * args.smoke + ["--fresh-cache"] * args.fresh_cache
+    passed += ["--skip-guard-eval"] * args.skip_guard_eval + ["--smoke"] * args.smoke
+    passed += ["--fresh-cache"] * args.fresh_cache
     with tempfile.TemporaryDirectory() as folder:
         out = Path(folder) / "run.pt"
         child = subprocess.run(module_command(__spec__.name, "--systems", system, "--batches", str(batch_size),

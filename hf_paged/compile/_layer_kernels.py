@@ -154,7 +154,8 @@ def _computes_reference(module: torch.nn.Module) -> bool:
         x = _random((3, gate.in_features), gate.weight)
 
         def reference(x):
-            return down(ops.silu_and_mul_reference(F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias)))
+            products = (F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias))
+            return down(ops.silu_and_mul_reference(*products))
     with torch.no_grad():
         try:
             same = torch.equal(module.forward(x), reference(x))
