@@ -40,7 +40,8 @@ def test_rms_norm_is_the_modules_up_to_one_rounding_step(dtype, rows, hidden, st
     assert got.shape == want.shape and got.dtype == dtype and got.is_contiguous()
     diff = (got.float() - want.float()).abs()
     assert bool((diff <= 2 * STEP[dtype] * want.float().abs() + 1e-30).all()), diff.max()
-    assert (diff == 0).float().mean() > 0.9  # most elements exactly the module's
+    if dtype != torch.float32:  # (in float32 a row whose factor differs in its last bit differs everywhere)
+        assert (diff == 0).float().mean() > 0.9  # most elements exactly the module's
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
