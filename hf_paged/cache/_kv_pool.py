@@ -103,10 +103,9 @@ def blocks_for_budget(layout: KVLayout, block_size: int, dtype: torch.dtype, dev
     (``pool_room``).
 
     With layers on several devices, the budget applies to each device and the tightest device decides. ``dtype``
-    is what the pool stores (1 byte an element for fp8, whose scales come off the budget first).
+    is what the pool stores (1 byte an element for fp8, whose scales come off the budget first). ``budget`` is
+    checked where it is given (``CacheConfig``).
     """
-    if budget is not None and not (isinstance(budget, float) and 0.0 < budget <= 1.0):
-        raise ValueError(f"a memory budget must be a fraction in (0, 1] of free memory, got {budget!r}")
     per_block = layout.bytes_per_block(block_size, dtype)
     counts = Counter(torch.device(d) for d in devices)
     # Each device holds counts[d] of the layers: size by the device with the least room per layer.
