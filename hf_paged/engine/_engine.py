@@ -221,11 +221,7 @@ class Engine(EngineCore):
                 seq.arrival = (arrival, 0)
                 self.requests.track(seq)
                 self.counters.prompt_tokens += seq.num_tokens
-                error = self._never_runs(seq)
-                if error is not None:
-                    self.scheduler.reject(seq, error)
-                else:
-                    self.scheduler.add(seq)
+                self.scheduler.add(seq, self._never_runs(seq))
             return [seq.request_id for seq in seqs]
 
     def _never_runs(self, seq: Sequence) -> str | None:

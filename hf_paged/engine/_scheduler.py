@@ -47,8 +47,14 @@ class Scheduler:
         self.num_preemptions = 0
         self.failed: list[Sequence] = []  # finished outside a step (errors, aborts), reported by the next step
 
-    def add(self, seq: Sequence) -> None:
-        self.waiting.append(seq)
+    def add(self, seq: Sequence, error: str | None = None) -> None:
+        """Queue a new sequence; with ``error`` (the engine refused it at the door) end it at once instead, reported by
+        the next step."""
+        if error is None:
+            self.waiting.append(seq)
+        else:
+            seq.finish("error", error)
+            self.failed.append(seq)
 
     def enqueue(self, seq: Sequence) -> None:
         """Put a sequence holding no blocks back in the queue at its arrival place (a preempted one goes first)."""
@@ -170,11 +176,6 @@ class Scheduler:
             self.finish(seq, "abort")
         self.failed += hit
         return hit
-
-    def reject(self, seq: Sequence, error: str) -> None:
-        """End a sequence that never ran (the engine refused it at the door): reported by the next step."""
-        seq.finish("error", error)
-        self.failed.append(seq)
 
     def take_failed(self) -> list[Sequence]:
         """The sequences finished outside a step (errors, aborts) since the last call."""
