@@ -139,8 +139,8 @@ class BlockManager:
         fixed = self.blocks_needed(seq, 0, hits)
         if fixed > free:
             return 0
-        computed = len(hits) * self.block_size if hits is not None else seq.num_computed_tokens
-        room = (len(hits) if hits is not None else len(seq.block_table)) * self.block_size - computed
+        # the room left in the blocks already held (none in a waiting sequence's hits: they are full)
+        room = 0 if hits is not None else len(seq.block_table) * self.block_size - seq.num_computed_tokens
         return min(num_tokens, room + (free - fixed) * self.block_size)
 
     def _needs_copy(self, seq: Sequence) -> bool:
