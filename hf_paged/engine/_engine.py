@@ -471,8 +471,7 @@ class Engine(EngineCore):
     def _hand_over_delta(self, seq: Sequence, delta: TokenDelta) -> None:
         """Record ``delta`` as handed to its reader; a request's last delta closes it."""
         seq.num_streamed += len(delta.token_ids)
-        if delta.text:
-            seq.text_state.sent += len(delta.text)
+        seq.text_state.sent += len(delta.text or "")  # (None without a tokenizer)
         if delta.finished and seq in self.requests.outbox:
             self.requests.outbox.remove(seq)
             self.requests.untrack(seq)
@@ -496,8 +495,7 @@ class Engine(EngineCore):
                 seq = self.requests.open.get(delta.request_id)
                 if seq is not None:
                     seq.num_streamed -= len(delta.token_ids)
-                    if delta.text:
-                        seq.text_state.sent -= len(delta.text)
+                    seq.text_state.sent -= len(delta.text or "")
 
     def _apply_cancels(self) -> None:
         self._put_back()  # (before a reader's requests are dropped: the outputs taken out for it go too)
