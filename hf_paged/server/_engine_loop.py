@@ -184,24 +184,23 @@ class EngineLoop:
 
     # ----- the engine thread -----------------------------------------------------------------------------------
     def _run(self) -> None:
+        """The thread's loop: take the handlers' commands (waiting for one when idle) and step while anything is
+        live, until stopped and drained; anything that escapes it is the thread's death."""
+        stopping = False
         try:
-            self._serve()
+            while (busy := self.engine.has_unfinished()) or not stopping:
+                for kind, sub in self._take_commands(block=not busy):
+                    if kind == "stop":
+                        stopping = True
+                        self._abort_live(ServerError(503, "the server is shutting down; the request was aborted",
+                                                     code="shutting_down"))
+                    else:
+                        self._command(kind, sub, stopping)
+                if self.engine.has_unfinished():
+                    self._step()
         except BaseException as exc:
             logger.exception("hf_paged: the engine loop died; the server cannot serve any more")
             self._die(f"{type(exc).__name__}: {exc}")
-
-    def _serve(self) -> None:
-        stopping = False
-        while (busy := self.engine.has_unfinished()) or not stopping:
-            for kind, sub in self._take_commands(block=not busy):
-                if kind == "stop":
-                    stopping = True
-                    self._abort_live(ServerError(503, "the server is shutting down; the request was aborted",
-                                                 code="shutting_down"))
-                else:
-                    self._command(kind, sub, stopping)
-            if self.engine.has_unfinished():
-                self._step()
 
     def _command(self, kind: str, sub: Submission, stopping: bool) -> None:
         """One handler's command; whatever it raises ends that request only."""
