@@ -29,7 +29,7 @@ from hf_paged.attention._metadata import PagedMetadata, Phase, build_metadata
 @torch.library.custom_op("hf_paged::store_kv", mutates_args=("k_cache", "v_cache"))
 def _store_kv(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
               slot_mapping: torch.Tensor, writer: str, has_padding_slots: bool) -> None:
-    meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
+    meta = dataclasses.replace(_NO_STEP, slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta)
 
 
@@ -40,7 +40,7 @@ def _store_kv_fp8(key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
                   slot_mapping: torch.Tensor, writer: str, has_padding_slots: bool, k_scale: torch.Tensor,
                   v_scale: torch.Tensor) -> None:
     """An fp8 cache's write: its scales are set on a layer's first write (kv_quant), so the op mutates them too."""
-    meta = _step(slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
+    meta = dataclasses.replace(_NO_STEP, slot_mapping=slot_mapping, has_padding_slots=has_padding_slots)
     backend_named(writer).write_kv(key, value, k_cache, v_cache, meta, kv_scales=KVScales(k_scale, v_scale))
 
 
@@ -50,10 +50,10 @@ def _paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      seq_lens_k: torch.Tensor, block_tables: torch.Tensor, phase: str, max_seqlen_q: int,
                      max_seqlen_k: int, backend: str, scale: float, sliding_window: int | None, softcap: float | None,
                      k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
-    meta = _step(cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_lens_k=seq_lens_k,
-                 block_tables=block_tables, phase=Phase(phase), max_seqlen_q=max_seqlen_q,
-                 max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
-                 num_tokens=query.shape[0])
+    meta = dataclasses.replace(_NO_STEP, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k, seq_lens_k=seq_lens_k,
+                               block_tables=block_tables, phase=Phase(phase), max_seqlen_q=max_seqlen_q,
+                               max_seqlen_k=max_seqlen_k, block_size=k_cache.shape[1], num_seqs=seq_lens_k.shape[0],
+                               num_tokens=query.shape[0])
     params = AttentionParams(scale=scale, sliding_window=sliding_window, softcap=softcap)
     scales = None if k_scale is None else KVScales(k_scale, v_scale)
     served = backend_named(backend)
@@ -98,8 +98,3 @@ _NO_STEP = dataclasses.replace(
     build_metadata(q_lens=_EMPTY, seq_lens_k=_EMPTY, block_tables=_EMPTY, slot_mapping=_EMPTY, token_index=None,
                    grid=(0, 0), block_size=0, device=torch.device("cpu")),
     phase=Phase.DECODE, cu_seqlens_q=_EMPTY, cu_seqlens_k=_EMPTY, slot_mapping=_EMPTY, scratch_per_call=True)
-
-
-def _step(**fields) -> PagedMetadata:
-    """A :class:`PagedMetadata` with what the op was given (:data:`_NO_STEP` elsewhere)."""
-    return dataclasses.replace(_NO_STEP, **fields)
