@@ -216,9 +216,10 @@ def _stop_tuple(stop) -> tuple[str, ...]:
     return tuple(stop)
 
 
-#: The settings read from a GenerationConfig, by the type they must have (None: unset).
-_INTS = ("max_new_tokens", "min_new_tokens", "max_length", "min_length", "num_beams", "top_k",
-         "num_return_sequences", "seed", "top_logprobs", "prompt_logprobs")
+#: The settings read from a GenerationConfig, by the type they must have (None: unset). The integers are those of
+#: ``_INT_RANGES`` and three without a range of their own: the lengths give the token counts, num_beams above 1 is
+#: refused.
+_INTS = (*_INT_RANGES, "max_length", "min_length", "num_beams")
 _REALS = ("temperature", "top_p", "min_p", "repetition_penalty")
 _BOOLS = ("do_sample", "output_logprobs", "output_scores")
 #: Those that are ``SamplingParams`` fields of the same name and meaning.
