@@ -108,11 +108,8 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
         await _next(sub.events, request)  # (Accepted)
         if job.stream:  # the stream owns the request from here
             return EventStream(_stream(engine_loop, sub, request, reply), stream_timeout)
-        finished: list[Finished] = []
-        while len(finished) < len(job.prompts) * job.n:
-            event = await _next(sub.events, request)
-            if isinstance(event, Finished):
-                finished.append(event)
+        # (the engine loop posts deltas to streams only: each event here is a choice's Finished)
+        finished: list[Finished] = [await _next(sub.events, request) for _ in range(len(job.prompts) * job.n)]
     except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
         engine_loop.cancel(sub)
         raise
