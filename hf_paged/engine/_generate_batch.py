@@ -66,9 +66,9 @@ def generate_batch(
     (256, transformers' default, reads as hf_paged's 16), ``max_batch_tokens``, ``max_requests_per_batch``,
     ``max_memory_percent``, ``allow_block_sharing``, ``use_async_batching``, ``use_cuda_graph``, ``return_logprobs``,
     ``seed``, and hf_paged's own ``cuda_graphs``, ``cuda_graph_capture``, ``compile_layers``, ``skinny_linear``,
-    ``layer_kernels``, ``kv_cache_dtype`` and ``logprobs_mode`` (what ``return_logprobs``' logprobs are of: ``"raw_logprobs"``, the
-    default, or ``"processed_logprobs"``, the distribution each token was drawn from); the knobs of transformers' own
-    runner change nothing here. An :class:`~hf_paged.EngineConfig` is taken as it is. Unset sizes are automatic and
+    ``layer_kernels``, ``kv_cache_dtype`` and ``logprobs_mode`` (what ``return_logprobs``' logprobs are of:
+    ``"raw_logprobs"``, the default, or ``"processed_logprobs"``, the distribution each token was drawn from); the
+    knobs of transformers' own runner change nothing here. An :class:`~hf_paged.EngineConfig` is taken as it is. Unset sizes are automatic and
     fit the call (``engine/_sizing.py``): the pool holds the whole workload within the memory budget (default 0.8 of
     free device memory; on a CPU at most 3% of its RAM).
 
