@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from hf_paged.server._access import Door
-from hf_paged.server._engine_loop import Delta, EngineLoop, Event, Finished, Submission
+from hf_paged.server._engine_loop import Delta, EngineLoop, Event, Finished
 from hf_paged.server._errors import ServerError
 from hf_paged.server._limits import Limits
 from hf_paged.server._prompts import PromptBuilder
@@ -107,7 +107,7 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
     try:
         await _next(sub.events, request)  # (Accepted)
         if job.stream:  # the stream owns the request from here
-            return EventStream(_stream(engine_loop, sub, request, reply), stream_timeout)
+            return EventStream(_stream(engine_loop, request, reply), stream_timeout)
         # (the engine loop posts deltas to streams only: each event here is a choice's Finished)
         finished: list[Finished] = [await _next(sub.events, request) for _ in range(len(job.prompts) * job.n)]
     except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
@@ -138,19 +138,17 @@ class EventStream(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, reply: Reply) -> AsyncIterator[str]:
-    job = sub.job
-    num_choices, finished, tokens = len(job.prompts) * job.n, 0, 0
+async def _stream(engine_loop: EngineLoop, request: Request, reply: Reply) -> AsyncIterator[str]:
+    """The server-sent events of ``reply``'s request: its chunks, then ``[DONE]``; the request's error (refused, or
+    failed in the engine) as an event of its own before ``[DONE]``. A request left unfinished is aborted."""
+    sub = reply.sub
+    job, num_choices, finished, tokens = sub.job, len(sub.job.prompts) * sub.job.n, 0, 0
     try:
         for index in range(num_choices):
             if job.chat or job.echo:
                 yield reply.chunk(index, "" if job.chat else sub.prepared.echo_texts[index // job.n], first=True)
         while finished < num_choices:
-            try:
-                event = await _next(sub.events, request)
-            except ServerError as error:
-                yield sse(error.body())
-                break
+            event = await _next(sub.events, request)
             if isinstance(event, Delta):
                 text = event.tokens.text or ""
                 if text or (event.tokens.token_ids and event.tokens.logprobs is not None):
@@ -158,15 +156,16 @@ async def _stream(engine_loop: EngineLoop, sub: Submission, request: Request, re
             else:
                 finished, tokens = finished + 1, tokens + len(event.output.token_ids)
                 yield reply.chunk(event.index, "", event.output.finish_reason)
-        else:
-            if job.include_usage:
-                yield reply.usage_chunk(tokens)
-        yield sse("[DONE]")
+        if job.include_usage:
+            yield reply.usage_chunk(tokens)
+    except ServerError as error:
+        yield sse(error.body())
     except ClientDisconnect:
-        pass
+        return
     finally:
         if finished < num_choices:  # (a job whose choices all finished is gone from the engine already)
             engine_loop.cancel(sub)
+    yield sse("[DONE]")
 
 
 async def _next(events: asyncio.Queue, request: Request) -> Event:
