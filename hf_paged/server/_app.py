@@ -113,7 +113,6 @@ async def _serve(engine_loop: EngineLoop, request: Request, model, served: str, 
     except BaseException:  # refused, failed, client gone, or the handler was cancelled (server shutdown)
         engine_loop.cancel(sub)
         raise
-    finished.sort(key=lambda f: f.index)
     return await asyncio.to_thread(lambda: Response(json_bytes(reply.completion(finished)),
                                                     media_type="application/json"))
 

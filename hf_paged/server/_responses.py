@@ -20,10 +20,11 @@ class Reply:
         self.id, self.created = f"{'chatcmpl' if self.chat else 'cmpl'}-{uuid.uuid4().hex}", int(time.time())
 
     def completion(self, done: list[Finished]) -> dict:
-        """The whole answer. Completions only: with ``echo``, the text of each prompt is put before its choices'
-        text; with ``max_tokens: 0``, the prompt alone (the token computed to score it is dropped)."""
+        """The whole answer, its choices in index order whatever the order of ``done``. Completions only: with
+        ``echo``, the text of each prompt is put before its choices' text; with ``max_tokens: 0``, the prompt alone
+        (the token computed to score it is dropped)."""
         n, echo, prompt_only, choices = self.sub.job.n, self.sub.prepared.echo_texts, self.sub.job.max_tokens == 0, []
-        for f in done:
+        for f in sorted(done, key=lambda f: f.index):
             out = f.output
             if self.chat:
                 choice = {"message": {"role": "assistant", "content": out.text or ""},
