@@ -26,7 +26,6 @@ from hf_paged.cli._arguments import (exit_with, file_bytes, non_negative_float, 
                                      positive_int, port)
 from hf_paged.cli._generate import add_engine_arguments, utf8
 from hf_paged.server import INSTALL_HINT, create_app
-from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 from hf_paged.server._limits import Limits
 
 logger = logging.getLogger("hf_paged")
@@ -122,8 +121,9 @@ def run(args: argparse.Namespace) -> int:
 
 def _app(args: argparse.Namespace):
     """The app serving the model ``args`` name; sets ``args.served_model_name`` to what it serves under."""
-    # (torch, transformers and the engine: imported once serve runs)
+    # (torch, transformers and the engine, and the optional starlette: imported once serve runs and has found them)
     from hf_paged.cli._generate_run import build_engine, load
+    from hf_paged.server._access import LOOPBACK_HOSTS, is_loopback
 
     # by default, against DNS rebinding: loopback names where the host is loopback and no key is required
     allowed = args.allowed_hosts or (LOOPBACK_HOSTS if is_loopback(args.host) and not args.api_key else None)

@@ -12,6 +12,8 @@
   ``body_timeout`` seconds after its headers (one that trickles a byte now and then), gets a 408: a slow client must
   not hold a connection and a request's memory for ever. The waits are on the body only, never on a response being
   streamed.
+
+``answer(error)`` is the response that says a ``ServerError``, the door's and the app's error handlers' alike.
 """
 
 from __future__ import annotations
@@ -20,11 +22,18 @@ import asyncio
 import hmac
 import ipaddress
 
-from hf_paged.server._errors import ServerError, send_error
+from starlette.responses import JSONResponse
+
+from hf_paged.server._errors import ServerError
 from hf_paged.server._limits import Limits
 
 LOOPBACK_HOSTS = ("localhost", "127.0.0.1", "::1")
 OPEN_PATHS = ("/health", "/metrics")  # answered without the API key
+
+
+def answer(error: ServerError, headers: dict[str, str] | None = None) -> JSONResponse:
+    """The response that says ``error``, in OpenAI's shape: the door's, and the app's error handlers'."""
+    return JSONResponse(error.body(), status_code=error.status, headers=headers)
 
 
 def is_loopback(host: str) -> bool:
@@ -50,23 +59,23 @@ class Door:
         if self.allowed_hosts is not None:
             host = _host_name(headers.get(b"host", b"").decode("latin-1"))
             if host and host not in self.allowed_hosts:
-                return await send_error(send, ServerError(
+                return await answer(ServerError(
                     403, f"the Host header {host!r} is not allowed here: this server answers requests addressed "
                          f"to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or --api-key)",
-                    code="host_not_allowed"))
+                    code="host_not_allowed"))(scope, receive, send)
         if self.api_key is not None and scope["path"] not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await send_error(send, ServerError(
+                return await answer(ServerError(
                     401, "missing or wrong API key; send it as the header 'Authorization: Bearer <key>' (the "
                          "openai client's api_key)", code="invalid_api_key"),
-                    ((b"www-authenticate", b"Bearer"),))
+                    {"www-authenticate": "Bearer"})(scope, receive, send)
         declared = headers.get(b"content-length")
         if declared is not None and not declared.isdigit():
-            return await send_error(send, ServerError(400, "the Content-Length header is not a number"),
-                                    ((b"connection", b"close"),))
+            return await answer(ServerError(400, "the Content-Length header is not a number"),
+                                {"connection": "close"})(scope, receive, send)
         if declared is not None and int(declared) > self.limits.max_body_bytes:
-            return await send_error(send, self._too_large(int(declared)), ((b"connection", b"close"),))
+            return await answer(self._too_large(int(declared)), {"connection": "close"})(scope, receive, send)
         return await self.app(scope, self._bounded(receive), send)
 
     def _too_large(self, size: int | None) -> ServerError:

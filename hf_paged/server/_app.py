@@ -20,11 +20,11 @@ import time
 from collections.abc import AsyncIterator
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import PlainTextResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from hf_paged.server._access import Door
+from hf_paged.server._access import Door, answer
 from hf_paged.server._engine_loop import Delta, EngineLoop, Event, Finished
 from hf_paged.server._errors import ServerError
 from hf_paged.server._limits import Limits
@@ -185,12 +185,8 @@ async def _next(events: asyncio.Queue, request: Request) -> Event:
         return event
 
 
-def _answer(error: ServerError, headers=None) -> JSONResponse:
-    return JSONResponse(error.body(), status_code=error.status, headers=headers)
-
-
 async def _server_error(request: Request, exc: ServerError):
-    return _answer(exc)
+    return answer(exc)
 
 
 async def _http_error(request: Request, exc: StarletteHTTPException):
@@ -201,13 +197,13 @@ async def _http_error(request: Request, exc: StarletteHTTPException):
                          "method_not_allowed")
     else:
         message, code = str(exc.detail), None
-    return _answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
+    return answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
 
 
 async def _client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
-    return _answer(ServerError(499, "client closed the request"))
+    return answer(ServerError(499, "client closed the request"))
 
 
 async def _unexpected(request: Request, exc: Exception):
     logger.exception("hf_paged: unexpected error serving %s", request.url.path)
-    return _answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
+    return answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import json
-
 #: OpenAI's ``type`` for each status the server answers with; any other status (400, 401, 405, 413, 499) is an
 #: ``invalid_request_error``.
 ERROR_TYPES = {403: "permission_error", 404: "not_found_error", 408: "timeout_error", 429: "rate_limit_error",
@@ -26,11 +24,3 @@ class ServerError(Exception):
 def bad_request(message: str, param: str | None = None, code: str | None = None) -> ServerError:
     return ServerError(400, message, param, code)
 
-
-async def send_error(send, error: ServerError, headers: tuple[tuple[bytes, bytes], ...] = ()) -> None:
-    """Answer an ASGI request with ``error`` (for middleware, which answers before any route runs)."""
-    body = json.dumps(error.body()).encode()
-    await send({"type": "http.response.start", "status": error.status,
-                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
-                            *headers]})
-    await send({"type": "http.response.body", "body": body})
