@@ -137,8 +137,12 @@ def _packed(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tens
 
 
 def _product(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) -> torch.Tensor:
-    """``x`` times a packed weight: on the skinny kernel where the call routes the linears, else ``F.linear``."""
-    return skinny.linear(x, *packed) if _forward_context.skinny_linears() else F.linear(x, *packed)
+    """``x`` times a packed weight: where the call routes the linears, on the skinny kernel wherever it serves the
+    rows (as the compiled layers' grouped products: at a few rows the launches, not the bytes, decide), else
+    ``F.linear``."""
+    if _forward_context.skinny_linears():
+        return skinny.linear_group(x, [packed[0]], [packed[1]])[0]
+    return F.linear(x, *packed)
 
 
 def _computes_reference(module: torch.nn.Module) -> bool:

@@ -228,7 +228,7 @@ class InterruptTheHandOver:
         self.with_outputs = 0  # interrupts after the take had taken outputs out
         self.taken = 0
         self.step = 0  # the caller's step count, so that a SIGINT no step raised for can be named
-        self.sent: dict[int, tuple] = {}  # step -> where its SIGINT was sent (function, file, line, event)
+        self.sent: dict[int, list[tuple]] = {}  # step -> where its SIGINTs were sent (function, file, line, event)
         engine.requests.take = self._take
 
     def _take(self, families=None):
@@ -249,7 +249,8 @@ class InterruptTheHandOver:
                 self.at += 1
                 self.with_outputs += self.taken > 0
                 code = frame.f_code
-                self.sent[self.step] = (code.co_name, code.co_filename.rsplit("/", 1)[-1], frame.f_lineno, event)
+                where = (code.co_name, code.co_filename.rsplit("/", 1)[-1], frame.f_lineno, event, self.seen)
+                self.sent.setdefault(self.step, []).append(where)
                 signal.raise_signal(signal.SIGINT)
 
 
@@ -288,6 +289,8 @@ def test_a_handler_raising_at_any_point_of_the_hand_over_loses_no_output(handler
         if sweep is not None:
             silent = {step: where for step, where in sweep.sent.items() if step not in raised}
             assert not silent, f"SIGINT sent but no KeyboardInterrupt from the step (step: where it was sent): {silent}"
+            twice = {step: where for step, where in sweep.sent.items() if len(where) > 1}
+            assert not twice, f"two SIGINTs sent in one step, one KeyboardInterrupt (step: where they were): {twice}"
             assert sweep.swept and sweep.with_outputs >= 10 and interrupts == sweep.at - 1
         return done, streamed, interrupts
 
