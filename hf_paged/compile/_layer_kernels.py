@@ -1,13 +1,15 @@
-"""Route a model's RMSNorms, MLPs, q/k/v and rotary embedding to hf_paged's layer kernels, for layers run eagerly.
+"""Route a model's norms, residual adds, MLPs, q/k/v and rotary embedding to hf_paged's layer kernels, for eager layers.
 
 A decoder layer that runs without ``torch.compile`` runs transformers' modules operator by operator: RMSNorm as six
 kernels, the rotary embedding as about ten per tensor, SiLU x up as two, each a launch and a pass over memory
 (Llama-3.2-1B, one decode step at batch 1 on an H100: 666 kernels and 2.50 ms, against 221 and 1.42 ms compiled).
-:func:`install` gives four kinds of the model's code a replacement that, inside hf_paged's own model calls whose
+:func:`install` gives five kinds of the model's code a replacement that, inside hf_paged's own model calls whose
 layers run eagerly (``hf_paged._forward_context.layer_kernels``), runs one launch where they take several, and the
 code's own forward everywhere else:
 
 - each RMSNorm module (a ``weight`` and an ``eps`` or ``variance_epsilon``, no children): ``rms_norm``;
+- each pre-norm decoder layer (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``) whose
+  post-attention norm is routed: the residual add after attention and that norm as one ``add_rms_norm``;
 - each MLP of ``gate_proj``, ``up_proj`` and ``down_proj`` linears: the gate and up products as one where their
   weights lie end to end (:func:`install` lays them so: ``hf_paged.compile._packed_weights``; through the skinny
   kernel where the call routes the linears), ``silu_and_mul`` on the two halves, then ``down_proj``;
@@ -20,8 +22,10 @@ code's own forward everywhere else:
 
 What decides is what the code computes, not its name: before a class (or function) is routed, its own forward runs
 on a random input beside the Llama-family reference of ``hf_paged.kernels._layer_ops`` (the same operators), and
-only a bit-identical result routes it. A Gemma RMSNorm (``1 + weight``), a GELU MLP or a partial rotary embedding
-keeps its code; a call the kernels do not take (another dtype, a CPU tensor, extra arguments) runs the code too.
+only a bit-identical result routes it (a decoder layer's probe stands simple functions in for its attention and MLP,
+so that only the layer's own adds and norms are compared). A Gemma RMSNorm (``1 + weight``), a GELU MLP or a partial
+rotary embedding keeps its code; a call the kernels do not take (another dtype, a CPU tensor, extra arguments) runs
+the code too.
 """
 
 from __future__ import annotations
@@ -81,8 +85,15 @@ def install(model: torch.nn.Module) -> list[str]:
         raise ValueError(f"{type(model).__name__} has no list of decoder layers to route to the layer kernels")
     pack_siblings(model)  # gate/up and q/k/v in one product each
     verdicts: dict[type, bool] = {}  # a class's forward computes the reference's (asked of its first instance)
+    for module in base_model(model).modules():  # (the norms first: a layer is routed where its norms are)
+        if _is_norm(module) and type(module) not in verdicts:
+            verdicts[type(module)] = patches.patch_of(module, _KIND) is not None or _computes_reference(module)
     routed: dict[str, int] = {}
     for module in base_model(model).modules():
+        if _is_layer(module) and verdicts.get(type(module.post_attention_layernorm)) and (
+                patches.patch_of(module, _KIND) is not None or _layer_computes_reference(module)):
+            patches.install(module, _KIND, lambda eager, module=module: _layer_route(module, eager))
+            routed[type(module).__name__] = routed.get(type(module).__name__, 0) + 1
         if _is_qkv(module) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
             _route_siblings(module, _QKV)
             routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
@@ -124,6 +135,45 @@ def _is_norm(module: torch.nn.Module) -> bool:
 
 def _is_mlp(module: torch.nn.Module) -> bool:
     return all(type(getattr(module, name, None)) is torch.nn.Linear for name in _MLP)
+
+
+def _is_layer(module: torch.nn.Module) -> bool:
+    names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
+    parts = [getattr(module, name, None) for name in names]
+    return all(isinstance(p, torch.nn.Module) for p in parts) and _is_norm(parts[2]) and _is_norm(parts[3])
+
+
+def _layer_computes_reference(layer: torch.nn.Module) -> bool:
+    """Whether a decoder layer adds and norms as Llama's does: its forward, with simple functions standing in for its
+    attention and MLP, equals the reference's bit for bit on a random input on its device."""
+    stand_ins = {layer.self_attn: lambda *args, **kwargs: ((kwargs.get("hidden_states", args[0] if args else None)
+                                                            * 0.5 + 0.25), None),
+                 layer.mlp: lambda x: x * 2 - 1}
+    before = {m: m.__dict__.get("forward") for m in stand_ins}
+    weight = layer.post_attention_layernorm.weight
+    h = _random((1, 3, weight.shape[0]), weight)
+
+    def reference(h):
+        h = h + layer.self_attn(hidden_states=layer.input_layernorm(h))[0]
+        return h + layer.mlp(layer.post_attention_layernorm(h))
+
+    try:
+        for module, stand_in in stand_ins.items():
+            object.__setattr__(module, "forward", stand_in)
+        with torch.no_grad():
+            same = torch.equal(layer.forward(h), reference(h))
+    except Exception as exc:  # noqa: BLE001 - a layer that does not take the probe keeps its code
+        logger.debug("hf_paged: layer kernels leave %s alone: %s", type(layer).__name__, exc)
+        return False
+    finally:
+        for module, forward in before.items():
+            if forward is None:
+                module.__dict__.pop("forward", None)
+            else:
+                object.__setattr__(module, "forward", forward)
+    if not same:
+        logger.debug("hf_paged: layer kernels leave %s alone: it computes something else", type(layer).__name__)
+    return same
 
 
 def _is_qkv(module: torch.nn.Module) -> bool:
@@ -198,6 +248,20 @@ def _norm_route(module: torch.nn.Module, eager: Callable) -> Callable:
         if _forward_context.layer_kernels() and ops.serves(x, module.weight):
             return ops.rms_norm(x, module.weight, eps)
         return eager(x)
+
+    return forward
+
+
+def _layer_route(layer: torch.nn.Module, eager: Callable) -> Callable:
+    post = layer.post_attention_layernorm
+    eps = _eps(post)
+
+    def forward(hidden_states: torch.Tensor, *args, **kwargs) -> torch.Tensor:
+        if args or not (_forward_context.layer_kernels() and ops.serves(hidden_states, post.weight)):
+            return eager(hidden_states, *args, **kwargs)
+        attn = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
+        hidden_states, normed = ops.add_rms_norm(attn, hidden_states, post.weight, eps)
+        return hidden_states + layer.mlp(normed)
 
     return forward
 

@@ -1,10 +1,11 @@
-// Registers torch.ops.hf_paged.{rms_norm, silu_and_mul, rotary} (the kernels in layer_ops.cu) with their argument
-// checks; each allocates its outputs only and runs on the current stream.
+// Registers torch.ops.hf_paged.{rms_norm, add_rms_norm, silu_and_mul, rotary} (the kernels in layer_ops.cu) with
+// their argument checks; each allocates its outputs only and runs on the current stream.
 #include <c10/cuda/CUDAException.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include <optional>
 #include <tuple>
 
 #include "checks.h"
@@ -38,26 +39,58 @@ bool packs(const at::Tensor& t, int64_t width, int64_t row_stride, int64_t rows)
   return n > 0 && width % n == 0 && (rows <= 1 || row_stride % n == 0) && aligned16(t);
 }
 
-at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+// The rows of `t` ([..., hidden], hidden contiguous) as a [rows, hidden] view, or an error naming it.
+at::Tensor rows_of(const at::Tensor& t, int64_t hidden, const char* name) {
+  TORCH_CHECK_VALUE(t.dim() >= 1 && t.size(-1) == hidden && t.stride(-1) == 1,
+                    format("rms_norm: %s must be [..., %lld] with the last dimension contiguous, got %s", name,
+                           static_cast<long long>(hidden), shape_of(t).c_str()));
+  at::Tensor rows = t.reshape({-1, hidden});  // a view where the strides allow
+  TORCH_CHECK_VALUE(rows.stride(-1) == 1, format("rms_norm: %s's rows must be contiguous", name));
+  return rows;
+}
+
+// out = RMSNorm(h) for h = x, or h = residual + x (then also returned); see layer_ops.h.
+std::tuple<at::Tensor, at::Tensor> norm(const at::Tensor& x, const std::optional<at::Tensor>& residual,
+                                        const at::Tensor& weight, double eps) {
   check_cuda_tensor(x, "x", x.device());
   const LayerDtype dtype = layer_dtype(x, "rms_norm");
   check_same(weight, "weight", x, "rms_norm");
-  const int64_t hidden = x.size(-1);
-  TORCH_CHECK_VALUE(x.dim() >= 1 && hidden > 0 && hidden < (int64_t{1} << 30) && x.stride(-1) == 1,
-                    format("rms_norm: x must be [..., hidden] with hidden contiguous, got %s", shape_of(x).c_str()));
+  const int64_t hidden = x.dim() >= 1 ? x.size(-1) : 0;
+  TORCH_CHECK_VALUE(hidden > 0 && hidden < (int64_t{1} << 30),
+                    format("rms_norm: x must be [..., hidden] with 0 < hidden < 2^30, got %s", shape_of(x).c_str()));
   TORCH_CHECK_VALUE(weight.dim() == 1 && weight.size(0) == hidden && weight.is_contiguous(),
                     format("rms_norm: weight must be a contiguous [%lld] tensor, got %s",
                            static_cast<long long>(hidden), shape_of(weight).c_str()));
-  const at::Tensor rows2d = x.reshape({-1, hidden});  // a view where x's strides allow
-  TORCH_CHECK_VALUE(rows2d.stride(-1) == 1, "rms_norm: x's rows must be contiguous");
-  const int64_t rows = rows2d.size(0);
+  const at::Tensor x2 = rows_of(x, hidden, "x");
+  at::Tensor r2, sum;
+  if (residual.has_value()) {
+    check_same(*residual, "residual", x, "rms_norm");
+    TORCH_CHECK_VALUE(residual->sizes() == x.sizes(), format("rms_norm: residual must be x's shape %s, got %s",
+                                                             shape_of(x).c_str(), shape_of(*residual).c_str()));
+    r2 = rows_of(*residual, hidden, "residual");
+    sum = at::empty(x.sizes(), x.options());
+  }
+  const int64_t rows = x2.size(0);
   at::Tensor out = at::empty(x.sizes(), x.options());
+  RmsNormParams p{};
+  p.out = out.data_ptr(), p.x = x2.data_ptr(), p.weight = weight.data_ptr();
+  p.sum_out = sum.defined() ? sum.data_ptr() : nullptr, p.residual = r2.defined() ? r2.data_ptr() : nullptr;
+  p.rows = rows, p.hidden = static_cast<int>(hidden), p.eps = static_cast<float>(eps);
+  p.x_row_stride = x2.stride(0), p.residual_row_stride = r2.defined() ? r2.stride(0) : 0;
+  p.vectorized = packs(x2, hidden, x2.stride(0), rows) && aligned16(weight) &&
+                 (!r2.defined() || packs(r2, hidden, r2.stride(0), rows));
   const c10::cuda::CUDAGuard guard(x.device());
-  const bool vectorized = packs(rows2d, hidden, rows2d.stride(0), rows) && aligned16(weight);
-  C10_CUDA_CHECK(launch_rms_norm(dtype, out.data_ptr(), rows2d.data_ptr(), weight.data_ptr(), rows,
-                                 static_cast<int>(hidden), rows2d.stride(0), static_cast<float>(eps), vectorized,
-                                 c10::cuda::getCurrentCUDAStream()));
-  return out;
+  C10_CUDA_CHECK(launch_rms_norm(dtype, p, c10::cuda::getCurrentCUDAStream()));
+  return {sum, out};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  return std::get<1>(norm(x, std::nullopt, weight, eps));
+}
+
+std::tuple<at::Tensor, at::Tensor> add_rms_norm(const at::Tensor& x, const at::Tensor& residual,
+                                                const at::Tensor& weight, double eps) {
+  return norm(x, residual, weight, eps);
 }
 
 at::Tensor silu_and_mul(const at::Tensor& gate, const at::Tensor& up) {
@@ -99,7 +132,8 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
                              static_cast<long long>(tokens), static_cast<long long>(head_dim),
                              shape_of(*t).c_str()));
   }
-  TORCH_CHECK_VALUE(batch <= 65535, format("rotary: at most 65535 batch rows, got %lld", static_cast<long long>(batch)));
+  TORCH_CHECK_VALUE(batch <= 65535,
+                    format("rotary: at most 65535 batch rows, got %lld", static_cast<long long>(batch)));
   at::Tensor q_out = at::empty_like(q), k_out = at::empty_like(k);  // (the inputs' strides: dense layouts kept)
   RotaryParams p{};
   p.q_out = q_out.data_ptr(), p.k_out = k_out.data_ptr(), p.q = q.data_ptr(), p.k = k.data_ptr();
@@ -123,12 +157,14 @@ std::tuple<at::Tensor, at::Tensor> rotary(const at::Tensor& q, const at::Tensor&
 
 TORCH_LIBRARY_FRAGMENT(hf_paged, m) {
   m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor residual, Tensor weight, float eps) -> (Tensor, Tensor)");
   m.def("silu_and_mul(Tensor gate, Tensor up) -> Tensor");
   m.def("rotary(Tensor q, Tensor k, Tensor cos, Tensor sin) -> (Tensor, Tensor)");
 }
 
 TORCH_LIBRARY_IMPL(hf_paged, CUDA, m) {
   m.impl("rms_norm", &hf_paged::rms_norm);
+  m.impl("add_rms_norm", &hf_paged::add_rms_norm);
   m.impl("silu_and_mul", &hf_paged::silu_and_mul);
   m.impl("rotary", &hf_paged::rotary);
 }

@@ -46,19 +46,31 @@ __device__ float block_sum(float v) {
   return v;  // every thread holds the sum
 }
 
-// One block per row; N elements per access (hidden % N == 0 and the rows aligned to N elements).
+// One block per row; N elements per access (hidden % N == 0 and the rows aligned to N elements). With a residual,
+// the row normalized is residual + x, rounded to T as torch's add rounds it, and written to sum_out first (each thread
+// reads back only what it wrote).
 template <typename T, int N>
-__global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out, const T* __restrict__ x,
+__global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum_out,
+                                                            const T* __restrict__ x, const T* __restrict__ residual,
                                                             const T* __restrict__ weight, int hidden,
-                                                            int64_t x_row_stride, float eps) {
+                                                            int64_t x_row_stride, int64_t residual_row_stride,
+                                                            float eps) {
   using P = Pack<T, N>;
   const P* row = reinterpret_cast<const P*>(x + blockIdx.x * x_row_stride);
+  const P* res = residual ? reinterpret_cast<const P*>(residual + blockIdx.x * residual_row_stride) : nullptr;
+  P* sums = res ? reinterpret_cast<P*>(sum_out + blockIdx.x * static_cast<int64_t>(hidden)) : nullptr;
   P* dst = reinterpret_cast<P*>(out + blockIdx.x * static_cast<int64_t>(hidden));
   const P* w = reinterpret_cast<const P*>(weight);
   const int packs = hidden / N;
   float sum = 0.f;
   for (int i = threadIdx.x; i < packs; i += kThreads) {
-    const P p = row[i];
+    P p = row[i];
+    if (res) {
+      const P q = res[i];
+#pragma unroll
+      for (int j = 0; j < N; ++j) p.v[j] = from_float<T>(__fadd_rn(to_float(q.v[j]), to_float(p.v[j])));
+      sums[i] = p;
+    }
 #pragma unroll
     for (int j = 0; j < N; ++j) {
       const float v = to_float(p.v[j]);
@@ -68,7 +80,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
   // torch's mean multiplies the sum by 1 / n; the rsqrt of the variance plus eps is taken in float32
   const float inv = rsqrtf(__fadd_rn(__fmul_rn(block_sum(sum), 1.f / hidden), eps));
   for (int i = threadIdx.x; i < packs; i += kThreads) {
-    const P p = row[i], wp = w[i];
+    const P p = res ? sums[i] : row[i], wp = w[i];
     P o;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -126,15 +138,18 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(RotaryParams p) {
 }
 
 template <typename T>
-cudaError_t rms_norm(void* out, const void* x, const void* weight, int64_t rows, int hidden, int64_t stride,
-                     float eps, bool vectorized, cudaStream_t stream) {
+cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
   constexpr int kVec = 16 / sizeof(T);
-  if (vectorized) {
-    rms_norm_kernel<T, kVec><<<rows, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),
-                                                             static_cast<const T*>(weight), hidden, stride, eps);
+  const auto run = [&](auto kernel) {
+    kernel<<<p.rows, kThreads, 0, stream>>>(static_cast<T*>(p.out), static_cast<T*>(p.sum_out),
+                                           static_cast<const T*>(p.x), static_cast<const T*>(p.residual),
+                                           static_cast<const T*>(p.weight), p.hidden, p.x_row_stride,
+                                           p.residual_row_stride, p.eps);
+  };
+  if (p.vectorized) {
+    run(rms_norm_kernel<T, kVec>);
   } else {
-    rms_norm_kernel<T, 1><<<rows, kThreads, 0, stream>>>(static_cast<T*>(out), static_cast<const T*>(x),
-                                                          static_cast<const T*>(weight), hidden, stride, eps);
+    run(rms_norm_kernel<T, 1>);
   }
   return cudaGetLastError();
 }
@@ -159,14 +174,12 @@ cudaError_t silu_and_mul(void* out, const void* gate, const void* up, int64_t ro
 
 }  // namespace
 
-cudaError_t launch_rms_norm(LayerDtype dtype, void* out, const void* x, const void* weight, int64_t rows, int hidden,
-                            int64_t x_row_stride, float eps, bool vectorized, cudaStream_t stream) {
-  if (rows == 0) return cudaSuccess;
+cudaError_t launch_rms_norm(LayerDtype dtype, const RmsNormParams& p, cudaStream_t stream) {
+  if (p.rows == 0) return cudaSuccess;
   switch (dtype) {
-    case LayerDtype::kFloat: return rms_norm<float>(out, x, weight, rows, hidden, x_row_stride, eps, vectorized, stream);
-    case LayerDtype::kHalf: return rms_norm<__half>(out, x, weight, rows, hidden, x_row_stride, eps, vectorized, stream);
-    case LayerDtype::kBFloat16:
-      return rms_norm<__nv_bfloat16>(out, x, weight, rows, hidden, x_row_stride, eps, vectorized, stream);
+    case LayerDtype::kFloat: return rms_norm<float>(p, stream);
+    case LayerDtype::kHalf: return rms_norm<__half>(p, stream);
+    case LayerDtype::kBFloat16: return rms_norm<__nv_bfloat16>(p, stream);
   }
   return cudaErrorInvalidValue;
 }

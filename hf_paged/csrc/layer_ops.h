@@ -1,8 +1,8 @@
 // Plain C++ interface of the layer kernels (layer_ops.cu): the work of a decoder layer outside attention and the
-// matrix products, for layers that run eagerly (no torch.compile): RMSNorm, SiLU(gate) * up and the rotary
-// embedding of queries and keys, each one launch where transformers' modules take several. Each rounds where the
-// modules' own operators round (to the tensors' dtype after every operator of theirs), so that a kernel and the
-// module it stands for give the same values.
+// matrix products, for layers that run eagerly (no torch.compile): RMSNorm (with the residual add before it, or
+// alone), SiLU(gate) * up and the rotary embedding of queries and keys, each one launch where transformers' modules
+// take several. Each rounds where the modules' own operators round (to the tensors' dtype after every operator of
+// theirs), so that a kernel and the module it stands for give the same values.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,10 +13,22 @@ namespace hf_paged {
 
 enum class LayerDtype { kFloat, kHalf, kBFloat16 };
 
-// out[r, :] = weight * to_dtype(x[r, :] * rsqrt(mean(x[r, :]^2) + eps)), in float32 up to the cast, as
-// transformers' Llama-family RMSNorm computes it. x rows have stride x_row_stride, out is contiguous [rows, hidden].
-cudaError_t launch_rms_norm(LayerDtype dtype, void* out, const void* x, const void* weight, int64_t rows, int hidden,
-                            int64_t x_row_stride, float eps, bool vectorized, cudaStream_t stream);
+// out[r, :] = weight * to_dtype(h * rsqrt(mean(h^2) + eps)) with h = x[r, :], in float32 up to the cast, as
+// transformers' Llama-family RMSNorm computes it; with a residual, h = to_dtype(residual[r, :] + x[r, :]) (the
+// decoder layer's residual add), written to sum_out. x and residual rows have their own strides; out and sum_out are
+// contiguous [rows, hidden].
+struct RmsNormParams {
+  void* out;
+  void* sum_out;          // with a residual only
+  const void* x;
+  const void* residual;   // nullptr: no add
+  const void* weight;
+  int64_t rows, x_row_stride, residual_row_stride;
+  int hidden;
+  float eps;
+  bool vectorized;        // 16-byte accesses: every row and the weight aligned to them
+};
+cudaError_t launch_rms_norm(LayerDtype dtype, const RmsNormParams& p, cudaStream_t stream);
 
 // out[r, :] = to_dtype(silu(gate[r, :])) * up[r, :], rounded to the dtype after each operator; out is contiguous
 // [rows, width], gate and up rows have their own strides.

@@ -1,6 +1,6 @@
-"""The layer kernels (``hf_paged/csrc/layer_ops.cu``): RMSNorm, SiLU(gate) * up and the rotary embedding of queries
-and keys, one launch each, for decoder layers that run eagerly (``hf_paged.compile._layer_kernels`` routes a
-model's modules to them).
+"""The layer kernels (``hf_paged/csrc/layer_ops.cu``): RMSNorm (alone, or with the residual add before it),
+SiLU(gate) * up and the rotary embedding of queries and keys, one launch each, for decoder layers that run eagerly
+(``hf_paged.compile._layer_kernels`` routes a model's modules to them).
 
 transformers' modules run each of these as several operators (RMSNorm as six, the rotary embedding as about ten per
 tensor), each a kernel launch and a pass over memory. A kernel here rounds where those operators round (to the
@@ -35,6 +35,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return torch.ops.hf_paged.rms_norm(x, weight, eps)
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`add_rms_norm_reference` in one launch: ``(residual + x, rms_norm(residual + x))``, ``x`` and
+    ``residual`` of one shape ``[..., hidden]`` (hidden contiguous); two new contiguous tensors."""
+    load()
+    return torch.ops.hf_paged.add_rms_norm(x, residual, weight, eps)
+
+
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_and_mul_reference` in one launch: ``gate`` and ``up`` of one shape ``[..., width]`` (width
     contiguous, any row strides: two views of one packed product serve); a new contiguous tensor."""
@@ -56,6 +64,13 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     h = x.to(torch.float32)
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight * h.to(dtype)
+
+
+def add_rms_norm_reference(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
+                           eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """A Llama decoder layer's residual add and the norm after it: ``h = residual + x``, then ``(h, RMSNorm(h))``."""
+    h = residual + x
+    return h, rms_norm_reference(h, weight, eps)
 
 
 def silu_and_mul_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:

@@ -31,7 +31,7 @@ def _model(arch: str) -> torch.nn.Module:
 @pytest.fixture
 def stand_ins(monkeypatch):
     """The references as the kernels, on the CPU, counting their calls."""
-    calls = {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
+    calls = {"rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0, "rotary": 0}
 
     def counted(name, function):
         def call(*args):
@@ -41,6 +41,7 @@ def stand_ins(monkeypatch):
 
     monkeypatch.setattr(ops, "serves", lambda *tensors: all(t.dtype == tensors[0].dtype for t in tensors))
     monkeypatch.setattr(ops, "rms_norm", counted("rms_norm", ops.rms_norm_reference))
+    monkeypatch.setattr(ops, "add_rms_norm", counted("add_rms_norm", ops.add_rms_norm_reference))
     monkeypatch.setattr(ops, "silu_and_mul", counted("silu_and_mul", ops.silu_and_mul_reference))
     monkeypatch.setattr(ops, "rotary", counted("rotary", ops.rotary_reference))
     return calls
@@ -64,10 +65,13 @@ def test_routed_calls_give_the_models_own_logits(arch, stand_ins):
         assert any(r.endswith(f"MLP x {layers}") for r in routed)
         assert any(r.endswith(".apply_rotary_pos_emb x 1") for r in routed)
         assert f"q_proj+k_proj+v_proj x {layers}" in routed
+        assert any(r.endswith(f"DecoderLayer x {layers}") for r in routed)
         assert torch.equal(_logits(model, ids, kernels=False), want)
-        assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": 0}  # no flag: the model's own code
+        assert not any(stand_ins.values())  # no flag: the model's own code
         assert torch.equal(_logits(model, ids, kernels=True), want)
-        assert stand_ins == {"rms_norm": norms, "silu_and_mul": layers, "rotary": layers}
+        # the post-attention norms run with the residual add before them
+        assert stand_ins == {"rms_norm": norms - layers, "add_rms_norm": layers, "silu_and_mul": layers,
+                             "rotary": layers}
     finally:
         layer_kernels.uninstall(model)
 
@@ -95,10 +99,32 @@ def test_modules_that_compute_something_else_keep_their_code(stand_ins):
         routed = layer_kernels.install(model)
         assert routed == ["q_proj+k_proj+v_proj x 2", "modeling_gemma.apply_rotary_pos_emb x 1"]
         assert torch.equal(_logits(model, ids, kernels=True), want)
-        assert stand_ins == {"rms_norm": 0, "silu_and_mul": 0, "rotary": model.config.num_hidden_layers}
+        assert stand_ins == {"rms_norm": 0, "add_rms_norm": 0, "silu_and_mul": 0,
+                             "rotary": model.config.num_hidden_layers}
     finally:
         layer_kernels.uninstall(model)
     assert layer_kernels.install(_model("gpt2")) == []  # LayerNorm (bias), no gate/up, no rotary
+
+
+def test_a_decoder_layer_that_adds_otherwise_keeps_its_code(stand_ins):
+    model = _model("llama_gqa")
+    layer_class = type(model.model.layers[0])
+
+    class Scaled(layer_class):  # a residual stream of its own: the layer's output doubled
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states, *args, **kwargs) * 2
+
+    for layer in model.model.layers:
+        layer.__class__ = Scaled
+    ids = torch.randint(0, VOCAB, (1, 5), generator=torch.Generator().manual_seed(6))
+    want = _logits(model, ids, kernels=False)
+    try:
+        routed = layer_kernels.install(model)
+        assert not any("DecoderLayer" in r or "Scaled" in r for r in routed) and any("RMSNorm" in r for r in routed)
+        assert torch.equal(_logits(model, ids, kernels=True), want)
+        assert stand_ins["add_rms_norm"] == 0 and stand_ins["rms_norm"] > 0
+    finally:
+        layer_kernels.uninstall(model)
 
 
 def test_q_k_v_run_as_one_product_whose_views_the_calls_on_its_input_take(stand_ins):
@@ -131,7 +157,7 @@ def test_uninstall_gives_every_module_and_the_rotary_function_back():
     layer_kernels.install(model)
     assert family.apply_rotary_pos_emb is not function
     assert patches.patched(model.modules(), "layer_kernels")
-    assert len(layer_kernels.install(model)) == 4  # installing again changes nothing
+    assert len(layer_kernels.install(model)) == 5  # installing again changes nothing
     layer_kernels.uninstall(model)
     assert family.apply_rotary_pos_emb is function
     assert not patches.patched(model.modules(), "layer_kernels")

@@ -3,9 +3,9 @@ operators, ``hf_paged.kernels._layer_ops``) on fresh random data, in every dtype
 take the 16-byte and the one-element paths, strided inputs, inside a CUDA graph; and an engine whose eager layers run
 on them against one whose layers keep transformers' modules.
 
-SiLU x up and the rotary embedding round where the references round, so they must equal them bit for bit. RMSNorm
-sums its squares in another order than torch's reduction: its float32 factor may differ in the last bit, so an
-element may be one step of the dtype's rounding away, and no more.
+SiLU x up, the rotary embedding and the residual add round where the references round, so they must equal them bit
+for bit. RMSNorm sums its squares in another order than torch's reduction: its float32 factor may differ in the last
+bit, so an element may be one step of the dtype's rounding away, and no more.
 """
 
 from __future__ import annotations
@@ -42,6 +42,21 @@ def test_rms_norm_is_the_modules_up_to_one_rounding_step(dtype, rows, hidden, st
     assert bool((diff <= 2 * STEP[dtype] * want.float().abs() + 1e-30).all()), diff.max()
     if dtype != torch.float32:  # (in float32 a row whose factor differs in its last bit differs everywhere)
         assert (diff == 0).float().mean() > 0.9  # most elements exactly the module's
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,hidden", [(1, 2048), (33, 4096), (3, 5)])
+def test_add_rms_norm_is_the_layers_add_and_norm(dtype, rows, hidden):
+    x = _rand(rows, hidden, dtype=dtype, seed=hidden) * 2
+    residual = _rand(rows, hidden + 8, dtype=dtype, seed=rows)[:, :hidden]  # rows at a stride of their own
+    weight = _rand(hidden, dtype=dtype, seed=2) + 1
+    (got_sum, got), (want_sum, want) = (ops.add_rms_norm(x, residual, weight, 1e-6),
+                                        ops.add_rms_norm_reference(x, residual, weight, 1e-6))
+    assert torch.equal(got_sum, want_sum) and got_sum.is_contiguous() and got.is_contiguous()
+    diff = (got.float() - want.float()).abs()
+    assert bool((diff <= 2 * STEP[dtype] * want.float().abs() + 1e-30).all()), diff.max()
+    with pytest.raises(ValueError, match="residual must be x's shape"):
+        ops.add_rms_norm(x, residual[:, :-1], weight, 1e-6)
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
