@@ -90,19 +90,20 @@ def install(model: torch.nn.Module) -> list[str]:
             verdicts[type(module)] = patches.patch_of(module, _KIND) is not None or _computes_reference(module)
     routed: dict[str, int] = {}
     for module in base_model(model).modules():
-        if _is_layer(module) and verdicts.get(type(module.post_attention_layernorm)) and (
-                patches.patch_of(module, _KIND) is not None or _layer_computes_reference(module)):
-            patches.install(module, _KIND, lambda eager, module=module: _layer_route(module, eager))
-            routed[type(module).__name__] = routed.get(type(module).__name__, 0) + 1
         if _is_qkv(module) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
             _route_siblings(module, _QKV)
             routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
-        route = _norm_route if _is_norm(module) else _mlp_route if _is_mlp(module) else None
-        if route is None:
+        if _is_layer(module):  # (routed where its norm after attention is)
+            routable = verdicts[type(module.post_attention_layernorm)]
+            kind = (_layer_route, _layer_computes_reference) if routable else None
+        else:
+            kind = (_norm_route, _computes_reference) if _is_norm(module) else (
+                (_mlp_route, _computes_reference) if _is_mlp(module) else None)
+        if kind is None:
             continue
-        cls = type(module)
+        (route, probe), cls = kind, type(module)
         if cls not in verdicts:
-            verdicts[cls] = patches.patch_of(module, _KIND) is not None or _computes_reference(module)
+            verdicts[cls] = patches.patch_of(module, _KIND) is not None or probe(module)
         if verdicts[cls]:
             patches.install(module, _KIND, lambda eager, module=module, route=route: route(module, eager))
             routed[cls.__name__] = routed.get(cls.__name__, 0) + 1
