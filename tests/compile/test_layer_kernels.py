@@ -188,3 +188,35 @@ def test_the_engine_setting_says_why_it_cannot_serve():
     with pytest.raises(ValueError, match="tensor parallel"):
         layer_kernels.for_engine(model, True, "the model is tensor parallel")
     assert not patches.patched(model.modules(), "layer_kernels")
+
+
+def test_an_engines_eager_steps_run_on_the_layer_kernels_when_asked(stand_ins, monkeypatch):
+    """The engine's wiring, on the CPU: ``layer_kernels=True`` routes the model (the CUDA check stood in for), its
+    steps set the flag, and the tokens are those of an engine without them; the model's own calls stay unrouted."""
+    import hf_paged
+    from engine_helpers import models, random_prompts
+    from transformers import GenerationConfig
+
+    monkeypatch.setattr(layer_kernels, "_unsupported_reason", lambda model: None)
+    _, model = models("llama_gqa")
+    prompts = random_prompts(3, 4, 12, seed=7)
+    config = GenerationConfig(max_new_tokens=6, do_sample=False, eos_token_id=None)
+    runs = {}
+    try:
+        for kernels in (False, True):
+            engine = hf_paged.Engine(model, num_blocks=32, block_size=4, layer_kernels=kernels)
+            runs[kernels] = [out.token_ids for out in engine.generate(prompts, config)]
+            assert engine.stats()["layer_kernels"] is kernels
+            engine.close()
+            if not kernels:
+                assert not any(stand_ins.values())
+        assert runs[True] == runs[False]
+        layers = model.config.num_hidden_layers
+        assert stand_ins["add_rms_norm"] > 0 and stand_ins["add_rms_norm"] % layers == 0
+        assert stand_ins["rotary"] == stand_ins["silu_and_mul"] == stand_ins["add_rms_norm"]
+        before = dict(stand_ins)
+        with torch.no_grad():
+            model(input_ids=torch.tensor([prompts[0]]))  # not an engine call: the model's own code
+        assert stand_ins == before
+    finally:
+        layer_kernels.uninstall(model)
