@@ -3,23 +3,12 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include "block_sum.cuh"
 #include "layer_ops.h"
+#include "vec.cuh"
 
 namespace hf_paged {
 namespace {
-
-__device__ __forceinline__ float to_float(float v) { return v; }
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ float from_float<float>(float v) { return v; }
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // v rounded to T and back: what a torch operator on T tensors leaves of a float32 result.
 template <typename T>
@@ -32,19 +21,6 @@ struct alignas(sizeof(T) * N) Pack {
 };
 
 constexpr int kThreads = 256;
-
-__device__ float block_sum(float v) {
-  __shared__ float warp_sums[kThreads / 32];
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  if (lane == 0) warp_sums[warp] = v;
-  __syncthreads();
-  v = lane < blockDim.x / 32 ? warp_sums[lane] : 0.f;
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) v += __shfl_xor_sync(0xffffffffu, v, offset);
-  return v;  // every thread holds the sum
-}
 
 // One block per row; N elements per access (hidden % N == 0 and the rows aligned to N elements). With a residual,
 // the row normalized is residual + x, rounded to T as torch's add rounds it, and written to sum_out first (each thread
@@ -62,6 +38,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
   P* dst = reinterpret_cast<P*>(out + blockIdx.x * static_cast<int64_t>(hidden));
   const P* w = reinterpret_cast<const P*>(weight);
   const int packs = hidden / N;
+  __shared__ float scratch[kThreads / 32];
   float sum = 0.f;
   for (int i = threadIdx.x; i < packs; i += kThreads) {
     P p = row[i];
@@ -78,7 +55,7 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
     }
   }
   // torch's mean multiplies the sum by 1 / n; the rsqrt of the variance plus eps is taken in float32
-  const float inv = rsqrtf(__fadd_rn(__fmul_rn(block_sum(sum), 1.f / hidden), eps));
+  const float inv = rsqrtf(__fadd_rn(__fmul_rn(block_sum<kThreads>(sum, scratch), 1.f / hidden), eps));
   for (int i = threadIdx.x; i < packs; i += kThreads) {
     const P p = res ? sums[i] : row[i], wp = w[i];
     P o;
@@ -139,7 +116,7 @@ __global__ void __launch_bounds__(kThreads) rotary_kernel(RotaryParams p) {
 
 template <typename T>
 cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVec = Elem<T>::kVec;
   const auto run = [&](auto kernel) {
     kernel<<<p.rows, kThreads, 0, stream>>>(static_cast<T*>(p.out), static_cast<T*>(p.sum_out),
                                            static_cast<const T*>(p.x), static_cast<const T*>(p.residual),
@@ -157,7 +134,7 @@ cudaError_t rms_norm(const RmsNormParams& p, cudaStream_t stream) {
 template <typename T>
 cudaError_t silu_and_mul(void* out, const void* gate, const void* up, int64_t rows, int width, int64_t gate_stride,
                          int64_t up_stride, bool vectorized, cudaStream_t stream) {
-  constexpr int kVec = 16 / sizeof(T);
+  constexpr int kVec = Elem<T>::kVec;
   const int n = vectorized ? kVec : 1;
   const dim3 grid(static_cast<unsigned>(rows), (width / n + kThreads - 1) / kThreads);
   if (vectorized) {

@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "block_sum.cuh"
 #include "peer_sum.h"
 #include "vec.cuh"
 
@@ -85,19 +86,6 @@ __device__ __forceinline__ uint4 add_residual(const PeerSumArgs& a, int64_t i, f
   const uint4 h = pack<T>(acc);
   Elem<T>::unpack(h, acc);
   return h;
-}
-
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  __syncthreads();  // scratch is free (its last reader, the previous row, is done)
-  if (lane == 0) scratch[warp] = v;
-  __syncthreads();
-  float total = 0.f;
-#pragma unroll
-  for (int w = 0; w < kPeerSumThreads / 32; ++w) total += scratch[w];  // the same order in every thread
-  return total;
 }
 
 // kNorm false: units split evenly over the blocks (out = the sum, plus the residual where given). kNorm true: whole
@@ -177,7 +165,7 @@ __global__ void __launch_bounds__(kPeerSumThreads) peer_sum_kernel(const PeerSum
       }
       // mean(h^2) as the unfused layer takes it (a float32 sum over the row, divided by its size); rounding order
       // aside, the same float32 math
-      const float rstd = rsqrtf(block_sum(squares, scratch) / hidden + a.eps);
+      const float rstd = rsqrtf(block_sum<kPeerSumThreads>(squares, scratch) / hidden + a.eps);
 #pragma unroll
       for (int k = 0; k < kPeerSumMaxRowUnitsPerThread; ++k) {
         const int j = threadIdx.x + k * kPeerSumThreads;

@@ -8,6 +8,7 @@
 
 #include "ptx.cuh"
 #include "skinny_gemm.h"
+#include "vec.cuh"
 
 namespace hf_paged {
 namespace skinny {
@@ -65,15 +66,6 @@ __device__ __forceinline__ uint4 load_weight(const void* p, bool valid) {
       : "l"(p), "r"(static_cast<int>(valid)));
   return r;
 }
-
-__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
-__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
-template <typename T>
-__device__ __forceinline__ T from_float(float v);
-template <>
-__device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
-template <>
-__device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 
 // One accumulator tile of lane (g, t): weight rows g and g + 8 of the slice's tile, x rows 2t and 2t + 1. Bias added
 // in fp32, rounded once; only rows below N and x rows below M are written.
