@@ -150,31 +150,24 @@ def _layer_computes_reference(layer: torch.nn.Module) -> bool:
     stand_ins = {layer.self_attn: lambda *args, **kwargs: ((kwargs.get("hidden_states", args[0] if args else None)
                                                             * 0.5 + 0.25), None),
                  layer.mlp: lambda x: x * 2 - 1}
-    before = {m: m.__dict__.get("forward") for m in stand_ins}
     weight = layer.post_attention_layernorm.weight
     h = _random((1, 3, weight.shape[0]), weight)
 
-    def reference(h):
-        h = h + layer.self_attn(hidden_states=layer.input_layernorm(h))[0]
-        return h + layer.mlp(layer.post_attention_layernorm(h))
+    def probe():
+        before = {m: m.__dict__.get("forward") for m in stand_ins}
+        try:
+            for module, stand_in in stand_ins.items():
+                object.__setattr__(module, "forward", stand_in)
+            mid = h + layer.self_attn(hidden_states=layer.input_layernorm(h))[0]
+            return layer.forward(h), mid + layer.mlp(layer.post_attention_layernorm(mid))
+        finally:
+            for module, forward in before.items():
+                if forward is None:
+                    module.__dict__.pop("forward", None)
+                else:
+                    object.__setattr__(module, "forward", forward)
 
-    try:
-        for module, stand_in in stand_ins.items():
-            object.__setattr__(module, "forward", stand_in)
-        with torch.no_grad():
-            same = torch.equal(layer.forward(h), reference(h))
-    except Exception as exc:  # noqa: BLE001 - a layer that does not take the probe keeps its code
-        logger.debug("hf_paged: layer kernels leave %s alone: %s", type(layer).__name__, exc)
-        return False
-    finally:
-        for module, forward in before.items():
-            if forward is None:
-                module.__dict__.pop("forward", None)
-            else:
-                object.__setattr__(module, "forward", forward)
-    if not same:
-        logger.debug("hf_paged: layer kernels leave %s alone: it computes something else", type(layer).__name__)
-    return same
+    return _same(type(layer).__name__, probe)
 
 
 def _is_qkv(module: torch.nn.Module) -> bool:
@@ -199,27 +192,13 @@ def _product(x: torch.Tensor, packed: tuple[torch.Tensor, torch.Tensor | None]) 
 def _computes_reference(module: torch.nn.Module) -> bool:
     """Whether ``module``'s forward gives the reference's result, bit for bit, on a random input on its device."""
     if _is_norm(module):
-        weight = module.weight
-        x = _random((3, weight.shape[0]), weight)
-
-        def reference(x):
-            return ops.rms_norm_reference(x, weight, _eps(module))
-    else:
-        gate, up, down = (getattr(module, name) for name in _MLP)
-        x = _random((3, gate.in_features), gate.weight)
-
-        def reference(x):
-            products = (F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias))
-            return down(ops.silu_and_mul_reference(*products))
-    with torch.no_grad():
-        try:
-            same = torch.equal(module.forward(x), reference(x))
-        except Exception as exc:  # noqa: BLE001 - a module that does not take the probe keeps its code
-            logger.debug("hf_paged: layer kernels leave %s alone: %s", type(module).__name__, exc)
-            return False
-    if not same:
-        logger.debug("hf_paged: layer kernels leave %s alone: it computes something else", type(module).__name__)
-    return same
+        x = _random((3, module.weight.shape[0]), module.weight)
+        return _same(type(module).__name__, lambda: (module.forward(x),
+                                                     ops.rms_norm_reference(x, module.weight, _eps(module))))
+    gate, up, down = (getattr(module, name) for name in _MLP)
+    x = _random((3, gate.in_features), gate.weight)
+    return _same(type(module).__name__, lambda: (module.forward(x), down(ops.silu_and_mul_reference(
+        F.linear(x, gate.weight, gate.bias), F.linear(x, up.weight, up.bias)))))
 
 
 def _rope_computes_reference(function: Callable) -> bool:
@@ -227,12 +206,24 @@ def _rope_computes_reference(function: Callable) -> bool:
     g = torch.Generator().manual_seed(0)
     q, k = torch.randn(1, 4, 3, 8, generator=g), torch.randn(1, 2, 3, 8, generator=g)
     cos, sin = torch.randn(1, 3, 8, generator=g), torch.randn(1, 3, 8, generator=g)
+    return _same(getattr(function, "__qualname__", str(function)),
+                 lambda: (function(q, k, cos, sin), ops.rotary_reference(q, k, cos, sin)))
+
+
+def _same(name: str, probe: Callable[[], tuple]) -> bool:
+    """Whether ``probe()``'s pair (the code's own result, the reference's: tensors, or tuples of them) is equal bit for
+    bit; code that does not take the probe (it raises) keeps its code too. Either way, the log says why not."""
     try:
-        got, want = function(q, k, cos, sin), ops.rotary_reference(q, k, cos, sin)
-        return all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    except Exception as exc:  # noqa: BLE001 - a function that does not take the probe keeps its code
-        logger.debug("hf_paged: layer kernels leave %s alone: %s", getattr(function, "__qualname__", function), exc)
+        with torch.no_grad():
+            got, want = probe()
+            pairs = zip(*((t,) if isinstance(t, torch.Tensor) else t for t in (got, want)), strict=True)
+            same = all(torch.equal(a, b) for a, b in pairs)
+    except Exception as exc:  # noqa: BLE001 - anything the probe raises means: not routed
+        logger.debug("hf_paged: layer kernels leave %s alone: %s", name, exc)
         return False
+    if not same:
+        logger.debug("hf_paged: layer kernels leave %s alone: it computes something else", name)
+    return same
 
 
 def _random(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
