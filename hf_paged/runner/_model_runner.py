@@ -74,8 +74,8 @@ class ModelRunner:
         self.compiled = background_compile.layers_for_engine(
             model, cfg.compile_layers, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
         self.skinny = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
-        # where the layers run eagerly (steps of one token beside compiled layers, a background compile's first
-        # steps, compile_layers=False), their norms, MLPs and rotary embedding run on the layer kernels
+        # layer_kernels=True: where the layers run eagerly (steps of one token beside compiled layers, a background
+        # compile's first steps, compile_layers=False), their norms, adds, products and rotary run on the layer kernels
         self.layer_kernels = layer_kernels.for_engine(
             model, cfg.layer_kernels, "the model is tensor parallel" if self.lockstep is not None else None)
         # compile_layers="background": once the helper process is done, the layers switch to compiled ones between
