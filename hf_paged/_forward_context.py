@@ -32,8 +32,9 @@ class ForwardContext:
     own_call: bool = False
     """The process's: one of hf_paged's own model calls (a step set) is running."""
     layer_kernels: bool = False
-    """The process's: the modules routed by ``hf_paged.compile._layer_kernels`` (RMSNorm, the MLP's SiLU x up, the
-    rotary embedding) run on hf_paged's layer kernels; set only for calls whose layers run eagerly."""
+    """The process's: the code routed by ``hf_paged.compile._layer_kernels`` (norms, the residual add before the
+    norm after attention, q/k/v and gate/up products, SiLU x up, the rotary embedding) runs on hf_paged's layer
+    kernels; set only for calls whose layers run eagerly."""
 
 
 class _ThreadContext(threading.local):
