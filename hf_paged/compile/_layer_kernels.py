@@ -53,18 +53,41 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _QKV = ("q_proj", "k_proj", "v_proj")
 
 
-def for_engine(model: torch.nn.Module, setting: bool, reason: str | None = None) -> bool:
+def for_engine(model: torch.nn.Module, setting: bool | None, reason: str | None = None) -> bool:
     """Whether the engine's eager model calls run the layer kernels per ``Engine(layer_kernels=...)``, installing the
-    routing where asked; a model they cannot serve raises ``ValueError`` saying why. ``reason``: why the engine cannot
-    use them whatever the model (a tensor-parallel model's layers)."""
-    if not setting:
+    routing where they do. None (automatic): where they serve the model and route its norms, MLPs and rotary
+    embedding (the bulk of a layer's work outside its products and attention); True: wherever they route anything,
+    else ``ValueError`` saying why. ``reason``: why the engine cannot use them whatever the model (a tensor-parallel
+    model's layers)."""
+    if setting is False:
         return False
     reason = reason or _unsupported_reason(model)
-    if reason is None and not install(model):
+    routed = install(model) if reason is None else []
+    if reason is None and not routed:
         reason = "no RMSNorm, MLP or rotary embedding of the model computes what the kernels do"
+    if setting is None and reason is None and not _routes_the_bulk(model):
+        reason = f"they route only {', '.join(routed)}"
+        uninstall(model)
     if reason is not None:
+        if setting is None:
+            logger.info("hf_paged: the layer kernels leave the model's layers alone: %s", reason)
+            return False
         raise ValueError(f"layer_kernels=True cannot be served: {reason}; pass layer_kernels=False")
     return True
+
+
+def _routes_the_bulk(model: torch.nn.Module) -> bool:
+    """Whether the model's norms, MLPs and rotary function are routed (one of each at least)."""
+    modules = list(base_model(model).modules())
+    return (any(_is_norm(m) and patches.patch_of(m, _KIND) is not None for m in modules)
+            and any(_is_mlp(m) and patches.patch_of(m, _KIND) is not None for m in modules)
+            and any(patches.patch_of(f, _KIND) is not None for f in _families(decoder_layers(model))))
+
+
+def _families(layers: torch.nn.Module | None) -> set:
+    """The modeling modules of the attention modules among ``layers``."""
+    return {f for f in (sys.modules.get(type(m).__module__) for m in (layers.modules() if layers is not None else ())
+                        if hasattr(m, "q_proj")) if f is not None}
 
 
 def _unsupported_reason(model: torch.nn.Module) -> str | None:
@@ -107,9 +130,8 @@ def install(model: torch.nn.Module) -> list[str]:
         if verdicts[cls]:
             patches.install(module, _KIND, lambda eager, module=module, route=route: route(module, eager))
             routed[cls.__name__] = routed.get(cls.__name__, 0) + 1
-    families = {sys.modules.get(type(m).__module__) for m in layers.modules() if hasattr(m, "q_proj")}
-    for family in families:
-        if family is not None and callable(getattr(family, _ROPE, None)) and (
+    for family in _families(layers):
+        if callable(getattr(family, _ROPE, None)) and (
                 patches.patch_of(family, _KIND) is not None or _rope_computes_reference(getattr(family, _ROPE))):
             patches.install(family, _KIND, _rope_route, attribute=_ROPE)
             routed[f"{family.__name__.rsplit('.', 1)[-1]}.{_ROPE}"] = 1
@@ -118,9 +140,7 @@ def install(model: torch.nn.Module) -> list[str]:
 
 def uninstall(model: torch.nn.Module) -> None:
     """Give every module and function :func:`install` routed its own code back."""
-    layers = decoder_layers(model)
-    families = {sys.modules.get(type(m).__module__) for m in (layers.modules() if layers is not None else ())}
-    patches.restore([*model.modules(), *(f for f in families if f is not None)], _KIND)
+    patches.restore([*model.modules(), *_families(decoder_layers(model))], _KIND)
 
 
 def _eps(module: torch.nn.Module) -> float | None:

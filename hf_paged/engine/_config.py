@@ -24,7 +24,7 @@ LOGPROBS_MODES = ("raw_logprobs", "processed_logprobs")
 _CACHE = {f.name: f for f in fields(CacheConfig)}
 #: The settings that take one of a few values, and those values (None: automatic).
 _CHOICES = {"enable_prefix_caching": (True, False), "async_scheduling": (True, False, None),
-            "skinny_linear": (True, False, None), "layer_kernels": (True, False),
+            "skinny_linear": (True, False, None), "layer_kernels": (True, False, None),
             "compile_layers": (True, False, None, "background"),
             "cuda_graph_capture": (*GRAPH_CAPTURE, None), "logprobs_mode": LOGPROBS_MODES}
 
@@ -58,14 +58,18 @@ class EngineConfig:
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
     compile_layers: bool | str | None = field(default=None, metadata=_flag(
-        "compile the layers' work outside attention with torch.compile: auto (default: on for CUDA models where "
-        "triton is installed), on, off, or background (eager until a helper process has compiled a slim copy of the "
-        "model into torch's caches)", metavar="{auto,on,off,background}"))
+        "compile the layers' work outside attention with torch.compile: auto (default: off where the layer kernels "
+        "serve the model, else on for CUDA models where triton is installed), on, off, or background (eager until a "
+        "helper process has compiled a slim copy of the model into torch's caches)",
+        metavar="{auto,on,off,background}"))
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None
     logprobs_mode: str = LOGPROBS_MODES[0]
-    layer_kernels: bool = False
+    layer_kernels: bool | None = field(default=None, metadata=_flag(
+        "run eager layers' norms, SiLU MLPs, q/k/v and rotary embedding on hf_paged's layer kernels: auto (default: "
+        "on a model on one CUDA device whose norms, MLPs and rotary embedding compute what Llama's do), on, off",
+        metavar="{auto,on,off}"))
 
     def __post_init__(self) -> None:
         cache = self.cache_config  # the pool's checks

@@ -77,22 +77,24 @@ class Engine(EngineCore):
             dropped). None: on for CUDA devices, off on the CPU (where nothing runs in parallel).
         compile_layers: run the model's work outside attention (norms, rotary, MLP, residual adds) compiled with
             ``torch.compile`` (fused kernels; the paged KV write and attention stay as they are), in eager and
-            graph-captured steps alike. None: on for CUDA models where triton is installed; True also compiles on
-            the CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process;
-            a compiler failure switches back to the eager modules with a warning. Only the engine's own model
-            calls use the compiled code. ``"background"``: where nothing of the model is compiled yet (in this
-            process or on disk), this engine runs the layers eagerly while a helper process compiles a slim copy
-            of the model into torch's caches; engines started after it compile from them, and this one switches
-            to them between two steps once it is done (``runner/_background_compile.py``).
+            graph-captured steps alike. None: off where the layer kernels serve the model (``layer_kernels``: as
+            fast, with no compile), else on for CUDA models where triton is installed; True also compiles on the
+            CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process; a
+            compiler failure switches back to the eager modules with a warning. Only the engine's own model calls
+            use the compiled code. ``"background"``: where nothing of the model is compiled yet (in this process or
+            on disk), this engine runs the layers eagerly while a helper process compiles a slim copy of the model
+            into torch's caches; engines started after it compile from them, and this one switches to them between
+            two steps once it is done (``runner/_background_compile.py``).
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the
             engine's own model calls use it.
         layer_kernels: where the layers run eagerly (not compiled), run their RMSNorms, SiLU MLPs, q/k/v products and
             rotary embedding on hf_paged's layer kernels (one launch each instead of several per module), for the
-            modules that compute what Llama's do (``hf_paged/compile/_layer_kernels.py``): on a model on one CUDA
-            device, not tensor parallel, where the kernels build (else an error saying why). Off by default; only
-            the engine's own model calls use them.
+            modules that compute what Llama's do (``hf_paged/compile/_layer_kernels.py``). None: on a model on one
+            CUDA device, not tensor parallel, where the kernels build and route its norms, MLPs and rotary
+            embedding; True: wherever they route anything (else an error saying why); False: never. Only the
+            engine's own model calls use them.
         kv_cache_dtype: what the KV pool stores: None or ``"auto"``, the model's dtype; ``"fp8"`` (``"fp8_e4m3"``),
             e4m3 with per-head scales, twice the blocks in the same memory; decode, prefill and the KV write on the
             cuda kernels (CUDA graphs included) for float16/bfloat16 models at their e4m3 head sizes; see
@@ -143,7 +145,7 @@ class Engine(EngineCore):
         kv_cache_dtype: str | None = EngineConfig.kv_cache_dtype,
         cuda_graph_capture: str | None = EngineConfig.cuda_graph_capture,
         logprobs_mode: str = EngineConfig.logprobs_mode,
-        layer_kernels: bool = EngineConfig.layer_kernels,
+        layer_kernels: bool | None = EngineConfig.layer_kernels,
         *,
         workload: Workload | None = None,
     ):

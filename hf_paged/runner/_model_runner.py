@@ -70,14 +70,17 @@ class ModelRunner:
         self.pool, self.dispatcher = paged_kv(model.config, kv_layout(model), self.kv_devices, model.dtype,
                                               cfg.block_size, cfg.num_blocks, cfg.kv_cache_dtype, cfg.backend)
         self.tables = BlockTableBuffer(cfg.max_num_seqs, min(cfg.num_blocks, -(-longest // cfg.block_size)))
-        tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
-        self.compiled = background_compile.layers_for_engine(
-            model, cfg.compile_layers, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
         self.skinny = skinny_linear.for_engine(model, cfg.skinny_linear, routed_elsewhere=tp_linears.installed(model))
-        # layer_kernels=True: where the layers run eagerly (steps of one token beside compiled layers, a background
-        # compile's first steps, compile_layers=False), their norms, adds, products and rotary run on the layer kernels
+        # where the layers run eagerly, their norms, adds, products and rotary run on the layer kernels where those
+        # serve the model (routed after the skinny linears: their packed q/k/v and gate/up products come first); then
+        # the layers stay eager unless compile_layers asks otherwise: a first process starts as fast as transformers'
+        # and runs as fast as compiled (docs/design/decisions.md)
         self.layer_kernels = layer_kernels.for_engine(
             model, cfg.layer_kernels, "the model is tensor parallel" if self.lockstep is not None else None)
+        compile_setting = False if cfg.compile_layers is None and self.layer_kernels else cfg.compile_layers
+        tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
+        self.compiled = background_compile.layers_for_engine(
+            model, compile_setting, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
         # compile_layers="background": once the helper process is done, the layers switch to compiled ones between
         # two steps (take_compiled_layers); an engine of one call keeps its eager layers (a switch inside a call would
         # make its tokens depend on timing)

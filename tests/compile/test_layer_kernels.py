@@ -220,3 +220,31 @@ def test_an_engines_eager_steps_run_on_the_layer_kernels_when_asked(stand_ins, m
         assert stand_ins == before
     finally:
         layer_kernels.uninstall(model)
+
+
+@pytest.mark.parametrize("arch, served", [("llama_gqa", True), ("gemma", False)])
+def test_the_automatic_setting_serves_where_the_bulk_is_routed_and_then_leaves_the_layers_eager(
+        arch, served, stand_ins, monkeypatch):
+    """No settings: where the kernels route the model's norms, MLPs and rotary embedding, the engine's steps run on
+    them and its layers are not compiled; a Gemma (its RMSNorm adds one to the weight, its MLP is GELU) gets none of
+    its modules routed and the automatic compile decides as it would without the kernels."""
+    import hf_paged
+    from engine_helpers import models, random_prompts
+    from hf_paged.compile import _layers as compiled_layers
+    from transformers import GenerationConfig
+
+    monkeypatch.setattr(layer_kernels, "_unsupported_reason", lambda model: None)
+    asked = []
+    monkeypatch.setattr(compiled_layers, "for_engine", lambda model, setting, how=None: asked.append(setting))
+    _, model = models(arch)
+    config = GenerationConfig(max_new_tokens=3, do_sample=False, eos_token_id=None)
+    try:
+        engine = hf_paged.Engine(model, num_blocks=32, block_size=4)
+        engine.generate(random_prompts(2, 4, 8, seed=3), config)
+        assert engine.stats()["layer_kernels"] is served and engine.stats()["compiled_layers"] is False
+        engine.close()
+        assert asked == [False if served else None]
+        assert (stand_ins["add_rms_norm"] > 0) is served and (stand_ins["rotary"] > 0) is served
+        assert any(patches.patch_of(m, "layer_kernels") for m in model.modules()) is served
+    finally:
+        layer_kernels.uninstall(model)
