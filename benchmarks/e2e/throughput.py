@@ -22,12 +22,12 @@ Workloads (``--workloads``, in this order by default):
            (FLOPs, bytes) and its roofline time at the copy and matrix rates measured on the card in the same run;
            ``benchmarks/e2e/roofline.py`` says how kernels are sorted and the work counted
 
-Systems (``--systems``; all but ``hf_paged_layer_kernels`` and ``hf_paged_cublas`` by default, in this order):
-  hf_paged          ``hf_paged.generate_batch``, block_size 16
-  hf_paged_eager_layers  the same with ``compile_layers=False``: HF's eager modules around the paged attention
-  hf_paged_layer_kernels the eager layers with ``layer_kernels=True``: hf_paged's norm, SiLU and rotary kernels
+Systems (``--systems``; all but ``hf_paged_compiled`` and ``hf_paged_cublas`` by default, in this order):
+  hf_paged          ``hf_paged.generate_batch``, block_size 16 (eager layers on the layer kernels where they serve)
+  hf_paged_eager_layers  the same with ``compile_layers=False, layer_kernels=False``: HF's eager modules around the
+                         paged attention
+  hf_paged_compiled      the same with ``compile_layers=True, layer_kernels=False``: the layers compiled by torch.compile
   hf_paged_cublas        the same with ``skinny_linear=False``: cuBLAS serves every linear layer
-                    (the engine's default compiles them on CUDA)
   transformers      ``model.generate_batch`` of the transformers this process imports, default config but the budget
                     (model loaded with sdpa; transformers switches to flash attention when flash-attn is installed
                     and decides CUDA graphs, async batching and compile by itself)
@@ -95,11 +95,11 @@ from benchmarks.e2e.systems import (
 from benchmarks.e2e.workloads import LLAMA_1B, SMOKE_SHAPE, WARM, WORKLOADS, Workload, load_model
 import hf_paged
 
-SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "hf_paged_layer_kernels", "hf_paged_cublas", "transformers", "transformers_box")
+SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "hf_paged_compiled", "hf_paged_cublas", "transformers", "transformers_box")
 DEFAULT_SYSTEMS = ("hf_paged", "hf_paged_eager_layers", "transformers", "transformers_box")
 # hf_paged variants: the engine options each adds to --engine-kwargs
-HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False},
-                     "hf_paged_layer_kernels": {"compile_layers": False, "layer_kernels": True},
+HF_PAGED_VARIANTS = {"hf_paged": {}, "hf_paged_eager_layers": {"compile_layers": False, "layer_kernels": False},
+                     "hf_paged_compiled": {"compile_layers": True, "layer_kernels": False},
                      "hf_paged_cublas": {"skinny_linear": False}}
 HF_PAGED_ONLY = PROFILED
 SWEEP_WORKLOADS = ("anchor", "r64", "latency")
