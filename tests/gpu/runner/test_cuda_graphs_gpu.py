@@ -231,7 +231,8 @@ def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own
     config = GenerationConfig(max_new_tokens=24, do_sample=False, eos_token_id=None)
     torch._dynamo.reset()  # forget the one-token shapes other tests compiled
     frames = counters["frames"]["total"]
-    engine = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, max_num_seqs=8)
+    engine = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, max_num_seqs=8,
+                             compile_layers=True)
     assert engine.stats()["compiled_layers"] is True and engine.stats()["cuda_graphs"]["batch_sizes"] == [2, 8]
     at_start = counters["frames"]["total"] - frames
     got = engine.generate(prompts, config)
