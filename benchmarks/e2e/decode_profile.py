@@ -2,7 +2,8 @@
 
 The workload's requests are added to an ``hf_paged.Engine`` and stepped until every prompt is prefilled; then
 ``steps`` decode steps are timed, and as many again under ``torch.profiler``. Busy fraction = total time covered
-by device activity (overlapping intervals merged) / wall time of the profiled steps. On a CPU (``--smoke``) the same
+by device activity (overlapping intervals merged) / wall time of the profiled steps; ``kernel_us_per_step``: the 25
+kernels with the most device time, per step (microseconds, calls). On a CPU (``--smoke``) the same
 code profiles host operators instead, so the path is exercised but the number means little.
 """
 
@@ -87,9 +88,16 @@ def _profiled_steps(engine: hf_paged.Engine, steps: int) -> dict:
     events = [e for e in prof.events() if e.device_type == kind and not _is_annotation(e)]
     kernels = [e for e in events if not e.name.startswith(("Memcpy", "Memset"))]
     span = lambda evs: _covered_us([(e.time_range.start, e.time_range.end) for e in evs]) * 1e-6 / wall if evs else None
+    by_name: dict[str, list[float]] = {}  # kernel name -> [device us, calls]
+    for e in kernels:
+        entry = by_name.setdefault(e.name[:90], [0.0, 0])
+        entry[0] += e.time_range.elapsed_us()
+        entry[1] += 1
+    top = sorted(by_name.items(), key=lambda item: -item[1][0])[:25]
     return {"profiled_ms_per_step": 1e3 * wall / steps, "busy_device": "cuda" if on_cuda else "cpu (host ops)",
             "busy_fraction": span(kernels), "busy_fraction_with_copies": span(events),
-            "kernels_per_step": len(kernels) / steps}
+            "kernels_per_step": len(kernels) / steps,
+            "kernel_us_per_step": {name: [round(us / steps, 2), calls / steps] for name, (us, calls) in top}}
 
 
 def _is_annotation(event) -> bool:

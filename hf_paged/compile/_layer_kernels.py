@@ -9,7 +9,9 @@ code's own forward everywhere else:
 
 - each RMSNorm module (a ``weight`` and an ``eps`` or ``variance_epsilon``, no children): ``rms_norm``;
 - each pre-norm decoder layer (``input_layernorm``, ``self_attn``, ``post_attention_layernorm``, ``mlp``) whose
-  post-attention norm is routed: the residual add after attention and that norm as one ``add_rms_norm``;
+  post-attention norm is routed: the residual add after attention and that norm as one ``add_rms_norm``, and its
+  last residual add with the norm after the layer (the next layer's input norm, or the final one) as another, whose
+  result that norm's call on the sum takes;
 - each MLP of ``gate_proj``, ``up_proj`` and ``down_proj`` linears: the gate and up products as one where their
   weights lie end to end (:func:`install` lays them so: ``hf_paged.compile._packed_weights``; through the skinny
   kernel where the call routes the linears), ``silu_and_mul`` on the two halves, then ``down_proj``;
@@ -32,6 +34,7 @@ from __future__ import annotations
 
 import logging
 import sys
+import weakref
 from collections.abc import Callable
 
 import torch
@@ -112,6 +115,7 @@ def install(model: torch.nn.Module) -> list[str]:
         if _is_norm(module) and type(module) not in verdicts:
             verdicts[type(module)] = patches.patch_of(module, _KIND) is not None or _computes_reference(module)
     routed: dict[str, int] = {}
+    following = {layer: norm for layer, norm in _following_norms(model, layers).items() if verdicts[type(norm)]}
     for module in base_model(model).modules():
         if _is_qkv(module) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
             _route_siblings(module, _QKV)
@@ -128,7 +132,8 @@ def install(model: torch.nn.Module) -> list[str]:
         if cls not in verdicts:
             verdicts[cls] = patches.patch_of(module, _KIND) is not None or probe(module)
         if verdicts[cls]:
-            patches.install(module, _KIND, lambda eager, module=module, route=route: route(module, eager))
+            patches.install(module, _KIND, lambda eager, module=module, route=route: (
+                route(module, eager, following.get(module)) if route is _layer_route else route(module, eager)))
             routed[cls.__name__] = routed.get(cls.__name__, 0) + 1
     for family in _families(layers):
         if callable(getattr(family, _ROPE, None)) and (
@@ -162,6 +167,14 @@ def _is_layer(module: torch.nn.Module) -> bool:
     names = ("self_attn", "mlp", "input_layernorm", "post_attention_layernorm")
     parts = [getattr(module, name, None) for name in names]
     return all(isinstance(p, torch.nn.Module) for p in parts) and _is_norm(parts[2]) and _is_norm(parts[3])
+
+
+def _following_norms(model: torch.nn.Module, layers: torch.nn.ModuleList) -> dict:
+    """Each decoder layer's next norm: the next layer's ``input_layernorm``, and the base model's ``norm`` after the
+    last (a layer's last residual add and that norm run as one ``add_rms_norm`` where both are routed)."""
+    norms = [getattr(layer, "input_layernorm", None) for layer in list(layers)[1:]]
+    norms.append(getattr(base_model(model), "norm", None))
+    return {layer: norm for layer, norm in zip(layers, norms) if isinstance(norm, torch.nn.Module) and _is_norm(norm)}
 
 
 def _layer_computes_reference(layer: torch.nn.Module) -> bool:
@@ -253,10 +266,18 @@ def _random(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
 
 # The routed forwards are closures, not objects: dynamo guards on the identity of a callable object found on a
 # module, so compiled layers (which trace these with the flag off) would each trace a graph of their own.
+# A norm's result that the layer before it computed with its last residual add (add_rms_norm), for the norm's call on
+# that sum: {norm module: (the sum, the normed sum)}, taken by that call (or dropped by the norm's next one).
+_held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
 def _norm_route(module: torch.nn.Module, eager: Callable) -> Callable:
     eps = _eps(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        held = _held.pop(module, None)
+        if held is not None and held[0] is x:
+            return held[1]
         if _forward_context.layer_kernels() and ops.serves(x, module.weight):
             return ops.rms_norm(x, module.weight, eps)
         return eager(x)
@@ -264,7 +285,9 @@ def _norm_route(module: torch.nn.Module, eager: Callable) -> Callable:
     return forward
 
 
-def _layer_route(layer: torch.nn.Module, eager: Callable) -> Callable:
+def _layer_route(layer: torch.nn.Module, eager: Callable, following: torch.nn.Module | None) -> Callable:
+    """The layer's residual add after attention and its post-attention norm as one ``add_rms_norm``; its last residual
+    add too, with ``following`` (the routed norm after the layer, or None: its result held for its call)."""
     post = layer.post_attention_layernorm
     eps = _eps(post)
 
@@ -273,7 +296,12 @@ def _layer_route(layer: torch.nn.Module, eager: Callable) -> Callable:
             return eager(hidden_states, *args, **kwargs)
         attn = layer.self_attn(hidden_states=layer.input_layernorm(hidden_states), **kwargs)[0]
         hidden_states, normed = ops.add_rms_norm(attn, hidden_states, post.weight, eps)
-        return hidden_states + layer.mlp(normed)
+        out = layer.mlp(normed)
+        if following is None or not ops.serves(out, following.weight):
+            return hidden_states + out
+        hidden_states, normed = ops.add_rms_norm(out, hidden_states, following.weight, _eps(following))
+        _held[following] = (hidden_states, normed)
+        return hidden_states
 
     return forward
 

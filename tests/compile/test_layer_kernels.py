@@ -52,6 +52,22 @@ def _logits(model, ids, kernels: bool) -> torch.Tensor:
         return model(input_ids=ids).logits
 
 
+def test_a_norm_whose_input_is_not_the_layers_sum_computes_its_own(stand_ins):
+    """A layer computes the next norm's result with its last residual add; a hook that hands the next layer another
+    tensor (here: the sum scaled) makes that norm compute its own, so the logits stay the model's own under the hook."""
+    model = _model("llama_gqa")
+    ids = torch.randint(0, VOCAB, (1, 7), generator=torch.Generator().manual_seed(2))
+    hook = model.model.layers[0].register_forward_hook(lambda module, args, out: out * 1.5)
+    try:
+        want = _logits(model, ids, kernels=False)
+        layer_kernels.install(model)
+        assert torch.equal(_logits(model, ids, kernels=True), want)
+        assert stand_ins["rms_norm"] == 2  # the first layer's input norm, and the second's on the hooked output
+    finally:
+        hook.remove()
+        layer_kernels.uninstall(model)
+
+
 @pytest.mark.parametrize("arch", ["llama_gqa", "qwen2", "qwen3"])
 def test_routed_calls_give_the_models_own_logits(arch, stand_ins):
     model = _model(arch)
@@ -69,8 +85,9 @@ def test_routed_calls_give_the_models_own_logits(arch, stand_ins):
         assert torch.equal(_logits(model, ids, kernels=False), want)
         assert not any(stand_ins.values())  # no flag: the model's own code
         assert torch.equal(_logits(model, ids, kernels=True), want)
-        # the post-attention norms run with the residual add before them
-        assert stand_ins == {"rms_norm": norms - layers, "add_rms_norm": layers, "silu_and_mul": layers,
+        # every norm after a residual add runs with it: the post-attention norms, the next layer's input norm and the
+        # final norm; only the first layer's input norm (and Qwen3's q/k norms) on their own
+        assert stand_ins == {"rms_norm": norms - 2 * layers, "add_rms_norm": 2 * layers, "silu_and_mul": layers,
                              "rotary": layers}
     finally:
         layer_kernels.uninstall(model)
@@ -213,7 +230,7 @@ def test_an_engines_eager_steps_run_on_the_layer_kernels_when_asked(stand_ins, m
         assert runs[True] == runs[False]
         layers = model.config.num_hidden_layers
         assert stand_ins["add_rms_norm"] > 0 and stand_ins["add_rms_norm"] % layers == 0
-        assert stand_ins["rotary"] == stand_ins["silu_and_mul"] == stand_ins["add_rms_norm"]
+        assert stand_ins["rotary"] == stand_ins["silu_and_mul"] == stand_ins["add_rms_norm"] // 2
         before = dict(stand_ins)
         with torch.no_grad():
             model(input_ids=torch.tensor([prompts[0]]))  # not an engine call: the model's own code
