@@ -275,12 +275,10 @@ def _norm_route(module: torch.nn.Module, eager: Callable) -> Callable:
     eps = _eps(module)
 
     def forward(x: torch.Tensor) -> torch.Tensor:
+        if not (_forward_context.layer_kernels() and ops.serves(x, module.weight)):
+            return eager(x)  # (all that compiled layers trace: the flag is off in them)
         held = _held.pop(module, None)
-        if held is not None and held[0] is x:
-            return held[1]
-        if _forward_context.layer_kernels() and ops.serves(x, module.weight):
-            return ops.rms_norm(x, module.weight, eps)
-        return eager(x)
+        return held[1] if held is not None and held[0] is x else ops.rms_norm(x, module.weight, eps)
 
     return forward
 

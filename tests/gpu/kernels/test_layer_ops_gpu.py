@@ -30,7 +30,7 @@ def _rand(*shape, dtype, seed):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", [(1, 2048), (7, 4096), (300, 1000), (3, 8), (2, 5)])
+@pytest.mark.parametrize("rows,hidden", [(1, 2048), (7, 4096), (2, 12288), (300, 1000), (3, 8), (2, 5)])
 @pytest.mark.parametrize("strided", [False, True])
 def test_rms_norm_is_the_modules_up_to_one_rounding_step(dtype, rows, hidden, strided):
     wide = _rand(rows, hidden + (8 if strided else 0), dtype=dtype, seed=rows * hidden) * 3
@@ -45,7 +45,7 @@ def test_rms_norm_is_the_modules_up_to_one_rounding_step(dtype, rows, hidden, st
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("rows,hidden", [(1, 2048), (33, 4096), (3, 5)])
+@pytest.mark.parametrize("rows,hidden", [(1, 2048), (33, 4096), (2, 12288), (3, 5)])
 def test_add_rms_norm_is_the_layers_add_and_norm(dtype, rows, hidden):
     x = _rand(rows, hidden, dtype=dtype, seed=hidden) * 2
     residual = _rand(rows, hidden + 8, dtype=dtype, seed=rows)[:, :hidden]  # rows at a stride of their own
