@@ -11,6 +11,7 @@ loaded.
 from __future__ import annotations
 
 import numbers
+import warnings
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
@@ -59,8 +60,8 @@ class EngineConfig:
     async_scheduling: bool | None = None
     compile_layers: bool | str | None = field(default=None, metadata=_flag(
         "compile the layers' work outside attention with torch.compile: auto (default: off where the layer kernels "
-        "serve the model, else on for CUDA models where triton is installed), on, off, or background (eager until a "
-        "helper process has compiled a slim copy of the model into torch's caches)",
+        "serve the model, else on for CUDA models where triton is installed), on, off, or background (deprecated: "
+        "eager until a helper process has compiled a slim copy of the model into torch's caches)",
         metavar="{auto,on,off,background}"))
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
@@ -86,6 +87,10 @@ class EngineConfig:
                 named = ["None (automatic)" if c is None else repr(c) for c in choices]
                 raise ValueError(f"{name} must be {', '.join(named[:-1])} or {named[-1]}, got {value!r}")
         object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
+        if self.compile_layers == "background":
+            warnings.warn("compile_layers='background' is deprecated and goes in the next release: the default starts "
+                          "with no compile and runs as fast where the layer kernels serve the model; pass "
+                          "compile_layers=True to compile the layers at the start", FutureWarning, stacklevel=3)
 
     @property
     def cache_config(self) -> CacheConfig:

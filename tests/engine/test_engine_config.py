@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import inspect
+import warnings
 from dataclasses import replace
 
 import pytest
@@ -84,3 +85,11 @@ def test_generate_batch_takes_an_engine_config_and_checks_transformers_settings(
     bad = type("CBConfig", (), dict(block_size=0))()
     with pytest.raises(ValueError, match="continuous_batching_config: block_size"):
         hf_paged.generate_batch(model, prompts, GenerationConfig(max_new_tokens=2), bad)
+
+
+def test_the_background_compile_is_deprecated_and_says_what_to_pass():
+    with pytest.warns(FutureWarning, match="compile_layers=True"):
+        hf_paged.EngineConfig(compile_layers="background")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        hf_paged.EngineConfig(compile_layers=True)
