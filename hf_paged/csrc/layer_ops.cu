@@ -22,12 +22,9 @@ struct alignas(sizeof(T) * N) Pack {
 
 constexpr int kThreads = 256;
 
-// The packs of a row each thread keeps in registers between the sum and the scaling, where the row fits (else the
-// row is read twice: a bf16 row of up to 8192 elements fits).
-constexpr int kKept = 4;
-
 // One block per row; N elements per access (hidden % N == 0 and the rows aligned to N elements). With a residual,
-// the row normalized is residual + x, rounded to T as torch's add rounds it, and written to sum_out first.
+// the row normalized is residual + x, rounded to T as torch's add rounds it, and written to sum_out first (each thread
+// reads back only what it wrote).
 template <typename T, int N>
 __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out, T* __restrict__ sum_out,
                                                             const T* __restrict__ x, const T* __restrict__ residual,
@@ -41,10 +38,9 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
   P* dst = reinterpret_cast<P*>(out + blockIdx.x * static_cast<int64_t>(hidden));
   const P* w = reinterpret_cast<const P*>(weight);
   const int packs = hidden / N;
-  const bool kept = packs <= kKept * kThreads;
   __shared__ float scratch[kThreads / 32];
-  // the row (with the residual added) at pack i; each thread reads back only what it wrote
-  const auto load = [&](int i) {
+  float sum = 0.f;
+  for (int i = threadIdx.x; i < packs; i += kThreads) {
     P p = row[i];
     if (res) {
       const P q = res[i];
@@ -52,31 +48,16 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
       for (int j = 0; j < N; ++j) p.v[j] = from_float<T>(__fadd_rn(to_float(q.v[j]), to_float(p.v[j])));
       sums[i] = p;
     }
-    return p;
-  };
-  const auto squares = [](float sum, const P& p) {  // sum plus p's squares, one at a time
 #pragma unroll
-    for (int j = 0; j < N; ++j) sum += to_float(p.v[j]) * to_float(p.v[j]);
-    return sum;
-  };
-  P cache[kKept];
-  float sum = 0.f;
-  if (kept) {
-#pragma unroll
-    for (int k = 0; k < kKept; ++k) {
-      const int i = threadIdx.x + k * kThreads;
-      if (i < packs) {
-        cache[k] = load(i);
-        sum = squares(sum, cache[k]);
-      }
+    for (int j = 0; j < N; ++j) {
+      const float v = to_float(p.v[j]);
+      sum += v * v;
     }
-  } else {
-    for (int i = threadIdx.x; i < packs; i += kThreads) sum = squares(sum, load(i));
   }
   // torch's mean multiplies the sum by 1 / n; the rsqrt of the variance plus eps is taken in float32
   const float inv = rsqrtf(__fadd_rn(__fmul_rn(block_sum<kThreads>(sum, scratch), 1.f / hidden), eps));
-  const auto scale = [&](int i, const P& p) {
-    const P wp = w[i];
+  for (int i = threadIdx.x; i < packs; i += kThreads) {
+    const P p = res ? sums[i] : row[i], wp = w[i];
     P o;
 #pragma unroll
     for (int j = 0; j < N; ++j) {
@@ -84,15 +65,6 @@ __global__ void __launch_bounds__(kThreads) rms_norm_kernel(T* __restrict__ out,
       o.v[j] = from_float<T>(__fmul_rn(to_float(wp.v[j]), normed));
     }
     dst[i] = o;
-  };
-  if (kept) {
-#pragma unroll
-    for (int k = 0; k < kKept; ++k) {
-      const int i = threadIdx.x + k * kThreads;
-      if (i < packs) scale(i, cache[k]);
-    }
-  } else {
-    for (int i = threadIdx.x; i < packs; i += kThreads) scale(i, res ? sums[i] : row[i]);
   }
 }
 
@@ -116,32 +88,30 @@ __global__ void __launch_bounds__(kThreads) silu_and_mul_kernel(T* __restrict__ 
   reinterpret_cast<P*>(out + r * static_cast<int64_t>(width))[i] = o;
 }
 
-// One thread per (query or key head, pair (j, j + head_dim / 2)) of a (token, batch row): blocks of kRotaryThreads
-// over grid (tokens, batch rows, pairs / kRotaryThreads), so a step of one token spreads over several SMs.
-constexpr int kRotaryThreads = 128;
-
+// One block per (token, batch row); the threads run over the (query and key) heads' pairs (j, j + head_dim / 2).
 template <typename T>
-__global__ void __launch_bounds__(kRotaryThreads) rotary_kernel(RotaryParams p) {
+__global__ void __launch_bounds__(kThreads) rotary_kernel(RotaryParams p) {
   const int t = blockIdx.x, b = blockIdx.y, half = p.head_dim / 2;
-  const int i = blockIdx.z * kRotaryThreads + threadIdx.x;
-  if (i >= (p.q_heads + p.k_heads) * half) return;
   const T* cos = static_cast<const T*>(p.cos) + b * p.cos_stride[0] + t * p.cos_stride[1];
   const T* sin = static_cast<const T*>(p.sin) + b * p.sin_stride[0] + t * p.sin_stride[1];
-  const int head = i / half, j = i % half;
-  const bool is_q = head < p.q_heads;
-  const int h = is_q ? head : head - p.q_heads;
-  const int64_t* s = is_q ? p.q_stride : p.k_stride;
-  const int64_t* o = is_q ? p.q_out_stride : p.k_out_stride;
-  const T* src = static_cast<const T*>(is_q ? p.q : p.k) + b * s[0] + h * s[1] + t * s[2];
-  T* dst = static_cast<T*>(is_q ? p.q_out : p.k_out) + b * o[0] + h * o[1] + t * o[2];
-  const float x1 = to_float(src[j]), x2 = to_float(src[j + half]);
-  // rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's operators round them
-  const float lo = __fadd_rn(rounded<T>(__fmul_rn(x1, to_float(cos[j]))),
-                             rounded<T>(__fmul_rn(-x2, to_float(sin[j]))));
-  const float hi = __fadd_rn(rounded<T>(__fmul_rn(x2, to_float(cos[j + half]))),
-                             rounded<T>(__fmul_rn(x1, to_float(sin[j + half]))));
-  dst[j] = from_float<T>(lo);
-  dst[j + half] = from_float<T>(hi);
+  const int total = (p.q_heads + p.k_heads) * half;
+  for (int i = threadIdx.x; i < total; i += kThreads) {
+    const int head = i / half, j = i % half;
+    const bool is_q = head < p.q_heads;
+    const int h = is_q ? head : head - p.q_heads;
+    const int64_t* s = is_q ? p.q_stride : p.k_stride;
+    const int64_t* o = is_q ? p.q_out_stride : p.k_out_stride;
+    const T* src = static_cast<const T*>(is_q ? p.q : p.k) + b * s[0] + h * s[1] + t * s[2];
+    T* dst = static_cast<T*>(is_q ? p.q_out : p.k_out) + b * o[0] + h * o[1] + t * o[2];
+    const float x1 = to_float(src[j]), x2 = to_float(src[j + half]);
+    // rotate_half(x) = cat(-x2, x1); each product and the sum rounded as torch's operators round them
+    const float lo = __fadd_rn(rounded<T>(__fmul_rn(x1, to_float(cos[j]))),
+                               rounded<T>(__fmul_rn(-x2, to_float(sin[j]))));
+    const float hi = __fadd_rn(rounded<T>(__fmul_rn(x2, to_float(cos[j + half]))),
+                               rounded<T>(__fmul_rn(x1, to_float(sin[j + half]))));
+    dst[j] = from_float<T>(lo);
+    dst[j + half] = from_float<T>(hi);
+  }
 }
 
 template <typename T>
@@ -208,12 +178,11 @@ cudaError_t launch_silu_and_mul(LayerDtype dtype, void* out, const void* gate, c
 
 cudaError_t launch_rotary(LayerDtype dtype, const RotaryParams& p, cudaStream_t stream) {
   if (p.batch == 0 || p.tokens == 0) return cudaSuccess;
-  const int pairs = (p.q_heads + p.k_heads) * (p.head_dim / 2);
-  const dim3 grid(p.tokens, p.batch, (pairs + kRotaryThreads - 1) / kRotaryThreads);
+  const dim3 grid(p.tokens, p.batch);
   switch (dtype) {
-    case LayerDtype::kFloat: rotary_kernel<float><<<grid, kRotaryThreads, 0, stream>>>(p); break;
-    case LayerDtype::kHalf: rotary_kernel<__half><<<grid, kRotaryThreads, 0, stream>>>(p); break;
-    case LayerDtype::kBFloat16: rotary_kernel<__nv_bfloat16><<<grid, kRotaryThreads, 0, stream>>>(p); break;
+    case LayerDtype::kFloat: rotary_kernel<float><<<grid, kThreads, 0, stream>>>(p); break;
+    case LayerDtype::kHalf: rotary_kernel<__half><<<grid, kThreads, 0, stream>>>(p); break;
+    case LayerDtype::kBFloat16: rotary_kernel<__nv_bfloat16><<<grid, kThreads, 0, stream>>>(p); break;
   }
   return cudaGetLastError();
 }
