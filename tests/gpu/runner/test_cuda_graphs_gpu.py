@@ -247,7 +247,8 @@ def test_one_sequence_replays_the_two_row_graph_and_compiles_no_shape_of_its_own
     assert counters["frames"]["total"] - frames == at_start  # that one-token step ran the eager modules
     engine.close()
     # a one-token step run eagerly is a shape of its own: the same count of frames again
-    eager = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, cuda_graphs=False)
+    eager = hf_paged.Engine(f32_model, num_blocks=256, block_size=16, max_batch_tokens=256, cuda_graphs=False,
+                            compile_layers=True)
     assert [o.token_ids for o in eager.generate(prompts, config)] == [o.token_ids for o in got]
     assert counters["frames"]["total"] - frames >= 2 * at_start
     eager.close()
