@@ -54,9 +54,14 @@ __getattr__, __dir__ = lazy_exports(__name__, _LAZY)
 
 def _register_with_transformers() -> None:
     """``attn_implementation="hf_paged"`` and its mask function, and ``generate``'s default paged cache for such a
-    model (``generate/_default_cache.py``). torch and transformers are imported here, when this runs."""
-    from hf_paged.generate._default_cache import install as install_default_cache
-    from hf_paged.hf._register import register
+    model (``generate/_default_cache.py``). torch and transformers are imported here, when this runs: on the host
+    whatever device context the code that imported transformers holds (a meta one, while it builds a model), since
+    hf_paged's modules make a few tensors of their own as they load."""
+    import torch
+
+    with torch.device("cpu"):
+        from hf_paged.generate._default_cache import install as install_default_cache
+        from hf_paged.hf._register import register
 
     register()
     install_default_cache()

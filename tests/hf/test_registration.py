@@ -62,6 +62,8 @@ def test_import_hf_paged_is_light_and_a_model_then_loads_with_it(saved_model):
     "import transformers.modeling_utils\nimport hf_paged",  # transformers' model code first: registered at once
     "import hf_paged\nhf_paged.Engine",  # hf_paged's own modules import transformers, mid-way through their import
     "from hf_paged.cli.default_model import tiny_llama",
+    # transformers' model code first imported while a model is built on the meta device (a checkpoint conversion)
+    "import hf_paged, torch\nwith torch.device('meta'):\n    import transformers.modeling_utils",
 ])
 def test_every_import_order_registers(saved_model, first):
     run = _python(f"DIR = {str(saved_model)!r}\n{first}\n" + CHECK)
