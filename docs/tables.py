@@ -200,15 +200,19 @@ COLD_SYSTEMS = {"generate_batch": "`generate_batch`", "generate_batch_eager": "`
 def cold_start(doc: Path, name: str) -> str:
     """``benchmarks/e2e/cold_start.py``: seconds from the process's spawn to import, load, first token and steady state,
     in a first process (empty caches) and a second one, per system; the same call again; dynamo's compile time."""
+    from benchmarks.e2e.cold_start import medians
+
     data = load(name)
     keys = ("import", "load", "ready", "first_token", "steady", "second_call", "dynamo_s")
     out = [[COLD_SYSTEMS.get(r["system"], r["system"]), r["process"]]
            + ["-" if r.get(k) is None else f"{r[k]:.2f}" for k in keys]
-           for r in data["rows"] if r.get("status") == "ok" and r["process"] in ("first", "second", "portable")]
+           for r in medians(data["rows"]) if r.get("status") == "ok" and r["process"] in ("first", "second", "portable")]
     header = ["system", "process", "import", "load", "ready", "first token", "steady", "the call again", "dynamo"]
     work = data.get("meta", {})
     line = (f"{work['prompts']} prompts of the anchor, {work['new_tokens']} new tokens each, seconds. "
             if "prompts" in work and "new_tokens" in work else "seconds. ")
+    rounds = max((r.get("round", 0) + 1 for r in data["rows"]), default=1)
+    line += f"Medians of {rounds} rounds, the systems' order reversed every other round. " if rounds > 1 else ""
     return table(header, out, "llrrrrrrr") + "\n\n" + caption(
         [name], doc, line + "`python -m benchmarks.e2e.cold_start`. ")
 

@@ -37,10 +37,12 @@ time went.
 
     python -m benchmarks.e2e.cold_start
         [--systems generate_batch,generate_batch_eager,engine,generate,serve,transformers]
-        [--prompts 64] [--new-tokens 128] [--second SYSTEMS] [--portable] [--json F] [--model-dir DIR]
+        [--prompts 64] [--new-tokens 128] [--second SYSTEMS] [--rounds N] [--portable] [--json F] [--model-dir DIR]
         [--timeout 600] [--smoke]
 
-``--second S`` (a comma list of systems; default every one) gives only those systems the processes after the
+``--rounds N`` runs it all N times, the systems' order reversed every other round (a first process's numbers move
+with what ran before it: the host's file cache, the device's clocks), and the table gives each system and process
+the medians of its rounds. ``--second S`` (a comma list of systems; default every one) gives only those systems the processes after the
 first (``second``, ``portable``, ``second_profiled``); the others run a first process alone. So a smoke check can
 run every system once, and a second process only where it does something else (``generate_batch_background``'s
 finds the helper's artifacts).
@@ -70,6 +72,7 @@ import asyncio
 import importlib
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -93,6 +96,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--new-tokens", type=int, help="new tokens per prompt (default 128; smoke 4)")
     p.add_argument("--second", help="comma list of the systems that run the processes after the first (default "
                    "every system)")
+    p.add_argument("--rounds", type=int, default=1, help="run every system's processes this many times, the order "
+                   "of the systems reversed every other round (the table: medians per system and process)")
     p.add_argument("--portable", action="store_true", help="a third process: torch's caches empty, hf_paged's kept")
     p.add_argument("--json", help="write the rows here (rewritten after each process)")
     p.add_argument("--model-dir", type=Path, help="the serve checkpoint's folder (built there unless it holds it)")
@@ -165,7 +170,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
     rows: list[dict] = []
     processes = ("first", "second") + (("portable",) if args.portable else ()) + (
         ("second_profiled",) if args.profile_dir else ())
-    for system in args.systems:
+    for round_, system in round_plan(args.systems, args.rounds):
         root = Path(tempfile.mkdtemp(prefix=f"cold_start_{system}_"))
         for which in processes:
             caches = root / ("portable" if which == "portable" else "torch")
@@ -185,7 +190,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
                        else run_child(system, args, env, profile))
             except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
                 row = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
-            row = {"system": system, "process": which, **row}
+            row = {"system": system, "process": which, **({"round": round_} if args.rounds > 1 else {}), **row}
             rows.append(row)
             log(f"{system} / {which}: " + ", ".join(f"{c} {row[c]:.2f}" for c in COLUMNS if row.get(c) is not None)
                 + ("" if row.get("status") == "ok" else f" ({row.get('status')}: {row.get('error')})"))
@@ -317,15 +322,37 @@ def environment(args: argparse.Namespace) -> dict:
             "smoke": args.smoke}
 
 
+def round_plan(systems: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, system) in the order they run: round r in the order of ``systems`` where r is even, reversed where odd."""
+    return [(r, system) for r in range(rounds) for system in (systems[::-1] if r % 2 else systems)]
+
+
+def medians(rows: list[dict]) -> list[dict]:
+    """One row per (system, process): the medians of its rounds' numbers where every round went well, else its
+    rounds' rows as they are."""
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in rows:
+        groups.setdefault((row["system"], row["process"]), []).append(row)
+    out = []
+    for (system, process), group in groups.items():
+        if len(group) == 1 or any(r.get("status") != "ok" for r in group):
+            out.extend(group)
+            continue
+        numbers = {k for r in group for k, v in r.items() if isinstance(v, (int, float)) and k != "round"}
+        out.append({"system": system, "process": process, "status": "ok", "rounds": len(group),
+                    **{k: statistics.median(r[k] for r in group if k in r) for k in numbers}})
+    return out
+
+
 def table(rows: list[dict]) -> str:
     head = ["system", "process", *COLUMNS, "dynamo_s", "fx hit/miss"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for row in rows:
+    for row in medians(rows):
         cells = [row["system"], row["process"]]
         cells += ["-" if row.get(c) is None else f"{row[c]:.2f}" for c in COLUMNS]
         cells += ["-" if row.get("dynamo_s") is None else f"{row['dynamo_s']:.1f}",
                   "-" if row.get("fxgraph_cache_hit") is None else
-                  f"{row['fxgraph_cache_hit']}/{row['fxgraph_cache_miss']}"]
+                  f"{row['fxgraph_cache_hit']:g}/{row['fxgraph_cache_miss']:g}"]
         if row.get("status") != "ok":
             cells[-1] += f" {row.get('status')}: {row.get('error', '')[:80]}"
         lines.append("| " + " | ".join(cells) + " |")
