@@ -119,6 +119,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     outside = sorted(set(args.second) - set(args.systems))
     if outside:
         p.error(f"--second: {outside} not in --systems; name only systems that --systems runs")
+    if args.rounds < 1:
+        p.error(f"--rounds must be at least 1, got {args.rounds}")
     args.prompts = args.prompts or (4 if args.smoke else 64)
     args.new_tokens = args.new_tokens or (4 if args.smoke else 128)
     return args
