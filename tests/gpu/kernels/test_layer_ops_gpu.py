@@ -139,3 +139,26 @@ def test_an_engine_on_the_layer_kernels_gives_the_tokens_of_transformers_modules
     want = _engine_tokens(model, prompts, layer_kernels=False)
     got = _engine_tokens(model, prompts, layer_kernels=True)
     assert got == want  # float32: the kernels compute the modules' values (RMSNorm up to its sum's order)
+
+
+def test_with_no_settings_an_engine_runs_on_the_layer_kernels_and_compiles_nothing():
+    """The default on one GPU: a Llama's layers eager on the layer kernels (no torch.compile), the tokens of
+    transformers' modules."""
+    from torch._dynamo.utils import counters
+
+    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+    torch.manual_seed(2)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="hf_paged").to(DEVICE).eval()
+    prompts = [[5, 9, 11, 40, 7], list(range(3, 33))]
+    want = _engine_tokens(model, prompts, layer_kernels=False)
+    frames = counters["frames"]["total"]
+    engine = hf_paged.Engine(model, num_blocks=64, block_size=16, max_num_seqs=4)
+    try:
+        got = engine.generate(prompts, GenerationConfig(max_new_tokens=12, do_sample=False, eos_token_id=None))
+        stats = engine.stats()
+        assert stats["layer_kernels"] is True and stats["compiled_layers"] is False and engine.runner.compiled is None
+        assert counters["frames"]["total"] == frames  # nothing traced by dynamo
+        assert [r.token_ids for r in got] == want
+    finally:
+        engine.close()
