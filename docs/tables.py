@@ -118,7 +118,7 @@ E2E_WORKLOADS = {
     "r1024": "1,024 requests",
     "latency": "batch 1, 512-token prompt: ms per output token",
 }
-E2E_SYSTEMS = {"hf_paged": "hf_paged", "hf_paged_eager_layers": "hf_paged, `compile_layers=False`",
+E2E_SYSTEMS = {"hf_paged": "hf_paged", "hf_paged_eager_layers": "hf_paged, transformers' eager modules",
                "hf_paged_compiled": "hf_paged, `compile_layers=True, layer_kernels=False`",
                "hf_paged_cublas": "hf_paged, `skinny_linear=False`", "transformers": "transformers {v} CB",
                "transformers_box": "transformers {v} CB (second install)"}
