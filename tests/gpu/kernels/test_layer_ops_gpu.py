@@ -12,9 +12,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, GenerationConfig, LlamaConfig
+from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, LlamaConfig
 
 import hf_paged
+from hf_paged.compile import _layer_kernels as layer_kernels
 from hf_paged.kernels import _layer_ops as ops
 
 pytestmark = pytest.mark.usefixtures("hf_paged_kernels")
@@ -129,11 +130,13 @@ def _engine_tokens(model, prompts, layer_kernels: bool):
         engine.close()
 
 
-def test_an_engine_on_the_layer_kernels_gives_the_tokens_of_transformers_modules():
-    cfg = LlamaConfig(vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
-                      num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+@pytest.mark.parametrize("family", ["llama", "qwen2", "qwen3", "mistral"])  # (q/k/v biases; q/k norms)
+def test_an_engine_on_the_layer_kernels_gives_the_tokens_of_transformers_modules(family):
+    cfg = AutoConfig.for_model(family, vocab_size=512, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
+                               num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="hf_paged").to(DEVICE).eval()
+    assert layer_kernels.for_engine(model, None)  # norms, MLPs and rotary routed: what the default serves
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 512, (n,), generator=g).tolist() for n in (5, 17, 40)]
     want = _engine_tokens(model, prompts, layer_kernels=False)
