@@ -264,13 +264,13 @@ def _random(shape: tuple[int, ...], like: torch.Tensor) -> torch.Tensor:
     return torch.randn(shape, generator=g, device=like.device, dtype=torch.float32).to(like.dtype)
 
 
-# The routed forwards are closures, not objects: dynamo guards on the identity of a callable object found on a
-# module, so compiled layers (which trace these with the flag off) would each trace a graph of their own.
 # A norm's result that the layer before it computed with its last residual add (add_rms_norm), for the norm's call on
 # that sum: {norm module: (the sum, the normed sum)}, taken by that call (or dropped by the norm's next one).
 _held: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+# The routed forwards are closures, not objects: dynamo guards on the identity of a callable object found on a
+# module, so compiled layers (which trace these with the flag off) would each trace a graph of their own.
 def _norm_route(module: torch.nn.Module, eager: Callable) -> Callable:
     eps = _eps(module)
 
