@@ -21,18 +21,15 @@ class BlockTableBuffer:
 
     def __init__(self, max_rows: int, width: int):
         self.table = torch.zeros(max_rows, max(width, 1), dtype=torch.int32)
-        self._entries = self.table.numpy()  # the same memory: numpy writes a few entries ~10x faster than torch
+        # ``table`` as a numpy array, the same memory (numpy writes a few entries ~10x faster than torch); replaced
+        # when the table grows, so read it each step
+        self.entries = self.table.numpy()
         self._free_rows = list(range(max_rows - 1, -1, -1))
         self._changes: tuple[array, array] | None = None  # (rows, columns) of the entries written, when logged
 
     @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
-
-    @property
-    def entries(self):
-        """``table`` as a numpy array (the same memory; replaced when the table grows, so read it each step)."""
-        return self._entries
 
     def acquire(self) -> int:
         assert self._free_rows, "more live sequences than block-table rows"
@@ -41,7 +38,7 @@ class BlockTableBuffer:
     def release(self, row: int) -> None:
         """Free ``row``. Its entries are zeroed here; a device copy keeps them (no kernel reads past a sequence's
         length, and a row's next owner writes every entry it reads)."""
-        self._entries[row] = 0
+        self.entries[row] = 0
         self._free_rows.append(row)
 
     def write(self, row: int, start: int, blocks: list[int]) -> None:
@@ -50,8 +47,8 @@ class BlockTableBuffer:
         if end > self.table.shape[1]:  # grow the table, at least doubling it
             grown = torch.zeros(self.table.shape[0], max(end, 2 * self.table.shape[1]), dtype=torch.int32)
             grown[:, : self.table.shape[1]] = self.table
-            self.table, self._entries = grown, grown.numpy()
-        self._entries[row, start:end] = blocks
+            self.table, self.entries = grown, grown.numpy()
+        self.entries[row, start:end] = blocks
         if self._changes is not None:
             self._changes[0].extend((row,) * len(blocks))
             self._changes[1].extend(range(start, end))
