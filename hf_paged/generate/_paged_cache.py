@@ -135,7 +135,15 @@ class PagedAttentionCache(GenerateHooks, Cache):
                 raise ValueError(f"give one device, or one per decoder layer ({layout.num_layers}); got {len(devices)}")
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
-        cache_config = _cache_config(cache_config, given)
+        if cache_config is None:
+            if num_blocks is not None and memory_budget is not None:
+                raise ValueError("give either num_blocks or memory_budget, not both")
+            cache_config = CacheConfig(**given)
+        elif not isinstance(cache_config, CacheConfig):
+            raise ValueError(f"cache_config must be an hf_paged.CacheConfig, got {type(cache_config).__name__}")
+        elif changed := [name for name, value in given.items() if value != getattr(CacheConfig, name)]:  # (defaults)
+            raise ValueError(f"give the pool's settings either as cache_config=CacheConfig(...) or as keywords, not "
+                             f"both (got cache_config and {', '.join(changed)})")
         num_blocks = pool_blocks(cache_config, layout, dtype, devices,
                                  cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES, position_limit(config)))
         self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, cache_config.block_size, num_blocks,
@@ -267,21 +275,6 @@ class PagedAttentionCache(GenerateHooks, Cache):
         return (f"PagedAttentionCache(num_blocks={self.num_blocks}, block_size={self.block_size}, "
                 f"used={self.pool.allocator.num_used}, rows={self.rows.num_rows}, dtype={self.dtype}, "
                 f"kv_cache_dtype={self.kv_cache_dtype})")
-
-
-def _cache_config(cache_config: CacheConfig | None, given: dict) -> CacheConfig:
-    """The pool's settings from ``cache_config`` or the keywords ``given`` (not both)."""
-    changed = [name for name, value in given.items() if value != getattr(CacheConfig, name)]  # (its defaults)
-    if cache_config is not None:
-        if not isinstance(cache_config, CacheConfig):
-            raise ValueError(f"cache_config must be an hf_paged.CacheConfig, got {type(cache_config).__name__}")
-        if changed:
-            raise ValueError(f"give the pool's settings either as cache_config=CacheConfig(...) or as keywords, not "
-                             f"both (got cache_config and {', '.join(changed)})")
-        return cache_config
-    if given["num_blocks"] is not None and given["memory_budget"] is not None:
-        raise ValueError("give either num_blocks or memory_budget, not both")
-    return CacheConfig(**given)
 
 
 def paged_cache_for(model: torch.nn.Module, **kwargs) -> PagedAttentionCache:
