@@ -73,10 +73,21 @@ def attend(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tens
 def attend_packed(step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
     """:func:`attend` on the step's real tokens, packed: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``; returns
-    ``[T, H, D]``."""
+    ``[T, H, D]``. Keys that do not fit the layer's pool tensors (another model's cache) or sit on another device
+    are refused (``ValueError``)."""
+    layout, caches = step.pool.layout, step.pool.kv_caches
+    if layer_idx >= len(caches) or k.shape[-2] != layout.num_kv_heads or k.shape[-1] != layout.head_dim:
+        raise ValueError(
+            f"this cache was built for another model ({layout}) but layer {layer_idx} produces {k.shape[-2]} KV "
+            f"heads of {k.shape[-1]}; build the cache from this model's config (PagedAttentionCache(model.config, "
+            "...))")
+    k_cache, v_cache = caches[layer_idx]
+    if k.device != k_cache.device:
+        raise ValueError(
+            f"layer {layer_idx} runs on {k.device} but its KV cache is on {k_cache.device}; create the cache with "
+            "device=model.device (or one device per layer for a split model)")
     device = q.device
     meta = step.on(device)
-    k_cache, v_cache = _layer_kv(step, layer_idx, k)
     backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
     scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]  # an fp8 pool's
     writer.write_kv(k, v, k_cache, v_cache, meta, scales)
@@ -96,23 +107,6 @@ def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: tor
     ops.store_kv(k, v, k_cache, v_cache, step.metadata, writer, scales)
     out = ops.paged_attention(q, k, v, k_cache, v_cache, step.metadata, backend, params, scales)
     return out.view(batch, 1, num_heads, head_dim)
-
-
-def _layer_kv(step: PagedStep, layer_idx: int, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The pool's K/V tensors of layer ``layer_idx``, after checking that the layer's keys (``[T, Hkv, D]``) fit
-    them."""
-    layout, caches = step.pool.layout, step.pool.kv_caches
-    if layer_idx >= len(caches) or key.shape[-2] != layout.num_kv_heads or key.shape[-1] != layout.head_dim:
-        raise ValueError(
-            f"this cache was built for another model ({layout}) but layer {layer_idx} produces {key.shape[-2]} KV "
-            f"heads of {key.shape[-1]}; build the cache from this model's config (PagedAttentionCache(model.config, "
-            "...))")
-    k_cache, v_cache = caches[layer_idx]
-    if key.device != k_cache.device:
-        raise ValueError(
-            f"layer {layer_idx} runs on {key.device} but its KV cache is on {k_cache.device}; create the cache with "
-            "device=model.device (or one device per layer for a split model)")
-    return k_cache, v_cache
 
 
 def pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:
