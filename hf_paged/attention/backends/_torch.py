@@ -94,11 +94,8 @@ class StepPlan:
         each within ``budget`` bytes unless it is a single query row: consecutive sequences while they fit together,
         and a sequence too large alone in runs of query rows."""
         key = (budget, shape, device)
-        if key not in self.pieces:
-            self.pieces[key] = self._cut(budget, shape, device)
-        return self.pieces[key]
-
-    def _cut(self, budget: int, shape: tuple, device: torch.device) -> list[Piece]:
+        if key in self.pieces:
+            return self.pieces[key]
         pieces, start, width, depth = [], 0, 0, 0
         starts = [0, *accumulate(self.q_lens)]  # each sequence's first packed row
         for b, (q, k) in enumerate(zip(self.q_lens, self.k_lens)):
@@ -116,7 +113,8 @@ class StepPlan:
                 start, width, depth = b + 1, 0, 0
         if start < len(self.q_lens):
             pieces.append(self._group(start, len(self.q_lens), width, depth, starts, device))
-        return [p for p in pieces if p.tokens.stop > p.tokens.start]
+        self.pieces[key] = [p for p in pieces if p.tokens.stop > p.tokens.start]
+        return self.pieces[key]
 
     def _group(self, start: int, stop: int, width: int, depth: int, starts: list[int],
                device: torch.device) -> Piece:
