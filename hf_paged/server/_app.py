@@ -56,9 +56,8 @@ def build_app(engine, model_name: str, max_queued_requests: int, chat_template: 
         finally:
             await asyncio.to_thread(engine_loop.stop, shutdown_timeout)
 
-    app = FastAPI(title="hf-paged", lifespan=lifespan, exception_handlers={
-        ServerError: _server_error, StarletteHTTPException: _http_error, ClientDisconnect: _client_gone,
-        Exception: _unexpected})
+    app = FastAPI(title="hf-paged", lifespan=lifespan, exception_handlers=dict.fromkeys(
+        (ServerError, StarletteHTTPException, ClientDisconnect, Exception), _error))
     app.state.engine_loop = engine_loop
     app.add_middleware(Door, limits=limits, api_key=api_key, allowed_hosts=allowed_hosts)
     card = {"id": model_name, "object": "model", "created": int(time.time()), "owned_by": "hf-paged",
@@ -185,25 +184,20 @@ async def _next(events: asyncio.Queue, request: Request) -> Event:
         return event
 
 
-async def _server_error(request: Request, exc: ServerError):
-    return answer(exc)
-
-
-async def _http_error(request: Request, exc: StarletteHTTPException):
-    if exc.status_code == 404:
-        message, code = f"no route {request.method} {request.url.path}; this server serves {ROUTES}", "not_found"
-    elif exc.status_code == 405:
-        message, code = (f"{request.url.path} does not take {request.method}; this server serves {ROUTES}",
-                         "method_not_allowed")
-    else:
-        message, code = str(exc.detail), None
-    return answer(ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None))
-
-
-async def _client_gone(request: Request, exc: ClientDisconnect):  # (left while it was sent or answered)
-    return answer(ServerError(499, "client closed the request"))
-
-
-async def _unexpected(request: Request, exc: Exception):
-    logger.exception("hf_paged: unexpected error serving %s", request.url.path)
-    return answer(ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error"))
+async def _error(request: Request, exc: Exception):
+    """Every error's answer, in OpenAI's shape: a ``ServerError`` as it is; starlette's (an unknown route or method
+    named, with the routes there are), a client gone while its request was read or answered (499), and anything
+    unexpected (logged, 500) made one."""
+    headers = None
+    if isinstance(exc, StarletteHTTPException):
+        message, code = {
+            404: (f"no route {request.method} {request.url.path}; this server serves {ROUTES}", "not_found"),
+            405: (f"{request.url.path} does not take {request.method}; this server serves {ROUTES}",
+                  "method_not_allowed")}.get(exc.status_code, (str(exc.detail), None))
+        exc, headers = ServerError(exc.status_code, message, code=code), getattr(exc, "headers", None)
+    elif isinstance(exc, ClientDisconnect):
+        exc = ServerError(499, "client closed the request")
+    elif not isinstance(exc, ServerError):
+        logger.exception("hf_paged: unexpected error serving %s", request.url.path)
+        exc = ServerError(500, f"unexpected {type(exc).__name__}: {exc}", code="internal_error")
+    return answer(exc, headers)
