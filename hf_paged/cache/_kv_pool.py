@@ -63,19 +63,6 @@ def total_memory_bytes(device: torch.device) -> int | None:
     return None
 
 
-def check_pool_fits(layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
-                    layer_devices: Sequence[torch.device]) -> None:
-    """Refuse a pool larger than the memory of a device its layers are on (before anything is allocated: a pool of
-    ``10**11`` blocks would otherwise fill memory for minutes before it fails)."""
-    per_layer = layout.bytes_per_block(block_size, dtype) // layout.num_layers * num_blocks
-    for device, layers in Counter(torch.device(d) for d in layer_devices).items():
-        total = total_memory_bytes(device)
-        if total is not None and per_layer * layers > total:
-            raise ValueError(f"num_blocks={num_blocks} would take {per_layer * layers / 2**30:.1f} GiB of KV cache on "
-                             f"{device}, which has {total / 2**30:.1f} GiB in all; give fewer blocks, or "
-                             "num_blocks=None to size the pool from free memory")
-
-
 def pool_room(device: torch.device, budget: float | None, free: int) -> float:
     """Bytes a KV pool may take on ``device``, which has ``free`` bytes free: ``budget`` (a fraction) of them; None
     (automatic): ``DEFAULT_MEMORY_BUDGET`` of them, on a CPU at most ``CPU_MEMORY_SHARE`` of its RAM."""
@@ -138,7 +125,15 @@ class KVPool:
                  layer_devices: Sequence[torch.device]):
         if len(layer_devices) != layout.num_layers:
             raise ValueError(f"need one device per layer ({layout.num_layers}), got {len(layer_devices)}")
-        check_pool_fits(layout, num_blocks, block_size, dtype, layer_devices)
+        # Refuse a pool larger than the memory of a device its layers are on, before anything is allocated (a pool
+        # of 10**11 blocks would otherwise fill memory for minutes before it fails).
+        per_layer = layout.bytes_per_block(block_size, dtype) // layout.num_layers * num_blocks
+        for device, layers in Counter(torch.device(d) for d in layer_devices).items():
+            total = total_memory_bytes(device)
+            if total is not None and per_layer * layers > total:
+                raise ValueError(f"num_blocks={num_blocks} would take {per_layer * layers / 2**30:.1f} GiB of KV cache "
+                                 f"on {device}, which has {total / 2**30:.1f} GiB in all; give fewer blocks, or "
+                                 "num_blocks=None to size the pool from free memory")
         self.layout = layout
         self.block_size = block_size
         self.dtype = dtype
