@@ -30,6 +30,18 @@ from hf_paged.server._limits import Limits
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
+#: The help of each ``Limits`` field's flag (``--max-body-bytes``...; its type, default and metavar come from the field).
+LIMIT_HELPS = {"max_body_bytes": "larger request bodies are refused with 413 before they are read",
+    "read_timeout": "a client that sends no part of its request body for S seconds gets 408; one whose request line "
+                    "and headers are not in S seconds after it connects is disconnected",
+    "body_timeout": "a client whose request body is not complete S seconds after its headers gets 408, however often "
+                    "it sends a part of it",
+    "max_request_tokens": "a request whose copies would hold more tokens of context (prompt and new tokens, each copy "
+                          "of n counted) is refused with 400",
+    "max_response_bytes": "a request whose whole (not streamed) answer could take more bytes, as estimated from its "
+                          "tokens and log-probabilities, is refused with 400",
+    "stream_timeout": "a streaming client that takes no part of its stream for S seconds is disconnected and its "
+                      "request aborted (one that leaves too many chunks unread is aborted sooner)"}
 
 
 def add_parser(subparsers) -> None:
@@ -49,23 +61,10 @@ def add_parser(subparsers) -> None:
     p.add_argument("--allowed-hosts", type=_host_list, metavar="H1,H2",
                    help="Host header names requests may be addressed to, or '*' for any (default: loopback names "
                         "when --host is loopback and there is no API key, against DNS rebinding; else any)")
-    p.add_argument("--max-body-bytes", type=positive_int, default=Limits.max_body_bytes, metavar="N",
-                   help="larger request bodies are refused with 413 before they are read")
-    p.add_argument("--read-timeout", type=positive_float, default=Limits.read_timeout, metavar="S",
-                   help="a client that sends no part of its request body for S seconds gets 408; one whose "
-                        "request line and headers are not in S seconds after it connects is disconnected")
-    p.add_argument("--body-timeout", type=positive_float, default=Limits.body_timeout, metavar="S",
-                   help="a client whose request body is not complete S seconds after its headers gets 408, however "
-                        "often it sends a part of it")
-    p.add_argument("--max-request-tokens", type=positive_int, default=Limits.max_request_tokens, metavar="N",
-                   help="a request whose copies would hold more tokens of context (prompt and new tokens, each copy "
-                        "of n counted) is refused with 400")
-    p.add_argument("--max-response-bytes", type=positive_int, default=Limits.max_response_bytes, metavar="N",
-                   help="a request whose whole (not streamed) answer could take more bytes, as estimated from its "
-                        "tokens and log-probabilities, is refused with 400")
-    p.add_argument("--stream-timeout", type=positive_float, default=Limits.stream_timeout, metavar="S",
-                   help="a streaming client that takes no part of its stream for S seconds is disconnected and its "
-                        "request aborted (one that leaves too many chunks unread is aborted sooner)")
+    for f in fields(Limits):  # (an int is a count, N; a float is seconds, S)
+        kind, metavar = (positive_int, "N") if isinstance(f.default, int) else (positive_float, "S")
+        p.add_argument("--" + f.name.replace("_", "-"), type=kind, default=f.default, metavar=metavar,
+                       help=LIMIT_HELPS[f.name])
     p.add_argument("--allow-special-tokens-in-messages", action="store_true",
                    help="let special-token text in chat messages (such as <|im_end|>) act as the control token it "
                         "names; by default it stays text in user, assistant and tool messages, so that no message "
