@@ -43,14 +43,6 @@ def _run_generate(args: argparse.Namespace) -> int:
     return run(args)
 
 
-def _drop_stdout() -> None:
-    """Point stdout at the null device, so that the flush at exit does not fail (and print) again."""
-    with contextlib.suppress(OSError, ValueError):  # (no file descriptor behind it: nothing to flush)
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        os.close(devnull)
-
-
 def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
     """Run one command; returns its exit status (see :data:`hf_paged.cli._arguments.EXIT_STATUS`)."""
     try:
@@ -71,7 +63,11 @@ def main(argv: list[str] | None = None, prog: str = "hf-paged") -> int:
     except KeyboardInterrupt:
         return exit_with(args.prog, "interrupted", status=130)
     except BrokenPipeError:  # the reader of the output left (| head): end quietly, as SIGPIPE ends other tools
-        _drop_stdout()
+        # stdout pointed at the null device, so that the flush at exit does not fail (and print) again
+        with contextlib.suppress(OSError, ValueError):  # (no file descriptor behind it: nothing to flush)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
         return 141
     except Exception as exc:
         torch = sys.modules.get("torch")  # (a command that never imported torch cannot run out of device memory)
