@@ -94,11 +94,8 @@ class PromptBuilder:
                                   "(temperature 0, or no sampling field set on a model whose generation config is "
                                   "greedy); set temperature > 0, or ask for n = 1", "n")
             job = replace(job, settings={**job.settings, "do_sample": True})
-        configs = [job.generation_config(n) for n in new_tokens]
-        if not job.echo:
-            return Prepared(prompts, configs)
-        return Prepared(prompts, configs, [p if isinstance(p, str) else self.decode(ids)
-                                           for p, ids in zip(job.prompts, prompts)])
+        return Prepared(prompts, [job.generation_config(n) for n in new_tokens], [
+            p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)] if job.echo else None)
 
     def token_ids(self, prompt, chat: bool) -> list[int]:
         """Token ids of a completion prompt (a string or ids) or of a chat (a list of messages), length-checked."""
