@@ -22,12 +22,10 @@ MAX_PROMPTS = 1024
 MAX_STOP_STRINGS = 16
 #: Fields OpenAI defines that the engine does not serve, and what to do instead: a request setting one is refused
 #: rather than served otherwise.
-NOT_SERVED = {
-    "tools": "(tool calling) is not served; leave it out", "functions": "(tool calling) is not served; leave it out",
-    "suffix": "(insertion) is not served; leave it out", "logit_bias": "is not served; leave it out",
-    "presence_penalty": "is not served; use the repetition_penalty extension",
-    "frequency_penalty": "is not served; use the repetition_penalty extension",
-}
+NOT_SERVED = {**dict.fromkeys(("tools", "functions"), "(tool calling) is not served; leave it out"),
+              "suffix": "(insertion) is not served; leave it out", "logit_bias": "is not served; leave it out",
+              **dict.fromkeys(("presence_penalty", "frequency_penalty"),
+                              "is not served; use the repetition_penalty extension")}
 
 
 @dataclass(frozen=True)
