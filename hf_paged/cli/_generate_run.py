@@ -47,8 +47,10 @@ def run(args: argparse.Namespace) -> int:
                else stream_answers(args, engine, ids, shown))
     elapsed = time.perf_counter() - start
     if args.jsonl:
-        for text, out in zip(prompts, outputs):
-            print(json.dumps(jsonl_record(text, out)))
+        for text, out in zip(prompts, outputs):  # the prompt, the answer and how it ended
+            print(json.dumps({"prompt": text, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
+                              "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
+                              **({"error": out.error} if out.error is not None else {})}))
     elif bar:  # ``> prompt`` (cut to 200 characters), the answer as plain text, how it ended
         for text, out in zip(shown, outputs):
             print_prompt(text)
@@ -117,13 +119,6 @@ def print_ending(args: argparse.Namespace, out) -> None:
     elif out.finish_reason != "stop":
         print(f"({out.finish_reason})")
     print()
-
-
-def jsonl_record(prompt: str, out) -> dict:
-    """One ``--jsonl`` line: the prompt, the answer and how it ended."""
-    return {"prompt": prompt, "text": out.text or "", "prompt_tokens": len(out.prompt_token_ids),
-            "generated_tokens": len(out.token_ids), "finish_reason": out.finish_reason,
-            **({"error": out.error} if out.error is not None else {})}
 
 
 _CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
