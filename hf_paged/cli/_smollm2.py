@@ -97,8 +97,7 @@ def _installed_wheel() -> metadata.Distribution | None:
 
 
 def _wheel_version() -> str:
-    dist = _installed_wheel()
-    return dist.version if dist is not None else WHEEL_VERSION
+    return getattr(_installed_wheel(), "version", WHEEL_VERSION)  # (the pinned one where none is installed)
 
 
 def _convert_wheel(dtype: torch.dtype) -> Path:
