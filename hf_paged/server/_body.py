@@ -75,8 +75,7 @@ def _check(value: Any, path: str, depth: int, exact: bool = True) -> None:
 
 
 def _from_validation_error(exc: ValidationError) -> ServerError:
-    errors = exc.errors(include_url=False)
-    first = errors[0] if errors else {}
+    first = next(iter(exc.errors(include_url=False)), {})
     loc = [str(p) for p in first.get("loc", ()) if isinstance(p, int) or p in FIELD_NAMES]
     param = ".".join(loc) or None
     kind = first.get("type", "invalid")
