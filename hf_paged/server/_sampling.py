@@ -85,8 +85,7 @@ def make_job(body: bytes, model: type[CompletionRequest | ChatCompletionRequest]
         raise bad_request(f"{len(prompts)} prompts x n={n} asks for {len(prompts) * n} choices; at most "
                           f"{MAX_PROMPTS} per request", "n" if n > 1 else "prompt")
     settings = sampling_settings(req)
-    schema = json_schema(req)
-    if schema is not None:
+    if (schema := json_schema(req)) is not None:
         settings["json_schema"] = schema
     if logprobs:  # (with echo, the prompt's too)
         settings.update(output_logprobs=True, top_logprobs=top_logprobs, prompt_logprobs=top_logprobs if echo else None)
@@ -120,8 +119,7 @@ def sampling_settings(req: SamplingFields) -> dict:
         out["do_sample"] = True
     if req.seed is not None:
         out["seed"] = req.seed
-    stop = _stop(req.stop)
-    if stop:
+    if stop := _stop(req.stop):
         out["stop_strings"] = stop
     return out
 
