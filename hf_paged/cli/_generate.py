@@ -71,8 +71,7 @@ def prompt_lines(data: bytes | str, source: str) -> list[str]:
     text = utf8(data, source)
     if "\0" in text:
         raise BadText(f"{source} holds NUL bytes (a binary file?); give text with one prompt per line")
-    lines = [line for line in text.splitlines() if line.strip()]
-    if not lines:
+    if not (lines := [line for line in text.splitlines() if line.strip()]):
         raise BadText(f"{source} holds no prompts (every line is blank)")
     return lines
 
@@ -101,8 +100,7 @@ def device(text: str) -> str:
 def backends(text: str) -> tuple[str, ...]:
     """Attention backends to allow, comma-separated, in the order to try them."""
     names = tuple(name.strip() for name in text.split(","))
-    unknown = [name for name in names if name not in BACKENDS]
-    if unknown:
+    if unknown := [name for name in names if name not in BACKENDS]:
         raise argparse.ArgumentTypeError(f"unknown backend(s) {', '.join(map(repr, unknown))}; choose from "
                                          f"{', '.join(BACKENDS)} (comma-separated, in order of preference)")
     return names

