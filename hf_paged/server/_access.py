@@ -57,8 +57,7 @@ class Door:
             return await self.app(scope, receive, send)
         headers = dict(scope["headers"])
         if self.allowed_hosts is not None:
-            host = _host_name(headers.get(b"host", b"").decode("latin-1"))
-            if host and host not in self.allowed_hosts:
+            if (host := _host_name(headers.get(b"host", b"").decode("latin-1"))) and host not in self.allowed_hosts:
                 return await answer(ServerError(
                     403, f"the Host header {host!r} is not allowed here: this server answers requests addressed "
                          f"to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or --api-key)",

@@ -276,8 +276,7 @@ class EngineLoop:
 
     def _choice(self, request_id: str) -> tuple[Submission | None, int]:
         rid, _, copy = request_id.partition(CHILD_MARK)
-        sub = self._live.get(rid)
-        if sub is None:
+        if (sub := self._live.get(rid)) is None:
             return None, 0
         prompt = int(rid.rsplit("-", 1)[1])
         return sub, prompt * sub.job.n + (int(copy) + 1 if copy else 0)
@@ -289,8 +288,7 @@ class EngineLoop:
         if delta.token_ids:
             self.metrics.generated(delta.request_id, len(delta.token_ids), sub.arrival, now)
         if sub.job.stream and not sub.abandoned:
-            unread = sub.events.qsize()
-            if unread > STREAM_BACKLOG_PER_CHOICE * len(sub.job.prompts) * sub.job.n:
+            if (unread := sub.events.qsize()) > STREAM_BACKLOG_PER_CHOICE * len(sub.job.prompts) * sub.job.n:
                 self._give_up(sub, ServerError(408, f"the client left {unread} chunks of its stream unread; the "
                                                     "request was aborted", code="stream_not_read"))
             else:

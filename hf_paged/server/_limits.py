@@ -38,8 +38,7 @@ class Limits:
         """A 400 if ``job`` (a ``_sampling.Job`` whose prompts have ``prompt_lengths`` tokens and may take
         ``new_tokens`` new ones each) asks for more than these limits allow."""
         choices, param = len(prompt_lengths) * job.n, "max_completion_tokens" if job.chat else "max_tokens"
-        context = job.n * (sum(prompt_lengths) + sum(new_tokens))
-        if context > self.max_request_tokens:
+        if (context := job.n * (sum(prompt_lengths) + sum(new_tokens))) > self.max_request_tokens:
             raise bad_request(f"the request's {choices} choices would hold {context} tokens of context (prompt and "
                               f"new tokens, each copy of n counted); this server takes at most "
                               f"{self.max_request_tokens} per request (--max-request-tokens): ask for fewer copies "

@@ -95,14 +95,14 @@ class PromptBuilder:
                                   "greedy); set temperature > 0, or ask for n = 1", "n")
             job = replace(job, settings={**job.settings, "do_sample": True})
         return Prepared(prompts, [job.generation_config(n) for n in new_tokens], [
-            p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)] if job.echo else None)
+            p if isinstance(p, str) else self.decode(ids) for p, ids in zip(job.prompts, prompts)]
+            if job.echo else None)
 
     def token_ids(self, prompt, chat: bool) -> list[int]:
         """Token ids of a completion prompt (a string or ids) or of a chat (a list of messages), length-checked."""
         param, limit = "messages" if chat else "prompt", self.limit
         if chat or isinstance(prompt, str):
-            chars = sum(len(m["content"]) for m in prompt) if chat else len(prompt)
-            if chars > self.max_chars:
+            if (chars := sum(len(m["content"]) for m in prompt) if chat else len(prompt)) > self.max_chars:
                 raise bad_request(f"the prompt has {chars} characters: more than {self.where} can hold ("
                                   f"{limit - 1} tokens); shorten it", param, "context_length_exceeded")
             ids = self._chat_ids(prompt) if chat else self._encode(prompt, add_special_tokens=True)
