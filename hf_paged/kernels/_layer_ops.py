@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from hf_paged.kernels._build import load
+from hf_paged.kernels._ops import _lib
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -31,31 +31,27 @@ def serves(*tensors: torch.Tensor) -> bool:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`rms_norm_reference` in one launch: ``x`` ``[..., hidden]`` (hidden contiguous), ``weight``
     ``[hidden]`` of x's dtype; a new contiguous tensor."""
-    load()
-    return torch.ops.hf_paged.rms_norm(x, weight, eps)
+    return _lib().rms_norm(x, weight, eps)
 
 
 def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`add_rms_norm_reference` in one launch: ``(residual + x, rms_norm(residual + x))``, ``x`` and
     ``residual`` of one shape ``[..., hidden]`` (hidden contiguous); two new contiguous tensors."""
-    load()
-    return torch.ops.hf_paged.add_rms_norm(x, residual, weight, eps)
+    return _lib().add_rms_norm(x, residual, weight, eps)
 
 
 def silu_and_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     """:func:`silu_and_mul_reference` in one launch: ``gate`` and ``up`` of one shape ``[..., width]`` (width
     contiguous, any row strides: two views of one packed product serve); a new contiguous tensor."""
-    load()
-    return torch.ops.hf_paged.silu_and_mul(gate, up)
+    return _lib().silu_and_mul(gate, up)
 
 
 def rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`rotary_reference` for queries and keys in one launch: ``q`` ``[batch, heads, tokens, head_dim]`` and
     ``k`` ``[batch, kv_heads, tokens, head_dim]`` (head_dim contiguous and even), ``cos``/``sin`` ``[batch or 1,
     tokens, head_dim]``; new tensors laid out as q and k."""
-    load()
-    return torch.ops.hf_paged.rotary(q, k, cos, sin)
+    return _lib().rotary(q, k, cos, sin)
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
