@@ -60,11 +60,8 @@ def one_call_graph_sizes(num_seqs: int) -> list[int]:
     Such an engine pays its captures on every call, and its batches pass each size below the largest only for the
     steps in which its sequences finish; it captures these sizes on demand (:class:`OnDemandSizes`).
     """
-    sizes, s = [], SMALLEST_GRAPH
-    while s < num_seqs:
-        sizes.append(s)
-        s *= 2
-    return sizes + [max(num_seqs, SMALLEST_GRAPH)]
+    powers = (SMALLEST_GRAPH << i for i in range(num_seqs.bit_length()))
+    return [s for s in powers if s < num_seqs] + [max(num_seqs, SMALLEST_GRAPH)]
 
 
 class OnDemandSizes:
@@ -86,10 +83,9 @@ class OnDemandSizes:
     def due(self, n: int, size: int) -> int | None:
         """Count a step of ``n`` sequences served by ``size``; the size to capture now (no longer waiting), or
         None."""
-        fits = [s for s in self._steps if n <= s < size]
-        if not fits:
+        want = min((s for s in self._steps if n <= s < size), default=None)
+        if want is None:
             return None
-        want = min(fits)
         self._steps[want] += 1
         if self._steps[want] < (1 if self.first_use else ON_DEMAND_STEPS):
             return None
