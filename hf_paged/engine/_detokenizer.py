@@ -44,8 +44,14 @@ class Detokenizer:
         full = self._decode(window)
         if not flush and (len(full) <= len(prefix) or full.endswith("\ufffd")):
             return before  # nothing visible yet, or an unfinished character: wait for more tokens
-        st.ends += self._token_ends(window, st.read_offset - st.prefix_offset, len(prefix), before,
-                                    before + len(full) - len(prefix))
+        # where the text ends through each new token, read together (the text grows from ``before`` to ``end``):
+        # decoded one prefix at a time (a token that ends inside a character ends after it, as its U+FFFD stands for
+        # it), kept in order and within the chunk; a single token ends at ``end``, with no decode
+        end, last = before + len(full) - len(prefix), before
+        for j in range(st.read_offset - st.prefix_offset + 1, len(window)):
+            last = min(max(last, before + len(self._decode(window[:j])) - len(prefix)), end)
+            st.ends.append(last)
+        st.ends.append(end)
         st.text += full[len(prefix) :]
         st.prefix_offset, st.read_offset = st.read_offset, len(tokens)
         stops = seq.params.stop_strings
@@ -53,16 +59,6 @@ class Detokenizer:
             start = max(0, before - max(map(len, stops)) + 1)
             st.stop_at = min((i for i in (st.text.find(s, start) for s in stops) if i >= 0), default=None)
         return before
-
-    def _token_ends(self, window: list[int], first: int, prefix_len: int, before: int, end: int) -> list[int]:
-        """Where the text ends through each of ``window[first:]``, read together (the text grows from ``before`` to
-        ``end``): decoded one prefix at a time (a token that ends inside a character ends after it, as its U+FFFD
-        stands for it), kept in order and within the chunk; a single token ends at ``end``, with no decode."""
-        ends, last = [], before
-        for j in range(first + 1, len(window)):
-            last = min(max(last, before + len(self._decode(window[:j])) - prefix_len), end)
-            ends.append(last)
-        return ends + [end]
 
     def shown(self, seq: Sequence, final: bool) -> tuple[int, int]:
         """``(tokens, characters)`` of ``seq``'s generated tokens and text that may be shown: of a finished sequence
