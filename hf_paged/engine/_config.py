@@ -86,7 +86,11 @@ class EngineConfig:
             if not any(value is c or isinstance(c, str) and value == c for c in choices):  # (1 is not True)
                 named = ["None (automatic)" if c is None else repr(c) for c in choices]
                 raise ValueError(f"{name} must be {', '.join(named[:-1])} or {named[-1]}, got {value!r}")
-        object.__setattr__(self, "cuda_graphs", _graph_sizes(self.cuda_graphs))
+        if not isinstance(graphs := self.cuda_graphs, bool):  # batch sizes: kept sorted, each once
+            if not (isinstance(graphs, SequenceType) and not isinstance(graphs, str) and graphs and all(
+                    isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in graphs)):
+                raise ValueError(f"cuda_graphs must be True, False or a list of positive batch sizes, got {graphs!r}")
+            object.__setattr__(self, "cuda_graphs", tuple(sorted({int(s) for s in graphs})))
         if self.compile_layers == "background":
             warnings.warn("compile_layers='background' is deprecated and goes in the next release: the default starts "
                           "with no compile and runs as fast where the layer kernels serve the model; pass "
@@ -115,12 +119,3 @@ class EngineConfig:
                              f"(got config and {', '.join(changed)})")
         return config
 
-
-def _graph_sizes(sizes) -> bool | tuple[int, ...]:
-    if isinstance(sizes, bool):
-        return sizes
-    ok = isinstance(sizes, SequenceType) and not isinstance(sizes, str) and sizes and all(
-        isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in sizes)
-    if not ok:
-        raise ValueError(f"cuda_graphs must be True, False or a list of positive batch sizes, got {sizes!r}")
-    return tuple(sorted({int(s) for s in sizes}))
