@@ -311,9 +311,8 @@ class Engine(EngineCore):
         Nothing else is dropped: a delta counts as handed over once it has been yielded, and a finished request
         that was not yielded yet stays in the engine for the next ``step()`` or ``stream()``.
         """
-        owned = None
-        if prompts is not None:
-            owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
+        owned = None if prompts is None else set(self._enqueue(self._new_sequences(prompts, generation_config,
+                                                                                  "stream")))
         try:
             while any(map(self.requests.is_open, owned)) if owned is not None else self.has_unfinished():
                 with self._stepping():
@@ -494,8 +493,7 @@ class Engine(EngineCore):
             finished, deltas = self._undelivered.pop()
             self.requests.put_back(finished)
             for delta in deltas:
-                seq = self.requests.open.get(delta.request_id)
-                if seq is not None:
+                if (seq := self.requests.open.get(delta.request_id)) is not None:
                     seq.num_streamed -= len(delta.token_ids)
                     seq.text_state.sent -= len(delta.text or "")
 
