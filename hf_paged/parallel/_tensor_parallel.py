@@ -12,6 +12,7 @@ One answer for the engine (pool size, lockstep between the ranks) and the cache 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -96,19 +97,16 @@ def kv_layout(model: torch.nn.Module) -> KVLayout:
 
 
 def _key_projection_weight(layer: torch.nn.Module) -> torch.Tensor | None:
-    for name, module in layer.named_modules():
-        if name.rpartition(".")[2] in _KEY_PROJECTIONS and isinstance(getattr(module, "weight", None), torch.Tensor):
-            return module.weight
-    return None
+    return next((m.weight for name, m in layer.named_modules() if name.rpartition(".")[2] in _KEY_PROJECTIONS
+                 and isinstance(getattr(m, "weight", None), torch.Tensor)), None)
 
 
 def _first_sharded_weight(model: torch.nn.Module):
+    """The first layer's sharded key projection (the model's own where it lists no layers), else its first sharded
+    parameter; None if it has none."""
     layers = decoder_layers(model)
-    for module in (layers if layers is not None else [model]):
-        weight = _key_projection_weight(module)
-        if weight is not None and _is_sharded(weight):
-            return weight
-    return next((p for p in model.parameters() if _is_sharded(p)), None)
+    keys = (_key_projection_weight(m) for m in (layers if layers is not None else [model]))
+    return next((w for w in itertools.chain(keys, model.parameters()) if _is_sharded(w)), None)
 
 
 def _is_sharded(param: torch.Tensor) -> bool:
