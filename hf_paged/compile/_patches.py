@@ -47,8 +47,7 @@ def patch_of(module: torch.nn.Module, kind: str) -> Callable | None:
     if index is None:
         return None
     attribute = record[index][1]
-    later = [before for _, name, before in record[index + 1:] if name == attribute]
-    return later[0] if later else module.__dict__.get(attribute)
+    return next((before for _, name, before in record[index + 1:] if name == attribute), module.__dict__.get(attribute))
 
 
 def patched(modules: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.Module]:

@@ -36,8 +36,7 @@ _NO_MASK: dict[torch.device, torch.Tensor] = {}
 def call_model(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, logits_to_keep) -> torch.Tensor:
     """``model``'s ``[N, vocab]`` logits for a packed step ``ids``/``positions`` (``[1, T]``): no cache object and
     no attention mask (the forward context holds the step)."""
-    mask = _NO_MASK.get(ids.device)
-    if mask is None:
+    if (mask := _NO_MASK.get(ids.device)) is None:
         mask = _NO_MASK[ids.device] = torch.empty(1, 1, 0, 0, dtype=torch.bool, device=ids.device)
     out = model(input_ids=ids, position_ids=positions, attention_mask=mask, use_cache=False,
                 logits_to_keep=logits_to_keep)
