@@ -62,8 +62,7 @@ def _unsupported_reason(model: torch.nn.Module) -> str | None:
         return f"the model is in {getattr(model, 'dtype', None)}, the skinny kernel serves {skinny.DTYPES}"
     if decoder_layers(model) is None:
         return f"{type(model).__name__} has no list of decoder layers"
-    failure = ensure_loaded()
-    if failure is not None:
+    if (failure := ensure_loaded()) is not None:
         return f"the CUDA kernels are unavailable ({failure})"
     return None
 
