@@ -91,8 +91,7 @@ def install(model: torch.nn.Module, group) -> str | None:
         if isinstance(local := patches.patch_of(module, "tp_linears"), LocalLinear):
             local.refresh(module)
             continue
-        weight = getattr(module, "weight", None)
-        if not isinstance(weight, DTensor):
+        if not isinstance(getattr(module, "weight", None), DTensor):
             continue
         style = _style_of(module)
         if not isinstance(module, torch.nn.Linear) or style is None:
