@@ -187,7 +187,24 @@ class EngineCore:
         touched = self._resolve()
         if not isinstance(exc, Exception):
             raise exc
-        return touched + self._run_alone(_without_finished(batch), exc)
+        # each sequence alone (synchronously): one that fails again ends with finish_reason="error" (the fault is its
+        # own), the others go on as if nothing happened
+        batch = _without_finished(batch)
+        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
+                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
+        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
+            if seq.is_finished:
+                continue
+            alone = ScheduledBatch([seq], [n], [smp])
+            try:
+                launched = self._launch(alone)
+            except Exception as err:
+                if not seq.is_finished:  # (an abort from another thread may land while it runs)
+                    self._finish(seq, "error", f"the model failed on this request: {type(err).__name__}: {err}")
+                continue
+            self._commit(alone, launched)
+            touched += self._resolve()
+        return touched
 
     def _forget_kv(self) -> list[Sequence]:
         """Drop every KV computed with the weights the model had before: the in-flight step's tokens are taken in
@@ -203,26 +220,6 @@ class EngineCore:
         self.counters.kv_resets += 1
         logger.info("hf_paged: the KV computed so far is forgotten (%d cached blocks; the model's weights changed, "
                     "or reset_prefix_cache()); running requests are computed afresh", dropped)
-        return touched
-
-    def _run_alone(self, batch: ScheduledBatch, exc: Exception) -> list[Sequence]:
-        """After a failed launch, run each sequence of ``batch`` alone (synchronously): one that fails again ends
-        with ``finish_reason="error"`` (the fault is its own), the others go on as if nothing happened."""
-        logger.warning("hf_paged: a step of %d sequences failed (%s: %s); running them one by one to find the "
-                       "faulty ones", len(batch.seqs), type(exc).__name__, exc)
-        touched = []
-        for seq, n, smp in zip(batch.seqs, batch.num_tokens, batch.sample):
-            if seq.is_finished:
-                continue
-            alone = ScheduledBatch([seq], [n], [smp])
-            try:
-                launched = self._launch(alone)
-            except Exception as err:
-                if not seq.is_finished:  # (an abort from another thread may land while it runs)
-                    self._finish(seq, "error", f"the model failed on this request: {type(err).__name__}: {err}")
-                continue
-            self._commit(alone, launched)
-            touched += self._resolve()
         return touched
 
     def _finish(self, seq: Sequence, reason: str, error: str | None = None) -> None:
