@@ -27,10 +27,8 @@ def decoder_layers(model: torch.nn.Module) -> torch.nn.ModuleList | None:
     text_config = config.get_text_config(decoder=True) if config is not None else None
     num_layers = getattr(text_config, "num_hidden_layers", None)
     fits = lambda m: isinstance(m, torch.nn.ModuleList) and len(m) > 0 and num_layers in (None, len(m))  # noqa: E731
-    child = next((m for m in base_model(model).children() if fits(m)), None)
-    if child is not None:
-        return child
-    return next((m for name, m in model.named_modules() if fits(m) and re.search(r"(layers|h)$", name)), None)
+    return (next((m for m in base_model(model).children() if fits(m)), None)  # (a list that fits is not empty)
+            or next((m for name, m in model.named_modules() if fits(m) and re.search(r"(layers|h)$", name)), None))
 
 
 def layer_devices(model: torch.nn.Module) -> list[torch.device]:

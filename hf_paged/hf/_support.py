@@ -30,9 +30,7 @@ def check_model_supported(config) -> None:
             f"{name}: ALiBi position bias is applied inside this architecture's own attention code, which "
             "hf_paged cannot serve; load it with attn_implementation='eager' or 'sdpa'"
         )
-    layer_types = getattr(text, "layer_types", None) or []
-    unserved = sorted(set(layer_types) - SERVED_LAYER_TYPES)
-    if unserved:
+    if unserved := sorted(set(getattr(text, "layer_types", None) or []) - SERVED_LAYER_TYPES):
         raise NotImplementedError(
             f"{name}: layer types {unserved} (e.g. linear, chunked or compressed attention) are not served by "
             f"hf_paged; it serves {sorted(SERVED_LAYER_TYPES)}"
@@ -47,8 +45,7 @@ def position_limit(model_config) -> int:
     """Most tokens (prompt + generated) one sequence of the model may hold: ``max_position_embeddings`` or
     ``n_positions``; 4096 when the config names neither."""
     text = model_config.get_text_config(decoder=True)
-    limit = getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096
-    return int(limit)
+    return int(getattr(text, "max_position_embeddings", None) or getattr(text, "n_positions", None) or 4096)
 
 
 def paged_kv(config, layout: KVLayout, devices: Sequence[torch.device], dtype: torch.dtype, block_size: int,
