@@ -50,8 +50,7 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
         owner = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")), key=len, default=None)
         if owner is None:
             raise ValueError(f"hf_device_map does not place {name}; load the model with a complete device_map")
-        where = device_map[owner]
-        if where == "disk":
+        if (where := device_map[owner]) == "disk":
             raise ValueError("layers offloaded to disk cannot hold a KV cache; give them a GPU or the CPU")
         devices.append(torch.device("cuda", where) if isinstance(where, int) else torch.device(where))
     return devices

@@ -153,8 +153,7 @@ class DecodeGraphs:
             if self._capture_now(largest, None) is None:
                 return None
         size = next(s for s in self.sizes if s >= n)
-        want = self._waiting.due(n, size)  # (graph_sizes.OnDemandSizes)
-        if want is not None:
+        if (want := self._waiting.due(n, size)) is not None:  # (graph_sizes.OnDemandSizes)
             size = self._capture_now(want, size)
         return size
 

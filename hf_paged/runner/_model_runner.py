@@ -134,8 +134,7 @@ class ModelRunner:
         graphs = DecodeGraphs(self.model, self.pool, self.dispatcher, self.tables, sizes, self.last_tokens,
                               self.compiled, self.skinny, capture=cfg.cuda_graph_capture,
                               local_logits=self.vocab_shards is not None, layer_kernels=self.layer_kernels)
-        reason = graphs.capture()
-        if reason is not None:
+        if (reason := graphs.capture()) is not None:
             graphs.device_tables.close()
             logger.info("hf_paged: decode runs without CUDA graphs: %s", reason)
             return None
