@@ -136,13 +136,10 @@ def generate_batch(
             engine._enqueue(engine._new_sequences(prompts, configs, "generate_batch", request_ids,
                                                   checked=True))  # (the ids were checked above)
             while engine.has_unfinished():
-                if stamps is None:
-                    outs = engine.step()
-                else:
-                    outs, deltas = engine.step_with_deltas()
-                    now = time.perf_counter()
-                    for delta in deltas:
-                        stamps.setdefault(names[delta.request_id], []).extend([now] * len(delta.token_ids))
+                outs, deltas = engine.step_with_deltas() if stamps is not None else (engine.step(), [])
+                now = time.perf_counter()
+                for delta in deltas:  # (none without record_timestamps)
+                    stamps.setdefault(names[delta.request_id], []).extend([now] * len(delta.token_ids))
                 for out in outs:
                     rid = names[out.request_id]
                     finished[rid] = GenerationOutput(
