@@ -183,11 +183,9 @@ def plan_step(seqs: list[Sequence], num_tokens: list[int], sample: list[bool], t
     if pad_logits and keep:
         keep.extend(keep[-1:] * (logit_rows(sampled) - sampled))
     num_seqs = len(seqs)
-    sources = array("i")
-    if pending:
-        sources = array("i", (-1,)) * t
-        for i, row in pending:
-            sources[i] = row
+    sources = array("i", (-1,)) * (t if pending else 0)  # a segment only where ids are in flight
+    for i, row in pending:
+        sources[i] = row
     max_k = max(ctx)
     width = -(-max_k // block_size)
     head = ids + pos + slots + sources + keep + q + ctx
