@@ -113,8 +113,7 @@ class EngineConfig:
         if not isinstance(config, EngineConfig):
             hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
             raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
-        changed = [k for k, v in settings.items() if v != getattr(cls, k)]  # (a field's default is the class's value)
-        if changed:
+        if changed := [k for k, v in settings.items() if v != getattr(cls, k)]:  # (defaults: the class's values)
             raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
                              f"(got config and {', '.join(changed)})")
         return config

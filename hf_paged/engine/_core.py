@@ -125,8 +125,7 @@ class EngineCore:
         touched = []
         if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
             touched += self._forget_kv()
-        helper = self.runner.helper
-        if helper is not None and helper.state() != "running":
+        if (helper := self.runner.helper) is not None and helper.state() != "running":
             if helper.state() != "failed":
                 touched += self._resolve()  # (the in-flight step ran on the layers switched from)
             self.runner.take_compiled_layers()

@@ -155,8 +155,7 @@ def generate_batch(
                 module.training = True
     place = {i: position for position, i in enumerate(indices)}
     results = {rid: finished[rid] for rid in sorted(finished, key=lambda rid: result_order(rid, place))}
-    failed = [f"{rid}: {out.error}" for rid, out in results.items() if out.error is not None]
-    if failed:
+    if failed := [f"{rid}: {out.error}" for rid, out in results.items() if out.error is not None]:
         raise GenerateBatchError(f"generate_batch: {len(failed)} of {len(results)} requests failed: "
                                  + "; ".join(failed[:3]) + ("; ..." if len(failed) > 3 else ""), results)
     return results

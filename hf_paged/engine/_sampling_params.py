@@ -114,9 +114,8 @@ class SamplingParams:
         and ``bool("no")`` is True); fill the unset fields from ``model_config``, then from transformers' global
         defaults (a deep copy and two dict merges: worth doing once for many prompts of one config)."""
         if config is not None:
-            unserved = [f"{k}={v!r}" for k, off in UNSERVED.items()
-                        if (v := getattr(config, k, None)) not in (None, off)]
-            if unserved:
+            if unserved := [f"{k}={v!r}" for k, off in UNSERVED.items()
+                            if (v := getattr(config, k, None)) not in (None, off)]:
                 raise ValueError(f"the engine does not apply {', '.join(unserved)}; unset it, or use model.generate "
                                  "with a PagedAttentionCache, which applies every generation setting")
             _typed(config)
