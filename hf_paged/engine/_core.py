@@ -373,8 +373,7 @@ class EngineCore:
             child = Sequence(f"{parent.request_id}{validation.CHILD_MARK}{i}", prompt, parent.params,
                              (parent.arrival[0], i + 1), (parent.seed * 1_000_003 + i + 1) % 2**62)
             child.prompt_logprobs = list(parent.prompt_logprobs)
-            if parent.params.json_schema is not None:
-                child.grammar = self.structured.matcher(parent.params.json_schema)
+            child.grammar = self.structured.matcher(parent.params.json_schema)
             self.requests.track(child)
             sched = self.scheduler
             room = len(sched.running) < sched.max_num_seqs and self.block_manager.tables.num_free_rows

@@ -205,8 +205,8 @@ class Engine(EngineCore):
             raise ValueError("stop_strings need a tokenizer: create the Engine with tokenizer=...")
         seed = params.seed if params.seed is not None else int(torch.randint(2**31 - 1, ()).item())
         seq = Sequence(validation.request_id(request_id), ids, params, (0, 0), seed, params.num_return_sequences - 1)
-        if params.json_schema is not None:  # compiled here: a schema that cannot be is refused at the door
-            seq.grammar = self.structured.matcher(params.json_schema)
+        # (a schema is compiled here: one that cannot be is refused at the door)
+        seq.grammar = self.structured.matcher(params.json_schema)
         return seq
 
     def _enqueue(self, seqs: list[Sequence]) -> list[str]:

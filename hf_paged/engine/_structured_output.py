@@ -59,10 +59,10 @@ class StructuredOutput:
             raise ValueError(f"json_schema cannot be compiled: {matcher.get_error()}")
         return matcher
 
-    def matcher(self, json_schema: str):
+    def matcher(self, json_schema: str | None):
         """A fresh matcher of ``json_schema`` for one sequence: a copy of the compiled one (microseconds, so the
-        ``n`` copies of a request cost the step that forks them next to nothing)."""
-        return self.compiled(json_schema).deep_copy()
+        ``n`` copies of a request cost the step that forks them next to nothing); None without a schema."""
+        return None if json_schema is None else self.compiled(json_schema).deep_copy()
 
 
 def allowed_tokens(matchers: list, vocab_size: int) -> torch.Tensor:
