@@ -32,18 +32,18 @@ class Detokenizer:
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True) if ids else ""
 
-    def read(self, seq: Sequence, flush: bool = False) -> int:
+    def read(self, seq: Sequence, flush: bool = False) -> None:
         """Take in the tokens not read yet (all of them with ``flush``, else up to a complete character) and look
-        for a stop string in the text they add; returns the length of the text before."""
+        for a stop string in the text they add."""
         st, tokens = seq.text_state, seq.output_token_ids
         before = len(st.text)
         if st.read_offset >= len(tokens):
-            return before
+            return
         window = tokens[st.prefix_offset :]
         prefix = self._decode(window[: st.read_offset - st.prefix_offset])
         full = self._decode(window)
         if not flush and (len(full) <= len(prefix) or full.endswith("\ufffd")):
-            return before  # nothing visible yet, or an unfinished character: wait for more tokens
+            return  # nothing visible yet, or an unfinished character: wait for more tokens
         # where the text ends through each new token, read together (the text grows from ``before`` to ``end``):
         # decoded one prefix at a time (a token that ends inside a character ends after it, as its U+FFFD stands for
         # it), kept in order and within the chunk; a single token ends at ``end``, with no decode
@@ -54,11 +54,9 @@ class Detokenizer:
         st.ends.append(end)
         st.text += full[len(prefix) :]
         st.prefix_offset, st.read_offset = st.read_offset, len(tokens)
-        stops = seq.params.stop_strings
-        if stops and st.stop_at is None:
+        if (stops := seq.params.stop_strings) and st.stop_at is None:
             start = max(0, before - max(map(len, stops)) + 1)
             st.stop_at = min((i for i in (st.text.find(s, start) for s in stops) if i >= 0), default=None)
-        return before
 
     def shown(self, seq: Sequence, final: bool) -> tuple[int, int]:
         """``(tokens, characters)`` of ``seq``'s generated tokens and text that may be shown: of a finished sequence
