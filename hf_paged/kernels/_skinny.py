@@ -122,10 +122,8 @@ def _linear_group(x: torch.Tensor, weights: list[torch.Tensor],
                   biases: list[torch.Tensor | None]) -> list[torch.Tensor]:
     x2 = _kernel_input(x, weights[0], biases[0]) if 0 < len(weights) <= MAX_GROUP else None
     if x2 is None or not all(_weight_fits(x, w, b) for w, b in zip(weights[1:], biases[1:], strict=True)):
-        packed = packed_rows(weights, biases)
-        if packed is not None:  # rows of one buffer: one product, split into the outputs
-            full = F.linear(x, *packed)
-            return list(torch.split_with_sizes_copy(full, [w.shape[0] for w in weights], dim=-1))
+        if (packed := packed_rows(weights, biases)) is not None:  # rows of one buffer: one product, split
+            return list(torch.split_with_sizes_copy(F.linear(x, *packed), [w.shape[0] for w in weights], dim=-1))
         return [F.linear(x, w, b).contiguous() for w, b in zip(weights, biases, strict=True)]
     outs = torch.ops.hf_paged.skinny_gemm_group(x2, weights, biases)
     return [out.view(*x.shape[:-1], w.shape[0]) for out, w in zip(outs, weights, strict=True)]

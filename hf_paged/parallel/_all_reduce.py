@@ -106,8 +106,7 @@ def _tp_all_reduce(x: torch.Tensor, group_name: str) -> torch.Tensor:
     """The sum of ``x`` over the ranks of the group named ``group_name`` (see the module docstring), opaque to the
     compiler."""
     global one_shot_calls
-    peers = _peer_args(x, group_name)
-    if peers is not None:
+    if (peers := _peer_args(x, group_name)) is not None:
         one_shot_calls += 1
         return torch.ops.hf_paged.peer_sum(x.contiguous(), *peers)
     out = x.clone()
@@ -150,8 +149,7 @@ def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str)
     """``residual + tp_all_reduce(x)``, on one peer_sum kernel where it serves (each rounded to the dtype, as the
     unfused layer rounds them)."""
     global fused_calls
-    peers = _peer_args(x, group_name, residual)
-    if peers is not None:
+    if (peers := _peer_args(x, group_name, residual)) is not None:
         fused_calls += 1
         return torch.ops.hf_paged.peer_sum_add(*_aligned(x, residual), *peers)
     return (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()

@@ -171,8 +171,7 @@ def for_model(model: torch.nn.Module, compile_layers: bool | str | None,
         raise ValueError("compile_layers='background' serves a model on one device: a tensor-parallel engine "
                          "compiles its layers at start on every rank; pass compile_layers=None or True")
     if compile_layers or (compile_layers is None and compiled_layers.compile_unsupported_reason(model) is None):
-        reason = tp_linears.install(model, tp.group)
-        if reason is not None:
+        if (reason := tp_linears.install(model, tp.group)) is not None:
             if compile_layers:
                 raise ValueError(f"compile_layers=True cannot be served for this tensor-parallel model: {reason}; "
                                  "pass compile_layers=False or None")

@@ -103,11 +103,9 @@ def install(model: torch.nn.Module, tp) -> VocabShards | None:
     head = getattr(model, "lm_head", None)
     if head is None:
         return None
-    local = patches.patch_of(head, "tp_logits")
-    if isinstance(local, LocalLogits):
+    if isinstance(local := patches.patch_of(head, "tp_logits"), LocalLogits):
         return local.shards
-    shards = _shards_of(head, tp)
-    if shards is None:
+    if (shards := _shards_of(head, tp)) is None:
         return None
     patches.install(head, "tp_logits", lambda eager: LocalLogits(head, eager, shards))
     return shards

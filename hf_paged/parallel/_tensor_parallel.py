@@ -50,8 +50,7 @@ class TensorParallel:
 
 def tensor_parallel(model: torch.nn.Module) -> TensorParallel | None:
     """The model's tensor-parallel group, or None for a model with no sharded weight (or a group of one)."""
-    sharded = _first_sharded_weight(model)
-    if sharded is None:
+    if (sharded := _first_sharded_weight(model)) is None:
         return None
     import torch.distributed as dist
 
