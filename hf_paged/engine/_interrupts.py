@@ -41,8 +41,7 @@ class InterruptGuard:
         self._pending: list[tuple[Callable, int]] = []  # handlers of the signals received while held, in order
 
     def _defer(self, signum: int, frame) -> None:
-        handler = self._saved.get(signum)
-        if handler is not None:
+        if (handler := self._saved.get(signum)) is not None:
             self._pending.append((handler, signum))
 
     @contextmanager
