@@ -62,8 +62,7 @@ class CudaGraphs:
                         began = time.perf_counter()
                         step()
                         self.warmup_seconds += time.perf_counter() - began
-                        reason = check() if check is not None else None
-                        if reason is not None:
+                        if check is not None and (reason := check()) is not None:
                             return reason
                     graph = torch.cuda.CUDAGraph()
                     began = time.perf_counter()
