@@ -28,8 +28,7 @@ def install(module: torch.nn.Module, kind: str, make: Callable[[Callable], Calla
     ``kind``; returns it. A module that holds a patch of ``kind`` already keeps it (returned as it is)."""
     if kind not in KINDS:
         raise ValueError(f"unknown patch kind {kind!r}; one of {KINDS}")
-    existing = patch_of(module, kind)
-    if existing is not None:
+    if (existing := patch_of(module, kind)) is not None:
         return existing
     record = module.__dict__.setdefault(_RECORD, [])
     before = module.__dict__.get(attribute)

@@ -87,8 +87,7 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     patched = []
     for module in candidates:
         if patches.patch_of(module, "skinny_linears") is None:
-            reason = skip_reason(module, dtype)
-            if reason is not None:
+            if (reason := skip_reason(module, dtype)) is not None:
                 logger.debug("hf_paged: skinny linear leaves %s alone: %s", type(module).__name__, reason)
                 continue
             _patch(module)

@@ -115,8 +115,7 @@ def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
     if helper is None:
         if layers.warm_batch_sizes or layers.artifacts.loaded:
             return layers  # compiled in this process already, or an earlier process's code in the caches
-        slim = slim_config(model.config)
-        if slim is None:
+        if (slim := slim_config(model.config)) is None:
             logger.info("hf_paged: compiling the layers now: no slim copy of a %s config (no num_hidden_layers)",
                         type(model.config).__name__)
             return layers
@@ -128,8 +127,7 @@ def layers_for_engine(model: torch.nn.Module, setting, how: LayerCompile | None,
                     "copy of them (pid %d); engines started after it compile from torch's caches",
                     helper.process.pid)
         return None
-    state = helper.state()
-    if state == "running":
+    if (state := helper.state()) == "running":
         return None
     if state == "failed":
         helper.report("compiling them in this process")

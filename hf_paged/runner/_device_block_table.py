@@ -48,8 +48,7 @@ class DeviceBlockTable:
 
     def send(self, flat: np.ndarray, values: np.ndarray) -> None:
         """Queue the writing of ``values`` at ``flat`` (from :meth:`changes`) on the current stream."""
-        n = len(flat)
-        if not n:
+        if not (n := len(flat)):
             return
         if self._staging is None:
             index, source = torch.from_numpy(flat), torch.from_numpy(values)

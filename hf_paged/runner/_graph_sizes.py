@@ -83,8 +83,7 @@ class OnDemandSizes:
     def due(self, n: int, size: int) -> int | None:
         """Count a step of ``n`` sequences served by ``size``; the size to capture now (no longer waiting), or
         None."""
-        want = min((s for s in self._steps if n <= s < size), default=None)
-        if want is None:
+        if (want := min((s for s in self._steps if n <= s < size), default=None)) is None:
             return None
         self._steps[want] += 1
         if self._steps[want] < (1 if self.first_use else ON_DEMAND_STEPS):

@@ -176,8 +176,7 @@ class ModelRunner:
         the caller holds their lock; :meth:`run` does the device work."""
         graphs = self.graphs
         if graphs is not None and extra_rows is None:
-            size = graphs.size_for(batch.seqs, batch.num_tokens)
-            if size is not None:
+            if (size := graphs.size_for(batch.seqs, batch.num_tokens)) is not None:
                 graphs.stage(DecodeColumns.of(batch.seqs, batch.sample), size)
                 return size, batch.sample
             if self.tables.num_changes > 4096:
