@@ -97,8 +97,7 @@ class LayerCompile:
 def compiled_layers(model: torch.nn.Module, how: LayerCompile | None = None) -> CompiledLayers:
     """The model's :class:`CompiledLayers`, installed on first use (compiled as ``how`` says) and shared by every
     engine of the model."""
-    layers = getattr(model, _ATTRIBUTE, None)
-    if layers is None:
+    if (layers := getattr(model, _ATTRIBUTE, None)) is None:
         pack_siblings(model)  # before the first trace: the grouped-linears pass reads the weights' layout
         layers = CompiledLayers(model, how or LayerCompile())
         object.__setattr__(model, _ATTRIBUTE, layers)  # not a submodule
@@ -113,8 +112,7 @@ class CompiledLayers:
     """Compiled forwards of ``model``'s decoder layers and base-model children, serving calls inside ``active()``."""
 
     def __init__(self, model: torch.nn.Module, how: LayerCompile):
-        layers = decoder_layers(model)
-        if layers is None:
+        if (layers := decoder_layers(model)) is None:
             raise ValueError(f"{type(model).__name__} has no list of decoder layers to compile")
         base = base_model(model)
         others = [m for m in base.children() if m is not layers and not isinstance(m, torch.nn.Embedding)]

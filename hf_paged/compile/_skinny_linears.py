@@ -75,8 +75,7 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     Raises:
         ValueError: the model has no list of decoder layers.
     """
-    layers = decoder_layers(model)
-    if layers is None:
+    if (layers := decoder_layers(model)) is None:
         raise ValueError(f"{type(model).__name__} has no list of decoder layers to route through the skinny linear")
     candidates = [m for m in layers.modules() if isinstance(m, torch.nn.Linear)]
     head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None

@@ -72,8 +72,7 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
         return kwargs["attention_mask"]
     if _forward_context.current_step() is not None:
         return None
-    planner = getattr(q_offset, "planner", None)
-    if planner is None:
+    if (planner := getattr(q_offset, "planner", None)) is None:
         sdpa_args = dict(batch_size=batch_size, q_length=q_length, kv_length=kv_length, q_offset=int(q_offset),
                          kv_offset=kv_offset, **kwargs)
         # plain causal attention over the forward's own tokens only (nothing cached before them; transformers allows

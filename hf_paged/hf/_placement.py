@@ -37,8 +37,7 @@ def layer_devices(model: torch.nn.Module) -> list[torch.device]:
     Uses ``model.hf_device_map`` when present (the longest module-path prefix that names a layer wins), else the
     device of each layer's parameters.
     """
-    layers = decoder_layers(model)
-    if layers is None:
+    if (layers := decoder_layers(model)) is None:
         raise ValueError(f"cannot find the decoder layers of {type(model).__name__}")
     device_map = getattr(model, "hf_device_map", None)
     if not device_map:

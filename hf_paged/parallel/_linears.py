@@ -83,8 +83,7 @@ def install(model: torch.nn.Module, group) -> str | None:
     """Put a :class:`LocalLinear` on every sharded linear of ``model``'s decoder layers (once; later calls refresh
     their shards) and set up the all-reduce they sum with. Returns None when done, else why it cannot be done (no
     linear is wrapped then)."""
-    layers = decoder_layers(model)
-    if layers is None:
+    if (layers := decoder_layers(model)) is None:
         return "no list of decoder layers found on the model"
     plans = []
     for name, module in layers.named_modules():

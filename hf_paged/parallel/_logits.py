@@ -100,8 +100,7 @@ def install(model: torch.nn.Module, tp) -> VocabShards | None:
     """A :class:`LocalLogits` on ``model``'s ``lm_head`` (installed by the first engine that asks; it returns local
     columns only inside the model calls of engines that took it) and the :class:`VocabShards` the engine samples
     with; None where the head is not sharded so (the engine then samples gathered logits)."""
-    head = getattr(model, "lm_head", None)
-    if head is None:
+    if (head := getattr(model, "lm_head", None)) is None:
         return None
     if isinstance(local := patches.patch_of(head, "tp_logits"), LocalLogits):
         return local.shards
