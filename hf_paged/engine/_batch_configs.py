@@ -125,8 +125,7 @@ def engine_config(given) -> EngineConfig:
     if isinstance(settings.get("cuda_graphs"), tuple):  # use_cuda_graph as (varlen, decode): the decode one
         settings["cuda_graphs"] = bool(settings["cuda_graphs"][-1])
     settings.update({name: getattr(given, name) for name in OWN_SETTINGS if getattr(given, name, None) is not None})
-    page = settings.pop("block_size", None)
-    if page is not None and page != TRANSFORMERS_BLOCK:
+    if (page := settings.pop("block_size", None)) is not None and page != TRANSFORMERS_BLOCK:
         settings["block_size"] = page
     num_blocks, tokens = settings.get("num_blocks"), TRANSFORMERS_BLOCK if page is None else page
     block_size = settings.get("block_size", EngineConfig.block_size)

@@ -77,9 +77,8 @@ class EngineConfig:
         object.__setattr__(self, "memory_budget", cache.memory_budget)
         object.__setattr__(self, "backend", cache.backend)
         for name in ("max_batch_tokens", "max_num_seqs"):  # (token offsets and sequence rows are int32)
-            value = getattr(self, name)
-            if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)
-                                      or not 1 <= value <= MAX_SLOTS):
+            if (value := getattr(self, name)) is not None and (
+                    isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 1 <= value <= MAX_SLOTS):
                 raise ValueError(f"{name} must be an integer in [1, 2**31 - 1] or None (automatic), got {value!r}")
         for name, choices in _CHOICES.items():
             value = getattr(self, name)

@@ -510,8 +510,7 @@ class Engine(EngineCore):
     def _deltas(self, touched: list[Sequence], finished: list[Sequence]) -> list[TokenDelta]:
         deltas, final = [], set(map(id, finished))
         for seq in dict.fromkeys(touched + finished):
-            delta = delta_of(seq, self.detokenizer, id(seq) in final)
-            if delta is not None:
+            if (delta := delta_of(seq, self.detokenizer, id(seq) in final)) is not None:
                 self._hand_over_delta(seq, delta)
                 deltas.append(delta)
         return deltas
