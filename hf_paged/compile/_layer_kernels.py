@@ -36,6 +36,7 @@ import logging
 import sys
 import weakref
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.nn.functional as F
@@ -121,8 +122,8 @@ def install(model: torch.nn.Module) -> list[str]:
             _route_siblings(module, _QKV)
             routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
         if _is_layer(module):  # (routed where its norm after attention is)
-            routable = verdicts[type(module.post_attention_layernorm)]
-            kind = (_layer_route, _layer_computes_reference) if routable else None
+            route = partial(_layer_route, following=following.get(module))
+            kind = (route, _layer_computes_reference) if verdicts[type(module.post_attention_layernorm)] else None
         else:
             kind = (_norm_route, _computes_reference) if _is_norm(module) else (
                 (_mlp_route, _computes_reference) if _is_mlp(module) else None)
@@ -132,8 +133,7 @@ def install(model: torch.nn.Module) -> list[str]:
         if cls not in verdicts:
             verdicts[cls] = patches.patch_of(module, _KIND) is not None or probe(module)
         if verdicts[cls]:
-            patches.install(module, _KIND, lambda eager, module=module, route=route: (
-                route(module, eager, following.get(module)) if route is _layer_route else route(module, eager)))
+            patches.install(module, _KIND, lambda eager, module=module, route=route: route(module, eager))
             routed[cls.__name__] = routed.get(cls.__name__, 0) + 1
     for family in _families(layers):
         if callable(getattr(family, _ROPE, None)) and (
