@@ -11,7 +11,6 @@ loaded.
 from __future__ import annotations
 
 import numbers
-import warnings
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
@@ -90,10 +89,6 @@ class EngineConfig:
                     isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in graphs)):
                 raise ValueError(f"cuda_graphs must be True, False or a list of positive batch sizes, got {graphs!r}")
             object.__setattr__(self, "cuda_graphs", tuple(sorted({int(s) for s in graphs})))
-        if self.compile_layers == "background":
-            warnings.warn("compile_layers='background' is deprecated and goes in the next release: the default starts "
-                          "with no compile and runs as fast where the layer kernels serve the model; pass "
-                          "compile_layers=True to compile the layers at the start", FutureWarning, stacklevel=3)
 
     @property
     def cache_config(self) -> CacheConfig:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -75,6 +76,10 @@ class ModelRunner:
         # serve the model (routed after the skinny linears: their packed q/k/v and gate/up products come first); then
         # the layers stay eager unless compile_layers asks otherwise: a first process starts as fast as transformers'
         # and runs as fast as compiled (docs/design/decisions.md)
+        if config.compile_layers == background_compile.BACKGROUND:  # (once per engine: the config is copied below)
+            warnings.warn("compile_layers='background' is deprecated and goes in the next release: the default starts "
+                          "with no compile and runs as fast where the layer kernels serve the model; pass "
+                          "compile_layers=True to compile the layers at the start", FutureWarning, stacklevel=2)
         self.layer_kernels = layer_kernels.for_engine(
             model, cfg.layer_kernels, "the model is tensor parallel" if self.lockstep is not None else None)
         compile_setting = False if cfg.compile_layers is None and self.layer_kernels else cfg.compile_layers
