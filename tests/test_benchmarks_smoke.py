@@ -456,12 +456,9 @@ def test_engine_start_smoke_times_a_first_process(tmp_path, bytecode_dir, varian
     assert f"| {variant} | {'second' if rounds else 'first'} | 1 |" in out.splitlines()[-1]
 
 
-# The systems in two tests that two workers can share, each with one system that also runs a second process:
-# generate_batch_background's first process waits for its helper's compile (the longest by far) and its second
-# finds the helper's artifacts; generate_batch's second is a plain one
-COLD_START_GROUPS = {"background": (("generate_batch_background",), ("generate_batch_background",)),
-                     "others": (("generate_batch", "generate_batch_eager", "engine", "generate", "serve",
-                                 "serve_background", "transformers"), ("generate_batch",))}
+# The systems in two tests that two workers can share, each with one system that also runs a second process
+COLD_START_GROUPS = {"batch": (("generate_batch", "generate_batch_eager", "transformers"), ("generate_batch",)),
+                     "others": (("engine", "generate", "serve"), ("engine",))}
 
 
 def test_cold_start_groups_cover_every_system():
@@ -496,11 +493,6 @@ def test_cold_start_smoke_times_every_system_in_a_first_process(tmp_path, byteco
                 assert row["hf_paged_imported"], row
     for system in second:
         assert f"| {system} | second |" in out
-    if "generate_batch_background" in second:
-        # the background compile: a helper in the first process, the artifacts it left compile the second at once
-        first, later = rows["generate_batch_background", "first"], rows["generate_batch_background", "second"]
-        assert first["helper"] == "done" and later["helper"] == "none"
-        assert first["helper_done"] >= first["steady"] and first["compiled_call"] > 0 and first["compiled_again"] > 0
 
 
 def test_cold_start_second_names_systems_that_run():

@@ -4,16 +4,11 @@ Systems (``--systems``, in this order by default), each with no settings:
   generate_batch  ``hf_paged.generate_batch(model, prompts, config)``
   generate_batch_eager  the same with the layers left eager (``compile_layers=False`` in the continuous-batching
                   config): what a one-off call gets without torch.compile's first compile
-  generate_batch_background  the same with ``compile_layers="background"``: eager calls while a helper process
-                  compiles a slim copy of the model; after the two timed calls the child waits for the helper and
-                  times two more calls (``helper``, ``helper_done``, ``compiled_call``: the first compiled call, its
-                  compile from torch's caches included; ``compiled_again``)
   engine          ``hf_paged.Engine(model)``, then ``engine.stream(prompts, config)``
   generate        ``model.generate`` on a compileable ``PagedAttentionCache`` after ``hf_paged.optimize_generate``,
                   batch 1 (the first prompt)
   serve           ``hf-paged serve --model DIR`` (no engine flags): ready (``/health`` answers), then one streamed
                   completion of the first prompt
-  serve_background  the same with ``--compile-layers background``
   transformers    transformers' own ``model.generate_batch`` (sdpa; it switches to flash-attn where installed): the
                   baseline of generate_batch's first call on the same work
 
@@ -44,8 +39,7 @@ time went.
 with what ran before it: the host's file cache, the device's clocks), and the table gives each system and process
 the medians of its rounds. ``--second S`` (a comma list of systems; default every one) gives only those systems the processes after the
 first (``second``, ``portable``, ``second_profiled``); the others run a first process alone. So a smoke check can
-run every system once, and a second process only where it does something else (``generate_batch_background``'s
-finds the helper's artifacts).
+run every system once, and a second process only where it does something else.
 
 ``--profile-dir D`` adds, per system, one more second process whose first call runs under ``cProfile`` (its stats
 file goes to ``D/<system>.prof``, and the functions with the most cumulative time are printed): where the time of a
@@ -82,9 +76,8 @@ from types import SimpleNamespace
 
 from benchmarks import ROOT, child_env, comma_names, module_command
 
-SYSTEMS = ("generate_batch", "generate_batch_eager", "generate_batch_background", "engine", "generate", "serve",
-           "serve_background", "transformers")
-SERVERS = ("serve", "serve_background")
+SYSTEMS = ("generate_batch", "generate_batch_eager", "engine", "generate", "serve", "transformers")
+SERVERS = ("serve",)
 COLUMNS = ("import", "load", "first_token", "steady", "ready", "second_call")
 
 
@@ -188,7 +181,7 @@ def parent(args: argparse.Namespace) -> list[dict]:
                 args.profile_dir.mkdir(parents=True, exist_ok=True)
                 profile = args.profile_dir / f"{system}.prof"
             try:
-                row = (run_server(args, model_dir, env, system) if system in SERVERS
+                row = (run_server(args, model_dir, env) if system in SERVERS
                        else run_child(system, args, env, profile))
             except Exception as exc:  # noqa: BLE001 - one system failing must not lose the others
                 row = {"status": "failed", "error": f"{type(exc).__name__}: {str(exc)[:400]}"}
@@ -274,14 +267,13 @@ def run_child(system: str, args: argparse.Namespace, env: dict, profile: Path | 
     return {"status": "ok", **at, **stamps}
 
 
-def run_server(args: argparse.Namespace, model_dir: Path, env: dict, system: str = "serve") -> dict:
+def run_server(args: argparse.Namespace, model_dir: Path, env: dict) -> dict:
     from benchmarks.serving.server import ServerProcess, free_port
 
     port = free_port()
     cmd = [sys.executable, "-m", "hf_paged", "serve", "--model", str(model_dir), "--served-model-name", "m",
            "--host", "127.0.0.1", "--port", str(port), "--shutdown-timeout", "5"] + (
-        ["--device", "cpu"] if args.smoke else []) + (
-        ["--compile-layers", "background"] if system == "serve_background" else [])
+        ["--device", "cpu"] if args.smoke else [])
     prompt = first_prompts(args, 128256 if not args.smoke else 2000)[0]
     with tempfile.TemporaryDirectory() as tmp:
         spawned = time.time()
@@ -391,14 +383,11 @@ def child(args: argparse.Namespace) -> None:
     prompts = first_prompts(args, shape["vocab_size"])
     config = GenerationConfig(max_new_tokens=args.new_tokens, do_sample=False, eos_token_id=None, pad_token_id=0)
     eager = SimpleNamespace(compile_layers=False)  # read by name, as transformers' ContinuousBatchingConfig
-    background = SimpleNamespace(compile_layers="background")
     # only the system's own call is built: building another's would set up its system on this model
     # (optimize_generate installs its decode linears on every model it is given)
     make = {"generate_batch": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(model, p, c, **kw)),
             "generate_batch_eager": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
                 model, p, c, continuous_batching_config=eager, **kw)),
-            "generate_batch_background": lambda: _batch_call(lambda p, c, **kw: hf_paged.generate_batch(
-                model, p, c, continuous_batching_config=background, **kw)),
             "transformers": lambda: _batch_call(_transformers_call(model, transformers, args.smoke)),
             "engine": lambda: _engine_call(hf_paged, model),
             "generate": lambda: _generate_call(hf_paged, model, torch, device, args.new_tokens)}
@@ -415,24 +404,11 @@ def child(args: argparse.Namespace) -> None:
     sync()
     at["steady"], at["first_token"] = time.time(), first
     second = _timed_call(run, prompts, config, sync)
-    later = _after_the_helper(model, run, prompts, config, sync, at, args) if args.child.endswith("_background") else {}
     # modules holding an hf_paged forward patch (compiled layers, skinny linears): 0 for transformers' own system
     patched = sum(1 for m in model.modules() if "_hf_paged_patches" in m.__dict__)
     Path(args.result).write_text(json.dumps({"at": at, "second_call": round(second, 3), "hf_paged_patches": patched,
-                                             "hf_paged_imported": "hf_paged" in sys.modules, **later,
+                                             "hf_paged_imported": "hf_paged" in sys.modules,
                                              **compile_counters()}))
-
-
-def _after_the_helper(model, run, prompts, config, sync, at: dict, args: argparse.Namespace) -> dict:
-    """``compile_layers="background"``: wait for the helper process (``at["helper_done"]``), then time the first
-    call that compiles (from torch's caches) and the one after it."""
-    from hf_paged.runner import _background_compile as background_compile
-
-    helper = background_compile.helper(model)
-    state = helper.wait(args.timeout) if helper is not None else "none"
-    at["helper_done"] = time.time()
-    first, again = (round(_timed_call(run, prompts, config, sync), 3) for _ in range(2))
-    return {"helper": state, "compiled_call": first, "compiled_again": again}
 
 
 def _timed_call(run, prompts, config, sync) -> float:

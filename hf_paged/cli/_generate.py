@@ -110,7 +110,7 @@ def backends(text: str) -> tuple[str, ...]:
 FLAG_TYPES = {"num_blocks": non_negative_int, "block_size": positive_int, "max_batch_tokens": positive_int,
               "max_num_seqs": positive_int, "backend": backends, "memory_budget": probability,
               "kv_cache_dtype": one_of({"auto": None, "fp8": "fp8", "fp8_e4m3": "fp8_e4m3"}),
-              "compile_layers": one_of({"auto": None, "on": True, "off": False, "background": "background"}),
+              "compile_layers": one_of({"auto": None, "on": True, "off": False}),
               "layer_kernels": one_of({"auto": None, "on": True, "off": False})}
 #: ``--dtype``: auto (the checkpoint's) or a torch dtype's name.
 DTYPES = ("auto", "float32", "float16", "bfloat16")

@@ -186,12 +186,11 @@ class _Switch:
 _COMPILER_ERRORS = _compat.compiler_errors()
 
 
-def for_engine(model: torch.nn.Module, setting: bool | str | None,
+def for_engine(model: torch.nn.Module, setting: bool | None,
                how: LayerCompile | None = None) -> CompiledLayers | None:
     """The model's compiled layers per ``Engine(compile_layers=...)``: None (automatic) compiles CUDA models when
-    triton is there, True compiles wherever the compiler runs (the CPU included), False never; ``"background"`` as
-    True, eager (None) where it cannot (``runner/_background_compile.py`` decides when). ``how``: the compile's
-    passes and options (the model's first compile decides)."""
+    triton is there, True compiles wherever the compiler runs (the CPU included), False never. ``how``: the
+    compile's passes and options (the model's first compile decides)."""
     if setting is False:
         return None
     reason = compile_unsupported_reason(model, any_device=setting is not None)

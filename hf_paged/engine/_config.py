@@ -25,7 +25,7 @@ _CACHE = {f.name: f for f in fields(CacheConfig)}
 #: The settings that take one of a few values, and those values (None: automatic).
 _CHOICES = {"enable_prefix_caching": (True, False), "async_scheduling": (True, False, None),
             "skinny_linear": (True, False, None), "layer_kernels": (True, False, None),
-            "compile_layers": (True, False, None, "background"),
+            "compile_layers": (True, False, None),
             "cuda_graph_capture": (*GRAPH_CAPTURE, None), "logprobs_mode": LOGPROBS_MODES}
 
 
@@ -57,11 +57,9 @@ class EngineConfig:
     memory_budget: float = _cache_field("memory_budget")
     cuda_graphs: bool | tuple[int, ...] = True
     async_scheduling: bool | None = None
-    compile_layers: bool | str | None = field(default=None, metadata=_flag(
+    compile_layers: bool | None = field(default=None, metadata=_flag(
         "compile the layers' work outside attention with torch.compile: auto (default: off where the layer kernels "
-        "serve the model, else on for CUDA models where triton is installed), on, off, or background (deprecated: "
-        "eager until a helper process has compiled a slim copy of the model into torch's caches)",
-        metavar="{auto,on,off,background}"))
+        "serve the model, else on for CUDA models where triton is installed), on or off", metavar="{auto,on,off}"))
     skinny_linear: bool | None = None
     kv_cache_dtype: str | None = _cache_field("kv_cache_dtype")
     cuda_graph_capture: str | None = None

@@ -73,7 +73,7 @@ class EngineCore:
         longest = max_len if workload is None or not workload.one_call else min(
             max_len, max(workload.sequence_tokens, default=max_len) + 1)
         size = partial(sizing.size_for, model.config, model.dtype, max_len, workload)
-        self.runner = runner = ModelRunner(model, cfg, size, longest, one_call=workload is not None)
+        self.runner = runner = ModelRunner(model, cfg, size, longest)
         self.config = cfg = runner.config
         self.sizing = runner.sizing  # the automatic settings, each with why it was picked
         self.block_manager = BlockManager(runner.pool.allocator, cfg.block_size, runner.tables, runner.pool.copy_blocks,
@@ -119,17 +119,11 @@ class EngineCore:
 
     # ----- the hooks around a step -----------------------------------------------------------------------------
     def _before_step(self) -> list[Sequence]:
-        """Before scheduling: the weights check (KV computed with other weights is forgotten), the switch to the
-        compiled layers of ``compile_layers="background"`` once its helper is done. Returns the sequences that got a
-        token."""
-        touched = []
+        """Before scheduling: the weights check (KV computed with other weights is forgotten). Returns the sequences
+        that got a token."""
         if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
-            touched += self._forget_kv()
-        if (helper := self.runner.helper) is not None and helper.state() != "running":
-            if helper.state() != "failed":
-                touched += self._resolve()  # (the in-flight step ran on the layers switched from)
-            self.runner.take_compiled_layers()
-        return touched
+            return self._forget_kv()
+        return []
 
     def check_weights(self) -> bool:
         """Find the changes of the model's weights that leave the version counters alone (each step compares those):

@@ -81,10 +81,7 @@ class Engine(EngineCore):
             fast, with no compile), else on for CUDA models where triton is installed; True also compiles on the
             CPU; False keeps the eager modules. Compiling takes tens of seconds once per model and process; a
             compiler failure switches back to the eager modules with a warning. Only the engine's own model calls
-            use the compiled code. ``"background"`` (deprecated, goes in the next release): where nothing of the
-            model is compiled yet (in this process or on disk), this engine runs the layers eagerly while a helper
-            process compiles a slim copy of the model into torch's caches; engines started after it compile from
-            them, and this one switches to them between two steps once it is done (``runner/_background_compile.py``).
+            use the compiled code.
         skinny_linear: serve the linear layers of decode steps of up to 8 sequences with hf_paged's skinny GEMM
             kernel (weight-bandwidth bound products; fp32 accumulation on tensor cores) instead of cuBLAS. None: on
             for CUDA models in float16/bfloat16 where the kernels build; False keeps cuBLAS everywhere. Only the

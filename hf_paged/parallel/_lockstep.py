@@ -157,7 +157,7 @@ def agreed_min(model: torch.nn.Module, value: int) -> int:
     return value if tp is None else Lockstep(tp).agree_min(value)
 
 
-def for_model(model: torch.nn.Module, compile_layers: bool | str | None,
+def for_model(model: torch.nn.Module, compile_layers: bool | None,
               cuda_graphs) -> tuple[Lockstep | None, dict]:
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the engine settings it changes:
     every decode graph size captured at start (an on-demand capture mid-run would have to happen on every rank at
@@ -167,9 +167,6 @@ def for_model(model: torch.nn.Module, compile_layers: bool | str | None,
     tp = tensor_parallel(model)
     if tp is None:
         return None, {}
-    if compile_layers == "background":
-        raise ValueError("compile_layers='background' serves a model on one device: a tensor-parallel engine "
-                         "compiles its layers at start on every rank; pass compile_layers=None or True")
     if compile_layers or (compile_layers is None and compiled_layers.compile_unsupported_reason(model) is None):
         if (reason := tp_linears.install(model, tp.group)) is not None:
             if compile_layers:

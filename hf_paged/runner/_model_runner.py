@@ -10,8 +10,6 @@ device work, returning the logits of the sampled rows.
 from __future__ import annotations
 
 import logging
-import time
-import warnings
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -21,6 +19,7 @@ import torch
 from hf_paged.attention._step import PagedStep
 from hf_paged.cache._block_table import BlockTableBuffer
 from hf_paged.compile import _layer_kernels as layer_kernels
+from hf_paged.compile import _layers as compiled_layers
 from hf_paged.compile import _skinny_linears as skinny_linear
 from hf_paged.hf import _placement as placement
 from hf_paged.hf._support import paged_kv
@@ -29,7 +28,6 @@ from hf_paged.parallel import _linears as tp_linears
 from hf_paged.parallel import _lockstep as lockstep
 from hf_paged.parallel import _logits as tp_logits
 from hf_paged.parallel._tensor_parallel import kv_layout
-from hf_paged.runner import _background_compile as background_compile
 from hf_paged.runner._decode_graphs import DecodeGraphs
 from hf_paged.runner._graph_sizes import graph_batch_sizes, sizes_for
 from hf_paged.runner._model_call import call_model, model_call
@@ -49,13 +47,11 @@ class ModelRunner:
 
     ``size`` fills the automatic sizes (see :data:`Sizer`); every rank of a tensor-parallel model then takes the
     smallest of the ranks' sizes. ``longest``: the most tokens one sequence may hold (the block tables' width).
-    ``one_call``: the engine serves one call (``generate_batch``), which keeps a ``"background"`` compile's eager
-    layers rather than switch mid-call.
 
     After construction: ``config`` (every size filled) and ``sizing`` (per automatic field, why) are the engine's.
     """
 
-    def __init__(self, model: torch.nn.Module, config, size: Sizer, longest: int, one_call: bool = False):
+    def __init__(self, model: torch.nn.Module, config, size: Sizer, longest: int):
         self.model, self.device = model, model.device
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
         self.lockstep, forced = lockstep.for_model(model, config.compile_layers, config.cuda_graphs)
@@ -76,21 +72,11 @@ class ModelRunner:
         # serve the model (routed after the skinny linears: their packed q/k/v and gate/up products come first); then
         # the layers stay eager unless compile_layers asks otherwise: a first process starts as fast as transformers'
         # and runs as fast as compiled (docs/design/decisions.md)
-        if config.compile_layers == background_compile.BACKGROUND:  # (once per engine: the config is copied below)
-            warnings.warn("compile_layers='background' is deprecated and goes in the next release: the default starts "
-                          "with no compile and runs as fast where the layer kernels serve the model; pass "
-                          "compile_layers=True to compile the layers at the start", FutureWarning, stacklevel=2)
         self.layer_kernels = layer_kernels.for_engine(
             model, cfg.layer_kernels, "the model is tensor parallel" if self.lockstep is not None else None)
         compile_setting = False if cfg.compile_layers is None and self.layer_kernels else cfg.compile_layers
         tp_compile = None if self.lockstep is None else fuse_all_reduce.layer_compile(self.lockstep.tp.group.group_name)
-        self.compiled = background_compile.layers_for_engine(
-            model, compile_setting, tp_compile, {n: getattr(cfg, n) for n in background_compile.HELPER_SETTINGS})
-        # compile_layers="background": once the helper process is done, the layers switch to compiled ones between
-        # two steps (take_compiled_layers); an engine of one call keeps its eager layers (a switch inside a call would
-        # make its tokens depend on timing)
-        self.helper = background_compile.helper(model) if (
-            cfg.compile_layers == background_compile.BACKGROUND and self.compiled is None and not one_call) else None
+        self.compiled = compiled_layers.for_engine(model, compile_setting, tp_compile)
         self.output_device = None
         if len(set(self.kv_devices)) > 1:
             # the sampled rows' indices go where the hidden states they index are, and accelerate's hook on the
@@ -154,26 +140,6 @@ class ModelRunner:
         if graphs is not None:
             graphs.release()
 
-    def take_compiled_layers(self) -> None:
-        """``compile_layers="background"``: the helper process ended; from the next step on the layers run compiled
-        (from torch's caches) in decode graphs captured anew (the eager ones are freed); if the helper failed they
-        stay eager. The caller takes in the in-flight step's tokens first."""
-        helper, self.helper = self.helper, None
-        if helper.state() == "failed":  # compiling here would hold up the running requests for the whole compile
-            helper.report("this engine keeps its layers eager; engines started later compile them at start")
-            return
-        layers = background_compile.layers_for_engine(self.model, self.config.compile_layers, None, {})
-        if layers is None:
-            return
-        began = time.perf_counter()
-        self.release_graphs()
-        self.compiled = layers
-        self.graphs = self._capture_graphs()
-        layers.artifacts.save()
-        logger.info("hf_paged: the engine's layers run compiled from now on (%.2f s to switch, CUDA graphs %s)",
-                    time.perf_counter() - began, "captured anew" if self.graphs is not None else "off")
-
-    # ----- steps -----------------------------------------------------------------------------------------------
     def prepare(self, batch, extra_rows: list[int] | None = None):
         """Read what the step needs of ``batch``'s sequences (``seqs``, ``num_tokens``, ``sample``; ``extra_rows``:
         positions whose logits the step returns after the sampled rows'): when a decode graph serves the step, its

@@ -87,13 +87,10 @@ def test_generate_batch_takes_an_engine_config_and_checks_transformers_settings(
         hf_paged.generate_batch(model, prompts, GenerationConfig(max_new_tokens=2), bad)
 
 
-def test_the_background_compile_is_deprecated_and_says_what_to_pass():
+def test_the_removed_background_compile_is_refused_with_the_values_that_remain():
     _, model = models("llama_gqa")
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers="background").close()
-    said = [w for w in caught if issubclass(w.category, FutureWarning) and "compile_layers=True" in str(w.message)]
-    assert len(said) == 1, [str(w.message) for w in caught]  # once per engine, however often its config is copied
+    with pytest.raises(ValueError, match=r"compile_layers must be True, False or None \(automatic\), got 'background'"):
+        hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers="background")
     with warnings.catch_warnings():
         warnings.simplefilter("error", FutureWarning)
         hf_paged.Engine(model, num_blocks=16, block_size=4, compile_layers=False).close()
