@@ -87,8 +87,7 @@ def paged_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
     return torch.ops.hf_paged.paged_attention(
         query, key, value, k_cache, v_cache, meta.cu_seqlens_q, meta.cu_seqlens_k, meta.seq_lens_k,
         meta.block_tables, meta.phase.value, meta.max_seqlen_q, meta.max_seqlen_k, backend.name, params.scale,
-        params.sliding_window, params.softcap, k_scale, v_scale,
-    )
+        params.sliding_window, params.softcap, k_scale, v_scale)
 
 
 _EMPTY = torch.empty(0, dtype=torch.int32)

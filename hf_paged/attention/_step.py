@@ -59,54 +59,48 @@ class PagedStep:
 
 
 def attend(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-           scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """Layer ``layer_idx``'s paged attention in eager code: returns ``[batch, q_len, H, D]``."""
+           scaling: float | None, sliding_window: int | None, softcap: float | None,
+           traced: bool = False) -> torch.Tensor:
+    """Layer ``layer_idx``'s paged attention: returns ``[batch, q_len, H, D]``. ``traced``: a decode step of fixed
+    shapes being compiled (``metadata.static``, one real token per row), see :func:`attend_packed`."""
     batch, num_heads, q_len, head_dim = query.shape
-    index = step.on(query.device).token_index
+    index = None if traced else step.on(query.device).token_index
     out = attend_packed(step, layer_idx, pack(query, index), pack(key, index), pack(value, index), scaling,
-                        sliding_window, softcap)
+                        sliding_window, softcap, traced)
     if index is not None:  # padding positions stay zero
         out = out.new_zeros(batch * q_len, num_heads, head_dim).index_copy_(0, index, out)
     return out.view(batch, q_len, num_heads, head_dim)
 
 
 def attend_packed(step: PagedStep, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                  scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
+                  scaling: float | None, sliding_window: int | None, softcap: float | None,
+                  traced: bool = False) -> torch.Tensor:
     """:func:`attend` on the step's real tokens, packed: ``q`` ``[T, H, D]``, ``k``/``v`` ``[T, Hkv, D]``; returns
     ``[T, H, D]``. Keys that do not fit the layer's pool tensors (another model's cache) or sit on another device
-    are refused (``ValueError``)."""
+    are refused (``ValueError``). ``traced``: the KV write and the attention run as custom ops (opaque to the
+    compiler, the same backends underneath), the layer's backend chosen before the compiled call
+    (:func:`choose_decode_routes`), and nothing checked that would guard the compiled code."""
     layout, caches = step.pool.layout, step.pool.kv_caches
-    if layer_idx >= len(caches) or k.shape[-2] != layout.num_kv_heads or k.shape[-1] != layout.head_dim:
+    if not traced and (layer_idx >= len(caches) or k.shape[-2] != layout.num_kv_heads
+                       or k.shape[-1] != layout.head_dim):
         raise ValueError(
             f"this cache was built for another model ({layout}) but layer {layer_idx} produces {k.shape[-2]} KV "
             f"heads of {k.shape[-1]}; build the cache from this model's config (PagedAttentionCache(model.config, "
             "...))")
     k_cache, v_cache = caches[layer_idx]
-    if k.device != k_cache.device:
+    if not traced and k.device != k_cache.device:
         raise ValueError(
             f"layer {layer_idx} runs on {k.device} but its KV cache is on {k_cache.device}; create the cache with "
             "device=model.device (or one device per layer for a split model)")
-    device = q.device
-    meta = step.on(device)
     backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
     scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]  # an fp8 pool's
+    if traced:
+        ops.store_kv(k, v, k_cache, v_cache, step.metadata, writer, scales)
+        return ops.paged_attention(q, k, v, k_cache, v_cache, step.metadata, backend, params, scales)
+    device = q.device
+    meta = step.on(device)
     writer.write_kv(k, v, k_cache, v_cache, meta, scales)
     return backend.forward(AttentionInputs(q, k, v, k_cache, v_cache, meta, params, scales), step.plan(backend, device))
-
-
-def attend_traced(step: PagedStep, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  scaling: float | None, sliding_window: int | None, softcap: float | None) -> torch.Tensor:
-    """:func:`attend` for a decode step of fixed shapes being compiled (``metadata.static``): the KV write and the
-    attention run as custom ops (opaque to the compiler, the same backends underneath), one real token per row, the
-    layer's backend chosen before the compiled call (:func:`choose_decode_routes`)."""
-    batch, num_heads, _, head_dim = query.shape
-    k_cache, v_cache = step.pool.kv_caches[layer_idx]
-    q, k, v = pack(query, None), pack(key, None), pack(value, None)
-    backend, writer, params = route(step, q, k_cache, scaling, sliding_window, softcap)
-    scales = None if step.pool.kv_scales is None else step.pool.kv_scales[layer_idx]
-    ops.store_kv(k, v, k_cache, v_cache, step.metadata, writer, scales)
-    out = ops.paged_attention(q, k, v, k_cache, v_cache, step.metadata, backend, params, scales)
-    return out.view(batch, 1, num_heads, head_dim)
 
 
 def pack(states: torch.Tensor, index: torch.Tensor | None) -> torch.Tensor:

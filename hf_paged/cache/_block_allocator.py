@@ -26,8 +26,7 @@ class OutOfBlocksError(RuntimeError):
         msg = (
             f"out of KV-cache blocks: {needed} needed, {free} free of {total}. "
             "Create the cache with more blocks (num_blocks=..., or a larger memory budget), "
-            "a smaller batch, or fewer max_new_tokens."
-        )
+            "a smaller batch, or fewer max_new_tokens.")
         super().__init__(msg + (f" {hint}" if hint else ""))
 
 

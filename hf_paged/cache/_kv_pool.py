@@ -101,8 +101,7 @@ def blocks_for_budget(layout: KVLayout, block_size: int, dtype: torch.dtype, dev
     if num < 1:
         raise ValueError(
             f"a memory budget of {budget if budget is not None else describe_budget(None, devices)} holds no block "
-            f"of {per_block} bytes (block_size={block_size}, {layout}); give a larger budget or a smaller block_size"
-        )
+            f"of {per_block} bytes (block_size={block_size}, {layout}); give a larger budget or a smaller block_size")
     return num
 
 
@@ -124,7 +123,8 @@ class KVPool:
     def __init__(self, layout: KVLayout, num_blocks: int, block_size: int, dtype: torch.dtype,
                  layer_devices: Sequence[torch.device]):
         if len(layer_devices) != layout.num_layers:
-            raise ValueError(f"need one device per layer ({layout.num_layers}), got {len(layer_devices)}")
+            raise ValueError(f"give one device, or one per decoder layer ({layout.num_layers}); got "
+                             f"{len(layer_devices)}")
         # Refuse a pool larger than the memory of a device its layers are on, before anything is allocated (a pool
         # of 10**11 blocks would otherwise fill memory for minutes before it fails).
         per_layer = layout.bytes_per_block(block_size, dtype) // layout.num_layers * num_blocks

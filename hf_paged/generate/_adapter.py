@@ -88,8 +88,7 @@ class GenerateHooks:
             if layers != self.pool.layout.num_layers:
                 raise ValueError(
                     f"this cache was built for another model ({self.pool.layout}) but this model has {layers} decoder "
-                    "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))"
-                )
+                    "layers; build the cache from this model's config (PagedAttentionCache(model.config, ...))")
             self._checked_config = config
         plan = self.plan_step(attention_mask, batch_size, q_length, device or self.pool.kv_caches[0][0].device)
         mask = self._masks.get(plan.static)

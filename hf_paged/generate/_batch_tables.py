@@ -99,8 +99,7 @@ class BatchTables:
             raise ValueError(
                 f"this PagedAttentionCache holds {self.num_rows} sequences of {held} columns, but the input "
                 f"continues {kept} columns of {batch_size} sequences; call cache.reset() (or make a new cache) "
-                "before a new batch, or pass the whole input with its attention mask"
-            )
+                "before a new batch, or pass the whole input with its attention mask")
         # A decode step (one column more than is held, checked above) reads no mask: generate appends a column of
         # ones every step, and beam reordering, repeats and crops edit this host copy of the padding along with the
         # rows. So the mask is read back (one copy) only on a batch's first forward and on multi-token forwards

@@ -110,29 +110,15 @@ class PagedAttentionCache(GenerateHooks, Cache):
     is_initialized = True  # the pool is allocated up front
     is_croppable = True
 
-    def __init__(
-        self,
-        config,
-        num_blocks: int | None = None,
-        block_size: int = CacheConfig.block_size,
-        device: str | torch.device | Sequence[str | torch.device] = "cpu",
-        dtype: torch.dtype = torch.float32,
-        memory_budget: float | None = None,
-        backend: str | Sequence[str] | None = None,
-        max_new_tokens: int | None = None,
-        compileable: bool | None = None,
-        layout: KVLayout | None = None,
-        kv_cache_dtype: str | None = None,
-        cache_config: CacheConfig | None = None,
-    ):
+    def __init__(self, config, num_blocks: int | None = None, block_size: int = CacheConfig.block_size,
+                 device: str | torch.device | Sequence[str | torch.device] = "cpu", dtype: torch.dtype = torch.float32,
+                 memory_budget: float | None = None, backend: str | Sequence[str] | None = None,
+                 max_new_tokens: int | None = None, compileable: bool | None = None, layout: KVLayout | None = None,
+                 kv_cache_dtype: str | None = None, cache_config: CacheConfig | None = None):
         self.config = config
         layout = KVLayout.from_config(config) if layout is None else layout
-        if isinstance(device, (str, torch.device)):
-            devices = [torch.device(device)] * layout.num_layers
-        else:
-            devices = [torch.device(d) for d in device]
-            if len(devices) != layout.num_layers:
-                raise ValueError(f"give one device, or one per decoder layer ({layout.num_layers}); got {len(devices)}")
+        one = isinstance(device, (str, torch.device))
+        devices = [torch.device(d) for d in ([device] * layout.num_layers if one else device)]  # (KVPool checks them)
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
         if cache_config is None:
@@ -213,9 +199,8 @@ class PagedAttentionCache(GenerateHooks, Cache):
         self.plan = None
 
     # ----- one step --------------------------------------------------------------------------------------------
-    def plan_step(
-        self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int, device: torch.device
-    ) -> PagedMetadata:
+    def plan_step(self, attention_mask: torch.Tensor | None, batch_size: int, q_len: int,
+                  device: torch.device) -> PagedMetadata:
         """Reserve slots for this forward's real tokens and build the step's metadata (once per forward).
 
         Args:
@@ -238,14 +223,9 @@ class PagedAttentionCache(GenerateHooks, Cache):
             slots = self.compile_mode.append(self.rows, q_len, valid)
             plan = static.plan(self.rows, slots) if static is not None else build_metadata(
                 q_lens=torch.full((batch_size,), q_len) if valid is None else valid.sum(1),
-                seq_lens_k=torch.tensor(self.rows.num_tokens),
-                block_tables=self.rows.block_table_tensor(),
-                slot_mapping=slots,
-                token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
-                grid=(batch_size, q_len),
-                block_size=self.block_size,
-                device=torch.device(device),
-            )
+                seq_lens_k=torch.tensor(self.rows.num_tokens), block_tables=self.rows.block_table_tensor(),
+                slot_mapping=slots, token_index=None if valid is None else valid.flatten().nonzero().squeeze(1),
+                grid=(batch_size, q_len), block_size=self.block_size, device=torch.device(device))
         self.plan, self._plan_key, self._plan_used = plan, (batch_size, q_len, self.rows.num_columns), False
         return plan
 
@@ -255,8 +235,7 @@ class PagedAttentionCache(GenerateHooks, Cache):
         if self.plan is None and not torch.compiler.is_compiling():
             raise RuntimeError(
                 "PagedAttentionCache.update ran before a step was planned: load the model with "
-                'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step'
-            )
+                'attn_implementation="hf_paged" (import hf_paged first) so its mask function can plan each step')
         self._plan_used = True
         return key_states, value_states
 

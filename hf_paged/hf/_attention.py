@@ -29,15 +29,12 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
 from hf_paged import _forward_context
-from hf_paged.attention._step import PagedStep, attend, attend_packed, attend_traced, pack
+from hf_paged.attention._step import PagedStep, attend, attend_packed, pack
 from hf_paged.hf._transient import fresh_step
 
 logger = logging.getLogger("hf_paged")
 
-_UNSERVED_KWARGS = {
-    "s_aux": "attention sinks",
-    "position_bias": "additive position bias",
-}
+_UNSERVED_KWARGS = {"s_aux": "attention sinks", "position_bias": "additive position bias"}
 
 
 class StepMask:
@@ -95,18 +92,10 @@ def paged_mask(batch_size: int, q_length: int, kv_length: int, q_offset=0, kv_of
                                 kwargs.get("device"))
 
 
-def paged_attention_forward(
-    module: torch.nn.Module,
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    attention_mask,
-    scaling: float | None = None,
-    dropout: float = 0.0,
-    sliding_window: int | None = None,
-    softcap: float | None = None,
-    **kwargs,
-) -> tuple[torch.Tensor, None]:
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                            attention_mask, scaling: float | None = None, dropout: float = 0.0,
+                            sliding_window: int | None = None, softcap: float | None = None,
+                            **kwargs) -> tuple[torch.Tensor, None]:
     """Attention for ``attn_implementation="hf_paged"``.
 
     Args:
@@ -129,8 +118,8 @@ def paged_attention_forward(
     if isinstance(attention_mask, StepMask) and attention_mask.step.metadata.static and (
             torch.compiler.is_compiling()):
         _check_served(module, dropout, kwargs)
-        out = attend_traced(attention_mask.step, module.layer_idx, query, key, value, scaling, sliding_window, softcap)
-        return out, None
+        return attend(attention_mask.step, module.layer_idx, query, key, value, scaling, sliding_window, softcap,
+                      traced=True), None
     return _eager_attention(module, query, key, value, attention_mask, scaling, dropout, sliding_window, softcap,
                             kwargs)
 
@@ -185,8 +174,7 @@ def _note_dense_fallback() -> None:
     logger.warning(
         "hf_paged: this forward runs dense through SDPA: it continues a cache that is not a PagedAttentionCache, has "
         "extra mask functions, or records gradients. Pass hf_paged.PagedAttentionCache(...) to generate "
-        "(hf_paged.with_cache), or call the model under torch.no_grad(), to use paged attention."
-    )
+        "(hf_paged.with_cache), or call the model under torch.no_grad(), to use paged attention.")
 
 
 def _check_served(module: torch.nn.Module, dropout: float, kwargs: dict) -> None:

@@ -28,13 +28,11 @@ def check_model_supported(config) -> None:
     if name in ALIBI_MODEL_TYPES or getattr(text, "alibi", False):
         raise NotImplementedError(
             f"{name}: ALiBi position bias is applied inside this architecture's own attention code, which "
-            "hf_paged cannot serve; load it with attn_implementation='eager' or 'sdpa'"
-        )
+            "hf_paged cannot serve; load it with attn_implementation='eager' or 'sdpa'")
     if unserved := sorted(set(getattr(text, "layer_types", None) or []) - SERVED_LAYER_TYPES):
         raise NotImplementedError(
             f"{name}: layer types {unserved} (e.g. linear, chunked or compressed attention) are not served by "
-            f"hf_paged; it serves {sorted(SERVED_LAYER_TYPES)}"
-        )
+            f"hf_paged; it serves {sorted(SERVED_LAYER_TYPES)}")
     if getattr(text, "num_kv_shared_layers", 0):
         raise NotImplementedError(f"{name}: KV sharing across layers is not served by hf_paged")
     if getattr(text, "attention_chunk_size", None):
