@@ -34,8 +34,7 @@ import logging
 import torch
 
 from hf_paged import _compat
-from hf_paged.attention._calls import decode_calls
-from hf_paged.attention._dispatch import Dispatcher
+from hf_paged.attention._dispatch import Dispatcher, decode_calls
 from hf_paged.attention._metadata import PagedMetadata, Phase, build_metadata
 from hf_paged.cache._config import positive_int
 from hf_paged.cache._kv_pool import KVPool

@@ -51,20 +51,15 @@ class _AfterImport:
             self.triggered |= name == TRIGGER
             if self.triggered and not self.loading and self in sys.meta_path:
                 sys.meta_path.remove(self)
-                _run_guarded(self.action)
+                try:  # its failure one warning: raising here would fail the program's own import of transformers
+                    self.action()
+                except Exception as exc:  # noqa: BLE001
+                    warnings.warn(f'hf_paged: registering attn_implementation="hf_paged" with transformers failed '
+                                  f"({type(exc).__name__}: {exc}); check that this transformers release is one "
+                                  "hf_paged supports", RuntimeWarning, stacklevel=2)
 
         spec.loader.exec_module = exec_then_act
         return spec
-
-
-def _run_guarded(action: Callable[[], None]) -> None:
-    """``action``, its failure one warning: raising here would fail the program's own import of transformers."""
-    try:
-        action()
-    except Exception as exc:  # noqa: BLE001
-        warnings.warn(f'hf_paged: registering attn_implementation="hf_paged" with transformers failed '
-                      f"({type(exc).__name__}: {exc}); check that this transformers release is one hf_paged supports",
-                      RuntimeWarning, stacklevel=2)
 
 
 def when_transformers_models_load(action: Callable[[], None]) -> None:

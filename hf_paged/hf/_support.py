@@ -7,8 +7,7 @@ from collections.abc import Sequence
 
 import torch
 
-from hf_paged.attention._calls import basic_calls
-from hf_paged.attention._dispatch import Dispatcher
+from hf_paged.attention._dispatch import Dispatcher, basic_calls
 from hf_paged.cache._kv_pool import SUPPORTED_DTYPES, KVLayout, KVPool
 from hf_paged.cache._kv_quant import kv_storage_dtype
 

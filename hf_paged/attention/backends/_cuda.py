@@ -181,12 +181,12 @@ class CudaBackend(AttentionBackend):
         return reason or _kernels_reason()
 
     def write_kv(self, key, value, k_cache, v_cache, meta, kv_scales=None) -> None:
-        if is_fp8(k_cache.dtype):  # quantized on the device from the model's dtype; unset scales fixed first
-            if kv_scales is None:
-                raise RuntimeError("an fp8 KV cache was written without its scales")
+        if not is_fp8(k_cache.dtype):
+            kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
+        elif kv_scales is None:
+            raise RuntimeError("an fp8 KV cache was written without its scales")
+        else:  # quantized on the device from the model's dtype; unset scales fixed first
             kernels.write_kv(key, value, k_cache, v_cache, meta.slot_mapping, k_scale=kv_scales.k, v_scale=kv_scales.v)
-            return
-        kernels.write_kv(key.to(k_cache.dtype), value.to(v_cache.dtype), k_cache, v_cache, meta.slot_mapping)
 
     def plan(self, meta: PagedMetadata) -> CudaPlan:
         d = meta.single_token_prefix

@@ -105,13 +105,13 @@ class AttentionBackend(ABC):
         if meta.has_padding_slots:
             keep = slots >= 0
             key, value, slots = key[keep], value[keep], slots[keep]
-        if is_fp8(k_cache.dtype):
-            if kv_scales is None:
-                raise RuntimeError("an fp8 KV cache was written without its scales")
+        if not is_fp8(k_cache.dtype):
+            k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
+            v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
+        elif kv_scales is None:
+            raise RuntimeError("an fp8 KV cache was written without its scales")
+        else:
             write_quantized(key, value, k_cache, v_cache, slots, kv_scales)
-            return
-        k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, key.to(k_cache.dtype))
-        v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, value.to(v_cache.dtype))
 
     def plan(self, meta: PagedMetadata) -> Any:
         """What this backend decides once per step, on the device of ``meta``, for every layer's :meth:`forward` to
