@@ -18,8 +18,6 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import cache, partial
 from itertools import compress
 
@@ -96,7 +94,9 @@ class EngineCore:
         scheduling: the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences
         that finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
-        touched = self._before_step()
+        # the weights check: KV computed with other weights is forgotten
+        stale = self._kv_stale or _compat.version_sum(self._weights) != self._weights_version
+        touched = self._forget_kv() if stale else []
         batch, scheduled = self._schedule()
         touched += scheduled
         clock("schedule")
@@ -118,13 +118,6 @@ class EngineCore:
         return touched
 
     # ----- the hooks around a step -----------------------------------------------------------------------------
-    def _before_step(self) -> list[Sequence]:
-        """Before scheduling: the weights check (KV computed with other weights is forgotten). Returns the sequences
-        that got a token."""
-        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
-            return self._forget_kv()
-        return []
-
     def check_weights(self) -> bool:
         """Find the changes of the model's weights that leave the version counters alone (each step compares those):
         values written through ``param.data``, parameters replaced, or moved to another dtype or device. Written
@@ -146,7 +139,7 @@ class EngineCore:
         sample of their values (views, which see every later write to them).
 
         The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
-        optimizer step, load_state_dict) raises its version counter, which each step compares (``_before_step``);
+        optimizer step, load_state_dict) raises its version counter, which each step compares (``_advance``);
         :meth:`check_weights` finds the rest, once per call of ``generate_batch``."""
         _count_optimizer_steps()
         self._kv_stale = False  # (set when reset_prefix_cache() asks, or check_weights finds a change)
@@ -227,13 +220,17 @@ class EngineCore:
         sampled = list(compress(batch.seqs, batch.sample))
         scored = prompt_rows(batch.seqs, batch.num_tokens)
         prepared = self.runner.prepare(batch, scored.rows if scored is not None else None)
-        with self._device_work():
-            logits = self.runner.run(prepared)
-            if scored is not None:
-                logits, extra = logits[: len(sampled)], logits[len(sampled) :]
-                shards = self.runner.vocab_shards
-                scores = score(extra if shards is None else shards.gather(extra), scored)
-            launched = self._sample(sampled, logits)
+        self._lock.release()  # (signals' handlers received during the device work run as it ends)
+        try:
+            with self._interrupts.allowed():
+                logits = self.runner.run(prepared)
+                if scored is not None:
+                    logits, extra = logits[: len(sampled)], logits[len(sampled) :]
+                    shards = self.runner.vocab_shards
+                    scores = score(extra if shards is None else shards.gather(extra), scored)
+                launched = self._sample(sampled, logits)
+        finally:
+            self._lock.acquire()  # (with the handlers held again)
         if scored is not None:
             for (seq, _), values in zip(scored.owners, scores):
                 seq.prompt_logprobs.extend(values)
@@ -252,17 +249,6 @@ class EngineCore:
             lockstep.share(tokens, logprobs)  # the leading rank's tokens, so every rank feeds the same ids
         self.runner.keep_tokens(tokens)  # what the next step may read
         return self._receiver.send(sampled, tokens, logprobs)
-
-    @contextmanager
-    def _device_work(self) -> Iterator[None]:
-        """Release the lock for device work (handlers of signals received during it run as it ends); the lock is taken
-        back with handlers held."""
-        self._lock.release()
-        try:
-            with self._interrupts.allowed():
-                yield
-        finally:
-            self._lock.acquire()
 
     def _commit(self, batch: ScheduledBatch, launched: InFlightStep | None) -> None:
         """Record the step's KV as written and give its sampled sequences a placeholder for their new token;

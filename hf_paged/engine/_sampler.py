@@ -104,10 +104,8 @@ class SamplingBatch:
         b.num_greedy, b.seeds, b.steps = len(greedy), torch.stack([lo, hi], 1).int(), steps.int()
         if seen_ids:
             b.penalty, b.penalty_at = penalty, (torch.repeat_interleave(seen_t, output_size=len(seen_ids)), seen_ids_t)
-        if ban_pos:
-            b.banned_at = (ban_pos_t, ban_ids_t)
-        if sort_pos:
-            b.sort_rows = sort_t
+        b.banned_at = (ban_pos_t, ban_ids_t) if ban_pos else None
+        b.sort_rows = sort_t if sort_pos else None
         b.max_top_k = min(max(top_k, default=0), vocab_size)
         b.top_p_in_top_k, b.use_min_p = any(q < 1.0 and k for k, q in zip(top_k, top_p)), any(min_p)
         return b

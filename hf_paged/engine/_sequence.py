@@ -106,7 +106,5 @@ class Sequence:
         self.error = error
 
     def __repr__(self) -> str:
-        return (
-            f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
-            f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})"
-        )
+        return (f"Sequence({self.request_id!r}, {self.status.value}, tokens={self.num_tokens}, "
+                f"computed={self.num_computed_tokens}, blocks={len(self.block_table)})")
