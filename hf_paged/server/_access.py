@@ -55,27 +55,28 @@ class Door:
     async def __call__(self, scope, receive, send):
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
-        headers = dict(scope["headers"])
-        if self.allowed_hosts is not None:
-            if (host := _host_name(headers.get(b"host", b"").decode("latin-1"))) and host not in self.allowed_hosts:
-                return await answer(ServerError(
-                    403, f"the Host header {host!r} is not allowed here: this server answers requests addressed "
-                         f"to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or --api-key)",
-                    code="host_not_allowed"))(scope, receive, send)
-        if self.api_key is not None and scope["path"] not in OPEN_PATHS:
+        if (refusal := self._refusal(dict(scope["headers"]), scope["path"])) is not None:
+            return await refusal(scope, receive, send)
+        return await self.app(scope, self._bounded(receive), send)
+
+    def _refusal(self, headers: dict[bytes, bytes], path: str) -> JSONResponse | None:
+        """The answer to a request turned away before its body is read (None: it may come in)."""
+        host = _host_name(headers.get(b"host", b"").decode("latin-1"))
+        if self.allowed_hosts is not None and host and host not in self.allowed_hosts:
+            return answer(ServerError(403, f"the Host header {host!r} is not allowed here: this server answers requests "
+                                      f"addressed to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or "
+                                      "--api-key)", code="host_not_allowed"))
+        if self.api_key is not None and path not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):
-                return await answer(ServerError(
-                    401, "missing or wrong API key; send it as the header 'Authorization: Bearer <key>' (the "
-                         "openai client's api_key)", code="invalid_api_key"),
-                    {"www-authenticate": "Bearer"})(scope, receive, send)
-        declared = headers.get(b"content-length")
-        if declared is not None and not declared.isdigit():
-            return await answer(ServerError(400, "the Content-Length header is not a number"),
-                                {"connection": "close"})(scope, receive, send)
+                return answer(ServerError(401, "missing or wrong API key; send it as the header 'Authorization: "
+                                          "Bearer <key>' (the openai client's api_key)", code="invalid_api_key"),
+                              {"www-authenticate": "Bearer"})
+        if (declared := headers.get(b"content-length")) is not None and not declared.isdigit():
+            return answer(ServerError(400, "the Content-Length header is not a number"), {"connection": "close"})
         if declared is not None and int(declared) > self.limits.max_body_bytes:
-            return await answer(self._too_large(int(declared)), {"connection": "close"})(scope, receive, send)
-        return await self.app(scope, self._bounded(receive), send)
+            return answer(self._too_large(int(declared)), {"connection": "close"})
+        return None
 
     def _too_large(self, size: int | None) -> ServerError:
         got = f"{size} bytes" if size is not None else "more"
@@ -100,13 +101,10 @@ class Door:
                                            "(--body-timeout)", code="body_timeout") from None
                 raise ServerError(408, f"the client sent no part of the body for {limits.read_timeout:g} s "
                                        "(--read-timeout)", code="read_timeout") from None
-            if message["type"] == "http.request":
-                read += len(message.get("body", b""))
-                if read > limits.max_body_bytes:
-                    raise self._too_large(None)
-                done = not message.get("more_body", False)
-            else:
-                done = True
+            read += len(message.get("body", b""))  # (a disconnect has no body, and ends the request's messages)
+            if read > limits.max_body_bytes:
+                raise self._too_large(None)
+            done = message["type"] != "http.request" or not message.get("more_body", False)
             return message
 
         return bounded_receive

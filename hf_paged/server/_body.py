@@ -76,8 +76,7 @@ def _check(value: Any, path: str, depth: int, exact: bool = True) -> None:
 
 def _from_validation_error(exc: ValidationError) -> ServerError:
     first = next(iter(exc.errors(include_url=False)), {})
-    loc = [str(p) for p in first.get("loc", ()) if isinstance(p, int) or p in FIELD_NAMES]
-    param = ".".join(loc) or None
+    param = ".".join(str(p) for p in first.get("loc", ()) if isinstance(p, int) or p in FIELD_NAMES) or None
     kind = first.get("type", "invalid")
     if kind == "missing":
         message = f"{param} is required"

@@ -31,7 +31,8 @@ class HeaderTimeoutH11(H11Protocol):
         self._watch_headers()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_deadline()
+        if self._header_deadline is not None:
+            self._header_deadline.cancel()
         super().connection_lost(exc)
 
     def _watch_headers(self) -> None:
@@ -40,11 +41,7 @@ class HeaderTimeoutH11(H11Protocol):
         waiting = self.conn.their_state is h11.IDLE and not self.transport.is_closing()
         if waiting and self._header_deadline is None:
             self._header_deadline = self.loop.call_later(self.header_timeout, self.transport.close)
-        elif not waiting:
-            self._cancel_header_deadline()
-
-    def _cancel_header_deadline(self) -> None:
-        if self._header_deadline is not None:
+        elif not waiting and self._header_deadline is not None:
             self._header_deadline.cancel()
             self._header_deadline = None
 

@@ -70,12 +70,10 @@ def json_bytes(body: dict) -> bytes:
     """A whole answer's ``body`` as compact UTF-8 JSON (what ``JSONResponse`` writes), each of its choices encoded
     by a call of its own: one ``json.dumps`` call holds the GIL until it returns, so an answer of tens of MB encoded
     at once would stall the event loop (``/health`` included) for as long, though it runs on a worker thread."""
-    head = _json({**body, "choices": []})  # (a key's quotes are bare only outside strings: the match is the key)
-    before, after = head.split('"choices":[]', 1)
-    parts = [before.encode(), b'"choices":[']
-    for i, choice in enumerate(body["choices"]):
-        parts += [b"," if i else b"", _json(choice).encode()]
-    return b"".join([*parts, b"]", after.encode()])
+    # (a key's quotes are bare only outside strings: the match is the key)
+    before, after = _json({**body, "choices": []}).split('"choices":[]', 1)
+    choices = b",".join(_json(choice).encode() for choice in body["choices"])
+    return b"".join([before.encode(), b'"choices":[', choices, b"]", after.encode()])
 
 
 def _json(value) -> str:
