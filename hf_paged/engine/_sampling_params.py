@@ -162,13 +162,11 @@ class SamplingParams:
         if got.get("num_beams", 1) != 1:
             raise ValueError("beam search (num_beams > 1) is not served by the engine; use model.generate with a "
                              f"PagedAttentionCache for beam search (got num_beams={got['num_beams']})")
-        return cls(
-            max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_tuple(gc.eos_token_id),
-            stop_strings=_stop_tuple(gc.stop_strings), json_schema=_schema_text(getattr(gc, "json_schema", None)),
-            logprobs=got.get("output_logprobs", False) or got.get("output_scores", False) or bool(
-                got.get("top_logprobs")),
-            **{name: got[name] for name in _AS_GIVEN if name in got},  # (unset ones keep the defaults above)
-        )
+        logprobs = got.get("output_logprobs", False) or got.get("output_scores", False) or bool(got.get("top_logprobs"))
+        return cls(max_new_tokens=max_new, min_new_tokens=min_new, eos_token_ids=eos_tuple(gc.eos_token_id),
+                   stop_strings=_stop_tuple(gc.stop_strings), logprobs=logprobs,
+                   json_schema=_schema_text(getattr(gc, "json_schema", None)),
+                   **{name: got[name] for name in _AS_GIVEN if name in got})  # (unset ones keep the class's defaults)
 
 
 def _schema_text(schema) -> str | None:
