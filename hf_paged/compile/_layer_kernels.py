@@ -84,7 +84,7 @@ def _routes_the_bulk(model: torch.nn.Module) -> bool:
     """Whether the model's norms, MLPs and rotary function are routed (one of each at least)."""
     modules = list(base_model(model).modules())
     return (any(_is_norm(m) and patches.patch_of(m, _KIND) is not None for m in modules)
-            and any(_is_mlp(m) and patches.patch_of(m, _KIND) is not None for m in modules)
+            and any(_has_linears(m, _MLP) and patches.patch_of(m, _KIND) is not None for m in modules)
             and any(patches.patch_of(f, _KIND) is not None for f in _families(decoder_layers(model))))
 
 
@@ -118,7 +118,7 @@ def install(model: torch.nn.Module) -> list[str]:
     routed: dict[str, int] = {}
     following = {layer: norm for layer, norm in _following_norms(model, layers).items() if verdicts[type(norm)]}
     for module in base_model(model).modules():
-        if _is_qkv(module) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
+        if _has_linears(module, _QKV) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
             _route_siblings(module, _QKV)
             routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
         if _is_layer(module):  # (routed where its norm after attention is)
@@ -126,7 +126,7 @@ def install(model: torch.nn.Module) -> list[str]:
             kind = (route, _layer_computes_reference) if verdicts[type(module.post_attention_layernorm)] else None
         else:
             kind = (_norm_route, _computes_reference) if _is_norm(module) else (
-                (_mlp_route, _computes_reference) if _is_mlp(module) else None)
+                (_mlp_route, _computes_reference) if _has_linears(module, _MLP) else None)
         if kind is None:
             continue
         (route, probe), cls = kind, type(module)
@@ -159,8 +159,8 @@ def _is_norm(module: torch.nn.Module) -> bool:
             and not any(True for _ in module.children()) and getattr(module, "bias", None) is None)
 
 
-def _is_mlp(module: torch.nn.Module) -> bool:
-    return all(type(getattr(module, name, None)) is torch.nn.Linear for name in _MLP)
+def _has_linears(module: torch.nn.Module, names: tuple[str, ...]) -> bool:
+    return all(type(getattr(module, name, None)) is torch.nn.Linear for name in names)
 
 
 def _is_layer(module: torch.nn.Module) -> bool:
@@ -201,10 +201,6 @@ def _layer_computes_reference(layer: torch.nn.Module) -> bool:
                     object.__setattr__(module, "forward", forward)
 
     return _same(type(layer).__name__, probe)
-
-
-def _is_qkv(module: torch.nn.Module) -> bool:
-    return all(type(getattr(module, name, None)) is torch.nn.Linear for name in _QKV)
 
 
 def _packed(module: torch.nn.Module, names: tuple[str, ...]) -> tuple[torch.Tensor, torch.Tensor | None] | None:

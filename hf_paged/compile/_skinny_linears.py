@@ -86,7 +86,9 @@ def install(model: torch.nn.Module) -> list[torch.nn.Linear]:
     patched = []
     for module in candidates:
         if patches.patch_of(module, "skinny_linears") is None:
-            if (reason := skip_reason(module, dtype)) is not None:
+            reason = (f"a subclass of nn.Linear ({type(module).__name__})" if type(module) is not torch.nn.Linear
+                      else skip_reason(module.weight, module.bias, dtype))
+            if reason is not None:
                 logger.debug("hf_paged: skinny linear leaves %s alone: %s", type(module).__name__, reason)
                 continue
             _patch(module)
@@ -111,16 +113,10 @@ def uninstall(model: torch.nn.Module) -> None:
             module.__dict__.pop(_ALWAYS, None)
 
 
-def skip_reason(module: torch.nn.Linear, dtype: torch.dtype | None) -> str | None:
-    """None if ``module``'s forward can be routed through the skinny op (``dtype``: the layers' dtype), else why not."""
-    if type(module) is not torch.nn.Linear:
-        return f"a subclass of nn.Linear ({type(module).__name__})"
-    return skip_reason_of(module.weight, module.bias, dtype)
-
-
-def skip_reason_of(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None) -> str | None:
-    """:func:`skip_reason` for a weight and bias (also a tensor-parallel shard's local tensors,
-    ``hf_paged.parallel._linears``)."""
+def skip_reason(weight: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype | None) -> str | None:
+    """None if a linear of this weight and bias (a plain ``nn.Linear``'s, or a tensor-parallel shard's local tensors:
+    ``hf_paged.parallel._linears``) can be routed through the skinny op (``dtype``: the layers' dtype), else why
+    not."""
     for name, t in (("weight", weight), ("bias", bias)):
         if t is not None and type(t) not in (torch.nn.Parameter, torch.Tensor):
             return f"its {name} is a {type(t).__name__}"

@@ -112,11 +112,9 @@ def load(verbose: bool = False) -> Path:
     if _folder is not None:  # loaded: every layer calls this, so no probing or hashing past the first call
         return _folder
     with _lock:
+        _failure = _failure or missing_device()
         if _failure is not None:
             raise KernelsUnavailable(_failure)
-        if (reason := missing_device()) is not None:
-            _failure = reason
-            raise KernelsUnavailable(reason)
         arch = arch_of(*torch.cuda.get_device_capability(), cuda=torch.version.cuda)
         folder = build_dir(arch)
         _load_or_build(folder, arch, verbose)
@@ -143,9 +141,8 @@ def _load_or_build(folder: Path, arch: str, verbose: bool) -> None:
         except OSError as exc:  # removed or damaged since
             logger.info("hf_paged: loading the built CUDA kernels failed (%s); building them again", exc)
             marker.unlink(missing_ok=True)
-    if (reason := missing_requirement()) is not None:
-        _failure = reason
-        raise KernelsUnavailable(reason)
+    if (_failure := missing_requirement()) is not None:
+        raise KernelsUnavailable(_failure)
     from torch.utils import cpp_extension
 
     folder.mkdir(parents=True, exist_ok=True)

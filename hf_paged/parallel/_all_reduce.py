@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from hf_paged import _compat, envs
 from hf_paged.kernels._build import load
+from hf_paged.kernels._layer_ops import add_rms_norm_reference
 
 logger = logging.getLogger("hf_paged")
 
@@ -137,13 +138,6 @@ def _aligned(*tensors: torch.Tensor) -> list[torch.Tensor]:
     return [t if t.data_ptr() % 16 == 0 else t.clone() for t in contiguous]
 
 
-def rms_norm(h: torch.Tensor, weight: torch.Tensor, eps) -> torch.Tensor:
-    """The RMSNorm of Llama-style layers (float32 inside, rounded to ``h``'s dtype before the weight): what the fused
-    op's fallback computes and the graph pass recognizes."""
-    hf = h.to(torch.float32)
-    return weight * (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)).to(h.dtype)
-
-
 @torch.library.custom_op("hf_paged::tp_all_reduce_add", mutates_args=())
 def _tp_all_reduce_add(x: torch.Tensor, residual: torch.Tensor, group_name: str) -> torch.Tensor:
     """``residual + tp_all_reduce(x)``, on one peer_sum kernel where it serves (each rounded to the dtype, as the
@@ -167,7 +161,7 @@ _tp_all_reduce_add.register_fake(_contiguous_like)
 @torch.library.custom_op("hf_paged::tp_all_reduce_add_rms_norm", mutates_args=())
 def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float,
                                 eps_tensor: torch.Tensor | None, group_name: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(h, rms_norm(h, weight, eps))`` with ``h = residual + tp_all_reduce(x)``, on one peer_sum kernel where it
+    """``(h, RMSNorm(h, weight, eps))`` with ``h = residual + tp_all_reduce(x)``, on one peer_sum kernel where it
     serves. The epsilon is ``eps_tensor`` where given (a 0-d tensor: torch.compile passes a module's float attribute
     as one), else ``eps``."""
     global fused_calls
@@ -180,8 +174,10 @@ def _tp_all_reduce_add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight:
         fused_calls += 1
         value = float(eps_tensor) if eps_tensor is not None else eps
         return torch.ops.hf_paged.peer_sum_add_rms_norm(*_aligned(x, residual), *_aligned(weight), value, *peers)
-    h = (residual + torch.ops.hf_paged.tp_all_reduce(x, group_name)).contiguous()
-    return h, rms_norm(h, weight, eps_tensor if eps_tensor is not None else eps).contiguous()
+    # (Llama's RMSNorm, float32 inside: what the graph pass recognizes)
+    h, normed = add_rms_norm_reference(torch.ops.hf_paged.tp_all_reduce(x, group_name), residual, weight,
+                                       eps_tensor if eps_tensor is not None else eps)
+    return h.contiguous(), normed.contiguous()
 
 
 _tp_all_reduce_add_rms_norm.register_fake(lambda x, *args: (_contiguous_like(x), _contiguous_like(x)))

@@ -60,7 +60,7 @@ class LocalLinear:
         """Take the module's current local shards (views of the DTensors' storage, not copies): parameters set on
         the module since are served from the next compile on (the compiled code guards on these tensors)."""
         self.weight, self.bias = local_shards(module)
-        self.skinny = skinny_linear.skip_reason_of(self.weight, self.bias, self.weight.dtype) is None
+        self.skinny = skinny_linear.skip_reason(self.weight, self.bias, self.weight.dtype) is None
 
     def _product(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         """The local product: the skinny op (``hf_paged::linear``, which the engine's grouping pass merges for
