@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field
 
 MAX_BLOCK_SIZE = 1024
 #: Token slots a pool may hold: slot ids (``block * block_size + offset``) are int32.
@@ -82,10 +82,6 @@ class CacheConfig:
             object.__setattr__(self, "memory_budget", float(budget))
         check_kv_cache_dtype(self.kv_cache_dtype)
         object.__setattr__(self, "backend", backend_names(self.backend))
-
-    @classmethod
-    def field_names(cls) -> list[str]:
-        return [f.name for f in fields(cls)]
 
     def blocks_for(self, sequences: int, tokens: int) -> int:
         """Blocks that hold ``sequences`` sequences of ``tokens`` tokens."""
