@@ -168,7 +168,6 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:
     tokens = sum(len(o.token_ids) for o in outputs)
-    errors = [o for o in outputs if o.finish_reason == "error"]
     reasons = Counter(o.finish_reason for o in outputs)
     rows = [
         ("requests", f"{len(outputs)} (" + ", ".join(f"{n} {r}" for r, n in sorted(reasons.items())) + ")"),
@@ -183,13 +182,11 @@ def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float
         ("attention backend", ", ".join(f"{phase} {name}" for phase, name in stats["backends"].items())
          if args.verbose else f"prefill {stats['prefill_backend'] or '-'}, decode {stats['decode_backend'] or '-'}"),
     ]
-    if errors:
+    if errors := [o for o in outputs if o.finish_reason == "error"]:
         rows.insert(1, ("first error", flags_for_parameters(errors[0].error, args)))
     if args.verbose:
-        rows += [
-            ("steps", stats["steps"]),
-            ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items())),
-        ]
+        rows += [("steps", stats["steps"]),
+                 ("host ms per step", ", ".join(f"{phase} {ms:.2f}" for phase, ms in stats["ms_per_step"].items()))]
     print("summary:", file=file)
     for name, value in rows:
         print(f"  {name + ':':<20} {value}", file=file)

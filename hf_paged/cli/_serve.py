@@ -141,10 +141,9 @@ def _server(args: argparse.Namespace, app):
 
     from hf_paged.server._http import with_header_timeout  # (uvicorn is optional: imported once it is there)
 
-    config = uvicorn.Config(app, log_level="info" if args.verbose else "warning",
-                            http=with_header_timeout(args.read_timeout),
-                            timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S)
-    server = uvicorn.Server(config)
+    server = uvicorn.Server(uvicorn.Config(app, log_level="info" if args.verbose else "warning",
+                                           http=with_header_timeout(args.read_timeout),
+                                           timeout_graceful_shutdown=args.shutdown_timeout + SHUTDOWN_BACKSTOP_S))
     engine_loop, shutdown = app.state.engine_loop, server.shutdown
 
     async def graceful_shutdown(sockets=None) -> None:

@@ -63,9 +63,9 @@ class Door:
         """The answer to a request turned away before its body is read (None: it may come in)."""
         host = _host_name(headers.get(b"host", b"").decode("latin-1"))
         if self.allowed_hosts is not None and host and host not in self.allowed_hosts:
-            return answer(ServerError(403, f"the Host header {host!r} is not allowed here: this server answers requests "
-                                      f"addressed to {', '.join(sorted(self.allowed_hosts))} (--allowed-hosts, or "
-                                      "--api-key)", code="host_not_allowed"))
+            return answer(ServerError(403, f"the Host header {host!r} is not allowed here: this server answers "
+                                      f"requests addressed to {', '.join(sorted(self.allowed_hosts))} "
+                                      "(--allowed-hosts, or --api-key)", code="host_not_allowed"))
         if self.api_key is not None and path not in OPEN_PATHS:
             scheme, _, token = headers.get(b"authorization", b"").partition(b" ")
             if scheme.lower() != b"bearer" or not hmac.compare_digest(token.strip(), self.api_key):

@@ -111,9 +111,7 @@ class EngineLoop:
         self.on_death = on_death
         self.death: str | None = None  # why the thread died, once it has
         self._commands: queue.SimpleQueue = queue.SimpleQueue()
-        self._lock = threading.Lock()
-        self._reserved = 0
-        self._stopping = False
+        self._lock, self._reserved, self._stopping = threading.Lock(), 0, False  # (the lock guards the other two)
         self._ids = itertools.count()
         self._live: dict[str, Submission] = {}  # by engine request id (one per prompt)
         self._token_texts: dict[int, str] = {}  # each token id decoded alone (the engine thread's cache)

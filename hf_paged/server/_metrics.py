@@ -93,8 +93,7 @@ class ServerMetrics:
             now = time.perf_counter()
             while self._recent and now - self._recent[0][0] > RATE_WINDOW_S:
                 self._recent.popleft()
-            rate = sum(n for _, n in self._recent) / RATE_WINDOW_S
-            values = {**stats, "tokens_per_second": rate}
+            values = {**stats, "tokens_per_second": sum(n for _, n in self._recent) / RATE_WINDOW_S}
             out: list[str] = []
             for kind, name, help_, key in METRICS:
                 full = f"{PREFIX}_{name}_total" if kind == "counter" else f"{PREFIX}_{name}"

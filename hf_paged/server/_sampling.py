@@ -126,16 +126,15 @@ def sampling_settings(req: SamplingFields) -> dict:
 
 def _completion_prompts(prompt) -> list:
     """``prompt`` as a list of prompts, each a non-empty string or a non-empty list of token ids."""
-    what = "prompt must be a string, an array of strings, an array of token ids or an array of token-id arrays"
-    if isinstance(prompt, str) or (isinstance(prompt, list) and prompt and all(type(t) is int for t in prompt)):
-        prompts = [prompt]
-    elif isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(type(t) is int for t in p)) for p in prompt):
-        prompts = prompt
-    else:
+    def is_ids(p) -> bool:
+        return isinstance(p, list) and all(type(t) is int for t in p)
+
+    prompts = [prompt] if isinstance(prompt, str) or (prompt and is_ids(prompt)) else prompt
+    if not (isinstance(prompts, list) and prompts and all(isinstance(p, str) or is_ids(p) for p in prompts)):
         bad = prompt if not isinstance(prompt, list) or not prompt else next(
             (p for p in prompt if not (isinstance(p, (str, list)) or type(p) is int)), prompt)
-        raise bad_request(f"{what}; got {_kind(bad)}", "prompt")
+        raise bad_request("prompt must be a string, an array of strings, an array of token ids or an array of "
+                          f"token-id arrays; got {_kind(bad)}", "prompt")
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise bad_request("prompt is empty; give a non-empty string or token-id list",
@@ -145,25 +144,19 @@ def _completion_prompts(prompt) -> list:
 
 def _content(content, param: str) -> str:
     """A chat message's content: a string, null, or text parts (joined)."""
-    if content is None:
-        return ""
-    if isinstance(content, str):
-        return content
+    if content is None or isinstance(content, str):
+        return content or ""
     if isinstance(content, list):
-        texts = []
         for j, part in enumerate(content):
             if not (isinstance(part, dict) and part.get("type") == "text" and isinstance(part.get("text"), str)):
                 raise bad_request("only text content parts ({\"type\": \"text\", \"text\": \"...\"}) are served",
                                   f"{param}.{j}")
-            texts.append(part["text"])
-        return "".join(texts)
+        return "".join(part["text"] for part in content)
     raise bad_request(f"content must be a string or an array of text parts, got {_kind(content)}", param)
 
 
 def _stop(stop) -> list[str]:
-    if stop is None:
-        return []
-    stops = [stop] if isinstance(stop, str) else stop
+    stops = [] if stop is None else [stop] if isinstance(stop, str) else stop
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
         raise bad_request(f"stop must be a string or an array of strings, got {_kind(stop)}", "stop")
     if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
