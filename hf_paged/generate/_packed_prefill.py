@@ -94,8 +94,8 @@ class PackedPrefill:
         positions = kwargs.get("position_ids")
         if not (isinstance(ids, torch.Tensor) and ids.ndim == 2 and ids.shape[0] >= MIN_ROWS and ids.shape[1] > 1
                 and isinstance(positions, torch.Tensor) and positions.shape == ids.shape
-                and ids.device.type in self.devices and _is_one(kwargs.get("logits_to_keep"))
-                and isinstance(cache_in(kwargs), PagedAttentionCache)):
+                and type(kwargs.get("logits_to_keep")) is int and kwargs["logits_to_keep"] == 1  # (not True)
+                and ids.device.type in self.devices and isinstance(cache_in(kwargs), PagedAttentionCache)):
             return False
         mask = kwargs.get("attention_mask")
         if not (mask is None or planned_step(mask) is not None or (isinstance(mask, torch.Tensor) and mask.ndim == 2)):
@@ -104,8 +104,3 @@ class PackedPrefill:
         return all(name in _READ or value is None or (isinstance(value, bool) if name in _PASSED
                                                       else name.startswith("output_") and not value)
                    for name, value in kwargs.items())
-
-
-def _is_one(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value == 1
-
