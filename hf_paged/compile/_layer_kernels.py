@@ -35,6 +35,7 @@ from __future__ import annotations
 import logging
 import sys
 import weakref
+from collections import Counter
 from collections.abc import Callable
 from functools import partial
 
@@ -112,29 +113,29 @@ def install(model: torch.nn.Module) -> list[str]:
         raise ValueError(f"{type(model).__name__} has no list of decoder layers to route to the layer kernels")
     pack_siblings(model)  # gate/up and q/k/v in one product each
     verdicts: dict[type, bool] = {}  # a class's forward computes the reference's (asked of its first instance)
-    for module in base_model(model).modules():  # (the norms first: a layer is routed where its norms are)
-        if _is_norm(module) and type(module) not in verdicts:
-            verdicts[type(module)] = patches.patch_of(module, _KIND) is not None or _computes_reference(module)
-    routed: dict[str, int] = {}
-    following = {layer: norm for layer, norm in _following_norms(model, layers).items() if verdicts[type(norm)]}
+
+    def computes_reference(module: torch.nn.Module, probe: Callable = _computes_reference) -> bool:
+        if type(module) not in verdicts:
+            verdicts[type(module)] = patches.patch_of(module, _KIND) is not None or probe(module)
+        return verdicts[type(module)]
+
+    routed: Counter[str] = Counter()
+    following = {layer: norm for layer, norm in _following_norms(model, layers).items() if computes_reference(norm)}
     for module in base_model(model).modules():
         if _has_linears(module, _QKV) and (patches.patch_of(module.q_proj, _KIND) is not None or _packed(module, _QKV)):
             _route_siblings(module, _QKV)
-            routed["+".join(_QKV)] = routed.get("+".join(_QKV), 0) + 1
+            routed["+".join(_QKV)] += 1
         if _is_layer(module):  # (routed where its norm after attention is)
-            route = partial(_layer_route, following=following.get(module))
-            kind = (route, _layer_computes_reference) if verdicts[type(module.post_attention_layernorm)] else None
+            if not computes_reference(module.post_attention_layernorm):
+                continue
+            route, probe = partial(_layer_route, following=following.get(module)), _layer_computes_reference
+        elif _is_norm(module) or _has_linears(module, _MLP):
+            route, probe = (_norm_route if _is_norm(module) else _mlp_route), _computes_reference
         else:
-            kind = (_norm_route, _computes_reference) if _is_norm(module) else (
-                (_mlp_route, _computes_reference) if _has_linears(module, _MLP) else None)
-        if kind is None:
             continue
-        (route, probe), cls = kind, type(module)
-        if cls not in verdicts:
-            verdicts[cls] = patches.patch_of(module, _KIND) is not None or probe(module)
-        if verdicts[cls]:
+        if computes_reference(module, probe):
             patches.install(module, _KIND, lambda eager, module=module, route=route: route(module, eager))
-            routed[cls.__name__] = routed.get(cls.__name__, 0) + 1
+            routed[type(module).__name__] += 1
     for family in _families(layers):
         if callable(getattr(family, _ROPE, None)) and (
                 patches.patch_of(family, _KIND) is not None or _rope_computes_reference(getattr(family, _ROPE))):
