@@ -161,9 +161,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     for p in args.prompts:  # (stdin is read as bytes and decoded as UTF-8, whatever the locale)
         prompts += prompt_lines(getattr(sys.stdin, "buffer", sys.stdin).read(), "stdin ('-')") if p == "-" else [p]
     prompts += args.prompts_file or []
-    if not prompts:
-        prompts = [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
-    return prompts
+    return prompts or [DEFAULT_PROMPTS[i % len(DEFAULT_PROMPTS)] for i in range(args.num_prompts)]
 
 
 def print_summary(args: argparse.Namespace, stats: dict, outputs, elapsed: float, file=None) -> None:

@@ -41,9 +41,7 @@ class Histogram:
         self.bounds, self.counts, self.sum, self.count = bounds, [0] * len(bounds), 0.0, 0
 
     def observe(self, value: float) -> None:
-        for i, bound in enumerate(self.bounds):
-            if value <= bound:
-                self.counts[i] += 1
+        self.counts = [count + (value <= bound) for count, bound in zip(self.counts, self.bounds)]
         self.sum += value
         self.count += 1
 
