@@ -42,11 +42,15 @@ def patch_of(module: torch.nn.Module, kind: str) -> Callable | None:
     """``module``'s patch of ``kind`` (its current value, or the one a later patch of the same attribute replaced),
     or None."""
     record = module.__dict__.get(_RECORD, [])
-    index = next((i for i, (k, _, _) in enumerate(record) if k == kind), None)
-    if index is None:
+    if (index := _index(record, kind)) is None:
         return None
     attribute = record[index][1]
     return next((before for _, name, before in record[index + 1:] if name == attribute), module.__dict__.get(attribute))
+
+
+def _index(record: list, kind: str) -> int | None:
+    """Where ``kind``'s patch is in a module's record, or None."""
+    return next((i for i, (k, _, _) in enumerate(record) if k == kind), None)
 
 
 def patched(modules: Iterable[torch.nn.Module], kind: str) -> list[torch.nn.Module]:
@@ -60,8 +64,7 @@ def restore(modules: Iterable[torch.nn.Module], kind: str) -> int:
     count = 0
     for module in modules:
         record = module.__dict__.get(_RECORD, [])
-        index = next((i for i, (k, _, _) in enumerate(record) if k == kind), None)
-        if index is None:
+        if (index := _index(record, kind)) is None:
             continue
         for _, attribute, before in reversed(record[index:]):  # the earliest patch of an attribute is undone last
             if before is None:
