@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import operator
 import threading
+from collections.abc import Iterable
 from functools import cache, partial
 from itertools import compress
 
@@ -126,9 +127,7 @@ class EngineCore:
         Costs a few microseconds per parameter (0.9 ms for SmolLM2-135M's 272 on a CPU) plus a copy of 64 values of
         each (a sample spread over every tensor: a write through ``param.data`` to a few rows only may go unseen;
         ``reset_prefix_cache()`` covers it)."""
-        now = list(self.model.parameters())
-        if len(now) != len(self._weights) or any(map(operator.is_not, now, self._weights)) or (
-                _storages(now) != self._weights_storages):
+        if _storages(self.model.parameters()) != self._weights_storages:
             return False
         if not all(map(torch.equal, _weight_sample(self._sample_views), self._weights_sample)):
             self._kv_stale = True  # (a NaN weight counts as changed at every call: correct, if slower)
@@ -254,7 +253,7 @@ class EngineCore:
         """Record the step's KV as written and give its sampled sequences a placeholder for their new token;
         sequences that finished meanwhile (their step before was their last) are left out."""
         seqs, bm = batch.seqs, self.block_manager
-        if (launched is not None and len(launched.seqs) == len(seqs) == batch.total_tokens
+        if (launched is not None and len(launched.seqs) == len(seqs) == sum(batch.num_tokens)
                 and SequenceStatus.FINISHED not in map(_status, seqs)):
             # the usual decode step: every sequence computed one token and sampled the next, committed in one pass
             bs, register = bm.block_size, bm.register_full_blocks if bm.enable_prefix_caching else None
@@ -382,8 +381,10 @@ def _stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
             torch.autograd.graph.increment_version(param)
 
 
-def _storages(params: list[torch.Tensor]) -> list[tuple]:
-    return [(p.data_ptr(), p.dtype, p.device) for p in params]
+def _storages(params: Iterable[torch.Tensor]) -> list[tuple]:
+    """Each parameter (its id: the engine holds those it took, so an id is never another's) with its storage, dtype
+    and device."""
+    return [(id(p), p.data_ptr(), p.dtype, p.device) for p in params]
 
 
 def _sample_views(params: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:

@@ -30,10 +30,6 @@ class ScheduledBatch:
     num_tokens: list[int]
     sample: list[bool]
 
-    @property
-    def total_tokens(self) -> int:
-        return sum(self.num_tokens)
-
 
 class Scheduler:
     """Owns the waiting queue and the running list; the block manager owns their blocks."""

@@ -97,7 +97,7 @@ def test_random_workloads(num_blocks, block_size, max_batch_tokens, max_num_seqs
 
 
 def _check_batch(batch, max_batch_tokens, block_size):
-    assert batch.total_tokens <= max_batch_tokens
+    assert sum(batch.num_tokens) <= max_batch_tokens
     assert len({id(s) for s in batch.seqs}) == len(batch.seqs)
     for seq, n, sample in zip(batch.seqs, batch.num_tokens, batch.sample):
         assert seq.status is SequenceStatus.RUNNING and 1 <= n <= seq.num_uncomputed
