@@ -157,8 +157,7 @@ def agreed_min(model: torch.nn.Module, value: int) -> int:
     return value if tp is None else Lockstep(tp).agree_min(value)
 
 
-def for_model(model: torch.nn.Module, compile_layers: bool | None,
-              cuda_graphs) -> tuple[Lockstep | None, dict]:
+def for_model(model: torch.nn.Module, compile_layers: bool | None) -> tuple[Lockstep | None, dict]:
     """A ``Lockstep`` for a tensor-parallel ``model`` (None for any other) and the engine settings it changes:
     every decode graph size captured at start (an on-demand capture mid-run would have to happen on every rank at
     the same step), and compiled layers as asked, their sharded linears run as local products with an opaque
@@ -174,4 +173,4 @@ def for_model(model: torch.nn.Module, compile_layers: bool | None,
                                  "pass compile_layers=False or None")
             logger.info("hf_paged: the engine runs the tensor-parallel model's layers eagerly: %s", reason)
             compile_layers = False
-    return Lockstep(tp), dict(cuda_graphs=cuda_graphs, compile_layers=compile_layers, cuda_graph_capture="start")
+    return Lockstep(tp), dict(compile_layers=compile_layers, cuda_graph_capture="start")

@@ -54,7 +54,7 @@ class ModelRunner:
     def __init__(self, model: torch.nn.Module, config, size: Sizer, longest: int):
         self.model, self.device = model, model.device
         self.kv_devices = placement.kv_devices(model)  # each layer's KV next to its weights (a device_map split)
-        self.lockstep, forced = lockstep.for_model(model, config.compile_layers, config.cuda_graphs)
+        self.lockstep, forced = lockstep.for_model(model, config.compile_layers)
         self.vocab_shards = tp_logits.install(model, self.lockstep.tp) if self.lockstep is not None else None
         cfg, self.sizing = size(replace(config, **forced), kv_layout(model), self.kv_devices)
         if self.lockstep is not None:  # every rank takes the same sizes (each read its own free memory)
