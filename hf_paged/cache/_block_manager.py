@@ -52,10 +52,7 @@ class BlockManager:
 
     def __init__(self, allocator: BlockAllocator, block_size: int, tables: BlockTableBuffer,
                  copy_blocks: Callable[[list[int], list[int]], None], enable_prefix_caching: bool = True):
-        self.allocator = allocator
-        self.block_size = block_size
-        self.tables = tables
-        self.copy_blocks = copy_blocks
+        self.allocator, self.block_size, self.tables, self.copy_blocks = allocator, block_size, tables, copy_blocks
         self.enable_prefix_caching = enable_prefix_caching
         self._pack = struct.Struct(f"<{block_size}q").pack
         self._key_to_block: dict[bytes, int] = {}

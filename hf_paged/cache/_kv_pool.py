@@ -134,9 +134,7 @@ class KVPool:
                 raise ValueError(f"num_blocks={num_blocks} would take {per_layer * layers / 2**30:.1f} GiB of KV cache "
                                  f"on {device}, which has {total / 2**30:.1f} GiB in all; give fewer blocks, or "
                                  "num_blocks=None to size the pool from free memory")
-        self.layout = layout
-        self.block_size = block_size
-        self.dtype = dtype
+        self.layout, self.block_size, self.dtype = layout, block_size, dtype
         self.allocator = BlockAllocator(num_blocks)
         shape = (num_blocks, block_size, layout.num_kv_heads, layout.head_dim)
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = [

@@ -27,8 +27,6 @@ from hf_paged.hf._placement import layer_devices
 from hf_paged.hf._register import ATTN_IMPLEMENTATION
 from hf_paged.parallel._tensor_parallel import kv_layout
 
-__all__ = ["install", "paged_default"]
-
 logger = logging.getLogger("hf_paged")
 
 _MARK = "_hf_paged_default_cache"  # set on the wrapper: installed once per process
