@@ -43,11 +43,9 @@ class Limits:
                               f"new tokens, each copy of n counted); this server takes at most "
                               f"{self.max_request_tokens} per request (--max-request-tokens): ask for fewer copies "
                               f"(n), prompts or {param}", "n", "request_too_large")
-        if job.stream:
-            return
         shown = job.n * ((sum(prompt_lengths) if job.echo else 0) + (0 if job.max_tokens == 0 else sum(new_tokens)))
         per_token = TOKEN_BYTES + ((1 + job.top_logprobs) * LOGPROB_BYTES[job.chat] if job.logprobs else 0)
-        if shown * per_token > self.max_response_bytes:
+        if not job.stream and shown * per_token > self.max_response_bytes:  # (a stream is never built whole)
             with_logprobs = " with their log-probabilities" if job.logprobs else ""
             raise bad_request(f"the answer could take about {shown * per_token} bytes ({shown} tokens{with_logprobs} "
                               f"in {choices} choices); this server builds at most {self.max_response_bytes} "
