@@ -121,7 +121,7 @@ def test_errors_of_the_model_itself_pass_through(model):
 
 
 def test_compile_layers_is_validated():
-    with pytest.raises(ValueError, match="compile_layers must be True, False or None \(automatic\), got .yes."):
+    with pytest.raises(ValueError, match=r"compile_layers must be True, False or None \(automatic\), got .yes."):
         hf_paged.EngineConfig(compile_layers="yes")
 
 
