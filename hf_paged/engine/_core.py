@@ -334,7 +334,7 @@ class EngineCore:
         (keep going). EOS cannot come before ``min_new_tokens``: the sampler suppresses it."""
         params = seq.params
         eos = seq.token_ids[-1] in params.eos_token_ids
-        length = len(seq.token_ids) - seq.num_prompt_tokens >= params.max_new_tokens
+        length = len(seq.token_ids) >= seq.stop_at  # (its max_new_tokens reached)
         # (before the EOS: an EOS that is not a special token has text, which may complete a stop string); all the
         # tokens are read when the sequence ends with this one anyway
         if params.stop_strings:
