@@ -195,8 +195,7 @@ def pool_size(cfg: EngineConfig, layout: KVLayout, dtype: torch.dtype, devices: 
     budget = describe_budget(cfg.memory_budget, devices)
     room = f"within {budget}" if blocks >= cap else f"cut from {cap} to what {budget} holds"
     size = layout.bytes_per_block(cfg.block_size, kv) * blocks / 2**30
-    return blocks, (f"automatic: {use} at full length, {str(kv).removeprefix('torch.')} KV; {room}; "
-                    f"{size:.2f} GiB")
+    return blocks, f"automatic: {use} at full length, {str(kv).removeprefix('torch.')} KV; {room}; {size:.2f} GiB"
 
 
 def size_for(model_config, dtype: torch.dtype, max_len: int, workload: Workload | None, cfg: EngineConfig,
