@@ -46,9 +46,8 @@ class Histogram:
         self.count += 1
 
     def lines(self, name: str) -> list[str]:
-        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip(self.bounds, self.counts)]
-        return out + [f'{name}_bucket{{le="+Inf"}} {self.count}', f"{name}_sum {self.sum}",
-                      f"{name}_count {self.count}"]
+        out = [f'{name}_bucket{{le="{b}"}} {c}' for b, c in zip((*self.bounds, "+Inf"), (*self.counts, self.count))]
+        return out + [f"{name}_sum {self.sum}", f"{name}_count {self.count}"]
 
 
 class ServerMetrics:

@@ -113,8 +113,7 @@ def sampling_settings(req: SamplingFields) -> dict:
     if "top_k" in out:
         out["top_k"] = max(out["top_k"], 0)  # (-1: off, as 0)
     if out.get("temperature") == 0:  # greedy: the sampling settings go
-        out = {k: v for k, v in out.items() if k == "repetition_penalty"}
-        out["do_sample"] = False
+        out = {k: v for k, v in out.items() if k == "repetition_penalty"} | {"do_sample": False}
     elif set(out) - {"repetition_penalty"}:
         out["do_sample"] = True
     if req.seed is not None:
