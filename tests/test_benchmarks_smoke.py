@@ -33,6 +33,7 @@ from benchmarks.engine import start as engine_start
 from benchmarks.engine import weight_check
 from benchmarks.generate import host_overhead as generate_host_overhead
 from benchmarks.generate import latency as generate_latency
+from benchmarks.kernels import argmax as argmax_bench
 from benchmarks.kernels import decode_gemm
 
 
@@ -562,3 +563,28 @@ def test_decode_gemm_adds_a_step_from_each_products_calls_and_checks_its_row_cou
     for bad in (["--rows", "64", "--autotune", "256"], ["--models", "70b"], ["--rows", "0"]):
         with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
             decode_gemm.parse_args(bad)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_two_stage_argmax_gives_argmaxs_first_maximum_ties_and_all_equal_rows_included(dtype):
+    for seed in range(4):
+        x = argmax_bench.logits(5, 1024, dtype, "cpu", seed)  # each row's maximum at 2-3 places
+        x[4] = 1.0  # a row of one value: the first index
+        for chunks in (8, 32, 128):
+            assert torch.equal(argmax_bench.two_stage(chunks)(x), x.argmax(-1)), (seed, chunks)
+    assert argmax_bench.two_stage(8)(x)[4] == 0
+
+
+def test_argmax_benchmark_smoke_checks_every_variant_and_writes_its_rows(tmp_path, capsys):
+    path = tmp_path / "argmax.json"
+    argmax_bench.main(["--smoke", "--rows", "1,8,64", "--chunks", "16,7,64", "--dtypes", "float32",
+                       "--json", str(path)])
+    data = json.loads(path.read_text())
+    assert data["meta"]["card"].startswith("CPU") and data["meta"]["date"]
+    assert [r["rows"] for r in data["rows"]] == [1, 8]  # the smoke run keeps rows of at most 8
+    for row in data["rows"]:
+        assert row["vocab"] == 4096 and {"torch_us", "two_stage_16_us", "two_stage_64_us"} <= row.keys()
+        assert "two_stage_7_us" not in row  # 7 does not divide the vocabulary
+    assert "| 8 x 4096 | float32 |" in capsys.readouterr().out
+    with pytest.raises(SystemExit), contextlib.redirect_stderr(io.StringIO()):
+        argmax_bench.parse_args(["--vocab", "1000", "--chunks", "7,9"])
