@@ -86,8 +86,9 @@ class InterruptGuard:
     def allowed(self) -> Iterator[None]:
         """Inside :meth:`held`: run the handlers of the signals received so far, then those received in this block
         as it ends (the block runs whole; what they raise propagates from its end, and the caller undoes what the
-        block did)."""
-        if not self._held:
+        block did). In another thread than the main one it does nothing: the handlers deferred are the main thread's,
+        and run there."""
+        if not self._held or threading.current_thread() is not threading.main_thread():
             yield
             return
         self.raise_pending()

@@ -25,6 +25,7 @@ import hf_paged
 from engine_helpers import greedy_config, models, random_prompts
 from hf_paged.cli.default_model import byte_tokenizer
 from hf_paged.engine import _engine
+from hf_paged.engine._interrupts import InterruptGuard
 
 ARCH = "llama_gqa"
 CALLS = {"abort_all": signal.SIGTERM, "stats": signal.SIGUSR1}  # what a handler calls, on which signal
@@ -324,3 +325,25 @@ def test_a_handler_raising_at_any_point_of_the_hand_over_loses_no_output(handler
     assert done == clean and interrupts > 20
     if deltas:
         assert streamed == clean_streamed == {rid: (tokens, text) for rid, (tokens, _, text) in clean.items()}
+
+
+def test_a_worker_threads_device_work_leaves_the_main_threads_deferred_handlers_to_the_main_thread():
+    """One engine stepped from two threads: a signal deferred while the main thread holds the guard runs its handler
+    in the main thread as it leaves the guard, never in a worker whose step's device work (``allowed``) ends first."""
+    guard, ran_in = InterruptGuard(), []
+    previous = signal.signal(signal.SIGUSR1, lambda signum, frame: ran_in.append(threading.current_thread().name))
+    try:
+        with guard.held():
+            os.kill(os.getpid(), signal.SIGUSR1)  # deferred: the guard holds it
+
+            def device_work():
+                with guard.allowed():
+                    pass
+
+            worker = threading.Thread(target=device_work, name="worker")
+            worker.start()
+            worker.join()
+            assert ran_in == []  # not run by the worker's allowed()
+        assert ran_in == [threading.main_thread().name]
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
