@@ -95,9 +95,7 @@ class EngineCore:
         scheduling: the host's bookkeeping runs while the device computes) or of this one (synchronous). Sequences
         that finish go to the outbox; returns those that got a token."""
         clock = self.counters.clock()
-        # the weights check: KV computed with other weights is forgotten
-        stale = self._kv_stale or _compat.version_sum(self._weights) != self._weights_version
-        touched = self._forget_kv() if stale else []
+        touched = self._before_step()
         batch, scheduled = self._schedule()
         touched += scheduled
         clock("schedule")
@@ -119,6 +117,13 @@ class EngineCore:
         return touched
 
     # ----- the hooks around a step -----------------------------------------------------------------------------
+    def _before_step(self) -> list[Sequence]:
+        """The hook before scheduling: the weights check (KV computed with other weights is forgotten). Returns the
+        sequences that got a token."""
+        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
+            return self._forget_kv()
+        return []
+
     def check_weights(self) -> bool:
         """Find the changes of the model's weights that leave the version counters alone (each step compares those):
         values written through ``param.data``, parameters replaced, or moved to another dtype or device. Written
