@@ -88,6 +88,20 @@ class CacheConfig:
         return sequences * -(-tokens // self.block_size)
 
 
+def config_or_keywords(cls: type, config, name: str, what: str, **settings):
+    """``config`` (a ``cls``), or one built from keyword ``settings``; a config beside a keyword off its default is
+    refused, as is a config of another type. ``name``: the config's argument; ``what``: what its settings are of."""
+    if config is None:
+        return cls(**settings)
+    if not isinstance(config, cls):
+        hint = f": pass {cls.__name__}(**settings)" if isinstance(config, dict) else ""
+        raise ValueError(f"{name} must be an hf_paged.{cls.__name__}, got {type(config).__name__}{hint}")
+    if changed := [key for key, value in settings.items() if value != getattr(cls, key)]:  # (defaults: the class's)
+        raise ValueError(f"give {what} either as {name}={cls.__name__}(...) or as keywords, not both (got {name} and "
+                         f"{', '.join(changed)})")
+    return config
+
+
 def positive_int(name: str, value, alternative: str = "") -> None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer{' ' + alternative if alternative else ''}, got {value!r}")

@@ -14,7 +14,8 @@ import numbers
 from collections.abc import Sequence as SequenceType
 from dataclasses import dataclass, field, fields
 
-from hf_paged.cache._config import MAX_SLOTS, CacheConfig, _flag  # (the flags of both configs read alike)
+# (_flag: the flags of both configs read alike)
+from hf_paged.cache._config import MAX_SLOTS, CacheConfig, _flag, config_or_keywords
 
 GRAPH_CAPTURE = ("start", "on_demand", "first_use")  # when the decode CUDA graphs are captured (Engine's docstring)
 #: What logprobs are of (``logprobs_mode``, named as vLLM names it): the model's raw logits, or the distribution each
@@ -100,13 +101,5 @@ class EngineConfig:
     @classmethod
     def resolve(cls, config: EngineConfig | None, **settings) -> EngineConfig:
         """``config``, or one built from keyword ``settings``; both (a keyword off its default) is refused."""
-        if config is None:
-            return cls(**settings)
-        if not isinstance(config, EngineConfig):
-            hint = ": pass EngineConfig(**settings)" if isinstance(config, dict) else ""
-            raise ValueError(f"config must be an hf_paged.EngineConfig, got {type(config).__name__}{hint}")
-        if changed := [k for k, v in settings.items() if v != getattr(cls, k)]:  # (defaults: the class's values)
-            raise ValueError(f"give the engine settings either as config=EngineConfig(...) or as keywords, not both "
-                             f"(got config and {', '.join(changed)})")
-        return config
+        return config_or_keywords(cls, config, "config", "the engine settings", **settings)
 

@@ -25,7 +25,7 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from hf_paged.attention._metadata import PagedMetadata, build_metadata
-from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig
+from hf_paged.cache._config import DEFAULT_POOL_SEQUENCES, CacheConfig, config_or_keywords
 from hf_paged.cache._kv_pool import KVLayout, blocks_for_budget, pool_blocks
 from hf_paged.generate._adapter import GenerateHooks
 from hf_paged.generate._batch_tables import BatchTables
@@ -121,15 +121,9 @@ class PagedAttentionCache(GenerateHooks, Cache):
         devices = [torch.device(d) for d in ([device] * layout.num_layers if one else device)]  # (KVPool checks them)
         given = dict(num_blocks=num_blocks, block_size=block_size, memory_budget=memory_budget, backend=backend,
                      kv_cache_dtype=kv_cache_dtype)
-        if cache_config is None:
-            if num_blocks is not None and memory_budget is not None:
-                raise ValueError("give either num_blocks or memory_budget, not both")
-            cache_config = CacheConfig(**given)
-        elif not isinstance(cache_config, CacheConfig):
-            raise ValueError(f"cache_config must be an hf_paged.CacheConfig, got {type(cache_config).__name__}")
-        elif changed := [name for name, value in given.items() if value != getattr(CacheConfig, name)]:  # (defaults)
-            raise ValueError(f"give the pool's settings either as cache_config=CacheConfig(...) or as keywords, not "
-                             f"both (got cache_config and {', '.join(changed)})")
+        if cache_config is None and num_blocks is not None and memory_budget is not None:
+            raise ValueError("give either num_blocks or memory_budget, not both")
+        cache_config = config_or_keywords(CacheConfig, cache_config, "cache_config", "the pool's settings", **given)
         num_blocks = pool_blocks(cache_config, layout, dtype, devices,
                                  cap=cache_config.blocks_for(DEFAULT_POOL_SEQUENCES, position_limit(config)))
         self.pool, self.dispatcher = paged_kv(config, layout, devices, dtype, cache_config.block_size, num_blocks,

@@ -54,8 +54,10 @@ def test_memory_budget_sizes_the_pool():
                                   blocks_for_budget(layout, 16, torch.float32, [torch.device("cpu")] * layout.num_layers, None))
     same = hf_paged.PagedAttentionCache(config, cache_config=hf_paged.CacheConfig(num_blocks=12, block_size=8))
     assert (same.num_blocks, same.block_size) == (12, 8)
-    with pytest.raises(ValueError, match="either as cache_config"):
+    with pytest.raises(ValueError, match="either as cache_config.*not both \\(got cache_config and num_blocks\\)"):
         hf_paged.PagedAttentionCache(config, num_blocks=3, cache_config=hf_paged.CacheConfig())
+    with pytest.raises(ValueError, match=r"cache_config must be an hf_paged.CacheConfig, got dict: pass CacheConfig"):
+        hf_paged.PagedAttentionCache(config, cache_config={"num_blocks": 12})
     assert hf_paged.CacheConfig(memory_budget=1).memory_budget == 1.0  # all of free memory, written as an integer
 
 
