@@ -18,12 +18,10 @@ from __future__ import annotations
 import logging
 import operator
 import threading
-from collections.abc import Iterable
-from functools import cache, partial
+from functools import partial
 from itertools import compress
 
 import torch
-from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from hf_paged import _compat
 from hf_paged.cache._block_manager import BlockManager
@@ -41,6 +39,7 @@ from hf_paged.engine._sequence import PLACEHOLDER, Sequence, SequenceStatus
 from hf_paged.engine._sizing import Workload
 from hf_paged.engine._stats import EngineStats
 from hf_paged.engine._structured_output import StructuredOutput, advance as advance_grammar
+from hf_paged.engine._weights import WeightWatch
 from hf_paged.hf._register import ATTN_IMPLEMENTATION, use_paged_attention
 from hf_paged.runner._model_runner import ModelRunner
 
@@ -86,7 +85,7 @@ class EngineCore:
         self._receiver = TokenReceiver(cfg.max_num_seqs, self.device)
         self._inflight: InFlightStep | None = None  # the launched step whose tokens are on their way
         self._interrupts, self._lock = InterruptGuard(), threading.Lock()  # the lock: the requests' state
-        self._watch_weights()
+        self.weights = WeightWatch(model)  # the weights the KV is computed with
         logger.info("hf_paged: engine on %s: %s", self.device, sizing.describe(cfg, self.sizing,
                                                                             runner.graphs is not None))
 
@@ -117,13 +116,6 @@ class EngineCore:
         return touched
 
     # ----- the hooks around a step -----------------------------------------------------------------------------
-    def _before_step(self) -> list[Sequence]:
-        """The hook before scheduling: the weights check (KV computed with other weights is forgotten). Returns the
-        sequences that got a token."""
-        if self._kv_stale or _compat.version_sum(self._weights) != self._weights_version:
-            return self._forget_kv()
-        return []
-
     def check_weights(self) -> bool:
         """Find the changes of the model's weights that leave the version counters alone (each step compares those):
         values written through ``param.data``, parameters replaced, or moved to another dtype or device. Written
@@ -132,26 +124,14 @@ class EngineCore:
         Costs a few microseconds per parameter (0.9 ms for SmolLM2-135M's 272 on a CPU) plus a copy of 64 values of
         each (a sample spread over every tensor: a write through ``param.data`` to a few rows only may go unseen;
         ``reset_prefix_cache()`` covers it)."""
-        if _storages(self.model.parameters()) != self._weights_storages:
-            return False
-        if not all(map(torch.equal, _weight_sample(self._sample_views), self._weights_sample)):
-            self._kv_stale = True  # (a NaN weight counts as changed at every call: correct, if slower)
-        return True
+        return self.weights.check()
 
-    def _watch_weights(self) -> None:
-        """Take the model's parameters as those the KV is computed with: their version counters, storages and a
-        sample of their values (views, which see every later write to them).
-
-        The KV in the pool holds for the weights it was computed with: an in-place change of a parameter (an
-        optimizer step, load_state_dict) raises its version counter, which each step compares (``_advance``);
-        :meth:`check_weights` finds the rest, once per call of ``generate_batch``."""
-        _count_optimizer_steps()
-        self._kv_stale = False  # (set when reset_prefix_cache() asks, or check_weights finds a change)
-        self._weights = list(self.model.parameters())
-        self._weights_version = _compat.version_sum(self._weights)
-        self._weights_storages = _storages(self._weights)
-        self._sample_views = _sample_views(self._weights)
-        self._weights_sample = _weight_sample(self._sample_views)
+    def _before_step(self) -> list[Sequence]:
+        """The hook before scheduling: the weights check (KV computed with other weights is forgotten). Returns the
+        sequences that got a token."""
+        if self.weights.changed():
+            return self._forget_kv()
+        return []
 
     def _schedule(self) -> tuple[ScheduledBatch, list[Sequence]]:
         """The scheduler's batch (under tensor parallel every rank checks that all scheduled the same, or all raise);
@@ -204,9 +184,7 @@ class EngineCore:
         self.scheduler.recompute_all()
         dropped = self.block_manager.reset_prefix_cache()
         self.runner.pool.clear_scales()
-        self._weights_version = _compat.version_sum(self._weights)
-        self._weights_sample = _weight_sample(self._sample_views)
-        self._kv_stale = False
+        self.weights.settle()
         self.counters.kv_resets += 1
         logger.info("hf_paged: the KV computed so far is forgotten (%d cached blocks; the model's weights changed, "
                     "or reset_prefix_cache()); running requests are computed afresh", dropped)
@@ -366,50 +344,6 @@ class EngineCore:
                 sched.insert_running(child)
             else:
                 sched.enqueue(child)
-
-
-@cache
-def _count_optimizer_steps() -> None:
-    """Make every optimizer step raise the version counters of the parameters it updates, once per process.
-
-    torch's fused optimizer kernels (``torch._fused_adamw_``, ``_fused_sgd_``, ...: ``fused=True``, the Trainer's
-    default ``adamw_torch_fused``) write the parameters without raising their version counters, as the other in-place
-    ops (the foreach ones included) do: the engine's per-step check would not see the step. A global hook after each
-    ``torch.optim.Optimizer.step`` (any subclass, fused or not) raises the counters of the optimizer's parameters,
-    about a microsecond each."""
-    register_optimizer_step_post_hook(_stepped)
-
-
-def _stepped(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            torch.autograd.graph.increment_version(param)
-
-
-def _storages(params: Iterable[torch.Tensor]) -> list[tuple]:
-    """Each parameter (its id: the engine holds those it took, so an id is never another's) with its storage, dtype
-    and device."""
-    return [(id(p), p.data_ptr(), p.dtype, p.device) for p in params]
-
-
-def _sample_views(params: list[torch.Tensor]) -> dict[torch.device, list[torch.Tensor]]:
-    """Per device, a flat view of about 64 entries of each parameter there, evenly spread (of a non-contiguous one,
-    along its first dimension): its local shard under tensor parallel; none of a parameter without storage (meta)."""
-    views: dict[torch.device, list[torch.Tensor]] = {}
-    for param in params:
-        local = _compat.dtensor_local_tensor(param)
-        t = (param if local is None else local).detach()
-        if t.device.type == "meta" or not t.numel():
-            continue
-        view = t.view(-1)[:: -(-t.numel() // 64)] if t.is_contiguous() else t[
-            (slice(None, None, -(-t.shape[0] // 64)),) + (0,) * (t.dim() - 1)]
-        views.setdefault(t.device, []).append(view)
-    return views
-
-
-def _weight_sample(views: dict[torch.device, list[torch.Tensor]]) -> list[torch.Tensor]:
-    """The sampled values, copied into one tensor per device."""
-    return [torch.cat(vs) for vs in views.values()]
 
 
 def _without_finished(batch: ScheduledBatch) -> ScheduledBatch:

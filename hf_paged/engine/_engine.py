@@ -268,7 +268,7 @@ class Engine(EngineCore):
         way that leaves the parameters' version counters alone: a write through ``param.data``, parameters or buffers
         replaced. Changes in place (an optimizer step, ``load_state_dict``, ``param.copy_(...)``) are found at the next
         step without it. Any thread; while a step runs elsewhere, it takes effect at the next step."""
-        self._kv_stale = True
+        self.weights.stale = True
         with self._locked():
             if self._stepper is None and not self._closed:
                 self._forget_kv()
