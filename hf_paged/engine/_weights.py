@@ -33,11 +33,11 @@ class WeightWatch:
 
     def changed(self) -> bool:
         """Whether the KV is to be forgotten: marked stale, or a parameter changed in place since :meth:`settle`."""
-        return self.stale or _compat.version_sum(self.params) != self._version
+        return self.stale or _compat.version_sum(self.params) != self._counted
 
     def settle(self) -> None:
         """The weights as they are now are those the KV is computed with (the KV was just forgotten)."""
-        self._version = _compat.version_sum(self.params)
+        self._counted = _compat.version_sum(self.params)
         self._sample = _weight_sample(self._views)
         self.stale = False
 

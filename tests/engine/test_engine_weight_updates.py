@@ -79,7 +79,7 @@ def test_without_the_check_the_stale_prefix_would_change_the_tokens():
     model = fresh_model()
     engine = engine_for(model, False)
     engine.generate(PROMPTS, CONFIG)
-    engine.weights.params, engine.weights._version = [], 0  # (nothing watched)
+    engine.weights.params, engine.weights._counted = [], 0  # (nothing watched)
     load_other_weights(model)
     stale = tokens(engine.generate(PROMPTS, CONFIG))
     assert stale != tokens(engine_for(model, False).generate(PROMPTS, CONFIG))
