@@ -31,7 +31,8 @@ from hf_paged.server._limits import Limits
 logger = logging.getLogger("hf_paged")
 SHUTDOWN_BACKSTOP_S = 5.0  # uvicorn's own deadline, past ours: what is still open then is cut
 #: The help of the flag of each ``Limits`` field (its type, default and metavar come from the field).
-LIMIT_HELPS = {"max_body_bytes": "larger request bodies are refused with 413 before they are read",
+LIMIT_HELPS = {
+    "max_body_bytes": "larger request bodies are refused with 413 before they are read",
     "read_timeout": "a client that sends no part of its request body for S seconds gets 408; one whose request line "
                     "and headers are not in S seconds after it connects is disconnected",
     "body_timeout": "a client whose request body is not complete S seconds after its headers gets 408, however often "
@@ -41,7 +42,8 @@ LIMIT_HELPS = {"max_body_bytes": "larger request bodies are refused with 413 bef
     "max_response_bytes": "a request whose whole (not streamed) answer could take more bytes, as estimated from its "
                           "tokens and log-probabilities, is refused with 400",
     "stream_timeout": "a streaming client that takes no part of its stream for S seconds is disconnected and its "
-                      "request aborted (one that leaves too many chunks unread is aborted sooner)"}
+                      "request aborted (one that leaves too many chunks unread is aborted sooner)",
+}
 
 
 def add_parser(subparsers) -> None:

@@ -194,4 +194,5 @@ def save_gguf_as_checkpoint(gguf_file: Path, out: Path, dtype: torch.dtype) -> N
 
 
 def _first_line(text: object) -> str:
-    return (str(text).strip().splitlines() or [str(text)])[0]
+    lines = str(text).strip().splitlines()
+    return lines[0] if lines else str(text)

@@ -134,9 +134,13 @@ def engine_config(given) -> EngineConfig:
         settings["num_blocks"] = -(-num_blocks * tokens // block_size)  # the same tokens of KV, in hf_paged's blocks
     try:
         return EngineConfig(**settings)
-    except ValueError as exc:  # (the engine names its fields; a ContinuousBatchingConfig user knows transformers')
-        message = str(exc)
-        named = next((f"{theirs} ({ours}){message[len(ours):]}" for theirs, ours in BATCHING_READ.items()
-                      if ours not in BATCHING_READ and ours not in OWN_SETTINGS and message.startswith(ours)), message)
-        raise ValueError(f"continuous_batching_config: {named}") from None
+    except ValueError as exc:
+        raise ValueError(f"continuous_batching_config: {_transformers_names(str(exc))}") from None
 
+
+def _transformers_names(message: str) -> str:
+    """The engine names its fields; a ContinuousBatchingConfig user knows transformers' names."""
+    for theirs, ours in BATCHING_READ.items():
+        if ours not in BATCHING_READ and ours not in OWN_SETTINGS and message.startswith(ours):
+            return f"{theirs} ({ours}){message[len(ours):]}"
+    return message

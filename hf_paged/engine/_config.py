@@ -102,4 +102,3 @@ class EngineConfig:
     def resolve(cls, config: EngineConfig | None, **settings) -> EngineConfig:
         """``config``, or one built from keyword ``settings``; both (a keyword off its default) is refused."""
         return config_or_keywords(cls, config, "config", "the engine settings", **settings)
-

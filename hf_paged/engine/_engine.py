@@ -308,8 +308,9 @@ class Engine(EngineCore):
         Nothing else is dropped: a delta counts as handed over once it has been yielded, and a finished request
         that was not yielded yet stays in the engine for the next ``step()`` or ``stream()``.
         """
-        owned = None if prompts is None else set(self._enqueue(self._new_sequences(prompts, generation_config,
-                                                                                  "stream")))
+        owned = None
+        if prompts is not None:
+            owned = set(self._enqueue(self._new_sequences(prompts, generation_config, "stream")))
         try:
             while any(map(self.requests.is_open, owned)) if owned is not None else self.has_unfinished():
                 with self._stepping():

@@ -310,7 +310,10 @@ class EngineLoop:
 
     def _texts(self, ids: list[int], *alternatives) -> dict[int, str]:
         """Each id of ``ids`` and of the ``(id, logprob)`` lists in ``alternatives``, decoded alone."""
-        wanted = set(ids).union(t for rows in alternatives for row in rows or () for t, _ in row or ())
+        wanted = set(ids)
+        for rows in alternatives:  # (a token's alternatives, or None where none were asked)
+            for row in rows or ():
+                wanted.update(t for t, _ in row or ())
         cache, tokenizer = self._token_texts, self.engine.tokenizer
         for t in wanted - cache.keys():
             cache[t] = tokenizer.decode([t]) if tokenizer is not None else f"token_id:{t}"
